@@ -1,0 +1,43 @@
+"""REALM on the generated world, in miniature (see DESIGN.md, "REALM in miniature").
+
+Variants by arg:
+  realm          (default) REALM: retrieval from the index, retriever lr 10x below the reader's
+  warmup         reader warm-up: candidates = null + the query's own block, retriever frozen
+  no_retrieval   the baseline: the null document only, same encoder and steps
+
+  realm-train --config configs/demo_realm.py:warmup --workdir runs/demo/warmup \
+      --config.data.dir runs/demo/data --config.init.from_workdir runs/demo/ict
+"""
+
+from realm_jax.train.config_base import base_config, demo_scale
+
+VARIANTS = ("realm", "warmup", "no_retrieval")
+
+
+def get_config(arg=None):
+  variant = arg or "realm"
+  if variant not in VARIANTS:
+    raise ValueError(f"configs/demo_realm.py: unknown variant {variant!r}; one of {VARIANTS}")
+  c = demo_scale(base_config())
+  c.task = "realm"
+  c.retrieval.k = 8
+  c.retrieval.refresh_every = 100
+  c.train.batch_size = 32
+  c.train.lr = 1e-3
+  c.train.retriever_lr_scale = 0.1   # the retriever moves 10x slower than the reader
+  c.train.steps = 600
+  c.train.log_every = 50
+  c.train.checkpoint_every = 200
+  c.eval.every = 100
+  if variant == "warmup":
+    c.retrieval.mode = "own_block"
+    c.retrieval.k = 2
+    c.train.retriever_lr_scale = 0.0
+    c.train.steps = 300
+    c.eval.every = 0
+  elif variant == "no_retrieval":
+    c.retrieval.mode = "null_only"
+    c.retrieval.k = 1
+    c.train.retriever_lr_scale = 0.0
+    c.eval.every = 0
+  return c

@@ -1,0 +1,93 @@
+"""Readers for a prepared data dir (see `realm_jax.data.corpus` for the layout)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from realm_jax.data.tokenizer import Tokenizer, load_tokenizer
+
+
+def _load(path: str) -> np.ndarray:
+  return np.load(path, mmap_mode="r")
+
+
+class BlockStore:
+  """The evidence corpus: memory-mapped block token rows plus uids and titles."""
+
+  def __init__(self, data_dir: str):
+    d = os.path.join(data_dir, "blocks")
+    self.tokens = _load(os.path.join(d, "tokens.npy"))
+    self.lengths = np.asarray(_load(os.path.join(d, "lengths.npy")))
+    self.body_start = np.asarray(_load(os.path.join(d, "body_start.npy")))
+    self.uids = np.asarray(_load(os.path.join(d, "uids.npy")))
+    self.doc_ids = _load(os.path.join(d, "doc_ids.npy"))
+    with open(os.path.join(d, "titles.json")) as f:
+      self.titles = json.load(f)
+
+  @property
+  def num_blocks(self) -> int:
+    return self.tokens.shape[0]
+
+  @property
+  def block_len(self) -> int:
+    return self.tokens.shape[1]
+
+  def segments(self, rows: np.ndarray) -> np.ndarray:
+    """Segment ids of block rows: 0 for `[CLS] title [SEP]`, 1 for `body [SEP]`."""
+    positions = np.arange(self.block_len)
+    return (positions >= self.body_start[rows][..., None]).astype(np.int32) * (
+        positions < self.lengths[rows][..., None])
+
+  def title(self, row: int) -> str:
+    return self.titles[int(self.doc_ids[row])]
+
+
+class ExampleSet:
+  """One split of pretraining examples (sentences with salient spans and their source block)."""
+
+  def __init__(self, data_dir: str, split: str):
+    d = os.path.join(data_dir, "examples", split)
+    if not os.path.exists(os.path.join(d, "tokens.npy")):
+      raise FileNotFoundError(f"no examples for split {split!r} under {d}")
+    self.tokens = _load(os.path.join(d, "tokens.npy"))
+    self.lengths = np.asarray(_load(os.path.join(d, "lengths.npy")))
+    self.spans = np.asarray(_load(os.path.join(d, "spans.npy")))
+    self.num_spans = np.asarray(_load(os.path.join(d, "num_spans.npy")))
+    self.block = np.asarray(_load(os.path.join(d, "block.npy")))
+    self.block_offsets = np.asarray(_load(os.path.join(d, "block_offsets.npy")))
+    target = os.path.join(d, "target_span.npy")
+    self.target_span = np.asarray(_load(target)) if os.path.exists(target) else None
+    answers = os.path.join(d, "answer_blocks.npy")
+    self.answer_blocks = np.asarray(_load(answers)) if os.path.exists(answers) else None
+
+  def __len__(self) -> int:
+    return self.tokens.shape[0]
+
+  @property
+  def max_sentence_len(self) -> int:
+    return self.tokens.shape[1]
+
+
+class PreparedData:
+  """Vocab + blocks + example splits of one data dir, with its stats."""
+
+  def __init__(self, data_dir: str):
+    if not os.path.isdir(data_dir):
+      raise FileNotFoundError(f"data dir {data_dir!r} does not exist")
+    for needed in ("vocab.txt", "stats.json", "blocks/tokens.npy"):
+      if not os.path.exists(os.path.join(data_dir, needed)):
+        raise FileNotFoundError(f"data dir {data_dir!r} lacks {needed} (not a prepared dir)")
+    self.dir = data_dir
+    self.tokenizer: Tokenizer = load_tokenizer(os.path.join(data_dir, "vocab.txt"))
+    self.blocks = BlockStore(data_dir)
+    with open(os.path.join(data_dir, "stats.json")) as f:
+      self.stats = json.load(f)
+    self._splits: dict[str, ExampleSet] = {}
+
+  def examples(self, split: str) -> ExampleSet:
+    if split not in self._splits:
+      self._splits[split] = ExampleSet(self.dir, split)
+    return self._splits[split]

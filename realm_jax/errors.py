@@ -1,0 +1,26 @@
+"""Start-up errors that name the offending option, and the CLI wrapper that reports them."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+
+class ConfigError(ValueError):
+  """A bad option value, found before any JAX work; the CLI prints it and exits with code 2."""
+
+  def __init__(self, option: str, message: str):
+    self.option = option
+    super().__init__(f"config.{option}: {message}" if option else message)
+
+
+def run_cli(prog: str, main: Callable[[], object]) -> object:
+  """Runs `main`; ConfigError / missing files -> one clear line on stderr and exit code 2."""
+  try:
+    return main()
+  except ConfigError as e:
+    print(f"{prog}: error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+  except FileNotFoundError as e:
+    print(f"{prog}: error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None

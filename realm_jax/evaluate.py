@@ -1,0 +1,111 @@
+"""Evaluation on masked sentences about held-out entities: retrieval recall and span accuracy.
+
+recall@n: one of the top-n retrieved blocks (the query's own block excluded) states the masked
+fact (generator ground truth, used only here). span accuracy: every masked wordpiece of the
+span is the argmax of the marginal p(y_j | x) = sum_z p(z|x) p(y_j|z,x).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from realm_jax.data import pipeline
+from realm_jax.data.store import PreparedData
+from realm_jax.train import batches, partitioning
+
+RECALL_AT = (1, 5)
+
+
+class Evaluator:
+  """Fixed eval queries (the target span masked) and the metrics computed on them."""
+
+  def __init__(self, config, data: PreparedData, mesh, query_embed, realm_eval=None):
+    """Args:
+      query_embed: fn(retriever_params, query_ids global) -> query embeddings.
+      realm_eval: the jitted REALM eval fn (None for ICT: retrieval metrics only).
+    """
+    self.config, self.data, self.mesh = config, data, mesh
+    self.examples = data.examples(config.eval.split)
+    if self.examples.target_span is None:
+      raise FileNotFoundError(f"split {config.eval.split!r} has no target spans to evaluate")
+    n = min(config.eval.num_examples, len(self.examples))
+    self.rows = np.arange(n)
+    tok = data.tokenizer
+    self.queries = batches.masked_queries(self.examples, self.rows,
+                                          self.examples.target_span[self.rows], config,
+                                          tok.cls_id, tok.sep_id, tok.mask_id)
+    self.query_embed, self.realm_eval = query_embed, realm_eval
+
+  def run(self, params, index, index_params, keep_examples: int = 0
+          ) -> tuple[dict[str, float], list[dict]]:
+    """Metrics over the eval queries, and the first `keep_examples` predictions in detail.
+
+    Args:
+      params: the model params (reader + retriever that re-scores the candidates).
+      index: the block index (None when the mode does not retrieve).
+      index_params: retriever params the index was built with (embeds the eval queries).
+    """
+    cfg = self.config
+    bs = max(cfg.eval.batch_size // self.mesh.devices.size, 1) * self.mesh.devices.size
+    n = len(self.rows)
+    hits = {at: [] for at in RECALL_AT}
+    correct, utility, details = [], [], []
+    for start in range(0, n, bs):
+      idx = np.arange(start, start + bs) % n   # the last batch wraps; extra rows are dropped
+      real = min(bs, n - start)
+      q = {key: v[idx] for key, v in self.queries.items()}
+      retrieved = None
+      if index is not None:
+        emb = self.query_embed(index_params, _global(q["query_ids"], self.mesh))
+        top = index.search(emb, max(max(RECALL_AT), cfg.retrieval.k) + 1)
+        ranked = pipeline.candidate_rows(top, q["source_block"], self.data.blocks.uids,
+                                         top.shape[1])[:, 1:]   # drop the null column
+        answers = self.examples.answer_blocks[self.rows[idx]]
+        for at in RECALL_AT:
+          hit = (ranked[:, :at, None] == answers[:, None, :]).any(axis=(1, 2))
+          hits[at].extend(hit[:real])
+        retrieved = top
+      if self.realm_eval is None:
+        continue
+      cand = batches.candidates_for(cfg, self.data, q, retrieved)
+      batch = batches.realm_batch(cfg, self.data, q, cand)
+      out = self.realm_eval(params, partitioning.global_batch(batch, self.mesh))
+      preds = np.asarray(out["predictions"])
+      valid = q["mask_weights"] > 0
+      ok = ((preds == q["mask_labels"]) | ~valid).all(axis=1)
+      correct.extend(ok[:real])
+      utility.extend(np.asarray(out["retrieval_utility"])[:real])
+      if len(details) < keep_examples:
+        details.extend(self._details(q, cand, preds, np.asarray(out["p_z"]), ok,
+                                     keep_examples - len(details)))
+    metrics = {f"recall_at_{at}": float(np.mean(h)) for at, h in hits.items() if h}
+    if correct:
+      metrics["span_accuracy"] = float(np.mean(correct))
+      metrics["retrieval_utility"] = float(np.mean(utility))
+    metrics["num_examples"] = float(n)
+    return metrics, details
+
+  def _details(self, q, cand, preds, p_z, ok, limit) -> list[dict]:
+    tok, blocks = self.data.tokenizer, self.data.blocks
+    out = []
+    for i in range(min(limit, len(ok))):
+      valid = q["mask_weights"][i] > 0
+      order = np.argsort(-p_z[i])[:3]
+      evidence = []
+      for j in order:
+        row = int(cand[i, j])
+        if row == pipeline.NULL_BLOCK:
+          evidence.append({"title": "(null document)", "text": "", "p_z": float(p_z[i, j])})
+          continue
+        body = blocks.tokens[row][blocks.body_start[row]:blocks.lengths[row] - 1]
+        evidence.append({"title": blocks.title(row), "text": tok.decode(body),
+                         "p_z": float(p_z[i, j])})
+      out.append({"query": tok.decode(q["query_ids"][i][1:q["query_len"][i] - 1]),
+                  "answer": tok.decode(q["mask_labels"][i][valid]),
+                  "prediction": tok.decode(preds[i][valid]), "correct": bool(ok[i]),
+                  "evidence": evidence})
+    return out
+
+
+def _global(x: np.ndarray, mesh):
+  return partitioning.global_batch({"x": x}, mesh)["x"]

@@ -1,0 +1,174 @@
+"""The one place where every config default lives, and the start-up validation of a config.
+
+`configs/*.py` start from `base_config()` and override what their stage or scale changes.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from realm_jax.errors import ConfigError
+
+TASKS = ("ict", "realm")
+RETRIEVAL_MODES = ("index", "own_block", "null_only")
+# Fields that fix parameter shapes or the meaning of a checkpoint: a workdir whose
+# checkpoints were written under other values cannot be resumed.
+COMPATIBILITY_FIELDS = ("task", "model", "data.query_len", "data.block_len", "retrieval.k",
+                        "retrieval.mode", "train.batch_size")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.task = "realm"                 # "ict" (retriever warm start) or "realm" (MLM with retrieval)
+  c.seed = 0                       # init, data order and masking all derive from it
+
+  c.data = ml_collections.ConfigDict()
+  c.data.dir = ""                  # prepared data dir (vocab.txt, blocks/, examples/)
+  c.data.split = "train"           # example split the queries are drawn from
+  c.data.query_len = 96            # wordpieces of `[CLS] x [SEP]` (paper: 96; ICT: 64)
+  c.data.block_len = 288           # wordpieces of `[CLS] title [SEP] body [SEP]` (paper: 288)
+  c.data.max_masks = 10            # at most this many [MASK]s per query (one salient span)
+  c.data.ict_remove_prob = 0.9     # ICT: the query sentence is cut from its block this often
+  c.data.prefetch = 2              # host batches built ahead in a background thread
+
+  c.model = ml_collections.ConfigDict()
+  c.model.vocab_size = 0           # 0: the size of the data dir's vocab.txt
+  c.model.hidden_size = 768        # BERT hidden size
+  c.model.num_layers = 12          # transformer layers per tower
+  c.model.num_heads = 12           # attention heads
+  c.model.intermediate_size = 3072  # feed-forward width
+  c.model.max_position = 512       # position embeddings (>= query_len + block_len)
+  c.model.dropout_rate = 0.1       # BERT dropout (0 makes the step deterministic)
+  c.model.dtype = "float32"        # compute dtype ("bfloat16" on TPU/GPU); params stay fp32
+  c.model.retrieval_dim = 128      # retriever embedding size
+  c.model.share_towers = False     # one BERT for query and block embeddings
+
+  c.retrieval = ml_collections.ConfigDict()
+  c.retrieval.mode = "index"       # "index": top-k from the block index; "own_block": null +
+                                   # the query's source block (reader warm-up); "null_only":
+                                   # null document alone (the no-retrieval baseline)
+  c.retrieval.k = 8                # candidates per query, the null document included
+  c.retrieval.refresh_every = 500  # steps between rebuilds of the block-embedding index
+  c.retrieval.backend = "exact"    # "exact": matmul + top-k on the mesh
+  c.retrieval.marginalization = "joint"  # "joint" over masks (paper) or "per_mask" (code)
+  c.retrieval.embed_batch_size = 512     # blocks per batch when (re)building the index
+
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_size = 512         # global batch (queries)
+  c.train.steps = 200_000          # total optimizer steps
+  c.train.lr = 3e-5                # peak learning rate (reader; retriever scaled below)
+  c.train.warmup_steps = -1        # -1: BERT's min(10000, max(100, steps / 10))
+  c.train.retriever_lr_scale = 1.0  # retriever lr = lr * this; 0 freezes the retriever
+  c.train.reader_lr_scale = 1.0    # reader lr = lr * this; 0 freezes the reader
+  c.train.b1 = 0.9                 # AdamW beta1
+  c.train.b2 = 0.999               # AdamW beta2
+  c.train.eps = 1e-6               # AdamW epsilon (BERT)
+  c.train.weight_decay = 0.01      # AdamW decay, not on LayerNorm or biases
+  c.train.clip_norm = 1.0          # global gradient-norm clip
+  c.train.log_every = 50           # steps between progress lines / train metrics
+  c.train.checkpoint_every = 1000  # steps between checkpoints (and one at the end)
+  c.train.keep_checkpoints = 3     # checkpoints kept on disk
+  c.train.async_checkpoints = True  # save in the background while training goes on
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 0                 # steps between evaluations on the eval split (0: end only)
+  c.eval.split = "eval"            # held-out split (masked fact about held-out entities)
+  c.eval.num_examples = 1000       # eval examples used (<= split size)
+  c.eval.batch_size = 64           # eval batch
+
+  c.init = ml_collections.ConfigDict()
+  c.init.from_workdir = ""         # start params from this run's latest checkpoint
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.shape = (-1, 1)           # (data, model); -1 = all remaining devices
+  c.mesh.rules = (                 # logical axis -> mesh axis (None: replicated)
+      ("batch", "data"), ("vocab", "model"), ("heads", "model"), ("mlp", "model"),
+      ("embed", None), ("hidden", None), ("retrieval", None), ("position", None),
+      ("segment", None), ("length", None))
+  return c
+
+
+def demo_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The miniature every demo stage shares: a 2-layer d=128 BERT, short queries and blocks."""
+  c.model.hidden_size = 128
+  c.model.num_layers = 2
+  c.model.num_heads = 4
+  c.model.intermediate_size = 512
+  c.model.max_position = 128
+  c.model.dropout_rate = 0.0
+  c.data.query_len = 40
+  c.data.block_len = 64
+  c.retrieval.embed_batch_size = 512
+  c.eval.num_examples = 1000
+  c.eval.batch_size = 128
+  return c
+
+
+def validate(config, *, num_blocks: int | None = None, store_block_len: int | None = None,
+             max_sentence_len: int | None = None, vocab_size: int | None = None) -> None:
+  """Raises ConfigError naming the first bad option; called before any JAX work."""
+  if config.task not in TASKS:
+    raise ConfigError("task", f"unknown task {config.task!r}; choose one of {TASKS}")
+  r, d, t = config.retrieval, config.data, config.train
+  if r.mode not in RETRIEVAL_MODES:
+    raise ConfigError("retrieval.mode", f"{r.mode!r} is not one of {RETRIEVAL_MODES}")
+  if r.backend != "exact":
+    raise ConfigError("retrieval.backend", f"{r.backend!r}: only 'exact' is built in")
+  if r.marginalization not in ("joint", "per_mask"):
+    raise ConfigError("retrieval.marginalization", f"{r.marginalization!r}: joint | per_mask")
+  if config.task == "realm" and r.mode == "index" and r.k < 2:
+    raise ConfigError("retrieval.k", f"k={r.k}: REALM needs k >= 2 (null document + >= 1 block)")
+  if r.refresh_every < 1:
+    raise ConfigError("retrieval.refresh_every", f"must be >= 1, got {r.refresh_every}")
+  if d.block_len < 8:
+    raise ConfigError("data.block_len", f"{d.block_len} < 8 wordpieces")
+  if d.query_len < 4:
+    raise ConfigError("data.query_len", f"{d.query_len} < 4 wordpieces")
+  if not 1 <= d.max_masks <= d.query_len - 2:
+    raise ConfigError("data.max_masks", f"must be in [1, query_len - 2], got {d.max_masks}")
+  if config.model.max_position < d.query_len + d.block_len:
+    raise ConfigError("model.max_position", f"{config.model.max_position} < query_len + "
+                      f"block_len = {d.query_len + d.block_len}")
+  if config.model.hidden_size % config.model.num_heads:
+    raise ConfigError("model.num_heads", "must divide model.hidden_size")
+  if t.batch_size < 1 or t.steps < 1:
+    raise ConfigError("train.batch_size" if t.batch_size < 1 else "train.steps", "must be >= 1")
+  if t.retriever_lr_scale < 0 or t.reader_lr_scale < 0:
+    raise ConfigError("train.retriever_lr_scale", "learning-rate scales must be >= 0")
+  if num_blocks is not None and config.task == "realm" and r.mode == "index" \
+      and r.k + 1 > num_blocks:
+    raise ConfigError("retrieval.k", f"k={r.k} needs at least k + 1 = {r.k + 1} blocks "
+                      f"(retrieve k+1, drop the query's own), the corpus has {num_blocks}")
+  if store_block_len is not None and store_block_len != d.block_len:
+    raise ConfigError("data.block_len", f"{d.block_len} but {d.dir} was prepared with "
+                      f"blocks of {store_block_len}")
+  if max_sentence_len is not None and max_sentence_len + 2 > d.query_len:
+    raise ConfigError("data.query_len", f"{d.query_len} < longest prepared sentence + 2 = "
+                      f"{max_sentence_len + 2}")
+  if vocab_size is not None and config.model.vocab_size not in (0, vocab_size):
+    raise ConfigError("model.vocab_size", f"{config.model.vocab_size} but {d.dir}/vocab.txt "
+                      f"has {vocab_size} entries")
+
+
+def _flatten(d, prefix=""):
+  out = {}
+  for key, value in d.items():
+    name = f"{prefix}{key}"
+    out.update(_flatten(value, name + ".") if isinstance(value, dict) else {name: value})
+  return out
+
+
+def incompatible_fields(saved: dict, current: dict) -> list[str]:
+  """`field: saved -> current` for every compatibility field whose value changed."""
+  saved_flat, current_flat = _flatten(saved), _flatten(current)
+  diffs = []
+  for name in sorted(set(saved_flat) | set(current_flat)):
+    if any(name == f or name.startswith(f + ".") for f in COMPATIBILITY_FIELDS):
+      a, b = saved_flat.get(name), current_flat.get(name)
+      if _norm(a) != _norm(b):
+        diffs.append(f"{name}: {a!r} (checkpoints) != {b!r} (this run)")
+  return diffs
+
+
+def _norm(v):
+  return list(map(_norm, v)) if isinstance(v, (list, tuple)) else v

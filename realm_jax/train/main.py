@@ -1,0 +1,34 @@
+"""`realm-train --config configs/X.py[:arg] --workdir W [--config.a.b=v ...]`."""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from realm_jax.errors import run_cli
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, summary).")
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _CONFIG.value is None or not _WORKDIR.value:
+    print("realm-train: error: --config and --workdir are required", file=sys.stderr)
+    raise SystemExit(2)
+  from realm_jax.train.loop import train  # jax is imported only once flags are good
+  summary = run_cli("realm-train", lambda: train(_CONFIG.value, _WORKDIR.value))
+  shown = {k: v for k, v in summary.items() if k != "examples"}
+  print(f"realm-train: done {shown}")
+
+
+def run() -> None:
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,85 @@
+"""Mesh, logical-axis rules and global arrays.
+
+Parameters carry logical names (vocab, embed, heads, mlp, hidden, retrieval, position,
+segment); activations use (batch, length, embed). `config.mesh.rules` maps them to the mesh
+axes `data` and `model`: replicated, FSDP over `data`, or tensor-parallel over `model`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from realm_jax.errors import ConfigError
+
+MESH_AXES = ("data", "model")
+
+
+def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
+  """Fills one -1 with the rest of the devices; checks the product equals the device count."""
+  shape = tuple(int(s) for s in shape)
+  if len(shape) != len(MESH_AXES):
+    raise ConfigError("mesh.shape", f"needs {len(MESH_AXES)} sizes {MESH_AXES}, got {shape}")
+  if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+    raise ConfigError("mesh.shape", f"sizes must be positive with at most one -1, got {shape}")
+  known = int(np.prod([s for s in shape if s != -1]))
+  if -1 in shape:
+    if num_devices % known:
+      raise ConfigError("mesh.shape", f"{shape} does not divide {num_devices} devices")
+    shape = tuple(num_devices // known if s == -1 else s for s in shape)
+  if int(np.prod(shape)) != num_devices:
+    raise ConfigError("mesh.shape", f"{shape} needs {int(np.prod(shape))} devices, "
+                      f"but {num_devices} are available")
+  return shape
+
+
+def make_mesh(shape: Sequence[int], devices: Sequence[Any] | None = None) -> Mesh:
+  devices = list(devices if devices is not None else jax.devices())
+  shape = resolve_mesh_shape(shape, len(devices))
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def logical_rules(config_rules) -> tuple[tuple[str, Any], ...]:
+  """Config rules (list of [logical, mesh axis or None]) as flax's rules tuple."""
+  return tuple((str(name), None if axis in (None, "", "none") else axis)
+               for name, axis in config_rules)
+
+
+def state_shardings(abstract_state, mesh: Mesh, rules) -> Any:
+  """NamedShardings for a (boxed) abstract train state from its logical partition specs."""
+  specs = nn.get_partition_spec(abstract_state)
+  return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Leading (batch) dim split over `data`; replicated over `model`."""
+  return NamedSharding(mesh, P("data"))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+  """Per-host rows -> global arrays sharded over `data` (multi-host safe)."""
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(v))
+          for k, v in local.items()}
+
+
+def local_rows(x: jax.Array) -> np.ndarray:
+  """This process's rows of a batch-sharded global array, in global order."""
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+  seen, rows = set(), []
+  for s in shards:
+    start = s.index[0].start or 0
+    if start not in seen:
+      seen.add(start)
+      rows.append(np.asarray(s.data))
+  return np.concatenate(rows)

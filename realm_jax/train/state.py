@@ -1,0 +1,136 @@
+"""Model construction, BERT's optimizer, and the train state created directly in its shardings."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+from realm_jax.models.bert import BertConfig
+from realm_jax.models.realm import REALM
+from realm_jax.train import partitioning
+
+TrainState = train_state.TrainState
+
+
+def build_model(config, vocab_size: int) -> REALM:
+  """The REALM module for `config.model`; vocab_size comes from the data's vocab if 0."""
+  bert = BertConfig.from_config(config.model, vocab_size=config.model.vocab_size or vocab_size)
+  return REALM(bert, retrieval_dim=config.model.retrieval_dim,
+               share_towers=config.model.share_towers)
+
+
+def warmup_steps(train_config) -> int:
+  """BERT's rule: min(10000, max(100, steps / 10)) unless set explicitly."""
+  if train_config.warmup_steps >= 0:
+    return int(train_config.warmup_steps)
+  return int(min(10000, max(100, train_config.steps // 10)))
+
+
+def learning_rate_schedule(train_config) -> optax.Schedule:
+  """Linear warm-up to `lr`, then linear decay to 0 at `steps`."""
+  warm = warmup_steps(train_config)
+  return optax.join_schedules([
+      optax.linear_schedule(0.0, train_config.lr, max(warm, 1)),
+      optax.linear_schedule(train_config.lr, 0.0, max(train_config.steps - warm, 1)),
+  ], [warm])
+
+
+def _path_names(path) -> list[str]:
+  return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+
+
+def param_group(path) -> str:
+  """'retriever' or 'reader': the top-level module a parameter belongs to."""
+  return _path_names(path)[0]
+
+
+def decays(path) -> bool:
+  """AdamW weight decay applies to kernels and embeddings, not LayerNorm or biases."""
+  names = _path_names(path)
+  return not (any("LayerNorm" in n or "norm" in n for n in names)
+              or any(n in ("bias", "scale") for n in names))
+
+
+def make_optimizer(train_config) -> optax.GradientTransformation:
+  """BERT's AdamW (wd 0.01 not on LayerNorm/bias, eps 1e-6), global-norm clipping, and a
+  learning-rate scale per half of the model (0 freezes it: no update, no decay, no state)."""
+  schedule = learning_rate_schedule(train_config)
+  scales = {"retriever": train_config.retriever_lr_scale,
+            "reader": train_config.reader_lr_scale}
+
+  def adamw(scale):
+    return optax.adamw(lambda step: schedule(step) * scale, b1=train_config.b1,
+                       b2=train_config.b2, eps=train_config.eps,
+                       weight_decay=train_config.weight_decay,
+                       mask=lambda p: jax.tree_util.tree_map_with_path(lambda q, _: decays(q), p))
+
+  def labels(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "frozen" if scales[param_group(path)] == 0 else param_group(path), params)
+
+  groups = {name: adamw(scale) for name, scale in scales.items() if scale > 0}
+  groups["frozen"] = optax.set_to_zero()
+  zero_frozen = optax.multi_transform(
+      {**{name: optax.identity() for name in scales}, "frozen": optax.set_to_zero()}, labels)
+  return optax.chain(zero_frozen, optax.clip_by_global_norm(train_config.clip_norm),
+                     optax.multi_transform(groups, labels))
+
+
+def dummy_inputs(config, block_len: int) -> dict[str, jnp.ndarray]:
+  """Smallest inputs that touch every parameter (for init and abstract shapes)."""
+  q, r = config.data.query_len, config.data.query_len + block_len
+  return {"query_ids": jnp.ones((1, q), jnp.int32), "block_ids": jnp.ones((1, block_len),
+                                                                         jnp.int32),
+          "block_segments": jnp.zeros((1, block_len), jnp.int32),
+          "reader_ids": jnp.ones((1, r), jnp.int32),
+          "reader_segments": jnp.zeros((1, r), jnp.int32),
+          "mask_positions": jnp.zeros((1, 1), jnp.int32)}
+
+
+def create_train_state(config, model: REALM, mesh, block_len: int, rng):
+  """Creates the state sharded from the start: eval_shape -> logical specs -> jit(out_shardings).
+
+  Parameters are initialised boxed with their logical names, unboxed into plain arrays; each
+  optimizer-state leaf takes the sharding of the parameter whose path ends its own path.
+  Returns (state, state_shardings, abstract_state).
+  """
+  tx = make_optimizer(config.train)
+  inputs = dummy_inputs(config, block_len)
+  rules = partitioning.logical_rules(config.mesh.rules)
+
+  def init(rng):
+    params = nn.meta.unbox(model.init(rng, **inputs)["params"])
+    return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+  boxed = jax.eval_shape(lambda r: model.init(r, **inputs)["params"], rng)
+  param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+  abstract = jax.eval_shape(init, rng)
+  shardings = _state_shardings(abstract, param_shardings, partitioning.replicated(mesh))
+  with mesh, nn.logical_axis_rules(rules):
+    state = jax.jit(init, out_shardings=shardings)(rng)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, shardings)
+  return state, shardings, abstract
+
+
+def _state_shardings(abstract_state, param_shardings, replicated):
+  by_path = {tuple(_path_names(p)): (s, leaf.shape) for (p, s), leaf in zip(
+      jax.tree_util.tree_flatten_with_path(param_shardings)[0],
+      jax.tree_util.tree_leaves(abstract_state.params))}
+
+  def for_leaf(path, leaf):
+    names = tuple(_path_names(path))
+    for start in range(len(names)):
+      match = by_path.get(names[start:])
+      if match is not None and match[1] == leaf.shape:
+        return match[0]
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(for_leaf, abstract_state)
+
+
+def count_params(params) -> int:
+  return sum(x.size for x in jax.tree_util.tree_leaves(nn.meta.unbox(params)))

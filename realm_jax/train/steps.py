@@ -1,0 +1,141 @@
+"""The jitted computations: ICT / REALM train steps, REALM evaluation, and the embedders the
+index refresh and retrieval use. Each is jitted with explicit shardings; train steps donate
+the state."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from realm_jax.models import losses
+from realm_jax.models.realm import REALM
+from realm_jax.train import partitioning
+
+
+def _freeze(params, train_config):
+  """stop_gradient on a frozen half so XLA drops its backward pass altogether."""
+  scales = {"retriever": train_config.retriever_lr_scale, "reader": train_config.reader_lr_scale}
+  return {name: jax.lax.stop_gradient(p) if scales.get(name, 1.0) == 0 else p
+          for name, p in params.items()}
+
+
+def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True):
+  """Re-scores the k candidates with the current towers and reads each one.
+
+  Returns (retrieval_logits [B, k], vocab log-probs at the masks [B, k, M, V]).
+  """
+  variables = {"params": params}
+  b, k, lb = batch["candidate_ids"].shape
+  m = batch["mask_positions"].shape[1]
+  query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
+                      method=REALM.embed_queries)
+  blocks = model.apply(variables, batch["candidate_ids"].reshape(b * k, lb),
+                       batch["candidate_segments"].reshape(b * k, lb), deterministic,
+                       rngs=rngs, method=REALM.embed_blocks).reshape(b, k, -1)
+  logits = jnp.einsum("bd,bkd->bk", query, blocks)
+  lr = batch["reader_ids"].shape[-1]
+  positions = jnp.broadcast_to(batch["mask_positions"][:, None], (b, k, m)).reshape(b * k, m)
+  vocab_log_probs = model.apply(variables, batch["reader_ids"].reshape(b * k, lr),
+                                batch["reader_segments"].reshape(b * k, lr), positions,
+                                deterministic, rngs=rngs, method=REALM.read)
+  return logits, vocab_log_probs.reshape(b, k, m, -1)
+
+
+def realm_loss_fn(params, model, batch, config, rng):
+  """REALM's negative marginal log-likelihood (plus metrics) for one batch."""
+  params = _freeze(params, config.train)
+  deterministic = config.model.dropout_rate == 0
+  logits, vocab_lp = realm_scores(model, params, batch, {"dropout": rng}, deterministic)
+  labels = batch["mask_labels"][:, None, :, None]
+  mask_lp = jnp.take_along_axis(vocab_lp, jnp.broadcast_to(
+      labels, vocab_lp.shape[:3] + (1,)), axis=-1)[..., 0]
+  loss, metrics = losses.realm_loss(logits, mask_lp, batch["mask_weights"],
+                                    config.retrieval.marginalization)
+  return loss, metrics
+
+
+def ict_loss_fn(params, model, batch, config, rng):
+  """Inverse Cloze Task loss with in-batch negatives over the global batch."""
+  params = _freeze(params, config.train)
+  deterministic = config.model.dropout_rate == 0
+  variables, rngs = {"params": params}, {"dropout": rng}
+  query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
+                      method=REALM.embed_queries)
+  blocks = model.apply(variables, batch["block_ids"], batch["block_segments"], deterministic,
+                       rngs=rngs, method=REALM.embed_blocks)
+  return losses.ict_loss(query, blocks)
+
+
+LOSS_FNS = {"realm": realm_loss_fn, "ict": ict_loss_fn}
+
+
+def make_train_step(config, model, state_shardings, mesh):
+  """jit(step, explicit in/out shardings, donated state) for `config.task`."""
+  loss_fn = LOSS_FNS[config.task]
+
+  def step(state, batch, rng):
+    rng = jax.random.fold_in(rng, state.step)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, metrics), grads = grad_fn(state.params, model, batch, config, rng)
+    new_state = state.apply_gradients(grads=grads)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+    return new_state, metrics
+
+  rules = partitioning.logical_rules(config.mesh.rules)
+  jitted = jax.jit(step, in_shardings=(state_shardings, partitioning.batch_sharding(mesh),
+                                       partitioning.replicated(mesh)),
+                   out_shardings=(state_shardings, partitioning.replicated(mesh)),
+                   donate_argnums=(0,))
+
+  def run(state, batch, rng):
+    with mesh, nn.logical_axis_rules(rules):
+      return jitted(state, batch, rng)
+
+  run.jitted = jitted
+  return run
+
+
+def make_realm_eval(config, model, mesh):
+  """Per-example evaluation of a REALM batch: log-likelihood, p(z|x) and the predicted
+  wordpiece at each mask (argmax of the marginal over candidates)."""
+  rules = partitioning.logical_rules(config.mesh.rules)
+
+  def evaluate(params, batch):
+    logits, vocab_lp = realm_scores(model, params, batch)
+    marginal = losses.marginal_token_log_probs(logits, vocab_lp)
+    labels = batch["mask_labels"][:, None, :, None]
+    mask_lp = jnp.take_along_axis(vocab_lp, jnp.broadcast_to(
+        labels, vocab_lp.shape[:3] + (1,)), axis=-1)[..., 0]
+    log_lik = losses.realm_log_likelihood(logits, mask_lp, batch["mask_weights"],
+                                          config.retrieval.marginalization)
+    null_lik = losses.null_log_likelihood(mask_lp, batch["mask_weights"],
+                                          config.retrieval.marginalization)
+    return {"predictions": jnp.argmax(marginal, axis=-1).astype(jnp.int32),
+            "p_z": jax.nn.softmax(logits, axis=-1),
+            "log_likelihood": log_lik, "retrieval_utility": log_lik - null_lik}
+
+  jitted = jax.jit(evaluate, out_shardings=partitioning.batch_sharding(mesh))
+
+  def run(params, batch):
+    with mesh, nn.logical_axis_rules(rules):
+      return jitted(params, batch)
+
+  return run
+
+
+@functools.lru_cache(maxsize=None)
+def _embedder(model: REALM, kind: str, mesh, rules):
+  method = REALM.embed_queries if kind == "query" else REALM.embed_blocks
+  fn = lambda params, *inputs: model.apply({"params": params}, *inputs, method=method)
+  return jax.jit(fn, out_shardings=partitioning.batch_sharding(mesh))
+
+
+def embed(model: REALM, mesh, config, params, kind: str, *inputs):
+  """Query ([CLS] x [SEP]) or block embeddings with `params` (global arrays in and out)."""
+  rules = partitioning.logical_rules(config.mesh.rules)
+  with mesh, nn.logical_axis_rules(rules):
+    return _embedder(model, kind, mesh, rules)(params, *inputs)

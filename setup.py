@@ -1,0 +1,34 @@
+"""realm_jax: REALM (Retrieval-Augmented Language Model Pre-Training) in JAX/Flax."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="realm_jax",
+    version="0.1.0",
+    description="REALM retrieval-augmented pre-training in JAX/Flax: sharded trainer, "
+                "Orbax checkpoints, dense retrieval with an index refresh.",
+    packages=find_packages(include=["realm_jax", "realm_jax.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.4.35,<0.11",
+        "flax>=0.10,<0.13",
+        "optax>=0.2.4,<0.3",
+        "orbax-checkpoint>=0.11,<0.13",
+        "ml-collections>=0.1.1,<2",
+        "tokenizers>=0.20,<1",
+        "numpy>=1.26,<3",
+        "tensorboardX>=2.6,<3",
+        "matplotlib>=3.8,<4",
+        "absl-py>=2,<3",
+        "etils[epath]>=1.7",
+    ],
+    extras_require={
+        "test": ["pytest>=8,<10"],
+    },
+    entry_points={
+        "console_scripts": [
+            "realm-train=realm_jax.train.main:run",
+            "realm-demo=realm_jax.demo:run",
+        ],
+    },
+)
