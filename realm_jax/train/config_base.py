@@ -96,6 +96,7 @@ def demo_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.model.intermediate_size = 512
   c.model.max_position = 128
   c.model.dropout_rate = 0.0
+  c.model.share_towers = True      # one tower: ICT learns in 300 steps (separate: it stalls)
   c.data.query_len = 40
   c.data.block_len = 64
   c.retrieval.embed_batch_size = 512

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from realm_jax.errors import run_cli
@@ -20,6 +20,7 @@ def main(argv) -> None:
   if _CONFIG.value is None or not _WORKDIR.value:
     print("realm-train: error: --config and --workdir are required", file=sys.stderr)
     raise SystemExit(2)
+  logging.set_verbosity(logging.WARNING)  # keep Orbax's per-save INFO lines off the console
   from realm_jax.train.loop import train  # jax is imported only once flags are good
   summary = run_cli("realm-train", lambda: train(_CONFIG.value, _WORKDIR.value))
   shown = {k: v for k, v in summary.items() if k != "examples"}
