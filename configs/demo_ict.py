@@ -11,7 +11,6 @@ def get_config(arg=None):
   del arg
   c = demo_scale(base_config())
   c.task = "ict"
-  c.data.query_len = 40
   c.train.batch_size = 64
   c.train.steps = 300
   c.train.lr = 1e-3

@@ -1,8 +1,8 @@
 """BERT encoder in Flax with logical sharding names on every parameter.
 
 The module tree mirrors the Hugging Face BERT layout one-to-one (`embeddings/word_embeddings`,
-`encoder/layer/<i>/attention/self/query`, ..., `pooler/dense`), so a checkpoint in that layout
-maps onto it by renaming alone (see `hf_parameter_names`).
+`encoder/<i>/attention/self/query` for HF's `encoder.layer.<i>...`, ..., `pooler/dense`), so a
+checkpoint in that layout maps onto it by renaming alone (see `hf_parameter_names`).
 
 Logical axis names used by the parameters (mapped to mesh axes by the rules in the config):
   vocab, embed, heads (query/key/value output = heads x head_dim), mlp, position, segment.
@@ -48,6 +48,7 @@ class BertConfig:
         intermediate_size=model_config.intermediate_size,
         max_position=model_config.max_position,
         dropout_rate=model_config.dropout_rate,
+        initializer_range=model_config.initializer_range,
         dtype=jnp.dtype(model_config.dtype),
     )
 
@@ -235,5 +236,8 @@ def hf_parameter_names(params: dict, prefix: str = "") -> dict[str, str]:
       leaf = {"scale": "weight", "bias": "bias"}[leaf]
     else:
       leaf = {"kernel": "weight", "embedding": "weight", "bias": "bias"}[leaf]
+    # Flax names the layers `encoder/<i>`; HF nests them as `encoder.layer.<i>`.
+    module = [part for i, m in enumerate(module) for part in (
+        ["layer", m] if m.isdigit() and i > 0 and module[i - 1] == "encoder" else [m])]
     names[flax_name] = prefix + ".".join(module + [leaf])
   return names

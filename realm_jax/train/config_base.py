@@ -39,6 +39,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.intermediate_size = 3072  # feed-forward width
   c.model.max_position = 512       # position embeddings (>= query_len + block_len)
   c.model.dropout_rate = 0.1       # BERT dropout (0 makes the step deterministic)
+  c.model.initializer_range = 0.02  # std of the normal init of every kernel and embedding
   c.model.dtype = "float32"        # compute dtype ("bfloat16" on TPU/GPU); params stay fp32
   c.model.retrieval_dim = 128      # retriever embedding size
   c.model.share_towers = False     # one BERT for query and block embeddings
@@ -97,8 +98,8 @@ def demo_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.model.max_position = 128
   c.model.dropout_rate = 0.0
   c.model.share_towers = True      # one tower: ICT learns in 300 steps (separate: it stalls)
-  c.data.query_len = 40
-  c.data.block_len = 64
+  c.data.query_len = 16            # the world's sentences are <= 13 wordpieces
+  c.data.block_len = 40            # its sections are <= 37 wordpieces with title
   c.retrieval.embed_batch_size = 512
   c.eval.num_examples = 1000
   c.eval.batch_size = 128

@@ -90,12 +90,10 @@ def dummy_inputs(config, block_len: int) -> dict[str, jnp.ndarray]:
           "mask_positions": jnp.zeros((1, 1), jnp.int32)}
 
 
-def create_train_state(config, model: REALM, mesh, block_len: int, rng):
-  """Creates the state sharded from the start: eval_shape -> logical specs -> jit(out_shardings).
+def _state_setup(config, model: REALM, mesh, block_len: int, rng):
+  """The init fn, the abstract state (ShapeDtypeStructs with shardings) and its shardings.
 
-  Parameters are initialised boxed with their logical names, unboxed into plain arrays; each
-  optimizer-state leaf takes the sharding of the parameter whose path ends its own path.
-  Returns (state, state_shardings, abstract_state).
+  One optimizer object serves both, so the abstract state and the real one share a treedef.
   """
   tx = make_optimizer(config.train)
   inputs = dummy_inputs(config, block_len)
@@ -109,10 +107,30 @@ def create_train_state(config, model: REALM, mesh, block_len: int, rng):
   param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
   abstract = jax.eval_shape(init, rng)
   shardings = _state_shardings(abstract, param_shardings, partitioning.replicated(mesh))
-  with mesh, nn.logical_axis_rules(rules):
-    state = jax.jit(init, out_shardings=shardings)(rng)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
+  return init, abstract, shardings
+
+
+def abstract_train_state(config, model: REALM, mesh, block_len: int, rng=None):
+  """The train state's shapes, dtypes and shardings, allocating nothing (for AOT lowering of
+  full-size configs). Returns (abstract_state, state_shardings)."""
+  rng = jax.random.PRNGKey(config.seed) if rng is None else rng
+  _, abstract, shardings = _state_setup(config, model, mesh, block_len, rng)
+  return abstract, shardings
+
+
+def create_train_state(config, model: REALM, mesh, block_len: int, rng):
+  """Creates the state sharded from the start: eval_shape -> logical specs -> jit(out_shardings).
+
+  Parameters are initialised boxed with their logical names, unboxed into plain arrays; each
+  optimizer-state leaf takes the sharding of the parameter whose path ends its own path.
+  Returns (state, state_shardings, abstract_state).
+  """
+  init, abstract, shardings = _state_setup(config, model, mesh, block_len, rng)
+  rules = partitioning.logical_rules(config.mesh.rules)
+  with mesh, nn.logical_axis_rules(rules):
+    state = jax.jit(init, out_shardings=shardings)(rng)
   return state, shardings, abstract
 
 

@@ -1,0 +1,326 @@
+"""Throughput of the REALM train step: step time, tokens/s, FLOPs, FLOP/s and utilisation.
+
+Two cases, each one jitted `make_train_step` on a random batch of the real shapes and dtypes
+(the keys `realm_jax.train.batches.realm_batch` produces), on a mesh of the config's shape
+over whatever devices exist:
+
+  demo  configs/demo_realm.py (mode index): 2-layer d=128 towers and reader, batch 32, k 8,
+        query 40 + block 64, vocab 4000
+  base  configs/realm_base.py: three BERT-base encoders, k 8, query 96 + block 288,
+        vocab 30522; batch 1 query on CPU (8 candidates, 8 reader sequences of 382: in fp32
+        the step's temporaries are ~10 GB per query), 32 on an accelerator
+
+For each it prints the compile time, the median of `--steps` timed steps after one warm-up
+step, tokens per second (reader tokens B*k*(query_len+block_len-2) plus retriever tokens
+B*query_len + B*k*block_len), the FLOPs of one step from XLA's cost analysis of the compiled
+program (next to an analytic 3 x forward count as a cross-check), the achieved FLOP/s, and
+its ratio to a 2048^3 fp32 matmul timed in the same process. On GPU/TPU the model runs in
+bfloat16 and the MFU against the chip's dense bf16 peak is printed as well.
+
+Only the device step is measured: host-side batch building and the index search are not.
+
+  python bench/train_step.py [--steps N] [--only demo|base] [--out runs/bench.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from realm_jax.train import partitioning, state as state_lib, steps
+from realm_jax.train.config_base import validate
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# Dense bf16 peak FLOP/s per chip, matched in order against `device_kind` (first hit wins).
+PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
+    ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12), ("A10", 125e12),
+    ("V100", 125e12),
+    ("TPU v6", 918e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v5", 459e12),
+    ("TPU v4", 275e12),
+)
+
+
+def load_config(name: str, arg: str | None = None):
+  """`configs/<name>.py`'s get_config(arg), loaded by path like `--config` does."""
+  path = REPO / "configs" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"configs.{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def case_config(case: str, accelerator: bool, batch_size: int | None):
+  """The config of a bench case with its bench-only overrides (vocab, batch, dtype)."""
+  if case == "demo":
+    config = load_config("demo_realm", "realm")
+    config.model.vocab_size = 4000      # the demo's vocab comes from its data dir (0)
+  else:
+    config = load_config("realm_base")
+    config.train.batch_size = 32 if accelerator else 1  # ~10 GB of fp32 temporaries a query
+  if batch_size:
+    config.train.batch_size = batch_size
+  if accelerator:
+    config.model.dtype = "bfloat16"
+  validate(config)
+  return config
+
+
+def random_batch(config, rng: np.random.Generator) -> dict[str, np.ndarray]:
+  """A REALM batch of full-length (unpadded) sequences with one span of max_masks masks."""
+  b, k, m = config.train.batch_size, config.retrieval.k, config.data.max_masks
+  q, lb = config.data.query_len, config.data.block_len
+  vocab = config.model.vocab_size
+  ids = lambda *shape: rng.integers(1, vocab, shape, dtype=np.int32)
+  start = rng.integers(1, q - 1 - m, (b, 1))
+  title = lb // 8  # segment 0 = [CLS] title [SEP], segment 1 = body [SEP]
+  return {
+      "query_ids": ids(b, q),
+      "mask_positions": (start + np.arange(m)).astype(np.int32),
+      "mask_labels": ids(b, m),
+      "mask_weights": np.ones((b, m), np.float32),
+      "candidate_ids": ids(b, k, lb),
+      "candidate_segments": np.broadcast_to(np.arange(lb) >= title, (b, k, lb)).astype(np.int32),
+      "reader_ids": ids(b, k, q + lb - 2),
+      "reader_segments": np.broadcast_to(np.arange(q + lb - 2) >= q,
+                                         (b, k, q + lb - 2)).astype(np.int32),
+  }
+
+
+def token_counts(config) -> dict[str, int]:
+  b, k = config.train.batch_size, config.retrieval.k
+  q, lb = config.data.query_len, config.data.block_len
+  reader = b * k * (q + lb - 2)
+  retriever = b * q + b * k * lb
+  return {"reader_tokens": reader, "retriever_tokens": retriever, "tokens": reader + retriever}
+
+
+def analytic_flops(config) -> float:
+  """3 x the forward matmul FLOPs (backward = 2 x forward) of the three encoders and heads."""
+  mc = config.model
+  d, ff, layers, v = mc.hidden_size, mc.intermediate_size, mc.num_layers, mc.vocab_size
+  b, k, m = config.train.batch_size, config.retrieval.k, config.data.max_masks
+  q, lb = config.data.query_len, config.data.block_len
+
+  def encoder(sequences, length):  # projections, feed-forward, scores and weighted sum
+    return sequences * layers * (2 * length * (4 * d * d + 2 * d * ff) + 4 * length**2 * d)
+
+  forward = encoder(b, q) + encoder(b * k, lb) + encoder(b * k, q + lb - 2)
+  forward += (b + b * k) * 2 * (d * d + d * mc.retrieval_dim)  # pooler + projection
+  forward += b * k * m * 2 * (d * d + d * v)                    # MLM head at the masks
+  return 3.0 * forward
+
+
+def xla_flops(compiled) -> float:
+  """FLOPs of the compiled (per-device) program; cost_analysis() is a dict or a list of them."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  if not cost or "flops" not in cost:
+    return float("nan")
+  return float(cost["flops"])
+
+
+def matmul_flops_per_s(dtype, n: int = 2048, reps: int = 5) -> float:
+  """FLOP/s of a jitted n x n @ n x n matmul on the default device (median of `reps`)."""
+  key_a, key_b = jax.random.split(jax.random.PRNGKey(0))
+  a = jax.random.normal(key_a, (n, n), dtype)
+  b = jax.random.normal(key_b, (n, n), dtype)
+  matmul = jax.jit(jnp.matmul)
+  matmul(a, b).block_until_ready()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    matmul(a, b).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 2.0 * n**3 / statistics.median(times)
+
+
+def memory_gb(compiled) -> dict[str, float]:
+  """Argument (state + batch) and temporary buffer sizes of the compiled step, in GB."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return {}
+  return {"argument_gb": stats.argument_size_in_bytes / 1e9,
+          "temp_gb": stats.temp_size_in_bytes / 1e9}
+
+
+def host_available_gb() -> float | None:
+  try:
+    with open("/proc/meminfo") as f:
+      fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024 / 1e9
+  except (OSError, KeyError, ValueError):
+    return None
+
+
+def peak_bf16_flops(device) -> float | None:
+  kind = getattr(device, "device_kind", "")
+  for name, peak in PEAK_BF16_FLOPS:
+    if name.lower() in kind.lower():
+      return peak
+  return None
+
+
+def bench_case(case: str, config, num_steps: int, matmul: dict[str, float]) -> dict:
+  """Builds the state, compiles the step, times it; returns the JSON record of the case."""
+  name = {"demo": "demo_realm", "base": "realm_base"}[case]
+  log = lambda msg: print(f"[bench] {name}: {msg}", flush=True)
+  mesh = partitioning.make_mesh(config.mesh.shape)
+  if config.train.batch_size % mesh.shape["data"]:
+    raise SystemExit(f"bench: batch {config.train.batch_size} is not divisible by the data "
+                     f"axis ({mesh.shape['data']} devices); pass --batch")
+  model = state_lib.build_model(config, config.model.vocab_size)
+  rng = jax.random.PRNGKey(config.seed)
+  log("creating the train state")
+  t0 = time.perf_counter()
+  state, shardings, _ = state_lib.create_train_state(config, model, mesh,
+                                                     config.data.block_len, rng)
+  jax.block_until_ready(state)
+  n_params = state_lib.count_params(state.params)
+  log(f"{n_params / 1e6:.1f}M params in {time.perf_counter() - t0:.1f}s; compiling the step")
+  train_step = steps.make_train_step(config, model, shardings, mesh)
+  batch = partitioning.global_batch(random_batch(config, np.random.default_rng(0)), mesh)
+  t0 = time.perf_counter()
+  with mesh, nn.logical_axis_rules(partitioning.logical_rules(config.mesh.rules)):
+    compiled = train_step.jitted.lower(state, batch, rng).compile()
+  compile_s = time.perf_counter() - t0
+  memory = memory_gb(compiled)
+  log(f"compiled in {compile_s:.1f}s; " + ", ".join(f"{k[:-3]} {v:.2f} GB"
+                                                    for k, v in memory.items()))
+  available = host_available_gb() if jax.default_backend() == "cpu" else None
+  if memory and available is not None and memory["temp_gb"] > available:
+    # Fail with a message rather than be killed by the OOM killer mid-step.
+    raise SystemExit(f"bench: {name} needs {memory['temp_gb']:.1f} GB of temporaries, only "
+                     f"{available:.1f} GB of host memory are available; pass a smaller --batch")
+  log(f"1 warm-up + {num_steps} timed steps")
+  times = []
+  for i in range(num_steps + 1):
+    t0 = time.perf_counter()
+    state, metrics = compiled(state, batch, rng)
+    jax.block_until_ready((state, metrics))
+    if i:  # step 0 is the warm-up
+      times.append(time.perf_counter() - t0)
+      log(f"step {i}/{num_steps} {times[-1]:.3f}s loss {float(metrics['loss']):.3f}")
+  step_s = statistics.median(times)
+
+  devices = mesh.devices.size
+  device = mesh.devices.flat[0]
+  flops_device = xla_flops(compiled)
+  flops = flops_device * devices        # an SPMD program's cost is that of one device
+  tokens = token_counts(config)
+  compute_dtype = config.model.dtype
+  matmul_ref = matmul["bfloat16" if compute_dtype == "bfloat16" else "float32"]
+  record = {
+      "bench": "train_step", "config": name, "backend": jax.default_backend(),
+      "device_kind": device.device_kind, "devices": devices,
+      "mesh": dict(mesh.shape), "dtype": compute_dtype, "params": n_params,
+      "batch": config.train.batch_size, "k": config.retrieval.k,
+      "query_len": config.data.query_len, "block_len": config.data.block_len,
+      "vocab_size": config.model.vocab_size, "layers": config.model.num_layers,
+      "hidden": config.model.hidden_size, "compile_s": round(compile_s, 2),
+      **{k: round(v, 3) for k, v in memory.items()},
+      "step_s": step_s, "step_s_all": [round(t, 4) for t in times],
+      **tokens, "tokens_per_s": tokens["tokens"] / step_s,
+      "queries_per_s": config.train.batch_size / step_s,
+      "xla_flops": flops, "analytic_flops": analytic_flops(config),
+      "flops_per_s": flops / step_s, "flops_per_s_per_device": flops_device / step_s,
+      "matmul_dtype": compute_dtype, "matmul_flops_per_s": matmul_ref,
+      "ratio_to_matmul": flops_device / step_s / matmul_ref,
+  }
+  peak = peak_bf16_flops(device) if jax.default_backend() != "cpu" else None
+  if peak:
+    record.update(peak_bf16_flops=peak, mfu=flops_device / step_s / peak)
+  return record
+
+
+def _si(x: float, unit: str = "") -> str:
+  for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    if abs(x) >= scale:
+      return f"{x / scale:.3g} {prefix}{unit}"
+  return f"{x:.3g} {unit}".rstrip()
+
+
+def print_table(records: list[dict], matmul: dict[str, float]) -> None:
+  rows = [
+      ("device", lambda r: f"{r['devices']} x {r['device_kind']} ({r['backend']})"),
+      ("dtype", lambda r: r["dtype"]),
+      ("params", lambda r: f"{r['params'] / 1e6:.1f}M"),
+      ("layers x hidden", lambda r: f"{r['layers']} x {r['hidden']}"),
+      ("batch x k", lambda r: f"{r['batch']} x {r['k']}"),
+      ("query + block", lambda r: f"{r['query_len']} + {r['block_len']}"),
+      ("vocab", lambda r: str(r["vocab_size"])),
+      ("compile", lambda r: f"{r['compile_s']:.1f} s"),
+      ("state / temporaries", lambda r: f"{r.get('argument_gb', float('nan')):.2f} / "
+                                        f"{r.get('temp_gb', float('nan')):.2f} GB"),
+      ("step (median)", lambda r: f"{r['step_s'] * 1e3:.1f} ms"),
+      ("queries/s", lambda r: f"{r['queries_per_s']:.3g}"),
+      ("reader tokens/step", lambda r: str(r["reader_tokens"])),
+      ("retriever tokens/step", lambda r: str(r["retriever_tokens"])),
+      ("tokens/s", lambda r: _si(r["tokens_per_s"])),
+      ("FLOPs/step (XLA)", lambda r: _si(r["xla_flops"])),
+      ("FLOPs/step (3 x fwd)", lambda r: _si(r["analytic_flops"])),
+      ("achieved FLOP/s", lambda r: _si(r["flops_per_s"])),
+      ("matmul FLOP/s", lambda r: f"{_si(r['matmul_flops_per_s'])} ({r['matmul_dtype']})"),
+      ("step / matmul", lambda r: f"{r['ratio_to_matmul']:.1%}"),
+  ]
+  if any("mfu" in r for r in records):
+    rows.append(("bf16 MFU", lambda r: f"{r['mfu']:.1%} of {_si(r['peak_bf16_flops'])}"
+                 if "mfu" in r else "-"))
+  width = max(len(name) for name, _ in rows)
+  cells = [[fmt(r) for r in records] for _, fmt in rows]
+  col = [max(len(r["config"]), *(len(c[i]) for c in cells)) for i, r in enumerate(records)]
+  print()
+  print(" | ".join([" " * width] + [r["config"].ljust(w) for r, w in zip(records, col)]))
+  print("-+-".join(["-" * width] + ["-" * w for w in col]))
+  for (name, _), row in zip(rows, cells):
+    print(" | ".join([name.ljust(width)] + [c.ljust(w) for c, w in zip(row, col)]))
+  shown = ", ".join(f"{k} {_si(v, 'FLOP/s')}" for k, v in matmul.items())
+  print(f"\n2048^3 matmul: {shown}")
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--steps", type=int, default=None,
+                      help="timed steps per case (default: demo 10, base 3)")
+  parser.add_argument("--only", choices=("demo", "base"), default=None,
+                      help="run one case only")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="override the batch (queries) of every case run")
+  parser.add_argument("--out", default=None, help="append one JSON line per case here")
+  args = parser.parse_args(argv)
+
+  accelerator = jax.default_backend() != "cpu"
+  print(f"[bench] backend {jax.default_backend()}, {jax.device_count()} x "
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+  matmul = {"float32": matmul_flops_per_s(jnp.float32)}
+  if accelerator:
+    matmul["bfloat16"] = matmul_flops_per_s(jnp.bfloat16)
+  cases = [args.only] if args.only else ["demo", "base"]
+  records = []
+  for case in cases:
+    config = case_config(case, accelerator, args.batch)
+    num_steps = args.steps or (10 if case == "demo" else 3)
+    record = bench_case(case, config, num_steps, matmul)
+    records.append(record)
+    print(json.dumps(record), flush=True)
+    if args.out:
+      pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+      with open(args.out, "a") as f:
+        f.write(json.dumps(record) + "\n")
+  print_table(records, matmul)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,50 @@
+"""ICT warm start of the retriever at ORQA's settings (Lee et al., 2019), as REALM
+initialises its retriever (Guu et al., 2020).
+
+Inverse Cloze Task with in-batch negatives: queries of 64 wordpieces, batch 4096, lr 1e-4,
+100k steps, the reader not trained. Separate BERT-base towers, blocks of 288 wordpieces and
+the query sentence cut from its block 90% of the time are `base_config()` defaults, so only
+what differs is set below.
+
+  realm-train --config configs/ict_base.py --workdir gs://BUCKET/realm/ict \
+      --config.data.dir gs://BUCKET/realm/data
+
+Variants by arg:
+  base   (default) the paper's settings
+  small  the same data shapes with a 2-layer d=128 model, a small batch and a few steps: a
+         smoke test of a launch on the real prepared data
+"""
+
+from realm_jax.train.config_base import base_config
+
+VARIANTS = ("base", "small")
+
+
+def get_config(arg=None):
+  variant = arg or "base"
+  if variant not in VARIANTS:
+    raise ValueError(f"configs/ict_base.py: unknown variant {variant!r}; one of {VARIANTS}")
+  c = base_config()
+  c.task = "ict"                   # Inverse Cloze Task: trains the retriever's two towers
+  c.model.vocab_size = 30522       # BERT-base uncased wordpieces (imported BERT fits as is)
+  c.data.query_len = 64            # ICT queries are single sentences (ORQA: 64)
+  c.train.batch_size = 4096        # in-batch negatives: a large batch is the point
+  c.train.lr = 1e-4                # ORQA's ICT learning rate
+  c.train.steps = 100_000          # ORQA's ICT schedule
+  c.train.reader_lr_scale = 0.0    # the reader is not part of ICT (frozen, no optimizer state)
+  if variant == "small":
+    _small(c)
+  return c
+
+
+def _small(c):
+  """Shrinks the model, batch and schedule; keeps the data shapes so the same data dir works."""
+  c.model.hidden_size = 128        # a 2-layer d=128 BERT per tower
+  c.model.num_layers = 2           # transformer layers per tower
+  c.model.num_heads = 4            # attention heads (head dim 32)
+  c.model.intermediate_size = 512  # feed-forward width
+  c.train.batch_size = 64          # in-batch negatives per step
+  c.train.steps = 40               # a few steps and one checkpoint
+  c.train.log_every = 10           # progress every 10 steps
+  c.train.checkpoint_every = 40    # one checkpoint at the end
+  c.eval.num_examples = 64         # a quick final evaluation

@@ -1,0 +1,49 @@
+"""REALM pre-training at the paper's settings (Guu et al., 2020).
+
+Task "realm" with a BERT-base reader and two separate BERT-base retriever towers (128-d
+embeddings), k = 8 candidates with the null document, queries of 96 and blocks of 288
+wordpieces, batch 512, lr 3e-5, 200k steps, the block index rebuilt every 500 steps, dropout
+0.1: all of these are `base_config()` defaults, so only what differs is set below. The paper
+trained on 64 TPUs (16 more embedded the corpus); use `--config.model.dtype=bfloat16` there.
+
+The paper starts the retriever from ICT and the reader from pre-trained BERT-base;
+`init.from_workdir` restores every parameter of that run, so point it at the ICT run
+(configs/ict_base.py), whose reader ICT leaves untouched:
+
+  realm-train --config configs/realm_base.py --workdir gs://BUCKET/realm/realm \
+      --config.data.dir gs://BUCKET/realm/data --config.init.from_workdir gs://BUCKET/realm/ict
+
+Variants by arg:
+  base   (default) the paper's settings
+  small  the same data shapes (query 96, block 288, k 8) with a 2-layer d=128 model, a small
+         batch and a few steps: a smoke test of a launch on the real prepared data
+"""
+
+from realm_jax.train.config_base import base_config
+
+VARIANTS = ("base", "small")
+
+
+def get_config(arg=None):
+  variant = arg or "base"
+  if variant not in VARIANTS:
+    raise ValueError(f"configs/realm_base.py: unknown variant {variant!r}; one of {VARIANTS}")
+  c = base_config()
+  c.model.vocab_size = 30522       # BERT-base uncased wordpieces (imported BERT fits as is)
+  if variant == "small":
+    _small(c)
+  return c
+
+
+def _small(c):
+  """Shrinks the model, batch and schedule; keeps the data shapes so the same data dir works."""
+  c.model.hidden_size = 128        # a 2-layer d=128 BERT per tower
+  c.model.num_layers = 2           # transformer layers per tower
+  c.model.num_heads = 4            # attention heads (head dim 32)
+  c.model.intermediate_size = 512  # feed-forward width
+  c.train.batch_size = 16          # queries per step
+  c.train.steps = 40               # long enough to cross a refresh and a checkpoint
+  c.train.log_every = 10           # progress every 10 steps
+  c.train.checkpoint_every = 20    # two checkpoints
+  c.retrieval.refresh_every = 20   # one index rebuild mid-run
+  c.eval.num_examples = 64         # a quick final evaluation

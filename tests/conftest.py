@@ -1,0 +1,38 @@
+"""Test-wide setup: 8 host CPU devices (set before anything imports jax) and one tiny world."""
+
+import os
+
+_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES_FLAG).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A compilation cache private to this test session: the Trainer runs (and CLI subprocesses)
+# that compile the same programs again pay for XLA only once. Removed when the session ends.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+  _CACHE_DIR = tempfile.mkdtemp(prefix="realm_jax_test_xla_cache_")
+  atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+import pytest  # noqa: E402  (after the environment above, on purpose)
+
+from tests import helpers  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def world_dir(tmp_path_factory) -> str:
+  """A prepared data dir of a 60-entity world (about 240 blocks of 64 wordpieces)."""
+  from realm_jax.data.world_corpus import prepare_world
+  out = str(tmp_path_factory.mktemp("world"))
+  prepare_world(out, num_entities=helpers.WORLD_ENTITIES, seed=0, block_len=helpers.BLOCK_LEN,
+                vocab_size=helpers.VOCAB_SIZE)
+  return out
+
+
+@pytest.fixture(scope="session")
+def world_data(world_dir):
+  from realm_jax.data.store import PreparedData
+  return PreparedData(world_dir)

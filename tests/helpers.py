@@ -1,0 +1,76 @@
+"""Shared helpers: the demo configs shrunk to a tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(REPO, "configs")
+WORLD_ENTITIES = 60
+BLOCK_LEN = 64
+VOCAB_SIZE = 1000       # requested; the trained WordPiece vocab may come out smaller
+
+
+def load_config_module(name: str):
+  """Imports `configs/<name>.py` by path (configs/ is not a package)."""
+  path = os.path.join(CONFIGS, f"{name}.py")
+  spec = importlib.util.spec_from_file_location(f"_test_configs_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def tiny_config(task: str = "realm", variant: str | None = None, data_dir: str = "", **overrides):
+  """`configs/demo_ict.py` or `configs/demo_realm.py[:variant]` with a 2-layer d=32 BERT,
+  batch 16, a few steps, small eval, frequent logs and checkpoints.
+
+  `overrides` are dotted names with `__` for the dots: `train__steps=8`.
+  """
+  if task == "ict":
+    assert variant is None
+    config = load_config_module("demo_ict").get_config()
+  else:
+    config = load_config_module("demo_realm").get_config(variant)
+  config.data.dir = data_dir
+  config.data.prefetch = 2
+  m = config.model
+  m.hidden_size, m.num_heads, m.intermediate_size, m.num_layers = 32, 4, 64, 2
+  m.retrieval_dim = 32
+  t = config.train
+  t.batch_size, t.steps, t.log_every, t.checkpoint_every, t.keep_checkpoints = 16, 4, 1, 2, 3
+  t.async_checkpoints = False
+  config.eval.num_examples = 32
+  config.eval.batch_size = 32
+  config.eval.every = 0
+  config.retrieval.embed_batch_size = 256
+  if config.retrieval.mode == "index":
+    config.retrieval.refresh_every = 3
+  for key, value in overrides.items():
+    *parents, leaf = key.split("__")
+    node = config
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def _flatten(config, prefix=""):
+  out = {}
+  for key, value in config.items():
+    if hasattr(value, "items"):
+      out.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def config_flags(config, config_file: str, arg: str | None = None) -> list[str]:
+  """Command-line flags that turn `configs/<config_file>.py[:arg]` into `config`."""
+  module = load_config_module(config_file)
+  base = _flatten(module.get_config(arg))
+  flags = [f"--config={os.path.join(CONFIGS, config_file + '.py')}" + (f":{arg}" if arg else "")]
+  for key, value in _flatten(config).items():
+    if base.get(key) != value:
+      flags.append(f"--config.{key}={value}")
+  return flags

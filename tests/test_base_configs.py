@@ -1,0 +1,70 @@
+"""The paper-scale configs (BERT-base towers, k=8, queries of 96 / 64, blocks of 288, vocab
+30522): the train state is built abstractly (nothing allocated) and one train step is lowered
+and compiled on abstract inputs over the 8 test devices."""
+
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from realm_jax.train import partitioning, state as state_lib, steps
+from realm_jax.train.config_base import validate
+from tests.helpers import CONFIGS, load_config_module
+
+QUERIES = 8           # a small global batch: the shapes that matter are per query
+
+
+def abstract_batch(config, mesh):
+  sharding = partitioning.batch_sharding(mesh)
+  q, lb, m, k = (config.data.query_len, config.data.block_len, config.data.max_masks,
+                 config.retrieval.k)
+  spec = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct((QUERIES,) + shape, dtype,
+                                                              sharding=sharding)
+  if config.task == "ict":
+    return {"query_ids": spec(q), "block_ids": spec(lb), "block_segments": spec(lb)}
+  return {"query_ids": spec(q), "mask_positions": spec(m), "mask_labels": spec(m),
+          "mask_weights": spec(m, dtype=jnp.float32), "candidate_ids": spec(k, lb),
+          "candidate_segments": spec(k, lb), "reader_ids": spec(k, q + lb - 2),
+          "reader_segments": spec(k, q + lb - 2)}
+
+
+@pytest.mark.parametrize("name, task", [("realm_base", "realm"), ("ict_base", "ict")])
+def test_base_config_train_step_compiles(name, task):
+  if not os.path.exists(os.path.join(CONFIGS, f"{name}.py")):
+    pytest.skip(f"configs/{name}.py does not exist yet")
+  config = load_config_module(name).get_config()
+  validate(config)
+  assert config.task == task
+  assert config.model.vocab_size == 30522
+  assert (config.model.hidden_size, config.model.num_layers) == (768, 12)
+  assert config.data.block_len == 288 and config.retrieval.k == 8
+  assert config.data.query_len == (96 if task == "realm" else 64)
+
+  mesh = partitioning.make_mesh(config.mesh.shape)
+  assert QUERIES % mesh.shape["data"] == 0
+  model = state_lib.build_model(config, config.model.vocab_size)
+  abstract, shardings = state_lib.abstract_train_state(config, model, mesh,
+                                                       config.data.block_len)
+  leaves = jax.tree.leaves(abstract)
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+  n_params = sum(x.size for x in jax.tree.leaves(abstract.params))
+  # Three BERT-base towers (query, block, reader) of ~110M each, or fewer with shared towers.
+  towers = 2 if config.model.share_towers else 3
+  assert 100e6 * towers < n_params < 115e6 * towers
+  word = abstract.params["reader"]["bert"]["embeddings"]["word_embeddings"]["embedding"]
+  assert word.shape == (30522, 768)
+
+  step = steps.make_train_step(config, model, shardings, mesh)
+  rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
+  with mesh, nn.logical_axis_rules(partitioning.logical_rules(config.mesh.rules)):
+    lowered = step.jitted.lower(abstract, abstract_batch(config, mesh), rng)
+  compiled = lowered.compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  assert cost["flops"] > 0
+  # The step's outputs keep the state in its shardings.
+  out_state, _ = compiled.output_shardings
+  assert jax.tree.leaves(out_state) == jax.tree.leaves(shardings)

@@ -1,0 +1,73 @@
+"""`python -m realm_jax.train.main`: a bad option is one clear line naming it, exit code 2, no
+traceback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO, config_flags, tiny_config
+
+
+def run_cli(flags, workdir, timeout=300):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if "--xla_force_host_platform_device_count=8" not in env.get("XLA_FLAGS", ""):
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+  return subprocess.run([sys.executable, "-m", "realm_jax.train.main", "--workdir", workdir,
+                         *flags], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def assert_clear_error(result, option):
+  assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+  assert "Traceback" not in result.stderr, result.stderr[-3000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith("realm-train: error:")]
+  assert len(errors) == 1, result.stderr[-3000:]
+  assert option in errors[0], errors[0]
+
+
+@pytest.fixture(scope="module")
+def realm_flags(world_dir):
+  return config_flags(tiny_config("realm", None, world_dir), "demo_realm")
+
+
+@pytest.mark.parametrize("extra, option", [
+    (["--config.retrieval.k=1"], "retrieval.k"),
+    (["--config.retrieval.k=1000"], "retrieval.k"),          # > the ~240 blocks
+    (["--config.data.block_len=4"], "data.block_len"),
+    (["--config.data.block_len=32"], "data.block_len"),      # the data has blocks of 64
+    (["--config.mesh.shape=(3,1)"], "mesh.shape"),           # 8 devices
+    (["--config.task=bogus"], "task"),
+    (["--config.retrieval.mode=bogus"], "retrieval.mode"),
+    (["--config.train.batch_size=100000"], "train.batch_size"),
+], ids=["k=1", "k>blocks", "block_len=4", "block_len!=data", "mesh=3x1", "task", "mode",
+        "batch>examples"])
+def test_bad_option_is_named(realm_flags, tmp_path, extra, option):
+  result = run_cli(realm_flags + extra, str(tmp_path / "w"))
+  assert_clear_error(result, option)
+  assert not os.path.exists(tmp_path / "w" / "checkpoints")
+
+
+def test_missing_data_dir_is_named(realm_flags, tmp_path):
+  result = run_cli(realm_flags + [f"--config.data.dir={tmp_path / 'nowhere'}"],
+                   str(tmp_path / "w"))
+  assert_clear_error(result, "data.dir")
+  assert "nowhere" in result.stderr
+
+
+def test_workdir_of_an_incompatible_config_is_refused(world_dir, tmp_path):
+  workdir = str(tmp_path / "w")
+  config = tiny_config("realm", "warmup", world_dir, train__steps=1)
+  flags = config_flags(config, "demo_realm", "warmup")
+  assert "--config.model.hidden_size=32" in flags
+  first = run_cli(flags, workdir)
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert os.listdir(os.path.join(workdir, "checkpoints")) == ["1"]
+  # Same workdir, wider model: refused before anything is overwritten.
+  with open(os.path.join(workdir, "config.json")) as f:
+    saved = f.read()
+  second = run_cli(flags + ["--config.model.hidden_size=64"], workdir)
+  assert_clear_error(second, "model.hidden_size")
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert f.read() == saved

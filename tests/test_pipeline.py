@@ -1,0 +1,253 @@
+"""The host input pipeline: candidates, salient-span masking, splicing, ICT pairs, sampling —
+on random data against Python references and on the prepared tiny world."""
+
+import numpy as np
+import pytest
+
+from realm_jax.data import pipeline
+from realm_jax.train import batches
+from tests.helpers import tiny_config
+
+MASK_ID, CLS_ID, SEP_ID = 4, 2, 3
+
+
+# -- candidate_rows ----------------------------------------------------------------------------
+
+def reference_candidates(retrieved, query_block, uids, k):
+  out = []
+  for row, q in zip(retrieved, query_block):
+    kept = [int(r) for r in row if uids[r] != uids[q]][:k - 1]
+    out.append([pipeline.NULL_BLOCK] + kept)
+  return np.asarray(out)
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_candidate_rows_drop_own_block_and_duplicates(k):
+  rng = np.random.default_rng(k)
+  num_blocks, n = 50, 64
+  uids = rng.permutation(10_000)[:num_blocks].astype(np.uint64)
+  # Blocks 7 and 31 are exact duplicates (same uid) of blocks 3 and 30.
+  uids[7], uids[31] = uids[3], uids[30]
+  retrieved = np.stack([rng.permutation(num_blocks)[:k + 1] for _ in range(n)])
+  query_block = rng.integers(0, num_blocks, n)
+  # Force the interesting cases: own block retrieved first, own block and its duplicate both
+  # retrieved, the duplicate retrieved without the own block, the own block retrieved last.
+  query_block[:4] = [3, 3, 30, 12]
+  retrieved[0, 0] = 3
+  retrieved[1, :2] = [7, 3]
+  retrieved[2, -1] = 31
+  retrieved[3, -1] = 12
+  for i in range(4):     # keep rows free of repeats after the edits
+    rest = [r for r in rng.permutation(num_blocks) if r not in retrieved[i]]
+    seen = set()
+    for j, r in enumerate(retrieved[i]):
+      if r in seen:
+        retrieved[i, j] = rest.pop()
+      seen.add(retrieved[i, j])
+
+  cands = pipeline.candidate_rows(retrieved, query_block, uids, k)
+  assert cands.shape == (n, k)
+  assert (cands[:, 0] == pipeline.NULL_BLOCK).all()
+  body = cands[:, 1:]
+  assert (body >= 0).all()
+  assert not (uids[body] == uids[query_block][:, None]).any()
+  assert not np.isin(3, body[:2]) and not np.isin(7, body[:2])
+  assert not np.isin(31, body[2]) and not np.isin(30, body[2])
+  np.testing.assert_array_equal(cands, reference_candidates(retrieved, query_block, uids, k))
+
+
+def test_candidate_rows_keep_the_top_k_minus_1_when_nothing_is_trivial():
+  uids = np.arange(20, dtype=np.uint64)
+  retrieved = np.array([[5, 6, 7, 8], [9, 1, 2, 3]])
+  cands = pipeline.candidate_rows(retrieved, np.array([0, 4]), uids, 3)
+  np.testing.assert_array_equal(cands, [[-1, 5, 6], [-1, 9, 1]])
+
+
+# -- salient-span masking ---------------------------------------------------------------------
+
+def test_mask_salient_spans_masks_exactly_the_span():
+  rng = np.random.default_rng(0)
+  n, length, max_masks = 200, 40, 10
+  ids = rng.integers(5, 500, size=(n, length)).astype(np.int32)
+  starts = rng.integers(0, 20, n)
+  widths = rng.integers(1, max_masks + 1, n)
+  spans = np.stack([starts, starts + widths], 1)
+  out = pipeline.mask_salient_spans(ids, spans, max_masks, MASK_ID)
+  assert out["mask_positions"].shape == (n, max_masks)
+  assert (ids >= 5).all(), "input is not modified in place"
+  for i in range(n):
+    s, e = spans[i]
+    masked = np.flatnonzero(out["query_ids"][i] == MASK_ID)
+    np.testing.assert_array_equal(masked, np.arange(1 + s, 1 + e))   # +1: [CLS]
+    unmasked = np.ones(length, bool)
+    unmasked[1 + s:1 + e] = False
+    np.testing.assert_array_equal(out["query_ids"][i][unmasked], ids[i][unmasked])
+    w = e - s
+    np.testing.assert_array_equal(out["mask_weights"][i], np.arange(max_masks) < w)
+    np.testing.assert_array_equal(out["mask_positions"][i, :w], np.arange(1 + s, 1 + e))
+    np.testing.assert_array_equal(out["mask_labels"][i, :w], ids[i, 1 + s:1 + e])
+    assert (out["mask_labels"][i, w:] == 0).all()
+
+
+def test_mask_salient_spans_never_exceeds_max_masks():
+  ids = np.arange(5, 45, dtype=np.int32)[None].repeat(2, 0)
+  spans = np.array([[0, 15], [3, 4]])
+  out = pipeline.mask_salient_spans(ids, spans, 10, MASK_ID)
+  assert (out["query_ids"] == MASK_ID).sum(1).tolist() == [10, 1]
+  assert out["mask_weights"].sum(1).tolist() == [10, 1]
+
+
+def test_world_spans_fit_max_masks_and_mask_their_wordpieces(world_data):
+  for split in ("train", "eval"):
+    ex = world_data.examples(split)
+    assert len(ex) > 0
+    for i in range(len(ex)):
+      n = ex.num_spans[i]
+      assert 1 <= n
+      spans = ex.spans[i, :n]
+      widths = spans[:, 1] - spans[:, 0]
+      assert ((widths >= 1) & (widths <= 10)).all(), (split, i, spans)
+      assert (spans[:, 1] <= ex.lengths[i]).all()
+      assert (ex.spans[i, n:] == -1).all()
+    if split == "eval":
+      widths = ex.target_span[:, 1] - ex.target_span[:, 0]
+      assert ((widths >= 1) & (widths <= 10)).all()
+  # Masked queries of real examples: labels are the sentence's wordpieces under the span.
+  config = tiny_config("realm")
+  ex = world_data.examples("train")
+  rows = np.arange(len(ex))
+  spans = pipeline.choose_spans(ex, rows, np.random.default_rng(0).random(len(rows)))
+  tok = world_data.tokenizer
+  q = batches.masked_queries(ex, rows, spans, config, tok.cls_id, tok.sep_id, tok.mask_id)
+  for i in rows:
+    s, e = spans[i]
+    w = int(q["mask_weights"][i].sum())
+    assert w == e - s
+    np.testing.assert_array_equal(q["mask_labels"][i, :w], ex.tokens[i, s:e])
+    assert (q["query_ids"][i] == tok.mask_id).sum() == w
+    assert q["query_ids"][i, 0] == tok.cls_id
+    assert q["query_ids"][i, q["query_len"][i] - 1] == tok.sep_id
+
+
+# -- splice and reader inputs -----------------------------------------------------------------
+
+def test_splice_matches_python_reference():
+  rng = np.random.default_rng(1)
+  shape, la, lb, out_len = (7, 3), 12, 20, 24
+  a = rng.integers(1, 100, size=shape + (la,))
+  b = rng.integers(1, 100, size=shape + (lb,))
+  a_len = rng.integers(0, la + 1, size=shape)
+  b_start = rng.integers(0, lb + 1, size=shape)
+  b_end = np.minimum(b_start + rng.integers(0, lb + 1, size=shape), lb)
+  got = pipeline.splice(a, a_len, b, b_start, b_end, out_len)
+  assert got.shape == shape + (out_len,) and got.dtype == np.int32
+  for idx in np.ndindex(*shape):
+    ref = list(a[idx][:a_len[idx]]) + list(b[idx][b_start[idx]:b_end[idx]])
+    ref = (ref + [0] * out_len)[:out_len]
+    np.testing.assert_array_equal(got[idx], ref, err_msg=str(idx))
+
+
+def test_reader_inputs_are_query_then_block_body(world_data):
+  tok, blocks = world_data.tokenizer, world_data.blocks
+  config = tiny_config("realm")
+  ex = world_data.examples("train")
+  rows = np.arange(0, len(ex), 37)
+  spans = ex.spans[rows, 0]
+  q = batches.masked_queries(ex, rows, spans, config, tok.cls_id, tok.sep_id, tok.mask_id)
+  rng = np.random.default_rng(2)
+  cand_rows = np.concatenate([np.full((len(rows), 1), pipeline.NULL_BLOCK),
+                              rng.integers(0, blocks.num_blocks, (len(rows), 3))], 1)
+  cands = pipeline.candidate_inputs(blocks, cand_rows, tok.cls_id, tok.sep_id)
+  reader_len = config.data.query_len + blocks.block_len - 2
+  ids, segments = pipeline.reader_inputs(q["query_ids"], q["query_len"], cands, reader_len)
+  assert ids.shape == segments.shape == (len(rows), 4, reader_len)
+  for i in range(len(rows)):
+    query = list(q["query_ids"][i, :q["query_len"][i]])
+    assert query[0] == tok.cls_id and query[-1] == tok.sep_id
+    for j, row in enumerate(cand_rows[i]):
+      if row == pipeline.NULL_BLOCK:
+        body = [tok.sep_id]                                    # `[CLS] x [SEP] [SEP]`
+        np.testing.assert_array_equal(cands["candidate_ids"][i, j, :3],
+                                      [tok.cls_id, tok.sep_id, tok.sep_id])
+        assert (cands["candidate_ids"][i, j, 3:] == 0).all()
+      else:
+        body = list(blocks.tokens[row][blocks.body_start[row]:blocks.lengths[row]])
+        assert body[-1] == tok.sep_id
+        np.testing.assert_array_equal(cands["candidate_ids"][i, j], blocks.tokens[row])
+        np.testing.assert_array_equal(cands["candidate_segments"][i, j],
+                                      blocks.segments(np.array([row]))[0])
+      ref = query + body
+      ref_ids = np.array(ref + [0] * (reader_len - len(ref)))
+      np.testing.assert_array_equal(ids[i, j], ref_ids)
+      ref_seg = np.zeros(reader_len, int)
+      ref_seg[len(query):len(ref)] = 1
+      np.testing.assert_array_equal(segments[i, j], ref_seg)
+
+
+# -- ICT --------------------------------------------------------------------------------------
+
+def test_ict_inputs_cut_the_query_sentence_out_of_its_block(world_data):
+  tok, blocks = world_data.tokenizer, world_data.blocks
+  ex = world_data.examples("train")
+  rows = np.arange(len(ex))
+  remove = np.random.default_rng(3).random(len(rows)) < 0.5
+  out = pipeline.ict_inputs(ex, blocks, rows, 40, remove, tok.cls_id, tok.sep_id)
+  assert out["block_ids"].shape == (len(rows), blocks.block_len)
+  for i in rows:
+    sentence = list(ex.tokens[i, :ex.lengths[i]])
+    np.testing.assert_array_equal(out["query_ids"][i, :len(sentence) + 2],
+                                  [tok.cls_id] + sentence + [tok.sep_id])
+    b = ex.block[i]
+    original = list(blocks.tokens[b][:blocks.lengths[b]])
+    s, e = ex.block_offsets[i]
+    assert original[s:e] == sentence          # the offsets locate the sentence in its block
+    expected = original[:s] + original[e:] if remove[i] else original
+    row = out["block_ids"][i]
+    np.testing.assert_array_equal(row, expected + [0] * (blocks.block_len - len(expected)))
+    seg = np.zeros(blocks.block_len, int)
+    seg[blocks.body_start[b]:len(expected)] = 1
+    np.testing.assert_array_equal(out["block_segments"][i], seg)
+  assert remove.any() and (~remove).any()
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+def test_batch_sampler_is_deterministic_and_covers_each_epoch():
+  a = pipeline.BatchSampler(100, 16, seed=5)
+  b = pipeline.BatchSampler(100, 16, seed=5)
+  for step in (0, 3, 7, 12):
+    np.testing.assert_array_equal(a.global_indices(step), b.global_indices(step))
+    np.testing.assert_array_equal(a.step_rng(step).random(4), b.step_rng(step).random(4))
+  assert not np.array_equal(a.global_indices(0), a.global_indices(1))
+  assert not np.array_equal(a.step_rng(0).random(4), a.step_rng(1).random(4))
+  other_seed = pipeline.BatchSampler(100, 16, seed=6)
+  assert not np.array_equal(a.global_indices(0), other_seed.global_indices(0))
+  # 25 batches of 16 = 4 epochs of 100: each epoch visits every example once.
+  stream = np.concatenate([a.global_indices(s) for s in range(25)])
+  for epoch in range(4):
+    assert sorted(stream[epoch * 100:(epoch + 1) * 100]) == list(range(100))
+  # Out-of-order access (as after a resume) gives the same batches.
+  fresh = pipeline.BatchSampler(100, 16, seed=5)
+  np.testing.assert_array_equal(fresh.global_indices(12), a.global_indices(12))
+
+
+def test_process_slices_partition_the_global_batch(world_data):
+  count = 4
+  samplers = [pipeline.BatchSampler(100, 16, 5, p, count) for p in range(count)]
+  for step in (0, 9):
+    full = samplers[0].global_indices(step)
+    parts = [s.global_indices(step)[s.local] for s in samplers]
+    assert all(len(p) == 4 for p in parts)
+    np.testing.assert_array_equal(np.concatenate(parts), full)
+  with pytest.raises(ValueError):
+    pipeline.BatchSampler(100, 18, 5, 0, 4)
+  # Whole query batches (masking randomness included) do not depend on the process count.
+  for task in ("realm", "ict"):
+    config = tiny_config(task)
+    ex = world_data.examples("train")
+    single = batches.QueryBatches(config, world_data, ex)(3)
+    parts = [batches.QueryBatches(config, world_data, ex, p, 2)(3) for p in range(2)]
+    assert set(single) == set(parts[0])
+    for key in single:
+      np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), single[key],
+                                    err_msg=f"{task}/{key}")

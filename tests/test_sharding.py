@@ -1,0 +1,190 @@
+"""One train step on a single device, on a 1x8 (tensor-parallel) mesh and on a 2x4 mesh: same
+loss, same gradients; and the parameter shardings the default rules give.
+
+The model is sized so every tensor-parallel dim divides 8: hidden 64, 8 heads, mlp 128, and
+`model.vocab_size` set explicitly to the tokenizer's vocab rounded up to a multiple of 8
+(state and steps are built directly, so the data-dir vocab check of `validate` does not apply;
+the extra embedding rows are simply never looked up)."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from realm_jax.train import batches, partitioning, state as state_lib, steps
+from tests.helpers import tiny_config
+
+MESHES = {"1 device": (1, 1), "1x8": (1, 8), "2x4": (2, 4)}
+
+
+def sharding_config(task, world_dir, vocab_size):
+  config = tiny_config(task, "warmup" if task == "realm" else None, world_dir)
+  m = config.model
+  m.hidden_size, m.num_heads, m.intermediate_size, m.retrieval_dim = 64, 8, 128, 32
+  m.vocab_size = -(-vocab_size // 8) * 8
+  if task == "realm":
+    config.train.retriever_lr_scale = 0.1     # train both halves: gradients everywhere
+  return config
+
+
+def host_batch(config, data):
+  examples = data.examples("train")
+  queries = batches.QueryBatches(config, data, examples)(0)
+  if config.task == "ict":
+    return queries
+  cands = batches.candidates_for(config, data, queries, None)
+  assert cands.shape[1] == 2                      # null + own block
+  return batches.realm_batch(config, data, queries, cands)
+
+
+def reference_state(config, data):
+  """The train state initialised once, on a single device."""
+  model = state_lib.build_model(config, data.tokenizer.vocab_size)
+  mesh = partitioning.make_mesh((1, 1), jax.devices()[:1])
+  state, _, _ = state_lib.create_train_state(config, model, mesh, data.blocks.block_len,
+                                             jax.random.PRNGKey(0))
+  return model, jax.device_get(state)
+
+
+def run_on_mesh(config, data, model, host_state, mesh_shape, train_step):
+  """Loss and gradients (jax.grad of the task's loss fn under the mesh and the logical rules),
+  and optionally the metrics of the jitted train step, for the same state and batch."""
+  devices = jax.devices()[:int(np.prod(mesh_shape))]
+  mesh = partitioning.make_mesh(mesh_shape, devices)
+  _, shardings = state_lib.abstract_train_state(config, model, mesh, data.blocks.block_len)
+  params = jax.tree.map(jax.device_put, host_state.params, shardings.params)
+  batch = partitioning.global_batch(host_batch(config, data), mesh)
+  rules = partitioning.logical_rules(config.mesh.rules)
+  loss_fn = steps.LOSS_FNS[config.task]
+  rng = jax.random.PRNGKey(1)
+
+  def grads_fn(params, batch, rng):
+    return jax.value_and_grad(loss_fn, has_aux=True)(params, model, batch, config, rng)
+
+  with mesh, nn.logical_axis_rules(rules):
+    (loss, _), grads = jax.jit(grads_fn, in_shardings=(
+        shardings.params, partitioning.batch_sharding(mesh), partitioning.replicated(mesh)))(
+            params, batch, jax.random.fold_in(rng, 0))
+  out = {"mesh": mesh, "shardings": shardings, "loss": float(loss),
+         "grads": jax.device_get(grads)}
+  if train_step:
+    # Leaf by leaf: the state takes the treedef (optimizer object included) of `shardings`.
+    state = jax.tree.unflatten(jax.tree.structure(shardings), [
+        jax.device_put(x, s) for x, s in zip(jax.tree.leaves(host_state),
+                                             jax.tree.leaves(shardings), strict=True)])
+    _, metrics = steps.make_train_step(config, model, shardings, mesh)(state, batch, rng)
+    out["metrics"] = jax.device_get(metrics)
+  return out
+
+
+_RUNS = {}
+
+
+def runs_for(task, world_dir, world_data):
+  """Runs of `task` on the meshes (computed once per module)."""
+  if task not in _RUNS:
+    config = sharding_config(task, world_dir, world_data.tokenizer.vocab_size)
+    if task == "realm":
+      model, host_state = reference_state(config, world_data)
+    else:   # same model, same parameter tree: reuse REALM's initial state (params only used)
+      _, host_state, _ = runs_for("realm", world_dir, world_data)
+      model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
+    # ICT's own concern is the in-batch softmax over a batch split across `data`: 2x4 has it
+    # (its tensor-parallel towers are the ones the REALM loss runs too).
+    names = MESHES if task == "realm" else ("1 device", "2x4")
+    runs = {name: run_on_mesh(config, world_data, model, host_state, MESHES[name],
+                              train_step=name == "2x4" and task == "realm")
+            for name in names}
+    _RUNS[task] = config, host_state, runs
+  return _RUNS[task]
+
+
+@pytest.fixture(scope="module", params=["realm", "ict"])
+def results(request, world_dir, world_data):
+  yield runs_for(request.param, world_dir, world_data)
+
+
+@pytest.fixture(scope="module")
+def realm_results(world_dir, world_data):
+  yield runs_for("realm", world_dir, world_data)
+  _RUNS.clear()
+
+
+def flat(tree):
+  return {jax.tree_util.keystr(p): np.asarray(v)
+          for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_same_loss_and_gradients_on_every_mesh(results):
+  config, _, runs = results
+  ref = runs["1 device"]
+  ref_grads = flat(ref["grads"])
+  assert np.isfinite(ref["loss"]) and ref["loss"] > 0
+  # Both halves (for ICT the retriever alone) get real gradients.
+  nonzero = {k for k, g in ref_grads.items() if np.abs(g).max() > 0}
+  assert any("retriever" in k for k in nonzero)
+  assert any("reader" in k for k in nonzero) == (config.task == "realm")
+  for name in set(runs) - {"1 device"}:
+    run = runs[name]
+    np.testing.assert_allclose(run["loss"], ref["loss"], rtol=1e-5, atol=1e-5, err_msg=name)
+    grads = flat(run["grads"])
+    assert grads.keys() == ref_grads.keys()
+    for key, g in ref_grads.items():
+      np.testing.assert_allclose(grads[key], g, rtol=1e-5, atol=1e-5, err_msg=f"{name} {key}")
+    # Relative to the gradient's size too (ICT's gradients at init are small: its towers
+    # barely tell the blocks apart yet, so float32 keeps only ~3 digits of them).
+    diff = np.sqrt(sum(float(((grads[k] - g) ** 2).sum()) for k, g in ref_grads.items()))
+    assert diff <= (1e-4 if config.task == "realm" else 1e-2) * global_norm(ref_grads), name
+  if config.task != "realm":
+    return
+  # The jitted train step (2x4 mesh) reports the same loss and gradient norm.
+  metrics = runs["2x4"]["metrics"]
+  np.testing.assert_allclose(metrics["loss"], ref["loss"], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(metrics["grad_norm"], global_norm(ref_grads), rtol=1e-4)
+
+
+def global_norm(grads):
+  return np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads.values()))
+
+
+def spec(sharding):
+  """PartitionSpec as a tuple without trailing Nones (P(None,) and P() are the same layout)."""
+  entries = list(sharding.spec)
+  while entries and entries[-1] is None:
+    entries.pop()
+  return tuple(entries)
+
+
+def test_default_rules_shard_parameters_over_model(realm_results):
+  config, _, runs = realm_results
+  run = runs["1x8"]
+  shardings, mesh = run["shardings"], run["mesh"]
+  tower = "tower" if config.model.share_towers else "query_tower"
+  for half in (("reader", "bert"), ("retriever", tower, "bert")):
+    node = shardings.params
+    for key in half:
+      node = node[key]
+    assert spec(node["embeddings"]["word_embeddings"]["embedding"]) == ("model",)
+    assert spec(node["embeddings"]["position_embeddings"]["embedding"]) == ()
+    layer = node["encoder"]["0"]
+    assert spec(layer["attention"]["self"]["query"]["kernel"]) == (None, "model")
+    assert spec(layer["attention"]["self"]["query"]["bias"]) == ("model",)
+    assert spec(layer["attention"]["output"]["dense"]["kernel"]) == ("model",)
+    assert spec(layer["intermediate"]["dense"]["kernel"]) == (None, "model")
+    assert spec(layer["output"]["dense"]["kernel"]) == ("model",)
+    assert spec(layer["output"]["LayerNorm"]["scale"]) == ()
+  assert spec(shardings.params["reader"]["cls"]["bias"]) == ("model",)
+  assert spec(shardings.params["retriever"][tower]["projection"]["kernel"]) == ()
+  assert spec(shardings.step) == ()
+  assert all(s.mesh == mesh for s in jax.tree_util.tree_leaves(shardings))
+  # Adam moments follow their parameter's sharding.
+  for leaf_path, leaf in jax.tree_util.tree_flatten_with_path(shardings.opt_state)[0]:
+    names = jax.tree_util.keystr(leaf_path)
+    if names.endswith("['word_embeddings']['embedding']"):
+      assert spec(leaf) == ("model",), names
+    if names.endswith("['query']['kernel']"):
+      assert spec(leaf) == (None, "model"), names
+  # On the 2x4 mesh a vocab row shard is vocab / 4 rows.
+  word = runs["2x4"]["shardings"].params["reader"]["bert"]["embeddings"]["word_embeddings"]
+  shape = (config.model.vocab_size, config.model.hidden_size)
+  assert word["embedding"].shard_shape(shape) == (config.model.vocab_size // 4, 64)

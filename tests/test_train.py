@@ -1,0 +1,151 @@
+"""End to end through `realm_jax.train.loop.train`: ICT -> reader warm-up -> REALM (index
+refreshes), the files each stage leaves, and an interrupted-and-resumed REALM run that
+reproduces the uninterrupted one step for step."""
+
+import glob
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from realm_jax.train import partitioning, state as state_lib
+from realm_jax.train.checkpoints import restore_params
+from realm_jax.train.loop import train
+from realm_jax.train.metrics import read_jsonl
+from tests.helpers import tiny_config
+
+REALM_STEPS, REFRESH_EVERY, CHECKPOINT_EVERY = 8, 3, 4
+
+
+def realm_config(world_dir, warmup_dir, steps):
+  # A warm-up longer than the run keeps the learning rate independent of train.steps (the
+  # decay that follows the warm-up depends on it), and a large retriever lr makes every step
+  # move the parameters and the index enough that a wrong restore would show in the losses.
+  return tiny_config("realm", None, world_dir, train__steps=steps,
+                     train__checkpoint_every=CHECKPOINT_EVERY, train__warmup_steps=10,
+                     train__retriever_lr_scale=1.0, retrieval__refresh_every=REFRESH_EVERY,
+                     init__from_workdir=warmup_dir)
+
+
+@pytest.fixture(scope="module")
+def stages(world_dir, tmp_path_factory):
+  """The three demo stages, a few steps each, every one started from the previous one."""
+  root = tmp_path_factory.mktemp("stages")
+  dirs = {name: str(root / name) for name in ("ict", "warmup", "realm")}
+  configs = {
+      "ict": tiny_config("ict", None, world_dir, train__steps=3, train__checkpoint_every=2),
+      "warmup": tiny_config("realm", "warmup", world_dir, train__steps=3,
+                            init__from_workdir=dirs["ict"]),
+      "realm": realm_config(world_dir, dirs["warmup"], REALM_STEPS),
+  }
+  summaries = {}
+  for name in ("ict", "warmup", "realm"):
+    summaries[name] = train(configs[name], dirs[name])
+  return dirs, configs, summaries
+
+
+def checkpoint_steps(workdir):
+  return sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+
+
+def saved_params(config, workdir, world_data):
+  model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
+  mesh = partitioning.make_mesh(config.mesh.shape)
+  abstract, _ = state_lib.abstract_train_state(config, model, mesh, world_data.blocks.block_len)
+  params, step = restore_params(workdir, abstract.params)
+  return jax.device_get(params), step
+
+
+def flat(tree):
+  return {jax.tree_util.keystr(p): np.asarray(v)
+          for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize("name, steps, checkpoints, eval_keys, train_keys", [
+    ("ict", 3, [2, 3], {"recall_at_1", "recall_at_5"}, {"loss", "ict_accuracy", "grad_norm"}),
+    ("warmup", 3, [2, 3], {"span_accuracy", "retrieval_utility"},
+     {"loss", "retrieval_utility", "null_doc_prob", "grad_norm"}),
+    ("realm", REALM_STEPS, [4, 8], {"recall_at_1", "recall_at_5", "span_accuracy",
+                                    "retrieval_utility"},
+     {"loss", "retrieval_utility", "index_staleness", "grad_norm"}),
+])
+def test_stage_outputs(stages, name, steps, checkpoints, eval_keys, train_keys):
+  dirs, configs, summaries = stages
+  workdir = dirs[name]
+  rows = read_jsonl(os.path.join(workdir, "metrics", "train.jsonl"))
+  assert [r["step"] for r in rows] == list(range(1, steps + 1))
+  for r in rows:
+    assert train_keys <= set(r), set(r)
+    assert np.isfinite(r["loss"]) and r["loss"] > 0
+  assert glob.glob(os.path.join(workdir, "tb", "train", "events.out.tfevents.*"))
+  assert glob.glob(os.path.join(workdir, "tb", "eval", "events.out.tfevents.*"))
+  evals = read_jsonl(os.path.join(workdir, "metrics", "eval.jsonl"))
+  assert [e["step"] for e in evals] == [steps]
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  assert summary["task"] == configs[name].task and summary["steps"] == steps
+  assert {f"eval_{k}" for k in eval_keys} <= set(summary), set(summary)
+  assert summary["eval_num_examples"] == configs[name].eval.num_examples
+  for key in eval_keys:
+    value = summary[f"eval_{key}"]
+    assert value == evals[0][key]
+    if "recall" in key or "accuracy" in key:
+      assert 0.0 <= value <= 1.0
+  if name == "ict":
+    assert "eval_span_accuracy" not in summary
+  if name == "warmup":     # own-block candidates: no index, no recall
+    assert not any("recall" in k for k in summary)
+  if name != "ict":
+    assert len(summary["examples"]) == 5
+    assert {"query", "answer", "prediction", "evidence"} <= set(summary["examples"][0])
+  assert summaries[name]["steps"] == steps
+  assert checkpoint_steps(workdir) == checkpoints
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["task"] == configs[name].task
+
+
+def test_index_refreshes_every_refresh_every_steps(stages):
+  dirs, _, _ = stages
+  rows = read_jsonl(os.path.join(dirs["realm"], "metrics", "train.jsonl"))
+  # The index was built at steps 0, 3, 6: step s (1-based) ran on an index (s-1) % 3 old.
+  assert [r["index_staleness"] for r in rows] == [(s - 1) % REFRESH_EVERY
+                                                  for s in range(1, REALM_STEPS + 1)]
+
+
+def test_warmup_starts_from_ict_and_keeps_the_frozen_retriever(stages, world_data):
+  dirs, configs, _ = stages
+  ict, ict_step = saved_params(configs["ict"], dirs["ict"], world_data)
+  warm, warm_step = saved_params(configs["warmup"], dirs["warmup"], world_data)
+  assert ict_step == warm_step == 3
+  # The warm-up froze the retriever (lr scale 0): it is exactly ICT's trained retriever.
+  ict_retriever, warm_retriever = flat(ict["retriever"]), flat(warm["retriever"])
+  for key, value in ict_retriever.items():
+    np.testing.assert_array_equal(warm_retriever[key], value, err_msg=key)
+  # ... while the reader (frozen in ICT) did train.
+  ict_reader, warm_reader = flat(ict["reader"]), flat(warm["reader"])
+  assert any(not np.array_equal(warm_reader[k], v) for k, v in ict_reader.items())
+
+
+def test_resumed_run_matches_the_uninterrupted_one(stages, world_dir, world_data, tmp_path):
+  dirs, configs, _ = stages
+  resumed = str(tmp_path / "resumed")
+  train(realm_config(world_dir, dirs["warmup"], CHECKPOINT_EVERY), resumed)
+  assert checkpoint_steps(resumed) == [CHECKPOINT_EVERY]
+  train(realm_config(world_dir, dirs["warmup"], REALM_STEPS), resumed)
+  assert checkpoint_steps(resumed) == [CHECKPOINT_EVERY, REALM_STEPS]
+
+  straight = read_jsonl(os.path.join(dirs["realm"], "metrics", "train.jsonl"))
+  again = read_jsonl(os.path.join(resumed, "metrics", "train.jsonl"))
+  assert [r["step"] for r in again] == list(range(1, REALM_STEPS + 1))
+  for a, b in zip(straight, again):
+    for key in ("loss", "retrieval_utility", "grad_norm", "index_staleness"):
+      np.testing.assert_allclose(b[key], a[key], rtol=0, atol=1e-6,
+                                 err_msg=f"step {a['step']} {key}")
+  # Same final parameters, too.
+  a_params, _ = saved_params(configs["realm"], dirs["realm"], world_data)
+  b_params, _ = saved_params(configs["realm"], resumed, world_data)
+  b_flat = flat(b_params)
+  for key, value in flat(a_params).items():
+    np.testing.assert_allclose(b_flat[key], value, rtol=0, atol=1e-6, err_msg=key)
