@@ -33,8 +33,8 @@ def get_config(arg=None):
     c.retrieval.mode = "own_block"
     c.retrieval.k = 2
     c.train.retriever_lr_scale = 0.0
-    c.train.lr = 2e-3                # copying from a block "clicks" after ~400 steps
-    c.train.steps = 1000
+    c.train.lr = 2e-3                # copying from a block "clicks" after ~600 steps
+    c.train.steps = 1200
     c.eval.every = 0
   elif variant == "no_retrieval":
     c.retrieval.mode = "null_only"

@@ -152,7 +152,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description="REALM demo on the generated knowledge world")
   parser.add_argument("--workdir", default="runs/demo", help="where everything is written")
   parser.add_argument("--seed", type=int, default=0, help="world and initialisation seed")
-  parser.add_argument("--entities", type=int, default=600, help="entities in the world "
+  parser.add_argument("--entities", type=int, default=2000, help="entities in the world "
                       "(about 4 blocks each)")
   args = parser.parse_args()
   from absl import logging

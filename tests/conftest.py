@@ -24,11 +24,13 @@ from tests import helpers  # noqa: E402
 
 @pytest.fixture(scope="session")
 def world_dir(tmp_path_factory) -> str:
-  """A prepared data dir of a 60-entity world (about 240 blocks of 64 wordpieces)."""
+  """A prepared data dir of a 60-entity world (about 240 blocks), in the data shapes of the
+  demo configs (block_len, query_len) so that they run on it unchanged."""
   from realm_jax.data.world_corpus import prepare_world
+  demo = helpers.load_config_module("demo_realm").get_config().data
   out = str(tmp_path_factory.mktemp("world"))
-  prepare_world(out, num_entities=helpers.WORLD_ENTITIES, seed=0, block_len=helpers.BLOCK_LEN,
-                vocab_size=helpers.VOCAB_SIZE)
+  prepare_world(out, num_entities=helpers.WORLD_ENTITIES, seed=0, block_len=demo.block_len,
+                max_sentence_len=demo.query_len - 2, vocab_size=helpers.VOCAB_SIZE)
   return out
 
 

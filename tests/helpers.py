@@ -8,7 +8,6 @@ import os
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "configs")
 WORLD_ENTITIES = 60
-BLOCK_LEN = 64
 VOCAB_SIZE = 1000       # requested; the trained WordPiece vocab may come out smaller
 
 
@@ -39,7 +38,6 @@ def tiny_config(task: str = "realm", variant: str | None = None, data_dir: str =
   m.retrieval_dim = 32
   t = config.train
   t.batch_size, t.steps, t.log_every, t.checkpoint_every, t.keep_checkpoints = 16, 4, 1, 2, 3
-  t.async_checkpoints = False
   config.eval.num_examples = 32
   config.eval.batch_size = 32
   config.eval.every = 0

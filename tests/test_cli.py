@@ -9,6 +9,8 @@ import pytest
 
 from tests.helpers import REPO, config_flags, tiny_config
 
+DATA_BLOCK_LEN = tiny_config("realm").data.block_len     # what the world_dir fixture uses
+
 
 def run_cli(flags, workdir, timeout=300):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -36,7 +38,7 @@ def realm_flags(world_dir):
     (["--config.retrieval.k=1"], "retrieval.k"),
     (["--config.retrieval.k=1000"], "retrieval.k"),          # > the ~240 blocks
     (["--config.data.block_len=4"], "data.block_len"),
-    (["--config.data.block_len=32"], "data.block_len"),      # the data has blocks of 64
+    ([f"--config.data.block_len={DATA_BLOCK_LEN + 8}"], "data.block_len"),  # != the data's
     (["--config.mesh.shape=(3,1)"], "mesh.shape"),           # 8 devices
     (["--config.task=bogus"], "task"),
     (["--config.retrieval.mode=bogus"], "retrieval.mode"),

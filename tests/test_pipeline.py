@@ -191,7 +191,8 @@ def test_ict_inputs_cut_the_query_sentence_out_of_its_block(world_data):
   ex = world_data.examples("train")
   rows = np.arange(len(ex))
   remove = np.random.default_rng(3).random(len(rows)) < 0.5
-  out = pipeline.ict_inputs(ex, blocks, rows, 40, remove, tok.cls_id, tok.sep_id)
+  query_len = tiny_config("ict").data.query_len
+  out = pipeline.ict_inputs(ex, blocks, rows, query_len, remove, tok.cls_id, tok.sep_id)
   assert out["block_ids"].shape == (len(rows), blocks.block_len)
   for i in rows:
     sentence = list(ex.tokens[i, :ex.lengths[i]])

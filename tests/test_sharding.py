@@ -187,4 +187,5 @@ def test_default_rules_shard_parameters_over_model(realm_results):
   # On the 2x4 mesh a vocab row shard is vocab / 4 rows.
   word = runs["2x4"]["shardings"].params["reader"]["bert"]["embeddings"]["word_embeddings"]
   shape = (config.model.vocab_size, config.model.hidden_size)
-  assert word["embedding"].shard_shape(shape) == (config.model.vocab_size // 4, 64)
+  assert word["embedding"].shard_shape(shape) == (config.model.vocab_size // 4,
+                                                  config.model.hidden_size)

@@ -70,7 +70,7 @@ def flat(tree):
     ("realm", REALM_STEPS, [4, 8], {"recall_at_1", "recall_at_5", "span_accuracy",
                                     "retrieval_utility"},
      {"loss", "retrieval_utility", "index_staleness", "grad_norm"}),
-])
+], ids=["ict", "warmup", "realm"])
 def test_stage_outputs(stages, name, steps, checkpoints, eval_keys, train_keys):
   dirs, configs, summaries = stages
   workdir = dirs[name]

@@ -94,7 +94,7 @@ def demo_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.model.hidden_size = 128
   c.model.num_layers = 2
   c.model.num_heads = 4
-  c.model.intermediate_size = 512
+  c.model.intermediate_size = 256   # 2x hidden: the REALM step is compute-bound on 2 cores
   c.model.max_position = 128
   c.model.dropout_rate = 0.0
   c.model.share_towers = True      # one tower: ICT learns in 300 steps (separate: it stalls)
