@@ -2,7 +2,8 @@
 
 Variants by arg:
   realm          (default) REALM: retrieval from the index, retriever lr 10x below the reader's
-  warmup         reader warm-up: candidates = null + the query's own block, retriever frozen
+  warmup         reader warm-up: the reader reads the query's own block (the retriever plays
+                 no part and stays frozen); the null document is read only to measure utility
   no_retrieval   the baseline: the null document only, same encoder and steps
 
   realm-train --config configs/demo_realm.py:warmup --workdir runs/demo/warmup \
@@ -24,7 +25,7 @@ def get_config(arg=None):
   c.retrieval.refresh_every = 100
   c.train.batch_size = 32
   c.train.lr = 1e-3
-  c.train.retriever_lr_scale = 0.1   # the retriever moves 10x slower than the reader
+  c.train.retriever_lr_scale = 0.3   # the retriever moves 3x slower than the reader
   c.train.steps = 600
   c.train.log_every = 50
   c.train.checkpoint_every = 200
@@ -34,7 +35,7 @@ def get_config(arg=None):
     c.retrieval.k = 2
     c.train.retriever_lr_scale = 0.0
     c.train.lr = 2e-3                # copying from a block "clicks" after ~600 steps
-    c.train.steps = 1200
+    c.train.steps = 2500
     c.eval.every = 0
   elif variant == "no_retrieval":
     c.retrieval.mode = "null_only"

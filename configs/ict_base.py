@@ -15,7 +15,7 @@ Variants by arg:
          smoke test of a launch on the real prepared data
 """
 
-from realm_jax.train.config_base import base_config
+from realm_jax.train.config_base import base_config, tiny_model
 
 VARIANTS = ("base", "small")
 
@@ -39,10 +39,7 @@ def get_config(arg=None):
 
 def _small(c):
   """Shrinks the model, batch and schedule; keeps the data shapes so the same data dir works."""
-  c.model.hidden_size = 128        # a 2-layer d=128 BERT per tower
-  c.model.num_layers = 2           # transformer layers per tower
-  c.model.num_heads = 4            # attention heads (head dim 32)
-  c.model.intermediate_size = 512  # feed-forward width
+  tiny_model(c)                    # a 2-layer d=128 BERT per tower
   c.train.batch_size = 64          # in-batch negatives per step
   c.train.steps = 40               # a few steps and one checkpoint
   c.train.log_every = 10           # progress every 10 steps

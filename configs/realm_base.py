@@ -19,7 +19,7 @@ Variants by arg:
          batch and a few steps: a smoke test of a launch on the real prepared data
 """
 
-from realm_jax.train.config_base import base_config
+from realm_jax.train.config_base import base_config, tiny_model
 
 VARIANTS = ("base", "small")
 
@@ -37,10 +37,7 @@ def get_config(arg=None):
 
 def _small(c):
   """Shrinks the model, batch and schedule; keeps the data shapes so the same data dir works."""
-  c.model.hidden_size = 128        # a 2-layer d=128 BERT per tower
-  c.model.num_layers = 2           # transformer layers per tower
-  c.model.num_heads = 4            # attention heads (head dim 32)
-  c.model.intermediate_size = 512  # feed-forward width
+  tiny_model(c)                    # a 2-layer d=128 BERT per tower
   c.train.batch_size = 16          # queries per step
   c.train.steps = 40               # long enough to cross a refresh and a checkpoint
   c.train.log_every = 10           # progress every 10 steps

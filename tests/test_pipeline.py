@@ -63,6 +63,14 @@ def test_candidate_rows_keep_the_top_k_minus_1_when_nothing_is_trivial():
   np.testing.assert_array_equal(cands, [[-1, 5, 6], [-1, 9, 1]])
 
 
+def test_candidate_rows_never_keep_a_trivial_block_even_with_many_duplicates():
+  # Blocks 0..3 are all copies of the query's own block: more than the one spare slot.
+  uids = np.array([9, 9, 9, 9, 1, 2, 3, 4], dtype=np.uint64)
+  retrieved = np.array([[0, 1, 2, 4, 3]])
+  cands = pipeline.candidate_rows(retrieved, np.array([0]), uids, 4)
+  np.testing.assert_array_equal(cands, [[-1, 4, -1, -1]])
+
+
 # -- salient-span masking ---------------------------------------------------------------------
 
 def test_mask_salient_spans_masks_exactly_the_span():

@@ -117,6 +117,8 @@ def candidate_rows(retrieved: np.ndarray, query_block: np.ndarray, uids: np.ndar
   trivial = uids[retrieved] == uids[query_block][:, None]
   order = np.argsort(trivial, axis=1, kind="stable")
   kept = np.take_along_axis(retrieved, order, axis=1)[:, :k - 1]
+  # More trivial duplicates than the one spare slot: the leftovers become null documents.
+  kept = np.where(np.take_along_axis(trivial, order, axis=1)[:, :k - 1], NULL_BLOCK, kept)
   return np.concatenate([np.full((len(retrieved), 1), NULL_BLOCK), kept], axis=1)
 
 

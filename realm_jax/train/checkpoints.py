@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 
 ITEMS = ("params", "opt", "data", "retrieval")
@@ -65,7 +64,8 @@ def restore_params(workdir: str, abstract_params, step: int | None = None):
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoints under {directory}")
   manager = ocp.CheckpointManager(directory, item_names=ITEMS,
-                                  options=ocp.CheckpointManagerOptions(read_only=True))
+                                  options=ocp.CheckpointManagerOptions(
+                                      read_only=True, create=False, save_interval_steps=0))
   step = manager.latest_step() if step is None else step
   if step is None:
     raise FileNotFoundError(f"no finished checkpoint under {directory}")
@@ -74,8 +74,3 @@ def restore_params(workdir: str, abstract_params, step: int | None = None):
   manager.close()
   return restored.params, step
 
-
-def abstract_like(tree) -> Any:
-  """ShapeDtypeStructs (with shardings) of a tree of arrays."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                      tree)

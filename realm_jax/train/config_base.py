@@ -46,7 +46,9 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.retrieval = ml_collections.ConfigDict()
   c.retrieval.mode = "index"       # "index": top-k from the block index; "own_block": null +
-                                   # the query's source block (reader warm-up); "null_only":
+                                   # the query's source block, all prior mass on the block
+                                   # (reader warm-up);
+                                   # "null_only":
                                    # null document alone (the no-retrieval baseline)
   c.retrieval.k = 8                # candidates per query, the null document included
   c.retrieval.refresh_every = 500  # steps between rebuilds of the block-embedding index
@@ -89,12 +91,18 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-def demo_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The miniature every demo stage shares: a 2-layer d=128 BERT, short queries and blocks."""
+def tiny_model(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A 2-layer d=128 BERT per tower: the model of the demo and of the `:small` variants."""
   c.model.hidden_size = 128
   c.model.num_layers = 2
   c.model.num_heads = 4
   c.model.intermediate_size = 256   # 2x hidden: the REALM step is compute-bound on 2 cores
+  return c
+
+
+def demo_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The miniature every demo stage shares: the tiny model, short queries and blocks."""
+  tiny_model(c)
   c.model.max_position = 128
   c.model.dropout_rate = 0.0
   c.model.share_towers = True      # one tower: ICT learns in 300 steps (separate: it stalls)

@@ -159,6 +159,11 @@ class Trainer:
     t_start, t_last, window, step = time.time(), time.time(), [], start
     eval_metrics = {}
     try:
+      if cfg.eval.every and start == 0 and self.uses_index:
+        # The starting point of the curves: the retriever (and reader) as this stage got them.
+        if self.index is None:
+          self.refresh_index(self._snapshot(), 0)
+        self.evaluate(eval_log, 0, refresh=False)
       for step, host in prefetch:
         if step >= total:
           break

@@ -23,20 +23,28 @@ def _freeze(params, train_config):
           for name, p in params.items()}
 
 
-def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True):
+def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
+                 rescore: bool = True):
   """Re-scores the k candidates with the current towers and reads each one.
 
+  With `rescore=False` the retriever plays no part (the reader warm-up, whose candidates are
+  the null document and the query's own block): the prior puts all mass on the block, so the
+  reader is trained only to read it (with the null document in the mixture it learns to
+  memorise facts instead); the null column is still read, to measure retrieval utility.
   Returns (retrieval_logits [B, k], vocab log-probs at the masks [B, k, M, V]).
   """
   variables = {"params": params}
   b, k, lb = batch["candidate_ids"].shape
   m = batch["mask_positions"].shape[1]
-  query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
-                      method=REALM.embed_queries)
-  blocks = model.apply(variables, batch["candidate_ids"].reshape(b * k, lb),
-                       batch["candidate_segments"].reshape(b * k, lb), deterministic,
-                       rngs=rngs, method=REALM.embed_blocks).reshape(b, k, -1)
-  logits = jnp.einsum("bd,bkd->bk", query, blocks)
+  if rescore:
+    query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
+                        method=REALM.embed_queries)
+    blocks = model.apply(variables, batch["candidate_ids"].reshape(b * k, lb),
+                         batch["candidate_segments"].reshape(b * k, lb), deterministic,
+                         rngs=rngs, method=REALM.embed_blocks).reshape(b, k, -1)
+    logits = jnp.einsum("bd,bkd->bk", query, blocks)
+  else:
+    logits = jnp.zeros((b, k), jnp.float32).at[:, 0].set(-1e9)
   lr = batch["reader_ids"].shape[-1]
   positions = jnp.broadcast_to(batch["mask_positions"][:, None], (b, k, m)).reshape(b * k, m)
   vocab_log_probs = model.apply(variables, batch["reader_ids"].reshape(b * k, lr),
@@ -45,11 +53,17 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True):
   return logits, vocab_log_probs.reshape(b, k, m, -1)
 
 
+def rescores(config) -> bool:
+  """Whether the retriever scores the candidates (not in the own-block reader warm-up)."""
+  return config.retrieval.mode != "own_block"
+
+
 def realm_loss_fn(params, model, batch, config, rng):
   """REALM's negative marginal log-likelihood (plus metrics) for one batch."""
   params = _freeze(params, config.train)
   deterministic = config.model.dropout_rate == 0
-  logits, vocab_lp = realm_scores(model, params, batch, {"dropout": rng}, deterministic)
+  logits, vocab_lp = realm_scores(model, params, batch, {"dropout": rng}, deterministic,
+                                  rescores(config))
   labels = batch["mask_labels"][:, None, :, None]
   mask_lp = jnp.take_along_axis(vocab_lp, jnp.broadcast_to(
       labels, vocab_lp.shape[:3] + (1,)), axis=-1)[..., 0]
@@ -105,7 +119,7 @@ def make_realm_eval(config, model, mesh):
   rules = partitioning.logical_rules(config.mesh.rules)
 
   def evaluate(params, batch):
-    logits, vocab_lp = realm_scores(model, params, batch)
+    logits, vocab_lp = realm_scores(model, params, batch, rescore=rescores(config))
     marginal = losses.marginal_token_log_probs(logits, vocab_lp)
     labels = batch["mask_labels"][:, None, :, None]
     mask_lp = jnp.take_along_axis(vocab_lp, jnp.broadcast_to(
