@@ -32,7 +32,6 @@ import statistics
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -193,7 +192,7 @@ def bench_case(case: str, config, num_steps: int, matmul: dict[str, float]) -> d
   train_step = steps.make_train_step(config, model, shardings, mesh)
   batch = partitioning.global_batch(random_batch(config, np.random.default_rng(0)), mesh)
   t0 = time.perf_counter()
-  with mesh, nn.logical_axis_rules(partitioning.logical_rules(config.mesh.rules)):
+  with partitioning.mesh_rules(mesh, partitioning.logical_rules(config.mesh.rules)):
     compiled = train_step.jitted.lower(state, batch, rng).compile()
   compile_s = time.perf_counter() - t0
   memory = memory_gb(compiled)

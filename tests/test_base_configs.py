@@ -4,7 +4,6 @@ and compiled on abstract inputs over the 8 test devices."""
 
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
@@ -59,7 +58,7 @@ def test_base_config_train_step_compiles(name, task):
 
   step = steps.make_train_step(config, model, shardings, mesh)
   rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
-  with mesh, nn.logical_axis_rules(partitioning.logical_rules(config.mesh.rules)):
+  with partitioning.mesh_rules(mesh, partitioning.logical_rules(config.mesh.rules)):
     lowered = step.jitted.lower(abstract, abstract_batch(config, mesh), rng)
   compiled = lowered.compile()
   cost = compiled.cost_analysis()

@@ -6,7 +6,6 @@ The model is sized so every tensor-parallel dim divides 8: hidden 64, 8 heads, m
 (state and steps are built directly, so the data-dir vocab check of `validate` does not apply;
 the extra embedding rows are simply never looked up)."""
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -18,11 +17,12 @@ MESHES = {"1 device": (1, 1), "1x8": (1, 8), "2x4": (2, 4)}
 
 
 def sharding_config(task, world_dir, vocab_size):
-  config = tiny_config(task, "warmup" if task == "realm" else None, world_dir)
+  config = tiny_config(task, None, world_dir)
   m = config.model
   m.hidden_size, m.num_heads, m.intermediate_size, m.retrieval_dim = 64, 8, 128, 32
   m.vocab_size = -(-vocab_size // 8) * 8
   if task == "realm":
+    config.retrieval.k = 4                    # null + 3 blocks, re-scored by the retriever
     config.train.retriever_lr_scale = 0.1     # train both halves: gradients everywhere
   return config
 
@@ -32,8 +32,11 @@ def host_batch(config, data):
   queries = batches.QueryBatches(config, data, examples)(0)
   if config.task == "ict":
     return queries
-  cands = batches.candidates_for(config, data, queries, None)
-  assert cands.shape[1] == 2                      # null + own block
+  # A fixed stand-in for the index's top k+1 (the index itself is not under test here).
+  retrieved = np.random.default_rng(0).integers(
+      0, data.blocks.num_blocks, (len(queries["query_ids"]), config.retrieval.k + 1))
+  cands = batches.candidates_for(config, data, queries, retrieved)
+  assert cands.shape[1] == config.retrieval.k and (cands[:, 0] == -1).all()
   return batches.realm_batch(config, data, queries, cands)
 
 
@@ -61,7 +64,7 @@ def run_on_mesh(config, data, model, host_state, mesh_shape, train_step):
   def grads_fn(params, batch, rng):
     return jax.value_and_grad(loss_fn, has_aux=True)(params, model, batch, config, rng)
 
-  with mesh, nn.logical_axis_rules(rules):
+  with partitioning.mesh_rules(mesh, rules):
     (loss, _), grads = jax.jit(grads_fn, in_shardings=(
         shardings.params, partitioning.batch_sharding(mesh), partitioning.replicated(mesh)))(
             params, batch, jax.random.fold_in(rng, 0))

@@ -7,6 +7,7 @@ axes `data` and `model`: replicated, FSDP over `data`, or tensor-parallel over `
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -35,6 +36,14 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...
     raise ConfigError("mesh.shape", f"{shape} needs {int(np.prod(shape))} devices, "
                       f"but {num_devices} are available")
   return shape
+
+
+@contextlib.contextmanager
+def mesh_rules(mesh: Mesh, rules):
+  """The mesh and the logical-axis rules in force while tracing a step (activation constraints
+  by logical name resolve against both)."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    yield
 
 
 def make_mesh(shape: Sequence[int], devices: Sequence[Any] | None = None) -> Mesh:

@@ -129,7 +129,7 @@ def create_train_state(config, model: REALM, mesh, block_len: int, rng):
   """
   init, abstract, shardings = _state_setup(config, model, mesh, block_len, rng)
   rules = partitioning.logical_rules(config.mesh.rules)
-  with mesh, nn.logical_axis_rules(rules):
+  with partitioning.mesh_rules(mesh, rules):
     state = jax.jit(init, out_shardings=shardings)(rng)
   return state, shardings, abstract
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -96,7 +95,7 @@ def make_train_step(config, model, state_shardings, mesh):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (loss, metrics), grads = grad_fn(state.params, model, batch, config, rng)
     new_state = state.apply_gradients(grads=grads)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
     return new_state, metrics
 
   rules = partitioning.logical_rules(config.mesh.rules)
@@ -106,7 +105,7 @@ def make_train_step(config, model, state_shardings, mesh):
                    donate_argnums=(0,))
 
   def run(state, batch, rng):
-    with mesh, nn.logical_axis_rules(rules):
+    with partitioning.mesh_rules(mesh, rules):
       return jitted(state, batch, rng)
 
   run.jitted = jitted
@@ -135,7 +134,7 @@ def make_realm_eval(config, model, mesh):
   jitted = jax.jit(evaluate, out_shardings=partitioning.batch_sharding(mesh))
 
   def run(params, batch):
-    with mesh, nn.logical_axis_rules(rules):
+    with partitioning.mesh_rules(mesh, rules):
       return jitted(params, batch)
 
   return run
@@ -151,5 +150,5 @@ def _embedder(model: REALM, kind: str, mesh, rules):
 def embed(model: REALM, mesh, config, params, kind: str, *inputs):
   """Query ([CLS] x [SEP]) or block embeddings with `params` (global arrays in and out)."""
   rules = partitioning.logical_rules(config.mesh.rules)
-  with mesh, nn.logical_axis_rules(rules):
+  with partitioning.mesh_rules(mesh, rules):
     return _embedder(model, kind, mesh, rules)(params, *inputs)
