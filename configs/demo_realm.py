@@ -26,16 +26,16 @@ def get_config(arg=None):
   c.train.batch_size = 32
   c.train.lr = 1e-3
   c.train.retriever_lr_scale = 0.3   # the retriever moves 3x slower than the reader
-  c.train.steps = 600
+  c.train.steps = 900
   c.train.log_every = 50
-  c.train.checkpoint_every = 200
-  c.eval.every = 100
+  c.train.checkpoint_every = 300
+  c.eval.every = 225
   if variant == "warmup":
     c.retrieval.mode = "own_block"
     c.retrieval.k = 2
     c.train.retriever_lr_scale = 0.0
     c.train.lr = 2e-3                # copying from a block "clicks" after ~600 steps
-    c.train.steps = 2500
+    c.train.steps = 1800
     c.eval.every = 0
   elif variant == "no_retrieval":
     c.retrieval.mode = "null_only"
