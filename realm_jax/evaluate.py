@@ -50,6 +50,9 @@ class Evaluator:
     n = len(self.rows)
     hits = {at: [] for at in RECALL_AT}
     correct, utility, details = [], [], []
+    # Examples to show in detail, spread over the set (neighbours are about one entity).
+    show = set(np.linspace(0, n - 1, keep_examples).astype(int).tolist()) \
+        if keep_examples else set()
     for start in range(0, n, bs):
       idx = np.arange(start, start + bs) % n   # the last batch wraps; extra rows are dropped
       real = min(bs, n - start)
@@ -75,9 +78,9 @@ class Evaluator:
       ok = ((preds == q["mask_labels"]) | ~valid).all(axis=1)
       correct.extend(ok[:real])
       utility.extend(np.asarray(out["retrieval_utility"])[:real])
-      if len(details) < keep_examples:
-        details.extend(self._details(q, cand, preds, np.asarray(out["p_z"]), ok,
-                                     keep_examples - len(details)))
+      shown = [i for i in range(real) if start + i in show]
+      if shown:
+        details.extend(self._details(q, cand, preds, np.asarray(out["p_z"]), ok, shown))
     metrics = {f"recall_at_{at}": float(np.mean(h)) for at, h in hits.items() if h}
     if correct:
       metrics["span_accuracy"] = float(np.mean(correct))
@@ -85,10 +88,10 @@ class Evaluator:
     metrics["num_examples"] = float(n)
     return metrics, details
 
-  def _details(self, q, cand, preds, p_z, ok, limit) -> list[dict]:
+  def _details(self, q, cand, preds, p_z, ok, rows) -> list[dict]:
     tok, blocks = self.data.tokenizer, self.data.blocks
     out = []
-    for i in range(min(limit, len(ok))):
+    for i in rows:
       valid = q["mask_weights"][i] > 0
       order = np.argsort(-p_z[i])[:3]
       evidence = []
