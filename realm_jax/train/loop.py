@@ -80,7 +80,9 @@ class Trainer:
     self.state, self.shardings, self.abstract = state_lib.create_train_state(
         config, self.model, self.mesh, self.data.blocks.block_len, init_rng)
     self.train_step = steps.make_train_step(config, self.model, self.shardings, self.mesh)
-    self.uses_index = config.task == "ict" or config.retrieval.mode == "index"
+    # REALM batches retrieve from the index; ICT uses one only to measure recall.
+    self.retrieves = config.task == "realm" and config.retrieval.mode == "index"
+    self.uses_index = config.task == "ict" or self.retrieves
     self.index = None
     self.index_params = None        # retriever params the current index was built with
     self.checkpointer = Checkpointer(workdir, config.train.keep_checkpoints,
@@ -118,7 +120,7 @@ class Trainer:
   # -- checkpoints -------------------------------------------------------------------------
   def _retrieval_item(self) -> dict:
     item = {"step": jnp.asarray(-1 if self.index is None else self.index.step, jnp.int32)}
-    if self.config.task == "realm" and self.config.retrieval.mode == "index":
+    if self.retrieves:
       item["params"] = self.index_params
     return item
 
@@ -127,7 +129,7 @@ class Trainer:
     latest = self.checkpointer.latest_step()
     if latest is not None:
       abstract_retrieval = {"step": jax.ShapeDtypeStruct((), jnp.int32)}
-      if self.config.task == "realm" and self.config.retrieval.mode == "index":
+      if self.retrieves:
         abstract_retrieval["params"] = self.abstract.params["retriever"]
       self.state, data_state, retrieval = self.checkpointer.restore(
           latest, self.abstract, abstract_retrieval)
@@ -167,9 +169,8 @@ class Trainer:
       for step, host in prefetch:
         if step >= total:
           break
-        if cfg.task == "realm" and cfg.retrieval.mode == "index" and (
-            self.index is None or step % cfg.retrieval.refresh_every == 0
-            and step != self.index.step):
+        if self.retrieves and (self.index is None or step % cfg.retrieval.refresh_every == 0
+                               and step != self.index.step):
           self.refresh_index(self._snapshot(), step)
         batch = self._device_batch(host)
         self.state, metrics = self.train_step(self.state, batch, self.step_rng)
@@ -213,7 +214,7 @@ class Trainer:
     if cfg.task == "ict":
       return partitioning.global_batch(host, self.mesh)
     retrieved = None
-    if cfg.retrieval.mode == "index":
+    if self.retrieves:
       emb = self._embed_queries(self.index_params, partitioning.global_batch(
           {"q": host["query_ids"]}, self.mesh)["q"])
       retrieved = self.index.search(emb, cfg.retrieval.k + 1)
