@@ -57,15 +57,19 @@ def rescores(config) -> bool:
   return config.retrieval.mode != "own_block"
 
 
+def label_log_probs(vocab_log_probs, mask_labels):
+  """log p(y_j | z, x) of the true wordpiece at each mask: [B, k, M, V], [B, M] -> [B, k, M]."""
+  labels = jnp.broadcast_to(mask_labels[:, None, :, None], vocab_log_probs.shape[:3] + (1,))
+  return jnp.take_along_axis(vocab_log_probs, labels, axis=-1)[..., 0]
+
+
 def realm_loss_fn(params, model, batch, config, rng):
   """REALM's negative marginal log-likelihood (plus metrics) for one batch."""
   params = _freeze(params, config.train)
   deterministic = config.model.dropout_rate == 0
   logits, vocab_lp = realm_scores(model, params, batch, {"dropout": rng}, deterministic,
                                   rescores(config))
-  labels = batch["mask_labels"][:, None, :, None]
-  mask_lp = jnp.take_along_axis(vocab_lp, jnp.broadcast_to(
-      labels, vocab_lp.shape[:3] + (1,)), axis=-1)[..., 0]
+  mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
   loss, metrics = losses.realm_loss(logits, mask_lp, batch["mask_weights"],
                                     config.retrieval.marginalization)
   return loss, metrics
@@ -120,9 +124,7 @@ def make_realm_eval(config, model, mesh):
   def evaluate(params, batch):
     logits, vocab_lp = realm_scores(model, params, batch, rescore=rescores(config))
     marginal = losses.marginal_token_log_probs(logits, vocab_lp)
-    labels = batch["mask_labels"][:, None, :, None]
-    mask_lp = jnp.take_along_axis(vocab_lp, jnp.broadcast_to(
-        labels, vocab_lp.shape[:3] + (1,)), axis=-1)[..., 0]
+    mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
     log_lik = losses.realm_log_likelihood(logits, mask_lp, batch["mask_weights"],
                                           config.retrieval.marginalization)
     null_lik = losses.null_log_likelihood(mask_lp, batch["mask_weights"],
