@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from realm_jax.data.store import BlockStore, ExampleSet
+from realm_jax.data.store import BlockStore, ExampleSet, segment_ids
 
 NULL_BLOCK = -1  # candidate row of the null document `[CLS][SEP][SEP]`
 
@@ -133,8 +133,7 @@ def candidate_inputs(blocks: BlockStore, rows: np.ndarray, cls_id: int,
   tokens[null, 0], tokens[null, 1], tokens[null, 2] = cls_id, sep_id, sep_id
   body_start = np.where(null, 2, blocks.body_start[safe])
   lengths = np.where(null, 3, blocks.lengths[safe])
-  pos = np.arange(tokens.shape[-1])
-  segments = ((pos >= body_start[..., None]) & (pos < lengths[..., None])).astype(np.int32)
+  segments = segment_ids(body_start, lengths, tokens.shape[-1])
   return {"candidate_ids": tokens.astype(np.int32), "candidate_segments": segments,
           "body_start": body_start, "lengths": lengths}
 
@@ -163,9 +162,7 @@ def ict_inputs(examples: ExampleSet, blocks: BlockStore, rows: np.ndarray, query
   length = blocks.lengths[block_rows]
   context = splice(block, start, block, cut_end, length, blocks.block_len)
   new_len = length - (cut_end - start)
-  pos = np.arange(blocks.block_len)
-  segments = ((pos >= blocks.body_start[block_rows][:, None]) &
-              (pos < new_len[:, None])).astype(np.int32)
+  segments = segment_ids(blocks.body_start[block_rows], new_len, blocks.block_len)
   return {"query_ids": queries, "block_ids": context, "block_segments": segments}
 
 

@@ -14,6 +14,12 @@ def _load(path: str) -> np.ndarray:
   return np.load(path, mmap_mode="r")
 
 
+def segment_ids(body_start: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
+  """1 on positions [body_start, length) of each row, else 0 (padding included): [..., width]."""
+  pos = np.arange(width)
+  return ((pos >= body_start[..., None]) & (pos < lengths[..., None])).astype(np.int32)
+
+
 class BlockStore:
   """The evidence corpus: memory-mapped block token rows plus uids and titles."""
 
@@ -37,9 +43,7 @@ class BlockStore:
 
   def segments(self, rows: np.ndarray) -> np.ndarray:
     """Segment ids of block rows: 0 for `[CLS] title [SEP]`, 1 for `body [SEP]`."""
-    positions = np.arange(self.block_len)
-    return (positions >= self.body_start[rows][..., None]).astype(np.int32) * (
-        positions < self.lengths[rows][..., None])
+    return segment_ids(self.body_start[rows], self.lengths[rows], self.block_len)
 
   def title(self, row: int) -> str:
     return self.titles[int(self.doc_ids[row])]
