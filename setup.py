@@ -21,12 +21,18 @@ setup(
         "matplotlib>=3.8,<4",
         "absl-py>=2,<3",
         "etils[epath]>=1.7",
+        "grain>=0.2.10,<0.3",
+        "sentencex>=1.0,<2",
+        "safetensors>=0.4,<1",
+        "bm25s>=0.2,<1",
     ],
     extras_require={
-        "test": ["pytest>=8,<10"],
+        "test": ["pytest>=8,<10", "tensorflow-datasets>=4.9,<5"],
+        "tfds": ["tensorflow-datasets>=4.9,<5"],
     },
     entry_points={
         "console_scripts": [
+            "realm-prepare=realm_jax.data.prepare:main",
             "realm-train=realm_jax.train.main:run",
             "realm-demo=realm_jax.demo:run",
         ],

@@ -14,6 +14,10 @@ class ConfigError(ValueError):
     super().__init__(f"config.{option}: {message}" if option else message)
 
 
+class DataError(ValueError):
+  """Input data that cannot be used as given; the message names the file and line."""
+
+
 def run_cli(prog: str, main: Callable[[], object]) -> object:
   """Runs `main`; ConfigError / missing files -> one clear line on stderr and exit code 2."""
   try:
@@ -21,6 +25,6 @@ def run_cli(prog: str, main: Callable[[], object]) -> object:
   except ConfigError as e:
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
-  except FileNotFoundError as e:
+  except (FileNotFoundError, DataError) as e:
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(2) from None

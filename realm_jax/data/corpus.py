@@ -1,23 +1,29 @@
-"""Documents -> block store + pretraining examples on disk (memory-mapped .npy arrays).
+"""Documents -> block store + pretraining examples, one shard at a time, then one merge.
 
-Layout of a prepared data dir:
+A shard (a run of documents) is packed into blocks and examples by one worker and written to
+`DIR/shards/<i>/`, its `done.json` last; `merge_shards` concatenates the finished shards into
+the final memory-mapped arrays:
+
   vocab.txt
   blocks/tokens.npy       int32 [N, block_len]  `[CLS] title [SEP] body [SEP]`, 0-padded
   blocks/lengths.npy      int32 [N]
   blocks/body_start.npy   int32 [N]             first body position (segment 1 starts here)
   blocks/uids.npy         uint64 [N]            hash of title + body (trivial-retrieval filter)
-  blocks/doc_ids.npy      int32 [N]
+  blocks/doc_ids.npy      int32 [N]             document of the block (index into titles)
   blocks/titles.json      [title of each document]
   examples/<split>/tokens.npy        int32 [E, max_sentence_len]  one sentence, no [CLS]/[SEP]
   examples/<split>/lengths.npy       int32 [E]
-  examples/<split>/spans.npy         int32 [E, max_spans, 2]  salient spans (wordpiece [s, e))
+  examples/<split>/spans.npy         int32 [E, MAX_SPANS, 2]  salient spans (wordpiece [s, e))
   examples/<split>/num_spans.npy     int32 [E]
-  examples/<split>/block.npy         int32 [E]   source block row
+  examples/<split>/block.npy         int32 [E]   source block row (its uid: blocks/uids.npy)
   examples/<split>/block_offsets.npy int32 [E, 2]  the sentence's [s, e) inside that block row
-  examples/eval/target_span.npy      int32 [E, 2]  the span evaluated (the fact's value)
-  examples/eval/answer_blocks.npy    int32 [E, max_answers]  other blocks stating the fact (-1 pad)
+  examples/eval/target_span.npy      int32 [E, 2]  the span evaluated
+  examples/eval/answer_blocks.npy    int32 [E, A]  other blocks stating the fact (-1 pad; the
+                                                   generated world only)
   stats.json
-Splits: `train` (training queries) and `eval` (held-out entities: never a training query).
+
+Splits: `train` (training queries) and `eval` (held-out documents or, in the generated world,
+held-out entities: never a training query).
 """
 
 from __future__ import annotations
@@ -26,16 +32,18 @@ import dataclasses
 import hashlib
 import json
 import os
-import time
-from collections import Counter, defaultdict
-from typing import Iterable, Iterator
+import shutil
+from collections import Counter
 
 import numpy as np
 
-from realm_jax.data.spans import span_covering, tag_salient_spans
+from realm_jax.data.sentences import split_sentences
+from realm_jax.data.spans import span_covering
 from realm_jax.data.tokenizer import Tokenizer
 
 MAX_SPANS = 8
+SPLITS = ("train", "eval")
+_EXAMPLE_KEYS = ("tokens", "lengths", "spans", "num_spans", "block", "block_offsets")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +56,20 @@ class SourceSentence:
 
 @dataclasses.dataclass(frozen=True)
 class SourceDocument:
+  """One document: raw `text` (split into sentences here) or pre-split `sentences`."""
   title: str
-  sentences: tuple[SourceSentence, ...]
+  text: str = ""
+  sentences: tuple[SourceSentence, ...] = ()
+  split: str | None = "train"            # split of the sentences of a raw `text`
+  where: str = ""                        # file:line (or equivalent) for messages
+  qas: tuple = ()                        # questions about this document (SQuAD format)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSettings:
+  block_len: int
+  max_sentence_len: int
+  max_masks: int = 10
 
 
 def block_uid(title_ids: list[int], body_ids: list[int]) -> int:
@@ -64,178 +84,244 @@ def wordpiece_span(offsets: list[tuple[int, int]], start: int, end: int) -> tupl
   return (inside[0], inside[-1] + 1) if inside else (0, 0)
 
 
-class _SplitWriter:
-  """Accumulates the examples of one split."""
+def sentences_of(doc: SourceDocument) -> tuple[SourceSentence, ...]:
+  if doc.sentences:
+    return doc.sentences
+  return tuple(SourceSentence(doc.text[s:e], doc.split) for s, e in split_sentences(doc.text))
+
+
+def eval_target(text: str, num_spans: int) -> int:
+  """Which salient span of a held-out sentence is evaluated: fixed by the sentence's text."""
+  return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little") \
+      % num_spans
+
+
+class _Split:
+  """Accumulates the examples of one split of one shard."""
 
   def __init__(self):
-    self.rows = defaultdict(list)
-
-  def add(self, **fields):
-    for key, value in fields.items():
-      self.rows[key].append(value)
+    self.rows: dict[str, list] = {k: [] for k in _EXAMPLE_KEYS + ("target_span", "fact")}
 
   def __len__(self):
     return len(self.rows["tokens"])
 
-  def save(self, out_dir: str, max_sentence_len: int, max_masks: int):
-    os.makedirs(out_dir, exist_ok=True)
+  def arrays(self, max_sentence_len: int) -> dict[str, np.ndarray]:
     n = len(self)
     tokens = np.zeros((n, max_sentence_len), np.int32)
     spans = np.full((n, MAX_SPANS, 2), -1, np.int32)
     for i, (ids, sp) in enumerate(zip(self.rows["tokens"], self.rows["spans"])):
       tokens[i, :len(ids)] = ids
-      if sp:
-        spans[i, :len(sp)] = sp
-    arrays = {
-        "tokens": tokens, "spans": spans,
-        "lengths": np.asarray([len(t) for t in self.rows["tokens"]], np.int32),
-        "num_spans": np.asarray([len(s) for s in self.rows["spans"]], np.int32),
-        "block": np.asarray(self.rows["block"], np.int32),
-        "block_offsets": np.asarray(self.rows["block_offsets"], np.int32).reshape(n, 2),
-    }
-    if "target_span" in self.rows:
-      arrays["target_span"] = np.asarray(self.rows["target_span"], np.int32).reshape(n, 2)
-      width = max([len(a) for a in self.rows["answer_blocks"]] + [1])
-      answers = np.full((n, width), -1, np.int32)
-      for i, a in enumerate(self.rows["answer_blocks"]):
-        answers[i, :len(a)] = a
-      arrays["answer_blocks"] = answers
-    for key, value in arrays.items():
-      np.save(os.path.join(out_dir, f"{key}.npy"), value)
+      spans[i, :len(sp)] = sp
+    return {"tokens": tokens, "spans": spans,
+            "lengths": np.asarray(self.rows["lengths"], np.int32).reshape(n),
+            "num_spans": np.asarray(self.rows["num_spans"], np.int32).reshape(n),
+            "block": np.asarray(self.rows["block"], np.int32).reshape(n),
+            "block_offsets": np.asarray(self.rows["block_offsets"], np.int32).reshape(n, 2),
+            "target_span": np.asarray(self.rows["target_span"], np.int32).reshape(n, 2),
+            "fact": np.asarray(self.rows["fact"], np.int64).reshape(n)}
 
 
-def build_corpus(documents: Iterable[SourceDocument], tokenizer: Tokenizer, out_dir: str, *,
-                 block_len: int, max_sentence_len: int, max_masks: int = 10,
-                 chunk_size: int = 2000, progress_every: float = 10.0) -> dict:
-  """Packs sentences greedily into blocks and writes the block store and examples.
+def build_shard(documents: list[tuple[int, SourceDocument]], tokenizer: Tokenizer, tagger,
+                settings: PackSettings, out_dir: str) -> dict:
+  """Packs one shard's documents (with their global doc ids) and writes `out_dir`.
 
-  A block holds `[CLS] title [SEP] body [SEP]` with 3 + len(title) + len(body) <= block_len.
-  Every sentence with a `split` and at least one salient span of <= `max_masks` wordpieces
-  becomes an example; for `eval` sentences one example per stated fact whose value the span
-  tagger covers (the target the evaluation masks).
-
-  Returns the stats written to `out_dir/stats.json`.
+  A block holds `[CLS] title [SEP] body [SEP]` with 3 + len(title) + len(body) <= block_len;
+  titles are cut to half a block, a sentence longer than the body budget is cut into pieces.
+  Every sentence with a split and at least one salient span of <= max_masks wordpieces
+  becomes an example (`eval` sentences: one per evaluated span). Returns the shard's stats.
   """
-  t0 = time.time()
-  blocks, titles, doc_ids, uids, body_starts = [], [], [], [], []
-  writers = {"train": _SplitWriter(), "eval": _SplitWriter()}
-  skipped = Counter()
-  fact_blocks = defaultdict(list)     # fact id -> block rows stating it
-  pending_eval = []                   # (example index, fact, block row)
-  stats = Counter()
-  last_report = t0
+  block_len = settings.block_len
+  docs = [(doc_id, doc, sentences_of(doc)) for doc_id, doc in documents]
+  texts = [doc.title for _, doc, _ in docs] + [s.text for _, _, ss in docs for s in ss]
+  encoded = tokenizer.encode_batch(texts)
+  sentence_texts = texts[len(docs):]
+  spans_all = tagger.tag_batch(sentence_texts) if sentence_texts else []
+  title_enc, sent_enc = encoded[:len(docs)], iter(zip(encoded[len(docs):], spans_all))
+  blocks, body_starts, uids, block_docs = [], [], [], []
+  block_facts: list[tuple[int, int]] = []
+  splits = {s: _Split() for s in SPLITS}
+  stats, dropped = Counter(), Counter()
+  head_max = (block_len - 3) // 2
 
-  for chunk in _chunks(documents, chunk_size):
-    texts = [d.title for d in chunk] + [s.text for d in chunk for s in d.sentences]
-    encoded = tokenizer.encode_batch(texts)
-    title_enc, sent_enc = encoded[:len(chunk)], iter(encoded[len(chunk):])
-    for doc, (title_ids, _) in zip(chunk, title_enc):
-      doc_id = len(titles)
-      titles.append(doc.title)
-      stats["documents"] += 1
-      budget = block_len - 3 - len(title_ids)
-      body, members = [], []          # members: (sentence, ids, offsets, start within body)
-      sentences = [(s, *next(sent_enc)) for s in doc.sentences]
-      if budget <= 0:
-        skipped["title longer than block_len"] += 1
+  for (doc_id, doc, sentences), (title_ids, _) in zip(docs, title_enc):
+    if len(title_ids) > head_max:
+      title_ids = title_ids[:head_max]
+      stats["titles_truncated"] += 1
+    head = [tokenizer.cls_id] + title_ids + [tokenizer.sep_id]
+    budget = block_len - 1 - len(head)
+    body, members = [], []        # members: (sentence, ids, offsets, char spans, body pos)
+
+    def flush():
+      if not body:
+        return
+      row = len(blocks)
+      blocks.append(head + body + [tokenizer.sep_id])
+      body_starts.append(len(head))
+      uids.append(block_uid(title_ids, body))
+      block_docs.append(doc_id)
+      for sentence, ids, offsets, char_spans, pos in members:
+        block_facts.extend((f, row) for f in sentence.facts)
+        _add_examples(splits, sentence, ids, offsets, char_spans, row, len(head) + pos,
+                      settings, dropped)
+      body.clear()
+      members.clear()
+
+    for sentence in sentences:
+      (ids, offsets), char_spans = next(sent_enc)
+      stats["sentences"] += 1
+      if not ids:
         continue
-      for sentence, ids, offsets in sentences + [(None, None, None)]:
-        if sentence is not None and len(ids) > budget:
-          skipped["sentence longer than a block"] += 1
-          continue
-        if sentence is None or len(body) + len(ids) > budget:
-          if body:
-            row = len(blocks)
-            head = [tokenizer.cls_id] + title_ids + [tokenizer.sep_id]
-            blocks.append(head + body + [tokenizer.sep_id])
-            body_starts.append(len(head))
-            uids.append(block_uid(title_ids, body))
-            doc_ids.append(doc_id)
-            for s, s_ids, s_offsets, pos in members:
-              _add_examples(writers, s, s_ids, s_offsets, row, len(head) + pos,
-                            max_sentence_len, max_masks, skipped, fact_blocks, pending_eval)
-          body, members = [], []
-        if sentence is not None:
-          members.append((sentence, ids, offsets, len(body)))
-          body.extend(ids)
-          stats["sentences"] += 1
-    if time.time() - last_report > progress_every:
-      last_report = time.time()
-      rate = stats["documents"] / (last_report - t0)
-      print(f"  prepare: {stats['documents']:,} documents, {len(blocks):,} blocks "
-            f"({rate:,.0f} docs/s)", flush=True)
+      if len(ids) > budget:         # longer than a block: its pieces fill blocks of their own
+        stats["sentences_cut"] += 1
+        dropped["sentence longer than a block"] += sentence.split is not None
+        flush()
+        for start in range(0, len(ids), budget):
+          body.extend(ids[start:start + budget])
+          flush()
+        continue
+      if len(body) + len(ids) > budget:
+        flush()
+      members.append((sentence, ids, offsets, char_spans, len(body)))
+      body.extend(ids)
+    flush()
 
-  # Ground truth for recall: the other blocks that state the evaluated fact.
-  answer_blocks = writers["eval"].rows["answer_blocks"]
-  for index, fact, row in pending_eval:
-    answer_blocks[index] = [b for b in dict.fromkeys(fact_blocks[fact]) if b != row]
-
-  os.makedirs(os.path.join(out_dir, "blocks"), exist_ok=True)
+  os.makedirs(out_dir, exist_ok=True)
   tokens = np.zeros((len(blocks), block_len), np.int32)
   for i, ids in enumerate(blocks):
     tokens[i, :len(ids)] = ids
-  block_arrays = {"tokens": tokens, "lengths": np.asarray([len(b) for b in blocks], np.int32),
-                  "body_start": np.asarray(body_starts, np.int32),
-                  "uids": np.asarray(uids, np.uint64), "doc_ids": np.asarray(doc_ids, np.int32)}
-  for key, value in block_arrays.items():
-    np.save(os.path.join(out_dir, "blocks", f"{key}.npy"), value)
-  with open(os.path.join(out_dir, "blocks", "titles.json"), "w") as f:
-    json.dump(titles, f)
-  for split, writer in writers.items():
-    writer.save(os.path.join(out_dir, "examples", split), max_sentence_len, max_masks)
-
-  result = {
-      "documents": stats["documents"], "blocks": len(blocks),
-      "max_block_wordpieces": int(block_arrays["lengths"].max(initial=0)),
-      "block_len": block_len, "max_sentence_len": max_sentence_len,
-      "sentences": stats["sentences"],
-      "salient_spans": int(sum(len(s) for w in writers.values() for s in w.rows["spans"])),
-      "examples": {split: len(w) for split, w in writers.items()},
-      "vocab_size": tokenizer.vocab_size,
-      "skipped": dict(skipped), "seconds": round(time.time() - t0, 2),
-  }
-  with open(os.path.join(out_dir, "stats.json"), "w") as f:
-    json.dump(result, f, indent=2)
+  arrays = {"blocks.tokens": tokens,
+            "blocks.lengths": np.asarray([len(b) for b in blocks], np.int32),
+            "blocks.body_start": np.asarray(body_starts, np.int32),
+            "blocks.uids": np.asarray(uids, np.uint64),
+            "blocks.doc_ids": np.asarray(block_docs, np.int32),
+            "blocks.facts": np.asarray(block_facts, np.int64).reshape(-1, 2)}
+  for split, rows in splits.items():
+    for key, value in rows.arrays(settings.max_sentence_len).items():
+      arrays[f"{split}.{key}"] = value
+  for key, value in arrays.items():
+    np.save(os.path.join(out_dir, f"{key}.npy"), value)
+  result = {"documents": len(docs), "blocks": len(blocks), "sentences": stats["sentences"],
+            "sentences_cut": stats["sentences_cut"],
+            "titles_truncated": stats["titles_truncated"],
+            "salient_spans": int(sum(rows.rows["num_spans"][i] for rows in splits.values()
+                                     for i in range(len(rows)))),
+            "examples": {s: len(rows) for s, rows in splits.items()},
+            "examples_skipped": dict(dropped)}
+  with open(os.path.join(out_dir, "done.json.tmp"), "w") as f:
+    json.dump(result, f)
+  os.replace(os.path.join(out_dir, "done.json.tmp"), os.path.join(out_dir, "done.json"))
   return result
 
 
-def _add_examples(writers, sentence: SourceSentence, ids, offsets, row, block_pos,
-                  max_sentence_len, max_masks, skipped, fact_blocks, pending_eval):
-  """Adds the example(s) one sentence yields and records which facts its block states."""
-  for fact in sentence.facts:
-    fact_blocks[fact].append(row)
+def _add_examples(splits, sentence: SourceSentence, ids, offsets, char_spans, row, block_pos,
+                  settings: PackSettings, dropped: Counter) -> None:
+  """Adds the example(s) one sentence yields (eval: one per evaluated span)."""
   if sentence.split is None:
     return
-  if len(ids) > max_sentence_len:
-    skipped["sentence longer than max_sentence_len"] += 1
+  if len(ids) > settings.max_sentence_len:
+    dropped["sentence longer than max_sentence_len"] += 1
     return
-  char_spans = tag_salient_spans(sentence.text)
   spans = [wordpiece_span(offsets, s, e) for s, e in char_spans]
-  keep = [i for i, (s, e) in enumerate(spans) if 0 < e - s <= max_masks]
+  keep = [i for i, (s, e) in enumerate(spans) if 0 < e - s <= settings.max_masks][:MAX_SPANS]
   if not keep:
-    skipped["no salient span"] += 1
+    dropped["no salient span"] += 1
     return
-  kept_spans = [spans[i] for i in keep][:MAX_SPANS]
-  common = dict(tokens=ids, spans=kept_spans, block=row,
+  kept = [spans[i] for i in keep]
+  common = dict(tokens=ids, spans=kept, num_spans=len(kept), lengths=len(ids), block=row,
                 block_offsets=(block_pos, block_pos + len(ids)))
   if sentence.split == "train":
-    writers["train"].add(**common)
+    _append(splits["train"], target_span=(0, 0), fact=-1, **common)
     return
+  if not sentence.facts:          # real text: one span of the held-out sentence, by its hash
+    _append(splits["eval"], target_span=kept[eval_target(sentence.text, len(kept))], fact=-1,
+            **common)
+    return
+  kept_chars = [char_spans[i] for i in keep]
   for fact, (vs, ve) in zip(sentence.facts, sentence.value_spans):
-    covering = span_covering([char_spans[i] for i in keep][:MAX_SPANS], vs, ve)
+    covering = span_covering(kept_chars, vs, ve)
     if covering is None:
-      skipped["eval fact not covered by a salient span"] += 1
+      dropped["eval fact not covered by a salient span"] += 1
       continue
-    pending_eval.append((len(writers["eval"]), fact, row))
-    writers["eval"].add(target_span=kept_spans[covering], answer_blocks=[], **common)
+    _append(splits["eval"], target_span=kept[covering], fact=fact, **common)
 
 
-def _chunks(items: Iterable, size: int) -> Iterator[list]:
-  chunk = []
-  for item in items:
-    chunk.append(item)
-    if len(chunk) == size:
-      yield chunk
-      chunk = []
-  if chunk:
-    yield chunk
+def _append(split: _Split, **fields) -> None:
+  for key, value in fields.items():
+    split.rows[key].append(value)
+
+
+def shard_done(shard_dir: str) -> dict | None:
+  """The stats of a finished shard, or None (absent or interrupted before `done.json`)."""
+  path = os.path.join(shard_dir, "done.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def merge_shards(shard_dirs: list[str], out_dir: str, block_len: int,
+                 max_sentence_len: int) -> dict:
+  """Concatenates finished shards into the final arrays (streamed: one shard in memory).
+
+  Block rows of examples are shifted by the shard's offset; for the generated world the eval
+  examples' `answer_blocks` (other blocks stating the evaluated fact) are computed here, over
+  the whole corpus. Returns counts for the stats.
+  """
+  counts = [np.load(os.path.join(d, "blocks.lengths.npy"), mmap_mode="r").shape[0]
+            for d in shard_dirs]
+  offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+  total = int(offsets[-1])
+  os.makedirs(os.path.join(out_dir, "blocks"), exist_ok=True)
+  block_shapes = {"tokens": ((total, block_len), np.int32), "lengths": ((total,), np.int32),
+                  "body_start": ((total,), np.int32), "uids": ((total,), np.uint64),
+                  "doc_ids": ((total,), np.int32)}
+  for key, (shape, dtype) in block_shapes.items():
+    out = np.lib.format.open_memmap(os.path.join(out_dir, "blocks", f"{key}.npy"), "w+",
+                                    dtype, shape)
+    for d, a, b in zip(shard_dirs, offsets[:-1], offsets[1:]):
+      out[a:b] = np.load(os.path.join(d, f"blocks.{key}.npy"))
+    out.flush()
+    del out
+  facts = np.concatenate([np.load(os.path.join(d, "blocks.facts.npy")) + [[0, a]]
+                          for d, a in zip(shard_dirs, offsets[:-1])] + [np.zeros((0, 2),
+                                                                                 np.int64)])
+  sizes = {}
+  for split in SPLITS:
+    split_dir = os.path.join(out_dir, "examples", split)
+    os.makedirs(split_dir, exist_ok=True)
+    parts = {key: [] for key in _EXAMPLE_KEYS + ("target_span", "fact")}
+    for d, a in zip(shard_dirs, offsets[:-1]):
+      for key in parts:
+        value = np.load(os.path.join(d, f"{split}.{key}.npy"))
+        parts[key].append(value + a if key == "block" else value)
+    merged = {k: np.concatenate(v) if v else np.zeros((0,), np.int32) for k, v in parts.items()}
+    sizes[split] = len(merged["tokens"])
+    keys = _EXAMPLE_KEYS + (("target_span",) if split == "eval" else ())
+    for key in keys:
+      np.save(os.path.join(split_dir, f"{key}.npy"), merged[key])
+    if split == "eval":
+      np.save(os.path.join(split_dir, "answer_blocks.npy"),
+              _answer_blocks(merged["fact"], merged["block"], facts))
+  return {"blocks": total, "examples": sizes}
+
+
+def _answer_blocks(example_facts: np.ndarray, example_blocks: np.ndarray,
+                   block_facts: np.ndarray) -> np.ndarray:
+  """[E, A] other block rows stating each example's fact (-1 padded; fact -1: none)."""
+  order = np.argsort(block_facts[:, 0], kind="stable")
+  fact_sorted, rows_sorted = block_facts[order, 0], block_facts[order, 1]
+  lo = np.searchsorted(fact_sorted, example_facts, "left")
+  hi = np.searchsorted(fact_sorted, example_facts, "right")
+  lists = []
+  for fact, own, a, b in zip(example_facts, example_blocks, lo, hi):
+    rows = [] if fact < 0 else [r for r in dict.fromkeys(rows_sorted[a:b].tolist()) if r != own]
+    lists.append(rows)
+  width = max([len(r) for r in lists] + [1])
+  out = np.full((len(lists), width), -1, np.int32)
+  for i, rows in enumerate(lists):
+    out[i, :len(rows)] = rows
+  return out
+
+
+def remove_shards(shards_root: str) -> None:
+  shutil.rmtree(shards_root, ignore_errors=True)

@@ -1,0 +1,338 @@
+"""`realm-prepare --config configs/prepare.py --config.source=... --config.out_dir=DIR`.
+
+source -> (validated, de-duplicated documents) -> vocab (copied or trained) -> shards of
+`shard_documents` documents, packed in parallel by `num_workers` processes into
+`DIR/shards/<i>/` -> one merge into the memory-mapped block store and examples (layout in
+`realm_jax.data.corpus`) -> QA sets -> `DIR/stats.json`, written last.
+
+Restartable: `DIR/prepare.json` records the settings; a re-run with the same settings reuses
+the vocab and every finished shard (a shard is finished once its `done.json` exists), and a
+finished preparation (stats.json present) is returned as is.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections import Counter, deque
+
+import ml_collections
+import numpy as np
+
+from realm_jax.data import corpus, sources
+from realm_jax.data.tokenizer import load_tokenizer, train_tokenizer
+from realm_jax.errors import ConfigError, DataError
+
+# Settings that change the output: a re-run must agree on all of them to reuse anything.
+FINGERPRINT_FIELDS = ("source", "title_field", "text_field", "world_seed", "vocab",
+                      "vocab_size", "vocab_documents", "block_len", "max_sentence_len",
+                      "max_masks", "tagger", "eval_fraction", "shard_documents", "max_doc_bytes")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every prepare option with its default (`configs/prepare.py` starts from here)."""
+  c = ml_collections.ConfigDict()
+  c.source = ""                    # jsonl:PATH (file or glob) | squad:PATH | tfds:NAME[:SPLIT]
+                                   # | world:ENTITIES (the generated world)
+  c.out_dir = ""                   # prepared data dir to write; a re-run skips finished shards
+  c.title_field = "title"          # JSONL / TFDS field holding a document's title
+  c.text_field = "text"            # JSONL / TFDS field holding a document's text
+  c.tfds_data_dir = ""             # TFDS data dir ("": TFDS's default, ~/tensorflow_datasets)
+  c.world_seed = 0                 # world:ENTITIES: seed of the generated world
+  c.vocab = ""                     # vocab.txt or HF BERT dir to copy; "": train WordPiece
+  c.vocab_size = 30522             # WordPiece entries when training the vocab
+  c.vocab_documents = 100_000      # the first this many documents train the vocab
+  c.block_len = 288                # wordpieces per block: [CLS] title [SEP] body [SEP]
+  c.max_sentence_len = 94          # longest example sentence kept (query_len - 2)
+  c.max_masks = 10                 # salient spans of more wordpieces are never masked
+  c.tagger = "regex"               # salient-span tagger: "regex" or "hf_ner:PATH"
+  c.eval_fraction = 0.01           # documents held out as the eval split (not for world:)
+  c.num_workers = 2                # worker processes (0: all in this process)
+  c.shard_documents = 2000         # documents per shard: unit of parallel work and of resume
+  c.strict = False                 # stop at the first bad record (file:line), not skip it
+  c.max_doc_bytes = 10 * 2**20     # a larger document is skipped (10 MB)
+  c.progress_every = 10.0          # seconds between progress lines
+  return c
+
+
+def validate(config) -> None:
+  """ConfigError naming the first bad option, before any work."""
+  if not config.out_dir:
+    raise ConfigError("out_dir", "is empty: name the data dir to write")
+  sources.parse_source(config.source)
+  if config.block_len < 8:
+    raise ConfigError("block_len", f"{config.block_len} < 8 wordpieces")
+  if not 1 <= config.max_sentence_len:
+    raise ConfigError("max_sentence_len", f"must be >= 1, got {config.max_sentence_len}")
+  if config.max_masks < 1:
+    raise ConfigError("max_masks", f"must be >= 1, got {config.max_masks}")
+  if not 0 <= config.eval_fraction < 1:
+    raise ConfigError("eval_fraction", f"must be in [0, 1), got {config.eval_fraction}")
+  if config.num_workers < 0 or config.shard_documents < 1:
+    raise ConfigError("num_workers" if config.num_workers < 0 else "shard_documents",
+                      "must be >= 0 / >= 1")
+  if config.vocab and not os.path.exists(config.vocab):
+    raise ConfigError("vocab", f"{config.vocab!r} does not exist")
+  if not config.vocab and config.vocab_size < 10:
+    raise ConfigError("vocab_size", f"{config.vocab_size} is too small")
+
+
+def _fingerprint(config) -> dict:
+  return {k: config[k] for k in FINGERPRINT_FIELDS}
+
+
+def _check_out_dir(config) -> dict | None:
+  """Refuses an out_dir prepared with other settings; returns its stats if it is finished."""
+  out = config.out_dir
+  path = os.path.join(out, "prepare.json")
+  current = _fingerprint(config)
+  if os.path.exists(path):
+    with open(path) as f:
+      saved = json.load(f)
+    diffs = [f"{k}: {saved.get(k)!r} (in {out}) != {current[k]!r} (this run)"
+             for k in FINGERPRINT_FIELDS if saved.get(k) != current[k]]
+    if diffs:
+      raise ConfigError("out_dir", f"{out} holds a preparation with other settings ("
+                        + "; ".join(diffs) + "); use another out_dir or delete this one")
+    if os.path.exists(os.path.join(out, "stats.json")):
+      with open(os.path.join(out, "stats.json")) as f:
+        return json.load(f)
+  elif os.path.isdir(out) and os.listdir(out):
+    raise ConfigError("out_dir", f"{out} exists, is not empty and was not written by "
+                      "realm-prepare (no prepare.json); use another out_dir")
+  os.makedirs(out, exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    json.dump(current, f, indent=2)
+  os.replace(path + ".tmp", path)
+  return None
+
+
+def _vocab(config):
+  """The tokenizer of the run: `DIR/vocab.txt` if an earlier attempt wrote it, else copied
+  from `config.vocab`, else trained on the first `vocab_documents` documents."""
+  path = os.path.join(config.out_dir, "vocab.txt")
+  if os.path.exists(path):
+    return load_tokenizer(path)
+  if config.vocab:
+    src = config.vocab
+    src = os.path.join(src, "vocab.txt") if os.path.isdir(src) else src
+    if not os.path.exists(src):
+      raise ConfigError("vocab", f"no vocab.txt in {config.vocab}")
+    shutil.copyfile(src, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return load_tokenizer(path)
+  t0 = time.time()
+  titles, texts = [], []
+  for doc in sources.read_documents(config, sources.Skips(strict=False)):
+    titles.append(doc.title)
+    texts.extend([doc.text] if doc.text else [s.text for s in doc.sentences])
+    if len(titles) >= config.vocab_documents:
+      break
+  tmp = os.path.join(config.out_dir, "vocab.tmp")
+  tokenizer = train_tokenizer(titles + texts, tmp, config.vocab_size)
+  os.replace(os.path.join(tmp, "vocab.txt"), path)
+  shutil.rmtree(tmp, ignore_errors=True)
+  print(f"[prepare] trained a {tokenizer.vocab_size:,}-entry WordPiece vocab on "
+        f"{len(titles):,} documents ({time.time() - t0:.1f}s)", flush=True)
+  return load_tokenizer(path)
+
+
+# -- workers -------------------------------------------------------------------------------
+_WORKER: dict = {}
+
+
+def _init_worker(vocab_path: str, tagger_spec: str, single_threaded: bool) -> None:
+  if single_threaded:    # one process per core already: no nested tokenizer threads
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+  from realm_jax.data.taggers import make_tagger
+  _WORKER["tokenizer"] = load_tokenizer(vocab_path)
+  _WORKER["tagger"] = make_tagger(tagger_spec)
+
+
+def _run_shard(args) -> tuple[int, dict]:
+  index, docs, settings, shard_dir = args
+  return index, corpus.build_shard(docs, _WORKER["tokenizer"], _WORKER["tagger"], settings,
+                                   shard_dir)
+
+
+class _Progress:
+  """One line every `every` seconds: documents read, shards, blocks, rates."""
+
+  def __init__(self, every: float):
+    self.every, self.t0, self.last = every, time.time(), time.time()
+
+  def maybe(self, docs: int, shards_done: int, shards: int, blocks: int, force=False):
+    now = time.time()
+    if not force and now - self.last < self.every:
+      return
+    self.last = now
+    dt = max(now - self.t0, 1e-9)
+    print(f"[prepare] {docs:,} docs read ({docs / dt:,.0f} docs/s) | shards {shards_done}/"
+          f"{shards} done | {blocks:,} blocks ({blocks / dt:,.0f} blocks/s) | "
+          f"{dt:,.0f}s", flush=True)
+
+
+def prepare(config) -> dict:
+  """Runs the whole preparation (or returns the stats of a finished one)."""
+  validate(config)
+  finished = _check_out_dir(config)
+  if finished is not None:
+    print(f"[prepare] {config.out_dir} is already prepared ({finished['blocks']:,} blocks)",
+          flush=True)
+    return finished
+  t0 = time.time()
+  tokenizer = _vocab(config)
+  settings = corpus.PackSettings(config.block_len, config.max_sentence_len, config.max_masks)
+  shards_root = os.path.join(config.out_dir, "shards")
+  in_process = config.num_workers == 0 or config.tagger.startswith("hf_ner:")
+  if in_process and config.num_workers > 0:
+    print("[prepare] hf_ner runs its model on this process's devices: shards are packed "
+          "in this process", flush=True)
+  if in_process:
+    _init_worker(tokenizer.vocab_path, config.tagger, single_threaded=False)
+    pool = None
+  else:
+    pool = multiprocessing.get_context("spawn").Pool(
+        config.num_workers, _init_worker, (tokenizer.vocab_path, config.tagger, True))
+  skips = sources.Skips(config.strict)
+  progress = _Progress(config.progress_every)
+  titles, qas, shard_dirs, results = [], [], [], {}
+  pending: deque = deque()
+  reused = 0
+  blocks_done = 0
+
+  def collect(block: bool):
+    nonlocal blocks_done
+    while pending and (block or pending[0].ready()):
+      index, result = pending.popleft().get()
+      results[index] = result
+      blocks_done += result["blocks"]
+
+  def submit(docs: list):
+    nonlocal reused, blocks_done
+    index = len(shard_dirs)
+    shard_dir = os.path.join(shards_root, f"{index:05d}")
+    shard_dirs.append(shard_dir)
+    done = corpus.shard_done(shard_dir)
+    if done is not None and done["documents"] == len(docs):
+      results[index] = done
+      reused += 1
+      blocks_done += done["blocks"]
+      return
+    job = (index, docs, settings, shard_dir)
+    if pool is None:
+      results[index] = _run_shard(job)[1]
+      blocks_done += results[index]["blocks"]
+      return
+    while len(pending) >= 2 * config.num_workers:
+      pending[0].wait()
+      collect(block=False)
+    pending.append(pool.apply_async(_run_shard, (job,)))
+
+  try:
+    shard: list = []
+    for doc in sources.read_documents(config, skips):
+      doc_id = len(titles)
+      titles.append(doc.title)
+      qas.extend({**qa, "doc_id": doc_id} for qa in doc.qas)
+      shard.append((doc_id, doc))
+      if len(shard) == config.shard_documents:
+        submit(shard)
+        shard = []
+      collect(block=False)
+      progress.maybe(len(titles), len(results), len(shard_dirs), blocks_done)
+    if shard:
+      submit(shard)
+    while pending:
+      pending[0].wait()
+      collect(block=False)
+      progress.maybe(len(titles), len(results), len(shard_dirs), blocks_done)
+  finally:
+    if pool is not None:
+      pool.terminate()
+      pool.join()
+  progress.maybe(len(titles), len(results), len(shard_dirs), blocks_done, force=True)
+  if not titles:
+    raise DataError(f"{config.source}: no usable document (skipped: {dict(skips.counts)})")
+
+  t_merge = time.time()
+  merged = corpus.merge_shards(shard_dirs, config.out_dir, config.block_len,
+                               config.max_sentence_len)
+  with open(os.path.join(config.out_dir, "blocks", "titles.json"), "w") as f:
+    json.dump(titles, f)
+  _write_qa(config, qas)
+  stats = _stats(config, tokenizer, skips, titles, results, merged, qas, reused, t0, t_merge)
+  with open(os.path.join(config.out_dir, "stats.json.tmp"), "w") as f:
+    json.dump(stats, f, indent=2)
+  os.replace(os.path.join(config.out_dir, "stats.json.tmp"),
+             os.path.join(config.out_dir, "stats.json"))
+  corpus.remove_shards(shards_root)
+  print(f"[prepare] {stats['documents']:,} documents -> {stats['blocks']:,} blocks, "
+        f"{stats['examples']['train']:,} train / {stats['examples']['eval']:,} eval examples, "
+        f"{sum(stats['skipped'].values()):,} skipped, in {stats['seconds']:.1f}s "
+        f"({stats['blocks_per_second']:,.0f} blocks/s)", flush=True)
+  return stats
+
+
+def _write_qa(config, qas: list[dict]) -> None:
+  kind, _ = sources.parse_source(config.source)
+  sets = sources.world_qa(config) if kind == "world" else ({"eval": qas} if qas else {})
+  if not sets:
+    return
+  os.makedirs(os.path.join(config.out_dir, "qa"), exist_ok=True)
+  for split, rows in sets.items():
+    with open(os.path.join(config.out_dir, "qa", f"{split}.jsonl"), "w") as f:
+      for row in rows:
+        f.write(json.dumps(row) + "\n")
+
+
+def _stats(config, tokenizer, skips, titles, results, merged, qas, reused, t0, t_merge):
+  total = Counter()
+  dropped = Counter()
+  for r in results.values():
+    total.update({k: r[k] for k in ("sentences", "sentences_cut", "titles_truncated",
+                                    "salient_spans")})
+    dropped.update(r["examples_skipped"])
+  lengths = np.load(os.path.join(config.out_dir, "blocks", "lengths.npy"), mmap_mode="r")
+  seconds = time.time() - t0
+  return {
+      "source": config.source, "read": len(titles) + sum(skips.counts.values()),
+      "documents": len(titles), "skipped": dict(skips.counts),
+      "blocks": merged["blocks"], "max_block_wordpieces": int(lengths.max(initial=0)),
+      "block_len": config.block_len, "max_sentence_len": config.max_sentence_len,
+      "sentences": total["sentences"], "sentences_cut": total["sentences_cut"],
+      "titles_truncated": total["titles_truncated"], "salient_spans": total["salient_spans"],
+      "examples": merged["examples"], "examples_skipped": dict(dropped),
+      "questions": len(qas), "vocab_size": tokenizer.vocab_size, "tagger": config.tagger,
+      "shards": len(results), "shards_reused": reused,
+      "seconds": round(seconds, 2), "merge_seconds": round(time.time() - t_merge, 2),
+      "documents_per_second": round(len(titles) / max(seconds, 1e-9), 1),
+      "blocks_per_second": round(merged["blocks"] / max(seconds, 1e-9), 1),
+      "sentences_per_second": round(total["sentences"] / max(seconds, 1e-9), 1),
+  }
+
+
+def main() -> None:
+  from absl import app, flags
+  from ml_collections import config_flags
+  from realm_jax.errors import run_cli
+  config = config_flags.DEFINE_config_file("config", None, "configs/prepare.py[:variant]",
+                                           lock_config=True)
+
+  def _main(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if config.value is None:
+      print("realm-prepare: error: --config is required (configs/prepare.py)", file=sys.stderr)
+      raise SystemExit(2)
+    run_cli("realm-prepare", lambda: prepare(config.value))
+  del flags
+  app.run(_main)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,258 @@
+"""Corpus sources for `realm-prepare`: `jsonl:PATH`, `squad:PATH`, `tfds:NAME[:SPLIT]`,
+`world:ENTITIES`.
+
+Each source yields `SourceDocument`s in a fixed order. Bad records never crash the job and are
+never dropped silently: each is skipped and counted by reason (`Skips`), or, with
+`strict=True`, stops the job with the file and line (or record) that is wrong. Every record
+read is either a document or a skip, so `read == documents + sum(skipped)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import hashlib
+import json
+import os
+from collections import Counter
+from typing import Iterator
+
+from realm_jax.data.corpus import SourceDocument, SourceSentence
+from realm_jax.errors import ConfigError, DataError
+
+KINDS = ("jsonl", "squad", "tfds", "world")
+# Skip reasons, as they appear in stats.json.
+MALFORMED_JSON = "malformed JSON"
+NOT_AN_OBJECT = "not a JSON object"
+MISSING_TITLE = "missing title field"
+MISSING_TEXT = "missing text field"
+INVALID_UTF8 = "invalid UTF-8"
+EMPTY = "empty or whitespace-only document"
+TOO_LARGE = "document over max_doc_bytes"
+DUPLICATE = "duplicate document"
+
+
+class Skips:
+  """Counts skipped records by reason; in strict mode the first one is an error instead."""
+
+  def __init__(self, strict: bool):
+    self.strict, self.counts = strict, Counter()
+
+  def skip(self, reason: str, where: str) -> None:
+    if self.strict:
+      raise DataError(f"{where}: {reason} (strict=True stops here; without it the record "
+                      "is skipped and counted in stats.json)")
+    self.counts[reason] += 1
+
+
+class Deduplicator:
+  """Drops a document whose title + text (whitespace-normalised) was already seen."""
+
+  def __init__(self):
+    self.seen: set[bytes] = set()
+
+  def is_new(self, title: str, text: str) -> bool:
+    key = hashlib.blake2b((" ".join(title.split()) + "\x00" + " ".join(text.split()))
+                          .encode("utf-8", "surrogatepass"), digest_size=12).digest()
+    if key in self.seen:
+      return False
+    self.seen.add(key)
+    return True
+
+
+def parse_source(spec: str) -> tuple[str, str]:
+  """`kind:arg` -> (kind, arg) with a ConfigError naming `source` when malformed."""
+  kind, _, arg = spec.partition(":")
+  if kind not in KINDS or not arg:
+    raise ConfigError("source", f"{spec!r}: expected one of jsonl:PATH, squad:PATH, "
+                      "tfds:NAME[:SPLIT], world:ENTITIES")
+  if kind == "world" and not (arg.isdigit() and int(arg) > 0):
+    raise ConfigError("source", f"{spec!r}: world:ENTITIES takes a positive entity count")
+  if kind in ("jsonl", "squad") and not _jsonl_files(arg):
+    raise ConfigError("source", f"{spec!r}: no such file {arg!r}")
+  return kind, arg
+
+
+def read_documents(config, skips: Skips) -> Iterator[SourceDocument]:
+  """The source's documents in order, validated and de-duplicated (skips counted)."""
+  kind, arg = parse_source(config.source)
+  raw = {"jsonl": _jsonl, "squad": _squad, "tfds": _tfds, "world": _world}[kind](arg, config,
+                                                                               skips)
+  dedup = Deduplicator()
+  for doc in raw:
+    if not doc.sentences and not doc.text.strip():
+      skips.skip(EMPTY, doc.where)
+    elif not dedup.is_new(doc.title, doc.text or " ".join(s.text for s in doc.sentences)):
+      skips.skip(DUPLICATE, doc.where)
+    else:
+      yield doc
+
+
+def _jsonl_files(pattern: str) -> list[str]:
+  return sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else \
+      ([pattern] if os.path.isfile(pattern) else [])
+
+
+def _record(obj, config, where: str, skips: Skips) -> tuple[str, str] | None:
+  """(title, text) of a decoded JSON record, or None after counting why not."""
+  if not isinstance(obj, dict):
+    skips.skip(NOT_AN_OBJECT, where)
+    return None
+  title, text = obj.get(config.title_field), obj.get(config.text_field)
+  if not isinstance(title, str):
+    skips.skip(MISSING_TITLE, where)
+    return None
+  if not isinstance(text, str):
+    skips.skip(MISSING_TEXT, where)
+    return None
+  return title, text
+
+
+def _split_of(title: str, text: str, eval_fraction: float) -> str:
+  """Held-out documents for the eval split, chosen by a hash of their content."""
+  if eval_fraction <= 0:
+    return "train"
+  h = int.from_bytes(hashlib.blake2b((title + "\x00" + text).encode("utf-8", "surrogatepass"),
+                                     digest_size=4).digest(), "little")
+  return "eval" if h % 1_000_000 < eval_fraction * 1_000_000 else "train"
+
+
+def _jsonl(pattern: str, config, skips: Skips) -> Iterator[SourceDocument]:
+  for path in _jsonl_files(pattern):
+    with open(path, "rb") as f:
+      for lineno, line in enumerate(f, 1):
+        where = f"{path}:{lineno}"
+        if not line.strip():
+          continue                         # a blank line is not a record
+        if len(line) > config.max_doc_bytes:
+          skips.skip(TOO_LARGE, where)
+          continue
+        try:
+          decoded = line.decode("utf-8")
+        except UnicodeDecodeError:
+          skips.skip(INVALID_UTF8, where)
+          continue
+        try:
+          obj = json.loads(decoded)
+        except json.JSONDecodeError:
+          skips.skip(MALFORMED_JSON, where)
+          continue
+        record = _record(obj, config, where, skips)
+        if record is not None:
+          title, text = record
+          yield SourceDocument(title, text, split=_split_of(title, text, config.eval_fraction),
+                               where=where)
+
+
+def _squad(path: str, config, skips: Skips) -> Iterator[SourceDocument]:
+  """SQuAD v1.1 format: every paragraph is a document titled with its article's title; its
+  questions travel with it (`qas`) to become the QA set."""
+  with open(path, "rb") as f:
+    raw = f.read()
+  try:
+    data = json.loads(raw.decode("utf-8"))["data"]
+  except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+    raise DataError(f"{path}: not a SQuAD-format JSON file ({type(e).__name__}: {e})") from None
+  for a, article in enumerate(data):
+    paragraphs = article.get("paragraphs", []) if isinstance(article, dict) else []
+    for p, paragraph in enumerate(paragraphs):
+      where = f"{path}: data[{a}].paragraphs[{p}]"
+      if not isinstance(paragraph, dict):
+        skips.skip(NOT_AN_OBJECT, where)
+        continue
+      title = article.get("title")
+      text = paragraph.get("context")
+      if not isinstance(title, str):
+        skips.skip(MISSING_TITLE, where)
+        continue
+      if not isinstance(text, str):
+        skips.skip(MISSING_TEXT, where)
+        continue
+      if len(text.encode("utf-8", "surrogatepass")) > config.max_doc_bytes:
+        skips.skip(TOO_LARGE, where)
+        continue
+      qas = tuple({"id": qa.get("id"), "question": qa.get("question"),
+                   "answer": [a["text"] for a in qa.get("answers", [])],
+                   "answer_start": [a["answer_start"] for a in qa.get("answers", [])]}
+                  for qa in paragraph.get("qas", []) if isinstance(qa, dict))
+      yield SourceDocument(title, text, split=_split_of(title, text, config.eval_fraction),
+                           where=where, qas=qas)
+
+
+def _tfds(arg: str, config, skips: Skips) -> Iterator[SourceDocument]:
+  """A TFDS text dataset (e.g. `wikipedia/20230601.en`) that the user has prepared locally."""
+  try:
+    import tensorflow_datasets as tfds
+  except ImportError:
+    raise ConfigError("source", f"tfds:{arg} needs tensorflow-datasets: "
+                      "pip install 'realm_jax[tfds]'") from None
+  name, _, split = arg.partition(":")
+  split = split or "train"
+  data_dir = config.tfds_data_dir or None
+  how = (f"Prepare it once with `tfds build {name}" + (f" --data_dir={data_dir}" if data_dir else "")
+         + " --file_format=array_record` (or tfds.builder(name).download_and_prepare()), then "
+         "re-run; --config.tfds_data_dir picks another TFDS data dir")
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+  except Exception as e:  # unknown name, or its code is not importable here
+    raise ConfigError("source", f"TFDS dataset {name!r} is not available ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0]}). {how}") from None
+  try:
+    dataset = builder.as_data_source(split=split)
+  except Exception as e:
+    if not builder.is_prepared():
+      raise ConfigError("source", f"TFDS dataset {name!r} is not prepared under "
+                        f"{builder.data_dir}. {how}") from None
+    raise ConfigError("source", f"tfds:{name}:{split}: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0]} (realm-prepare reads TFDS by random access: "
+                      "prepare with --file_format=array_record)") from None
+  for i in range(len(dataset)):
+    where = f"tfds:{name}:{split}[{i}]"
+    example = dataset[i]
+    fields = {}
+    for key in (config.title_field, config.text_field):
+      value = example.get(key) if isinstance(example, dict) else None
+      if isinstance(value, bytes):
+        try:
+          value = value.decode("utf-8")
+        except UnicodeDecodeError:
+          fields = None
+          break
+      fields[key] = value
+    if fields is None:
+      skips.skip(INVALID_UTF8, where)
+      continue
+    record = _record(fields, config, where, skips)
+    if record is not None:
+      title, text = record
+      if len(text.encode("utf-8", "surrogatepass")) > config.max_doc_bytes:
+        skips.skip(TOO_LARGE, where)
+        continue
+      yield SourceDocument(title, text, split=_split_of(title, text, config.eval_fraction),
+                           where=where)
+
+
+def _world(arg: str, config, skips: Skips) -> Iterator[SourceDocument]:
+  """The generated knowledge world: sentences about held-out entities are `eval` only."""
+  world = _generate_world(int(arg), config.world_seed)
+  for i, doc in enumerate(world.documents):
+    split = "eval" if world.entities[doc.entity].held_out else "train"
+    yield SourceDocument(doc.title, sentences=tuple(
+        SourceSentence(s.text, split, s.facts, s.value_spans) for s in doc.sentences),
+        where=f"world:{arg}[{i}]")
+
+
+def world_qa(config) -> dict[str, list[dict]]:
+  """The world's question/answer pairs by split (held-out entities -> eval)."""
+  world = _generate_world(int(parse_source(config.source)[1]), config.world_seed)
+  out = {"train": [], "eval": []}
+  for qa in world.qa_pairs:
+    split = "eval" if world.entities[qa.entity].held_out else "train"
+    out[split].append({"question": qa.question, "answer": [qa.answer]})
+  return out
+
+
+@functools.lru_cache(maxsize=1)
+def _generate_world(entities: int, seed: int):
+  from realm_jax.data.world import generate_world
+  return generate_world(entities, seed)

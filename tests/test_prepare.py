@@ -1,0 +1,258 @@
+"""`realm-prepare`: blocks on real prose, bad records skipped and counted (or fatal in strict
+mode, with file:line), restarts that reuse finished shards, parallel == in-process, TFDS."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from realm_jax.data import corpus, prepare as prepare_lib, sources
+from realm_jax.data.store import PreparedData
+from realm_jax.data.tokenizer import load_tokenizer
+from realm_jax.errors import ConfigError, DataError
+from tests.helpers import REPO
+
+SQUAD = os.path.join(REPO, "..", "shared", "data", "squadshifts_new_wiki_v1.0.json")
+PROSE = [
+    ("Apollo 11", "Apollo 11 was the spaceflight that first landed humans on the Moon. "
+     "Commander Neil Armstrong and pilot Buzz Aldrin landed on 20 July 1969. "
+     "They spent about 21 hours on the lunar surface."),
+    ("Marie Curie", "Marie Curie was born in Warsaw in 1867. She moved to Paris in 1891. "
+     "In 1903 she shared the Nobel Prize in Physics with Pierre Curie."),
+    ("Danube", "The Danube flows through Vienna, Budapest and Belgrade. It is about 2,850 "
+     "kilometres long. The river empties into the Black Sea in Romania."),
+]
+
+
+def config_for(source: str, out_dir: str, **overrides):
+  config = prepare_lib.base_config()
+  config.source, config.out_dir = source, out_dir
+  config.vocab_size, config.num_workers, config.progress_every = 400, 0, 1e9
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+def write_jsonl(path, lines: list[bytes]) -> str:
+  with open(path, "wb") as f:
+    f.write(b"\n".join(lines) + b"\n")
+  return str(path)
+
+
+def good_lines(n_copies=1) -> list[bytes]:
+  return [json.dumps({"title": f"{t} {k}" if k else t, "text": x}).encode()
+          for k in range(n_copies) for t, x in PROSE]
+
+
+@pytest.fixture(scope="module")
+def squad_dir(tmp_path_factory):
+  if not os.path.exists(SQUAD):
+    pytest.skip(f"{SQUAD} is absent (real data of ../shared/data)")
+  out = str(tmp_path_factory.mktemp("squad"))
+  stats = prepare_lib.prepare(config_for(f"squad:{SQUAD}", out, vocab_size=8000,
+                                         shard_documents=400))
+  return out, stats
+
+
+def test_squadshifts_blocks_fit_and_have_title_and_body_segments(squad_dir):
+  out, stats = squad_dir
+  data = PreparedData(out)
+  blocks, tok = data.blocks, data.tokenizer
+  with open(SQUAD) as f:
+    articles = json.load(f)["data"]
+  paragraphs = [(a["title"], p["context"]) for a in articles for p in a["paragraphs"]]
+  # Every paragraph is accounted for: kept as a document or skipped by reason.
+  assert stats["read"] == len(paragraphs) == 1581
+  assert stats["documents"] + sum(stats["skipped"].values()) == len(paragraphs)
+  assert stats["blocks"] == blocks.num_blocks >= stats["documents"]
+  assert stats["max_block_wordpieces"] <= 288 and blocks.lengths.max() <= 288
+  assert stats["questions"] == sum(len(p["qas"]) for a in articles for p in a["paragraphs"])
+  kept = dict.fromkeys(paragraphs)     # order of first occurrence = document ids
+  kept_list = list(kept)
+  rows = np.arange(blocks.num_blocks)
+  tokens = np.asarray(blocks.tokens)
+  assert (tokens[rows, 0] == tok.cls_id).all()
+  assert (tokens[rows, blocks.body_start - 1] == tok.sep_id).all()
+  assert (tokens[rows, blocks.lengths - 1] == tok.sep_id).all()
+  assert (tokens[rows[:, None], np.arange(288)[None]] * (np.arange(288)[None] >=
+                                                        blocks.lengths[:, None]) == 0).all()
+  segments = blocks.segments(rows)
+  for row in range(0, blocks.num_blocks, 7):
+    title, text = kept_list[int(blocks.doc_ids[row])]
+    start, end = int(blocks.body_start[row]), int(blocks.lengths[row])
+    assert tok.decode(tokens[row, 1:start - 1]) == tok.decode(tok.encode_batch([title])[0][0])
+    assert (segments[row, :start] == 0).all() and (segments[row, start:end] == 1).all()
+    assert (segments[row, end:] == 0).all()
+    body = tok.decode(tokens[row, start:end - 1])
+    assert body.replace(" ", "") in tok.decode(tok.encode_batch([text])[0][0]).replace(" ", "")
+  # Every pretraining example sits inside its block, at its offsets, with spans inside it.
+  ex = data.examples("train")
+  for i in range(0, len(ex), 53):
+    s, e = ex.block_offsets[i]
+    assert (tokens[ex.block[i], s:e] == ex.tokens[i, :ex.lengths[i]]).all()
+    for a, b in ex.spans[i, :ex.num_spans[i]]:
+      assert 0 <= a < b <= ex.lengths[i] and b - a <= 10
+  with open(os.path.join(out, "qa", "eval.jsonl")) as f:
+    first = json.loads(f.readline())
+  title, text = kept_list[first["doc_id"]]
+  assert text[first["answer_start"][0]:].startswith(first["answer"][0])
+
+
+def test_bad_records_are_skipped_and_counted(tmp_path):
+  big = json.dumps({"title": "Big", "text": "word " * (2 * 2**20 + 10)}).encode()  # > 10 MB
+  lines = good_lines() + [
+      b'{"title": "Broken", "text": "no closing brace"',
+      json.dumps({"text": "A text without a title."}).encode(),
+      json.dumps({"title": "No text"}).encode(),
+      json.dumps({"title": "Empty", "text": ""}).encode(),
+      json.dumps({"title": "Blank", "text": " \n\t "}).encode(),
+      b'{"title": "Latin-1", "text": "caf\xe9 au lait in Paris in 1950."}',
+      big,
+      good_lines()[0],                                  # duplicate of the first document
+      b'["a list", "not an object"]',
+  ]
+  path = write_jsonl(tmp_path / "docs.jsonl", lines)
+  stats = prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out")))
+  assert stats["documents"] == len(PROSE)
+  assert stats["skipped"] == {
+      sources.MALFORMED_JSON: 1, sources.MISSING_TITLE: 1, sources.MISSING_TEXT: 1,
+      sources.EMPTY: 2, sources.INVALID_UTF8: 1, sources.TOO_LARGE: 1, sources.DUPLICATE: 1,
+      sources.NOT_AN_OBJECT: 1}
+  assert stats["read"] == len(lines)
+  assert stats["sentences"] == 9              # three sentences per document (sentencex)
+  assert stats["examples"]["train"] + stats["examples"]["eval"] > 0
+
+
+@pytest.mark.parametrize("line, reason", [
+    (b'{"title": "Broken"', sources.MALFORMED_JSON),
+    (json.dumps({"text": "x"}).encode(), sources.MISSING_TITLE),
+    (json.dumps({"title": "Blank", "text": "   "}).encode(), sources.EMPTY),
+    (b'{"title": "x", "text": "\xff\xfe"}', sources.INVALID_UTF8),
+    (good_lines()[1], sources.DUPLICATE),
+])
+def test_strict_mode_fails_naming_file_and_line(tmp_path, line, reason):
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines() + [line])
+  with pytest.raises(DataError, match=f"{path}:{len(PROSE) + 1}: {reason}"):
+    prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"), strict=True))
+
+
+def test_cli_reports_a_bad_record_in_one_line(tmp_path):
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines() + [b"{oops"])
+  result = subprocess.run(
+      [sys.executable, "-m", "realm_jax.data.prepare", f"--config={REPO}/configs/prepare.py",
+       f"--config.source=jsonl:{path}", f"--config.out_dir={tmp_path / 'out'}",
+       "--config.strict=True", "--config.vocab_size=300", "--config.num_workers=0"],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+  errors = [l for l in result.stderr.splitlines() if l.startswith("realm-prepare: error:")]
+  assert len(errors) == 1 and f"docs.jsonl:{len(PROSE) + 1}: malformed JSON" in errors[0]
+
+
+@pytest.mark.parametrize("source, option", [
+    ("bogus:1", "source"), ("world:x", "source"), ("jsonl:/no/such/file.jsonl", "source")])
+def test_bad_options_name_the_option(tmp_path, source, option):
+  with pytest.raises(ConfigError, match=f"config.{option}"):
+    prepare_lib.prepare(config_for(source, str(tmp_path / "out")))
+
+
+def _arrays(out_dir: str) -> dict:
+  found = {}
+  for root, _, files in os.walk(out_dir):
+    for name in files:
+      if name.endswith(".npy") or name in ("titles.json", "vocab.txt"):
+        path = os.path.join(root, name)
+        rel = os.path.relpath(path, out_dir)
+        found[rel] = np.load(path) if name.endswith(".npy") else open(path).read()
+  return found
+
+
+def _assert_same(a: dict, b: dict):
+  assert a.keys() == b.keys()
+  for key in a:
+    assert np.array_equal(a[key], b[key]) if isinstance(a[key], np.ndarray) else a[key] == b[key], key
+
+
+def test_rerun_skips_finished_shards_and_gives_the_same_output(tmp_path, monkeypatch):
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines(n_copies=5))   # 15 documents
+  clean = config_for(f"jsonl:{path}", str(tmp_path / "clean"), shard_documents=4)
+  prepare_lib.prepare(clean)
+  # A crash while packing the third shard: the first two are finished on disk.
+  build = corpus.build_shard
+  calls = []
+
+  def crashing(docs, *args, **kwargs):
+    calls.append(len(docs))
+    if len(calls) == 3:
+      raise RuntimeError("worker died")
+    return build(docs, *args, **kwargs)
+  monkeypatch.setattr(corpus, "build_shard", crashing)
+  # The same vocab for both (HF's WordPiece trainer breaks ties differently run to run).
+  crashed = config_for(f"jsonl:{path}", str(tmp_path / "crashed"), shard_documents=4,
+                       vocab=os.path.join(clean.out_dir, "vocab.txt"))
+  with pytest.raises(RuntimeError, match="worker died"):
+    prepare_lib.prepare(crashed)
+  assert not os.path.exists(os.path.join(crashed.out_dir, "stats.json"))
+  monkeypatch.setattr(corpus, "build_shard", build)
+  stats = prepare_lib.prepare(crashed)
+  assert stats["shards"] == 4 and stats["shards_reused"] == 2
+  _assert_same(_arrays(clean.out_dir), _arrays(crashed.out_dir))
+  # A finished preparation is returned as is; other settings on the same dir are refused.
+  assert prepare_lib.prepare(crashed)["blocks"] == stats["blocks"]
+  crashed.block_len = 64
+  with pytest.raises(ConfigError, match="block_len: 288"):
+    prepare_lib.prepare(crashed)
+
+
+def test_worker_processes_give_the_in_process_output(tmp_path):
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines(n_copies=4))
+  one = config_for(f"jsonl:{path}", str(tmp_path / "one"), shard_documents=3)
+  prepare_lib.prepare(one)
+  two = config_for(f"jsonl:{path}", str(tmp_path / "two"), shard_documents=3, num_workers=2,
+                   vocab=os.path.join(one.out_dir, "vocab.txt"))
+  prepare_lib.prepare(two)
+  _assert_same(_arrays(one.out_dir), _arrays(two.out_dir))
+
+
+def test_long_sentences_are_cut_and_long_titles_truncated(tmp_path):
+  words = " ".join(f"w{i}" for i in range(120))
+  path = write_jsonl(tmp_path / "docs.jsonl", [json.dumps({
+      "title": "A very long title " * 10, "text": f"{words}. Short one in 1999."}).encode()])
+  stats = prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"), block_len=32))
+  data = PreparedData(str(tmp_path / "out"))
+  assert stats["titles_truncated"] == 1 and stats["sentences_cut"] == 1
+  assert data.blocks.lengths.max() <= 32 and stats["blocks"] > 3
+  assert (data.blocks.body_start <= 1 + (32 - 3) // 2 + 1).all()
+
+
+def test_held_out_documents_become_the_eval_split(tmp_path):
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines(n_copies=20))
+  stats = prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"),
+                                         eval_fraction=0.3))
+  data = PreparedData(str(tmp_path / "out"))
+  ev, tr = data.examples("eval"), data.examples("train")
+  assert 0 < len(ev) and 0 < len(tr) and stats["examples"]["eval"] == len(ev)
+  eval_docs = set(data.blocks.doc_ids[ev.block].tolist())
+  assert not eval_docs & set(data.blocks.doc_ids[tr.block].tolist())
+  for i in range(len(ev)):        # the evaluated span is one of the example's salient spans
+    assert any((ev.target_span[i] == s).all() for s in ev.spans[i, :ev.num_spans[i]])
+
+
+def test_tfds_source_reads_a_mocked_dataset_and_explains_unprepared_ones(tmp_path):
+  tfds = pytest.importorskip("tensorflow_datasets")
+  import tensorflow_datasets.text.wikipedia  # noqa: F401  (registers the builder)
+  name = "wikipedia/20230601.en"
+  config = config_for(f"tfds:{name}", str(tmp_path / "missing"),
+                      tfds_data_dir=str(tmp_path / "tfds"))
+  with pytest.raises(ConfigError, match="is not prepared .*tfds build wikipedia"):
+    prepare_lib.prepare(config)
+  with tfds.testing.mock_data(num_examples=12):
+    stats = prepare_lib.prepare(config_for(f"tfds:{name}:train", str(tmp_path / "mock"),
+                                           tfds_data_dir=str(tmp_path / "tfds")))
+  assert stats["read"] == 12
+  assert stats["documents"] + sum(stats["skipped"].values()) == 12
+  assert stats["blocks"] >= stats["documents"] > 0
+  assert load_tokenizer(str(tmp_path / "mock" / "vocab.txt")).vocab_size > 5
