@@ -2,7 +2,7 @@
 
 import pytest
 
-from realm_jax.data.spans import span_covering, tag_salient_spans
+from realm_jax.data.spans import span_covering, tag_dates, tag_salient_spans
 from realm_jax.data.world import generate_world
 
 
@@ -34,6 +34,59 @@ def tagged(text):
 ])
 def test_tagged_spans(text, expected):
   assert tagged(text) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    # Dates: days without a year, ranges, decades, eras, centuries.
+    ("They moved to St. Louis in the 1850s.", ["St. Louis", "1850s"]),
+    ("She was born on 1 January 1900 in Saint-Malo.", ["1 January 1900", "Saint-Malo"]),
+    ("It fell on 14–15 May 1945.", ["14–15 May 1945"]),
+    ("It happened on June 14 and on 5 April.", ["June 14", "5 April"]),
+    ("The style peaked in the mid-19th century.", ["mid-19th century"]),
+    ("It was rebuilt in the nineteenth century.", ["nineteenth century"]),
+    ("The 7th millennium BCE and the 3rd century AD.", ["7th millennium BCE", "3rd century AD"]),
+    ("Pompeii was destroyed in AD 79 by Vesuvius.", ["Pompeii", "AD 79", "Vesuvius"]),
+    ("The city was founded around 300 BC.", ["300 BC"]),
+    ("He served from 1914–1918 and again 1939-45.", ["1914–1918", "1939-45"]),
+    ("It slowed in the mid-1990s and mid-2008.", ["mid-1990s", "mid-2008"]),
+    # Numbers: the quantity without its unit; multipliers belong to the number.
+    ("Unemployment fell to 5% while prices rose 12.5 percent.", ["Unemployment", "5", "12.5"]),
+    ("The population was 2.5 million in 2010.", ["2.5 million", "2010"]),
+    ("It was 4 hours long and 3 km away.", ["3"]),
+    ("It cost US$360,700 in total.", ["360,700"]),
+    # Names: any alphabet, after "the", hyphens, possessives, initials, abbreviations.
+    ("He fought in the Battle of Hastings and the First World War.",
+     ["Battle of Hastings", "First World War"]),
+    ("The novel was written by J. R. R. Tolkien in Oxford.", ["J. R. R. Tolkien", "Oxford"]),
+    ("The French-speaking monks lived near Topkapı Palace.", ["French", "Topkapı Palace"]),
+    ("Istanbul-based Star TV was the first private channel.", ["Istanbul", "Star TV"]),
+    ("Kelmar's harbour and O'Neill's pub are in Dún Laoghaire.",
+     ["Kelmar", "O'Neill", "Dún Laoghaire"]),
+    ("The Canadian Women's Hockey League met near St. Paul's Cathedral.",
+     ["Canadian Women's Hockey League", "St. Paul's Cathedral"]),
+    ("He was sent to the Seven Years' War.", ["Seven Years' War"]),
+    ("Leonardo da Vinci painted the Mona Lisa.", ["Leonardo da Vinci", "Mona Lisa"]),
+    ("Pratt & Whitney bought shares of AT&T.", ["Pratt & Whitney", "AT&T"]),
+    ("He flew the B-52 along I-95 to Saint-Étienne.", ["B-52", "I-95", "Saint-Étienne"]),
+    ("The U.S. Congress met in Washington, D.C. The session ended.",
+     ["U.S. Congress", "Washington", "D.C."]),
+    ("It stood on the Rhine–Meuse–Scheldt delta.", ["Rhine–Meuse–Scheldt"]),
+    # Titles are not part of a person's name; "of" after a person starts a new entity.
+    ("President Barack Obama met Prime Minister Paul Keating.", ["Barack Obama", "Paul Keating"]),
+    ("It was chaired by Governor Chris Christie of New Jersey.", ["Chris Christie", "New Jersey"]),
+    ("He banked with the Royal Bank of Scotland.", ["Royal Bank of Scotland"]),
+    # Sentence starts: common words, adverbs, bracketed notes.
+    ("Subsequently the Bible was translated into Armenian.", ["Bible", "Armenian"]),
+    ("[citation needed] On 26 October 1943, it was organised.", ["26 October 1943"]),
+    ("Historically, Kelmar was poor.", ["Kelmar"]),
+])
+def test_tagged_spans_on_real_prose(text, expected):
+  assert tagged(text) == expected
+
+
+def test_tag_dates_leaves_names_out():
+  text = "Alice Borin moved to Kelmar on 12 March 1843 with 3,400 others."
+  assert [text[s:e] for s, e in tag_dates(text)] == ["12 March 1843", "3,400"]
 
 
 def test_spans_are_sorted_and_disjoint():
