@@ -46,12 +46,14 @@ class Tokenizer:
     return [self.wordpiece.id_to_token(int(i)) for i in ids]
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-  """Loads `path` = a vocab.txt or a directory holding one (an HF tokenizer dir)."""
+def load_tokenizer(path: str, lowercase: bool = True) -> Tokenizer:
+  """Loads `path` = a vocab.txt or a directory holding one (an HF tokenizer dir); a cased
+  vocab (`lowercase=False`) also keeps accents, as HF's BertTokenizer does."""
   vocab = os.path.join(path, "vocab.txt") if os.path.isdir(path) else path
   if not os.path.exists(vocab):
     raise FileNotFoundError(f"no WordPiece vocabulary at {vocab}")
-  return Tokenizer(BertWordPieceTokenizer(vocab, lowercase=True, strip_accents=True), vocab)
+  return Tokenizer(BertWordPieceTokenizer(vocab, lowercase=lowercase, strip_accents=lowercase),
+                   vocab)
 
 
 def train_tokenizer(texts: Iterable[str], out_dir: str, vocab_size: int) -> Tokenizer:

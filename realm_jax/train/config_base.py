@@ -81,6 +81,8 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.init = ml_collections.ConfigDict()
   c.init.from_workdir = ""         # start params from this run's latest checkpoint
+  c.init.hf_bert = ""              # HF BERT dir (config.json + model.safetensors): every BERT
+                                   # tower starts from it
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (-1, 1)           # (data, model); -1 = all remaining devices
@@ -143,6 +145,8 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
     raise ConfigError("model.num_heads", "must divide model.hidden_size")
   if t.batch_size < 1 or t.steps < 1:
     raise ConfigError("train.batch_size" if t.batch_size < 1 else "train.steps", "must be >= 1")
+  if config.init.get("hf_bert") and config.init.from_workdir:
+    raise ConfigError("init.hf_bert", "and init.from_workdir are both set: start from one")
   if t.retriever_lr_scale < 0 or t.reader_lr_scale < 0:
     raise ConfigError("train.retriever_lr_scale", "learning-rate scales must be >= 0")
   if num_blocks is not None and config.task == "realm" and r.mode == "index" \

@@ -1,0 +1,408 @@
+"""Hugging Face BERT checkpoints (a dir with config.json + model.safetensors) -> our Flax BERT.
+
+The mapping is built from our own parameter tree (`bert.hf_parameter_names`), so every one of
+our BERT parameters is either found in the checkpoint or reported. Torch Dense weights are
+[out, in] and are transposed into Flax kernels; LayerNorm `gamma`/`beta` (old names) are read
+as `weight`/`bias`; names with or without the `bert.` prefix are accepted.
+
+  load_bert_towers(params, path)  every BERT tower of a REALM tree (+ the MLM head if saved)
+  bert_config_mismatches(...)     config.model vs the checkpoint's config.json, as text lines
+  model_overrides(path)           the config.model values that fit the checkpoint
+  init_params(config, ...)        the Trainer's `init.hf_bert` start: checks, load, report
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from realm_jax.errors import ConfigError
+from realm_jax.models.bert import hf_parameter_names
+
+OPTION = "init.hf_bert"
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# HF `BertConfig` defaults, for keys a config.json leaves out.
+HF_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,
+               "num_attention_heads": 12, "intermediate_size": 3072,
+               "max_position_embeddings": 512, "type_vocab_size": 2, "hidden_act": "gelu",
+               "layer_norm_eps": 1e-12, "position_embedding_type": "absolute"}
+# Our config.model field -> the HF config key of the same meaning.
+SHAPE_FIELDS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+                "num_heads": "num_attention_heads", "intermediate_size": "intermediate_size",
+                "max_position": "max_position_embeddings", "vocab_size": "vocab_size"}
+OUR_TYPE_VOCAB, OUR_LAYER_NORM_EPS = 2, 1e-12   # fixed in models/bert.py's BertConfig
+_LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight", "bias": "bias"}
+
+
+# -- reading a checkpoint ------------------------------------------------------------------
+def read_config(path: str) -> dict:
+  """The checkpoint's config.json with HF's defaults filled in."""
+  file = os.path.join(path, "config.json")
+  if not os.path.isfile(file):
+    raise FileNotFoundError(f"no HF BERT config at {file}")
+  with open(file) as f:
+    return {**HF_DEFAULTS, **json.load(f)}
+
+
+def normalise_name(name: str) -> str:
+  """`bert.encoder...LayerNorm.gamma` -> `encoder...LayerNorm.weight` (heads keep their names)."""
+  name = name[len("bert."):] if name.startswith("bert.") else name
+  return re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight",
+                re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name))
+
+
+def read_weights(path: str) -> tuple[dict[str, np.ndarray], str]:
+  """(tensors by normalised name, the file read): model.safetensors, else pytorch_model.bin."""
+  safetensors_file, torch_file = (os.path.join(path, f) for f in WEIGHT_FILES)
+  if os.path.isfile(safetensors_file):
+    raw, file = _load_safetensors(safetensors_file), safetensors_file
+  elif os.path.isfile(torch_file):
+    raw, file = _load_torch(torch_file), torch_file
+  else:
+    raise FileNotFoundError(f"no HF BERT weights in {path}: expected {WEIGHT_FILES[0]} or "
+                            f"{WEIGHT_FILES[1]}")
+  tensors: dict[str, np.ndarray] = {}
+  for name in sorted(raw, key=lambda n: not n.startswith("bert.")):  # `bert.` names win
+    tensors.setdefault(normalise_name(name), raw[name])
+  return tensors, file
+
+
+def _load_safetensors(file: str) -> dict[str, np.ndarray]:
+  from safetensors.numpy import load_file
+  try:
+    return load_file(file)
+  except (TypeError, ValueError):   # dtypes numpy lacks (bfloat16): read through JAX
+    from safetensors.flax import load_file as load_jax
+    return {k: np.asarray(v, np.float32) for k, v in load_jax(file).items()}
+
+
+def _load_torch(file: str) -> dict[str, np.ndarray]:
+  try:
+    import torch
+  except ImportError:
+    raise FileNotFoundError(f"{file} needs torch to be read and torch is not installed; "
+                            f"save the checkpoint as {WEIGHT_FILES[0]} instead") from None
+  state = torch.load(file, map_location="cpu", weights_only=True)
+  return {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in state.items()}
+
+
+# -- configs -------------------------------------------------------------------------------
+def bert_config_mismatches(model_cfg, hf_config: Mapping | str, *, vocab_size: int | None = None,
+                           source: str | None = None) -> list[str]:
+  """Lines `model.hidden_size: 128 (config) != 384 (PATH/config.json)`, one per difference.
+
+  `hf_config` is a checkpoint dir or its config dict; `vocab_size` is the data vocab's size
+  (used when model.vocab_size is 0). Our max_position may be smaller than the checkpoint's
+  (the first rows of its position table are taken); hidden_act must be erf gelu.
+  """
+  if isinstance(hf_config, str):
+    source = source or os.path.join(hf_config, "config.json")
+    hf_config = read_config(hf_config)
+  hf = {**HF_DEFAULTS, **hf_config}
+  source = source or "the checkpoint's config.json"
+  lines = []
+  for field, key in SHAPE_FIELDS.items():
+    ours, theirs = model_cfg.get(field), hf[key]
+    if field == "vocab_size":
+      ours = ours or vocab_size
+      if not ours:
+        continue
+    if field == "max_position":
+      if ours > theirs:
+        lines.append(f"model.max_position: {ours} (config) > {theirs} ({source}): the "
+                     f"checkpoint has only {theirs} positions")
+    elif ours != theirs:
+      where = "config / data vocab.txt" if field == "vocab_size" else "config"
+      lines.append(f"model.{field}: {ours} ({where}) != {theirs} ({source})")
+  if hf["type_vocab_size"] != OUR_TYPE_VOCAB:
+    lines.append(f"type_vocab_size: {OUR_TYPE_VOCAB} (our BERT) != {hf['type_vocab_size']} "
+                 f"({source})")
+  lines += unsupported_settings(hf, source)
+  return lines
+
+
+def unsupported_settings(hf: Mapping, source: str) -> list[str]:
+  """Checkpoint settings our BERT cannot reproduce (activation, LayerNorm eps, positions)."""
+  lines = []
+  if hf["hidden_act"] != "gelu":
+    lines.append(f"hidden_act: {hf['hidden_act']!r} ({source}) != 'gelu' (erf gelu, the only "
+                 "activation of our BERT)")
+  if not np.isclose(hf["layer_norm_eps"], OUR_LAYER_NORM_EPS, rtol=1e-3, atol=0):
+    lines.append(f"layer_norm_eps: {OUR_LAYER_NORM_EPS} (our BERT) != {hf['layer_norm_eps']} "
+                 f"({source})")
+  if hf["position_embedding_type"] != "absolute":
+    lines.append(f"position_embedding_type: {hf['position_embedding_type']!r} ({source}) != "
+                 "'absolute' (our BERT)")
+  return lines
+
+
+def model_overrides(path: str) -> dict[str, Any]:
+  """The config.model values of the checkpoint's shape, for `config.model.update(...)`."""
+  hf = read_config(path)
+  return {field: hf[key] for field, key in SHAPE_FIELDS.items()}
+
+
+def check_vocab(data_vocab: str, path: str) -> None:
+  """ConfigError unless `data_vocab` (a vocab.txt) lists the same tokens as PATH/vocab.txt."""
+  theirs_file = os.path.join(path, "vocab.txt")
+  if not os.path.isfile(theirs_file):
+    raise ConfigError(OPTION, f"{path} has no vocab.txt, so the data's token ids cannot be "
+                      "checked against the checkpoint's embeddings")
+  ours, theirs = _vocab_tokens(data_vocab), _vocab_tokens(theirs_file)
+  if ours == theirs:
+    return
+  first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+               min(len(ours), len(theirs)))
+  differ = (f"line {first + 1}: {ours[first]!r} vs {theirs[first]!r}"
+            if first < min(len(ours), len(theirs)) else "one is a prefix of the other")
+  raise ConfigError(OPTION, f"the data's {data_vocab} ({len(ours)} tokens) differs from "
+                    f"{theirs_file} ({len(theirs)} tokens; first at {differ}): prepare the data "
+                    f"with that vocab: realm-prepare --config.vocab={path}")
+
+
+def _vocab_tokens(file: str) -> list[str]:
+  with open(file, encoding="utf-8") as f:
+    tokens = [line.rstrip("\r\n") for line in f]
+  while tokens and not tokens[-1]:
+    tokens.pop()
+  return tokens
+
+
+# -- converting ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class Conversion:
+  """Our parameter trees filled from one checkpoint's tensors, with what was used, missing,
+  of another shape, and notes (`bert` converts one BertEncoder tree)."""
+
+  tensors: dict[str, np.ndarray]
+  source: str
+  used: set[str] = dataclasses.field(default_factory=set)
+  mismatches: dict[str, str] = dataclasses.field(default_factory=dict)
+  missing: dict[str, str] = dataclasses.field(default_factory=dict)
+  notes: list[str] = dataclasses.field(default_factory=list)
+  our_hidden: int = 0
+
+  def value(self, hf_name: str, flax_leaf: str, ours, where: str):
+    """The checkpoint's tensor in our layout and dtype, or None (recorded as a mismatch)."""
+    tensor = self.tensors[hf_name]
+    value = tensor.T if flax_leaf == "kernel" else tensor
+    shape = tuple(ours.shape)
+    if hf_name == "embeddings.position_embeddings.weight" and value.shape[1:] == shape[1:] \
+        and value.shape[0] > shape[0]:
+      note = (f"position embeddings: the first {shape[0]} of the checkpoint's "
+              f"{value.shape[0]} rows (model.max_position = {shape[0]})")
+      if note not in self.notes:
+        self.notes.append(note)
+      value = value[:shape[0]]
+    if value.shape != shape:
+      ours_hf = shape[::-1] if flax_leaf == "kernel" else shape
+      self.mismatches.setdefault(hf_name, (
+          f"{hf_name}: {tuple(tensor.shape)} in the checkpoint, {ours_hf} in our model "
+          f"({where}); {self.advice(hf_name, tuple(tensor.shape), ours_hf)}"))
+      return None
+    self.used.add(hf_name)
+    return np.asarray(value, dtype=ours.dtype)
+
+  def advice(self, hf_name: str, theirs: tuple, ours: tuple) -> str:
+    """What to change so that `hf_name` fits: the config option deciding its shape."""
+    rows_differ = theirs[:1] != ours[:1]
+    if hf_name.startswith("classifier."):
+      return "config.json's id2label needs one label per classifier row"
+    if rows_differ and ("word_embeddings" in hf_name or hf_name == "cls.predictions.bias"):
+      return "change model.vocab_size (and the data's vocab.txt)"
+    if rows_differ and "position_embeddings" in hf_name:
+      return "change model.max_position"
+    if rows_differ and "token_type_embeddings" in hf_name:
+      return f"our BERT has {OUR_TYPE_VOCAB} token types"
+    words = self.tensors.get("embeddings.word_embeddings.weight")
+    if words is not None and words.shape[-1] != self.our_hidden:
+      return "change model.hidden_size"
+    if re.search(r"layer\.\d+\.(intermediate|output)\.dense", hf_name):
+      return "change model.intermediate_size"
+    return "change model.hidden_size"
+
+  def bert(self, ours: Mapping, where: str) -> dict:
+    """Our BertEncoder params (`ours`) with every leaf the checkpoint has replaced."""
+    names = hf_parameter_names(ours)
+    self.our_hidden = ours["embeddings"]["word_embeddings"]["embedding"].shape[-1]
+    flat = {}
+    for flax_name, hf_name in names.items():
+      leaf = _get(ours, flax_name)
+      if hf_name not in self.tensors:
+        kind = "pooler" if hf_name.startswith("pooler.") else "missing"
+        self.missing.setdefault(hf_name, kind)
+        continue
+      value = self.value(hf_name, flax_name.rsplit("/", 1)[-1], leaf, f"{where}/{flax_name}")
+      if value is not None:
+        flat[flax_name] = value
+    return _replaced(ours, flat)
+
+  def raise_errors(self, option: str, path: str) -> None:
+    """One ConfigError naming every missing weight and every shape mismatch."""
+    missing = sorted(n for n, kind in self.missing.items() if kind == "missing")
+    lines = list(self.mismatches.values())
+    if missing:
+      hint = (" (our model has more layers than the checkpoint: lower model.num_layers)"
+              if all(n.startswith("encoder.layer.") for n in missing) else
+              " (is it a BERT? names are read with or without the `bert.` prefix)")
+      lines.append(f"{len(missing)} weights our BERT needs are not in {self.source}{hint}: "
+                   + ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else ""))
+    if lines:
+      raise ConfigError(option, f"{path} does not fit our model:\n  " + "\n  ".join(lines))
+
+  def unused(self) -> list[str]:
+    """Float tensors of the checkpoint no parameter took (buffers such as position_ids aside)."""
+    return sorted(n for n, t in self.tensors.items()
+                  if n not in self.used and np.issubdtype(t.dtype, np.floating))
+
+
+def _get(tree: Mapping, flax_name: str):
+  for key in filter(None, flax_name.split("/")):
+    tree = tree[key]
+  return tree
+
+
+def _replaced(tree: Mapping, flat: dict[str, Any], prefix: str = "") -> dict:
+  """A copy of `tree` (plain dicts) with the leaves named in `flat` replaced."""
+  out = {}
+  for key, value in tree.items():
+    name = f"{prefix}{key}"
+    out[key] = (_replaced(value, flat, name + "/") if isinstance(value, Mapping)
+                else flat.get(name, value))
+  return out
+
+
+def _bert_towers(tree: Mapping, path: tuple = ()):
+  """(path, subtree) of every BertEncoder in `tree` (a `bert` with embeddings and encoder)."""
+  for key, value in tree.items():
+    if not isinstance(value, Mapping):
+      continue
+    if key == "bert" and "embeddings" in value and "encoder" in value:
+      yield path + (key,), value
+    else:
+      yield from _bert_towers(value, path + (key,))
+
+
+def _mlm_head_names(cls_params: Mapping) -> dict[str, str]:
+  """Our MLMHead's params (`transform_dense/kernel`, ..., `bias`) -> HF `cls.predictions.*`."""
+  names = {}
+  for flax_name in _flat_names(cls_params):
+    *module, leaf = flax_name.split("/")
+    hf_module = [m.replace("_", ".", 1) for m in module]
+    names[flax_name] = ".".join(["cls.predictions", *hf_module, _LEAF_NAMES[leaf]])
+  return names
+
+
+def _flat_names(tree: Mapping, prefix: str = "") -> list[str]:
+  return [n for key, value in tree.items() for n in (
+      _flat_names(value, f"{prefix}{key}/") if isinstance(value, Mapping) else [prefix + key])]
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+  for key in path[:-1]:
+    tree = tree[key]
+  tree[path[-1]] = value
+
+
+@dataclasses.dataclass
+class LoadReport:
+  """What `load_bert_towers` loaded and what it left at its initial values."""
+
+  source: str
+  loaded: list[str]
+  left_at_init: list[str]
+  notes: list[str]
+  unused: list[str]
+
+  def lines(self) -> list[str]:
+    out = [f"init.hf_bert: BERT weights from {self.source} loaded into "
+           + ", ".join(self.loaded)]
+    out += [f"  left at init: {x}" for x in self.left_at_init]
+    out += [f"  {x}" for x in self.notes]
+    if self.unused:
+      shown = ", ".join(self.unused[:6]) + (", ..." if len(self.unused) > 6 else "")
+      out.append(f"  {len(self.unused)} checkpoint tensors not used: {shown}")
+    return out
+
+  def __str__(self) -> str:
+    return "\n".join(self.lines())
+
+
+def load_bert_towers(params: Mapping, path: str, option: str = OPTION) -> tuple[dict, LoadReport]:
+  """Loads the checkpoint at `path` into every BERT tower of a REALM parameter tree.
+
+  Retriever tower(s) and reader/bert all start from the checkpoint's BERT; reader/cls takes
+  its MLM head (`cls.predictions.*`) when the checkpoint has one (the decoder is tied to the
+  word embeddings). The retriever projections stay as initialised. Loaded leaves come back as
+  host numpy arrays, the others unchanged. Raises ConfigError for a weight our BERT needs
+  that the checkpoint lacks and for every shape mismatch.
+  """
+  tensors, file = read_weights(path)
+  conv = Conversion(tensors, file)
+  new = _replaced(params, {})
+  loaded, left, heads, projections = [], [], [], []
+  for tower_path, ours in _bert_towers(params):
+    where = "/".join(tower_path)
+    _set(new, tower_path, conv.bert(ours, where))
+    loaded.append(where)
+    if "pooler" in ours and conv.missing.get("pooler.dense.weight") == "pooler":
+      left.append(f"{where}/pooler (the checkpoint has no pooler)")
+    parent = _get(params, "/".join(tower_path[:-1]))
+    heads += [tower_path[:-1] + ("cls",)] if "cls" in parent else []
+    projections += ["/".join(tower_path[:-1] + (name,)) for name in parent
+                    if name.startswith("projection")]
+  if not loaded:
+    raise ValueError("no BERT tower (`bert` with embeddings and encoder) in the params")
+  for head_path in heads:
+    where = "/".join(head_path)
+    if _load_mlm_head(conv, new, head_path, _get(params, where), where):
+      loaded.append(where)
+    else:
+      left.append(f"{where} (MLM head: the checkpoint has no complete cls.predictions)")
+  conv.raise_errors(option, path)
+  return new, LoadReport(file, sorted(loaded), left + projections, conv.notes, conv.unused())
+
+
+def _load_mlm_head(conv: Conversion, new: dict, path: tuple, cls_params: Mapping,
+                   where: str) -> bool:
+  names = _mlm_head_names(cls_params)
+  if not all(hf in conv.tensors for hf in names.values()):
+    return False
+  flat = {}
+  for flax_name, hf_name in names.items():
+    value = conv.value(hf_name, flax_name.rsplit("/", 1)[-1], _get(cls_params, flax_name),
+                       f"{where}/{flax_name}")
+    if value is not None:
+      flat[flax_name] = value
+  _set(new, path, _replaced(cls_params, flat))
+  decoder = conv.tensors.get("cls.predictions.decoder.weight")
+  words = conv.tensors.get("embeddings.word_embeddings.weight")
+  if "cls.predictions.decoder.bias" in conv.tensors:     # HF ties it to cls.predictions.bias
+    conv.used.add("cls.predictions.decoder.bias")
+  if decoder is not None:
+    conv.used.add("cls.predictions.decoder.weight")
+    if words is not None and (decoder.shape != words.shape or not np.allclose(decoder, words)):
+      conv.notes.append("cls.predictions.decoder.weight differs from the word embeddings: "
+                        "our decoder is tied to them, so it is not used")
+  return True
+
+
+def init_params(config, params: Mapping, data_vocab: str,
+                vocab_size: int) -> tuple[dict, LoadReport]:
+  """The `init.hf_bert` start of a run: config and vocab checks, then `load_bert_towers`.
+
+  `data_vocab` is the data dir's vocab.txt, `vocab_size` its size. Raises ConfigError listing
+  every config.model field that does not fit the checkpoint, or a vocab that differs.
+  """
+  path = config.init.hf_bert
+  lines = bert_config_mismatches(config.model, path, vocab_size=vocab_size)
+  if lines:
+    raise ConfigError(OPTION, f"{path} does not fit config.model:\n  " + "\n  ".join(lines))
+  check_vocab(data_vocab, path)
+  return load_bert_towers(params, path)
