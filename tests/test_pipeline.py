@@ -1,5 +1,6 @@
-"""The host input pipeline: candidates, salient-span masking, splicing, ICT pairs, sampling —
-on random data against Python references and on the prepared tiny world."""
+"""The host batch builders: candidates, salient-span masking, splicing, ICT pairs — on random
+data against Python references and on the prepared tiny world (the grain pipeline that feeds
+them: tests/test_input_pipeline.py)."""
 
 import numpy as np
 import pytest
@@ -124,7 +125,7 @@ def test_world_spans_fit_max_masks_and_mask_their_wordpieces(world_data):
   config = tiny_config("realm")
   ex = world_data.examples("train")
   rows = np.arange(len(ex))
-  spans = pipeline.choose_spans(ex, rows, np.random.default_rng(0).random(len(rows)))
+  spans = ex.spans[rows, np.random.default_rng(0).integers(ex.num_spans[rows])]
   tok = world_data.tokenizer
   q = batches.masked_queries(ex, rows, spans, config, tok.cls_id, tok.sep_id, tok.mask_id)
   for i in rows:
@@ -217,46 +218,3 @@ def test_ict_inputs_cut_the_query_sentence_out_of_its_block(world_data):
     seg[blocks.body_start[b]:len(expected)] = 1
     np.testing.assert_array_equal(out["block_segments"][i], seg)
   assert remove.any() and (~remove).any()
-
-
-# -- sampling ---------------------------------------------------------------------------------
-
-def test_batch_sampler_is_deterministic_and_covers_each_epoch():
-  a = pipeline.BatchSampler(100, 16, seed=5)
-  b = pipeline.BatchSampler(100, 16, seed=5)
-  for step in (0, 3, 7, 12):
-    np.testing.assert_array_equal(a.global_indices(step), b.global_indices(step))
-    np.testing.assert_array_equal(a.step_rng(step).random(4), b.step_rng(step).random(4))
-  assert not np.array_equal(a.global_indices(0), a.global_indices(1))
-  assert not np.array_equal(a.step_rng(0).random(4), a.step_rng(1).random(4))
-  other_seed = pipeline.BatchSampler(100, 16, seed=6)
-  assert not np.array_equal(a.global_indices(0), other_seed.global_indices(0))
-  # 25 batches of 16 = 4 epochs of 100: each epoch visits every example once.
-  stream = np.concatenate([a.global_indices(s) for s in range(25)])
-  for epoch in range(4):
-    assert sorted(stream[epoch * 100:(epoch + 1) * 100]) == list(range(100))
-  # Out-of-order access (as after a resume) gives the same batches.
-  fresh = pipeline.BatchSampler(100, 16, seed=5)
-  np.testing.assert_array_equal(fresh.global_indices(12), a.global_indices(12))
-
-
-def test_process_slices_partition_the_global_batch(world_data):
-  count = 4
-  samplers = [pipeline.BatchSampler(100, 16, 5, p, count) for p in range(count)]
-  for step in (0, 9):
-    full = samplers[0].global_indices(step)
-    parts = [s.global_indices(step)[s.local] for s in samplers]
-    assert all(len(p) == 4 for p in parts)
-    np.testing.assert_array_equal(np.concatenate(parts), full)
-  with pytest.raises(ValueError):
-    pipeline.BatchSampler(100, 18, 5, 0, 4)
-  # Whole query batches (masking randomness included) do not depend on the process count.
-  for task in ("realm", "ict"):
-    config = tiny_config(task)
-    ex = world_data.examples("train")
-    single = batches.QueryBatches(config, world_data, ex)(3)
-    parts = [batches.QueryBatches(config, world_data, ex, p, 2)(3) for p in range(2)]
-    assert set(single) == set(parts[0])
-    for key in single:
-      np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), single[key],
-                                    err_msg=f"{task}/{key}")

@@ -1,6 +1,7 @@
 """End to end through `realm_jax.train.loop.train`: ICT -> reader warm-up -> REALM (index
 refreshes), the files each stage leaves, and an interrupted-and-resumed REALM run that
-reproduces the uninterrupted one step for step."""
+reproduces the uninterrupted one step for step (its checkpoints keep the input pipeline's
+state)."""
 
 import glob
 import json
@@ -10,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from realm_jax.train import partitioning, state as state_lib
+from realm_jax.train import batches, partitioning, state as state_lib
 from realm_jax.train.checkpoints import restore_params
 from realm_jax.train.loop import train
 from realm_jax.train.metrics import read_jsonl
@@ -143,6 +144,15 @@ def test_resumed_run_matches_the_uninterrupted_one(stages, world_dir, world_data
     for key in ("loss", "retrieval_utility", "grad_norm", "index_staleness"):
       np.testing.assert_allclose(b[key], a[key], rtol=0, atol=1e-6,
                                  err_msg=f"step {a['step']} {key}")
+  # The checkpoints' data items hold the input pipeline's state after the batches consumed.
+  queries = batches.QueryBatches(configs["realm"], world_data, world_data.examples("train"))
+  it = queries.iterator(prefetch=0)
+  for step in range(1, REALM_STEPS + 1):
+    next(it)
+    if step in (CHECKPOINT_EVERY, REALM_STEPS):
+      with open(os.path.join(resumed, "checkpoints", str(step), "data", "metadata")) as f:
+        assert json.load(f) == queries.state(it, step)
+  it.close()
   # Same final parameters, too.
   a_params, _ = saved_params(configs["realm"], dirs["realm"], world_data)
   b_params, _ = saved_params(configs["realm"], resumed, world_data)

@@ -1,19 +1,23 @@
-"""Deterministic, resumable, per-host input pipeline: sampling, salient-span masking, ICT pairs,
-candidate and reader inputs. Everything here is vectorised numpy over a batch (no per-example
-Python); batches for upcoming steps are built ahead in a background thread.
+"""Deterministic, checkpointable, per-host input pipeline (grain) and the vectorised numpy that
+turns example rows into model inputs: salient-span masking, ICT pairs, candidate and reader
+inputs.
 
-Determinism: the batch of step t is a pure function of (seed, t): a global stream of epoch
-permutations is cut into global batches, every random choice of the batch is drawn for the
-global batch from `default_rng((seed, t))`, and each process keeps its own rows. The iterator
-state is therefore just the next step, saved with the checkpoint.
+Determinism: each process reads its own shard of the example rows (`process_index::
+process_count`: the shards are disjoint and together hold every example once per epoch),
+shuffled with a seed derived from (seed, process_index, process_count) and reshuffled every
+epoch. Per-example random choices come from grain's `random_map`, whose generator is keyed by
+the example's position in the process's stream, and batch t of a process is stream positions
+[t * b, (t + 1) * b). The batch stream therefore depends on (seed, process_count) only; with one
+process it is a pure function of the seed. The iterator state (grain's: the next batch index)
+is saved with the checkpoint. Index bookkeeping is per example (grain); everything that touches
+tokens is vectorised numpy over a batch. Batches are built ahead in grain's prefetch threads.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-from typing import Callable, Iterator
+import os
 
+import grain
 import numpy as np
 
 from realm_jax.data.store import BlockStore, ExampleSet, segment_ids
@@ -21,34 +25,34 @@ from realm_jax.data.store import BlockStore, ExampleSet, segment_ids
 NULL_BLOCK = -1  # candidate row of the null document `[CLS][SEP][SEP]`
 
 
-class BatchSampler:
-  """Example indices of global batch `step`, restricted to this process's rows."""
+def process_seed(seed: int, process_index: int, process_count: int) -> int:
+  """The grain pipeline seed of one process (distinct shuffles and draws on every host)."""
+  return int(np.random.SeedSequence([seed, process_index, process_count]).generate_state(1)[0])
 
-  def __init__(self, num_examples: int, global_batch: int, seed: int,
-               process_index: int = 0, process_count: int = 1):
-    if num_examples < global_batch:
-      raise ValueError(f"{num_examples} examples < batch size {global_batch}")
-    if global_batch % process_count:
-      raise ValueError(f"batch size {global_batch} not divisible by {process_count} processes")
-    self.n, self.batch, self.seed = num_examples, global_batch, seed
-    self.local = slice(process_index * global_batch // process_count,
-                       (process_index + 1) * global_batch // process_count)
-    self._perms: dict[int, np.ndarray] = {}
 
-  def _perm(self, epoch: int) -> np.ndarray:
-    if epoch not in self._perms:
-      self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
-      self._perms[epoch] = np.random.default_rng((self.seed, epoch)).permutation(self.n)
-    return self._perms[epoch]
+def example_stream(num_examples: int, seed: int, process_index: int = 0,
+                   process_count: int = 1) -> grain.MapDataset:
+  """This process's endless stream of example rows: its shard, reshuffled every epoch.
 
-  def global_indices(self, step: int) -> np.ndarray:
-    """Example indices of the whole global batch of `step`."""
-    positions = np.arange(step * self.batch, (step + 1) * self.batch)
-    epochs, offsets = positions // self.n, positions % self.n
-    return np.concatenate([self._perm(int(e))[offsets[epochs == e]] for e in np.unique(epochs)])
+  grain's shuffle folds the epoch into its seed and `repeat` only extends the index range, so
+  element i is a pure function of (seed, process_index, process_count, i). The returned dataset
+  carries the process seed: random transformations applied to it derive theirs from it.
+  """
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index {process_index} outside [0, {process_count})")
+  if num_examples < process_count:
+    raise ValueError(f"{num_examples} examples cannot be shared by {process_count} processes")
+  shard = grain.MapDataset.range(num_examples).seed(
+      process_seed(seed, process_index, process_count))[process_index::process_count]
+  return shard.shuffle().repeat()
 
-  def step_rng(self, step: int) -> np.random.Generator:
-    return np.random.default_rng((self.seed, 1_000_003, step))
+
+def prefetched(batches: grain.MapDataset, depth: int) -> grain.DatasetIterator:
+  """An iterator over `batches` from index 0 that builds `depth` of them ahead in threads
+  (0: built on demand). An error while building a batch is raised by `next`."""
+  threads = min(depth, os.cpu_count() or 1)
+  options = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=depth)
+  return iter(batches.to_iter_dataset(options))
 
 
 def splice(a: np.ndarray, a_len: np.ndarray, b: np.ndarray, b_start: np.ndarray,
@@ -102,12 +106,6 @@ def mask_salient_spans(ids: np.ndarray, spans: np.ndarray, max_masks: int,
   ids[rows, positions] = np.where(valid, mask_id, ids[rows, positions])
   return {"query_ids": ids, "mask_positions": positions.astype(np.int32),
           "mask_labels": labels.astype(np.int32), "mask_weights": valid.astype(np.float32)}
-
-
-def choose_spans(examples: ExampleSet, rows: np.ndarray, rng_values: np.ndarray) -> np.ndarray:
-  """One salient span per row, uniformly among the row's spans. rng_values: [n] in [0, 1)."""
-  choice = np.floor(rng_values * examples.num_spans[rows]).astype(np.int64)
-  return examples.spans[rows, choice]
 
 
 def candidate_rows(retrieved: np.ndarray, query_block: np.ndarray, uids: np.ndarray,
@@ -164,43 +162,3 @@ def ict_inputs(examples: ExampleSet, blocks: BlockStore, rows: np.ndarray, query
   new_len = length - (cut_end - start)
   segments = segment_ids(blocks.body_start[block_rows], new_len, blocks.block_len)
   return {"query_ids": queries, "block_ids": context, "block_segments": segments}
-
-
-class Prefetcher:
-  """Runs `make_batch(step)` for upcoming steps in a background thread (bounded queue).
-
-  Errors in the thread are re-raised in the consumer, never lost.
-  """
-
-  def __init__(self, make_batch: Callable[[int], dict], start_step: int, depth: int = 2):
-    self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._run, args=(make_batch, start_step), daemon=True)
-    self._thread.start()
-
-  def _run(self, make_batch, step):
-    while not self._stop.is_set():
-      try:
-        item = (step, make_batch(step), None)
-      except Exception as e:  # handed to the consumer, which re-raises it
-        item = (step, None, e)
-      while not self._stop.is_set():
-        try:
-          self._queue.put(item, timeout=0.1)
-          break
-        except queue.Full:
-          continue
-      if item[2] is not None:
-        return
-      step += 1
-
-  def __iter__(self) -> Iterator[tuple[int, dict]]:
-    while True:
-      step, batch, error = self._queue.get()
-      if error is not None:
-        raise error
-      yield step, batch
-
-  def close(self):
-    self._stop.set()
-    self._thread.join(timeout=5)

@@ -1,38 +1,84 @@
-"""Host-side batch assembly for each task: queries (built ahead in the prefetch thread), then
-candidates from the current index and the reader inputs (between steps, on the main thread,
-because the index can change at any step)."""
+"""Host-side batch assembly for each task: queries (a grain pipeline, built ahead in its
+prefetch threads and checkpointed with the train state), then candidates from the current index
+and the reader inputs (between steps, on the main thread, because the index can change at any
+step)."""
 
 from __future__ import annotations
 
+import grain
 import numpy as np
 
 from realm_jax.data import pipeline
 from realm_jax.data.store import ExampleSet, PreparedData
+from realm_jax.errors import ConfigError
 
 
 class QueryBatches:
-  """Masked queries of step t for this process: a pure function of (seed, t)."""
+  """This process's query batches: masked queries (REALM) or ICT pairs of its local rows.
+
+  `dataset[t]` (also `self(t)`) is the batch of step t: the stream positions [t * b, (t + 1) * b)
+  of `pipeline.example_stream`, each with its random choice drawn by grain's `random_map`, so
+  the batches depend on (seed, process_count) and t only. `iterator` walks them in order with
+  prefetching; `state` is what a checkpoint keeps to resume it exactly.
+  """
 
   def __init__(self, config, data: PreparedData, examples: ExampleSet, process_index: int = 0,
                process_count: int = 1):
+    if config.train.batch_size % process_count:
+      raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
+                        f"the {process_count} processes")
     self.config, self.data, self.examples = config, data, examples
-    self.sampler = pipeline.BatchSampler(len(examples), config.train.batch_size, config.seed,
-                                         process_index, process_count)
+    self.process_count = process_count
+    self.local_batch = config.train.batch_size // process_count
     tok = data.tokenizer
     self.cls_id, self.sep_id, self.mask_id = tok.cls_id, tok.sep_id, tok.mask_id
+    self.rows = pipeline.example_stream(len(examples), config.seed, process_index, process_count)
+    self.dataset = self.rows.random_map(self._draw).batch(self.local_batch,
+                                                          batch_fn=self._assemble)
+
+  def _draw(self, row: int, rng: np.random.Generator) -> tuple[int, int]:
+    """(row, choice): the salient span to mask (REALM), or whether to cut the sentence out of
+    its block (ICT, with probability `data.ict_remove_prob`)."""
+    if self.config.task == "ict":
+      return row, int(rng.random() < self.config.data.ict_remove_prob)
+    return row, int(rng.integers(self.examples.num_spans[row]))
+
+  def _assemble(self, drawn: list[tuple[int, int]]) -> dict[str, np.ndarray]:
+    rows, choice = np.asarray(drawn, np.int64).reshape(-1, 2).T
+    if self.config.task == "ict":
+      return pipeline.ict_inputs(self.examples, self.data.blocks, rows,
+                                 self.config.data.query_len, choice.astype(bool), self.cls_id,
+                                 self.sep_id)
+    return masked_queries(self.examples, rows, self.examples.spans[rows, choice], self.config,
+                          self.cls_id, self.sep_id, self.mask_id)
 
   def __call__(self, step: int) -> dict[str, np.ndarray]:
-    rng = self.sampler.step_rng(step)
-    rows_global = self.sampler.global_indices(step)
-    uniforms = rng.random((3, len(rows_global)))  # drawn for the global batch: host-count free
-    rows = rows_global[self.sampler.local]
-    u_span, u_remove = uniforms[0][self.sampler.local], uniforms[1][self.sampler.local]
-    if self.config.task == "ict":
-      remove = u_remove < self.config.data.ict_remove_prob
-      return pipeline.ict_inputs(self.examples, self.data.blocks, rows,
-                                 self.config.data.query_len, remove, self.cls_id, self.sep_id)
-    return masked_queries(self.examples, rows, pipeline.choose_spans(self.examples, rows, u_span),
-                          self.config, self.cls_id, self.sep_id, self.mask_id)
+    return self.dataset[step]
+
+  def iterator(self, prefetch: int, saved: dict | None = None) -> grain.DatasetIterator:
+    """The batches from step 0, or from where the checkpoint data item `saved` left off, with
+    `prefetch` of them built ahead (starting now)."""
+    it = pipeline.prefetched(self.dataset, prefetch)
+    if saved is not None:
+      if "iterator" not in saved:
+        raise ValueError(f"the checkpoint's data item {saved} holds no input-pipeline state "
+                         "(written by an older version?); start from a fresh workdir")
+      if saved.get("process_count") != self.process_count:
+        print(f"warning: the checkpoint was written by {saved.get('process_count')} processes, "
+              f"this run has {self.process_count}: batches from here on differ from the "
+              "uninterrupted run's", flush=True)
+      it.set_state(saved["iterator"])
+    it.start_prefetch()
+    return it
+
+  def state(self, iterator: grain.DatasetIterator, next_step: int) -> dict:
+    """The checkpoint's data item once the batches of steps < `next_step` were consumed.
+
+    Every process consumes one batch per step, so all processes hold the same iterator state
+    and the primary's copy (the one Orbax writes) resumes each of them.
+    """
+    return {"next_step": next_step, "process_count": self.process_count,
+            "iterator": iterator.get_state()}
 
 
 def masked_queries(examples: ExampleSet, rows: np.ndarray, spans: np.ndarray, config, cls_id,

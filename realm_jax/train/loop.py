@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from realm_jax.data import pipeline
 from realm_jax.data.store import PreparedData
 from realm_jax.errors import ConfigError
 from realm_jax.evaluate import Evaluator
@@ -72,6 +71,8 @@ class Trainer:
     if config.train.batch_size % self.mesh.shape["data"]:
       raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
                         f"the data axis ({self.mesh.shape['data']})")
+    self.queries = batches.QueryBatches(config, self.data, self.examples, jax.process_index(),
+                                        jax.process_count())
     check_workdir(config, workdir)
     self.config, self.workdir = config, workdir
     self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
@@ -85,11 +86,14 @@ class Trainer:
     self.uses_index = config.task == "ict" or self.retrieves
     self.index = None
     self.index_params = None        # retriever params the current index was built with
+    self.saved_data = None          # the data item of the checkpoint resumed from
     self.checkpointer = Checkpointer(workdir, config.train.keep_checkpoints,
                                      config.train.async_checkpoints)
     realm_eval = steps.make_realm_eval(config, self.model, self.mesh) \
         if config.task == "realm" else None
     self.evaluator = Evaluator(config, self.data, self.mesh, self._embed_queries, realm_eval)
+    if config.task == "ict" and not self.evaluator.has_answers:
+      self.uses_index = False       # real text: no ground truth for ICT recall, no index needed
 
   # -- retrieval ---------------------------------------------------------------------------
   def _embed_queries(self, retriever_params, query_ids):
@@ -125,7 +129,8 @@ class Trainer:
     return item
 
   def restore_or_init(self) -> int:
-    """Resumes from the latest checkpoint, else starts from `config.init.from_workdir`."""
+    """Resumes from the latest checkpoint, else starts from `config.init.from_workdir` or
+    `config.init.hf_bert`."""
     latest = self.checkpointer.latest_step()
     if latest is not None:
       abstract_retrieval = {"step": jax.ShapeDtypeStruct((), jnp.int32)}
@@ -133,6 +138,7 @@ class Trainer:
         abstract_retrieval["params"] = self.abstract.params["retriever"]
       self.state, data_state, retrieval = self.checkpointer.restore(
           latest, self.abstract, abstract_retrieval)
+      self.saved_data = data_state
       if "params" in retrieval:
         self.refresh_index(retrieval["params"], int(retrieval["step"]))
       print(f"[{self.config.task}] resumed from {self.checkpointer.directory}/{latest} "
@@ -143,6 +149,13 @@ class Trainer:
       self.state = self.state.replace(params=params)
       print(f"[{self.config.task}] params from {self.config.init.from_workdir} step {step}",
             flush=True)
+    elif self.config.init.hf_bert:
+      from realm_jax.interop import hf_bert
+      params, report = hf_bert.init_params(self.config, self.state.params,
+                                           self.data.tokenizer.vocab_path,
+                                           self.data.tokenizer.vocab_size)
+      self.state = self.state.replace(params=jax.device_put(params, self.shardings.params))
+      print("\n".join(f"[{self.config.task}] {line}" for line in report.lines()), flush=True)
     return 0
 
   # -- the loop ----------------------------------------------------------------------------
@@ -155,10 +168,8 @@ class Trainer:
           f"batch {cfg.train.batch_size}, steps {start}->{total}, "
           f"{self.data.blocks.num_blocks:,} blocks, {len(self.examples):,} queries", flush=True)
     train_log, eval_log = MetricWriter(self.workdir, "train"), MetricWriter(self.workdir, "eval")
-    queries = batches.QueryBatches(cfg, self.data, self.examples, jax.process_index(),
-                                   jax.process_count())
-    prefetch = pipeline.Prefetcher(queries, start, cfg.data.prefetch)
-    t_start, t_last, window, step = time.time(), time.time(), [], start
+    data_iter = self.queries.iterator(cfg.data.prefetch, self.saved_data)
+    t_start, t_last, window = time.time(), time.time(), []
     eval_metrics = {}
     try:
       if cfg.eval.every and start == 0 and self.uses_index:
@@ -166,9 +177,8 @@ class Trainer:
         if self.index is None:
           self.refresh_index(self._snapshot(), 0)
         self.evaluate(eval_log, 0, refresh=False)
-      for step, host in prefetch:
-        if step >= total:
-          break
+      for step in range(start, total):
+        host = next(data_iter)
         if self.retrieves and (self.index is None or step % cfg.retrieval.refresh_every == 0
                                and step != self.index.step):
           self.refresh_index(self._snapshot(), step)
@@ -193,11 +203,12 @@ class Trainer:
         if cfg.eval.every and done % cfg.eval.every == 0 and done != total:
           eval_metrics = self.evaluate(eval_log, done, refresh=cfg.task == "ict")[0]
         if done % cfg.train.checkpoint_every == 0 or done == total:
-          self.checkpointer.save(done, self.state, {"next_step": done}, self._retrieval_item())
+          self.checkpointer.save(done, self.state, self.queries.state(data_iter, done),
+                                 self._retrieval_item())
       eval_metrics, details = self.evaluate(eval_log, total, refresh=self.uses_index,
                                             keep_examples=5)
     finally:
-      prefetch.close()
+      data_iter.close()
       self.checkpointer.close()
       train_log.close()
       eval_log.close()

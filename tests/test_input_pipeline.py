@@ -1,0 +1,175 @@
+"""The grain input pipeline: a restored iterator continues exactly where the saved one stopped,
+processes read disjoint shards that cover every epoch once, every epoch is reshuffled, and
+errors while building a batch reach the consumer."""
+
+import json
+
+import grain
+import numpy as np
+import pytest
+
+from realm_jax.data import pipeline
+from realm_jax.errors import ConfigError
+from realm_jax.train import batches
+from tests.helpers import tiny_config
+
+STOP_AFTER, RESUMED = 7, 100
+KEYS = {"realm": {"query_ids": np.int32, "mask_positions": np.int32, "mask_labels": np.int32,
+                  "mask_weights": np.float32, "query_len": np.int32, "source_block": np.int32},
+        "ict": {"query_ids": np.int32, "block_ids": np.int32, "block_segments": np.int32}}
+
+
+def take(iterator, n):
+  return [next(iterator) for _ in range(n)]
+
+
+def shard_rows(queries, start, stop):
+  return np.array([queries.rows[i] for i in range(start, stop)])
+
+
+@pytest.mark.parametrize("task", ["realm", "ict"])
+def test_restored_iterator_yields_the_uninterrupted_batches(world_data, task):
+  config = tiny_config(task)
+  examples = world_data.examples("train")
+  # The run crosses epoch boundaries, where the shuffle and the random draws change.
+  assert (STOP_AFTER + RESUMED) * config.train.batch_size > 2 * len(examples)
+
+  straight_iter = batches.QueryBatches(config, world_data, examples).iterator(prefetch=0)
+  straight = take(straight_iter, STOP_AFTER + RESUMED)
+  straight_iter.close()
+
+  first = batches.QueryBatches(config, world_data, examples)
+  it = first.iterator(prefetch=3)
+  take(it, STOP_AFTER)
+  saved = json.loads(json.dumps(first.state(it, STOP_AFTER)))   # as the checkpoint keeps it
+  it.close()
+  assert saved["next_step"] == STOP_AFTER and "iterator" in saved
+
+  second = batches.QueryBatches(config, world_data, examples)   # a fresh pipeline
+  it = second.iterator(prefetch=2, saved=saved)
+  resumed = take(it, RESUMED)
+  it.close()
+
+  for offset, (got, want) in enumerate(zip(resumed, straight[STOP_AFTER:])):
+    assert {k: v.dtype for k, v in got.items()} == KEYS[task]
+    for key in want:
+      assert got[key].shape[0] == config.train.batch_size
+      np.testing.assert_array_equal(got[key], want[key],
+                                    err_msg=f"batch {STOP_AFTER + offset} {key}")
+  # The stream moves: consecutive batches differ, and a fresh iterator starts elsewhere.
+  assert not np.array_equal(straight[STOP_AFTER]["query_ids"], straight[0]["query_ids"])
+  assert not np.array_equal(straight[1]["query_ids"], straight[0]["query_ids"])
+  # Iteration and random access agree: the batch of step t is `queries(t)`.
+  for step in (0, STOP_AFTER, STOP_AFTER + RESUMED - 1):
+    np.testing.assert_array_equal(second(step)["query_ids"], straight[step]["query_ids"])
+
+
+def test_batches_are_a_function_of_the_seed(world_data):
+  examples = world_data.examples("train")
+  a = batches.QueryBatches(tiny_config("realm"), world_data, examples)
+  b = batches.QueryBatches(tiny_config("realm"), world_data, examples)
+  other = batches.QueryBatches(tiny_config("realm", seed=1), world_data, examples)
+  for step in (0, 5):
+    for key, value in a(step).items():
+      np.testing.assert_array_equal(b(step)[key], value)
+  assert not np.array_equal(a(0)["query_ids"], other(0)["query_ids"])
+
+
+@pytest.mark.parametrize("num_examples, count", [(101, 2), (101, 3), (64, 4)])
+def test_process_shards_are_disjoint_and_cover_each_epoch(num_examples, count):
+  epochs = {e: [] for e in range(3)}
+  for p in range(count):
+    stream = pipeline.example_stream(num_examples, 5, p, count)
+    shard = len(range(p, num_examples, count))
+    rows = [np.array([stream[i] for i in range(e * shard, (e + 1) * shard)]) for e in range(3)]
+    for e in range(3):
+      assert sorted(rows[e]) == list(range(p, num_examples, count))
+      epochs[e].append(rows[e])
+    assert not np.array_equal(rows[0], rows[1]) and not np.array_equal(rows[1], rows[2])
+  for e in range(3):
+    assert sorted(np.concatenate(epochs[e])) == list(range(num_examples))
+  # Hosts shuffle with their own seeds: no two visit their shards in the same order.
+  orders = [(rows - p) // count for p, rows in enumerate(epochs[0])]
+  for p in range(1, count):
+    assert not np.array_equal(orders[p], orders[0])
+
+
+def test_two_processes_split_the_world_epoch(world_data):
+  config = tiny_config("ict")
+  examples = world_data.examples("train")
+  n, tok = len(examples), world_data.tokenizer
+  procs = [batches.QueryBatches(config, world_data, examples, p, 2) for p in range(2)]
+  epoch, later = [], []
+  for p, queries in enumerate(procs):
+    shard = len(range(p, n, 2))
+    rows = shard_rows(queries, 0, shard)
+    epoch.append(rows)
+    second = shard_rows(queries, shard, 2 * shard)
+    assert sorted(second) == sorted(rows) and not np.array_equal(second, rows)
+    later.append(second)
+    # Each batch holds the process's next local_batch rows of its stream.
+    assert queries.local_batch == config.train.batch_size // 2
+    it = queries.iterator(prefetch=2)
+    for step in range(3):
+      lo, hi = step * queries.local_batch, (step + 1) * queries.local_batch
+      expected, _ = pipeline.query_ids(examples, shard_rows(queries, lo, hi),
+                                       config.data.query_len, tok.cls_id, tok.sep_id)
+      np.testing.assert_array_equal(next(it)["query_ids"], expected)
+    it.close()
+  assert not set(epoch[0]) & set(epoch[1])
+  assert sorted(np.concatenate(epoch)) == list(range(n))
+  assert sorted(np.concatenate(later)) == list(range(n))
+
+
+def test_ict_removes_the_sentence_at_the_configured_rate(world_data):
+  config = tiny_config("ict")
+  examples, blocks = world_data.examples("train"), world_data.blocks
+  queries = batches.QueryBatches(config, world_data, examples)
+  b, steps, removed = queries.local_batch, 50, 0
+  for step in range(steps):
+    rows = shard_rows(queries, step * b, (step + 1) * b)
+    full = np.asarray(blocks.tokens[examples.block[rows]])
+    removed += (queries(step)["block_ids"] != full).any(axis=1).sum()
+  rate = removed / (steps * b)
+  assert abs(rate - config.data.ict_remove_prob) < 0.05, rate
+
+
+def test_span_choices_are_redrawn_every_epoch(world_data):
+  config = tiny_config("realm")
+  examples = world_data.examples("train")
+  queries = batches.QueryBatches(config, world_data, examples)
+  n, b = len(examples), queries.local_batch
+  steps = 3 * n // b
+  masked = {}
+  for step in range(steps):
+    rows = shard_rows(queries, step * b, (step + 1) * b)
+    starts = queries(step)["mask_positions"][:, 0]
+    for row, start in zip(rows, starts):
+      masked.setdefault(int(row), set()).add(int(start))
+  several = [r for r in masked if examples.num_spans[r] > 1]
+  assert several and sum(len(masked[r]) > 1 for r in several) > len(several) // 2
+
+
+def test_bad_batch_sizes_and_missing_state_fail_clearly(world_data):
+  examples = world_data.examples("train")
+  with pytest.raises(ConfigError, match="train.batch_size"):
+    batches.QueryBatches(tiny_config("realm", train__batch_size=18), world_data, examples, 0, 4)
+  queries = batches.QueryBatches(tiny_config("realm"), world_data, examples)
+  with pytest.raises(ValueError, match="no input-pipeline state"):
+    queries.iterator(prefetch=2, saved={"next_step": 4})
+  with pytest.raises(ValueError):
+    pipeline.example_stream(10, 0, 2, 2)
+
+
+def test_errors_while_building_a_batch_reach_the_consumer():
+  def build(elements):
+    if 30 in elements:
+      raise RuntimeError("broken example 30")
+    return np.asarray(elements)
+
+  for depth in (0, 3):
+    it = pipeline.prefetched(grain.MapDataset.range(100).batch(10, batch_fn=build), depth)
+    assert [int(next(it)[0]) for _ in range(3)] == [0, 10, 20]
+    with pytest.raises(RuntimeError, match="broken example 30"):
+      next(it)
+    it.close()
