@@ -2,6 +2,7 @@
 #
 #   make install              .venv with the package (editable) and the test extras
 #   make demo [WORKDIR=...] [SEED=...]   the REALM-in-miniature demo, end to end
+#   make demo-squad [SQUAD_WORKDIR=...]   prepare -> ICT -> REALM on SQuADShifts + retrieval recall
 #   make test                 pytest on CPU (tests force 8 host devices themselves)
 #   make bench [BENCH_ARGS=...]          train-step throughput (step time, FLOP/s, MFU)
 #   make lint                 byte-compile everything (catches syntax errors fast)
@@ -12,9 +13,10 @@ VENV ?= .venv
 VENV_PYTHON := $(VENV)/bin/python
 WORKDIR ?= runs/demo
 SEED ?= 0
+SQUAD_WORKDIR ?= runs/squad
 BENCH_ARGS ?=
 
-.PHONY: install demo test bench lint clean distclean
+.PHONY: install demo demo-squad test bench lint clean distclean
 
 install: $(VENV)/.installed
 
@@ -27,6 +29,9 @@ $(VENV)/.installed: setup.py
 
 demo: install
 	$(VENV_PYTHON) -m realm_jax.demo --workdir $(WORKDIR) --seed $(SEED)
+
+demo-squad: install
+	$(VENV_PYTHON) -m realm_jax.demo_squad --workdir $(SQUAD_WORKDIR) --seed $(SEED)
 
 test: install
 	$(VENV_PYTHON) -m pytest -q tests

@@ -1,7 +1,7 @@
 """Evaluation on masked sentences about held-out entities: retrieval recall and span accuracy.
 
 recall@n: one of the top-n retrieved blocks (the query's own block excluded) states the masked
-fact (generator ground truth, used only here). span accuracy: every masked wordpiece of the
+fact (generator ground truth, used only here; real text has none, so no recall). span accuracy: every masked wordpiece of the
 span is the argmax of the marginal p(y_j | x) = sum_z p(z|x) p(y_j|z,x).
 """
 
@@ -35,6 +35,9 @@ class Evaluator:
                                           self.examples.target_span[self.rows], config,
                                           tok.cls_id, tok.sep_id, tok.mask_id)
     self.query_embed, self.realm_eval = query_embed, realm_eval
+    # Real text has no fact ground truth: no other block is known to state the masked span.
+    answers = self.examples.answer_blocks
+    self.has_answers = answers is not None and bool((answers[:n] >= 0).any())
 
   def run(self, params, index, index_params, keep_examples: int = 0
           ) -> tuple[dict[str, float], list[dict]]:
@@ -58,15 +61,16 @@ class Evaluator:
       real = min(bs, n - start)
       q = {key: v[idx] for key, v in self.queries.items()}
       retrieved = None
-      if index is not None:
+      if index is not None and (self.has_answers or self.realm_eval is not None):
         emb = self.query_embed(index_params, _global(q["query_ids"], self.mesh))
         top = index.search(emb, max(max(RECALL_AT), cfg.retrieval.k) + 1)
         ranked = pipeline.candidate_rows(top, q["source_block"], self.data.blocks.uids,
                                          top.shape[1])[:, 1:]   # drop the null column
-        answers = self.examples.answer_blocks[self.rows[idx]]
-        for at in RECALL_AT:
-          hit = (ranked[:, :at, None] == answers[:, None, :]).any(axis=(1, 2))
-          hits[at].extend(hit[:real])
+        if self.has_answers:
+          answers = self.examples.answer_blocks[self.rows[idx]]
+          for at in RECALL_AT:
+            hit = (ranked[:, :at, None] == answers[:, None, :]).any(axis=(1, 2))
+            hits[at].extend(hit[:real])
         retrieved = top
       if self.realm_eval is None:
         continue

@@ -145,18 +145,22 @@ def _vocab(config):
 _WORKER: dict = {}
 
 
-def _init_worker(vocab_path: str, tagger_spec: str, single_threaded: bool) -> None:
-  if single_threaded:    # one process per core already: no nested tokenizer threads
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-  from realm_jax.data.taggers import make_tagger
-  _WORKER["tokenizer"] = load_tokenizer(vocab_path)
-  _WORKER["tagger"] = make_tagger(tagger_spec)
+def _worker_tools(vocab_path: str, tagger_spec: str, single_threaded: bool):
+  """This process's tokenizer and tagger, loaded on first use. (Not a Pool initializer: an
+  initializer that fails makes the pool respawn workers forever instead of failing the job.)"""
+  key = (vocab_path, tagger_spec)
+  if _WORKER.get("key") != key:
+    if single_threaded:    # one process per core already: no nested tokenizer threads
+      os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from realm_jax.data.taggers import make_tagger
+    _WORKER.update(key=key, tokenizer=load_tokenizer(vocab_path), tagger=make_tagger(tagger_spec))
+  return _WORKER["tokenizer"], _WORKER["tagger"]
 
 
 def _run_shard(args) -> tuple[int, dict]:
-  index, docs, settings, shard_dir = args
-  return index, corpus.build_shard(docs, _WORKER["tokenizer"], _WORKER["tagger"], settings,
-                                   shard_dir)
+  index, docs, settings, shard_dir, tools = args
+  tokenizer, tagger = _worker_tools(*tools)
+  return index, corpus.build_shard(docs, tokenizer, tagger, settings, shard_dir)
 
 
 class _Progress:
@@ -192,12 +196,8 @@ def prepare(config) -> dict:
   if in_process and config.num_workers > 0:
     print("[prepare] hf_ner runs its model on this process's devices: shards are packed "
           "in this process", flush=True)
-  if in_process:
-    _init_worker(tokenizer.vocab_path, config.tagger, single_threaded=False)
-    pool = None
-  else:
-    pool = multiprocessing.get_context("spawn").Pool(
-        config.num_workers, _init_worker, (tokenizer.vocab_path, config.tagger, True))
+  tools = (tokenizer.vocab_path, config.tagger, not in_process)
+  pool = None if in_process else multiprocessing.get_context("spawn").Pool(config.num_workers)
   skips = sources.Skips(config.strict)
   progress = _Progress(config.progress_every)
   titles, qas, shard_dirs, results = [], [], [], {}
@@ -223,7 +223,7 @@ def prepare(config) -> dict:
       reused += 1
       blocks_done += done["blocks"]
       return
-    job = (index, docs, settings, shard_dir)
+    job = (index, docs, settings, shard_dir, tools)
     if pool is None:
       results[index] = _run_shard(job)[1]
       blocks_done += results[index]["blocks"]

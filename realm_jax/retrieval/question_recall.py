@@ -1,0 +1,133 @@
+"""Zero-shot question retrieval on a prepared SQuAD-format corpus.
+
+For every question of `DATA/qa/eval.jsonl` (written by `realm-prepare` from a `squad:` source,
+with the id of the paragraph that holds the answer), rank the blocks, collapse them to their
+paragraphs (a paragraph ranks where its best block ranks) and report recall@k: the share of
+questions whose answer paragraph is among the top k. The same ranking rule serves a trained
+retriever (query tower on the question, exact search over block-tower embeddings) and BM25
+(`bm25s`, on the text of the same blocks), so the figures are side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from realm_jax.data.store import PreparedData
+from realm_jax.retrieval.index import build_exact_index
+from realm_jax.train import partitioning, state as state_lib, steps
+from realm_jax.train.checkpoints import restore_params
+
+RECALL_AT = (1, 5, 20)
+CANDIDATE_BLOCKS = 100      # blocks ranked per question before collapsing to paragraphs
+
+
+def load_questions(data_dir: str) -> list[dict]:
+  """The questions of `data_dir/qa/eval.jsonl` that point at a kept paragraph (`doc_id`)."""
+  path = os.path.join(data_dir, "qa", "eval.jsonl")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path}: no questions (prepare a squad: source to get them)")
+  with open(path) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  return [r for r in rows if r.get("doc_id", -1) >= 0 and r.get("question")]
+
+
+def paragraph_recall(ranked_blocks: np.ndarray, block_docs: np.ndarray, gold_docs: np.ndarray,
+                     ks=RECALL_AT) -> dict[str, float]:
+  """recall@k over paragraphs from block rankings [Q, N] (best first)."""
+  hits = {k: 0 for k in ks}
+  for ranking, gold in zip(ranked_blocks, gold_docs):
+    docs = list(dict.fromkeys(block_docs[ranking].tolist()))
+    rank = docs.index(int(gold)) if int(gold) in docs else len(block_docs)
+    for k in ks:
+      hits[k] += rank < k
+  n = max(len(gold_docs), 1)
+  return {f"recall_at_{k}": hits[k] / n for k in ks}
+
+
+def question_ids(data: PreparedData, questions: list[dict], query_len: int) -> np.ndarray:
+  """`[CLS] question [SEP]`, truncated to query_len, 0-padded: [Q, query_len]."""
+  tok = data.tokenizer
+  ids = np.zeros((len(questions), query_len), np.int32)
+  for i, (wp, _) in enumerate(tok.encode_batch([q["question"] for q in questions])):
+    row = [tok.cls_id] + wp[:query_len - 2] + [tok.sep_id]
+    ids[i, :len(row)] = row
+  return ids
+
+
+def dense_ranking(config, workdir: str, data: PreparedData, questions: list[dict],
+                  n: int = CANDIDATE_BLOCKS, batch_size: int = 256) -> np.ndarray:
+  """Top-n block rows per question with the retriever of `workdir`'s latest checkpoint."""
+  mesh = partitioning.make_mesh(config.mesh.shape)
+  model = state_lib.build_model(config, data.tokenizer.vocab_size)
+  abstract, _ = state_lib.abstract_train_state(config, model, mesh, data.blocks.block_len)
+  params, step = restore_params(workdir, abstract.params)
+  retriever = {"retriever": params["retriever"]}
+  sharding = partitioning.batch_sharding(mesh)
+
+  def embed_blocks(ids, segments):
+    return steps.embed(model, mesh, config, retriever, "block", jax.device_put(ids, sharding),
+                       jax.device_put(segments, sharding))
+  index = build_exact_index(embed_blocks, data.blocks, mesh, config.retrieval.embed_batch_size,
+                            step, 0, log_prefix=f"[recall] {os.path.basename(workdir)}: ")
+  ids = question_ids(data, questions, config.data.query_len)
+  devices = mesh.devices.size
+  batch_size = max(devices, batch_size // devices * devices)
+  n = min(n, data.blocks.num_blocks)
+  out = []
+  for start in range(0, len(ids), batch_size):
+    chunk = ids[start:start + batch_size]
+    padded = np.concatenate([chunk, np.zeros((batch_size - len(chunk), ids.shape[1]),
+                                             np.int32)])
+    emb = steps.embed(model, mesh, config, retriever, "query", jax.device_put(padded, sharding))
+    out.append(index.search(emb, n)[:len(chunk)])
+  return np.concatenate(out)
+
+
+def bm25_ranking(data: PreparedData, questions: list[dict],
+                 n: int = CANDIDATE_BLOCKS) -> np.ndarray:
+  """Top-n block rows per question by BM25 over each block's title + body text."""
+  import bm25s
+  blocks, tok = data.blocks, data.tokenizer
+  texts = [tok.decode(blocks.tokens[row][1:blocks.lengths[row] - 1])
+           for row in range(blocks.num_blocks)]
+  retriever = bm25s.BM25()
+  retriever.index(bm25s.tokenize(texts, stopwords="en", show_progress=False),
+                  show_progress=False)
+  query_tokens = bm25s.tokenize([q["question"] for q in questions], stopwords="en",
+                                show_progress=False)
+  rows, _ = retriever.retrieve(query_tokens, k=min(n, blocks.num_blocks), show_progress=False)
+  return np.asarray(rows)
+
+
+def recall_table(data_dir: str, retrievers: dict[str, tuple[object, str]],
+                 ks=RECALL_AT) -> dict[str, dict[str, float]]:
+  """{name: recall@k} for each (config, workdir) retriever and for BM25."""
+  data = PreparedData(data_dir)
+  questions = load_questions(data_dir)
+  gold = np.asarray([q["doc_id"] for q in questions])
+  block_docs = np.asarray(data.blocks.doc_ids)
+  table = {}
+  for name, (config, workdir) in retrievers.items():
+    t0 = time.time()
+    ranked = dense_ranking(config, workdir, data, questions)
+    table[name] = {**paragraph_recall(ranked, block_docs, gold, ks),
+                   "seconds": round(time.time() - t0, 1)}
+  t0 = time.time()
+  table["bm25"] = {**paragraph_recall(bm25_ranking(data, questions), block_docs, gold, ks),
+                   "seconds": round(time.time() - t0, 1)}
+  for row in table.values():
+    row["questions"] = len(questions)
+  return table
+
+
+def format_table(table: dict[str, dict[str, float]], ks=RECALL_AT) -> str:
+  header = f"{'retriever':<12}" + "".join(f"{'R@' + str(k):>8}" for k in ks)
+  lines = [header, "-" * len(header)]
+  for name, row in table.items():
+    lines.append(f"{name:<12}" + "".join(f"{row[f'recall_at_{k}']:>8.3f}" for k in ks))
+  return "\n".join(lines)
