@@ -6,9 +6,16 @@ Reads a SQuAD v1.1-format file (by default the SQuADShifts "New Wikipedia" test 
 * agreement: the share of the answers that are names or dates (``answer_kind``) that a
   salient span of the tagger covers exactly (``answer_agreement``), overall and per kind;
 * throughput: sentences per second of the tagger's ``tag_batch`` on all sentences of the
-  paragraphs (split with ``realm_jax.data.sentences.split_sentences``, as prepare does).
+  paragraphs (split with ``realm_jax.data.sentences.split_sentences``, as prepare does);
+* prepare: blocks/s and sentences/s of the whole ``realm-prepare`` job (default tagger,
+  ``--workers`` processes, blocks of 288) on the file's paragraphs written ``--copies`` times
+  as JSONL documents with distinct titles;
+* world (``--world_entities N``, off by default): the generated world of N entities (about
+  4.2 blocks each at the demo's 40-wordpiece blocks; 240,000 -> ~1M blocks), end to end:
+  generation, vocab training, packing, merge.
 
-  python bench/prepare.py [--squad PATH] [--tagger regex|hf_ner:PATH] [--out runs/prepare.jsonl]
+  python bench/prepare.py [--squad PATH] [--tagger regex|hf_ner:PATH] [--copies 20]
+      [--workers 2] [--world_entities 240000] [--out runs/prepare.jsonl]
 
 Each section prints a small table and one JSON line (also appended to ``--out`` when
 given); with a tagger other than regex, the regex tagger's throughput is measured as well.
@@ -21,7 +28,9 @@ import argparse
 import json
 import pathlib
 import re
+import shutil
 import sys
+import tempfile
 import time
 
 from realm_jax.data.sentences import split_sentences
@@ -209,6 +218,69 @@ def regex_throughput(squad_path) -> dict:
           "sentences_per_s": ratio(n_sentences, seconds)}
 
 
+def prepare_throughput(squad_path, copies: int, workers: int) -> dict:
+  """realm-prepare on the file's paragraphs x `copies` (JSONL, distinct titles): its rates.
+
+  The vocab is trained first, outside the timed run (it is a one-off per corpus)."""
+  from realm_jax.data.prepare import base_config, prepare
+  with open(squad_path, encoding="utf-8") as f:
+    articles = json.load(f)["data"]
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix="realm_prepare_bench_"))
+  try:
+    corpus = tmp / "docs.jsonl"
+    with open(corpus, "w", encoding="utf-8") as f:
+      for k in range(copies):
+        for a in articles:
+          for p in a["paragraphs"]:
+            f.write(json.dumps({"title": f"{a['title']} ({k})", "text": p["context"]}) + "\n")
+    config = base_config()
+    config.source, config.out_dir = f"squad:{squad_path}", str(tmp / "vocab")
+    config.vocab_size, config.num_workers = 30522, 0
+    prepare(config)
+    config.source, config.out_dir = f"jsonl:{corpus}", str(tmp / "out")
+    config.vocab, config.num_workers = str(tmp / "vocab" / "vocab.txt"), workers
+    t0 = time.time()
+    stats = prepare(config)
+    seconds = time.time() - t0
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return {"corpus": f"{pathlib.Path(squad_path).name} x {copies}", "workers": workers,
+          "documents": stats["documents"], "blocks": stats["blocks"],
+          "sentences": stats["sentences"], "seconds": round(seconds, 2),
+          "blocks_per_s": ratio(stats["blocks"], seconds),
+          "sentences_per_s": ratio(stats["sentences"], seconds),
+          "documents_per_s": ratio(stats["documents"], seconds)}
+
+
+def world_throughput(entities: int, workers: int) -> dict:
+  """realm-prepare on `world:ENTITIES` at the demo's shapes, everything included."""
+  from realm_jax.data.prepare import base_config, prepare
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix="realm_prepare_world_"))
+  try:
+    config = base_config()
+    config.source, config.out_dir = f"world:{entities}", str(tmp / "out")
+    config.block_len, config.max_sentence_len, config.vocab_size = 40, 14, 4000
+    config.num_workers, config.shard_documents = workers, 20_000
+    t0 = time.time()
+    stats = prepare(config)
+    seconds = time.time() - t0
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return {"corpus": f"world:{entities}", "workers": workers, "documents": stats["documents"],
+          "blocks": stats["blocks"], "sentences": stats["sentences"],
+          "seconds": round(seconds, 2), "minutes": round(seconds / 60, 2),
+          "blocks_per_s": ratio(stats["blocks"], seconds),
+          "sentences_per_s": ratio(stats["sentences"], seconds)}
+
+
+def print_throughput(result: dict) -> None:
+  print(f"realm-prepare on {result['corpus']} ({result['workers']} workers): "
+        f"{result['documents']:,} documents -> {result['blocks']:,} blocks in "
+        f"{result['seconds']:.1f} s")
+  print(f"  {result['blocks_per_s']:,.0f} blocks/s, {result['sentences_per_s']:,.0f} "
+        "sentences/s")
+
+
 def print_agreement(result: dict) -> None:
   """A small table of ``answer_agreement``'s figures."""
   print(f"salient-span agreement with SQuAD answers ({result['tagger']}, "
@@ -229,6 +301,11 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--squad", default=str(DEFAULT_SQUAD),
                       help="SQuAD v1.1-format JSON (default: %(default)s)")
   parser.add_argument("--tagger", default="regex", help="regex or hf_ner:PATH")
+  parser.add_argument("--copies", type=int, default=20,
+                      help="times the paragraphs are written for the prepare throughput")
+  parser.add_argument("--workers", type=int, default=2, help="realm-prepare worker processes")
+  parser.add_argument("--world_entities", type=int, default=0,
+                      help="also prepare a generated world of this many entities (0: skip)")
   parser.add_argument("--out", default=None, help="append the JSON lines to this file")
   args = parser.parse_args(argv)
   if not pathlib.Path(args.squad).is_file():
@@ -243,6 +320,14 @@ def main(argv=None) -> list[dict]:
     result = regex_throughput(args.squad)
     print(f"  regex tagger throughput: {result['sentences_per_s']:,.0f} sentences/s")
     records.append({"bench": "prepare_tagger_throughput", **result})
+  if args.copies > 0:
+    result = prepare_throughput(args.squad, args.copies, args.workers)
+    print_throughput(result)
+    records.append({"bench": "prepare_throughput", **result})
+  if args.world_entities > 0:
+    result = world_throughput(args.world_entities, args.workers)
+    print_throughput(result)
+    records.append({"bench": "prepare_world", **result})
   lines = [json.dumps(record) for record in records]
   print("\n".join(lines))
   if args.out:

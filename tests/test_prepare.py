@@ -90,6 +90,8 @@ def test_squadshifts_blocks_fit_and_have_title_and_body_segments(squad_dir):
     assert body.replace(" ", "") in tok.decode(tok.encode_batch([text])[0][0]).replace(" ", "")
   # Every pretraining example sits inside its block, at its offsets, with spans inside it.
   ex = data.examples("train")
+  uid = np.load(os.path.join(out, "examples", "train", "block_uid.npy"))
+  assert uid.dtype == np.uint64 and (uid == blocks.uids[ex.block]).all()
   for i in range(0, len(ex), 53):
     s, e = ex.block_offsets[i]
     assert (tokens[ex.block[i], s:e] == ex.tokens[i, :ex.lengths[i]]).all()

@@ -15,7 +15,8 @@ the final memory-mapped arrays:
   examples/<split>/lengths.npy       int32 [E]
   examples/<split>/spans.npy         int32 [E, MAX_SPANS, 2]  salient spans (wordpiece [s, e))
   examples/<split>/num_spans.npy     int32 [E]
-  examples/<split>/block.npy         int32 [E]   source block row (its uid: blocks/uids.npy)
+  examples/<split>/block.npy         int32 [E]   source block row
+  examples/<split>/block_uid.npy     uint64 [E]  that block's uid
   examples/<split>/block_offsets.npy int32 [E, 2]  the sentence's [s, e) inside that block row
   examples/eval/target_span.npy      int32 [E, 2]  the span evaluated
   examples/eval/answer_blocks.npy    int32 [E, A]  other blocks stating the fact (-1 pad; the
@@ -285,6 +286,7 @@ def merge_shards(shard_dirs: list[str], out_dir: str, block_len: int,
   facts = np.concatenate([np.load(os.path.join(d, "blocks.facts.npy")) + [[0, a]]
                           for d, a in zip(shard_dirs, offsets[:-1])] + [np.zeros((0, 2),
                                                                                  np.int64)])
+  uids = np.load(os.path.join(out_dir, "blocks", "uids.npy"), mmap_mode="r")
   sizes = {}
   for split in SPLITS:
     split_dir = os.path.join(out_dir, "examples", split)
@@ -299,6 +301,7 @@ def merge_shards(shard_dirs: list[str], out_dir: str, block_len: int,
     keys = _EXAMPLE_KEYS + (("target_span",) if split == "eval" else ())
     for key in keys:
       np.save(os.path.join(split_dir, f"{key}.npy"), merged[key])
+    np.save(os.path.join(split_dir, "block_uid.npy"), uids[merged["block"]])
     if split == "eval":
       np.save(os.path.join(split_dir, "answer_blocks.npy"),
               _answer_blocks(merged["fact"], merged["block"], facts))

@@ -29,7 +29,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.block_len = 288           # wordpieces of `[CLS] title [SEP] body [SEP]` (paper: 288)
   c.data.max_masks = 10            # at most this many [MASK]s per query (one salient span)
   c.data.ict_remove_prob = 0.9     # ICT: the query sentence is cut from its block this often
-  c.data.prefetch = 2              # host batches built ahead in a background thread
+  c.data.prefetch = 2              # host batches built ahead by grain (threads); 0: on demand
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 0           # 0: the size of the data dir's vocab.txt

@@ -1,0 +1,83 @@
+"""Zero-shot question retrieval: block rankings collapsed to paragraphs, recall@k for a trained
+retriever and for BM25 on a small SQuAD-format file the test writes."""
+
+import json
+
+import numpy as np
+import pytest
+
+from realm_jax.data import prepare as prepare_lib
+from realm_jax.retrieval import question_recall
+from tests.helpers import load_config_module
+
+TOPICS = [
+    ("Kelmar Observatory", "The Kelmar Observatory was founded by Ada Brisk in 1843. Its great "
+     "refractor telescope was built in Munich. Astronomers there catalogued 400 comets."),
+    ("Orvane River", "The Orvane River rises in the Tessel Mountains near Lake Varn. It flows "
+     "for 312 kilometres to the Grey Sea. Salmon swim up the Orvane every October."),
+    ("Pellow Bridge", "Pellow Bridge crosses the Ambry Canal in Dunmore. It was designed by "
+     "Thomas Quill and opened in 1902. Its iron arches were painted green in 1950."),
+    ("Sister Marta Voss", "Sister Marta Voss ran the Hollin Hospital in Carrow from 1890. She "
+     "introduced carbolic disinfection to the wards. A statue of her stands in Carrow Square."),
+]
+QUESTIONS = ["who founded the kelmar observatory?", "where does the orvane river rise?",
+             "who designed pellow bridge?", "which hospital did marta voss run?"]
+
+
+def write_squad(path) -> str:
+  data = {"data": [{"title": t, "paragraphs": [{"context": c, "qas": [
+      {"id": str(i), "question": q, "answers": [{"text": c.split()[1], "answer_start":
+                                                  c.index(c.split()[1])}]}]}]}
+      for i, ((t, c), q) in enumerate(zip(TOPICS, QUESTIONS))]}
+  path.write_text(json.dumps(data))
+  return str(path)
+
+
+def test_paragraph_recall_collapses_blocks_to_paragraphs():
+  block_docs = np.array([0, 0, 1, 2, 2, 3])
+  ranked = np.array([[0, 1, 3, 2, 5],      # paragraphs 0, 2, 1, 3: gold 2 is 2nd
+                     [5, 4, 3, 0, 1],      # paragraphs 3, 2, 0: gold 1 absent
+                     [2, 0, 1, 3, 4]])     # paragraphs 1, 0, 2: gold 1 is 1st
+  recall = question_recall.paragraph_recall(ranked, block_docs, np.array([2, 1, 1]), ks=(1, 2))
+  assert recall == {"recall_at_1": pytest.approx(1 / 3), "recall_at_2": pytest.approx(2 / 3)}
+
+
+@pytest.fixture(scope="module")
+def squad_data(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("qa")
+  config = prepare_lib.base_config()
+  config.source = f"squad:{write_squad(tmp / 'squad.json')}"
+  config.out_dir = str(tmp / "data")
+  config.block_len, config.max_sentence_len, config.vocab_size = 32, 30, 300
+  config.num_workers, config.eval_fraction, config.progress_every = 0, 0.0, 1e9
+  prepare_lib.prepare(config)
+  return config.out_dir
+
+
+def test_questions_point_at_their_paragraph(squad_data):
+  questions = question_recall.load_questions(squad_data)
+  assert [q["question"] for q in questions] == QUESTIONS
+  assert [q["doc_id"] for q in questions] == [0, 1, 2, 3]
+
+
+def test_bm25_and_a_trained_retriever_side_by_side(squad_data, tmp_path):
+  from realm_jax.train.loop import train
+  config = load_config_module("squad_realm").get_config("ict")
+  config.data.dir = squad_data
+  config.data.block_len, config.data.query_len = 32, 32
+  m = config.model
+  m.hidden_size, m.num_heads, m.intermediate_size, m.num_layers, m.retrieval_dim = 32, 4, 64, 1, 16
+  m.max_position = 64
+  config.train.batch_size, config.train.steps, config.train.log_every = 8, 2, 1
+  config.train.checkpoint_every = 2
+  config.eval.num_examples, config.eval.batch_size = 8, 8
+  workdir = str(tmp_path / "ict")
+  train(config, workdir)
+  table = question_recall.recall_table(squad_data, {"ict": (config, workdir)}, ks=(1, 2, 4))
+  assert set(table) == {"ict", "bm25"}
+  # The questions repeat rare words of their paragraph: BM25 finds every one first.
+  assert table["bm25"]["recall_at_1"] == 1.0
+  for row in table.values():
+    assert row["questions"] == 4
+    assert 0 <= row["recall_at_1"] <= row["recall_at_2"] <= row["recall_at_4"] == 1.0
+  assert "R@1" in question_recall.format_table(table, ks=(1, 2, 4))
