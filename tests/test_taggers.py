@@ -205,12 +205,16 @@ def test_bench_main_prints_a_table_and_a_json_line(tmp_path, capsys):
   path = tmp_path / "tiny.json"
   write_squad(path, TINY)
   out = tmp_path / "runs" / "prepare.jsonl"
-  bench.main(["--squad", str(path), "--out", str(out)])
+  records = bench.main(["--squad", str(path), "--out", str(out), "--copies", "3",
+                        "--workers", "0"])
+  assert [r["bench"] for r in records] == ["prepare_agreement", "prepare_throughput"]
   printed = capsys.readouterr().out
-  assert "name or date" in printed and "sentences/s" in printed
-  line = json.loads(printed.strip().splitlines()[-1])
-  assert line["agreement"] == pytest.approx(5 / 8)
-  assert json.loads(out.read_text().strip()) == line
+  assert "name or date" in printed and "sentences/s" in printed and "blocks/s" in printed
+  lines = [json.loads(x) for x in printed.strip().splitlines()[-2:]]
+  assert lines[0]["agreement"] == pytest.approx(5 / 8)
+  # The whole prepare job ran on the paragraphs written 3 times (distinct titles).
+  assert lines[1]["documents"] == 3 * len(TINY) and lines[1]["blocks"] >= lines[1]["documents"]
+  assert [json.loads(x) for x in out.read_text().strip().splitlines()] == lines
   with pytest.raises(SystemExit, match="not found"):
     bench.main(["--squad", str(tmp_path / "absent.json")])
 
@@ -218,7 +222,8 @@ def test_bench_main_prints_a_table_and_a_json_line(tmp_path, capsys):
 def test_bench_main_with_hf_ner_also_times_the_regex_tagger(fake_hf_ner, tmp_path, capsys):
   path = tmp_path / "tiny.json"
   write_squad(path, TINY)
-  records = bench.main(["--squad", str(path), "--tagger", f"hf_ner:{tmp_path}"])
+  records = bench.main(["--squad", str(path), "--tagger", f"hf_ner:{tmp_path}",
+                        "--copies", "0"])
   assert [r["bench"] for r in records] == ["prepare_agreement", "prepare_tagger_throughput"]
   assert records[0]["tagger"] == f"hf_ner:{tmp_path}" and records[1]["tagger"] == "regex"
   # The fake model finds "Alice Borin" (twice asked, once counted) and the regex adds the
