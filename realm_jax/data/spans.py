@@ -72,7 +72,7 @@ _DATE_OR_NUMBER = re.compile(_BEFORE + "(?:(?=\\d)(?:" + "|".join((
     _CENTURY,                                            # Nineteenth century
 )) + ")|(?=[a-z])(?:" + "|".join((
     rf"{_PREFIX}{_CENTURY}",                             # mid-19th century
-    rf"(?:early|mid|late)-(?:1\d{{2}}|20\d)0s",          # mid-1990s
+    r"(?:early|mid|late)-(?:1\d{2}|20\d)0s",            # mid-1990s
     rf"(?:early|mid|late)-{_YEAR}",                      # mid-1918
 )) + "))" + _AFTER)
 

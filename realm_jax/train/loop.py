@@ -242,7 +242,8 @@ class Trainer:
     metrics, details = self.evaluator.run(self.state.params, index, self.index_params,
                                           keep_examples)
     writer.write(step, metrics)
-    shown = " ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "num_examples")
+    shown = " ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "num_examples") \
+        or "nothing to measure (no recall ground truth in this data, no reader to score)"
     print(f"[{self.config.task}] eval @ {step}: {shown} ({time.time() - t0:.1f}s)", flush=True)
     return metrics, details
 
