@@ -258,3 +258,20 @@ def test_tfds_source_reads_a_mocked_dataset_and_explains_unprepared_ones(tmp_pat
   assert stats["documents"] + sum(stats["skipped"].values()) == 12
   assert stats["blocks"] >= stats["documents"] > 0
   assert load_tokenizer(str(tmp_path / "mock" / "vocab.txt")).vocab_size > 5
+
+
+def test_hf_ner_tagger_runs_inside_prepare(tmp_path, capsys):
+  from tests.test_hf_ner import ner_checkpoint
+  # A model that never finds an entity: the salient spans are the date regex's alone.
+  ner_dir, _, _ = ner_checkpoint(tmp_path / "ner", forced="O")
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines())
+  stats = prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"),
+                                         tagger=f"hf_ner:{ner_dir}", num_workers=2))
+  assert "packed in this process" in capsys.readouterr().out
+  assert stats["tagger"] == f"hf_ner:{ner_dir}" and stats["examples"]["train"] > 0
+  data = PreparedData(str(tmp_path / "out"))
+  ex, tok = data.examples("train"), data.tokenizer
+  masked = {tok.decode(ex.tokens[i, s:e]) for i in range(len(ex))
+            for s, e in ex.spans[i, :ex.num_spans[i]]}
+  assert "20 july 1969" in masked and "1867" in masked
+  assert all(any(c.isdigit() for c in m) for m in masked), masked   # no names: dates only
