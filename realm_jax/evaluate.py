@@ -1,8 +1,9 @@
 """Evaluation on masked sentences about held-out entities: retrieval recall and span accuracy.
 
 recall@n: one of the top-n retrieved blocks (the query's own block excluded) states the masked
-fact (generator ground truth, used only here; real text has none, so no recall). span accuracy: every masked wordpiece of the
-span is the argmax of the marginal p(y_j | x) = sum_z p(z|x) p(y_j|z,x).
+fact (generator ground truth, used only here; real text has none, so no recall there).
+span accuracy: every masked wordpiece of the span is the argmax of the marginal
+p(y_j | x) = sum_z p(z|x) p(y_j|z,x).
 """
 
 from __future__ import annotations

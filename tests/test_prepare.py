@@ -175,7 +175,8 @@ def _arrays(out_dir: str) -> dict:
 def _assert_same(a: dict, b: dict):
   assert a.keys() == b.keys()
   for key in a:
-    assert np.array_equal(a[key], b[key]) if isinstance(a[key], np.ndarray) else a[key] == b[key], key
+    same = np.array_equal(a[key], b[key]) if isinstance(a[key], np.ndarray) else a[key] == b[key]
+    assert same, key
 
 
 def test_rerun_skips_finished_shards_and_gives_the_same_output(tmp_path, monkeypatch):

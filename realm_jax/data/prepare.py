@@ -326,6 +326,8 @@ def main() -> None:
   def _main(argv):
     if len(argv) > 1:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)   # keep TFDS's INFO lines off the console
     if config.value is None:
       print("realm-prepare: error: --config is required (configs/prepare.py)", file=sys.stderr)
       raise SystemExit(2)

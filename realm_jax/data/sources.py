@@ -189,9 +189,10 @@ def _tfds(arg: str, config, skips: Skips) -> Iterator[SourceDocument]:
   name, _, split = arg.partition(":")
   split = split or "train"
   data_dir = config.tfds_data_dir or None
-  how = (f"Prepare it once with `tfds build {name}" + (f" --data_dir={data_dir}" if data_dir else "")
-         + " --file_format=array_record` (or tfds.builder(name).download_and_prepare()), then "
-         "re-run; --config.tfds_data_dir picks another TFDS data dir")
+  build = f"tfds build {name}" + (f" --data_dir={data_dir}" if data_dir else "")
+  how = (f"Prepare it once with `{build} --file_format=array_record` (or "
+         f"tfds.builder({name!r}).download_and_prepare()), then re-run; "
+         "--config.tfds_data_dir picks another TFDS data dir")
   try:
     builder = tfds.builder(name, data_dir=data_dir)
   except Exception as e:  # unknown name, or its code is not importable here

@@ -33,7 +33,8 @@ import re
 
 _MONTH_NAMES = ("january", "february", "march", "april", "may", "june", "july", "august",
                 "september", "october", "november", "december")
-_MONTH = r"(?:January|February|March|April|May|June|July|August|September|October|November|December)"
+_MONTH = (r"(?:January|February|March|April|May|June|July|August|September|October|November"
+          r"|December)")
 _DAY = r"(?:3[01]|[12]\d|0?[1-9])(?:st|nd|rd|th)?"
 _DAYS = rf"{_DAY}(?:\s?[–-]\s?{_DAY})?"   # "14–15"
 _YEAR = r"(?:1\d{3}|20\d{2})"
@@ -263,7 +264,7 @@ def tag_dates(text: str) -> list[tuple[int, int]]:
 
 
 def tag_salient_spans(text: str) -> list[tuple[int, int]]:
-  """Char spans [start, end) of salient spans in one sentence: dates and named entities (REALM's salient spans).
+  """Char spans [start, end) of REALM's salient spans in one sentence: dates, named entities.
 
   Args:
     text: a sentence (several sentences also work; boundaries are found at ".!?").
