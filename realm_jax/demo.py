@@ -30,20 +30,24 @@ def load_config(name: str, arg: str | None = None):
   return module.get_config(arg)
 
 
-def stage_configs(data_dir: str, workdir: str, seed: int) -> list[tuple[str, object]]:
-  """(name, config) of the four training stages, chained through `init.from_workdir`."""
-  stages = [("ict", load_config("demo_ict")),
-            ("warmup", load_config("demo_realm", "warmup")),
-            ("realm", load_config("demo_realm", "realm")),
-            ("no_retrieval", load_config("demo_realm", "no_retrieval"))]
-  init_from = {"ict": "", "warmup": "ict", "realm": "warmup", "no_retrieval": "warmup"}
-  out = []
-  for name, config in stages:
+def demo_stages() -> list[tuple[str, object, str]]:
+  """(name, config, stage it starts from) of the four training stages."""
+  return [("ict", load_config("demo_ict"), ""),
+          ("warmup", load_config("demo_realm", "warmup"), "ict"),
+          ("realm", load_config("demo_realm", "realm"), "warmup"),
+          ("no_retrieval", load_config("demo_realm", "no_retrieval"), "warmup")]
+
+
+def run_stages(stages, data_dir: str, workdir: str, seed: int) -> dict[str, dict]:
+  """Trains (name, config, init_from) in order, each in `workdir/name` and started from the
+  params of `workdir/init_from`; sets each config's data dir and seed. Returns the summaries."""
+  results = {}
+  for name, config, init_from in stages:
     config.data.dir = data_dir
     config.seed = seed
-    config.init.from_workdir = os.path.join(workdir, init_from[name]) if init_from[name] else ""
-    out.append((name, config))
-  return out
+    config.init.from_workdir = os.path.join(workdir, init_from) if init_from else ""
+    results[name] = run_stage(name, config, os.path.join(workdir, name))
+  return results
 
 
 def run_stage(name: str, config, workdir: str) -> dict:
@@ -124,9 +128,7 @@ def run_demo(workdir: str, seed: int, entities: int) -> dict:
     print(f"[demo] {stats['blocks']:,} blocks, {stats['examples']['train']:,} training "
           f"queries, {stats['examples']['eval']:,} held-out eval queries, vocab "
           f"{stats['vocab_size']:,}", flush=True)
-  results = {}
-  for name, config in stage_configs(data_dir, workdir, seed):
-    results[name] = run_stage(name, config, os.path.join(workdir, name))
+  results = run_stages(demo_stages(), data_dir, workdir, seed)
   summary = {
       "seed": seed, "entities": entities,
       "recall_at_1_ict": results["ict"].get("eval_recall_at_1"),

@@ -14,7 +14,7 @@ import json
 import os
 import time
 
-from realm_jax.demo import load_config, run_stage
+from realm_jax.demo import load_config, run_stages
 from realm_jax.errors import run_cli
 
 STAGES = (("ict", ""), ("warmup", "ict"), ("realm", "warmup"))
@@ -34,14 +34,9 @@ def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
     raise FileNotFoundError(f"{path}: no SQuAD-format file (pass --squad PATH)")
   print(f"[demo-squad] preparing {path} -> {data_dir}", flush=True)
   stats = prepare(prep)
-  configs, results = {}, {}
-  for name, init_from in STAGES:
-    config = load_config("squad_realm", name)
-    config.data.dir = data_dir
-    config.seed = seed
-    config.init.from_workdir = os.path.join(workdir, init_from) if init_from else ""
-    configs[name] = config
-    results[name] = run_stage(name, config, os.path.join(workdir, name))
+  configs = {name: load_config("squad_realm", name) for name, _ in STAGES}
+  results = run_stages([(name, configs[name], init_from) for name, init_from in STAGES],
+                       data_dir, workdir, seed)
   print("[demo-squad] zero-shot question retrieval", flush=True)
   table = recall_table(data_dir, {"ict": (configs["ict"], os.path.join(workdir, "ict")),
                                   "realm": (configs["realm"], os.path.join(workdir, "realm"))})

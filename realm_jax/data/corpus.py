@@ -204,8 +204,7 @@ def build_shard(documents: list[tuple[int, SourceDocument]], tokenizer: Tokenize
   result = {"documents": len(docs), "blocks": len(blocks), "sentences": stats["sentences"],
             "sentences_cut": stats["sentences_cut"],
             "titles_truncated": stats["titles_truncated"],
-            "salient_spans": int(sum(rows.rows["num_spans"][i] for rows in splits.values()
-                                     for i in range(len(rows)))),
+            "salient_spans": sum(sum(rows.rows["num_spans"]) for rows in splits.values()),
             "examples": {s: len(rows) for s, rows in splits.items()},
             "examples_skipped": dict(dropped)}
   with open(os.path.join(out_dir, "done.json.tmp"), "w") as f:

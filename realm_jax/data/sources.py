@@ -93,19 +93,24 @@ def _jsonl_files(pattern: str) -> list[str]:
       ([pattern] if os.path.isfile(pattern) else [])
 
 
-def _record(obj, config, where: str, skips: Skips) -> tuple[str, str] | None:
-  """(title, text) of a decoded JSON record, or None after counting why not."""
+def _document(obj, title_key: str, text_key: str, config, where: str, skips: Skips,
+              qas: tuple = ()) -> SourceDocument | None:
+  """The document of one decoded record, or None after counting why not."""
   if not isinstance(obj, dict):
     skips.skip(NOT_AN_OBJECT, where)
     return None
-  title, text = obj.get(config.title_field), obj.get(config.text_field)
+  title, text = obj.get(title_key), obj.get(text_key)
   if not isinstance(title, str):
     skips.skip(MISSING_TITLE, where)
     return None
   if not isinstance(text, str):
     skips.skip(MISSING_TEXT, where)
     return None
-  return title, text
+  if len(text.encode("utf-8", "surrogatepass")) > config.max_doc_bytes:
+    skips.skip(TOO_LARGE, where)
+    return None
+  return SourceDocument(title, text, split=_split_of(title, text, config.eval_fraction),
+                        where=where, qas=qas)
 
 
 def _split_of(title: str, text: str, eval_fraction: float) -> str:
@@ -137,11 +142,9 @@ def _jsonl(pattern: str, config, skips: Skips) -> Iterator[SourceDocument]:
         except json.JSONDecodeError:
           skips.skip(MALFORMED_JSON, where)
           continue
-        record = _record(obj, config, where, skips)
-        if record is not None:
-          title, text = record
-          yield SourceDocument(title, text, split=_split_of(title, text, config.eval_fraction),
-                               where=where)
+        doc = _document(obj, config.title_field, config.text_field, config, where, skips)
+        if doc is not None:
+          yield doc
 
 
 def _squad(path: str, config, skips: Skips) -> Iterator[SourceDocument]:
@@ -157,26 +160,16 @@ def _squad(path: str, config, skips: Skips) -> Iterator[SourceDocument]:
     paragraphs = article.get("paragraphs", []) if isinstance(article, dict) else []
     for p, paragraph in enumerate(paragraphs):
       where = f"{path}: data[{a}].paragraphs[{p}]"
-      if not isinstance(paragraph, dict):
-        skips.skip(NOT_AN_OBJECT, where)
-        continue
-      title = article.get("title")
-      text = paragraph.get("context")
-      if not isinstance(title, str):
-        skips.skip(MISSING_TITLE, where)
-        continue
-      if not isinstance(text, str):
-        skips.skip(MISSING_TEXT, where)
-        continue
-      if len(text.encode("utf-8", "surrogatepass")) > config.max_doc_bytes:
-        skips.skip(TOO_LARGE, where)
-        continue
-      qas = tuple({"id": qa.get("id"), "question": qa.get("question"),
-                   "answer": [a["text"] for a in qa.get("answers", [])],
-                   "answer_start": [a["answer_start"] for a in qa.get("answers", [])]}
-                  for qa in paragraph.get("qas", []) if isinstance(qa, dict))
-      yield SourceDocument(title, text, split=_split_of(title, text, config.eval_fraction),
-                           where=where, qas=qas)
+      record, qas = paragraph, ()
+      if isinstance(paragraph, dict):
+        record = {**paragraph, "title": article.get("title")}
+        qas = tuple({"id": qa.get("id"), "question": qa.get("question"),
+                     "answer": [ans["text"] for ans in qa.get("answers", [])],
+                     "answer_start": [ans["answer_start"] for ans in qa.get("answers", [])]}
+                    for qa in paragraph.get("qas", []) if isinstance(qa, dict))
+      doc = _document(record, "title", "context", config, where, skips, qas)
+      if doc is not None:
+        yield doc
 
 
 def _tfds(arg: str, config, skips: Skips) -> Iterator[SourceDocument]:
@@ -223,14 +216,9 @@ def _tfds(arg: str, config, skips: Skips) -> Iterator[SourceDocument]:
     if fields is None:
       skips.skip(INVALID_UTF8, where)
       continue
-    record = _record(fields, config, where, skips)
-    if record is not None:
-      title, text = record
-      if len(text.encode("utf-8", "surrogatepass")) > config.max_doc_bytes:
-        skips.skip(TOO_LARGE, where)
-        continue
-      yield SourceDocument(title, text, split=_split_of(title, text, config.eval_fraction),
-                           where=where)
+    doc = _document(fields, config.title_field, config.text_field, config, where, skips)
+    if doc is not None:
+      yield doc
 
 
 def _world(arg: str, config, skips: Skips) -> Iterator[SourceDocument]:

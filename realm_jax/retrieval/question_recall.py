@@ -67,13 +67,10 @@ def dense_ranking(config, workdir: str, data: PreparedData, questions: list[dict
   abstract, _ = state_lib.abstract_train_state(config, model, mesh, data.blocks.block_len)
   params, step = restore_params(workdir, abstract.params)
   retriever = {"retriever": params["retriever"]}
+  index = build_exact_index(steps.block_embedder(model, mesh, config, params["retriever"]),
+                            data.blocks, mesh, config.retrieval.embed_batch_size, step, 0,
+                            log_prefix=f"[recall] {os.path.basename(workdir)}: ")
   sharding = partitioning.batch_sharding(mesh)
-
-  def embed_blocks(ids, segments):
-    return steps.embed(model, mesh, config, retriever, "block", jax.device_put(ids, sharding),
-                       jax.device_put(segments, sharding))
-  index = build_exact_index(embed_blocks, data.blocks, mesh, config.retrieval.embed_batch_size,
-                            step, 0, log_prefix=f"[recall] {os.path.basename(workdir)}: ")
   ids = question_ids(data, questions, config.data.query_len)
   devices = mesh.devices.size
   batch_size = max(devices, batch_size // devices * devices)

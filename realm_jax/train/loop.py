@@ -100,22 +100,14 @@ class Trainer:
     return steps.embed(self.model, self.mesh, self.config, {"retriever": retriever_params},
                        "query", query_ids)
 
-  def _embed_blocks_fn(self, retriever_params):
-    sharding = partitioning.batch_sharding(self.mesh)
-
-    def embed(ids, segments):
-      return steps.embed(self.model, self.mesh, self.config, {"retriever": retriever_params},
-                         "block", jax.device_put(ids, sharding), jax.device_put(segments,
-                                                                                sharding))
-    return embed
-
   def refresh_index(self, retriever_params, step: int) -> None:
     """Rebuilds the block index from `retriever_params` (a snapshot taken at `step`)."""
     version = 0 if self.index is None else self.index.version + 1
     self.index_params = retriever_params
-    self.index = build_exact_index(self._embed_blocks_fn(retriever_params), self.data.blocks,
-                                   self.mesh, self.config.retrieval.embed_batch_size, step,
-                                   version, log_prefix=f"[{self.config.task}] index v{version}: ")
+    embed_fn = steps.block_embedder(self.model, self.mesh, self.config, retriever_params)
+    self.index = build_exact_index(embed_fn, self.data.blocks, self.mesh,
+                                   self.config.retrieval.embed_batch_size, step, version,
+                                   log_prefix=f"[{self.config.task}] index v{version}: ")
 
   def _snapshot(self):
     """A copy of the current retriever params (the state's buffers are donated every step)."""

@@ -154,3 +154,14 @@ def embed(model: REALM, mesh, config, params, kind: str, *inputs):
   rules = partitioning.logical_rules(config.mesh.rules)
   with partitioning.mesh_rules(mesh, rules):
     return _embedder(model, kind, mesh, rules)(params, *inputs)
+
+
+def block_embedder(model: REALM, mesh, config, retriever_params):
+  """fn(ids, segments) on host arrays -> block embeddings with `retriever_params`: what the
+  index builder (`retrieval.index.build_exact_index`) embeds every block with."""
+  sharding = partitioning.batch_sharding(mesh)
+
+  def embed_fn(ids, segments):
+    return embed(model, mesh, config, {"retriever": retriever_params}, "block",
+                 jax.device_put(ids, sharding), jax.device_put(segments, sharding))
+  return embed_fn
