@@ -25,6 +25,8 @@ setup(
         "sentencex>=1.0,<2",
         "safetensors>=0.4,<1",
         "bm25s>=0.2,<1",
+        # The ScaNN index backend (host-side search); wheels exist for Linux only.
+        "scann>=1.3,<2; platform_system == 'Linux'",
     ],
     extras_require={
         "test": ["pytest>=8,<10", "tensorflow-datasets>=4.9,<5"],
@@ -35,6 +37,7 @@ setup(
             "realm-prepare=realm_jax.data.prepare:main",
             "realm-train=realm_jax.train.main:run",
             "realm-demo=realm_jax.demo:run",
+            "realm-index=realm_jax.retrieval.builder:run",
         ],
     },
 )

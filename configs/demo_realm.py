@@ -6,6 +6,8 @@ Variants by arg:
                  no part and stays frozen); the null document is read only to measure utility
   no_retrieval   the baseline: the null document only, same encoder and steps
 
+  python launch/local.py --config configs/demo_realm.py:realm --workdir runs/demo/realm \
+      --config.data.dir runs/demo/data --config.init.from_workdir runs/demo/warmup
   realm-train --config configs/demo_realm.py:warmup --workdir runs/demo/warmup \
       --config.data.dir runs/demo/data --config.init.from_workdir runs/demo/ict
 """
@@ -23,6 +25,9 @@ def get_config(arg=None):
   c.task = "realm"
   c.retrieval.k = 8
   c.retrieval.refresh_every = 100
+  c.retrieval.refresh = "deterministic"   # the separate realm-index job (launch/local.py);
+                                   # deterministic: the demo's numbers repeat run to run
+  c.retrieval.swap_lag = 25        # the index of checkpoint S serves steps S+25 .. S+124
   c.train.batch_size = 32
   c.train.lr = 1e-3
   c.train.retriever_lr_scale = 0.3   # the retriever moves 3x slower than the reader
@@ -31,6 +36,7 @@ def get_config(arg=None):
   c.train.checkpoint_every = 250
   c.eval.every = 250
   if variant == "warmup":
+    c.retrieval.refresh = "in_process"   # no index at all
     c.retrieval.mode = "own_block"
     c.retrieval.k = 2
     c.train.retriever_lr_scale = 0.0
@@ -38,6 +44,7 @@ def get_config(arg=None):
     c.train.steps = 1800
     c.eval.every = 0
   elif variant == "no_retrieval":
+    c.retrieval.refresh = "in_process"
     c.retrieval.mode = "null_only"
     c.retrieval.k = 1
     c.train.retriever_lr_scale = 0.0

@@ -14,11 +14,14 @@ import argparse
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import time
 
 from realm_jax.errors import run_cli
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_DIR = os.path.join(REPO_DIR, "configs")
 
 
 def load_config(name: str, arg: str | None = None):
@@ -30,29 +33,39 @@ def load_config(name: str, arg: str | None = None):
   return module.get_config(arg)
 
 
-def demo_stages() -> list[tuple[str, object, str]]:
-  """(name, config, stage it starts from) of the four training stages."""
-  return [("ict", load_config("demo_ict"), ""),
-          ("warmup", load_config("demo_realm", "warmup"), "ict"),
-          ("realm", load_config("demo_realm", "realm"), "warmup"),
-          ("no_retrieval", load_config("demo_realm", "no_retrieval"), "warmup")]
+def demo_stages() -> list[tuple[str, str, str | None, str]]:
+  """(name, config file, its arg, stage it starts from) of the four training stages."""
+  return [("ict", "demo_ict", None, ""),
+          ("warmup", "demo_realm", "warmup", "ict"),
+          ("realm", "demo_realm", "realm", "warmup"),
+          ("no_retrieval", "demo_realm", "no_retrieval", "warmup")]
 
 
 def run_stages(stages, data_dir: str, workdir: str, seed: int) -> dict[str, dict]:
-  """Trains (name, config, init_from) in order, each in `workdir/name` and started from the
-  params of `workdir/init_from`; sets each config's data dir and seed. Returns the summaries."""
+  """Trains (name, config file, arg, init_from) in order, each in `workdir/name` and started
+  from the params of `workdir/init_from`, with the data dir and seed set. Returns the
+  summaries."""
   results = {}
-  for name, config, init_from in stages:
-    config.data.dir = data_dir
-    config.seed = seed
-    config.init.from_workdir = os.path.join(workdir, init_from) if init_from else ""
-    results[name] = run_stage(name, config, os.path.join(workdir, name))
+  for name, config_name, arg, init_from in stages:
+    overrides = {"data.dir": data_dir, "seed": seed,
+                 "init.from_workdir": os.path.join(workdir, init_from) if init_from else ""}
+    results[name] = run_stage(name, (config_name, arg), overrides, os.path.join(workdir, name))
   return results
 
 
-def run_stage(name: str, config, workdir: str) -> dict:
-  """Trains one stage unless its summary says it already finished (then reuses it)."""
-  from realm_jax.train.loop import train
+def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir: str) -> dict:
+  """Trains one stage unless its summary says it already finished (then reuses it).
+
+  A stage whose index comes from the separate builder (`retrieval.refresh` async or
+  deterministic) runs as trainer + `realm-index` under `launch/local.py`, as a user would.
+  """
+  config = load_config(*spec)
+  for key, value in overrides.items():
+    *parents, leaf = key.split(".")
+    node = config
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
   path = os.path.join(workdir, "summary.json")
   if os.path.exists(path):
     with open(path) as f:
@@ -60,8 +73,22 @@ def run_stage(name: str, config, workdir: str) -> dict:
     if summary.get("steps") == config.train.steps:
       print(f"[demo] stage {name}: already done in {workdir}", flush=True)
       return summary
-  print(f"[demo] stage {name} -> {workdir}", flush=True)
-  return train(config, workdir)
+  if config.retrieval.refresh == "in_process":
+    from realm_jax.train.loop import train
+    print(f"[demo] stage {name} -> {workdir}", flush=True)
+    return train(config, workdir)
+  config_arg = os.path.join(CONFIG_DIR, f"{spec[0]}.py") + (f":{spec[1]}" if spec[1] else "")
+  command = [sys.executable, "-u", os.path.join(REPO_DIR, "launch", "local.py"),
+             f"--config={config_arg}", f"--workdir={workdir}",
+             *(f"--config.{key}={value}" for key, value in overrides.items())]
+  print(f"[demo] stage {name} -> {workdir}: trainer + index builder "
+        f"({config.retrieval.refresh}): {' '.join(command[1:])}", flush=True)
+  code = subprocess.run(command, check=False).returncode
+  if code != 0:
+    raise RuntimeError(f"stage {name}: launch/local.py exited with code {code}; see "
+                       f"{workdir}/logs/trainer.log and builder.log")
+  with open(path) as f:
+    return json.load(f)
 
 
 def plot_curves(realm_dir: str, out_path: str) -> None:

@@ -35,7 +35,7 @@ def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
   print(f"[demo-squad] preparing {path} -> {data_dir}", flush=True)
   stats = prepare(prep)
   configs = {name: load_config("squad_realm", name) for name, _ in STAGES}
-  results = run_stages([(name, configs[name], init_from) for name, init_from in STAGES],
+  results = run_stages([(name, "squad_realm", name, init_from) for name, init_from in STAGES],
                        data_dir, workdir, seed)
   print("[demo-squad] zero-shot question retrieval", flush=True)
   table = recall_table(data_dir, {"ict": (configs["ict"], os.path.join(workdir, "ict")),

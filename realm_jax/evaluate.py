@@ -12,6 +12,7 @@ import numpy as np
 
 from realm_jax.data import pipeline
 from realm_jax.data.store import PreparedData
+from realm_jax.retrieval.index import LoadedIndex
 from realm_jax.train import batches, partitioning
 
 RECALL_AT = (1, 5)
@@ -20,9 +21,8 @@ RECALL_AT = (1, 5)
 class Evaluator:
   """Fixed eval queries (the target span masked) and the metrics computed on them."""
 
-  def __init__(self, config, data: PreparedData, mesh, query_embed, realm_eval=None):
+  def __init__(self, config, data: PreparedData, mesh, realm_eval=None):
     """Args:
-      query_embed: fn(retriever_params, query_ids global) -> query embeddings.
       realm_eval: the jitted REALM eval fn (None for ICT: retrieval metrics only).
     """
     self.config, self.data, self.mesh = config, data, mesh
@@ -35,19 +35,19 @@ class Evaluator:
     self.queries = batches.masked_queries(self.examples, self.rows,
                                           self.examples.target_span[self.rows], config,
                                           tok.cls_id, tok.sep_id, tok.mask_id)
-    self.query_embed, self.realm_eval = query_embed, realm_eval
+    self.realm_eval = realm_eval
     # Real text has no fact ground truth: no other block is known to state the masked span.
     answers = self.examples.answer_blocks
     self.has_answers = answers is not None and bool((answers[:n] >= 0).any())
 
-  def run(self, params, index, index_params, keep_examples: int = 0
+  def run(self, params, index: LoadedIndex | None, keep_examples: int = 0
           ) -> tuple[dict[str, float], list[dict]]:
     """Metrics over the eval queries, and the first `keep_examples` predictions in detail.
 
     Args:
       params: the model params (reader + retriever that re-scores the candidates).
-      index: the block index (None when the mode does not retrieve).
-      index_params: retriever params the index was built with (embeds the eval queries).
+      index: the index version to retrieve from, with its own query tower (None when the
+        mode does not retrieve).
     """
     cfg = self.config
     bs = max(cfg.eval.batch_size // self.mesh.devices.size, 1) * self.mesh.devices.size
@@ -63,8 +63,7 @@ class Evaluator:
       q = {key: v[idx] for key, v in self.queries.items()}
       retrieved = None
       if index is not None and (self.has_answers or self.realm_eval is not None):
-        emb = self.query_embed(index_params, _global(q["query_ids"], self.mesh))
-        top = index.search(emb, max(max(RECALL_AT), cfg.retrieval.k) + 1)
+        top = index.retrieve(q["query_ids"], max(max(RECALL_AT), cfg.retrieval.k) + 1)
         ranked = pipeline.candidate_rows(top, q["source_block"], self.data.blocks.uids,
                                          top.shape[1])[:, 1:]   # drop the null column
         if self.has_answers:
@@ -113,7 +112,3 @@ class Evaluator:
                   "prediction": tok.decode(preds[i][valid]), "correct": bool(ok[i]),
                   "evidence": evidence})
     return out
-
-
-def _global(x: np.ndarray, mesh):
-  return partitioning.global_batch({"x": x}, mesh)["x"]

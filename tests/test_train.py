@@ -151,7 +151,7 @@ def test_resumed_run_matches_the_uninterrupted_one(stages, world_dir, world_data
     next(it)
     if step in (CHECKPOINT_EVERY, REALM_STEPS):
       with open(os.path.join(resumed, "checkpoints", str(step), "data", "metadata")) as f:
-        assert json.load(f) == queries.state(it, step)
+        assert json.load(f) == queries.state(it.get_state(), step)
   it.close()
   # Same final parameters, too.
   a_params, _ = saved_params(configs["realm"], dirs["realm"], world_data)

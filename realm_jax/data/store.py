@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 
@@ -40,6 +42,14 @@ class BlockStore:
   @property
   def block_len(self) -> int:
     return self.tokens.shape[1]
+
+  @functools.cached_property
+  def fingerprint(self) -> str:
+    """sha256 over the block count, length and every block's content uid: an index built over
+    another store (other text, other packing) never matches the trainer's."""
+    digest = hashlib.sha256(f"{self.num_blocks}x{self.block_len}:".encode())
+    digest.update(np.ascontiguousarray(self.uids).tobytes())
+    return digest.hexdigest()[:32]
 
   def segments(self, rows: np.ndarray) -> np.ndarray:
     """Segment ids of block rows: 0 for `[CLS] title [SEP]`, 1 for `body [SEP]`."""

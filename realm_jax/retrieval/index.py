@@ -1,8 +1,11 @@
 """Retrieval indexes behind one interface, and the block-embedding pass that (re)builds them.
 
-`BlockIndex.search(query_emb, n)` -> block rows [B, n], best first. The exact backend keeps the
-embedding table on the devices, rows sharded over every device of the mesh, and does matmul +
-top-k under jit. A ScaNN backend (the separate index-builder job) implements the same method.
+`BlockIndex.search(query_emb, n)` -> block rows [B, n], best first, for this process's queries
+(host arrays in and out). Two backends:
+  exact  matmul + top-k under jit, the table's rows sharded over this process's devices;
+  scann  tree + asymmetric hashing + reorder on the host (`retrieval.scann_index`).
+A `LoadedIndex` pairs an index with the query encoder of the snapshot its block embeddings came
+from, so retrieval scores queries and blocks of the same parameters (REALM's setup).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -18,31 +21,46 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from realm_jax.data.store import BlockStore
-from realm_jax.train.partitioning import local_rows
+from realm_jax.train.metrics import format_duration
+
+PROGRESS_SECONDS = 10.0   # one progress line per this many seconds of embedding
 
 
 class BlockIndex(Protocol):
-  version: int        # increases with every rebuild
-  step: int           # train step of the parameters the block embeddings came from
   num_blocks: int
 
-  def search(self, query_emb: jax.Array, n: int) -> np.ndarray: ...
+  def search(self, query_emb: np.ndarray, n: int) -> np.ndarray: ...
+
+
+def local_mesh() -> Mesh:
+  """This process's devices as a one-axis mesh: retrieval never waits on other hosts."""
+  return Mesh(np.asarray(jax.local_devices()), ("blocks",))
 
 
 @dataclasses.dataclass
 class ExactIndex:
-  """Exact maximum inner product search: scores = Q T^T, top-n, on device."""
+  """Exact maximum inner product search: scores = Q T^T, top-n, on this process's devices."""
 
-  table: jax.Array    # [num_padded, dim], rows sharded over all mesh devices; pad rows are 0
+  table: jax.Array    # [num_padded, dim], rows sharded over the local devices; pad rows are 0
   num_blocks: int
-  version: int
-  step: int
 
-  def search(self, query_emb: jax.Array, n: int) -> np.ndarray:
-    """Top-n block rows for this process's queries ([B_local, n] numpy)."""
+  @classmethod
+  def from_embeddings(cls, embeddings: np.ndarray) -> ExactIndex:
+    """[num_blocks, dim] host embeddings -> the table, padded to a multiple of the devices."""
+    mesh = local_mesh()
+    n, devices = embeddings.shape[0], mesh.devices.size
+    padded = np.zeros((-(-n // devices) * devices, embeddings.shape[1]), np.float32)
+    padded[:n] = embeddings
+    table = jax.device_put(padded, NamedSharding(mesh, P("blocks")))
+    return cls(table=table, num_blocks=n)
+
+  def search(self, query_emb: np.ndarray, n: int) -> np.ndarray:
+    """Top-n block rows ([B, n] numpy) for host query embeddings [B, dim]."""
     if n > self.num_blocks:
       raise ValueError(f"asked for {n} blocks from an index of {self.num_blocks}")
-    return local_rows(_top_n(query_emb, self.table, self.num_blocks, n))
+    queries = jax.device_put(np.asarray(query_emb, np.float32),
+                             NamedSharding(self.table.sharding.mesh, P()))
+    return np.asarray(_top_n(queries, self.table, self.num_blocks, n))
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
@@ -53,38 +71,68 @@ def _top_n(query_emb, table, num_blocks, n):
   return jax.lax.top_k(scores, n)[1]
 
 
-def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
-                 log_prefix: str = "") -> tuple[jax.Array, float]:
-  """Embeds every block with `embed_fn(ids, segments)` -> ([N_padded, dim] sharded table, s).
+@dataclasses.dataclass
+class LoadedIndex:
+  """One index version as the trainer retrieves from it.
 
-  Batches are padded to a multiple of the device count so every device embeds an equal share.
+  Attributes:
+    version: the published version number (in-process rebuilds count from 0).
+    step: train step of the parameters both the block embeddings and `encode_queries` are.
+    index: the block index.
+    encode_queries: fn(query_ids [B, L] host) -> [B, dim] host, the query tower of `step`.
   """
-  t0 = time.time()
+
+  version: int
+  step: int
+  index: BlockIndex
+  encode_queries: Callable[[np.ndarray], np.ndarray]
+
+  def retrieve(self, query_ids: np.ndarray, n: int) -> np.ndarray:
+    """Top-n block rows for `[CLS] x [SEP]` queries (this process's rows)."""
+    return self.index.search(self.encode_queries(query_ids), n)
+
+
+def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
+                 log_prefix: str = "") -> tuple[np.ndarray, float]:
+  """Embeds every block with `embed_fn(ids, segments)` -> ([num_blocks, dim] host, seconds).
+
+  Batches are padded to a multiple of the device count so every device embeds an equal share;
+  one batch is in flight while the previous one is copied out. With `log_prefix`, prints a
+  progress line (blocks/s, ETA) every PROGRESS_SECONDS and a final one.
+  """
+  t0 = last = time.time()
   devices = mesh.devices.size
   batch_size = max(devices, batch_size // devices * devices)
   n = store.num_blocks
-  chunks = []
+  if log_prefix:
+    print(f"{log_prefix}embedding {n:,} blocks in batches of {batch_size}", flush=True)
+  out = None
+  pending = None   # (start, count, device array) of the batch in flight
+
+  def drain(item):
+    nonlocal out
+    start, count, emb = item
+    emb = np.asarray(emb)
+    if out is None:
+      out = np.empty((n, emb.shape[1]), np.float32)
+    out[start:start + count] = emb[:count]
+
   for start in range(0, n, batch_size):
     rows = np.arange(start, min(start + batch_size, n))
-    pad = np.zeros(batch_size - len(rows), rows.dtype)
-    padded = np.concatenate([rows, pad])
-    ids = np.asarray(store.tokens[padded])
-    emb = embed_fn(ids, store.segments(padded))
-    chunks.append(emb[:len(rows)] if len(pad) else emb)
-  table = jnp.concatenate(chunks)
-  padded_n = -(-n // devices) * devices
-  table = jnp.pad(table, ((0, padded_n - n), (0, 0)))
-  table = jax.device_put(table, NamedSharding(mesh, P(mesh.axis_names)))
-  table.block_until_ready()
+    padded = np.concatenate([rows, np.zeros(batch_size - len(rows), rows.dtype)])
+    emb = embed_fn(np.asarray(store.tokens[padded]), store.segments(padded))
+    if pending is not None:
+      drain(pending)
+    pending = (start, len(rows), emb)
+    now = time.time()
+    if log_prefix and now - last >= PROGRESS_SECONDS:
+      done, rate = start + len(rows), (start + len(rows)) / (now - t0)
+      print(f"{log_prefix}embedded {done:,}/{n:,} blocks ({done / n:.0%}) | {rate:,.0f} "
+            f"blocks/s ETA {format_duration((n - done) / rate)}", flush=True)
+      last = now
+  drain(pending)
   seconds = time.time() - t0
   if log_prefix:
     print(f"{log_prefix}embedded {n:,} blocks in {seconds:.1f}s ({n / seconds:,.0f} blocks/s)",
           flush=True)
-  return table, seconds
-
-
-def build_exact_index(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int, step: int,
-                      version: int, log_prefix: str = "") -> ExactIndex:
-  """Embeds every block with the block tower behind `embed_fn` and wraps it as an index."""
-  table, _ = embed_blocks(embed_fn, store, mesh, batch_size, log_prefix)
-  return ExactIndex(table=table, num_blocks=store.num_blocks, version=version, step=step)
+  return out, seconds

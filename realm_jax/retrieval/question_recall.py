@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from realm_jax.data.store import PreparedData
-from realm_jax.retrieval.index import build_exact_index
+from realm_jax.retrieval.index import ExactIndex, LoadedIndex, embed_blocks
 from realm_jax.train import partitioning, state as state_lib, steps
 from realm_jax.train.checkpoints import restore_params
 
@@ -66,22 +66,16 @@ def dense_ranking(config, workdir: str, data: PreparedData, questions: list[dict
   model = state_lib.build_model(config, data.tokenizer.vocab_size)
   abstract, _ = state_lib.abstract_train_state(config, model, mesh, data.blocks.block_len)
   params, step = restore_params(workdir, abstract.params)
-  retriever = {"retriever": params["retriever"]}
-  index = build_exact_index(steps.block_embedder(model, mesh, config, params["retriever"]),
-                            data.blocks, mesh, config.retrieval.embed_batch_size, step, 0,
-                            log_prefix=f"[recall] {os.path.basename(workdir)}: ")
-  sharding = partitioning.batch_sharding(mesh)
+  embeddings, _ = embed_blocks(steps.block_embedder(model, mesh, config, params["retriever"]),
+                               data.blocks, mesh, config.retrieval.embed_batch_size,
+                               log_prefix=f"[recall] {os.path.basename(workdir)} @ {step}: ")
+  index = LoadedIndex(version=0, step=step, index=ExactIndex.from_embeddings(embeddings),
+                      encode_queries=steps.QueryEncoder(
+                          model, config, steps.query_tower_params(params["retriever"])))
   ids = question_ids(data, questions, config.data.query_len)
-  devices = mesh.devices.size
-  batch_size = max(devices, batch_size // devices * devices)
   n = min(n, data.blocks.num_blocks)
-  out = []
-  for start in range(0, len(ids), batch_size):
-    chunk = ids[start:start + batch_size]
-    padded = np.concatenate([chunk, np.zeros((batch_size - len(chunk), ids.shape[1]),
-                                             np.int32)])
-    emb = steps.embed(model, mesh, config, retriever, "query", jax.device_put(padded, sharding))
-    out.append(index.search(emb, n)[:len(chunk)])
+  out = [index.retrieve(ids[start:start + batch_size], n)
+         for start in range(0, len(ids), batch_size)]
   return np.concatenate(out)
 
 

@@ -71,14 +71,15 @@ class QueryBatches:
     it.start_prefetch()
     return it
 
-  def state(self, iterator: grain.DatasetIterator, next_step: int) -> dict:
-    """The checkpoint's data item once the batches of steps < `next_step` were consumed.
+  def state(self, iterator_state: dict, next_step: int) -> dict:
+    """The checkpoint's data item once the batches of steps < `next_step` were consumed
+    (`iterator_state`: the grain iterator's `get_state()` right after that).
 
     Every process consumes one batch per step, so all processes hold the same iterator state
     and the primary's copy (the one Orbax writes) resumes each of them.
     """
     return {"next_step": next_step, "process_count": self.process_count,
-            "iterator": iterator.get_state()}
+            "iterator": iterator_state}
 
 
 def masked_queries(examples: ExampleSet, rows: np.ndarray, spans: np.ndarray, config, cls_id,

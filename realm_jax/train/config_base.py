@@ -11,6 +11,8 @@ from realm_jax.errors import ConfigError
 
 TASKS = ("ict", "realm")
 RETRIEVAL_MODES = ("index", "own_block", "null_only")
+REFRESH_MODES = ("in_process", "async", "deterministic")
+BACKENDS = ("exact", "scann")
 # Fields that fix parameter shapes or the meaning of a checkpoint: a workdir whose
 # checkpoints were written under other values cannot be resumed.
 COMPATIBILITY_FIELDS = ("task", "model", "data.query_len", "data.block_len", "retrieval.k",
@@ -52,7 +54,18 @@ def base_config() -> ml_collections.ConfigDict:
                                    # null document alone (the no-retrieval baseline)
   c.retrieval.k = 8                # candidates per query, the null document included
   c.retrieval.refresh_every = 500  # steps between rebuilds of the block-embedding index
-  c.retrieval.backend = "exact"    # "exact": matmul + top-k on the mesh
+  c.retrieval.refresh = "in_process"  # "in_process": the trainer re-embeds the blocks itself
+                                   # every refresh_every steps (small corpora, tests);
+                                   # "async": a separate `realm-index` job publishes versions
+                                   # under W/index, swapped in as they arrive (waits only for
+                                   # the first); "deterministic": the version built from the
+                                   # checkpoint of step S is used from step S + swap_lag
+                                   # exactly (waits if late): reproducible and resumable
+  c.retrieval.swap_lag = 50        # deterministic: steps from a checkpoint to its index's use
+  c.retrieval.first_index_timeout = 1800.0  # seconds the trainer waits for a published version
+                                   # before failing (the first one, or a late deterministic one)
+  c.retrieval.backend = "exact"    # "exact": matmul + top-k on device; "scann": tree +
+                                   # asymmetric hashing + reorder on the host (builder job)
   c.retrieval.marginalization = "joint"  # "joint" over masks (paper) or "per_mask" (code)
   c.retrieval.embed_batch_size = 512     # blocks per batch when (re)building the index
 
@@ -78,6 +91,20 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.split = "eval"            # held-out split (masked fact about held-out entities)
   c.eval.num_examples = 1000       # eval examples used (<= split size)
   c.eval.batch_size = 64           # eval batch
+
+  c.index = ml_collections.ConfigDict()   # the separate index-builder job (`realm-index`)
+  c.index.keep_versions = 3        # published versions kept under W/index (newest first)
+  c.index.poll_seconds = 2.0       # builder: seconds between looks for a newer checkpoint;
+                                   # trainer: between looks for a newer version
+  c.index.wait_timeout = 600.0     # builder: fail after this long with no checkpoint at all
+  c.index.num_leaves = 0           # scann tree leaves; 0: about sqrt(num_blocks)
+  c.index.leaves_to_search = 0     # scann leaves probed per query; 0: derived (~num_leaves / 20)
+  c.index.training_sample = 0      # scann tree/AH training sample; 0: min(num_blocks, 250,000)
+  c.index.dims_per_block = 2       # scann asymmetric hashing: dimensions per 4-bit code
+  c.index.reorder = 0              # scann exact re-scoring of this many; 0: derived (>= 100)
+  c.index.recall_queries = 1000    # block-derived queries for the logged recall@10 vs exact
+  c.index.devices = ""             # GPU ids of the builder ("6,7"); the trainer gets the rest
+                                   # (launch/local.py); "" on CPU: separate processes
 
   c.init = ml_collections.ConfigDict()
   c.init.from_workdir = ""         # start params from this run's latest checkpoint
@@ -124,8 +151,24 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
   r, d, t = config.retrieval, config.data, config.train
   if r.mode not in RETRIEVAL_MODES:
     raise ConfigError("retrieval.mode", f"{r.mode!r} is not one of {RETRIEVAL_MODES}")
-  if r.backend != "exact":
-    raise ConfigError("retrieval.backend", f"{r.backend!r}: only 'exact' is built in")
+  if r.backend not in BACKENDS:
+    raise ConfigError("retrieval.backend", f"{r.backend!r} is not one of {BACKENDS}")
+  if r.refresh not in REFRESH_MODES:
+    raise ConfigError("retrieval.refresh", f"{r.refresh!r} is not one of {REFRESH_MODES}")
+  if r.backend == "scann" and r.refresh == "in_process":
+    raise ConfigError("retrieval.backend", "'scann' indexes are built by the separate "
+                      "realm-index job: set retrieval.refresh to 'async' or 'deterministic'")
+  if r.refresh != "in_process" and not (config.task == "realm" and r.mode == "index"):
+    raise ConfigError("retrieval.refresh", f"{r.refresh!r} (a separate realm-index job) serves "
+                      "REALM with retrieval.mode='index' only; use 'in_process'")
+  if r.swap_lag < 0:
+    raise ConfigError("retrieval.swap_lag", f"must be >= 0, got {r.swap_lag}")
+  # deterministic: the version a step needs is up to swap_lag / refresh_every + 1 versions
+  # older than the newest (and the trainer may still be loading the previous one)
+  needed = 2 + (-(-r.swap_lag // max(r.refresh_every, 1)) if r.refresh == "deterministic" else 0)
+  if config.index.keep_versions < needed:
+    raise ConfigError("index.keep_versions", f"must be >= {needed} with retrieval.refresh "
+                      f"{r.refresh!r} and swap_lag {r.swap_lag}, got {config.index.keep_versions}")
   if r.marginalization not in ("joint", "per_mask"):
     raise ConfigError("retrieval.marginalization", f"{r.marginalization!r}: joint | per_mask")
   if config.task == "realm" and r.mode == "index" and r.k < 2:

@@ -15,11 +15,15 @@ import numpy as np
 from realm_jax.data.store import PreparedData
 from realm_jax.errors import ConfigError
 from realm_jax.evaluate import Evaluator
-from realm_jax.retrieval.index import build_exact_index
+from realm_jax.retrieval import published
+from realm_jax.retrieval.builder import DONE, record_block_store
+from realm_jax.retrieval.index import ExactIndex, LoadedIndex, embed_blocks
+from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
 from realm_jax.train import batches, partitioning, state as state_lib, steps
+from realm_jax.train.feed import BatchFeed, IndexSchedule
 from realm_jax.train.checkpoints import Checkpointer, restore_params
 from realm_jax.train.config_base import incompatible_fields, validate
-from realm_jax.train.metrics import MetricWriter, format_duration
+from realm_jax.train.metrics import MetricWriter, format_duration, read_jsonl
 
 
 def load_data(config) -> PreparedData:
@@ -84,39 +88,82 @@ class Trainer:
     # REALM batches retrieve from the index; ICT uses one only to measure recall.
     self.retrieves = config.task == "realm" and config.retrieval.mode == "index"
     self.uses_index = config.task == "ict" or self.retrieves
-    self.index = None
-    self.index_params = None        # retriever params the current index was built with
+    # async | deterministic: the index comes from the separate realm-index job via W/index.
+    self.from_builder = self.retrieves and config.retrieval.refresh != "in_process"
+    self.index: LoadedIndex | None = None   # in_process: the latest rebuild
+    self.index_params = None        # in_process: the retriever snapshot it was built from
+    self.last_index: LoadedIndex | None = None   # the index that served the last step
     self.saved_data = None          # the data item of the checkpoint resumed from
     self.checkpointer = Checkpointer(workdir, config.train.keep_checkpoints,
                                      config.train.async_checkpoints)
     realm_eval = steps.make_realm_eval(config, self.model, self.mesh) \
         if config.task == "realm" else None
-    self.evaluator = Evaluator(config, self.data, self.mesh, self._embed_queries, realm_eval)
+    self.evaluator = Evaluator(config, self.data, self.mesh, realm_eval)
     if config.task == "ict" and not self.evaluator.has_answers:
       self.uses_index = False       # real text: no ground truth for ICT recall, no index needed
+    self.subscriber = None
+    if self.from_builder:
+      record_block_store(workdir, self.data)
+      self.subscriber = IndexSubscriber(workdir, self._load_version, config.index.poll_seconds,
+                                        f"[{config.task}] ")
+    self.schedule = IndexSchedule(config, self.subscriber, _all_hosts_have) \
+        if self.retrieves else None
 
   # -- retrieval ---------------------------------------------------------------------------
-  def _embed_queries(self, retriever_params, query_ids):
-    return steps.embed(self.model, self.mesh, self.config, {"retriever": retriever_params},
-                       "query", query_ids)
+  def _query_encoder(self, retriever_params):
+    return steps.QueryEncoder(self.model, self.config, steps.query_tower_params(retriever_params))
+
+  def _load_version(self, version: int) -> LoadedIndex:
+    template = steps.query_tower_params(self.abstract.params["retriever"])
+    return load_version(published.index_root(self.workdir), version, config=self.config,
+                        fingerprint=self.data.blocks.fingerprint, query_template=template,
+                        make_encoder=lambda params: steps.QueryEncoder(self.model, self.config,
+                                                                       params))
 
   def refresh_index(self, retriever_params, step: int) -> None:
-    """Rebuilds the block index from `retriever_params` (a snapshot taken at `step`)."""
+    """Rebuilds the block index in-process from `retriever_params` (a snapshot at `step`)."""
     version = 0 if self.index is None else self.index.version + 1
     self.index_params = retriever_params
     embed_fn = steps.block_embedder(self.model, self.mesh, self.config, retriever_params)
-    self.index = build_exact_index(embed_fn, self.data.blocks, self.mesh,
-                                   self.config.retrieval.embed_batch_size, step, version,
-                                   log_prefix=f"[{self.config.task}] index v{version}: ")
+    embeddings, _ = embed_blocks(embed_fn, self.data.blocks, self.mesh,
+                                 self.config.retrieval.embed_batch_size,
+                                 log_prefix=f"[{self.config.task}] index v{version}: ")
+    self.index = LoadedIndex(version=version, step=step,
+                             index=ExactIndex.from_embeddings(embeddings),
+                             encode_queries=self._query_encoder(retriever_params))
 
   def _snapshot(self):
     """A copy of the current retriever params (the state's buffers are donated every step)."""
     return jax.tree.map(lambda x: x.copy(), self.state.params["retriever"])
 
+  def _in_process_refresh(self, step: int, start: int) -> None:
+    """Before `step` (in_process): rebuild at multiples of refresh_every and tell the feed."""
+    every = self.config.retrieval.refresh_every
+    horizon = (step // every + 1) * every - 1
+    if self.index is None or (step % every == 0 and step != self.index.step):
+      self.refresh_index(self._snapshot(), step)
+      self.schedule.announce(step, self.index, horizon)
+    elif step == start:
+      self.schedule.announce(step, self.index, horizon)
+
+  def _assemble(self, step: int, queries: dict[str, np.ndarray]):
+    """Step `step`'s host batch from its queries (runs in the feed thread)."""
+    cfg = self.config
+    if cfg.task == "ict":
+      return queries, {}
+    retrieved, used = None, {}
+    if self.retrieves:
+      loaded, waited = self.schedule.for_step(step)
+      retrieved = loaded.retrieve(queries["query_ids"], cfg.retrieval.k + 1)
+      used = {"index": loaded, "wait_seconds": waited}
+    cand = batches.candidates_for(cfg, self.data, queries, retrieved)
+    return batches.realm_batch(cfg, self.data, queries, cand), used
+
   # -- checkpoints -------------------------------------------------------------------------
   def _retrieval_item(self) -> dict:
-    item = {"step": jnp.asarray(-1 if self.index is None else self.index.step, jnp.int32)}
-    if self.retrieves:
+    index = self.last_index or self.index
+    item = {"step": jnp.asarray(-1 if index is None else index.step, jnp.int32)}
+    if self.retrieves and not self.from_builder:
       item["params"] = self.index_params
     return item
 
@@ -126,7 +173,7 @@ class Trainer:
     latest = self.checkpointer.latest_step()
     if latest is not None:
       abstract_retrieval = {"step": jax.ShapeDtypeStruct((), jnp.int32)}
-      if self.retrieves:
+      if self.retrieves and not self.from_builder:
         abstract_retrieval["params"] = self.abstract.params["retriever"]
       self.state, data_state, retrieval = self.checkpointer.restore(
           latest, self.abstract, abstract_retrieval)
@@ -150,6 +197,15 @@ class Trainer:
       print("\n".join(f"[{self.config.task}] {line}" for line in report.lines()), flush=True)
     return 0
 
+  def _save(self, done: int, data_state: dict) -> None:
+    self.checkpointer.save(done, self.state, self.queries.state(data_state, done),
+                           self._retrieval_item())
+
+  def _checkpoint_due(self, done: int) -> bool:
+    cfg = self.config
+    return (done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps
+            or self.from_builder and done % cfg.retrieval.refresh_every == 0)
+
   # -- the loop ----------------------------------------------------------------------------
   def run(self) -> dict:
     cfg, task = self.config, self.config.task
@@ -158,86 +214,155 @@ class Trainer:
     n_params = state_lib.count_params(self.state.params)
     print(f"[{task}] {n_params / 1e6:.2f}M params, mesh {dict(self.mesh.shape)}, "
           f"batch {cfg.train.batch_size}, steps {start}->{total}, "
-          f"{self.data.blocks.num_blocks:,} blocks, {len(self.examples):,} queries", flush=True)
+          f"{self.data.blocks.num_blocks:,} blocks, {len(self.examples):,} queries" +
+          (f", index from realm-index ({cfg.retrieval.refresh}, {cfg.retrieval.backend})"
+           if self.from_builder else ""), flush=True)
+    done_path = os.path.join(self.workdir, DONE)
+    if self.from_builder and jax.process_index() == 0 and os.path.exists(done_path):
+      os.remove(done_path)
     train_log, eval_log = MetricWriter(self.workdir, "train"), MetricWriter(self.workdir, "eval")
+    retrieval_log = MetricWriter(self.workdir, "retrieval") if self.retrieves else None
+    depth = max(1, cfg.data.prefetch)
     data_iter = self.queries.iterator(cfg.data.prefetch, self.saved_data)
+    feed = None
     t_start, t_last, window = time.time(), time.time(), []
-    eval_metrics = {}
+    eval_metrics, staleness = {}, []
     try:
+      if self.from_builder and start == 0:
+        self._save(0, data_iter.get_state())   # the builder's first snapshot
+      if self.from_builder and cfg.retrieval.refresh == "async":
+        self.last_index = self.schedule.start_async(start, depth)
       if cfg.eval.every and start == 0 and self.uses_index:
         # The starting point of the curves: the retriever (and reader) as this stage got them.
-        if self.index is None:
+        if not self.from_builder and self.index is None:
           self.refresh_index(self._snapshot(), 0)
         self.evaluate(eval_log, 0, refresh=False)
+      feed = BatchFeed(data_iter, self._assemble, start, depth)
+      t_step = time.time()
       for step in range(start, total):
-        host = next(data_iter)
-        if self.retrieves and (self.index is None or step % cfg.retrieval.refresh_every == 0
-                               and step != self.index.step):
-          self.refresh_index(self._snapshot(), step)
-        batch = self._device_batch(host)
+        if self.retrieves and not self.from_builder:
+          self._in_process_refresh(step, start)
+        elif self.from_builder and cfg.retrieval.refresh == "async":
+          self.schedule.advance_async(step, depth)
+        t_feed = time.time()
+        host, used, data_state = feed.next()
+        feed_wait = time.time() - t_feed
+        batch = partitioning.global_batch(host, self.mesh)
         self.state, metrics = self.train_step(self.state, batch, self.step_rng)
         window.append(metrics)
         done = step + 1
+        if "index" in used:
+          self.last_index = used["index"]
+          staleness.append(step - self.last_index.step)
+          if self.from_builder:   # per-step wall time, to see what the builder costs us
+            jax.block_until_ready(metrics)
+          now = time.time()
+          retrieval_log.write(done, {"index_version": self.last_index.version,
+                                     "index_step": self.last_index.step,
+                                     "index_staleness": staleness[-1],
+                                     "index_wait_seconds": used["wait_seconds"],
+                                     "batch_wait_seconds": feed_wait,
+                                     "step_seconds": now - t_step})
+          t_step = now
         if done % cfg.train.log_every == 0 or done == total:
           scalars = {k: float(np.mean([jax.device_get(m[k]) for m in window])) for k in window[0]}
           now = time.time()
           rate = len(window) / (now - t_last)
           scalars.update(steps_per_second=rate, learning_rate=float(
               state_lib.learning_rate_schedule(cfg.train)(done)))
-          if self.index is not None:
-            scalars["index_staleness"] = done - 1 - self.index.step
+          if staleness:
+            scalars["index_staleness"] = staleness[-1]
           train_log.write(done, scalars)
           shown = " ".join(f"{k} {scalars[k]:.4g}" for k in ("loss", "retrieval_utility",
                                                              "ict_accuracy") if k in scalars)
+          index_note = (f" | index v{self.last_index.version} (step {self.last_index.step}, "
+                        f"staleness {staleness[-1]})") if staleness else ""
           print(f"[{task}] step {done}/{total} {shown} | {rate:.2f} steps/s "
-                f"ETA {format_duration((total - done) / max(rate, 1e-9))}", flush=True)
+                f"ETA {format_duration((total - done) / max(rate, 1e-9))}{index_note}",
+                flush=True)
           window, t_last = [], now
         if cfg.eval.every and done % cfg.eval.every == 0 and done != total:
           eval_metrics = self.evaluate(eval_log, done, refresh=cfg.task == "ict")[0]
-        if done % cfg.train.checkpoint_every == 0 or done == total:
-          self.checkpointer.save(done, self.state, self.queries.state(data_iter, done),
-                                 self._retrieval_item())
-      eval_metrics, details = self.evaluate(eval_log, total, refresh=self.uses_index,
+        if self._checkpoint_due(done):
+          self._save(done, data_state)
+      feed.close()
+      feed = None
+      if self.from_builder:
+        # The final evaluation retrieves from the index of the final parameters, as in_process.
+        self.last_index = self.subscriber.wait_for_step(total, cfg.retrieval.first_index_timeout)
+      eval_metrics, details = self.evaluate(eval_log, total,
+                                            refresh=self.uses_index and not self.from_builder,
                                             keep_examples=5)
     finally:
+      if feed is not None:
+        if self.schedule is not None:
+          self.schedule.close()
+        feed.close()
+      if self.subscriber is not None:
+        self.subscriber.close()
       data_iter.close()
       self.checkpointer.close()
-      train_log.close()
-      eval_log.close()
+      for log in (train_log, eval_log, retrieval_log):
+        if log is not None:
+          log.close()
     summary = {"task": task, "steps": total, "wall_seconds": round(time.time() - t_start, 1),
                "params": n_params, **{f"eval_{k}": v for k, v in eval_metrics.items()}}
+    if staleness:
+      summary.update(self._retrieval_summary(staleness))
+      print(f"[{task}] index staleness p50 {summary['index_staleness_p50']:g} p95 "
+            f"{summary['index_staleness_p95']:g} max {summary['index_staleness_max']} over "
+            f"{len(staleness)} steps; {summary['index_versions_used']} versions used; "
+            f"{summary['index_blocking_waits']} blocking waits after the first index "
+            f"({summary['index_wait_seconds']:.1f}s)", flush=True)
     if jax.process_index() == 0:
       with open(os.path.join(self.workdir, "summary.json"), "w") as f:
         json.dump({**summary, "examples": details}, f, indent=2)
+      if self.from_builder:
+        with open(done_path, "w") as f:   # tells realm-index to exit
+          f.write(f"{total}\n")
     summary["examples"] = details
     return summary
 
-  def _device_batch(self, host: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    cfg = self.config
-    if cfg.task == "ict":
-      return partitioning.global_batch(host, self.mesh)
-    retrieved = None
-    if self.retrieves:
-      emb = self._embed_queries(self.index_params, partitioning.global_batch(
-          {"q": host["query_ids"]}, self.mesh)["q"])
-      retrieved = self.index.search(emb, cfg.retrieval.k + 1)
-    cand = batches.candidates_for(cfg, self.data, host, retrieved)
-    return partitioning.global_batch(batches.realm_batch(cfg, self.data, host, cand), self.mesh)
+  def _retrieval_summary(self, staleness: list[int]) -> dict:
+    waits = self.schedule.waits
+    versions = read_jsonl(os.path.join(self.workdir, "metrics", "retrieval.jsonl"))
+    return {"index_staleness_p50": float(np.percentile(staleness, 50)),
+            "index_staleness_p95": float(np.percentile(staleness, 95)),
+            "index_staleness_max": int(max(staleness)),
+            "index_versions_used": len({r["index_version"] for r in versions}),
+            "index_blocking_waits": len(waits),
+            "index_wait_seconds": round(float(sum(w for _, w in waits)), 2),
+            "index_rejected": len(self.subscriber.rejected) if self.subscriber else 0}
 
   def evaluate(self, writer: MetricWriter, step: int, refresh: bool, keep_examples: int = 0):
     """Eval metrics at `step`; `refresh` rebuilds the index from the current params first."""
     t0 = time.time()
     if refresh:
       self.refresh_index(self._snapshot(), step)
-    index = self.index if self.uses_index else None
-    # Eval queries are embedded with the query tower the index was built with.
-    metrics, details = self.evaluator.run(self.state.params, index, self.index_params,
-                                          keep_examples)
+    index = None
+    if self.uses_index:
+      if self.from_builder and self.last_index is None:   # deterministic, before step 0
+        self.last_index = self.subscriber.wait_for_step(0, self.config.retrieval
+                                                        .first_index_timeout)
+      index = self.last_index if self.from_builder else self.index
+    metrics, details = self.evaluator.run(self.state.params, index, keep_examples)
+    if index is not None:
+      metrics["index_step"] = float(index.step)
     writer.write(step, metrics)
-    shown = " ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k != "num_examples") \
+    shown = " ".join(f"{k} {v:.3f}" for k, v in metrics.items()
+                     if k not in ("num_examples", "index_step")) \
         or "nothing to measure (no recall ground truth in this data, no reader to score)"
     print(f"[{self.config.task}] eval @ {step}: {shown} ({time.time() - t0:.1f}s)", flush=True)
     return metrics, details
+
+
+def _all_hosts_have(version: int) -> bool:
+  """Whether every process has loaded index `version` (they switch at the same step)."""
+  if jax.process_count() == 1:
+    return True
+  from jax.experimental import multihost_utils
+  versions = multihost_utils.process_allgather(np.asarray(version, np.int64))
+  return bool((np.asarray(versions) == version).all())
 
 
 def train(config, workdir: str) -> dict:

@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from realm_jax.models import losses
@@ -157,11 +158,51 @@ def embed(model: REALM, mesh, config, params, kind: str, *inputs):
 
 
 def block_embedder(model: REALM, mesh, config, retriever_params):
-  """fn(ids, segments) on host arrays -> block embeddings with `retriever_params`: what the
-  index builder (`retrieval.index.build_exact_index`) embeds every block with."""
+  """fn(ids, segments) on host arrays -> block embeddings with `retriever_params`: what an
+  index (re)build (`retrieval.index.embed_blocks`) embeds every block with."""
   sharding = partitioning.batch_sharding(mesh)
 
   def embed_fn(ids, segments):
     return embed(model, mesh, config, {"retriever": retriever_params}, "block",
                  jax.device_put(ids, sharding), jax.device_put(segments, sharding))
   return embed_fn
+
+
+def query_tower_params(retriever_params: dict) -> dict:
+  """The part of the retriever params that embeds queries: the shared tower, or the query
+  tower alone (what a published index carries next to its block embeddings)."""
+  names = [n for n in ("tower", "query_tower") if n in retriever_params]
+  if len(names) != 1:
+    raise ValueError(f"retriever params with sub-trees {sorted(retriever_params)}: expected "
+                     "'tower' (shared) or 'query_tower' + 'block_tower'")
+  return {names[0]: retriever_params[names[0]]}
+
+
+def host_copy(tree):
+  """A numpy copy of (possibly sharded, possibly multi-host) arrays."""
+  from jax.experimental import multihost_utils
+
+  def one(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+  return jax.tree.map(one, tree)
+
+
+class QueryEncoder:
+  """One snapshot's query tower on this process's devices: host `[CLS] x [SEP]` ids -> host
+  embeddings. Process-local on purpose: retrieval runs in the input pipeline's thread and must
+  never launch collectives across hosts next to the train step's."""
+
+  def __init__(self, model: REALM, config, query_params: dict):
+    self.model, self.config = model, config
+    self.mesh = partitioning.make_mesh((-1, 1), jax.local_devices())
+    self.params = jax.device_put({"retriever": host_copy(query_params)},
+                                 partitioning.replicated(self.mesh))
+
+  def __call__(self, query_ids: np.ndarray) -> np.ndarray:
+    b, devices = len(query_ids), self.mesh.devices.size
+    padded = np.zeros((-(-b // devices) * devices, query_ids.shape[1]), np.int32)
+    padded[:b] = query_ids
+    ids = jax.device_put(padded, partitioning.batch_sharding(self.mesh))
+    return np.asarray(embed(self.model, self.mesh, self.config, self.params, "query", ids))[:b]

@@ -1,0 +1,442 @@
+"""The trainer and the separate index-builder job as two processes on one machine.
+
+  python launch/local.py --config configs/demo_realm.py:realm --workdir runs/local \
+      --config.retrieval.refresh=async [--config.index.devices=6,7] [--grace 30]
+
+Every `--config.*` override goes to both processes (`realm_jax.train.main` and
+`realm_jax.retrieval.builder`); they share only the workdir (DESIGN.md, "Workdir protocol").
+With GPUs visible, `config.index.devices` names the builder's GPUs and the trainer gets the
+rest; on CPU both inherit the environment. Output is streamed line by line with a `[trainer] ` /
+`[builder] ` prefix and appended to `W/logs/<name>.log`. Ctrl-C or SIGTERM stops both (SIGINT to
+each process group, SIGKILL after the grace period, exit 130); when one fails the other is
+stopped and its exit code is ours; after the trainer succeeds the builder gets the grace period
+to see `W/DONE` and exit on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from realm_jax.errors import ConfigError, run_cli
+from realm_jax.retrieval.builder import DONE
+
+PROG = "local.py"
+NAMES = ("trainer", "builder")
+DEFAULT_GRACE = 30.0
+POLL_SECONDS = 0.1
+_OVERRIDE = re.compile(r"^--?(no)?config\.")     # the override forms absl's config_flags takes
+_LINE_END = re.compile(rb"\r\n|\r|\n")           # a lone \r: each progress-bar update is a line
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+  """Separates `--config.a.b=v` / `--config.a.b v` overrides from the launcher's own flags.
+
+  Args:
+    argv: the command line without the program name.
+  Returns:
+    (the launcher's own arguments, the override tokens in their order).
+  """
+  own, overrides = [], []
+  i = 0
+  while i < len(argv):
+    arg = argv[i]
+    if _OVERRIDE.match(arg):
+      overrides.append(arg)
+      # `--config.a.b v`: the value is the next token (a bare boolean flag has none)
+      if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+        i += 1
+        overrides.append(argv[i])
+    else:
+      own.append(arg)
+    i += 1
+  return own, overrides
+
+
+def override_value(overrides: list[str], name: str) -> str | None:
+  """The last value given to `--config.<name>` among `overrides`, or None if it is not set."""
+  value = None
+  pattern = re.compile(r"^--?config\." + re.escape(name) + r"(=(.*))?$", re.DOTALL)
+  for i, arg in enumerate(overrides):
+    m = pattern.match(arg)
+    if m and m.group(1) is not None:
+      value = m.group(2)
+    elif m and i + 1 < len(overrides) and not overrides[i + 1].startswith("-"):
+      value = overrides[i + 1]
+  return value
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+  """The launcher's flags (config, workdir, grace) plus `overrides`, the `--config.*` tokens."""
+  own, overrides = split_overrides(argv)
+  parser = argparse.ArgumentParser(
+      prog=PROG, allow_abbrev=False,
+      description="Runs the trainer and the index builder as two processes on this machine; "
+                  "every --config.a.b=v override is passed to both.")
+  parser.add_argument("--config", required=True, help="config file and arg: configs/X.py[:arg]")
+  parser.add_argument("--workdir", required=True, help="run directory shared by both processes")
+  parser.add_argument("--grace", type=float, default=DEFAULT_GRACE,
+                      help="seconds a process gets to exit after SIGINT before SIGKILL "
+                           "(and the builder after the trainer finished)")
+  args = parser.parse_args(own)
+  args.overrides = overrides
+  return args
+
+
+def load_config(spec: str):
+  """`path/to/config.py[:arg]` -> its get_config(arg), imported by path as config_flags does."""
+  path, _, arg = spec.partition(":")
+  module_spec = importlib.util.spec_from_file_location("_local_launch_config", path)
+  if module_spec is None:
+    raise FileNotFoundError(f"config file {path!r} is not a .py file")
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def parse_gpu_list(nvidia_smi_output: str) -> list[str]:
+  """GPU ids from `nvidia-smi -L` ("GPU 0: NVIDIA H100 (UUID: ...)"; MIG lines are skipped)."""
+  return re.findall(r"^GPU (\d+):", nvidia_smi_output, flags=re.MULTILINE)
+
+
+def visible_gpus(environ: dict[str, str]) -> list[str]:
+  """The GPU ids the two processes can be given, [] on a CPU-only machine.
+
+  Args:
+    environ: the launcher's environment.
+  Returns:
+    The ids of CUDA_VISIBLE_DEVICES if it is set, else those `nvidia-smi -L` lists; [] when
+    JAX_PLATFORMS excludes GPUs (the jobs would not use them).
+  """
+  platforms = environ.get("JAX_PLATFORMS", "")
+  if platforms and not any(p in platforms for p in ("cuda", "gpu", "rocm")):
+    return []
+  if "CUDA_VISIBLE_DEVICES" in environ:
+    return [d.strip() for d in environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+  try:
+    result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+  except (OSError, subprocess.TimeoutExpired):
+    return []
+  return parse_gpu_list(result.stdout) if result.returncode == 0 else []
+
+
+def assign_devices(visible: list[str], builder_ids: str) -> tuple[str, str] | None:
+  """Splits the visible GPUs between the trainer and the builder (disjoint sets).
+
+  Args:
+    visible: GPU ids visible to the launcher, in order ([] on CPU).
+    builder_ids: `config.index.devices`, comma-separated ids for the builder ("6,7").
+  Returns:
+    (trainer ids, builder ids) as CUDA_VISIBLE_DEVICES values, or None on CPU (no GPU visible
+    and none asked for): both processes then inherit the environment.
+  Raises:
+    ConfigError naming `index.devices` when the split is impossible.
+  """
+  wanted = [d.strip() for d in builder_ids.split(",") if d.strip()]
+  shown = ",".join(visible)
+  if not visible:
+    if wanted:
+      raise ConfigError("index.devices", f"{builder_ids!r} names GPUs for the builder, but no "
+                        "GPU is visible (nvidia-smi -L, CUDA_VISIBLE_DEVICES); set "
+                        "--config.index.devices= to run both processes on CPU")
+    return None
+  if not wanted:
+    raise ConfigError("index.devices", f"GPUs {shown} are visible and the trainer and the "
+                      "builder must get disjoint ones: set --config.index.devices to the "
+                      f"builder's ids (e.g. --config.index.devices={visible[-1]}); the trainer "
+                      "gets the rest")
+  unknown = [d for d in wanted if d not in visible]
+  if unknown:
+    raise ConfigError("index.devices", f"{','.join(unknown)} not among the visible GPUs "
+                      f"{shown}")
+  if len(set(wanted)) != len(wanted):
+    raise ConfigError("index.devices", f"{builder_ids!r} names a GPU twice")
+  trainer = [d for d in visible if d not in wanted]
+  if not trainer:
+    raise ConfigError("index.devices", f"{builder_ids!r} takes every visible GPU ({shown}) "
+                      "and leaves none for the trainer")
+  return ",".join(trainer), ",".join(wanted)
+
+
+def default_commands(config: str, workdir: str, overrides: list[str]) -> dict[str, list[str]]:
+  """The trainer's and the builder's argv, both with the same config, workdir and overrides."""
+  common = ["--config", config, "--workdir", workdir, *overrides]
+  return {"trainer": [sys.executable, "-m", "realm_jax.train.main", *common],
+          "builder": [sys.executable, "-m", "realm_jax.retrieval.builder", *common]}
+
+
+def split_lines(buf: bytes) -> tuple[list[bytes], bytes]:
+  """The complete lines of `buf` (ended by \\n, \\r\\n or a lone \\r) and the unfinished rest."""
+  hold = buf.endswith(b"\r")      # may be the first half of a \r\n split across two reads
+  *lines, rest = _LINE_END.split(buf[:-1] if hold else buf)
+  return lines, rest + (b"\r" if hold else b"")
+
+
+def command_line(argv: list[str]) -> str:
+  """`argv` as one shell line (a newline inside an argument shown as \\n)."""
+  return shlex.join(argv).replace("\n", "\\n")
+
+
+def describe(returncode: int) -> str:
+  """`exit code N`, or `killed by SIGX` for a process a signal ended."""
+  if returncode < 0:
+    return f"killed by {signal.Signals(-returncode).name}"
+  return f"exit code {returncode}"
+
+
+class _Child:
+  """One supervised process: its own process group, output copier, log file and wall time."""
+
+  def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: str, say):
+    self.name = name
+    self.note = ""                  # how it ended, when we ended it
+    self.returncode: int | None = None
+    self._say = say
+    self.start = time.monotonic()
+    self.end: float | None = None
+    # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it (and can
+    # then SIGKILL everything the job started, grandchildren included).
+    self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    self._log = open(log_path, "a", encoding="utf-8")
+    self._log.write(f"# {PROG} {time.strftime('%Y-%m-%d %H:%M:%S')}: {command_line(argv)}\n")
+    self._log.flush()
+    self._reader = threading.Thread(target=self._copy_output, name=f"{name}-output", daemon=True)
+    self._reader.start()
+
+  @property
+  def running(self) -> bool:
+    return self.poll() is None
+
+  def poll(self) -> int | None:
+    """Reaps the process if it exited; what it left running in its group is killed first."""
+    if self.returncode is not None:
+      return self.returncode
+    try:
+      exited = os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+      exited = True
+    if exited is None:
+      return None
+    # The leader is a zombie until reaped, so its group id cannot have been reused yet.
+    self.signal_group(signal.SIGKILL)
+    self.returncode = self.proc.wait()
+    self.end = time.monotonic()
+    return self.returncode
+
+  def signal_group(self, sig: int) -> None:
+    """Sends `sig` to the process group; only while the leader is unreaped (see poll)."""
+    if self.returncode is None:
+      try:
+        os.killpg(self.proc.pid, sig)
+      except ProcessLookupError:
+        pass
+
+  def _copy_output(self) -> None:
+    prefix = f"[{self.name}] "
+    rest = b""
+    while chunk := self.proc.stdout.read1(65536):
+      lines, rest = split_lines(rest + chunk)
+      self._emit(prefix, lines)
+    self._emit(prefix, [rest.rstrip(b"\r")])
+
+  def _emit(self, prefix: str, lines: list[bytes]) -> None:
+    for raw in lines:
+      if raw:                       # blank lines (and \r\r of progress bars) carry nothing
+        line = raw.decode("utf-8", errors="replace")
+        self._log.write(line + "\n")
+        self._log.flush()
+        self._say(line, prefix)
+
+  def close(self) -> None:
+    """Waits for the output copier (the group is dead, so the pipe ends) and closes the log."""
+    self._reader.join(timeout=10)
+    self._log.close()
+
+  def summary(self) -> str:
+    wall = (self.end if self.end is not None else time.monotonic()) - self.start
+    code = describe(self.returncode) if self.returncode is not None else "still running"
+    return f"{self.name} {code} after {wall:.1f} s" + (f" ({self.note})" if self.note else "")
+
+
+def _exit_code(returncode: int) -> int:
+  return 128 - returncode if returncode < 0 else returncode    # a shell's code for a signal
+
+
+class _Supervisor:
+  """Watches the two children and applies the stopping rules of `supervise`."""
+
+  def __init__(self, workdir: str, grace: float, say):
+    self.done_path = os.path.join(workdir, DONE)
+    self.grace = grace
+    self.say = say
+    self.signals: list[str] = []    # names of the signals received, appended by the handler
+    self.children: dict[str, _Child] = {}
+
+  def on_signal(self, signum, frame) -> None:
+    del frame
+    self.signals.append(signal.Signals(signum).name)
+
+  def stop(self, children: list[_Child], why: str) -> None:
+    """SIGINT to each running child's group, SIGKILL after the grace period (or at once on
+    another signal to us)."""
+    running = [c for c in children if c.running]
+    for c in running:
+      c.note = why
+      c.signal_group(signal.SIGINT)
+    deadline = time.monotonic() + self.grace
+    signals_seen = len(self.signals)
+    while any(c.running for c in running) and time.monotonic() < deadline \
+        and len(self.signals) == signals_seen:
+      time.sleep(POLL_SECONDS)
+    late = [c for c in running if c.running]
+    if late:
+      when = ("on a second signal" if len(self.signals) > signals_seen
+              else f"after {self.grace:g} s")
+      self.say(f"{' and '.join(c.name for c in late)} still running {when}; sending SIGKILL")
+    for c in late:
+      c.note = f"{why}; SIGKILL {when}"
+      c.signal_group(signal.SIGKILL)
+    while any(c.running for c in late):
+      time.sleep(POLL_SECONDS / 10)
+
+  def watch(self) -> int:
+    """Polls until the run is decided; returns the launcher's exit code."""
+    trainer, builder = self.children["trainer"], self.children["builder"]
+    trainer_done_at = None
+    while True:
+      if self.signals:
+        self.say(f"got {self.signals[0]}; stopping trainer and builder (SIGINT, then SIGKILL "
+                 f"after {self.grace:g} s)")
+        self.stop([trainer, builder], f"stopped on {self.signals[0]}")
+        return 130
+      for child, other in ((trainer, builder), (builder, trainer)):
+        code = child.poll()
+        if code not in (None, 0):
+          stopping = f"; stopping {other.name}" if other.running else ""
+          self.say(f"{child.name} failed with {describe(code)}{stopping}")
+          self.stop([other], f"stopped after the {child.name} failed")
+          return _exit_code(code)
+      if trainer.returncode == 0:
+        if builder.returncode is not None:
+          return 0
+        if trainer_done_at is None:
+          trainer_done_at = time.monotonic()
+          self.say(f"trainer finished; giving the builder {self.grace:g} s to see {DONE} "
+                   "and exit")
+        elif time.monotonic() - trainer_done_at >= self.grace:
+          self.say(f"builder still running {self.grace:g} s after the trainer finished; "
+                   "stopping it (the run succeeded)")
+          self.stop([builder], "stopped after the trainer finished")
+          return 0
+      elif builder.returncode == 0 and not os.path.exists(self.done_path):
+        self.say(f"builder exited 0 while the trainer still runs and {self.done_path} does not "
+                 "exist (the trainer may wait forever for index versions); stopping trainer")
+        self.stop([trainer], "stopped after the builder quit early")
+        return 1
+      time.sleep(POLL_SECONDS)
+
+
+def supervise(commands: dict[str, list[str]], workdir: str,
+              env_for: dict[str, dict[str, str]] | None = None,
+              grace: float = DEFAULT_GRACE) -> int:
+  """Runs the trainer and the builder until the run is decided, streaming their output.
+
+  Rules: SIGINT/SIGTERM to us -> both stopped, 130. A process failing -> the other stopped, its
+  exit code (128 + N for signal N). The trainer exiting 0 -> the builder has `grace` seconds to
+  exit on its own (it watches W/DONE), else is stopped; 0. The builder exiting 0 while the
+  trainer runs and W/DONE is absent -> the trainer is stopped; 1. "Stopped" is SIGINT to the
+  process group, then SIGKILL after `grace` seconds.
+
+  Args:
+    commands: argv of "trainer" and of "builder".
+    workdir: the run directory; output is appended to `workdir/logs/<name>.log`.
+    env_for: per name, variables set on top of our environment (CUDA_VISIBLE_DEVICES).
+    grace: seconds between SIGINT and SIGKILL, and given to the builder after the trainer.
+  Returns:
+    The launcher's exit code.
+  """
+  if sorted(commands) != sorted(NAMES):
+    raise ValueError(f"commands must name exactly {NAMES}, got {sorted(commands)}")
+  out, lock = sys.stdout, threading.Lock()
+
+  def say(message: str, prefix: str = f"{PROG}: ") -> None:
+    with lock:
+      out.write(prefix + message + "\n")
+      out.flush()
+
+  log_dir = os.path.join(workdir, "logs")
+  os.makedirs(log_dir, exist_ok=True)
+  supervisor = _Supervisor(workdir, grace, say)
+  handlers = {}
+  if threading.current_thread() is threading.main_thread():
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      handlers[sig] = signal.signal(sig, supervisor.on_signal)
+  if os.path.exists(supervisor.done_path):   # an earlier run's: the new builder must not obey it
+    os.remove(supervisor.done_path)
+    say(f"removed {supervisor.done_path} left by an earlier run")
+  code = 2
+  try:
+    for name in NAMES:
+      extra = (env_for or {}).get(name, {})
+      shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items())
+      say(f"{name}: {shown + ' ' if shown else ''}{command_line(commands[name])}")
+      say(f"{name}: log {os.path.join(log_dir, name + '.log')}")
+      env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+      try:
+        supervisor.children[name] = _Child(name, commands[name], env,
+                                           os.path.join(log_dir, f"{name}.log"), say)
+        say(f"{name}: started, pid {supervisor.children[name].proc.pid}")
+      except OSError as e:
+        say(f"error: cannot start the {name}: {e}")
+        return code
+    code = supervisor.watch()
+    return code
+  finally:
+    started = list(supervisor.children.values())
+    supervisor.stop(started, f"stopped by {PROG}")   # nothing left running, whatever happened
+    for child in started:
+      child.close()
+    for sig, handler in handlers.items():
+      signal.signal(sig, handler)
+    if started:
+      say(f"exit {code}: " + "; ".join(c.summary() for c in started))
+
+
+def _launch(args: argparse.Namespace) -> int:
+  config = load_config(args.config)
+  builder_ids = override_value(args.overrides, "index.devices")
+  if builder_ids is None:
+    builder_ids = config.index.devices
+  visible = visible_gpus(dict(os.environ))
+  split = assign_devices(visible, builder_ids)
+  if split is None:
+    print(f"{PROG}: no GPU visible: both processes run with this environment "
+          f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}, "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})", flush=True)
+    env_for = {}
+  else:
+    print(f"{PROG}: GPUs {','.join(visible)}: trainer {split[0]}, builder {split[1]} "
+          "(config.index.devices)", flush=True)
+    env_for = {"trainer": {"CUDA_VISIBLE_DEVICES": split[0]},
+               "builder": {"CUDA_VISIBLE_DEVICES": split[1]}}
+  commands = default_commands(args.config, args.workdir, args.overrides)
+  return supervise(commands, args.workdir, env_for, args.grace)
+
+
+def main(argv: list[str] | None = None) -> int:
+  """`python launch/local.py --config C[:arg] --workdir W [--grace S] [--config.a.b=v ...]`."""
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  return run_cli(PROG, lambda: _launch(args))
+
+
+if __name__ == "__main__":
+  sys.exit(main())

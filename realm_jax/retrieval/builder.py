@@ -1,0 +1,310 @@
+"""`realm-index --config C --workdir W [--once]`: the separate index-builder job.
+
+It runs beside the trainer on its own devices and shares only the workdir with it:
+  1. finds the newest finalised checkpoint through Orbax's listing (never a directory glob, so
+     never one still being written) and restores only the retriever params onto its own mesh
+     from abstract sharded targets; a checkpoint deleted under it is skipped for the newest;
+  2. embeds every block with that snapshot's block tower, sharded over its devices;
+  3. builds the index (`exact`: the embeddings; `scann`: tree + AH + reorder, with recall@10
+     against exact search on block-derived queries) and publishes it as `W/index/<version>/`
+     (`retrieval.published`: manifest last, atomic rename, then `LATEST`), with the query-tower
+     params of the same snapshot;
+  4. repeats for newer checkpoints until the trainer writes `W/DONE` (`--once`: one build).
+
+Which checkpoints: `retrieval.refresh = async` builds the newest one whenever it is newer than
+the last published; `deterministic` builds every refresh step (multiples of
+`retrieval.refresh_every`, and the final step) in order, since the trainer will ask for each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from realm_jax.errors import ConfigError, run_cli
+
+DONE = "DONE"                    # written by the trainer at the end of its run
+BLOCKS_RECORD = "blocks.json"    # the trainer's block store: {"block_store_fingerprint", ...}
+WAIT_MESSAGE_SECONDS = 30.0      # one "still waiting" line per this many seconds
+
+
+def check_block_store(workdir: str, fingerprint: str, data_dir: str) -> None:
+  """Refuses to serve a trainer whose block store differs from ours (both fingerprints shown)."""
+  path = os.path.join(workdir, BLOCKS_RECORD)
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    trainer = json.load(f)
+  if trainer.get("block_store_fingerprint") != fingerprint:
+    raise ConfigError("data.dir", f"the block store of {data_dir} (fingerprint {fingerprint}) "
+                      f"differs from the trainer's in {workdir} ({trainer.get('data_dir')}, "
+                      f"fingerprint {trainer.get('block_store_fingerprint')}): an index over "
+                      "other blocks would retrieve the wrong rows")
+
+
+def record_block_store(workdir: str, data) -> None:
+  """The trainer's side of the check above: which block store its rows refer to."""
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, BLOCKS_RECORD)
+  with open(path + ".tmp", "w") as f:
+    json.dump({"block_store_fingerprint": data.blocks.fingerprint, "data_dir": data.dir,
+               "num_blocks": data.blocks.num_blocks}, f, indent=2)
+  os.replace(path + ".tmp", path)
+
+
+class IndexBuilder:
+  """Builds and publishes index versions for the trainer in `workdir`."""
+
+  def __init__(self, config, workdir: str):
+    import jax
+    import orbax.checkpoint as ocp
+    from realm_jax.train import config_base, partitioning, state as state_lib
+    from realm_jax.train.loop import load_data
+    config_base.validate(config)
+    self.config, self.workdir = config, workdir
+    self.data = load_data(config)
+    self.fingerprint = self.data.blocks.fingerprint
+    check_block_store(workdir, self.fingerprint, self.data.dir)
+    self.mesh = partitioning.make_mesh(config.mesh.shape)
+    self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
+    abstract, _ = state_lib.abstract_train_state(config, self.model, self.mesh,
+                                                 self.data.blocks.block_len)
+    self.abstract_retriever = abstract.params["retriever"]
+    self.checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self._ocp = ocp
+    self.manager = None
+    from realm_jax.retrieval import published
+    self.published = published
+    self.root = published.index_root(workdir)
+    removed = published.clean_staging(self.root) if os.path.isdir(str(self.root)) else []
+    for path in removed:
+      print(f"[index] removed {path} (left by a builder that was stopped)", flush=True)
+    from realm_jax.train.metrics import MetricWriter
+    self.metrics = MetricWriter(workdir, "index")
+    print(f"[index] {self.data.blocks.num_blocks:,} blocks of {self.data.dir} (fingerprint "
+          f"{self.fingerprint}), backend {config.retrieval.backend}, mode "
+          f"{config.retrieval.refresh}, mesh {dict(self.mesh.shape)} on "
+          f"{jax.devices()[0].platform}", flush=True)
+
+  # -- checkpoints -------------------------------------------------------------------------
+  def checkpoint_steps(self) -> list[int]:
+    """Finalised checkpoint steps, from Orbax's listing (re-read every call)."""
+    if not os.path.isdir(self.checkpoint_dir):
+      return []
+    if self.manager is None:
+      from realm_jax.train.checkpoints import ITEMS
+      self.manager = self._ocp.CheckpointManager(
+          self.checkpoint_dir, item_names=ITEMS, options=self._ocp.CheckpointManagerOptions(
+              read_only=True, create=False, save_interval_steps=0))
+    self.manager.reload()
+    return sorted(self.manager.all_steps())
+
+  def restore_retriever(self, step: int):
+    """The retriever params of checkpoint `step` straight onto this job's mesh (nothing else
+    of the state is read); None if the checkpoint vanished meanwhile (kept-N deletion)."""
+    ocp = self._ocp
+    target = {"retriever": self.abstract_retriever}
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(
+          item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+          partial_restore=True)))
+    except Exception:  # noqa: BLE001  (re-raised below unless the checkpoint is gone)
+      if step not in self.checkpoint_steps():
+        return None
+      raise
+    return restored.params["retriever"]
+
+  def published_steps(self) -> set[int]:
+    steps = set()
+    for version in self.published.complete_versions(self.root):
+      try:
+        steps.add(int(self.published.read_manifest(self.root, version)["step"]))
+      except self.published.RejectedVersion:
+        pass   # a damaged version is not built; the trainer rejects it too
+    return steps
+
+  def next_step(self, steps: list[int]) -> int | None:
+    """The checkpoint to build next, or None if there is nothing new."""
+    newest_built = max(self.published_steps(), default=-1)   # older ones may be pruned
+    if self.config.retrieval.refresh == "deterministic":
+      every, final = self.config.retrieval.refresh_every, self.config.train.steps
+      todo = [s for s in steps if (s % every == 0 or s == final) and s > newest_built]
+      return todo[0] if todo else None
+    newest = steps[-1] if steps else None
+    return newest if newest is not None and newest > newest_built else None
+
+  # -- one build ---------------------------------------------------------------------------
+  def build(self, step: int) -> dict | None:
+    """Restores, embeds, indexes and publishes the snapshot of `step`; None if it vanished."""
+    from realm_jax.retrieval.index import embed_blocks
+    from realm_jax.train import steps as steps_lib
+    check_block_store(self.workdir, self.fingerprint, self.data.dir)
+    cfg, timings = self.config, {}
+    t0 = time.time()
+    params = self.restore_retriever(step)
+    if params is None:
+      print(f"[index] checkpoint {step} was deleted while being restored; moving to the "
+            "newest", flush=True)
+      return None
+    timings["restore_seconds"] = round(time.time() - t0, 3)
+    version, staging = self.published.start_version(self.root)
+    prefix = f"[index] v{version} (step {step}): "
+    embed_fn = steps_lib.block_embedder(self.model, self.mesh, cfg, params)
+    embeddings, seconds = embed_blocks(embed_fn, self.data.blocks, self.mesh,
+                                       cfg.retrieval.embed_batch_size, prefix)
+    timings["embed_seconds"] = round(seconds, 3)
+    timings["blocks_per_second"] = round(len(embeddings) / max(seconds, 1e-9), 1)
+    query_params = steps_lib.host_copy(steps_lib.query_tower_params(params))
+    extra = self._write_index(staging, embeddings, query_params, timings, prefix)
+    print(f"{prefix}publishing", flush=True)
+    t0 = time.time()
+    manifest = self.published.publish(
+        self.root, version, staging, dict(
+            step=step, num_blocks=int(len(embeddings)), dim=int(embeddings.shape[1]),
+            backend=cfg.retrieval.backend, block_store_fingerprint=self.fingerprint,
+            timings=timings, **extra), keep=cfg.index.keep_versions)
+    publish_seconds = time.time() - t0
+    size = sum(f["bytes"] for f in manifest["files"].values())
+    print(f"{prefix}published {self.published.version_dir(self.root, version)} "
+          f"({size / 2**20:,.1f} MiB, hashed and committed in {publish_seconds:.1f}s)",
+          flush=True)
+    self.metrics.write(step, {"version": version, "index_bytes": size,
+                              "publish_seconds": publish_seconds,
+                              **{k: v for k, v in timings.items()},
+                              **{k: v for k, v in extra.items() if isinstance(v, float)}})
+    return manifest
+
+  def _write_index(self, staging, embeddings: np.ndarray, query_params: dict,
+                   timings: dict, prefix: str) -> dict:
+    """Writes the version's files into `staging`; returns extra manifest fields."""
+    from flax import traverse_util
+    cfg = self.config
+    with (staging / "embeddings.npy").open("wb") as f:
+      np.save(f, embeddings)
+    with (staging / "query_params.npz").open("wb") as f:
+      np.savez(f, **traverse_util.flatten_dict(query_params, sep="/"))
+    if cfg.retrieval.backend == "exact":
+      timings["build_seconds"] = 0.0
+      print(f"{prefix}exact index: {len(embeddings):,} x {embeddings.shape[1]}", flush=True)
+      return {}
+    from realm_jax.retrieval import scann_index
+    settings = scann_index.scann_settings(len(embeddings), cfg.index)
+    t0 = time.time()
+    searcher = scann_index.build_searcher(embeddings, settings)
+    timings["build_seconds"] = round(time.time() - t0, 3)
+    t0 = time.time()
+    local_dir = str(staging / "scann")
+    os.makedirs(local_dir, exist_ok=True)
+    scann_index.save_searcher(searcher, local_dir)
+    timings["serialize_seconds"] = round(time.time() - t0, 3)
+    recall = self._scann_recall(searcher, embeddings, settings, query_params)
+    print(f"{prefix}scann index: {len(embeddings):,} x {embeddings.shape[1]}, {settings}, "
+          f"built in {timings['build_seconds']:.1f}s, serialized in "
+          f"{timings['serialize_seconds']:.1f}s, recall@10 vs exact {recall:.3f} on "
+          f"{cfg.index.recall_queries} block-derived queries", flush=True)
+    return {"scann": settings, "recall_at_10": recall}
+
+  def _scann_recall(self, searcher, embeddings: np.ndarray, settings: dict,
+                    query_params: dict) -> float:
+    """recall@10 of ScaNN against exact search, for the query tower applied to the opening
+    wordpieces of the body of sampled blocks (queries that resemble the trainer's)."""
+    from realm_jax.retrieval import scann_index
+    blocks = self.data.blocks
+    rng = np.random.default_rng(0)
+    rows = rng.choice(blocks.num_blocks, min(self.config.index.recall_queries,
+                                             blocks.num_blocks), replace=False)
+    queries = self._block_queries(rows, query_params)
+    n = min(10, len(embeddings))
+    approx = scann_index.ScannIndex(searcher, version=-1, step=-1,
+                                    num_blocks=len(embeddings), settings=settings)
+    return scann_index.recall_at(approx.search(queries, n),
+                                 scann_index.exact_top_n(queries, embeddings, n))
+
+  def _block_queries(self, rows: np.ndarray, query_params: dict) -> np.ndarray:
+    from realm_jax.train import steps as steps_lib
+    blocks, tok = self.data.blocks, self.data.tokenizer
+    q = self.config.data.query_len
+    ids = np.zeros((len(rows), q), np.int32)
+    for i, row in enumerate(rows):
+      body = blocks.tokens[row][blocks.body_start[row]:blocks.lengths[row] - 1][:q - 2]
+      ids[i, :len(body) + 2] = [tok.cls_id, *body, tok.sep_id]
+    return steps_lib.QueryEncoder(self.model, self.config, query_params)(ids)
+
+  # -- the job -----------------------------------------------------------------------------
+  def run(self, once: bool = False) -> int:
+    """Builds until the trainer is done (or once); returns the number of versions published."""
+    cfg = self.config
+    started, last_message, built = time.time(), 0.0, 0
+    done_path = os.path.join(self.workdir, DONE)
+    while True:
+      steps = self.checkpoint_steps()
+      if not steps:
+        waited = time.time() - started
+        if os.path.exists(done_path):
+          print("[index] the trainer is done and left no checkpoint; exiting", flush=True)
+          return built
+        if waited > cfg.index.wait_timeout:
+          raise FileNotFoundError(
+              f"no checkpoint under {self.checkpoint_dir} after {waited:.0f}s "
+              f"(config.index.wait_timeout = {cfg.index.wait_timeout:g}); is the trainer "
+              "running with this workdir?")
+        if time.time() - last_message >= WAIT_MESSAGE_SECONDS:
+          print(f"[index] waiting for a checkpoint under {self.checkpoint_dir} ({waited:.0f}s "
+                f"of {cfg.index.wait_timeout:g}s)", flush=True)
+          last_message = time.time()
+        time.sleep(cfg.index.poll_seconds)
+        continue
+      step = steps[-1] if once else self.next_step(steps)
+      if step is not None:
+        if self.build(step) is not None:
+          built += 1
+          if once:
+            return built
+        continue    # look again at once: a deleted checkpoint means a newer one exists
+      if os.path.exists(done_path):
+        print(f"[index] the trainer is done; {built} versions published", flush=True)
+        return built
+      time.sleep(cfg.index.poll_seconds)
+
+  def close(self) -> None:
+    if self.manager is not None:
+      self.manager.close()
+    self.metrics.close()
+
+
+def main(argv) -> None:
+  from absl import flags, logging
+  if len(argv) > 1:
+    raise SystemExit(f"realm-index: error: unexpected arguments {argv[1:]}")
+  config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
+  if config is None or not workdir:
+    print("realm-index: error: --config and --workdir are required", file=sys.stderr)
+    raise SystemExit(2)
+  logging.set_verbosity(logging.WARNING)
+
+  def job():
+    builder = IndexBuilder(config, workdir)
+    try:
+      return builder.run(once=flags.FLAGS.once)
+    finally:
+      builder.close()
+  built = run_cli("realm-index", job)
+  print(f"realm-index: done, {built} versions published", flush=True)
+
+
+def run() -> None:
+  from absl import app, flags
+  from ml_collections import config_flags
+  config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)); the same "
+                                  "as the trainer's.", lock_config=True)
+  flags.DEFINE_string("workdir", None, "The trainer's run directory.")
+  flags.DEFINE_bool("once", False, "Build for the newest checkpoint, publish, and exit.")
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()

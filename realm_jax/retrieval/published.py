@@ -1,0 +1,263 @@
+"""Published block-index versions on disk: `W/index/<version>/`, complete or invisible.
+
+The builder job calls `start_version`, writes the index files into the staging dir, then
+`publish`; the trainer calls `read_latest` / `complete_versions` and `verify` before using a
+version. Locally a version is staged in a `.tmp-*` dir and renamed into place; on remote paths
+(`gs://`, no atomic rename) files go straight into the final dir and `manifest.json`, written
+last, is the commit marker. Readers treat a version dir without a manifest as not there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+
+from etils import epath
+
+MANIFEST = "manifest.json"
+LATEST = "LATEST"
+# Keys a manifest must hold; `fields` given to `publish` must hold all but version and files.
+REQUIRED_KEYS = ("version", "step", "num_blocks", "dim", "backend", "block_store_fingerprint",
+                 "files", "timings")
+_VERSION_NAME = re.compile(r"^[0-9]{8}$")
+_STAGING_PREFIX = ".tmp-"
+_CHUNK_BYTES = 8 << 20
+
+
+class RejectedVersion(Exception):
+  """An index version that must not be used; `str(e)` is the reason."""
+
+  def __init__(self, version: int, reason: str):
+    super().__init__(reason)
+    self.version = version
+    self.reason = reason
+
+
+def index_root(workdir) -> epath.Path:
+  return epath.Path(workdir) / "index"
+
+
+def is_local(path) -> bool:
+  """False for `gs://...` and any other URL-like path (no atomic rename, no fsync there)."""
+  return "://" not in str(path)
+
+
+def version_dir(root, version: int) -> epath.Path:
+  return epath.Path(root) / f"{version:08d}"
+
+
+def sha256_file(path) -> str:
+  digest = hashlib.sha256()
+  with epath.Path(path).open("rb") as f:
+    while chunk := f.read(_CHUNK_BYTES):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
+def _fsync(path) -> None:
+  """fsync of a local file or directory (a directory's fsync makes renames in it durable)."""
+  fd = os.open(str(path), os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _write_local_atomic(path: epath.Path, text: str) -> None:
+  """Write to a temp name, fsync, os.replace: readers see the old or the new file, never half."""
+  tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+  with open(str(tmp), "w") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(str(tmp), str(path))
+  _fsync(path.parent)
+
+
+def _version_names(root: epath.Path) -> dict[int, epath.Path]:
+  """Every dir named like a version (8 digits), complete or not."""
+  if not root.exists():
+    return {}
+  return {int(p.name): p for p in root.iterdir() if _VERSION_NAME.match(p.name) and p.is_dir()}
+
+
+def read_latest(root) -> int | None:
+  """The version LATEST names; None if LATEST is absent or garbled."""
+  path = epath.Path(root) / LATEST
+  try:
+    text = path.read_text().strip() if path.exists() else ""
+  except (FileNotFoundError, UnicodeDecodeError):  # Deleted between exists() and read.
+    return None
+  return int(text) if _VERSION_NAME.match(text) else None
+
+
+def complete_versions(root) -> list[int]:
+  """Version dirs that hold a manifest, ascending."""
+  return sorted(v for v, p in _version_names(epath.Path(root)).items()
+                if (p / MANIFEST).exists())
+
+
+def start_version(root) -> tuple[int, epath.Path]:
+  """Picks the next version number and returns (version, staging dir to write files into).
+
+  The number exceeds every version dir (even without a manifest) and LATEST, so a number is
+  never reused: a reader that cached version N never sees different files under N.
+  """
+  root = epath.Path(root)
+  root.mkdir(parents=True, exist_ok=True)
+  version = 1 + max([*_version_names(root), read_latest(root) or 0, 0])
+  if not is_local(root):
+    staging = version_dir(root, version)
+  else:
+    staging = root / f"{_STAGING_PREFIX}{version:08d}-{os.getpid()}"
+    if staging.exists():
+      staging.rmtree()
+  staging.mkdir(parents=True, exist_ok=True)
+  return version, staging
+
+
+def _list_files(directory: epath.Path, prefix: str = "") -> list[tuple[str, epath.Path]]:
+  out = []
+  for p in sorted(directory.iterdir(), key=lambda p: p.name):
+    rel = f"{prefix}{p.name}"
+    if p.is_dir():
+      out.extend(_list_files(p, rel + "/"))
+    elif rel != MANIFEST:
+      out.append((rel, p))
+  return out
+
+
+def publish(root, version: int, staging, fields: dict, keep: int) -> dict:
+  """Commits the files under `staging` as `version`, points LATEST at it, prunes old versions.
+
+  Args:
+    root: the index root (`index_root(workdir)`).
+    version: the number `start_version` returned.
+    staging: the dir `start_version` returned, holding every file of the version.
+    fields: step, num_blocks, dim, backend, block_store_fingerprint, timings, and any extra
+      keys; all are copied into the manifest.
+    keep: how many of the newest complete versions to keep (>= 1).
+
+  Returns:
+    The manifest written.
+  """
+  root, staging = epath.Path(root), epath.Path(staging)
+  target = version_dir(root, version)
+  local = is_local(root)
+  missing = [k for k in REQUIRED_KEYS if k not in ("version", "files") and k not in fields]
+  if missing or keep < 1:
+    raise ValueError(f"publish needs fields {missing} and keep >= 1 (got {keep})")
+  if not local and staging != target:
+    raise ValueError(f"remote versions are written in place: staging {staging} != {target}")
+  if local and target.exists():
+    raise FileExistsError(f"index version dir {target} already exists; numbers are not reused")
+  files = {}
+  for rel, path in _list_files(staging):
+    if local:
+      _fsync(path)
+    files[rel] = {"bytes": path.stat().length, "sha256": sha256_file(path)}
+  manifest = {"version": version, **fields, "files": files, "created": time.time()}
+  text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+  if local:
+    _write_local_atomic(staging / MANIFEST, text)
+    os.rename(str(staging), str(target))
+    _fsync(root)
+    _write_local_atomic(root / LATEST, f"{version:08d}\n")
+  else:
+    (target / MANIFEST).write_text(text)
+    (root / LATEST).write_text(f"{version:08d}\n")
+  _prune(root, keep)
+  return manifest
+
+
+def _prune(root: epath.Path, keep: int) -> None:
+  """Deletes version dirs older than the `keep` newest complete ones, never LATEST's."""
+  kept = complete_versions(root)[-keep:]
+  if not kept:
+    return
+  latest = read_latest(root)
+  for v, path in sorted(_version_names(root).items()):
+    if v < kept[0] and v != latest:
+      # Manifest first, so a half-deleted dir never looks complete to a reader.
+      if (path / MANIFEST).exists():
+        (path / MANIFEST).unlink()
+      path.rmtree()
+
+
+def read_manifest(root, version: int) -> dict:
+  """The manifest of `version`; RejectedVersion if it is missing, not JSON, or incomplete."""
+  path = version_dir(root, version) / MANIFEST
+  if not path.exists():
+    raise RejectedVersion(version, f"no {MANIFEST} in {path.parent} (not published)")
+  try:
+    manifest = json.loads(path.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise RejectedVersion(version, f"{MANIFEST} of {path.parent} is not valid JSON: {e}") from e
+  if not isinstance(manifest, dict):
+    raise RejectedVersion(version, f"{MANIFEST} of {path.parent} is not a JSON object")
+  missing = [k for k in REQUIRED_KEYS if k not in manifest]
+  if missing:
+    raise RejectedVersion(version, f"{MANIFEST} of {path.parent} lacks keys {missing}")
+  if manifest["version"] != version:
+    raise RejectedVersion(version, f"{MANIFEST} says version {manifest['version']} != {version}")
+  return manifest
+
+
+def verify(root, version: int, *, fingerprint: str | None = None,
+           dim: int | None = None) -> dict:
+  """Checks the manifest against the trainer's expectations and every file's size and sha256.
+
+  Args:
+    root: the index root.
+    version: the version to check.
+    fingerprint: the trainer's block store fingerprint; None skips the check.
+    dim: the trainer's retrieval embedding dim; None skips the check.
+
+  Returns:
+    The manifest. Raises RejectedVersion with the reason otherwise.
+  """
+  manifest = read_manifest(root, version)
+  if fingerprint is not None and manifest["block_store_fingerprint"] != fingerprint:
+    raise RejectedVersion(version, f"block store fingerprint {manifest['block_store_fingerprint']}"
+                          f" (index) != {fingerprint} (trainer)")
+  if dim is not None and manifest["dim"] != dim:
+    raise RejectedVersion(version, f"dim {manifest['dim']} (index) != {dim} (trainer)")
+  directory = version_dir(root, version)
+  for rel, want in sorted(manifest["files"].items()):
+    path = directory / rel
+    if not path.exists():
+      raise RejectedVersion(version, f"{rel} is listed in {MANIFEST} but missing")
+    size = path.stat().length
+    if size != want["bytes"]:
+      raise RejectedVersion(version, f"{rel} has size {size} bytes != {want['bytes']} bytes "
+                            f"in {MANIFEST}")
+    digest = sha256_file(path)
+    if digest != want["sha256"]:
+      raise RejectedVersion(version, f"{rel} has sha256 {digest} != {want['sha256']} "
+                            f"in {MANIFEST}")
+  return manifest
+
+
+def clean_staging(root) -> list[str]:
+  """Removes staging dirs and LATEST temp files left by a killed builder (local roots only).
+
+  Only this process's own staging dirs are spared, so call it before `start_version` and
+  with one builder per workdir. Returns the paths removed.
+  """
+  root = epath.Path(root)
+  if not is_local(root) or not root.exists():
+    return []
+  removed = []
+  own_suffix = f"-{os.getpid()}"
+  for p in sorted(root.iterdir(), key=lambda p: p.name):
+    if p.name.startswith(_STAGING_PREFIX) and p.is_dir() and not p.name.endswith(own_suffix):
+      p.rmtree()
+    elif p.name.startswith(f"{LATEST}.tmp-") and not p.is_dir():
+      p.unlink()
+    else:
+      continue
+    removed.append(str(p))
+  return removed

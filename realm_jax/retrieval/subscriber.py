@@ -1,0 +1,228 @@
+"""The trainer's side of the workdir protocol: published index versions, loaded in the background.
+
+`IndexSubscriber` polls `W/index` in a thread. A version is loaded only once its manifest is
+there; every file is checked against the manifest (bytes, sha256), and the block-store
+fingerprint, the embedding dim, the backend and the query-tower parameter shapes against the
+trainer's. A version that fails is rejected with the reason printed and is never used; the
+trainer keeps the version it has.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+from flax import traverse_util
+
+from realm_jax.retrieval import published
+from realm_jax.retrieval.index import ExactIndex, LoadedIndex
+
+MAX_LOAD_ATTEMPTS = 3   # a version that fails to load for other reasons (pruned under us) this
+                        # many times is given up
+
+
+def load_version(root, version: int, *, config, fingerprint: str, query_template: dict,
+                 make_encoder: Callable[[dict], Callable]) -> LoadedIndex:
+  """Verifies and loads one published version (RejectedVersion if it must not be used).
+
+  Args:
+    root: `W/index`.
+    version: the version number.
+    config: the trainer's config (retrieval.backend, model.retrieval_dim).
+    fingerprint: the trainer's block-store fingerprint.
+    query_template: the query-tower params' shapes (ShapeDtypeStructs) the model expects.
+    make_encoder: fn(query_params) -> fn(query ids) -> embeddings, on the trainer's devices.
+  """
+  manifest = published.verify(root, version, fingerprint=fingerprint,
+                              dim=config.model.retrieval_dim)
+  if manifest["backend"] != config.retrieval.backend:
+    raise published.RejectedVersion(version, f"backend {manifest['backend']!r} (index) != "
+                                    f"{config.retrieval.backend!r} (trainer)")
+  directory = published.version_dir(root, version)
+  with (directory / "embeddings.npy").open("rb") as f:
+    embeddings = np.load(f)
+  if embeddings.shape != (manifest["num_blocks"], manifest["dim"]):
+    raise published.RejectedVersion(version, f"embeddings.npy has shape {embeddings.shape}, "
+                                    f"the manifest says ({manifest['num_blocks']}, "
+                                    f"{manifest['dim']})")
+  with (directory / "query_params.npz").open("rb") as f:
+    flat = dict(np.load(f))
+  expected = {k: tuple(v.shape) for k, v in
+              traverse_util.flatten_dict(query_template, sep="/").items()}
+  got = {k: tuple(v.shape) for k, v in flat.items()}
+  if got != expected:
+    diff = sorted(set(got.items()) ^ set(expected.items()))[:3]
+    raise published.RejectedVersion(version, "query_params.npz does not fit this model's "
+                                    f"query tower (first differences: {diff})")
+  query_params = traverse_util.unflatten_dict(flat, sep="/")
+  if config.retrieval.backend == "scann":
+    index = _load_scann(directory, manifest)
+  else:
+    index = ExactIndex.from_embeddings(embeddings)
+  return LoadedIndex(version=version, step=int(manifest["step"]), index=index,
+                     encode_queries=make_encoder(query_params))
+
+
+def _load_scann(directory, manifest):
+  from realm_jax.retrieval import scann_index
+  local = str(directory / "scann")
+  scratch = None
+  if not published.is_local(directory):   # ScaNN reads local files: copy the assets first
+    scratch = tempfile.mkdtemp(prefix="realm_scann_")
+    for path in (directory / "scann").iterdir():
+      path.copy(os.path.join(scratch, path.name))
+    local = scratch
+  try:
+    return scann_index.ScannIndex.load(local, version=manifest["version"],
+                                       step=manifest["step"], num_blocks=manifest["num_blocks"],
+                                       settings=manifest["scann"])
+  finally:
+    if scratch:
+      shutil.rmtree(scratch, ignore_errors=True)
+
+
+class IndexSubscriber:
+  """Loads published versions as they appear; the trainer picks them up between steps.
+
+  `want_steps(steps)` (deterministic mode) asks for the versions built from those checkpoint
+  steps; without it, the version `LATEST` names is loaded (async mode).
+  """
+
+  def __init__(self, workdir: str, loader: Callable[[int], LoadedIndex], poll_seconds: float,
+               log_prefix: str = "[realm] "):
+    self.root = published.index_root(workdir)
+    self.loader, self.poll_seconds, self.log_prefix = loader, poll_seconds, log_prefix
+    self._loaded: dict[int, LoadedIndex] = {}
+    self._rejected: dict[int, str] = {}
+    self._failures: dict[int, int] = {}
+    self._wanted: set[int] | None = None
+    self._cond = threading.Condition()
+    self._stop = threading.Event()
+    self._error: BaseException | None = None
+    self._thread = threading.Thread(target=self._run, name="index-subscriber", daemon=True)
+    self._thread.start()
+
+  # -- the background thread ---------------------------------------------------------------
+  def _run(self) -> None:
+    try:
+      while not self._stop.is_set():
+        self.poll()
+        self._stop.wait(self.poll_seconds)
+    except BaseException as e:  # noqa: BLE001  (handed to the trainer's thread)
+      with self._cond:
+        self._error = e
+        self._cond.notify_all()
+
+  def _candidates(self) -> list[int]:
+    with self._cond:
+      wanted = None if self._wanted is None else set(self._wanted)
+      skip = set(self._loaded) | set(self._rejected)
+    if wanted is None:
+      latest = published.read_latest(self.root)
+      newest = max(self._loaded, default=0)
+      return [latest] if latest is not None and latest > newest and latest not in skip else []
+    found = []
+    for version in published.complete_versions(self.root):
+      if version in skip:
+        continue
+      try:
+        step = int(published.read_manifest(self.root, version)["step"])
+      except published.RejectedVersion as e:
+        self._reject(version, e.reason)
+        continue
+      if step in wanted:
+        found.append(version)
+    return found
+
+  def poll(self) -> None:
+    """One look at `W/index`; loads whatever is new and wanted (called by the thread)."""
+    for version in self._candidates():
+      try:
+        t0 = time.time()
+        loaded = self.loader(version)
+      except published.RejectedVersion as e:
+        self._reject(version, e.reason)
+        continue
+      except (OSError, ValueError) as e:   # e.g. pruned while we read it: try again later
+        tries = self._failures[version] = self._failures.get(version, 0) + 1
+        print(f"{self.log_prefix}index v{version}: could not load ({e}); "
+              f"{'giving up' if tries >= MAX_LOAD_ATTEMPTS else 'will retry'}", flush=True)
+        if tries >= MAX_LOAD_ATTEMPTS:
+          self._reject(version, str(e))
+        continue
+      print(f"{self.log_prefix}index v{version} (step {loaded.step}) loaded and verified in "
+            f"{time.time() - t0:.1f}s", flush=True)
+      with self._cond:
+        self._loaded[version] = loaded
+        self._cond.notify_all()
+
+  def _reject(self, version: int, reason: str) -> None:
+    print(f"{self.log_prefix}index v{version} rejected, not used: {reason}", flush=True)
+    with self._cond:
+      self._rejected[version] = reason
+
+  # -- the trainer's side ------------------------------------------------------------------
+  @property
+  def rejected(self) -> dict[int, str]:
+    with self._cond:
+      return dict(self._rejected)
+
+  def newest(self) -> LoadedIndex | None:
+    with self._cond:
+      self._raise()
+      return self._loaded[max(self._loaded)] if self._loaded else None
+
+  def want_steps(self, steps) -> None:
+    with self._cond:
+      self._wanted = set(steps) if self._wanted is None else self._wanted | set(steps)
+
+  def wait(self, pick: Callable[[dict[int, LoadedIndex]], LoadedIndex | None], timeout: float,
+           what: str) -> LoadedIndex:
+    """Blocks until `pick(loaded versions)` returns one; TimeoutError after `timeout` s."""
+    deadline = time.time() + timeout
+    with self._cond:
+      while True:
+        self._raise()
+        if self._stop.is_set():
+          raise RuntimeError("the index subscriber was closed")
+        found = pick(self._loaded)
+        if found is not None:
+          return found
+        left = deadline - time.time()
+        if left <= 0:
+          raise TimeoutError(f"no published index {what} under {self.root} after "
+                             f"{timeout:g}s (config.retrieval.first_index_timeout); is "
+                             "realm-index running with this workdir?")
+        self._cond.wait(min(left, 1.0))
+
+  def wait_for_step(self, step: int, timeout: float) -> LoadedIndex:
+    """The newest loaded version built from checkpoint `step` (waits for it)."""
+    self.want_steps([step])
+
+    def pick(loaded):
+      matches = [v for v, x in loaded.items() if x.step == step]
+      return loaded[max(matches)] if matches else None
+    return self.wait(pick, timeout, f"built from step {step}")
+
+  def release(self, before_version: int = -1, before_step: int = -1) -> None:
+    """Drops loaded versions older than `before_version` or built from a step before
+    `before_step`, and stops wanting those steps: no batch will retrieve from them again."""
+    with self._cond:
+      for version, loaded in list(self._loaded.items()):
+        if version < before_version or loaded.step < before_step:
+          del self._loaded[version]
+      if self._wanted is not None:
+        self._wanted = {s for s in self._wanted if s >= before_step}
+
+  def _raise(self) -> None:
+    if self._error is not None:
+      raise RuntimeError(f"the index subscriber failed: {self._error!r}") from self._error
+
+  def close(self) -> None:
+    self._stop.set()
+    self._thread.join(timeout=30)

@@ -1,0 +1,186 @@
+"""The batches of the train loop, built ahead in a thread, and the index each step retrieves from.
+
+`IndexSchedule` decides which index version serves step t (`retrieval.refresh`):
+  in_process     the trainer rebuilds at multiples of refresh_every and announces each rebuild
+                 before its first step: steps [S, S + refresh_every) use the index of step S;
+  deterministic  steps [S + swap_lag, S + refresh_every + swap_lag) use the version built from
+                 the checkpoint of step S (the first refresh interval uses step 0's), whenever
+                 it arrives: a late version makes the feed wait, so runs are reproducible;
+  async          the main thread adopts the newest loaded version for the step `depth` ahead
+                 of the one it runs (all hosts at the same step: they switch only once every
+                 host has loaded it); batches never wait, except for the very first version.
+`BatchFeed` builds step t's batch in a thread, `depth` steps ahead: the query batch from the
+grain iterator, then (REALM) the candidates retrieved from the index scheduled for step t, on
+this process's devices and host only, and the reader inputs.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from realm_jax.retrieval.index import LoadedIndex
+
+
+def deterministic_source_step(step: int, refresh_every: int, swap_lag: int) -> int:
+  """The checkpoint step whose index serves `step` in deterministic mode."""
+  if step < swap_lag + refresh_every:
+    return 0
+  return (step - swap_lag) // refresh_every * refresh_every
+
+
+class IndexSchedule:
+  """Which index serves each step; the feed thread asks, the main thread (or the rule) decides.
+
+  Attributes:
+    waits: (step, seconds) of every batch that had to wait for its index, the first excluded.
+  """
+
+  def __init__(self, config, subscriber=None, agree: Callable[[int], bool] | None = None):
+    self.mode, self.config, self.subscriber = config.retrieval.refresh, config, subscriber
+    self.timeout = config.retrieval.first_index_timeout
+    self.agree = agree or (lambda version: True)
+    self._entries: list[tuple[int, LoadedIndex]] = []   # (first step, index), ascending
+    self._horizon = -1                                  # steps <= horizon are decided
+    self._cond = threading.Condition()
+    self._closed = False
+    self.waits: list[tuple[int, float]] = []
+    self._first = True
+
+  # -- the main thread ---------------------------------------------------------------------
+  def announce(self, from_step: int, loaded: LoadedIndex, horizon: int) -> None:
+    """Steps >= from_step use `loaded`; steps <= horizon are final (in_process, async)."""
+    with self._cond:
+      self._entries = [e for e in self._entries if e[0] < from_step] + [(from_step, loaded)]
+      self._horizon = max(self._horizon, horizon)
+      self._cond.notify_all()
+
+  def start_async(self, start: int, depth: int) -> LoadedIndex:
+    """Waits for the first version every host has, used from `start` (the one blocking wait)."""
+    t0 = time.time()
+    loaded = self.subscriber.wait(lambda have: None if not have else have[max(have)],
+                                  self.timeout, "at all")
+    while not self.agree(loaded.version):     # another host has not loaded it yet
+      time.sleep(0.2)
+      loaded = self.subscriber.newest()
+    print(f"[realm] first index v{loaded.version} (step {loaded.step}) after "
+          f"{time.time() - t0:.1f}s", flush=True)
+    self.announce(start, loaded, start + depth)
+    return loaded
+
+  def advance_async(self, step: int, depth: int) -> None:
+    """Before running `step`: adopt the newest loaded version from step + depth on."""
+    newest = self.subscriber.newest()
+    with self._cond:
+      current = self._entries[-1][1]
+    horizon = step + depth
+    if newest is not None and newest.version > current.version and self.agree(newest.version):
+      self.announce(horizon, newest, horizon)
+      return
+    self.announce_horizon(horizon)
+
+  def announce_horizon(self, horizon: int) -> None:
+    with self._cond:
+      self._horizon = max(self._horizon, horizon)
+      self._cond.notify_all()
+
+  # -- the feed thread ---------------------------------------------------------------------
+  def for_step(self, step: int) -> tuple[LoadedIndex, float]:
+    """The index serving `step`, and the seconds spent waiting for that index to arrive.
+
+    Waiting for the main thread to decide (in_process, async) is pacing, not an index wait:
+    the feed is then ahead of the train step.
+    """
+    waited = 0.0
+    if self.mode == "deterministic":
+      r = self.config.retrieval
+      source = deterministic_source_step(step, r.refresh_every, r.swap_lag)
+      t0 = time.time()
+      loaded = self.subscriber.wait_for_step(source, self.timeout)
+      waited = time.time() - t0
+      self.subscriber.release(before_step=source)
+    else:
+      with self._cond:
+        while self._horizon < step and not self._closed:
+          self._cond.wait(1.0)
+        if self._closed:
+          raise RuntimeError("the index schedule was closed")
+        loaded = [idx for first, idx in self._entries if first <= step][-1]
+        # entries before this one will never serve a later step again
+        self._entries = [e for e in self._entries if e[1] is loaded or e[0] > step]
+      if self.subscriber is not None:
+        self.subscriber.release(before_version=loaded.version)
+    if not self._first and waited > 0.01:
+      self.waits.append((step, waited))
+    self._first = False
+    return loaded, waited
+
+  def current(self) -> LoadedIndex | None:
+    """The newest index announced (for evaluation between steps)."""
+    with self._cond:
+      return self._entries[-1][1] if self._entries else None
+
+  def close(self) -> None:
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
+
+
+class BatchFeed:
+  """Step t's host batch, built in a thread `depth` steps ahead of the train step.
+
+  `assemble(t, queries)` turns the query batch of step t into the step's batch plus a dict of
+  what it used (index version, ...). Each item also carries the grain iterator's state after
+  step t's queries were taken: what a checkpoint written after step t must keep.
+  """
+
+  def __init__(self, iterator, assemble: Callable[[int, dict], tuple[dict, dict]],
+               start_step: int, depth: int):
+    self._iterator, self._assemble = iterator, assemble
+    self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+    self._stop = threading.Event()
+    self._next = start_step
+    self._thread = threading.Thread(target=self._run, args=(start_step,), name="batch-feed",
+                                    daemon=True)
+    self._thread.start()
+
+  def _run(self, step: int) -> None:
+    try:
+      while not self._stop.is_set():
+        queries = next(self._iterator)
+        state = self._iterator.get_state()
+        batch, used = self._assemble(step, queries)
+        self._put((step, batch, used, state))
+        step += 1
+    except BaseException as e:  # noqa: BLE001  (re-raised in the train loop's thread)
+      self._put(e)
+
+  def _put(self, item) -> None:
+    while not self._stop.is_set():
+      try:
+        self._queue.put(item, timeout=0.5)
+        return
+      except queue.Full:
+        continue
+
+  def next(self) -> tuple[dict[str, np.ndarray], dict, dict]:
+    """(batch, what it used, iterator state after it) of the next step, in order."""
+    item = self._queue.get()
+    if isinstance(item, BaseException):
+      raise RuntimeError(f"building the batch of step {self._next} failed: {item!r}") from item
+    _, batch, used, state = item
+    self._next += 1
+    return batch, used, state
+
+  def close(self) -> None:
+    self._stop.set()
+    while True:   # unblock a feed waiting on a full queue
+      try:
+        self._queue.get_nowait()
+      except queue.Empty:
+        break
+    self._thread.join(timeout=30)

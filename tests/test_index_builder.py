@@ -1,0 +1,376 @@
+"""The separate index builder (`realm-index`) and the trainer's subscriber: what gets published,
+what gets refused, and what survives a kill -9 at random points."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from realm_jax.data import pipeline
+from realm_jax.data.store import PreparedData
+from realm_jax.errors import ConfigError
+from realm_jax.retrieval import published
+from realm_jax.retrieval.builder import BLOCKS_RECORD, IndexBuilder
+from realm_jax.retrieval.index import ExactIndex, embed_blocks
+from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
+from realm_jax.train import partitioning, state as state_lib, steps
+from realm_jax.train.checkpoints import Checkpointer
+from tests import helpers
+
+CHECKPOINT_STEPS = (0, 10, 20)
+
+
+def builder_config(world_dir, **overrides):
+  overrides.setdefault("retrieval__refresh", "async")
+  overrides.setdefault("index__poll_seconds", 0.1)
+  return helpers.tiny_config("realm", data_dir=world_dir, **overrides)
+
+
+def make_checkpoints(config, workdir, steps_to_save=CHECKPOINT_STEPS):
+  """Checkpoints whose retriever params differ per step (a random init per step)."""
+  data = PreparedData(config.data.dir)
+  model = state_lib.build_model(config, data.tokenizer.vocab_size)
+  mesh = partitioning.make_mesh(config.mesh.shape)
+  ckpt = Checkpointer(workdir, keep=10, async_saves=False)
+  states = {}
+  for step in steps_to_save:
+    state, _, _ = state_lib.create_train_state(config, model, mesh, data.blocks.block_len,
+                                               jax.random.PRNGKey(100 + step))
+    ckpt.save(step, state, {"next_step": step}, {"step": np.int32(-1)})
+    states[step] = state
+  ckpt.close()
+  return states, model, mesh, data
+
+
+def reference_embeddings(config, model, mesh, data, state):
+  fn = steps.block_embedder(model, mesh, config, state.params["retriever"])
+  return embed_blocks(fn, data.blocks, mesh, config.retrieval.embed_batch_size)[0]
+
+
+def loader_for(config, workdir, model, data):
+  abstract, _ = state_lib.abstract_train_state(config, model, partitioning.make_mesh(
+      config.mesh.shape), data.blocks.block_len)
+  template = steps.query_tower_params(abstract.params["retriever"])
+  return lambda version: load_version(
+      published.index_root(workdir), version, config=config, fingerprint=data.blocks.fingerprint,
+      query_template=template,
+      make_encoder=lambda p: steps.QueryEncoder(model, config, p))
+
+
+def test_builder_publishes_the_newest_checkpoint_and_the_trainer_retrieves_from_it(
+    world_dir, tmp_path, capsys):
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  states, model, mesh, data = make_checkpoints(config, workdir)
+  builder = IndexBuilder(config, workdir)
+  assert builder.run(once=True) == 1
+  builder.close()
+  root = published.index_root(workdir)
+  assert published.complete_versions(root) == [1] and published.read_latest(root) == 1
+  manifest = published.verify(root, 1, fingerprint=data.blocks.fingerprint, dim=32)
+  assert manifest["step"] == 20 and manifest["num_blocks"] == data.blocks.num_blocks
+  assert manifest["backend"] == "exact"
+  assert {"embeddings.npy", "query_params.npz"} <= set(manifest["files"])
+  assert set(manifest["timings"]) >= {"restore_seconds", "embed_seconds", "build_seconds"}
+  out = capsys.readouterr().out
+  assert "embedding" in out and "published" in out
+  # The published embeddings are the block tower of checkpoint 20, not of any other one.
+  with (published.version_dir(root, 1) / "embeddings.npy").open("rb") as f:
+    got = np.load(f)
+  np.testing.assert_allclose(got, reference_embeddings(config, model, mesh, data, states[20]),
+                             atol=1e-5)
+  assert not np.allclose(got, reference_embeddings(config, model, mesh, data, states[10]),
+                         atol=1e-3)
+  # Retrieval through the loaded version = exact search with the same snapshot's query tower.
+  loaded = loader_for(config, workdir, model, data)(1)
+  ids = pipeline.query_ids(data.examples("train"), np.arange(8), config.data.query_len,
+                          data.tokenizer.cls_id, data.tokenizer.sep_id)[0]
+  query_params = steps.query_tower_params(states[20].params["retriever"])
+  emb = steps.QueryEncoder(model, config, query_params)(ids)
+  expected = ExactIndex.from_embeddings(got).search(emb, 5)
+  np.testing.assert_array_equal(loaded.retrieve(ids, 5), expected)
+  assert loaded.step == 20 and loaded.version == 1
+
+
+def test_deterministic_builder_builds_every_refresh_step_in_order(world_dir, tmp_path):
+  config = builder_config(world_dir, retrieval__refresh="deterministic",
+                          retrieval__refresh_every=10, retrieval__swap_lag=5,
+                          train__steps=25)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (0, 10, 15, 20, 25))
+  builder = IndexBuilder(config, workdir)
+  built = []
+  while (step := builder.next_step(builder.checkpoint_steps())) is not None:
+    built.append(builder.build(step)["step"])
+  builder.close()
+  assert built == [0, 10, 20, 25]     # 15 is no refresh step; 25 is the final one
+
+
+def test_checkpoint_deleted_while_restoring_moves_to_the_newest(world_dir, tmp_path, capsys):
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir)
+  builder = IndexBuilder(config, workdir)
+  builder.checkpoint_steps()
+  real_restore = builder.manager.restore
+  deleted = []
+
+  def restore_after_deletion(step, *args, **kwargs):
+    if not deleted:   # kept-N deletes the checkpoint between listing and reading
+      shutil.rmtree(os.path.join(workdir, "checkpoints", str(step)))
+      deleted.append(step)
+    return real_restore(step, *args, **kwargs)
+  builder.manager.restore = restore_after_deletion
+  assert builder.run(once=True) == 1
+  builder.close()
+  assert deleted == [20]
+  manifest = published.read_manifest(published.index_root(workdir), 1)
+  assert manifest["step"] == 10
+  assert "checkpoint 20 was deleted while being restored" in capsys.readouterr().out
+
+
+def test_builder_without_checkpoints_waits_then_fails_clearly(world_dir, tmp_path):
+  config = builder_config(world_dir, index__wait_timeout=0.5, index__poll_seconds=0.1)
+  workdir = str(tmp_path / "run")
+  flags = helpers.config_flags(config, "demo_realm")
+  t0 = time.time()
+  proc = subprocess.run([sys.executable, "-m", "realm_jax.retrieval.builder", *flags,
+                         f"--workdir={workdir}"], capture_output=True, text=True,
+                        cwd=helpers.REPO, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "waiting for a checkpoint" in proc.stdout
+  errors = [line for line in proc.stderr.splitlines() if "realm-index: error" in line]
+  assert len(errors) == 1 and "index.wait_timeout" in errors[0], proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
+  assert not os.path.exists(os.path.join(workdir, "index", "LATEST"))
+  assert time.time() - t0 < 120
+
+
+def test_builder_refuses_another_block_store(world_dir, tmp_path):
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (0,))
+  with open(os.path.join(workdir, BLOCKS_RECORD), "w") as f:
+    json.dump({"block_store_fingerprint": "0123abcd", "data_dir": "/elsewhere"}, f)
+  with pytest.raises(ConfigError) as e:
+    IndexBuilder(config, workdir)
+  fingerprint = PreparedData(world_dir).blocks.fingerprint
+  assert "0123abcd" in str(e.value) and fingerprint in str(e.value)
+  assert not os.path.exists(os.path.join(workdir, "index"))
+
+
+def _publish_fake(workdir, step, embeddings, query_params, fingerprint, backend="exact"):
+  from flax import traverse_util
+  root = published.index_root(workdir)
+  version, staging = published.start_version(root)
+  with (staging / "embeddings.npy").open("wb") as f:
+    np.save(f, embeddings)
+  with (staging / "query_params.npz").open("wb") as f:
+    np.savez(f, **traverse_util.flatten_dict(query_params, sep="/"))
+  published.publish(root, version, staging, dict(
+      step=step, num_blocks=len(embeddings), dim=embeddings.shape[1], backend=backend,
+      block_store_fingerprint=fingerprint, timings={}), keep=5)
+  return version
+
+
+def test_subscriber_rejects_bad_versions_and_keeps_the_good_one(world_dir, tmp_path, capsys):
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  states, model, mesh, data = make_checkpoints(config, workdir, (0,))
+  builder = IndexBuilder(config, workdir)
+  builder.run(once=True)
+  builder.close()
+  root = published.index_root(workdir)
+  good = published.read_manifest(root, 1)
+  query_params = steps.host_copy(steps.query_tower_params(states[0].params["retriever"]))
+  n = data.blocks.num_blocks
+  fp = data.blocks.fingerprint
+  wrong_dim = _publish_fake(workdir, 5, np.ones((n, 16), np.float32), query_params, fp)
+  other_store = _publish_fake(workdir, 6, np.ones((n, 32), np.float32), query_params, "ffff")
+  corrupt = _publish_fake(workdir, 7, np.ones((n, 32), np.float32), query_params, fp)
+  path = str(published.version_dir(root, corrupt) / "embeddings.npy")
+  with open(path, "r+b") as f:
+    f.seek(os.path.getsize(path) - 1)
+    f.write(b"\x07")
+  no_manifest = published.version_dir(root, corrupt + 1)
+  no_manifest.mkdir()
+  (no_manifest / "embeddings.npy").write_bytes(b"partial")
+  loader = loader_for(config, workdir, model, data)
+  sub = IndexSubscriber(workdir, loader, poll_seconds=3600)
+  try:
+    for version in (1, wrong_dim, other_store, corrupt):
+      with open(os.path.join(workdir, "index", "LATEST"), "w") as f:
+        f.write(f"{version:08d}\n")
+      sub.poll()
+    assert sub.newest().version == 1 and sub.newest().step == good["step"]
+    reasons = sub.rejected
+    assert set(reasons) == {wrong_dim, other_store, corrupt}
+    assert "dim 16 (index) != 32 (trainer)" in reasons[wrong_dim]
+    assert "ffff" in reasons[other_store] and fp in reasons[other_store]
+    assert "sha256" in reasons[corrupt] and "embeddings.npy" in reasons[corrupt]
+    with open(os.path.join(workdir, "index", "LATEST"), "w") as f:
+      f.write(f"{corrupt + 1:08d}\n")       # a pointer to a version without manifest
+    sub.poll()
+    assert sub.newest().version == 1
+    out = capsys.readouterr().out
+    assert out.count("rejected, not used") == 4
+  finally:
+    sub.close()
+
+
+# -- kill -9 at random points -----------------------------------------------------------------
+
+SLOW_DISK = """import os, time
+_fsync = os.fsync
+def _slow_fsync(fd):   # a slow disk: publishing takes long enough to be killed inside
+  time.sleep(0.03)
+  _fsync(fd)
+os.fsync = _slow_fsync
+"""
+
+
+def _start_builder(flags, workdir, slow_disk: str | None = None):
+  env = dict(os.environ)
+  if slow_disk:   # sitecustomize runs in the builder before any of our code
+    os.makedirs(slow_disk, exist_ok=True)
+    with open(os.path.join(slow_disk, "sitecustomize.py"), "w") as f:
+      f.write(SLOW_DISK)
+    env["PYTHONPATH"] = slow_disk + os.pathsep + env.get("PYTHONPATH", "")
+  return subprocess.Popen([sys.executable, "-u", "-m", "realm_jax.retrieval.builder", *flags,
+                           f"--workdir={workdir}", "--once"], cwd=helpers.REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True, env=env)
+
+
+def _kill_after_marker(proc, marker: str, delay: float) -> str:
+  """kill -9 `delay` s after the builder prints `marker`; returns everything it printed."""
+  out = []
+  for line in proc.stdout:
+    out.append(line)
+    if marker in line:
+      time.sleep(delay)
+      os.killpg(proc.pid, signal.SIGKILL)
+      break
+  out.append(proc.stdout.read())
+  proc.wait()
+  return "".join(out)
+
+
+@pytest.fixture(scope="module")
+def larger_world(tmp_path_factory):
+  """~2,000 blocks: embedding them in batches of 8 takes long enough to be killed inside."""
+  from realm_jax.data.world_corpus import prepare_world
+  out = str(tmp_path_factory.mktemp("larger_world"))
+  demo = helpers.load_config_module("demo_realm").get_config().data
+  prepare_world(out, num_entities=500, seed=1, block_len=demo.block_len,
+                max_sentence_len=demo.query_len - 2, vocab_size=helpers.VOCAB_SIZE)
+  return out
+
+
+@pytest.mark.parametrize("phase,marker,max_delay", [
+    ("embedding", "embedding", 0.5),
+    ("publishing", "publishing", 0.3),
+])
+def test_builder_killed_at_random_points_never_exposes_a_partial_version(
+    larger_world, tmp_path, phase, marker, max_delay):
+  # Slow embedding (batches of 8) so that a random kill lands inside it.
+  config = builder_config(larger_world, retrieval__embed_batch_size=8)
+  workdir = str(tmp_path / "run")
+  states, model, mesh, data = make_checkpoints(config, workdir, (0,))
+  flags = helpers.config_flags(config, "demo_realm")
+  root = published.index_root(workdir)
+  # A first complete version, as the trainer would be using it.
+  first = _start_builder(flags, workdir)
+  first.communicate(timeout=300)
+  assert first.returncode == 0 and published.read_latest(root) == 1
+  loader = loader_for(config, workdir, model, data)
+  sub = IndexSubscriber(workdir, loader, poll_seconds=0.02)
+  sub.wait(lambda have: have.get(1), 60, "v1")
+  seen, stop = [], threading.Event()
+
+  def watch():   # what the trainer would retrieve from, sampled all through the kills
+    while not stop.is_set():
+      newest = sub.newest()
+      seen.append(None if newest is None else newest.version)
+      time.sleep(0.01)
+  watcher = threading.Thread(target=watch)
+  watcher.start()
+  rng = random.Random(len(phase))
+  landed = []    # where each kill landed: before the version's commit, or after it
+  try:
+    for _ in range(5):
+      latest = published.read_latest(root)
+      proc = _start_builder(flags, workdir, str(tmp_path / "slow_disk")
+                            if phase == "publishing" else None)
+      printed = _kill_after_marker(proc, marker, rng.uniform(0, max_delay))
+      assert marker in printed, printed[-2000:]
+      committed = published.read_latest(root) != latest
+      assert committed or "published" not in printed, printed[-2000:]
+      landed.append("after" if committed else "before")
+      # Every visible version is complete and verifies; LATEST names one of them.
+      versions = published.complete_versions(root)
+      for version in versions:
+        published.verify(root, version, fingerprint=data.blocks.fingerprint, dim=32)
+      assert published.read_latest(root) in versions
+    print(f"{phase}: kills landed {landed} the commit")
+    if phase == "embedding":
+      assert landed == ["before"] * 5
+    else:   # inside the publish sequence, before the LATEST commit, at least sometimes
+      assert "before" in landed
+    time.sleep(0.2)
+    assert sub.rejected == {}, sub.rejected
+    before = max(published.complete_versions(root))
+    # The builder restarted: the next complete version is taken.
+    last = _start_builder(flags, workdir)
+    out = last.communicate(timeout=300)[0]
+    assert last.returncode == 0, out[-2000:]
+    if phase == "embedding":   # the killed builders' staging dirs are cleaned up
+      assert "removed" in out and ".tmp-" in out
+    newest = published.read_latest(root)
+    assert newest > before
+    sub.wait(lambda have: have.get(newest), 60, f"v{newest}")
+  finally:
+    stop.set()
+    watcher.join()
+    sub.close()
+  assert sub.rejected == {}
+  assert seen[0] == 1 and seen[-1] == newest
+  assert all(v is not None for v in seen)   # never without an index once it had one
+  assert seen == sorted(seen)               # and never back to an older one
+  assert not [p for p in os.listdir(str(root)) if p.startswith(".tmp-")]
+
+
+def test_scann_backend_is_published_with_its_recall_and_served(larger_world, tmp_path, capsys):
+  # A wide random init: the default one maps every block to nearly the same embedding
+  # (cosine 0.99999 to their mean), where nearest neighbours are ties and recall is noise.
+  config = builder_config(larger_world, retrieval__backend="scann", index__num_leaves=20,
+                          index__leaves_to_search=20, index__recall_queries=200,
+                          model__initializer_range=1.0)
+  workdir = str(tmp_path / "run")
+  states, model, mesh, data = make_checkpoints(config, workdir, (0,))
+  builder = IndexBuilder(config, workdir)
+  builder.run(once=True)
+  builder.close()
+  root = published.index_root(workdir)
+  manifest = published.verify(root, 1, fingerprint=data.blocks.fingerprint, dim=32)
+  assert manifest["backend"] == "scann" and manifest["scann"]["num_leaves"] == 20
+  assert any(path.startswith("scann/") for path in manifest["files"])
+  # Probing every leaf, the approximate index must agree closely with exact search.
+  assert manifest["recall_at_10"] >= 0.9
+  assert "recall@10 vs exact" in capsys.readouterr().out
+  loaded = loader_for(config, workdir, model, data)(1)
+  ids = pipeline.query_ids(data.examples("train"), np.arange(16), config.data.query_len,
+                           data.tokenizer.cls_id, data.tokenizer.sep_id)[0]
+  with (published.version_dir(root, 1) / "embeddings.npy").open("rb") as f:
+    exact = ExactIndex.from_embeddings(np.load(f))
+  got, want = loaded.retrieve(ids, 5), exact.search(loaded.encode_queries(ids), 5)
+  assert np.mean([len(set(a) & set(b)) / 5 for a, b in zip(got, want)]) >= 0.9

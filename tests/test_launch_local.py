@@ -1,0 +1,324 @@
+"""`launch/local.py`: two supervised processes, prefixed output, logs, stopping rules, GPU split.
+
+The children are tiny `python -c` programs standing in for the trainer and the builder; they
+hand-shake through files in the workdir so that no test depends on timing.
+"""
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from realm_jax.errors import ConfigError
+from tests.helpers import REPO
+
+LOCAL_PY = os.path.join(REPO, "launch", "local.py")
+
+
+def _load_local():
+  spec = importlib.util.spec_from_file_location("_launch_local", LOCAL_PY)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+local = _load_local()
+
+# Prepended to every child: paths in the workdir, a pid file, and a SIGINT handler that leaves
+# a marker (so a test can tell "stopped by SIGINT" from "killed").
+PRELUDE = textwrap.dedent("""\
+    import os, signal, subprocess, sys, time
+    W = sys.argv[1]
+    NAME = sys.argv[2]
+    def path(name):
+      return os.path.join(W, name)
+    def touch(name, text=''):
+      with open(path(name), 'w') as f:
+        f.write(text)
+    def wait_for(name):
+      while not os.path.exists(path(name)):
+        time.sleep(0.01)
+    def on_sigint(signum, frame):
+      touch(NAME + '.sigint')
+      sys.exit(0)
+    signal.signal(signal.SIGINT, on_sigint)
+    touch(NAME + '.pid', str(os.getpid()))
+    """)
+
+
+def child(workdir, name, body):
+  return [sys.executable, "-c", PRELUDE + textwrap.dedent(body), str(workdir), name]
+
+
+def read_pid(workdir, name):
+  with open(os.path.join(workdir, f"{name}.pid")) as f:
+    return int(f.read())
+
+
+def alive(pid):
+  """Whether `pid` is a live process (a zombie waiting for its reaper counts as gone)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+
+
+def gone(pid, timeout=5.0):
+  """Whether `pid` ends within `timeout` seconds (a SIGKILL is delivered asynchronously)."""
+  deadline = time.monotonic() + timeout
+  while alive(pid):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.05)
+  return True
+
+
+def run_supervise(capsys, commands, workdir, grace=5.0):
+  start = time.monotonic()
+  code = local.supervise(commands, str(workdir), grace=grace)
+  return code, capsys.readouterr().out, time.monotonic() - start
+
+
+def test_output_is_prefixed_and_logged(tmp_path, capsys):
+  trainer = child(tmp_path, "trainer", """\
+      print('step 1 loss 2.5')
+      print('a warning', file=sys.stderr)
+      sys.stdout.write('progress 10%\\rprogress 50%\\r')
+      sys.stdout.flush()
+      print('step 2 loss 2.1')
+      touch('DONE')
+      """)
+  builder = child(tmp_path, "builder", """\
+      print('published version 1')
+      wait_for('DONE')
+      print('the trainer is done')
+      """)
+  code, out, _ = run_supervise(capsys, {"trainer": trainer, "builder": builder}, tmp_path)
+  assert code == 0, out
+  lines = out.splitlines()
+  for line in ("[trainer] step 1 loss 2.5", "[trainer] a warning", "[trainer] progress 10%",
+               "[trainer] progress 50%", "[trainer] step 2 loss 2.1",
+               "[builder] published version 1", "[builder] the trainer is done"):
+    assert line in lines, out
+  assert lines.index("[trainer] step 1 loss 2.5") < lines.index("[trainer] step 2 loss 2.1")
+  assert any(line.startswith("local.py: trainer: ") and "-c" in line for line in lines), out
+  summary = lines[-1]
+  assert summary.startswith("local.py: exit 0: trainer exit code 0 after "), summary
+  assert "builder exit code 0 after " in summary, summary
+  with open(tmp_path / "logs" / "trainer.log") as f:
+    trainer_log = f.read().splitlines()
+  with open(tmp_path / "logs" / "builder.log") as f:
+    builder_log = f.read().splitlines()
+  assert trainer_log[0].startswith("# local.py "), trainer_log
+  assert trainer_log[1:] == ["step 1 loss 2.5", "a warning", "progress 10%", "progress 50%",
+                             "step 2 loss 2.1"]
+  assert builder_log[1:] == ["published version 1", "the trainer is done"]
+
+
+def test_failure_stops_the_other_and_returns_its_code(tmp_path, capsys):
+  trainer = child(tmp_path, "trainer", """\
+      touch('trainer.ready')
+      time.sleep(60)
+      """)
+  builder = child(tmp_path, "builder", """\
+      wait_for('trainer.ready')
+      print('cannot restore checkpoint')
+      sys.exit(3)
+      """)
+  code, out, elapsed = run_supervise(capsys, {"trainer": trainer, "builder": builder}, tmp_path)
+  assert code == 3, out
+  assert "local.py: builder failed with exit code 3; stopping trainer" in out.splitlines(), out
+  assert (tmp_path / "trainer.sigint").exists()          # stopped by the forwarded SIGINT
+  assert gone(read_pid(tmp_path, "trainer"))
+  assert elapsed < 5, elapsed                             # well before the grace period ended
+  assert "trainer exit code 0" in out.splitlines()[-1] and "stopped after the builder failed" \
+      in out.splitlines()[-1], out
+
+
+def test_child_ignoring_sigint_is_killed_after_grace(tmp_path, capsys):
+  trainer = child(tmp_path, "trainer", """\
+      signal.signal(signal.SIGINT, signal.SIG_IGN)
+      touch('trainer.ready')
+      time.sleep(60)
+      """)
+  builder = child(tmp_path, "builder", """\
+      wait_for('trainer.ready')
+      sys.exit(5)
+      """)
+  code, out, elapsed = run_supervise(capsys, {"trainer": trainer, "builder": builder}, tmp_path,
+                                     grace=1.0)
+  assert code == 5, out
+  assert "local.py: trainer still running after 1 s; sending SIGKILL" in out.splitlines(), out
+  assert "trainer killed by SIGKILL" in out.splitlines()[-1], out
+  assert not (tmp_path / "trainer.sigint").exists()
+  assert gone(read_pid(tmp_path, "trainer"))
+  assert 1.0 <= elapsed < 10, elapsed
+
+
+def test_builder_quitting_before_done_stops_the_trainer(tmp_path, capsys):
+  trainer = child(tmp_path, "trainer", """\
+      touch('trainer.ready')
+      time.sleep(60)
+      """)
+  builder = child(tmp_path, "builder", "wait_for('trainer.ready')\n")
+  code, out, _ = run_supervise(capsys, {"trainer": trainer, "builder": builder}, tmp_path)
+  assert code == 1, out
+  assert any(line.startswith("local.py: builder exited 0 while the trainer still runs")
+             and "DONE does not exist" in line for line in out.splitlines()), out
+  assert (tmp_path / "trainer.sigint").exists()
+
+
+def test_builder_quitting_after_done_is_fine(tmp_path, capsys):
+  trainer = child(tmp_path, "trainer", """\
+      touch('DONE')
+      wait_for('builder.gone')
+      time.sleep(0.3)      # the launcher sees the builder's exit while the trainer still runs
+      """)
+  builder = child(tmp_path, "builder", """\
+      wait_for('DONE')
+      touch('builder.gone')
+      """)
+  code, out, _ = run_supervise(capsys, {"trainer": trainer, "builder": builder}, tmp_path)
+  assert code == 0, out
+  assert not (tmp_path / "trainer.sigint").exists()
+
+
+def test_builder_still_running_after_trainer_is_stopped_and_run_succeeds(tmp_path, capsys):
+  trainer = child(tmp_path, "trainer", "wait_for('builder.ready')\n")
+  builder = child(tmp_path, "builder", """\
+      touch('builder.ready')
+      time.sleep(60)       # never looks at DONE
+      """)
+  code, out, elapsed = run_supervise(capsys, {"trainer": trainer, "builder": builder}, tmp_path,
+                                     grace=1.0)
+  assert code == 0, out
+  assert any("builder still running 1 s after the trainer finished; stopping it" in line
+             for line in out.splitlines()), out
+  assert "(stopped after the trainer finished)" in out.splitlines()[-1], out
+  assert (tmp_path / "builder.sigint").exists()
+  assert 1.0 <= elapsed < 10, elapsed
+
+
+DRIVER = textwrap.dedent("""\
+    import importlib.util, sys
+    spec = importlib.util.spec_from_file_location("local", {local!r})
+    local = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(local)
+    sys.exit(local.supervise({commands!r}, {workdir!r}, grace=5.0))
+    """)
+
+
+def test_sigint_to_launcher_stops_both_and_leaves_no_process(tmp_path):
+  # The trainer also starts a grandchild that ignores SIGINT: it must not outlive the run.
+  trainer = child(tmp_path, "trainer", """\
+      grandchild = subprocess.Popen([sys.executable, '-c', 'import signal, time; '
+          'signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)'])
+      touch('grandchild.pid', str(grandchild.pid))
+      touch('trainer.ready')
+      time.sleep(60)
+      """)
+  builder = child(tmp_path, "builder", """\
+      touch('builder.ready')
+      time.sleep(60)
+      """)
+  driver = tmp_path / "driver.py"
+  driver.write_text(DRIVER.format(local=LOCAL_PY, workdir=str(tmp_path),
+                                  commands={"trainer": trainer, "builder": builder}))
+  launcher = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 20
+    while not all((tmp_path / f).exists() for f in ("trainer.ready", "builder.ready")):
+      assert time.monotonic() < deadline and launcher.poll() is None, launcher.stdout.read()
+      time.sleep(0.05)
+    launcher.send_signal(signal.SIGINT)
+    out, _ = launcher.communicate(timeout=20)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+  assert launcher.returncode == 130, out
+  assert "local.py: got SIGINT; stopping trainer and builder" in out, out
+  assert (tmp_path / "trainer.sigint").exists() and (tmp_path / "builder.sigint").exists()
+  for name in ("trainer", "builder", "grandchild"):
+    assert gone(read_pid(tmp_path, name)), name
+
+
+@pytest.mark.parametrize("visible, builder_ids, expected", [
+    (["0", "1", "2", "3", "4", "5", "6", "7"], "6,7", ("0,1,2,3,4,5", "6,7")),
+    (["0", "1", "2", "3"], " 0, 2 ", ("1,3", "0,2")),
+    (["2", "3", "5"], "5", ("2,3", "5")),               # ids as CUDA_VISIBLE_DEVICES lists them
+    ([], "", None),                                     # CPU: no split, environment inherited
+])
+def test_assign_devices(visible, builder_ids, expected):
+  assert local.assign_devices(visible, builder_ids) == expected
+
+
+@pytest.mark.parametrize("visible, builder_ids, words", [
+    (["0", "1"], "", "disjoint"),
+    (["0", "1"], "2", "not among the visible GPUs 0,1"),
+    (["0", "1"], "0,1", "leaves none for the trainer"),
+    (["0", "1", "2"], "1,1", "twice"),
+    ([], "0", "no GPU is visible"),
+])
+def test_assign_devices_errors(visible, builder_ids, words):
+  with pytest.raises(ConfigError) as e:
+    local.assign_devices(visible, builder_ids)
+  assert e.value.option == "index.devices"
+  assert str(e.value).startswith("config.index.devices: ") and words in str(e.value)
+
+
+def test_visible_gpus():
+  listing = ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaa)\n"
+             "GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-bbb)\n"
+             "  MIG 1g.5gb     Device  0: (UUID: MIG-ccc)\n")
+  assert local.parse_gpu_list(listing) == ["0", "1"]
+  assert local.visible_gpus({"CUDA_VISIBLE_DEVICES": "4, 5,6"}) == ["4", "5", "6"]
+  assert local.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+  assert local.visible_gpus({"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": "0,1"}) == []
+
+
+def test_command_line_passes_overrides_to_both():
+  args = local.parse_args(["--config", "configs/demo_realm.py:realm", "--workdir", "W",
+                           "--config.index.devices=6,7", "--grace", "3",
+                           "--config.train.steps", "5", "--noconfig.model.remat"])
+  assert (args.config, args.workdir, args.grace) == ("configs/demo_realm.py:realm", "W", 3.0)
+  assert args.overrides == ["--config.index.devices=6,7", "--config.train.steps", "5",
+                            "--noconfig.model.remat"]
+  assert local.override_value(args.overrides, "index.devices") == "6,7"
+  assert local.override_value(args.overrides, "train.steps") == "5"
+  assert local.override_value(args.overrides, "index") is None
+  commands = local.default_commands(args.config, args.workdir, args.overrides)
+  tail = ["--config", "configs/demo_realm.py:realm", "--workdir", "W", *args.overrides]
+  assert commands["trainer"] == [sys.executable, "-m", "realm_jax.train.main", *tail]
+  assert commands["builder"] == [sys.executable, "-m", "realm_jax.retrieval.builder", *tail]
+
+
+@pytest.mark.parametrize("cuda_visible, flags, words", [
+    ("", ["--config.index.devices=0"], "no GPU is visible"),
+    ("0,1", [], "disjoint"),                           # the config's default index.devices ""
+    ("0,1", ["--config.index.devices=0,1"], "leaves none for the trainer"),
+])
+def test_cli_device_errors_name_the_option(tmp_path, cuda_visible, flags, words):
+  env = dict(os.environ, CUDA_VISIBLE_DEVICES=cuda_visible)
+  env.pop("JAX_PLATFORMS", None)
+  result = subprocess.run(
+      [sys.executable, LOCAL_PY, "--config", "configs/demo_realm.py:realm",
+       "--workdir", str(tmp_path / "run"), *flags],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+  assert result.returncode == 2, result.stdout + result.stderr
+  assert "Traceback" not in result.stderr, result.stderr
+  errors = result.stderr.strip().splitlines()
+  assert len(errors) == 1 and errors[0].startswith("local.py: error: config.index.devices: "), \
+      result.stderr
+  assert words in errors[0], errors[0]
+  assert not (tmp_path / "run").exists()               # nothing started

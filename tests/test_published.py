@@ -1,0 +1,216 @@
+"""The on-disk protocol of published index versions: complete or invisible, numbers never
+reused, keep-N pruning, and a verify that rejects corrupt or mismatched versions."""
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from realm_jax.retrieval import published
+
+FINGERPRINT = "fp-abc"
+DIM = 16
+
+
+def fields(step: int, **extra) -> dict:
+  return {"step": step, "num_blocks": 240, "dim": DIM, "backend": "exact",
+          "block_store_fingerprint": FINGERPRINT, "timings": {"embed_s": 1.5}, **extra}
+
+
+def write_files(staging, seed: int) -> dict[str, bytes]:
+  """Writes a top-level file and one in a subdir; returns {relpath: content}."""
+  contents = {"embeddings.npy": bytes(range(seed, seed + 100)) * 3,
+              "query_tower/params.msgpack": f"params of version {seed}".encode()}
+  for rel, data in contents.items():
+    (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+    (staging / rel).write_bytes(data)
+  return contents
+
+
+def publish_one(root, step: int, keep: int = 3, **extra) -> tuple[int, dict]:
+  version, staging = published.start_version(root)
+  write_files(staging, seed=step % 50)
+  return version, published.publish(root, version, staging, fields(step, **extra), keep=keep)
+
+
+def test_publish_two_versions_then_verify(tmp_path):
+  root = published.index_root(tmp_path)
+  assert published.read_latest(root) is None
+  assert published.complete_versions(root) == []
+  v1, _ = publish_one(root, step=100)
+  version, staging = published.start_version(root)
+  contents = write_files(staging, seed=7)
+  (staging / published.MANIFEST).write_text("stale, from a retried build")  # never listed
+  manifest = published.publish(root, version, staging, fields(200, note="extra key"), keep=3)
+
+  assert (v1, version) == (1, 2)
+  assert (root / published.LATEST).read_text() == "00000002\n"
+  assert published.read_latest(root) == 2
+  assert published.complete_versions(root) == [1, 2]
+  assert not staging.exists()
+  assert sorted(p.name for p in root.iterdir()) == ["00000001", "00000002", "LATEST"]
+  assert manifest["version"] == 2 and manifest["step"] == 200 and manifest["note"] == "extra key"
+  assert manifest["timings"] == {"embed_s": 1.5} and manifest["created"] > 0
+  assert set(manifest["files"]) == set(contents)
+  for rel, data in contents.items():
+    assert manifest["files"][rel] == {"bytes": len(data),
+                                      "sha256": hashlib.sha256(data).hexdigest()}
+  assert published.read_manifest(root, 2) == manifest
+  assert json.loads((root / "00000002" / published.MANIFEST).read_text()) == manifest
+  assert published.verify(root, 2, fingerprint=FINGERPRINT, dim=DIM) == manifest
+  assert published.verify(root, 1)["step"] == 100
+
+
+def test_keep_prunes_and_numbers_are_never_reused(tmp_path):
+  root = published.index_root(tmp_path)
+  for step in (10, 20, 30, 40):
+    publish_one(root, step, keep=2)
+  assert published.complete_versions(root) == [3, 4]
+  assert sorted(p.name for p in root.iterdir()) == ["00000003", "00000004", "LATEST"]
+  assert published.read_manifest(root, 4)["step"] == 40
+
+  # The newest dir and LATEST gone: the number still moves on from the remaining dirs.
+  published.version_dir(root, 4).rmtree()
+  (root / published.LATEST).unlink()
+  assert published.start_version(root)[0] == 4
+  # LATEST alone (its dir deleted) also counts.
+  (root / published.LATEST).write_text("00000009\n")
+  assert published.start_version(root)[0] == 10
+  # A leftover version dir without a manifest (a killed remote builder) is skipped too.
+  (root / published.LATEST).unlink()
+  published.version_dir(root, 12).mkdir()
+  version, staging = published.start_version(root)
+  assert version == 13
+  write_files(staging, seed=1)
+  published.publish(root, version, staging, fields(50), keep=2)
+  assert published.read_latest(root) == 13
+  assert published.complete_versions(root) == [3, 13]
+
+
+def test_killed_builder_staging_is_invisible_and_cleaned(tmp_path):
+  root = published.index_root(tmp_path)
+  publish_one(root, step=100)
+  version, staging = published.start_version(root)
+  write_files(staging, seed=3)                      # killed here, before publish
+  (root / f"{published.LATEST}.tmp-99999").write_text("00000002\n")
+  assert staging.name.startswith(".tmp-") and staging.exists()
+  assert published.complete_versions(root) == [1]
+  assert published.read_latest(root) == 1
+  assert published.clean_staging(tmp_path / "nothing-here") == []
+
+  # Clean from "another process": our own pid's staging dirs are spared on purpose.
+  leftover = root / ".tmp-00000002-99998"
+  os.rename(staging, leftover)
+  removed = published.clean_staging(root)
+  assert sorted(removed) == sorted([str(leftover), str(root / "LATEST.tmp-99999")])
+  assert sorted(p.name for p in root.iterdir()) == ["00000001", "LATEST"]
+  assert published.start_version(root)[0] == 2
+  assert published.clean_staging(root) == []       # spares the live one of this process
+
+
+def test_version_dir_without_manifest_is_not_there(tmp_path):
+  root = published.index_root(tmp_path)
+  publish_one(root, step=100)
+  incomplete = published.version_dir(root, 2)
+  write_files(incomplete, seed=2)
+  (root / "not-a-version").mkdir()
+  (root / "123").mkdir()
+  assert published.complete_versions(root) == [1]
+  with pytest.raises(published.RejectedVersion, match="manifest") as e:
+    published.read_manifest(root, 2)
+  assert e.value.version == 2 and e.value.reason == str(e.value)
+
+  (incomplete / published.MANIFEST).write_text("{not json")
+  assert published.complete_versions(root) == [1, 2]
+  with pytest.raises(published.RejectedVersion, match="not valid JSON"):
+    published.read_manifest(root, 2)
+  (incomplete / published.MANIFEST).write_text(json.dumps({"version": 2, "step": 5}))
+  with pytest.raises(published.RejectedVersion, match="num_blocks"):
+    published.read_manifest(root, 2)
+  (root / published.LATEST).write_text("garbled\n")
+  assert published.read_latest(root) is None
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("flip", r"embeddings\.npy has sha256"),
+    ("truncate", r"embeddings\.npy has size 299 bytes != 300 bytes"),
+    ("delete", r"query_tower/params\.msgpack is listed .* but missing"),
+])
+def test_verify_rejects_damaged_files(tmp_path, damage, expected):
+  root = published.index_root(tmp_path)
+  version, _ = publish_one(root, step=100)
+  directory = published.version_dir(root, version)
+  embeddings = directory / "embeddings.npy"
+  data = bytearray(embeddings.read_bytes())
+  if damage == "flip":
+    data[17] ^= 0x01
+    embeddings.write_bytes(bytes(data))
+    assert embeddings.stat().length == 300
+  elif damage == "truncate":
+    embeddings.write_bytes(bytes(data[:-1]))
+  else:
+    (directory / "query_tower" / "params.msgpack").unlink()
+  with pytest.raises(published.RejectedVersion, match=expected) as e:
+    published.verify(root, version)
+  assert e.value.version == version
+
+
+def test_verify_rejects_fingerprint_and_dim_mismatch(tmp_path):
+  root = published.index_root(tmp_path)
+  version, _ = publish_one(root, step=100)
+  with pytest.raises(published.RejectedVersion) as e:
+    published.verify(root, version, fingerprint="fp-def", dim=DIM)
+  assert str(e.value) == "block store fingerprint fp-abc (index) != fp-def (trainer)"
+  with pytest.raises(published.RejectedVersion) as e:
+    published.verify(root, version, fingerprint=FINGERPRINT, dim=128)
+  assert str(e.value) == f"dim {DIM} (index) != 128 (trainer)"
+
+
+def test_publish_refuses_bad_calls(tmp_path):
+  root = published.index_root(tmp_path)
+  version, staging = published.start_version(root)
+  with pytest.raises(ValueError, match="block_store_fingerprint"):
+    published.publish(root, version, staging, {"step": 1, "num_blocks": 2, "dim": 3,
+                                               "backend": "exact", "timings": {}}, keep=2)
+  published.version_dir(root, version).mkdir()
+  with pytest.raises(FileExistsError, match="00000001"):
+    published.publish(root, version, staging, fields(1), keep=2)
+
+
+def test_remote_path_writes_in_place_with_manifest_last(tmp_path, monkeypatch):
+  monkeypatch.setattr(published, "is_local", lambda path: False)
+  root = published.index_root(tmp_path)
+  assert published.clean_staging(root) == []
+  publish_one(root, step=100)
+  version, staging = published.start_version(root)
+  assert version == 2 and staging == published.version_dir(root, 2)
+  contents = write_files(staging, seed=9)
+  assert published.complete_versions(root) == [1]  # files there, no manifest: invisible
+
+  hashed = []
+  real_sha256 = published.sha256_file
+
+  def sha256_before_manifest(path):
+    assert not (staging / published.MANIFEST).exists()
+    hashed.append(path.name)
+    return real_sha256(path)
+
+  monkeypatch.setattr(published, "sha256_file", sha256_before_manifest)
+  manifest = published.publish(root, version, staging, fields(200), keep=1)
+  monkeypatch.setattr(published, "sha256_file", real_sha256)
+  assert sorted(hashed) == ["embeddings.npy", "params.msgpack"]
+  assert set(manifest["files"]) == set(contents)
+  assert sorted(p.name for p in root.iterdir()) == ["00000002", "LATEST"]
+  assert published.read_latest(root) == 2
+  assert published.verify(root, 2, fingerprint=FINGERPRINT, dim=DIM) == manifest
+  with pytest.raises(ValueError, match="in place"):
+    published.publish(root, 3, tmp_path / "elsewhere", fields(300), keep=1)
+
+
+def test_paths():
+  assert published.is_local("/tmp/w") and published.is_local(published.index_root("rel/w"))
+  assert not published.is_local("gs://bucket/w")
+  assert not published.is_local(published.index_root("gs://bucket/w"))
+  remote = published.version_dir(published.index_root("gs://b/w"), 42)
+  assert str(remote) == "gs://b/w/index/00000042"

@@ -1,0 +1,129 @@
+"""The trainer with the separate index builder (`launch/local.py`): deterministic runs repeat bit
+for bit, also across a kill -9 of the trainer; async runs never wait after the first index."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from realm_jax.train.feed import deterministic_source_step
+from realm_jax.train.metrics import read_jsonl
+from tests import helpers
+
+STEPS = 12
+REFRESH_EVERY = 3
+SWAP_LAG = 1
+KILL_AT = 8      # the trainer is killed once it has logged this step
+
+
+def refresh_config(world_dir, mode):
+  return helpers.tiny_config(
+      "realm", data_dir=world_dir, retrieval__refresh=mode,
+      retrieval__refresh_every=REFRESH_EVERY, retrieval__swap_lag=SWAP_LAG,
+      retrieval__first_index_timeout=240.0, index__poll_seconds=0.1, train__steps=STEPS,
+      train__checkpoint_every=6, train__log_every=1, data__prefetch=2)
+
+
+def launch(config, workdir):
+  flags = helpers.config_flags(config, "demo_realm")
+  return subprocess.Popen([sys.executable, "-u", os.path.join("launch", "local.py"), *flags,
+                           f"--workdir={workdir}", "--grace=20"], cwd=helpers.REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+
+
+def finish(proc) -> str:
+  out = proc.communicate(timeout=600)[0]
+  assert proc.returncode == 0, out[-4000:]
+  return out
+
+
+def per_step(workdir, name, key):
+  """{step: value} from W/metrics/<name>.jsonl; a resumed run's lines replace the earlier."""
+  return {r["step"]: r[key] for r in read_jsonl(os.path.join(workdir, "metrics",
+                                                             f"{name}.jsonl")) if key in r}
+
+
+def test_deterministic_runs_repeat_exactly_also_after_a_kill(world_dir, tmp_path):
+  config = refresh_config(world_dir, "deterministic")
+  first = str(tmp_path / "first")
+  out = finish(launch(config, first))
+  assert "[builder]" in out and "[trainer]" in out
+  losses = per_step(first, "train", "loss")
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  # Step t retrieved from the version built from the checkpoint of the rule's step.
+  index_steps = per_step(first, "retrieval", "index_step")
+  assert index_steps == {t + 1: deterministic_source_step(t, REFRESH_EVERY, SWAP_LAG)
+                         for t in range(STEPS)}
+  with open(os.path.join(first, "summary.json")) as f:
+    summary = json.load(f)
+  assert summary["index_versions_used"] == len(set(index_steps.values()))
+  assert os.path.exists(os.path.join(first, "DONE"))
+
+  # The same run again, its trainer killed -9 mid-run, then launched again: resumes.
+  second = str(tmp_path / "second")
+  proc = launch(config, second)
+  trainer_pid, printed = None, []
+  for line in proc.stdout:
+    printed.append(line)
+    if "trainer: started, pid" in line:
+      trainer_pid = int(line.rsplit(" ", 1)[1])
+    if f"step {KILL_AT}/{STEPS}" in line:
+      os.killpg(trainer_pid, signal.SIGKILL)
+      break
+  printed.append(proc.communicate(timeout=300)[0])
+  assert proc.returncode != 0 and "trainer failed" in "".join(printed), "".join(printed)[-3000:]
+  assert not os.path.exists(os.path.join(second, "DONE"))
+  out = finish(launch(config, second))
+  assert "resumed from" in out, out[-3000:]
+  resumed = per_step(second, "train", "loss")
+  assert resumed == losses           # exactly, step by step
+  assert per_step(second, "retrieval", "index_step") == index_steps
+
+
+def test_async_run_never_waits_after_the_first_index(world_dir, tmp_path):
+  config = refresh_config(world_dir, "async")
+  workdir = str(tmp_path / "async")
+  out = finish(launch(config, workdir))
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  assert summary["index_blocking_waits"] == 0
+  waits = per_step(workdir, "retrieval", "index_wait_seconds")
+  assert all(w < 0.01 for step, w in waits.items() if step > 1), waits
+  staleness = per_step(workdir, "retrieval", "index_staleness")
+  assert sorted(staleness) == list(range(1, STEPS + 1))
+  assert summary["index_staleness_max"] == max(staleness.values())
+  for key in ("index_staleness_p50", "index_staleness_p95", "index_versions_used"):
+    assert key in summary
+  assert "index staleness p50" in out
+  assert "eval_span_accuracy" in summary     # the final eval ran on the final step's index
+  with open(os.path.join(workdir, "metrics", "eval.jsonl")) as f:
+    final = [json.loads(line) for line in f][-1]
+  assert final["index_step"] == STEPS
+  assert "[builder]" in out and "versions published" in out
+
+
+@pytest.mark.parametrize("bad", ["dim"])
+def test_index_of_another_dim_is_refused_by_the_trainer(world_dir, tmp_path, bad):
+  """A trainer whose model has another retrieval dim than the published index never uses it."""
+  config = refresh_config(world_dir, "async")
+  workdir = str(tmp_path / "run")
+  builder_config = refresh_config(world_dir, "async")
+  builder_config.model.retrieval_dim = 16
+  from tests.test_index_builder import make_checkpoints
+  from realm_jax.retrieval.builder import IndexBuilder
+  make_checkpoints(builder_config, workdir, (0,))
+  builder = IndexBuilder(builder_config, workdir)
+  builder.run(once=True)
+  builder.close()
+  config.retrieval.first_index_timeout = 3.0
+  from realm_jax.train.loop import Trainer
+  trainer = Trainer(config, str(tmp_path / "trainer"))
+  os.symlink(os.path.join(workdir, "index"), os.path.join(str(tmp_path / "trainer"), "index"))
+  with pytest.raises(TimeoutError):
+    trainer.schedule.start_async(0, 2)
+  assert "dim 16 (index) != 32 (trainer)" in trainer.subscriber.rejected[1]
+  trainer.subscriber.close()
