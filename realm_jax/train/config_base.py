@@ -98,7 +98,7 @@ def base_config() -> ml_collections.ConfigDict:
                                    # trainer: between looks for a newer version
   c.index.wait_timeout = 600.0     # builder: fail after this long with no checkpoint at all
   c.index.num_leaves = 0           # scann tree leaves; 0: about sqrt(num_blocks)
-  c.index.leaves_to_search = 0     # scann leaves probed per query; 0: derived (~num_leaves / 20)
+  c.index.leaves_to_search = 0     # scann leaves probed per query; 0: max(leaves/20, 16)
   c.index.training_sample = 0      # scann tree/AH training sample; 0: min(num_blocks, 250,000)
   c.index.dims_per_block = 2       # scann asymmetric hashing: dimensions per 4-bit code
   c.index.reorder = 0              # scann exact re-scoring of this many; 0: derived (>= 100)
