@@ -33,7 +33,6 @@ import json
 import os
 import pathlib
 import shutil
-import statistics
 import sys
 import time
 
@@ -49,6 +48,7 @@ from realm_jax.retrieval import scann_index
 from realm_jax.retrieval.index import embed_blocks
 from realm_jax.train import partitioning, state as state_lib, steps
 from realm_jax.train.checkpoints import restore_params
+from train_step import matmul_flops_per_s   # bench/ is this script's directory: sys.path[0]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TOP_N = 10
@@ -96,19 +96,6 @@ def block_flops(config) -> float:
   d, ff, length = mc.hidden_size, mc.intermediate_size, config.data.block_len
   encoder = mc.num_layers * (2 * length * (4 * d * d + 2 * d * ff) + 4 * length**2 * d)
   return float(encoder + 2 * d * d + 2 * d * mc.retrieval_dim)
-
-
-def matmul_flops_per_s(n: int = 2048, reps: int = 5) -> float:
-  """FLOP/s of a jitted n x n fp32 matmul on the default device (median of `reps`)."""
-  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-  matmul = jax.jit(jnp.matmul)
-  matmul(a, a).block_until_ready()
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    matmul(a, a).block_until_ready()
-    times.append(time.perf_counter() - t0)
-  return 2.0 * n**3 / statistics.median(times)
 
 
 def block_embeddings(cache: pathlib.Path, world: pathlib.Path, data: PreparedData, config,
@@ -309,7 +296,7 @@ def main(argv=None) -> dict:
   data = PreparedData(str(world))
   mesh = partitioning.make_mesh(config.mesh.shape)
   model = state_lib.build_model(config, data.tokenizer.vocab_size)
-  matmul = matmul_flops_per_s()
+  matmul = matmul_flops_per_s(jnp.float32)
   params, model_meta = retriever_params(config, model, mesh, data.blocks.block_len,
                                         args.model_workdir, args.seed)
   table, meta = block_embeddings(cache, world, data, config, model, mesh, params, model_meta,

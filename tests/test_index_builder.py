@@ -51,6 +51,15 @@ def make_checkpoints(config, workdir, steps_to_save=CHECKPOINT_STEPS):
   return states, model, mesh, data
 
 
+def build_once(config, workdir) -> int:
+  """realm-index --once, in this process; returns the versions published."""
+  builder = IndexBuilder(config, workdir)
+  try:
+    return builder.run(once=True)
+  finally:
+    builder.close()
+
+
 def reference_embeddings(config, model, mesh, data, state):
   fn = steps.block_embedder(model, mesh, config, state.params["retriever"])
   return embed_blocks(fn, data.blocks, mesh, config.retrieval.embed_batch_size)[0]
@@ -71,9 +80,7 @@ def test_builder_publishes_the_newest_checkpoint_and_the_trainer_retrieves_from_
   config = builder_config(world_dir)
   workdir = str(tmp_path / "run")
   states, model, mesh, data = make_checkpoints(config, workdir)
-  builder = IndexBuilder(config, workdir)
-  assert builder.run(once=True) == 1
-  builder.close()
+  assert build_once(config, workdir) == 1
   root = published.index_root(workdir)
   assert published.complete_versions(root) == [1] and published.read_latest(root) == 1
   manifest = published.verify(root, 1, fingerprint=data.blocks.fingerprint, dim=32)
@@ -186,9 +193,7 @@ def test_subscriber_rejects_bad_versions_and_keeps_the_good_one(world_dir, tmp_p
   config = builder_config(world_dir)
   workdir = str(tmp_path / "run")
   states, model, mesh, data = make_checkpoints(config, workdir, (0,))
-  builder = IndexBuilder(config, workdir)
-  builder.run(once=True)
-  builder.close()
+  build_once(config, workdir)
   root = published.index_root(workdir)
   good = published.read_manifest(root, 1)
   query_params = steps.host_copy(steps.query_tower_params(states[0].params["retriever"]))
@@ -357,9 +362,7 @@ def test_scann_backend_is_published_with_its_recall_and_served(larger_world, tmp
                           model__initializer_range=1.0)
   workdir = str(tmp_path / "run")
   states, model, mesh, data = make_checkpoints(config, workdir, (0,))
-  builder = IndexBuilder(config, workdir)
-  builder.run(once=True)
-  builder.close()
+  build_once(config, workdir)
   root = published.index_root(workdir)
   manifest = published.verify(root, 1, fingerprint=data.blocks.fingerprint, dim=32)
   assert manifest["backend"] == "scann" and manifest["scann"]["num_leaves"] == 20

@@ -113,12 +113,9 @@ def test_index_of_another_dim_is_refused_by_the_trainer(world_dir, tmp_path, bad
   workdir = str(tmp_path / "run")
   builder_config = refresh_config(world_dir, "async")
   builder_config.model.retrieval_dim = 16
-  from tests.test_index_builder import make_checkpoints
-  from realm_jax.retrieval.builder import IndexBuilder
+  from tests.test_index_builder import build_once, make_checkpoints
   make_checkpoints(builder_config, workdir, (0,))
-  builder = IndexBuilder(builder_config, workdir)
-  builder.run(once=True)
-  builder.close()
+  build_once(builder_config, workdir)
   config.retrieval.first_index_timeout = 3.0
   from realm_jax.train.loop import Trainer
   trainer = Trainer(config, str(tmp_path / "trainer"))

@@ -14,7 +14,6 @@ import json
 import os
 import time
 
-import jax
 import numpy as np
 
 from realm_jax.data.store import PreparedData

@@ -23,7 +23,7 @@ from realm_jax.train import batches, partitioning, state as state_lib, steps
 from realm_jax.train.feed import BatchFeed, IndexSchedule
 from realm_jax.train.checkpoints import Checkpointer, restore_params
 from realm_jax.train.config_base import incompatible_fields, validate
-from realm_jax.train.metrics import MetricWriter, format_duration, read_jsonl
+from realm_jax.train.metrics import MetricWriter, format_duration
 
 
 def load_data(config) -> PreparedData:
@@ -110,15 +110,14 @@ class Trainer:
         if self.retrieves else None
 
   # -- retrieval ---------------------------------------------------------------------------
-  def _query_encoder(self, retriever_params):
-    return steps.QueryEncoder(self.model, self.config, steps.query_tower_params(retriever_params))
+  def _query_encoder(self, query_params):
+    return steps.QueryEncoder(self.model, self.config, query_params)
 
   def _load_version(self, version: int) -> LoadedIndex:
     template = steps.query_tower_params(self.abstract.params["retriever"])
     return load_version(published.index_root(self.workdir), version, config=self.config,
                         fingerprint=self.data.blocks.fingerprint, query_template=template,
-                        make_encoder=lambda params: steps.QueryEncoder(self.model, self.config,
-                                                                       params))
+                        make_encoder=self._query_encoder)
 
   def refresh_index(self, retriever_params, step: int) -> None:
     """Rebuilds the block index in-process from `retriever_params` (a snapshot at `step`)."""
@@ -130,7 +129,8 @@ class Trainer:
                                  log_prefix=f"[{self.config.task}] index v{version}: ")
     self.index = LoadedIndex(version=version, step=step,
                              index=ExactIndex.from_embeddings(embeddings),
-                             encode_queries=self._query_encoder(retriever_params))
+                             encode_queries=self._query_encoder(
+                                 steps.query_tower_params(retriever_params)))
 
   def _snapshot(self):
     """A copy of the current retriever params (the state's buffers are donated every step)."""
@@ -226,7 +226,7 @@ class Trainer:
     data_iter = self.queries.iterator(cfg.data.prefetch, self.saved_data)
     feed = None
     t_start, t_last, window = time.time(), time.time(), []
-    eval_metrics, staleness = {}, []
+    eval_metrics, staleness, versions_used = {}, [], set()
     try:
       if self.from_builder and start == 0:
         self._save(0, data_iter.get_state())   # the builder's first snapshot
@@ -254,6 +254,7 @@ class Trainer:
         if "index" in used:
           self.last_index = used["index"]
           staleness.append(step - self.last_index.step)
+          versions_used.add(self.last_index.version)
           if self.from_builder:   # per-step wall time, to see what the builder costs us
             jax.block_until_ready(metrics)
           now = time.time()
@@ -308,7 +309,7 @@ class Trainer:
     summary = {"task": task, "steps": total, "wall_seconds": round(time.time() - t_start, 1),
                "params": n_params, **{f"eval_{k}": v for k, v in eval_metrics.items()}}
     if staleness:
-      summary.update(self._retrieval_summary(staleness))
+      summary.update(self._retrieval_summary(staleness, versions_used))
       print(f"[{task}] index staleness p50 {summary['index_staleness_p50']:g} p95 "
             f"{summary['index_staleness_p95']:g} max {summary['index_staleness_max']} over "
             f"{len(staleness)} steps; {summary['index_versions_used']} versions used; "
@@ -323,13 +324,13 @@ class Trainer:
     summary["examples"] = details
     return summary
 
-  def _retrieval_summary(self, staleness: list[int]) -> dict:
+  def _retrieval_summary(self, staleness: list[int], versions_used: set[int]) -> dict:
+    """Over the steps this process ran (a resumed run: since the resume)."""
     waits = self.schedule.waits
-    versions = read_jsonl(os.path.join(self.workdir, "metrics", "retrieval.jsonl"))
     return {"index_staleness_p50": float(np.percentile(staleness, 50)),
             "index_staleness_p95": float(np.percentile(staleness, 95)),
             "index_staleness_max": int(max(staleness)),
-            "index_versions_used": len({r["index_version"] for r in versions}),
+            "index_versions_used": len(versions_used),
             "index_blocking_waits": len(waits),
             "index_wait_seconds": round(float(sum(w for _, w in waits)), 2),
             "index_rejected": len(self.subscriber.rejected) if self.subscriber else 0}
