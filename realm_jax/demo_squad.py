@@ -1,10 +1,14 @@
-"""`make demo-squad`: REALM in miniature on a SQuAD-format file, with zero-shot retrieval.
+"""`make demo-squad`: REALM in miniature on a SQuAD-format file, with zero-shot retrieval;
+`make demo-openqa`: then Open-QA fine-tuning from the REALM and the ICT checkpoints.
 
 prepare (configs/squad_realm.py:prepare) -> ICT -> reader warm-up -> REALM (each an ordinary
 `realm-train` stage in its own sub-workdir, so an interrupted run resumes) -> recall@1/5/20 of
 the answer paragraph for the file's questions: ICT retriever, REALM retriever, BM25.
+With --openqa: after the same pre-training, configs/squad_openqa.py fine-tunes each of the
+REALM and ICT checkpoints on the training articles' questions and `realm-eval` scores both on
+the test articles (EM, F1, recall@k).
 
-  python -m realm_jax.demo_squad --workdir runs/squad [--squad PATH]
+  python -m realm_jax.demo_squad --workdir runs/squad [--squad PATH] [--openqa]
 """
 
 from __future__ import annotations
@@ -14,16 +18,16 @@ import json
 import os
 import time
 
-from realm_jax.demo import load_config, run_stages
+from realm_jax.demo import load_config, run_stage, run_stages
 from realm_jax.errors import run_cli
 
 STAGES = (("ict", ""), ("warmup", "ict"), ("realm", "warmup"))
+OPENQA_STAGES = (("openqa_realm", "realm"), ("openqa_ict", "ict"))   # (stage, starts from)
 
 
-def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
+def pretrain(workdir: str, squad: str, seed: int) -> tuple[str, dict, dict]:
+  """prepare -> ICT -> warm-up -> REALM. Returns (data dir, prepare stats, stage summaries)."""
   from realm_jax.data.prepare import prepare
-  from realm_jax.retrieval.question_recall import format_table, recall_table
-  t0 = time.time()
   data_dir = os.path.join(workdir, "data")
   prep = load_config("squad_realm", "prepare")
   if squad:
@@ -34,9 +38,16 @@ def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
     raise FileNotFoundError(f"{path}: no SQuAD-format file (pass --squad PATH)")
   print(f"[demo-squad] preparing {path} -> {data_dir}", flush=True)
   stats = prepare(prep)
-  configs = {name: load_config("squad_realm", name) for name, _ in STAGES}
   results = run_stages([(name, "squad_realm", name, init_from) for name, init_from in STAGES],
                        data_dir, workdir, seed)
+  return data_dir, stats, results
+
+
+def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
+  from realm_jax.retrieval.question_recall import format_table, recall_table
+  t0 = time.time()
+  data_dir, stats, results = pretrain(workdir, squad, seed)
+  configs = {name: load_config("squad_realm", name) for name, _ in STAGES}
   print("[demo-squad] zero-shot question retrieval", flush=True)
   table = recall_table(data_dir, {"ict": (configs["ict"], os.path.join(workdir, "ict")),
                                   "realm": (configs["realm"], os.path.join(workdir, "realm"))})
@@ -56,16 +67,59 @@ def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
   return summary
 
 
+def run_demo_openqa(workdir: str, squad: str = "", seed: int = 0) -> dict:
+  from realm_jax.evaluate_qa import evaluate_run
+  t0 = time.time()
+  data_dir, stats, results = pretrain(workdir, squad, seed)
+  table = {}
+  for name, start in OPENQA_STAGES:
+    overrides = {"data.dir": data_dir, "seed": seed,
+                 "init.from_workdir": os.path.join(workdir, start)}
+    if squad:
+      overrides.update({"qa.train": f"squad:{squad}", "qa.test": f"squad:{squad}"})
+    results[name] = run_stage(name, ("squad_openqa", start), overrides,
+                              os.path.join(workdir, name))
+    config = load_config("squad_openqa", start)
+    for key, value in overrides.items():
+      parent, _, leaf = key.rpartition(".")
+      (config[parent] if parent else config)[leaf] = value
+    print(f"[demo-openqa] realm-eval {os.path.join(workdir, name)} on the test articles",
+          flush=True)
+    table[start], _ = evaluate_run(config, os.path.join(workdir, name), split="test")
+  summary = {"source": load_config("squad_openqa", "realm").qa.test if not squad else squad,
+             "seed": seed, "blocks": stats["blocks"], "test": table,
+             "train_questions": results["openqa_realm"].get("train_questions"),
+             "stage_seconds": {k: v.get("wall_seconds") for k, v in results.items()},
+             "wall_seconds": round(time.time() - t0, 1)}
+  with open(os.path.join(workdir, "summary_openqa.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  n = table["realm"]["num_questions"]
+  print(f"\n== Open-QA on the test articles: {n:,} questions, {stats['blocks']:,} blocks, "
+        f"top {table['realm']['reader_beam']} read ==")
+  header = f"{'pre-training':<14}{'EM':>8}{'F1':>8}{'R@1':>8}{'R@5':>8}{'R@20':>8}"
+  print(header + "\n" + "-" * len(header))
+  for start, label in (("realm", "REALM"), ("ict", "ICT only")):
+    m = table[start]
+    print(f"{label:<14}" + "".join(f"{m.get(k, float('nan')):>8.3f}" for k in (
+        "exact_match", "f1", "recall_at_1", "recall_at_5", "recall_at_20")))
+  print(f"\n[demo-openqa] wrote {workdir}/summary_openqa.json "
+        f"({summary['wall_seconds'] / 60:.1f} min)")
+  return summary
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workdir", default="runs/squad", help="where everything is written")
   parser.add_argument("--squad", default="", help="SQuAD v1.1-format JSON file (default: the "
                       "SQuADShifts file of ../shared/data)")
   parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
+  parser.add_argument("--openqa", action="store_true", help="then Open-QA fine-tuning from the "
+                      "REALM and ICT checkpoints, scored on the test articles")
   args = parser.parse_args()
   from absl import logging
   logging.set_verbosity(logging.WARNING)
-  run_cli("realm-demo-squad", lambda: run_demo_squad(args.workdir, args.squad, args.seed))
+  demo = run_demo_openqa if args.openqa else run_demo_squad
+  run_cli("realm-demo-squad", lambda: demo(args.workdir, args.squad, args.seed))
 
 
 if __name__ == "__main__":

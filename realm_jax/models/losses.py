@@ -84,3 +84,41 @@ def ict_loss(query_emb: Array, block_emb: Array) -> tuple[Array, dict[str, Array
   loss = -jnp.mean(jnp.take_along_axis(log_probs, labels[:, None], axis=1))
   accuracy = jnp.mean(jnp.argmax(scores, axis=-1) == labels)
   return loss, {"ict_accuracy": accuracy}
+
+
+def openqa_loss(retrieval_logits: Array, has_answer: Array, span_logits: Array,
+                span_correct: Array) -> tuple[Array, dict[str, Array]]:
+  """ORQA's fine-tuning loss: retriever + reader marginal log-likelihoods, per question.
+
+  retriever: -log sum_{z in top-N, z contains an answer} p(z|x), p over the top N;
+  reader: -log sum_{(z, s) matching an answer} p(z, s|x), p over every span s of the top K
+  blocks, each scored span(s) + f(x, z) (the block's retrieval logit added to its spans).
+  A question with no answer-bearing block (no matching span) adds 0 to that term.
+
+  Args:
+    retrieval_logits: [B, N] f(x, z) of the top-N blocks, best first.
+    has_answer: [B, N] bool, block z contains an answer string.
+    span_logits: [B, K, S] span scores of the top-K blocks' reader inputs (invalid: -1e9).
+    span_correct: [B, K, S] bool, the span's tokens are an answer.
+  Returns:
+    (mean loss, metrics).
+  """
+  k = span_logits.shape[1]
+  log_p_z = jax.nn.log_softmax(retrieval_logits, axis=-1)
+  retriever_ok = has_answer.any(-1)
+  retriever_ll = jax.nn.logsumexp(jnp.where(has_answer, log_p_z, -1e9), axis=-1)
+  joint = (span_logits + retrieval_logits[:, :k, None]).reshape(span_logits.shape[0], -1)
+  correct = span_correct.reshape(joint.shape)
+  reader_ok = correct.any(-1)
+  reader_ll = (jax.nn.logsumexp(jnp.where(correct, joint, -1e9), axis=-1)
+               - jax.nn.logsumexp(joint, axis=-1))
+  retriever_loss = jnp.where(retriever_ok, -retriever_ll, 0.0)
+  reader_loss = jnp.where(reader_ok, -reader_ll, 0.0)
+  best = jnp.argmax(joint, axis=-1)
+  metrics = {
+      "retriever_loss": jnp.mean(retriever_loss), "reader_loss": jnp.mean(reader_loss),
+      "answer_in_top_n": jnp.mean(retriever_ok), "answer_in_top_k": jnp.mean(has_answer[:, :k]
+                                                                           .any(-1)),
+      "span_accuracy": jnp.mean(jnp.take_along_axis(correct, best[:, None], axis=1)[:, 0]),
+  }
+  return jnp.mean(retriever_loss + reader_loss), metrics

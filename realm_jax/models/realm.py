@@ -5,6 +5,7 @@ Parameter tree (top level):
   retriever/query_tower/{bert, projection, projection_norm}
   retriever/block_tower/{...}         (absent when towers are shared: `retriever/tower`)
   reader/{bert, cls}                  (BERT + MLM head, decoder tied to the word embeddings)
+  reader/qa_outputs                   (ORQA span scorer; only with `span_hidden` > 0: Open-QA)
 Every stage (ICT, reader warm-up, REALM) uses the same tree, so one stage's checkpoint starts
 the next; the optimizer decides which half is trained.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from realm_jax.models.bert import BertConfig, BertEncoder, dense, layer_norm
 
@@ -90,6 +92,45 @@ class MLMHead(nn.Module):
     return bert.attend(h).astype(jnp.float32) + bias
 
 
+def span_candidates(length: int, max_width: int) -> tuple[np.ndarray, np.ndarray]:
+  """(starts, ends) of every span of width 1..max_width in a sequence of `length`, ordered
+  width-major then by start (HF `RealmReaderProjection`'s order): S = sum_w (length - w + 1)."""
+  widths = range(1, min(max_width, length) + 1)
+  starts = np.concatenate([np.arange(length - w + 1) for w in widths]).astype(np.int32)
+  ends = np.concatenate([np.arange(w - 1, length) for w in widths]).astype(np.int32)
+  return starts, ends
+
+
+class SpanHead(nn.Module):
+  """ORQA's span scorer (HF `qa_outputs`): score(s, e) = w . LayerNorm(ReLU(W_s h_s + W_e h_e)).
+
+  `dense_intermediate` projects each position to [start half | end half] of 2 * span_hidden;
+  spans may only start and end on tokens of `span_mask` (the block body).
+  """
+
+  cfg: BertConfig
+  span_hidden: int = 256
+  max_width: int = 10
+  eps: float = 1e-3
+
+  @nn.compact
+  def __call__(self, hidden: Array, span_mask: Array) -> Array:
+    """hidden [n, L, H], span_mask [n, L] bool -> span logits [n, S] (masked: -1e9)."""
+    cfg = self.cfg
+    h = dense(2 * self.span_hidden, ("embed", "mlp"), cfg, "dense_intermediate")(hidden)
+    start, end = jnp.split(h, 2, axis=-1)
+    starts, ends = span_candidates(hidden.shape[1], self.max_width)
+    x = nn.relu(start[:, starts] + end[:, ends])
+    x = nn.LayerNorm(
+        epsilon=self.eps, dtype=cfg.dtype,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("mlp",)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
+        name="layer_normalization")(x)
+    logits = dense(1, ("mlp", None), cfg, "dense_output")(x)[..., 0].astype(jnp.float32)
+    valid = span_mask[:, starts] & span_mask[:, ends]
+    return jnp.where(valid, logits, -1e9)
+
+
 class Reader(nn.Module):
   """Knowledge-augmented encoder: `[CLS] x [SEP] body [SEP]` -> MLM log-probs at the masks.
 
@@ -97,10 +138,15 @@ class Reader(nn.Module):
   """
 
   cfg: BertConfig
+  span_hidden: int = 0             # > 0: with the Open-QA span scorer
+  max_span_width: int = 10
+  span_eps: float = 1e-3
 
   def setup(self):
     self.bert = BertEncoder(self.cfg, add_pooler=False)
     self.cls = MLMHead(self.cfg)
+    if self.span_hidden:
+      self.qa_outputs = SpanHead(self.cfg, self.span_hidden, self.max_span_width, self.span_eps)
 
   def __call__(self, reader_ids: Array, reader_segments: Array, mask_positions: Array,
                deterministic: bool = True) -> Array:
@@ -109,6 +155,12 @@ class Reader(nn.Module):
     at_masks = jnp.take_along_axis(hidden, mask_positions[..., None], axis=1)
     return jax.nn.log_softmax(self.cls(at_masks, self.bert), axis=-1)
 
+  def spans(self, reader_ids: Array, reader_segments: Array, span_mask: Array,
+            deterministic: bool = True) -> Array:
+    """`[CLS] question [SEP] body [SEP]` -> span logits [n, S] (see `span_candidates`)."""
+    hidden, _ = self.bert(reader_ids, reader_segments, deterministic)
+    return self.qa_outputs(hidden, span_mask)
+
 
 class REALM(nn.Module):
   """Retriever + reader; the methods below are what the training and eval steps call."""
@@ -116,10 +168,13 @@ class REALM(nn.Module):
   cfg: BertConfig
   retrieval_dim: int = 128
   share_towers: bool = False
+  span_hidden: int = 0             # > 0: the reader has the Open-QA span scorer
+  max_span_width: int = 10
+  span_eps: float = 1e-3
 
   def setup(self):
     self.retriever = Retriever(self.cfg, self.retrieval_dim, self.share_towers)
-    self.reader = Reader(self.cfg)
+    self.reader = Reader(self.cfg, self.span_hidden, self.max_span_width, self.span_eps)
 
   def embed_queries(self, query_ids, deterministic=True):
     return self.retriever.embed_queries(query_ids, deterministic)
@@ -130,8 +185,14 @@ class REALM(nn.Module):
   def read(self, reader_ids, reader_segments, mask_positions, deterministic=True):
     return self.reader(reader_ids, reader_segments, mask_positions, deterministic)
 
+  def read_spans(self, reader_ids, reader_segments, span_mask, deterministic=True):
+    return self.reader.spans(reader_ids, reader_segments, span_mask, deterministic)
+
   def __call__(self, query_ids, block_ids, block_segments, reader_ids, reader_segments,
                mask_positions, deterministic=True):
     """Touches every parameter (used for init)."""
     q, b = self.retriever(query_ids, block_ids, block_segments, deterministic)
-    return q, b, self.read(reader_ids, reader_segments, mask_positions, deterministic)
+    out = self.read(reader_ids, reader_segments, mask_positions, deterministic)
+    if self.span_hidden:
+      self.read_spans(reader_ids, reader_segments, reader_segments > 0, deterministic)
+    return q, b, out

@@ -56,6 +56,29 @@ def record_block_store(workdir: str, data) -> None:
   os.replace(path + ".tmp", path)
 
 
+def write_arrays(staging, embeddings: np.ndarray, query_params: dict) -> None:
+  """The files every version has: `embeddings.npy` and `query_params.npz` (the query tower
+  of the same snapshot, flattened with '/')."""
+  from flax import traverse_util
+  with (staging / "embeddings.npy").open("wb") as f:
+    np.save(f, embeddings)
+  with (staging / "query_params.npz").open("wb") as f:
+    np.savez(f, **traverse_util.flatten_dict(query_params, sep="/"))
+
+
+def publish_exact(workdir, embeddings: np.ndarray, query_params: dict, *, step: int,
+                  fingerprint: str, keep: int = 3, timings: dict | None = None) -> dict:
+  """Publishes block embeddings computed elsewhere (Open-QA's frozen index, an imported
+  checkpoint's) as the next `exact` version of `W/index`; returns its manifest."""
+  from realm_jax.retrieval import published
+  root = published.index_root(workdir)
+  version, staging = published.start_version(root)
+  write_arrays(staging, np.asarray(embeddings, np.float32), query_params)
+  return published.publish(root, version, staging, dict(
+      step=int(step), num_blocks=int(len(embeddings)), dim=int(embeddings.shape[1]),
+      backend="exact", block_store_fingerprint=fingerprint, timings=timings or {}), keep=keep)
+
+
 class IndexBuilder:
   """Builds and publishes index versions for the trainer in `workdir`."""
 
@@ -181,12 +204,8 @@ class IndexBuilder:
   def _write_index(self, staging, embeddings: np.ndarray, query_params: dict,
                    timings: dict, prefix: str) -> dict:
     """Writes the version's files into `staging`; returns extra manifest fields."""
-    from flax import traverse_util
     cfg = self.config
-    with (staging / "embeddings.npy").open("wb") as f:
-      np.save(f, embeddings)
-    with (staging / "query_params.npz").open("wb") as f:
-      np.savez(f, **traverse_util.flatten_dict(query_params, sep="/"))
+    write_arrays(staging, embeddings, query_params)
     if cfg.retrieval.backend == "exact":
       timings["build_seconds"] = 0.0
       print(f"{prefix}exact index: {len(embeddings):,} x {embeddings.shape[1]}", flush=True)

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from realm_jax.data.qa import question_inputs
 from realm_jax.data.store import PreparedData
 from realm_jax.retrieval.index import ExactIndex, LoadedIndex, embed_blocks
 from realm_jax.train import partitioning, state as state_lib, steps
@@ -48,16 +49,6 @@ def paragraph_recall(ranked_blocks: np.ndarray, block_docs: np.ndarray, gold_doc
   return {f"recall_at_{k}": hits[k] / n for k in ks}
 
 
-def question_ids(data: PreparedData, questions: list[dict], query_len: int) -> np.ndarray:
-  """`[CLS] question [SEP]`, truncated to query_len, 0-padded: [Q, query_len]."""
-  tok = data.tokenizer
-  ids = np.zeros((len(questions), query_len), np.int32)
-  for i, (wp, _) in enumerate(tok.encode_batch([q["question"] for q in questions])):
-    row = [tok.cls_id] + wp[:query_len - 2] + [tok.sep_id]
-    ids[i, :len(row)] = row
-  return ids
-
-
 def dense_ranking(config, workdir: str, data: PreparedData, questions: list[dict],
                   n: int = CANDIDATE_BLOCKS, batch_size: int = 256) -> np.ndarray:
   """Top-n block rows per question with the retriever of `workdir`'s latest checkpoint."""
@@ -71,7 +62,8 @@ def dense_ranking(config, workdir: str, data: PreparedData, questions: list[dict
   index = LoadedIndex(version=0, step=step, index=ExactIndex.from_embeddings(embeddings),
                       encode_queries=steps.QueryEncoder(
                           model, config, steps.query_tower_params(params["retriever"])))
-  ids = question_ids(data, questions, config.data.query_len)
+  ids, _ = question_inputs(data.tokenizer, [q["question"] for q in questions],
+                           config.data.query_len)
   n = min(n, data.blocks.num_blocks)
   out = [index.retrieve(ids[start:start + batch_size], n)
          for start in range(0, len(ids), batch_size)]

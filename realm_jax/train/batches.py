@@ -13,44 +13,13 @@ from realm_jax.data.store import ExampleSet, PreparedData
 from realm_jax.errors import ConfigError
 
 
-class QueryBatches:
-  """This process's query batches: masked queries (REALM) or ICT pairs of its local rows.
+class BatchStream:
+  """A process's endless stream of batches over a grain MapDataset (`self.dataset`): batch t is
+  `dataset[t]` (also `self(t)`); `iterator` walks them in order with prefetching; `state` is
+  what a checkpoint keeps to resume it exactly."""
 
-  `dataset[t]` (also `self(t)`) is the batch of step t: the stream positions [t * b, (t + 1) * b)
-  of `pipeline.example_stream`, each with its random choice drawn by grain's `random_map`, so
-  the batches depend on (seed, process_count) and t only. `iterator` walks them in order with
-  prefetching; `state` is what a checkpoint keeps to resume it exactly.
-  """
-
-  def __init__(self, config, data: PreparedData, examples: ExampleSet, process_index: int = 0,
-               process_count: int = 1):
-    if config.train.batch_size % process_count:
-      raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
-                        f"the {process_count} processes")
-    self.config, self.data, self.examples = config, data, examples
-    self.process_count = process_count
-    self.local_batch = config.train.batch_size // process_count
-    tok = data.tokenizer
-    self.cls_id, self.sep_id, self.mask_id = tok.cls_id, tok.sep_id, tok.mask_id
-    self.rows = pipeline.example_stream(len(examples), config.seed, process_index, process_count)
-    self.dataset = self.rows.random_map(self._draw).batch(self.local_batch,
-                                                          batch_fn=self._assemble)
-
-  def _draw(self, row: int, rng: np.random.Generator) -> tuple[int, int]:
-    """(row, choice): the salient span to mask (REALM), or whether to cut the sentence out of
-    its block (ICT, with probability `data.ict_remove_prob`)."""
-    if self.config.task == "ict":
-      return row, int(rng.random() < self.config.data.ict_remove_prob)
-    return row, int(rng.integers(self.examples.num_spans[row]))
-
-  def _assemble(self, drawn: list[tuple[int, int]]) -> dict[str, np.ndarray]:
-    rows, choice = np.asarray(drawn, np.int64).reshape(-1, 2).T
-    if self.config.task == "ict":
-      return pipeline.ict_inputs(self.examples, self.data.blocks, rows,
-                                 self.config.data.query_len, choice.astype(bool), self.cls_id,
-                                 self.sep_id)
-    return masked_queries(self.examples, rows, self.examples.spans[rows, choice], self.config,
-                          self.cls_id, self.sep_id, self.mask_id)
+  dataset: grain.MapDataset
+  process_count: int
 
   def __call__(self, step: int) -> dict[str, np.ndarray]:
     return self.dataset[step]
@@ -82,6 +51,49 @@ class QueryBatches:
             "iterator": iterator_state}
 
 
+def local_batch_size(config, process_count: int) -> int:
+  if config.train.batch_size % process_count:
+    raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
+                      f"the {process_count} processes")
+  return config.train.batch_size // process_count
+
+
+class QueryBatches(BatchStream):
+  """This process's query batches: masked queries (REALM) or ICT pairs of its local rows.
+
+  Batch t holds the stream positions [t * b, (t + 1) * b) of `pipeline.example_stream`, each
+  with its random choice drawn by grain's `random_map`, so the batches depend on
+  (seed, process_count) and t only.
+  """
+
+  def __init__(self, config, data: PreparedData, examples: ExampleSet, process_index: int = 0,
+               process_count: int = 1):
+    self.local_batch = local_batch_size(config, process_count)
+    self.config, self.data, self.examples = config, data, examples
+    self.process_count = process_count
+    tok = data.tokenizer
+    self.cls_id, self.sep_id, self.mask_id = tok.cls_id, tok.sep_id, tok.mask_id
+    self.rows = pipeline.example_stream(len(examples), config.seed, process_index, process_count)
+    self.dataset = self.rows.random_map(self._draw).batch(self.local_batch,
+                                                          batch_fn=self._assemble)
+
+  def _draw(self, row: int, rng: np.random.Generator) -> tuple[int, int]:
+    """(row, choice): the salient span to mask (REALM), or whether to cut the sentence out of
+    its block (ICT, with probability `data.ict_remove_prob`)."""
+    if self.config.task == "ict":
+      return row, int(rng.random() < self.config.data.ict_remove_prob)
+    return row, int(rng.integers(self.examples.num_spans[row]))
+
+  def _assemble(self, drawn: list[tuple[int, int]]) -> dict[str, np.ndarray]:
+    rows, choice = np.asarray(drawn, np.int64).reshape(-1, 2).T
+    if self.config.task == "ict":
+      return pipeline.ict_inputs(self.examples, self.data.blocks, rows,
+                                 self.config.data.query_len, choice.astype(bool), self.cls_id,
+                                 self.sep_id)
+    return masked_queries(self.examples, rows, self.examples.spans[rows, choice], self.config,
+                          self.cls_id, self.sep_id, self.mask_id)
+
+
 def masked_queries(examples: ExampleSet, rows: np.ndarray, spans: np.ndarray, config, cls_id,
                    sep_id, mask_id) -> dict[str, np.ndarray]:
   """`[CLS] x [SEP]` with one salient span masked, plus the source block of each query."""
@@ -93,15 +105,20 @@ def masked_queries(examples: ExampleSet, rows: np.ndarray, spans: np.ndarray, co
 
 
 def candidates_for(config, data: PreparedData, queries: dict[str, np.ndarray],
-                   retrieved: np.ndarray | None) -> np.ndarray:
-  """Candidate block rows [n, k] (column 0 = the null document) for the retrieval mode."""
+                   retrieved: np.ndarray | None, training: bool = False) -> np.ndarray:
+  """Candidate block rows [n, k] (column 0 = the null document) for the retrieval mode.
+
+  own_block: the null document and the query's own block, whose prior mass is all on the
+  block; a training batch leaves the null document out (it would add exactly nothing to the
+  loss or its gradient, at the cost of reading it), evaluation reads it to measure utility.
+  """
   source = queries["source_block"]
   null = np.full((len(source), 1), pipeline.NULL_BLOCK)
   mode = config.retrieval.mode
   if mode == "null_only":
     return null
   if mode == "own_block":
-    return np.concatenate([null, source[:, None]], axis=1)
+    return source[:, None] if training else np.concatenate([null, source[:, None]], axis=1)
   return pipeline.candidate_rows(retrieved, source, data.blocks.uids, config.retrieval.k)
 
 

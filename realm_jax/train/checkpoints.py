@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
+from flax import traverse_util
 
 ITEMS = ("params", "opt", "data", "retrieval")
 
@@ -54,23 +56,62 @@ class Checkpointer:
     self.manager.close()
 
 
-def restore_params(workdir: str, abstract_params, step: int | None = None):
-  """Params of another run's checkpoint (latest unless `step`), onto sharded targets.
-
-  Used to start one stage from the previous one (ICT -> reader warm-up -> REALM) and by
-  downstream jobs that need no optimizer state.
-  """
+def _read_only_manager(workdir: str, **kwargs) -> ocp.CheckpointManager:
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoints under {directory}")
-  manager = ocp.CheckpointManager(directory, item_names=ITEMS,
-                                  options=ocp.CheckpointManagerOptions(
-                                      read_only=True, create=False, save_interval_steps=0))
-  step = manager.latest_step() if step is None else step
-  if step is None:
-    raise FileNotFoundError(f"no finished checkpoint under {directory}")
-  restored = manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(abstract_params)))
-  manager.close()
-  return restored.params, step
+  return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+      read_only=True, create=False, save_interval_steps=0), **kwargs)
 
+
+def saved_param_paths(workdir: str, step: int | None = None) -> tuple[set[tuple[str, ...]], int]:
+  """The parameter paths a checkpoint holds (from its metadata; nothing is read) and its step."""
+  manager = _read_only_manager(workdir, item_handlers={"params": ocp.PyTreeCheckpointHandler()})
+  step = _step_or_latest(manager, workdir, step)
+  tree = manager.item_metadata(step)["params"]
+  tree = getattr(tree, "tree", tree)   # orbax's TreeMetadata wraps the nested dict
+  manager.close()
+  paths = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: not isinstance(x, dict))[0]
+  return {tuple(str(getattr(k, "key", k)) for k in path) for path, _ in paths}, step
+
+
+def _step_or_latest(manager, workdir: str, step: int | None) -> int:
+  if step is None:
+    step = manager.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"no finished checkpoint under {workdir}/checkpoints")
+  elif step not in manager.all_steps():
+    raise FileNotFoundError(f"{workdir}/checkpoints has no step {step} (it has "
+                            f"{sorted(manager.all_steps())})")
+  return step
+
+
+def restore_params(workdir: str, abstract_params, step: int | None = None,
+                   partial: bool = False):
+  """Params of another run's checkpoint (latest unless `step`), onto sharded targets.
+
+  Used to start one stage from the previous one (ICT -> reader warm-up -> REALM -> Open-QA)
+  and by downstream jobs that need no optimizer state. With `partial`, parameters the
+  checkpoint lacks (Open-QA's span scorer after pre-training) are left out of the result:
+  returns (params restored, step, paths missing) and the caller keeps its own values for them.
+  Without it returns (params, step) and a missing parameter is an error.
+  """
+  manager = _read_only_manager(workdir, item_names=ITEMS)
+  step = _step_or_latest(manager, workdir, step)
+  missing: list[tuple[str, ...]] = []
+  if partial:
+    saved, _ = saved_param_paths(workdir, step)
+    flat = traverse_util.flatten_dict(abstract_params)
+    missing = sorted(p for p in flat if p not in saved)
+    abstract_params = traverse_util.unflatten_dict({p: v for p, v in flat.items()
+                                                    if p in saved})
+  restored = manager.restore(step, args=ocp.args.Composite(
+      params=ocp.args.PyTreeRestore(
+          item=abstract_params, partial_restore=True,
+          restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_params))
+      if partial else ocp.args.StandardRestore(abstract_params)))
+  manager.close()
+  if partial:
+    return restored.params, step, missing
+  return restored.params, step

@@ -9,7 +9,7 @@ import ml_collections
 
 from realm_jax.errors import ConfigError
 
-TASKS = ("ict", "realm")
+TASKS = ("ict", "realm", "openqa")
 RETRIEVAL_MODES = ("index", "own_block", "null_only")
 REFRESH_MODES = ("in_process", "async", "deterministic")
 BACKENDS = ("exact", "scann")
@@ -21,7 +21,8 @@ COMPATIBILITY_FIELDS = ("task", "model", "data.query_len", "data.block_len", "re
 
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.task = "realm"                 # "ict" (retriever warm start) or "realm" (MLM with retrieval)
+  c.task = "realm"                 # "ict" (retriever warm start), "realm" (MLM with retrieval)
+                                   # or "openqa" (ORQA fine-tuning: query tower + reader)
   c.seed = 0                       # init, data order and masking all derive from it
 
   c.data = ml_collections.ConfigDict()
@@ -45,6 +46,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"        # compute dtype ("bfloat16" on TPU/GPU); params stay fp32
   c.model.retrieval_dim = 128      # retriever embedding size
   c.model.share_towers = False     # one BERT for query and block embeddings
+  c.model.span_hidden_size = 256   # ORQA span scorer width (task openqa only)
+  c.model.max_span_width = 10      # longest answer span, in wordpieces (openqa)
+  c.model.span_layer_norm_eps = 1e-3  # the span scorer's LayerNorm epsilon (HF RealmConfig)
 
   c.retrieval = ml_collections.ConfigDict()
   c.retrieval.mode = "index"       # "index": top-k from the block index; "own_block": null +
@@ -91,6 +95,17 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.split = "eval"            # held-out split (masked fact about held-out entities)
   c.eval.num_examples = 1000       # eval examples used (<= split size)
   c.eval.batch_size = 64           # eval batch
+
+  c.qa = ml_collections.ConfigDict()      # Open-QA questions (task openqa, realm-eval)
+  c.qa.train = ""                  # training questions: nq_open:P | webq:P | curated_trec:P |
+                                   # squad:P | tfds:NAME[:SPLIT] | prepared:SPLIT (DATA/qa/)
+  c.qa.dev = ""                    # questions evaluated during fine-tuning (same forms)
+  c.qa.test = ""                   # questions realm-eval scores by default (same forms)
+  c.qa.heldout_articles = 0.0      # squad: share of articles (by title hash) held out: train
+                                   # keeps the rest, dev/test only those (0: no split)
+  c.qa.searcher_beam = 5000        # N: top blocks the retriever loss marginalises over
+                                   # (capped at the corpus size)
+  c.qa.reader_beam = 5             # top blocks the reader reads and answers from
 
   c.index = ml_collections.ConfigDict()   # the separate index-builder job (`realm-index`)
   c.index.keep_versions = 3        # published versions kept under W/index (newest first)
@@ -190,6 +205,21 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
     raise ConfigError("train.batch_size" if t.batch_size < 1 else "train.steps", "must be >= 1")
   if config.init.get("hf_bert") and config.init.from_workdir:
     raise ConfigError("init.hf_bert", "and init.from_workdir are both set: start from one")
+  if config.task == "openqa":
+    q = config.qa
+    if not q.train:
+      raise ConfigError("qa.train", "is empty: Open-QA fine-tuning needs training questions "
+                        "(nq_open:PATH, webq:PATH, curated_trec:PATH, squad:PATH, tfds:NAME or "
+                        "prepared:SPLIT)")
+    if q.reader_beam < 1 or q.searcher_beam < q.reader_beam:
+      raise ConfigError("qa.searcher_beam" if q.reader_beam >= 1 else "qa.reader_beam",
+                        f"need 1 <= reader_beam <= searcher_beam, got {q.reader_beam} and "
+                        f"{q.searcher_beam}")
+    if config.model.span_hidden_size < 1 or config.model.max_span_width < 1:
+      raise ConfigError("model.span_hidden_size" if config.model.span_hidden_size < 1
+                        else "model.max_span_width", "must be >= 1 for task 'openqa'")
+    if not 0 <= q.heldout_articles < 1:
+      raise ConfigError("qa.heldout_articles", f"must be in [0, 1), got {q.heldout_articles}")
   if t.retriever_lr_scale < 0 or t.reader_lr_scale < 0:
     raise ConfigError("train.retriever_lr_scale", "learning-rate scales must be >= 0")
   if num_blocks is not None and config.task == "realm" and r.mode == "index" \

@@ -156,7 +156,7 @@ class Trainer:
       loaded, waited = self.schedule.for_step(step)
       retrieved = loaded.retrieve(queries["query_ids"], cfg.retrieval.k + 1)
       used = {"index": loaded, "wait_seconds": waited}
-    cand = batches.candidates_for(cfg, self.data, queries, retrieved)
+    cand = batches.candidates_for(cfg, self.data, queries, retrieved, training=True)
     return batches.realm_batch(cfg, self.data, queries, cand), used
 
   # -- checkpoints -------------------------------------------------------------------------
@@ -368,4 +368,7 @@ def _all_hosts_have(version: int) -> bool:
 
 def train(config, workdir: str) -> dict:
   """Runs one stage; returns its summary (also written to `workdir/summary.json`)."""
+  if config.task == "openqa":
+    from realm_jax.train.openqa_loop import OpenQATrainer
+    return OpenQATrainer(config, workdir).run()
   return Trainer(config, workdir).run()

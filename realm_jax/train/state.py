@@ -18,8 +18,18 @@ TrainState = train_state.TrainState
 def build_model(config, vocab_size: int) -> REALM:
   """The REALM module for `config.model`; vocab_size comes from the data's vocab if 0."""
   bert = BertConfig.from_config(config.model, vocab_size=config.model.vocab_size or vocab_size)
+  openqa = config.task == "openqa"
   return REALM(bert, retrieval_dim=config.model.retrieval_dim,
-               share_towers=config.model.share_towers)
+               share_towers=config.model.share_towers,
+               span_hidden=config.model.span_hidden_size if openqa else 0,
+               max_span_width=config.model.max_span_width,
+               span_eps=config.model.span_layer_norm_eps)
+
+
+def frozen_modules(config) -> tuple[tuple[str, ...], ...]:
+  """Parameter sub-trees the task never trains: Open-QA keeps the block tower (and the index
+  built from it) frozen, as ORQA and REALM's fine-tuning do."""
+  return (("retriever", "block_tower"),) if config.task == "openqa" else ()
 
 
 def warmup_steps(train_config) -> int:
@@ -54,9 +64,11 @@ def decays(path) -> bool:
               or any(n in ("bias", "scale") for n in names))
 
 
-def make_optimizer(train_config) -> optax.GradientTransformation:
+def make_optimizer(train_config, frozen: tuple[tuple[str, ...], ...] = ()
+                   ) -> optax.GradientTransformation:
   """BERT's AdamW (wd 0.01 not on LayerNorm/bias, eps 1e-6), global-norm clipping, and a
-  learning-rate scale per half of the model (0 freezes it: no update, no decay, no state)."""
+  learning-rate scale per half of the model (0 freezes it: no update, no decay, no state);
+  the sub-trees in `frozen` (path prefixes) are frozen too."""
   schedule = learning_rate_schedule(train_config)
   scales = {"retriever": train_config.retriever_lr_scale,
             "reader": train_config.reader_lr_scale}
@@ -67,9 +79,14 @@ def make_optimizer(train_config) -> optax.GradientTransformation:
                        weight_decay=train_config.weight_decay,
                        mask=lambda p: jax.tree_util.tree_map_with_path(lambda q, _: decays(q), p))
 
+  def label(path):
+    names = tuple(_path_names(path))
+    if scales[param_group(path)] == 0 or any(names[:len(f)] == f for f in frozen):
+      return "frozen"
+    return param_group(path)
+
   def labels(params):
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: "frozen" if scales[param_group(path)] == 0 else param_group(path), params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: label(path), params)
 
   groups = {name: adamw(scale) for name, scale in scales.items() if scale > 0}
   groups["frozen"] = optax.set_to_zero()
@@ -95,7 +112,7 @@ def _state_setup(config, model: REALM, mesh, block_len: int, rng):
 
   One optimizer object serves both, so the abstract state and the real one share a treedef.
   """
-  tx = make_optimizer(config.train)
+  tx = make_optimizer(config.train, frozen_modules(config))
   inputs = dummy_inputs(config, block_len)
   rules = partitioning.logical_rules(config.mesh.rules)
 

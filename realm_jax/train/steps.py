@@ -27,10 +27,11 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
                  rescore: bool = True):
   """Re-scores the k candidates with the current towers and reads each one.
 
-  With `rescore=False` the retriever plays no part (the reader warm-up, whose candidates are
-  the null document and the query's own block): the prior puts all mass on the block, so the
-  reader is trained only to read it (with the null document in the mixture it learns to
-  memorise facts instead); the null column is still read, to measure retrieval utility.
+  With `rescore=False` the retriever plays no part (the reader warm-up, whose last candidate
+  is the query's own block, after the null document in evaluation): the prior puts all mass
+  on the block, so the reader is trained only to read it (with the null document in the
+  mixture it learns to memorise facts instead); in evaluation the null column is read to
+  measure retrieval utility.
   Returns (retrieval_logits [B, k], vocab log-probs at the masks [B, k, M, V]).
   """
   variables = {"params": params}
@@ -44,7 +45,7 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
                          rngs=rngs, method=REALM.embed_blocks).reshape(b, k, -1)
     logits = jnp.einsum("bd,bkd->bk", query, blocks)
   else:
-    logits = jnp.zeros((b, k), jnp.float32).at[:, 0].set(-1e9)
+    logits = jnp.full((b, k), -1e9, jnp.float32).at[:, -1].set(0.0)
   lr = batch["reader_ids"].shape[-1]
   positions = jnp.broadcast_to(batch["mask_positions"][:, None], (b, k, m)).reshape(b * k, m)
   vocab_log_probs = model.apply(variables, batch["reader_ids"].reshape(b * k, lr),
@@ -73,6 +74,8 @@ def realm_loss_fn(params, model, batch, config, rng):
   mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
   loss, metrics = losses.realm_loss(logits, mask_lp, batch["mask_weights"],
                                     config.retrieval.marginalization)
+  if logits.shape[1] == 1 and config.retrieval.mode == "own_block":
+    metrics = {}    # no null document in the batch: nothing to measure utility against
   return loss, metrics
 
 
@@ -88,7 +91,32 @@ def ict_loss_fn(params, model, batch, config, rng):
   return losses.ict_loss(query, blocks)
 
 
-LOSS_FNS = {"realm": realm_loss_fn, "ict": ict_loss_fn}
+def openqa_scores(model: REALM, params, batch, rngs=None, deterministic=True):
+  """The current query tower against the top-N candidates' frozen block embeddings, and the
+  reader's span scores on the top-K blocks.
+
+  Returns (retrieval_logits [B, N], span_logits [B, K, S])."""
+  variables = {"params": params}
+  query = model.apply(variables, batch["question_ids"], deterministic, rngs=rngs,
+                      method=REALM.embed_queries)
+  logits = jnp.einsum("bd,bnd->bn", query, batch["candidate_emb"])
+  b, k, lr = batch["reader_ids"].shape
+  spans = model.apply(variables, batch["reader_ids"].reshape(b * k, lr),
+                      batch["reader_segments"].reshape(b * k, lr),
+                      batch["span_mask"].reshape(b * k, lr), deterministic, rngs=rngs,
+                      method=REALM.read_spans)
+  return logits, spans.reshape(b, k, -1)
+
+
+def openqa_loss_fn(params, model, batch, config, rng):
+  """ORQA's retriever + reader marginal log-likelihood (block tower and index frozen)."""
+  params = _freeze(params, config.train)
+  deterministic = config.model.dropout_rate == 0
+  logits, spans = openqa_scores(model, params, batch, {"dropout": rng}, deterministic)
+  return losses.openqa_loss(logits, batch["has_answer"], spans, batch["span_correct"])
+
+
+LOSS_FNS = {"realm": realm_loss_fn, "ict": ict_loss_fn, "openqa": openqa_loss_fn}
 
 
 def make_train_step(config, model, state_shardings, mesh):
@@ -133,6 +161,32 @@ def make_realm_eval(config, model, mesh):
     return {"predictions": jnp.argmax(marginal, axis=-1).astype(jnp.int32),
             "p_z": jax.nn.softmax(logits, axis=-1),
             "log_likelihood": log_lik, "retrieval_utility": log_lik - null_lik}
+
+  jitted = jax.jit(evaluate, out_shardings=partitioning.batch_sharding(mesh))
+
+  def run(params, batch):
+    with partitioning.mesh_rules(mesh, rules):
+      return jitted(params, batch)
+
+  return run
+
+
+def make_openqa_eval(config, model, mesh):
+  """Per question: the best (block, span) of the top-K blocks by span + retrieval logit, its
+  score, and each block's retrieval logit and best span score (the evidence shown)."""
+  rules = partitioning.logical_rules(config.mesh.rules)
+
+  def evaluate(params, batch):
+    logits, spans = openqa_scores(model, params, batch)
+    k = spans.shape[1]
+    joint = spans + logits[:, :k, None]
+    flat = joint.reshape(joint.shape[0], -1)
+    best = jnp.argmax(flat, axis=-1)
+    return {"best_block": (best // spans.shape[2]).astype(jnp.int32),
+            "best_span": (best % spans.shape[2]).astype(jnp.int32),
+            "score": jnp.max(flat, axis=-1), "retrieval_logits": logits[:, :k],
+            "block_span_scores": jnp.max(spans, axis=-1),
+            "block_best_span": jnp.argmax(spans, axis=-1).astype(jnp.int32)}
 
   jitted = jax.jit(evaluate, out_shardings=partitioning.batch_sharding(mesh))
 

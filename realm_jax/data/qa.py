@@ -1,0 +1,379 @@
+"""Open-QA question sets: `nq_open:PATH`, `webq:PATH`, `curated_trec:PATH`, `squad:PATH`,
+`tfds:NAME[:SPLIT]` and `prepared:SPLIT` -> `QAExample`s, and the questions as query-tower
+inputs `[CLS] question [SEP]`.
+
+As with corpus sources (`realm_jax.data.sources`), a bad record never crashes a run and is never
+dropped silently: it is skipped and counted by reason, or with `strict=True` stops the run
+naming the file and line (or the index in a JSON list). Every record read is either a question
+or a skip.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import glob
+import hashlib
+import importlib
+import json
+import os
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from realm_jax.data.answers import compile_answer_regex
+from realm_jax.data.sources import INVALID_UTF8, MALFORMED_JSON, NOT_AN_OBJECT, Skips
+from realm_jax.errors import ConfigError, DataError
+
+KINDS = ("nq_open", "webq", "curated_trec", "squad", "tfds", "prepared")
+SPLITS = ("train", "dev", "test")
+# TFDS datasets read by `tfds:`: their question and answer-list features.
+TFDS_FEATURES = {"natural_questions_open": ("question", "answer"),
+                 "web_questions": ("question", "answers")}
+# Builders that TFDS registers only when their module is imported.
+_TFDS_MODULES = {"web_questions": "tensorflow_datasets.question_answering.web_questions"}
+# Skip reasons, as callers report them.
+MALFORMED_TSV = "malformed TSV line"
+MISSING_QUESTION = "missing question"
+NO_ANSWERS = "no answers"
+NON_STRING_ANSWERS = "non-string answers"
+BAD_REGEX = "invalid answer regex"   # or one that matches "" (answers everything)
+DUPLICATE_ID = "duplicate question id"
+UNANSWERABLE = "unanswerable (SQuAD v2)"
+
+
+@dataclasses.dataclass(frozen=True)
+class QAExample:
+  """One question and its answers (regular expressions for CuratedTrec)."""
+
+  qid: str
+  question: str
+  answers: tuple[str, ...]
+  is_regex: bool
+  title: str = ""          # SQuAD article title: the unit of the held-out-articles split
+
+
+class QASkips(Skips):
+  """`Skips` whose strict-mode error speaks of questions."""
+
+  def skip(self, reason: str, where: str) -> None:
+    if self.strict:
+      raise DataError(f"{where}: {reason} (strict=True stops here; without it the question "
+                      "is skipped and counted)")
+    self.counts[reason] += 1
+
+
+class _Collector:
+  """Turns decoded records into `QAExample`s, counting the ones it cannot use."""
+
+  def __init__(self, skips: QASkips, is_regex: bool = False):
+    self.skips, self.is_regex = skips, is_regex
+    self.examples: list[QAExample] = []
+    self.seen: set[str] = set()
+
+  def add(self, obj, where: str, default_id: str, question_key: str = "question",
+          answers_key: str = "answer", id_key: str = "id", title: str | None = None) -> None:
+    if not isinstance(obj, dict):
+      return self.skips.skip(NOT_AN_OBJECT, where)
+    question = obj.get(question_key)
+    if not isinstance(question, str) or not question.strip():
+      return self.skips.skip(MISSING_QUESTION, where)
+    answers = obj.get(answers_key)
+    answers = [answers] if isinstance(answers, str) else answers
+    if answers is not None and (not isinstance(answers, (list, tuple))
+                                or not all(isinstance(a, str) for a in answers)):
+      return self.skips.skip(NON_STRING_ANSWERS, where)
+    answers = tuple(dict.fromkeys(a.strip() for a in answers or () if a.strip()))
+    if not answers:
+      return self.skips.skip(NO_ANSWERS, where)
+    if self.is_regex and not all(compile_answer_regex(a) for a in answers):
+      return self.skips.skip(BAD_REGEX, where)
+    qid = obj.get(id_key)
+    qid = str(qid) if isinstance(qid, (str, int)) and str(qid) else default_id
+    if qid in self.seen:
+      return self.skips.skip(DUPLICATE_ID, where)
+    self.seen.add(qid)
+    if title is None:
+      title = obj.get("title") if isinstance(obj.get("title"), str) else ""
+    self.examples.append(QAExample(qid, " ".join(question.split()), answers, self.is_regex,
+                                   title))
+
+
+def parse_qa_spec(spec: str, option: str = "qa") -> tuple[str, str]:
+  """`kind:arg` -> (kind, arg), with a ConfigError naming `option` when malformed."""
+  kind, _, arg = spec.partition(":")
+  if kind not in KINDS or not arg:
+    raise ConfigError(option, f"{spec!r}: expected one of nq_open:PATH, webq:PATH, "
+                      "curated_trec:PATH, squad:PATH, tfds:NAME[:SPLIT], prepared:SPLIT")
+  if kind in ("nq_open", "curated_trec") and not _files(arg):
+    raise ConfigError(option, f"{spec!r}: no file matches {arg!r}")
+  if kind in ("webq", "squad") and not os.path.isfile(arg):
+    raise ConfigError(option, f"{spec!r}: no such file {arg!r}")
+  if kind == "tfds" and arg.partition(":")[0] not in TFDS_FEATURES:
+    raise ConfigError(option, f"{spec!r}: TFDS question sets are {sorted(TFDS_FEATURES)}")
+  return kind, arg
+
+
+def read_qa(spec: str, *, strict: bool = False, data_dir: str = "", option: str = "qa",
+            tfds_data_dir: str | None = None) -> tuple[list[QAExample], dict[str, int]]:
+  """The questions of `spec` in file order, and the skipped records counted by reason.
+
+  Args:
+    spec: `nq_open:PATH` (JSONL {"question", "answer": [...]}; a file or a glob),
+      `webq:PATH` (JSON list of {"qId", "qText", "answers"}), `curated_trec:PATH` (TSV
+      `question<TAB>regex` or `question<TAB>["regex", ...]` as DPR ships it, or JSONL
+      {"question", "answer": [regex, ...]} as DrQA and ORQA do; a file or a glob), `squad:PATH`
+      (SQuAD v1.1 / v2 JSON), `tfds:natural_questions_open[:SPLIT]`,
+      `tfds:web_questions[:SPLIT]` (default split: train), `prepared:SPLIT`
+      (`data_dir/qa/SPLIT.jsonl`, written by realm-prepare).
+    strict: the first bad record raises DataError naming its file and line instead.
+    data_dir: the prepared data dir `prepared:` reads from.
+    option: the config option named by a ConfigError about `spec`.
+    tfds_data_dir: TFDS data dir (None: TFDS's default).
+  Returns:
+    (examples, skipped counts by reason).
+  """
+  kind, arg = parse_qa_spec(spec, option)
+  skips = QASkips(strict)
+  collect = _Collector(skips, is_regex=kind == "curated_trec")
+  if kind == "prepared":
+    if not data_dir:
+      raise ConfigError(option, f"{spec!r} reads DATA/qa/{arg}.jsonl: set data.dir")
+    path = os.path.join(data_dir, "qa", f"{arg}.jsonl")
+    if not os.path.isfile(path):
+      raise ConfigError(option, f"{spec!r}: no such file {path} (realm-prepare writes the QA "
+                        "sets of squad: and world: sources there)")
+    _read_jsonl(path, collect)
+  elif kind == "nq_open":
+    for path in _files(arg):
+      _read_jsonl(path, collect)
+  elif kind == "curated_trec":
+    for path in _files(arg):
+      _read_curated_trec(path, collect)
+  elif kind == "webq":
+    _read_webq(arg, collect)
+  elif kind == "squad":
+    _read_squad(arg, collect)
+  else:
+    _read_tfds(arg, collect, option, tfds_data_dir)
+  return collect.examples, dict(skips.counts)
+
+
+def qa_split(config_qa, split: str, data_dir: str = "", *, strict: bool = False
+             ) -> tuple[list[QAExample], dict[str, int]]:
+  """The questions of `config.qa.<split>` ("train" | "dev" | "test") and the skip counts.
+
+  With `qa.heldout_articles` = f > 0, articles are assigned by a stable hash of their title:
+  a share f is held out; train keeps the other articles, dev and test keep the held-out ones.
+  """
+  if split not in SPLITS:
+    raise ValueError(f"split {split!r} is not one of {SPLITS}")
+  option = f"qa.{split}"
+  spec = config_qa.get(split, "")
+  if not spec:
+    raise ConfigError(option, "is empty: name the questions (nq_open:PATH, webq:PATH, "
+                      "curated_trec:PATH, squad:PATH, tfds:NAME[:SPLIT], prepared:SPLIT)")
+  heldout = config_qa.get("heldout_articles", 0.0)
+  if not 0.0 <= heldout < 1.0:
+    raise ConfigError("qa.heldout_articles", f"must be in [0, 1), got {heldout}")
+  examples, counts = read_qa(spec, strict=strict, data_dir=data_dir, option=option,
+                             tfds_data_dir=config_qa.get("tfds_data_dir") or None)
+  if heldout > 0:
+    untitled = sum(not ex.title for ex in examples)
+    if untitled:
+      raise ConfigError("qa.heldout_articles", f"{heldout} splits by article title, but "
+                        f"{untitled} of the {len(examples)} questions of {option}={spec!r} have "
+                        "none (only squad: questions carry titles); set it to 0")
+    keep_heldout = split != "train"
+    examples = [ex for ex in examples if is_heldout_article(ex.title, heldout) == keep_heldout]
+  if not examples:
+    raise ConfigError(option, f"{spec!r} gives no questions for the {split} split "
+                      f"(skipped: {counts or 'none'}; qa.heldout_articles={heldout})")
+  return examples, counts
+
+
+def is_heldout_article(title: str, fraction: float) -> bool:
+  """Whether the article `title` is held out, by a hash stable across runs and machines."""
+  h = int.from_bytes(hashlib.blake2b(title.encode("utf-8", "surrogatepass"),
+                                     digest_size=4).digest(), "little")
+  return h % 1_000_000 < fraction * 1_000_000
+
+
+def question_inputs(tokenizer, examples: Sequence[QAExample | str], query_len: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+  """Query-tower inputs `[CLS] question [SEP]`, 0-padded to `query_len`: ids [Q, query_len]
+  int32, and bool [Q] marking the questions cut to fit (the caller counts them)."""
+  if query_len < 3:
+    raise ValueError(f"query_len {query_len} < 3 leaves no room for a question")
+  texts = [ex.question if isinstance(ex, QAExample) else ex for ex in examples]
+  ids = np.zeros((len(texts), query_len), np.int32)
+  truncated = np.zeros(len(texts), bool)
+  for i, (wp, _) in enumerate(tokenizer.encode_batch(texts) if texts else []):
+    truncated[i] = len(wp) > query_len - 2
+    row = [tokenizer.cls_id] + wp[:query_len - 2] + [tokenizer.sep_id]
+    ids[i, :len(row)] = row
+  return ids, truncated
+
+
+def _files(pattern: str) -> list[str]:
+  return sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else \
+      ([pattern] if os.path.isfile(pattern) else [])
+
+
+def _lines(path: str, skips: QASkips) -> Iterator[tuple[str, str]]:
+  """(where, text) of each non-blank line that is valid UTF-8."""
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, 1):
+      if not raw.strip():
+        continue                           # a blank line is not a record
+      where = f"{path}:{lineno}"
+      try:
+        yield where, raw.decode("utf-8-sig")
+      except UnicodeDecodeError:
+        skips.skip(INVALID_UTF8, where)
+
+
+def _read_jsonl(path: str, collect: _Collector) -> None:
+  name = os.path.basename(path)
+  for where, line in _lines(path, collect.skips):
+    try:
+      obj = json.loads(line)
+    except json.JSONDecodeError:
+      collect.skips.skip(MALFORMED_JSON, where)
+      continue
+    collect.add(obj, where, default_id=f"{name}:{where.rsplit(':', 1)[1]}")
+
+
+def _read_curated_trec(path: str, collect: _Collector) -> None:
+  name = os.path.basename(path)
+  for where, line in _lines(path, collect.skips):
+    default_id = f"{name}:{where.rsplit(':', 1)[1]}"
+    if line.lstrip().startswith("{"):
+      try:
+        obj = json.loads(line)
+      except json.JSONDecodeError:
+        collect.skips.skip(MALFORMED_JSON, where)
+        continue
+    else:
+      columns = line.rstrip("\r\n").split("\t")
+      if len(columns) < 2:
+        collect.skips.skip(MALFORMED_TSV, where)
+        continue
+      answers = []
+      for column in columns[1:]:
+        answers.extend(_tsv_answers(column))
+      obj = {"question": columns[0], "answer": answers}
+    collect.add(obj, where, default_id=default_id)
+
+
+def _tsv_answers(column: str) -> list:
+  """A TSV answer column: a list literal (DPR's `["a", "b"]` / `['a']`) or one pattern."""
+  text = column.strip()
+  if text.startswith("[") and text.endswith("]"):
+    for parse in (json.loads, ast.literal_eval):
+      try:
+        value = parse(text)
+      except (ValueError, SyntaxError, json.JSONDecodeError):
+        continue
+      if isinstance(value, list):
+        return value
+  return [column]
+
+
+def _read_json(path: str):
+  try:
+    with open(path, "rb") as f:
+      return json.loads(f.read().decode("utf-8-sig"))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise DataError(f"{path}: not a JSON file ({type(e).__name__}: {e})") from None
+
+
+def _read_webq(path: str, collect: _Collector) -> None:
+  data = _read_json(path)
+  if not isinstance(data, list):
+    raise DataError(f"{path}: expected a JSON list of {{qId, qText, answers}}")
+  name = os.path.basename(path)
+  for i, obj in enumerate(data):
+    collect.add(obj, f"{path}: [{i}]", default_id=f"{name}[{i}]", question_key="qText",
+                answers_key="answers", id_key="qId")
+
+
+def _read_squad(path: str, collect: _Collector) -> None:
+  data = _read_json(path)
+  articles = data.get("data") if isinstance(data, dict) else None
+  if not isinstance(articles, list):
+    raise DataError(f"{path}: not a SQuAD-format JSON file (no list under 'data')")
+  skip = collect.skips.skip
+  for a, article in enumerate(articles):
+    if not isinstance(article, dict) or not isinstance(article.get("paragraphs", []), list):
+      skip(NOT_AN_OBJECT, f"{path}: data[{a}]")
+      continue
+    title = article.get("title") if isinstance(article.get("title"), str) else ""
+    for p, paragraph in enumerate(article.get("paragraphs", [])):
+      if not isinstance(paragraph, dict) or not isinstance(paragraph.get("qas", []), list):
+        skip(NOT_AN_OBJECT, f"{path}: data[{a}].paragraphs[{p}]")
+        continue
+      for q, qa in enumerate(paragraph.get("qas", [])):
+        where = f"{path}: data[{a}].paragraphs[{p}].qas[{q}]"
+        if isinstance(qa, dict) and qa.get("is_impossible"):
+          skip(UNANSWERABLE, where)
+          continue
+        record = qa
+        if isinstance(qa, dict):
+          raw = qa.get("answers")
+          texts = [ans.get("text") if isinstance(ans, dict) else ans for ans in raw] \
+              if isinstance(raw, list) else raw
+          record = {**qa, "answers": texts}
+        collect.add(record, where, default_id=f"{os.path.basename(path)}:{a}.{p}.{q}",
+                    answers_key="answers", title=title)
+
+
+def _read_tfds(arg: str, collect: _Collector, option: str, data_dir: str | None) -> None:
+  """A TFDS question set that the user has prepared locally (read by random access)."""
+  try:
+    import tensorflow_datasets as tfds
+  except ImportError:
+    raise ConfigError(option, f"tfds:{arg} needs tensorflow-datasets: "
+                      "pip install 'realm_jax[tfds]'") from None
+  name, _, split = arg.partition(":")
+  split = split or "train"
+  question_key, answers_key = TFDS_FEATURES[name]
+  build = f"tfds build {name}" + (f" --data_dir={data_dir}" if data_dir else "")
+  how = (f"Prepare it once with `{build} --file_format=array_record` (or "
+         f"tfds.builder({name!r}).download_and_prepare()), then re-run")
+  try:
+    if name in _TFDS_MODULES:
+      importlib.import_module(_TFDS_MODULES[name])
+    builder = tfds.builder(name, data_dir=data_dir)
+  except Exception as e:  # unknown name, or its code is not importable here
+    raise ConfigError(option, f"TFDS dataset {name!r} is not available ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0]}). {how}") from None
+  try:
+    dataset = builder.as_data_source(split=split)
+  except Exception as e:
+    if not builder.is_prepared():
+      raise ConfigError(option, f"TFDS dataset {name!r} is not prepared under "
+                        f"{builder.data_dir}. {how}") from None
+    raise ConfigError(option, f"tfds:{name}:{split}: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0]} (questions are read by random access: "
+                      "prepare with --file_format=array_record)") from None
+  for i in range(len(dataset)):
+    where = f"tfds:{name}:{split}[{i}]"
+    example = dataset[i]
+    try:
+      record = {question_key: _text(example[question_key]),
+                answers_key: [_text(a) for a in example[answers_key]]}
+    except UnicodeDecodeError:
+      collect.skips.skip(INVALID_UTF8, where)
+      continue
+    except (KeyError, TypeError):
+      collect.skips.skip(NOT_AN_OBJECT, where)
+      continue
+    collect.add(record, where, default_id=f"{name}:{split}[{i}]", question_key=question_key,
+                answers_key=answers_key)
+
+
+def _text(value):
+  if isinstance(value, np.ndarray) and value.ndim == 0:
+    value = value.item()
+  return value.decode("utf-8") if isinstance(value, bytes) else value

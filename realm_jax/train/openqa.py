@@ -1,0 +1,180 @@
+"""Open-QA (ORQA / REALM's fine-tuning) host side: the frozen block index, the question stream
+and the batches the Open-QA step and evaluation read.
+
+Per step (and per evaluation batch), on the main thread because the query tower changes every
+step: the current query tower embeds the questions, exact search over the frozen block
+embeddings returns the top N blocks (`qa.searcher_beam`, capped at the corpus), the host marks
+which of them contain an answer string, and builds the reader inputs
+`[CLS] question [SEP] body [SEP]` of the top K (`qa.reader_beam`) with every span that matches
+an answer. The step then re-scores the N blocks with the same query tower (so gradients reach
+it) against their frozen embeddings, carried in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from realm_jax.data import pipeline
+from realm_jax.data.answers import AnswerMatcher, vocab_pieces
+from realm_jax.data.qa import QAExample, question_inputs
+from realm_jax.data.store import PreparedData
+from realm_jax.models.realm import span_candidates
+from realm_jax.retrieval import published
+from realm_jax.retrieval.index import ExactIndex, embed_blocks
+from realm_jax.train import batches, partitioning, steps
+
+
+@dataclasses.dataclass
+class FrozenIndex:
+  """Block embeddings frozen for a whole Open-QA run: the host table (the top-N candidates'
+  embeddings travel in each batch) and an exact index over it on this process's devices."""
+
+  version: int
+  step: int                 # train step of the block tower that embedded the blocks
+  embeddings: np.ndarray    # [num_blocks, dim]
+  index: ExactIndex
+
+  @classmethod
+  def load(cls, workdir: str, fingerprint: str, dim: int,
+           version: int | None = None) -> FrozenIndex | None:
+    """The published version (latest if None) of `workdir`, verified; None if there is none."""
+    root = published.index_root(workdir)
+    version = published.read_latest(root) if version is None else version
+    if version is None:
+      return None
+    manifest = published.verify(root, version, fingerprint=fingerprint, dim=dim)
+    with (published.version_dir(root, version) / "embeddings.npy").open("rb") as f:
+      embeddings = np.load(f)
+    return cls(version=version, step=int(manifest["step"]), embeddings=embeddings,
+               index=ExactIndex.from_embeddings(embeddings))
+
+  @classmethod
+  def embed(cls, model, mesh, config, data: PreparedData, retriever_params, step: int,
+            log_prefix: str) -> tuple[FrozenIndex, dict]:
+    """Embeds every block with the block tower of `retriever_params` (version -1: unpublished).
+    Returns (index, the query-tower params of the same snapshot, host copies)."""
+    embed_fn = steps.block_embedder(model, mesh, config, retriever_params)
+    embeddings, _ = embed_blocks(embed_fn, data.blocks, mesh, config.retrieval.embed_batch_size,
+                                 log_prefix=log_prefix)
+    query = steps.host_copy(steps.query_tower_params(retriever_params))
+    return cls(version=-1, step=step, embeddings=embeddings,
+               index=ExactIndex.from_embeddings(embeddings)), query
+
+  @property
+  def num_blocks(self) -> int:
+    return len(self.embeddings)
+
+
+class QuestionBatches(batches.BatchStream):
+  """This process's batches of training-question rows (shuffled every epoch, checkpointable)."""
+
+  def __init__(self, config, num_questions: int, process_index: int = 0,
+               process_count: int = 1):
+    self.process_count = process_count
+    local = batches.local_batch_size(config, process_count)
+    self.dataset = pipeline.example_stream(num_questions, config.seed, process_index,
+                                           process_count).batch(
+                                               local, batch_fn=lambda rows: {
+                                                   "rows": np.asarray(rows, np.int64)})
+
+
+class QABatchBuilder:
+  """Questions -> retrieval -> answer labels -> the reader inputs of the top K blocks."""
+
+  def __init__(self, config, data: PreparedData, examples: list[QAExample],
+               frozen: FrozenIndex):
+    tok = data.tokenizer
+    self.config, self.data, self.examples, self.frozen = config, data, examples, frozen
+    self.cls_id, self.sep_id = tok.cls_id, tok.sep_id
+    self.question_ids, self.truncated = question_inputs(tok, examples, config.data.query_len)
+    self.question_len = (self.question_ids > 0).sum(axis=1).astype(np.int32)
+    self.n = min(config.qa.searcher_beam, frozen.num_blocks)
+    self.k = min(config.qa.reader_beam, self.n)
+    self.reader_len = config.data.query_len + data.blocks.block_len - 2
+    self.max_width = config.model.max_span_width
+    starts, _ = span_candidates(self.reader_len, self.max_width)
+    self.num_spans = len(starts)
+    # index of span (start, width w) = width_offset[w] + start, HF's width-major order
+    sizes = [self.reader_len - w + 1 for w in range(1, self.max_width + 1)]
+    self.width_offset = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    self._matchers: dict[int, AnswerMatcher] = {}
+    self._vocab = vocab_pieces(tok)
+
+  def matcher(self, row: int) -> AnswerMatcher:
+    if row not in self._matchers:
+      ex = self.examples[row]
+      self._matchers[row] = AnswerMatcher(self.data.tokenizer, ex.answers, ex.is_regex,
+                                          vocab=self._vocab)
+    return self._matchers[row]
+
+  def scored_answers(self, row: int) -> tuple[str, ...]:
+    """The answers a predicted span is scored against: each as given and as its wordpieces
+    decode (a span can only be read back from wordpieces: "40,449" comes back "40, 449")."""
+    ex = self.examples[row]
+    if ex.is_regex:
+      return ex.answers
+    decoded = (self.data.tokenizer.decode(ids) for ids in self.matcher(row).answer_ids)
+    return tuple(dict.fromkeys((*ex.answers, *decoded)))
+
+  def body_tokens(self, block_rows: np.ndarray) -> np.ndarray:
+    """Block token rows with everything but the body (title, [CLS]/[SEP], padding) zeroed."""
+    blocks = self.data.blocks
+    tokens = np.asarray(blocks.tokens[block_rows])
+    pos = np.arange(tokens.shape[-1])
+    body = ((pos >= blocks.body_start[block_rows][..., None])
+            & (pos < blocks.lengths[block_rows][..., None] - 1))
+    return np.where(body, tokens, 0)
+
+  def has_answer(self, rows: np.ndarray, ranked: np.ndarray) -> np.ndarray:
+    """[b, n] bool: block ranked[i, j] contains an answer of question rows[i]."""
+    return np.stack([self.matcher(int(r)).contains_rows(self.body_tokens(blocks))
+                     for r, blocks in zip(rows, ranked)])
+
+  def reader_batch(self, rows: np.ndarray, top: np.ndarray, labels: bool = True) -> dict:
+    """Reader inputs of the top-K blocks [b, K, L], the span mask, and (labels) which spans
+    match an answer [b, K, S]."""
+    cands = pipeline.candidate_inputs(self.data.blocks, top, self.cls_id, self.sep_id)
+    q_ids, q_len = self.question_ids[rows], self.question_len[rows]
+    reader_ids, reader_segments = pipeline.reader_inputs(q_ids, q_len, cands, self.reader_len)
+    out = {"question_ids": q_ids, "reader_ids": reader_ids, "reader_segments": reader_segments,
+           "span_mask": (reader_segments > 0) & (reader_ids != self.sep_id)}
+    if labels:
+      correct = np.zeros(top.shape + (self.num_spans,), bool)
+      bodies = self.body_tokens(top)
+      for i, row in enumerate(rows):
+        matcher = self.matcher(int(row))
+        for j in range(top.shape[1]):
+          for start, end in matcher.spans(bodies[i, j]):
+            width = end - start + 1
+            start_pos = start - int(cands["body_start"][i, j]) + int(q_len[i])
+            if width <= self.max_width and start_pos + width <= self.reader_len:
+              correct[i, j, self.width_offset[width - 1] + start_pos] = True
+      out["span_correct"] = correct
+    return out
+
+  def train_batch(self, rows: np.ndarray, ranked: np.ndarray) -> dict[str, np.ndarray]:
+    """The Open-QA step's host batch for question `rows` and their top-N blocks `ranked`."""
+    batch = self.reader_batch(rows, ranked[:, :self.k])
+    batch["candidate_emb"] = self.frozen.embeddings[ranked]
+    batch["has_answer"] = self.has_answer(rows, ranked)
+    return batch
+
+  def span_text(self, reader_ids: np.ndarray, span: int) -> tuple[str, int, int]:
+    """(answer text, start, end) of span index `span` in one reader input."""
+    width = int(np.searchsorted(self.width_offset, span, side="right"))
+    start = span - int(self.width_offset[width - 1])
+    end = start + width - 1
+    return self.data.tokenizer.decode(reader_ids[start:end + 1]), start, end
+
+
+def query_embeddings(model, mesh, config, params, question_ids: np.ndarray) -> np.ndarray:
+  """This process's [b, dim] embeddings of its `[CLS] q [SEP]` rows with the query tower of
+  `params` (every process calls it with the same number of rows)."""
+  b, devices = len(question_ids), jax.local_device_count()
+  padded = np.zeros((-(-b // devices) * devices, question_ids.shape[1]), np.int32)
+  padded[:b] = question_ids
+  ids = partitioning.global_batch({"ids": padded}, mesh)["ids"]
+  return partitioning.local_rows(steps.embed(model, mesh, config, params, "query", ids))[:b]

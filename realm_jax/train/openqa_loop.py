@@ -1,0 +1,207 @@
+"""The Open-QA fine-tuning loop (`config.task = "openqa"`): query tower and reader trained, block
+tower and index frozen (ORQA; REALM sec. 4.2), several questions per step.
+
+The frozen index is `W/index`'s latest version. A fresh run publishes it first: the index of
+`init.from_workdir` when that index was built from the very checkpoint the run starts from
+(an imported RealmForOpenQA, a REALM run whose builder indexed its final step), else the
+blocks embedded with the starting block tower. Resuming reuses it, so every step of a run and
+`realm-eval` afterwards retrieve from the same embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from realm_jax.data import qa as qa_lib
+from realm_jax.errors import ConfigError
+from realm_jax.evaluate_qa import QAEvaluator, format_metrics
+from realm_jax.retrieval import published
+from realm_jax.retrieval.builder import publish_exact
+from realm_jax.train import partitioning, state as state_lib, steps
+from realm_jax.train.checkpoints import Checkpointer, restore_params
+from realm_jax.train.config_base import validate
+from realm_jax.train.loop import check_workdir, load_data
+from realm_jax.train.metrics import MetricWriter, format_duration
+from realm_jax.train.openqa import FrozenIndex, QABatchBuilder, QuestionBatches, \
+    query_embeddings
+
+
+class OpenQATrainer:
+  """One Open-QA fine-tuning run in `workdir`; `run()` trains and evaluates on `qa.dev`."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    validate(config)
+    self.data = load_data(config)
+    validate(config, num_blocks=self.data.blocks.num_blocks,
+             store_block_len=self.data.blocks.block_len,
+             vocab_size=self.data.tokenizer.vocab_size)
+    self.train_qa, self.train_counts = qa_lib.qa_split(config.qa, "train", config.data.dir)
+    if len(self.train_qa) < config.train.batch_size:
+      raise ConfigError("train.batch_size", f"{config.train.batch_size} > the "
+                        f"{len(self.train_qa)} training questions of {config.qa.train!r}")
+    self.dev_qa, self.dev_counts = (qa_lib.qa_split(config.qa, "dev", config.data.dir)
+                                    if config.qa.dev else ([], {}))
+    self.mesh = partitioning.make_mesh(config.mesh.shape)
+    if config.train.batch_size % self.mesh.shape["data"]:
+      raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
+                        f"the data axis ({self.mesh.shape['data']})")
+    check_workdir(config, workdir)
+    self.config, self.workdir = config, workdir
+    self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
+    init_rng, self.step_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+    self.state, self.shardings, self.abstract = state_lib.create_train_state(
+        config, self.model, self.mesh, self.data.blocks.block_len, init_rng)
+    self.train_step = steps.make_train_step(config, self.model, self.shardings, self.mesh)
+    self.checkpointer = Checkpointer(workdir, config.train.keep_checkpoints,
+                                     config.train.async_checkpoints)
+    self.questions = QuestionBatches(config, len(self.train_qa), jax.process_index(),
+                                     jax.process_count())
+    self.saved_data = None
+
+  # -- start -------------------------------------------------------------------------------
+  def restore_or_init(self) -> tuple[int, int]:
+    """Resumes from the latest checkpoint, else starts from `init.*`. Returns (next step, the
+    step of the checkpoint the params came from: the index must match it)."""
+    task = self.config.task
+    latest = self.checkpointer.latest_step()
+    if latest is not None:
+      self.state, self.saved_data, _ = self.checkpointer.restore(
+          latest, self.abstract, {"step": jax.ShapeDtypeStruct((), np.int32)})
+      print(f"[{task}] resumed from {self.checkpointer.directory}/{latest}", flush=True)
+      return int(self.saved_data["next_step"]), -1
+    init = self.config.init
+    if init.from_workdir:
+      params, step, missing = restore_params(init.from_workdir, self.abstract.params,
+                                             partial=True)
+      merged = jax.tree.map(lambda x: x, self.state.params)
+      _merge(merged, params)
+      self.state = self.state.replace(params=merged)
+      fresh = sorted({"/".join(p[:3]) for p in missing})
+      print(f"[{task}] params from {init.from_workdir} step {step}" +
+            (f"; newly initialised (not in that checkpoint): {', '.join(fresh)}" if fresh
+             else ""), flush=True)
+      return 0, step
+    if init.hf_bert:
+      from realm_jax.interop import hf_bert
+      params, report = hf_bert.init_params(self.config, self.state.params,
+                                           self.data.tokenizer.vocab_path,
+                                           self.data.tokenizer.vocab_size)
+      self.state = self.state.replace(params=jax.device_put(params, self.shardings.params))
+      print("\n".join(f"[{task}] {line}" for line in report.lines()), flush=True)
+    return 0, -1
+
+  def frozen_index(self, init_step: int) -> FrozenIndex:
+    """W/index's latest version; on a fresh run, published first (see the module doc)."""
+    cfg, task = self.config, self.config.task
+    fingerprint, dim = self.data.blocks.fingerprint, cfg.model.retrieval_dim
+    frozen = FrozenIndex.load(self.workdir, fingerprint, dim)
+    if frozen is not None:
+      print(f"[{task}] frozen index: {self.workdir}/index v{frozen.version} (blocks embedded "
+            f"at step {frozen.step})", flush=True)
+      return frozen
+    source = None
+    if cfg.init.from_workdir and init_step >= 0:
+      root = published.index_root(cfg.init.from_workdir)
+      latest = published.read_latest(root) if os.path.isdir(str(root)) else None
+      if latest is not None and published.read_manifest(root, latest)["step"] == init_step:
+        source = FrozenIndex.load(cfg.init.from_workdir, fingerprint, dim, latest)
+        print(f"[{task}] frozen index: the block embeddings of {cfg.init.from_workdir}/index "
+              f"v{latest} (step {init_step})", flush=True)
+    if source is None:
+      source, _ = FrozenIndex.embed(self.model, self.mesh, cfg, self.data,
+                                    self.state.params["retriever"], max(init_step, 0),
+                                    f"[{task}] frozen index: ")
+    query = steps.host_copy(steps.query_tower_params(self.state.params["retriever"]))
+    if jax.process_index() == 0:
+      publish_exact(self.workdir, source.embeddings, query, step=source.step,
+                    fingerprint=fingerprint, keep=cfg.index.keep_versions)
+    return FrozenIndex.load(self.workdir, fingerprint, dim)
+
+  # -- the loop ----------------------------------------------------------------------------
+  def run(self) -> dict:
+    cfg, task = self.config, self.config.task
+    start, init_step = self.restore_or_init()
+    frozen = self.frozen_index(init_step)
+    builder = QABatchBuilder(cfg, self.data, self.train_qa, frozen)
+    evaluator = QAEvaluator(cfg, self.data, self.mesh, self.model, self.dev_qa, frozen,
+                            reader=True, counts=self.dev_counts, prefix=f"[{task}] eval ") \
+        if self.dev_qa else None
+    total = cfg.train.steps
+    print(f"[{task}] {state_lib.count_params(self.state.params) / 1e6:.2f}M params, mesh "
+          f"{dict(self.mesh.shape)}, {cfg.train.batch_size} questions per step, steps "
+          f"{start}->{total}, {len(self.train_qa):,} training questions "
+          f"({int(builder.truncated.sum())} truncated to {cfg.data.query_len} wordpieces; "
+          f"skipped {self.train_counts or 'none'}), {frozen.num_blocks:,} blocks, top "
+          f"{builder.n} for the retriever, top {builder.k} read", flush=True)
+    train_log, eval_log = MetricWriter(self.workdir, "train"), MetricWriter(self.workdir, "eval")
+    data_iter = self.questions.iterator(cfg.data.prefetch, self.saved_data)
+    t_start, t_last, window, eval_metrics = time.time(), time.time(), [], {}
+    try:
+      if evaluator is not None and cfg.eval.every and start == 0:
+        eval_metrics = self.evaluate(evaluator, eval_log, 0)
+      for step in range(start, total):
+        rows = next(data_iter)["rows"]
+        data_state = data_iter.get_state()
+        q_emb = query_embeddings(self.model, self.mesh, cfg, self.state.params,
+                                 builder.question_ids[rows])
+        ranked = frozen.index.search(q_emb, builder.n)
+        batch = partitioning.global_batch(builder.train_batch(rows, ranked), self.mesh)
+        self.state, metrics = self.train_step(self.state, batch, self.step_rng)
+        window.append(metrics)
+        done = step + 1
+        if done % cfg.train.log_every == 0 or done == total:
+          scalars = {k: float(np.mean([jax.device_get(m[k]) for m in window])) for k in window[0]}
+          now = time.time()
+          rate = len(window) / (now - t_last)
+          scalars.update(steps_per_second=rate, learning_rate=float(
+              state_lib.learning_rate_schedule(cfg.train)(done)))
+          train_log.write(done, scalars)
+          print(f"[{task}] step {done}/{total} loss {scalars['loss']:.4g} (retriever "
+                f"{scalars['retriever_loss']:.3g}, reader {scalars['reader_loss']:.3g}) answer "
+                f"in top {builder.k} {scalars['answer_in_top_k']:.2f} | {rate:.2f} steps/s ETA "
+                f"{format_duration((total - done) / max(rate, 1e-9))}", flush=True)
+          window, t_last = [], now
+        if evaluator is not None and cfg.eval.every and done % cfg.eval.every == 0 \
+            and done != total:
+          eval_metrics = self.evaluate(evaluator, eval_log, done)
+        if done % cfg.train.checkpoint_every == 0 or done == total:
+          self.checkpointer.save(done, self.state, self.questions.state(data_state, done),
+                                 {"step": np.asarray(frozen.step, np.int32)})
+      if evaluator is not None:
+        eval_metrics = self.evaluate(evaluator, eval_log, total)
+    finally:
+      data_iter.close()
+      self.checkpointer.close()
+      train_log.close()
+      eval_log.close()
+    summary = {"task": task, "steps": total, "wall_seconds": round(time.time() - t_start, 1),
+               "params": state_lib.count_params(self.state.params),
+               "train_questions": len(self.train_qa), "train_skipped": self.train_counts,
+               "index_version": frozen.version, "index_step": frozen.step,
+               **{f"eval_{k}": v for k, v in eval_metrics.items()}}
+    if jax.process_index() == 0:
+      with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+  def evaluate(self, evaluator: QAEvaluator, writer: MetricWriter, step: int) -> dict:
+    metrics, _ = evaluator.run(self.state.params, keep_predictions=False)
+    writer.write(step, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+    print(f"[{self.config.task}] eval @ {step} on {metrics['num_questions']} dev questions: "
+          f"{format_metrics(metrics)} ({metrics['seconds']:.1f}s)", flush=True)
+    return metrics
+
+
+def _merge(into: dict, update: dict) -> None:
+  """Overwrites the leaves of nested dict `into` with those of `update` (same structure)."""
+  for key, value in update.items():
+    if isinstance(value, dict):
+      _merge(into[key], value)
+    else:
+      into[key] = value

@@ -1,0 +1,195 @@
+"""Open-QA: ORQA's losses, the span labels, fine-tuning (resume == uninterrupted), realm-eval
+and realm-predict on a tiny world."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from realm_jax.data.answers import exact_match, normalize_answer
+from realm_jax.errors import ConfigError
+from realm_jax.models import losses
+from realm_jax.models.realm import span_candidates
+from tests import helpers
+
+
+def openqa_config(world_dir: str, **overrides):
+  c = helpers.tiny_config("realm", data_dir=world_dir)
+  c.task = "openqa"
+  c.qa.train, c.qa.dev, c.qa.test = "prepared:train", "", "prepared:eval"
+  c.model.span_hidden_size, c.model.max_span_width = 16, 4
+  c.qa.searcher_beam, c.qa.reader_beam = 64, 3
+  # A warm-up longer than the run keeps the learning rate independent of train.steps, so a
+  # run stopped at step 3 and resumed must repeat the uninterrupted one exactly.
+  c.train.lr, c.train.warmup_steps = 3e-3, 10
+  c.train.steps, c.train.checkpoint_every = 6, 3
+  c.train.async_checkpoints = False
+  c.eval.batch_size = 64
+  for key, value in overrides.items():
+    *parents, leaf = key.split("__")
+    node = c
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return c
+
+
+def _logsumexp(x, axis=-1):
+  m = x.max(axis=axis, keepdims=True)
+  return (m + np.log(np.exp(x - m).sum(axis=axis, keepdims=True))).squeeze(axis)
+
+
+def test_openqa_loss_matches_a_numpy_reference():
+  rng = np.random.default_rng(0)
+  b, n, k, s = 4, 12, 3, 7
+  logits = rng.normal(size=(b, n)).astype(np.float32)
+  spans = rng.normal(size=(b, k, s)).astype(np.float32)
+  has = rng.random((b, n)) < 0.3
+  has[0] = False                            # no answer-bearing block: retriever term 0
+  correct = rng.random((b, k, s)) < 0.2
+  correct[1] = False                        # no matching span: reader term 0
+  loss, metrics = losses.openqa_loss(logits, has, spans, correct)
+  expected = []
+  for i in range(b):
+    log_p = logits[i] - _logsumexp(logits[i])
+    retriever = -_logsumexp(log_p[has[i]]) if has[i].any() else 0.0
+    joint = (spans[i] + logits[i, :k, None]).ravel()
+    flat = correct[i].ravel()
+    reader = -(_logsumexp(joint[flat]) - _logsumexp(joint)) if flat.any() else 0.0
+    expected.append(retriever + reader)
+  np.testing.assert_allclose(float(loss), np.mean(expected), rtol=1e-5)
+  np.testing.assert_allclose(float(metrics["answer_in_top_n"]), has.any(1).mean())
+  grads = jax.grad(lambda l, sp: losses.openqa_loss(l, has, sp, correct)[0], (0, 1))(
+      logits, spans)
+  assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
+def test_span_candidates_are_width_major_like_hf():
+  starts, ends = span_candidates(5, 3)
+  assert list(zip(starts, ends))[:7] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (0, 1), (1, 2)]
+  assert len(starts) == 5 + 4 + 3 and (ends - starts <= 2).all()
+
+
+@pytest.fixture(scope="module")
+def builder(world_dir, world_data):
+  from realm_jax.data.qa import qa_split
+  from realm_jax.retrieval.index import ExactIndex
+  from realm_jax.train.openqa import FrozenIndex, QABatchBuilder
+  config = openqa_config(world_dir)
+  examples, _ = qa_split(config.qa, "train", world_dir)
+  emb = np.random.default_rng(0).normal(size=(world_data.blocks.num_blocks, 32))
+  frozen = FrozenIndex(version=0, step=0, embeddings=emb.astype(np.float32),
+                       index=ExactIndex.from_embeddings(emb.astype(np.float32)))
+  return QABatchBuilder(config, world_data, examples, frozen)
+
+
+def test_span_labels_decode_to_the_answers(builder, world_data):
+  """Every labelled span reads back as an answer; questions whose answer is in a top-K block
+  get at least one label there."""
+  rows = np.arange(24)
+  every_block = np.arange(world_data.blocks.num_blocks)
+  has = builder.has_answer(rows, np.broadcast_to(every_block, (len(rows), len(every_block))))
+  assert has.any(axis=1).mean() > 0.8       # the world states almost every asked fact
+  top = np.stack([np.concatenate([every_block[h], every_block[~h]])[:builder.k] for h in has])
+  batch = builder.reader_batch(rows, top)
+  labelled = 0
+  for i, row in enumerate(rows):
+    answers = builder.examples[row].answers
+    found = np.argwhere(batch["span_correct"][i])
+    for j, span in found:
+      text, start, end = builder.span_text(batch["reader_ids"][i, j], int(span))
+      assert batch["span_mask"][i, j, start] and batch["span_mask"][i, j, end]
+      assert exact_match(text, builder.scored_answers(row)), (text, answers)
+    if has[i].any():      # then top[i, 0] holds an answer
+      assert len(found) > 0, builder.examples[row]
+      labelled += 1
+  assert labelled >= 18
+  assert normalize_answer("The  Foto Bank!") == "foto bank"
+
+
+@pytest.fixture(scope="module")
+def openqa_run(world_dir, tmp_path_factory):
+  from realm_jax.train.loop import train
+  workdir = str(tmp_path_factory.mktemp("openqa"))
+  summary = train(openqa_config(world_dir), workdir)
+  return workdir, summary
+
+
+def test_openqa_fine_tuning_writes_its_frozen_index_and_metrics(openqa_run):
+  from realm_jax.retrieval import published
+  workdir, summary = openqa_run
+  assert summary["steps"] == 6 and summary["index_version"] == 1
+  assert published.complete_versions(published.index_root(workdir)) == [1]
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics", "train.jsonl"))]
+  assert [r["step"] for r in rows] == list(range(1, 7))
+  assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in rows)
+  assert {"retriever_loss", "reader_loss", "answer_in_top_k", "span_accuracy"} <= set(rows[0])
+
+
+def test_openqa_resume_matches_the_uninterrupted_run(openqa_run, world_dir, tmp_path):
+  from realm_jax.train.loop import train
+  workdir, _ = openqa_run
+  resumed = str(tmp_path / "resumed")
+  train(openqa_config(world_dir, train__steps=3), resumed)
+  summary = train(openqa_config(world_dir), resumed)
+  assert summary["steps"] == 6
+
+  def losses_of(w):
+    return [json.loads(line)["loss"] for line in open(os.path.join(w, "metrics", "train.jsonl"))]
+  assert losses_of(resumed) == losses_of(workdir)
+
+
+def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir):
+  from realm_jax.evaluate_qa import evaluate_run
+  workdir, _ = openqa_run
+  metrics, out = evaluate_run(openqa_config(world_dir), workdir, split="test")
+  assert out == os.path.join(workdir, "eval", "6")
+  saved = json.load(open(os.path.join(out, "metrics.json")))
+  assert saved["step"] == 6 and saved["reader"] is True
+  for key in ("exact_match", "f1", "recall_at_1", "recall_at_5", "recall_at_20",
+              "recall_at_100"):
+    assert 0.0 <= saved[key] <= 1.0, key
+  assert saved["recall_at_1"] <= saved["recall_at_5"] <= saved["recall_at_100"]
+  predictions = [json.loads(line) for line in open(os.path.join(out, "predictions.jsonl"))]
+  assert len(predictions) == saved["num_questions"]
+  assert np.mean([p["exact_match"] for p in predictions]) == pytest.approx(saved["exact_match"])
+  for p in predictions:    # a prediction equal to a given answer always scores
+    assert p["exact_match"] or not exact_match(p["prediction"], p["answers"])
+  first = predictions[0]
+  assert len(first["evidence"]) == 3
+  assert {"title", "text", "retrieval_score", "span_score"} <= set(first["evidence"][0])
+  assert saved["no_answer_in_top_k"] == sum(not p["answer_in_top_k"] for p in predictions)
+
+
+def test_realm_eval_on_a_pretraining_checkpoint(world_dir, tmp_path):
+  """Open-QA eval of a checkpoint without the span reader: a clear error; --retrieval_only:
+  the zero-shot retrieval evaluation."""
+  from realm_jax.evaluate_qa import evaluate_run
+  from realm_jax.train.loop import train
+  workdir = str(tmp_path / "pretrained")
+  train(helpers.tiny_config("realm", data_dir=world_dir, train__steps=2), workdir)
+  config = openqa_config(world_dir)
+  with pytest.raises(ConfigError, match="no span reader .*retrieval_only"):
+    evaluate_run(config, workdir, split="test")
+  metrics, _ = evaluate_run(config, workdir, split="test", retrieval_only=True)
+  assert "exact_match" not in metrics and 0 <= metrics["recall_at_5"] <= 1
+
+
+def test_realm_predict_prints_the_answer_and_its_evidence(openqa_run, world_dir):
+  workdir, _ = openqa_run
+  with open(os.path.join(world_dir, "qa", "eval.jsonl")) as f:
+    question = json.loads(f.readline())["question"]
+  out = subprocess.run(
+      [sys.executable, "-m", "realm_jax.predict", f"--workdir={workdir}", "--json", question],
+      capture_output=True, text=True, timeout=300,
+      env={**os.environ, "PYTHONPATH": helpers.REPO})
+  assert out.returncode == 0, out.stderr[-2000:]
+  item = json.loads(out.stdout.strip().splitlines()[-1])
+  assert item["question"] == question and isinstance(item["answer"], str)
+  assert len(item["evidence"]) == 3 and item["evidence"][0]["title"]

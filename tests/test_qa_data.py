@@ -1,0 +1,210 @@
+"""Open-QA question sets: every format read from files (bad records counted, or fatal with
+file:line in strict mode), the real NQ-open / WebQuestions / SQuADShifts files with their exact
+counts, the held-out-articles split, TFDS through mock data, and query-tower inputs."""
+
+import json
+import os
+
+import ml_collections
+import numpy as np
+import pytest
+
+from realm_jax.data import qa
+from realm_jax.data.qa import QAExample, qa_split, question_inputs, read_qa
+from realm_jax.data.tokenizer import train_tokenizer
+from realm_jax.errors import ConfigError, DataError
+from tests.helpers import REPO
+
+SHARED = os.path.join(REPO, "..", "shared", "data")
+# is_heldout_article(f"Article {a}", 0.25) for a < 8: a change here reshuffles every split
+GOLDEN_HELDOUT = [True, False, True, False, False, False, False, False]
+
+
+def write(path, text: str | bytes) -> str:
+  with open(path, "wb") as f:
+    f.write(text if isinstance(text, bytes) else text.encode())
+  return str(path)
+
+
+def qa_config(**fields) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict({"train": "", "dev": "", "test": "", "heldout_articles": 0.0})
+  c.update(fields)
+  return c
+
+
+def squad_json(n_articles: int = 20) -> dict:
+  return {"version": "v2.0", "data": [
+      {"title": f"Article {a}", "paragraphs": [{"context": "...", "qas": [
+          {"id": f"q{a}-{k}", "question": f"question {k} of {a}?",
+           "answers": [{"text": "Ans", "answer_start": 0}, {"text": "other", "answer_start": 0},
+                       {"text": "Ans", "answer_start": 0}]} for k in range(3)]}]}
+      for a in range(n_articles)]}
+
+
+def test_nq_open_counts_bad_lines_and_strict_names_the_line(tmp_path):
+  lines = [b'{"question": "who wrote it", "answer": ["Bob Scott", "Bob Scott", " B. Scott "]}',
+           b"",
+           b'{"question": "broken", "answer": [',
+           b'{"answer": ["x"]}',
+           b'{"question": "none", "answer": []}',
+           b'{"question": "numbers", "answer": [1977]}',
+           b'["not", "an", "object"]',
+           b'{"question": "caf\xe9", "answer": ["x"]}',
+           b'{"question": "  when   was it ", "answer": "1977", "id": "q7", "title": "T"}']
+  path = write(tmp_path / "nq.jsonl", b"\n".join(lines) + b"\n")
+  examples, skipped = read_qa(f"nq_open:{path}")
+  assert examples == [
+      QAExample("nq.jsonl:1", "who wrote it", ("Bob Scott", "B. Scott"), False),
+      QAExample("q7", "when was it", ("1977",), False, "T")]
+  assert skipped == {qa.MALFORMED_JSON: 1, qa.MISSING_QUESTION: 1, qa.NO_ANSWERS: 1,
+                     qa.NON_STRING_ANSWERS: 1, qa.NOT_AN_OBJECT: 1, qa.INVALID_UTF8: 1}
+  with pytest.raises(DataError, match=f"{path}:3: malformed JSON"):
+    read_qa(f"nq_open:{path}", strict=True)
+  write(tmp_path / "more.jsonl", '{"question": "q", "answer": ["a"]}\n')
+  both, _ = read_qa(f"nq_open:{tmp_path}/*.jsonl")
+  assert [ex.qid for ex in both] == ["more.jsonl:1", "nq.jsonl:1", "q7"]
+
+
+def test_webquestions_skips_duplicates_and_empty_answers(tmp_path):
+  rows = [{"qId": "wq1", "qText": "what is it?", "answers": ["It"]},
+          {"qId": "wq2", "answers": ["x"]},
+          {"qId": "wq1", "qText": "again?", "answers": ["y"]},
+          {"qId": "wq4", "qText": "empty?", "answers": []},
+          {"qText": "no id?", "answers": ["z"]}]
+  path = write(tmp_path / "wq.json", json.dumps(rows))
+  examples, skipped = read_qa(f"webq:{path}")
+  assert [(ex.qid, ex.question, ex.answers) for ex in examples] == [
+      ("wq1", "what is it?", ("It",)), ("wq.json[4]", "no id?", ("z",))]
+  assert skipped == {qa.MISSING_QUESTION: 1, qa.DUPLICATE_ID: 1, qa.NO_ANSWERS: 1}
+  with pytest.raises(DataError, match=r"wq\.json: \[1\]: missing question"):
+    read_qa(f"webq:{path}", strict=True)
+  with pytest.raises(DataError, match="not a JSON file"):
+    read_qa(f"webq:{write(tmp_path / 'bad.json', '[{')}")
+
+
+def test_curated_trec_tsv_and_jsonl_answers_are_regexes(tmp_path):
+  tsv = write(tmp_path / "trec.tsv", "who was president in 1977\tJimmy Carter|James Earl Carter\n"
+              "when did it happen\t1\\s*9\\s*7\\s*7\n"
+              'dpr style\t["Paris", "paris, france"]\n'
+              "a line without a tab\n"
+              "bad pattern\t(unclosed\n")
+  examples, skipped = read_qa(f"curated_trec:{tsv}")
+  assert [(ex.question, ex.answers, ex.is_regex) for ex in examples] == [
+      ("who was president in 1977", ("Jimmy Carter|James Earl Carter",), True),
+      ("when did it happen", (r"1\s*9\s*7\s*7",), True),
+      ("dpr style", ("Paris", "paris, france"), True)]
+  assert skipped == {qa.MALFORMED_TSV: 1, qa.BAD_REGEX: 1}
+  with pytest.raises(DataError, match=f"{tsv}:4: {qa.MALFORMED_TSV}"):
+    read_qa(f"curated_trec:{tsv}", strict=True)
+  bad = write(tmp_path / "bad.tsv", "q\tCarter\nbad pattern\t(unclosed\n")
+  with pytest.raises(DataError, match=f"{bad}:2: {qa.BAD_REGEX}"):
+    read_qa(f"curated_trec:{bad}", strict=True)
+  jsonl = write(tmp_path / "CuratedTrec-test.txt",
+                '{"question": "q", "answer": ["Carter|Ford"]}\n{"question": "r", "answer": [7]}\n')
+  examples, skipped = read_qa(f"curated_trec:{jsonl}")
+  assert examples == [QAExample("CuratedTrec-test.txt:1", "q", ("Carter|Ford",), True)]
+  assert skipped == {qa.NON_STRING_ANSWERS: 1}
+
+
+def test_squad_questions_keep_titles_and_skip_unanswerable(tmp_path):
+  data = squad_json(2)
+  data["data"][0]["paragraphs"][0]["qas"][1]["is_impossible"] = True
+  data["data"][1]["paragraphs"][0]["qas"][2]["id"] = "q1-0"
+  data["data"][1]["paragraphs"].append("not a paragraph")
+  path = write(tmp_path / "squad.json", json.dumps(data))
+  examples, skipped = read_qa(f"squad:{path}")
+  assert [(ex.qid, ex.title) for ex in examples] == [
+      ("q0-0", "Article 0"), ("q0-2", "Article 0"), ("q1-0", "Article 1"), ("q1-1", "Article 1")]
+  assert examples[0].answers == ("Ans", "other") and not examples[0].is_regex
+  assert skipped == {qa.UNANSWERABLE: 1, qa.DUPLICATE_ID: 1, qa.NOT_AN_OBJECT: 1}
+  with pytest.raises(DataError, match=r"data\[0\]\.paragraphs\[0\]\.qas\[1\]: unanswerable"):
+    read_qa(f"squad:{path}", strict=True)
+
+
+def test_prepared_split_and_spec_errors(tmp_path):
+  os.makedirs(tmp_path / "data" / "qa")
+  write(tmp_path / "data" / "qa" / "eval.jsonl",
+        '{"question": "q?", "answer": ["a"], "id": "s1", "doc_id": 3, "answer_start": [0]}\n')
+  examples, _ = read_qa("prepared:eval", data_dir=str(tmp_path / "data"))
+  assert examples == [QAExample("s1", "q?", ("a",), False)]
+  with pytest.raises(ConfigError, match="config.qa.dev: .*set data.dir"):
+    qa_split(qa_config(dev="prepared:eval"), "dev")
+  with pytest.raises(ConfigError, match="config.qa.test: .*no such file"):
+    qa_split(qa_config(test="prepared:test"), "test", str(tmp_path / "data"))
+  with pytest.raises(ConfigError, match="config.qa.train: is empty"):
+    qa_split(qa_config(), "train")
+  for spec in ("bogus:x", "nq_open:", f"nq_open:{tmp_path}/none*.jsonl", "squad:/no/such.json",
+               "tfds:squad"):
+    with pytest.raises(ConfigError, match="config.qa.dev"):
+      qa_split(qa_config(dev=spec), "dev")
+  only_bad = write(tmp_path / "bad.jsonl", '{"question": "q", "answer": []}\n')
+  with pytest.raises(ConfigError, match="gives no questions .*no answers"):
+    qa_split(qa_config(dev=f"nq_open:{only_bad}"), "dev")
+
+
+def test_heldout_articles_split_is_disjoint_and_stable(tmp_path):
+  path = write(tmp_path / "squad.json", json.dumps(squad_json(40)))
+  config = qa_config(train=f"squad:{path}", dev=f"squad:{path}", test=f"squad:{path}",
+                     heldout_articles=0.25)
+  train, _ = qa_split(config, "train")
+  dev, _ = qa_split(config, "dev")
+  test, _ = qa_split(config, "test")
+  train_titles, dev_titles = {ex.title for ex in train}, {ex.title for ex in dev}
+  assert not train_titles & dev_titles and len(train_titles | dev_titles) == 40
+  assert dev == test and 4 <= len(dev_titles) <= 16 and len(train) + len(dev) == 120
+  assert qa_split(config, "dev")[0] == dev
+  # the hash is blake2b of the title, not Python's salted hash(): the same on every machine
+  assert sorted(dev_titles, key=lambda t: int(t.split()[1])) == [
+      t for t in (f"Article {a}" for a in range(40)) if qa.is_heldout_article(t, 0.25)]
+  assert [qa.is_heldout_article(f"Article {a}", 0.25) for a in range(8)] == GOLDEN_HELDOUT
+  nq = write(tmp_path / "nq.jsonl", '{"question": "q", "answer": ["a"]}\n')
+  with pytest.raises(ConfigError, match="config.qa.heldout_articles: .*have none"):
+    qa_split(qa_config(train=f"nq_open:{nq}", heldout_articles=0.1), "train")
+  assert len(qa_split(qa_config(train=f"nq_open:{nq}"), "train")[0]) == 1
+
+
+def test_real_question_files_are_read_whole():
+  if not os.path.isdir(SHARED):
+    pytest.skip(f"{SHARED} is absent (real data of ../shared/data)")
+  nq, skipped = read_qa(f"nq_open:{SHARED}/NQ-open.dev.jsonl", strict=True)
+  assert len(nq) == 3610 and not skipped
+  assert nq[0] == QAExample("NQ-open.dev.jsonl:1", "when was the last time anyone was on the moon",
+                            ("14 December 1972 UTC", "December 1972"), False)
+  wq, skipped = read_qa(f"webq:{SHARED}/webquestions_test.json", strict=True)
+  assert len(wq) == 2032 and not skipped and wq[0].qid == "wqs000000"
+  assert wq[0].answers == ("Jamaican Creole English Language", "Jamaican English")
+  squad, skipped = read_qa(f"squad:{SHARED}/squadshifts_new_wiki_v1.0.json", strict=True)
+  assert len(squad) == 7938 and not skipped and len({ex.title for ex in squad}) == 48
+  assert squad[0].answers[:2] == (
+      "Each brotherhood elects two delegates who take part in the National Ecclesiastical "
+      "Assembly", "two delegates")
+
+
+def test_tfds_question_sets_through_mock_data(tmp_path):
+  tfds = pytest.importorskip("tensorflow_datasets")
+  spec = "tfds:natural_questions_open:validation"
+  with pytest.raises(ConfigError, match="config.qa.dev: .*not prepared.*tfds build "
+                     "natural_questions_open"):
+    qa_split(qa_config(dev=spec, tfds_data_dir=str(tmp_path / "tfds")), "dev")
+  for name, n in (("natural_questions_open:validation", 9), ("web_questions:test", 6)):
+    with tfds.testing.mock_data(num_examples=n):
+      examples, skipped = read_qa(f"tfds:{name}", tfds_data_dir=str(tmp_path / "tfds"))
+    assert len(examples) + sum(skipped.values()) == n
+    assert set(skipped) <= {qa.NO_ANSWERS, qa.MISSING_QUESTION}
+    assert all(isinstance(ex.question, str) and ex.answers and
+               all(isinstance(a, str) for a in ex.answers) for ex in examples)
+    assert len({ex.qid for ex in examples}) == len(examples)
+
+
+def test_question_inputs_pad_and_flag_truncation(tmp_path):
+  tok = train_tokenizer(["who wrote the song", "when was the moon landing"] * 5,
+                        str(tmp_path / "vocab"), vocab_size=80)
+  questions = [QAExample("a", "who wrote the song", ("x",), False),
+               "when was the moon landing who wrote the song"]
+  ids, truncated = question_inputs(tok, questions, query_len=10)
+  assert ids.shape == (2, 10) and ids.dtype == np.int32
+  assert truncated.tolist() == [len(tok.encode_batch(["who wrote the song"])[0][0]) > 8, True]
+  first = [tok.cls_id] + tok.encode_batch(["who wrote the song"])[0][0][:8] + [tok.sep_id]
+  assert ids[0, :len(first)].tolist() == first and not ids[0, len(first):].any()
+  assert ids[1, 0] == tok.cls_id and ids[1, -1] == tok.sep_id
+  assert question_inputs(tok, [], 10)[0].shape == (0, 10)
