@@ -3,9 +3,13 @@
 #   make install              .venv with the package (editable) and the test extras
 #   make demo [WORKDIR=...] [SEED=...]   the REALM-in-miniature demo, end to end
 #   make demo-squad [SQUAD_WORKDIR=...]   prepare -> ICT -> REALM on SQuADShifts + retrieval recall
+#   make demo-openqa [SQUAD_WORKDIR=...]  then Open-QA fine-tuning from REALM vs ICT: EM, F1, R@k
 #   make test                 pytest on CPU (tests force 8 host devices themselves)
 #   make bench [BENCH_ARGS=...]          train-step throughput (step time, FLOP/s, MFU)
 #   make lint                 byte-compile everything (catches syntax errors fast)
+#   make interop-env          .venv-interop: the package + torch + transformers 4.x (REALM)
+#   make interop-check HF_DIR=D   our model vs transformers' REALM class on checkpoint D
+#   make bench-peer [BENCH_ARGS=...]   REALM step + Open-QA forward vs the PyTorch peer
 #   make clean / distclean    remove run outputs and caches / also the .venv
 
 PYTHON ?= python3
@@ -15,8 +19,11 @@ WORKDIR ?= runs/demo
 SEED ?= 0
 SQUAD_WORKDIR ?= runs/squad
 BENCH_ARGS ?=
+INTEROP_VENV ?= .venv-interop
+INTEROP_PYTHON := $(INTEROP_VENV)/bin/python
 
-.PHONY: install demo demo-squad test bench lint clean distclean
+.PHONY: install demo demo-squad demo-openqa test bench lint clean distclean
+.PHONY: interop-env interop-check bench-peer
 
 install: $(VENV)/.installed
 
@@ -33,11 +40,29 @@ demo: install
 demo-squad: install
 	$(VENV_PYTHON) -m realm_jax.demo_squad --workdir $(SQUAD_WORKDIR) --seed $(SEED)
 
+demo-openqa: install
+	$(VENV_PYTHON) -m realm_jax.demo_squad --workdir $(SQUAD_WORKDIR) --seed $(SEED) --openqa
+
 test: install
 	$(VENV_PYTHON) -m pytest -q tests
 
 bench: install
 	$(VENV_PYTHON) bench/train_step.py $(BENCH_ARGS)
+
+interop-env: $(INTEROP_VENV)/.installed
+
+$(INTEROP_VENV)/.installed: setup.py
+	test -x $(INTEROP_PYTHON) || $(PYTHON) -m venv $(INTEROP_VENV)
+	$(INTEROP_PYTHON) -m pip install --quiet --upgrade pip
+	$(INTEROP_PYTHON) -m pip install --quiet -e '.[interop]'
+	touch $@
+
+interop-check: interop-env
+	@test -n "$(HF_DIR)" || { echo "usage: make interop-check HF_DIR=<HF checkpoint dir>"; exit 2; }
+	$(INTEROP_PYTHON) -m realm_jax.interop.hf_parity --hf-dir $(HF_DIR)
+
+bench-peer: interop-env
+	$(INTEROP_PYTHON) bench/peer_hf.py $(BENCH_ARGS)
 
 lint:
 	$(PYTHON) -m compileall -q realm_jax configs bench tests
@@ -47,4 +72,4 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(INTEROP_VENV)

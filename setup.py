@@ -31,6 +31,9 @@ setup(
     extras_require={
         "test": ["pytest>=8,<10", "tensorflow-datasets>=4.9,<5"],
         "tfds": ["tensorflow-datasets>=4.9,<5"],
+        # HF parity checks and the PyTorch peer bench (`make interop-env`): transformers'
+        # last 4.x still ships REALM (deprecated; removed in 5).
+        "interop": ["torch>=2.4", "transformers==4.57.*"],
     },
     entry_points={
         "console_scripts": [
@@ -38,6 +41,9 @@ setup(
             "realm-train=realm_jax.train.main:run",
             "realm-demo=realm_jax.demo:run",
             "realm-index=realm_jax.retrieval.builder:run",
+            "realm-import-hf=realm_jax.interop.hf_realm:run",
+            "realm-eval=realm_jax.evaluate_qa:run",
+            "realm-predict=realm_jax.predict:run",
         ],
     },
 )

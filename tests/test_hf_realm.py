@@ -1,0 +1,391 @@
+"""HF REALM checkpoints -> a realm_jax workdir, without torch: checkpoints written here in HF's
+layout from our own random params (a round trip through the name mapping, plus spot checks of
+HF's key names), for every layout; the written checkpoint restores; a RealmForOpenQA import
+publishes an index that verifies and loads; and torch's zip format read by the restricted
+unpickler (files made here by hand)."""
+
+import collections
+import json
+import os
+import pickle
+import sys
+import types
+import zipfile
+
+import flax.linen as nn
+import jax
+import ml_collections
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import traverse_util
+from safetensors.numpy import save_file
+
+from realm_jax.data.store import PreparedData
+from realm_jax.data.tokenizer import load_tokenizer
+from realm_jax.interop import hf_bert, hf_realm, torch_pickle
+from realm_jax.retrieval import published, subscriber
+from realm_jax.train import partitioning, state as state_lib, steps
+from realm_jax.train.checkpoints import restore_params
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORDS = ["alpha", "beta", "gamma", "delta", "river", "city", "north", "born", "king", "year",
+         "the", "of", "in", "was", "a", "is", "town", "lake", "south", "queen"]
+VOCAB = SPECIALS + WORDS + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"] + [".", ","]
+SIZES = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=80,
+             max_position_embeddings=64, retriever_proj_size=24, span_hidden_size=20,
+             max_span_width=4, reader_layer_norm_eps=2e-3, reader_seq_len=40,
+             reader_beam_size=3, num_candidates=4, hidden_act="gelu", type_vocab_size=2,
+             layer_norm_eps=1e-12, vocab_size=len(VOCAB), model_type="realm")
+NUM_RECORDS = 12
+
+
+def write_vocab(path):
+  with open(os.path.join(path, "vocab.txt"), "w") as f:
+    f.write("\n".join(VOCAB) + "\n")
+
+
+def random_params(architecture, seed):
+  """Our params for the layout's import config, every leaf random (so that no two leaves are
+  alike and a misplaced tensor cannot go unnoticed)."""
+  hf = {**hf_realm.REALM_DEFAULTS, **SIZES}
+  block_len = 40 if architecture == "RealmForOpenQA" else None
+  config = hf_realm.make_config(architecture, hf, block_len=block_len)
+  model = state_lib.build_model(config, 0)
+  inputs = state_lib.dummy_inputs(config, config.data.block_len)
+  shapes = jax.eval_shape(lambda r: nn.meta.unbox(model.init(r, **inputs)["params"]),
+                          jax.random.PRNGKey(0))
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda x: rng.normal(0, 1, x.shape).astype(np.float32), shapes)
+
+
+def to_hf(params, architecture):
+  """HF-named tensors (torch layout) of the leaves the layout holds, via our own key map."""
+  flat = traverse_util.flatten_dict(params, sep="/")
+  out = {}
+  for ours, hf in hf_realm.realm_key_map(params, architecture).items():
+    value = flat[ours]
+    out[hf] = np.ascontiguousarray(value.T if ours.endswith("/kernel") else value)
+  return out
+
+
+def write_realm_checkpoint(path, architecture, tensors, records=None):
+  os.makedirs(path, exist_ok=True)
+  save_file(tensors, os.path.join(path, "model.safetensors"))
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump({**SIZES, "architectures": [architecture],
+               "num_block_records": NUM_RECORDS}, f)
+  write_vocab(path)
+  if records is not None:
+    np.save(os.path.join(path, hf_realm.BLOCK_RECORDS), records)
+  return str(path)
+
+
+def restore(workdir):
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  model = state_lib.build_model(config, 0)
+  mesh = partitioning.make_mesh((-1, 1))
+  abstract, _ = state_lib.abstract_train_state(config, model, mesh, config.data.block_len)
+  params, step = restore_params(workdir, abstract.params)
+  return config, abstract, jax.tree.map(np.asarray, params), step
+
+
+def leaf(tree, path):
+  for key in path.split("/"):
+    tree = tree[key]
+  return np.asarray(tree)
+
+
+# Spot checks of HF's own key names (the round trip alone would accept a symmetric mistake).
+SPOT_CHECKS = {
+    "RealmEmbedder": [
+        ("realm.encoder.layer.1.attention.self.key.weight",
+         "retriever/tower/bert/encoder/1/attention/self/key/kernel", True),
+        ("realm.pooler.dense.bias", "retriever/tower/bert/pooler/dense/bias", False),
+        ("cls.dense.weight", "retriever/tower/projection/kernel", True),
+        ("cls.LayerNorm.weight", "retriever/tower/projection_norm/scale", False)],
+    "RealmKnowledgeAugEncoder": [
+        ("realm.embeddings.token_type_embeddings.weight",
+         "reader/bert/embeddings/token_type_embeddings/embedding", False),
+        ("cls.predictions.transform.dense.weight", "reader/cls/transform_dense/kernel", True),
+        ("cls.predictions.transform.LayerNorm.bias", "reader/cls/transform_LayerNorm/bias",
+         False),
+        ("cls.predictions.bias", "reader/cls/bias", False)],
+    "RealmReader": [
+        ("realm.encoder.layer.1.output.LayerNorm.weight",
+         "reader/bert/encoder/1/output/LayerNorm/scale", False),
+        ("qa_outputs.dense_intermediate.weight", "reader/qa_outputs/dense_intermediate/kernel",
+         True),
+        ("qa_outputs.dense_output.bias", "reader/qa_outputs/dense_output/bias", False),
+        ("qa_outputs.layer_normalization.weight", "reader/qa_outputs/layer_normalization/scale",
+         False)],
+    "RealmForOpenQA": [
+        ("embedder.realm.encoder.layer.0.intermediate.dense.weight",
+         "retriever/query_tower/bert/encoder/0/intermediate/dense/kernel", True),
+        ("embedder.cls.dense.bias", "retriever/query_tower/projection/bias", False),
+        ("reader.realm.embeddings.word_embeddings.weight",
+         "reader/bert/embeddings/word_embeddings/embedding", False),
+        ("reader.qa_outputs.dense_output.weight", "reader/qa_outputs/dense_output/kernel", True)],
+}
+# What each layout leaves initialised (top-level groups).
+INITIALISED = {
+    "RealmEmbedder": {"reader/bert", "reader/cls"},
+    "RealmKnowledgeAugEncoder": {"retriever/tower/bert", "retriever/tower/projection",
+                                 "retriever/tower/projection_norm"},
+    "RealmReader": {"retriever/query_tower/bert", "retriever/query_tower/projection",
+                    "retriever/query_tower/projection_norm", "retriever/block_tower/bert",
+                    "retriever/block_tower/projection", "retriever/block_tower/projection_norm"},
+    "RealmForOpenQA": {"retriever/block_tower/bert", "retriever/block_tower/projection",
+                       "retriever/block_tower/projection_norm"},
+}
+
+
+def records_and_emb(rng):
+  texts = [" ".join(rng.choice(WORDS, n)) for n in [3, 7, 12, 5, 60, 9, 2, 15, 4, 8, 11, 6]]
+  return (np.array([t.encode() for t in texts], dtype=object),
+          rng.normal(0, 1, (NUM_RECORDS, SIZES["retriever_proj_size"])).astype(np.float32))
+
+
+def _import(path, architecture):
+  """Writes a checkpoint of `architecture` in HF's layout from random params and imports it."""
+  source = random_params(architecture, seed=1)
+  tensors = to_hf(source, architecture)
+  # What HF checkpoints hold besides: the reader's pooler, the tied decoder, the embedder's
+  # unused LM head, int buffers.
+  prefix = {"RealmForOpenQA": "reader."}.get(architecture, "")
+  if architecture != "RealmEmbedder":
+    tensors[prefix + "realm.pooler.dense.weight"] = np.ones((48, 48), np.float32)
+    tensors[prefix + "cls.predictions.decoder.weight"] = tensors[
+        prefix + "realm.embeddings.word_embeddings.weight"]
+  if architecture in ("RealmEmbedder", "RealmForOpenQA"):
+    head = {"RealmForOpenQA": "embedder."}.get(architecture, "")
+    tensors[head + "cls.predictions.bias"] = np.zeros(len(VOCAB), np.float32)
+  tensors[prefix + "realm.embeddings.position_ids"] = np.arange(64, dtype=np.int64)[None]
+  records = None
+  if architecture == "RealmForOpenQA":
+    records, tensors["block_emb"] = records_and_emb(np.random.default_rng(2))
+  hf_dir = write_realm_checkpoint(path / "hf", architecture, tensors, records)
+  out = str(path / "w2")
+  report = hf_realm.import_checkpoint(hf_dir, out)
+  return types.SimpleNamespace(source=source, tensors=tensors, records=records, hf_dir=hf_dir,
+                               out=out, report=report, prefix=prefix)
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+  """architecture -> its import (made once per module)."""
+  done = {}
+
+  def get(architecture):
+    if architecture not in done:
+      done[architecture] = _import(tmp_path_factory.mktemp(architecture), architecture)
+    return done[architecture]
+  return get
+
+
+@pytest.mark.parametrize("architecture", hf_realm.REALM_ARCHITECTURES)
+def test_every_tensor_lands_in_its_place(imported, architecture):
+  run = imported(architecture)
+  source, report, prefix = run.source, run.report, run.prefix
+  for hf_key, ours, transposed in SPOT_CHECKS[architecture]:
+    expected = leaf(source, ours)
+    np.testing.assert_array_equal(run.tensors[hf_key], expected.T if transposed else expected)
+  config, abstract, restored, step = restore(run.out)
+  assert step == 0
+  flat_restored = traverse_util.flatten_dict(restored, sep="/")
+  flat_source = traverse_util.flatten_dict(source, sep="/")
+  assert report.from_hf == hf_realm.realm_key_map(source, architecture)
+  for ours in report.from_hf:                     # exactly the source values, in place
+    np.testing.assert_array_equal(flat_restored[ours], flat_source[ours], err_msg=ours)
+  assert set(report.from_hf) | set(report.initialised) == set(flat_restored)
+  assert {report._group(p) for p in report.initialised} == INITIALISED[architecture]
+  with open(os.path.join(run.out, "import_report.json")) as f:
+    saved = json.load(f)["params"]
+  assert len(saved) == len(flat_restored)
+  text = str(report)
+  if architecture != "RealmEmbedder":
+    assert prefix + "realm.pooler.dense.weight" in report.unused and "decoder" not in text
+  if architecture in ("RealmEmbedder", "RealmForOpenQA"):
+    assert "cls.predictions.* (an LM head inside HF's RealmScorerProjection)" in text
+  m = config.model
+  assert (m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size, m.retrieval_dim,
+          m.span_hidden_size, m.max_span_width, m.span_layer_norm_eps, m.vocab_size) == (
+              48, 2, 4, 80, 24, 20, 4, 2e-3, len(VOCAB))
+  assert m.share_towers == (architecture in ("RealmEmbedder", "RealmKnowledgeAugEncoder"))
+  assert ("qa_outputs" in restored["reader"]) == (config.task == "openqa")
+
+
+def test_open_qa_evidence_becomes_a_block_store_and_a_published_index(imported):
+  run = imported("RealmForOpenQA")
+  records, tensors, hf_dir, out, report = (run.records, run.tensors, run.hf_dir, run.out,
+                                           run.report)
+  config, abstract, restored, _ = restore(out)
+
+  data = PreparedData(config.data.dir)
+  blocks = data.blocks
+  tokenizer = load_tokenizer(os.path.join(hf_dir, "vocab.txt"))
+  assert blocks.num_blocks == NUM_RECORDS and blocks.block_len == SIZES["reader_seq_len"]
+  assert report.block_store["records_cut"] == 1        # the 60-word record
+  for row, record in enumerate(records):
+    body = tokenizer.encode_batch([record.decode()])[0][0][:blocks.block_len - 3]
+    assert blocks.tokens[row][:blocks.lengths[row]].tolist() == [
+        tokenizer.cls_id, tokenizer.sep_id, *body, tokenizer.sep_id]
+  assert blocks.title(0) == "" and blocks.segments(np.arange(2))[0, 2] == 1
+
+  root = published.index_root(out)
+  version = published.read_latest(root)
+  manifest = published.verify(root, version, fingerprint=blocks.fingerprint,
+                              dim=SIZES["retriever_proj_size"])
+  assert manifest["step"] == 0 and manifest["backend"] == "exact"
+  template = steps.query_tower_params(abstract.params["retriever"])
+  loaded = subscriber.load_version(root, version, config=config, fingerprint=blocks.fingerprint,
+                                   query_template=template, make_encoder=lambda p: p)
+  np.testing.assert_array_equal(np.asarray(loaded.index.table)[:NUM_RECORDS],
+                                tensors["block_emb"])
+  query_params = loaded.encode_queries     # make_encoder above hands back the params
+  np.testing.assert_array_equal(
+      query_params["query_tower"]["projection"]["kernel"],
+      restored["retriever"]["query_tower"]["projection"]["kernel"])
+
+
+def test_plain_bert_loads_every_tower(tmp_path):
+  from tests.test_hf_bert import hf_config, random_bert, write_checkpoint
+  config = hf_config(len(VOCAB))
+  weights = random_bert(config, mlm_head=True)
+  hf_dir = write_checkpoint(tmp_path / "hf", weights, config, VOCAB)
+  out = str(tmp_path / "w2")
+  report = hf_realm.import_checkpoint(hf_dir, out)
+  _, _, restored, _ = restore(out)
+  for tower in ("retriever/query_tower/bert", "retriever/block_tower/bert", "reader/bert"):
+    np.testing.assert_array_equal(leaf(restored, tower + "/encoder/1/output/dense/kernel"),
+                                  weights["encoder.layer.1.output.dense.weight"].T)
+  np.testing.assert_array_equal(leaf(restored, "reader/cls/bias"), weights["cls.predictions.bias"])
+  assert {report._group(p) for p in report.initialised} == {
+      "retriever/query_tower/projection", "retriever/query_tower/projection_norm",
+      "retriever/block_tower/projection", "retriever/block_tower/projection_norm"}
+  assert report.from_hf["reader/bert/encoder/0/attention/self/query/kernel"] == \
+      "encoder.layer.0.attention.self.query.weight"
+
+
+def test_an_activation_our_bert_lacks_is_a_clear_error(tmp_path, capsys):
+  source = random_params("RealmEmbedder", seed=5)
+  hf_dir = write_realm_checkpoint(tmp_path / "hf", "RealmEmbedder", to_hf(source,
+                                                                          "RealmEmbedder"))
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    config = json.load(f)
+  del config["hidden_act"]                       # RealmConfig's default: gelu_new
+  with open(os.path.join(hf_dir, "config.json"), "w") as f:
+    json.dump(config, f)
+  with pytest.raises(SystemExit) as e:
+    hf_realm.main(["--hf-dir", hf_dir, "--out", str(tmp_path / "w2")])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert f"{hf_dir} cannot be expressed by our model" in err and "'gelu_new'" in err
+  assert not os.path.exists(tmp_path / "w2" / "checkpoints")
+
+
+# -- torch's zip format, written here without torch ---------------------------------------
+class _Global:
+  """A torch global by name (pickle wants reduce functions to be callable)."""
+
+  def __init__(self, module, name):
+    self.module, self.name = module, name
+
+  def __call__(self, *args):
+    raise NotImplementedError
+
+
+class _Storage:
+  def __init__(self, key, storage_type, data):
+    self.key, self.storage_type, self.data = key, storage_type, data
+
+
+class _Tensor:
+  def __init__(self, storage, offset, size, stride):
+    self.args = (storage, offset, size, stride)
+
+  def __reduce__(self):
+    return (_Global("torch._utils", "_rebuild_tensor_v2"),
+            (*self.args, False, collections.OrderedDict()))
+
+
+class _TorchLikePickler(pickle._Pickler):
+  """Writes what torch.save writes: GLOBALs of torch names, storages by persistent id."""
+
+  dispatch = dict(pickle._Pickler.dispatch)
+
+  def _save_global(self, obj):
+    self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+    self.memoize(obj)
+
+  dispatch[_Global] = _save_global
+
+  def persistent_id(self, obj):
+    if isinstance(obj, _Storage):
+      return ("storage", _Global("torch", obj.storage_type), obj.key, "cpu", obj.data.size)
+    return None
+
+
+def write_torch_zip(path, state, storages, byteorder="little"):
+  import io
+  buffer = io.BytesIO()
+  _TorchLikePickler(buffer, protocol=2).dump(state)
+  with zipfile.ZipFile(path, "w") as z:
+    z.writestr("archive/data.pkl", buffer.getvalue())
+    z.writestr("archive/byteorder", byteorder)
+    for s in storages:
+      z.writestr(f"archive/data/{s.key}", s.data.tobytes())
+    z.writestr("archive/version", "3\n")
+
+
+def test_torch_zip_read_without_torch(tmp_path, monkeypatch):
+  rng = np.random.default_rng(0)
+  base = rng.normal(size=(4, 6)).astype(np.float32)
+  floats = _Storage("0", "FloatStorage", base.reshape(-1))
+  halves = _Storage("1", "HalfStorage", rng.normal(size=10).astype(np.float16))
+  brain = _Storage("2", "BFloat16Storage", rng.normal(size=5).astype(ml_dtypes.bfloat16))
+  longs = _Storage("3", "LongStorage", np.arange(7, dtype=np.int64))
+  state = collections.OrderedDict([
+      ("w", _Tensor(floats, 0, (4, 6), (6, 1))),
+      ("w_t", _Tensor(floats, 0, (6, 4), (1, 6))),             # a transposed view
+      ("row2", _Tensor(floats, 12, (6,), (1,))),                # a view at an offset
+      ("col", _Tensor(floats, 1, (4, 2), (6, 2))),              # strided both ways
+      ("h", _Tensor(halves, 2, (2, 4), (4, 1))),
+      ("b", _Tensor(brain, 0, (5,), (1,))),
+      ("ids", _Tensor(longs, 0, (1, 7), (7, 1))),
+      ("scalar", _Tensor(longs, 3, (), ()))])
+  file = str(tmp_path / "pytorch_model.bin")
+  write_torch_zip(file, state, [floats, halves, brain, longs])
+  got = torch_pickle.load_state_dict(file)
+  np.testing.assert_array_equal(got["w"], base)
+  np.testing.assert_array_equal(got["w_t"], base.T)
+  np.testing.assert_array_equal(got["row2"], base[2])
+  np.testing.assert_array_equal(got["col"], base[:, 1::2][:, :2])
+  np.testing.assert_array_equal(got["h"], halves.data[2:].reshape(2, 4))
+  assert got["h"].dtype == np.float16 and got["b"].dtype == ml_dtypes.bfloat16
+  np.testing.assert_array_equal(got["b"], brain.data)
+  np.testing.assert_array_equal(got["ids"], np.arange(7)[None])
+  assert got["scalar"].shape == () and int(got["scalar"]) == 3
+  as32 = torch_pickle.load_state_dict(file, floats_as=np.float32)
+  assert as32["b"].dtype == np.float32 and as32["ids"].dtype == np.int64
+  monkeypatch.setitem(sys.modules, "torch", None)   # as if torch were not installed
+  tensors, source = hf_bert.read_weights(str(tmp_path))
+  assert source == file and tensors["h"].dtype == np.float32
+
+
+def test_torch_zip_refuses_legacy_files_and_foreign_globals(tmp_path, monkeypatch):
+  legacy = tmp_path / "legacy.bin"
+  legacy.write_bytes(pickle.dumps({"a": 1}, protocol=2))
+  with pytest.raises(ValueError, match=f"{legacy} is not a zip-format torch checkpoint"):
+    torch_pickle.load_state_dict(str(legacy))
+  evil = str(tmp_path / "evil.bin")
+  state = collections.OrderedDict([("x", _Global("os", "system"))])
+  write_torch_zip(evil, state, [])
+  with pytest.raises(pickle.UnpicklingError, match="refusing to load global os.system"):
+    torch_pickle.load_state_dict(evil)
+  os.makedirs(tmp_path / "hf")
+  os.replace(legacy, tmp_path / "hf" / "pytorch_model.bin")
+  monkeypatch.setitem(sys.modules, "torch", None)
+  with pytest.raises(FileNotFoundError, match="legacy torch.save file"):
+    hf_bert.read_weights(str(tmp_path / "hf"))
