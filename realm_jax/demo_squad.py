@@ -86,6 +86,11 @@ def run_demo_openqa(workdir: str, squad: str = "", seed: int = 0) -> dict:
     print(f"[demo-openqa] realm-eval {os.path.join(workdir, name)} on the test articles",
           flush=True)
     table[start], _ = evaluate_run(config, os.path.join(workdir, name), split="test")
+    print(f"[demo-openqa] zero-shot retrieval of {os.path.join(workdir, start)} (before "
+          "fine-tuning) on the same questions", flush=True)
+    before, _ = evaluate_run(config, os.path.join(workdir, start), split="test",
+                             retrieval_only=True)
+    table[start]["before"] = {k: v for k, v in before.items() if k.startswith("recall_at_")}
   summary = {"source": load_config("squad_openqa", "realm").qa.test if not squad else squad,
              "seed": seed, "blocks": stats["blocks"], "test": table,
              "train_questions": results["openqa_realm"].get("train_questions"),
@@ -96,12 +101,16 @@ def run_demo_openqa(workdir: str, squad: str = "", seed: int = 0) -> dict:
   n = table["realm"]["num_questions"]
   print(f"\n== Open-QA on the test articles: {n:,} questions, {stats['blocks']:,} blocks, "
         f"top {table['realm']['reader_beam']} read ==")
-  header = f"{'pre-training':<14}{'EM':>8}{'F1':>8}{'R@1':>8}{'R@5':>8}{'R@20':>8}"
+  header = (f"{'pre-training':<14}{'EM':>8}{'F1':>8}{'R@1':>8}{'R@5':>8}{'R@20':>8}"
+            f"{'R@5 before':>12}")
   print(header + "\n" + "-" * len(header))
   for start, label in (("realm", "REALM"), ("ict", "ICT only")):
     m = table[start]
     print(f"{label:<14}" + "".join(f"{m.get(k, float('nan')):>8.3f}" for k in (
-        "exact_match", "f1", "recall_at_1", "recall_at_5", "recall_at_20")))
+        "exact_match", "f1", "recall_at_1", "recall_at_5", "recall_at_20")) +
+          f"{m['before']['recall_at_5']:>12.3f}")
+  print("(R@k: a top-k block contains an answer; 'before': the pre-trained retriever, "
+        "zero-shot)")
   print(f"\n[demo-openqa] wrote {workdir}/summary_openqa.json "
         f"({summary['wall_seconds'] / 60:.1f} min)")
   return summary

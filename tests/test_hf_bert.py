@@ -11,6 +11,7 @@ import os
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -20,7 +21,7 @@ from realm_jax.errors import ConfigError
 from realm_jax.interop import hf_bert
 from realm_jax.models.bert import BertConfig, BertEncoder
 from realm_jax.models.realm import REALM
-from realm_jax.train.config_base import base_config, validate
+from realm_jax.train.config_base import base_config, incompatible_fields, validate
 from tests.helpers import tiny_config
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -98,6 +99,14 @@ def write_checkpoint(path, weights, config, vocab, prefix="bert.", old_norm_name
 _erf = np.vectorize(math.erf)
 
 
+def numpy_gelu(x, hidden_act):
+  """HF's ACT2FN["gelu"] (erf) or ACT2FN["gelu_new"] (tanh approximation), in float64."""
+  if hidden_act == "gelu_new":
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+  assert hidden_act == "gelu", hidden_act
+  return 0.5 * x * (1 + _erf(x / math.sqrt(2)))
+
+
 def _layer_norm(x, w, name, eps):
   mean = x.mean(-1, keepdims=True)
   var = ((x - mean) ** 2).mean(-1, keepdims=True)
@@ -105,7 +114,8 @@ def _layer_norm(x, w, name, eps):
 
 
 def numpy_bert(weights, config, ids, segments):
-  """BERT's last hidden states in float64: post-LN layers, erf gelu, padding (id 0) masked."""
+  """BERT's last hidden states in float64: post-LN layers, the config's GELU (erf or tanh),
+  padding (id 0) masked."""
   w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
   eps, heads = config["layer_norm_eps"], config["num_attention_heads"]
   n, length = ids.shape
@@ -128,7 +138,7 @@ def numpy_bert(weights, config, ids, segments):
     x = _layer_norm(lin("attention.output.dense", context) + x, w, p + "attention.output.LayerNorm",
                     eps)
     hidden = lin("intermediate.dense", x)
-    hidden = 0.5 * hidden * (1 + _erf(hidden / math.sqrt(2)))
+    hidden = numpy_gelu(hidden, config["hidden_act"])
     x = _layer_norm(lin("output.dense", hidden) + x, w, p + "output.LayerNorm", eps)
   return x
 
@@ -143,7 +153,8 @@ def converted_encoder(path, config, add_pooler=True):
   cfg = BertConfig(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
                    num_layers=config["num_hidden_layers"], num_heads=config["num_attention_heads"],
                    intermediate_size=config["intermediate_size"],
-                   max_position=config["max_position_embeddings"], dropout_rate=0.0)
+                   max_position=config["max_position_embeddings"], dropout_rate=0.0,
+                   hidden_act=config["hidden_act"])
   module = BertEncoder(cfg, add_pooler=add_pooler)
   ids = jnp.ones((1, 4), jnp.int32)
   abstract = nn.meta.unbox(jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), ids, ids))
@@ -166,11 +177,12 @@ def example_batch(vocab_size):
 
 
 # -- conversion against the reference ---------------------------------------------------------
-@pytest.mark.parametrize("prefix, old_norm_names", [("bert.", False), ("", False),
-                                                    ("bert.", True)],
-                         ids=["bert_prefix", "no_prefix", "gamma_beta"])
-def test_converted_encoder_matches_numpy_reference(tmp_path, prefix, old_norm_names):
-  config = hf_config(len(VOCAB))
+@pytest.mark.parametrize("prefix, old_norm_names, hidden_act",
+                         [("bert.", False, "gelu"), ("", False, "gelu"), ("bert.", True, "gelu"),
+                          ("bert.", False, "gelu_new")],
+                         ids=["bert_prefix", "no_prefix", "gamma_beta", "gelu_new"])
+def test_converted_encoder_matches_numpy_reference(tmp_path, prefix, old_norm_names, hidden_act):
+  config = hf_config(len(VOCAB), hidden_act=hidden_act)
   weights = random_bert(config)
   path = write_checkpoint(tmp_path / "hf", weights, config, VOCAB, prefix, old_norm_names)
   apply, report = converted_encoder(path, config)
@@ -178,6 +190,9 @@ def test_converted_encoder_matches_numpy_reference(tmp_path, prefix, old_norm_na
   hidden, pooled = apply(ids, segments)
   expected = numpy_bert(weights, config, ids, segments)
   assert np.abs(expected).max() > 0.5            # not a degenerate reference
+  other = {"gelu": "gelu_new", "gelu_new": "gelu"}[hidden_act]
+  assert np.abs(numpy_bert(weights, {**config, "hidden_act": other}, ids, segments)
+                - expected).max() > 5e-4         # the other GELU form misses by 5x atol
   np.testing.assert_allclose(np.asarray(hidden), expected, atol=1e-4, rtol=0)
   np.testing.assert_allclose(np.asarray(pooled), numpy_pooler(weights, expected), atol=1e-4)
   assert report.loaded == ["bert"] and report.left_at_init == []
@@ -327,10 +342,56 @@ def test_config_mismatch_lines():
       "model.max_position: 600 (config) > 512 (P/config.json): the checkpoint has only 512 "
       "positions",
       "model.vocab_size: 1000 (config / data vocab.txt) != 30522 (P/config.json)",
-      "hidden_act: 'gelu_new' (P/config.json) != 'gelu' (erf gelu, the only activation of our "
-      "BERT)",
+      "model.hidden_act: 'gelu' (config) != 'gelu_new' (P/config.json)",
       "layer_norm_eps: 1e-12 (our BERT) != 1e-05 (P/config.json)",
   ]
+
+
+ALL_ACTS = ("our BERT has 'gelu', 'gelu_python' (erf GELU) or 'gelu_new', 'gelu_pytorch_tanh', "
+            "'gelu_python_tanh', 'gelu_fast', 'gelu_accurate' (its tanh approximation)")
+
+
+def test_hidden_act_mismatches_and_unsupported_activations():
+  model = base_config().model
+  model.update(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position=64)
+  hf = hf_config(len(VOCAB))
+  check = lambda **kw: hf_bert.bert_config_mismatches(model, {**hf, **kw}, source="P/config.json")
+  assert check() == [] and check(hidden_act="gelu_python") == []     # erf, by two names
+  assert check(hidden_act="gelu_new") == [
+      "model.hidden_act: 'gelu' (config) != 'gelu_new' (P/config.json)"]
+  model.hidden_act = "gelu_new"
+  assert check(hidden_act="gelu_new") == [] and check(hidden_act="gelu_pytorch_tanh") == []
+  assert check() == ["model.hidden_act: 'gelu_new' (config) != 'gelu' (P/config.json)"]
+  for act in ("relu", "swish"):
+    assert check(hidden_act=act) == [
+        f"hidden_act: {act!r} (P/config.json) is not supported: {ALL_ACTS}"]
+  # Callers whose BertConfig keeps the default activation (erf) accept only that.
+  hf = {**hf_bert.HF_DEFAULTS, **hf, "hidden_act": "gelu_new"}
+  assert hf_bert.unsupported_settings(hf, "P") == [
+      "hidden_act: 'gelu_new' (P) is not supported: our BERT has 'gelu' (erf GELU)"]
+
+
+def test_hidden_act_is_a_checked_config_field():
+  with pytest.raises(ValueError, match="hidden_act 'relu' is not supported; choose one of gelu, "):
+    BertConfig(vocab_size=10, hidden_act="relu")
+  config = base_config()
+  assert config.model.hidden_act == "gelu"
+  config.model.hidden_act = "swish"
+  with pytest.raises(ConfigError, match=r"config\.model\.hidden_act: 'swish' is not one of gelu, "
+                     r"gelu_python, gelu_new, .* \(erf GELU or its tanh approximation\)"):
+    validate(config)
+  config.model.hidden_act = "gelu_new"
+  validate(config)
+  assert BertConfig.from_config(config.model, 10).hidden_act == "gelu_new"
+  # A run's config saved before the field: erf gelu, and resumable under "gelu".
+  saved = json.loads(base_config().to_json_best_effort())
+  del saved["model"]["hidden_act"]
+  old = ml_collections.ConfigDict(saved)
+  validate(old)
+  assert BertConfig.from_config(old.model, 10).hidden_act == "gelu"
+  assert incompatible_fields(saved, json.loads(base_config().to_json_best_effort())) == []
+  assert incompatible_fields(saved, json.loads(config.to_json_best_effort())) == [
+      "model.hidden_act: 'gelu' (checkpoints) != 'gelu_new' (this run)"]
 
 
 def test_model_overrides_make_the_config_fit(tmp_path):
@@ -338,7 +399,8 @@ def test_model_overrides_make_the_config_fit(tmp_path):
   path = write_checkpoint(tmp_path / "hf", random_bert(config), config, VOCAB)
   overrides = hf_bert.model_overrides(path)
   assert overrides == {"hidden_size": 32, "num_layers": 2, "num_heads": 4,
-                       "intermediate_size": 64, "max_position": 96, "vocab_size": len(VOCAB)}
+                       "intermediate_size": 64, "max_position": 96, "vocab_size": len(VOCAB),
+                       "hidden_act": "gelu"}
   model = base_config().model
   assert len(hf_bert.bert_config_mismatches(model, path)) == 5   # vocab_size 0: not checked
   assert len(hf_bert.bert_config_mismatches(model, path, vocab_size=1000)) == 6
@@ -346,6 +408,11 @@ def test_model_overrides_make_the_config_fit(tmp_path):
   assert hf_bert.bert_config_mismatches(model, path) == []
   model.max_position = 40                        # fewer positions than the checkpoint: fine
   assert hf_bert.bert_config_mismatches(model, path) == []
+  config = hf_config(len(VOCAB), hidden_act="gelu_new")
+  tanh = write_checkpoint(tmp_path / "tanh", random_bert(config), config, VOCAB)
+  assert len(hf_bert.bert_config_mismatches(model, tanh)) == 1
+  model.update(hf_bert.model_overrides(tanh))
+  assert model.hidden_act == "gelu_new" and hf_bert.bert_config_mismatches(model, tanh) == []
 
 
 def test_pytorch_bin_is_read_when_torch_is_installed(tmp_path):
@@ -403,6 +470,10 @@ def test_trainer_refuses_a_checkpoint_that_does_not_fit(world_dir, tmp_path):
   path, _ = world_checkpoint(world_dir, tmp_path / "wide", hidden_size=48)
   config = tiny_config("realm", None, world_dir, init__hf_bert=path)
   with pytest.raises(ConfigError, match=r"model\.hidden_size: 32 \(config\) != 48 "):
+    hf_bert.init_params(config, {}, data_vocab, n)
+  path, _ = world_checkpoint(world_dir, tmp_path / "tanh", hidden_act="gelu_new")
+  config = tiny_config("realm", None, world_dir, init__hf_bert=path)
+  with pytest.raises(ConfigError, match=r"model\.hidden_act: 'gelu' \(config\) != 'gelu_new' "):
     hf_bert.init_params(config, {}, data_vocab, n)
   swapped = world_vocab[:5] + [world_vocab[6], world_vocab[5]] + world_vocab[7:]
   path, _ = world_checkpoint(world_dir, tmp_path / "swapped", vocab=swapped)

@@ -1,5 +1,6 @@
 """Our model against transformers' own REALM classes, on small random checkpoints that
-transformers writes itself (four layouts x safetensors / pytorch_model.bin), in the interop env
+transformers writes itself (four layouts x safetensors / pytorch_model.bin, with RealmConfig's
+default tanh GELU `gelu_new`, and a BertForMaskedLM with erf `gelu`), in the interop env
 (`make interop-env`: torch + transformers 4.x); torch's own files through the torch-free
 reader; and the importer's one-line errors (main env, no torch needed)."""
 
@@ -16,7 +17,9 @@ from realm_jax.interop import hf_realm
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 1e-4
 CHECKPOINTS = [(arch, fmt) for arch in hf_realm.REALM_ARCHITECTURES
-               for fmt in ("safetensors", "bin")]
+               for fmt in ("safetensors", "bin")] + [("bert", "safetensors")]
+# The activation hf_parity's checkpoints are made with (HF RealmConfig's default; BERT's).
+HIDDEN_ACT = {**{arch: "gelu_new" for arch in hf_realm.REALM_ARCHITECTURES}, "bert": "gelu"}
 # Outputs each layout must report (names printed by hf_parity).
 EXPECTED = {
     "RealmEmbedder": {"projected_score_block_inputs", "projected_score_query_inputs"},
@@ -26,6 +29,7 @@ EXPECTED = {
     "RealmForOpenQA": {"question_embedding", "retrieval_logits", "span_logits_valid_spans",
                        "answer_score", "retrieved_blocks", "reader_input_ids",
                        "answer_block_row_start_end", "question_wordpieces"},
+    "bert": {"last_hidden_state", "mlm_log_probs"},
 }
 
 
@@ -48,15 +52,17 @@ def run_interop(args, timeout=1200):
 
 @pytest.fixture(scope="module")
 def parity_output(tmp_path_factory):
-  """Writes the eight checkpoints with transformers, then runs hf_parity over all of them
+  """Writes the nine checkpoints with transformers, then runs hf_parity over all of them
   (one process: torch, transformers and jax are imported once)."""
   root = str(tmp_path_factory.mktemp("hf_random"))
   made = run_interop(["-m", "realm_jax.interop.hf_parity", "--make-random", "all", "--out", root])
   assert made.returncode == 0, made.stdout + made.stderr
   dirs = [os.path.join(root, f"{arch}-{fmt}") for arch, fmt in CHECKPOINTS]
-  for d, (_, fmt) in zip(dirs, CHECKPOINTS):
+  for d, (arch, fmt) in zip(dirs, CHECKPOINTS):
     assert os.path.exists(os.path.join(d, "model.safetensors" if fmt == "safetensors"
                                        else "pytorch_model.bin")), os.listdir(d)
+    with open(os.path.join(d, "config.json")) as f:
+      assert json.load(f)["hidden_act"] == HIDDEN_ACT[arch], d
   args = ["-m", "realm_jax.interop.hf_parity"] + [a for d in dirs for a in ("--hf-dir", d)]
   result = run_interop(args)
   sections = re.split(r"^hf_parity: (\S+) \(\w+\)$", result.stdout, flags=re.M)

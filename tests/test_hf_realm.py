@@ -210,8 +210,8 @@ def test_every_tensor_lands_in_its_place(imported, architecture):
     assert "cls.predictions.* (an LM head inside HF's RealmScorerProjection)" in text
   m = config.model
   assert (m.hidden_size, m.num_layers, m.num_heads, m.intermediate_size, m.retrieval_dim,
-          m.span_hidden_size, m.max_span_width, m.span_layer_norm_eps, m.vocab_size) == (
-              48, 2, 4, 80, 24, 20, 4, 2e-3, len(VOCAB))
+          m.span_hidden_size, m.max_span_width, m.span_layer_norm_eps, m.vocab_size,
+          m.hidden_act) == (48, 2, 4, 80, 24, 20, 4, 2e-3, len(VOCAB), "gelu")
   assert m.share_towers == (architecture in ("RealmEmbedder", "RealmKnowledgeAugEncoder"))
   assert ("qa_outputs" in restored["reader"]) == (config.task == "openqa")
 
@@ -268,20 +268,40 @@ def test_plain_bert_loads_every_tower(tmp_path):
       "encoder.layer.0.attention.self.query.weight"
 
 
-def test_an_activation_our_bert_lacks_is_a_clear_error(tmp_path, capsys):
+def _embedder_checkpoint(path, **config_changes):
+  """A RealmEmbedder checkpoint whose config.json has `config_changes` (None: key removed)."""
   source = random_params("RealmEmbedder", seed=5)
-  hf_dir = write_realm_checkpoint(tmp_path / "hf", "RealmEmbedder", to_hf(source,
-                                                                          "RealmEmbedder"))
+  hf_dir = write_realm_checkpoint(path, "RealmEmbedder", to_hf(source, "RealmEmbedder"))
   with open(os.path.join(hf_dir, "config.json")) as f:
     config = json.load(f)
-  del config["hidden_act"]                       # RealmConfig's default: gelu_new
+  for key, value in config_changes.items():
+    if value is None:
+      del config[key]
+    else:
+      config[key] = value
   with open(os.path.join(hf_dir, "config.json"), "w") as f:
     json.dump(config, f)
+  return hf_dir
+
+
+def test_realm_default_activation_is_imported_as_the_config_value(tmp_path):
+  hf_dir = _embedder_checkpoint(tmp_path / "hf", hidden_act=None)   # RealmConfig's: gelu_new
+  hf_realm.import_checkpoint(hf_dir, str(tmp_path / "w2"))
+  config, _, _, _ = restore(str(tmp_path / "w2"))
+  assert config.model.hidden_act == "gelu_new"
+  assert state_lib.build_model(config, 0).cfg.hidden_act == "gelu_new"
+
+
+@pytest.mark.parametrize("activation", ["relu", "swish"])
+def test_an_activation_our_bert_lacks_is_a_clear_error(tmp_path, capsys, activation):
+  hf_dir = _embedder_checkpoint(tmp_path / "hf", hidden_act=activation)
   with pytest.raises(SystemExit) as e:
     hf_realm.main(["--hf-dir", hf_dir, "--out", str(tmp_path / "w2")])
   assert e.value.code == 2
   err = capsys.readouterr().err
-  assert f"{hf_dir} cannot be expressed by our model" in err and "'gelu_new'" in err
+  assert f"{hf_dir} cannot be expressed by our model" in err
+  assert (f"hidden_act: {activation!r} ({hf_dir}/config.json) is not supported: our BERT has "
+          "'gelu', 'gelu_python' (erf GELU) or 'gelu_new', ") in err
   assert not os.path.exists(tmp_path / "w2" / "checkpoints")
 
 

@@ -104,7 +104,7 @@ def test_span_labels_decode_to_the_answers(builder, world_data):
     found = np.argwhere(batch["span_correct"][i])
     for j, span in found:
       text, start, end = builder.span_text(batch["reader_ids"][i, j], int(span))
-      assert batch["span_mask"][i, j, start] and batch["span_mask"][i, j, end]
+      assert batch["span_start_mask"][i, j, start] and batch["span_end_mask"][i, j, end]
       assert exact_match(text, builder.scored_answers(row)), (text, answers)
     if has[i].any():      # then top[i, 0] holds an answer
       assert len(found) > 0, builder.examples[row]
@@ -117,14 +117,19 @@ def test_span_labels_decode_to_the_answers(builder, world_data):
 def openqa_run(world_dir, tmp_path_factory):
   from realm_jax.train.loop import train
   workdir = str(tmp_path_factory.mktemp("openqa"))
-  summary = train(openqa_config(world_dir), workdir)
+  summary = train(openqa_config(world_dir, qa__dev="prepared:eval"), workdir)
   return workdir, summary
 
 
-def test_openqa_fine_tuning_writes_its_frozen_index_and_metrics(openqa_run):
+def test_openqa_fine_tuning_writes_its_frozen_index_and_metrics(openqa_run, world_dir):
   from realm_jax.retrieval import published
   workdir, summary = openqa_run
+  with open(os.path.join(world_dir, "qa", "eval.jsonl")) as f:
+    dev_questions = sum(1 for line in f if line.strip())
   assert summary["steps"] == 6 and summary["index_version"] == 1
+  # the final evaluation on qa.dev (the world's held-out questions) is in the summary
+  assert summary["eval_num_questions"] == dev_questions
+  assert 0 <= summary["eval_exact_match"] <= 1
   assert published.complete_versions(published.index_root(workdir)) == [1]
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics", "train.jsonl"))]
   assert [r["step"] for r in rows] == list(range(1, 7))
@@ -136,8 +141,8 @@ def test_openqa_resume_matches_the_uninterrupted_run(openqa_run, world_dir, tmp_
   from realm_jax.train.loop import train
   workdir, _ = openqa_run
   resumed = str(tmp_path / "resumed")
-  train(openqa_config(world_dir, train__steps=3), resumed)
-  summary = train(openqa_config(world_dir), resumed)
+  train(openqa_config(world_dir, train__steps=3, qa__dev="prepared:eval"), resumed)
+  summary = train(openqa_config(world_dir, qa__dev="prepared:eval"), resumed)
   assert summary["steps"] == 6
 
   def losses_of(w):
@@ -161,6 +166,9 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir):
   assert np.mean([p["exact_match"] for p in predictions]) == pytest.approx(saved["exact_match"])
   for p in predictions:    # a prediction equal to a given answer always scores
     assert p["exact_match"] or not exact_match(p["prediction"], p["answers"])
+  for p in predictions:    # spans keep to word boundaries
+    assert not p["prediction"].startswith("##")
+    assert all(not e["span"].startswith("##") for e in p["evidence"])
   first = predictions[0]
   assert len(first["evidence"]) == 3
   assert {"title", "text", "retrieval_score", "span_score"} <= set(first["evidence"][0])

@@ -159,3 +159,18 @@ def test_resumed_run_matches_the_uninterrupted_one(stages, world_dir, world_data
   b_flat = flat(b_params)
   for key, value in flat(a_params).items():
     np.testing.assert_allclose(b_flat[key], value, rtol=0, atol=1e-6, err_msg=key)
+
+
+def test_no_retrieval_baseline_reads_only_the_null_document(world_dir, world_data, tmp_path):
+  """The baseline's reader input is `[CLS] x [SEP] [SEP]` (no block padding to read), its
+  retriever plays no part, and retrieval utility is 0 by definition."""
+  config = tiny_config("realm", "no_retrieval", world_dir, train__steps=2)
+  queries = batches.QueryBatches(config, world_data, world_data.examples("train"))(0)
+  cand = batches.candidates_for(config, world_data, queries, None, training=True)
+  batch = batches.realm_batch(config, world_data, queries, cand)
+  assert batch["reader_ids"].shape == (config.train.batch_size, 1, config.data.query_len + 1)
+  rows = np.arange(config.train.batch_size)
+  ends = queries["query_len"]
+  assert (batch["reader_ids"][rows, 0, ends] == world_data.tokenizer.sep_id).all()
+  summary = train(config, str(tmp_path / "no_retrieval"))
+  assert summary["eval_retrieval_utility"] == 0.0 and 0 <= summary["eval_span_accuracy"] <= 1

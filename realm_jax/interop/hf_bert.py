@@ -7,7 +7,8 @@ as `weight`/`bias`; names with or without the `bert.` prefix are accepted.
 
   load_bert_towers(params, path)  every BERT tower of a REALM tree (+ the MLM head if saved)
   bert_config_mismatches(...)     config.model vs the checkpoint's config.json, as text lines
-  model_overrides(path)           the config.model values that fit the checkpoint
+  model_overrides(path)           the config.model values that fit the checkpoint (shape, and
+                                  hidden_act: "gelu" erf or "gelu_new" tanh, bert.HIDDEN_ACTS)
   init_params(config, ...)        the Trainer's `init.hf_bert` start: checks, load, report
 """
 
@@ -17,13 +18,13 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
 
 from realm_jax.errors import ConfigError
-from realm_jax.models.bert import hf_parameter_names
+from realm_jax.models.bert import HIDDEN_ACTS, hf_parameter_names
 
 OPTION = "init.hf_bert"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -102,7 +103,9 @@ def bert_config_mismatches(model_cfg, hf_config: Mapping | str, *, vocab_size: i
 
   `hf_config` is a checkpoint dir or its config dict; `vocab_size` is the data vocab's size
   (used when model.vocab_size is 0). Our max_position may be smaller than the checkpoint's
-  (the first rows of its position table are taken); hidden_act must be erf gelu.
+  (the first rows of its position table are taken). model.hidden_act must compute the
+  checkpoint's GELU (erf or tanh: the names of one form are interchangeable); an activation
+  our BERT lacks is reported as unsupported.
   """
   if isinstance(hf_config, str):
     source = source or os.path.join(hf_config, "config.json")
@@ -123,19 +126,27 @@ def bert_config_mismatches(model_cfg, hf_config: Mapping | str, *, vocab_size: i
     elif ours != theirs:
       where = "config / data vocab.txt" if field == "vocab_size" else "config"
       lines.append(f"model.{field}: {ours} ({where}) != {theirs} ({source})")
+  ours, theirs = model_cfg.get("hidden_act", "gelu"), hf["hidden_act"]
+  if theirs in HIDDEN_ACTS and HIDDEN_ACTS.get(ours) != HIDDEN_ACTS[theirs]:
+    lines.append(f"model.hidden_act: {ours!r} (config) != {theirs!r} ({source})")
   if hf["type_vocab_size"] != OUR_TYPE_VOCAB:
     lines.append(f"type_vocab_size: {OUR_TYPE_VOCAB} (our BERT) != {hf['type_vocab_size']} "
                  f"({source})")
-  lines += unsupported_settings(hf, source)
+  lines += unsupported_settings(hf, source, hidden_acts=HIDDEN_ACTS)
   return lines
 
 
-def unsupported_settings(hf: Mapping, source: str) -> list[str]:
-  """Checkpoint settings our BERT cannot reproduce (activation, LayerNorm eps, positions)."""
+def unsupported_settings(hf: Mapping, source: str,
+                         hidden_acts: Collection[str] = ("gelu",)) -> list[str]:
+  """Checkpoint settings our BERT cannot reproduce (activation, LayerNorm eps, positions).
+
+  `hidden_acts`: the activations the caller's BertConfig is given (the default, erf gelu
+  alone, is for callers that leave BertConfig.hidden_act at its default).
+  """
   lines = []
-  if hf["hidden_act"] != "gelu":
-    lines.append(f"hidden_act: {hf['hidden_act']!r} ({source}) != 'gelu' (erf gelu, the only "
-                 "activation of our BERT)")
+  if hf["hidden_act"] not in hidden_acts:
+    lines.append(f"hidden_act: {hf['hidden_act']!r} ({source}) is not supported: "
+                 f"{_describe_acts(hidden_acts)}")
   if not np.isclose(hf["layer_norm_eps"], OUR_LAYER_NORM_EPS, rtol=1e-3, atol=0):
     lines.append(f"layer_norm_eps: {OUR_LAYER_NORM_EPS} (our BERT) != {hf['layer_norm_eps']} "
                  f"({source})")
@@ -145,10 +156,20 @@ def unsupported_settings(hf: Mapping, source: str) -> list[str]:
   return lines
 
 
+def _describe_acts(names: Collection[str]) -> str:
+  """`our BERT has 'gelu', ... (erf GELU) or 'gelu_new', ... (its tanh approximation)`."""
+  forms = [(", ".join(repr(n) for n in names if HIDDEN_ACTS.get(n) is tanh), what)
+           for tanh, what in ((False, "erf GELU"), (True, "its tanh approximation"))]
+  return "our BERT has " + " or ".join(f"{n} ({what})" for n, what in forms if n)
+
+
 def model_overrides(path: str) -> dict[str, Any]:
-  """The config.model values of the checkpoint's shape, for `config.model.update(...)`."""
+  """The config.model values of the checkpoint's shape and activation, for
+  `config.model.update(...)` (an activation our BERT lacks is passed on as it is:
+  `bert_config_mismatches` and `validate` name it)."""
   hf = read_config(path)
-  return {field: hf[key] for field, key in SHAPE_FIELDS.items()}
+  return {**{field: hf[key] for field, key in SHAPE_FIELDS.items()},
+          "hidden_act": hf["hidden_act"]}
 
 
 def check_vocab(data_vocab: str, path: str) -> None:

@@ -133,7 +133,8 @@ class NerTagger:
       raise ConfigError(OPTION, f"{path}/config.json has no id2label: not a token "
                         "classification model")
     self.labels = [hf["id2label"][str(i)] for i in range(len(hf["id2label"]))]
-    problems = hf_bert.unsupported_settings(hf, os.path.join(path, "config.json"))
+    problems = hf_bert.unsupported_settings(hf, os.path.join(path, "config.json"),
+                                            hidden_acts=hf_bert.HIDDEN_ACTS)
     max_len = min(max_len, hf["max_position_embeddings"])
     if max_len < 3:
       problems.append(f"max_len {max_len} < 3 (room for [CLS], a piece and [SEP])")
@@ -150,6 +151,7 @@ class NerTagger:
     n = self.mesh.shape["data"]
     self.batch_size = -(-batch_size // n) * n
     cfg = BertConfig(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                     hidden_act=hf["hidden_act"],
                      num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
                      intermediate_size=hf["intermediate_size"],
                      max_position=hf["max_position_embeddings"],

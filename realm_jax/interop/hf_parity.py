@@ -19,8 +19,9 @@ token types) and print the max absolute difference of every output:
 Lines look like `[RealmReader] max_abs_diff span_logits 2.4e-07` and
 `[RealmReader] match answer True`; the exit code is 1 when a difference exceeds --tol or a
 match fails. `--make-random ARCH --out D [--bin]` writes a small random checkpoint of that
-architecture in HF's own format (`--make-random all`: all four in both formats; what the tests
-use).
+architecture in HF's own format: a REALM one with RealmConfig's default activation `gelu_new`
+(tanh GELU), or `bert` (BertForMaskedLM, erf `gelu`); `--make-random all`: all four REALM ones
+in both formats and bert (safetensors), what the tests use.
 """
 
 from __future__ import annotations
@@ -35,11 +36,16 @@ import numpy as np
 
 TOLERANCE = 1e-4
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-# Non-default sizes everywhere, so a field read from the wrong key shows up as a mismatch.
+# Non-default sizes everywhere, so a field read from the wrong key shows up as a mismatch;
+# HF RealmConfig's default activation (the released checkpoints' tanh GELU).
 TINY = dict(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, intermediate_size=80,
             retriever_proj_size=24, span_hidden_size=20, max_span_width=4,
             max_position_embeddings=128, reader_seq_len=64, reader_beam_size=3, num_candidates=4,
-            reader_layer_norm_eps=2e-3, hidden_act="gelu", pad_token_id=0)
+            reader_layer_norm_eps=2e-3, hidden_act="gelu_new", pad_token_id=0)
+# The plain BERT checkpoint (`bert`: BertForMaskedLM): TINY's BERT fields with erf GELU.
+TINY_BERT = dict({k: TINY[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                       "intermediate_size", "max_position_embeddings",
+                                       "pad_token_id")}, hidden_act="gelu")
 NUM_RECORDS = 60
 
 
@@ -345,11 +351,11 @@ def make_random_checkpoint(out_dir: str, architecture: str, safe_serialization: 
                            seed: int = 0, num_words: int = 150, num_records: int = NUM_RECORDS,
                            record_words: tuple[int, int] = (4, 90), **overrides) -> str:
   """A small random checkpoint of `architecture` (RealmEmbedder, RealmKnowledgeAugEncoder,
-  RealmReader, RealmForOpenQA) saved by transformers itself, with its vocab.txt (and for
-  RealmForOpenQA block_emb and block_records.npy). Weights are redrawn wider than HF's
-  init (std 0.02 would make every output nearly constant and the comparison lax), though
-  not so wide that float32 rounding alone reaches the tolerance (the tied MLM decoder
-  multiplies the encoder's rounding by the embedding norm)."""
+  RealmReader, RealmForOpenQA, or `bert`: BertForMaskedLM) saved by transformers itself, with
+  its vocab.txt (and for RealmForOpenQA block_emb and block_records.npy). Weights are redrawn
+  wider than HF's init (std 0.02 would make every output nearly constant and the comparison
+  lax), though not so wide that float32 rounding alone reaches the tolerance (the tied MLM
+  decoder multiplies the encoder's rounding by the embedding norm)."""
   import torch
   import transformers
   os.makedirs(out_dir, exist_ok=True)
@@ -364,9 +370,14 @@ def make_random_checkpoint(out_dir: str, architecture: str, safe_serialization: 
   vocab_file = os.path.join(out_dir, "vocab.txt")
   with open(vocab_file, "w") as f:
     f.write("\n".join(vocab) + "\n")
-  config = transformers.RealmConfig(vocab_size=len(vocab), num_block_records=num_records,
-                                    architectures=[architecture], **{**TINY, **overrides})
-  model = getattr(transformers, architecture)(config)
+  if architecture == "bert":
+    config = transformers.BertConfig(vocab_size=len(vocab), architectures=["BertForMaskedLM"],
+                                     **{**TINY_BERT, **overrides})
+    model = transformers.BertForMaskedLM(config)
+  else:
+    config = transformers.RealmConfig(vocab_size=len(vocab), num_block_records=num_records,
+                                      architectures=[architecture], **{**TINY, **overrides})
+    model = getattr(transformers, architecture)(config)
   with torch.no_grad():
     for name, p in model.named_parameters():
       if "LayerNorm" in name or "layer_normalization" in name:
@@ -375,7 +386,8 @@ def make_random_checkpoint(out_dir: str, architecture: str, safe_serialization: 
         p.normal_(0, 0.5)
       else:
         p.normal_(0, 0.2 if name.endswith("weight") else 0.1)
-  tokenizer = transformers.RealmTokenizerFast(vocab_file)
+  tokenizer = (transformers.BertTokenizerFast if architecture == "bert"
+               else transformers.RealmTokenizerFast)(vocab_file)
   if architecture == "RealmForOpenQA":
     records = np.array([" ".join(rng.choice(words, int(rng.integers(*record_words)))).encode()
                         for _ in range(num_records)], dtype=object)
@@ -400,8 +412,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--tol", type=float, default=TOLERANCE, help="max abs difference allowed")
   parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
   parser.add_argument("--make-random", default=None, help="write a random checkpoint of this "
-                      "architecture to --out instead (`all`: each of the four in both formats, "
-                      "as OUT/<architecture>-<safetensors|bin>)")
+                      "architecture (a REALM one, or bert) to --out instead (`all`: each "
+                      "REALM one in both formats and bert as safetensors, as "
+                      "OUT/<architecture>-<safetensors|bin>)")
   parser.add_argument("--out", default=None, help="with --make-random: the dir to write")
   parser.add_argument("--bin", action="store_true", help="with --make-random: save "
                       "pytorch_model.bin instead of model.safetensors")
@@ -416,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
       for fmt in ("safetensors", "bin"):
         print(make_random_checkpoint(os.path.join(args.out, f"{arch}-{fmt}"), arch,
                                      fmt == "safetensors"), flush=True)
+    print(make_random_checkpoint(os.path.join(args.out, "bert-safetensors"), "bert"), flush=True)
     return 0
   if not args.hf_dir:
     parser.error("--hf-dir is required")

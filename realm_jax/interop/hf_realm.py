@@ -14,16 +14,18 @@ Layouts, told apart by D/config.json (`model_type`, `architectures`); HF key -> 
   bert (model_type bert)    every BERT tower, and reader/cls if it has an MLM head
                             (`hf_bert.load_bert_towers`)
 
-W2 gets config.json (a full realm_jax config with the checkpoint's model shape; task realm, or
-openqa for RealmReader / RealmForOpenQA, `--task` to choose), an Orbax checkpoint
-W2/checkpoints/0 (item `params`, what `checkpoints.restore_params` and `init.from_workdir=W2`
-read) and import_report.json (every parameter's HF key, or "initialised"). Parameters the
-checkpoint lacks are initialised as the model does, and listed. RealmForOpenQA's index is
-published as the builder would (`published.start_version`: version 1 in a new W2, built from
-step 0); a version 0 would never be picked up by the trainer's IndexSubscriber.
+W2 gets config.json (a full realm_jax config with the checkpoint's model shape and activation;
+task realm, or openqa for RealmReader / RealmForOpenQA, `--task` to choose), an Orbax
+checkpoint W2/checkpoints/0 (item `params`, what `checkpoints.restore_params` and
+`init.from_workdir=W2` read) and import_report.json (every parameter's HF key, or
+"initialised"). Parameters the checkpoint lacks are initialised as the model does, and listed.
+RealmForOpenQA's index is published as the builder would (`published.start_version`: version 1
+in a new W2, built from step 0); a version 0 would never be picked up by the trainer's
+IndexSubscriber.
 
-What our BERT cannot express is refused with the reason: HF RealmConfig's default activation
-is `gelu_new` (tanh), ours is erf `gelu` only.
+The activation is carried over: HF RealmConfig's default `gelu_new` (the tanh GELU of the
+released google/realm-* checkpoints) or BERT's erf `gelu` (see `bert.HIDDEN_ACTS`). What our
+BERT cannot express (another activation, LayerNorm eps, ...) is refused with the reason.
 
 `openqa_forward` is the ORQA prediction for one question (embed, retrieve, read, argmax over
 block x span) that the parity check (`hf_parity`) compares against HF's RealmForOpenQA.
@@ -92,9 +94,10 @@ def read_hf_config(hf_dir: str) -> tuple[str, dict]:
 
 
 def unsupported(hf: Mapping, source: str) -> list[str]:
-  """What our model cannot reproduce: BERT settings (activation, LayerNorm eps, positions,
-  token types, heads) and, for REALM, a reader input longer than the position table."""
-  lines = hf_bert.unsupported_settings(hf, source)
+  """What our model cannot reproduce: BERT settings (an activation other than erf / tanh GELU,
+  LayerNorm eps, positions, token types, heads) and, for REALM, a reader input longer than the
+  position table."""
+  lines = hf_bert.unsupported_settings(hf, source, hidden_acts=hf_bert.HIDDEN_ACTS)
   if hf["type_vocab_size"] != hf_bert.OUR_TYPE_VOCAB:
     lines.append(f"type_vocab_size: {hf['type_vocab_size']} ({source}) != "
                  f"{hf_bert.OUR_TYPE_VOCAB} (our BERT)")
@@ -109,7 +112,8 @@ def unsupported(hf: Mapping, source: str) -> list[str]:
 
 def make_config(layout: str, hf: Mapping, *, task: str | None = None, data_dir: str = "",
                 block_len: int | None = None):
-  """The realm_jax config of an import: base_config with the checkpoint's model shape.
+  """The realm_jax config of an import: base_config with the checkpoint's model shape and
+  activation.
 
   Data lengths keep their defaults unless the checkpoint's positions are fewer (then they are
   scaled down to fit) or the layout fixes them (Open-QA: the block store's block_len, the rest
@@ -121,6 +125,7 @@ def make_config(layout: str, hf: Mapping, *, task: str | None = None, data_dir: 
   m = c.model
   for field, key in hf_bert.SHAPE_FIELDS.items():
     m[field] = int(hf[key])
+  m.hidden_act = str(hf["hidden_act"])
   m.dropout_rate = float(hf.get("hidden_dropout_prob", 0.1))
   m.initializer_range = float(hf.get("initializer_range", 0.02))
   if layout != "bert":

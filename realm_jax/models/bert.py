@@ -12,13 +12,19 @@ Activations are constrained with ('batch', 'length', 'embed').
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 Array = jax.Array
+# `hidden_act` values (HF ACT2FN names, transformers/activations.py) -> whether the GELU is
+# the tanh approximation (TF BERT's; HF RealmConfig's default "gelu_new") rather than erf.
+HIDDEN_ACTS = {"gelu": False, "gelu_python": False, "gelu_new": True,
+               "gelu_pytorch_tanh": True, "gelu_python_tanh": True, "gelu_fast": True,
+               "gelu_accurate": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +41,13 @@ class BertConfig:
   dropout_rate: float = 0.1
   layer_norm_eps: float = 1e-12
   initializer_range: float = 0.02
+  hidden_act: str = "gelu"  # feed-forward and MLM-transform activation: a HIDDEN_ACTS name
   dtype: Any = jnp.float32  # compute dtype; parameters stay float32
+
+  def __post_init__(self):
+    if self.hidden_act not in HIDDEN_ACTS:
+      raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; choose one of "
+                       f"{', '.join(HIDDEN_ACTS)}")
 
   @classmethod
   def from_config(cls, model_config, vocab_size: int | None = None) -> "BertConfig":
@@ -49,8 +61,14 @@ class BertConfig:
         max_position=model_config.max_position,
         dropout_rate=model_config.dropout_rate,
         initializer_range=model_config.initializer_range,
+        hidden_act=model_config.get("hidden_act", "gelu"),   # configs saved before the field
         dtype=jnp.dtype(model_config.dtype),
     )
+
+
+def activation(cfg: BertConfig) -> Callable[[Array], Array]:
+  """`cfg.hidden_act` as a function: erf GELU or its tanh approximation (as HF's ACT2FN)."""
+  return functools.partial(nn.gelu, approximate=HIDDEN_ACTS[cfg.hidden_act])
 
 
 def dense(features: int, names: tuple[str, str], cfg: BertConfig, name: str) -> nn.Dense:
@@ -117,7 +135,7 @@ class BertLayer(nn.Module):
 
   def __call__(self, x, attention_bias, deterministic):
     x = self.attention(x, attention_bias, deterministic)
-    h = nn.gelu(self.intermediate(x), approximate=False)
+    h = activation(self.cfg)(self.intermediate(x))
     x = self.output(h, x, deterministic)
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from realm_jax.models.bert import BertConfig, BertEncoder, dense, layer_norm
+from realm_jax.models.bert import BertConfig, BertEncoder, activation, dense, layer_norm
 
 Array = jax.Array
 
@@ -78,7 +78,7 @@ class Retriever(nn.Module):
 
 
 class MLMHead(nn.Module):
-  """HF `cls/predictions`: transform (dense, gelu, LayerNorm) then the tied decoder + bias."""
+  """HF `cls/predictions`: transform (dense, hidden_act, LayerNorm), tied decoder + bias."""
 
   cfg: BertConfig
 
@@ -86,7 +86,7 @@ class MLMHead(nn.Module):
   def __call__(self, hidden: Array, bert: BertEncoder) -> Array:
     cfg = self.cfg
     h = dense(cfg.hidden_size, ("embed", "hidden"), cfg, "transform_dense")(hidden)
-    h = layer_norm(cfg, "transform_LayerNorm")(nn.gelu(h, approximate=False))
+    h = layer_norm(cfg, "transform_LayerNorm")(activation(cfg)(h))
     bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, ("vocab",)),
                       (cfg.vocab_size,))
     return bert.attend(h).astype(jnp.float32) + bias
@@ -105,7 +105,9 @@ class SpanHead(nn.Module):
   """ORQA's span scorer (HF `qa_outputs`): score(s, e) = w . LayerNorm(ReLU(W_s h_s + W_e h_e)).
 
   `dense_intermediate` projects each position to [start half | end half] of 2 * span_hidden;
-  spans may only start and end on tokens of `span_mask` (the block body).
+  spans may only start on tokens of `start_mask` and end on tokens of `end_mask` (the block
+  body; the trainer also keeps them on word boundaries, HF's class uses the body alone).
+  ReLU whatever the BERT's hidden_act, as in HF's RealmReaderProjection.
   """
 
   cfg: BertConfig
@@ -114,8 +116,9 @@ class SpanHead(nn.Module):
   eps: float = 1e-3
 
   @nn.compact
-  def __call__(self, hidden: Array, span_mask: Array) -> Array:
-    """hidden [n, L, H], span_mask [n, L] bool -> span logits [n, S] (masked: -1e9)."""
+  def __call__(self, hidden: Array, start_mask: Array, end_mask: Array | None = None) -> Array:
+    """hidden [n, L, H], start/end masks [n, L] bool (end: the start mask if None) -> span
+    logits [n, S] (masked: -1e9)."""
     cfg = self.cfg
     h = dense(2 * self.span_hidden, ("embed", "mlp"), cfg, "dense_intermediate")(hidden)
     start, end = jnp.split(h, 2, axis=-1)
@@ -127,7 +130,8 @@ class SpanHead(nn.Module):
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("mlp",)),
         name="layer_normalization")(x)
     logits = dense(1, ("mlp", None), cfg, "dense_output")(x)[..., 0].astype(jnp.float32)
-    valid = span_mask[:, starts] & span_mask[:, ends]
+    end_mask = start_mask if end_mask is None else end_mask
+    valid = start_mask[:, starts] & end_mask[:, ends]
     return jnp.where(valid, logits, -1e9)
 
 
@@ -155,11 +159,11 @@ class Reader(nn.Module):
     at_masks = jnp.take_along_axis(hidden, mask_positions[..., None], axis=1)
     return jax.nn.log_softmax(self.cls(at_masks, self.bert), axis=-1)
 
-  def spans(self, reader_ids: Array, reader_segments: Array, span_mask: Array,
-            deterministic: bool = True) -> Array:
+  def spans(self, reader_ids: Array, reader_segments: Array, start_mask: Array,
+            end_mask: Array | None = None, deterministic: bool = True) -> Array:
     """`[CLS] question [SEP] body [SEP]` -> span logits [n, S] (see `span_candidates`)."""
     hidden, _ = self.bert(reader_ids, reader_segments, deterministic)
-    return self.qa_outputs(hidden, span_mask)
+    return self.qa_outputs(hidden, start_mask, end_mask)
 
 
 class REALM(nn.Module):
@@ -185,8 +189,9 @@ class REALM(nn.Module):
   def read(self, reader_ids, reader_segments, mask_positions, deterministic=True):
     return self.reader(reader_ids, reader_segments, mask_positions, deterministic)
 
-  def read_spans(self, reader_ids, reader_segments, span_mask, deterministic=True):
-    return self.reader.spans(reader_ids, reader_segments, span_mask, deterministic)
+  def read_spans(self, reader_ids, reader_segments, start_mask, end_mask=None,
+                 deterministic=True):
+    return self.reader.spans(reader_ids, reader_segments, start_mask, end_mask, deterministic)
 
   def __call__(self, query_ids, block_ids, block_segments, reader_ids, reader_segments,
                mask_positions, deterministic=True):
@@ -194,5 +199,6 @@ class REALM(nn.Module):
     q, b = self.retriever(query_ids, block_ids, block_segments, deterministic)
     out = self.read(reader_ids, reader_segments, mask_positions, deterministic)
     if self.span_hidden:
-      self.read_spans(reader_ids, reader_segments, reader_segments > 0, deterministic)
+      self.read_spans(reader_ids, reader_segments, reader_segments > 0,
+                      deterministic=deterministic)
     return q, b, out

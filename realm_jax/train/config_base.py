@@ -17,6 +17,8 @@ BACKENDS = ("exact", "scann")
 # checkpoints were written under other values cannot be resumed.
 COMPATIBILITY_FIELDS = ("task", "model", "data.query_len", "data.block_len", "retrieval.k",
                         "retrieval.mode", "train.batch_size")
+# Compatibility fields added later -> the value checkpoints saved without them were written under.
+ADDED_FIELDS = {"model.hidden_act": "gelu"}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -43,6 +45,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.max_position = 512       # position embeddings (>= query_len + block_len)
   c.model.dropout_rate = 0.1       # BERT dropout (0 makes the step deterministic)
   c.model.initializer_range = 0.02  # std of the normal init of every kernel and embedding
+  c.model.hidden_act = "gelu"      # "gelu" (erf) or "gelu_new" (tanh approx., HF REALM's)
   c.model.dtype = "float32"        # compute dtype ("bfloat16" on TPU/GPU); params stay fp32
   c.model.retrieval_dim = 128      # retriever embedding size
   c.model.share_towers = False     # one BERT for query and block embeddings
@@ -201,6 +204,11 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
                       f"block_len = {d.query_len + d.block_len}")
   if config.model.hidden_size % config.model.num_heads:
     raise ConfigError("model.num_heads", "must divide model.hidden_size")
+  from realm_jax.models.bert import HIDDEN_ACTS   # (flax) not at the top: configs import us
+  hidden_act = config.model.get("hidden_act", "gelu")
+  if hidden_act not in HIDDEN_ACTS:
+    raise ConfigError("model.hidden_act", f"{hidden_act!r} is not one of "
+                      f"{', '.join(HIDDEN_ACTS)} (erf GELU or its tanh approximation)")
   if t.batch_size < 1 or t.steps < 1:
     raise ConfigError("train.batch_size" if t.batch_size < 1 else "train.steps", "must be >= 1")
   if config.init.get("hf_bert") and config.init.from_workdir:
@@ -251,7 +259,8 @@ def incompatible_fields(saved: dict, current: dict) -> list[str]:
   diffs = []
   for name in sorted(set(saved_flat) | set(current_flat)):
     if any(name == f or name.startswith(f + ".") for f in COMPATIBILITY_FIELDS):
-      a, b = saved_flat.get(name), current_flat.get(name)
+      a, b = (saved_flat.get(name, ADDED_FIELDS.get(name)),
+              current_flat.get(name, ADDED_FIELDS.get(name)))
       if _norm(a) != _norm(b):
         diffs.append(f"{name}: {a!r} (checkpoints) != {b!r} (this run)")
   return diffs

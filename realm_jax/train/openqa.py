@@ -139,8 +139,13 @@ class QABatchBuilder:
     cands = pipeline.candidate_inputs(self.data.blocks, top, self.cls_id, self.sep_id)
     q_ids, q_len = self.question_ids[rows], self.question_len[rows]
     reader_ids, reader_segments = pipeline.reader_inputs(q_ids, q_len, cands, self.reader_len)
+    # Spans lie in the body and on word boundaries: they neither start on a `##` piece nor
+    # end before one (the answers they are trained towards do the same).
+    body = (reader_segments > 0) & (reader_ids != self.sep_id)
+    continues = self._vocab.continuation[reader_ids]
+    next_continues = np.concatenate([continues[..., 1:], np.zeros_like(continues[..., :1])], -1)
     out = {"question_ids": q_ids, "reader_ids": reader_ids, "reader_segments": reader_segments,
-           "span_mask": (reader_segments > 0) & (reader_ids != self.sep_id)}
+           "span_start_mask": body & ~continues, "span_end_mask": body & ~next_continues}
     if labels:
       correct = np.zeros(top.shape + (self.num_spans,), bool)
       bodies = self.body_tokens(top)

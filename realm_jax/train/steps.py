@@ -31,7 +31,8 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
   is the query's own block, after the null document in evaluation): the prior puts all mass
   on the block, so the reader is trained only to read it (with the null document in the
   mixture it learns to memorise facts instead); in evaluation the null column is read to
-  measure retrieval utility.
+  measure retrieval utility. The no-retrieval baseline's only candidate, the null document,
+  also gets all the mass.
   Returns (retrieval_logits [B, k], vocab log-probs at the masks [B, k, M, V]).
   """
   variables = {"params": params}
@@ -55,8 +56,9 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
 
 
 def rescores(config) -> bool:
-  """Whether the retriever scores the candidates (not in the own-block reader warm-up)."""
-  return config.retrieval.mode != "own_block"
+  """Whether the retriever scores the candidates: only when they were retrieved (not in the
+  own-block reader warm-up, nor for the null document alone, whose p(z|x) is 1 anyway)."""
+  return config.retrieval.mode == "index"
 
 
 def label_log_probs(vocab_log_probs, mask_labels):
@@ -103,7 +105,8 @@ def openqa_scores(model: REALM, params, batch, rngs=None, deterministic=True):
   b, k, lr = batch["reader_ids"].shape
   spans = model.apply(variables, batch["reader_ids"].reshape(b * k, lr),
                       batch["reader_segments"].reshape(b * k, lr),
-                      batch["span_mask"].reshape(b * k, lr), deterministic, rngs=rngs,
+                      batch["span_start_mask"].reshape(b * k, lr),
+                      batch["span_end_mask"].reshape(b * k, lr), deterministic, rngs=rngs,
                       method=REALM.read_spans)
   return logits, spans.reshape(b, k, -1)
 
