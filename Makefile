@@ -44,7 +44,7 @@ demo-openqa: install
 	$(VENV_PYTHON) -m realm_jax.demo_squad --workdir $(SQUAD_WORKDIR) --seed $(SEED) --openqa
 
 test: install
-	$(VENV_PYTHON) -m pytest -q tests
+	$(VENV_PYTHON) -m pytest -q --durations=15 tests
 
 bench: install
 	$(VENV_PYTHON) bench/train_step.py $(BENCH_ARGS)
