@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -175,13 +173,21 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir):
   assert saved["no_answer_in_top_k"] == sum(not p["answer_in_top_k"] for p in predictions)
 
 
-def test_realm_eval_on_a_pretraining_checkpoint(world_dir, tmp_path):
+def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path):
   """Open-QA eval of a checkpoint without the span reader: a clear error; --retrieval_only:
   the zero-shot retrieval evaluation."""
   from realm_jax.evaluate_qa import evaluate_run
-  from realm_jax.train.loop import train
+  from realm_jax.train import partitioning, state as state_lib
+  from realm_jax.train.checkpoints import Checkpointer
+  pretraining = helpers.tiny_config("realm", data_dir=world_dir)
+  mesh = partitioning.make_mesh(pretraining.mesh.shape)
+  model = state_lib.build_model(pretraining, world_data.tokenizer.vocab_size)
+  state, _, _ = state_lib.create_train_state(pretraining, model, mesh,
+                                             world_data.blocks.block_len, jax.random.PRNGKey(0))
   workdir = str(tmp_path / "pretrained")
-  train(helpers.tiny_config("realm", data_dir=world_dir, train__steps=2), workdir)
+  checkpointer = Checkpointer(workdir, keep=1, async_saves=False)
+  checkpointer.save(0, state, {"next_step": 0}, {"step": np.asarray(-1, np.int32)})
+  checkpointer.close()
   config = openqa_config(world_dir)
   with pytest.raises(ConfigError, match="no span reader .*retrieval_only"):
     evaluate_run(config, workdir, split="test")
@@ -190,14 +196,12 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, tmp_path):
 
 
 def test_realm_predict_prints_the_answer_and_its_evidence(openqa_run, world_dir):
+  from realm_jax.predict import _show, predict
   workdir, _ = openqa_run
   with open(os.path.join(world_dir, "qa", "eval.jsonl")) as f:
     question = json.loads(f.readline())["question"]
-  out = subprocess.run(
-      [sys.executable, "-m", "realm_jax.predict", f"--workdir={workdir}", "--json", question],
-      capture_output=True, text=True, timeout=300,
-      env={**os.environ, "PYTHONPATH": helpers.REPO})
-  assert out.returncode == 0, out.stderr[-2000:]
-  item = json.loads(out.stdout.strip().splitlines()[-1])
+  item, = predict(workdir, [question])
   assert item["question"] == question and isinstance(item["answer"], str)
   assert len(item["evidence"]) == 3 and item["evidence"][0]["title"]
+  shown = _show(item)
+  assert shown.startswith(f"Q: {question}\nA: {item['answer']}") and "[3]" in shown
