@@ -3,6 +3,7 @@ retrieval snapshot as separate items; keep-N; params-only restore for the next s
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -11,6 +12,18 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 ITEMS = ("params", "opt", "data", "retrieval")
+# What Orbax logs, as warnings, on every params-only restore of another run's checkpoint: the
+# other items are left alone and the directory is opened read-only on purpose.
+_EXPECTED_WARNINGS = ("was found in the checkpoint, but could not be restored",
+                      "Given directory is read only")
+
+
+class _ExpectedWarnings(logging.Filter):
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not any(text in record.getMessage() for text in _EXPECTED_WARNINGS)
+
+
+logging.getLogger("absl").addFilter(_ExpectedWarnings())
 
 
 class Checkpointer:
