@@ -415,9 +415,12 @@ def test_model_overrides_make_the_config_fit(tmp_path):
   assert model.hidden_act == "gelu_new" and hf_bert.bert_config_mismatches(model, tanh) == []
 
 
-def test_pytorch_bin_is_read_when_torch_is_installed(tmp_path):
-  torch = pytest.importorskip("torch", reason="torch is not installed: pytorch_model.bin "
-                              "checkpoints cannot be read (model.safetensors is)")
+def test_pytorch_bin_written_by_torch_converts(tmp_path):
+  """With torch installed (it writes the file and reads it); without torch the same files are
+  read by `interop/torch_pickle.py`, tested in test_hf_realm.py and test_hf_parity.py."""
+  torch = pytest.importorskip("torch", reason="torch is not installed here to write a "
+                              "pytorch_model.bin (torch-free reading is tested in "
+                              "test_hf_realm.py)")
   config = hf_config(len(VOCAB))
   weights = random_bert(config)
   path = write_checkpoint(tmp_path / "hf", weights, config, VOCAB, prefix="")
