@@ -194,9 +194,9 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
   """realm-eval: metrics + predictions of one checkpoint on one QA split, written under
   W/eval/<step>/. Returns (metrics, that directory)."""
   from realm_jax.data.qa import qa_split
+  examples, counts = qa_split(config.qa, split, config.data.dir)   # bad specs fail first
   config, data, mesh, model, params, frozen, reader, step = load_run(
       config, workdir, step, retrieval_only)
-  examples, counts = qa_split(config.qa, split, config.data.dir)
   print(f"[eval] {workdir} step {step}: {len(examples):,} {split} questions "
         f"({config.qa.get(split)}), skipped {counts or 'none'}; "
         f"{'reader + retrieval' if reader else 'retrieval only'}", flush=True)
