@@ -1,0 +1,261 @@
+"""Hyperparameter sweeps: a grid over config fields, one workdir per run, a results table.
+
+  python launch/sweep.py --config configs/demo_realm.py:realm --root runs/sweep \
+      --grid train.lr=1e-3,3e-3 --grid retrieval.k=4,8 [--set data.dir=runs/demo/data ...] \
+      [--launcher local|print] [--metric eval_recall_at_5] [--ascending]
+
+The grid is the product of the `--grid KEY=V1,V2,...` flags, or, without any, the config
+module's `get_hyper(arg)` (a list of override dicts). Every key must be a field of the config
+(a typo names the closest field); values take the type of the field they replace. Each run
+gets the name `key-value_key-value` and the workdir `ROOT/<name>`; `--set` overrides apply to
+every run. `local` runs them one after another on this machine, each as its own process
+(`realm-train`, or `launch/local.py` when the config uses the separate index builder), and
+skips runs whose `summary.json` already covers their steps, so an interrupted sweep resumes;
+`print` prints the commands instead. Then every run's `summary.json` is collected into
+`ROOT/results.csv` and `ROOT/results.md`, sorted by `--metric` (best first: descending unless
+`--ascending`), and the table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import difflib
+import importlib.util
+import itertools
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+from realm_jax.errors import ConfigError, run_cli
+
+PROG = "sweep.py"
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAUNCHERS = ("local", "print")
+
+
+def _local_launcher():
+  spec = importlib.util.spec_from_file_location("realm_launch_local",
+                                                os.path.join(HERE, "local.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def flat_fields(config, prefix: str = "") -> dict:
+  """{dotted name: value} of every leaf field of a ConfigDict."""
+  out = {}
+  for key, value in config.items():
+    name = f"{prefix}{key}"
+    out.update(flat_fields(value, name + ".") if hasattr(value, "items") else {name: value})
+  return out
+
+
+def typed_value(text: str, current, key: str):
+  """`text` as the type of the field's current value (a bool accepts true/false/1/0)."""
+  if isinstance(current, bool):
+    if text.lower() in ("true", "1", "yes"):
+      return True
+    if text.lower() in ("false", "0", "no"):
+      return False
+    raise ConfigError(key, f"{text!r} is not a boolean")
+  if isinstance(current, (int, float)):
+    try:
+      number = float(text)
+    except ValueError:
+      raise ConfigError(key, f"{text!r} is not a number") from None
+    if isinstance(current, float):
+      return number
+    if number != int(number):
+      raise ConfigError(key, f"{text!r} is not an integer")
+    return int(number)
+  if isinstance(current, (tuple, list)):
+    try:
+      return tuple(ast.literal_eval(text))
+    except (ValueError, SyntaxError):
+      raise ConfigError(key, f"{text!r} is not a tuple literal") from None
+  return text
+
+
+def check_key(key: str, fields: dict, where: str) -> None:
+  if key not in fields:
+    close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
+    hint = f"; the closest is {close[0]!r}" if close else ""
+    raise ConfigError("", f"{where}: {key!r} is not a field of the config{hint}")
+
+
+def parse_assignment(text: str, flag: str) -> tuple[str, str]:
+  key, sep, value = text.partition("=")
+  if not sep or not key or not value:
+    raise ConfigError("", f"{flag} {text!r}: expected KEY=VALUE")
+  return key.strip(), value.strip()
+
+
+def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list[dict]:
+  """The runs' override dicts: the product of `--grid` flags, else `get_hyper()`'s list."""
+  fields = flat_fields(config)
+  if grid_flags:
+    axes = []
+    for flag in grid_flags:
+      key, values = parse_assignment(flag, "--grid")
+      check_key(key, fields, "--grid")
+      axes.append([(key, typed_value(v.strip(), fields[key], key)) for v in values.split(",")])
+    runs = [dict(combo) for combo in itertools.product(*axes)]
+  elif hyper:
+    runs = [dict(run) for run in hyper]
+    for run in runs:
+      for key in run:
+        check_key(key, fields, "get_hyper()")
+  else:
+    raise ConfigError("", "no grid: give --grid KEY=V1,V2 flags or define get_hyper(arg) in "
+                      "the config module")
+  return runs
+
+
+def run_name(overrides: dict) -> str:
+  """`train.lr-0.001_retrieval.k-4`: readable, and a valid directory name."""
+  parts = []
+  for key, value in overrides.items():
+    text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+    parts.append(f"{key}-{text}".replace("/", "_").replace(" ", ""))
+  return "_".join(parts)
+
+
+def command(config_spec: str, workdir: str, overrides: dict, builder: bool) -> list[str]:
+  """The command line of one run."""
+  entry = [os.path.join(HERE, "local.py")] if builder else ["-m", "realm_jax.train.main"]
+  flags = [f"--config.{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
+           for k, v in overrides.items()]
+  return [sys.executable, "-u", *entry, f"--config={config_spec}", f"--workdir={workdir}",
+          *flags]
+
+
+def _summary(workdir: str) -> dict | None:
+  path = os.path.join(workdir, "summary.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def collect(root: str, runs: list[tuple[str, dict]], metric: str, descending: bool,
+            status: dict[str, str]) -> list[dict]:
+  """One row per run: its overrides, status, and the scalar fields of its summary.json."""
+  rows = []
+  for name, overrides in runs:
+    summary = _summary(os.path.join(root, name)) or {}
+    row = {"run": name, **{k: v for k, v in overrides.items()},
+           "status": status.get(name, "done" if summary else "missing")}
+    row.update({k: v for k, v in summary.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    rows.append(row)
+  have = [r for r in rows if isinstance(r.get(metric), (int, float))]
+  rest = [r for r in rows if r not in have]
+  have.sort(key=lambda r: r[metric], reverse=descending)
+  return have + rest
+
+
+def write_tables(root: str, rows: list[dict], metric: str) -> tuple[str, str]:
+  """ROOT/results.csv (every column) and ROOT/results.md (the grid, status, metrics)."""
+  columns = list(dict.fromkeys(c for r in rows for c in r))
+  csv_path, md_path = os.path.join(root, "results.csv"), os.path.join(root, "results.md")
+  with open(csv_path, "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+  shown = [c for c in columns if c in ("run", "status") or c == metric or "." in c
+           or c.startswith("eval_") or c == "wall_seconds"]
+  lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+  for r in rows:
+    cells = [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in shown]
+    lines.append("| " + " | ".join(cells) + " |")
+  with open(md_path, "w") as f:
+    f.write(f"Sorted by {metric}.\n\n" + "\n".join(lines) + "\n")
+  return csv_path, md_path
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
+                                   allow_abbrev=False)
+  parser.add_argument("--config", required=True, help="configs/X.py[:arg]")
+  parser.add_argument("--root", default="runs/sweep", help="one workdir per run under here")
+  parser.add_argument("--grid", action="append", default=[], help="KEY=V1,V2,... (repeat)")
+  parser.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
+  parser.add_argument("--launcher", default="local", help=f"one of {LAUNCHERS}")
+  parser.add_argument("--metric", default="", help="sort key from summary.json (default: the "
+                      "first eval_* field)")
+  parser.add_argument("--ascending", action="store_true", help="smaller metric is better")
+  return parser.parse_args(argv)
+
+
+def sweep(args: argparse.Namespace) -> list[dict]:
+  if args.launcher not in LAUNCHERS:
+    raise ConfigError("", f"--launcher {args.launcher!r}: one of {LAUNCHERS}")
+  local = _local_launcher()
+  config = local.load_config(args.config)
+  path, _, arg = args.config.partition(":")
+  spec = importlib.util.spec_from_file_location("_sweep_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  hyper = module.get_hyper(arg or None) if hasattr(module, "get_hyper") else None
+  fields = flat_fields(config)
+  fixed = {}
+  for text in args.set:
+    key, value = parse_assignment(text, "--set")
+    check_key(key, fields, "--set")
+    fixed[key] = typed_value(value, fields[key], key)
+  grid = expand_grid(config, args.grid, hyper)
+  runs = [(run_name(overrides), overrides) for overrides in grid]
+  builder = fields.get("retrieval.refresh", "in_process") != "in_process" \
+      and fields.get("task") == "realm"
+  print(f"[sweep] {len(runs)} runs of {args.config} under {args.root} ({args.launcher})",
+        flush=True)
+  status = {}
+  for i, (name, overrides) in enumerate(runs, 1):
+    workdir = os.path.join(args.root, name)
+    cmd = command(args.config, workdir, {**fixed, **overrides}, builder)
+    if args.launcher == "print":
+      print(shlex.join(cmd))
+      continue
+    steps = int(overrides.get("train.steps", fixed.get("train.steps", fields["train.steps"])))
+    done = _summary(workdir)
+    if done is not None and done.get("steps") == steps:
+      print(f"[sweep] {i}/{len(runs)} {name}: already done", flush=True)
+      continue
+    print(f"[sweep] {i}/{len(runs)} {name}: {shlex.join(cmd)}", flush=True)
+    os.makedirs(workdir, exist_ok=True)
+    t0 = time.time()
+    with open(os.path.join(workdir, "sweep.log"), "ab") as log:
+      code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+    status[name] = "done" if code == 0 else f"failed ({code})"
+    print(f"[sweep] {i}/{len(runs)} {name}: {status[name]} in {time.time() - t0:.0f}s "
+          f"(log: {workdir}/sweep.log)", flush=True)
+  if args.launcher == "print":
+    return []
+  metric = args.metric
+  for name, _ in runs if not metric else ():
+    found = [k for k, v in (_summary(os.path.join(args.root, name)) or {}).items()
+             if k.startswith("eval_") and isinstance(v, (int, float))]
+    if found:
+      metric = found[0]
+      break
+  rows = collect(args.root, runs, metric, not args.ascending, status)
+  csv_path, md_path = write_tables(args.root, rows, metric)
+  with open(md_path) as f:
+    print(f.read())
+  print(f"[sweep] wrote {csv_path} and {md_path}", flush=True)
+  return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  rows = run_cli(PROG, lambda: sweep(args))
+  return 1 if any(str(r.get("status", "")).startswith("failed") for r in rows) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
