@@ -409,3 +409,14 @@ def test_torch_zip_refuses_legacy_files_and_foreign_globals(tmp_path, monkeypatc
   monkeypatch.setitem(sys.modules, "torch", None)
   with pytest.raises(FileNotFoundError, match="legacy torch.save file"):
     hf_bert.read_weights(str(tmp_path / "hf"))
+
+
+def test_an_imported_open_qa_checkpoint_answers_with_evidence(imported):
+  """realm-predict straight on the import: its own config, checkpoint, block store and index
+  (no training questions needed)."""
+  from realm_jax.predict import predict
+  run = imported("RealmForOpenQA")
+  item, = predict(run.out, ["what does the first record say"])
+  assert isinstance(item["answer"], str) and np.isfinite(item["score"])
+  assert len(item["evidence"]) == SIZES["reader_beam_size"]
+  assert all({"retrieval_score", "span_score", "text"} <= set(e) for e in item["evidence"])

@@ -214,11 +214,7 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
   if config.init.get("hf_bert") and config.init.from_workdir:
     raise ConfigError("init.hf_bert", "and init.from_workdir are both set: start from one")
   if config.task == "openqa":
-    q = config.qa
-    if not q.train:
-      raise ConfigError("qa.train", "is empty: Open-QA fine-tuning needs training questions "
-                        "(nq_open:PATH, webq:PATH, curated_trec:PATH, squad:PATH, tfds:NAME or "
-                        "prepared:SPLIT)")
+    q = config.qa    # the question sets themselves are checked where they are read (qa_split)
     if q.reader_beam < 1 or q.searcher_beam < q.reader_beam:
       raise ConfigError("qa.searcher_beam" if q.reader_beam >= 1 else "qa.reader_beam",
                         f"need 1 <= reader_beam <= searcher_beam, got {q.reader_beam} and "
