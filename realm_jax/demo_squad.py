@@ -25,8 +25,9 @@ STAGES = (("ict", ""), ("warmup", "ict"), ("realm", "warmup"))
 OPENQA_STAGES = (("openqa_realm", "realm"), ("openqa_ict", "ict"))   # (stage, starts from)
 
 
-def pretrain(workdir: str, squad: str, seed: int) -> tuple[str, dict, dict]:
-  """prepare -> ICT -> warm-up -> REALM. Returns (data dir, prepare stats, stage summaries)."""
+def pretrain(workdir: str, squad: str, seed: int) -> tuple[str, str, dict, dict]:
+  """prepare -> ICT -> warm-up -> REALM. Returns (data dir, source, prepare stats, stage
+  summaries)."""
   from realm_jax.data.prepare import prepare
   data_dir = os.path.join(workdir, "data")
   prep = load_config("squad_realm", "prepare")
@@ -40,19 +41,19 @@ def pretrain(workdir: str, squad: str, seed: int) -> tuple[str, dict, dict]:
   stats = prepare(prep)
   results = run_stages([(name, "squad_realm", name, init_from) for name, init_from in STAGES],
                        data_dir, workdir, seed)
-  return data_dir, stats, results
+  return data_dir, prep.source, stats, results
 
 
 def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
   from realm_jax.retrieval.question_recall import format_table, recall_table
   t0 = time.time()
-  data_dir, stats, results = pretrain(workdir, squad, seed)
+  data_dir, source, stats, results = pretrain(workdir, squad, seed)
   configs = {name: load_config("squad_realm", name) for name, _ in STAGES}
   print("[demo-squad] zero-shot question retrieval", flush=True)
   table = recall_table(data_dir, {"ict": (configs["ict"], os.path.join(workdir, "ict")),
                                   "realm": (configs["realm"], os.path.join(workdir, "realm"))})
   summary = {
-      "source": prep.source, "seed": seed, "paragraphs": stats["documents"],
+      "source": source, "seed": seed, "paragraphs": stats["documents"],
       "blocks": stats["blocks"], "questions": table["bm25"]["questions"], "recall": table,
       "realm_eval": {k: v for k, v in results["realm"].items() if k.startswith("eval_")},
       "stage_seconds": {k: v.get("wall_seconds") for k, v in results.items()},
@@ -70,7 +71,7 @@ def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
 def run_demo_openqa(workdir: str, squad: str = "", seed: int = 0) -> dict:
   from realm_jax.evaluate_qa import evaluate_run
   t0 = time.time()
-  data_dir, stats, results = pretrain(workdir, squad, seed)
+  data_dir, source, stats, results = pretrain(workdir, squad, seed)
   table = {}
   for name, start in OPENQA_STAGES:
     overrides = {"data.dir": data_dir, "seed": seed,
@@ -91,8 +92,7 @@ def run_demo_openqa(workdir: str, squad: str = "", seed: int = 0) -> dict:
     before, _ = evaluate_run(config, os.path.join(workdir, start), split="test",
                              retrieval_only=True)
     table[start]["before"] = {k: v for k, v in before.items() if k.startswith("recall_at_")}
-  summary = {"source": load_config("squad_openqa", "realm").qa.test if not squad else squad,
-             "seed": seed, "blocks": stats["blocks"], "test": table,
+  summary = {"source": source, "seed": seed, "blocks": stats["blocks"], "test": table,
              "train_questions": results["openqa_realm"].get("train_questions"),
              "stage_seconds": {k: v.get("wall_seconds") for k, v in results.items()},
              "wall_seconds": round(time.time() - t0, 1)}
