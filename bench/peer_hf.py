@@ -71,7 +71,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import torch  # noqa: E402
@@ -230,8 +229,7 @@ def bench_openqa(args) -> dict:
   from realm_jax.data.store import BlockStore
   from realm_jax.data.tokenizer import load_tokenizer
   from realm_jax.retrieval.index import ExactIndex
-  from realm_jax.train import partitioning
-  from realm_jax.train.checkpoints import restore_params
+  from realm_jax.train.checkpoints import restore_run
   sizes = dict(hidden_size=args.hidden, num_hidden_layers=args.layers,
                num_attention_heads=args.heads, intermediate_size=args.intermediate,
                max_position_embeddings=512, reader_seq_len=320, reader_beam_size=5,
@@ -247,12 +245,7 @@ def bench_openqa(args) -> dict:
     t0 = time.perf_counter()
     report = hf_realm.import_checkpoint(hf_dir, work)
     log(f"imported in {time.perf_counter() - t0:.1f}s: {report.lines()[-3:]}")
-    with open(os.path.join(work, "config.json")) as f:
-      config = ml_collections.ConfigDict(json.load(f))
-    model = state_lib.build_model(config, 0)
-    mesh = partitioning.make_mesh((-1, 1))
-    abstract, _ = state_lib.abstract_train_state(config, model, mesh, config.data.block_len)
-    params, _ = restore_params(work, abstract.params)
+    config, model, _, params, _ = restore_run(work)
     tokenizer = load_tokenizer(os.path.join(work, "data", "vocab.txt"))
     blocks = BlockStore(os.path.join(work, "data"))
     block_emb = np.load(os.path.join(report.index["dir"], "embeddings.npy"))

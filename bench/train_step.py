@@ -25,7 +25,6 @@ Only the device step is measured: host-side batch building and the index search 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import statistics
@@ -53,11 +52,8 @@ PEAK_BF16_FLOPS = (
 
 def load_config(name: str, arg: str | None = None):
   """`configs/<name>.py`'s get_config(arg), loaded by path like `--config` does."""
-  path = REPO / "configs" / f"{name}.py"
-  spec = importlib.util.spec_from_file_location(f"configs.{name}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  from realm_jax.train.config_base import config_module
+  return config_module(str(REPO / "configs" / f"{name}.py")).get_config(arg)
 
 
 def case_config(case: str, accelerator: bool, batch_size: int | None):

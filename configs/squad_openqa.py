@@ -15,26 +15,19 @@ init.from_workdir to runs/squad/realm or runs/squad/ict).
   realm-eval --config configs/squad_openqa.py:realm --workdir runs/squad/openqa_realm
 """
 
-import importlib.util
 import os
+
+from realm_jax.train.config_base import config_module
 
 VARIANTS = ("realm", "ict")
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _squad_realm():
-  spec = importlib.util.spec_from_file_location("configs.squad_realm",
-                                                os.path.join(HERE, "squad_realm.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def get_config(arg=None):
   variant = arg or "realm"
   if variant not in VARIANTS:
     raise ValueError(f"configs/squad_openqa.py: unknown variant {variant!r}; one of {VARIANTS}")
-  squad_realm = _squad_realm()
+  squad_realm = config_module(os.path.join(HERE, "squad_realm.py"))
   c = squad_realm.get_config("realm")   # the pre-training's model and data shapes
   c.task = "openqa"
   source = f"squad:{os.path.normpath(squad_realm.SQUAD)}"

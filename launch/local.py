@@ -16,7 +16,6 @@ to see `W/DONE` and exit on its own.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import shlex
@@ -28,6 +27,7 @@ import time
 
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.retrieval.builder import DONE
+from realm_jax.train.config_base import load_config
 
 PROG = "local.py"
 NAMES = ("trainer", "builder")
@@ -89,17 +89,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   args = parser.parse_args(own)
   args.overrides = overrides
   return args
-
-
-def load_config(spec: str):
-  """`path/to/config.py[:arg]` -> its get_config(arg), imported by path as config_flags does."""
-  path, _, arg = spec.partition(":")
-  module_spec = importlib.util.spec_from_file_location("_local_launch_config", path)
-  if module_spec is None:
-    raise FileNotFoundError(f"config file {path!r} is not a .py file")
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg) if arg else module.get_config()
 
 
 def parse_gpu_list(nvidia_smi_output: str) -> list[str]:

@@ -22,7 +22,6 @@ import argparse
 import ast
 import csv
 import difflib
-import importlib.util
 import itertools
 import json
 import os
@@ -32,18 +31,11 @@ import sys
 import time
 
 from realm_jax.errors import ConfigError, run_cli
+from realm_jax.train.config_base import config_module
 
 PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCHERS = ("local", "print")
-
-
-def _local_launcher():
-  spec = importlib.util.spec_from_file_location("realm_launch_local",
-                                                os.path.join(HERE, "local.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 def flat_fields(config, prefix: str = "") -> dict:
@@ -195,12 +187,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def sweep(args: argparse.Namespace) -> list[dict]:
   if args.launcher not in LAUNCHERS:
     raise ConfigError("", f"--launcher {args.launcher!r}: one of {LAUNCHERS}")
-  local = _local_launcher()
-  config = local.load_config(args.config)
   path, _, arg = args.config.partition(":")
-  spec = importlib.util.spec_from_file_location("_sweep_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = config_module(path)
+  config = module.get_config(arg) if arg else module.get_config()
   hyper = module.get_hyper(arg or None) if hasattr(module, "get_hyper") else None
   fields = flat_fields(config)
   fixed = {}

@@ -11,7 +11,6 @@ own sub-workdir, so an interrupted demo resumes where it stopped.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -26,11 +25,8 @@ CONFIG_DIR = os.path.join(REPO_DIR, "configs")
 
 def load_config(name: str, arg: str | None = None):
   """`configs/<name>.py` -> get_config(arg)."""
-  path = os.path.join(CONFIG_DIR, f"{name}.py")
-  spec = importlib.util.spec_from_file_location(f"configs.{name}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  from realm_jax.train.config_base import config_module
+  return config_module(os.path.join(CONFIG_DIR, f"{name}.py")).get_config(arg)
 
 
 def demo_stages() -> list[tuple[str, str, str | None, str]]:

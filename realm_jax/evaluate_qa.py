@@ -184,7 +184,7 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
       frozen = FrozenIndex.load(workdir, fingerprint, dim, latest)
       print(f"[eval] index {root}/{latest} (blocks embedded at step {frozen.step})", flush=True)
   if frozen is None:
-    frozen, _ = FrozenIndex.embed(model, mesh, config, data, params["retriever"], step,
+    frozen = FrozenIndex.embed(model, mesh, config, data, params["retriever"], step,
                                   f"[eval] index of checkpoint {step}: ")
   return config, data, mesh, model, params, frozen, reader, step
 
@@ -211,21 +211,10 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
   return metrics, out
 
 
-def run_config(workdir: str, config=None):
-  """--config if given, else the run's own resolved config (W/config.json)."""
-  if config is not None:
-    return config
-  import ml_collections
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{path}: no config of the run; pass --config")
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
-
-
 def main(argv) -> None:
   from absl import flags, logging
   from realm_jax.errors import run_cli
+  from realm_jax.train.checkpoints import run_config
   flags_ = flags.FLAGS
   if len(argv) > 1:
     raise SystemExit(f"realm-eval: unexpected arguments {argv[1:]}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -13,11 +12,8 @@ VOCAB_SIZE = 1000       # requested; the trained WordPiece vocab may come out sm
 
 def load_config_module(name: str):
   """Imports `configs/<name>.py` by path (configs/ is not a package)."""
-  path = os.path.join(CONFIGS, f"{name}.py")
-  spec = importlib.util.spec_from_file_location(f"_test_configs_{name}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  from realm_jax.train.config_base import config_module
+  return config_module(os.path.join(CONFIGS, f"{name}.py"))
 
 
 def tiny_config(task: str = "realm", variant: str | None = None, data_dir: str = "", **overrides):
@@ -46,6 +42,11 @@ def tiny_config(task: str = "realm", variant: str | None = None, data_dir: str =
     config.retrieval.refresh_every = 3
   # The trainer alone rebuilds its index; tests of the separate builder ask for it.
   config.retrieval.refresh = "in_process"
+  return apply_overrides(config, overrides)
+
+
+def apply_overrides(config, overrides: dict):
+  """Sets `a__b=v` (dotted names with `__` for the dots) on `config`; returns it."""
   for key, value in overrides.items():
     *parents, leaf = key.split("__")
     node = config

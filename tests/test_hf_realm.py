@@ -14,7 +14,6 @@ import zipfile
 
 import flax.linen as nn
 import jax
-import ml_collections
 import ml_dtypes
 import numpy as np
 import pytest
@@ -25,8 +24,8 @@ from realm_jax.data.store import PreparedData
 from realm_jax.data.tokenizer import load_tokenizer
 from realm_jax.interop import hf_bert, hf_realm, torch_pickle
 from realm_jax.retrieval import published, subscriber
-from realm_jax.train import partitioning, state as state_lib, steps
-from realm_jax.train.checkpoints import restore_params
+from realm_jax.train import state as state_lib, steps
+from realm_jax.train.checkpoints import restore_run
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "city", "north", "born", "king", "year",
@@ -82,12 +81,7 @@ def write_realm_checkpoint(path, architecture, tensors, records=None):
 
 
 def restore(workdir):
-  with open(os.path.join(workdir, "config.json")) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  model = state_lib.build_model(config, 0)
-  mesh = partitioning.make_mesh((-1, 1))
-  abstract, _ = state_lib.abstract_train_state(config, model, mesh, config.data.block_len)
-  params, step = restore_params(workdir, abstract.params)
+  config, _, abstract, params, step = restore_run(workdir)
   return config, abstract, jax.tree.map(np.asarray, params), step
 
 

@@ -29,13 +29,7 @@ def openqa_config(world_dir: str, **overrides):
   c.train.steps, c.train.checkpoint_every = 6, 3
   c.train.async_checkpoints = False
   c.eval.batch_size = 64
-  for key, value in overrides.items():
-    *parents, leaf = key.split("__")
-    node = c
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
+  return helpers.apply_overrides(c, overrides)
 
 
 def _logsumexp(x, axis=-1):

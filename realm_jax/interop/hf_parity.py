@@ -27,7 +27,6 @@ in both formats and bert (safetensors), what the tests use.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -109,18 +108,11 @@ def _log_softmax(x):
 # -- the two sides ------------------------------------------------------------------------
 def load_ours(hf_dir: str, workdir: str):
   """Imports `hf_dir` into `workdir`, then restores the params from the written checkpoint."""
-  import ml_collections
   from realm_jax.interop import hf_realm
-  from realm_jax.train import partitioning, state as state_lib
-  from realm_jax.train.checkpoints import restore_params
+  from realm_jax.train.checkpoints import restore_run
   report = hf_realm.import_checkpoint(hf_dir, workdir)
   print("\n".join(f"  {line}" for line in report.lines()), flush=True)
-  with open(os.path.join(workdir, "config.json")) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  model = state_lib.build_model(config, 0)
-  mesh = partitioning.make_mesh((-1, 1))
-  abstract, _ = state_lib.abstract_train_state(config, model, mesh, config.data.block_len)
-  params, _ = restore_params(workdir, abstract.params)
+  config, model, _, params, _ = restore_run(workdir)
   return config, model, params
 
 

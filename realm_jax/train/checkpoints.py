@@ -128,3 +128,34 @@ def restore_params(workdir: str, abstract_params, step: int | None = None,
   if partial:
     return restored.params, step, missing
   return restored.params, step
+
+
+def run_config(workdir: str, config=None):
+  """`config` if given, else the run's own resolved config (`W/config.json`)."""
+  if config is not None:
+    return config
+  import json
+  import ml_collections
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path}: no config of the run; pass --config")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def restore_run(workdir: str, step: int | None = None):
+  """A run's model and params by its own config, on a data-parallel mesh of this process's
+  view of the devices (imported checkpoints, benches, tools).
+
+  Returns (config, model, abstract train state, params, step).
+  """
+  from realm_jax.data.tokenizer import load_tokenizer
+  from realm_jax.train import partitioning, state as state_lib
+  config = run_config(workdir)
+  vocab_size = config.model.vocab_size or load_tokenizer(
+      os.path.join(config.data.dir, "vocab.txt")).vocab_size
+  model = state_lib.build_model(config, vocab_size)
+  mesh = partitioning.make_mesh((-1, 1))
+  abstract, _ = state_lib.abstract_train_state(config, model, mesh, config.data.block_len)
+  params, step = restore_params(workdir, abstract.params, step)
+  return config, model, abstract, params, step

@@ -23,7 +23,7 @@ from realm_jax.train import batches, partitioning, state as state_lib, steps
 from realm_jax.train.feed import BatchFeed, IndexSchedule
 from realm_jax.train.checkpoints import Checkpointer, restore_params
 from realm_jax.train.config_base import incompatible_fields, validate
-from realm_jax.train.metrics import MetricWriter, format_duration
+from realm_jax.train.metrics import MetricWriter, format_duration, window_scalars
 
 
 def load_data(config) -> PreparedData:
@@ -266,11 +266,10 @@ class Trainer:
                                      "step_seconds": now - t_step})
           t_step = now
         if done % cfg.train.log_every == 0 or done == total:
-          scalars = {k: float(np.mean([jax.device_get(m[k]) for m in window])) for k in window[0]}
           now = time.time()
-          rate = len(window) / (now - t_last)
-          scalars.update(steps_per_second=rate, learning_rate=float(
+          scalars = window_scalars(window, now - t_last, float(
               state_lib.learning_rate_schedule(cfg.train)(done)))
+          rate = scalars["steps_per_second"]
           if staleness:
             scalars["index_staleness"] = staleness[-1]
           train_log.write(done, scalars)

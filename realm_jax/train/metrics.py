@@ -10,6 +10,14 @@ import jax
 import numpy as np
 
 
+def window_scalars(window: list[dict], seconds: float, learning_rate: float) -> dict:
+  """The mean of each train metric over the steps since the last log line, with the step
+  rate and the learning rate."""
+  scalars = {k: float(np.mean([jax.device_get(m[k]) for m in window])) for k in window[0]}
+  scalars.update(steps_per_second=len(window) / seconds, learning_rate=learning_rate)
+  return scalars
+
+
 class MetricWriter:
   """Writes scalars as JSONL lines (`{"step", "time", ...}`) and TensorBoard scalars.
 

@@ -53,15 +53,13 @@ class FrozenIndex:
 
   @classmethod
   def embed(cls, model, mesh, config, data: PreparedData, retriever_params, step: int,
-            log_prefix: str) -> tuple[FrozenIndex, dict]:
-    """Embeds every block with the block tower of `retriever_params` (version -1: unpublished).
-    Returns (index, the query-tower params of the same snapshot, host copies)."""
+            log_prefix: str) -> FrozenIndex:
+    """Embeds every block with the block tower of `retriever_params` (version -1: unpublished)."""
     embed_fn = steps.block_embedder(model, mesh, config, retriever_params)
     embeddings, _ = embed_blocks(embed_fn, data.blocks, mesh, config.retrieval.embed_batch_size,
                                  log_prefix=log_prefix)
-    query = steps.host_copy(steps.query_tower_params(retriever_params))
     return cls(version=-1, step=step, embeddings=embeddings,
-               index=ExactIndex.from_embeddings(embeddings)), query
+               index=ExactIndex.from_embeddings(embeddings))
 
   @property
   def num_blocks(self) -> int:

@@ -27,7 +27,7 @@ from realm_jax.train import partitioning, state as state_lib, steps
 from realm_jax.train.checkpoints import Checkpointer, restore_params
 from realm_jax.train.config_base import validate
 from realm_jax.train.loop import check_workdir, load_data
-from realm_jax.train.metrics import MetricWriter, format_duration
+from realm_jax.train.metrics import MetricWriter, format_duration, window_scalars
 from realm_jax.train.openqa import FrozenIndex, QABatchBuilder, QuestionBatches, \
     query_embeddings
 
@@ -114,7 +114,7 @@ class OpenQATrainer:
         print(f"[{task}] frozen index: the block embeddings of {cfg.init.from_workdir}/index "
               f"v{latest} (step {init_step})", flush=True)
     if source is None:
-      source, _ = FrozenIndex.embed(self.model, self.mesh, cfg, self.data,
+      source = FrozenIndex.embed(self.model, self.mesh, cfg, self.data,
                                     self.state.params["retriever"], max(init_step, 0),
                                     f"[{task}] frozen index: ")
     query = steps.host_copy(steps.query_tower_params(self.state.params["retriever"]))
@@ -156,11 +156,10 @@ class OpenQATrainer:
         window.append(metrics)
         done = step + 1
         if done % cfg.train.log_every == 0 or done == total:
-          scalars = {k: float(np.mean([jax.device_get(m[k]) for m in window])) for k in window[0]}
           now = time.time()
-          rate = len(window) / (now - t_last)
-          scalars.update(steps_per_second=rate, learning_rate=float(
+          scalars = window_scalars(window, now - t_last, float(
               state_lib.learning_rate_schedule(cfg.train)(done)))
+          rate = scalars["steps_per_second"]
           train_log.write(done, scalars)
           print(f"[{task}] step {done}/{total} loss {scalars['loss']:.4g} (retriever "
                 f"{scalars['retriever_loss']:.3g}, reader {scalars['reader_loss']:.3g}) answer "
