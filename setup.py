@@ -2,6 +2,8 @@
 
 from setuptools import find_packages, setup
 
+JAX = ">=0.4.35,<0.11"     # the one pin of jax: the core install and the accelerator extras
+
 setup(
     name="realm_jax",
     version="0.1.0",
@@ -10,7 +12,7 @@ setup(
     packages=find_packages(include=["realm_jax", "realm_jax.*"]),
     python_requires=">=3.11",
     install_requires=[
-        "jax>=0.4.35,<0.11",
+        "jax" + JAX,
         "flax>=0.10,<0.13",
         "optax>=0.2.4,<0.3",
         "orbax-checkpoint>=0.11,<0.13",
@@ -25,12 +27,16 @@ setup(
         "sentencex>=1.0,<2",
         "safetensors>=0.4,<1",
         "bm25s>=0.2,<1",
+        "pyyaml>=6,<7",                  # launch/gke/render.py writes the JobSet manifest
         # The ScaNN index backend (host-side search); wheels exist for Linux only.
         "scann>=1.3,<2; platform_system == 'Linux'",
     ],
     extras_require={
         "test": ["pytest>=8,<10", "tensorflow-datasets>=4.9,<5"],
         "tfds": ["tensorflow-datasets>=4.9,<5"],
+        # jaxlib's accelerator plugins: TPU VMs (launch/tpu_pod.py, the GKE image) and CUDA 12.
+        "tpu": ["jax[tpu]" + JAX],
+        "cuda": ["jax[cuda12]" + JAX],
         # HF parity checks and the PyTorch peer bench (`make interop-env`): transformers'
         # last 4.x still ships REALM (deprecated; removed in 5).
         "interop": ["torch>=2.4", "transformers==4.57.*"],

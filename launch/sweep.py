@@ -2,7 +2,10 @@
 
   python launch/sweep.py --config configs/demo_realm.py:realm --root runs/sweep \
       --grid train.lr=1e-3,3e-3 --grid retrieval.k=4,8 [--set data.dir=runs/demo/data ...] \
-      [--launcher local|print] [--metric eval_recall_at_5] [--ascending]
+      [--launcher local|print] [--metric eval_recall_at_5] [--ascending] [--dry-run]
+  python launch/sweep.py --config configs/realm_base.py --root gs://BUCKET/sweep \
+      --grid train.lr=1e-5,3e-5 --set data.dir=gs://BUCKET/data --set retrieval.refresh=async \
+      --launcher tpu_pod --name realm-lr [--dry-run] -- --zone us-central2-b --project P
 
 The grid is the product of the `--grid KEY=V1,V2,...` flags, or, without any, the config
 module's `get_hyper(arg)` (a list of override dicts). Every key must be a field of the config
@@ -14,6 +17,11 @@ skips runs whose `summary.json` already covers their steps, so an interrupted sw
 `print` prints the commands instead. Then every run's `summary.json` is collected into
 `ROOT/results.csv` and `ROOT/results.md`, sorted by `--metric` (best first: descending unless
 `--ascending`), and the table is printed.
+
+`tpu_pod` starts each run on TPU slices of its own, one after another, as `launch/tpu_pod.py up
+--name NAME-<i> --workdir ROOT/<name> ...` (ROOT a gs:// path; the flags after `--` go to every
+tpu_pod.py call) and returns once all are started; their summaries land in the bucket.
+`--dry-run` prints each run's command and runs nothing (`--launcher print` is `local --dry-run`).
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ from realm_jax.train.config_base import config_module
 
 PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
-LAUNCHERS = ("local", "print")
+LAUNCHERS = ("local", "print", "tpu_pod")
+TPU_POD_OWN = ("--name", "--config", "--workdir", "--set")   # set by the sweep for each run
 
 
 def flat_fields(config, prefix: str = "") -> dict:
@@ -117,13 +126,32 @@ def run_name(overrides: dict) -> str:
   return "_".join(parts)
 
 
+def value_text(value) -> str:
+  """An override's value as a flag writes it (a tuple as `a,b`)."""
+  return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 def command(config_spec: str, workdir: str, overrides: dict, builder: bool) -> list[str]:
   """The command line of one run."""
   entry = [os.path.join(HERE, "local.py")] if builder else ["-m", "realm_jax.train.main"]
-  flags = [f"--config.{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
-           for k, v in overrides.items()]
+  flags = [f"--config.{k}={value_text(v)}" for k, v in overrides.items()]
   return [sys.executable, "-u", *entry, f"--config={config_spec}", f"--workdir={workdir}",
           *flags]
+
+
+def tpu_pod_command(config_spec: str, workdir: str, overrides: dict, builder: bool, name: str,
+                    tpu_pod_args: list[str]) -> list[str]:
+  """One run as `launch/tpu_pod.py up` on slices of its own (NAME-trainer, NAME-builder)."""
+  sets = [token for k, v in overrides.items() for token in ("--set", f"{k}={value_text(v)}")]
+  return [sys.executable, os.path.join(HERE, "tpu_pod.py"), "up", "--name", name, "--config",
+          config_spec, "--workdir", workdir, *([] if builder else ["--builder_type", "none"]),
+          *sets, *tpu_pod_args]
+
+
+def needs_builder(fields: dict, overrides: dict) -> bool:
+  """A REALM run whose index comes from the separate builder (refresh async/deterministic)."""
+  value = {**fields, **overrides}
+  return value.get("task") == "realm" and value.get("retrieval.refresh") != "in_process"
 
 
 def _summary(workdir: str) -> dict | None:
@@ -171,6 +199,9 @@ def write_tables(root: str, rows: list[dict], metric: str) -> tuple[str, str]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+  """The sweep's flags, plus `tpu_pod_args`: the tokens after `--` (for tpu_pod.py)."""
+  cut = argv.index("--") if "--" in argv else len(argv)
+  argv, tpu_pod_args = argv[:cut], argv[cut + 1:]
   parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
                                    allow_abbrev=False)
   parser.add_argument("--config", required=True, help="configs/X.py[:arg]")
@@ -181,12 +212,54 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--metric", default="", help="sort key from summary.json (default: the "
                       "first eval_* field)")
   parser.add_argument("--ascending", action="store_true", help="smaller metric is better")
-  return parser.parse_args(argv)
+  parser.add_argument("--name", default="", help="tpu_pod: runs on slices NAME-1, NAME-2, ...")
+  parser.add_argument("--dry-run", action="store_true", help="print the commands, run none")
+  args = parser.parse_args(argv)
+  args.tpu_pod_args = tpu_pod_args
+  return args
+
+
+def check_tpu_pod_flags(args: argparse.Namespace) -> None:
+  if args.launcher != "tpu_pod":
+    if args.tpu_pod_args or args.name:
+      raise ConfigError("", "--name and the flags after -- are for --launcher tpu_pod")
+    return
+  if not args.root.startswith("gs://"):
+    raise ConfigError("", f"--root {args.root!r}: --launcher tpu_pod needs gs://BUCKET/PATH "
+                      "(each run's workdir is ROOT/<run>)")
+  if not args.name:
+    raise ConfigError("", "--launcher tpu_pod needs --name (runs on slices NAME-1, NAME-2, ...)")
+  own = [t for t in args.tpu_pod_args if t.split("=")[0] in TPU_POD_OWN]
+  if own:
+    raise ConfigError("", f"after --: {own[0]!r} is set by the sweep for each run")
+
+
+def launch_on_tpu_pods(args: argparse.Namespace, runs: list[tuple[str, dict]], fields: dict,
+                       fixed: dict) -> list[dict]:
+  """`tpu_pod.py up` for each run, one after another; rows of the runs' launch status."""
+  rows = []
+  for i, (name, overrides) in enumerate(runs, 1):
+    run = {**fixed, **overrides}
+    cmd = tpu_pod_command(args.config, f"{args.root.rstrip('/')}/{name}", run,
+                          needs_builder(fields, run), f"{args.name}-{i}", args.tpu_pod_args)
+    if args.dry_run:
+      print(shlex.join(cmd), flush=True)
+      continue
+    print(f"[sweep] {i}/{len(runs)} {name}: {shlex.join(cmd)}", flush=True)
+    code = subprocess.run(cmd, check=False).returncode
+    rows.append({"run": name, "status": "started" if code == 0 else f"failed ({code})"})
+    print(f"[sweep] {i}/{len(runs)} {name}: {rows[-1]['status']} on {args.name}-{i}-*",
+          flush=True)
+  if not args.dry_run:
+    print(f"[sweep] {sum(r['status'] == 'started' for r in rows)}/{len(runs)} runs started; "
+          f"each writes {args.root.rstrip('/')}/<run>/summary.json when it finishes", flush=True)
+  return rows
 
 
 def sweep(args: argparse.Namespace) -> list[dict]:
   if args.launcher not in LAUNCHERS:
     raise ConfigError("", f"--launcher {args.launcher!r}: one of {LAUNCHERS}")
+  check_tpu_pod_flags(args)
   path, _, arg = args.config.partition(":")
   module = config_module(path)
   config = module.get_config(arg) if arg else module.get_config()
@@ -199,15 +272,17 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     fixed[key] = typed_value(value, fields[key], key)
   grid = expand_grid(config, args.grid, hyper)
   runs = [(run_name(overrides), overrides) for overrides in grid]
-  builder = fields.get("retrieval.refresh", "in_process") != "in_process" \
-      and fields.get("task") == "realm"
   print(f"[sweep] {len(runs)} runs of {args.config} under {args.root} ({args.launcher})",
         flush=True)
+  if args.launcher == "tpu_pod":
+    return launch_on_tpu_pods(args, runs, fields, fixed)
+  printing = args.launcher == "print" or args.dry_run
   status = {}
   for i, (name, overrides) in enumerate(runs, 1):
     workdir = os.path.join(args.root, name)
-    cmd = command(args.config, workdir, {**fixed, **overrides}, builder)
-    if args.launcher == "print":
+    run = {**fixed, **overrides}
+    cmd = command(args.config, workdir, run, needs_builder(fields, run))
+    if printing:
       print(shlex.join(cmd))
       continue
     steps = int(overrides.get("train.steps", fixed.get("train.steps", fields["train.steps"])))
@@ -223,7 +298,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     status[name] = "done" if code == 0 else f"failed ({code})"
     print(f"[sweep] {i}/{len(runs)} {name}: {status[name]} in {time.time() - t0:.0f}s "
           f"(log: {workdir}/sweep.log)", flush=True)
-  if args.launcher == "print":
+  if printing:
     return []
   metric = args.metric
   for name, _ in runs if not metric else ():

@@ -19,7 +19,8 @@ class DataError(ValueError):
 
 
 def run_cli(prog: str, main: Callable[[], object]) -> object:
-  """Runs `main`; ConfigError / missing files -> one clear line on stderr and exit code 2."""
+  """Runs `main`; ConfigError / missing files -> one clear line on stderr and exit code 2; an
+  unreachable coordinator -> one line and exit code 1."""
   try:
     return main()
   except ConfigError as e:
@@ -28,3 +29,6 @@ def run_cli(prog: str, main: Callable[[], object]) -> object:
   except (FileNotFoundError, DataError) as e:
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
+  except ConnectionError as e:   # another process of the job (the coordinator) is unreachable
+    print(f"{prog}: error: {e}", file=sys.stderr)
+    raise SystemExit(1) from None

@@ -76,15 +76,17 @@ class Evaluator:
         continue
       cand = batches.candidates_for(cfg, self.data, q, retrieved)
       batch = batches.realm_batch(cfg, self.data, q, cand)
-      out = self.realm_eval(params, partitioning.global_batch(batch, self.mesh))
-      preds = np.asarray(out["predictions"])
+      # Every process built the whole batch; each feeds its rows and gets back every row.
+      out = partitioning.host_copy(self.realm_eval(
+          params, partitioning.global_batch(partitioning.process_share(batch), self.mesh)))
+      preds = out["predictions"]
       valid = q["mask_weights"] > 0
       ok = ((preds == q["mask_labels"]) | ~valid).all(axis=1)
       correct.extend(ok[:real])
-      utility.extend(np.asarray(out["retrieval_utility"])[:real])
+      utility.extend(out["retrieval_utility"][:real])
       shown = [i for i in range(real) if start + i in show]
       if shown:
-        details.extend(self._details(q, cand, preds, np.asarray(out["p_z"]), ok, shown))
+        details.extend(self._details(q, cand, preds, out["p_z"], ok, shown))
     metrics = {f"recall_at_{at}": float(np.mean(h)) for at, h in hits.items() if h}
     if correct:
       metrics["span_accuracy"] = float(np.mean(correct))

@@ -1,5 +1,5 @@
 """The grain input pipeline: a restored iterator continues exactly where the saved one stopped,
-processes read disjoint shards that cover every epoch once, every epoch is reshuffled, and
+processes build their shares of the one-process batches, every epoch is reshuffled, and
 errors while building a batch reach the consumer."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 
 from realm_jax.data import pipeline
 from realm_jax.errors import ConfigError
-from realm_jax.train import batches
+from realm_jax.train import batches, openqa
 from tests.helpers import tiny_config
 
 STOP_AFTER, RESUMED = 7, 100
@@ -75,50 +75,43 @@ def test_batches_are_a_function_of_the_seed(world_data):
   assert not np.array_equal(a(0)["query_ids"], other(0)["query_ids"])
 
 
-@pytest.mark.parametrize("num_examples, count", [(101, 2), (101, 3), (64, 4)])
-def test_process_shards_are_disjoint_and_cover_each_epoch(num_examples, count):
-  epochs = {e: [] for e in range(3)}
-  for p in range(count):
-    stream = pipeline.example_stream(num_examples, 5, p, count)
-    shard = len(range(p, num_examples, count))
-    rows = [np.array([stream[i] for i in range(e * shard, (e + 1) * shard)]) for e in range(3)]
-    for e in range(3):
-      assert sorted(rows[e]) == list(range(p, num_examples, count))
-      epochs[e].append(rows[e])
-    assert not np.array_equal(rows[0], rows[1]) and not np.array_equal(rows[1], rows[2])
-  for e in range(3):
-    assert sorted(np.concatenate(epochs[e])) == list(range(num_examples))
-  # Hosts shuffle with their own seeds: no two visit their shards in the same order.
-  orders = [(rows - p) // count for p, rows in enumerate(epochs[0])]
-  for p in range(1, count):
-    assert not np.array_equal(orders[p], orders[0])
+@pytest.mark.parametrize("num_examples", [101, 64])
+def test_the_stream_covers_every_epoch_once_reshuffled(num_examples):
+  stream = pipeline.example_stream(num_examples, 5)
+  epochs = [np.array([stream[i] for i in range(e * num_examples, (e + 1) * num_examples)])
+            for e in range(3)]
+  for rows in epochs:
+    assert sorted(rows) == list(range(num_examples))
+  assert not np.array_equal(epochs[0], epochs[1]) and not np.array_equal(epochs[1], epochs[2])
 
 
-def test_two_processes_split_the_world_epoch(world_data):
-  config = tiny_config("ict")
+@pytest.mark.parametrize("task, count", [("ict", 2), ("realm", 2), ("realm", 4)])
+def test_process_shares_make_the_single_process_batches(world_data, task, count):
+  """Process p builds its slice of every global batch: together, in process order, they are the
+  batches of a one-process run, so a run on P hosts trains on the same data."""
+  config = tiny_config(task)
   examples = world_data.examples("train")
-  n, tok = len(examples), world_data.tokenizer
-  procs = [batches.QueryBatches(config, world_data, examples, p, 2) for p in range(2)]
-  epoch, later = [], []
-  for p, queries in enumerate(procs):
-    shard = len(range(p, n, 2))
-    rows = shard_rows(queries, 0, shard)
-    epoch.append(rows)
-    second = shard_rows(queries, shard, 2 * shard)
-    assert sorted(second) == sorted(rows) and not np.array_equal(second, rows)
-    later.append(second)
-    # Each batch holds the process's next local_batch rows of its stream.
-    assert queries.local_batch == config.train.batch_size // 2
-    it = queries.iterator(prefetch=2)
-    for step in range(3):
-      lo, hi = step * queries.local_batch, (step + 1) * queries.local_batch
-      expected, _ = pipeline.query_ids(examples, shard_rows(queries, lo, hi),
-                                       config.data.query_len, tok.cls_id, tok.sep_id)
-      np.testing.assert_array_equal(next(it)["query_ids"], expected)
+  single = batches.QueryBatches(config, world_data, examples)
+  procs = [batches.QueryBatches(config, world_data, examples, p, count) for p in range(count)]
+  iterators = [queries.iterator(prefetch=2) for queries in procs]
+  steps = 2 * len(examples) // config.train.batch_size + 1   # across an epoch boundary
+  for step in range(steps):
+    shares = [next(it) for it in iterators]
+    assert all(len(share["query_ids"]) == config.train.batch_size // count for share in shares)
+    if step in (0, 1, steps - 1):
+      for key, value in single(step).items():
+        np.testing.assert_array_equal(np.concatenate([share[key] for share in shares]), value)
+  for it in iterators:
     it.close()
-  assert not set(epoch[0]) & set(epoch[1])
-  assert sorted(np.concatenate(epoch)) == list(range(n))
-  assert sorted(np.concatenate(later)) == list(range(n))
+
+
+def test_question_shares_make_the_single_process_batches():
+  config = tiny_config("realm")
+  single = openqa.QuestionBatches(config, 50)
+  procs = [openqa.QuestionBatches(config, 50, p, 2) for p in range(2)]
+  for step in (0, 3, 7):
+    np.testing.assert_array_equal(
+        np.concatenate([q(step)["rows"] for q in procs]), single(step)["rows"])
 
 
 def test_ict_removes_the_sentence_at_the_configured_rate(world_data):
@@ -157,8 +150,8 @@ def test_bad_batch_sizes_and_missing_state_fail_clearly(world_data):
   queries = batches.QueryBatches(tiny_config("realm"), world_data, examples)
   with pytest.raises(ValueError, match="no input-pipeline state"):
     queries.iterator(prefetch=2, saved={"next_step": 4})
-  with pytest.raises(ValueError):
-    pipeline.example_stream(10, 0, 2, 2)
+  with pytest.raises(ValueError, match="process_index 2"):
+    pipeline.process_batches(pipeline.example_stream(10, 0), 4, 2, 2, list)
 
 
 def test_errors_while_building_a_batch_reach_the_consumer():

@@ -2,15 +2,17 @@
 turns example rows into model inputs: salient-span masking, ICT pairs, candidate and reader
 inputs.
 
-Determinism: each process reads its own shard of the example rows (`process_index::
-process_count`: the shards are disjoint and together hold every example once per epoch),
-shuffled with a seed derived from (seed, process_index, process_count) and reshuffled every
-epoch. Per-example random choices come from grain's `random_map`, whose generator is keyed by
-the example's position in the process's stream, and batch t of a process is stream positions
-[t * b, (t + 1) * b). The batch stream therefore depends on (seed, process_count) only; with one
-process it is a pure function of the seed. The iterator state (grain's: the next batch index)
-is saved with the checkpoint. Index bookkeeping is per example (grain); everything that touches
-tokens is vectorised numpy over a batch. Batches are built ahead in grain's prefetch threads.
+Determinism: the job reads one stream of example rows, shuffled with a seed derived from
+`seed` and reshuffled every epoch. Per-example random choices come from grain's `random_map`,
+whose generator is keyed by the example's position in that stream, and global batch t is stream
+positions [t * B, (t + 1) * B). Process p of P builds only its share of it, positions
+[t * B + p * B / P, t * B + (p + 1) * B / P), which is the part of the global batch its devices
+hold. The global batches are therefore a pure function of the seed, whatever the number of
+processes: a run on 2 hosts sees the batches of a run on one, and a checkpoint resumes on
+another process count with the same batches. The iterator state (grain's: the next batch index
+= the next step) is saved with the checkpoint. Index bookkeeping is per example (grain);
+everything that touches tokens is vectorised numpy over a batch. Batches are built ahead in
+grain's prefetch threads.
 """
 
 from __future__ import annotations
@@ -25,26 +27,32 @@ from realm_jax.data.store import BlockStore, ExampleSet, segment_ids
 NULL_BLOCK = -1  # candidate row of the null document `[CLS][SEP][SEP]`
 
 
-def process_seed(seed: int, process_index: int, process_count: int) -> int:
-  """The grain pipeline seed of one process (distinct shuffles and draws on every host)."""
-  return int(np.random.SeedSequence([seed, process_index, process_count]).generate_state(1)[0])
+def stream_seed(seed: int) -> int:
+  """The grain pipeline seed of the example stream of config seed `seed`."""
+  return int(np.random.SeedSequence([seed, 0, 1]).generate_state(1)[0])
 
 
-def example_stream(num_examples: int, seed: int, process_index: int = 0,
-                   process_count: int = 1) -> grain.MapDataset:
-  """This process's endless stream of example rows: its shard, reshuffled every epoch.
+def example_stream(num_examples: int, seed: int) -> grain.MapDataset:
+  """The job's endless stream of example rows, reshuffled every epoch.
 
   grain's shuffle folds the epoch into its seed and `repeat` only extends the index range, so
-  element i is a pure function of (seed, process_index, process_count, i). The returned dataset
-  carries the process seed: random transformations applied to it derive theirs from it.
+  element i is a pure function of (seed, i). The returned dataset carries the stream seed:
+  random transformations applied to it derive theirs from it.
   """
+  return grain.MapDataset.range(num_examples).seed(stream_seed(seed)).shuffle().repeat()
+
+
+def process_batches(elements: grain.MapDataset, global_batch: int, process_index: int,
+                    process_count: int, batch_fn) -> grain.MapDataset:
+  """This process's share of every global batch of `elements`: batch t holds positions
+  [t * B + p * b, t * B + (p + 1) * b) with b = B / P, made into a batch by `batch_fn`."""
   if not 0 <= process_index < process_count:
     raise ValueError(f"process_index {process_index} outside [0, {process_count})")
-  if num_examples < process_count:
-    raise ValueError(f"{num_examples} examples cannot be shared by {process_count} processes")
-  shard = grain.MapDataset.range(num_examples).seed(
-      process_seed(seed, process_index, process_count))[process_index::process_count]
-  return shard.shuffle().repeat()
+  if global_batch % process_count:
+    raise ValueError(f"a global batch of {global_batch} cannot be split over "
+                     f"{process_count} processes")
+  local = global_batch // process_count
+  return elements.batch(local, batch_fn=batch_fn)[process_index::process_count]
 
 
 def prefetched(batches: grain.MapDataset, depth: int) -> grain.DatasetIterator:

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
 import numpy as np
 
 from realm_jax.errors import ConfigError, run_cli
+from realm_jax.train import multihost
 
 DONE = "DONE"                    # written by the trainer at the end of its run
 BLOCKS_RECORD = "blocks.json"    # the trainer's block store: {"block_store_fingerprint", ...}
@@ -108,6 +110,7 @@ class IndexBuilder:
       print(f"[index] removed {path} (left by a builder that was stopped)", flush=True)
     from realm_jax.train.metrics import MetricWriter
     self.metrics = MetricWriter(workdir, "index")
+    self.built = 0   # versions published by this run
     print(f"[index] {self.data.blocks.num_blocks:,} blocks of {self.data.dir} (fingerprint "
           f"{self.fingerprint}), backend {config.retrieval.backend}, mode "
           f"{config.retrieval.refresh}, mesh {dict(self.mesh.shape)} on "
@@ -164,7 +167,7 @@ class IndexBuilder:
   def build(self, step: int) -> dict | None:
     """Restores, embeds, indexes and publishes the snapshot of `step`; None if it vanished."""
     from realm_jax.retrieval.index import embed_blocks
-    from realm_jax.train import steps as steps_lib
+    from realm_jax.train import partitioning, steps as steps_lib
     check_block_store(self.workdir, self.fingerprint, self.data.dir)
     cfg, timings = self.config, {}
     t0 = time.time()
@@ -181,7 +184,7 @@ class IndexBuilder:
                                        cfg.retrieval.embed_batch_size, prefix)
     timings["embed_seconds"] = round(seconds, 3)
     timings["blocks_per_second"] = round(len(embeddings) / max(seconds, 1e-9), 1)
-    query_params = steps_lib.host_copy(steps_lib.query_tower_params(params))
+    query_params = partitioning.host_copy(steps_lib.query_tower_params(params))
     extra = self._write_index(staging, embeddings, query_params, timings, prefix)
     print(f"{prefix}publishing", flush=True)
     t0 = time.time()
@@ -257,7 +260,8 @@ class IndexBuilder:
   def run(self, once: bool = False) -> int:
     """Builds until the trainer is done (or once); returns the number of versions published."""
     cfg = self.config
-    started, last_message, built = time.time(), 0.0, 0
+    started, last_message = time.time(), 0.0
+    self.built = 0
     done_path = os.path.join(self.workdir, DONE)
     while True:
       steps = self.checkpoint_steps()
@@ -265,7 +269,7 @@ class IndexBuilder:
         waited = time.time() - started
         if os.path.exists(done_path):
           print("[index] the trainer is done and left no checkpoint; exiting", flush=True)
-          return built
+          return self.built
         if waited > cfg.index.wait_timeout:
           raise FileNotFoundError(
               f"no checkpoint under {self.checkpoint_dir} after {waited:.0f}s "
@@ -280,19 +284,27 @@ class IndexBuilder:
       step = steps[-1] if once else self.next_step(steps)
       if step is not None:
         if self.build(step) is not None:
-          built += 1
+          self.built += 1
           if once:
-            return built
+            return self.built
         continue    # look again at once: a deleted checkpoint means a newer one exists
       if os.path.exists(done_path):
-        print(f"[index] the trainer is done; {built} versions published", flush=True)
-        return built
+        print(f"[index] the trainer is done; {self.built} versions published", flush=True)
+        return self.built
       time.sleep(cfg.index.poll_seconds)
 
   def close(self) -> None:
     if self.manager is not None:
       self.manager.close()
     self.metrics.close()
+
+
+class Stopped(Exception):
+  """SIGTERM reached realm-index (a preempted or stopped job)."""
+
+
+def _stop(signum, frame):
+  raise Stopped()
 
 
 def main(argv) -> None:
@@ -306,10 +318,19 @@ def main(argv) -> None:
   logging.set_verbosity(logging.WARNING)
 
   def job():
+    multihost.initialize_from_flags()
     builder = IndexBuilder(config, workdir)
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
       return builder.run(once=flags.FLAGS.once)
+    except Stopped:
+      # Publishing is atomic: a version cut short is an unpublished staging dir, which the
+      # next start removes; every published version stays valid.
+      print(f"[index] SIGTERM: stopped; {builder.built} versions published by this run",
+            flush=True)
+      return builder.built
     finally:
+      signal.signal(signal.SIGTERM, previous)
       builder.close()
   built = run_cli("realm-index", job)
   print(f"realm-index: done, {built} versions published", flush=True)

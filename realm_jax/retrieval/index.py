@@ -21,9 +21,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from realm_jax.data.store import BlockStore
+from realm_jax.train import partitioning
 from realm_jax.train.metrics import format_duration
 
 PROGRESS_SECONDS = 10.0   # one progress line per this many seconds of embedding
+CHUNK = 256               # rows of the exact index's table scored by one matmul
 
 
 class BlockIndex(Protocol):
@@ -39,19 +41,26 @@ def local_mesh() -> Mesh:
 
 @dataclasses.dataclass
 class ExactIndex:
-  """Exact maximum inner product search: scores = Q T^T, top-n, on this process's devices."""
+  """Exact maximum inner product search: scores = Q T^T, top-n, on this process's devices.
 
-  table: jax.Array    # [num_padded, dim], rows sharded over the local devices; pad rows are 0
+  The table is held in chunks of CHUNK rows and scored chunk by chunk (one einsum), so a block's
+  score does not depend on how many devices share the table: XLA's CPU matmul rounds
+  differently for different shard shapes, and a host with 4 devices must retrieve exactly what
+  a host with 8 does.
+  """
+
+  table: jax.Array    # [num_chunks, CHUNK, dim], chunks sharded over the local devices; pad 0
   num_blocks: int
 
   @classmethod
   def from_embeddings(cls, embeddings: np.ndarray) -> ExactIndex:
-    """[num_blocks, dim] host embeddings -> the table, padded to a multiple of the devices."""
+    """[num_blocks, dim] host embeddings -> the table, padded to whole chunks per device."""
     mesh = local_mesh()
     n, devices = embeddings.shape[0], mesh.devices.size
-    padded = np.zeros((-(-n // devices) * devices, embeddings.shape[1]), np.float32)
+    chunks = -(-n // (devices * CHUNK)) * devices
+    padded = np.zeros((chunks * CHUNK, embeddings.shape[1]), np.float32)
     padded[:n] = embeddings
-    table = jax.device_put(padded, NamedSharding(mesh, P("blocks")))
+    table = jax.device_put(padded.reshape(chunks, CHUNK, -1), NamedSharding(mesh, P("blocks")))
     return cls(table=table, num_blocks=n)
 
   def search(self, query_emb: np.ndarray, n: int) -> np.ndarray:
@@ -65,8 +74,8 @@ class ExactIndex:
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _top_n(query_emb, table, num_blocks, n):
-  scores = query_emb @ table.T
-  valid = jnp.arange(table.shape[0]) < num_blocks
+  scores = jnp.einsum("bd,ncd->bnc", query_emb, table).reshape(query_emb.shape[0], -1)
+  valid = jnp.arange(scores.shape[1]) < num_blocks
   scores = jnp.where(valid[None, :], scores, -jnp.inf)
   return jax.lax.top_k(scores, n)[1]
 
@@ -112,7 +121,7 @@ def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
   def drain(item):
     nonlocal out
     start, count, emb = item
-    emb = np.asarray(emb)
+    emb = partitioning.host_array(emb)   # every host gets every block's embedding
     if out is None:
       out = np.empty((n, emb.shape[1]), np.float32)
     out[start:start + count] = emb[:count]

@@ -32,10 +32,6 @@ class BatchStream:
       if "iterator" not in saved:
         raise ValueError(f"the checkpoint's data item {saved} holds no input-pipeline state "
                          "(written by an older version?); start from a fresh workdir")
-      if saved.get("process_count") != self.process_count:
-        print(f"warning: the checkpoint was written by {saved.get('process_count')} processes, "
-              f"this run has {self.process_count}: batches from here on differ from the "
-              "uninterrupted run's", flush=True)
       it.set_state(saved["iterator"])
     it.start_prefetch()
     return it
@@ -45,7 +41,8 @@ class BatchStream:
     (`iterator_state`: the grain iterator's `get_state()` right after that).
 
     Every process consumes one batch per step, so all processes hold the same iterator state
-    and the primary's copy (the one Orbax writes) resumes each of them.
+    and the primary's copy (the one Orbax writes) resumes each of them, on any process count
+    (the global batches do not depend on it).
     """
     return {"next_step": next_step, "process_count": self.process_count,
             "iterator": iterator_state}
@@ -59,11 +56,11 @@ def local_batch_size(config, process_count: int) -> int:
 
 
 class QueryBatches(BatchStream):
-  """This process's query batches: masked queries (REALM) or ICT pairs of its local rows.
+  """This process's query batches: masked queries (REALM) or ICT pairs of its share of rows.
 
-  Batch t holds the stream positions [t * b, (t + 1) * b) of `pipeline.example_stream`, each
-  with its random choice drawn by grain's `random_map`, so the batches depend on
-  (seed, process_count) and t only.
+  Batch t holds this process's share (`pipeline.process_batches`) of the stream positions
+  [t * B, (t + 1) * B) of `pipeline.example_stream`, each with its random choice drawn by grain's
+  `random_map`, so the global batches depend on the seed and t only.
   """
 
   def __init__(self, config, data: PreparedData, examples: ExampleSet, process_index: int = 0,
@@ -73,9 +70,10 @@ class QueryBatches(BatchStream):
     self.process_count = process_count
     tok = data.tokenizer
     self.cls_id, self.sep_id, self.mask_id = tok.cls_id, tok.sep_id, tok.mask_id
-    self.rows = pipeline.example_stream(len(examples), config.seed, process_index, process_count)
-    self.dataset = self.rows.random_map(self._draw).batch(self.local_batch,
-                                                          batch_fn=self._assemble)
+    self.rows = pipeline.example_stream(len(examples), config.seed)
+    self.dataset = pipeline.process_batches(self.rows.random_map(self._draw),
+                                            config.train.batch_size, process_index,
+                                            process_count, self._assemble)
 
   def _draw(self, row: int, rng: np.random.Generator) -> tuple[int, int]:
     """(row, choice): the salient span to mask (REALM), or whether to cut the sentence out of

@@ -63,6 +63,10 @@ class Checkpointer:
                                    opt_state=restored.opt["opt_state"])
     return state, restored.data, restored.retrieval
 
+  def wait(self) -> None:
+    """Until every started save is finalised (re-raising its error)."""
+    self.manager.wait_until_finished()
+
   def close(self) -> None:
     """Waits for pending saves (re-raising their errors) and releases the manager."""
     self.manager.wait_until_finished()

@@ -113,6 +113,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.checkpoint_every = 1000  # steps between checkpoints (and one at the end)
   c.train.keep_checkpoints = 3     # checkpoints kept on disk
   c.train.async_checkpoints = True  # save in the background while training goes on
+  c.train.preemption_grace_seconds = 30.0  # on SIGTERM: save the step within this, then exit
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 0                 # steps between evaluations on the eval split (0: end only)
@@ -247,6 +248,8 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
       raise ConfigError("qa.heldout_articles", f"must be in [0, 1), got {q.heldout_articles}")
   if t.retriever_lr_scale < 0 or t.reader_lr_scale < 0:
     raise ConfigError("train.retriever_lr_scale", "learning-rate scales must be >= 0")
+  if t.get("preemption_grace_seconds", 30.0) <= 0:
+    raise ConfigError("train.preemption_grace_seconds", "must be > 0 seconds")
   if num_blocks is not None and config.task == "realm" and r.mode == "index" \
       and r.k + 1 > num_blocks:
     raise ConfigError("retrieval.k", f"k={r.k} needs at least k + 1 = {r.k + 1} blocks "

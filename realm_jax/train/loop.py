@@ -8,7 +8,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -24,6 +23,7 @@ from realm_jax.train.feed import BatchFeed, IndexSchedule
 from realm_jax.train.checkpoints import Checkpointer, restore_params
 from realm_jax.train.config_base import incompatible_fields, validate
 from realm_jax.train.metrics import MetricWriter, format_duration, window_scalars
+from realm_jax.train.preemption import Preemption
 
 
 def load_data(config) -> PreparedData:
@@ -162,7 +162,8 @@ class Trainer:
   # -- checkpoints -------------------------------------------------------------------------
   def _retrieval_item(self) -> dict:
     index = self.last_index or self.index
-    item = {"step": jnp.asarray(-1 if index is None else index.step, jnp.int32)}
+    # A host value: Orbax writes it from the primary process.
+    item = {"step": np.asarray(-1 if index is None else index.step, np.int32)}
     if self.retrieves and not self.from_builder:
       item["params"] = self.index_params
     return item
@@ -172,7 +173,7 @@ class Trainer:
     `config.init.hf_bert`."""
     latest = self.checkpointer.latest_step()
     if latest is not None:
-      abstract_retrieval = {"step": jax.ShapeDtypeStruct((), jnp.int32)}
+      abstract_retrieval = {"step": np.zeros((), np.int32)}
       if self.retrieves and not self.from_builder:
         abstract_retrieval["params"] = self.abstract.params["retriever"]
       self.state, data_state, retrieval = self.checkpointer.restore(
@@ -227,6 +228,7 @@ class Trainer:
     feed = None
     t_start, t_last, window = time.time(), time.time(), []
     eval_metrics, staleness, versions_used = {}, [], set()
+    preemption, preempted = Preemption(cfg.train.preemption_grace_seconds, f"[{task}] "), None
     try:
       if self.from_builder and start == 0:
         self._save(0, data_iter.get_state())   # the builder's first snapshot
@@ -283,17 +285,26 @@ class Trainer:
           window, t_last = [], now
         if cfg.eval.every and done % cfg.eval.every == 0 and done != total:
           eval_metrics = self.evaluate(eval_log, done, refresh=cfg.task == "ict")[0]
-        if self._checkpoint_due(done):
+        if self._checkpoint_due(done) or preemption.reached(done):
           self._save(done, data_state)
+        if preemption.reached(done):
+          self.checkpointer.wait()
+          preemption.saved(done)
+          preempted = done
+          break
       feed.close()
       feed = None
-      if self.from_builder:
-        # The final evaluation retrieves from the index of the final parameters, as in_process.
-        self.last_index = self.subscriber.wait_for_step(total, cfg.retrieval.first_index_timeout)
-      eval_metrics, details = self.evaluate(eval_log, total,
-                                            refresh=self.uses_index and not self.from_builder,
-                                            keep_examples=5)
+      if preempted is None:
+        if self.from_builder:
+          # The final evaluation retrieves from the index of the final parameters, as
+          # in_process does.
+          self.last_index = self.subscriber.wait_for_step(total,
+                                                          cfg.retrieval.first_index_timeout)
+        eval_metrics, details = self.evaluate(eval_log, total,
+                                              refresh=self.uses_index and not self.from_builder,
+                                              keep_examples=5)
     finally:
+      preemption.close()
       if feed is not None:
         if self.schedule is not None:
           self.schedule.close()
@@ -305,6 +316,9 @@ class Trainer:
       for log in (train_log, eval_log, retrieval_log):
         if log is not None:
           log.close()
+    if preempted is not None:   # no summary.json, no DONE: the run is not over
+      return {"task": task, "preempted_at_step": preempted,
+              "wall_seconds": round(time.time() - t_start, 1)}
     summary = {"task": task, "steps": total, "wall_seconds": round(time.time() - t_start, 1),
                "params": n_params, **{f"eval_{k}": v for k, v in eval_metrics.items()}}
     if staleness:

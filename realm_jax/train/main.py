@@ -1,4 +1,8 @@
-"""`realm-train --config configs/X.py[:arg] --workdir W [--config.a.b=v ...]`."""
+"""`realm-train --config configs/X.py[:arg] --workdir W [--config.a.b=v ...]`.
+
+On a pod every process runs the same command; see `realm_jax.train.multihost` for the
+--multihost switch (auto on TPU slices) and the explicit --coordinator_address /
+--num_processes / --process_id of GPU clusters and CPU tests."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from realm_jax.errors import run_cli
+from realm_jax.train import multihost, preemption
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).",
                                           lock_config=True)
@@ -21,8 +26,16 @@ def main(argv) -> None:
     print("realm-train: error: --config and --workdir are required", file=sys.stderr)
     raise SystemExit(2)
   logging.set_verbosity(logging.WARNING)  # keep Orbax's per-save INFO lines off the console
-  from realm_jax.train.loop import train  # jax is imported only once flags are good
-  summary = run_cli("realm-train", lambda: train(_CONFIG.value, _WORKDIR.value))
+
+  def job():
+    multihost.initialize_from_flags()
+    from realm_jax.train.loop import train  # jax is imported only once flags are good
+    return train(_CONFIG.value, _WORKDIR.value)
+  summary = run_cli("realm-train", job)
+  if "preempted_at_step" in summary:
+    print(f"realm-train: preempted after step {summary['preempted_at_step']} (checkpoint "
+          "saved); rerun the same command to resume", flush=True)
+    raise SystemExit(preemption.EXIT_CODE)
   shown = {k: v for k, v in summary.items() if k != "examples"}
   print(f"realm-train: done {shown}")
 

@@ -72,11 +72,10 @@ class QuestionBatches(batches.BatchStream):
   def __init__(self, config, num_questions: int, process_index: int = 0,
                process_count: int = 1):
     self.process_count = process_count
-    local = batches.local_batch_size(config, process_count)
-    self.dataset = pipeline.example_stream(num_questions, config.seed, process_index,
-                                           process_count).batch(
-                                               local, batch_fn=lambda rows: {
-                                                   "rows": np.asarray(rows, np.int64)})
+    batches.local_batch_size(config, process_count)   # a clear error if it does not divide
+    self.dataset = pipeline.process_batches(
+        pipeline.example_stream(num_questions, config.seed), config.train.batch_size,
+        process_index, process_count, lambda rows: {"rows": np.asarray(rows, np.int64)})
 
 
 class QABatchBuilder:

@@ -28,6 +28,7 @@ from realm_jax.train.checkpoints import Checkpointer, restore_params
 from realm_jax.train.config_base import validate
 from realm_jax.train.loop import check_workdir, load_data
 from realm_jax.train.metrics import MetricWriter, format_duration, window_scalars
+from realm_jax.train.preemption import Preemption
 from realm_jax.train.openqa import FrozenIndex, QABatchBuilder, QuestionBatches, \
     query_embeddings
 
@@ -72,7 +73,7 @@ class OpenQATrainer:
     latest = self.checkpointer.latest_step()
     if latest is not None:
       self.state, self.saved_data, _ = self.checkpointer.restore(
-          latest, self.abstract, {"step": jax.ShapeDtypeStruct((), np.int32)})
+          latest, self.abstract, {"step": np.zeros((), np.int32)})
       print(f"[{task}] resumed from {self.checkpointer.directory}/{latest}", flush=True)
       return int(self.saved_data["next_step"]), -1
     init = self.config.init
@@ -117,7 +118,7 @@ class OpenQATrainer:
       source = FrozenIndex.embed(self.model, self.mesh, cfg, self.data,
                                     self.state.params["retriever"], max(init_step, 0),
                                     f"[{task}] frozen index: ")
-    query = steps.host_copy(steps.query_tower_params(self.state.params["retriever"]))
+    query = partitioning.host_copy(steps.query_tower_params(self.state.params["retriever"]))
     if jax.process_index() == 0:
       publish_exact(self.workdir, source.embeddings, query, step=source.step,
                     fingerprint=fingerprint, keep=cfg.index.keep_versions)
@@ -142,6 +143,7 @@ class OpenQATrainer:
     train_log, eval_log = MetricWriter(self.workdir, "train"), MetricWriter(self.workdir, "eval")
     data_iter = self.questions.iterator(cfg.data.prefetch, self.saved_data)
     t_start, t_last, window, eval_metrics = time.time(), time.time(), [], {}
+    preemption, preempted = Preemption(cfg.train.preemption_grace_seconds, f"[{task}] "), None
     try:
       if evaluator is not None and cfg.eval.every and start == 0:
         eval_metrics = self.evaluate(evaluator, eval_log, 0)
@@ -169,16 +171,25 @@ class OpenQATrainer:
         if evaluator is not None and cfg.eval.every and done % cfg.eval.every == 0 \
             and done != total:
           eval_metrics = self.evaluate(evaluator, eval_log, done)
-        if done % cfg.train.checkpoint_every == 0 or done == total:
+        if done % cfg.train.checkpoint_every == 0 or done == total or preemption.reached(done):
           self.checkpointer.save(done, self.state, self.questions.state(data_state, done),
                                  {"step": np.asarray(frozen.step, np.int32)})
-      if evaluator is not None:
+        if preemption.reached(done):
+          self.checkpointer.wait()
+          preemption.saved(done)
+          preempted = done
+          break
+      if evaluator is not None and preempted is None:
         eval_metrics = self.evaluate(evaluator, eval_log, total)
     finally:
+      preemption.close()
       data_iter.close()
       self.checkpointer.close()
       train_log.close()
       eval_log.close()
+    if preempted is not None:   # no summary.json: the run is not over
+      return {"task": task, "preempted_at_step": preempted,
+              "wall_seconds": round(time.time() - t_start, 1)}
     summary = {"task": task, "steps": total, "wall_seconds": round(time.time() - t_start, 1),
                "params": state_lib.count_params(self.state.params),
                "train_questions": len(self.train_qa), "train_skipped": self.train_counts,

@@ -74,10 +74,34 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-  """Per-host rows -> global arrays sharded over `data` (multi-host safe)."""
+  """Per-host rows -> global arrays sharded over `data` (multi-host safe): process p's rows are
+  rows [p * b, (p + 1) * b) of the global batch (the devices of `make_mesh` are in process
+  order), as `pipeline.process_batches` builds them."""
   sharding = batch_sharding(mesh)
   return {k: jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(v))
           for k, v in local.items()}
+
+
+def process_share(full: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """This process's rows of a batch every process holds whole (the input of `global_batch`)."""
+  count, index = jax.process_count(), jax.process_index()
+  if count == 1:
+    return full
+  return {k: v[len(v) // count * index:len(v) // count * (index + 1)] for k, v in full.items()}
+
+
+def host_array(x) -> np.ndarray:
+  """The whole value of a (possibly sharded, possibly multi-host) array on this host; across
+  hosts it is a collective, so every process must call it at the same point."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+def host_copy(tree):
+  """`host_array` of every leaf."""
+  return jax.tree.map(host_array, tree)
 
 
 def local_rows(x: jax.Array) -> np.ndarray:

@@ -235,17 +235,6 @@ def query_tower_params(retriever_params: dict) -> dict:
   return {names[0]: retriever_params[names[0]]}
 
 
-def host_copy(tree):
-  """A numpy copy of (possibly sharded, possibly multi-host) arrays."""
-  from jax.experimental import multihost_utils
-
-  def one(x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
-  return jax.tree.map(one, tree)
-
-
 class QueryEncoder:
   """One snapshot's query tower on this process's devices: host `[CLS] x [SEP]` ids -> host
   embeddings. Process-local on purpose: retrieval runs in the input pipeline's thread and must
@@ -254,7 +243,7 @@ class QueryEncoder:
   def __init__(self, model: REALM, config, query_params: dict):
     self.model, self.config = model, config
     self.mesh = partitioning.make_mesh((-1, 1), jax.local_devices())
-    self.params = jax.device_put({"retriever": host_copy(query_params)},
+    self.params = jax.device_put({"retriever": partitioning.host_copy(query_params)},
                                  partitioning.replicated(self.mesh))
 
   def __call__(self, query_ids: np.ndarray) -> np.ndarray:

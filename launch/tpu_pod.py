@@ -1,0 +1,372 @@
+"""The trainer and the index builder on two Cloud TPU VM slices that share a gs:// workdir.
+
+  python launch/tpu_pod.py up --name realm --zone us-central2-b --project my-project \
+      --config configs/realm_base.py --workdir gs://my-bucket/realm/realm \
+      --set data.dir=gs://my-bucket/realm/data --set retrieval.refresh=async [--dry-run]
+
+Slices `NAME-trainer` (--trainer_type, default v4-32) and `NAME-builder` (--builder_type,
+default v4-8; `none` for a config without the separate index builder). Actions:
+  create   describe each slice; create it only if there is none (a slice is reused)
+  install  build this repository's wheel, copy it and configs/ to every worker, install it with
+           its [tpu] extra into ~/realm_env and mount every bucket the run names at /gcs/BUCKET
+  start    `realm-train ... --multihost=auto` on every trainer worker and `realm-index ...` on
+           every builder worker, nohup'd, output to ~/realm_logs/{trainer,builder}.log
+  tail     follow worker 0's log of --job (trainer or builder)
+  stop     SIGTERM both jobs on every worker (the trainer saves a checkpoint), wait --grace s
+  delete   delete both slices
+  up       create, install, start
+Both jobs get the same config, `--set KEY=VALUE` overrides (as `--config.KEY=VALUE`) and workdir;
+every gs://BUCKET/PATH becomes /gcs/BUCKET/PATH, where gcsfuse mounts the bucket on each worker.
+`--dry-run` prints each command, shell-quoted, one per line, and runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+from realm_jax.errors import ConfigError, run_cli
+from realm_jax.train.config_base import load_config, validate
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)    # launch/ holds scripts, not a package: import the sibling by name
+from sweep import check_key, flat_fields, parse_assignment, typed_value  # noqa: E402
+
+PROG = "tpu_pod.py"
+REPO = os.path.dirname(HERE)
+ACTIONS = ("create", "install", "start", "tail", "stop", "delete", "up")
+JOBS = ("trainer", "builder")
+ENTRY = {"trainer": "realm-train", "builder": "realm-index"}
+MOUNT_ROOT = "/gcs"
+PATH_FIELDS = ("data.dir", "init.from_workdir", "init.hf_bert")   # read on the machines
+GRACE_SECONDS = 120         # after SIGTERM: the trainer saves a checkpoint before it exits
+PYTHON = "python3.11"       # the package needs 3.11+; Ubuntu 22.04's python3 is 3.10
+ENV_BIN = "$HOME/realm_env/bin"
+LOGS = "$HOME/realm_logs"
+LIBTPU_RELEASES = "https://storage.googleapis.com/jax-releases/libtpu_releases.html"
+SCOPES = "https://www.googleapis.com/auth/cloud-platform"   # gcsfuse writes the bucket
+# Slice sizes as GKE names their topologies; chips -> topology.
+_TOPOLOGY_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
+                256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_TOPOLOGY_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
+                256: "16x16"}
+# family -> (GKE accelerator, number in the name counts TensorCores (2 per chip) or chips)
+_FAMILIES = {"v4": ("tpu-v4-podslice", 2), "v5p": ("tpu-v5p-slice", 2),
+             "v5litepod": ("tpu-v5-lite-podslice", 1), "v6e": ("tpu-v6e-slice", 1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+  """A TPU slice: how many hosts (one process of a job each) and chips it has."""
+
+  accelerator_type: str     # "v4-32"
+  hosts: int                # TPU VM workers = pods of a GKE Job
+  chips_per_host: int       # google.com/tpu of each pod
+  gke_accelerator: str      # node label cloud.google.com/gke-tpu-accelerator
+  topology: str             # node label cloud.google.com/gke-tpu-topology
+
+
+def tpu_slice(accelerator_type: str, flag: str) -> Slice:
+  """`v4-32` -> Slice(hosts=4, chips_per_host=4, ...); a ConfigError naming `flag` otherwise."""
+  m = re.fullmatch(r"(v4|v5p|v5litepod|v6e)-(\d+)", accelerator_type)
+  if m:
+    gke, per_chip = _FAMILIES[m.group(1)]
+    chips = int(m.group(2)) // per_chip
+    table = _TOPOLOGY_3D if per_chip == 2 else _TOPOLOGY_2D
+    if int(m.group(2)) % per_chip == 0 and chips in table:
+      per_host = chips if per_chip == 1 and chips <= 8 else min(chips, 4)
+      return Slice(accelerator_type, chips // per_host, per_host, gke, table[chips])
+  known = [f"{f}-{c * n}" for f, (_, n) in _FAMILIES.items()
+           for c in (_TOPOLOGY_3D if n == 2 else _TOPOLOGY_2D)]
+  raise ConfigError("", f"{flag} {accelerator_type!r}: not a TPU slice type; one of "
+                    f"{', '.join(known)} (v4/v5p count TensorCores, v5litepod/v6e chips)")
+
+
+def check_name(name: str, flag: str, max_len: int) -> None:
+  if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) or len(name) > max_len:
+    raise ConfigError("", f"{flag} {name!r}: lowercase letters, digits and '-', starting with a "
+                      f"letter, at most {max_len} characters")
+
+
+def gcs_bucket(url: str, flag: str) -> tuple[str, str]:
+  """`gs://B/p/q` -> ("B", "/gcs/B/p/q"), where gcsfuse mounts it on every machine."""
+  m = re.fullmatch(r"gs://([a-z0-9][-a-z0-9_.]{1,220}[a-z0-9])/+(.*[^/])/*", url)
+  if not m:
+    raise ConfigError("", f"{flag} {url!r}: must be gs://BUCKET/PATH (the bucket is mounted "
+                      f"with gcsfuse at {MOUNT_ROOT}/BUCKET on every machine)")
+  return m.group(1), f"{MOUNT_ROOT}/{m.group(1)}/{m.group(2)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What both jobs run, as the machines name it."""
+
+  config: str               # configs/X.py[:arg], relative to the job's working directory
+  workdir: str              # /gcs/BUCKET/PATH
+  overrides: tuple          # --config.KEY=VALUE tokens, gs:// values as mounted paths
+  buckets: tuple            # every bucket the jobs read or write, the workdir's first
+  builder: bool             # the config needs the separate index builder (realm-index)
+
+
+def plan_run(config_spec: str, workdir: str, sets: list[str]) -> Plan:
+  """Checks the config, its overrides and the workdir before any machine is touched.
+
+  Args:
+    config_spec: `configs/X.py[:arg]`, a file in this repository's configs/.
+    workdir: gs://BUCKET/PATH, the run directory both jobs share.
+    sets: `KEY=VALUE` config overrides, applied to both jobs.
+  Returns:
+    The Plan. Raises ConfigError naming the bad flag or config field.
+  """
+  bucket, mounted = gcs_bucket(workdir, "--workdir")
+  path, _, arg = config_spec.partition(":")
+  if not os.path.isfile(path):
+    raise ConfigError("", f"--config {config_spec!r}: no such file {path!r}")
+  if os.path.dirname(os.path.abspath(path)) != os.path.join(REPO, "configs"):
+    raise ConfigError("", f"--config {config_spec!r}: the machines get this repository's "
+                      f"configs/ directory; put the file in {os.path.join(REPO, 'configs')}")
+  try:
+    config = load_config(config_spec)
+  except Exception as e:     # a config module's own error, named with the flag that chose it
+    raise ConfigError("", f"--config {config_spec!r}: {type(e).__name__}: {e}") from None
+  fields = flat_fields(config)
+  given = {}
+  for text in sets:
+    key, value = parse_assignment(text, "--set")
+    check_key(key, fields, "--set")
+    config.update_from_flattened_dict({key: typed_value(value, fields[key], key)})
+    given[key] = value
+  validate(config)
+  buckets, overrides = [bucket], []
+  final = flat_fields(config)
+  for key in [*given, *(k for k in final if k not in given)]:
+    value = given.get(key, final[key])
+    if isinstance(value, str) and value.startswith("gs://"):
+      where, value = gcs_bucket(value, f"config.{key}")
+      buckets += [where] if where not in buckets else []
+    elif key in PATH_FIELDS and (value or key == "data.dir"):
+      where = f"{value!r} is not in a bucket, so the machines cannot read it" if value else \
+          "is empty (the prepared data dir)"
+      raise ConfigError(key, f"{where}: give --set {key}=gs://BUCKET/PATH")
+    elif key not in given:
+      continue
+    overrides.append(f"--config.{key}={value}")
+  builder = config.task == "realm" and config.retrieval.refresh != "in_process"
+  remote = "configs/" + os.path.basename(path) + (f":{arg}" if arg else "")
+  return Plan(remote, mounted, tuple(overrides), tuple(buckets), builder)
+
+
+def check_builder(plan: Plan, builder_type: str) -> None:
+  """The builder slice exists exactly when the config has the trainer wait for its index."""
+  if plan.builder and builder_type == "none":
+    raise ConfigError("", "--builder_type none: the config's retrieval.refresh is async or "
+                      "deterministic, so the trainer waits for index versions from realm-index")
+  if not plan.builder and builder_type != "none":
+    raise ConfigError("", f"--builder_type {builder_type}: the config does not use the separate "
+                      "index builder (task other than realm, or retrieval.refresh in_process); "
+                      "give --builder_type none, or --set retrieval.refresh=async")
+
+
+def job_argv(plan: Plan, job: str) -> list[str]:
+  """The command of every process of `job`: one per host, JAX finds the others (auto)."""
+  return [ENTRY[job], "--config", plan.config, "--workdir", plan.workdir, "--multihost=auto",
+          *plan.overrides]
+
+
+def wheel_name() -> str:
+  with open(os.path.join(REPO, "setup.py")) as f:
+    version = re.search(r'version="([^"]+)"', f.read()).group(1)
+  return f"realm_jax-{version}-py3-none-any.whl"
+
+
+def install_script(plan: Plan) -> str:
+  """Python 3.11, gcsfuse, ~/realm_env with the wheel's [tpu] extra, every bucket mounted."""
+  wheel = f"$HOME/{wheel_name()}"
+  gcsfuse_repo = ('echo "deb [signed-by=/usr/share/keyrings/cloud.google.asc] '
+                  'https://packages.cloud.google.com/apt gcsfuse-$(lsb_release -cs) main" '
+                  "| sudo tee /etc/apt/sources.list.d/gcsfuse.list > /dev/null")
+  key = ("curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg "
+         "| sudo tee /usr/share/keyrings/cloud.google.asc > /dev/null")
+  steps = [
+      "set -e", "sudo apt-get update -qq", f"sudo apt-get install -y -qq {PYTHON} {PYTHON}-venv",
+      f"if ! command -v gcsfuse > /dev/null; then {gcsfuse_repo}; {key}; "
+      "sudo apt-get update -qq; sudo apt-get install -y -qq gcsfuse; fi",
+      f"{PYTHON} -m venv $HOME/realm_env", f"{ENV_BIN}/pip install -q -U pip",
+      f'{ENV_BIN}/pip install -q "{wheel}[tpu]" -f {LIBTPU_RELEASES}',
+      f'{ENV_BIN}/pip install -q --no-deps --force-reinstall "{wheel}"']   # same version, new code
+  for bucket in plan.buckets:
+    mount = f"{MOUNT_ROOT}/{bucket}"
+    steps.append(f"if ! mountpoint -q {mount}; then sudo mkdir -p {mount}; "
+                 f'sudo chown "$USER" {mount}; gcsfuse --implicit-dirs {bucket} {mount}; fi')
+  return "; ".join(steps)
+
+
+def start_script(plan: Plan, job: str) -> str:
+  """Starts `job` in the background unless it runs already; its pid in ~/realm_logs/JOB.pid."""
+  log, pid = f"{LOGS}/{job}.log", f"{LOGS}/{job}.pid"
+  steps = [f'mountpoint -q {MOUNT_ROOT}/{b} || {{ echo "{MOUNT_ROOT}/{b} is not mounted: run '
+           f'{PROG} install" >&2; exit 1; }}' for b in plan.buckets]
+  steps += ["cd $HOME", f"mkdir -p {LOGS}",
+            f'if [ -f {pid} ] && kill -0 "$(cat {pid})" 2> /dev/null; then echo "{job} is '
+            f'already running (pid $(cat {pid}))" >&2; exit 1; fi',
+            f'echo "# {PROG} start $(date -u +%FT%TZ)" >> {log}',
+            f"nohup {ENV_BIN}/{shlex.join(job_argv(plan, job))} >> {log} 2>&1 < /dev/null & "
+            f"echo $! > {pid}"]
+  return "; ".join(steps)
+
+
+def stop_script(job: str, grace: int) -> str:
+  """SIGTERM to `job` (never SIGKILL); waits up to `grace` s for it to exit, else fails."""
+  return (f'p=$(cat {LOGS}/{job}.pid 2> /dev/null || true); '
+          f'if [ -n "$p" ] && kill -0 "$p" 2> /dev/null; then kill -TERM "$p"; '
+          f'for i in $(seq {grace}); do kill -0 "$p" 2> /dev/null || break; sleep 1; done; '
+          f'if kill -0 "$p" 2> /dev/null; then echo "{job}: still running {grace} s after '
+          f'SIGTERM (pid $p)" >&2; exit 1; fi; echo "{job}: stopped (SIGTERM)"; '
+          f'else echo "{job}: not running"; fi')
+
+
+class CommandFailed(RuntimeError):
+  """A command this script ran exited non-zero."""
+
+
+class Pod:
+  """One method per action; `_call` prints each command (--dry-run) or runs it."""
+
+  def __init__(self, args: argparse.Namespace):
+    self.args = args
+    check_name(args.name, "--name", 40)
+    self.slices = {job: tpu_slice(getattr(args, f"{job}_type"), f"--{job}_type")
+                   for job in JOBS if getattr(args, f"{job}_type") != "none"}
+    self.names = {job: f"{args.name}-{job}" for job in self.slices}
+    self.plan = None
+    if args.action in ("create", "install", "start", "up"):
+      if not args.config or not args.workdir:
+        raise ConfigError("", f"{args.action}: --config and --workdir are required")
+      self.plan = plan_run(args.config, args.workdir, args.set)
+      check_builder(self.plan, args.builder_type)
+
+  def gcloud(self, verb: str, targets: list[str], *flags: str) -> list[str]:
+    return ["gcloud", "compute", "tpus", "tpu-vm", verb, *targets, "--zone", self.args.zone,
+            "--project", self.args.project, *flags]
+
+  def ssh(self, job: str, command: str, worker: str = "all") -> list[str]:
+    return self.gcloud("ssh", [self.names[job]], f"--worker={worker}", "--command", command)
+
+  def create(self) -> None:
+    for job, tpu in self.slices.items():
+      describe = self.gcloud("describe", [self.names[job]], "--format", "value(state)")
+      create = self.gcloud("create", [self.names[job]],
+                           f"--accelerator-type={tpu.accelerator_type}",
+                           f"--version={self.args.runtime_version}", f"--scopes={SCOPES}",
+                           *(["--spot"] if self.args.spot else []))
+      if self.args.dry_run:
+        print(shlex.join(describe))
+        print(shlex.join(create) + "  # only if the describe finds no such TPU")
+        continue
+      found = self._call(describe, capture=True)
+      if found.returncode == 0:
+        state = found.stdout.strip()
+        if state in ("PREEMPTED", "TERMINATED"):
+          raise CommandFailed(f"{self.names[job]} is {state}: run `{PROG} delete` and create "
+                              "it again (a spot or preempted TPU cannot be restarted)")
+        print(f"{PROG}: {self.names[job]} exists ({state}): reusing it", flush=True)
+      elif "NOT_FOUND" in found.stderr or "not found" in found.stderr.lower():
+        self._call(create)
+      else:
+        raise CommandFailed(f"exit code {found.returncode}: {shlex.join(describe)}\n"
+                            f"{found.stderr.strip()}")
+
+  def install(self) -> None:
+    wheel_dir = os.path.join(REPO, "build", "tpu_pod")
+    self._call([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                "-w", wheel_dir, REPO])
+    for job in self.slices:
+      files = [os.path.join(wheel_dir, wheel_name()), os.path.join(REPO, "configs")]
+      self._call(self.gcloud("scp", [*files, f"{self.names[job]}:~/"], "--worker=all",
+                             "--recurse"))
+      self._call(self.ssh(job, install_script(self.plan)))
+
+  def start(self) -> None:
+    for job in self.slices:
+      self._call(self.ssh(job, start_script(self.plan, job)))
+
+  def tail(self) -> None:
+    if self.args.job not in self.slices:
+      raise ConfigError("", f"--job {self.args.job}: no such slice (--builder_type none)")
+    self._call(self.ssh(self.args.job, f"tail -n 100 -F {LOGS}/{self.args.job}.log", "0"))
+
+  def stop(self) -> None:
+    for job in self.slices:
+      self._call(self.ssh(job, stop_script(job, self.args.grace)))
+
+  def delete(self) -> None:
+    for job in self.slices:
+      self._call(self.gcloud("delete", [self.names[job]], "--quiet"))
+
+  def up(self) -> None:
+    self.create()
+    self.install()
+    self.start()
+
+  def _call(self, argv: list[str], capture: bool = False) -> subprocess.CompletedProcess | None:
+    """Prints `argv` (--dry-run) or runs it; a non-zero exit raises CommandFailed naming it."""
+    line = shlex.join(argv)
+    if self.args.dry_run:
+      print(line, flush=True)
+      return None
+    if shutil.which(argv[0]) is None:
+      raise CommandFailed(f"{argv[0]} is not installed (https://cloud.google.com/sdk/docs/"
+                          "install); --dry-run prints the commands without running them")
+    print(f"+ {line}", flush=True)
+    result = subprocess.run(argv, capture_output=capture, text=True, check=False)
+    if result.returncode != 0 and not capture:
+      raise CommandFailed(f"exit code {result.returncode}: {line}")
+    return result
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog="\n".join(__doc__.splitlines()[1:]),
+                                   allow_abbrev=False)
+  parser.add_argument("action", choices=ACTIONS)
+  parser.add_argument("--name", required=True, help="slices NAME-trainer and NAME-builder")
+  parser.add_argument("--zone", required=True, help="e.g. us-central2-b (v4)")
+  parser.add_argument("--project", required=True, help="Google Cloud project id")
+  parser.add_argument("--trainer_type", default="v4-32", help="the trainer's slice")
+  parser.add_argument("--builder_type", default="v4-8",
+                      help="the index builder's slice; none: no builder (in_process refresh)")
+  parser.add_argument("--runtime_version", default="tpu-ubuntu2204-base", help="TPU VM image")
+  parser.add_argument("--spot", action="store_true", help="create spot slices")
+  parser.add_argument("--config", default="", help="configs/X.py[:arg]")
+  parser.add_argument("--workdir", default="", help="gs://BUCKET/PATH shared by both jobs")
+  parser.add_argument("--set", action="append", default=[], help="KEY=VALUE config override "
+                      "for both jobs (repeat); gs:// values become /gcs/ paths")
+  parser.add_argument("--job", choices=JOBS, default="trainer", help="tail: whose log")
+  parser.add_argument("--grace", type=int, default=GRACE_SECONDS,
+                      help="stop: seconds a job gets to exit after SIGTERM")
+  parser.add_argument("--dry-run", action="store_true", help="print the commands, run none")
+  return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+  """`python launch/tpu_pod.py ACTION --name N --zone Z --project P [...] [--dry-run]`."""
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  try:
+    run_cli(PROG, lambda: getattr(Pod(args), args.action)())
+  except CommandFailed as e:
+    print(f"{PROG}: error: {e}", file=sys.stderr)
+    return 1
+  except KeyboardInterrupt:
+    return 130
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

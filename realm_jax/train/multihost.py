@@ -1,0 +1,197 @@
+"""Multi-host start-up: one guarded `jax.distributed.initialize`, and barriers with timeouts.
+
+Every entry point that runs on a pod (realm-train, realm-index) calls `initialize_from_flags()`
+before touching a device. One switch, `--multihost`:
+  off   one process (the default off a TPU pod);
+  on    explicit topology: --coordinator_address / --num_processes / --process_id, each of which
+        may come from REALM_COORDINATOR_ADDRESS / REALM_NUM_PROCESSES / REALM_PROCESS_ID;
+  auto  (default) `on` when a coordinator is given by flag or environment; else JAX's own
+        cluster detection when it finds a cluster (TPU VM slice, GKE TPU pod, SLURM, Open MPI);
+        else `off`.
+
+Failures are never swallowed. A coordinator that does not accept connections within
+--init_timeout is an error naming its address. Once connected, a process that stops sending
+heartbeats for --heartbeat_timeout seconds makes JAX abort every other process with "The
+following tasks are unhealthy (stopped sending heartbeats): N" (N = the lost process id), or,
+when the lost one is the coordinator (process 0), with "the leader task was preempted/died".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from typing import Callable, Mapping
+
+from absl import flags
+
+from realm_jax.errors import ConfigError
+
+ENV = {"coordinator_address": "REALM_COORDINATOR_ADDRESS", "num_processes": "REALM_NUM_PROCESSES",
+       "process_id": "REALM_PROCESS_ID"}
+
+_MODE = flags.DEFINE_enum("multihost", "auto", ["auto", "on", "off"],
+                          "Multi-process start-up: auto | on (explicit topology) | off.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0 (env REALM_COORDINATOR_ADDRESS).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
+                                      "Number of processes (env REALM_NUM_PROCESSES).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None,
+                                   "This process's id in [0, num_processes) (env REALM_PROCESS_ID).")
+_INIT_TIMEOUT = flags.DEFINE_integer("init_timeout", 300, "Seconds to wait for the coordinator "
+                                     "and every process to connect.")
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer("heartbeat_timeout", 100, "Seconds without heartbeats "
+                                          "after which a process counts as lost.")
+
+_initialized: Topology | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """How this process joins the job (`coordinator_address` None: JAX's cluster detection)."""
+
+  coordinator_address: str | None
+  num_processes: int | None
+  process_id: int | None
+  init_timeout: int
+  heartbeat_timeout: int
+  cluster: str | None = None   # what JAX's detection found, when it supplies the topology
+
+
+def detected_cluster() -> str | None:
+  """The cluster JAX's own detection finds (a TPU VM slice via its metadata server, GKE TPU,
+  SLURM, Open MPI, Kubernetes), or None. Imports jax but initialises no backend."""
+  from jax._src import clusters
+  for env in clusters.ClusterEnv._cluster_types:
+    if not env.opt_in_only_method and env.is_env_present():
+      return env.__name__
+  return None
+
+
+def resolve(mode: str = "auto", coordinator_address: str | None = None,
+            num_processes: int | None = None, process_id: int | None = None,
+            init_timeout: int = 300, heartbeat_timeout: int = 100,
+            environ: Mapping[str, str] | None = None,
+            detect: Callable[[], str | None] = detected_cluster) -> Topology | None:
+  """The topology from flags (first) or environment; None for a single process.
+
+  Raises ConfigError naming the flag (or variable) that is missing or out of range.
+  """
+  environ = os.environ if environ is None else environ
+  given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
+           "process_id": process_id}
+  source = {k: f"--{k}" for k in given}
+  for key, var in ENV.items():
+    if given[key] is None and environ.get(var, "") != "":
+      given[key], source[key] = environ[var], var
+  if mode not in ("auto", "on", "off"):
+    raise ConfigError("", f"--multihost={mode!r}: expected auto | on | off")
+  if mode == "off":
+    return None
+  for key, seconds in (("init_timeout", init_timeout), ("heartbeat_timeout", heartbeat_timeout)):
+    if int(seconds) <= 0:
+      raise ConfigError("", f"--{key}={seconds} must be a positive number of seconds")
+  explicit = given["coordinator_address"] is not None
+  if mode == "auto" and not explicit:
+    cluster = detect()
+    if cluster is None:
+      return None
+    return Topology(None, None, None, int(init_timeout), int(heartbeat_timeout), cluster)
+  missing = [f"--{k} (or {ENV[k]})" for k, v in given.items() if v is None]
+  if missing:
+    raise ConfigError("", "--multihost=on needs " + ", ".join(missing))
+  address = str(given["coordinator_address"])
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit():
+    raise ConfigError("", f"{source['coordinator_address']}={address!r}: expected host:port")
+  values = {}
+  for key in ("num_processes", "process_id"):
+    try:
+      values[key] = int(given[key])
+    except ValueError:
+      raise ConfigError("", f"{source[key]}={given[key]!r} is not an integer") from None
+  if values["num_processes"] < 1:
+    raise ConfigError("", f"{source['num_processes']}={values['num_processes']} must be >= 1")
+  if not 0 <= values["process_id"] < values["num_processes"]:
+    raise ConfigError("", f"{source['process_id']}={values['process_id']} is out of range: "
+                      f"process ids run from 0 to {values['num_processes'] - 1} "
+                      f"({source['num_processes']}={values['num_processes']})")
+  return Topology(address, values["num_processes"], values["process_id"], int(init_timeout),
+                  int(heartbeat_timeout))
+
+
+def _wait_for_coordinator(address: str, timeout: float) -> None:
+  """Until `address` accepts a TCP connection; ConnectionError naming it after `timeout`."""
+  host, _, port = address.rpartition(":")
+  deadline, last_error = time.time() + timeout, None
+  while time.time() < deadline:
+    try:
+      with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+        return
+    except OSError as e:
+      last_error = e
+      time.sleep(0.5)
+  raise ConnectionError(f"the coordinator {address} did not answer within {timeout:g}s "
+                        f"(--init_timeout; last error: {last_error}). Is process 0 running with "
+                        "--coordinator_address pointing at it?")
+
+
+def initialize(topology: Topology | None) -> None:
+  """Joins the job once. A second call with the same topology is a no-op; a different one is an
+  error (JAX can join only one job per process)."""
+  global _initialized
+  if topology is None:
+    return
+  if _initialized is not None:
+    if _initialized != topology:
+      raise RuntimeError(f"jax.distributed is already initialized as {_initialized}, "
+                         f"not {topology}")
+    return
+  import jax
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")   # CPU processes: gloo
+  if topology.coordinator_address is None:
+    print(f"[multihost] joining the {topology.cluster} job (JAX's cluster detection, timeout "
+          f"{topology.init_timeout}s, heartbeat timeout {topology.heartbeat_timeout}s)",
+          flush=True)
+    jax.distributed.initialize(initialization_timeout=topology.init_timeout,
+                               heartbeat_timeout_seconds=topology.heartbeat_timeout)
+  else:
+    print(f"[multihost] process {topology.process_id} of {topology.num_processes}: connecting "
+          f"to the coordinator {topology.coordinator_address} (timeout "
+          f"{topology.init_timeout}s, heartbeat timeout {topology.heartbeat_timeout}s)",
+          flush=True)
+    if topology.process_id != 0:
+      # JAX aborts the process (no exception, no address) when the coordinator never answers.
+      _wait_for_coordinator(topology.coordinator_address, topology.init_timeout)
+    jax.distributed.initialize(topology.coordinator_address, topology.num_processes,
+                               topology.process_id,
+                               initialization_timeout=topology.init_timeout,
+                               heartbeat_timeout_seconds=topology.heartbeat_timeout,
+                               shutdown_timeout_seconds=topology.heartbeat_timeout)
+  _initialized = topology
+  print(f"[multihost] process {jax.process_index()} of {jax.process_count()}: "
+        f"{jax.local_device_count()} local / {jax.device_count()} global devices", flush=True)
+
+
+def initialize_from_flags() -> Topology | None:
+  """`initialize(resolve(<the --multihost flags>))`; returns the topology (None: one process)."""
+  topology = resolve(_MODE.value, _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                     _INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value)
+  initialize(topology)
+  return topology
+
+
+def barrier_timeout() -> int:
+  """Seconds any cross-process wait may take (the heartbeat timeout of the job)."""
+  return _initialized.heartbeat_timeout if _initialized is not None else 300
+
+
+def barrier(name: str, timeout: float | None = None) -> None:
+  """Waits until every process reaches barrier `name`; an error after `timeout` seconds."""
+  import jax
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed
+  timeout = barrier_timeout() if timeout is None else timeout
+  distributed.global_state.client.wait_at_barrier(name, int(timeout * 1000))

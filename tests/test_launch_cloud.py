@@ -1,0 +1,366 @@
+"""Cloud launchers: `launch/tpu_pod.py`, `launch/gke/render.py`, `sweep.py --launcher tpu_pod`.
+
+No cloud, gcloud or kubectl is needed: the dry-run commands are checked line by line, the remote
+start/stop scripts run in a local bash against a stand-in job, and a stand-in `gcloud` on PATH
+records what the real runs call.
+"""
+
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from tests.helpers import CONFIGS, REPO
+
+LAUNCH = os.path.join(REPO, "launch")
+REALM_BASE = os.path.join(CONFIGS, "realm_base.py")
+G = "gcloud compute tpus tpu-vm"
+WHERE = ["--zone", "us-central2-b", "--project", "my-project"]
+Z = " ".join(WHERE)
+SLICES = ["--name", "realm", *WHERE]
+RUN = ["--config", REALM_BASE, "--workdir", "gs://my-bucket/realm/realm",
+       "--set", "data.dir=gs://my-bucket/realm/data", "--set", "retrieval.refresh=async"]
+JOB_FLAGS = ("--config configs/realm_base.py --workdir /gcs/my-bucket/realm/realm "
+             "--multihost=auto --config.data.dir=/gcs/my-bucket/realm/data "
+             "--config.retrieval.refresh=async")
+WHEEL = os.path.join(REPO, "build", "tpu_pod", "realm_jax-0.1.0-py3-none-any.whl")
+
+
+def _load(name: str, path: str):
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module             # dataclasses look their module up there
+  spec.loader.exec_module(module)
+  return module
+
+
+tpu_pod = _load("_test_tpu_pod", os.path.join(LAUNCH, "tpu_pod.py"))
+render = _load("_test_gke_render", os.path.join(LAUNCH, "gke", "render.py"))
+sweep = _load("_test_sweep_cloud", os.path.join(LAUNCH, "sweep.py"))
+
+
+def _dry_run(capsys, *argv: str) -> list[str]:
+  assert tpu_pod.main([*argv, "--dry-run"]) == 0
+  return capsys.readouterr().out.splitlines()
+
+
+def _remote_script(line: str, name: str, worker: str = "all") -> str:
+  """The --command of a `gcloud ... ssh NAME` line, after checking the rest of the line."""
+  argv = shlex.split(line)
+  assert argv[:12] == [*G.split(), "ssh", name, *WHERE, f"--worker={worker}", "--command"]
+  assert len(argv) == 13
+  return argv[12]
+
+
+def test_up_dry_run_prints_create_install_and_start_for_both_slices(capsys):
+  lines = _dry_run(capsys, "up", *SLICES, *RUN)
+  create = ("--version=tpu-ubuntu2204-base --scopes=https://www.googleapis.com/auth/cloud-platform"
+            "  # only if the describe finds no such TPU")
+  assert lines[:4] == [
+      f"{G} describe realm-trainer {Z} --format 'value(state)'",
+      f"{G} create realm-trainer {Z} --accelerator-type=v4-32 {create}",
+      f"{G} describe realm-builder {Z} --format 'value(state)'",
+      f"{G} create realm-builder {Z} --accelerator-type=v4-8 {create}"]
+  assert lines[4] == shlex.join([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                                 "--no-build-isolation", "-q", "-w", os.path.dirname(WHEEL), REPO])
+  for i, name in ((5, "realm-trainer"), (7, "realm-builder")):
+    assert lines[i] == (f"{G} scp {WHEEL} {CONFIGS} '{name}:~/' {Z} --worker=all --recurse")
+    install = _remote_script(lines[i + 1], name)
+    assert "python3.11 -m venv $HOME/realm_env" in install
+    assert '"$HOME/realm_jax-0.1.0-py3-none-any.whl[tpu]"' in install
+    assert "gcsfuse --implicit-dirs my-bucket /gcs/my-bucket" in install
+  trainer = _remote_script(lines[9], "realm-trainer")
+  builder = _remote_script(lines[10], "realm-builder")
+  assert (f"nohup $HOME/realm_env/bin/realm-train {JOB_FLAGS} >> $HOME/realm_logs/trainer.log "
+          "2>&1 < /dev/null & echo $! > $HOME/realm_logs/trainer.pid") in trainer
+  assert (f"nohup $HOME/realm_env/bin/realm-index {JOB_FLAGS} >> $HOME/realm_logs/builder.log "
+          "2>&1 < /dev/null & echo $! > $HOME/realm_logs/builder.pid") in builder
+  assert len(lines) == 11
+  for line in lines:       # every line is one shell command, and every remote script parses
+    argv = shlex.split(line, comments=True)
+    if "--command" in argv:
+      script = argv[argv.index("--command") + 1]
+      assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0, script
+
+
+def test_stop_sends_sigterm_tail_follows_worker_0_and_delete_is_quiet(capsys):
+  stop = _dry_run(capsys, "stop", *SLICES)
+  assert len(stop) == 2
+  for line, job in zip(stop, ("trainer", "builder")):
+    script = _remote_script(line, f"realm-{job}")
+    assert f"p=$(cat $HOME/realm_logs/{job}.pid" in script
+    assert 'kill -TERM "$p"' in script and "KILL" not in script and "-9" not in script
+  assert _dry_run(capsys, "delete", *SLICES) == [
+      f"{G} delete realm-trainer {Z} --quiet", f"{G} delete realm-builder {Z} --quiet"]
+  tail = _dry_run(capsys, "tail", *SLICES, "--job", "builder")
+  assert _remote_script(tail[0], "realm-builder", "0") == \
+      "tail -n 100 -F $HOME/realm_logs/builder.log"
+  # a trainer-only run (the trainer builds its own index) has one slice
+  assert _dry_run(capsys, "delete", *SLICES, "--builder_type", "none") == [
+      f"{G} delete realm-trainer {Z} --quiet"]
+
+
+def test_start_and_stop_scripts_run_the_job_in_the_background_and_sigterm_it(tmp_path):
+  """The remote scripts in a local bash: a stand-in job records its argv and its SIGTERM."""
+  plan = tpu_pod.plan_run(REALM_BASE, "gs://my-bucket/realm/realm",
+                          ["data.dir=gs://my-bucket/realm/data", "retrieval.refresh=async"])
+  bin_dir, home = tmp_path / "bin", tmp_path / "home"
+  (home / "realm_env" / "bin").mkdir(parents=True)
+  bin_dir.mkdir()
+  job = home / "realm_env" / "bin" / "realm-train"
+  job.write_text(textwrap.dedent("""\
+      #!/bin/bash
+      trap 'echo "got SIGTERM"; exit 0' TERM
+      echo "args: $*"
+      while true; do sleep 0.1; done
+      """))
+  (bin_dir / "mountpoint").write_text("#!/bin/sh\nexit 0\n")    # the bucket "is mounted"
+  for path in (job, bin_dir / "mountpoint"):
+    path.chmod(0o755)
+  env = dict(os.environ, HOME=str(home), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+  def bash(script):
+    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=30)
+
+  pid_file, log = home / "realm_logs" / "trainer.pid", home / "realm_logs" / "trainer.log"
+  assert bash(tpu_pod.start_script(plan, "trainer")).returncode == 0
+  pid = int(pid_file.read_text())
+  try:
+    os.kill(pid, 0)                                       # running, after the ssh returned
+    again = bash(tpu_pod.start_script(plan, "trainer"))
+    assert again.returncode == 1 and f"trainer is already running (pid {pid})" in again.stderr
+    stopped = bash(tpu_pod.stop_script("trainer", 10))
+    assert stopped.returncode == 0 and "trainer: stopped (SIGTERM)" in stopped.stdout
+    with pytest.raises(ProcessLookupError):
+      os.kill(pid, 0)
+  finally:
+    if pid_file.exists():
+      try:
+        os.kill(pid, signal.SIGKILL)                      # our own stand-in, if a check failed
+      except ProcessLookupError:
+        pass
+  text = log.read_text()
+  assert f"args: {JOB_FLAGS}" in text and text.rstrip().endswith("got SIGTERM")
+  assert bash(tpu_pod.stop_script("trainer", 10)).stdout.strip() == "trainer: not running"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--workdir": "runs/realm"}, "--workdir 'runs/realm': must be gs://BUCKET/PATH"),
+    ({"--workdir": "gs://my-bucket"}, "--workdir 'gs://my-bucket': must be gs://BUCKET/PATH"),
+    ({"--config": "configs/nope.py"}, "--config 'configs/nope.py': no such file"),
+    ({"--config": REALM_BASE + ":huge"}, "unknown variant 'huge'"),
+    ({"--trainer_type": "v4-30"}, "--trainer_type 'v4-30': not a TPU slice type; one of v4-8, "),
+    ({"--builder_type": "v9-8"}, "--builder_type 'v9-8': not a TPU slice type"),
+    ({"--name": "Realm_1"}, "--name 'Realm_1': lowercase letters"),
+    ({"--set": "train.lrr=1e-3"}, "'train.lrr' is not a field of the config; the closest is "
+                                  "'train.lr'"),
+    ({"--set": "train.steps=1.5"}, "config.train.steps: '1.5' is not an integer"),
+    ({"--set": "data.dir=/data/realm"}, "config.data.dir: '/data/realm' is not in a bucket, so "
+                                        "the machines cannot read it: give --set data.dir=gs://"),
+    ({"--set": "retrieval.refresh=in_process"}, "--builder_type v4-8: the config does not use "
+                                                "the separate index builder"),
+])
+def test_bad_inputs_name_the_flag(change, message, capsys):
+  argv = ["start", *SLICES, *RUN]
+  for flag, value in change.items():
+    if flag in argv and flag != "--set":
+      argv[argv.index(flag) + 1] = value
+    else:
+      argv += [flag, value]
+  with pytest.raises(SystemExit) as exit_:
+    tpu_pod.main([*argv, "--dry-run"])
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("tpu_pod.py: error: ") and message in err, err
+
+
+def test_missing_data_dir_and_a_config_outside_configs_are_refused(capsys, tmp_path):
+  outside = tmp_path / "mine.py"
+  outside.write_text("from realm_jax.train.config_base import base_config\n"
+                     "def get_config(arg=None):\n  return base_config()\n")
+  for argv, message in (
+      (["--config", REALM_BASE, "--workdir", "gs://my-bucket/run"], "config.data.dir: is empty"),
+      (["--config", str(outside), "--workdir", "gs://my-bucket/run"], "put the file in"),
+      (["--workdir", "gs://my-bucket/run"], "start: --config and --workdir are required")):
+    with pytest.raises(SystemExit):
+      tpu_pod.main(["start", *SLICES, *argv, "--dry-run"])
+    assert message in capsys.readouterr().err
+
+
+def test_slice_shapes():
+  def shape(accelerator_type):
+    s = tpu_pod.tpu_slice(accelerator_type, "--trainer_type")
+    return s.hosts, s.chips_per_host, s.gke_accelerator, s.topology
+
+  assert shape("v4-32") == (4, 4, "tpu-v4-podslice", "2x2x4")
+  assert shape("v4-8") == (1, 4, "tpu-v4-podslice", "2x2x1")
+  assert shape("v4-128") == (16, 4, "tpu-v4-podslice", "4x4x4")
+  assert shape("v5p-64") == (8, 4, "tpu-v5p-slice", "2x4x4")
+  assert shape("v5litepod-8") == (1, 8, "tpu-v5-lite-podslice", "2x4")
+  assert shape("v5litepod-16") == (4, 4, "tpu-v5-lite-podslice", "4x4")
+  assert shape("v6e-256") == (64, 4, "tpu-v6e-slice", "16x16")
+
+
+def _fake_gcloud(tmp_path, monkeypatch, mode: str):
+  """`gcloud` on PATH: records its argv; describe says `mode` (or NOT_FOUND); ssh may fail."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir(exist_ok=True)
+  fake = bin_dir / "gcloud"
+  fake.write_text(f"#!{sys.executable}\n" + textwrap.dedent("""\
+      import json, os, sys
+      with open(os.environ["GCLOUD_LOG"], "a") as f:
+        f.write(json.dumps(sys.argv[1:]) + "\\n")
+      verb, mode = sys.argv[4], os.environ["GCLOUD_MODE"]
+      if verb == "describe" and mode == "missing":
+        sys.exit("ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: Resource not found")
+      if verb == "describe":
+        print(mode)
+      if verb == "ssh" and mode == "ssh_fails":
+        sys.exit(3)
+      """))
+  fake.chmod(0o755)
+  log = tmp_path / f"gcloud_{mode}.jsonl"
+  monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+  monkeypatch.setenv("GCLOUD_LOG", str(log))
+  monkeypatch.setenv("GCLOUD_MODE", mode)
+  return lambda: [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_real_runs_call_gcloud_as_the_dry_run_prints(tmp_path, monkeypatch, capsys):
+  shown = [shlex.split(l, comments=True) for l in _dry_run(capsys, "create", *SLICES, *RUN)]
+  calls = _fake_gcloud(tmp_path, monkeypatch, "missing")
+  assert tpu_pod.main(["create", *SLICES, *RUN]) == 0
+  assert [["gcloud", *c] for c in calls()] == shown        # describe, create; describe, create
+  calls = _fake_gcloud(tmp_path, monkeypatch, "READY")
+  assert tpu_pod.main(["create", *SLICES, *RUN]) == 0
+  assert [c[3] for c in calls()] == ["describe", "describe"]   # both exist: reused
+  assert "realm-trainer exists (READY): reusing it" in capsys.readouterr().out
+  _fake_gcloud(tmp_path, monkeypatch, "PREEMPTED")
+  assert tpu_pod.main(["create", *SLICES, *RUN]) == 1
+  assert "realm-trainer is PREEMPTED: run `tpu_pod.py delete`" in capsys.readouterr().err
+  calls = _fake_gcloud(tmp_path, monkeypatch, "ssh_fails")
+  assert tpu_pod.main(["stop", *SLICES]) == 1
+  assert len(calls()) == 1                                   # stops at the first failure
+  assert capsys.readouterr().err.startswith(
+      f"tpu_pod.py: error: exit code 3: {G} ssh realm-trainer {Z} --worker=all --command ")
+
+
+def test_without_gcloud_the_error_says_so(tmp_path, monkeypatch, capsys):
+  monkeypatch.setenv("PATH", str(tmp_path))
+  assert tpu_pod.main(["delete", *SLICES]) == 1
+  assert "gcloud is not installed" in capsys.readouterr().err
+
+
+def test_tpu_pod_runs_as_a_script():
+  out = subprocess.run([sys.executable, os.path.join(LAUNCH, "tpu_pod.py"), "delete", *SLICES,
+                        "--dry-run"], capture_output=True, text=True, timeout=60, cwd="/")
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.splitlines()[0] == f"{G} delete realm-trainer {Z} --quiet"
+
+
+GKE_RUN = [*RUN, "--image", "us-docker.pkg.dev/my-project/realm/realm-jax:latest"]
+
+
+def _render(tmp_path, *argv: str) -> dict:
+  out = tmp_path / "jobset.yaml"
+  assert render.main([*argv, "--out", str(out)]) == 0
+  return yaml.safe_load(out.read_text())
+
+
+def test_gke_jobset_runs_trainer_and_builder_on_their_slices_with_one_workdir(tmp_path):
+  manifest = _render(tmp_path, *GKE_RUN)
+  assert (manifest["apiVersion"], manifest["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
+  assert manifest["spec"]["successPolicy"]["targetReplicatedJobs"] == ["trainer"]
+  jobs = {j["name"]: j for j in manifest["spec"]["replicatedJobs"]}
+  assert sorted(jobs) == ["builder", "trainer"]
+  expected = {"trainer": (4, "2x2x4", "realm-train"), "builder": (1, "2x2x1", "realm-index")}
+  mounts = {}
+  for name, (hosts, topology, entry) in expected.items():
+    job = jobs[name]["template"]["spec"]
+    assert (job["parallelism"], job["completions"], job["completionMode"], job["backoffLimit"]) \
+        == (hosts, hosts, "Indexed", 0)
+    pod = job["template"]
+    assert pod["metadata"]["annotations"]["gke-gcsfuse/volumes"] == "true"
+    spec = pod["spec"]
+    assert spec["terminationGracePeriodSeconds"] >= 60
+    assert spec["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v4-podslice",
+                                    "cloud.google.com/gke-tpu-topology": topology}
+    (container,) = spec["containers"]
+    assert container["image"] == "us-docker.pkg.dev/my-project/realm/realm-jax:latest"
+    assert container["resources"]["limits"] == {"google.com/tpu": 4}
+    assert shlex.join(container["command"]) == f"{entry} {JOB_FLAGS}"
+    (volume,) = spec["volumes"]
+    assert volume["csi"]["driver"] == "gcsfuse.csi.storage.gke.io"
+    assert volume["csi"]["volumeAttributes"]["bucketName"] == "my-bucket"
+    mounts[name] = [(m["name"], m["mountPath"]) for m in container["volumeMounts"]]
+    assert mounts[name] == [(volume["name"], "/gcs/my-bucket")]
+  assert mounts["trainer"] == mounts["builder"]
+
+
+def test_gke_slice_sizes_and_a_trainer_only_run(tmp_path):
+  manifest = _render(tmp_path, *GKE_RUN, "--trainer_type", "v4-64", "--builder_type", "v4-16")
+  specs = [j["template"]["spec"] for j in manifest["spec"]["replicatedJobs"]]
+  assert [(s["parallelism"], s["template"]["spec"]["nodeSelector"][
+      "cloud.google.com/gke-tpu-topology"]) for s in specs] == [(8, "2x4x4"), (2, "2x2x2")]
+  only = _render(tmp_path, *RUN[:6], *GKE_RUN[-2:], "--builder_type", "none")   # in_process
+  assert [j["name"] for j in only["spec"]["replicatedJobs"]] == ["trainer"]
+
+
+def test_gke_bad_inputs_name_the_flag(capsys):
+  for argv, message in ((RUN, "--image is required"),
+                        ([*GKE_RUN, "--trainer_type", "v4-33"], "--trainer_type 'v4-33'"),
+                        ([*GKE_RUN, "--name", "REALM"], "--name 'REALM'")):
+    with pytest.raises(SystemExit) as exit_:
+      render.main(list(argv))
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_committed_gke_example_is_what_its_header_command_renders(tmp_path):
+  path = os.path.join(LAUNCH, "gke", "realm_base.yaml")
+  with open(path) as f:
+    committed = f.read()
+  command = committed.splitlines()[1].removeprefix("#   python launch/gke/render.py ")
+  out = tmp_path / "fresh.yaml"
+  cwd = os.getcwd()
+  os.chdir(REPO)                         # the header's config path is relative to the repo
+  try:
+    assert render.main([*shlex.split(command), "--out", str(out)]) == 0
+  finally:
+    os.chdir(cwd)
+  assert out.read_text() == committed, "render launch/gke/realm_base.yaml again (its header)"
+
+
+def test_sweep_tpu_pod_launcher_prints_one_tpu_pod_command_per_run(capsys):
+  argv = ["--config", REALM_BASE, "--root", "gs://my-bucket/sweep", "--grid", "train.lr=1e-5,3e-5",
+          "--grid", "retrieval.k=4,8", "--set", "data.dir=gs://my-bucket/realm/data",
+          "--set", "retrieval.refresh=async", "--launcher", "tpu_pod", "--name", "realm-lr",
+          "--dry-run", "--", *WHERE]
+  assert sweep.main(argv) == 0
+  lines = [shlex.split(l) for l in capsys.readouterr().out.splitlines()
+           if not l.startswith("[sweep]")]
+  assert len(lines) == 4
+  tpu_pod_py = os.path.join(LAUNCH, "tpu_pod.py")
+  assert all(l[:3] == [sys.executable, tpu_pod_py, "up"] and l[-4:] == WHERE for l in lines)
+  assert [l[l.index("--name") + 1] for l in lines] == [f"realm-lr-{i}" for i in range(1, 5)]
+  assert lines[-1][lines[-1].index("--workdir") + 1] == \
+      "gs://my-bucket/sweep/train.lr-3e-05_retrieval.k-8"
+  # each printed command is a valid tpu_pod.py invocation: its start line has the run's values
+  start = _dry_run(capsys, *lines[-1][2:])[-2]
+  assert "--config.train.lr=3e-05 --config.retrieval.k=8 " in _remote_script(
+      start, "realm-lr-4-trainer")
+  head = argv[:argv.index("--")]
+  for bad, message in (([*argv[:3], "runs/sweep", *argv[4:]], "--launcher tpu_pod needs gs://"),
+                       ([*head, "--", "--set", "x=1"], "after --: '--set' is set by the sweep"),
+                       ([a for a in argv if a not in ("--name", "realm-lr")], "needs --name")):
+    with pytest.raises(SystemExit) as exit_:
+      sweep.main(bad)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

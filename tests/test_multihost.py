@@ -1,0 +1,193 @@
+"""Several processes: 2 processes x 4 CPU devices (gloo collectives) train like 1 process x 8
+devices; a lost process stops the others with its id named; bad topologies fail clearly."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from realm_jax.errors import ConfigError
+from realm_jax.retrieval import index as index_lib
+from realm_jax.train import multihost
+from realm_jax.train.checkpoints import restore_run
+from realm_jax.train.loop import train
+from tests import helpers
+
+# Relative tolerance of the 2-process losses against the 1-process ones. Not bit for bit: gloo
+# sums the 8 devices' partial sums (the loss mean, the gradient all-reduce) in another order
+# than XLA's in-process all-reduce, which moves the sums by an ulp or two.
+LOSS_RTOL = 1e-6
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def launch(flags: list[str], workdir: str, count: int, port: int, devices: int = 4,
+           extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+  """`count` realm-train processes of one job, `devices` CPU devices each."""
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  return [subprocess.Popen(
+      [sys.executable, "-u", "-m", "realm_jax.train.main", *flags, f"--workdir={workdir}",
+       "--multihost=on", f"--coordinator_address=localhost:{port}", f"--num_processes={count}",
+       f"--process_id={i}", "--init_timeout=60", "--heartbeat_timeout=8", *extra],
+      cwd=helpers.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(count)]
+
+
+def losses(workdir: str) -> np.ndarray:
+  with open(os.path.join(workdir, "metrics", "train.jsonl")) as f:
+    return np.array([json.loads(line)["loss"] for line in f])
+
+
+@pytest.mark.parametrize("task, file", [("ict", "demo_ict"), ("realm", "demo_realm")])
+def test_two_processes_train_like_one(world_dir, tmp_path, task, file):
+  overrides = dict(train__steps=5, train__checkpoint_every=5)
+  if task == "realm":
+    overrides.update(retrieval__backend="exact")
+  config = helpers.tiny_config(task, data_dir=world_dir, **overrides)
+  procs = launch(helpers.config_flags(config, file), str(tmp_path / "two"), 2, free_port())
+  single = train(config, str(tmp_path / "one"))    # this process: 8 devices
+  outputs = [p.communicate(timeout=600)[0] for p in procs]
+  for i, (p, out) in enumerate(zip(procs, outputs)):
+    assert p.returncode == 0, f"process {i}:\n{out[-3000:]}"
+    assert f"[multihost] process {i} of 2: 4 local / 8 global devices" in out
+  one, two = losses(str(tmp_path / "one")), losses(str(tmp_path / "two"))
+  assert len(one) == len(two) == 5
+  np.testing.assert_allclose(two, one, rtol=LOSS_RTOL, atol=0)
+  # The checkpoint both processes wrote restores here, close to the one-process params (Adam
+  # turns the last-ulp differences of near-zero gradients into ~1e-6 moves of tiny params).
+  *_, params_one, step_one = restore_run(str(tmp_path / "one"))
+  *_, params_two, step_two = restore_run(str(tmp_path / "two"))
+  assert step_one == step_two == 5
+  param_diff = 0.0
+  for a, b in zip(jax.tree.leaves(params_one), jax.tree.leaves(params_two)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+    param_diff = max(param_diff, float(np.abs(np.asarray(b) - np.asarray(a)).max()))
+  print(f"{task}: 2x4 vs 1x8 max relative loss difference "
+        f"{float(np.max(np.abs(two - one) / np.abs(one))):.2e}, bitwise equal losses "
+        f"{int((two == one).sum())}/5, max parameter difference {param_diff:.2e}")
+  with open(tmp_path / "two" / "summary.json") as f:
+    summary = json.load(f)
+  for key in ("eval_recall_at_1", "eval_recall_at_5"):
+    assert summary[key] == single[key]
+
+
+def test_a_lost_process_stops_the_others_naming_it(world_dir, tmp_path):
+  config = helpers.tiny_config("ict", data_dir=world_dir, train__steps=10_000,
+                               train__checkpoint_every=10_000)
+  procs = launch(helpers.config_flags(config, "demo_ict"), str(tmp_path / "w"), 2, free_port())
+  survivor, lost = procs
+  # Kill process 1 once it is training.
+  lines = []
+  for line in lost.stdout:
+    lines.append(line)
+    if line.startswith("[ict] step 3/"):
+      break
+  else:
+    pytest.fail("process 1 never trained:\n" + "".join(lines[-40:]))
+  lost.send_signal(signal.SIGKILL)
+  lost.wait()
+  t0 = time.time()
+  out = survivor.communicate(timeout=120)[0]
+  seconds = time.time() - t0
+  assert survivor.returncode != 0
+  assert seconds < 120
+  # JAX's coordination service names the process that stopped sending heartbeats.
+  assert "The following tasks are unhealthy (stopped sending heartbeats):\n1" in out, out[-3000:]
+  print(f"the survivor exited {seconds:.1f}s after process 1 was killed")
+
+
+def test_a_coordinator_that_never_answers_is_named(world_dir, tmp_path):
+  config = helpers.tiny_config("ict", data_dir=world_dir)
+  port = free_port()   # nobody listens there
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  t0 = time.time()
+  proc = subprocess.run(
+      [sys.executable, "-m", "realm_jax.train.main", *helpers.config_flags(config, "demo_ict"),
+       f"--workdir={tmp_path}", "--multihost=on", f"--coordinator_address=localhost:{port}",
+       "--num_processes=2", "--process_id=1", "--init_timeout=3"],
+      cwd=helpers.REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert f"the coordinator localhost:{port} did not answer within 3s" in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert time.time() - t0 < 60
+
+
+def test_process_id_out_of_range_fails_before_any_work(world_dir, tmp_path):
+  config = helpers.tiny_config("ict", data_dir=world_dir)
+  proc = subprocess.run(
+      [sys.executable, "-m", "realm_jax.train.main", *helpers.config_flags(config, "demo_ict"),
+       f"--workdir={tmp_path}", "--multihost=on", "--coordinator_address=localhost:1234",
+       "--num_processes=2", "--process_id=2"],
+      cwd=helpers.REPO, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  assert "--process_id=2 is out of range: process ids run from 0 to 1 (--num_processes=2)" \
+      in proc.stderr
+  assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_topology_from_flags_environment_or_cluster_detection():
+  none = lambda: None   # noqa: E731  (no cluster around)
+  t = multihost.resolve("on", "10.0.0.2:8476", 4, 3, environ={}, detect=none)
+  assert (t.coordinator_address, t.num_processes, t.process_id) == ("10.0.0.2:8476", 4, 3)
+  env = {"REALM_COORDINATOR_ADDRESS": "trainer-0:8476", "REALM_NUM_PROCESSES": "8",
+         "REALM_PROCESS_ID": "5"}
+  t = multihost.resolve("auto", environ=env, detect=none)
+  assert (t.coordinator_address, t.num_processes, t.process_id) == ("trainer-0:8476", 8, 5)
+  # A flag wins over the environment.
+  assert multihost.resolve("auto", process_id=0, environ=env, detect=none).process_id == 0
+  assert multihost.resolve("auto", environ={}, detect=none) is None
+  assert multihost.resolve("off", environ=env, detect=lambda: "GceTpuCluster") is None
+  t = multihost.resolve("auto", environ={}, detect=lambda: "GceTpuCluster", init_timeout=60)
+  assert t.coordinator_address is None and t.cluster == "GceTpuCluster" and t.init_timeout == 60
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(mode="on", coordinator_address="h:1", num_processes=2),
+     "--multihost=on needs --process_id \\(or REALM_PROCESS_ID\\)"),
+    (dict(mode="on", coordinator_address="h:1", num_processes=2, process_id=-1),
+     "--process_id=-1 is out of range"),
+    (dict(mode="auto", environ={"REALM_COORDINATOR_ADDRESS": "h:1", "REALM_NUM_PROCESSES": "2",
+                                "REALM_PROCESS_ID": "7"}),
+     "REALM_PROCESS_ID=7 is out of range: process ids run from 0 to 1"),
+    (dict(mode="on", coordinator_address="nohost", num_processes=2, process_id=0),
+     "--coordinator_address='nohost': expected host:port"),
+    (dict(mode="on", coordinator_address="h:1", num_processes=0, process_id=0),
+     "--num_processes=0 must be >= 1"),
+    (dict(mode="on", coordinator_address="h:1", num_processes=2, process_id=0, init_timeout=0),
+     "--init_timeout=0 must be a positive"),
+])
+def test_bad_topologies_name_the_flag(kwargs, message):
+  kwargs.setdefault("environ", {})
+  with pytest.raises(ConfigError, match=message):
+    multihost.resolve(detect=lambda: None, **kwargs)
+
+
+def test_exact_index_scores_do_not_depend_on_the_device_count(monkeypatch):
+  """A host with 4 devices retrieves exactly what a host with 8 (or 1) does."""
+  rng = np.random.default_rng(0)
+  embeddings = rng.normal(size=(700, 32)).astype(np.float32)
+  queries = rng.normal(size=(16, 32)).astype(np.float32)
+  found = []
+  for n in (8, 4, 1):
+    monkeypatch.setattr(index_lib, "local_mesh",
+                        lambda n=n: Mesh(np.asarray(jax.local_devices()[:n]), ("blocks",)))
+    index = index_lib.ExactIndex.from_embeddings(embeddings)
+    assert index.table.shape[0] % n == 0
+    found.append(index.search(queries, 10))
+  expected = np.argsort(-(queries.astype(np.float64) @ embeddings.T.astype(np.float64)),
+                        axis=1, kind="stable")[:, :10]
+  np.testing.assert_array_equal(found[0], expected)
+  for other in found[1:]:
+    np.testing.assert_array_equal(other, found[0])
