@@ -179,6 +179,13 @@ def job_argv(plan: Plan, job: str) -> list[str]:
           *plan.overrides]
 
 
+def local_path(path: str) -> str:
+  """`path` relative to the working directory when it lies inside it (what --dry-run shows
+  from the repo root), else absolute."""
+  rel = os.path.relpath(path)
+  return path if rel == ".." or rel.startswith(".." + os.sep) else rel
+
+
 def wheel_name() -> str:
   with open(os.path.join(REPO, "setup.py")) as f:
     version = re.search(r'version="([^"]+)"', f.read()).group(1)
@@ -283,11 +290,11 @@ class Pod:
                             f"{found.stderr.strip()}")
 
   def install(self) -> None:
-    wheel_dir = os.path.join(REPO, "build", "tpu_pod")
-    self._call([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                "-w", wheel_dir, REPO])
+    wheel_dir = local_path(os.path.join(REPO, "build", "tpu_pod"))
+    self._call([local_path(sys.executable), "-m", "pip", "wheel", "--no-deps",
+                "--no-build-isolation", "-q", "-w", wheel_dir, local_path(REPO)])
     for job in self.slices:
-      files = [os.path.join(wheel_dir, wheel_name()), os.path.join(REPO, "configs")]
+      files = [os.path.join(wheel_dir, wheel_name()), local_path(os.path.join(REPO, "configs"))]
       self._call(self.gcloud("scp", [*files, f"{self.names[job]}:~/"], "--worker=all",
                              "--recurse"))
       self._call(self.ssh(job, install_script(self.plan)))

@@ -1,6 +1,6 @@
 """The paper-scale configs (BERT-base towers, k=8, queries of 96 / 64, blocks of 288, vocab
-30522): the train state is built abstractly (nothing allocated) and one train step is lowered
-and compiled on abstract inputs over the 8 test devices."""
+30522): the train state is built abstractly (nothing allocated) and one train step is
+lowered on abstract inputs over the 8 test devices (its FLOPs and output shardings checked)."""
 
 import os
 
@@ -31,7 +31,7 @@ def abstract_batch(config, mesh):
 
 
 @pytest.mark.parametrize("name, task", [("realm_base", "realm"), ("ict_base", "ict")])
-def test_base_config_train_step_compiles(name, task):
+def test_base_config_train_step_lowers(name, task):
   if not os.path.exists(os.path.join(CONFIGS, f"{name}.py")):
     pytest.skip(f"configs/{name}.py does not exist yet")
   config = load_config_module(name).get_config()
@@ -60,10 +60,11 @@ def test_base_config_train_step_compiles(name, task):
   rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
   with partitioning.mesh_rules(mesh, partitioning.logical_rules(config.mesh.rules)):
     lowered = step.jitted.lower(abstract, abstract_batch(config, mesh), rng)
-  compiled = lowered.compile()
-  cost = compiled.cost_analysis()
+  # Lowered, not compiled: XLA's CPU compile of three BERT-base towers takes a minute of the
+  # test budget, and the tiny configs compile the same program on every mesh (test_sharding).
+  cost = lowered.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  assert cost["flops"] > 0
+  assert cost["flops"] > 1e12
   # The step's outputs keep the state in its shardings.
-  out_state, _ = compiled.output_shardings
-  assert jax.tree.leaves(out_state) == jax.tree.leaves(shardings)
+  out_state, _ = lowered.out_info
+  assert [x.sharding for x in jax.tree.leaves(out_state)] == jax.tree.leaves(shardings)

@@ -196,7 +196,7 @@ def test_subscriber_rejects_bad_versions_and_keeps_the_good_one(world_dir, tmp_p
   build_once(config, workdir)
   root = published.index_root(workdir)
   good = published.read_manifest(root, 1)
-  query_params = steps.host_copy(steps.query_tower_params(states[0].params["retriever"]))
+  query_params = partitioning.host_copy(steps.query_tower_params(states[0].params["retriever"]))
   n = data.blocks.num_blocks
   fp = data.blocks.fingerprint
   wrong_dim = _publish_fake(workdir, 5, np.ones((n, 16), np.float32), query_params, fp)

@@ -68,10 +68,13 @@ def test_up_dry_run_prints_create_install_and_start_for_both_slices(capsys):
       f"{G} create realm-trainer {Z} --accelerator-type=v4-32 {create}",
       f"{G} describe realm-builder {Z} --format 'value(state)'",
       f"{G} create realm-builder {Z} --accelerator-type=v4-8 {create}"]
-  assert lines[4] == shlex.join([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                                 "--no-build-isolation", "-q", "-w", os.path.dirname(WHEEL), REPO])
+  here = tpu_pod.local_path
+  assert lines[4] == shlex.join([here(sys.executable), "-m", "pip", "wheel", "--no-deps",
+                                 "--no-build-isolation", "-q", "-w", here(os.path.dirname(WHEEL)),
+                                 here(REPO)])
   for i, name in ((5, "realm-trainer"), (7, "realm-builder")):
-    assert lines[i] == (f"{G} scp {WHEEL} {CONFIGS} '{name}:~/' {Z} --worker=all --recurse")
+    assert lines[i] == (f"{G} scp {here(WHEEL)} {here(CONFIGS)} '{name}:~/' {Z} --worker=all "
+                        "--recurse")
     install = _remote_script(lines[i + 1], name)
     assert "python3.11 -m venv $HOME/realm_env" in install
     assert '"$HOME/realm_jax-0.1.0-py3-none-any.whl[tpu]"' in install

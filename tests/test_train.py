@@ -1,20 +1,24 @@
 """End to end through `realm_jax.train.loop.train`: ICT -> reader warm-up -> REALM (index
-refreshes), the files each stage leaves, and an interrupted-and-resumed REALM run that
+refreshes), the files each stage leaves, and a REALM run stopped by SIGTERM whose rerun
 reproduces the uninterrupted one step for step (its checkpoints keep the input pipeline's
 state)."""
 
 import glob
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
-from realm_jax.train import batches, partitioning, state as state_lib
-from realm_jax.train.checkpoints import restore_params
+from realm_jax.train import batches, partitioning, preemption, state as state_lib
+from realm_jax.train.checkpoints import Checkpointer, restore_params
 from realm_jax.train.loop import train
 from realm_jax.train.metrics import read_jsonl
+from tests import helpers
 from tests.helpers import tiny_config
 
 REALM_STEPS, REFRESH_EVERY, CHECKPOINT_EVERY = 8, 3, 4
@@ -129,17 +133,38 @@ def test_warmup_starts_from_ict_and_keeps_the_frozen_retriever(stages, world_dat
   assert any(not np.array_equal(warm_reader[k], v) for k, v in ict_reader.items())
 
 
-def test_resumed_run_matches_the_uninterrupted_one(stages, world_dir, world_data, tmp_path):
+def test_sigterm_saves_exits_and_the_resumed_run_matches_the_uninterrupted_one(
+    stages, world_dir, world_data, tmp_path):
+  """realm-train gets SIGTERM mid-run: it finishes the step, finalises a checkpoint of it and
+  exits with 143; the rerun continues from that step with the uninterrupted run's losses."""
   dirs, configs, _ = stages
   resumed = str(tmp_path / "resumed")
-  train(realm_config(world_dir, dirs["warmup"], CHECKPOINT_EVERY), resumed)
-  assert checkpoint_steps(resumed) == [CHECKPOINT_EVERY]
-  train(realm_config(world_dir, dirs["warmup"], REALM_STEPS), resumed)
-  assert checkpoint_steps(resumed) == [CHECKPOINT_EVERY, REALM_STEPS]
+  config = realm_config(world_dir, dirs["warmup"], REALM_STEPS)
+  proc = subprocess.Popen(
+      [sys.executable, "-u", "-m", "realm_jax.train.main",
+       *helpers.config_flags(config, "demo_realm"), f"--workdir={resumed}"],
+      cwd=helpers.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines = []
+  for line in proc.stdout:
+    lines.append(line)
+    if line.startswith("[realm] step 2/"):
+      proc.send_signal(signal.SIGTERM)
+      break
+  out = "".join(lines) + proc.communicate(timeout=120)[0]
+  assert proc.returncode == preemption.EXIT_CODE, out[-3000:]
+  saved = checkpoint_steps(resumed)
+  stopped = saved[-1]
+  assert 2 <= stopped < REALM_STEPS, out[-3000:]
+  assert f"[realm] SIGTERM: checkpoint {stopped} finalised" in out
+  assert f"realm-train: preempted after step {stopped}" in out
+  assert not os.path.exists(os.path.join(resumed, "summary.json"))
+  assert Checkpointer(resumed, keep=3).latest_step() == stopped   # finalised, not in flight
 
+  train(config, resumed)
+  assert checkpoint_steps(resumed)[-1] == REALM_STEPS
   straight = read_jsonl(os.path.join(dirs["realm"], "metrics", "train.jsonl"))
   again = read_jsonl(os.path.join(resumed, "metrics", "train.jsonl"))
-  assert [r["step"] for r in again] == list(range(1, REALM_STEPS + 1))
+  assert [r["step"] for r in again] == list(range(1, REALM_STEPS + 1))   # no step lost
   for a, b in zip(straight, again):
     for key in ("loss", "retrieval_utility", "grad_norm", "index_staleness"):
       np.testing.assert_allclose(b[key], a[key], rtol=0, atol=1e-6,
@@ -149,7 +174,7 @@ def test_resumed_run_matches_the_uninterrupted_one(stages, world_dir, world_data
   it = queries.iterator(prefetch=0)
   for step in range(1, REALM_STEPS + 1):
     next(it)
-    if step in (CHECKPOINT_EVERY, REALM_STEPS):
+    if step in (stopped, REALM_STEPS):
       with open(os.path.join(resumed, "checkpoints", str(step), "data", "metadata")) as f:
         assert json.load(f) == queries.state(it.get_state(), step)
   it.close()

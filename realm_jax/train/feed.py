@@ -184,3 +184,5 @@ class BatchFeed:
       except queue.Empty:
         break
     self._thread.join(timeout=30)
+    if self._thread.is_alive():
+      print("warning: the batch feed thread did not stop within 30s", flush=True)

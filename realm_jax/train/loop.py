@@ -292,6 +292,12 @@ class Trainer:
           preemption.saved(done)
           preempted = done
           break
+      # The feed thread is building batches past the last step and may be waiting for an index
+      # that will not come: release it before joining it.
+      if self.schedule is not None:
+        self.schedule.close()
+      if preempted is not None and self.subscriber is not None:
+        self.subscriber.close()
       feed.close()
       feed = None
       if preempted is None:
