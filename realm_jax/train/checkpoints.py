@@ -12,6 +12,8 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 ITEMS = ("params", "opt", "data", "retrieval")
+# How long a save may take, its cross-host barriers included, before it is an error.
+SAVE_TIMEOUT_SECONDS = 1200
 # What Orbax logs, as warnings, on every params-only restore of another run's checkpoint: the
 # other items are left alone and the directory is opened read-only on purpose.
 _EXPECTED_WARNINGS = ("was found in the checkpoint, but could not be restored",
@@ -33,8 +35,9 @@ class Checkpointer:
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     self.manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                             enable_async_checkpointing=async_saves),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=async_saves,
+            async_options=ocp.AsyncOptions(timeout_secs=SAVE_TIMEOUT_SECONDS)),
         item_names=ITEMS)
 
   def latest_step(self) -> int | None:

@@ -18,7 +18,7 @@ from realm_jax.retrieval import published
 from realm_jax.retrieval.builder import DONE, record_block_store
 from realm_jax.retrieval.index import ExactIndex, LoadedIndex, embed_blocks
 from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
-from realm_jax.train import batches, partitioning, state as state_lib, steps
+from realm_jax.train import batches, multihost, partitioning, state as state_lib, steps
 from realm_jax.train.feed import BatchFeed, IndexSchedule
 from realm_jax.train.checkpoints import Checkpointer, restore_params
 from realm_jax.train.config_base import incompatible_fields, validate
@@ -52,6 +52,7 @@ def check_workdir(config, workdir: str) -> None:
     with open(path + ".tmp", "w") as f:
       json.dump(current, f, indent=2)
     os.replace(path + ".tmp", path)
+  multihost.barrier("workdir")   # no process goes on before the workdir exists
 
 
 class Trainer:

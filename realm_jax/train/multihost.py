@@ -187,11 +187,22 @@ def barrier_timeout() -> int:
   return _initialized.heartbeat_timeout if _initialized is not None else 300
 
 
+_barriers = 0
+
+
 def barrier(name: str, timeout: float | None = None) -> None:
-  """Waits until every process reaches barrier `name`; an error after `timeout` seconds."""
+  """Waits until every process reaches barrier `name` (each call is a new barrier); an error
+  naming it after `timeout` seconds (default: the heartbeat timeout)."""
   import jax
+  global _barriers
   if jax.process_count() == 1:
     return
   from jax._src import distributed
+  _barriers += 1
   timeout = barrier_timeout() if timeout is None else timeout
-  distributed.global_state.client.wait_at_barrier(name, int(timeout * 1000))
+  try:
+    distributed.global_state.client.wait_at_barrier(f"realm-{name}-{_barriers}",
+                                                    int(timeout * 1000))
+  except Exception as e:  # noqa: BLE001  (re-raised with the barrier's name)
+    raise RuntimeError(f"process {jax.process_index()} of {jax.process_count()}: barrier "
+                       f"{name!r} not reached by every process within {timeout:g}s: {e}") from e
