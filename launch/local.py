@@ -7,9 +7,10 @@ Every `--config.*` override goes to both processes (`realm_jax.train.main` and
 `realm_jax.retrieval.builder`); they share only the workdir (DESIGN.md, "Workdir protocol").
 With GPUs visible, `config.index.devices` names the builder's GPUs and the trainer gets the
 rest; on CPU both inherit the environment. Output is streamed line by line with a `[trainer] ` /
-`[builder] ` prefix and appended to `W/logs/<name>.log`. Ctrl-C or SIGTERM stops both (SIGINT to
-each process group, SIGKILL after the grace period, exit 130); when one fails the other is
-stopped and its exit code is ours; after the trainer succeeds the builder gets the grace period
+`[builder] ` prefix and appended to `W/logs/<name>.log`. Ctrl-C stops both (SIGINT to each
+process group, SIGKILL after the grace period, exit 130); SIGTERM (preemption) is passed on
+as SIGTERM, so the trainer saves a checkpoint of its step first (exit 143); when one fails the
+other is stopped and its exit code is ours; after the trainer succeeds the builder gets the grace period
 to see `W/DONE` and exit on its own.
 """
 
@@ -274,13 +275,13 @@ class _Supervisor:
     del frame
     self.signals.append(signal.Signals(signum).name)
 
-  def stop(self, children: list[_Child], why: str) -> None:
-    """SIGINT to each running child's group, SIGKILL after the grace period (or at once on
+  def stop(self, children: list[_Child], why: str, sig: int = signal.SIGINT) -> None:
+    """`sig` to each running child's group, SIGKILL after the grace period (or at once on
     another signal to us)."""
     running = [c for c in children if c.running]
     for c in running:
       c.note = why
-      c.signal_group(signal.SIGINT)
+      c.signal_group(sig)
     deadline = time.monotonic() + self.grace
     signals_seen = len(self.signals)
     while any(c.running for c in running) and time.monotonic() < deadline \
@@ -303,10 +304,12 @@ class _Supervisor:
     trainer_done_at = None
     while True:
       if self.signals:
-        self.say(f"got {self.signals[0]}; stopping trainer and builder (SIGINT, then SIGKILL "
-                 f"after {self.grace:g} s)")
-        self.stop([trainer, builder], f"stopped on {self.signals[0]}")
-        return 130
+        # SIGTERM is a preemption: passed on, the trainer saves its step before exiting.
+        sig = signal.SIGTERM if self.signals[0] == "SIGTERM" else signal.SIGINT
+        self.say(f"got {self.signals[0]}; stopping trainer and builder ({sig.name}, then "
+                 f"SIGKILL after {self.grace:g} s)")
+        self.stop([trainer, builder], f"stopped on {self.signals[0]}", sig)
+        return 128 + sig
       for child, other in ((trainer, builder), (builder, trainer)):
         code = child.poll()
         if code not in (None, 0):

@@ -218,7 +218,10 @@ DRIVER = textwrap.dedent("""\
     """)
 
 
-def test_sigint_to_launcher_stops_both_and_leaves_no_process(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_launcher_stops_both_and_leaves_no_process(tmp_path, sig):
+  """Ctrl-C reaches the children as SIGINT; SIGTERM (preemption) as SIGTERM, so that the
+  trainer saves its step."""
   # The trainer also starts a grandchild that ignores SIGINT: it must not outlive the run.
   trainer = child(tmp_path, "trainer", """\
       grandchild = subprocess.Popen([sys.executable, '-c', 'import signal, time; '
@@ -241,14 +244,15 @@ def test_sigint_to_launcher_stops_both_and_leaves_no_process(tmp_path):
     while not all((tmp_path / f).exists() for f in ("trainer.ready", "builder.ready")):
       assert time.monotonic() < deadline and launcher.poll() is None, launcher.stdout.read()
       time.sleep(0.05)
-    launcher.send_signal(signal.SIGINT)
+    launcher.send_signal(sig)
     out, _ = launcher.communicate(timeout=20)
   finally:
     if launcher.poll() is None:
       launcher.kill()
-  assert launcher.returncode == 130, out
-  assert "local.py: got SIGINT; stopping trainer and builder" in out, out
-  assert (tmp_path / "trainer.sigint").exists() and (tmp_path / "builder.sigint").exists()
+  assert launcher.returncode == 128 + sig, out
+  assert f"local.py: got {sig.name}; stopping trainer and builder ({sig.name}, then" in out, out
+  stopped_by_sigint = [(tmp_path / f"{n}.sigint").exists() for n in ("trainer", "builder")]
+  assert stopped_by_sigint == [sig == signal.SIGINT] * 2
   for name in ("trainer", "builder", "grandchild"):
     assert gone(read_pid(tmp_path, name)), name
 

@@ -50,12 +50,17 @@ def losses(workdir: str) -> np.ndarray:
     return np.array([json.loads(line)["loss"] for line in f])
 
 
-@pytest.mark.parametrize("task, file", [("ict", "demo_ict"), ("realm", "demo_realm")])
-def test_two_processes_train_like_one(world_dir, tmp_path, task, file):
+def job_config(task: str, world_dir: str):
+  """5 steps of the tiny config (exact retrieval for REALM)."""
   overrides = dict(train__steps=5, train__checkpoint_every=5)
   if task == "realm":
     overrides.update(retrieval__backend="exact")
-  config = helpers.tiny_config(task, data_dir=world_dir, **overrides)
+  return helpers.tiny_config(task, data_dir=world_dir, **overrides)
+
+
+@pytest.mark.parametrize("task, file", [("ict", "demo_ict"), ("realm", "demo_realm")])
+def test_two_processes_train_like_one(world_dir, tmp_path, task, file):
+  config = job_config(task, world_dir)
   procs = launch(helpers.config_flags(config, file), str(tmp_path / "two"), 2, free_port())
   single = train(config, str(tmp_path / "one"))    # this process: 8 devices
   outputs = [p.communicate(timeout=600)[0] for p in procs]
@@ -84,8 +89,9 @@ def test_two_processes_train_like_one(world_dir, tmp_path, task, file):
 
 
 def test_a_lost_process_stops_the_others_naming_it(world_dir, tmp_path):
-  config = helpers.tiny_config("ict", data_dir=world_dir, train__steps=10_000,
-                               train__checkpoint_every=10_000)
+  # The programs of the ICT job above (compiled once, from the cache here). Process 0 cannot
+  # finish step 4 without process 1, so killing 1 after its step 3 leaves 0 waiting on it.
+  config = job_config("ict", world_dir)
   procs = launch(helpers.config_flags(config, "demo_ict"), str(tmp_path / "w"), 2, free_port())
   survivor, lost = procs
   # Kill process 1 once it is training.
