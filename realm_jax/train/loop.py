@@ -286,11 +286,11 @@ class Trainer:
           window, t_last = [], now
         if cfg.eval.every and done % cfg.eval.every == 0 and done != total:
           eval_metrics = self.evaluate(eval_log, done, refresh=cfg.task == "ict")[0]
-        if self._checkpoint_due(done) or preemption.reached(done):
+        stop = preemption.reached(done)   # the same answer on every process
+        if self._checkpoint_due(done) or stop:
           self._save(done, data_state)
-        if preemption.reached(done):
-          self.checkpointer.wait()
-          preemption.saved(done)
+        if stop:
+          preemption.saved(done, self.checkpointer)
           preempted = done
           break
       # The feed thread is building batches past the last step and may be waiting for an index

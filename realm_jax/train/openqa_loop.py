@@ -171,12 +171,12 @@ class OpenQATrainer:
         if evaluator is not None and cfg.eval.every and done % cfg.eval.every == 0 \
             and done != total:
           eval_metrics = self.evaluate(evaluator, eval_log, done)
-        if done % cfg.train.checkpoint_every == 0 or done == total or preemption.reached(done):
+        stop = preemption.reached(done)   # the same answer on every process
+        if done % cfg.train.checkpoint_every == 0 or done == total or stop:
           self.checkpointer.save(done, self.state, self.questions.state(data_state, done),
                                  {"step": np.asarray(frozen.step, np.int32)})
-        if preemption.reached(done):
-          self.checkpointer.wait()
-          preemption.saved(done)
+        if stop:
+          preemption.saved(done, self.checkpointer)
           preempted = done
           break
       if evaluator is not None and preempted is None:

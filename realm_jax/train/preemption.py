@@ -61,8 +61,10 @@ class Preemption:
       return False
     return self.received_at is not None
 
-  def saved(self, step: int) -> None:
-    """The checkpoint of `step` is finalised: stops the watchdog and says so."""
+  def saved(self, step: int, checkpointer) -> None:
+    """Waits until `checkpointer` has finalised the checkpoint of `step`, then stops the
+    watchdog and says so."""
+    checkpointer.wait()
     self._saved.set()
     print(f"{self.prefix}SIGTERM: checkpoint {step} finalised "
           f"{time.time() - self.received_at:.1f}s after the signal; exiting (rerun the same "
