@@ -39,7 +39,7 @@ import sys
 import time
 
 from realm_jax.errors import ConfigError, run_cli
-from realm_jax.train.config_base import config_module
+from realm_jax.train.config_base import config_module, uses_index_builder
 
 PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -148,10 +148,12 @@ def tpu_pod_command(config_spec: str, workdir: str, overrides: dict, builder: bo
           *sets, *tpu_pod_args]
 
 
-def needs_builder(fields: dict, overrides: dict) -> bool:
-  """A REALM run whose index comes from the separate builder (refresh async/deterministic)."""
-  value = {**fields, **overrides}
-  return value.get("task") == "realm" and value.get("retrieval.refresh") != "in_process"
+def needs_builder(config, overrides: dict) -> bool:
+  """Whether the run with `overrides` uses the separate index builder (the trainer's rule,
+  `config_base.uses_index_builder`)."""
+  run = config.copy_and_resolve_references()
+  run.update_from_flattened_dict(overrides)
+  return uses_index_builder(run)
 
 
 def _summary(workdir: str) -> dict | None:
@@ -234,14 +236,14 @@ def check_tpu_pod_flags(args: argparse.Namespace) -> None:
     raise ConfigError("", f"after --: {own[0]!r} is set by the sweep for each run")
 
 
-def launch_on_tpu_pods(args: argparse.Namespace, runs: list[tuple[str, dict]], fields: dict,
+def launch_on_tpu_pods(args: argparse.Namespace, runs: list[tuple[str, dict]], config,
                        fixed: dict) -> list[dict]:
   """`tpu_pod.py up` for each run, one after another; rows of the runs' launch status."""
   rows = []
   for i, (name, overrides) in enumerate(runs, 1):
     run = {**fixed, **overrides}
     cmd = tpu_pod_command(args.config, f"{args.root.rstrip('/')}/{name}", run,
-                          needs_builder(fields, run), f"{args.name}-{i}", args.tpu_pod_args)
+                          needs_builder(config, run), f"{args.name}-{i}", args.tpu_pod_args)
     if args.dry_run:
       print(shlex.join(cmd), flush=True)
       continue
@@ -275,13 +277,13 @@ def sweep(args: argparse.Namespace) -> list[dict]:
   print(f"[sweep] {len(runs)} runs of {args.config} under {args.root} ({args.launcher})",
         flush=True)
   if args.launcher == "tpu_pod":
-    return launch_on_tpu_pods(args, runs, fields, fixed)
+    return launch_on_tpu_pods(args, runs, config, fixed)
   printing = args.launcher == "print" or args.dry_run
   status = {}
   for i, (name, overrides) in enumerate(runs, 1):
     workdir = os.path.join(args.root, name)
     run = {**fixed, **overrides}
-    cmd = command(args.config, workdir, run, needs_builder(fields, run))
+    cmd = command(args.config, workdir, run, needs_builder(config, run))
     if printing:
       print(shlex.join(cmd))
       continue

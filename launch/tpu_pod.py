@@ -32,7 +32,7 @@ import subprocess
 import sys
 
 from realm_jax.errors import ConfigError, run_cli
-from realm_jax.train.config_base import load_config, validate
+from realm_jax.train.config_base import load_config, uses_index_builder, validate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)    # launch/ holds scripts, not a package: import the sibling by name
@@ -157,7 +157,7 @@ def plan_run(config_spec: str, workdir: str, sets: list[str]) -> Plan:
     elif key not in given:
       continue
     overrides.append(f"--config.{key}={value}")
-  builder = config.task == "realm" and config.retrieval.refresh != "in_process"
+  builder = uses_index_builder(config)
   remote = "configs/" + os.path.basename(path) + (f":{arg}" if arg else "")
   return Plan(remote, mounted, tuple(overrides), tuple(buckets), builder)
 

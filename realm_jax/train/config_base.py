@@ -198,7 +198,7 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
   if r.backend == "scann" and r.refresh == "in_process":
     raise ConfigError("retrieval.backend", "'scann' indexes are built by the separate "
                       "realm-index job: set retrieval.refresh to 'async' or 'deterministic'")
-  if r.refresh != "in_process" and not (config.task == "realm" and r.mode == "index"):
+  if r.refresh != "in_process" and not uses_index_builder(config):
     raise ConfigError("retrieval.refresh", f"{r.refresh!r} (a separate realm-index job) serves "
                       "REALM with retrieval.mode='index' only; use 'in_process'")
   if r.swap_lag < 0:
@@ -271,6 +271,13 @@ def _flatten(d, prefix=""):
     name = f"{prefix}{key}"
     out.update(_flatten(value, name + ".") if isinstance(value, dict) else {name: value})
   return out
+
+
+def uses_index_builder(config) -> bool:
+  """Whether the trainer takes its index versions from the separate realm-index job (REALM
+  retrieving from the index, refreshed async or deterministic), which then must run beside it."""
+  r = config.retrieval
+  return config.task == "realm" and r.mode == "index" and r.refresh != "in_process"
 
 
 def incompatible_fields(saved: dict, current: dict) -> list[str]:

@@ -21,7 +21,7 @@ from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
 from realm_jax.train import batches, multihost, partitioning, state as state_lib, steps
 from realm_jax.train.feed import BatchFeed, IndexSchedule
 from realm_jax.train.checkpoints import Checkpointer, restore_params
-from realm_jax.train.config_base import incompatible_fields, validate
+from realm_jax.train.config_base import incompatible_fields, uses_index_builder, validate
 from realm_jax.train.metrics import MetricWriter, format_duration, window_scalars
 from realm_jax.train.preemption import Preemption
 
@@ -90,7 +90,7 @@ class Trainer:
     self.retrieves = config.task == "realm" and config.retrieval.mode == "index"
     self.uses_index = config.task == "ict" or self.retrieves
     # async | deterministic: the index comes from the separate realm-index job via W/index.
-    self.from_builder = self.retrieves and config.retrieval.refresh != "in_process"
+    self.from_builder = uses_index_builder(config)
     self.index: LoadedIndex | None = None   # in_process: the latest rebuild
     self.index_params = None        # in_process: the retriever snapshot it was built from
     self.last_index: LoadedIndex | None = None   # the index that served the last step
