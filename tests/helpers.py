@@ -8,6 +8,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "configs")
 WORLD_ENTITIES = 60
 VOCAB_SIZE = 1000       # requested; the trained WordPiece vocab may come out smaller
+# tiny_config overrides for a retriever smaller than its reader (hidden 32, 4 heads, 2 layers,
+# ff 64): towers of their own sizes through checkpoints, resume, the index and the builder.
+SMALL_RETRIEVER = dict(model__retriever__hidden_size=16, model__retriever__num_heads=2,
+                       model__retriever__num_layers=1, model__retriever__intermediate_size=48)
 
 
 def load_config_module(name: str):

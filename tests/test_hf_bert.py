@@ -461,8 +461,9 @@ def test_trainer_starts_every_tower_from_the_checkpoint(world_dir, tmp_path, cap
   shardings = jax.tree.leaves(trainer.shardings.params)
   assert [x.sharding for x in jax.tree.leaves(params)] == shardings
   out = capsys.readouterr().out
-  assert "[realm] init.hf_bert: BERT weights from" in out
-  assert "reader/bert, reader/cls, retriever/block_tower/bert, retriever/query_tower/bert" in out
+  assert f"[realm] init reader <- init.hf_bert={path} (BERT: reader/bert, reader/cls)" in out
+  assert (f"[realm] init retriever <- init.hf_bert={path} (BERT: retriever/block_tower/bert, "
+          "retriever/query_tower/bert)") in out
 
 
 def test_trainer_refuses_a_checkpoint_that_does_not_fit(world_dir, tmp_path):

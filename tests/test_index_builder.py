@@ -77,7 +77,8 @@ def loader_for(config, workdir, model, data):
 
 def test_builder_publishes_the_newest_checkpoint_and_the_trainer_retrieves_from_it(
     world_dir, tmp_path, capsys):
-  config = builder_config(world_dir)
+  # The retriever smaller than the reader: the builder embeds with the retriever's shape.
+  config = builder_config(world_dir, **helpers.SMALL_RETRIEVER)
   workdir = str(tmp_path / "run")
   states, model, mesh, data = make_checkpoints(config, workdir)
   assert build_once(config, workdir) == 1

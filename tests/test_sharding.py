@@ -1,5 +1,6 @@
 """One train step on a single device, on a 1x8 (tensor-parallel) mesh and on a 2x4 mesh: same
-loss, same gradients; and the parameter shardings the default rules give.
+loss, same gradients (ICT, REALM, and REALM with a retriever of another size than the reader);
+and the parameter shardings the default rules give.
 
 The model is sized so every tensor-parallel dim divides 8: hidden 64, 8 heads, mlp 128, and
 `model.vocab_size` set explicitly to the tokenizer's vocab rounded up to a multiple of 8
@@ -16,11 +17,17 @@ from tests.helpers import tiny_config
 MESHES = {"1 device": (1, 1), "1x8": (1, 8), "2x4": (2, 4)}
 
 
-def sharding_config(task, world_dir, vocab_size):
+def sharding_config(run, world_dir, vocab_size):
+  """run: "ict", "realm" or "towers" (REALM whose retriever is smaller than its reader)."""
+  task = "ict" if run == "ict" else "realm"
   config = tiny_config(task, None, world_dir)
   m = config.model
   m.hidden_size, m.num_heads, m.intermediate_size, m.retrieval_dim = 64, 8, 128, 32
   m.vocab_size = -(-vocab_size // 8) * 8
+  if run == "towers":   # every tensor-parallel dim of the retriever still divides 8
+    m.share_towers = False
+    r = m.retriever
+    r.hidden_size, r.num_heads, r.intermediate_size, r.num_layers = 32, 8, 96, 1
   if task == "realm":
     config.retrieval.k = 4                    # null + 3 blocks, re-scored by the retriever
     config.train.retriever_lr_scale = 0.1     # train both halves: gradients everywhere
@@ -83,11 +90,12 @@ def run_on_mesh(config, data, model, host_state, mesh_shape, train_step):
 _RUNS = {}
 
 
-def runs_for(task, world_dir, world_data):
-  """Runs of `task` on the meshes (computed once per module)."""
-  if task not in _RUNS:
-    config = sharding_config(task, world_dir, world_data.tokenizer.vocab_size)
-    if task == "realm":
+def runs_for(run, world_dir, world_data):
+  """Runs of `run` (see sharding_config) on the meshes (computed once per module)."""
+  if run not in _RUNS:
+    config = sharding_config(run, world_dir, world_data.tokenizer.vocab_size)
+    task = config.task
+    if run != "ict":
       model, host_state = reference_state(config, world_data)
     else:   # same model, same parameter tree: reuse REALM's initial state (params only used)
       _, host_state, _ = runs_for("realm", world_dir, world_data)
@@ -98,11 +106,11 @@ def runs_for(task, world_dir, world_data):
     runs = {name: run_on_mesh(config, world_data, model, host_state, MESHES[name],
                               train_step=name == "2x4" and task == "realm")
             for name in names}
-    _RUNS[task] = config, host_state, runs
-  return _RUNS[task]
+    _RUNS[run] = config, host_state, runs
+  return _RUNS[run]
 
 
-@pytest.fixture(scope="module", params=["realm", "ict"])
+@pytest.fixture(scope="module", params=["realm", "ict", "towers"])
 def results(request, world_dir, world_data):
   yield runs_for(request.param, world_dir, world_data)
 

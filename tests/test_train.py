@@ -31,18 +31,20 @@ def realm_config(world_dir, warmup_dir, steps):
   return tiny_config("realm", None, world_dir, train__steps=steps,
                      train__checkpoint_every=CHECKPOINT_EVERY, train__warmup_steps=10,
                      train__retriever_lr_scale=1.0, retrieval__refresh_every=REFRESH_EVERY,
-                     init__from_workdir=warmup_dir)
+                     init__from_workdir=warmup_dir, **helpers.SMALL_RETRIEVER)
 
 
 @pytest.fixture(scope="module")
 def stages(world_dir, tmp_path_factory):
-  """The three demo stages, a few steps each, every one started from the previous one."""
+  """The three demo stages, a few steps each, every one started from the previous one; the
+  retriever is smaller than the reader (towers of their own sizes)."""
   root = tmp_path_factory.mktemp("stages")
   dirs = {name: str(root / name) for name in ("ict", "warmup", "realm")}
   configs = {
-      "ict": tiny_config("ict", None, world_dir, train__steps=3, train__checkpoint_every=2),
+      "ict": tiny_config("ict", None, world_dir, train__steps=3, train__checkpoint_every=2,
+                         **helpers.SMALL_RETRIEVER),
       "warmup": tiny_config("realm", "warmup", world_dir, train__steps=3,
-                            init__from_workdir=dirs["ict"]),
+                            init__from_workdir=dirs["ict"], **helpers.SMALL_RETRIEVER),
       "realm": realm_config(world_dir, dirs["warmup"], REALM_STEPS),
   }
   summaries = {}

@@ -23,6 +23,7 @@ from collections import Counter, deque
 import ml_collections
 import numpy as np
 
+from realm_jax import packages
 from realm_jax.data import corpus, sources
 from realm_jax.data.tokenizer import load_tokenizer, train_tokenizer
 from realm_jax.errors import ConfigError, DataError
@@ -43,7 +44,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.text_field = "text"            # JSONL / TFDS field holding a document's text
   c.tfds_data_dir = ""             # TFDS data dir ("": TFDS's default, ~/tensorflow_datasets)
   c.world_seed = 0                 # world:ENTITIES: seed of the generated world
-  c.vocab = ""                     # vocab.txt or HF BERT dir to copy; "": train WordPiece
+  c.vocab = ""                     # vocab.txt or HF BERT dir to copy (pkg:MODULE/SUBDIR: one
+                                   # inside an installed package); "": train WordPiece
   c.vocab_size = 30522             # WordPiece entries when training the vocab
   c.vocab_documents = 100_000      # the first this many documents train the vocab
   c.block_len = 288                # wordpieces per block: [CLS] title [SEP] body [SEP]
@@ -75,7 +77,7 @@ def validate(config) -> None:
   if config.num_workers < 0 or config.shard_documents < 1:
     raise ConfigError("num_workers" if config.num_workers < 0 else "shard_documents",
                       "must be >= 0 / >= 1")
-  if config.vocab and not os.path.exists(config.vocab):
+  if config.vocab and not os.path.exists(packages.resolve(config.vocab, "vocab")):
     raise ConfigError("vocab", f"{config.vocab!r} does not exist")
   if not config.vocab and config.vocab_size < 10:
     raise ConfigError("vocab_size", f"{config.vocab_size} is too small")
@@ -118,7 +120,7 @@ def _vocab(config):
   if os.path.exists(path):
     return load_tokenizer(path)
   if config.vocab:
-    src = config.vocab
+    src = packages.resolve(config.vocab, "vocab")
     src = os.path.join(src, "vocab.txt") if os.path.isdir(src) else src
     if not os.path.exists(src):
       raise ConfigError("vocab", f"no vocab.txt in {config.vocab}")

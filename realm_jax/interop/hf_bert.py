@@ -98,15 +98,20 @@ def _load_torch(file: str) -> dict[str, np.ndarray]:
 
 # -- configs -------------------------------------------------------------------------------
 def bert_config_mismatches(model_cfg, hf_config: Mapping | str, *, vocab_size: int | None = None,
-                           source: str | None = None) -> list[str]:
+                           source: str | None = None,
+                           options: Mapping[str, str] | None = None) -> list[str]:
   """Lines `model.hidden_size: 128 (config) != 384 (PATH/config.json)`, one per difference.
 
   `hf_config` is a checkpoint dir or its config dict; `vocab_size` is the data vocab's size
   (used when model.vocab_size is 0). Our max_position may be smaller than the checkpoint's
   (the first rows of its position table are taken). model.hidden_act must compute the
   checkpoint's GELU (erf or tanh: the names of one form are interchangeable); an activation
-  our BERT lacks is reported as unsupported.
+  our BERT lacks is reported as unsupported. `model_cfg` may be one part's shape
+  (`config_base.part_model`); `options` then names the option that sets each field for that
+  part (`config_base.part_options`; default `model.<field>`).
   """
+  options = options or {}
+  model_option = lambda field: options.get(field, f"model.{field}")
   if isinstance(hf_config, str):
     source = source or os.path.join(hf_config, "config.json")
     hf_config = read_config(hf_config)
@@ -121,14 +126,15 @@ def bert_config_mismatches(model_cfg, hf_config: Mapping | str, *, vocab_size: i
         continue
     if field == "max_position":
       if ours > theirs:
-        lines.append(f"model.max_position: {ours} (config) > {theirs} ({source}): the "
-                     f"checkpoint has only {theirs} positions")
+        lines.append(f"{model_option(field)}: {ours} (config) > {theirs} ({source}): "
+                     f"the checkpoint has only {theirs} positions")
     elif ours != theirs:
       where = "config / data vocab.txt" if field == "vocab_size" else "config"
-      lines.append(f"model.{field}: {ours} ({where}) != {theirs} ({source})")
+      lines.append(f"{model_option(field)}: {ours} ({where}) != {theirs} ({source})")
   ours, theirs = model_cfg.get("hidden_act", "gelu"), hf["hidden_act"]
   if theirs in HIDDEN_ACTS and HIDDEN_ACTS.get(ours) != HIDDEN_ACTS[theirs]:
-    lines.append(f"model.hidden_act: {ours!r} (config) != {theirs!r} ({source})")
+    lines.append(f"{model_option('hidden_act')}: {ours!r} (config) != {theirs!r} "
+                 f"({source})")
   if hf["type_vocab_size"] != OUR_TYPE_VOCAB:
     lines.append(f"type_vocab_size: {OUR_TYPE_VOCAB} (our BERT) != {hf['type_vocab_size']} "
                  f"({source})")
@@ -172,11 +178,11 @@ def model_overrides(path: str) -> dict[str, Any]:
           "hidden_act": hf["hidden_act"]}
 
 
-def check_vocab(data_vocab: str, path: str) -> None:
+def check_vocab(data_vocab: str, path: str, option: str = OPTION) -> None:
   """ConfigError unless `data_vocab` (a vocab.txt) lists the same tokens as PATH/vocab.txt."""
   theirs_file = os.path.join(path, "vocab.txt")
   if not os.path.isfile(theirs_file):
-    raise ConfigError(OPTION, f"{path} has no vocab.txt, so the data's token ids cannot be "
+    raise ConfigError(option, f"{path} has no vocab.txt, so the data's token ids cannot be "
                       "checked against the checkpoint's embeddings")
   ours, theirs = _vocab_tokens(data_vocab), _vocab_tokens(theirs_file)
   if ours == theirs:
@@ -185,7 +191,7 @@ def check_vocab(data_vocab: str, path: str) -> None:
                min(len(ours), len(theirs)))
   differ = (f"line {first + 1}: {ours[first]!r} vs {theirs[first]!r}"
             if first < min(len(ours), len(theirs)) else "one is a prefix of the other")
-  raise ConfigError(OPTION, f"the data's {data_vocab} ({len(ours)} tokens) differs from "
+  raise ConfigError(option, f"the data's {data_vocab} ({len(ours)} tokens) differs from "
                     f"{theirs_file} ({len(theirs)} tokens; first at {differ}): prepare the data "
                     f"with that vocab: realm-prepare --config.vocab={path}")
 
@@ -343,9 +349,10 @@ class LoadReport:
   left_at_init: list[str]
   notes: list[str]
   unused: list[str]
+  option: str = OPTION             # the init option that asked for the load
 
   def lines(self) -> list[str]:
-    out = [f"init.hf_bert: BERT weights from {self.source} loaded into "
+    out = [f"{self.option}: BERT weights from {self.source} loaded into "
            + ", ".join(self.loaded)]
     out += [f"  left at init: {x}" for x in self.left_at_init]
     out += [f"  {x}" for x in self.notes]
@@ -390,7 +397,8 @@ def load_bert_towers(params: Mapping, path: str, option: str = OPTION) -> tuple[
     else:
       left.append(f"{where} (MLM head: the checkpoint has no complete cls.predictions)")
   conv.raise_errors(option, path)
-  return new, LoadReport(file, sorted(loaded), left + projections, conv.notes, conv.unused())
+  return new, LoadReport(file, sorted(loaded), left + projections, conv.notes, conv.unused(),
+                         option or OPTION)
 
 
 def _load_mlm_head(conv: Conversion, new: dict, path: tuple, cls_params: Mapping,
@@ -424,8 +432,12 @@ def init_params(config, params: Mapping, data_vocab: str,
   `data_vocab` is the data dir's vocab.txt, `vocab_size` its size. Raises ConfigError listing
   every config.model field that does not fit the checkpoint, or a vocab that differs.
   """
+  from realm_jax.train.config_base import PARTS, part_model, part_options
   path = config.init.hf_bert
-  lines = bert_config_mismatches(config.model, path, vocab_size=vocab_size)
+  lines = [line for part in PARTS for line in bert_config_mismatches(
+      part_model(config, part), path, vocab_size=vocab_size,
+      options=part_options(config, part))]
+  lines = list(dict.fromkeys(lines))   # a field the parts share is named once
   if lines:
     raise ConfigError(OPTION, f"{path} does not fit config.model:\n  " + "\n  ".join(lines))
   check_vocab(data_vocab, path)

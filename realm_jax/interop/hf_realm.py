@@ -282,17 +282,21 @@ class ImportReport:
 
 # -- conversion ---------------------------------------------------------------------------
 def convert(params: Mapping, tensors: dict[str, np.ndarray], layout: str, source: str,
-            hf_dir: str) -> tuple[dict, ImportReport]:
-  """`params` (our initialised tree) with every leaf the checkpoint holds replaced.
+            hf_dir: str, only: str = "", option: str = "") -> tuple[dict, ImportReport]:
+  """`params` (our initialised tree) with every leaf the checkpoint holds replaced (with
+  `only`, a top-level part such as "retriever", the leaves of that part alone).
 
   Raises ConfigError for a weight the layout must hold that is missing, and for every shape
   mismatch. The MLM decoder is tied to the word embeddings in our model: an untied one is
   noted and not used.
   """
   conv = hf_bert.Conversion(tensors, source)
-  names = realm_key_map(params, layout)
+  names = {ours: hf for ours, hf in realm_key_map(params, layout).items()
+           if not only or ours.startswith(only + "/")}
   flat = _flat(params)
-  conv.our_hidden = flat["reader/bert/embeddings/word_embeddings/embedding"].shape[-1]
+  words = next(k for k in flat if k.startswith((only or "reader") + "/")
+               and k.endswith("bert/embeddings/word_embeddings/embedding"))
+  conv.our_hidden = flat[words].shape[-1]
   new, from_hf = {}, {}
   for ours, hf in names.items():
     if hf not in tensors:
@@ -305,11 +309,12 @@ def convert(params: Mapping, tensors: dict[str, np.ndarray], layout: str, source
                         for hf in names.values() if "cls.predictions." in hf}):
     _check_tied_decoder(conv, prefix, prefix.replace("cls.predictions.",
                                                      "realm.embeddings.word_embeddings.weight"))
-  conv.raise_errors("", hf_dir)
+  conv.raise_errors(option, hf_dir)
   if "block_emb" in tensors:
     conv.used.add("block_emb")
   out = hf_bert._replaced(params, new)
-  initialised = sorted(p for p in flat if p not in from_hf)
+  initialised = sorted(p for p in flat if p not in from_hf
+                       and (not only or p.startswith(only + "/")))
   unused = conv.unused()
   embedder_head = {"RealmEmbedder": "cls.predictions.",
                    "RealmForOpenQA": "embedder.cls.predictions."}.get(layout)

@@ -7,7 +7,9 @@ Parameter tree (top level):
   reader/{bert, cls}                  (BERT + MLM head, decoder tied to the word embeddings)
   reader/qa_outputs                   (ORQA span scorer; only with `span_hidden` > 0: Open-QA)
 Every stage (ICT, reader warm-up, REALM) uses the same tree, so one stage's checkpoint starts
-the next; the optimizer decides which half is trained.
+the next; the optimizer decides which half is trained. The retriever towers may have a shape of
+their own (`retriever_cfg`: another hidden size, depth, width), e.g. a small retriever beside
+a pre-trained reader.
 """
 
 from __future__ import annotations
@@ -169,15 +171,20 @@ class Reader(nn.Module):
 class REALM(nn.Module):
   """Retriever + reader; the methods below are what the training and eval steps call."""
 
-  cfg: BertConfig
+  cfg: BertConfig                  # the reader's BERT
   retrieval_dim: int = 128
   share_towers: bool = False
   span_hidden: int = 0             # > 0: the reader has the Open-QA span scorer
   max_span_width: int = 10
   span_eps: float = 1e-3
+  retriever_cfg: BertConfig | None = None   # the retriever towers' BERT (None: as `cfg`)
+
+  @property
+  def retriever_bert(self) -> BertConfig:
+    return self.retriever_cfg or self.cfg
 
   def setup(self):
-    self.retriever = Retriever(self.cfg, self.retrieval_dim, self.share_towers)
+    self.retriever = Retriever(self.retriever_bert, self.retrieval_dim, self.share_towers)
     self.reader = Reader(self.cfg, self.span_hidden, self.max_span_width, self.span_eps)
 
   def embed_queries(self, query_ids, deterministic=True):

@@ -84,16 +84,27 @@ def _read_only_manager(workdir: str, **kwargs) -> ocp.CheckpointManager:
       read_only=True, create=False, save_interval_steps=0), **kwargs)
 
 
+def saved_param_shapes(workdir: str, step: int | None = None
+                       ) -> tuple[dict[tuple[str, ...], tuple[int, ...]], int]:
+  """Path -> shape of every parameter a checkpoint holds (from its metadata; nothing is
+  read), and its step (the latest unless `step`)."""
+  manager = _read_only_manager(workdir, item_handlers={"params": ocp.PyTreeCheckpointHandler()})
+  try:
+    step = _step_or_latest(manager, workdir, step)
+    tree = manager.item_metadata(step)["params"]
+  finally:
+    manager.close()
+  tree = getattr(tree, "tree", tree)   # orbax's TreeMetadata wraps the nested dict
+  leaves = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: not isinstance(x, dict))[0]
+  return {tuple(str(getattr(k, "key", k)) for k in path): tuple(getattr(leaf, "shape", ()))
+          for path, leaf in leaves}, step
+
+
 def saved_param_paths(workdir: str, step: int | None = None) -> tuple[set[tuple[str, ...]], int]:
   """The parameter paths a checkpoint holds (from its metadata; nothing is read) and its step."""
-  manager = _read_only_manager(workdir, item_handlers={"params": ocp.PyTreeCheckpointHandler()})
-  step = _step_or_latest(manager, workdir, step)
-  tree = manager.item_metadata(step)["params"]
-  tree = getattr(tree, "tree", tree)   # orbax's TreeMetadata wraps the nested dict
-  manager.close()
-  paths = jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: not isinstance(x, dict))[0]
-  return {tuple(str(getattr(k, "key", k)) for k in path) for path, _ in paths}, step
+  shapes, step = saved_param_shapes(workdir, step)
+  return set(shapes), step
 
 
 def _step_or_latest(manager, workdir: str, step: int | None) -> int:

@@ -20,8 +20,15 @@ BACKENDS = ("exact", "scann")
 # checkpoints were written under other values cannot be resumed.
 COMPATIBILITY_FIELDS = ("task", "model", "data.query_len", "data.block_len", "retrieval.k",
                         "retrieval.mode", "train.batch_size")
+# The shape fields the retriever towers may set apart from the reader's (`model.retriever.*`,
+# 0 / -1.0 / "": the same as `model.*`).
+TOWER_FIELDS = ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position",
+                "dropout_rate", "hidden_act")
+TOWER_UNSET = {"dropout_rate": -1.0, "hidden_act": ""}   # the others: 0
+PARTS = ("retriever", "reader")  # the two halves of the parameter tree, each with its own start
 # Compatibility fields added later -> the value checkpoints saved without them were written under.
-ADDED_FIELDS = {"model.hidden_act": "gelu"}
+ADDED_FIELDS = {"model.hidden_act": "gelu",
+                **{f"model.retriever.{f}": TOWER_UNSET.get(f, 0) for f in TOWER_FIELDS}}
 
 
 def config_module(path: str):
@@ -59,8 +66,9 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 0           # 0: the size of the data dir's vocab.txt
+  # model.* shape the reader, and the retriever towers unless model.retriever.* say otherwise
   c.model.hidden_size = 768        # BERT hidden size
-  c.model.num_layers = 12          # transformer layers per tower
+  c.model.num_layers = 12          # transformer layers
   c.model.num_heads = 12           # attention heads
   c.model.intermediate_size = 3072  # feed-forward width
   c.model.max_position = 512       # position embeddings (>= query_len + block_len)
@@ -73,6 +81,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.span_hidden_size = 256   # ORQA span scorer width (task openqa only)
   c.model.max_span_width = 10      # longest answer span, in wordpieces (openqa)
   c.model.span_layer_norm_eps = 1e-3  # the span scorer's LayerNorm epsilon (HF RealmConfig)
+  c.model.retriever = ml_collections.ConfigDict()   # the retriever towers' own shape
+  c.model.retriever.hidden_size = 0        # 0: model.hidden_size
+  c.model.retriever.num_layers = 0         # 0: model.num_layers
+  c.model.retriever.num_heads = 0          # 0: model.num_heads
+  c.model.retriever.intermediate_size = 0  # 0: model.intermediate_size
+  c.model.retriever.max_position = 0       # 0: model.max_position (>= query_len, block_len)
+  c.model.retriever.dropout_rate = -1.0    # -1: model.dropout_rate
+  c.model.retriever.hidden_act = ""        # "": model.hidden_act
 
   c.retrieval = ml_collections.ConfigDict()
   c.retrieval.mode = "index"       # "index": top-k from the block index; "own_block": null +
@@ -146,10 +162,17 @@ def base_config() -> ml_collections.ConfigDict:
   c.index.devices = ""             # GPU ids of the builder ("6,7"); the trainer gets the rest
                                    # (launch/local.py); "" on CPU: separate processes
 
-  c.init = ml_collections.ConfigDict()
-  c.init.from_workdir = ""         # start params from this run's latest checkpoint
+  c.init = ml_collections.ConfigDict()   # where each part's params start (resume aside)
+  c.init.from_workdir = ""         # every part from this run's latest checkpoint
   c.init.hf_bert = ""              # HF BERT dir (config.json + model.safetensors): every BERT
                                    # tower starts from it
+  c.init.retriever = ""            # the retriever alone (query + block towers): "" (as above),
+                                   # "random", a run's workdir, an HF BERT / REALM dir, or
+                                   # pkg:MODULE[/SUBDIR] (an HF dir inside an installed package)
+  c.init.retriever_step = -1       # workdir source: this checkpoint step (-1: the latest)
+  c.init.reader = ""               # the reader (BERT + MLM head; + span head in openqa): as
+                                   # init.retriever
+  c.init.reader_step = -1          # workdir source: this checkpoint step (-1: the latest)
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (-1, 1)           # (data, model); -1 = all remaining devices
@@ -181,6 +204,63 @@ def demo_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.eval.num_examples = 1000
   c.eval.batch_size = 128
   return c
+
+
+def part_model(config, part: str) -> ml_collections.ConfigDict:
+  """`config.model` with the shape of `part` ("retriever" or "reader"): the retriever's
+  `model.retriever.*` fields replace the shared ones where set (saved configs lack them)."""
+  if part not in PARTS:
+    raise ValueError(f"part {part!r} is not one of {PARTS}")
+  m = ml_collections.ConfigDict(config.model.to_dict())
+  own = m.get("retriever") or {}
+  if "retriever" in m:
+    del m["retriever"]
+  if part == "retriever":
+    for field in TOWER_FIELDS:
+      value = own.get(field, TOWER_UNSET.get(field, 0))
+      if value != TOWER_UNSET.get(field, 0):
+        m[field] = value
+  return m
+
+
+def model_option(part: str, field: str) -> str:
+  """The option a user sets for `field` of `part`: model.retriever.X or model.X."""
+  return f"model.retriever.{field}" if part == "retriever" and field in TOWER_FIELDS \
+      else f"model.{field}"
+
+
+def part_options(config, part: str) -> dict[str, str]:
+  """field -> the option that decides it for `part` in this config: model.retriever.X where
+  the retriever sets X itself, else model.X."""
+  own = config.model.get("retriever") or {}
+  return {f: (model_option(part, f) if own.get(f, TOWER_UNSET.get(f, 0))
+              != TOWER_UNSET.get(f, 0) else f"model.{f}") for f in TOWER_FIELDS}
+
+
+def _validate_towers(config) -> None:
+  d = config.data
+  needs = {"reader": d.query_len + d.block_len, "retriever": max(d.query_len, d.block_len)}
+  from realm_jax.models.bert import HIDDEN_ACTS   # (flax) not at the top: configs import us
+  for part in PARTS:
+    m, opts = part_model(config, part), part_options(config, part)
+    option = lambda field: opts.get(field, f"model.{field}")
+    for field in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+      if m[field] < 1:
+        raise ConfigError(option(field), f"must be >= 1, got {m[field]}")
+    if m.max_position < needs[part]:
+      what = "query_len + block_len" if part == "reader" else "max(query_len, block_len)"
+      raise ConfigError(option("max_position"), f"{m.max_position} < {what} = "
+                        f"{needs[part]} ({part})")
+    if m.hidden_size % m.num_heads:
+      raise ConfigError(option("num_heads"), f"{m.num_heads} must divide "
+                        f"{option('hidden_size')} ({m.hidden_size})")
+    if not 0 <= m.dropout_rate < 1:
+      raise ConfigError(option("dropout_rate"), f"must be in [0, 1), got "
+                        f"{m.dropout_rate}")
+    hidden_act = m.get("hidden_act", "gelu")
+    if hidden_act not in HIDDEN_ACTS:
+      raise ConfigError(option("hidden_act"), f"{hidden_act!r} is not one of "
+                        f"{', '.join(HIDDEN_ACTS)} (erf GELU or its tanh approximation)")
 
 
 def validate(config, *, num_blocks: int | None = None, store_block_len: int | None = None,
@@ -221,20 +301,14 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
     raise ConfigError("data.query_len", f"{d.query_len} < 4 wordpieces")
   if not 1 <= d.max_masks <= d.query_len - 2:
     raise ConfigError("data.max_masks", f"must be in [1, query_len - 2], got {d.max_masks}")
-  if config.model.max_position < d.query_len + d.block_len:
-    raise ConfigError("model.max_position", f"{config.model.max_position} < query_len + "
-                      f"block_len = {d.query_len + d.block_len}")
-  if config.model.hidden_size % config.model.num_heads:
-    raise ConfigError("model.num_heads", "must divide model.hidden_size")
-  from realm_jax.models.bert import HIDDEN_ACTS   # (flax) not at the top: configs import us
-  hidden_act = config.model.get("hidden_act", "gelu")
-  if hidden_act not in HIDDEN_ACTS:
-    raise ConfigError("model.hidden_act", f"{hidden_act!r} is not one of "
-                      f"{', '.join(HIDDEN_ACTS)} (erf GELU or its tanh approximation)")
+  _validate_towers(config)
   if t.batch_size < 1 or t.steps < 1:
     raise ConfigError("train.batch_size" if t.batch_size < 1 else "train.steps", "must be >= 1")
   if config.init.get("hf_bert") and config.init.from_workdir:
     raise ConfigError("init.hf_bert", "and init.from_workdir are both set: start from one")
+  for part in PARTS:
+    if config.init.get(f"{part}_step", -1) < -1:
+      raise ConfigError(f"init.{part}_step", "must be a checkpoint step or -1 (the latest)")
   if config.task == "openqa":
     q = config.qa    # the question sets themselves are checked where they are read (qa_split)
     if q.reader_beam < 1 or q.searcher_beam < q.reader_beam:

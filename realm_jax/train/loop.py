@@ -18,9 +18,10 @@ from realm_jax.retrieval import published
 from realm_jax.retrieval.builder import DONE, record_block_store
 from realm_jax.retrieval.index import ExactIndex, LoadedIndex, embed_blocks
 from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
-from realm_jax.train import batches, multihost, partitioning, state as state_lib, steps
+from realm_jax.train import batches, initialization, multihost, partitioning, \
+    state as state_lib, steps
 from realm_jax.train.feed import BatchFeed, IndexSchedule
-from realm_jax.train.checkpoints import Checkpointer, restore_params
+from realm_jax.train.checkpoints import Checkpointer
 from realm_jax.train.config_base import incompatible_fields, uses_index_builder, validate
 from realm_jax.train.metrics import MetricWriter, format_duration, window_scalars
 from realm_jax.train.preemption import Preemption
@@ -170,8 +171,8 @@ class Trainer:
     return item
 
   def restore_or_init(self) -> int:
-    """Resumes from the latest checkpoint, else starts from `config.init.from_workdir` or
-    `config.init.hf_bert`."""
+    """Resumes from the latest checkpoint, else starts each part from its `config.init`
+    source (train/initialization.py)."""
     latest = self.checkpointer.latest_step()
     if latest is not None:
       abstract_retrieval = {"step": np.zeros((), np.int32)}
@@ -185,18 +186,11 @@ class Trainer:
       print(f"[{self.config.task}] resumed from {self.checkpointer.directory}/{latest} "
             f"(data at step {data_state['next_step']})", flush=True)
       return int(data_state["next_step"])
-    if self.config.init.from_workdir:
-      params, step = restore_params(self.config.init.from_workdir, self.abstract.params)
-      self.state = self.state.replace(params=params)
-      print(f"[{self.config.task}] params from {self.config.init.from_workdir} step {step}",
-            flush=True)
-    elif self.config.init.hf_bert:
-      from realm_jax.interop import hf_bert
-      params, report = hf_bert.init_params(self.config, self.state.params,
-                                           self.data.tokenizer.vocab_path,
-                                           self.data.tokenizer.vocab_size)
-      self.state = self.state.replace(params=jax.device_put(params, self.shardings.params))
-      print("\n".join(f"[{self.config.task}] {line}" for line in report.lines()), flush=True)
+    start = initialization.start_params(self.config, self.state.params, self.abstract.params,
+                                        self.shardings.params, self.data.tokenizer.vocab_path,
+                                        self.data.tokenizer.vocab_size)
+    self.state = self.state.replace(params=start.params)
+    start.print(f"[{self.config.task}] ")
     return 0
 
   def _save(self, done: int, data_state: dict) -> None:

@@ -2,7 +2,8 @@
 tower and index frozen (ORQA; REALM sec. 4.2), several questions per step.
 
 The frozen index is `W/index`'s latest version. A fresh run publishes it first: the index of
-`init.from_workdir` when that index was built from the very checkpoint the run starts from
+the run the retriever starts from (`init.retriever` or `init.from_workdir`) when that index was
+built from the very checkpoint the retriever comes from
 (an imported RealmForOpenQA, a REALM run whose builder indexed its final step), else the
 blocks embedded with the starting block tower. Resuming reuses it, so every step of a run and
 `realm-eval` afterwards retrieve from the same embeddings.
@@ -23,8 +24,8 @@ from realm_jax.errors import ConfigError
 from realm_jax.evaluate_qa import QAEvaluator, format_metrics
 from realm_jax.retrieval import published
 from realm_jax.retrieval.builder import publish_exact
-from realm_jax.train import partitioning, state as state_lib, steps
-from realm_jax.train.checkpoints import Checkpointer, restore_params
+from realm_jax.train import initialization, partitioning, state as state_lib, steps
+from realm_jax.train.checkpoints import Checkpointer
 from realm_jax.train.config_base import validate
 from realm_jax.train.loop import check_workdir, load_data
 from realm_jax.train.metrics import MetricWriter, format_duration, window_scalars
@@ -64,6 +65,7 @@ class OpenQATrainer:
     self.questions = QuestionBatches(config, len(self.train_qa), jax.process_index(),
                                      jax.process_count())
     self.saved_data = None
+    self.retriever_workdir = ""     # the run the retriever started from (its index may serve)
 
   # -- start -------------------------------------------------------------------------------
   def restore_or_init(self) -> tuple[int, int]:
@@ -76,26 +78,14 @@ class OpenQATrainer:
           latest, self.abstract, {"step": np.zeros((), np.int32)})
       print(f"[{task}] resumed from {self.checkpointer.directory}/{latest}", flush=True)
       return int(self.saved_data["next_step"]), -1
-    init = self.config.init
-    if init.from_workdir:
-      params, step, missing = restore_params(init.from_workdir, self.abstract.params,
-                                             partial=True)
-      merged = jax.tree.map(lambda x: x, self.state.params)
-      _merge(merged, params)
-      self.state = self.state.replace(params=merged)
-      fresh = sorted({"/".join(p[:3]) for p in missing})
-      print(f"[{task}] params from {init.from_workdir} step {step}" +
-            (f"; newly initialised (not in that checkpoint): {', '.join(fresh)}" if fresh
-             else ""), flush=True)
-      return 0, step
-    if init.hf_bert:
-      from realm_jax.interop import hf_bert
-      params, report = hf_bert.init_params(self.config, self.state.params,
-                                           self.data.tokenizer.vocab_path,
-                                           self.data.tokenizer.vocab_size)
-      self.state = self.state.replace(params=jax.device_put(params, self.shardings.params))
-      print("\n".join(f"[{task}] {line}" for line in report.lines()), flush=True)
-    return 0, -1
+    start = initialization.start_params(self.config, self.state.params, self.abstract.params,
+                                        self.shardings.params, self.data.tokenizer.vocab_path,
+                                        self.data.tokenizer.vocab_size)
+    self.state = self.state.replace(params=start.params)
+    start.print(f"[{task}] ")
+    retriever = start.sources["retriever"]
+    self.retriever_workdir = retriever.path if retriever.kind == "workdir" else ""
+    return 0, start.steps.get("retriever", -1)
 
   def frozen_index(self, init_step: int) -> FrozenIndex:
     """W/index's latest version; on a fresh run, published first (see the module doc)."""
@@ -107,12 +97,13 @@ class OpenQATrainer:
             f"at step {frozen.step})", flush=True)
       return frozen
     source = None
-    if cfg.init.from_workdir and init_step >= 0:
-      root = published.index_root(cfg.init.from_workdir)
+    origin = self.retriever_workdir
+    if origin and init_step >= 0:
+      root = published.index_root(origin)
       latest = published.read_latest(root) if os.path.isdir(str(root)) else None
       if latest is not None and published.read_manifest(root, latest)["step"] == init_step:
-        source = FrozenIndex.load(cfg.init.from_workdir, fingerprint, dim, latest)
-        print(f"[{task}] frozen index: the block embeddings of {cfg.init.from_workdir}/index "
+        source = FrozenIndex.load(origin, fingerprint, dim, latest)
+        print(f"[{task}] frozen index: the block embeddings of {origin}/index "
               f"v{latest} (step {init_step})", flush=True)
     if source is None:
       source = FrozenIndex.embed(self.model, self.mesh, cfg, self.data,
@@ -206,12 +197,3 @@ class OpenQATrainer:
     print(f"[{self.config.task}] eval @ {step} on {metrics['num_questions']} dev questions: "
           f"{format_metrics(metrics)} ({metrics['seconds']:.1f}s)", flush=True)
     return metrics
-
-
-def _merge(into: dict, update: dict) -> None:
-  """Overwrites the leaves of nested dict `into` with those of `update` (same structure)."""
-  for key, value in update.items():
-    if isinstance(value, dict):
-      _merge(into[key], value)
-    else:
-      into[key] = value

