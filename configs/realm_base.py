@@ -6,12 +6,15 @@ wordpieces, batch 512, lr 3e-5, 200k steps, the block index rebuilt every 500 st
 0.1: all of these are `base_config()` defaults, so only what differs is set below. The paper
 trained on 64 TPUs (16 more embedded the corpus); use `--config.model.dtype=bfloat16` there.
 
-The paper starts the retriever from ICT and the reader from pre-trained BERT-base;
-`init.from_workdir` restores every parameter of that run, so point it at the ICT run
-(configs/ict_base.py), whose reader ICT leaves untouched:
+The paper starts the retriever from ICT and the knowledge-augmented encoder (the reader) from
+pre-trained BERT-base with its MLM head; so do the defaults below: `init.retriever` is the
+ICT run of configs/ict_base.py (only its retriever is restored) and `init.reader` a Hugging
+Face BERT-base dir (config.json, model.safetensors or pytorch_model.bin, vocab.txt; the data
+must be prepared with that vocab, which is checked at start-up). Point them at your copies:
 
   realm-train --config configs/realm_base.py --workdir gs://BUCKET/realm/realm \
-      --config.data.dir gs://BUCKET/realm/data --config.init.from_workdir gs://BUCKET/realm/ict
+      --config.data.dir gs://BUCKET/realm/data --config.init.retriever gs://BUCKET/realm/ict \
+      --config.init.reader /data/bert-base-uncased
 
 Variants by arg:
   base   (default) the paper's settings
@@ -22,6 +25,8 @@ Variants by arg:
 from realm_jax.train.config_base import base_config, tiny_model
 
 VARIANTS = ("base", "small")
+ICT_RUN = "runs/ict_base"          # the workdir of the configs/ict_base.py run
+BERT_BASE = "bert-base-uncased"    # a local Hugging Face BERT-base dir (never downloaded)
 
 
 def get_config(arg=None):
@@ -30,6 +35,8 @@ def get_config(arg=None):
     raise ValueError(f"configs/realm_base.py: unknown variant {variant!r}; one of {VARIANTS}")
   c = base_config()
   c.model.vocab_size = 30522       # BERT-base uncased wordpieces (imported BERT fits as is)
+  c.init.retriever = ICT_RUN       # the retriever from the ICT warm start
+  c.init.reader = BERT_BASE        # the reader (BERT + MLM head) from pre-trained BERT-base
   if variant == "small":
     _small(c)
   return c
@@ -38,6 +45,8 @@ def get_config(arg=None):
 def _small(c):
   """Shrinks the model, batch and schedule; keeps the data shapes so the same data dir works."""
   tiny_model(c)                    # a 2-layer d=128 BERT per tower
+  c.init.retriever = ""            # random starts: BERT-base does not fit the tiny towers
+  c.init.reader = ""
   c.train.batch_size = 16          # queries per step
   c.train.steps = 40               # long enough to cross a refresh and a checkpoint
   c.train.log_every = 10           # progress every 10 steps

@@ -44,7 +44,8 @@ ACTIONS = ("create", "install", "start", "tail", "stop", "delete", "up")
 JOBS = ("trainer", "builder")
 ENTRY = {"trainer": "realm-train", "builder": "realm-index"}
 MOUNT_ROOT = "/gcs"
-PATH_FIELDS = ("data.dir", "init.from_workdir", "init.hf_bert")   # read on the machines
+PATH_FIELDS = ("data.dir", "init.from_workdir", "init.hf_bert", "init.retriever",
+               "init.reader")     # paths read on the machines
 GRACE_SECONDS = 120         # after SIGTERM: the trainer saves a checkpoint before it exits
 PYTHON = "python3.11"       # the package needs 3.11+; Ubuntu 22.04's python3 is 3.10
 ENV_BIN = "$HOME/realm_env/bin"
@@ -150,7 +151,8 @@ def plan_run(config_spec: str, workdir: str, sets: list[str]) -> Plan:
     if isinstance(value, str) and value.startswith("gs://"):
       where, value = gcs_bucket(value, f"config.{key}")
       buckets += [where] if where not in buckets else []
-    elif key in PATH_FIELDS and (value or key == "data.dir"):
+    elif key in PATH_FIELDS and (value or key == "data.dir") and \
+        not str(value).startswith("pkg:"):    # pkg:MODULE/DIR: in a package the machines install
       where = f"{value!r} is not in a bucket, so the machines cannot read it" if value else \
           "is empty (the prepared data dir)"
       raise ConfigError(key, f"{where}: give --set {key}=gs://BUCKET/PATH")

@@ -3,7 +3,8 @@
 recall@n: one of the top-n retrieved blocks (the query's own block excluded) states the masked
 fact (generator ground truth, used only here; real text has none, so no recall there).
 span accuracy: every masked wordpiece of the span is the argmax of the marginal
-p(y_j | x) = sum_z p(z|x) p(y_j|z,x).
+p(y_j | x) = sum_z p(z|x) p(y_j|z,x); span_accuracy_null_document: the same reader's argmax of
+p(y_j | null, x), the null document alone (what retrieval adds is the difference).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Evaluator:
     bs = max(cfg.eval.batch_size // self.mesh.devices.size, 1) * self.mesh.devices.size
     n = len(self.rows)
     hits = {at: [] for at in RECALL_AT}
-    correct, utility, details = [], [], []
+    correct, null_correct, utility, details = [], [], [], []
     # Examples to show in detail, spread over the set (neighbours are about one entity).
     show = set(np.linspace(0, n - 1, keep_examples).astype(int).tolist()) \
         if keep_examples else set()
@@ -83,6 +84,8 @@ class Evaluator:
       valid = q["mask_weights"] > 0
       ok = ((preds == q["mask_labels"]) | ~valid).all(axis=1)
       correct.extend(ok[:real])
+      null_ok = ((out["null_predictions"] == q["mask_labels"]) | ~valid).all(axis=1)
+      null_correct.extend(null_ok[:real])
       utility.extend(out["retrieval_utility"][:real])
       shown = [i for i in range(real) if start + i in show]
       if shown:
@@ -90,6 +93,7 @@ class Evaluator:
     metrics = {f"recall_at_{at}": float(np.mean(h)) for at, h in hits.items() if h}
     if correct:
       metrics["span_accuracy"] = float(np.mean(correct))
+      metrics["span_accuracy_null_document"] = float(np.mean(null_correct))
       metrics["retrieval_utility"] = float(np.mean(utility))
     metrics["num_examples"] = float(n)
     return metrics, details

@@ -319,6 +319,30 @@ def test_missing_layers_are_reported(tmp_path):
     hf_bert.load_bert_towers(params, path)
 
 
+def test_fewer_layers_than_the_checkpoint_take_its_first_ones(tmp_path):
+  config = hf_config(len(VOCAB))                       # 2 layers
+  weights = random_bert(config, mlm_head=True)
+  path = write_checkpoint(tmp_path / "hf", weights, config, VOCAB)
+  params = realm_params(True, hf_config(len(VOCAB), num_hidden_layers=1), len(VOCAB))
+  new, report = hf_bert.load_bert_towers(params, path)
+  for tower in towers(True):
+    assert list(get_tree(new, tower + "/encoder")) == ["0"]
+    np.testing.assert_array_equal(get(new, tower + "/encoder/0/output/dense/kernel"),
+                                  weights["encoder.layer.0.output.dense.weight"].T)
+  assert "layers: the first 1 of the checkpoint's 2" in report.notes
+  assert "encoder.layer.1.output.dense.weight" in report.unused
+  model = base_config().model
+  model.update(hf_bert.model_overrides(path))
+  model.num_layers = 1                                 # fewer than the checkpoint: fine
+  assert hf_bert.bert_config_mismatches(model, path) == []
+
+
+def get_tree(tree, path):
+  for key in path.split("/"):
+    tree = tree[key]
+  return tree
+
+
 def test_missing_files_are_named(tmp_path):
   with pytest.raises(FileNotFoundError, match="config.json"):
     hf_bert.read_config(str(tmp_path))
@@ -330,14 +354,14 @@ def test_missing_files_are_named(tmp_path):
 
 def test_config_mismatch_lines():
   model = base_config().model
-  model.hidden_size, model.num_layers, model.max_position = 128, 2, 600
+  model.hidden_size, model.num_layers, model.max_position = 128, 8, 600
   hf = hf_config(30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
                  intermediate_size=1536, max_position_embeddings=512, hidden_act="gelu_new",
                  layer_norm_eps=1e-5)
   lines = hf_bert.bert_config_mismatches(model, hf, vocab_size=1000, source="P/config.json")
   assert lines == [
       "model.hidden_size: 128 (config) != 384 (P/config.json)",
-      "model.num_layers: 2 (config) != 6 (P/config.json)",
+      "model.num_layers: 8 (config) > 6 (P/config.json): the checkpoint has only 6 layers",
       "model.intermediate_size: 3072 (config) != 1536 (P/config.json)",
       "model.max_position: 600 (config) > 512 (P/config.json): the checkpoint has only 512 "
       "positions",

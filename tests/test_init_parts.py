@@ -134,7 +134,7 @@ def test_bad_init_sources_name_the_option(world_dir, world_data, fresh, tmp_path
   config = towers_config(world_dir, init__retriever=bert_dir)
   with pytest.raises(ConfigError, match=r"(?s)^config\.init\.retriever: .* does not fit the "
                      r"retriever's config:\n  model\.retriever\.hidden_size: 16 \(config\) != "
-                     r"32 .*model\.retriever\.num_layers: 1 \(config\) != 2"):
+                     r"32 .*model\.retriever\.num_heads: 2 \(config\) != 4"):
     start(config, fresh, world_data)
   with open(os.path.join(world_dir, "vocab.txt")) as f:
     words = f.read().splitlines()

@@ -25,11 +25,16 @@ G = "gcloud compute tpus tpu-vm"
 WHERE = ["--zone", "us-central2-b", "--project", "my-project"]
 Z = " ".join(WHERE)
 SLICES = ["--name", "realm", *WHERE]
+# realm_base.py starts its retriever from the ICT run and its reader from BERT-base: in buckets
+INIT = ["--set", "init.retriever=gs://my-bucket/realm/ict",
+        "--set", "init.reader=gs://my-bucket/bert-base-uncased"]
 RUN = ["--config", REALM_BASE, "--workdir", "gs://my-bucket/realm/realm",
-       "--set", "data.dir=gs://my-bucket/realm/data", "--set", "retrieval.refresh=async"]
+       "--set", "data.dir=gs://my-bucket/realm/data", "--set", "retrieval.refresh=async",
+       *INIT]
 JOB_FLAGS = ("--config configs/realm_base.py --workdir /gcs/my-bucket/realm/realm "
              "--multihost=auto --config.data.dir=/gcs/my-bucket/realm/data "
-             "--config.retrieval.refresh=async")
+             "--config.retrieval.refresh=async --config.init.retriever=/gcs/my-bucket/realm/ict "
+             "--config.init.reader=/gcs/my-bucket/bert-base-uncased")
 WHEEL = os.path.join(REPO, "build", "tpu_pod", "realm_jax-0.1.0-py3-none-any.whl")
 
 
@@ -113,7 +118,8 @@ def test_stop_sends_sigterm_tail_follows_worker_0_and_delete_is_quiet(capsys):
 def test_start_and_stop_scripts_run_the_job_in_the_background_and_sigterm_it(tmp_path):
   """The remote scripts in a local bash: a stand-in job records its argv and its SIGTERM."""
   plan = tpu_pod.plan_run(REALM_BASE, "gs://my-bucket/realm/realm",
-                          ["data.dir=gs://my-bucket/realm/data", "retrieval.refresh=async"])
+                          ["data.dir=gs://my-bucket/realm/data", "retrieval.refresh=async",
+                           *INIT[1::2]])
   bin_dir, home = tmp_path / "bin", tmp_path / "home"
   (home / "realm_env" / "bin").mkdir(parents=True)
   bin_dir.mkdir()
@@ -313,7 +319,8 @@ def test_gke_slice_sizes_and_a_trainer_only_run(tmp_path):
   specs = [j["template"]["spec"] for j in manifest["spec"]["replicatedJobs"]]
   assert [(s["parallelism"], s["template"]["spec"]["nodeSelector"][
       "cloud.google.com/gke-tpu-topology"]) for s in specs] == [(8, "2x4x4"), (2, "2x2x2")]
-  only = _render(tmp_path, *RUN[:6], *GKE_RUN[-2:], "--builder_type", "none")   # in_process
+  only = _render(tmp_path, *RUN[:6], *INIT, *GKE_RUN[-2:], "--builder_type",
+                 "none")   # in_process
   assert [j["name"] for j in only["spec"]["replicatedJobs"]] == ["trainer"]
 
 
@@ -345,7 +352,7 @@ def test_committed_gke_example_is_what_its_header_command_renders(tmp_path):
 def test_sweep_tpu_pod_launcher_prints_one_tpu_pod_command_per_run(capsys):
   argv = ["--config", REALM_BASE, "--root", "gs://my-bucket/sweep", "--grid", "train.lr=1e-5,3e-5",
           "--grid", "retrieval.k=4,8", "--set", "data.dir=gs://my-bucket/realm/data",
-          "--set", "retrieval.refresh=async", "--launcher", "tpu_pod", "--name", "realm-lr",
+          "--set", "retrieval.refresh=async", *INIT, "--launcher", "tpu_pod", "--name", "realm-lr",
           "--dry-run", "--", *WHERE]
   assert sweep.main(argv) == 0
   lines = [shlex.split(l) for l in capsys.readouterr().out.splitlines()

@@ -201,3 +201,5 @@ def test_no_retrieval_baseline_reads_only_the_null_document(world_dir, world_dat
   assert (batch["reader_ids"][rows, 0, ends] == world_data.tokenizer.sep_id).all()
   summary = train(config, str(tmp_path / "no_retrieval"))
   assert summary["eval_retrieval_utility"] == 0.0 and 0 <= summary["eval_span_accuracy"] <= 1
+  # Its only candidate is the null document: the marginal is the null document's prediction.
+  assert summary["eval_span_accuracy_null_document"] == summary["eval_span_accuracy"]

@@ -124,10 +124,11 @@ def bert_config_mismatches(model_cfg, hf_config: Mapping | str, *, vocab_size: i
       ours = ours or vocab_size
       if not ours:
         continue
-    if field == "max_position":
+    if field in ("max_position", "num_layers"):   # fewer: the first rows / layers are taken
       if ours > theirs:
+        what = "positions" if field == "max_position" else "layers"
         lines.append(f"{model_option(field)}: {ours} (config) > {theirs} ({source}): "
-                     f"the checkpoint has only {theirs} positions")
+                     f"the checkpoint has only {theirs} {what}")
     elif ours != theirs:
       where = "config / data vocab.txt" if field == "vocab_size" else "config"
       lines.append(f"{model_option(field)}: {ours} ({where}) != {theirs} ({source})")
@@ -261,6 +262,12 @@ class Conversion:
     """Our BertEncoder params (`ours`) with every leaf the checkpoint has replaced."""
     names = hf_parameter_names(ours)
     self.our_hidden = ours["embeddings"]["word_embeddings"]["embedding"].shape[-1]
+    layers = {int(m.group(1)) for n in self.tensors
+              if (m := re.match(r"encoder\.layer\.(\d+)\.", n))}
+    if len(ours["encoder"]) < len(layers):
+      note = f"layers: the first {len(ours['encoder'])} of the checkpoint's {len(layers)}"
+      if note not in self.notes:
+        self.notes.append(note)
     flat = {}
     for flax_name, hf_name in names.items():
       leaf = _get(ours, flax_name)

@@ -32,6 +32,7 @@ from realm_jax.train import multihost
 DONE = "DONE"                    # written by the trainer at the end of its run
 BLOCKS_RECORD = "blocks.json"    # the trainer's block store: {"block_store_fingerprint", ...}
 WAIT_MESSAGE_SECONDS = 30.0      # one "still waiting" line per this many seconds
+LIST_ATTEMPTS = 5                # listings of the checkpoints tried while steps vanish under it
 
 
 def check_block_store(workdir: str, fingerprint: str, data_dir: str) -> None:
@@ -126,6 +127,12 @@ class IndexBuilder:
       self.manager = self._ocp.CheckpointManager(
           self.checkpoint_dir, item_names=ITEMS, options=self._ocp.CheckpointManagerOptions(
               read_only=True, create=False, save_interval_steps=0))
+    for _ in range(LIST_ATTEMPTS - 1):
+      try:
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+      except FileNotFoundError:   # a step deleted (keep-N) while Orbax listed it: list again
+        time.sleep(0.05)
     self.manager.reload()
     return sorted(self.manager.all_steps())
 

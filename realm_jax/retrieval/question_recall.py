@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from realm_jax.data.qa import question_inputs
+from realm_jax.data.qa import is_heldout_article, question_inputs
 from realm_jax.data.store import PreparedData
 from realm_jax.retrieval.index import ExactIndex, LoadedIndex, embed_blocks
 from realm_jax.train import partitioning, state as state_lib, steps
@@ -51,14 +51,20 @@ def paragraph_recall(ranked_blocks: np.ndarray, block_docs: np.ndarray, gold_doc
 
 def dense_ranking(config, workdir: str, data: PreparedData, questions: list[dict],
                   n: int = CANDIDATE_BLOCKS, batch_size: int = 256) -> np.ndarray:
-  """Top-n block rows per question with the retriever of `workdir`'s latest checkpoint."""
+  """Top-n block rows per question with the retriever of `workdir`'s latest checkpoint (or,
+  with workdir "", the retriever as `config.init` starts it: the untrained reference)."""
   mesh = partitioning.make_mesh(config.mesh.shape)
   model = state_lib.build_model(config, data.tokenizer.vocab_size)
-  abstract, _ = state_lib.abstract_train_state(config, model, mesh, data.blocks.block_len)
-  params, step = restore_params(workdir, abstract.params)
+  if workdir:
+    abstract, _ = state_lib.abstract_train_state(config, model, mesh, data.blocks.block_len)
+    params, step = restore_params(workdir, abstract.params)
+  else:
+    from realm_jax.train import initialization
+    params, step = initialization.initial_params(config, model, mesh, data), 0
   embeddings, _ = embed_blocks(steps.block_embedder(model, mesh, config, params["retriever"]),
                                data.blocks, mesh, config.retrieval.embed_batch_size,
-                               log_prefix=f"[recall] {os.path.basename(workdir)} @ {step}: ")
+                               log_prefix=f"[recall] {os.path.basename(workdir) or 'start'} @ "
+                               f"{step}: ")
   index = LoadedIndex(version=0, step=step, index=ExactIndex.from_embeddings(embeddings),
                       encode_queries=steps.QueryEncoder(
                           model, config, steps.query_tower_params(params["retriever"])))
@@ -86,11 +92,21 @@ def bm25_ranking(data: PreparedData, questions: list[dict],
   return np.asarray(rows)
 
 
+def heldout_questions(data: PreparedData, questions: list[dict], fraction: float) -> list[dict]:
+  """The questions of the held-out articles (`qa.heldout_articles`: by title hash, as Open-QA
+  fine-tuning splits them); all of them if `fraction` is 0."""
+  if fraction <= 0:
+    return questions
+  titles = data.blocks.titles
+  return [q for q in questions if is_heldout_article(titles[int(q["doc_id"])], fraction)]
+
+
 def recall_table(data_dir: str, retrievers: dict[str, tuple[object, str]],
-                 ks=RECALL_AT) -> dict[str, dict[str, float]]:
-  """{name: recall@k} for each (config, workdir) retriever and for BM25."""
+                 ks=RECALL_AT, heldout_articles: float = 0.0) -> dict[str, dict[str, float]]:
+  """{name: recall@k} for each (config, workdir) retriever and for BM25, on the questions of
+  the held-out articles when `heldout_articles` > 0 (else on every question)."""
   data = PreparedData(data_dir)
-  questions = load_questions(data_dir)
+  questions = heldout_questions(data, load_questions(data_dir), heldout_articles)
   gold = np.asarray([q["doc_id"] for q in questions])
   block_docs = np.asarray(data.blocks.doc_ids)
   table = {}

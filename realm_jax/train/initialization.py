@@ -141,6 +141,17 @@ def start_params(config, params, abstract_params, shardings, data_vocab: str,
   return Start(out, lines, srcs, steps)
 
 
+def initial_params(config, model, mesh, data):
+  """The params a fresh run of `config` starts from (the parts' sources applied), outside a
+  trainer: the untrained reference of an evaluation."""
+  from realm_jax.train import state as state_lib
+  state, shardings, abstract = state_lib.create_train_state(
+      config, model, mesh, data.blocks.block_len, jax.random.split(
+          jax.random.PRNGKey(config.seed))[0])
+  return start_params(config, state.params, abstract.params, shardings.params,
+                      data.tokenizer.vocab_path, data.tokenizer.vocab_size).params
+
+
 # -- a run's workdir ------------------------------------------------------------------------
 def _from_workdir(config, src: Source, initial, abstract, data_vocab: str):
   from realm_jax.train.checkpoints import restore_params, saved_param_shapes

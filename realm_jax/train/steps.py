@@ -150,7 +150,8 @@ def make_train_step(config, model, state_shardings, mesh):
 
 def make_realm_eval(config, model, mesh):
   """Per-example evaluation of a REALM batch: log-likelihood, p(z|x) and the predicted
-  wordpiece at each mask (argmax of the marginal over candidates)."""
+  wordpiece at each mask (argmax of the marginal over candidates; and of the null document's
+  own distribution, the reader without evidence)."""
   rules = partitioning.logical_rules(config.mesh.rules)
 
   def evaluate(params, batch):
@@ -162,6 +163,8 @@ def make_realm_eval(config, model, mesh):
     null_lik = losses.null_log_likelihood(mask_lp, batch["mask_weights"],
                                           config.retrieval.marginalization)
     return {"predictions": jnp.argmax(marginal, axis=-1).astype(jnp.int32),
+            # the same reader given the null document alone (candidate 0)
+            "null_predictions": jnp.argmax(vocab_lp[:, 0], axis=-1).astype(jnp.int32),
             "p_z": jax.nn.softmax(logits, axis=-1),
             "log_likelihood": log_lik, "retrieval_utility": log_lik - null_lik}
 

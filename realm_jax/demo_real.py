@@ -1,0 +1,172 @@
+"""`make demo-real`: REALM's own recipe on real prose, with a reader that starts from a
+pre-trained BERT (all-MiniLM-L6-v2), on any SQuAD v1.1-format file.
+
+prepare (MiniLM's vocab) -> ICT (the retriever) -> reader warm-up (MiniLM's BERT learns an MLM
+head and to read its own block) -> REALM (trainer + the separate `realm-index` job) ->
+zero-shot retrieval on the held-out articles' questions (untrained start, ICT, REALM, BM25) ->
+Open-QA fine-tuning from the REALM checkpoint and from the ICT start (ICT retriever + MiniLM
+reader, ORQA's start) with the same settings -> EM / F1 / recall on the held-out articles.
+Every stage is an ordinary `realm-train` run in its own sub-workdir (configs/real_realm.py),
+so an interrupted demo resumes where it stopped. W/summary.json holds every figure.
+
+  python -m realm_jax.demo_real --workdir runs/real [--squad PATH] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+from realm_jax.demo import load_config, run_stage
+from realm_jax.errors import run_cli
+from realm_jax.packages import MINILM
+
+CONFIG = "real_realm"
+# (stage, config variant, init options set to the workdir of the stage they name)
+STAGES = (("ict", "ict", {}),
+          ("warmup", "warmup", {"init.retriever": "ict"}),
+          ("realm", "realm", {"init.from_workdir": "warmup"}))
+# (stage, init options as above, other overrides): the same settings, two starts
+OPENQA_STAGES = (("openqa_realm", {"init.from_workdir": "realm"}, {}),
+                 ("openqa_ict", {"init.retriever": "ict"}, {"init.reader": MINILM}))
+
+
+def _config(variant: str, overrides: dict):
+  config = load_config(CONFIG, variant)
+  for key, value in overrides.items():
+    *parents, leaf = key.split(".")
+    node = config
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return config
+
+
+def prepare_data(workdir: str, squad: str) -> tuple[str, str, dict]:
+  """The SQuAD file -> W/data with MiniLM's vocab. Returns (data dir, source, stats)."""
+  from realm_jax.data.prepare import prepare
+  config = load_config(CONFIG, "prepare")
+  if squad:
+    config.source = f"squad:{squad}"
+  config.out_dir = os.path.join(workdir, "data")
+  path = config.source.partition(":")[2]
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path}: no SQuAD-format file (pass SQUAD=PATH / --squad PATH)")
+  print(f"[demo-real] preparing {path} -> {config.out_dir}", flush=True)
+  return config.out_dir, config.source, prepare(config)
+
+
+def stage_overrides(data_dir: str, source: str, seed: int, workdir: str, inits: dict) -> dict:
+  overrides = {"data.dir": data_dir, "seed": seed, "qa.train": source, "qa.test": source}
+  overrides.update({key: os.path.join(workdir, stage) for key, stage in inits.items()})
+  return overrides
+
+
+def retrieval_table(workdir: str, data_dir: str, source: str, seed: int) -> dict:
+  """recall@1/5/20 of the answer paragraph on the held-out articles' questions."""
+  from realm_jax.retrieval.question_recall import format_table, recall_table
+  ict = _config("ict", stage_overrides(data_dir, source, seed, workdir, {}))
+  realm = _config("realm", stage_overrides(data_dir, source, seed, workdir, {}))
+  table = recall_table(data_dir, {"untrained": (ict, ""),
+                                  "ict": (ict, os.path.join(workdir, "ict")),
+                                  "realm": (realm, os.path.join(workdir, "realm"))},
+                       heldout_articles=ict.qa.heldout_articles)
+  print(f"\n== zero-shot retrieval: {table['bm25']['questions']:,} questions of the held-out "
+        "articles ==")
+  print(format_table(table))
+  return table
+
+
+def open_qa(workdir: str, data_dir: str, source: str, seed: int) -> tuple[dict, dict]:
+  """Fine-tunes from each start and scores the held-out articles. Returns (table, summaries)."""
+  from realm_jax.evaluate_qa import evaluate_run
+  table, summaries = {}, {}
+  for name, inits, extra in OPENQA_STAGES:
+    overrides = {**stage_overrides(data_dir, source, seed, workdir, inits), **extra}
+    stage_dir = os.path.join(workdir, name)
+    summaries[name] = run_stage(name, (CONFIG, "openqa"), overrides, stage_dir)
+    print(f"[demo-real] realm-eval {stage_dir} on the held-out articles", flush=True)
+    table[name], _ = evaluate_run(_config("openqa", overrides), stage_dir, split="test")
+  return table, summaries
+
+
+def print_report(summary: dict) -> None:
+  rows = [("zero-shot recall@5, untrained start", "recall_at_5_untrained"),
+          ("zero-shot recall@5, ICT", "recall_at_5_ict"),
+          ("zero-shot recall@5, REALM", "recall_at_5_realm"),
+          ("zero-shot recall@5, BM25", "recall_at_5_bm25"),
+          ("span accuracy, REALM reader", "span_accuracy_realm"),
+          ("span accuracy, null document only", "span_accuracy_no_retrieval"),
+          ("Open-QA EM, from REALM", "exact_match_realm"),
+          ("Open-QA EM, from ICT + MiniLM", "exact_match_ict"),
+          ("Open-QA F1, from REALM", "f1_realm"),
+          ("Open-QA F1, from ICT + MiniLM", "f1_ict"),
+          ("Open-QA recall@5, from REALM", "openqa_recall_at_5_realm"),
+          ("Open-QA recall@5, from ICT + MiniLM", "openqa_recall_at_5_ict"),
+          ("wall minutes", "wall_minutes")]
+  print(f"\n== REALM on real prose: {summary['source']} (seed {summary['seed']}, "
+        f"{summary['machine']}) ==")
+  for label, key in rows:
+    value = summary.get(key)
+    print(f"  {label:<40} {value:>8.3f}" if isinstance(value, float) else
+          f"  {label:<40} {value!s:>8}")
+  print("  (recall: the answer paragraph among the top k on the held-out articles' questions; "
+        "the retriever is a random-start tower trained by ICT, not MiniLM)")
+
+
+def run_demo_real(workdir: str, squad: str = "", seed: int = 0) -> dict:
+  t0 = time.time()
+  data_dir, source, stats = prepare_data(workdir, squad)
+  results = {}
+  for name, variant, inits in STAGES:
+    overrides = stage_overrides(data_dir, source, seed, workdir, inits)
+    results[name] = run_stage(name, (CONFIG, variant), overrides, os.path.join(workdir, name))
+  table = retrieval_table(workdir, data_dir, source, seed)
+  qa_table, qa_results = open_qa(workdir, data_dir, source, seed)
+  results.update(qa_results)
+  realm_eval = results["realm"]
+  summary = {
+      "source": source, "seed": seed, "blocks": stats["blocks"],
+      "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+      "heldout_questions": table["bm25"]["questions"],
+      **{f"recall_at_{k}_{name}": table[name][f"recall_at_{k}"]
+         for name in table for k in (1, 5, 20)},
+      "span_accuracy_realm": realm_eval.get("eval_span_accuracy"),
+      "span_accuracy_no_retrieval": realm_eval.get("eval_span_accuracy_null_document"),
+      "span_accuracy_warmup": results["warmup"].get("eval_span_accuracy"),
+      "retrieval_utility_realm": realm_eval.get("eval_retrieval_utility"),
+      **{f"{metric}_{start}": qa_table[f"openqa_{start}"].get(key)
+         for start in ("realm", "ict")
+         for metric, key in (("exact_match", "exact_match"), ("f1", "f1"),
+                             ("openqa_recall_at_5", "recall_at_5"))},
+      "openqa_questions": qa_table["openqa_realm"].get("num_questions"),
+      "recall": table, "openqa": qa_table,
+      "stage_seconds": {k: v.get("wall_seconds") for k, v in results.items()},
+  }
+  summary["wall_seconds"] = round(time.time() - t0, 1)
+  summary["wall_minutes"] = round(summary["wall_seconds"] / 60, 1)
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  print_report(summary)
+  print(f"\n[demo-real] wrote {workdir}/summary.json ({summary['wall_minutes']} min)")
+  return summary
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--workdir", default="runs/real", help="where everything is written")
+  parser.add_argument("--squad", default="", help="SQuAD v1.1-format JSON file (default: the "
+                      "SQuADShifts file of ../shared/data)")
+  parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
+  args = parser.parse_args()
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)
+  squad = os.path.abspath(args.squad) if args.squad else ""
+  run_cli("realm-demo-real", lambda: run_demo_real(args.workdir, squad, args.seed))
+
+
+if __name__ == "__main__":
+  main()
