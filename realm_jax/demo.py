@@ -29,6 +29,17 @@ def load_config(name: str, arg: str | None = None):
   return config_module(os.path.join(CONFIG_DIR, f"{name}.py")).get_config(arg)
 
 
+def with_overrides(config, overrides: dict):
+  """`config` with dotted `overrides` (`{"data.dir": D}`) set; returns it."""
+  for key, value in overrides.items():
+    *parents, leaf = key.split(".")
+    node = config
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return config
+
+
 def demo_stages() -> list[tuple[str, str, str | None, str]]:
   """(name, config file, its arg, stage it starts from) of the four training stages."""
   return [("ict", "demo_ict", None, ""),
@@ -55,13 +66,7 @@ def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir:
   A stage whose index comes from the separate builder (`retrieval.refresh` async or
   deterministic) runs as trainer + `realm-index` under `launch/local.py`, as a user would.
   """
-  config = load_config(*spec)
-  for key, value in overrides.items():
-    *parents, leaf = key.split(".")
-    node = config
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
+  config = with_overrides(load_config(*spec), overrides)
   path = os.path.join(workdir, "summary.json")
   if os.path.exists(path):
     with open(path) as f:

@@ -20,7 +20,7 @@ import os
 import platform
 import time
 
-from realm_jax.demo import load_config, run_stage
+from realm_jax.demo import load_config, run_stage, with_overrides
 from realm_jax.errors import run_cli
 from realm_jax.packages import MINILM
 
@@ -35,14 +35,7 @@ OPENQA_STAGES = (("openqa_realm", {"init.from_workdir": "realm"}, {}),
 
 
 def _config(variant: str, overrides: dict):
-  config = load_config(CONFIG, variant)
-  for key, value in overrides.items():
-    *parents, leaf = key.split(".")
-    node = config
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
-  return config
+  return with_overrides(load_config(CONFIG, variant), overrides)
 
 
 def prepare_data(workdir: str, squad: str) -> tuple[str, str, dict]:

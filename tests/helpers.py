@@ -51,13 +51,8 @@ def tiny_config(task: str = "realm", variant: str | None = None, data_dir: str =
 
 def apply_overrides(config, overrides: dict):
   """Sets `a__b=v` (dotted names with `__` for the dots) on `config`; returns it."""
-  for key, value in overrides.items():
-    *parents, leaf = key.split("__")
-    node = config
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  from realm_jax.demo import with_overrides
+  return with_overrides(config, {key.replace("__", "."): v for key, v in overrides.items()})
 
 
 def _flatten(config, prefix=""):

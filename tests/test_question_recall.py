@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from realm_jax.data import prepare as prepare_lib
+from realm_jax.data.qa import is_heldout_article
 from realm_jax.retrieval import question_recall
 from tests.helpers import load_config_module
 
@@ -81,3 +82,10 @@ def test_bm25_and_a_trained_retriever_side_by_side(squad_data, tmp_path):
     assert row["questions"] == 4
     assert 0 <= row["recall_at_1"] <= row["recall_at_2"] <= row["recall_at_4"] == 1.0
   assert "R@1" in question_recall.format_table(table, ks=(1, 2, 4))
+  # The held-out articles' questions only (by title hash: here the fourth article), and the
+  # retriever as the config starts it (no workdir: the untrained reference).
+  assert [is_heldout_article(t, 0.2) for t, _ in TOPICS] == [False, False, False, True]
+  table = question_recall.recall_table(squad_data, {"untrained": (config, "")}, ks=(1, 4),
+                                       heldout_articles=0.2)
+  assert table["untrained"]["questions"] == table["bm25"]["questions"] == 1
+  assert table["bm25"]["recall_at_1"] == 1.0 and table["untrained"]["recall_at_4"] == 1.0

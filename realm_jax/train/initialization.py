@@ -240,7 +240,11 @@ def _from_hf(config, src: Source, params, data_vocab: str, vocab_size: int):
   if layout == "bert":
     new, report = hf_bert.load_bert_towers({part: host[part]}, path, option)
     head = f"{part} <- {option}={path} (BERT: {', '.join(report.loaded)})"
-    return new[part], [head] + [f"  {line.strip()}" for line in report.lines()[1:]]
+    said = " ".join(report.loaded + report.left_at_init)
+    others = [f"  left at init: {part}/{key} (not in a BERT checkpoint)" for key in host[part]
+              if f"{part}/{key}" not in said]
+    return new[part], ([head] + [f"  {line.strip()}" for line in report.lines()[1:]]
+                       + others)
   tensors, file = hf_bert.read_weights(path)
   new, report = hf_realm.convert(host, tensors, layout, file, path, only=part, option=option)
   if not report.from_hf:
