@@ -490,6 +490,14 @@ def test_trainer_starts_every_tower_from_the_checkpoint(world_dir, tmp_path, cap
           "retriever/query_tower/bert)") in out
 
 
+def check_hf_bert(config, data_vocab, vocab_size):
+  """The start-up checks of `init.hf_bert` for every part it starts (nothing is loaded)."""
+  from realm_jax.train import initialization
+  for source in initialization.sources(config).values():
+    assert source.option == "init.hf_bert"
+    initialization.check_hf_source(config, source, data_vocab, vocab_size)
+
+
 def test_trainer_refuses_a_checkpoint_that_does_not_fit(world_dir, tmp_path):
   data_vocab = os.path.join(world_dir, "vocab.txt")
   with open(data_vocab) as f:
@@ -498,17 +506,17 @@ def test_trainer_refuses_a_checkpoint_that_does_not_fit(world_dir, tmp_path):
   path, _ = world_checkpoint(world_dir, tmp_path / "wide", hidden_size=48)
   config = tiny_config("realm", None, world_dir, init__hf_bert=path)
   with pytest.raises(ConfigError, match=r"model\.hidden_size: 32 \(config\) != 48 "):
-    hf_bert.init_params(config, {}, data_vocab, n)
+    check_hf_bert(config, data_vocab, n)
   path, _ = world_checkpoint(world_dir, tmp_path / "tanh", hidden_act="gelu_new")
   config = tiny_config("realm", None, world_dir, init__hf_bert=path)
   with pytest.raises(ConfigError, match=r"model\.hidden_act: 'gelu' \(config\) != 'gelu_new' "):
-    hf_bert.init_params(config, {}, data_vocab, n)
+    check_hf_bert(config, data_vocab, n)
   swapped = world_vocab[:5] + [world_vocab[6], world_vocab[5]] + world_vocab[7:]
   path, _ = world_checkpoint(world_dir, tmp_path / "swapped", vocab=swapped)
   config = tiny_config("realm", None, world_dir, init__hf_bert=path)
   with pytest.raises(ConfigError, match=f"first at line 6: .*prepare the data with that "
                      f"vocab: realm-prepare --config.vocab={path}"):
-    hf_bert.init_params(config, {}, data_vocab, n)
+    check_hf_bert(config, data_vocab, n)
   config = tiny_config("realm", None, world_dir, init__hf_bert=path,
                        init__from_workdir=str(tmp_path))
   with pytest.raises(ConfigError, match="init.hf_bert: and init.from_workdir are both set"):

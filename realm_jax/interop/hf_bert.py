@@ -9,7 +9,6 @@ as `weight`/`bias`; names with or without the `bert.` prefix are accepted.
   bert_config_mismatches(...)     config.model vs the checkpoint's config.json, as text lines
   model_overrides(path)           the config.model values that fit the checkpoint (shape, and
                                   hidden_act: "gelu" erf or "gelu_new" tanh, bert.HIDDEN_ACTS)
-  init_params(config, ...)        the Trainer's `init.hf_bert` start: checks, load, report
 """
 
 from __future__ import annotations
@@ -430,22 +429,3 @@ def _load_mlm_head(conv: Conversion, new: dict, path: tuple, cls_params: Mapping
       conv.notes.append("cls.predictions.decoder.weight differs from the word embeddings: "
                         "our decoder is tied to them, so it is not used")
   return True
-
-
-def init_params(config, params: Mapping, data_vocab: str,
-                vocab_size: int) -> tuple[dict, LoadReport]:
-  """The `init.hf_bert` start of a run: config and vocab checks, then `load_bert_towers`.
-
-  `data_vocab` is the data dir's vocab.txt, `vocab_size` its size. Raises ConfigError listing
-  every config.model field that does not fit the checkpoint, or a vocab that differs.
-  """
-  from realm_jax.train.config_base import PARTS, part_model, part_options
-  path = config.init.hf_bert
-  lines = [line for part in PARTS for line in bert_config_mismatches(
-      part_model(config, part), path, vocab_size=vocab_size,
-      options=part_options(config, part))]
-  lines = list(dict.fromkeys(lines))   # a field the parts share is named once
-  if lines:
-    raise ConfigError(OPTION, f"{path} does not fit config.model:\n  " + "\n  ".join(lines))
-  check_vocab(data_vocab, path)
-  return load_bert_towers(params, path)

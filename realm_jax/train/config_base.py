@@ -206,35 +206,31 @@ def demo_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return c
 
 
+def retriever_own_fields(config) -> dict:
+  """The `model.retriever.*` fields set apart from `model.*` (configs saved before the
+  per-tower shapes have none)."""
+  own = config.model.get("retriever") or {}
+  return {f: own[f] for f in TOWER_FIELDS if f in own and own[f] != TOWER_UNSET.get(f, 0)}
+
+
 def part_model(config, part: str) -> ml_collections.ConfigDict:
   """`config.model` with the shape of `part` ("retriever" or "reader"): the retriever's
-  `model.retriever.*` fields replace the shared ones where set (saved configs lack them)."""
+  `model.retriever.*` fields replace the shared ones where set."""
   if part not in PARTS:
     raise ValueError(f"part {part!r} is not one of {PARTS}")
   m = ml_collections.ConfigDict(config.model.to_dict())
-  own = m.get("retriever") or {}
   if "retriever" in m:
     del m["retriever"]
   if part == "retriever":
-    for field in TOWER_FIELDS:
-      value = own.get(field, TOWER_UNSET.get(field, 0))
-      if value != TOWER_UNSET.get(field, 0):
-        m[field] = value
+    m.update(retriever_own_fields(config))
   return m
-
-
-def model_option(part: str, field: str) -> str:
-  """The option a user sets for `field` of `part`: model.retriever.X or model.X."""
-  return f"model.retriever.{field}" if part == "retriever" and field in TOWER_FIELDS \
-      else f"model.{field}"
 
 
 def part_options(config, part: str) -> dict[str, str]:
   """field -> the option that decides it for `part` in this config: model.retriever.X where
   the retriever sets X itself, else model.X."""
-  own = config.model.get("retriever") or {}
-  return {f: (model_option(part, f) if own.get(f, TOWER_UNSET.get(f, 0))
-              != TOWER_UNSET.get(f, 0) else f"model.{f}") for f in TOWER_FIELDS}
+  own = retriever_own_fields(config) if part == "retriever" else {}
+  return {f: f"model.retriever.{f}" if f in own else f"model.{f}" for f in TOWER_FIELDS}
 
 
 def _validate_towers(config) -> None:

@@ -218,7 +218,9 @@ def _check_workdir_vocab(src: Source, data_vocab: str) -> None:
 
 
 # -- a Hugging Face dir ---------------------------------------------------------------------
-def _from_hf(config, src: Source, params, data_vocab: str, vocab_size: int):
+def check_hf_source(config, src: Source, data_vocab: str, vocab_size: int) -> str:
+  """ConfigError (naming src.option) unless the HF dir fits its part's shape and the data's
+  vocab is the checkpoint's; returns the checkpoint's layout ("bert" or a REALM class)."""
   from realm_jax.interop import hf_bert, hf_realm
   part, option, path = src.part, src.option, src.path
   try:
@@ -236,6 +238,13 @@ def _from_hf(config, src: Source, params, data_vocab: str, vocab_size: int):
     raise ConfigError(option, f"{path} does not fit the {part}'s config:\n  " +
                       "\n  ".join(lines))
   hf_bert.check_vocab(data_vocab, path, option)
+  return layout
+
+
+def _from_hf(config, src: Source, params, data_vocab: str, vocab_size: int):
+  from realm_jax.interop import hf_bert, hf_realm
+  part, option, path = src.part, src.option, src.path
+  layout = check_hf_source(config, src, data_vocab, vocab_size)
   host = jax.tree.map(np.asarray, dict(params))
   if layout == "bert":
     new, report = hf_bert.load_bert_towers({part: host[part]}, path, option)
