@@ -203,3 +203,33 @@ def test_no_retrieval_baseline_reads_only_the_null_document(world_dir, world_dat
   assert summary["eval_retrieval_utility"] == 0.0 and 0 <= summary["eval_span_accuracy"] <= 1
   # Its only candidate is the null document: the marginal is the null document's prediction.
   assert summary["eval_span_accuracy_null_document"] == summary["eval_span_accuracy"]
+
+
+def test_training_without_the_null_document(world_dir, world_data, tmp_path):
+  """`retrieval.train_null_document=False`: a training batch holds the k - 1 retrieved blocks
+  (no null document, never the query's own block); evaluation still reads the null document
+  alone, outside the marginal the step trained; k = 2 is refused."""
+  from realm_jax.data import pipeline
+  from realm_jax.errors import ConfigError
+  from realm_jax.train.config_base import validate
+  config = tiny_config("realm", None, world_dir, train__steps=2, retrieval__k=4,
+                       retrieval__train_null_document=False)
+  queries = batches.QueryBatches(config, world_data, world_data.examples("train"))(0)
+  source = queries["source_block"]
+  retrieved = np.stack([source, source + 1, source + 2, source + 3, source + 4], axis=1)
+  retrieved %= world_data.blocks.num_blocks
+  cand = batches.candidates_for(config, world_data, queries, retrieved, training=True)
+  assert cand.shape == (len(source), 3) and (cand != pipeline.NULL_BLOCK).all()
+  assert (world_data.blocks.uids[cand] != world_data.blocks.uids[source][:, None]).all()
+  evaluated = batches.candidates_for(config, world_data, queries, retrieved)
+  assert (evaluated[:, 0] == pipeline.NULL_BLOCK).all()
+  np.testing.assert_array_equal(evaluated[:, 1:], cand)
+  summary = train(config, str(tmp_path / "no_null"))
+  rows = read_jsonl(os.path.join(tmp_path, "no_null", "metrics", "train.jsonl"))
+  assert rows and all("retrieval_utility" not in r and "null_doc_prob" not in r for r in rows)
+  assert all(np.isfinite(r["loss"]) and "retrieval_entropy" in r for r in rows)
+  assert np.isfinite(summary["eval_retrieval_utility"])
+  assert 0 <= summary["eval_span_accuracy_null_document"] <= 1
+  config.retrieval.k = 2
+  with pytest.raises(ConfigError, match="retrieval.k.*train_null_document False"):
+    validate(config)

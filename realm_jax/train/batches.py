@@ -11,6 +11,7 @@ import numpy as np
 from realm_jax.data import pipeline
 from realm_jax.data.store import ExampleSet, PreparedData
 from realm_jax.errors import ConfigError
+from realm_jax.train import config_base
 
 
 class BatchStream:
@@ -109,6 +110,9 @@ def candidates_for(config, data: PreparedData, queries: dict[str, np.ndarray],
   own_block: the null document and the query's own block, whose prior mass is all on the
   block; a training batch leaves the null document out (it would add exactly nothing to the
   loss or its gradient, at the cost of reading it), evaluation reads it to measure utility.
+  index: the null document and the top k - 1 retrieved blocks (the query's own block dropped);
+  without the null document in training (`retrieval.train_null_document` False) a training
+  batch holds the blocks only.
   """
   source = queries["source_block"]
   null = np.full((len(source), 1), pipeline.NULL_BLOCK)
@@ -117,7 +121,8 @@ def candidates_for(config, data: PreparedData, queries: dict[str, np.ndarray],
     return null
   if mode == "own_block":
     return source[:, None] if training else np.concatenate([null, source[:, None]], axis=1)
-  return pipeline.candidate_rows(retrieved, source, data.blocks.uids, config.retrieval.k)
+  rows = pipeline.candidate_rows(retrieved, source, data.blocks.uids, config.retrieval.k)
+  return rows[:, 1:] if training and not config_base.null_in_training(config) else rows
 
 
 def realm_batch(config, data: PreparedData, queries: dict[str, np.ndarray],

@@ -97,6 +97,10 @@ def base_config() -> ml_collections.ConfigDict:
                                    # "null_only":
                                    # null document alone (the no-retrieval baseline)
   c.retrieval.k = 8                # candidates per query, the null document included
+  c.retrieval.train_null_document = True  # False: a training step reads the k - 1 retrieved
+                                   # blocks only, so the retriever cannot move its mass to "no
+                                   # evidence" while the reader is weak; evaluation still reads
+                                   # the null document alone (outside the marginal)
   c.retrieval.refresh_every = 500  # steps between rebuilds of the block-embedding index
   c.retrieval.refresh = "in_process"  # "in_process": the trainer re-embeds the blocks itself
                                    # every refresh_every steps (small corpora, tests);
@@ -289,6 +293,13 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
     raise ConfigError("retrieval.marginalization", f"{r.marginalization!r}: joint | per_mask")
   if config.task == "realm" and r.mode == "index" and r.k < 2:
     raise ConfigError("retrieval.k", f"k={r.k}: REALM needs k >= 2 (null document + >= 1 block)")
+  if not isinstance(r.get("train_null_document", True), bool):
+    raise ConfigError("retrieval.train_null_document", f"must be True or False, got "
+                      f"{r.train_null_document!r}")
+  if config.task == "realm" and not null_in_training(config) and r.k < 3:
+    raise ConfigError("retrieval.k", f"k={r.k} with retrieval.train_null_document False: a "
+                      "training step would read one block, and the retriever learn nothing "
+                      "(k >= 3: the null document + >= 2 blocks)")
   if r.refresh_every < 1:
     raise ConfigError("retrieval.refresh_every", f"must be >= 1, got {r.refresh_every}")
   if d.block_len < 8:
@@ -341,6 +352,12 @@ def _flatten(d, prefix=""):
     name = f"{prefix}{key}"
     out.update(_flatten(value, name + ".") if isinstance(value, dict) else {name: value})
   return out
+
+
+def null_in_training(config) -> bool:
+  """Whether a REALM training batch's candidate 0 is the null document (saved configs from
+  before `retrieval.train_null_document`: yes)."""
+  return config.retrieval.mode != "index" or config.retrieval.get("train_null_document", True)
 
 
 def uses_index_builder(config) -> bool:

@@ -13,7 +13,7 @@ import optax
 
 from realm_jax.models import losses
 from realm_jax.models.realm import REALM
-from realm_jax.train import partitioning
+from realm_jax.train import config_base, partitioning
 
 
 def _freeze(params, train_config):
@@ -78,7 +78,10 @@ def realm_loss_fn(params, model, batch, config, rng):
                                     config.retrieval.marginalization)
   if logits.shape[1] == 1 and config.retrieval.mode == "own_block":
     metrics = {}    # no null document in the batch: nothing to measure utility against
+  elif not config_base.null_in_training(config):   # candidate 0 is a retrieved block, not the null document
+    metrics = {k: v for k, v in metrics.items() if k not in ("retrieval_utility", "null_doc_prob")}
   return loss, metrics
+
 
 
 def ict_loss_fn(params, model, batch, config, rng):
@@ -151,11 +154,14 @@ def make_train_step(config, model, state_shardings, mesh):
 def make_realm_eval(config, model, mesh):
   """Per-example evaluation of a REALM batch: log-likelihood, p(z|x) and the predicted
   wordpiece at each mask (argmax of the marginal over candidates; and of the null document's
-  own distribution, the reader without evidence)."""
+  own distribution, the reader without evidence). Without the null document in training, the
+  marginal is over the retrieved blocks only, as in the step."""
   rules = partitioning.logical_rules(config.mesh.rules)
 
   def evaluate(params, batch):
     logits, vocab_lp = realm_scores(model, params, batch, rescore=rescores(config))
+    if not config_base.null_in_training(config):   # read alone, outside the marginal the step trained
+      logits = logits.at[:, 0].set(-1e9)
     marginal = losses.marginal_token_log_probs(logits, vocab_lp)
     mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
     log_lik = losses.realm_log_likelihood(logits, mask_lp, batch["mask_weights"],
