@@ -27,7 +27,8 @@ import threading
 import time
 
 from realm_jax.errors import ConfigError, run_cli
-from realm_jax.retrieval.builder import DONE
+from realm_jax import workdir as workdir_lib
+from realm_jax.workdir import DONE
 from realm_jax.train.config_base import load_config
 
 PROG = "local.py"
@@ -265,7 +266,7 @@ class _Supervisor:
   """Watches the two children and applies the stopping rules of `supervise`."""
 
   def __init__(self, workdir: str, grace: float, say):
-    self.done_path = os.path.join(workdir, DONE)
+    self.done_path = workdir_lib.done_path(workdir)
     self.grace = grace
     self.say = say
     self.signals: list[str] = []    # names of the signals received, appended by the handler
@@ -372,8 +373,8 @@ def supervise(commands: dict[str, list[str]], workdir: str,
   if threading.current_thread() is threading.main_thread():
     for sig in (signal.SIGINT, signal.SIGTERM):
       handlers[sig] = signal.signal(sig, supervisor.on_signal)
-  if os.path.exists(supervisor.done_path):   # an earlier run's: the new builder must not obey it
-    os.remove(supervisor.done_path)
+  if workdir_lib.is_done(workdir):   # an earlier run's: the new builder must not obey it
+    workdir_lib.clear_done(workdir)
     say(f"removed {supervisor.done_path} left by an earlier run")
   code = 2
   try:

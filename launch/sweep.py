@@ -31,13 +31,13 @@ import ast
 import csv
 import difflib
 import itertools
-import json
 import os
 import shlex
 import subprocess
 import sys
 import time
 
+from realm_jax import workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.train.config_base import config_module, uses_index_builder
 
@@ -157,11 +157,7 @@ def needs_builder(config, overrides: dict) -> bool:
 
 
 def _summary(workdir: str) -> dict | None:
-  path = os.path.join(workdir, "summary.json")
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
+  return workdir_lib.read_summary(workdir)
 
 
 def collect(root: str, runs: list[tuple[str, dict]], metric: str, descending: bool,

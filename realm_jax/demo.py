@@ -11,12 +11,12 @@ own sub-workdir, so an interrupted demo resumes where it stopped.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import time
 
+from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,10 +67,8 @@ def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir:
   deterministic) runs as trainer + `realm-index` under `launch/local.py`, as a user would.
   """
   config = with_overrides(load_config(*spec), overrides)
-  path = os.path.join(workdir, "summary.json")
-  if os.path.exists(path):
-    with open(path) as f:
-      summary = json.load(f)
+  summary = workdir_lib.read_summary(workdir)
+  if summary is not None:
     if summary.get("steps") == config.train.steps:
       print(f"[demo] stage {name}: already done in {workdir}", flush=True)
       return summary
@@ -88,8 +86,11 @@ def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir:
   if code != 0:
     raise RuntimeError(f"stage {name}: launch/local.py exited with code {code}; see "
                        f"{workdir}/logs/trainer.log and builder.log")
-  with open(path) as f:
-    return json.load(f)
+  summary = workdir_lib.read_summary(workdir)
+  if summary is None:
+    raise RuntimeError(f"stage {name}: launch/local.py exited 0 but left no "
+                       f"{workdir}/{workdir_lib.SUMMARY}")
+  return summary
 
 
 def plot_curves(realm_dir: str, out_path: str) -> None:
@@ -170,8 +171,7 @@ def run_demo(workdir: str, seed: int, entities: int) -> dict:
       "stage_seconds": {k: v.get("wall_seconds") for k, v in results.items()},
       "wall_seconds": round(time.time() - t0, 1),
   }
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  workdir_lib.write_summary(workdir, summary)
   plot_curves(os.path.join(workdir, "realm"), os.path.join(workdir, "curves.png"))
   print_report(summary, results["realm"].get("examples", []))
   print(f"\n[demo] wrote {workdir}/summary.json and {workdir}/curves.png")

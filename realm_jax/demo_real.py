@@ -15,12 +15,12 @@ so an interrupted demo resumes where it stopped. W/summary.json holds every figu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
 
 from realm_jax.demo import load_config, run_stage, with_overrides
+from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
 from realm_jax.packages import MINILM
 
@@ -141,8 +141,7 @@ def run_demo_real(workdir: str, squad: str = "", seed: int = 0) -> dict:
   }
   summary["wall_seconds"] = round(time.time() - t0, 1)
   summary["wall_minutes"] = round(summary["wall_seconds"] / 60, 1)
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  workdir_lib.write_summary(workdir, summary)
   print_report(summary)
   print(f"\n[demo-real] wrote {workdir}/summary.json ({summary['wall_minutes']} min)")
   return summary

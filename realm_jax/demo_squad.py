@@ -19,6 +19,7 @@ import os
 import time
 
 from realm_jax.demo import load_config, run_stage, run_stages
+from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
 
 STAGES = (("ict", ""), ("warmup", "ict"), ("realm", "warmup"))
@@ -59,8 +60,7 @@ def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
       "stage_seconds": {k: v.get("wall_seconds") for k, v in results.items()},
       "wall_seconds": round(time.time() - t0, 1),
   }
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  workdir_lib.write_summary(workdir, summary)
   print(f"\n== zero-shot retrieval: {summary['questions']:,} questions, "
         f"{stats['documents']:,} paragraphs in {stats['blocks']:,} blocks ==")
   print(format_table(table))

@@ -20,6 +20,7 @@ import numpy as np
 
 from realm_jax.data.answers import exact_match, f1_score
 from realm_jax.data.qa import QAExample
+from realm_jax import workdir as workdir_lib
 from realm_jax.data.store import PreparedData
 from realm_jax.retrieval import published
 from realm_jax.train import partitioning, steps
@@ -152,7 +153,6 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   from realm_jax.train import state as state_lib
   from realm_jax.train.checkpoints import restore_params, saved_param_paths
   from realm_jax.train.config_base import validate
-  from realm_jax.train.loop import load_data
   validate(config)
   saved, step = saved_param_paths(workdir, step)
   has_reader = any(p[:2] == ("reader", "qa_outputs") for p in saved)
@@ -165,7 +165,7 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   config = config.copy_and_resolve_references()
   with config.unlocked():
     config.task = "openqa" if reader else ("realm" if config.task == "openqa" else config.task)
-  data = load_data(config)
+  data = workdir_lib.open_data(config)
   mesh = partitioning.make_mesh(config.mesh.shape)
   model = state_lib.build_model(config, data.tokenizer.vocab_size)
   abstract, _ = state_lib.abstract_train_state(config, model, mesh, data.blocks.block_len)

@@ -19,7 +19,8 @@ from realm_jax.data import pipeline
 from realm_jax.data.store import PreparedData
 from realm_jax.errors import ConfigError
 from realm_jax.retrieval import published
-from realm_jax.retrieval.builder import BLOCKS_RECORD, IndexBuilder
+from realm_jax.retrieval.builder import IndexBuilder
+from realm_jax.workdir import BLOCKS_RECORD
 from realm_jax.retrieval.index import ExactIndex, embed_blocks
 from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
 from realm_jax.train import partitioning, state as state_lib, steps
@@ -177,17 +178,9 @@ def test_builder_refuses_another_block_store(world_dir, tmp_path):
 
 
 def _publish_fake(workdir, step, embeddings, query_params, fingerprint, backend="exact"):
-  from flax import traverse_util
-  root = published.index_root(workdir)
-  version, staging = published.start_version(root)
-  with (staging / "embeddings.npy").open("wb") as f:
-    np.save(f, embeddings)
-  with (staging / "query_params.npz").open("wb") as f:
-    np.savez(f, **traverse_util.flatten_dict(query_params, sep="/"))
-  published.publish(root, version, staging, dict(
-      step=step, num_blocks=len(embeddings), dim=embeddings.shape[1], backend=backend,
-      block_store_fingerprint=fingerprint, timings={}), keep=5)
-  return version
+  return published.publish_arrays(published.index_root(workdir), embeddings, query_params,
+                                  step=step, fingerprint=fingerprint, keep=5,
+                                  backend=backend)["version"]
 
 
 def test_subscriber_rejects_bad_versions_and_keeps_the_good_one(world_dir, tmp_path, capsys):

@@ -415,20 +415,14 @@ def publish_index(workdir: str, block_emb: np.ndarray, query_params: dict, finge
                   source: str) -> dict:
   """block_emb as a published `exact` index version of `workdir` (the files and manifest the
   index builder writes, the query tower's params included), built from step 0."""
-  from flax import traverse_util
   from realm_jax.retrieval import published
   root = published.index_root(workdir)
-  version, staging = published.start_version(root)
-  with (staging / "embeddings.npy").open("wb") as f:
-    np.save(f, np.asarray(block_emb, np.float32))
-  with (staging / "query_params.npz").open("wb") as f:
-    np.savez(f, **traverse_util.flatten_dict(query_params, sep="/"))
-  manifest = published.publish(root, version, staging, dict(
-      step=0, num_blocks=int(block_emb.shape[0]), dim=int(block_emb.shape[1]), backend="exact",
-      block_store_fingerprint=fingerprint, timings={"build_seconds": 0.0},
-      source=f"hf:{source} block_emb"), keep=1)
+  manifest = published.publish_arrays(root, block_emb, query_params, step=0,
+                                      fingerprint=fingerprint, keep=1,
+                                      timings={"build_seconds": 0.0},
+                                      source=f"hf:{source} block_emb")
   return {**{k: manifest[k] for k in ("version", "num_blocks", "dim", "backend")},
-          "dir": str(published.version_dir(root, version))}
+          "dir": str(published.version_dir(root, manifest["version"]))}
 
 
 # -- writing the workdir ------------------------------------------------------------------

@@ -18,7 +18,6 @@ the last published; `deterministic` builds every refresh step (multiples of
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -26,60 +25,12 @@ import time
 
 import numpy as np
 
-from realm_jax.errors import ConfigError, run_cli
+from realm_jax import workdir as workdir_lib
+from realm_jax.errors import run_cli
 from realm_jax.train import multihost
 
-DONE = "DONE"                    # written by the trainer at the end of its run
-BLOCKS_RECORD = "blocks.json"    # the trainer's block store: {"block_store_fingerprint", ...}
 WAIT_MESSAGE_SECONDS = 30.0      # one "still waiting" line per this many seconds
 LIST_ATTEMPTS = 5                # listings of the checkpoints tried while steps vanish under it
-
-
-def check_block_store(workdir: str, fingerprint: str, data_dir: str) -> None:
-  """Refuses to serve a trainer whose block store differs from ours (both fingerprints shown)."""
-  path = os.path.join(workdir, BLOCKS_RECORD)
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    trainer = json.load(f)
-  if trainer.get("block_store_fingerprint") != fingerprint:
-    raise ConfigError("data.dir", f"the block store of {data_dir} (fingerprint {fingerprint}) "
-                      f"differs from the trainer's in {workdir} ({trainer.get('data_dir')}, "
-                      f"fingerprint {trainer.get('block_store_fingerprint')}): an index over "
-                      "other blocks would retrieve the wrong rows")
-
-
-def record_block_store(workdir: str, data) -> None:
-  """The trainer's side of the check above: which block store its rows refer to."""
-  os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, BLOCKS_RECORD)
-  with open(path + ".tmp", "w") as f:
-    json.dump({"block_store_fingerprint": data.blocks.fingerprint, "data_dir": data.dir,
-               "num_blocks": data.blocks.num_blocks}, f, indent=2)
-  os.replace(path + ".tmp", path)
-
-
-def write_arrays(staging, embeddings: np.ndarray, query_params: dict) -> None:
-  """The files every version has: `embeddings.npy` and `query_params.npz` (the query tower
-  of the same snapshot, flattened with '/')."""
-  from flax import traverse_util
-  with (staging / "embeddings.npy").open("wb") as f:
-    np.save(f, embeddings)
-  with (staging / "query_params.npz").open("wb") as f:
-    np.savez(f, **traverse_util.flatten_dict(query_params, sep="/"))
-
-
-def publish_exact(workdir, embeddings: np.ndarray, query_params: dict, *, step: int,
-                  fingerprint: str, keep: int = 3, timings: dict | None = None) -> dict:
-  """Publishes block embeddings computed elsewhere (Open-QA's frozen index, an imported
-  checkpoint's) as the next `exact` version of `W/index`; returns its manifest."""
-  from realm_jax.retrieval import published
-  root = published.index_root(workdir)
-  version, staging = published.start_version(root)
-  write_arrays(staging, np.asarray(embeddings, np.float32), query_params)
-  return published.publish(root, version, staging, dict(
-      step=int(step), num_blocks=int(len(embeddings)), dim=int(embeddings.shape[1]),
-      backend="exact", block_store_fingerprint=fingerprint, timings=timings or {}), keep=keep)
 
 
 class IndexBuilder:
@@ -89,12 +40,11 @@ class IndexBuilder:
     import jax
     import orbax.checkpoint as ocp
     from realm_jax.train import config_base, partitioning, state as state_lib
-    from realm_jax.train.loop import load_data
     config_base.validate(config)
     self.config, self.workdir = config, workdir
-    self.data = load_data(config)
+    self.data = workdir_lib.open_data(config)
     self.fingerprint = self.data.blocks.fingerprint
-    check_block_store(workdir, self.fingerprint, self.data.dir)
+    workdir_lib.check_block_store(workdir, self.fingerprint, self.data.dir)
     self.mesh = partitioning.make_mesh(config.mesh.shape)
     self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
     abstract, _ = state_lib.abstract_train_state(config, self.model, self.mesh,
@@ -175,7 +125,7 @@ class IndexBuilder:
     """Restores, embeds, indexes and publishes the snapshot of `step`; None if it vanished."""
     from realm_jax.retrieval.index import embed_blocks
     from realm_jax.train import partitioning, steps as steps_lib
-    check_block_store(self.workdir, self.fingerprint, self.data.dir)
+    workdir_lib.check_block_store(self.workdir, self.fingerprint, self.data.dir)
     cfg, timings = self.config, {}
     t0 = time.time()
     params = self.restore_retriever(step)
@@ -215,7 +165,7 @@ class IndexBuilder:
                    timings: dict, prefix: str) -> dict:
     """Writes the version's files into `staging`; returns extra manifest fields."""
     cfg = self.config
-    write_arrays(staging, embeddings, query_params)
+    self.published.write_arrays(staging, embeddings, query_params)
     if cfg.retrieval.backend == "exact":
       timings["build_seconds"] = 0.0
       print(f"{prefix}exact index: {len(embeddings):,} x {embeddings.shape[1]}", flush=True)
@@ -269,12 +219,11 @@ class IndexBuilder:
     cfg = self.config
     started, last_message = time.time(), 0.0
     self.built = 0
-    done_path = os.path.join(self.workdir, DONE)
     while True:
       steps = self.checkpoint_steps()
       if not steps:
         waited = time.time() - started
-        if os.path.exists(done_path):
+        if workdir_lib.is_done(self.workdir):
           print("[index] the trainer is done and left no checkpoint; exiting", flush=True)
           return self.built
         if waited > cfg.index.wait_timeout:
@@ -295,7 +244,7 @@ class IndexBuilder:
           if once:
             return self.built
         continue    # look again at once: a deleted checkpoint means a newer one exists
-      if os.path.exists(done_path):
+      if workdir_lib.is_done(self.workdir):
         print(f"[index] the trainer is done; {self.built} versions published", flush=True)
         return self.built
       time.sleep(cfg.index.poll_seconds)

@@ -5,6 +5,11 @@ The builder job calls `start_version`, writes the index files into the staging d
 version. Locally a version is staged in a `.tmp-*` dir and renamed into place; on remote paths
 (`gs://`, no atomic rename) files go straight into the final dir and `manifest.json`, written
 last, is the commit marker. Readers treat a version dir without a manifest as not there.
+
+Every version holds `embeddings.npy` (the block embeddings, [num_blocks, dim] float32) and
+`query_params.npz` (the query tower of the same snapshot, flattened with '/'); this module
+writes (`write_arrays`, `publish_arrays`) and reads (`read_embeddings`, `read_query_params`)
+them for the builder, Open-QA's frozen index, the HF import and the trainer.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ import os
 import re
 import time
 
+import numpy as np
 from etils import epath
 
 MANIFEST = "manifest.json"
+EMBEDDINGS = "embeddings.npy"
+QUERY_PARAMS = "query_params.npz"
 LATEST = "LATEST"
 # Keys a manifest must hold; `fields` given to `publish` must hold all but version and files.
 REQUIRED_KEYS = ("version", "step", "num_blocks", "dim", "backend", "block_store_fingerprint",
@@ -261,3 +269,53 @@ def clean_staging(root) -> list[str]:
       continue
     removed.append(str(p))
   return removed
+
+
+# -- the arrays of a version -------------------------------------------------------------------
+def write_arrays(staging, embeddings: np.ndarray, query_params: dict) -> None:
+  """The files every version has, into its staging dir (see the module doc)."""
+  from flax import traverse_util
+  staging = epath.Path(staging)
+  with (staging / EMBEDDINGS).open("wb") as f:
+    np.save(f, embeddings)
+  with (staging / QUERY_PARAMS).open("wb") as f:
+    np.savez(f, **traverse_util.flatten_dict(query_params, sep="/"))
+
+
+def publish_arrays(root, embeddings: np.ndarray, query_params: dict, *, step: int,
+                   fingerprint: str, keep: int, backend: str = "exact",
+                   timings: dict | None = None, **fields) -> dict:
+  """Block embeddings computed elsewhere (Open-QA's frozen index, an imported checkpoint's) as
+  the next version of `root` (`W/index`), with no other index files; returns its manifest."""
+  version, staging = start_version(root)
+  embeddings = np.asarray(embeddings, np.float32)
+  write_arrays(staging, embeddings, query_params)
+  return publish(root, version, staging, dict(
+      step=int(step), num_blocks=int(embeddings.shape[0]), dim=int(embeddings.shape[1]),
+      backend=backend, block_store_fingerprint=fingerprint, timings=timings or {}, **fields),
+      keep=keep)
+
+
+def read_embeddings(root, version: int, manifest: dict) -> np.ndarray:
+  """A verified version's block embeddings, of the shape its manifest states."""
+  with (version_dir(root, version) / EMBEDDINGS).open("rb") as f:
+    embeddings = np.load(f)
+  if embeddings.shape != (manifest["num_blocks"], manifest["dim"]):
+    raise RejectedVersion(version, f"{EMBEDDINGS} has shape {embeddings.shape}, the manifest "
+                          f"says ({manifest['num_blocks']}, {manifest['dim']})")
+  return embeddings
+
+
+def read_query_params(root, version: int, template: dict) -> dict:
+  """A version's query-tower params, refused unless their shapes are `template`'s."""
+  from flax import traverse_util
+  with (version_dir(root, version) / QUERY_PARAMS).open("rb") as f:
+    flat = dict(np.load(f))
+  expected = {k: tuple(v.shape) for k, v in
+              traverse_util.flatten_dict(template, sep="/").items()}
+  got = {k: tuple(v.shape) for k, v in flat.items()}
+  if got != expected:
+    diff = sorted(set(got.items()) ^ set(expected.items()))[:3]
+    raise RejectedVersion(version, f"{QUERY_PARAMS} does not fit this model's query tower "
+                          f"(first differences: {diff})")
+  return traverse_util.unflatten_dict(flat, sep="/")

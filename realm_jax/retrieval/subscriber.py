@@ -16,8 +16,6 @@ import threading
 import time
 from typing import Callable
 
-import numpy as np
-from flax import traverse_util
 
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, LoadedIndex
@@ -44,22 +42,8 @@ def load_version(root, version: int, *, config, fingerprint: str, query_template
     raise published.RejectedVersion(version, f"backend {manifest['backend']!r} (index) != "
                                     f"{config.retrieval.backend!r} (trainer)")
   directory = published.version_dir(root, version)
-  with (directory / "embeddings.npy").open("rb") as f:
-    embeddings = np.load(f)
-  if embeddings.shape != (manifest["num_blocks"], manifest["dim"]):
-    raise published.RejectedVersion(version, f"embeddings.npy has shape {embeddings.shape}, "
-                                    f"the manifest says ({manifest['num_blocks']}, "
-                                    f"{manifest['dim']})")
-  with (directory / "query_params.npz").open("rb") as f:
-    flat = dict(np.load(f))
-  expected = {k: tuple(v.shape) for k, v in
-              traverse_util.flatten_dict(query_template, sep="/").items()}
-  got = {k: tuple(v.shape) for k, v in flat.items()}
-  if got != expected:
-    diff = sorted(set(got.items()) ^ set(expected.items()))[:3]
-    raise published.RejectedVersion(version, "query_params.npz does not fit this model's "
-                                    f"query tower (first differences: {diff})")
-  query_params = traverse_util.unflatten_dict(flat, sep="/")
+  embeddings = published.read_embeddings(root, version, manifest)
+  query_params = published.read_query_params(root, version, query_template)
   if config.retrieval.backend == "scann":
     index = _load_scann(directory, manifest)
   else:

@@ -150,15 +150,8 @@ def restore_params(workdir: str, abstract_params, step: int | None = None,
 
 def run_config(workdir: str, config=None):
   """`config` if given, else the run's own resolved config (`W/config.json`)."""
-  if config is not None:
-    return config
-  import json
-  import ml_collections
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{path}: no config of the run; pass --config")
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  from realm_jax import workdir as workdir_lib
+  return config if config is not None else workdir_lib.saved_config(workdir)
 
 
 def restore_run(workdir: str, step: int | None = None):

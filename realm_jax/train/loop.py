@@ -3,57 +3,24 @@ steps, metrics, evaluation, checkpoints, summary."""
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import jax
 import ml_collections
 import numpy as np
 
-from realm_jax.data.store import PreparedData
+from realm_jax import workdir as workdir_lib
 from realm_jax.errors import ConfigError
 from realm_jax.evaluate import Evaluator
 from realm_jax.retrieval import published
-from realm_jax.retrieval.builder import DONE, record_block_store
 from realm_jax.retrieval.index import ExactIndex, LoadedIndex, embed_blocks
 from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
-from realm_jax.train import batches, initialization, multihost, partitioning, \
-    state as state_lib, steps
+from realm_jax.train import batches, initialization, partitioning, state as state_lib, steps
 from realm_jax.train.feed import BatchFeed, IndexSchedule
 from realm_jax.train.checkpoints import Checkpointer
-from realm_jax.train.config_base import incompatible_fields, uses_index_builder, validate
+from realm_jax.train.config_base import uses_index_builder, validate
 from realm_jax.train.metrics import MetricWriter, format_duration, window_scalars
 from realm_jax.train.preemption import Preemption
-
-
-def load_data(config) -> PreparedData:
-  """Opens `config.data.dir`, turning a missing or partial dir into a ConfigError."""
-  if not config.data.dir:
-    raise ConfigError("data.dir", "is empty: point it at a prepared data dir")
-  try:
-    return PreparedData(config.data.dir)
-  except FileNotFoundError as e:
-    raise ConfigError("data.dir", str(e)) from None
-
-
-def check_workdir(config, workdir: str) -> None:
-  """Refuses a workdir whose checkpoints come from an incompatible config; records ours."""
-  path = os.path.join(workdir, "config.json")
-  current = json.loads(config.to_json_best_effort())
-  if os.path.exists(path) and os.path.isdir(os.path.join(workdir, "checkpoints")):
-    with open(path) as f:
-      saved = json.load(f)
-    diffs = incompatible_fields(saved, current)
-    if diffs:
-      raise ConfigError("", f"workdir {workdir} holds checkpoints of an incompatible config; "
-                        "fields that differ: " + "; ".join(diffs))
-  if jax.process_index() == 0:
-    os.makedirs(workdir, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-      json.dump(current, f, indent=2)
-    os.replace(path + ".tmp", path)
-  multihost.barrier("workdir")   # no process goes on before the workdir exists
 
 
 class Trainer:
@@ -61,7 +28,7 @@ class Trainer:
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str):
     validate(config)
-    self.data = load_data(config)
+    self.data = workdir_lib.open_data(config)
     stats = self.data.stats
     validate(config, num_blocks=self.data.blocks.num_blocks,
              store_block_len=self.data.blocks.block_len,
@@ -79,7 +46,7 @@ class Trainer:
                         f"the data axis ({self.mesh.shape['data']})")
     self.queries = batches.QueryBatches(config, self.data, self.examples, jax.process_index(),
                                         jax.process_count())
-    check_workdir(config, workdir)
+    workdir_lib.record_config(config, workdir)
     self.config, self.workdir = config, workdir
     self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
     self.rng = jax.random.PRNGKey(config.seed)
@@ -105,7 +72,7 @@ class Trainer:
       self.uses_index = False       # real text: no ground truth for ICT recall, no index needed
     self.subscriber = None
     if self.from_builder:
-      record_block_store(workdir, self.data)
+      workdir_lib.record_block_store(workdir, self.data)
       self.subscriber = IndexSubscriber(workdir, self._load_version, config.index.poll_seconds,
                                         f"[{config.task}] ")
     self.schedule = IndexSchedule(config, self.subscriber, _all_hosts_have) \
@@ -213,9 +180,8 @@ class Trainer:
           f"{self.data.blocks.num_blocks:,} blocks, {len(self.examples):,} queries" +
           (f", index from realm-index ({cfg.retrieval.refresh}, {cfg.retrieval.backend})"
            if self.from_builder else ""), flush=True)
-    done_path = os.path.join(self.workdir, DONE)
-    if self.from_builder and jax.process_index() == 0 and os.path.exists(done_path):
-      os.remove(done_path)
+    if self.from_builder and jax.process_index() == 0:
+      workdir_lib.clear_done(self.workdir)
     train_log, eval_log = MetricWriter(self.workdir, "train"), MetricWriter(self.workdir, "eval")
     retrieval_log = MetricWriter(self.workdir, "retrieval") if self.retrieves else None
     depth = max(1, cfg.data.prefetch)
@@ -330,11 +296,9 @@ class Trainer:
             f"{summary['index_blocking_waits']} blocking waits after the first index "
             f"({summary['index_wait_seconds']:.1f}s)", flush=True)
     if jax.process_index() == 0:
-      with open(os.path.join(self.workdir, "summary.json"), "w") as f:
-        json.dump({**summary, "examples": details}, f, indent=2)
+      workdir_lib.write_summary(self.workdir, {**summary, "examples": details})
       if self.from_builder:
-        with open(done_path, "w") as f:   # tells realm-index to exit
-          f.write(f"{total}\n")
+        workdir_lib.mark_done(self.workdir, total)   # tells realm-index to exit
     summary["examples"] = details
     return summary
 

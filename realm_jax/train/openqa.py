@@ -46,8 +46,7 @@ class FrozenIndex:
     if version is None:
       return None
     manifest = published.verify(root, version, fingerprint=fingerprint, dim=dim)
-    with (published.version_dir(root, version) / "embeddings.npy").open("rb") as f:
-      embeddings = np.load(f)
+    embeddings = published.read_embeddings(root, version, manifest)
     return cls(version=version, step=int(manifest["step"]), embeddings=embeddings,
                index=ExactIndex.from_embeddings(embeddings))
 

@@ -11,7 +11,6 @@ blocks embedded with the starting block tower. Resuming reuses it, so every step
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -19,15 +18,14 @@ import jax
 import ml_collections
 import numpy as np
 
+from realm_jax import workdir as workdir_lib
 from realm_jax.data import qa as qa_lib
 from realm_jax.errors import ConfigError
 from realm_jax.evaluate_qa import QAEvaluator, format_metrics
 from realm_jax.retrieval import published
-from realm_jax.retrieval.builder import publish_exact
 from realm_jax.train import initialization, partitioning, state as state_lib, steps
 from realm_jax.train.checkpoints import Checkpointer
 from realm_jax.train.config_base import validate
-from realm_jax.train.loop import check_workdir, load_data
 from realm_jax.train.metrics import MetricWriter, format_duration, window_scalars
 from realm_jax.train.preemption import Preemption
 from realm_jax.train.openqa import FrozenIndex, QABatchBuilder, QuestionBatches, \
@@ -39,7 +37,7 @@ class OpenQATrainer:
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str):
     validate(config)
-    self.data = load_data(config)
+    self.data = workdir_lib.open_data(config)
     validate(config, num_blocks=self.data.blocks.num_blocks,
              store_block_len=self.data.blocks.block_len,
              vocab_size=self.data.tokenizer.vocab_size)
@@ -53,7 +51,7 @@ class OpenQATrainer:
     if config.train.batch_size % self.mesh.shape["data"]:
       raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
                         f"the data axis ({self.mesh.shape['data']})")
-    check_workdir(config, workdir)
+    workdir_lib.record_config(config, workdir)
     self.config, self.workdir = config, workdir
     self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
     init_rng, self.step_rng = jax.random.split(jax.random.PRNGKey(config.seed))
@@ -111,8 +109,9 @@ class OpenQATrainer:
                                     f"[{task}] frozen index: ")
     query = partitioning.host_copy(steps.query_tower_params(self.state.params["retriever"]))
     if jax.process_index() == 0:
-      publish_exact(self.workdir, source.embeddings, query, step=source.step,
-                    fingerprint=fingerprint, keep=cfg.index.keep_versions)
+      published.publish_arrays(published.index_root(self.workdir), source.embeddings, query,
+                               step=source.step, fingerprint=fingerprint,
+                               keep=cfg.index.keep_versions)
     return FrozenIndex.load(self.workdir, fingerprint, dim)
 
   # -- the loop ----------------------------------------------------------------------------
@@ -187,8 +186,7 @@ class OpenQATrainer:
                "index_version": frozen.version, "index_step": frozen.step,
                **{f"eval_{k}": v for k, v in eval_metrics.items()}}
     if jax.process_index() == 0:
-      with open(os.path.join(self.workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+      workdir_lib.write_summary(self.workdir, summary)
     return summary
 
   def evaluate(self, evaluator: QAEvaluator, writer: MetricWriter, step: int) -> dict:

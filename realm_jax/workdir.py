@@ -1,0 +1,135 @@
+"""A run's workdir W: the one owner of its layout and of the records the jobs sharing it
+(trainer, `realm-index`, `realm-eval`, launchers) read and write.
+
+  W/config.json          the run's resolved config: recorded at start, checked on resume
+  W/blocks.json          the block store the trainer's block rows refer to (realm-index checks)
+  W/checkpoints/<step>/  Orbax checkpoints (train/checkpoints.py)
+  W/index/<version>/     published index versions (retrieval/published.py)
+  W/metrics/<kind>.jsonl, W/tb/<kind>/   metrics (train/metrics.py)
+  W/summary.json         the run's summary, written when it finishes (absent: not finished)
+  W/DONE                 the trainer's last step: tells realm-index to exit
+  W/logs/                launch/local.py: the trainer's and the builder's output
+
+Every record is written to `<name>.tmp` and renamed into place, so a reader never sees half
+of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from realm_jax.errors import ConfigError
+
+CONFIG = "config.json"
+BLOCKS_RECORD = "blocks.json"
+CHECKPOINTS = "checkpoints"
+SUMMARY = "summary.json"
+DONE = "DONE"
+
+
+def _write_json(path: str, record: dict) -> None:
+  with open(path + ".tmp", "w") as f:
+    json.dump(record, f, indent=2)
+  os.replace(path + ".tmp", path)
+
+
+def _read_json(path: str) -> dict | None:
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+# -- the prepared data a run reads -------------------------------------------------------------
+def open_data(config):
+  """Opens `config.data.dir` (a PreparedData), a missing or partial dir as a ConfigError."""
+  from realm_jax.data.store import PreparedData
+  if not config.data.dir:
+    raise ConfigError("data.dir", "is empty: point it at a prepared data dir")
+  try:
+    return PreparedData(config.data.dir)
+  except FileNotFoundError as e:
+    raise ConfigError("data.dir", str(e)) from None
+
+
+# -- W/config.json -----------------------------------------------------------------------------
+def record_config(config, workdir: str) -> None:
+  """Refuses a workdir whose checkpoints come from an incompatible config; records ours."""
+  import jax
+  from realm_jax.train import multihost
+  from realm_jax.train.config_base import incompatible_fields
+  path = os.path.join(workdir, CONFIG)
+  current = json.loads(config.to_json_best_effort())
+  if os.path.exists(path) and os.path.isdir(os.path.join(workdir, CHECKPOINTS)):
+    diffs = incompatible_fields(_read_json(path), current)
+    if diffs:
+      raise ConfigError("", f"workdir {workdir} holds checkpoints of an incompatible config; "
+                        "fields that differ: " + "; ".join(diffs))
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    _write_json(path, current)
+  multihost.barrier("workdir")   # no process goes on before the workdir exists
+
+
+def saved_config(workdir: str):
+  """The run's own resolved config (`W/config.json`) as a ConfigDict."""
+  import ml_collections
+  record = _read_json(os.path.join(workdir, CONFIG))
+  if record is None:
+    raise FileNotFoundError(f"{os.path.join(workdir, CONFIG)}: no config of the run; pass "
+                            "--config")
+  return ml_collections.ConfigDict(record)
+
+
+# -- W/blocks.json -----------------------------------------------------------------------------
+def record_block_store(workdir: str, data) -> None:
+  """The trainer's side of `check_block_store`: which block store its rows refer to."""
+  os.makedirs(workdir, exist_ok=True)
+  _write_json(os.path.join(workdir, BLOCKS_RECORD),
+              {"block_store_fingerprint": data.blocks.fingerprint, "data_dir": data.dir,
+               "num_blocks": data.blocks.num_blocks})
+
+
+def check_block_store(workdir: str, fingerprint: str, data_dir: str) -> None:
+  """Refuses to serve a trainer whose block store differs from ours (both fingerprints shown)."""
+  trainer = _read_json(os.path.join(workdir, BLOCKS_RECORD))
+  if trainer is None:
+    return
+  if trainer.get("block_store_fingerprint") != fingerprint:
+    raise ConfigError("data.dir", f"the block store of {data_dir} (fingerprint {fingerprint}) "
+                      f"differs from the trainer's in {workdir} ({trainer.get('data_dir')}, "
+                      f"fingerprint {trainer.get('block_store_fingerprint')}): an index over "
+                      "other blocks would retrieve the wrong rows")
+
+
+# -- W/DONE ------------------------------------------------------------------------------------
+def done_path(workdir: str) -> str:
+  return os.path.join(workdir, DONE)
+
+
+def mark_done(workdir: str, step: int) -> None:
+  """The trainer finished at `step`: realm-index exits when it sees this."""
+  with open(done_path(workdir), "w") as f:
+    f.write(f"{step}\n")
+
+
+def clear_done(workdir: str) -> None:
+  """A trainer (re)starting: the builder must not exit on an earlier run's DONE."""
+  if os.path.exists(done_path(workdir)):
+    os.remove(done_path(workdir))
+
+
+def is_done(workdir: str) -> bool:
+  return os.path.exists(done_path(workdir))
+
+
+# -- W/summary.json ----------------------------------------------------------------------------
+def write_summary(workdir: str, summary: dict) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  _write_json(os.path.join(workdir, SUMMARY), summary)
+
+
+def read_summary(workdir: str) -> dict | None:
+  """The finished run's summary, None while it has not finished."""
+  return _read_json(os.path.join(workdir, SUMMARY))
