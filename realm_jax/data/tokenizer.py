@@ -6,7 +6,6 @@ import dataclasses
 import os
 from typing import Iterable
 
-import numpy as np
 from tokenizers import BertWordPieceTokenizer
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -64,13 +63,3 @@ def train_tokenizer(texts: Iterable[str], out_dir: str, vocab_size: int) -> Toke
   os.makedirs(out_dir, exist_ok=True)
   wordpiece.save_model(out_dir)
   return load_tokenizer(os.path.join(out_dir, "vocab.txt"))
-
-
-def pad_rows(rows: list[list[int]], length: int, dtype=np.int32) -> np.ndarray:
-  """Right-pads (with id 0) and stacks rows of ids; rows longer than `length` are an error."""
-  out = np.zeros((len(rows), length), dtype)
-  for i, row in enumerate(rows):
-    if len(row) > length:
-      raise ValueError(f"row {i} has {len(row)} ids > {length}")
-    out[i, :len(row)] = row
-  return out

@@ -111,10 +111,6 @@ class _TorchUnpickler(RestrictedUnpickler):
     return self.storages[key]
 
 
-def is_torch_zip(file: str) -> bool:
-  return zipfile.is_zipfile(file)
-
-
 def load_state_dict(file: str, floats_as: np.dtype | None = None) -> dict[str, np.ndarray]:
   """The tensors of a zip-format torch checkpoint as NumPy arrays, by state-dict name.
 

@@ -119,11 +119,6 @@ class IndexSchedule:
     self._first = False
     return loaded, waited
 
-  def current(self) -> LoadedIndex | None:
-    """The newest index announced (for evaluation between steps)."""
-    with self._cond:
-      return self._entries[-1][1] if self._entries else None
-
   def close(self) -> None:
     with self._cond:
       self._closed = True

@@ -58,12 +58,6 @@ def logical_rules(config_rules) -> tuple[tuple[str, Any], ...]:
                for name, axis in config_rules)
 
 
-def state_shardings(abstract_state, mesh: Mesh, rules) -> Any:
-  """NamedShardings for a (boxed) abstract train state from its logical partition specs."""
-  specs = nn.get_partition_spec(abstract_state)
-  return nn.logical_to_mesh_sharding(specs, mesh, rules)
-
-
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Leading (batch) dim split over `data`; replicated over `model`."""
   return NamedSharding(mesh, P("data"))
