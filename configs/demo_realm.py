@@ -1,7 +1,7 @@
-"""REALM on the generated world, in miniature (see DESIGN.md, "REALM in miniature").
+"""REALM on the generated world, in miniature (README, "The demo: REALM in miniature").
 
 Variants by arg:
-  realm          (default) REALM: retrieval from the index, retriever lr 10x below the reader's
+  realm          (default) REALM: retrieval from the index, retriever lr 0.3x the reader's
   warmup         reader warm-up: the reader reads the query's own block (the retriever plays
                  no part and stays frozen); the null document is read only to measure utility
   no_retrieval   the baseline: the null document only, same encoder and steps

@@ -3,8 +3,9 @@ behind every answer; and `realm-eval`, which restores a checkpoint and an index 
 
 recall@k: one of the top k retrieved blocks contains an answer string (regex for CuratedTrec).
 EM / F1: the reader's best span over the top `qa.reader_beam` blocks (span score + the block's
-retrieval logit), normalised as DESIGN.md says. A checkpoint without the span reader (REALM
-pre-training) gets retrieval recall only: the zero-shot retrieval evaluation.
+retrieval logit), with ORQA's answer normalisation (realm_jax/data/answers.py). A checkpoint
+without the span reader (REALM pre-training) gets retrieval recall only: the zero-shot
+retrieval evaluation.
 
   realm-eval --config configs/X.py --workdir W [--step N] [--split test] [--retrieval_only]
 writes W/eval/<step>/metrics.json and W/eval/<step>/predictions.jsonl.
