@@ -13,7 +13,7 @@ from realm_jax import packages
 from realm_jax.errors import ConfigError
 from realm_jax.interop import hf_bert, hf_realm
 from realm_jax.models.bert import hf_parameter_names
-from realm_jax.train import initialization, state as state_lib
+from realm_jax.train import checkpoints, initialization, state as state_lib
 from realm_jax.train.loop import Trainer
 from tests.helpers import SMALL_RETRIEVER, tiny_config
 from tests.test_hf_bert import world_checkpoint
@@ -32,7 +32,7 @@ def source_run(config, workdir, vocab_size, steps=(0,)):
     seeded = config.copy_and_resolve_references()
     seeded.seed = 1000 + step
     saved[step] = hf_realm.init_params(seeded, model)
-    hf_realm.write_checkpoint(workdir, saved[step], step)
+    checkpoints.write_params(workdir, saved[step], step)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort())
   return saved

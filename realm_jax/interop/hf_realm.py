@@ -426,19 +426,6 @@ def publish_index(workdir: str, block_emb: np.ndarray, query_params: dict, finge
 
 
 # -- writing the workdir ------------------------------------------------------------------
-def write_checkpoint(workdir: str, params: dict, step: int = 0) -> str:
-  """`W/checkpoints/<step>` with the `params` item (what `restore_params` reads)."""
-  import orbax.checkpoint as ocp
-  from realm_jax.train.checkpoints import ITEMS
-  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-  manager = ocp.CheckpointManager(directory, item_names=ITEMS, options=ocp.CheckpointManagerOptions(
-      create=True, enable_async_checkpointing=False))
-  manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)), force=True)
-  manager.wait_until_finished()
-  manager.close()
-  return os.path.join(directory, str(step))
-
-
 def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
                       task: str | None = None) -> ImportReport:
   """Converts the checkpoint in `hf_dir` into the workdir `out` (see the module docstring).
@@ -452,6 +439,7 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
   Returns:
     The report (also written to out/import_report.json).
   """
+  from realm_jax.train import checkpoints
   from realm_jax.train.config_base import TASKS
   t0 = time.time()
   layout, hf = read_hf_config(hf_dir)
@@ -517,7 +505,7 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
                           "block embeddings are block_emb, published as the index")
   with open(os.path.join(out, "config.json"), "w") as f:
     json.dump(json.loads(config.to_json_best_effort()), f, indent=2)
-  write_checkpoint(out, params)
+  checkpoints.write_params(out, params)
   report.notes.append(f"written {out}/config.json and checkpoints/0 (task {config.task}) in "
                       f"{time.time() - t0:.1f}s")
   with open(os.path.join(out, "import_report.json"), "w") as f:

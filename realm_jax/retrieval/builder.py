@@ -38,8 +38,7 @@ class IndexBuilder:
 
   def __init__(self, config, workdir: str):
     import jax
-    import orbax.checkpoint as ocp
-    from realm_jax.train import config_base, partitioning, state as state_lib
+    from realm_jax.train import checkpoints, config_base, partitioning, state as state_lib
     config_base.validate(config)
     self.config, self.workdir = config, workdir
     self.data = workdir_lib.open_data(config)
@@ -50,8 +49,8 @@ class IndexBuilder:
     abstract, _ = state_lib.abstract_train_state(config, self.model, self.mesh,
                                                  self.data.blocks.block_len)
     self.abstract_retriever = abstract.params["retriever"]
-    self.checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
-    self._ocp = ocp
+    self.checkpoints = checkpoints   # not at the top: jax only after the device choice
+    self.checkpoint_dir = checkpoints.checkpoint_dir(workdir)
     self.manager = None
     from realm_jax.retrieval import published
     self.published = published
@@ -73,10 +72,8 @@ class IndexBuilder:
     if not os.path.isdir(self.checkpoint_dir):
       return []
     if self.manager is None:
-      from realm_jax.train.checkpoints import ITEMS
-      self.manager = self._ocp.CheckpointManager(
-          self.checkpoint_dir, item_names=ITEMS, options=self._ocp.CheckpointManagerOptions(
-              read_only=True, create=False, save_interval_steps=0))
+      self.manager = self.checkpoints.read_only_manager(self.workdir,
+                                                        item_names=self.checkpoints.ITEMS)
     for _ in range(LIST_ATTEMPTS - 1):
       try:
         self.manager.reload()
@@ -89,12 +86,10 @@ class IndexBuilder:
   def restore_retriever(self, step: int):
     """The retriever params of checkpoint `step` straight onto this job's mesh (nothing else
     of the state is read); None if the checkpoint vanished meanwhile (kept-N deletion)."""
-    ocp = self._ocp
     target = {"retriever": self.abstract_retriever}
     try:
-      restored = self.manager.restore(step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(
-          item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-          partial_restore=True)))
+      restored = self.manager.restore(step,
+                                      args=self.checkpoints.partial_params_restore(target))
     except Exception:  # noqa: BLE001  (re-raised below unless the checkpoint is gone)
       if step not in self.checkpoint_steps():
         return None

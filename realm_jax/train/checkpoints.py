@@ -32,7 +32,7 @@ class Checkpointer:
   """`W/checkpoints/<step>/{params,opt,data,retrieval}` via one CheckpointManager."""
 
   def __init__(self, workdir: str, keep: int, async_saves: bool = True):
-    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self.directory = checkpoint_dir(workdir)
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -76,19 +76,44 @@ class Checkpointer:
     self.manager.close()
 
 
-def _read_only_manager(workdir: str, **kwargs) -> ocp.CheckpointManager:
-  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def read_only_manager(workdir: str, **kwargs) -> ocp.CheckpointManager:
+  """A manager that lists and reads `W/checkpoints` of a run another job writes."""
+  directory = checkpoint_dir(workdir)
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoints under {directory}")
   return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
       read_only=True, create=False, save_interval_steps=0), **kwargs)
 
 
+def partial_params_restore(abstract_params) -> ocp.args.Composite:
+  """Restore args for the `params` item reading only the paths of `abstract_params`, into
+  their shardings (the rest of the saved tree is left on disk)."""
+  return ocp.args.Composite(params=ocp.args.PyTreeRestore(
+      item=abstract_params, partial_restore=True,
+      restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_params)))
+
+
+def write_params(workdir: str, params: dict, step: int = 0) -> str:
+  """`W/checkpoints/<step>` with the `params` item only (an imported checkpoint: what
+  `restore_params` reads); returns its dir."""
+  manager = ocp.CheckpointManager(checkpoint_dir(workdir), item_names=ITEMS,
+                                  options=ocp.CheckpointManagerOptions(
+                                      create=True, enable_async_checkpointing=False))
+  manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)), force=True)
+  manager.wait_until_finished()
+  manager.close()
+  return os.path.join(checkpoint_dir(workdir), str(step))
+
+
 def saved_param_shapes(workdir: str, step: int | None = None
                        ) -> tuple[dict[tuple[str, ...], tuple[int, ...]], int]:
   """Path -> shape of every parameter a checkpoint holds (from its metadata; nothing is
   read), and its step (the latest unless `step`)."""
-  manager = _read_only_manager(workdir, item_handlers={"params": ocp.PyTreeCheckpointHandler()})
+  manager = read_only_manager(workdir, item_handlers={"params": ocp.PyTreeCheckpointHandler()})
   try:
     step = _step_or_latest(manager, workdir, step)
     tree = manager.item_metadata(step)["params"]
@@ -128,7 +153,7 @@ def restore_params(workdir: str, abstract_params, step: int | None = None,
   returns (params restored, step, paths missing) and the caller keeps its own values for them.
   Without it returns (params, step) and a missing parameter is an error.
   """
-  manager = _read_only_manager(workdir, item_names=ITEMS)
+  manager = read_only_manager(workdir, item_names=ITEMS)
   step = _step_or_latest(manager, workdir, step)
   missing: list[tuple[str, ...]] = []
   if partial:
@@ -137,11 +162,8 @@ def restore_params(workdir: str, abstract_params, step: int | None = None,
     missing = sorted(p for p in flat if p not in saved)
     abstract_params = traverse_util.unflatten_dict({p: v for p, v in flat.items()
                                                     if p in saved})
-  restored = manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.PyTreeRestore(
-          item=abstract_params, partial_restore=True,
-          restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_params))
-      if partial else ocp.args.StandardRestore(abstract_params)))
+  restored = manager.restore(step, args=partial_params_restore(abstract_params) if partial else
+                             ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
   manager.close()
   if partial:
     return restored.params, step, missing
