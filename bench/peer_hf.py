@@ -228,6 +228,7 @@ def bench_step(args) -> dict:
 def bench_openqa(args) -> dict:
   from realm_jax.data.store import BlockStore
   from realm_jax.data.tokenizer import load_tokenizer
+  from realm_jax.retrieval import published
   from realm_jax.retrieval.index import ExactIndex
   from realm_jax.train.checkpoints import restore_run
   sizes = dict(hidden_size=args.hidden, num_hidden_layers=args.layers,
@@ -248,7 +249,10 @@ def bench_openqa(args) -> dict:
     config, model, _, params, _ = restore_run(work)
     tokenizer = load_tokenizer(os.path.join(work, "data", "vocab.txt"))
     blocks = BlockStore(os.path.join(work, "data"))
-    block_emb = np.load(os.path.join(report.index["dir"], "embeddings.npy"))
+    index_root = published.index_root(work)
+    version = report.index["version"]
+    block_emb = published.read_embeddings(index_root, version,
+                                          published.read_manifest(index_root, version))
     index = ExactIndex.from_embeddings(block_emb)
     os.environ.setdefault("TRUST_REMOTE_CODE", "True")
     retriever = transformers.RealmRetriever.from_pretrained(hf_dir)

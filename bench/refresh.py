@@ -47,6 +47,7 @@ import time
 
 import numpy as np
 
+from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -177,10 +178,9 @@ def measure(args, workdir: pathlib.Path) -> dict:
   """The figures of a finished run, read from its workdir."""
   steps = sorted(read_jsonl(workdir / "metrics" / "retrieval.jsonl"), key=lambda r: r["step"])
   index_rows = read_jsonl(workdir / "metrics" / "index.jsonl")
-  summary_path = workdir / "summary.json"
-  if not summary_path.exists():
-    raise BenchError(f"the run succeeded but wrote no {summary_path}")
-  summary = json.loads(summary_path.read_text())
+  summary = workdir_lib.read_summary(str(workdir))
+  if summary is None:
+    raise BenchError(f"the run succeeded but wrote no {workdir / workdir_lib.SUMMARY}")
   if len(steps) <= COMPILE_STEPS + 1:
     raise BenchError(f"only {len(steps)} train steps logged; run more than "
                      f"{COMPILE_STEPS + 1} (--steps)")

@@ -67,9 +67,14 @@ def record_config(config, workdir: str) -> None:
       raise ConfigError("", f"workdir {workdir} holds checkpoints of an incompatible config; "
                         "fields that differ: " + "; ".join(diffs))
   if jax.process_index() == 0:
-    os.makedirs(workdir, exist_ok=True)
-    _write_json(path, current)
+    write_config(workdir, config)
   multihost.barrier("workdir")   # no process goes on before the workdir exists
+
+
+def write_config(workdir: str, config) -> None:
+  """`W/config.json` (also for a workdir written by a converter: `realm-import-hf`)."""
+  os.makedirs(workdir, exist_ok=True)
+  _write_json(os.path.join(workdir, CONFIG), json.loads(config.to_json_best_effort()))
 
 
 def saved_config(workdir: str):
@@ -110,8 +115,9 @@ def done_path(workdir: str) -> str:
 
 def mark_done(workdir: str, step: int) -> None:
   """The trainer finished at `step`: realm-index exits when it sees this."""
-  with open(done_path(workdir), "w") as f:
+  with open(done_path(workdir) + ".tmp", "w") as f:
     f.write(f"{step}\n")
+  os.replace(done_path(workdir) + ".tmp", done_path(workdir))
 
 
 def clear_done(workdir: str) -> None:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from realm_jax.train import batches, partitioning, preemption, state as state_lib
+from realm_jax.train import batches, partitioning, preemption, state as state_lib, steps
 from realm_jax.train.checkpoints import Checkpointer, restore_params
 from realm_jax.train.loop import train
 from realm_jax.train.metrics import read_jsonl
@@ -224,6 +224,14 @@ def test_training_without_the_null_document(world_dir, world_data, tmp_path):
   evaluated = batches.candidates_for(config, world_data, queries, retrieved)
   assert (evaluated[:, 0] == pipeline.NULL_BLOCK).all()
   np.testing.assert_array_equal(evaluated[:, 1:], cand)
+  # Three copies of the query's own block among the top k + 1 leave a slot to the null
+  # document; the step finds it (and gives it no prior mass) from its wordpieces alone.
+  retrieved[:, 1:3] = source[:, None]
+  cand = batches.candidates_for(config, world_data, queries, retrieved, training=True)
+  assert (cand[:, :2] != pipeline.NULL_BLOCK).all() and (cand[:, 2] == pipeline.NULL_BLOCK).all()
+  batch = batches.realm_batch(config, world_data, queries, cand)
+  np.testing.assert_array_equal(np.asarray(steps.null_candidates(batch["candidate_ids"])),
+                                cand == pipeline.NULL_BLOCK)
   summary = train(config, str(tmp_path / "no_null"))
   rows = read_jsonl(os.path.join(tmp_path, "no_null", "metrics", "train.jsonl"))
   assert rows and all("retrieval_utility" not in r and "null_doc_prob" not in r for r in rows)

@@ -439,6 +439,7 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
   Returns:
     The report (also written to out/import_report.json).
   """
+  from realm_jax import workdir as workdir_lib
   from realm_jax.train import checkpoints
   from realm_jax.train.config_base import TASKS
   t0 = time.time()
@@ -503,8 +504,7 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
     if "block_tower" in params["retriever"]:
       report.notes.append("retriever/block_tower is not in a RealmForOpenQA checkpoint: its "
                           "block embeddings are block_emb, published as the index")
-  with open(os.path.join(out, "config.json"), "w") as f:
-    json.dump(json.loads(config.to_json_best_effort()), f, indent=2)
+  workdir_lib.write_config(out, config)
   checkpoints.write_params(out, params)
   report.notes.append(f"written {out}/config.json and checkpoints/0 (task {config.task}) in "
                       f"{time.time() - t0:.1f}s")

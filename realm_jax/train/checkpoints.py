@@ -77,7 +77,8 @@ class Checkpointer:
 
 
 def checkpoint_dir(workdir: str) -> str:
-  return os.path.join(os.path.abspath(workdir), "checkpoints")
+  from realm_jax.workdir import CHECKPOINTS
+  return os.path.join(os.path.abspath(workdir), CHECKPOINTS)
 
 
 def read_only_manager(workdir: str, **kwargs) -> ocp.CheckpointManager:

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from realm_jax import packages
+from realm_jax import packages, workdir as workdir_lib
 from realm_jax.errors import ConfigError
 from realm_jax.train.config_base import PARTS, part_model, part_options
 
@@ -77,7 +77,7 @@ def resolve(spec: str, option: str, part: str, step: int = -1) -> Source:
   if spec in ("", "random"):
     return Source(part, option, "random")
   path = packages.resolve(spec, option)
-  if os.path.isdir(os.path.join(path, "checkpoints")):
+  if os.path.isdir(os.path.join(path, workdir_lib.CHECKPOINTS)):
     return Source(part, option, "workdir", path, step)
   if os.path.isfile(os.path.join(path, "config.json")) and any(
       os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):

@@ -71,7 +71,7 @@ class Trainer:
     if config.task == "ict" and not self.evaluator.has_answers:
       self.uses_index = False       # real text: no ground truth for ICT recall, no index needed
     self.subscriber = None
-    if self.from_builder:
+    if self.from_builder and jax.process_index() == 0:
       workdir_lib.record_block_store(workdir, self.data)
       self.subscriber = IndexSubscriber(workdir, self._load_version, config.index.poll_seconds,
                                         f"[{config.task}] ")

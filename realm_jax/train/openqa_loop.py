@@ -23,7 +23,8 @@ from realm_jax.data import qa as qa_lib
 from realm_jax.errors import ConfigError
 from realm_jax.evaluate_qa import QAEvaluator, format_metrics
 from realm_jax.retrieval import published
-from realm_jax.train import initialization, partitioning, state as state_lib, steps
+from realm_jax.train import initialization, multihost, partitioning, state as state_lib, \
+    steps
 from realm_jax.train.checkpoints import Checkpointer
 from realm_jax.train.config_base import validate
 from realm_jax.train.metrics import MetricWriter, format_duration, window_scalars
@@ -112,6 +113,7 @@ class OpenQATrainer:
       published.publish_arrays(published.index_root(self.workdir), source.embeddings, query,
                                step=source.step, fingerprint=fingerprint,
                                keep=cfg.index.keep_versions)
+    multihost.barrier("frozen index published")   # every process loads the version just written
     return FrozenIndex.load(self.workdir, fingerprint, dim)
 
   # -- the loop ----------------------------------------------------------------------------

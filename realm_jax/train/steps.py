@@ -55,6 +55,9 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
   return logits, vocab_log_probs.reshape(b, k, m, -1)
 
 
+NULL_DOCUMENT_LENGTH = 3   # `[CLS][SEP][SEP]`
+
+
 def rescores(config) -> bool:
   """Whether the retriever scores the candidates: only when they were retrieved (not in the
   own-block reader warm-up, nor for the null document alone, whose p(z|x) is 1 anyway)."""
@@ -73,14 +76,25 @@ def realm_loss_fn(params, model, batch, config, rng):
   deterministic = config.model.dropout_rate == 0
   logits, vocab_lp = realm_scores(model, params, batch, {"dropout": rng}, deterministic,
                                   rescores(config))
+  null_in_training = config_base.null_in_training(config)
+  if not null_in_training:   # a null document filling a slot left by duplicate blocks: no mass
+    logits = jnp.where(null_candidates(batch["candidate_ids"]), -1e9, logits)
   mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
   loss, metrics = losses.realm_loss(logits, mask_lp, batch["mask_weights"],
                                     config.retrieval.marginalization)
   if logits.shape[1] == 1 and config.retrieval.mode == "own_block":
     metrics = {}    # no null document in the batch: nothing to measure utility against
-  elif not config_base.null_in_training(config):   # candidate 0 is a retrieved block, not the null document
-    metrics = {k: v for k, v in metrics.items() if k not in ("retrieval_utility", "null_doc_prob")}
+  elif not null_in_training:   # candidate 0 is a retrieved block, not the null document
+    metrics = {k: v for k, v in metrics.items()
+               if k not in ("retrieval_utility", "null_doc_prob")}
   return loss, metrics
+
+
+def null_candidates(candidate_ids):
+  """[B, k] True where a candidate is the null document: `[CLS][SEP][SEP]` and padding
+  (pipeline.candidate_inputs), the only candidate whose 4th wordpiece is padding (a block
+  holds `[CLS]`, a title or body wordpiece and two `[SEP]`s at least)."""
+  return candidate_ids[:, :, NULL_DOCUMENT_LENGTH] == 0
 
 
 
@@ -160,8 +174,8 @@ def make_realm_eval(config, model, mesh):
 
   def evaluate(params, batch):
     logits, vocab_lp = realm_scores(model, params, batch, rescore=rescores(config))
-    if not config_base.null_in_training(config):   # read alone, outside the marginal the step trained
-      logits = logits.at[:, 0].set(-1e9)
+    if not config_base.null_in_training(config):   # read alone, outside the marginal trained
+      logits = jnp.where(null_candidates(batch["candidate_ids"]), -1e9, logits)
     marginal = losses.marginal_token_log_probs(logits, vocab_lp)
     mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
     log_lik = losses.realm_log_likelihood(logits, mask_lp, batch["mask_weights"],
