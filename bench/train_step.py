@@ -74,9 +74,15 @@ def case_config(case: str, accelerator: bool, batch_size: int | None):
   return config
 
 
+def candidates_read(config) -> int:
+  """Candidates a training step reads: k, or k - 1 without the null document in training."""
+  from realm_jax.train.config_base import null_in_training
+  return config.retrieval.k - (0 if null_in_training(config) else 1)
+
+
 def random_batch(config, rng: np.random.Generator) -> dict[str, np.ndarray]:
   """A REALM batch of full-length (unpadded) sequences with one span of max_masks masks."""
-  b, k, m = config.train.batch_size, config.retrieval.k, config.data.max_masks
+  b, k, m = config.train.batch_size, candidates_read(config), config.data.max_masks
   q, lb = config.data.query_len, config.data.block_len
   vocab = config.model.vocab_size
   ids = lambda *shape: rng.integers(1, vocab, shape, dtype=np.int32)
@@ -96,7 +102,7 @@ def random_batch(config, rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 def token_counts(config) -> dict[str, int]:
-  b, k = config.train.batch_size, config.retrieval.k
+  b, k = config.train.batch_size, candidates_read(config)
   q, lb = config.data.query_len, config.data.block_len
   reader = b * k * (q + lb - 2)
   retriever = b * q + b * k * lb
@@ -104,12 +110,13 @@ def token_counts(config) -> dict[str, int]:
 
 
 def analytic_flops(config) -> float:
-  """3 x the forward matmul FLOPs (backward = 2 x forward) of the three encoders and heads,
+  """The forward matmul FLOPs of the three encoders and heads, x 3 where they are trained
+  (backward = 2 x forward; a frozen part, `train.*_lr_scale` 0, runs forward only),
   each tower at its own shape (`config_base.part_model`: the retriever may differ)."""
   from realm_jax.train.config_base import part_model
   reader, retriever = part_model(config, "reader"), part_model(config, "retriever")
   v = config.model.vocab_size
-  b, k, m = config.train.batch_size, config.retrieval.k, config.data.max_masks
+  b, k, m = config.train.batch_size, candidates_read(config), config.data.max_masks
   q, lb = config.data.query_len, config.data.block_len
 
   def encoder(mc, sequences, length):  # projections, feed-forward, scores and weighted sum
@@ -118,11 +125,14 @@ def analytic_flops(config) -> float:
                                         + 4 * length**2 * d)
 
   r, d = retriever.hidden_size, reader.hidden_size
-  forward = encoder(retriever, b, q) + encoder(retriever, b * k, lb)
-  forward += encoder(reader, b * k, q + lb - 2)
-  forward += (b + b * k) * 2 * (r * r + r * config.model.retrieval_dim)  # pooler + projection
-  forward += b * k * m * 2 * (d * d + d * v)                    # MLM head at the masks
-  return 3.0 * forward
+  retrieval = encoder(retriever, b, q) + encoder(retriever, b * k, lb)
+  retrieval += (b + b * k) * 2 * (r * r + r * config.model.retrieval_dim)  # pooler + projection
+  reading = encoder(reader, b * k, q + lb - 2)
+  reading += b * k * m * 2 * (d * d + d * v)                    # MLM head at the masks
+  # a frozen part has no backward: the retriever's gradient needs p(y|z,x), not its gradient
+  reader_backward = 2.0 if config.train.reader_lr_scale else 0.0
+  retriever_backward = 2.0 if config.train.retriever_lr_scale else 0.0
+  return (1 + retriever_backward) * retrieval + (1 + reader_backward) * reading
 
 
 def xla_flops(compiled) -> float:

@@ -105,7 +105,8 @@ def masked_queries(examples: ExampleSet, rows: np.ndarray, spans: np.ndarray, co
 
 def candidates_for(config, data: PreparedData, queries: dict[str, np.ndarray],
                    retrieved: np.ndarray | None, training: bool = False) -> np.ndarray:
-  """Candidate block rows [n, k] (column 0 = the null document) for the retrieval mode.
+  """Candidate block rows [n, k] (column 0 = the null document) for the retrieval mode; a
+  training batch without the null document (see `index` below) holds [n, k - 1].
 
   own_block: the null document and the query's own block, whose prior mass is all on the
   block; a training batch leaves the null document out (it would add exactly nothing to the
