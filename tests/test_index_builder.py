@@ -321,8 +321,8 @@ def test_builder_killed_at_random_points_never_exposes_a_partial_version(
         published.verify(root, version, fingerprint=data.blocks.fingerprint, dim=32)
       assert published.read_latest(root) in versions
     print(f"{phase}: kills landed {landed} the commit")
-    if phase == "embedding":
-      assert landed == ["before"] * 5
+    if phase == "embedding":   # most kills inside the embedding (on an idle fast machine one
+      assert landed.count("before") >= 3, landed   # may finish within its delay)
     else:   # inside the publish sequence, before the LATEST commit, at least sometimes
       assert "before" in landed
     time.sleep(0.2)
