@@ -4,7 +4,8 @@
       --config.retrieval.refresh=async [--config.index.devices=6,7] [--grace 30]
 
 Every `--config.*` override goes to both processes (`realm_jax.train.main` and
-`realm_jax.retrieval.builder`); they share only the workdir (realm_jax/workdir.py; README, "Workdir protocol").
+`realm_jax.retrieval.builder`); they share only the workdir (realm_jax/workdir.py; README,
+"Workdir protocol").
 With GPUs visible, `config.index.devices` names the builder's GPUs and the trainer gets the
 rest; on CPU both inherit the environment. Output is streamed line by line with a `[trainer] ` /
 `[builder] ` prefix and appended to `W/logs/<name>.log`. Ctrl-C stops both (SIGINT to each
@@ -28,7 +29,6 @@ import time
 
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax import workdir as workdir_lib
-from realm_jax.workdir import DONE
 from realm_jax.train.config_base import load_config
 
 PROG = "local.py"
@@ -323,8 +323,8 @@ class _Supervisor:
           return 0
         if trainer_done_at is None:
           trainer_done_at = time.monotonic()
-          self.say(f"trainer finished; giving the builder {self.grace:g} s to see {DONE} "
-                   "and exit")
+          self.say(f"trainer finished; giving the builder {self.grace:g} s to see "
+                   f"{workdir_lib.DONE} and exit")
         elif time.monotonic() - trainer_done_at >= self.grace:
           self.say(f"builder still running {self.grace:g} s after the trainer finished; "
                    "stopping it (the run succeeded)")

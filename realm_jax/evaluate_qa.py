@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 
+from realm_jax import workdir as workdir_lib
 from realm_jax.data.answers import exact_match, f1_score
 from realm_jax.data.qa import QAExample
-from realm_jax import workdir as workdir_lib
 from realm_jax.data.store import PreparedData
 from realm_jax.retrieval import published
 from realm_jax.train import partitioning, steps

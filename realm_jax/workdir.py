@@ -67,7 +67,8 @@ def record_config(config, workdir: str) -> None:
       raise ConfigError("", f"workdir {workdir} holds checkpoints of an incompatible config; "
                         "fields that differ: " + "; ".join(diffs))
   if jax.process_index() == 0:
-    write_config(workdir, config)
+    os.makedirs(workdir, exist_ok=True)
+    _write_json(path, current)
   multihost.barrier("workdir")   # no process goes on before the workdir exists
 
 

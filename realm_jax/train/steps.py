@@ -76,15 +76,13 @@ def realm_loss_fn(params, model, batch, config, rng):
   deterministic = config.model.dropout_rate == 0
   logits, vocab_lp = realm_scores(model, params, batch, {"dropout": rng}, deterministic,
                                   rescores(config))
-  null_in_training = config_base.null_in_training(config)
-  if not null_in_training:   # a null document filling a slot left by duplicate blocks: no mass
-    logits = jnp.where(null_candidates(batch["candidate_ids"]), -1e9, logits)
+  logits = without_untrained_null(config, batch, logits)
   mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
   loss, metrics = losses.realm_loss(logits, mask_lp, batch["mask_weights"],
                                     config.retrieval.marginalization)
   if logits.shape[1] == 1 and config.retrieval.mode == "own_block":
     metrics = {}    # no null document in the batch: nothing to measure utility against
-  elif not null_in_training:   # candidate 0 is a retrieved block, not the null document
+  elif not config_base.null_in_training(config):   # candidate 0 is a retrieved block
     metrics = {k: v for k, v in metrics.items()
                if k not in ("retrieval_utility", "null_doc_prob")}
   return loss, metrics
@@ -96,6 +94,14 @@ def null_candidates(candidate_ids):
   holds `[CLS]`, a title or body wordpiece and two `[SEP]`s at least)."""
   return candidate_ids[:, :, NULL_DOCUMENT_LENGTH] == 0
 
+
+def without_untrained_null(config, batch, logits):
+  """Retrieval logits with no prior mass on a null document when training leaves it out
+  (`retrieval.train_null_document` False): in a training batch, one filling a slot left by
+  duplicate blocks; in evaluation, column 0, read alone outside the marginal."""
+  if config_base.null_in_training(config):
+    return logits
+  return jnp.where(null_candidates(batch["candidate_ids"]), -1e9, logits)
 
 
 def ict_loss_fn(params, model, batch, config, rng):
@@ -174,8 +180,7 @@ def make_realm_eval(config, model, mesh):
 
   def evaluate(params, batch):
     logits, vocab_lp = realm_scores(model, params, batch, rescore=rescores(config))
-    if not config_base.null_in_training(config):   # read alone, outside the marginal trained
-      logits = jnp.where(null_candidates(batch["candidate_ids"]), -1e9, logits)
+    logits = without_untrained_null(config, batch, logits)
     marginal = losses.marginal_token_log_probs(logits, vocab_lp)
     mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
     log_lik = losses.realm_log_likelihood(logits, mask_lp, batch["mask_weights"],
