@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import heapq
 import os
 from typing import Iterable
 
-from tokenizers import BertWordPieceTokenizer
+from tokenizers import BertWordPieceTokenizer, normalizers, pre_tokenizers
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+CONTINUE = "##"   # marks a wordpiece that continues a word
 
 
 @dataclasses.dataclass
@@ -56,10 +59,88 @@ def load_tokenizer(path: str, lowercase: bool = True) -> Tokenizer:
 
 
 def train_tokenizer(texts: Iterable[str], out_dir: str, vocab_size: int) -> Tokenizer:
-  """Trains an uncased WordPiece vocab on `texts` and saves `out_dir/vocab.txt`."""
-  wordpiece = BertWordPieceTokenizer(lowercase=True, strip_accents=True)
-  wordpiece.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=1,
-                                special_tokens=list(SPECIAL_TOKENS), show_progress=False)
+  """Trains an uncased WordPiece vocab on `texts` and saves `out_dir/vocab.txt`.
+
+  The same texts always give the same vocab (`wordpiece_vocab`): the `tokenizers` trainer
+  breaks ties between equally frequent merges in hash order, which differs run to run.
+  """
+  vocab = wordpiece_vocab(texts, vocab_size)
   os.makedirs(out_dir, exist_ok=True)
-  wordpiece.save_model(out_dir)
-  return load_tokenizer(os.path.join(out_dir, "vocab.txt"))
+  path = os.path.join(out_dir, "vocab.txt")
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.writelines(token + "\n" for token in vocab)
+  os.replace(path + ".tmp", path)
+  return load_tokenizer(path)
+
+
+def word_counts(texts: Iterable[str]) -> collections.Counter:
+  """Words of `texts` as BERT uncased splits them (normalised, split on spaces and punctuation)."""
+  normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                          strip_accents=True, lowercase=True)
+  splitter = pre_tokenizers.BertPreTokenizer()
+  counts = collections.Counter()
+  for text in texts:
+    counts.update(w for w, _ in splitter.pre_tokenize_str(normalizer.normalize_str(text)))
+  return counts
+
+
+def wordpiece_vocab(texts: Iterable[str], vocab_size: int) -> list[str]:
+  """A WordPiece vocab learnt as BERT's is (BPE merges over words, "##" marking a piece that
+  continues a word), deterministically: the most frequent pair is merged first, ties going
+  to the lexicographically smallest pair. Returns the special tokens, the alphabet (sorted),
+  then the merged pieces in merge order, at most `vocab_size` entries."""
+  counts = word_counts(texts)
+  words = [[w[0]] + [CONTINUE + c for c in w[1:]] for w in sorted(counts)]
+  freqs = [counts[w] for w in sorted(counts)]
+  vocab = list(SPECIAL_TOKENS) + sorted({p for w in words for p in w} - set(SPECIAL_TOKENS))
+  known = set(vocab)
+  pair_count: collections.Counter = collections.Counter()
+  pair_words: dict[tuple[str, str], set[int]] = collections.defaultdict(set)
+  for i, pieces in enumerate(words):
+    for pair in zip(pieces, pieces[1:]):
+      pair_count[pair] += freqs[i]
+      pair_words[pair].add(i)
+  heap = [(-n, pair) for pair, n in pair_count.items()]
+  heapq.heapify(heap)
+  while len(vocab) < vocab_size and heap:
+    negative, pair = heapq.heappop(heap)
+    if pair_count.get(pair, 0) != -negative or negative == 0:
+      continue   # a stale entry: the pair's count changed since it was pushed
+    merged = pair[0] + pair[1][len(CONTINUE):]
+    if merged not in known:
+      known.add(merged)
+      vocab.append(merged)
+    changed = set()
+    for i in sorted(pair_words.pop(pair)):
+      changed |= _merge_in_word(words, i, pair, merged, freqs[i], pair_count, pair_words)
+    pair_count.pop(pair, None)
+    for other in changed - {pair}:
+      if pair_count.get(other, 0) > 0:
+        heapq.heappush(heap, (-pair_count[other], other))
+  return vocab
+
+
+def _merge_in_word(words, i, pair, merged, freq, pair_count, pair_words) -> set:
+  """Replaces each `pair` in `words[i]` by `merged`, keeping the pair counts; returns the pairs
+  whose counts changed."""
+  old = words[i]
+  new, j = [], 0
+  while j < len(old):
+    if j + 1 < len(old) and (old[j], old[j + 1]) == pair:
+      new.append(merged)
+      j += 2
+    else:
+      new.append(old[j])
+      j += 1
+  changed = set()
+  for p in zip(old, old[1:]):
+    pair_count[p] -= freq
+    changed.add(p)
+  for p in set(zip(old, old[1:])) - {pair}:
+    pair_words[p].discard(i)
+  for p in zip(new, new[1:]):
+    pair_count[p] += freq
+    pair_words[p].add(i)
+    changed.add(p)
+  words[i] = new
+  return changed

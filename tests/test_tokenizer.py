@@ -1,0 +1,55 @@
+"""The WordPiece vocab trainer: the same texts give the same vocab in any process, and the
+vocab splits text as a BERT vocab trained the usual way does."""
+
+import os
+import subprocess
+import sys
+
+from tokenizers import BertWordPieceTokenizer
+
+from realm_jax.data.tokenizer import SPECIAL_TOKENS, train_tokenizer, wordpiece_vocab
+from tests.helpers import REPO
+
+TEXTS = [f"The river {name} flows through {city} and empties into the {sea} Sea."
+         for name, city, sea in [("Danube", "Vienna", "Black"), ("Rhine", "Basel", "North"),
+                                 ("Elbe", "Dresden", "North"), ("Oder", "Wroclaw", "Baltic"),
+                                 ("Volga", "Kazan", "Caspian"), ("Dnieper", "Kyiv", "Black")]]
+TEXTS += [f"Prize number {i} went to the physicist {chr(65 + i % 26)}ouri{i % 7} in {1900 + i}."
+          for i in range(60)]
+VOCAB_IN_A_PROCESS = (
+    "import sys; from realm_jax.data.tokenizer import wordpiece_vocab; "
+    "from tests.test_tokenizer import TEXTS; print('\\n'.join(wordpiece_vocab(TEXTS, 150)))")
+
+
+def test_the_vocab_is_the_same_in_every_process():
+  vocabs = []
+  for hash_seed in ("1", "2", "3"):
+    env = dict(os.environ, PYTHONHASHSEED=hash_seed)
+    out = subprocess.run([sys.executable, "-c", VOCAB_IN_A_PROCESS], cwd=REPO, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    vocabs.append(out.split())
+  assert vocabs[0] == vocabs[1] == vocabs[2]
+  assert vocabs[0] == wordpiece_vocab(TEXTS, 150)
+  assert len(vocabs[0]) == 150
+
+
+def test_the_vocab_holds_specials_alphabet_and_frequent_words():
+  vocab = wordpiece_vocab(TEXTS, 150)
+  assert tuple(vocab[:len(SPECIAL_TOKENS)]) == SPECIAL_TOKENS
+  assert len(set(vocab)) == len(vocab)
+  for piece in ("t", "##e", "1", "##9"):   # every character, word-initial and continuing
+    assert piece in vocab
+  for word in ("the", "river", "prize", "physicist"):   # frequent words merge to one piece
+    assert word in vocab
+
+
+def test_the_vocab_splits_text_as_the_tokenizers_trainer_does(tmp_path):
+  """Same pieces per text within 3% as HF's (hash-ordered) trainer at the same size."""
+  ours = train_tokenizer(TEXTS, str(tmp_path), 150)
+  hf = BertWordPieceTokenizer(lowercase=True, strip_accents=True)
+  hf.train_from_iterator(TEXTS, vocab_size=150, min_frequency=1,
+                         special_tokens=list(SPECIAL_TOKENS), show_progress=False)
+  n_ours = sum(len(ids) for ids, _ in ours.encode_batch(TEXTS))
+  n_hf = sum(len(e.ids) for e in hf.encode_batch(TEXTS, add_special_tokens=False))
+  assert abs(n_ours - n_hf) <= 0.03 * n_hf, (n_ours, n_hf)
+  assert ours.unk_id not in {i for ids, _ in ours.encode_batch(TEXTS) for i in ids}
