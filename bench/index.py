@@ -47,7 +47,7 @@ from realm_jax.errors import run_cli
 from realm_jax.retrieval import scann_index
 from realm_jax.retrieval.index import embed_blocks
 from realm_jax.train import partitioning, state as state_lib, steps
-from realm_jax.train.checkpoints import restore_params
+from realm_jax.train.checkpoints import restore_run
 from train_step import matmul_flops_per_s   # bench/ is this script's directory: sys.path[0]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -76,16 +76,16 @@ def prepared_world(cache: pathlib.Path, entities: int, seed: int, vocab: str, wo
   return out
 
 
-def retriever_params(config, model, mesh, block_len: int, workdir: str,
-                     seed: int) -> tuple[dict, dict]:
+def retriever_params(config, model, mesh, data, workdir: str, seed: int) -> tuple[dict, dict]:
   """The retriever params to embed with, and {"model": description, "checkpoint_step"}."""
   if not workdir:
-    state, _, _ = state_lib.create_train_state(config, model, mesh, block_len,
+    state, _, _ = state_lib.create_train_state(config, model, mesh, data.blocks.block_len,
                                                jax.random.PRNGKey(seed))
     return state.params["retriever"], {
         "model": f"random init (seed {seed}): NOT a trained model", "checkpoint_step": None}
-  abstract, _ = state_lib.abstract_train_state(config, model, mesh, block_len)
-  params, step = restore_params(workdir, abstract.params)
+  run = restore_run(workdir, config=config, vocab_size=data.tokenizer.vocab_size,
+                    block_len=data.blocks.block_len)
+  params, step = run.params, run.step
   return params["retriever"], {"model": f"{os.path.abspath(workdir)} @ step {step}",
                                "checkpoint_step": int(step)}
 
@@ -299,8 +299,8 @@ def main(argv=None) -> dict:
   mesh = partitioning.make_mesh(config.mesh.shape)
   model = state_lib.build_model(config, data.tokenizer.vocab_size)
   matmul = matmul_flops_per_s(jnp.float32)
-  params, model_meta = retriever_params(config, model, mesh, data.blocks.block_len,
-                                        args.model_workdir, args.seed)
+  params, model_meta = retriever_params(config, model, mesh, data, args.model_workdir,
+                                        args.seed)
   table, meta = block_embeddings(cache, world, data, config, model, mesh, params, model_meta,
                                  args)
   num_blocks = data.blocks.num_blocks

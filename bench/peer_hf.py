@@ -246,7 +246,8 @@ def bench_openqa(args) -> dict:
     t0 = time.perf_counter()
     report = hf_realm.import_checkpoint(hf_dir, work)
     log(f"imported in {time.perf_counter() - t0:.1f}s: {report.lines()[-3:]}")
-    config, model, _, params, _ = restore_run(work)
+    run = restore_run(work, mesh_shape=(-1, 1))
+    config, model, params = run.config, run.model, run.params
     tokenizer = load_tokenizer(os.path.join(work, "data", "vocab.txt"))
     blocks = BlockStore(os.path.join(work, "data"))
     index_root = published.index_root(work)

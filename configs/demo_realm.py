@@ -1,4 +1,4 @@
-"""REALM on the generated world, in miniature (README, "The demo: REALM in miniature").
+"""REALM on the generated world, in miniature (docs/demos.md, "The demo").
 
 Variants by arg:
   realm          (default) REALM: retrieval from the index, retriever lr 0.3x the reader's

@@ -4,8 +4,8 @@
       --config.retrieval.refresh=async [--config.index.devices=6,7] [--grace 30]
 
 Every `--config.*` override goes to both processes (`realm_jax.train.main` and
-`realm_jax.retrieval.builder`); they share only the workdir (realm_jax/workdir.py; README,
-"Workdir protocol").
+`realm_jax.retrieval.builder`); they share only the workdir (realm_jax/workdir.py;
+docs/workdir.md).
 With GPUs visible, `config.index.devices` names the builder's GPUs and the trainer gets the
 rest; on CPU both inherit the environment. Output is streamed line by line with a `[trainer] ` /
 `[builder] ` prefix and appended to `W/logs/<name>.log`. Ctrl-C stops both (SIGINT to each

@@ -26,7 +26,7 @@ from realm_jax.data.store import PreparedData
 from realm_jax.retrieval import published
 from realm_jax.train import partitioning, steps
 from realm_jax.train.metrics import format_duration
-from realm_jax.train.openqa import FrozenIndex, QABatchBuilder, query_embeddings
+from realm_jax.train.openqa import FrozenIndex, QABatchBuilder
 
 RECALL_AT = (1, 5, 20, 100)
 PROGRESS_SECONDS = 10.0
@@ -59,7 +59,7 @@ class QAEvaluator:
     for start in range(0, n, bs):
       rows = np.arange(start, start + bs) % n    # the last batch wraps; extra rows dropped
       real = min(bs, n - start)
-      q_emb = query_embeddings(self.model, self.mesh, cfg, params, b.question_ids[rows])
+      q_emb = steps.query_embeddings(self.model, self.mesh, cfg, params, b.question_ids[rows])
       ranked = self.frozen.index.search(q_emb, self.depth)
       has = b.has_answer(rows[:real], ranked[:real])
       for k in self.recall_at:
@@ -151,8 +151,7 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   an Open-QA run (config.task 'openqa') is an error unless `retrieval_only`.
   """
   from realm_jax.errors import ConfigError
-  from realm_jax.train import state as state_lib
-  from realm_jax.train.checkpoints import restore_params, saved_param_paths
+  from realm_jax.train.checkpoints import restore_run, saved_param_paths
   from realm_jax.train.config_base import validate
   validate(config)
   saved, step = saved_param_paths(workdir, step)
@@ -167,10 +166,9 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   with config.unlocked():
     config.task = "openqa" if reader else ("realm" if config.task == "openqa" else config.task)
   data = workdir_lib.open_data(config)
-  mesh = partitioning.make_mesh(config.mesh.shape)
-  model = state_lib.build_model(config, data.tokenizer.vocab_size)
-  abstract, _ = state_lib.abstract_train_state(config, model, mesh, data.blocks.block_len)
-  params, step, missing = restore_params(workdir, abstract.params, step, partial=True)
+  run = restore_run(workdir, step, config=config, vocab_size=data.tokenizer.vocab_size,
+                    block_len=data.blocks.block_len, partial=True)
+  mesh, model, params, step, missing = run.mesh, run.model, run.params, run.step, run.missing
   if missing:
     shown = sorted({"/".join(p[:3]) for p in missing})
     raise ConfigError("model", f"{workdir}/checkpoints/{step} lacks parameters this config "

@@ -1,5 +1,5 @@
-"""`python -m realm_jax.train.main`: a bad option is one clear line naming it, exit code 2, no
-traceback."""
+"""A bad option is refused by name before anything is written (in process), and the CLI,
+`python -m realm_jax.train.main`, prints it as one clear line, exit code 2, no traceback."""
 
 import os
 import subprocess
@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, config_flags, tiny_config
+from realm_jax.errors import ConfigError
+from tests.helpers import REPO, apply_overrides, config_flags, tiny_config
 
 DATA_BLOCK_LEN = tiny_config("realm").data.block_len     # what the world_dir fixture uses
 
@@ -34,20 +35,30 @@ def realm_flags(world_dir):
   return config_flags(tiny_config("realm", None, world_dir), "demo_realm")
 
 
-@pytest.mark.parametrize("extra, option", [
-    (["--config.retrieval.k=1"], "retrieval.k"),
-    (["--config.retrieval.k=1000"], "retrieval.k"),          # > the ~240 blocks
-    (["--config.data.block_len=4"], "data.block_len"),
-    ([f"--config.data.block_len={DATA_BLOCK_LEN + 8}"], "data.block_len"),  # != the data's
-    (["--config.mesh.shape=(3,1)"], "mesh.shape"),           # 8 devices
-    (["--config.task=bogus"], "task"),
-    (["--config.retrieval.mode=bogus"], "retrieval.mode"),
-    (["--config.train.batch_size=100000"], "train.batch_size"),
+@pytest.mark.parametrize("overrides, option", [
+    ({"retrieval__k": 1}, "retrieval.k"),
+    ({"retrieval__k": 1000}, "retrieval.k"),          # > the ~240 blocks
+    ({"data__block_len": 4}, "data.block_len"),
+    ({"data__block_len": DATA_BLOCK_LEN + 8}, "data.block_len"),  # != the data's
+    ({"mesh__shape": (3, 1)}, "mesh.shape"),           # 8 devices
+    ({"task": "bogus"}, "task"),
+    ({"retrieval__mode": "bogus"}, "retrieval.mode"),
+    ({"train__batch_size": 100000}, "train.batch_size"),
 ], ids=["k=1", "k>blocks", "block_len=4", "block_len!=data", "mesh=3x1", "task", "mode",
         "batch>examples"])
-def test_bad_option_is_named(realm_flags, tmp_path, extra, option):
-  result = run_cli(realm_flags + extra, str(tmp_path / "w"))
-  assert_clear_error(result, option)
+def test_bad_option_is_named(world_dir, tmp_path, overrides, option):
+  """In process: the trainer refuses the option by name before it writes anything."""
+  from realm_jax.train.loop import train
+  config = apply_overrides(tiny_config("realm", None, world_dir), overrides)
+  with pytest.raises(ConfigError) as refused:
+    train(config, str(tmp_path / "w"))
+  assert refused.value.option == option, str(refused.value)
+  assert not os.path.exists(tmp_path / "w" / "checkpoints")
+
+
+def test_the_cli_prints_a_bad_option_in_one_line(realm_flags, tmp_path):
+  result = run_cli(realm_flags + ["--config.retrieval.k=1"], str(tmp_path / "w"))
+  assert_clear_error(result, "retrieval.k")
   assert not os.path.exists(tmp_path / "w" / "checkpoints")
 
 

@@ -81,8 +81,8 @@ def write_realm_checkpoint(path, architecture, tensors, records=None):
 
 
 def restore(workdir):
-  config, _, abstract, params, step = restore_run(workdir)
-  return config, abstract, jax.tree.map(np.asarray, params), step
+  run = restore_run(workdir, mesh_shape=(-1, 1))
+  return run.config, run.abstract, jax.tree.map(np.asarray, run.params), run.step
 
 
 def leaf(tree, path):

@@ -83,8 +83,9 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_the_graph_sees_the_package():
   graph = import_graph()
-  assert "realm_jax.train.loop" in graph and "realm_jax.workdir" in graph
-  assert "realm_jax.workdir" in graph["realm_jax.train.loop"]
+  assert "realm_jax.train.run" in graph and "realm_jax.workdir" in graph
+  assert "realm_jax.workdir" in graph["realm_jax.train.run"]
+  assert "realm_jax.train.candidates" in graph["realm_jax.train.loop"]
 
 
 def test_no_import_cycle_in_realm_jax():

@@ -74,8 +74,10 @@ def test_two_processes_train_like_one(world_dir, tmp_path, task, file):
   # moves each parameter by about the learning rate per step whatever the gradient's size, so
   # where a gradient is near zero its last-ulp difference can flip an update: the runs may then
   # differ by up to twice the summed learning rate (1e-4 here), not by the loss's 1e-6.
-  *_, params_one, step_one = restore_run(str(tmp_path / "one"))
-  *_, params_two, step_two = restore_run(str(tmp_path / "two"))
+  one_run, two_run = (restore_run(str(tmp_path / name), mesh_shape=(-1, 1))
+                      for name in ("one", "two"))
+  params_one, step_one, params_two, step_two = (one_run.params, one_run.step, two_run.params,
+                                                two_run.step)
   assert step_one == step_two == 5
   schedule = state_lib.learning_rate_schedule(config.train)
   bound = 2 * sum(float(schedule(t)) for t in range(5))

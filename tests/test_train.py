@@ -14,8 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from realm_jax.train import batches, partitioning, preemption, state as state_lib, steps
-from realm_jax.train.checkpoints import Checkpointer, restore_params
+from realm_jax.train import batches, preemption, steps
+from realm_jax.train.checkpoints import Checkpointer, restore_run
 from realm_jax.train.loop import train
 from realm_jax.train.metrics import read_jsonl
 from tests import helpers
@@ -58,11 +58,9 @@ def checkpoint_steps(workdir):
 
 
 def saved_params(config, workdir, world_data):
-  model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
-  mesh = partitioning.make_mesh(config.mesh.shape)
-  abstract, _ = state_lib.abstract_train_state(config, model, mesh, world_data.blocks.block_len)
-  params, step = restore_params(workdir, abstract.params)
-  return jax.device_get(params), step
+  run = restore_run(workdir, config=config, vocab_size=world_data.tokenizer.vocab_size,
+                    block_len=world_data.blocks.block_len)
+  return jax.device_get(run.params), run.step
 
 
 def flat(tree):

@@ -186,8 +186,15 @@ def build_shard(documents: list[tuple[int, SourceDocument]], tokenizer: Tokenize
       body.extend(ids)
     flush()
 
+  return _write_shard(out_dir, settings, blocks, body_starts, uids, block_docs, block_facts,
+                      splits, stats, dropped, len(docs))
+
+
+def _write_shard(out_dir, settings, blocks, body_starts, uids, block_docs, block_facts, splits,
+                 stats, dropped, num_documents) -> dict:
+  """The packed shard's arrays, then `done.json` (its stats) as the commit marker."""
   os.makedirs(out_dir, exist_ok=True)
-  tokens = np.zeros((len(blocks), block_len), np.int32)
+  tokens = np.zeros((len(blocks), settings.block_len), np.int32)
   for i, ids in enumerate(blocks):
     tokens[i, :len(ids)] = ids
   arrays = {"blocks.tokens": tokens,
@@ -201,7 +208,7 @@ def build_shard(documents: list[tuple[int, SourceDocument]], tokenizer: Tokenize
       arrays[f"{split}.{key}"] = value
   for key, value in arrays.items():
     np.save(os.path.join(out_dir, f"{key}.npy"), value)
-  result = {"documents": len(docs), "blocks": len(blocks), "sentences": stats["sentences"],
+  result = {"documents": num_documents, "blocks": len(blocks), "sentences": stats["sentences"],
             "sentences_cut": stats["sentences_cut"],
             "titles_truncated": stats["titles_truncated"],
             "salient_spans": sum(sum(rows.rows["num_spans"]) for rows in splits.values()),

@@ -260,7 +260,12 @@ def prepare(config) -> dict:
   progress.maybe(len(titles), len(results), len(shard_dirs), blocks_done, force=True)
   if not titles:
     raise DataError(f"{config.source}: no usable document (skipped: {dict(skips.counts)})")
+  return _finish(config, tokenizer, skips, titles, qas, shard_dirs, results, reused, t0)
 
+
+def _finish(config, tokenizer, skips, titles, qas, shard_dirs, results, reused, t0) -> dict:
+  """Merges the packed shards into the block store and writes titles, questions, stats."""
+  shards_root = os.path.join(config.out_dir, "shards")
   t_merge = time.time()
   merged = corpus.merge_shards(shard_dirs, config.out_dir, config.block_len,
                                config.max_sentence_len)

@@ -112,8 +112,8 @@ def load_ours(hf_dir: str, workdir: str):
   from realm_jax.train.checkpoints import restore_run
   report = hf_realm.import_checkpoint(hf_dir, workdir)
   print("\n".join(f"  {line}" for line in report.lines()), flush=True)
-  config, model, _, params, _ = restore_run(workdir)
-  return config, model, params
+  run = restore_run(workdir, mesh_shape=(-1, 1))
+  return run.config, run.model, run.params
 
 
 def load_theirs(layout: str, hf_dir: str, hf: dict):

@@ -426,6 +426,29 @@ def publish_index(workdir: str, block_emb: np.ndarray, query_params: dict, finge
 
 
 # -- writing the workdir ------------------------------------------------------------------
+def _import_block_records(hf_dir: str, hf: dict, tensors: dict, source: str, vocab: str,
+                          data_dir: str) -> dict:
+  """RealmForOpenQA's evidence blocks (block_records.npy, tokenised with `vocab`) as a block
+  store in `data_dir`, after checking they match block_emb; returns the store's stats."""
+  from realm_jax.data.tokenizer import load_tokenizer
+  records_file = os.path.join(hf_dir, BLOCK_RECORDS)
+  if not os.path.isfile(records_file):
+    raise FileNotFoundError(f"{hf_dir} has no {BLOCK_RECORDS} (the evidence blocks of "
+                            "RealmForOpenQA)")
+  if "block_emb" not in tensors:
+    raise ConfigError("", f"{source} has no block_emb (RealmForOpenQA's block embeddings)")
+  tokenizer = load_tokenizer(vocab)
+  if tokenizer.vocab_size != hf["vocab_size"]:
+    raise ConfigError("", f"{vocab} has {tokenizer.vocab_size} tokens but {hf_dir}/config.json "
+                      f"says vocab_size {hf['vocab_size']}: pass the checkpoint's vocab")
+  records = load_block_records(records_file)
+  if len(records) != tensors["block_emb"].shape[0]:
+    raise ConfigError("", f"{records_file} has {len(records)} records but block_emb has "
+                      f"{tensors['block_emb'].shape[0]} rows")
+  reader_len = min(int(hf["reader_seq_len"]), int(hf["max_position_embeddings"]))
+  return write_block_store(records, tokenizer, data_dir, reader_len, f"hf:{records_file}")
+
+
 def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
                       task: str | None = None) -> ImportReport:
   """Converts the checkpoint in `hf_dir` into the workdir `out` (see the module docstring).
@@ -457,28 +480,10 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
   tensors, source = hf_bert.read_weights(hf_dir)
   vocab = vocab or os.path.join(hf_dir, "vocab.txt")
 
-  tokenizer = records = None
-  data_dir, block_len = "", None
+  data_dir, block_len, block_stats = "", None, None
   if layout == "RealmForOpenQA":
-    from realm_jax.data.tokenizer import load_tokenizer
-    records_file = os.path.join(hf_dir, BLOCK_RECORDS)
-    if not os.path.isfile(records_file):
-      raise FileNotFoundError(f"{hf_dir} has no {BLOCK_RECORDS} (the evidence blocks of "
-                              "RealmForOpenQA)")
-    if "block_emb" not in tensors:
-      raise ConfigError("", f"{source} has no block_emb (RealmForOpenQA's block embeddings)")
-    tokenizer = load_tokenizer(vocab)
-    if tokenizer.vocab_size != hf["vocab_size"]:
-      raise ConfigError("", f"{vocab} has {tokenizer.vocab_size} tokens but {hf_dir}/config.json "
-                        f"says vocab_size {hf['vocab_size']}: pass the checkpoint's vocab")
-    records = load_block_records(records_file)
-    if len(records) != tensors["block_emb"].shape[0]:
-      raise ConfigError("", f"{records_file} has {len(records)} records but block_emb has "
-                        f"{tensors['block_emb'].shape[0]} rows")
     data_dir = os.path.join(out, "data")
-    reader_len = min(int(hf["reader_seq_len"]), int(hf["max_position_embeddings"]))
-    block_stats = write_block_store(records, tokenizer, data_dir, reader_len,
-                                    f"hf:{records_file}")
+    block_stats = _import_block_records(hf_dir, hf, tensors, source, vocab, data_dir)
     block_len = block_stats["block_len"]
 
   from realm_jax.train.state import build_model

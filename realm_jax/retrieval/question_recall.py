@@ -20,7 +20,7 @@ from realm_jax.data.qa import is_heldout_article, question_inputs
 from realm_jax.data.store import PreparedData
 from realm_jax.retrieval.index import ExactIndex, LoadedIndex, embed_blocks
 from realm_jax.train import partitioning, state as state_lib, steps
-from realm_jax.train.checkpoints import restore_params
+from realm_jax.train.checkpoints import restore_run
 
 RECALL_AT = (1, 5, 20)
 CANDIDATE_BLOCKS = 100      # blocks ranked per question before collapsing to paragraphs
@@ -53,13 +53,14 @@ def dense_ranking(config, workdir: str, data: PreparedData, questions: list[dict
                   n: int = CANDIDATE_BLOCKS, batch_size: int = 256) -> np.ndarray:
   """Top-n block rows per question with the retriever of `workdir`'s latest checkpoint (or,
   with workdir "", the retriever as `config.init` starts it: the untrained reference)."""
-  mesh = partitioning.make_mesh(config.mesh.shape)
-  model = state_lib.build_model(config, data.tokenizer.vocab_size)
   if workdir:
-    abstract, _ = state_lib.abstract_train_state(config, model, mesh, data.blocks.block_len)
-    params, step = restore_params(workdir, abstract.params)
+    run = restore_run(workdir, config=config, vocab_size=data.tokenizer.vocab_size,
+                      block_len=data.blocks.block_len)
+    mesh, model, params, step = run.mesh, run.model, run.params, run.step
   else:
     from realm_jax.train import initialization
+    mesh = partitioning.make_mesh(config.mesh.shape)
+    model = state_lib.build_model(config, data.tokenizer.vocab_size)
     params, step = initialization.initial_params(config, model, mesh, data), 0
   embeddings, _ = embed_blocks(steps.block_embedder(model, mesh, config, params["retriever"]),
                                data.blocks, mesh, config.retrieval.embed_batch_size,

@@ -1,7 +1,7 @@
-"""Host-side batch assembly for each task: queries (a grain pipeline, built ahead in its
-prefetch threads and checkpointed with the train state), then candidates from the current index
-and the reader inputs (between steps, on the main thread, because the index can change at any
-step)."""
+"""Host-side batch assembly for each task: queries (a grain pipeline, checkpointed with the train state), then
+the candidates retrieved from the index that serves the step and the reader inputs. The trainer
+calls these in its batch-feed thread, steps ahead of the train step (train/feed.py); which index
+serves which step is decided by the candidate source (train/candidates.py)."""
 
 from __future__ import annotations
 

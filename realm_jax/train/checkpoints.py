@@ -3,6 +3,7 @@ retrieval snapshot as separate items; keep-N; params-only restore for the next s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -177,19 +178,42 @@ def run_config(workdir: str, config=None):
   return config if config is not None else workdir_lib.saved_config(workdir)
 
 
-def restore_run(workdir: str, step: int | None = None):
-  """A run's model and params by its own config, on a data-parallel mesh of this process's
-  view of the devices (imported checkpoints, benches, tools).
+@dataclasses.dataclass
+class RestoredRun:
+  """A run's checkpoint loaded for evaluation: its model and params on `mesh`."""
 
-  Returns (config, model, abstract train state, params, step).
+  config: Any           # the config the model was built from
+  model: Any
+  mesh: Any
+  abstract: Any         # the abstract train state (shapes and shardings)
+  params: dict
+  step: int             # the checkpoint's step
+  missing: list         # with `partial`: parameter paths the checkpoint lacks
+
+
+def restore_run(workdir: str, step: int | None = None, *, config=None,
+                vocab_size: int | None = None, block_len: int | None = None,
+                mesh_shape=None, partial: bool = False) -> RestoredRun:
+  """The one way to load a run for evaluation (realm-eval, realm-predict, zero-shot recall,
+  the HF import's parity check, benches, tests): the model of `config` (default: the run's
+  own `W/config.json`), its abstract state on a `mesh_shape` mesh (default `config.mesh.shape`)
+  and the params of a checkpoint, the latest unless `step`. `vocab_size` / `block_len` default
+  to the config's (the vocab size read from its data dir when the config leaves it to the
+  data). With `partial`, parameters the checkpoint lacks are left out (see restore_params).
   """
   from realm_jax.data.tokenizer import load_tokenizer
   from realm_jax.train import partitioning, state as state_lib
-  config = run_config(workdir)
-  vocab_size = config.model.vocab_size or load_tokenizer(
-      os.path.join(config.data.dir, "vocab.txt")).vocab_size
+  config = run_config(workdir, config)
+  if vocab_size is None:
+    vocab_size = config.model.vocab_size or load_tokenizer(
+        os.path.join(config.data.dir, "vocab.txt")).vocab_size
   model = state_lib.build_model(config, vocab_size)
-  mesh = partitioning.make_mesh((-1, 1))
-  abstract, _ = state_lib.abstract_train_state(config, model, mesh, config.data.block_len)
-  params, step = restore_params(workdir, abstract.params, step)
-  return config, model, abstract, params, step
+  mesh = partitioning.make_mesh(config.mesh.shape if mesh_shape is None else mesh_shape)
+  abstract, _ = state_lib.abstract_train_state(config, model, mesh,
+                                               block_len or config.data.block_len)
+  missing = []
+  if partial:
+    params, step, missing = restore_params(workdir, abstract.params, step, partial=True)
+  else:
+    params, step = restore_params(workdir, abstract.params, step)
+  return RestoredRun(config, model, mesh, abstract, params, step, missing)

@@ -317,16 +317,7 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
     if config.init.get(f"{part}_step", -1) < -1:
       raise ConfigError(f"init.{part}_step", "must be a checkpoint step or -1 (the latest)")
   if config.task == "openqa":
-    q = config.qa    # the question sets themselves are checked where they are read (qa_split)
-    if q.reader_beam < 1 or q.searcher_beam < q.reader_beam:
-      raise ConfigError("qa.searcher_beam" if q.reader_beam >= 1 else "qa.reader_beam",
-                        f"need 1 <= reader_beam <= searcher_beam, got {q.reader_beam} and "
-                        f"{q.searcher_beam}")
-    if config.model.span_hidden_size < 1 or config.model.max_span_width < 1:
-      raise ConfigError("model.span_hidden_size" if config.model.span_hidden_size < 1
-                        else "model.max_span_width", "must be >= 1 for task 'openqa'")
-    if not 0 <= q.heldout_articles < 1:
-      raise ConfigError("qa.heldout_articles", f"must be in [0, 1), got {q.heldout_articles}")
+    _validate_openqa(config)
   if t.retriever_lr_scale < 0 or t.reader_lr_scale < 0:
     raise ConfigError("train.retriever_lr_scale", "learning-rate scales must be >= 0")
   if t.get("preemption_grace_seconds", 30.0) <= 0:
@@ -344,6 +335,19 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
   if vocab_size is not None and config.model.vocab_size not in (0, vocab_size):
     raise ConfigError("model.vocab_size", f"{config.model.vocab_size} but {d.dir}/vocab.txt "
                       f"has {vocab_size} entries")
+
+
+def _validate_openqa(config) -> None:
+  q = config.qa    # the question sets themselves are checked where they are read (qa_split)
+  if q.reader_beam < 1 or q.searcher_beam < q.reader_beam:
+    raise ConfigError("qa.searcher_beam" if q.reader_beam >= 1 else "qa.reader_beam",
+                      f"need 1 <= reader_beam <= searcher_beam, got {q.reader_beam} and "
+                      f"{q.searcher_beam}")
+  if config.model.span_hidden_size < 1 or config.model.max_span_width < 1:
+    raise ConfigError("model.span_hidden_size" if config.model.span_hidden_size < 1
+                      else "model.max_span_width", "must be >= 1 for task 'openqa'")
+  if not 0 <= q.heldout_articles < 1:
+    raise ConfigError("qa.heldout_articles", f"must be in [0, 1), got {q.heldout_articles}")
 
 
 def _flatten(d, prefix=""):

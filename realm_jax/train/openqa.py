@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 from realm_jax.data import pipeline
@@ -24,7 +23,7 @@ from realm_jax.data.store import PreparedData
 from realm_jax.models.realm import span_candidates
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, embed_blocks
-from realm_jax.train import batches, partitioning, steps
+from realm_jax.train import batches, steps
 
 
 @dataclasses.dataclass
@@ -169,13 +168,3 @@ class QABatchBuilder:
     start = span - int(self.width_offset[width - 1])
     end = start + width - 1
     return self.data.tokenizer.decode(reader_ids[start:end + 1]), start, end
-
-
-def query_embeddings(model, mesh, config, params, question_ids: np.ndarray) -> np.ndarray:
-  """This process's [b, dim] embeddings of its `[CLS] q [SEP]` rows with the query tower of
-  `params` (every process calls it with the same number of rows)."""
-  b, devices = len(question_ids), jax.local_device_count()
-  padded = np.zeros((-(-b // devices) * devices, question_ids.shape[1]), np.int32)
-  padded[:b] = question_ids
-  ids = partitioning.global_batch({"ids": padded}, mesh)["ids"]
-  return partitioning.local_rows(steps.embed(model, mesh, config, params, "query", ids))[:b]

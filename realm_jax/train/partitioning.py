@@ -2,7 +2,9 @@
 
 Parameters carry logical names (vocab, embed, heads, mlp, hidden, retrieval, position,
 segment); activations use (batch, length, embed). `config.mesh.rules` maps them to the mesh
-axes `data` and `model`: replicated, FSDP over `data`, or tensor-parallel over `model`.
+axes `data` and `model`; the default rules shard the batch over `data` and vocab / heads / mlp
+over `model` (tensor parallel) and replicate the rest. No default rule shards parameters over
+`data` (FSDP); a rule such as ("embed", "data") would.
 """
 
 from __future__ import annotations

@@ -275,8 +275,15 @@ class QueryEncoder:
                                  partitioning.replicated(self.mesh))
 
   def __call__(self, query_ids: np.ndarray) -> np.ndarray:
-    b, devices = len(query_ids), self.mesh.devices.size
-    padded = np.zeros((-(-b // devices) * devices, query_ids.shape[1]), np.int32)
-    padded[:b] = query_ids
-    ids = jax.device_put(padded, partitioning.batch_sharding(self.mesh))
-    return np.asarray(embed(self.model, self.mesh, self.config, self.params, "query", ids))[:b]
+    return query_embeddings(self.model, self.mesh, self.config, self.params, query_ids)
+
+
+def query_embeddings(model, mesh, config, params, query_ids: np.ndarray) -> np.ndarray:
+  """This process's [b, dim] embeddings of its `[CLS] x [SEP]` rows with the query tower of
+  `params` on `mesh` (the train mesh: every process calls it with the same number of rows; a
+  process-local mesh: `QueryEncoder`)."""
+  b, devices = len(query_ids), jax.local_device_count()
+  padded = np.zeros((-(-b // devices) * devices, query_ids.shape[1]), np.int32)
+  padded[:b] = query_ids
+  ids = partitioning.global_batch({"ids": padded}, mesh)["ids"]
+  return partitioning.local_rows(embed(model, mesh, config, params, "query", ids))[:b]

@@ -1,0 +1,317 @@
+"""Where a pre-training step's candidate blocks come from: one source per way, behind one
+interface the trainer asks (`candidate_source` picks it from the config).
+
+  NoRetrieval      nothing is retrieved: the query's own block (`retrieval.mode=own_block`),
+                   the null document alone (`null_only`), or ICT on data without recall ground
+                   truth
+  RebuiltIndex     rebuilt in this process from a snapshot of the retriever
+                   (`retrieval.refresh=in_process`): REALM every `refresh_every` steps; ICT at
+                   each evaluation, to measure recall
+  PublishedIndex   the versions the separate `realm-index` job publishes under `W/index`
+                   (`retrieval.refresh=async|deterministic`, see train/feed.py)
+
+A source owns the schedule of index versions, the `retrieval` item of a checkpoint, the
+staleness record (`W/metrics/retrieval.jsonl`, the summary's `index_*` figures) and its
+shutdown. The main thread calls `begin`, `before_step`, `served`, `eval_index`, `item`,
+`stop_feeding`, `close`; the batch feed's thread calls `for_step`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from realm_jax import workdir as workdir_lib
+from realm_jax.retrieval import published
+from realm_jax.retrieval.index import ExactIndex, LoadedIndex, embed_blocks
+from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
+from realm_jax.train import steps
+from realm_jax.train.config_base import uses_index_builder
+from realm_jax.train.feed import IndexSchedule
+from realm_jax.train.metrics import MetricWriter
+
+_NO_STEP = np.zeros((), np.int32)
+
+
+class NoRetrieval:
+  """Nothing retrieved: training reads the own block or the null document, eval no index."""
+
+  retrieves = False     # training batches read retrieved blocks
+  measures = False      # evaluation retrieves (recall, REALM's marginal)
+
+  def __init__(self, config, workdir: str):
+    self.config, self.workdir = config, workdir
+    self.last: LoadedIndex | None = None   # the index that served the last step (or eval)
+    self.staleness: list[int] = []
+    self.versions_used: set[int] = set()
+    self._log: MetricWriter | None = None
+    self._t_step: float | None = None
+
+  def describe(self) -> str:
+    return ""
+
+  # -- checkpoints -------------------------------------------------------------------------
+  def abstract_item(self) -> dict:
+    return {"step": _NO_STEP}
+
+  def restore(self, item: dict) -> None:
+    pass
+
+  def item(self) -> dict:
+    """The checkpoint's `retrieval` item: the step of the index that served the last step (a
+    host value: Orbax writes it from the primary process)."""
+    return {"step": np.asarray(-1 if self.last is None else self.last.step, np.int32)}
+
+  def checkpoint_due(self, done: int) -> bool:
+    return False
+
+  # -- the loop ----------------------------------------------------------------------------
+  def begin(self, start: int, depth: int, save_start: Callable[[], None]) -> None:
+    """Before the first step (after restore): `save_start` writes step `start`'s checkpoint."""
+    if self.retrieves:
+      self._log = MetricWriter(self.workdir, "retrieval")
+
+  def before_step(self, step: int, start: int, depth: int) -> None:
+    """On the main thread, before step `step` runs."""
+
+  def for_step(self, step: int) -> tuple[LoadedIndex | None, float]:
+    """The feed thread: the index serving `step` (None: nothing retrieved) and the seconds
+    spent waiting for it."""
+    return None, 0.0
+
+  def served(self, done: int, loaded: LoadedIndex, waited: float, feed_wait: float,
+             metrics) -> None:
+    """Records that `loaded` served step `done` - 1 (staleness, version, waits, wall time)."""
+    self.last = loaded
+    self.staleness.append(done - 1 - loaded.step)
+    self.versions_used.add(loaded.version)
+    if self._t_step is None:
+      self._t_step = time.time()
+    now = time.time()
+    self._log.write(done, {"index_version": loaded.version, "index_step": loaded.step,
+                           "index_staleness": self.staleness[-1], "index_wait_seconds": waited,
+                           "batch_wait_seconds": feed_wait,
+                           "step_seconds": now - self._t_step})
+    self._t_step = now
+
+  def progress_note(self) -> str:
+    if not self.staleness:
+      return ""
+    return (f" | index v{self.last.version} (step {self.last.step}, "
+            f"staleness {self.staleness[-1]})")
+
+  def eval_index(self, step: int, final: bool) -> LoadedIndex | None:
+    """The index an evaluation at `step` retrieves from (`final`: the run's last)."""
+    return None
+
+  def stop_feeding(self, preempted: bool) -> None:
+    """After the last step: release a feed thread waiting for an index that will not come."""
+
+  def close(self) -> None:
+    if self._log is not None:
+      self._log.close()
+      self._log = None
+
+  def finished(self, steps: int) -> None:
+    """After the run's summary is written."""
+
+  def summary(self) -> dict:
+    """`index_*` figures over the steps this process ran (a resumed run: since the resume)."""
+    return {}
+
+
+class RebuiltIndex(NoRetrieval):
+  """Rebuilt in this process from a copy of the retriever's params (`snapshot()`)."""
+
+  measures = True
+
+  def __init__(self, config, workdir: str, *, retrieves: bool, model, mesh, data,
+               abstract_retriever, snapshot: Callable[[], dict]):
+    super().__init__(config, workdir)
+    self.retrieves = retrieves
+    self.model, self.mesh, self.data, self.snapshot = model, mesh, data, snapshot
+    self.abstract_retriever = abstract_retriever
+    self.index: LoadedIndex | None = None   # the latest rebuild
+    self.params = None                      # the retriever snapshot it was built from
+    self.schedule = IndexSchedule(config, None, _all_hosts_have) if retrieves else None
+
+  def rebuild(self, retriever_params, step: int) -> None:
+    """Embeds every block with `retriever_params` (a snapshot at `step`)."""
+    version = 0 if self.index is None else self.index.version + 1
+    self.params = retriever_params
+    embed_fn = steps.block_embedder(self.model, self.mesh, self.config, retriever_params)
+    embeddings, _ = embed_blocks(embed_fn, self.data.blocks, self.mesh,
+                                 self.config.retrieval.embed_batch_size,
+                                 log_prefix=f"[{self.config.task}] index v{version}: ")
+    encoder = steps.QueryEncoder(self.model, self.config,
+                                 steps.query_tower_params(retriever_params))
+    self.index = LoadedIndex(version=version, step=step,
+                             index=ExactIndex.from_embeddings(embeddings),
+                             encode_queries=encoder)
+
+  def abstract_item(self) -> dict:
+    item = {"step": _NO_STEP}
+    if self.retrieves:   # the snapshot the index was built from: resume rebuilds it
+      item["params"] = self.abstract_retriever
+    return item
+
+  def restore(self, item: dict) -> None:
+    if "params" in item:
+      self.rebuild(item["params"], int(item["step"]))
+
+  def item(self) -> dict:
+    index = self.last or self.index
+    item = {"step": np.asarray(-1 if index is None else index.step, np.int32)}
+    if self.retrieves:
+      item["params"] = self.params
+    return item
+
+  def before_step(self, step: int, start: int, depth: int) -> None:
+    """REALM: rebuild at multiples of refresh_every and tell the feed before the first use."""
+    if not self.retrieves:
+      return
+    every = self.config.retrieval.refresh_every
+    horizon = (step // every + 1) * every - 1
+    if self.index is None or (step % every == 0 and step != self.index.step):
+      self.rebuild(self.snapshot(), step)
+      self.schedule.announce(step, self.index, horizon)
+    elif step == start:
+      self.schedule.announce(step, self.index, horizon)
+
+  def for_step(self, step: int) -> tuple[LoadedIndex | None, float]:
+    return self.schedule.for_step(step) if self.retrieves else (None, 0.0)
+
+  def eval_index(self, step: int, final: bool) -> LoadedIndex | None:
+    """Rebuilt from the current params for the first and the final evaluation, and for each
+    of ICT's (REALM evaluates in between with the index its steps use)."""
+    if self.index is None or final or not self.retrieves:
+      self.rebuild(self.snapshot(), step)
+    return self.index
+
+  def stop_feeding(self, preempted: bool) -> None:
+    if self.schedule is not None:
+      self.schedule.close()
+
+  def close(self) -> None:
+    self.stop_feeding(True)
+    super().close()
+
+  def summary(self) -> dict:
+    return _staleness_summary(self.staleness, self.versions_used, self.schedule.waits, 0) \
+        if self.staleness else {}
+
+
+class PublishedIndex(NoRetrieval):
+  """The versions `realm-index` publishes from this run's checkpoints (every process loads
+  them; process 0 records the block store they must be built from and, at the end, DONE)."""
+
+  retrieves = measures = True
+
+  def __init__(self, config, workdir: str, *, model, data, abstract_retriever):
+    super().__init__(config, workdir)
+    self.model, self.data = model, data
+    self.query_template = steps.query_tower_params(abstract_retriever)
+    if jax.process_index() == 0:
+      workdir_lib.record_block_store(workdir, data)
+    self.subscriber = IndexSubscriber(workdir, self._load_version, config.index.poll_seconds,
+                                      f"[{config.task}] ")
+    self.schedule = IndexSchedule(config, self.subscriber, _all_hosts_have)
+
+  def describe(self) -> str:
+    r = self.config.retrieval
+    return f", index from realm-index ({r.refresh}, {r.backend})"
+
+  def _load_version(self, version: int) -> LoadedIndex:
+    return load_version(published.index_root(self.workdir), version, config=self.config,
+                        fingerprint=self.data.blocks.fingerprint,
+                        query_template=self.query_template,
+                        make_encoder=lambda p: steps.QueryEncoder(self.model, self.config, p))
+
+  def checkpoint_due(self, done: int) -> bool:
+    return done % self.config.retrieval.refresh_every == 0   # each one a snapshot to index
+
+  def begin(self, start: int, depth: int, save_start: Callable[[], None]) -> None:
+    """Clears a DONE of an earlier run, writes the builder's first snapshot (a fresh run),
+    and in async mode waits for the first version (the one blocking wait)."""
+    super().begin(start, depth, save_start)
+    if jax.process_index() == 0:
+      workdir_lib.clear_done(self.workdir)
+    if start == 0:
+      save_start()
+    if self.config.retrieval.refresh == "async":
+      self.last = self.schedule.start_async(start, depth)
+
+  def before_step(self, step: int, start: int, depth: int) -> None:
+    if self.config.retrieval.refresh == "async":
+      self.schedule.advance_async(step, depth)
+
+  def for_step(self, step: int) -> tuple[LoadedIndex | None, float]:
+    return self.schedule.for_step(step)
+
+  def served(self, done, loaded, waited, feed_wait, metrics) -> None:
+    jax.block_until_ready(metrics)   # per-step wall time, to see what the builder costs us
+    super().served(done, loaded, waited, feed_wait, metrics)
+
+  def eval_index(self, step: int, final: bool) -> LoadedIndex | None:
+    """The final evaluation retrieves from the index of the final params (as a rebuilt index
+    does); the first one (deterministic) waits for step 0's."""
+    timeout = self.config.retrieval.first_index_timeout
+    if final:
+      self.last = self.subscriber.wait_for_step(step, timeout)
+    elif self.last is None:
+      self.last = self.subscriber.wait_for_step(0, timeout)
+    return self.last
+
+  def stop_feeding(self, preempted: bool) -> None:
+    self.schedule.close()
+    if preempted:   # a deterministic feed may wait on the subscriber for a version
+      self.subscriber.close()
+
+  def close(self) -> None:
+    self.schedule.close()
+    self.subscriber.close()
+    super().close()
+
+  def finished(self, steps: int) -> None:
+    if jax.process_index() == 0:
+      workdir_lib.mark_done(self.workdir, steps)   # tells realm-index to exit
+
+  def summary(self) -> dict:
+    return _staleness_summary(self.staleness, self.versions_used, self.schedule.waits,
+                              len(self.subscriber.rejected)) if self.staleness else {}
+
+
+def candidate_source(config, workdir: str, *, model, mesh, data, abstract_retriever,
+                     snapshot: Callable[[], dict], has_answers: bool) -> NoRetrieval:
+  """The source `config` asks for (see the module doc)."""
+  if uses_index_builder(config):
+    return PublishedIndex(config, workdir, model=model, data=data,
+                          abstract_retriever=abstract_retriever)
+  retrieves = config.task == "realm" and config.retrieval.mode == "index"
+  if retrieves or (config.task == "ict" and has_answers):
+    return RebuiltIndex(config, workdir, retrieves=retrieves, model=model, mesh=mesh,
+                        data=data, abstract_retriever=abstract_retriever, snapshot=snapshot)
+  return NoRetrieval(config, workdir)
+
+
+def _staleness_summary(staleness: list[int], versions_used: set[int],
+                       waits: list[tuple[int, float]], rejected: int) -> dict:
+  return {"index_staleness_p50": float(np.percentile(staleness, 50)),
+          "index_staleness_p95": float(np.percentile(staleness, 95)),
+          "index_staleness_max": int(max(staleness)),
+          "index_versions_used": len(versions_used),
+          "index_blocking_waits": len(waits),
+          "index_wait_seconds": round(float(sum(w for _, w in waits)), 2),
+          "index_rejected": rejected}
+
+
+def _all_hosts_have(version: int) -> bool:
+  """Whether every process has loaded index `version` (they switch at the same step)."""
+  if jax.process_count() == 1:
+    return True
+  from jax.experimental import multihost_utils
+  versions = multihost_utils.process_allgather(np.asarray(version, np.int64))
+  return bool((np.asarray(versions) == version).all())

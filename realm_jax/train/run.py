@@ -1,0 +1,211 @@
+"""The skeleton every training run shares (pre-training: train/loop.py; Open-QA:
+train/openqa_loop.py): set-up, resume or initialise, the step loop with logging, evaluation,
+checkpoints and preemption, the summary.
+
+A task fills in what differs: `check_inputs` (its examples), `next_batch` (how a step's batch is
+built), `evaluate`, the `retrieval` item of its checkpoints and what its summary adds.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import ml_collections
+
+from realm_jax import workdir as workdir_lib
+from realm_jax.errors import ConfigError
+from realm_jax.train import initialization, partitioning, state as state_lib, steps
+from realm_jax.train.checkpoints import Checkpointer
+from realm_jax.train.config_base import validate
+from realm_jax.train.metrics import MetricWriter, format_duration, window_scalars
+from realm_jax.train.preemption import Preemption
+
+
+class Run:
+  """One training run in `workdir`; `run()` trains to `config.train.steps` and evaluates.
+
+  Attributes set here: config, workdir, data, mesh, model, state, shardings, abstract,
+  train_step, step_rng, checkpointer, saved_data (the data item of the checkpoint resumed
+  from), inputs (set by `check_inputs`: the input iterator's owner, with `iterator` / `state`).
+  """
+
+  keep_examples = 0   # examples with their evidence the final evaluation keeps for the summary
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    validate(config)
+    self.data = workdir_lib.open_data(config)
+    self.config, self.workdir = config, workdir
+    self.check_inputs()
+    self.mesh = partitioning.make_mesh(config.mesh.shape)
+    if config.train.batch_size % self.mesh.shape["data"]:
+      raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
+                        f"the data axis ({self.mesh.shape['data']})")
+    workdir_lib.record_config(config, workdir)
+    self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
+    init_rng, self.step_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+    self.state, self.shardings, self.abstract = state_lib.create_train_state(
+        config, self.model, self.mesh, self.data.blocks.block_len, init_rng)
+    self.train_step = steps.make_train_step(config, self.model, self.shardings, self.mesh)
+    self.checkpointer = Checkpointer(workdir, config.train.keep_checkpoints,
+                                     config.train.async_checkpoints)
+    self.saved_data = None
+    self.prefix = f"[{config.task}] "
+
+  # -- what a task fills in ----------------------------------------------------------------
+  def check_inputs(self) -> None:
+    """Validates the config against the data and sets `self.inputs`."""
+    raise NotImplementedError
+
+  def abstract_item(self) -> dict:
+    """The shape of the checkpoint's `retrieval` item."""
+    raise NotImplementedError
+
+  def item(self) -> dict:
+    """The checkpoint's `retrieval` item now."""
+    raise NotImplementedError
+
+  def resumed(self, item: dict) -> None:
+    """After a restore, with the restored `retrieval` item."""
+
+  def initialised(self, start: initialization.Start) -> None:
+    """After a fresh start took each part's params from its `config.init` source."""
+
+  def begin(self, start: int) -> None:
+    """Before the loop (after restore): builds what the steps need, prints the header."""
+
+  def first_batch(self, start: int, depth: int) -> None:
+    """Before the first `next_batch` (after the first evaluation)."""
+
+  def next_batch(self, step: int):
+    """(global batch, data state after it) of `step`."""
+    raise NotImplementedError
+
+  def after_step(self, done: int, metrics) -> None:
+    """After step `done` - 1 ran."""
+
+  def progress(self, scalars: dict) -> tuple[str, str]:
+    """The figures of a progress line, and a note after its rate."""
+    raise NotImplementedError
+
+  def evaluates(self) -> bool:
+    return True
+
+  def evaluates_at_start(self) -> bool:
+    return self.evaluates()
+
+  def evaluate(self, writer: MetricWriter, step: int, final: bool) -> tuple[dict, list]:
+    raise NotImplementedError
+
+  def checkpoint_due(self, done: int) -> bool:
+    return done % self.config.train.checkpoint_every == 0 or done == self.config.train.steps
+
+  def stop_feeding(self, preempted: bool) -> None:
+    """After the last step, before the final evaluation."""
+
+  def close(self) -> None:
+    """Always, at the end (also on an error)."""
+
+  def summary_fields(self) -> dict:
+    return {}
+
+  def finished(self, summary: dict) -> None:
+    """After a finished run's summary is written."""
+
+  # -- the skeleton ------------------------------------------------------------------------
+  def restore_or_init(self) -> int:
+    """Resumes from the latest checkpoint, else starts each part from its `config.init`
+    source (train/initialization.py). Returns the first step to run."""
+    latest = self.checkpointer.latest_step()
+    if latest is not None:
+      self.state, self.saved_data, item = self.checkpointer.restore(
+          latest, self.abstract, self.abstract_item())
+      self.resumed(item)
+      print(f"{self.prefix}resumed from {self.checkpointer.directory}/{latest} "
+            f"(data at step {self.saved_data['next_step']})", flush=True)
+      return int(self.saved_data["next_step"])
+    start = initialization.start_params(self.config, self.state.params, self.abstract.params,
+                                        self.shardings.params, self.data.tokenizer.vocab_path,
+                                        self.data.tokenizer.vocab_size)
+    self.state = self.state.replace(params=start.params)
+    start.print(self.prefix)
+    self.initialised(start)
+    return 0
+
+  def save(self, done: int, data_state: dict) -> None:
+    self.checkpointer.save(done, self.state, self.inputs.state(data_state, done), self.item())
+
+  def run(self) -> dict:
+    cfg = self.config
+    start = self.restore_or_init()
+    self.begin(start)
+    t_start = time.time()
+    logs = {name: MetricWriter(self.workdir, name) for name in ("train", "eval")}
+    depth = max(1, cfg.data.prefetch)
+    self.data_iter = self.inputs.iterator(cfg.data.prefetch, self.saved_data)
+    preemption = Preemption(cfg.train.preemption_grace_seconds, self.prefix)
+    eval_metrics, details, preempted = {}, [], None
+    try:
+      self.begin_steps(start, depth)
+      if cfg.eval.every and start == 0 and self.evaluates_at_start():
+        eval_metrics = self.evaluate(logs["eval"], 0, final=False)[0]
+      self.first_batch(start, depth)
+      preempted, eval_metrics = self._steps(start, logs, preemption, eval_metrics)
+      self.stop_feeding(preempted is not None)
+      if preempted is None and self.evaluates():
+        eval_metrics, details = self.evaluate(logs["eval"], cfg.train.steps, final=True)
+    finally:
+      preemption.close()
+      self.close()
+      self.data_iter.close()
+      self.checkpointer.close()
+      for log in logs.values():
+        log.close()
+    wall = round(time.time() - t_start, 1)
+    if preempted is not None:   # no summary.json, no DONE: the run is not over
+      return {"task": cfg.task, "preempted_at_step": preempted, "wall_seconds": wall}
+    return self._summarise(wall, eval_metrics, details)
+
+  def begin_steps(self, start: int, depth: int) -> None:
+    """Inside the loop's error handling, before the first evaluation."""
+
+  def _steps(self, start: int, logs: dict, preemption: Preemption, eval_metrics: dict):
+    """Steps `start`..total; returns (the step preempted after or None, latest eval)."""
+    cfg, total = self.config, self.config.train.steps
+    window, t_last = [], time.time()
+    for step in range(start, total):
+      batch, data_state = self.next_batch(step)
+      self.state, metrics = self.train_step(self.state, batch, self.step_rng)
+      done = step + 1
+      self.after_step(done, metrics)
+      window.append(metrics)
+      if done % cfg.train.log_every == 0 or done == total:
+        now = time.time()
+        scalars = window_scalars(window, now - t_last, float(
+            state_lib.learning_rate_schedule(cfg.train)(done)))
+        figures, note = self.progress(scalars)   # may add figures to the scalars
+        logs["train"].write(done, scalars)
+        rate = scalars["steps_per_second"]
+        print(f"{self.prefix}step {done}/{total} {figures} | {rate:.2f} steps/s ETA "
+              f"{format_duration((total - done) / max(rate, 1e-9))}{note}", flush=True)
+        window, t_last = [], now
+      if self.evaluates() and cfg.eval.every and done % cfg.eval.every == 0 and done != total:
+        eval_metrics = self.evaluate(logs["eval"], done, final=False)[0]
+      stop = preemption.reached(done)   # the same answer on every process
+      if self.checkpoint_due(done) or stop:
+        self.save(done, data_state)
+      if stop:
+        preemption.saved(done, self.checkpointer)
+        return done, eval_metrics
+    return None, eval_metrics
+
+  def _summarise(self, wall: float, eval_metrics: dict, details: list) -> dict:
+    cfg = self.config
+    summary = {"task": cfg.task, "steps": cfg.train.steps, "wall_seconds": wall,
+               "params": state_lib.count_params(self.state.params), **self.summary_fields(),
+               **{f"eval_{k}": v for k, v in eval_metrics.items()}}
+    extra = {"examples": details} if self.keep_examples else {}
+    if jax.process_index() == 0:
+      workdir_lib.write_summary(self.workdir, {**summary, **extra})
+    self.finished(summary)
+    return {**summary, **extra}
