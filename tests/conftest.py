@@ -38,3 +38,8 @@ def world_dir(tmp_path_factory) -> str:
 def world_data(world_dir):
   from realm_jax.data.store import PreparedData
   return PreparedData(world_dir)
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: the slow tier (multi-process runs, builder kills, "
+                          "end-to-end training); `make test-fast` leaves it out")

@@ -30,6 +30,7 @@ def abstract_batch(config, mesh):
           "reader_segments": spec(k, q + lb - 2)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, task", [("realm_base", "realm"), ("ict_base", "ict")])
 def test_base_config_train_step_lowers(name, task):
   if not os.path.exists(os.path.join(CONFIGS, f"{name}.py")):

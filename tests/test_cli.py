@@ -69,6 +69,7 @@ def test_missing_data_dir_is_named(realm_flags, tmp_path):
   assert "nowhere" in result.stderr
 
 
+@pytest.mark.slow
 def test_workdir_of_an_incompatible_config_is_refused(world_dir, tmp_path):
   workdir = str(tmp_path / "w")
   config = tiny_config("realm", "warmup", world_dir, train__steps=1)

@@ -178,6 +178,7 @@ def imported(tmp_path_factory):
   return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture", hf_realm.REALM_ARCHITECTURES)
 def test_every_tensor_lands_in_its_place(imported, architecture):
   run = imported(architecture)

@@ -76,6 +76,7 @@ def loader_for(config, workdir, model, data):
       make_encoder=lambda p: steps.QueryEncoder(model, config, p))
 
 
+@pytest.mark.slow
 def test_builder_publishes_the_newest_checkpoint_and_the_trainer_retrieves_from_it(
     world_dir, tmp_path, capsys):
   # The retriever smaller than the reader: the builder embeds with the retriever's shape.
@@ -110,6 +111,7 @@ def test_builder_publishes_the_newest_checkpoint_and_the_trainer_retrieves_from_
   assert loaded.step == 20 and loaded.version == 1
 
 
+@pytest.mark.slow
 def test_deterministic_builder_builds_every_refresh_step_in_order(world_dir, tmp_path):
   config = builder_config(world_dir, retrieval__refresh="deterministic",
                           retrieval__refresh_every=10, retrieval__swap_lag=5,
@@ -124,6 +126,7 @@ def test_deterministic_builder_builds_every_refresh_step_in_order(world_dir, tmp
   assert built == [0, 10, 20, 25]     # 15 is no refresh step; 25 is the final one
 
 
+@pytest.mark.slow
 def test_checkpoint_deleted_while_restoring_moves_to_the_newest(world_dir, tmp_path, capsys):
   config = builder_config(world_dir)
   workdir = str(tmp_path / "run")
@@ -279,6 +282,7 @@ def larger_world(tmp_path_factory):
     ("embedding", "embedding", 0.5),
     ("publishing", "publishing", 0.3),
 ])
+@pytest.mark.slow
 def test_builder_killed_at_random_points_never_exposes_a_partial_version(
     larger_world, tmp_path, phase, marker, max_delay):
   # Slow embedding (batches of 8) so that a random kill lands inside it.
@@ -348,6 +352,7 @@ def test_builder_killed_at_random_points_never_exposes_a_partial_version(
   assert not [p for p in os.listdir(str(root)) if p.startswith(".tmp-")]
 
 
+@pytest.mark.slow
 def test_scann_backend_is_published_with_its_recall_and_served(larger_world, tmp_path, capsys):
   # A wide random init: the default one maps every block to nearly the same embedding
   # (cosine 0.99999 to their mean), where nearest neighbours are ties and recall is noise.

@@ -42,6 +42,7 @@ def flat(tree):
   return traverse_util.flatten_dict(jax.device_get(tree), sep="/")
 
 
+@pytest.mark.slow
 def test_each_part_starts_from_its_own_source(world_dir, world_data, tmp_path, capsys):
   vocab_size = world_data.tokenizer.vocab_size
   ict = str(tmp_path / "ict")

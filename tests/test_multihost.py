@@ -21,6 +21,8 @@ from realm_jax.train.checkpoints import restore_run
 from realm_jax.train.loop import train
 from tests import helpers
 
+pytestmark = pytest.mark.slow   # the slow tier: `make test` runs it, `make test-fast` does not
+
 # Relative tolerance of the 2-process losses against the 1-process ones. Not bit for bit: gloo
 # sums the 8 devices' partial sums (the loss mean, the gradient all-reduce) in another order
 # than XLA's in-process all-reduce, which moves the sums by an ulp or two.

@@ -113,6 +113,7 @@ def openqa_run(world_dir, tmp_path_factory):
   return workdir, summary
 
 
+@pytest.mark.slow
 def test_openqa_fine_tuning_writes_its_frozen_index_and_metrics(openqa_run, world_dir):
   from realm_jax.retrieval import published
   workdir, summary = openqa_run
@@ -129,6 +130,7 @@ def test_openqa_fine_tuning_writes_its_frozen_index_and_metrics(openqa_run, worl
   assert {"retriever_loss", "reader_loss", "answer_in_top_k", "span_accuracy"} <= set(rows[0])
 
 
+@pytest.mark.slow
 def test_openqa_resume_matches_the_uninterrupted_run(openqa_run, world_dir, tmp_path):
   from realm_jax.train.loop import train
   workdir, _ = openqa_run
@@ -142,6 +144,7 @@ def test_openqa_resume_matches_the_uninterrupted_run(openqa_run, world_dir, tmp_
   assert losses_of(resumed) == losses_of(workdir)
 
 
+@pytest.mark.slow
 def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir):
   from realm_jax.evaluate_qa import evaluate_run
   workdir, _ = openqa_run
@@ -189,6 +192,7 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path)
   assert "exact_match" not in metrics and 0 <= metrics["recall_at_5"] <= 1
 
 
+@pytest.mark.slow
 def test_realm_predict_prints_the_answer_and_its_evidence(openqa_run, world_dir):
   from realm_jax.predict import _show, predict
   workdir, _ = openqa_run

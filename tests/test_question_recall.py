@@ -61,6 +61,7 @@ def test_questions_point_at_their_paragraph(squad_data):
   assert [q["doc_id"] for q in questions] == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_bm25_and_a_trained_retriever_side_by_side(squad_data, tmp_path):
   from realm_jax.train.loop import train
   config = load_config_module("squad_realm").get_config("ict")

@@ -13,6 +13,8 @@ from realm_jax.train.feed import deterministic_source_step
 from realm_jax.train.metrics import read_jsonl
 from tests import helpers
 
+pytestmark = pytest.mark.slow   # the slow tier: `make test` runs it, `make test-fast` does not
+
 STEPS = 12
 REFRESH_EVERY = 3
 SWAP_LAG = 1

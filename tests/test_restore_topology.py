@@ -16,6 +16,8 @@ from realm_jax.train.checkpoints import Checkpointer, run_config
 from realm_jax.train.loop import train
 from tests import helpers
 
+pytestmark = pytest.mark.slow   # the slow tier: `make test` runs it, `make test-fast` does not
+
 SAVED_STEPS = 2
 
 

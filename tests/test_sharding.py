@@ -14,6 +14,8 @@ import pytest
 from realm_jax.train import batches, partitioning, state as state_lib, steps
 from tests.helpers import tiny_config
 
+pytestmark = pytest.mark.slow   # the slow tier: `make test` runs it, `make test-fast` does not
+
 MESHES = {"1 device": (1, 1), "1x8": (1, 8), "2x4": (2, 4)}
 
 

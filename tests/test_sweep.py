@@ -10,6 +10,8 @@ import pytest
 
 from tests import helpers
 
+pytestmark = pytest.mark.slow   # the slow tier: `make test` runs it, `make test-fast` does not
+
 
 def sweep_module():
   spec = importlib.util.spec_from_file_location(

@@ -76,6 +76,7 @@ def flat(tree):
                                     "retrieval_utility"},
      {"loss", "retrieval_utility", "index_staleness", "grad_norm"}),
 ], ids=["ict", "warmup", "realm"])
+@pytest.mark.slow
 def test_stage_outputs(stages, name, steps, checkpoints, eval_keys, train_keys):
   dirs, configs, summaries = stages
   workdir = dirs[name]
@@ -111,6 +112,7 @@ def test_stage_outputs(stages, name, steps, checkpoints, eval_keys, train_keys):
     assert json.load(f)["task"] == configs[name].task
 
 
+@pytest.mark.slow
 def test_index_refreshes_every_refresh_every_steps(stages):
   dirs, _, _ = stages
   rows = read_jsonl(os.path.join(dirs["realm"], "metrics", "train.jsonl"))
@@ -119,6 +121,7 @@ def test_index_refreshes_every_refresh_every_steps(stages):
                                                   for s in range(1, REALM_STEPS + 1)]
 
 
+@pytest.mark.slow
 def test_warmup_starts_from_ict_and_keeps_the_frozen_retriever(stages, world_data):
   dirs, configs, _ = stages
   ict, ict_step = saved_params(configs["ict"], dirs["ict"], world_data)
@@ -133,6 +136,7 @@ def test_warmup_starts_from_ict_and_keeps_the_frozen_retriever(stages, world_dat
   assert any(not np.array_equal(warm_reader[k], v) for k, v in ict_reader.items())
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_and_the_resumed_run_matches_the_uninterrupted_one(
     stages, world_dir, world_data, tmp_path):
   """realm-train gets SIGTERM mid-run: it finishes the step, finalises a checkpoint of it and
@@ -203,6 +207,7 @@ def test_no_retrieval_baseline_reads_only_the_null_document(world_dir, world_dat
   assert summary["eval_span_accuracy_null_document"] == summary["eval_span_accuracy"]
 
 
+@pytest.mark.slow
 def test_training_without_the_null_document(world_dir, world_data, tmp_path):
   """`retrieval.train_null_document=False`: a training batch holds the k - 1 retrieved blocks
   (no null document, never the query's own block); evaluation still reads the null document
