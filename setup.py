@@ -51,7 +51,7 @@ setup(
             "realm-demo=realm_jax.demo:run",
             "realm-index=realm_jax.retrieval.builder:run",
             "realm-import-hf=realm_jax.interop.hf_realm:run",
-            "realm-eval=realm_jax.evaluate_qa:run",
+            "realm-eval=realm_jax.openqa_eval:run",
             "realm-predict=realm_jax.predict:run",
         ],
     },

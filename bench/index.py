@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from realm_jax.data.prepare import base_config as prepare_config, prepare
-from realm_jax.data.store import PreparedData
-from realm_jax.demo import load_config
+from realm_jax.data.prepare import prepare_config, prepare
+from realm_jax.data.prepared import PreparedData
+from realm_jax.demo import repo_config
 from realm_jax.errors import run_cli
 from realm_jax.retrieval import scann_index
 from realm_jax.retrieval.index import embed_blocks
@@ -169,7 +169,7 @@ def bench_index(table: np.ndarray, queries: np.ndarray, config, cache: pathlib.P
                 args) -> dict:
   """Builds, serializes, loads and searches the ScaNN index; exact search for reference."""
   num_blocks, dim = table.shape
-  settings = scann_index.scann_settings(num_blocks, config.index)
+  settings = scann_index.scann_settings(num_blocks, config.builder)
   print(f"[bench] building ScaNN over {num_blocks:,} x {dim}: {settings}", flush=True)
   t0 = time.perf_counter()
   searcher = scann_index.build_searcher(table, settings)
@@ -288,7 +288,7 @@ def main(argv=None) -> dict:
   if not os.path.isfile(args.vocab):
     raise FileNotFoundError(f"--vocab {args.vocab} is not a file")
 
-  config = load_config("demo_realm")
+  config = repo_config("demo_realm")
   args.embed_batch = args.embed_batch or config.retrieval.embed_batch_size
   cache = pathlib.Path(args.cache)
   print(f"[bench] backend {jax.default_backend()}, {jax.device_count()} x "

@@ -226,7 +226,7 @@ def bench_step(args) -> dict:
 
 
 def bench_openqa(args) -> dict:
-  from realm_jax.data.store import BlockStore
+  from realm_jax.data.prepared import BlockStore
   from realm_jax.data.tokenizer import load_tokenizer
   from realm_jax.retrieval import published
   from realm_jax.retrieval.index import ExactIndex

@@ -222,7 +222,7 @@ def prepare_throughput(squad_path, copies: int, workers: int) -> dict:
   """realm-prepare on the file's paragraphs x `copies` (JSONL, distinct titles): its rates.
 
   The vocab is trained first, outside the timed run (it is a one-off per corpus)."""
-  from realm_jax.data.prepare import base_config, prepare
+  from realm_jax.data.prepare import prepare, prepare_config
   with open(squad_path, encoding="utf-8") as f:
     articles = json.load(f)["data"]
   tmp = pathlib.Path(tempfile.mkdtemp(prefix="realm_prepare_bench_"))
@@ -233,7 +233,7 @@ def prepare_throughput(squad_path, copies: int, workers: int) -> dict:
         for a in articles:
           for p in a["paragraphs"]:
             f.write(json.dumps({"title": f"{a['title']} ({k})", "text": p["context"]}) + "\n")
-    config = base_config()
+    config = prepare_config()
     config.source, config.out_dir = f"squad:{squad_path}", str(tmp / "vocab")
     config.vocab_size, config.num_workers = 30522, 0
     prepare(config)
@@ -254,10 +254,10 @@ def prepare_throughput(squad_path, copies: int, workers: int) -> dict:
 
 def world_throughput(entities: int, workers: int) -> dict:
   """realm-prepare on `world:ENTITIES` at the demo's shapes, everything included."""
-  from realm_jax.data.prepare import base_config, prepare
+  from realm_jax.data.prepare import prepare, prepare_config
   tmp = pathlib.Path(tempfile.mkdtemp(prefix="realm_prepare_world_"))
   try:
-    config = base_config()
+    config = prepare_config()
     config.source, config.out_dir = f"world:{entities}", str(tmp / "out")
     config.block_len, config.max_sentence_len, config.vocab_size = 40, 14, 4000
     config.num_workers, config.shard_documents = workers, 20_000

@@ -25,11 +25,11 @@ index versions used and published; the run's wall time; the builder's mean embed
 
   python bench/refresh.py [--mode async|deterministic] [--steps 300] [--refresh_every 50]
       [--data_dir runs/demo/data] [--init_from runs/demo/warmup] [--workdir W]
-      [--out runs/bench_refresh.jsonl] [--config.index.devices=1 ...]
+      [--out runs/bench_refresh.jsonl] [--config.builder.devices=1 ...]
   python bench/refresh.py --data_dir /tmp/world --init_from '' --steps 60 --refresh_every 10
 
 Extra `--config.*` overrides go to both processes (on a GPU machine the builder needs its own
-GPUs: `--config.index.devices=N`).
+GPUs: `--config.builder.devices=N`).
 """
 
 from __future__ import annotations

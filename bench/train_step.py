@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from realm_jax.demo import repo_config
 from realm_jax.train import partitioning, state as state_lib, steps
 from realm_jax.train.config_base import part_model, validate
 
@@ -50,21 +51,15 @@ PEAK_BF16_FLOPS = (
 )
 
 
-def load_config(name: str, arg: str | None = None):
-  """`configs/<name>.py`'s get_config(arg), loaded by path like `--config` does."""
-  from realm_jax.train.config_base import config_module
-  return config_module(str(REPO / "configs" / f"{name}.py")).get_config(arg)
-
-
 def case_config(case: str, accelerator: bool, batch_size: int | None):
   """The config of a bench case with its bench-only overrides (vocab, batch, dtype)."""
   if case == "demo":
-    config = load_config("demo_realm", "realm")
+    config = repo_config("demo_realm", "realm")
     config.model.vocab_size = 4000      # the demo's vocab comes from its data dir (0)
   elif case == "real":                  # demo-real: MiniLM-shaped reader, small retriever
-    config = load_config("real_realm", "realm")
+    config = repo_config("real_realm", "realm")
   else:
-    config = load_config("realm_base")
+    config = repo_config("realm_base")
     config.train.batch_size = 32 if accelerator else 1  # ~10 GB of fp32 temporaries a query
   if batch_size:
     config.train.batch_size = batch_size

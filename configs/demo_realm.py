@@ -37,7 +37,7 @@ def get_config(arg=None):
   c.eval.every = 250
   if variant == "warmup":
     c.retrieval.refresh = "in_process"   # no index at all
-    c.retrieval.mode = "own_block"
+    c.retrieval.candidates = "own_block"
     c.retrieval.k = 2
     c.train.retriever_lr_scale = 0.0
     c.train.lr = 2e-3                # copying from a block "clicks" after ~600 steps
@@ -45,7 +45,7 @@ def get_config(arg=None):
     c.eval.every = 0
   elif variant == "no_retrieval":
     c.retrieval.refresh = "in_process"
-    c.retrieval.mode = "null_only"
+    c.retrieval.candidates = "null_only"
     c.retrieval.k = 1
     c.train.retriever_lr_scale = 0.0
     c.eval.every = 0

@@ -9,7 +9,7 @@ Variants by arg: (none) REALM's shapes (blocks of 288, queries of 96); `world` t
 miniature shapes (blocks of 40, queries of 16, a 4,000-entry vocab).
 """
 
-from realm_jax.data.prepare import base_config
+from realm_jax.data.prepare import prepare_config
 
 VARIANTS = ("", "world")
 
@@ -18,7 +18,7 @@ def get_config(arg=None):
   variant = arg or ""
   if variant not in VARIANTS:
     raise ValueError(f"configs/prepare.py: unknown variant {variant!r}; one of {VARIANTS}")
-  c = base_config()
+  c = prepare_config()
   if variant == "world":
     c.block_len = 40               # the world's sections are <= 37 wordpieces with title
     c.max_sentence_len = 14        # its sentences are <= 13 wordpieces (query_len 16)

@@ -24,7 +24,7 @@ Variants by arg (one per stage, all on the same data):
 
 import os
 
-from realm_jax.data.prepare import base_config as prepare_config
+from realm_jax.data.prepare import prepare_config
 from realm_jax.packages import MINILM
 from realm_jax.train.config_base import base_config
 
@@ -61,7 +61,7 @@ def get_config(arg=None):
   c.task = "realm"
   if variant == "warmup":
     c.init.reader = MINILM         # BERT weights; the MLM head is learnt here
-    c.retrieval.mode = "own_block"
+    c.retrieval.candidates = "own_block"
     c.retrieval.k = 2              # null + the query's own block
     c.train.batch_size = 16
     c.train.steps = 1200           # ~0.85 s a step here; the reader starts to copy from its
@@ -73,7 +73,7 @@ def get_config(arg=None):
     return c
   c.retrieval.refresh = "async"    # the separate realm-index job publishes the index
   c.retrieval.refresh_every = 25
-  c.index.keep_versions = 3
+  c.builder.keep_versions = 3
   c.train.batch_size = 16
   if variant == "openqa":
     _openqa(c)

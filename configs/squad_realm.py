@@ -16,7 +16,7 @@ Variants by arg (one per stage, all on the same data and shapes):
 
 import os
 
-from realm_jax.data.prepare import base_config as prepare_config
+from realm_jax.data.prepare import prepare_config
 from realm_jax.train.config_base import base_config, tiny_model
 
 VARIANTS = ("prepare", "ict", "warmup", "realm")
@@ -65,7 +65,7 @@ def get_config(arg=None):
   c.train.retriever_lr_scale = 0.3
   c.train.steps = 300              # ~2.2 s a step here (16 queries x 8 candidates x 190)
   if variant == "warmup":
-    c.retrieval.mode = "own_block"
+    c.retrieval.candidates = "own_block"
     c.retrieval.k = 2
     c.train.batch_size = 32
     c.train.retriever_lr_scale = 0.0

@@ -1,12 +1,12 @@
 """The trainer and the separate index-builder job as two processes on one machine.
 
   python launch/local.py --config configs/demo_realm.py:realm --workdir runs/local \
-      --config.retrieval.refresh=async [--config.index.devices=6,7] [--grace 30]
+      --config.retrieval.refresh=async [--config.builder.devices=6,7] [--grace 30]
 
 Every `--config.*` override goes to both processes (`realm_jax.train.main` and
 `realm_jax.retrieval.builder`); they share only the workdir (realm_jax/workdir.py;
 docs/workdir.md).
-With GPUs visible, `config.index.devices` names the builder's GPUs and the trainer gets the
+With GPUs visible, `config.builder.devices` names the builder's GPUs and the trainer gets the
 rest; on CPU both inherit the environment. Output is streamed line by line with a `[trainer] ` /
 `[builder] ` prefix and appended to `W/logs/<name>.log`. Ctrl-C stops both (SIGINT to each
 process group, SIGKILL after the grace period, exit 130); SIGTERM (preemption) is passed on
@@ -30,6 +30,7 @@ import time
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax import workdir as workdir_lib
 from realm_jax.train.config_base import load_config
+from realm_jax.train.option_names import upgrade_flags
 
 PROG = "local.py"
 NAMES = ("trainer", "builder")
@@ -124,35 +125,35 @@ def assign_devices(visible: list[str], builder_ids: str) -> tuple[str, str] | No
 
   Args:
     visible: GPU ids visible to the launcher, in order ([] on CPU).
-    builder_ids: `config.index.devices`, comma-separated ids for the builder ("6,7").
+    builder_ids: `config.builder.devices`, comma-separated ids for the builder ("6,7").
   Returns:
     (trainer ids, builder ids) as CUDA_VISIBLE_DEVICES values, or None on CPU (no GPU visible
     and none asked for): both processes then inherit the environment.
   Raises:
-    ConfigError naming `index.devices` when the split is impossible.
+    ConfigError naming `builder.devices` when the split is impossible.
   """
   wanted = [d.strip() for d in builder_ids.split(",") if d.strip()]
   shown = ",".join(visible)
   if not visible:
     if wanted:
-      raise ConfigError("index.devices", f"{builder_ids!r} names GPUs for the builder, but no "
+      raise ConfigError("builder.devices", f"{builder_ids!r} names GPUs for the builder, but no "
                         "GPU is visible (nvidia-smi -L, CUDA_VISIBLE_DEVICES); set "
-                        "--config.index.devices= to run both processes on CPU")
+                        "--config.builder.devices= to run both processes on CPU")
     return None
   if not wanted:
-    raise ConfigError("index.devices", f"GPUs {shown} are visible and the trainer and the "
-                      "builder must get disjoint ones: set --config.index.devices to the "
-                      f"builder's ids (e.g. --config.index.devices={visible[-1]}); the trainer "
+    raise ConfigError("builder.devices", f"GPUs {shown} are visible and the trainer and the "
+                      "builder must get disjoint ones: set --config.builder.devices to the "
+                      f"builder's ids (e.g. --config.builder.devices={visible[-1]}); the trainer "
                       "gets the rest")
   unknown = [d for d in wanted if d not in visible]
   if unknown:
-    raise ConfigError("index.devices", f"{','.join(unknown)} not among the visible GPUs "
+    raise ConfigError("builder.devices", f"{','.join(unknown)} not among the visible GPUs "
                       f"{shown}")
   if len(set(wanted)) != len(wanted):
-    raise ConfigError("index.devices", f"{builder_ids!r} names a GPU twice")
+    raise ConfigError("builder.devices", f"{builder_ids!r} names a GPU twice")
   trainer = [d for d in visible if d not in wanted]
   if not trainer:
-    raise ConfigError("index.devices", f"{builder_ids!r} takes every visible GPU ({shown}) "
+    raise ConfigError("builder.devices", f"{builder_ids!r} takes every visible GPU ({shown}) "
                       "and leaves none for the trainer")
   return ",".join(trainer), ",".join(wanted)
 
@@ -406,9 +407,9 @@ def supervise(commands: dict[str, list[str]], workdir: str,
 
 def _launch(args: argparse.Namespace) -> int:
   config = load_config(args.config)
-  builder_ids = override_value(args.overrides, "index.devices")
+  builder_ids = override_value(args.overrides, "builder.devices")
   if builder_ids is None:
-    builder_ids = config.index.devices
+    builder_ids = config.builder.devices
   visible = visible_gpus(dict(os.environ))
   split = assign_devices(visible, builder_ids)
   if split is None:
@@ -418,7 +419,7 @@ def _launch(args: argparse.Namespace) -> int:
     env_for = {}
   else:
     print(f"{PROG}: GPUs {','.join(visible)}: trainer {split[0]}, builder {split[1]} "
-          "(config.index.devices)", flush=True)
+          "(config.builder.devices)", flush=True)
     env_for = {"trainer": {"CUDA_VISIBLE_DEVICES": split[0]},
                "builder": {"CUDA_VISIBLE_DEVICES": split[1]}}
   commands = default_commands(args.config, args.workdir, args.overrides)
@@ -427,7 +428,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
   """`python launch/local.py --config C[:arg] --workdir W [--grace S] [--config.a.b=v ...]`."""
-  args = parse_args(sys.argv[1:] if argv is None else argv)
+  args = parse_args(upgrade_flags(sys.argv[1:] if argv is None else argv))
   return run_cli(PROG, lambda: _launch(args))
 
 

@@ -39,21 +39,13 @@ import time
 
 from realm_jax import workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
-from realm_jax.train.config_base import config_module, uses_index_builder
+from realm_jax.train.config_base import config_module, flat_options, uses_index_builder
+from realm_jax.train.option_names import upgrade_flags
 
 PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCHERS = ("local", "print", "tpu_pod")
 TPU_POD_OWN = ("--name", "--config", "--workdir", "--set")   # set by the sweep for each run
-
-
-def flat_fields(config, prefix: str = "") -> dict:
-  """{dotted name: value} of every leaf field of a ConfigDict."""
-  out = {}
-  for key, value in config.items():
-    name = f"{prefix}{key}"
-    out.update(flat_fields(value, name + ".") if hasattr(value, "items") else {name: value})
-  return out
 
 
 def typed_value(text: str, current, key: str):
@@ -93,12 +85,13 @@ def parse_assignment(text: str, flag: str) -> tuple[str, str]:
   key, sep, value = text.partition("=")
   if not sep or not key or not value:
     raise ConfigError("", f"{flag} {text!r}: expected KEY=VALUE")
-  return key.strip(), value.strip()
+  key = upgrade_flags([f"--config.{key.strip()}"])[0][len("--config."):]   # an old name: warned
+  return key, value.strip()
 
 
 def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list[dict]:
   """The runs' override dicts: the product of `--grid` flags, else `get_hyper()`'s list."""
-  fields = flat_fields(config)
+  fields = flat_options(config)
   if grid_flags:
     axes = []
     for flag in grid_flags:
@@ -262,7 +255,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
   module = config_module(path)
   config = module.get_config(arg) if arg else module.get_config()
   hyper = module.get_hyper(arg or None) if hasattr(module, "get_hyper") else None
-  fields = flat_fields(config)
+  fields = flat_options(config)
   fixed = {}
   for text in args.set:
     key, value = parse_assignment(text, "--set")

@@ -32,11 +32,12 @@ import subprocess
 import sys
 
 from realm_jax.errors import ConfigError, run_cli
-from realm_jax.train.config_base import load_config, uses_index_builder, validate
+from realm_jax.train.config_base import flat_options, load_config, uses_index_builder, validate
+from realm_jax.train.option_names import upgrade_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)    # launch/ holds scripts, not a package: import the sibling by name
-from sweep import check_key, flat_fields, parse_assignment, typed_value  # noqa: E402
+from sweep import check_key, parse_assignment, typed_value  # noqa: E402
 
 PROG = "tpu_pod.py"
 REPO = os.path.dirname(HERE)
@@ -136,7 +137,7 @@ def plan_run(config_spec: str, workdir: str, sets: list[str]) -> Plan:
     config = load_config(config_spec)
   except Exception as e:     # a config module's own error, named with the flag that chose it
     raise ConfigError("", f"--config {config_spec!r}: {type(e).__name__}: {e}") from None
-  fields = flat_fields(config)
+  fields = flat_options(config)
   given = {}
   for text in sets:
     key, value = parse_assignment(text, "--set")
@@ -145,7 +146,7 @@ def plan_run(config_spec: str, workdir: str, sets: list[str]) -> Plan:
     given[key] = value
   validate(config)
   buckets, overrides = [bucket], []
-  final = flat_fields(config)
+  final = flat_options(config)
   for key in [*given, *(k for k in final if k not in given)]:
     value = given.get(key, final[key])
     if isinstance(value, str) and value.startswith("gs://"):
@@ -366,7 +367,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
   """`python launch/tpu_pod.py ACTION --name N --zone Z --project P [...] [--dry-run]`."""
-  args = parse_args(sys.argv[1:] if argv is None else argv)
+  args = parse_args(upgrade_flags(sys.argv[1:] if argv is None else argv))
   try:
     run_cli(PROG, lambda: getattr(Pod(args), args.action)())
   except CommandFailed as e:

@@ -23,10 +23,10 @@ REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_DIR, "configs")
 
 
-def load_config(name: str, arg: str | None = None):
+def repo_config(name: str, arg: str | None = None):
   """`configs/<name>.py` -> get_config(arg)."""
-  from realm_jax.train.config_base import config_module
-  return config_module(os.path.join(CONFIG_DIR, f"{name}.py")).get_config(arg)
+  from realm_jax.train.config_base import load_config as load_config_file
+  return load_config_file(os.path.join(CONFIG_DIR, f"{name}.py") + (f":{arg}" if arg else ""))
 
 
 def with_overrides(config, overrides: dict):
@@ -66,7 +66,7 @@ def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir:
   A stage whose index comes from the separate builder (`retrieval.refresh` async or
   deterministic) runs as trainer + `realm-index` under `launch/local.py`, as a user would.
   """
-  config = with_overrides(load_config(*spec), overrides)
+  config = with_overrides(repo_config(*spec), overrides)
   summary = workdir_lib.read_summary(workdir)
   if summary is not None:
     if summary.get("steps") == config.train.steps:
@@ -151,7 +151,7 @@ def run_demo(workdir: str, seed: int, entities: int) -> dict:
   if not os.path.exists(os.path.join(data_dir, "stats.json")):
     print(f"[demo] generating the world ({entities} entities, seed {seed}) -> {data_dir}",
           flush=True)
-    shapes = load_config("demo_realm").data  # the world is cut to the demo's shapes
+    shapes = repo_config("demo_realm").data  # the world is cut to the demo's shapes
     stats = prepare_world(data_dir, entities, seed, block_len=shapes.block_len,
                           max_sentence_len=shapes.query_len - 2)
     print(f"[demo] {stats['blocks']:,} blocks, {stats['examples']['train']:,} training "

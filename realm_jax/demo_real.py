@@ -19,7 +19,7 @@ import os
 import platform
 import time
 
-from realm_jax.demo import load_config, run_stage, with_overrides
+from realm_jax.demo import repo_config, run_stage, with_overrides
 from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
 from realm_jax.packages import MINILM
@@ -35,13 +35,13 @@ OPENQA_STAGES = (("openqa_realm", {"init.from_workdir": "realm"}, {}),
 
 
 def _config(variant: str, overrides: dict):
-  return with_overrides(load_config(CONFIG, variant), overrides)
+  return with_overrides(repo_config(CONFIG, variant), overrides)
 
 
 def prepare_data(workdir: str, squad: str) -> tuple[str, str, dict]:
   """The SQuAD file -> W/data with MiniLM's vocab. Returns (data dir, source, stats)."""
   from realm_jax.data.prepare import prepare
-  config = load_config(CONFIG, "prepare")
+  config = repo_config(CONFIG, "prepare")
   if squad:
     config.source = f"squad:{squad}"
   config.out_dir = os.path.join(workdir, "data")
@@ -60,7 +60,7 @@ def stage_overrides(data_dir: str, source: str, seed: int, workdir: str, inits: 
 
 def retrieval_table(workdir: str, data_dir: str, source: str, seed: int) -> dict:
   """recall@1/5/20 of the answer paragraph on the held-out articles' questions."""
-  from realm_jax.retrieval.question_recall import format_table, recall_table
+  from realm_jax.retrieval.zero_shot import format_table, recall_table
   ict = _config("ict", stage_overrides(data_dir, source, seed, workdir, {}))
   realm = _config("realm", stage_overrides(data_dir, source, seed, workdir, {}))
   table = recall_table(data_dir, {"untrained": (ict, ""),
@@ -75,7 +75,7 @@ def retrieval_table(workdir: str, data_dir: str, source: str, seed: int) -> dict
 
 def open_qa(workdir: str, data_dir: str, source: str, seed: int) -> tuple[dict, dict]:
   """Fine-tunes from each start and scores the held-out articles. Returns (table, summaries)."""
-  from realm_jax.evaluate_qa import evaluate_run
+  from realm_jax.openqa_eval import evaluate_run
   table, summaries = {}, {}
   for name, inits, extra in OPENQA_STAGES:
     overrides = {**stage_overrides(data_dir, source, seed, workdir, inits), **extra}

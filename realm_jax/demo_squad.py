@@ -18,7 +18,7 @@ import json
 import os
 import time
 
-from realm_jax.demo import load_config, run_stage, run_stages
+from realm_jax.demo import repo_config, run_stage, run_stages
 from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
 
@@ -31,7 +31,7 @@ def pretrain(workdir: str, squad: str, seed: int) -> tuple[str, str, dict, dict]
   summaries)."""
   from realm_jax.data.prepare import prepare
   data_dir = os.path.join(workdir, "data")
-  prep = load_config("squad_realm", "prepare")
+  prep = repo_config("squad_realm", "prepare")
   if squad:
     prep.source = f"squad:{squad}"
   prep.out_dir = data_dir
@@ -46,10 +46,10 @@ def pretrain(workdir: str, squad: str, seed: int) -> tuple[str, str, dict, dict]
 
 
 def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
-  from realm_jax.retrieval.question_recall import format_table, recall_table
+  from realm_jax.retrieval.zero_shot import format_table, recall_table
   t0 = time.time()
   data_dir, source, stats, results = pretrain(workdir, squad, seed)
-  configs = {name: load_config("squad_realm", name) for name, _ in STAGES}
+  configs = {name: repo_config("squad_realm", name) for name, _ in STAGES}
   print("[demo-squad] zero-shot question retrieval", flush=True)
   table = recall_table(data_dir, {"ict": (configs["ict"], os.path.join(workdir, "ict")),
                                   "realm": (configs["realm"], os.path.join(workdir, "realm"))})
@@ -69,7 +69,7 @@ def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
 
 
 def run_demo_openqa(workdir: str, squad: str = "", seed: int = 0) -> dict:
-  from realm_jax.evaluate_qa import evaluate_run
+  from realm_jax.openqa_eval import evaluate_run
   t0 = time.time()
   data_dir, source, stats, results = pretrain(workdir, squad, seed)
   table = {}
@@ -80,7 +80,7 @@ def run_demo_openqa(workdir: str, squad: str = "", seed: int = 0) -> dict:
       overrides.update({"qa.train": f"squad:{squad}", "qa.test": f"squad:{squad}"})
     results[name] = run_stage(name, ("squad_openqa", start), overrides,
                               os.path.join(workdir, name))
-    config = load_config("squad_openqa", start)
+    config = repo_config("squad_openqa", start)
     for key, value in overrides.items():
       parent, _, leaf = key.rpartition(".")
       (config[parent] if parent else config)[leaf] = value

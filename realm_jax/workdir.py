@@ -44,7 +44,7 @@ def _read_json(path: str) -> dict | None:
 # -- the prepared data a run reads -------------------------------------------------------------
 def open_data(config):
   """Opens `config.data.dir` (a PreparedData), a missing or partial dir as a ConfigError."""
-  from realm_jax.data.store import PreparedData
+  from realm_jax.data.prepared import PreparedData
   if not config.data.dir:
     raise ConfigError("data.dir", "is empty: point it at a prepared data dir")
   try:
@@ -59,10 +59,11 @@ def record_config(config, workdir: str) -> None:
   import jax
   from realm_jax.train import multihost
   from realm_jax.train.config_base import incompatible_fields
+  from realm_jax.train.option_names import upgrade_record
   path = os.path.join(workdir, CONFIG)
   current = json.loads(config.to_json_best_effort())
   if os.path.exists(path) and os.path.isdir(os.path.join(workdir, CHECKPOINTS)):
-    diffs = incompatible_fields(_read_json(path), current)
+    diffs = incompatible_fields(upgrade_record(_read_json(path), f"{path}: "), current)
     if diffs:
       raise ConfigError("", f"workdir {workdir} holds checkpoints of an incompatible config; "
                         "fields that differ: " + "; ".join(diffs))
@@ -81,11 +82,12 @@ def write_config(workdir: str, config) -> None:
 def saved_config(workdir: str):
   """The run's own resolved config (`W/config.json`) as a ConfigDict."""
   import ml_collections
-  record = _read_json(os.path.join(workdir, CONFIG))
+  from realm_jax.train.option_names import upgrade_record
+  path = os.path.join(workdir, CONFIG)
+  record = _read_json(path)
   if record is None:
-    raise FileNotFoundError(f"{os.path.join(workdir, CONFIG)}: no config of the run; pass "
-                            "--config")
-  return ml_collections.ConfigDict(record)
+    raise FileNotFoundError(f"{path}: no config of the run; pass --config")
+  return ml_collections.ConfigDict(upgrade_record(record, f"{path}: "))
 
 
 # -- W/blocks.json -----------------------------------------------------------------------------

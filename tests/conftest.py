@@ -36,7 +36,7 @@ def world_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def world_data(world_dir):
-  from realm_jax.data.store import PreparedData
+  from realm_jax.data.prepared import PreparedData
   return PreparedData(world_dir)
 
 

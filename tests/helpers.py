@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from realm_jax.train.config_base import flat_options
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "configs")
 WORLD_ENTITIES = 60
@@ -44,7 +46,7 @@ def tiny_config(task: str = "realm", variant: str | None = None, data_dir: str =
   config.eval.batch_size = 32
   config.eval.every = 0
   config.retrieval.embed_batch_size = 256
-  if config.retrieval.mode == "index":
+  if config.retrieval.candidates == "index":
     config.retrieval.refresh_every = 3
   # The trainer alone rebuilds its index; tests of the separate builder ask for it.
   config.retrieval.refresh = "in_process"
@@ -57,22 +59,12 @@ def apply_overrides(config, overrides: dict):
   return with_overrides(config, {key.replace("__", "."): v for key, v in overrides.items()})
 
 
-def _flatten(config, prefix=""):
-  out = {}
-  for key, value in config.items():
-    if hasattr(value, "items"):
-      out.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      out[f"{prefix}{key}"] = value
-  return out
-
-
 def config_flags(config, config_file: str, arg: str | None = None) -> list[str]:
   """Command-line flags that turn `configs/<config_file>.py[:arg]` into `config`."""
   module = load_config_module(config_file)
-  base = _flatten(module.get_config(arg))
+  base = flat_options(module.get_config(arg))
   flags = [f"--config={os.path.join(CONFIGS, config_file + '.py')}" + (f":{arg}" if arg else "")]
-  for key, value in _flatten(config).items():
+  for key, value in flat_options(config).items():
     if base.get(key) != value:
       flags.append(f"--config.{key}={value}")
   return flags

@@ -42,9 +42,9 @@ def realm_flags(world_dir):
     ({"data__block_len": DATA_BLOCK_LEN + 8}, "data.block_len"),  # != the data's
     ({"mesh__shape": (3, 1)}, "mesh.shape"),           # 8 devices
     ({"task": "bogus"}, "task"),
-    ({"retrieval__mode": "bogus"}, "retrieval.mode"),
+    ({"retrieval__candidates": "bogus"}, "retrieval.candidates"),
     ({"train__batch_size": 100000}, "train.batch_size"),
-], ids=["k=1", "k>blocks", "block_len=4", "block_len!=data", "mesh=3x1", "task", "mode",
+], ids=["k=1", "k>blocks", "block_len=4", "block_len!=data", "mesh=3x1", "task", "candidates",
         "batch>examples"])
 def test_bad_option_is_named(world_dir, tmp_path, overrides, option):
   """In process: the trainer refuses the option by name before it writes anything."""

@@ -20,7 +20,7 @@ import pytest
 from flax import traverse_util
 from safetensors.numpy import save_file
 
-from realm_jax.data.store import PreparedData
+from realm_jax.data.prepared import PreparedData
 from realm_jax.data.tokenizer import load_tokenizer
 from realm_jax.interop import hf_bert, hf_realm, torch_pickle
 from realm_jax.retrieval import published, subscriber

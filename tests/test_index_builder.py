@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from realm_jax.data import pipeline
-from realm_jax.data.store import PreparedData
+from realm_jax.data.prepared import PreparedData
 from realm_jax.errors import ConfigError
 from realm_jax.retrieval import published
 from realm_jax.retrieval.builder import IndexBuilder
@@ -32,7 +32,7 @@ CHECKPOINT_STEPS = (0, 10, 20)
 
 def builder_config(world_dir, **overrides):
   overrides.setdefault("retrieval__refresh", "async")
-  overrides.setdefault("index__poll_seconds", 0.1)
+  overrides.setdefault("builder__poll_seconds", 0.1)
   return helpers.tiny_config("realm", data_dir=world_dir, **overrides)
 
 
@@ -151,7 +151,7 @@ def test_checkpoint_deleted_while_restoring_moves_to_the_newest(world_dir, tmp_p
 
 
 def test_builder_without_checkpoints_waits_then_fails_clearly(world_dir, tmp_path):
-  config = builder_config(world_dir, index__wait_timeout=0.5, index__poll_seconds=0.1)
+  config = builder_config(world_dir, builder__wait_timeout=0.5, builder__poll_seconds=0.1)
   workdir = str(tmp_path / "run")
   flags = helpers.config_flags(config, "demo_realm")
   t0 = time.time()
@@ -161,7 +161,7 @@ def test_builder_without_checkpoints_waits_then_fails_clearly(world_dir, tmp_pat
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "waiting for a checkpoint" in proc.stdout
   errors = [line for line in proc.stderr.splitlines() if "realm-index: error" in line]
-  assert len(errors) == 1 and "index.wait_timeout" in errors[0], proc.stderr[-2000:]
+  assert len(errors) == 1 and "builder.wait_timeout" in errors[0], proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
   assert not os.path.exists(os.path.join(workdir, "index", "LATEST"))
   assert time.time() - t0 < 120
@@ -356,8 +356,8 @@ def test_builder_killed_at_random_points_never_exposes_a_partial_version(
 def test_scann_backend_is_published_with_its_recall_and_served(larger_world, tmp_path, capsys):
   # A wide random init: the default one maps every block to nearly the same embedding
   # (cosine 0.99999 to their mean), where nearest neighbours are ties and recall is noise.
-  config = builder_config(larger_world, retrieval__backend="scann", index__num_leaves=20,
-                          index__leaves_to_search=20, index__recall_queries=200,
+  config = builder_config(larger_world, retrieval__backend="scann", builder__num_leaves=20,
+                          builder__leaves_to_search=20, builder__recall_queries=200,
                           model__initializer_range=1.0)
   workdir = str(tmp_path / "run")
   states, model, mesh, data = make_checkpoints(config, workdir, (0,))

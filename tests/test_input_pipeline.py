@@ -10,7 +10,7 @@ import pytest
 
 from realm_jax.data import pipeline
 from realm_jax.errors import ConfigError
-from realm_jax.train import batches, openqa
+from realm_jax.train import batches, openqa_inputs
 from tests.helpers import tiny_config
 
 STOP_AFTER, RESUMED = 7, 100
@@ -107,8 +107,8 @@ def test_process_shares_make_the_single_process_batches(world_data, task, count)
 
 def test_question_shares_make_the_single_process_batches():
   config = tiny_config("realm")
-  single = openqa.QuestionBatches(config, 50)
-  procs = [openqa.QuestionBatches(config, 50, p, 2) for p in range(2)]
+  single = openqa_inputs.QuestionBatches(config, 50)
+  procs = [openqa_inputs.QuestionBatches(config, 50, p, 2) for p in range(2)]
   for step in (0, 3, 7):
     np.testing.assert_array_equal(
         np.concatenate([q(step)["rows"] for q in procs]), single(step)["rows"])

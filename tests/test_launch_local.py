@@ -277,8 +277,8 @@ def test_assign_devices(visible, builder_ids, expected):
 def test_assign_devices_errors(visible, builder_ids, words):
   with pytest.raises(ConfigError) as e:
     local.assign_devices(visible, builder_ids)
-  assert e.value.option == "index.devices"
-  assert str(e.value).startswith("config.index.devices: ") and words in str(e.value)
+  assert e.value.option == "builder.devices"
+  assert str(e.value).startswith("config.builder.devices: ") and words in str(e.value)
 
 
 def test_visible_gpus():
@@ -293,12 +293,12 @@ def test_visible_gpus():
 
 def test_command_line_passes_overrides_to_both():
   args = local.parse_args(["--config", "configs/demo_realm.py:realm", "--workdir", "W",
-                           "--config.index.devices=6,7", "--grace", "3",
+                           "--config.builder.devices=6,7", "--grace", "3",
                            "--config.train.steps", "5", "--noconfig.model.remat"])
   assert (args.config, args.workdir, args.grace) == ("configs/demo_realm.py:realm", "W", 3.0)
-  assert args.overrides == ["--config.index.devices=6,7", "--config.train.steps", "5",
+  assert args.overrides == ["--config.builder.devices=6,7", "--config.train.steps", "5",
                             "--noconfig.model.remat"]
-  assert local.override_value(args.overrides, "index.devices") == "6,7"
+  assert local.override_value(args.overrides, "builder.devices") == "6,7"
   assert local.override_value(args.overrides, "train.steps") == "5"
   assert local.override_value(args.overrides, "index") is None
   commands = local.default_commands(args.config, args.workdir, args.overrides)
@@ -308,9 +308,9 @@ def test_command_line_passes_overrides_to_both():
 
 
 @pytest.mark.parametrize("cuda_visible, flags, words", [
-    ("", ["--config.index.devices=0"], "no GPU is visible"),
+    ("", ["--config.builder.devices=0"], "no GPU is visible"),
     ("0,1", [], "disjoint"),                           # the config's default index.devices ""
-    ("0,1", ["--config.index.devices=0,1"], "leaves none for the trainer"),
+    ("0,1", ["--config.builder.devices=0,1"], "leaves none for the trainer"),
 ])
 def test_cli_device_errors_name_the_option(tmp_path, cuda_visible, flags, words):
   env = dict(os.environ, CUDA_VISIBLE_DEVICES=cuda_visible)
@@ -322,7 +322,7 @@ def test_cli_device_errors_name_the_option(tmp_path, cuda_visible, flags, words)
   assert result.returncode == 2, result.stdout + result.stderr
   assert "Traceback" not in result.stderr, result.stderr
   errors = result.stderr.strip().splitlines()
-  assert len(errors) == 1 and errors[0].startswith("local.py: error: config.index.devices: "), \
+  assert len(errors) == 1 and errors[0].startswith("local.py: error: config.builder.devices: "), \
       result.stderr
   assert words in errors[0], errors[0]
   assert not (tmp_path / "run").exists()               # nothing started

@@ -72,7 +72,7 @@ def test_span_candidates_are_width_major_like_hf():
 def builder(world_dir, world_data):
   from realm_jax.data.qa import qa_split
   from realm_jax.retrieval.index import ExactIndex
-  from realm_jax.train.openqa import FrozenIndex, QABatchBuilder
+  from realm_jax.train.openqa_inputs import FrozenIndex, QABatchBuilder
   config = openqa_config(world_dir)
   examples, _ = qa_split(config.qa, "train", world_dir)
   emb = np.random.default_rng(0).normal(size=(world_data.blocks.num_blocks, 32))
@@ -103,6 +103,37 @@ def test_span_labels_decode_to_the_answers(builder, world_data):
       labelled += 1
   assert labelled >= 18
   assert normalize_answer("The  Foto Bank!") == "foto bank"
+
+
+def test_reader_inputs_cut_an_overlong_pair_as_hf_does(world_data):
+  """The one Open-QA input builder: a pair longer than the reader keeps HF's longest-first cut
+  and its final [SEP]; one that fits is the trainer's splice, untouched."""
+  from realm_jax.train.openqa_inputs import reader_inputs, truncate_pair
+  tok, blocks = world_data.tokenizer, world_data.blocks
+  question = np.arange(10, 22, dtype=np.int32)              # 12 wordpieces
+  q_ids = np.zeros((1, 16), np.int32)
+  q_ids[0, :14] = [tok.cls_id, *question, tok.sep_id]
+  q_len = np.asarray([14], np.int32)
+  top = np.asarray([[0, 1]])
+  body_len = blocks.lengths[top[0]] - blocks.body_start[top[0]] - 1
+  reader_len = 20                                           # both pairs are too long
+  _, out = reader_inputs(blocks, top, q_ids, q_len, reader_len, tok.cls_id, tok.sep_id)
+  for j, row in enumerate(top[0]):
+    nq, nb = truncate_pair(12, int(body_len[j]), reader_len - 3)
+    start = int(blocks.body_start[row])
+    expected = [tok.cls_id, *question[:nq], tok.sep_id,
+                *np.asarray(blocks.tokens[row])[start:start + nb], tok.sep_id]
+    assert list(out["reader_ids"][0, j]) == expected + [0] * (reader_len - len(expected))
+    assert out["body_position"][0, j] == nq + 2 and out["body_kept"][0, j] == nb
+    assert out["span_start_mask"][0, j].sum() == nb == out["reader_segments"][0, j].sum() - 1
+  assert truncate_pair(3, 40, 17) == (3, 14) and truncate_pair(30, 40, 17) == (8, 9)
+  fits = 16 + blocks.block_len - 2
+  _, whole = reader_inputs(blocks, top, q_ids, q_len, fits, tok.cls_id, tok.sep_id)
+  from realm_jax.data import pipeline
+  cands = pipeline.candidate_inputs(blocks, top, tok.cls_id, tok.sep_id)
+  ids, _ = pipeline.reader_inputs(q_ids, q_len, cands, fits)
+  np.testing.assert_array_equal(whole["reader_ids"], ids)
+  assert (whole["body_position"] == 14).all()
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +177,7 @@ def test_openqa_resume_matches_the_uninterrupted_run(openqa_run, world_dir, tmp_
 
 @pytest.mark.slow
 def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir):
-  from realm_jax.evaluate_qa import evaluate_run
+  from realm_jax.openqa_eval import evaluate_run
   workdir, _ = openqa_run
   metrics, out = evaluate_run(openqa_config(world_dir), workdir, split="test")
   assert out == os.path.join(workdir, "eval", "6")
@@ -173,7 +204,7 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir):
 def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path):
   """Open-QA eval of a checkpoint without the span reader: a clear error; --retrieval_only:
   the zero-shot retrieval evaluation."""
-  from realm_jax.evaluate_qa import evaluate_run
+  from realm_jax.openqa_eval import evaluate_run
   from realm_jax.train import partitioning, state as state_lib
   from realm_jax.train.checkpoints import Checkpointer
   pretraining = helpers.tiny_config("realm", data_dir=world_dir)

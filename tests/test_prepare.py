@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from realm_jax.data import corpus, prepare as prepare_lib, sources
-from realm_jax.data.store import PreparedData
+from realm_jax.data.prepared import PreparedData
 from realm_jax.data.tokenizer import load_tokenizer
 from realm_jax.errors import ConfigError, DataError
 from tests.helpers import REPO
@@ -28,7 +28,7 @@ PROSE = [
 
 
 def config_for(source: str, out_dir: str, **overrides):
-  config = prepare_lib.base_config()
+  config = prepare_lib.prepare_config()
   config.source, config.out_dir = source, out_dir
   config.vocab_size, config.num_workers, config.progress_every = 400, 0, 1e9
   for key, value in overrides.items():

@@ -25,7 +25,7 @@ def refresh_config(world_dir, mode):
   return helpers.tiny_config(
       "realm", data_dir=world_dir, retrieval__refresh=mode,
       retrieval__refresh_every=REFRESH_EVERY, retrieval__swap_lag=SWAP_LAG,
-      retrieval__first_index_timeout=240.0, index__poll_seconds=0.1, train__steps=STEPS,
+      retrieval__index_timeout=240.0, builder__poll_seconds=0.1, train__steps=STEPS,
       train__checkpoint_every=6, train__log_every=1, data__prefetch=2)
 
 
@@ -118,7 +118,7 @@ def test_index_of_another_dim_is_refused_by_the_trainer(world_dir, tmp_path, bad
   from tests.test_index_builder import build_once, make_checkpoints
   make_checkpoints(builder_config, workdir, (0,))
   build_once(builder_config, workdir)
-  config.retrieval.first_index_timeout = 3.0
+  config.retrieval.index_timeout = 3.0
   from realm_jax.train.loop import Trainer
   trainer = Trainer(config, str(tmp_path / "trainer"))
   os.symlink(os.path.join(workdir, "index"), os.path.join(str(tmp_path / "trainer"), "index"))

@@ -15,7 +15,7 @@ NUM_BLOCKS, DIM, CLUSTERS = 20_000, 32, 100
 
 
 def index_config(**overrides) -> ml_collections.ConfigDict:
-  config = ml_collections.ConfigDict(base_config().index.to_dict())
+  config = ml_collections.ConfigDict(base_config().builder.to_dict())
   config.update(overrides)
   return config
 
@@ -144,11 +144,11 @@ def test_explicit_settings_win_and_bad_ones_name_the_option():
                                                       training_sample=10_000, reorder=300))
   assert (s["num_leaves"], s["leaves_to_search"], s["training_sample"], s["reorder"]) == (
       64, 4, 10_000, 300)
-  with pytest.raises(ConfigError, match="index.num_leaves"):
+  with pytest.raises(ConfigError, match="builder.num_leaves"):
     scann_index.scann_settings(50_000, index_config(num_leaves=20_000, training_sample=10_000))
-  with pytest.raises(ConfigError, match="index.leaves_to_search"):
+  with pytest.raises(ConfigError, match="builder.leaves_to_search"):
     scann_index.scann_settings(50_000, index_config(num_leaves=64, leaves_to_search=65))
   assert scann_index.scann_settings(5_000, index_config(training_sample=9_000))[
       "training_sample"] == 5_000                                # capped at the corpus
-  with pytest.raises(ConfigError, match="index.training_sample"):
+  with pytest.raises(ConfigError, match="builder.training_sample"):
     scann_index.scann_settings(50_000, index_config(training_sample=-1))

@@ -22,7 +22,7 @@ import os
 import grain
 import numpy as np
 
-from realm_jax.data.store import BlockStore, ExampleSet, segment_ids
+from realm_jax.data.prepared import BlockStore, ExampleSet, segment_ids
 
 NULL_BLOCK = -1  # candidate row of the null document `[CLS][SEP][SEP]`
 

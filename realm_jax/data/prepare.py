@@ -34,7 +34,7 @@ FINGERPRINT_FIELDS = ("source", "title_field", "text_field", "world_seed", "voca
                       "max_masks", "tagger", "eval_fraction", "shard_documents", "max_doc_bytes")
 
 
-def base_config() -> ml_collections.ConfigDict:
+def prepare_config() -> ml_collections.ConfigDict:
   """Every prepare option with its default (`configs/prepare.py` starts from here)."""
   c = ml_collections.ConfigDict()
   c.source = ""                    # jsonl:PATH (file or glob) | squad:PATH | tfds:NAME[:SPLIT]
@@ -61,7 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-def validate(config) -> None:
+def validate_prepare(config) -> None:
   """ConfigError naming the first bad option, before any work."""
   if not config.out_dir:
     raise ConfigError("out_dir", "is empty: name the data dir to write")
@@ -184,7 +184,7 @@ class _Progress:
 
 def prepare(config) -> dict:
   """Runs the whole preparation (or returns the stats of a finished one)."""
-  validate(config)
+  validate_prepare(config)
   finished = _check_out_dir(config)
   if finished is not None:
     print(f"[prepare] {config.out_dir} is already prepared ({finished['blocks']:,} blocks)",

@@ -7,7 +7,7 @@ their facts never in a training query); the rest are `train` examples. QA pairs 
 
 from __future__ import annotations
 
-from realm_jax.data.prepare import base_config, prepare
+from realm_jax.data.prepare import prepare, prepare_config
 
 
 def prepare_world(out_dir: str, num_entities: int, seed: int = 0, *, block_len: int = 64,
@@ -25,7 +25,7 @@ def prepare_world(out_dir: str, num_entities: int, seed: int = 0, *, block_len: 
     vocab_path: an existing vocab.txt / HF tokenizer dir to use instead of training one.
     num_workers: packing processes (0: this process).
   """
-  config = base_config()
+  config = prepare_config()
   config.source = f"world:{num_entities}"
   config.world_seed = seed
   config.out_dir = out_dir

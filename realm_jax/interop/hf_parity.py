@@ -236,7 +236,7 @@ def check_reader(res, model, params, hf_model, hf, rng):
 
 def check_openqa(res, model, params, hf_model, hf, rng, config, workdir):
   import torch
-  from realm_jax.data.store import BlockStore
+  from realm_jax.data.prepared import BlockStore
   from realm_jax.data.tokenizer import load_tokenizer
   from realm_jax.interop.hf_realm import openqa_forward
   from realm_jax.models.realm import REALM

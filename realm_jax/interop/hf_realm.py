@@ -500,7 +500,7 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
                         f"hidden_dropout_prob {hf['hidden_dropout_prob']}: our BERT has one "
                         f"dropout rate (model.dropout_rate = {config.model.dropout_rate})")
   if layout == "RealmForOpenQA":
-    from realm_jax.data.store import BlockStore
+    from realm_jax.data.prepared import BlockStore
     from realm_jax.train.steps import query_tower_params
     report.block_store = block_stats
     report.index = publish_index(out, tensors["block_emb"],
@@ -534,36 +534,6 @@ def _bert_report(params: Mapping, bert_report, tensors: Mapping) -> ImportReport
 
 
 # -- Open-QA prediction -------------------------------------------------------------------
-def truncate_pair(n_first: int, n_second: int, budget: int) -> tuple[int, int]:
-  """Lengths a pair keeps under HF tokenizers' `longest_first` truncation to `budget`
-  wordpieces (specials excluded): the shorter keeps up to half, the longer the rest."""
-  if n_first + n_second <= budget:
-    return n_first, n_second
-  swap = n_first > n_second
-  n1, n2 = (n_second, n_first) if swap else (n_first, n_second)
-  n2 = n1 if n1 > budget else max(n1, budget - n1)
-  if n1 + n2 > budget:
-    n1, n2 = budget // 2, budget // 2 + budget % 2
-  return (n2, n1) if swap else (n1, n2)
-
-
-def reader_inputs(question: np.ndarray, bodies: list[np.ndarray], reader_len: int, cls_id: int,
-                  sep_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """`[CLS] question [SEP] body [SEP]` rows (as HF's tokenizer pairs them, truncated
-  longest-first to reader_len), their segments (1 on body + [SEP]) and span masks (body)."""
-  n = len(bodies)
-  ids = np.zeros((n, reader_len), np.int32)
-  segments = np.zeros((n, reader_len), np.int32)
-  span_mask = np.zeros((n, reader_len), bool)
-  for i, body in enumerate(bodies):
-    nq, nb = truncate_pair(len(question), len(body), reader_len - 3)
-    row = [cls_id, *question[:nq], sep_id, *body[:nb], sep_id]
-    ids[i, :len(row)] = row
-    segments[i, nq + 2:len(row)] = 1
-    span_mask[i, nq + 2:len(row) - 1] = True
-  return ids, segments, span_mask
-
-
 @dataclasses.dataclass
 class OpenQAPrediction:
   """One question's ORQA forward: the top blocks, their span scores and the best answer."""
@@ -611,11 +581,12 @@ def openqa_forward(model, params, question: np.ndarray, *, index, block_emb: np.
     question: the question's wordpiece ids, without [CLS]/[SEP].
     index: a `retrieval.index.BlockIndex` over the block store's rows.
     block_emb: [num_blocks, dim] the block embeddings the index holds.
-    blocks: the `data.store.BlockStore` (body = tokens[body_start:length - 1]).
+    blocks: the `data.prepared.BlockStore` (body = tokens[body_start:length - 1]).
     cls_id, sep_id: the vocab's [CLS] and [SEP].
     reader_beam: blocks read (HF reader_beam_size); reader_len: reader input length.
     query_len: the question's input length for the query tower (longer ones are cut).
   """
+  from realm_jax.train.openqa_inputs import reader_inputs
   embed, spans = _openqa_fns(model)
   question = np.asarray(question, np.int32)
   q_ids = np.zeros((1, query_len), np.int32)
@@ -624,9 +595,11 @@ def openqa_forward(model, params, question: np.ndarray, *, index, block_emb: np.
   q_emb = np.asarray(embed(params, q_ids))
   rows = np.asarray(index.search(q_emb, reader_beam))[0]
   retrieval = np.asarray(block_emb[rows], np.float32) @ q_emb[0]
-  bodies = [np.asarray(blocks.tokens[r][blocks.body_start[r]:blocks.lengths[r] - 1])
-            for r in rows]
-  ids, segments, span_mask = reader_inputs(question, bodies, reader_len, cls_id, sep_id)
+  # The reader inputs realm-eval builds, spans anywhere in the body as in HF's reader.
+  _, inputs = reader_inputs(blocks, rows[None], q_ids, np.asarray([len(q_row)], np.int32),
+                            reader_len, cls_id, sep_id)
+  ids, segments = inputs["reader_ids"][0], inputs["reader_segments"][0]
+  span_mask = inputs["span_start_mask"][0]   # = the end mask: the body
   span_logits = np.asarray(spans(params, ids, segments, span_mask))
   from realm_jax.models.realm import span_candidates
   starts, ends = span_candidates(reader_len, model.max_span_width)

@@ -27,6 +27,7 @@ import numpy as np
 
 from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
+from realm_jax.train.option_names import upgrade_flags
 from realm_jax.train import multihost
 
 WAIT_MESSAGE_SECONDS = 30.0      # one "still waiting" line per this many seconds
@@ -144,7 +145,7 @@ class IndexBuilder:
         self.root, version, staging, dict(
             step=step, num_blocks=int(len(embeddings)), dim=int(embeddings.shape[1]),
             backend=cfg.retrieval.backend, block_store_fingerprint=self.fingerprint,
-            timings=timings, **extra), keep=cfg.index.keep_versions)
+            timings=timings, **extra), keep=cfg.builder.keep_versions)
     publish_seconds = time.time() - t0
     size = sum(f["bytes"] for f in manifest["files"].values())
     print(f"{prefix}published {self.published.version_dir(self.root, version)} "
@@ -166,7 +167,7 @@ class IndexBuilder:
       print(f"{prefix}exact index: {len(embeddings):,} x {embeddings.shape[1]}", flush=True)
       return {}
     from realm_jax.retrieval import scann_index
-    settings = scann_index.scann_settings(len(embeddings), cfg.index)
+    settings = scann_index.scann_settings(len(embeddings), cfg.builder)
     t0 = time.time()
     searcher = scann_index.build_searcher(embeddings, settings)
     timings["build_seconds"] = round(time.time() - t0, 3)
@@ -179,7 +180,7 @@ class IndexBuilder:
     print(f"{prefix}scann index: {len(embeddings):,} x {embeddings.shape[1]}, {settings}, "
           f"built in {timings['build_seconds']:.1f}s, serialized in "
           f"{timings['serialize_seconds']:.1f}s, recall@10 vs exact {recall:.3f} on "
-          f"{cfg.index.recall_queries} block-derived queries", flush=True)
+          f"{cfg.builder.recall_queries} block-derived queries", flush=True)
     return {"scann": settings, "recall_at_10": recall}
 
   def _scann_recall(self, searcher, embeddings: np.ndarray, settings: dict,
@@ -189,7 +190,7 @@ class IndexBuilder:
     from realm_jax.retrieval import scann_index
     blocks = self.data.blocks
     rng = np.random.default_rng(0)
-    rows = rng.choice(blocks.num_blocks, min(self.config.index.recall_queries,
+    rows = rng.choice(blocks.num_blocks, min(self.config.builder.recall_queries,
                                              blocks.num_blocks), replace=False)
     queries = self._block_queries(rows, query_params)
     n = min(10, len(embeddings))
@@ -221,16 +222,16 @@ class IndexBuilder:
         if workdir_lib.is_done(self.workdir):
           print("[index] the trainer is done and left no checkpoint; exiting", flush=True)
           return self.built
-        if waited > cfg.index.wait_timeout:
+        if waited > cfg.builder.wait_timeout:
           raise FileNotFoundError(
               f"no checkpoint under {self.checkpoint_dir} after {waited:.0f}s "
-              f"(config.index.wait_timeout = {cfg.index.wait_timeout:g}); is the trainer "
+              f"(config.builder.wait_timeout = {cfg.builder.wait_timeout:g}); is the trainer "
               "running with this workdir?")
         if time.time() - last_message >= WAIT_MESSAGE_SECONDS:
           print(f"[index] waiting for a checkpoint under {self.checkpoint_dir} ({waited:.0f}s "
-                f"of {cfg.index.wait_timeout:g}s)", flush=True)
+                f"of {cfg.builder.wait_timeout:g}s)", flush=True)
           last_message = time.time()
-        time.sleep(cfg.index.poll_seconds)
+        time.sleep(cfg.builder.poll_seconds)
         continue
       step = steps[-1] if once else self.next_step(steps)
       if step is not None:
@@ -242,7 +243,7 @@ class IndexBuilder:
       if workdir_lib.is_done(self.workdir):
         print(f"[index] the trainer is done; {self.built} versions published", flush=True)
         return self.built
-      time.sleep(cfg.index.poll_seconds)
+      time.sleep(cfg.builder.poll_seconds)
 
   def close(self) -> None:
     if self.manager is not None:
@@ -294,6 +295,7 @@ def run() -> None:
                                   "as the trainer's.", lock_config=True)
   flags.DEFINE_string("workdir", None, "The trainer's run directory.")
   flags.DEFINE_bool("once", False, "Build for the newest checkpoint, publish, and exit.")
+  sys.argv = upgrade_flags(sys.argv)   # old option names, with a warning
   app.run(main)
 
 

@@ -4,7 +4,7 @@
 (host arrays in and out). Two backends:
   exact  matmul + top-k under jit, the table's rows sharded over this process's devices;
   scann  tree + asymmetric hashing + reorder on the host (`retrieval.scann_index`).
-A `LoadedIndex` pairs an index with the query encoder of the snapshot its block embeddings came
+A `IndexVersion` pairs an index with the query encoder of the snapshot its block embeddings came
 from, so retrieval scores queries and blocks of the same parameters (REALM's setup).
 """
 
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from realm_jax.data.store import BlockStore
+from realm_jax.data.prepared import BlockStore
 from realm_jax.train import partitioning
 from realm_jax.train.metrics import format_duration
 
@@ -81,7 +81,7 @@ def _top_n(query_emb, table, num_blocks, n):
 
 
 @dataclasses.dataclass
-class LoadedIndex:
+class IndexVersion:
   """One index version as the trainer retrieves from it.
 
   Attributes:

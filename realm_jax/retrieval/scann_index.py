@@ -66,7 +66,7 @@ def scann_settings(num_blocks: int, index_config) -> dict:
 
   Args:
     num_blocks: rows of the table to index.
-    index_config: the `config.index` ConfigDict (num_leaves, leaves_to_search,
+    index_config: the `config.builder` ConfigDict (num_leaves, leaves_to_search,
       training_sample, dims_per_block, reorder; 0 = derive).
 
   Returns:
@@ -76,7 +76,7 @@ def scann_settings(num_blocks: int, index_config) -> dict:
   if num_blocks < 1:
     raise ValueError(f"cannot index {num_blocks} blocks")
   if index_config.training_sample < 0:
-    raise ConfigError("index.training_sample", f"must be >= 0, got "
+    raise ConfigError("builder.training_sample", f"must be >= 0, got "
                       f"{index_config.training_sample}")
   # A configured sample larger than the corpus means the whole corpus.
   sample = min(int(index_config.training_sample) or MAX_TRAINING_SAMPLE, num_blocks)
@@ -85,19 +85,19 @@ def scann_settings(num_blocks: int, index_config) -> dict:
     leaves = 1 if num_blocks < BRUTE_FORCE_BELOW else max(
         2, min(round(math.sqrt(num_blocks)), sample // MIN_LEAF_SAMPLE))
   if not 1 <= leaves <= sample:
-    raise ConfigError("index.num_leaves", f"{leaves} is not in [1, {sample}] (the training "
+    raise ConfigError("builder.num_leaves", f"{leaves} is not in [1, {sample}] (the training "
                       "sample: k-means needs a training row per leaf)")
   to_search = int(index_config.leaves_to_search) or max(
       math.ceil(leaves * LEAVES_SEARCHED_FRACTION), min(leaves, MIN_LEAVES_SEARCHED))
   if not 1 <= to_search <= leaves:
-    raise ConfigError("index.leaves_to_search", f"{to_search} is not in [1, {leaves}] "
+    raise ConfigError("builder.leaves_to_search", f"{to_search} is not in [1, {leaves}] "
                       "(num_leaves)")
   dims = int(index_config.dims_per_block)
   if dims < 1:
-    raise ConfigError("index.dims_per_block", f"must be >= 1, got {dims}")
+    raise ConfigError("builder.dims_per_block", f"must be >= 1, got {dims}")
   reorder = int(index_config.reorder) or max(MIN_REORDER, num_blocks // 10_000)
   if reorder < 1:
-    raise ConfigError("index.reorder", f"must be >= 1, got {reorder}")
+    raise ConfigError("builder.reorder", f"must be >= 1, got {reorder}")
   return {"num_leaves": leaves, "leaves_to_search": to_search, "training_sample": sample,
           "dims_per_block": dims, "anisotropic_threshold": ANISOTROPIC_THRESHOLD,
           "reorder": reorder}

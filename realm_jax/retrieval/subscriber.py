@@ -18,14 +18,14 @@ from typing import Callable
 
 
 from realm_jax.retrieval import published
-from realm_jax.retrieval.index import ExactIndex, LoadedIndex
+from realm_jax.retrieval.index import ExactIndex, IndexVersion
 
 MAX_LOAD_ATTEMPTS = 3   # a version that fails to load for other reasons (pruned under us) this
                         # many times is given up
 
 
 def load_version(root, version: int, *, config, fingerprint: str, query_template: dict,
-                 make_encoder: Callable[[dict], Callable]) -> LoadedIndex:
+                 make_encoder: Callable[[dict], Callable]) -> IndexVersion:
   """Verifies and loads one published version (RejectedVersion if it must not be used).
 
   Args:
@@ -48,7 +48,7 @@ def load_version(root, version: int, *, config, fingerprint: str, query_template
     index = _load_scann(directory, manifest)
   else:
     index = ExactIndex.from_embeddings(embeddings)
-  return LoadedIndex(version=version, step=int(manifest["step"]), index=index,
+  return IndexVersion(version=version, step=int(manifest["step"]), index=index,
                      encode_queries=make_encoder(query_params))
 
 
@@ -77,11 +77,11 @@ class IndexSubscriber:
   steps; without it, the version `LATEST` names is loaded (async mode).
   """
 
-  def __init__(self, workdir: str, loader: Callable[[int], LoadedIndex], poll_seconds: float,
+  def __init__(self, workdir: str, loader: Callable[[int], IndexVersion], poll_seconds: float,
                log_prefix: str = "[realm] "):
     self.root = published.index_root(workdir)
     self.loader, self.poll_seconds, self.log_prefix = loader, poll_seconds, log_prefix
-    self._loaded: dict[int, LoadedIndex] = {}
+    self._loaded: dict[int, IndexVersion] = {}
     self._rejected: dict[int, str] = {}
     self._failures: dict[int, int] = {}
     self._wanted: set[int] | None = None
@@ -156,7 +156,7 @@ class IndexSubscriber:
     with self._cond:
       return dict(self._rejected)
 
-  def newest(self) -> LoadedIndex | None:
+  def newest(self) -> IndexVersion | None:
     with self._cond:
       self._raise()
       return self._loaded[max(self._loaded)] if self._loaded else None
@@ -165,8 +165,8 @@ class IndexSubscriber:
     with self._cond:
       self._wanted = set(steps) if self._wanted is None else self._wanted | set(steps)
 
-  def wait(self, pick: Callable[[dict[int, LoadedIndex]], LoadedIndex | None], timeout: float,
-           what: str) -> LoadedIndex:
+  def wait(self, pick: Callable[[dict[int, IndexVersion]], IndexVersion | None], timeout: float,
+           what: str) -> IndexVersion:
     """Blocks until `pick(loaded versions)` returns one; TimeoutError after `timeout` s."""
     deadline = time.time() + timeout
     with self._cond:
@@ -180,11 +180,11 @@ class IndexSubscriber:
         left = deadline - time.time()
         if left <= 0:
           raise TimeoutError(f"no published index {what} under {self.root} after "
-                             f"{timeout:g}s (config.retrieval.first_index_timeout); is "
+                             f"{timeout:g}s (config.retrieval.index_timeout); is "
                              "realm-index running with this workdir?")
         self._cond.wait(min(left, 1.0))
 
-  def wait_for_step(self, step: int, timeout: float) -> LoadedIndex:
+  def wait_for_step(self, step: int, timeout: float) -> IndexVersion:
     """The newest loaded version built from checkpoint `step` (waits for it)."""
     self.want_steps([step])
 

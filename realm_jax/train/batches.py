@@ -9,7 +9,7 @@ import grain
 import numpy as np
 
 from realm_jax.data import pipeline
-from realm_jax.data.store import ExampleSet, PreparedData
+from realm_jax.data.prepared import ExampleSet, PreparedData
 from realm_jax.errors import ConfigError
 from realm_jax.train import config_base
 
@@ -117,7 +117,7 @@ def candidates_for(config, data: PreparedData, queries: dict[str, np.ndarray],
   """
   source = queries["source_block"]
   null = np.full((len(source), 1), pipeline.NULL_BLOCK)
-  mode = config.retrieval.mode
+  mode = config.retrieval.candidates
   if mode == "null_only":
     return null
   if mode == "own_block":
@@ -133,7 +133,7 @@ def realm_batch(config, data: PreparedData, queries: dict[str, np.ndarray],
   cands = pipeline.candidate_inputs(data.blocks, candidate_rows, tok.cls_id, tok.sep_id)
   # `[CLS] x [SEP]` + body `[SEP]`; the null document alone has an empty body, and padding
   # to the block length would only be read and masked out
-  body = 1 if config.retrieval.mode == "null_only" else data.blocks.block_len - 2
+  body = 1 if config.retrieval.candidates == "null_only" else data.blocks.block_len - 2
   reader_len = config.data.query_len + body
   reader_ids, reader_segments = pipeline.reader_inputs(queries["query_ids"],
                                                        queries["query_len"], cands, reader_len)

@@ -1,7 +1,7 @@
 """Where a pre-training step's candidate blocks come from: one source per way, behind one
 interface the trainer asks (`candidate_source` picks it from the config).
 
-  NoRetrieval      nothing is retrieved: the query's own block (`retrieval.mode=own_block`),
+  NoRetrieval      nothing is retrieved: the query's own block (`retrieval.candidates=own_block`),
                    the null document alone (`null_only`), or ICT on data without recall ground
                    truth
   RebuiltIndex     rebuilt in this process from a snapshot of the retriever
@@ -26,11 +26,11 @@ import numpy as np
 
 from realm_jax import workdir as workdir_lib
 from realm_jax.retrieval import published
-from realm_jax.retrieval.index import ExactIndex, LoadedIndex, embed_blocks
+from realm_jax.retrieval.index import ExactIndex, IndexVersion, embed_blocks
 from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
 from realm_jax.train import steps
 from realm_jax.train.config_base import uses_index_builder
-from realm_jax.train.feed import IndexSchedule
+from realm_jax.train.feed import VersionSchedule
 from realm_jax.train.metrics import MetricWriter
 
 _NO_STEP = np.zeros((), np.int32)
@@ -44,7 +44,7 @@ class NoRetrieval:
 
   def __init__(self, config, workdir: str):
     self.config, self.workdir = config, workdir
-    self.last: LoadedIndex | None = None   # the index that served the last step (or eval)
+    self.last: IndexVersion | None = None   # the index that served the last step (or eval)
     self.staleness: list[int] = []
     self.versions_used: set[int] = set()
     self._log: MetricWriter | None = None
@@ -77,12 +77,12 @@ class NoRetrieval:
   def before_step(self, step: int, start: int, depth: int) -> None:
     """On the main thread, before step `step` runs."""
 
-  def for_step(self, step: int) -> tuple[LoadedIndex | None, float]:
+  def for_step(self, step: int) -> tuple[IndexVersion | None, float]:
     """The feed thread: the index serving `step` (None: nothing retrieved) and the seconds
     spent waiting for it."""
     return None, 0.0
 
-  def served(self, done: int, loaded: LoadedIndex, waited: float, feed_wait: float,
+  def served(self, done: int, loaded: IndexVersion, waited: float, feed_wait: float,
              metrics) -> None:
     """Records that `loaded` served step `done` - 1 (staleness, version, waits, wall time)."""
     self.last = loaded
@@ -103,7 +103,7 @@ class NoRetrieval:
     return (f" | index v{self.last.version} (step {self.last.step}, "
             f"staleness {self.staleness[-1]})")
 
-  def eval_index(self, step: int, final: bool) -> LoadedIndex | None:
+  def eval_index(self, step: int, final: bool) -> IndexVersion | None:
     """The index an evaluation at `step` retrieves from (`final`: the run's last)."""
     return None
 
@@ -134,9 +134,9 @@ class RebuiltIndex(NoRetrieval):
     self.retrieves = retrieves
     self.model, self.mesh, self.data, self.snapshot = model, mesh, data, snapshot
     self.abstract_retriever = abstract_retriever
-    self.index: LoadedIndex | None = None   # the latest rebuild
+    self.index: IndexVersion | None = None   # the latest rebuild
     self.params = None                      # the retriever snapshot it was built from
-    self.schedule = IndexSchedule(config, None, _all_hosts_have) if retrieves else None
+    self.schedule = VersionSchedule(config, None, _all_hosts_have) if retrieves else None
 
   def rebuild(self, retriever_params, step: int) -> None:
     """Embeds every block with `retriever_params` (a snapshot at `step`)."""
@@ -148,7 +148,7 @@ class RebuiltIndex(NoRetrieval):
                                  log_prefix=f"[{self.config.task}] index v{version}: ")
     encoder = steps.QueryEncoder(self.model, self.config,
                                  steps.query_tower_params(retriever_params))
-    self.index = LoadedIndex(version=version, step=step,
+    self.index = IndexVersion(version=version, step=step,
                              index=ExactIndex.from_embeddings(embeddings),
                              encode_queries=encoder)
 
@@ -181,10 +181,10 @@ class RebuiltIndex(NoRetrieval):
     elif step == start:
       self.schedule.announce(step, self.index, horizon)
 
-  def for_step(self, step: int) -> tuple[LoadedIndex | None, float]:
+  def for_step(self, step: int) -> tuple[IndexVersion | None, float]:
     return self.schedule.for_step(step) if self.retrieves else (None, 0.0)
 
-  def eval_index(self, step: int, final: bool) -> LoadedIndex | None:
+  def eval_index(self, step: int, final: bool) -> IndexVersion | None:
     """Rebuilt from the current params for the first and the final evaluation, and for each
     of ICT's (REALM evaluates in between with the index its steps use)."""
     if self.index is None or final or not self.retrieves:
@@ -216,15 +216,15 @@ class PublishedIndex(NoRetrieval):
     self.query_template = steps.query_tower_params(abstract_retriever)
     if jax.process_index() == 0:
       workdir_lib.record_block_store(workdir, data)
-    self.subscriber = IndexSubscriber(workdir, self._load_version, config.index.poll_seconds,
+    self.subscriber = IndexSubscriber(workdir, self._load_version, config.builder.poll_seconds,
                                       f"[{config.task}] ")
-    self.schedule = IndexSchedule(config, self.subscriber, _all_hosts_have)
+    self.schedule = VersionSchedule(config, self.subscriber, _all_hosts_have)
 
   def describe(self) -> str:
     r = self.config.retrieval
     return f", index from realm-index ({r.refresh}, {r.backend})"
 
-  def _load_version(self, version: int) -> LoadedIndex:
+  def _load_version(self, version: int) -> IndexVersion:
     return load_version(published.index_root(self.workdir), version, config=self.config,
                         fingerprint=self.data.blocks.fingerprint,
                         query_template=self.query_template,
@@ -248,17 +248,17 @@ class PublishedIndex(NoRetrieval):
     if self.config.retrieval.refresh == "async":
       self.schedule.advance_async(step, depth)
 
-  def for_step(self, step: int) -> tuple[LoadedIndex | None, float]:
+  def for_step(self, step: int) -> tuple[IndexVersion | None, float]:
     return self.schedule.for_step(step)
 
   def served(self, done, loaded, waited, feed_wait, metrics) -> None:
     jax.block_until_ready(metrics)   # per-step wall time, to see what the builder costs us
     super().served(done, loaded, waited, feed_wait, metrics)
 
-  def eval_index(self, step: int, final: bool) -> LoadedIndex | None:
+  def eval_index(self, step: int, final: bool) -> IndexVersion | None:
     """The final evaluation retrieves from the index of the final params (as a rebuilt index
     does); the first one (deterministic) waits for step 0's."""
-    timeout = self.config.retrieval.first_index_timeout
+    timeout = self.config.retrieval.index_timeout
     if final:
       self.last = self.subscriber.wait_for_step(step, timeout)
     elif self.last is None:
@@ -290,7 +290,7 @@ def candidate_source(config, workdir: str, *, model, mesh, data, abstract_retrie
   if uses_index_builder(config):
     return PublishedIndex(config, workdir, model=model, data=data,
                           abstract_retriever=abstract_retriever)
-  retrieves = config.task == "realm" and config.retrieval.mode == "index"
+  retrieves = config.task == "realm" and config.retrieval.candidates == "index"
   if retrieves or (config.task == "ict" and has_answers):
     return RebuiltIndex(config, workdir, retrieves=retrieves, model=model, mesh=mesh,
                         data=data, abstract_retriever=abstract_retriever, snapshot=snapshot)

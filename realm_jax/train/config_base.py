@@ -11,15 +11,16 @@ import os
 import ml_collections
 
 from realm_jax.errors import ConfigError
+from realm_jax.train.option_names import upgrade_config
 
 TASKS = ("ict", "realm", "openqa")
-RETRIEVAL_MODES = ("index", "own_block", "null_only")
+CANDIDATE_SOURCES = ("index", "own_block", "null_only")
 REFRESH_MODES = ("in_process", "async", "deterministic")
 BACKENDS = ("exact", "scann")
 # Fields that fix parameter shapes or the meaning of a checkpoint: a workdir whose
 # checkpoints were written under other values cannot be resumed.
 COMPATIBILITY_FIELDS = ("task", "model", "data.query_len", "data.block_len", "retrieval.k",
-                        "retrieval.mode", "train.batch_size")
+                        "retrieval.candidates", "train.batch_size")
 # The shape fields the retriever towers may set apart from the reader's (`model.retriever.*`,
 # 0 / -1.0 / "": the same as `model.*`).
 TOWER_FIELDS = ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position",
@@ -46,7 +47,9 @@ def load_config(spec: str) -> ml_collections.ConfigDict:
   """`path/to/config.py[:arg]` -> its get_config(arg)."""
   path, _, arg = spec.partition(":")
   module = config_module(path)
-  return module.get_config(arg) if arg else module.get_config()
+  config = module.get_config(arg) if arg else module.get_config()
+  upgrade_config(config)
+  return config
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -91,11 +94,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.retriever.hidden_act = ""        # "": model.hidden_act
 
   c.retrieval = ml_collections.ConfigDict()
-  c.retrieval.mode = "index"       # "index": top-k from the block index; "own_block": null +
-                                   # the query's source block, all prior mass on the block
-                                   # (reader warm-up);
-                                   # "null_only":
-                                   # null document alone (the no-retrieval baseline)
+  c.retrieval.candidates = "index"  # where a step's candidates come from: "index": top-k
+                                   # from the block index; "own_block": null + the query's
+                                   # source block, all prior mass on the block (reader
+                                   # warm-up); "null_only": the null document alone (the
+                                   # no-retrieval baseline). Was retrieval.mode.
   c.retrieval.k = 8                # candidates per query, the null document included
   c.retrieval.train_null_document = True  # False: a training step reads the k - 1 retrieved
                                    # blocks only, so the retriever cannot move its mass to "no
@@ -110,8 +113,9 @@ def base_config() -> ml_collections.ConfigDict:
                                    # checkpoint of step S is used from step S + swap_lag
                                    # exactly (waits if late): reproducible and resumable
   c.retrieval.swap_lag = 50        # deterministic: steps from a checkpoint to its index's use
-  c.retrieval.first_index_timeout = 1800.0  # seconds the trainer waits for a published version
-                                   # before failing (the first one, or a late deterministic one)
+  c.retrieval.index_timeout = 1800.0  # seconds the trainer waits for a published version
+                                   # before failing (the first one, or a late deterministic
+                                   # one). Was retrieval.first_index_timeout.
   c.retrieval.backend = "exact"    # "exact": matmul + top-k on device; "scann": tree +
                                    # asymmetric hashing + reorder on the host (builder job)
   c.retrieval.marginalization = "joint"  # "joint" over masks (paper) or "per_mask" (code)
@@ -152,18 +156,19 @@ def base_config() -> ml_collections.ConfigDict:
                                    # (capped at the corpus size)
   c.qa.reader_beam = 5             # top blocks the reader reads and answers from
 
-  c.index = ml_collections.ConfigDict()   # the separate index-builder job (`realm-index`)
-  c.index.keep_versions = 3        # published versions kept under W/index (newest first)
-  c.index.poll_seconds = 2.0       # builder: seconds between looks for a newer checkpoint;
+  c.builder = ml_collections.ConfigDict()   # the separate index-builder job (`realm-index`;
+                                   # was config.index)
+  c.builder.keep_versions = 3      # published versions kept under W/index (newest first)
+  c.builder.poll_seconds = 2.0     # builder: seconds between looks for a newer checkpoint;
                                    # trainer: between looks for a newer version
-  c.index.wait_timeout = 600.0     # builder: fail after this long with no checkpoint at all
-  c.index.num_leaves = 0           # scann tree leaves; 0: about sqrt(num_blocks)
-  c.index.leaves_to_search = 0     # scann leaves probed per query; 0: max(leaves/20, 16)
-  c.index.training_sample = 0      # scann tree/AH training sample; 0: min(num_blocks, 250,000)
-  c.index.dims_per_block = 2       # scann asymmetric hashing: dimensions per 4-bit code
-  c.index.reorder = 0              # scann exact re-scoring of this many; 0: derived (>= 100)
-  c.index.recall_queries = 1000    # block-derived queries for the logged recall@10 vs exact
-  c.index.devices = ""             # GPU ids of the builder ("6,7"); the trainer gets the rest
+  c.builder.wait_timeout = 600.0   # builder: fail after this long with no checkpoint at all
+  c.builder.num_leaves = 0         # scann tree leaves; 0: about sqrt(num_blocks)
+  c.builder.leaves_to_search = 0   # scann leaves probed per query; 0: max(leaves/20, 16)
+  c.builder.training_sample = 0    # scann tree/AH training sample; 0: min(num_blocks, 250,000)
+  c.builder.dims_per_block = 2     # scann asymmetric hashing: dimensions per 4-bit code
+  c.builder.reorder = 0            # scann exact re-scoring of this many; 0: derived (>= 100)
+  c.builder.recall_queries = 1000  # block-derived queries for the logged recall@10 vs exact
+  c.builder.devices = ""           # GPU ids of the builder ("6,7"); the trainer gets the rest
                                    # (launch/local.py); "" on CPU: separate processes
 
   c.init = ml_collections.ConfigDict()   # where each part's params start (resume aside)
@@ -265,12 +270,15 @@ def _validate_towers(config) -> None:
 
 def validate(config, *, num_blocks: int | None = None, store_block_len: int | None = None,
              max_sentence_len: int | None = None, vocab_size: int | None = None) -> None:
-  """Raises ConfigError naming the first bad option; called before any JAX work."""
+  """Raises ConfigError naming the first bad option; called before any JAX work. Options set
+  under an old name are first moved to the new one (train/option_names.py)."""
+  upgrade_config(config)
   if config.task not in TASKS:
     raise ConfigError("task", f"unknown task {config.task!r}; choose one of {TASKS}")
   r, d, t = config.retrieval, config.data, config.train
-  if r.mode not in RETRIEVAL_MODES:
-    raise ConfigError("retrieval.mode", f"{r.mode!r} is not one of {RETRIEVAL_MODES}")
+  if r.candidates not in CANDIDATE_SOURCES:
+    raise ConfigError("retrieval.candidates",
+                      f"{r.candidates!r} is not one of {CANDIDATE_SOURCES}")
   if r.backend not in BACKENDS:
     raise ConfigError("retrieval.backend", f"{r.backend!r} is not one of {BACKENDS}")
   if r.refresh not in REFRESH_MODES:
@@ -280,18 +288,18 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
                       "realm-index job: set retrieval.refresh to 'async' or 'deterministic'")
   if r.refresh != "in_process" and not uses_index_builder(config):
     raise ConfigError("retrieval.refresh", f"{r.refresh!r} (a separate realm-index job) serves "
-                      "REALM with retrieval.mode='index' only; use 'in_process'")
+                      "REALM with retrieval.candidates='index' only; use 'in_process'")
   if r.swap_lag < 0:
     raise ConfigError("retrieval.swap_lag", f"must be >= 0, got {r.swap_lag}")
   # deterministic: the version a step needs is up to swap_lag / refresh_every + 1 versions
   # older than the newest (and the trainer may still be loading the previous one)
   needed = 2 + (-(-r.swap_lag // max(r.refresh_every, 1)) if r.refresh == "deterministic" else 0)
-  if config.index.keep_versions < needed:
-    raise ConfigError("index.keep_versions", f"must be >= {needed} with retrieval.refresh "
-                      f"{r.refresh!r} and swap_lag {r.swap_lag}, got {config.index.keep_versions}")
+  if config.builder.keep_versions < needed:
+    raise ConfigError("builder.keep_versions", f"must be >= {needed} with retrieval.refresh "
+                      f"{r.refresh!r} and swap_lag {r.swap_lag}, got {config.builder.keep_versions}")
   if r.marginalization not in ("joint", "per_mask"):
     raise ConfigError("retrieval.marginalization", f"{r.marginalization!r}: joint | per_mask")
-  if config.task == "realm" and r.mode == "index" and r.k < 2:
+  if config.task == "realm" and r.candidates == "index" and r.k < 2:
     raise ConfigError("retrieval.k", f"k={r.k}: REALM needs k >= 2 (null document + >= 1 block)")
   if not isinstance(r.get("train_null_document", True), bool):
     raise ConfigError("retrieval.train_null_document", f"must be True or False, got "
@@ -322,7 +330,7 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
     raise ConfigError("train.retriever_lr_scale", "learning-rate scales must be >= 0")
   if t.get("preemption_grace_seconds", 30.0) <= 0:
     raise ConfigError("train.preemption_grace_seconds", "must be > 0 seconds")
-  if num_blocks is not None and config.task == "realm" and r.mode == "index" \
+  if num_blocks is not None and config.task == "realm" and r.candidates == "index" \
       and r.k + 1 > num_blocks:
     raise ConfigError("retrieval.k", f"k={r.k} needs at least k + 1 = {r.k + 1} blocks "
                       f"(retrieve k+1, drop the query's own), the corpus has {num_blocks}")
@@ -350,30 +358,32 @@ def _validate_openqa(config) -> None:
     raise ConfigError("qa.heldout_articles", f"must be in [0, 1), got {q.heldout_articles}")
 
 
-def _flatten(d, prefix=""):
+def flat_options(config, prefix: str = "") -> dict:
+  """{dotted name: value} of every leaf option of a ConfigDict or of its JSON record."""
   out = {}
-  for key, value in d.items():
+  for key, value in config.items():
     name = f"{prefix}{key}"
-    out.update(_flatten(value, name + ".") if isinstance(value, dict) else {name: value})
+    out.update(flat_options(value, name + ".") if hasattr(value, "items") else {name: value})
   return out
 
 
 def null_in_training(config) -> bool:
   """Whether a REALM training batch's candidate 0 is the null document (saved configs from
   before `retrieval.train_null_document`: yes)."""
-  return config.retrieval.mode != "index" or config.retrieval.get("train_null_document", True)
+  r = config.retrieval
+  return r.candidates != "index" or r.get("train_null_document", True)
 
 
 def uses_index_builder(config) -> bool:
   """Whether the trainer takes its index versions from the separate realm-index job (REALM
   retrieving from the index, refreshed async or deterministic), which then must run beside it."""
   r = config.retrieval
-  return config.task == "realm" and r.mode == "index" and r.refresh != "in_process"
+  return config.task == "realm" and r.candidates == "index" and r.refresh != "in_process"
 
 
 def incompatible_fields(saved: dict, current: dict) -> list[str]:
   """`field: saved -> current` for every compatibility field whose value changed."""
-  saved_flat, current_flat = _flatten(saved), _flatten(current)
+  saved_flat, current_flat = flat_options(saved), flat_options(current)
   diffs = []
   for name in sorted(set(saved_flat) | set(current_flat)):
     if any(name == f or name.startswith(f + ".") for f in COMPATIBILITY_FIELDS):

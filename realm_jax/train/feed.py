@@ -1,6 +1,6 @@
 """The batches of the train loop, built ahead in a thread, and the index each step retrieves from.
 
-`IndexSchedule` decides which index version serves step t (`retrieval.refresh`):
+`VersionSchedule` decides which index version serves step t (`retrieval.refresh`):
   in_process     the trainer rebuilds at multiples of refresh_every and announces each rebuild
                  before its first step: steps [S, S + refresh_every) use the index of step S;
   deterministic  steps [S + swap_lag, S + refresh_every + swap_lag) use the version built from
@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from realm_jax.retrieval.index import LoadedIndex
+from realm_jax.retrieval.index import IndexVersion
 
 
 def deterministic_source_step(step: int, refresh_every: int, swap_lag: int) -> int:
@@ -33,7 +33,7 @@ def deterministic_source_step(step: int, refresh_every: int, swap_lag: int) -> i
   return (step - swap_lag) // refresh_every * refresh_every
 
 
-class IndexSchedule:
+class VersionSchedule:
   """Which index serves each step; the feed thread asks, the main thread (or the rule) decides.
 
   Attributes:
@@ -42,9 +42,9 @@ class IndexSchedule:
 
   def __init__(self, config, subscriber=None, agree: Callable[[int], bool] | None = None):
     self.mode, self.config, self.subscriber = config.retrieval.refresh, config, subscriber
-    self.timeout = config.retrieval.first_index_timeout
+    self.timeout = config.retrieval.index_timeout
     self.agree = agree or (lambda version: True)
-    self._entries: list[tuple[int, LoadedIndex]] = []   # (first step, index), ascending
+    self._entries: list[tuple[int, IndexVersion]] = []   # (first step, index), ascending
     self._horizon = -1                                  # steps <= horizon are decided
     self._cond = threading.Condition()
     self._closed = False
@@ -52,14 +52,14 @@ class IndexSchedule:
     self._first = True
 
   # -- the main thread ---------------------------------------------------------------------
-  def announce(self, from_step: int, loaded: LoadedIndex, horizon: int) -> None:
+  def announce(self, from_step: int, loaded: IndexVersion, horizon: int) -> None:
     """Steps >= from_step use `loaded`; steps <= horizon are final (in_process, async)."""
     with self._cond:
       self._entries = [e for e in self._entries if e[0] < from_step] + [(from_step, loaded)]
       self._horizon = max(self._horizon, horizon)
       self._cond.notify_all()
 
-  def start_async(self, start: int, depth: int) -> LoadedIndex:
+  def start_async(self, start: int, depth: int) -> IndexVersion:
     """Waits for the first version every host has, used from `start` (the one blocking wait)."""
     t0 = time.time()
     loaded = self.subscriber.wait(lambda have: None if not have else have[max(have)],
@@ -89,7 +89,7 @@ class IndexSchedule:
       self._cond.notify_all()
 
   # -- the feed thread ---------------------------------------------------------------------
-  def for_step(self, step: int) -> tuple[LoadedIndex, float]:
+  def for_step(self, step: int) -> tuple[IndexVersion, float]:
     """The index serving `step`, and the seconds spent waiting for that index to arrive.
 
     Waiting for the main thread to decide (in_process, async) is pacing, not an index wait:

@@ -13,6 +13,7 @@ from ml_collections import config_flags
 
 from realm_jax.errors import run_cli
 from realm_jax.train import multihost, preemption
+from realm_jax.train.option_names import upgrade_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).",
                                           lock_config=True)
@@ -41,6 +42,7 @@ def main(argv) -> None:
 
 
 def run() -> None:
+  sys.argv = upgrade_flags(sys.argv)   # old option names, with a warning
   app.run(main)
 
 

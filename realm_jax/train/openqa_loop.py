@@ -19,13 +19,13 @@ import numpy as np
 
 from realm_jax.data import qa as qa_lib
 from realm_jax.errors import ConfigError
-from realm_jax.evaluate_qa import QAEvaluator, format_metrics
+from realm_jax.openqa_eval import QAEvaluator, format_metrics
 from realm_jax.retrieval import published
 from realm_jax.train import multihost, partitioning, state as state_lib, steps
 from realm_jax.train.config_base import validate
 from realm_jax.train.metrics import MetricWriter
 from realm_jax.train.run import Run
-from realm_jax.train.openqa import FrozenIndex, QABatchBuilder, QuestionBatches
+from realm_jax.train.openqa_inputs import FrozenIndex, QABatchBuilder, QuestionBatches
 
 
 class OpenQATrainer(Run):
@@ -88,7 +88,7 @@ class OpenQATrainer(Run):
     if jax.process_index() == 0:
       published.publish_arrays(published.index_root(self.workdir), source.embeddings, query,
                                step=source.step, fingerprint=fingerprint,
-                               keep=cfg.index.keep_versions)
+                               keep=cfg.builder.keep_versions)
     multihost.barrier("frozen index published")   # every process loads the version just written
     return FrozenIndex.load(self.workdir, fingerprint, dim)
 

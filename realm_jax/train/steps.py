@@ -61,7 +61,7 @@ NULL_DOCUMENT_LENGTH = 3   # `[CLS][SEP][SEP]`
 def rescores(config) -> bool:
   """Whether the retriever scores the candidates: only when they were retrieved (not in the
   own-block reader warm-up, nor for the null document alone, whose p(z|x) is 1 anyway)."""
-  return config.retrieval.mode == "index"
+  return config.retrieval.candidates == "index"
 
 
 def label_log_probs(vocab_log_probs, mask_labels):
@@ -80,7 +80,7 @@ def realm_loss_fn(params, model, batch, config, rng):
   mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
   loss, metrics = losses.realm_loss(logits, mask_lp, batch["mask_weights"],
                                     config.retrieval.marginalization)
-  if logits.shape[1] == 1 and config.retrieval.mode == "own_block":
+  if logits.shape[1] == 1 and config.retrieval.candidates == "own_block":
     metrics = {}    # no null document in the batch: nothing to measure utility against
   elif not config_base.null_in_training(config):   # candidate 0 is a retrieved block
     metrics = {k: v for k, v in metrics.items()

@@ -8,7 +8,7 @@ import pytest
 
 from realm_jax.data import prepare as prepare_lib
 from realm_jax.data.qa import is_heldout_article
-from realm_jax.retrieval import question_recall
+from realm_jax.retrieval import zero_shot
 from tests.helpers import load_config_module
 
 TOPICS = [
@@ -39,14 +39,14 @@ def test_paragraph_recall_collapses_blocks_to_paragraphs():
   ranked = np.array([[0, 1, 3, 2, 5],      # paragraphs 0, 2, 1, 3: gold 2 is 2nd
                      [5, 4, 3, 0, 1],      # paragraphs 3, 2, 0: gold 1 absent
                      [2, 0, 1, 3, 4]])     # paragraphs 1, 0, 2: gold 1 is 1st
-  recall = question_recall.paragraph_recall(ranked, block_docs, np.array([2, 1, 1]), ks=(1, 2))
+  recall = zero_shot.paragraph_recall(ranked, block_docs, np.array([2, 1, 1]), ks=(1, 2))
   assert recall == {"recall_at_1": pytest.approx(1 / 3), "recall_at_2": pytest.approx(2 / 3)}
 
 
 @pytest.fixture(scope="module")
 def squad_data(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("qa")
-  config = prepare_lib.base_config()
+  config = prepare_lib.prepare_config()
   config.source = f"squad:{write_squad(tmp / 'squad.json')}"
   config.out_dir = str(tmp / "data")
   config.block_len, config.max_sentence_len, config.vocab_size = 32, 30, 300
@@ -56,7 +56,7 @@ def squad_data(tmp_path_factory):
 
 
 def test_questions_point_at_their_paragraph(squad_data):
-  questions = question_recall.load_questions(squad_data)
+  questions = zero_shot.load_questions(squad_data)
   assert [q["question"] for q in questions] == QUESTIONS
   assert [q["doc_id"] for q in questions] == [0, 1, 2, 3]
 
@@ -75,18 +75,18 @@ def test_bm25_and_a_trained_retriever_side_by_side(squad_data, tmp_path):
   config.eval.num_examples, config.eval.batch_size = 8, 8
   workdir = str(tmp_path / "ict")
   train(config, workdir)
-  table = question_recall.recall_table(squad_data, {"ict": (config, workdir)}, ks=(1, 2, 4))
+  table = zero_shot.recall_table(squad_data, {"ict": (config, workdir)}, ks=(1, 2, 4))
   assert set(table) == {"ict", "bm25"}
   # The questions repeat rare words of their paragraph: BM25 finds every one first.
   assert table["bm25"]["recall_at_1"] == 1.0
   for row in table.values():
     assert row["questions"] == 4
     assert 0 <= row["recall_at_1"] <= row["recall_at_2"] <= row["recall_at_4"] == 1.0
-  assert "R@1" in question_recall.format_table(table, ks=(1, 2, 4))
+  assert "R@1" in zero_shot.format_table(table, ks=(1, 2, 4))
   # The held-out articles' questions only (by title hash: here the fourth article), and the
   # retriever as the config starts it (no workdir: the untrained reference).
   assert [is_heldout_article(t, 0.2) for t, _ in TOPICS] == [False, False, False, True]
-  table = question_recall.recall_table(squad_data, {"untrained": (config, "")}, ks=(1, 4),
+  table = zero_shot.recall_table(squad_data, {"untrained": (config, "")}, ks=(1, 4),
                                        heldout_articles=0.2)
   assert table["untrained"]["questions"] == table["bm25"]["questions"] == 1
   assert table["bm25"]["recall_at_1"] == 1.0 and table["untrained"]["recall_at_4"] == 1.0

@@ -19,7 +19,7 @@ import numpy as np
 from realm_jax.data import pipeline
 from realm_jax.data.answers import AnswerMatcher, vocab_pieces
 from realm_jax.data.qa import QAExample, question_inputs
-from realm_jax.data.store import PreparedData
+from realm_jax.data.prepared import PreparedData
 from realm_jax.models.realm import span_candidates
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, embed_blocks
@@ -62,6 +62,65 @@ class FrozenIndex:
   @property
   def num_blocks(self) -> int:
     return len(self.embeddings)
+
+
+def reader_inputs(blocks, top: np.ndarray, question_ids: np.ndarray, question_len: np.ndarray,
+                  reader_len: int, cls_id: int, sep_id: int,
+                  continuation: np.ndarray | None = None) -> tuple[dict, dict]:
+  """The Open-QA reader's inputs (training, `realm-eval`, and the HF parity check's forward).
+
+  Args:
+    blocks: the BlockStore; top: [b, K] block rows each question reads.
+    question_ids, question_len: [b, query_len] `[CLS] question [SEP]` rows and their lengths.
+    reader_len: the reader's input length. A pair longer than that is cut as HF's tokenizer
+      cuts it (`longest_first`), keeping the final [SEP]; with the trainer's reader length
+      (query_len + block_len - 2) no pair is.
+    continuation: [vocab] bool, which wordpieces continue a word: spans then lie on word
+      boundaries; None: a span may start and end anywhere in the body (as HF's reader).
+  Returns:
+    (the candidates' block inputs, {"reader_ids", "reader_segments": [b, K, L]
+    `[CLS] question [SEP] body [SEP]` and its segments, "span_start_mask", "span_end_mask":
+    [b, K, L] where a span may start / end, "body_position", "body_kept": [b, K] where the
+    body starts in the row and how many of its wordpieces it keeps}).
+  """
+  cands = pipeline.candidate_inputs(blocks, top, cls_id, sep_id)
+  reader_ids, reader_segments = pipeline.reader_inputs(question_ids, question_len, cands,
+                                                       reader_len)
+  body_len = cands["lengths"] - cands["body_start"] - 1
+  body_position = np.broadcast_to(question_len[:, None], top.shape).copy()
+  body_kept = body_len.copy()
+  for i, j in zip(*np.nonzero(question_len[:, None] + body_len + 1 > reader_len)):
+    nq, nb = truncate_pair(int(question_len[i]) - 2, int(body_len[i, j]), reader_len - 3)
+    start = int(cands["body_start"][i, j])
+    row = [cls_id, *question_ids[i, 1:1 + nq], sep_id,
+           *cands["candidate_ids"][i, j, start:start + nb], sep_id]
+    reader_ids[i, j] = 0
+    reader_ids[i, j, :len(row)] = row
+    reader_segments[i, j] = 0
+    reader_segments[i, j, nq + 2:len(row)] = 1
+    body_position[i, j], body_kept[i, j] = nq + 2, nb
+  body = (reader_segments > 0) & (reader_ids != sep_id)
+  starts = ends = body
+  if continuation is not None:
+    continues = continuation[reader_ids]
+    next_continues = np.concatenate([continues[..., 1:], np.zeros_like(continues[..., :1])], -1)
+    starts, ends = body & ~continues, body & ~next_continues
+  return cands, {"reader_ids": reader_ids, "reader_segments": reader_segments,
+                 "span_start_mask": starts, "span_end_mask": ends,
+                 "body_position": body_position, "body_kept": body_kept}
+
+
+def truncate_pair(n_first: int, n_second: int, budget: int) -> tuple[int, int]:
+  """Lengths a pair keeps under HF tokenizers' `longest_first` truncation to `budget`
+  wordpieces (specials excluded): the shorter keeps up to half, the longer the rest."""
+  if n_first + n_second <= budget:
+    return n_first, n_second
+  swap = n_first > n_second
+  n1, n2 = (n_second, n_first) if swap else (n_first, n_second)
+  n2 = n1 if n1 > budget else max(n1, budget - n1)
+  if n1 + n2 > budget:
+    n1, n2 = budget // 2, budget // 2 + budget % 2
+  return (n2, n1) if swap else (n1, n2)
 
 
 class QuestionBatches(batches.BatchStream):
@@ -131,16 +190,13 @@ class QABatchBuilder:
   def reader_batch(self, rows: np.ndarray, top: np.ndarray, labels: bool = True) -> dict:
     """Reader inputs of the top-K blocks [b, K, L], the span mask, and (labels) which spans
     match an answer [b, K, S]."""
-    cands = pipeline.candidate_inputs(self.data.blocks, top, self.cls_id, self.sep_id)
     q_ids, q_len = self.question_ids[rows], self.question_len[rows]
-    reader_ids, reader_segments = pipeline.reader_inputs(q_ids, q_len, cands, self.reader_len)
-    # Spans lie in the body and on word boundaries: they neither start on a `##` piece nor
-    # end before one (the answers they are trained towards do the same).
-    body = (reader_segments > 0) & (reader_ids != self.sep_id)
-    continues = self._vocab.continuation[reader_ids]
-    next_continues = np.concatenate([continues[..., 1:], np.zeros_like(continues[..., :1])], -1)
-    out = {"question_ids": q_ids, "reader_ids": reader_ids, "reader_segments": reader_segments,
-           "span_start_mask": body & ~continues, "span_end_mask": body & ~next_continues}
+    # Spans lie on word boundaries: they neither start on a `##` piece nor end before one (the
+    # answers they are trained towards do the same).
+    cands, out = reader_inputs(self.data.blocks, top, q_ids, q_len, self.reader_len,
+                               self.cls_id, self.sep_id, self._vocab.continuation)
+    position, kept = out.pop("body_position"), out.pop("body_kept")
+    out["question_ids"] = q_ids
     if labels:
       correct = np.zeros(top.shape + (self.num_spans,), bool)
       bodies = self.body_tokens(top)
@@ -148,10 +204,9 @@ class QABatchBuilder:
         matcher = self.matcher(int(row))
         for j in range(top.shape[1]):
           for start, end in matcher.spans(bodies[i, j]):
-            width = end - start + 1
-            start_pos = start - int(cands["body_start"][i, j]) + int(q_len[i])
-            if width <= self.max_width and start_pos + width <= self.reader_len:
-              correct[i, j, self.width_offset[width - 1] + start_pos] = True
+            width, in_body = end - start + 1, start - int(cands["body_start"][i, j])
+            if width <= self.max_width and in_body + width <= kept[i, j]:
+              correct[i, j, self.width_offset[width - 1] + in_body + position[i, j]] = True
       out["span_correct"] = correct
     return out
 

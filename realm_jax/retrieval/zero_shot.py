@@ -17,8 +17,8 @@ import time
 import numpy as np
 
 from realm_jax.data.qa import is_heldout_article, question_inputs
-from realm_jax.data.store import PreparedData
-from realm_jax.retrieval.index import ExactIndex, LoadedIndex, embed_blocks
+from realm_jax.data.prepared import PreparedData
+from realm_jax.retrieval.index import ExactIndex, IndexVersion, embed_blocks
 from realm_jax.train import partitioning, state as state_lib, steps
 from realm_jax.train.checkpoints import restore_run
 
@@ -66,7 +66,7 @@ def dense_ranking(config, workdir: str, data: PreparedData, questions: list[dict
                                data.blocks, mesh, config.retrieval.embed_batch_size,
                                log_prefix=f"[recall] {os.path.basename(workdir) or 'start'} @ "
                                f"{step}: ")
-  index = LoadedIndex(version=0, step=step, index=ExactIndex.from_embeddings(embeddings),
+  index = IndexVersion(version=0, step=step, index=ExactIndex.from_embeddings(embeddings),
                       encode_queries=steps.QueryEncoder(
                           model, config, steps.query_tower_params(params["retriever"])))
   ids, _ = question_inputs(data.tokenizer, [q["question"] for q in questions],

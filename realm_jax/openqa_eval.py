@@ -14,6 +14,7 @@ writes W/eval/<step>/metrics.json and W/eval/<step>/predictions.jsonl.
 from __future__ import annotations
 
 import json
+import sys
 import os
 import time
 
@@ -22,11 +23,12 @@ import numpy as np
 from realm_jax import workdir as workdir_lib
 from realm_jax.data.answers import exact_match, f1_score
 from realm_jax.data.qa import QAExample
-from realm_jax.data.store import PreparedData
+from realm_jax.data.prepared import PreparedData
 from realm_jax.retrieval import published
 from realm_jax.train import partitioning, steps
 from realm_jax.train.metrics import format_duration
-from realm_jax.train.openqa import FrozenIndex, QABatchBuilder
+from realm_jax.train.openqa_inputs import FrozenIndex, QABatchBuilder
+from realm_jax.train.option_names import upgrade_flags
 
 RECALL_AT = (1, 5, 20, 100)
 PROGRESS_SECONDS = 10.0
@@ -233,6 +235,7 @@ def run() -> None:
   flags.DEFINE_integer("step", -1, "Checkpoint step (default: the latest).")
   flags.DEFINE_string("split", "test", "QA split: config.qa.<split> (train | dev | test).")
   flags.DEFINE_bool("retrieval_only", False, "Retrieval recall only (no reader).")
+  sys.argv = upgrade_flags(sys.argv)   # old option names, with a warning
   app.run(main)
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from realm_jax.data import pipeline
-from realm_jax.data.store import PreparedData
-from realm_jax.retrieval.index import LoadedIndex
+from realm_jax.data.prepared import PreparedData
+from realm_jax.retrieval.index import IndexVersion
 from realm_jax.train import batches, partitioning
 
 RECALL_AT = (1, 5)
@@ -41,7 +41,7 @@ class Evaluator:
     answers = self.examples.answer_blocks
     self.has_answers = answers is not None and bool((answers[:n] >= 0).any())
 
-  def run(self, params, index: LoadedIndex | None, keep_examples: int = 0
+  def run(self, params, index: IndexVersion | None, keep_examples: int = 0
           ) -> tuple[dict[str, float], list[dict]]:
     """Metrics over the eval queries, and the first `keep_examples` predictions in detail.
 

@@ -1,0 +1,134 @@
+"""Same behaviour before and after a change: the demo's deterministic REALM stage (trainer +
+`realm-index` under launch/local.py) run by two versions of the code on one prepared data dir
+and one ICT checkpoint, then the loss traces and the final parameters compared.
+
+  python bench/behaviour.py --base d61a9f2 [--work runs/behaviour] [--steps 150]
+
+`--base` is a commit (checked out into a git worktree under WORK); the other side is this
+working tree. The data dir and the ICT start are made once, by the base, and reused. Prints the
+largest difference of each logged figure over the steps and whether every parameter array is
+bitwise equal; exits 1 when they are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIGURES = ("loss", "grad_norm", "retrieval_utility", "null_doc_prob", "index_staleness")
+# One stage of the demo, run by the code on PYTHONPATH: argv = config, variant, workdir, data,
+# then key=value overrides.
+STAGE = """
+import sys
+from realm_jax.demo import run_stage
+def typed(v):
+  for cast in (int, float):
+    try:
+      return cast(v)
+    except ValueError:
+      pass
+  return v
+if __name__ == "__main__":
+  name, variant, workdir, data = sys.argv[1:5]
+  overrides = {"data.dir": data, "seed": 0}
+  overrides.update({k: typed(v) for k, _, v in (a.partition("=") for a in sys.argv[5:])})
+  run_stage(variant, (name, None if variant == "-" else variant), overrides, workdir)
+"""
+PREPARE = """
+import sys
+from realm_jax.data.world_corpus import prepare_world
+from realm_jax.demo import {loader} as load
+if __name__ == "__main__":
+  shapes = load("demo_realm").data
+  prepare_world(sys.argv[1], int(sys.argv[2]), 0, block_len=shapes.block_len,
+                max_sentence_len=shapes.query_len - 2)
+"""
+
+
+def run_code(src: str, script: str, *args: str) -> None:
+  """Runs `script` (written to a file: worker processes re-import their main module) with the
+  code of `src` on the path."""
+  with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+    f.write(script)
+  env = dict(os.environ, PYTHONPATH=src)
+  try:
+    subprocess.run([sys.executable, f.name, *args], cwd=src, env=env, check=True)
+  finally:
+    os.remove(f.name)
+
+
+def realm_stage(src: str, workdir: str, data: str, ict: str, steps: int) -> None:
+  if not os.path.exists(os.path.join(workdir, "summary.json")):
+    run_code(src, STAGE, "demo_realm", "realm", workdir, data, f"init.from_workdir={ict}",
+             f"train.steps={steps}", "eval.every=0", "train.log_every=1",
+             f"train.checkpoint_every={steps // 3}", f"retrieval.refresh_every={steps // 3}")
+
+
+def trace(workdir: str) -> dict[int, dict]:
+  with open(os.path.join(workdir, "metrics", "train.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return {r["step"]: r for r in rows if "loss" in r}
+
+
+def final_params(workdir: str, step: int) -> dict[str, np.ndarray]:
+  import jax
+  import orbax.checkpoint as ocp
+  path = os.path.abspath(os.path.join(workdir, "checkpoints", str(step), "params"))
+  tree = ocp.StandardCheckpointer().restore(path)
+  return {jax.tree_util.keystr(k): np.asarray(v)
+          for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def compare(base: str, head: str) -> bool:
+  a, b = trace(base), trace(head)
+  print(f"steps logged: base {len(a)}, this tree {len(b)}; same steps: {sorted(a) == sorted(b)}")
+  for key in FIGURES:
+    diffs = [abs(a[s][key] - b[s][key]) for s in a if s in b and key in a[s] and key in b[s]]
+    if diffs:
+      print(f"  {key:<18} max |difference| over {len(diffs)} steps: {max(diffs):.3g}")
+  last = max(a)
+  pa, pb = final_params(base, last), final_params(head, last)
+  equal = pa.keys() == pb.keys() and all(np.array_equal(pa[k], pb[k]) for k in pa)
+  worst = max(float(np.max(np.abs(pa[k] - pb[k]))) for k in pa) if pa.keys() == pb.keys() \
+      else float("nan")
+  print(f"final parameters (step {last}): {len(pa)} arrays, "
+        f"{sum(v.size for v in pa.values()):,} values; bitwise equal: {equal}; "
+        f"max |difference| {worst:.3g}")
+  return sorted(a) == sorted(b) and equal
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--base", required=True, help="the commit to compare against")
+  parser.add_argument("--work", default=os.path.join(REPO, "runs", "behaviour"))
+  parser.add_argument("--steps", type=int, default=150, help="REALM steps (3 index versions)")
+  parser.add_argument("--entities", type=int, default=600, help="size of the world")
+  args = parser.parse_args()
+  work = os.path.abspath(args.work)
+  base_src = os.path.join(work, "base_src")
+  if not os.path.isdir(base_src):
+    subprocess.run(["git", "worktree", "add", "--detach", "-f", base_src, args.base],
+                   cwd=REPO, check=True)
+  data, ict = os.path.join(work, "data"), os.path.join(work, "ict")
+  if not os.path.exists(os.path.join(data, "stats.json")):
+    loader = "repo_config" if os.path.exists(os.path.join(base_src, "realm_jax", "train",
+                                                          "run.py")) else "load_config"
+    run_code(base_src, PREPARE.format(loader=loader), data, str(args.entities))
+  if not os.path.exists(os.path.join(ict, "summary.json")):
+    run_code(base_src, STAGE, "demo_ict", "-", ict, data, "train.steps=150", "eval.every=0")
+  realm_stage(base_src, os.path.join(work, "realm_base"), data, ict, args.steps)
+  realm_stage(REPO, os.path.join(work, "realm_head"), data, ict, args.steps)
+  same = compare(os.path.join(work, "realm_base"), os.path.join(work, "realm_head"))
+  print("SAME BEHAVIOUR" if same else "BEHAVIOUR CHANGED")
+  return 0 if same else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

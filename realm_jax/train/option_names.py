@@ -1,0 +1,105 @@
+"""Options renamed since they were first released, and the reading of old names.
+
+A saved `W/config.json`, a config file that sets a renamed leaf (`c.retrieval.mode = ...`) and a
+`--config.*` flag keep working under the old name: the value moves to the new name and a
+`RenamedOptionWarning` names it. A config file must spell a renamed group the new way
+(`c.builder.keep_versions`, not `c.index.keep_versions`): the old group no longer exists to be
+assigned into.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+# old dotted name -> new
+RENAMED_OPTIONS = {
+    "retrieval.mode": "retrieval.candidates",       # where a step's candidates come from
+    "retrieval.first_index_timeout": "retrieval.index_timeout",   # bounds every wait
+    "index": "builder",                             # the index-builder job's settings
+}
+
+
+class RenamedOptionWarning(UserWarning):
+  """An option was given under its old name."""
+
+
+def new_name(name: str) -> str | None:
+  """The current name of dotted option `name` (maybe inside a renamed group); None when it was
+  not renamed."""
+  for old, new in RENAMED_OPTIONS.items():
+    if name == old or name.startswith(old + "."):
+      return new + name[len(old):]
+  return None
+
+
+def _warn(old: str, new: str, where: str) -> None:
+  warnings.warn(f"{where}config.{old} is now config.{new}; read as config.{new}",
+                RenamedOptionWarning, stacklevel=3)
+
+
+def upgrade_record(record: dict, where: str = "") -> dict:
+  """A saved config (the JSON of `W/config.json`) with old names moved to the new ones."""
+  out = dict(record)
+  for old, new in RENAMED_OPTIONS.items():
+    *old_parents, old_leaf = old.split(".")
+    parent = out
+    for key in old_parents:
+      parent = parent.get(key) if isinstance(parent, dict) else None
+    if not isinstance(parent, dict) or old_leaf not in parent:
+      continue
+    _warn(old, new, where)
+    parent = _copy_path(out, old_parents)
+    value = parent.pop(old_leaf)
+    *new_parents, new_leaf = new.split(".")
+    target = _copy_path(out, new_parents, create=True)
+    if isinstance(value, dict) and isinstance(target.get(new_leaf), dict):
+      target[new_leaf] = {**target[new_leaf], **value}
+    else:
+      target[new_leaf] = value
+  return out
+
+
+def _copy_path(root: dict, keys: list[str], create: bool = False) -> dict:
+  """The dict at `keys` under `root`, each level copied so that the caller's stays as it was."""
+  node = root
+  for key in keys:
+    child = node.get(key)
+    if child is None and create:
+      child = {}
+    node[key] = dict(child)
+    node = node[key]
+  return node
+
+
+def upgrade_config(config) -> None:
+  """Moves options a ConfigDict sets under an old leaf name to the new one (in place)."""
+  for old, new in RENAMED_OPTIONS.items():
+    *old_parents, old_leaf = old.split(".")
+    parent = config
+    for key in old_parents:
+      parent = parent.get(key) if hasattr(parent, "get") else None
+    if parent is None or not hasattr(parent, "keys") or old_leaf not in parent.keys():
+      continue
+    _warn(old, new, "")
+    *new_parents, new_leaf = new.split(".")
+    target = config
+    for key in new_parents:
+      target = target[key]
+    with parent.unlocked(), target.unlocked():
+      value = parent[old_leaf]
+      del parent[old_leaf]
+      target[new_leaf] = value
+
+
+def upgrade_flags(args: list[str]) -> list[str]:
+  """Command-line arguments with `--config.<old name>` flags spelt the new way."""
+  out = []
+  for arg in args:
+    if arg.startswith("--config."):
+      name, sep, value = arg[len("--config."):].partition("=")
+      current = new_name(name)
+      if current is not None:
+        _warn(name, current, "--")
+        arg = f"--config.{current}{sep}{value}"
+    out.append(arg)
+  return out

@@ -1,0 +1,91 @@
+"""Renamed options: saved configs, config files and flags that use an old name keep working,
+with a warning naming the new one; a workdir recorded under old names resumes."""
+
+import json
+import os
+
+import pytest
+
+from realm_jax import workdir as workdir_lib
+from realm_jax.errors import ConfigError
+from realm_jax.train.config_base import base_config, validate
+from realm_jax.train.option_names import (RenamedOptionWarning, new_name,
+                                          upgrade_flags, upgrade_record)
+from tests.helpers import tiny_config
+
+
+def old_style(record: dict) -> dict:
+  """`record` as a config.json written before the renames."""
+  old = json.loads(json.dumps(record))
+  old["retrieval"]["mode"] = old["retrieval"].pop("candidates")
+  old["retrieval"]["first_index_timeout"] = old["retrieval"].pop("index_timeout")
+  old["index"] = old.pop("builder")
+  return old
+
+
+def test_new_names():
+  assert new_name("retrieval.mode") == "retrieval.candidates"
+  assert new_name("index.keep_versions") == "builder.keep_versions"
+  assert new_name("indexes.x") is None and new_name("retrieval.k") is None
+
+
+def test_a_saved_config_under_old_names_reads_as_the_new_ones():
+  current = json.loads(base_config().to_json_best_effort())
+  old = old_style(current)
+  old["retrieval"]["mode"], old["index"]["keep_versions"] = "own_block", 7
+  snapshot = json.dumps(old)
+  with pytest.warns(RenamedOptionWarning) as warned:
+    upgraded = upgrade_record(old)
+  assert sorted(str(w.message).split(";")[0] for w in warned) == [
+      "config.index is now config.builder",
+      "config.retrieval.first_index_timeout is now config.retrieval.index_timeout",
+      "config.retrieval.mode is now config.retrieval.candidates"]
+  assert json.dumps(old) == snapshot                    # the caller's record is untouched
+  assert upgraded["retrieval"]["candidates"] == "own_block"
+  assert "mode" not in upgraded["retrieval"] and "index" not in upgraded
+  assert upgraded["builder"]["keep_versions"] == 7
+  assert upgraded["retrieval"]["index_timeout"] == current["retrieval"]["index_timeout"]
+
+
+def test_a_workdir_recorded_under_old_names_resumes(tmp_path):
+  config = tiny_config("realm", "warmup")
+  workdir = str(tmp_path)
+  os.makedirs(os.path.join(workdir, workdir_lib.CHECKPOINTS))
+  with open(os.path.join(workdir, workdir_lib.CONFIG), "w") as f:
+    json.dump(old_style(json.loads(config.to_json_best_effort())), f)
+  with pytest.warns(RenamedOptionWarning):
+    assert workdir_lib.saved_config(workdir).retrieval.candidates == "own_block"
+  with pytest.warns(RenamedOptionWarning):
+    workdir_lib.record_config(config, workdir)        # compatible: no error
+  with open(os.path.join(workdir, workdir_lib.CONFIG)) as f:
+    assert json.load(f)["retrieval"]["candidates"] == "own_block"   # recorded the new way
+  # A real difference under the old name is still refused, by its new name.
+  with open(os.path.join(workdir, workdir_lib.CONFIG), "w") as f:
+    json.dump(old_style(json.loads(tiny_config("realm").to_json_best_effort())), f)
+  with pytest.warns(RenamedOptionWarning), pytest.raises(ConfigError,
+                                                         match="retrieval.candidates: 'index'"):
+    workdir_lib.record_config(config, workdir)
+
+
+def test_a_config_file_setting_an_old_leaf_still_validates():
+  config = tiny_config("realm")
+  config.lock()
+  with config.unlocked():
+    del config.retrieval["candidates"]
+    config.retrieval.mode = "null_only"          # as a config file written before the rename
+  with pytest.warns(RenamedOptionWarning, match="retrieval.mode"):
+    validate(config)
+  assert config.retrieval.candidates == "null_only" and "mode" not in config.retrieval
+  with pytest.raises(AttributeError):
+    config.retrieval.mode = "index"              # still locked: no field of that name
+
+
+def test_old_flags_are_spelt_the_new_way():
+  with pytest.warns(RenamedOptionWarning, match="--config.index.devices is now "
+                    "config.builder.devices"):
+    args = upgrade_flags(["--config=c.py", "--config.index.devices=6,7",
+                          "--config.retrieval.k=4"])
+  assert args == ["--config=c.py", "--config.builder.devices=6,7", "--config.retrieval.k=4"]
+  with pytest.warns(RenamedOptionWarning):
+    assert upgrade_flags(["--config.retrieval.mode", "own_block"]) == [
+        "--config.retrieval.candidates", "own_block"]
