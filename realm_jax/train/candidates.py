@@ -1,9 +1,10 @@
 """Where a pre-training step's candidate blocks come from: one source per way, behind one
 interface the trainer asks (`candidate_source` picks it from the config).
 
-  NoRetrieval      nothing is retrieved: the query's own block (`retrieval.candidates=own_block`),
-                   the null document alone (`null_only`), or ICT on data without recall ground
-                   truth
+  NoRetrieval      nothing is retrieved (ICT on data without recall ground truth); the base
+                   of the others
+  OwnBlock         the query's own block (`retrieval.candidates=own_block`: the reader warm-up)
+  NullDocumentOnly the null document alone (`retrieval.candidates=null_only`: the baseline)
   RebuiltIndex     rebuilt in this process from a snapshot of the retriever
                    (`retrieval.refresh=in_process`): REALM every `refresh_every` steps; ICT at
                    each evaluation, to measure recall
@@ -121,6 +122,15 @@ class NoRetrieval:
   def summary(self) -> dict:
     """`index_*` figures over the steps this process ran (a resumed run: since the resume)."""
     return {}
+
+
+class OwnBlock(NoRetrieval):
+  """The query's own block, all prior mass on it (the reader warm-up); evaluation also reads
+  the null document, to measure retrieval utility (`batches.candidates_for`)."""
+
+
+class NullDocumentOnly(NoRetrieval):
+  """The null document alone: the no-retrieval baseline."""
 
 
 class RebuiltIndex(NoRetrieval):
@@ -290,10 +300,14 @@ def candidate_source(config, workdir: str, *, model, mesh, data, abstract_retrie
   if uses_index_builder(config):
     return PublishedIndex(config, workdir, model=model, data=data,
                           abstract_retriever=abstract_retriever)
-  retrieves = config.task == "realm" and config.retrieval.candidates == "index"
+  candidates = config.retrieval.candidates
+  retrieves = config.task == "realm" and candidates == "index"
   if retrieves or (config.task == "ict" and has_answers):
     return RebuiltIndex(config, workdir, retrieves=retrieves, model=model, mesh=mesh,
                         data=data, abstract_retriever=abstract_retriever, snapshot=snapshot)
+  if config.task == "realm":
+    return OwnBlock(config, workdir) if candidates == "own_block" \
+        else NullDocumentOnly(config, workdir)
   return NoRetrieval(config, workdir)
 
 
