@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from realm_jax.train import partitioning, state as state_lib, steps
 from realm_jax.train.config_base import validate
-from tests.helpers import CONFIGS, load_config_module
+from tests.helpers import CONFIGS, REPO, load_config_module
 
 QUERIES = 8           # a small global batch: the shapes that matter are per query
 
@@ -69,3 +69,17 @@ def test_base_config_train_step_lowers(name, task):
   # The step's outputs keep the state in its shardings.
   out_state, _ = lowered.out_info
   assert [x.sharding for x in jax.tree.leaves(out_state)] == jax.tree.leaves(shardings)
+
+
+def test_the_config_reference_covers_every_option_and_is_current():
+  """docs/config_reference.md is generated from base_config's one comment per field: every
+  option is listed with a comment, and the page matches the code."""
+  from realm_jax.train import config_reference
+  from realm_jax.train.config_base import base_config, flat_options
+  rows = config_reference.fields()
+  assert sorted(name for name, _, _ in rows) == sorted(flat_options(base_config()))
+  assert all(comment for _, _, comment in rows), [n for n, _, c in rows if not c]
+  with open(os.path.join(REPO, "docs", "config_reference.md")) as f:
+    assert f.read() == config_reference.markdown(), (
+        "docs/config_reference.md is stale: python -m realm_jax.train.config_reference > "
+        "docs/config_reference.md")
