@@ -27,8 +27,8 @@ import numpy as np
 
 from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
-from realm_jax.train.option_names import upgrade_flags
 from realm_jax.train import multihost
+from realm_jax.train.option_names import upgrade_flags
 
 WAIT_MESSAGE_SECONDS = 30.0      # one "still waiting" line per this many seconds
 LIST_ATTEMPTS = 5                # listings of the checkpoints tried while steps vanish under it
@@ -39,16 +39,14 @@ class IndexBuilder:
 
   def __init__(self, config, workdir: str):
     import jax
-    from realm_jax.train import checkpoints, config_base, partitioning, state as state_lib
+    from realm_jax.train import checkpoints, config_base
     config_base.validate(config)
     self.config, self.workdir = config, workdir
     self.data = workdir_lib.open_data(config)
     self.fingerprint = self.data.blocks.fingerprint
     workdir_lib.check_block_store(workdir, self.fingerprint, self.data.dir)
-    self.mesh = partitioning.make_mesh(config.mesh.shape)
-    self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
-    abstract, _ = state_lib.abstract_train_state(config, self.model, self.mesh,
-                                                 self.data.blocks.block_len)
+    self.model, self.mesh, abstract = checkpoints.abstract_run(
+        config, self.data.tokenizer.vocab_size, self.data.blocks.block_len)
     self.abstract_retriever = abstract.params["retriever"]
     self.checkpoints = checkpoints   # not at the top: jax only after the device choice
     self.checkpoint_dir = checkpoints.checkpoint_dir(workdir)

@@ -191,6 +191,22 @@ class RestoredRun:
   missing: list         # with `partial`: parameter paths the checkpoint lacks
 
 
+def abstract_run(config, vocab_size: int | None = None, block_len: int | None = None,
+                 mesh_shape=None):
+  """(model, mesh, abstract train state) of `config`, nothing materialised: what a run's
+  checkpoint restores onto. Defaults as `restore_run`'s."""
+  from realm_jax.data.tokenizer import load_tokenizer
+  from realm_jax.train import partitioning, state as state_lib
+  if vocab_size is None:
+    vocab_size = config.model.vocab_size or load_tokenizer(
+        os.path.join(config.data.dir, "vocab.txt")).vocab_size
+  model = state_lib.build_model(config, vocab_size)
+  mesh = partitioning.make_mesh(config.mesh.shape if mesh_shape is None else mesh_shape)
+  abstract, _ = state_lib.abstract_train_state(config, model, mesh,
+                                               block_len or config.data.block_len)
+  return model, mesh, abstract
+
+
 def restore_run(workdir: str, step: int | None = None, *, config=None,
                 vocab_size: int | None = None, block_len: int | None = None,
                 mesh_shape=None, partial: bool = False) -> RestoredRun:
@@ -201,16 +217,8 @@ def restore_run(workdir: str, step: int | None = None, *, config=None,
   to the config's (the vocab size read from its data dir when the config leaves it to the
   data). With `partial`, parameters the checkpoint lacks are left out (see restore_params).
   """
-  from realm_jax.data.tokenizer import load_tokenizer
-  from realm_jax.train import partitioning, state as state_lib
   config = run_config(workdir, config)
-  if vocab_size is None:
-    vocab_size = config.model.vocab_size or load_tokenizer(
-        os.path.join(config.data.dir, "vocab.txt")).vocab_size
-  model = state_lib.build_model(config, vocab_size)
-  mesh = partitioning.make_mesh(config.mesh.shape if mesh_shape is None else mesh_shape)
-  abstract, _ = state_lib.abstract_train_state(config, model, mesh,
-                                               block_len or config.data.block_len)
+  model, mesh, abstract = abstract_run(config, vocab_size, block_len, mesh_shape)
   missing = []
   if partial:
     params, step, missing = restore_params(workdir, abstract.params, step, partial=True)
