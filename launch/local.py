@@ -11,8 +11,8 @@ rest; on CPU both inherit the environment. Output is streamed line by line with 
 `[builder] ` prefix and appended to `W/logs/<name>.log`. Ctrl-C stops both (SIGINT to each
 process group, SIGKILL after the grace period, exit 130); SIGTERM (preemption) is passed on
 as SIGTERM, so the trainer saves a checkpoint of its step first (exit 143); when one fails the
-other is stopped and its exit code is ours; after the trainer succeeds the builder gets the grace period
-to see `W/DONE` and exit on its own.
+other is stopped and its exit code is ours; after the trainer succeeds the builder gets the grace
+period to see `W/DONE` and exit on its own.
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ class QAEvaluator:
       metrics.update(exact_match=float(em.mean()), f1=float(f1.mean()))
     metrics.update(
         num_questions=n, seconds=round(time.time() - t0, 1),
-        no_answer_in_top_k=int((~in_top_k).sum()), reader_beam=b.k, truncated_questions=int(self.builder.truncated.sum()),
+        no_answer_in_top_k=int((~in_top_k).sum()), reader_beam=b.k,
+        truncated_questions=int(self.builder.truncated.sum()),
         skipped=self.counts, index_version=self.frozen.version, index_step=self.frozen.step)
     return metrics, predictions
 

@@ -236,8 +236,8 @@ def test_open_qa_evidence_becomes_a_block_store_and_a_published_index(imported):
   template = steps.query_tower_params(abstract.params["retriever"])
   loaded = subscriber.load_version(root, version, config=config, fingerprint=blocks.fingerprint,
                                    query_template=template, make_encoder=lambda p: p)
-  np.testing.assert_array_equal(np.asarray(loaded.index.table).reshape(-1, SIZES["retriever_proj_size"])[:NUM_RECORDS],
-                                tensors["block_emb"])
+  table = np.asarray(loaded.index.table).reshape(-1, SIZES["retriever_proj_size"])
+  np.testing.assert_array_equal(table[:NUM_RECORDS], tensors["block_emb"])
   query_params = loaded.encode_queries     # make_encoder above hands back the params
   np.testing.assert_array_equal(
       query_params["query_tower"]["projection"]["kernel"],

@@ -41,7 +41,8 @@ def test_restored_iterator_yields_the_uninterrupted_batches(world_data, task):
   first = batches.QueryBatches(config, world_data, examples)
   it = first.iterator(prefetch=3)
   take(it, STOP_AFTER)
-  saved = json.loads(json.dumps(first.state(it.get_state(), STOP_AFTER)))   # as the checkpoint keeps it
+  # as the checkpoint keeps it:
+  saved = json.loads(json.dumps(first.state(it.get_state(), STOP_AFTER)))
   it.close()
   assert saved["next_step"] == STOP_AFTER and "iterator" in saved
 

@@ -1,7 +1,8 @@
-"""Host-side batch assembly for each task: queries (a grain pipeline, checkpointed with the train state), then
-the candidates retrieved from the index that serves the step and the reader inputs. The trainer
-calls these in its batch-feed thread, steps ahead of the train step (train/feed.py); which index
-serves which step is decided by the candidate source (train/candidates.py)."""
+"""Host-side batch assembly for each task: queries (a grain pipeline, checkpointed with the
+train state), then the candidates retrieved from the index that serves the step and the reader
+inputs. The trainer calls these in its batch-feed thread, steps ahead of the train step
+(train/feed.py); which index serves which step is decided by the candidate source
+(train/candidates.py)."""
 
 from __future__ import annotations
 

@@ -296,7 +296,8 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
   needed = 2 + (-(-r.swap_lag // max(r.refresh_every, 1)) if r.refresh == "deterministic" else 0)
   if config.builder.keep_versions < needed:
     raise ConfigError("builder.keep_versions", f"must be >= {needed} with retrieval.refresh "
-                      f"{r.refresh!r} and swap_lag {r.swap_lag}, got {config.builder.keep_versions}")
+                      f"{r.refresh!r} and swap_lag {r.swap_lag}, got "
+                      f"{config.builder.keep_versions}")
   if r.marginalization not in ("joint", "per_mask"):
     raise ConfigError("retrieval.marginalization", f"{r.marginalization!r}: joint | per_mask")
   if config.task == "realm" and r.candidates == "index" and r.k < 2:

@@ -74,8 +74,9 @@ class Trainer(Run):
   # -- the steps ---------------------------------------------------------------------------
   def begin(self, start: int) -> None:
     cfg = self.config
-    print(f"{self.prefix}{state_lib.count_params(self.state.params) / 1e6:.2f}M params, mesh {dict(self.mesh.shape)}, "
-          f"batch {cfg.train.batch_size}, steps {start}->{cfg.train.steps}, "
+    n_params = state_lib.count_params(self.state.params)
+    print(f"{self.prefix}{n_params / 1e6:.2f}M params, mesh {dict(self.mesh.shape)}, batch "
+          f"{cfg.train.batch_size}, steps {start}->{cfg.train.steps}, "
           f"{self.data.blocks.num_blocks:,} blocks, {len(self.examples):,} queries"
           f"{self.candidates.describe()}", flush=True)
 
