@@ -40,7 +40,7 @@ import time
 from realm_jax import workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.train.config_base import config_module, flat_options, uses_index_builder
-from realm_jax.train.option_names import upgrade_flags
+from realm_jax.train.option_names import current_name
 
 PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -85,8 +85,7 @@ def parse_assignment(text: str, flag: str) -> tuple[str, str]:
   key, sep, value = text.partition("=")
   if not sep or not key or not value:
     raise ConfigError("", f"{flag} {text!r}: expected KEY=VALUE")
-  key = upgrade_flags([f"--config.{key.strip()}"])[0][len("--config."):]   # an old name: warned
-  return key, value.strip()
+  return current_name(key.strip()), value.strip()   # an old name: read as the new, warned
 
 
 def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list[dict]:

@@ -90,8 +90,9 @@ def wordpiece_vocab(texts: Iterable[str], vocab_size: int) -> list[str]:
   to the lexicographically smallest pair. Returns the special tokens, the alphabet (sorted),
   then the merged pieces in merge order, at most `vocab_size` entries."""
   counts = word_counts(texts)
-  words = [[w[0]] + [CONTINUE + c for c in w[1:]] for w in sorted(counts)]
-  freqs = [counts[w] for w in sorted(counts)]
+  ordered = sorted(counts)
+  words = [[w[0]] + [CONTINUE + c for c in w[1:]] for w in ordered]
+  freqs = [counts[w] for w in ordered]
   vocab = list(SPECIAL_TOKENS) + sorted({p for w in words for p in w} - set(SPECIAL_TOKENS))
   known = set(vocab)
   pair_count: collections.Counter = collections.Counter()

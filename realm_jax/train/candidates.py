@@ -159,8 +159,8 @@ class RebuiltIndex(NoRetrieval):
     encoder = steps.QueryEncoder(self.model, self.config,
                                  steps.query_tower_params(retriever_params))
     self.index = IndexVersion(version=version, step=step,
-                             index=ExactIndex.from_embeddings(embeddings),
-                             encode_queries=encoder)
+                              index=ExactIndex.from_embeddings(embeddings),
+                              encode_queries=encoder)
 
   def abstract_item(self) -> dict:
     item = {"step": _NO_STEP}

@@ -91,15 +91,21 @@ def upgrade_config(config) -> None:
       target[new_leaf] = value
 
 
+def current_name(name: str, where: str = "") -> str:
+  """Dotted option `name` as it is called now (an old name: with a warning)."""
+  current = new_name(name)
+  if current is None:
+    return name
+  _warn(name, current, where)
+  return current
+
+
 def upgrade_flags(args: list[str]) -> list[str]:
   """Command-line arguments with `--config.<old name>` flags spelt the new way."""
   out = []
   for arg in args:
     if arg.startswith("--config."):
       name, sep, value = arg[len("--config."):].partition("=")
-      current = new_name(name)
-      if current is not None:
-        _warn(name, current, "--")
-        arg = f"--config.{current}{sep}{value}"
+      arg = f"--config.{current_name(name, '--')}{sep}{value}"
     out.append(arg)
   return out
