@@ -127,6 +127,8 @@ def make_config(layout: str, hf: Mapping, *, task: str | None = None, data_dir: 
     m[field] = int(hf[key])
   m.hidden_act = str(hf["hidden_act"])
   m.dropout_rate = float(hf.get("hidden_dropout_prob", 0.1))
+  attention_dropout = float(hf.get("attention_probs_dropout_prob", m.dropout_rate))
+  m.attention_dropout_rate = -1.0 if attention_dropout == m.dropout_rate else attention_dropout
   m.initializer_range = float(hf.get("initializer_range", 0.02))
   if layout != "bert":
     m.retrieval_dim = int(hf["retriever_proj_size"])
@@ -495,10 +497,6 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
     report = _bert_report(params, bert_report, tensors)
   else:
     params, report = convert(params, tensors, layout, source, hf_dir)
-  if hf.get("attention_probs_dropout_prob", 0.1) != hf.get("hidden_dropout_prob", 0.1):
-    report.notes.append(f"attention_probs_dropout_prob {hf['attention_probs_dropout_prob']} != "
-                        f"hidden_dropout_prob {hf['hidden_dropout_prob']}: our BERT has one "
-                        f"dropout rate (model.dropout_rate = {config.model.dropout_rate})")
   if layout == "RealmForOpenQA":
     from realm_jax.data.prepared import BlockStore
     from realm_jax.train.steps import query_tower_params

@@ -7,6 +7,11 @@ checkpoint in that layout maps onto it by renaming alone (see `hf_parameter_name
 Logical axis names used by the parameters (mapped to mesh axes by the rules in the config):
   vocab, embed, heads (query/key/value output = heads x head_dim), mlp, position, segment.
 Activations are constrained with ('batch', 'length', 'embed').
+
+How a layer computes (not what it means) is chosen by three fields that leave the parameters
+alone: `attention` (the `jax.nn.dot_product_attention` implementation: XLA, or cuDNN's fused
+flash attention on NVIDIA GPUs), `remat` (recompute each layer's activations in the backward
+pass: none, all, or all but the weight matmuls' outputs) and `dtype` (the compute dtype).
 """
 
 from __future__ import annotations
@@ -25,6 +30,14 @@ Array = jax.Array
 HIDDEN_ACTS = {"gelu": False, "gelu_python": False, "gelu_new": True,
                "gelu_pytorch_tanh": True, "gelu_python_tanh": True, "gelu_fast": True,
                "gelu_accurate": True}
+# `attention` values: implementations of `jax.nn.dot_product_attention` ("cudnn": NVIDIA GPUs,
+# bfloat16 / float16 compute only).
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+# `remat` values -> the `jax.checkpoint` policy of each transformer layer ("none": no remat;
+# "full": save only the layer's inputs; "matmuls": also save the outputs of the weight
+# matmuls, recomputing the cheap element-wise parts and attention's softmax).
+REMAT_POLICIES = {"none": None, "full": None,
+                  "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +56,23 @@ class BertConfig:
   initializer_range: float = 0.02
   hidden_act: str = "gelu"  # feed-forward and MLM-transform activation: a HIDDEN_ACTS name
   dtype: Any = jnp.float32  # compute dtype; parameters stay float32
+  attention_dropout_rate: float = -1.0  # dropout on the attention weights (-1: dropout_rate)
+  attention: str = "xla"    # an ATTENTION_IMPLEMENTATIONS name
+  remat: str = "none"       # a REMAT_POLICIES name
 
   def __post_init__(self):
     if self.hidden_act not in HIDDEN_ACTS:
       raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; choose one of "
                        f"{', '.join(HIDDEN_ACTS)}")
+    if self.attention not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_IMPLEMENTATIONS}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat {self.remat!r} is not one of {tuple(REMAT_POLICIES)}")
+
+  @property
+  def attention_dropout(self) -> float:
+    """The dropout rate of the attention weights (HF's attention_probs_dropout_prob)."""
+    return self.dropout_rate if self.attention_dropout_rate < 0 else self.attention_dropout_rate
 
   @classmethod
   def from_config(cls, model_config, vocab_size: int | None = None) -> "BertConfig":
@@ -63,6 +88,9 @@ class BertConfig:
         initializer_range=model_config.initializer_range,
         hidden_act=model_config.get("hidden_act", "gelu"),   # configs saved before the field
         dtype=jnp.dtype(model_config.dtype),
+        attention_dropout_rate=model_config.get("attention_dropout_rate", -1.0),
+        attention=model_config.get("attention", "xla"),
+        remat=model_config.get("remat", "none"),
     )
 
 
@@ -133,8 +161,8 @@ class BertLayer(nn.Module):
     self.intermediate = _Projection(cfg, cfg.intermediate_size, ("embed", "mlp"))
     self.output = _Residual(cfg, ("mlp", "embed"))
 
-  def __call__(self, x, attention_bias, deterministic):
-    x = self.attention(x, attention_bias, deterministic)
+  def __call__(self, x, key_mask, deterministic):
+    x = self.attention(x, key_mask, deterministic)
     h = activation(self.cfg)(self.intermediate(x))
     x = self.output(h, x, deterministic)
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
@@ -149,26 +177,37 @@ class _AttentionBlock(nn.Module):
     self.self = _SelfAttentionOnly(self.cfg)
     self.output = _Residual(self.cfg, ("heads", "embed"))
 
-  def __call__(self, x, attention_bias, deterministic):
-    return self.output(self.self(x, attention_bias, deterministic), x, deterministic)
+  def __call__(self, x, key_mask, deterministic):
+    return self.output(self.self(x, key_mask, deterministic), x, deterministic)
 
 
 class _SelfAttentionOnly(nn.Module):
+  """Multi-head self-attention over the keys `key_mask` lets through ([batch, 1, 1, keys])."""
+
   cfg: BertConfig
 
   @nn.compact
-  def __call__(self, x, attention_bias, deterministic):
+  def __call__(self, x, key_mask, deterministic):
     cfg = self.cfg
     head_dim = cfg.hidden_size // cfg.num_heads
     split = lambda t: t.reshape(t.shape[:-1] + (cfg.num_heads, head_dim))
     q = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "query")(x))
     k = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "key")(x))
     v = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "value")(x))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(head_dim)
-    weights = jax.nn.softmax(scores + attention_bias, axis=-1)
-    weights = nn.Dropout(cfg.dropout_rate)(weights, deterministic=deterministic)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(cfg.dtype), v)
+    if deterministic or cfg.attention_dropout == 0:
+      out = jax.nn.dot_product_attention(q, k, v, mask=key_mask, implementation=cfg.attention)
+    else:   # dropout on the weights needs them materialised: no fused kernel
+      out = self.attention_with_dropout(q, k, v, key_mask)
     return out.reshape(out.shape[:-2] + (cfg.hidden_size,))
+
+  def attention_with_dropout(self, q, k, v, key_mask):
+    """softmax(q k / sqrt(d)) v with BERT's dropout on the attention weights; the softmax in
+    float32 as in `jax.nn.dot_product_attention`."""
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k,
+                        preferred_element_type=jnp.float32) / jnp.sqrt(q.shape[-1])
+    weights = jax.nn.softmax(jnp.where(key_mask, scores, -1e9), axis=-1)
+    weights = nn.Dropout(self.cfg.attention_dropout)(weights, deterministic=False)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(self.cfg.dtype), v)
 
 
 class _Projection(nn.Module):
@@ -197,16 +236,20 @@ class _Residual(nn.Module):
 
 
 class _LayerStack(nn.Module):
-  """HF `encoder`: layers under `layer/<i>`."""
+  """HF `encoder`: layers under `layer/<i>`, each rematerialised as `cfg.remat` says (the
+  parameter tree is the same either way)."""
 
   cfg: BertConfig
 
   def setup(self):
-    self.layer = [BertLayer(self.cfg, name=str(i)) for i in range(self.cfg.num_layers)]
+    layer = BertLayer
+    if self.cfg.remat != "none":   # argument 3 (counting the module): `deterministic`
+      layer = nn.remat(BertLayer, static_argnums=(3,), policy=REMAT_POLICIES[self.cfg.remat])
+    self.layer = [layer(self.cfg, name=str(i)) for i in range(self.cfg.num_layers)]
 
-  def __call__(self, x, attention_bias, deterministic):
+  def __call__(self, x, key_mask, deterministic):
     for layer in self.layer:
-      x = layer(x, attention_bias, deterministic)
+      x = layer(x, key_mask, deterministic)
     return x
 
 
@@ -227,10 +270,10 @@ class BertEncoder(nn.Module):
       self.pooler = _Projection(self.cfg, self.cfg.hidden_size, ("embed", "hidden"))
 
   def __call__(self, token_ids: Array, segment_ids: Array, deterministic: bool = True):
-    attention_bias = jnp.where(token_ids[:, None, None, :] > 0, 0.0, -1e9).astype(jnp.float32)
+    key_mask = token_ids[:, None, None, :] > 0     # [PAD] keys take no part
     x = self.embeddings(token_ids, segment_ids, deterministic)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-    x = self.encoder(x, attention_bias, deterministic)
+    x = self.encoder(x, key_mask, deterministic)
     pooled = jnp.tanh(self.pooler(x[:, 0])) if self.add_pooler else None
     return x, pooled
 

@@ -41,12 +41,12 @@ class Embedder(nn.Module):
             nn.initializers.normal(self.cfg.initializer_range), ("embed", "retrieval")),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("retrieval",)),
         name="projection")(pooled)
-    x = nn.LayerNorm(
-        epsilon=self.cfg.layer_norm_eps, dtype=self.cfg.dtype,
+    x = nn.LayerNorm(   # float32 whatever the compute dtype: retrieval logits come from here
+        epsilon=self.cfg.layer_norm_eps, dtype=jnp.float32,
         scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("retrieval",)),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("retrieval",)),
         name="projection_norm")(x)
-    return x.astype(jnp.float32)
+    return x
 
 
 class Retriever(nn.Module):

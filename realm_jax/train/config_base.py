@@ -14,6 +14,7 @@ from realm_jax.errors import ConfigError
 from realm_jax.train.option_names import upgrade_config
 
 TASKS = ("ict", "realm", "openqa")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 CANDIDATE_SOURCES = ("index", "own_block", "null_only")
 REFRESH_MODES = ("in_process", "async", "deterministic")
 BACKENDS = ("exact", "scann")
@@ -27,8 +28,11 @@ TOWER_FIELDS = ("hidden_size", "num_layers", "num_heads", "intermediate_size", "
                 "dropout_rate", "hidden_act")
 TOWER_UNSET = {"dropout_rate": -1.0, "hidden_act": ""}   # the others: 0
 PARTS = ("retriever", "reader")  # the two halves of the parameter tree, each with its own start
+# Fields under `model` that decide how the step computes, not what the parameters mean: a run
+# may resume with other values (e.g. in bfloat16, or with remat to fit a smaller device).
+EXECUTION_FIELDS = ("model.dtype", "model.attention", "model.remat")
 # Compatibility fields added later -> the value checkpoints saved without them were written under.
-ADDED_FIELDS = {"model.hidden_act": "gelu",
+ADDED_FIELDS = {"model.hidden_act": "gelu", "model.attention_dropout_rate": -1.0,
                 **{f"model.retriever.{f}": TOWER_UNSET.get(f, 0) for f in TOWER_FIELDS}}
 
 
@@ -79,6 +83,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.initializer_range = 0.02  # std of the normal init of every kernel and embedding
   c.model.hidden_act = "gelu"      # "gelu" (erf) or "gelu_new" (tanh approx., HF REALM's)
   c.model.dtype = "float32"        # compute dtype ("bfloat16" on TPU/GPU); params stay fp32
+  c.model.attention = "xla"        # jax.nn.dot_product_attention implementation: "xla", or
+                                   # "cudnn" (fused flash attention; NVIDIA GPU, bfloat16)
+  c.model.attention_dropout_rate = -1.0  # dropout on the attention weights (-1: dropout_rate);
+                                   # > 0 in training materialises them (no fused kernel)
+  c.model.remat = "none"           # recompute layer activations in the backward pass: "none",
+                                   # "full", or "matmuls" (keep the weight matmuls' outputs)
   c.model.retrieval_dim = 128      # retriever embedding size
   c.model.share_towers = False     # one BERT for query and block embeddings
   c.model.span_hidden_size = 256   # ORQA span scorer width (task openqa only)
@@ -262,10 +272,29 @@ def _validate_towers(config) -> None:
     if not 0 <= m.dropout_rate < 1:
       raise ConfigError(option("dropout_rate"), f"must be in [0, 1), got "
                         f"{m.dropout_rate}")
+    if not (m.get("attention_dropout_rate", -1.0) == -1.0
+            or 0 <= m.attention_dropout_rate < 1):
+      raise ConfigError("model.attention_dropout_rate", f"must be -1 (model dropout_rate) or "
+                        f"in [0, 1), got {m.attention_dropout_rate}")
     hidden_act = m.get("hidden_act", "gelu")
     if hidden_act not in HIDDEN_ACTS:
       raise ConfigError(option("hidden_act"), f"{hidden_act!r} is not one of "
                         f"{', '.join(HIDDEN_ACTS)} (erf GELU or its tanh approximation)")
+
+
+def _validate_execution(m) -> None:
+  """model.dtype / attention / remat: how the step computes."""
+  from realm_jax.models.bert import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+  if m.dtype not in COMPUTE_DTYPES:
+    raise ConfigError("model.dtype", f"{m.dtype!r} is not one of {COMPUTE_DTYPES}")
+  if m.get("attention", "xla") not in ATTENTION_IMPLEMENTATIONS:
+    raise ConfigError("model.attention", f"{m.attention!r} is not one of "
+                      f"{ATTENTION_IMPLEMENTATIONS}")
+  if m.get("attention", "xla") == "cudnn" and m.dtype == "float32":
+    raise ConfigError("model.attention", "'cudnn' (flash attention) computes in bfloat16 or "
+                      "float16: set model.dtype too, or use 'xla'")
+  if m.get("remat", "none") not in REMAT_POLICIES:
+    raise ConfigError("model.remat", f"{m.remat!r} is not one of {tuple(REMAT_POLICIES)}")
 
 
 def validate(config, *, num_blocks: int | None = None, store_block_len: int | None = None,
@@ -318,6 +347,7 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
   if not 1 <= d.max_masks <= d.query_len - 2:
     raise ConfigError("data.max_masks", f"must be in [1, query_len - 2], got {d.max_masks}")
   _validate_towers(config)
+  _validate_execution(config.model)
   if t.batch_size < 1 or t.steps < 1:
     raise ConfigError("train.batch_size" if t.batch_size < 1 else "train.steps", "must be >= 1")
   if config.init.get("hf_bert") and config.init.from_workdir:
@@ -387,6 +417,8 @@ def incompatible_fields(saved: dict, current: dict) -> list[str]:
   saved_flat, current_flat = flat_options(saved), flat_options(current)
   diffs = []
   for name in sorted(set(saved_flat) | set(current_flat)):
+    if name in EXECUTION_FIELDS:
+      continue
     if any(name == f or name.startswith(f + ".") for f in COMPATIBILITY_FIELDS):
       a, b = (saved_flat.get(name, ADDED_FIELDS.get(name)),
               current_flat.get(name, ADDED_FIELDS.get(name)))

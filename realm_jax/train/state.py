@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
+from realm_jax.errors import ConfigError
 from realm_jax.models.bert import BertConfig
 from realm_jax.models.realm import REALM
 from realm_jax.train import partitioning
@@ -20,6 +21,9 @@ def build_model(config, vocab_size: int) -> REALM:
   """The REALM module for `config.model` (the reader's shape, and the retriever's as
   `model.retriever.*` change it); vocab_size comes from the data's vocab if 0."""
   vocab_size = config.model.vocab_size or vocab_size
+  if config.model.get("attention", "xla") == "cudnn" and jax.default_backend() != "gpu":
+    raise ConfigError("model.attention", f"'cudnn' needs an NVIDIA GPU; this process runs on "
+                      f"{jax.default_backend()}: use 'xla'")
   reader, retriever = (BertConfig.from_config(part_model(config, part), vocab_size=vocab_size)
                        for part in ("reader", "retriever"))
   openqa = config.task == "openqa"

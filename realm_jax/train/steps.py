@@ -58,6 +58,17 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
 NULL_DOCUMENT_LENGTH = 3   # `[CLS][SEP][SEP]`
 
 
+def without_dropout(config) -> bool:
+  """Whether no tower drops anything (`model.dropout_rate`, the retriever's own, the attention
+  weights'): the step then runs deterministically, with no dropout rng drawn."""
+  for part in config_base.PARTS:
+    m = config_base.part_model(config, part)
+    attention = m.get("attention_dropout_rate", -1.0)
+    if m.dropout_rate > 0 or attention > 0:
+      return False
+  return True
+
+
 def rescores(config) -> bool:
   """Whether the retriever scores the candidates: only when they were retrieved (not in the
   own-block reader warm-up, nor for the null document alone, whose p(z|x) is 1 anyway)."""
@@ -73,7 +84,7 @@ def label_log_probs(vocab_log_probs, mask_labels):
 def realm_loss_fn(params, model, batch, config, rng):
   """REALM's negative marginal log-likelihood (plus metrics) for one batch."""
   params = _freeze(params, config.train)
-  deterministic = config.model.dropout_rate == 0
+  deterministic = without_dropout(config)
   logits, vocab_lp = realm_scores(model, params, batch, {"dropout": rng}, deterministic,
                                   rescores(config))
   logits = without_untrained_null(config, batch, logits)
@@ -107,7 +118,7 @@ def without_untrained_null(config, batch, logits):
 def ict_loss_fn(params, model, batch, config, rng):
   """Inverse Cloze Task loss with in-batch negatives over the global batch."""
   params = _freeze(params, config.train)
-  deterministic = config.model.dropout_rate == 0
+  deterministic = without_dropout(config)
   variables, rngs = {"params": params}, {"dropout": rng}
   query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
                       method=REALM.embed_queries)
@@ -137,7 +148,7 @@ def openqa_scores(model: REALM, params, batch, rngs=None, deterministic=True):
 def openqa_loss_fn(params, model, batch, config, rng):
   """ORQA's retriever + reader marginal log-likelihood (block tower and index frozen)."""
   params = _freeze(params, config.train)
-  deterministic = config.model.dropout_rate == 0
+  deterministic = without_dropout(config)
   logits, spans = openqa_scores(model, params, batch, {"dropout": rng}, deterministic)
   return losses.openqa_loss(logits, batch["has_answer"], spans, batch["span_correct"])
 

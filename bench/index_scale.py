@@ -1,0 +1,322 @@
+"""The block index at REALM's corpus size: 13.35M x 128 synthetic embeddings, ScaNN vs exact.
+
+REALM's Wikipedia corpus is ~13.35M blocks of 288 wordpieces. No trained model embeds that
+many blocks here, so the table is SYNTHETIC: `--clusters` Gaussian clusters in `--dim`
+dimensions, each row standardised to zero mean and unit variance as the towers' final
+LayerNorm leaves them (norm ~ sqrt(dim)); the queries are fresh draws from the same mixture,
+not perturbed table rows. Printed, and appended as one JSON line to `--out`:
+
+  table          generation seconds (cached as .npy under --cache for reruns), bytes
+  ScaNN          the derived `scann_index.scann_settings` of `configs/realm_base.py`, build +
+                 serialize seconds, peak resident memory during the build (the process's RSS,
+                 the memory-mapped table's touched pages included), load seconds, bytes on disk
+  recall@10      ScaNN vs exact on `--queries` queries (target >= 0.95)
+  queries/s      ScaNN and exact numpy (chunked matmul + top-n) at batch 1 and at a REALM
+                 batch (`--batch`, 512 queries a step), and the speedup (target >= 10x)
+  exact top-k    on device (`retrieval.index.ExactIndex`, what `retrieval.backend=exact`
+                 serves): the compiled search's memory (XLA's analysis: the table and the
+                 [batch, blocks] scores) at batch 1, 32 and the REALM batch, and its queries/s at
+                 batch 1 and 32 where this host has the memory to hold the table twice
+  refresh rate   blocks/s the builder must embed to rebuild the index every `--refresh_every`
+                 steps at `--step_s` seconds a step (default: an estimate of the paper's step
+                 from its FLOPs, shown with its assumptions), against the BERT-base block
+                 tower's measured blocks/s at 288 wordpieces on this host
+
+  python bench/index_scale.py [--blocks 13350000] [--queries 1000] [--batch 512]
+      [--cache runs/bench_index_scale] [--out runs/bench_index_scale.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+
+from realm_jax.demo import repo_config
+from realm_jax.retrieval import index as index_lib, scann_index
+from train_step import analytic_flops   # bench/ is this script's directory: sys.path[0]
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TOP_N = 10
+GENERATE_CHUNK = 1 << 20
+TPU_V3_BF16_FLOPS = 123e12    # one TPU v3 chip, dense bf16 peak (the paper's 64 TPUs)
+
+
+def synthetic_table(path: pathlib.Path, blocks: int, dim: int, clusters: int,
+                    seed: int) -> tuple[np.ndarray, float]:
+  """[blocks, dim] float32 clustered rows, standardised per row; cached at `path`."""
+  if path.exists():
+    return np.load(path, mmap_mode="r"), 0.0
+  t0 = time.perf_counter()
+  rng = np.random.default_rng(seed)
+  centers = rng.normal(size=(clusters, dim)).astype(np.float32)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".tmp.npy")
+  table = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(blocks, dim))
+  for start in range(0, blocks, GENERATE_CHUNK):
+    count = min(GENERATE_CHUNK, blocks - start)
+    table[start:start + count] = mixture_draws(rng, centers, count)
+    print(f"[scale] table {start + count:,}/{blocks:,} rows", end="\r", flush=True)
+  table.flush()
+  del table
+  os.replace(tmp, path)
+  print(flush=True)
+  return np.load(path, mmap_mode="r"), time.perf_counter() - t0
+
+
+def mixture_draws(rng: np.random.Generator, centers: np.ndarray, count: int) -> np.ndarray:
+  """`count` rows: a random centre + N(0, 0.7^2) noise, standardised as a LayerNorm would."""
+  rows = centers[rng.integers(0, len(centers), count)]
+  rows += 0.7 * rng.normal(size=rows.shape).astype(np.float32)
+  rows -= rows.mean(axis=1, keepdims=True)
+  rows /= rows.std(axis=1, keepdims=True)
+  return rows
+
+
+class PeakRSS:
+  """Samples this process's resident set every 0.2 s while in use; `.gb` is the peak."""
+
+  def __enter__(self):
+    self.peak, self._stop = 0, threading.Event()
+    self._thread = threading.Thread(target=self._sample, daemon=True)
+    self._thread.start()
+    return self
+
+  def _sample(self):
+    while not self._stop.is_set():
+      with open("/proc/self/status") as f:
+        for line in f:
+          if line.startswith("VmRSS:"):
+            self.peak = max(self.peak, int(line.split()[1]) * 1024)
+      self._stop.wait(0.2)
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()
+
+  @property
+  def gb(self) -> float:
+    return self.peak / 1e9
+
+
+def queries_per_s(search, queries: np.ndarray, batch: int, budget_s: float) -> float:
+  """Queries/s of `search(q [batch, dim])` (one untimed warm-up), within ~`budget_s`."""
+  search(queries[:batch])
+  done, t0 = 0, time.perf_counter()
+  while time.perf_counter() - t0 < budget_s:
+    for start in range(0, len(queries) - batch + 1, batch):
+      done += len(search(queries[start:start + batch]))
+      if time.perf_counter() - t0 > budget_s:
+        break
+  return done / (time.perf_counter() - t0)
+
+
+def bench_scann(table, queries, exact, cache: pathlib.Path, args) -> dict:
+  settings = scann_index.scann_settings(len(table), repo_config("realm_base").builder)
+  print(f"[scale] building ScaNN over {len(table):,} x {table.shape[1]}: {settings}", flush=True)
+  with PeakRSS() as rss:
+    t0 = time.perf_counter()
+    searcher = scann_index.build_searcher(table, settings)
+    build_s = time.perf_counter() - t0
+  index_dir = cache / "index"
+  shutil.rmtree(index_dir, ignore_errors=True)
+  index_dir.mkdir(parents=True)
+  t0 = time.perf_counter()
+  scann_index.save_searcher(searcher, str(index_dir))
+  serialize_s = time.perf_counter() - t0
+  del searcher
+  index_bytes = sum(p.stat().st_size for p in index_dir.rglob("*") if p.is_file())
+  t0 = time.perf_counter()
+  index = scann_index.ScannIndex.load(str(index_dir), version=0, step=0,
+                                      num_blocks=len(table), settings=settings)
+  load_s = time.perf_counter() - t0
+  recall = scann_index.recall_at(index.search(queries, TOP_N), exact)
+  print(f"[scale] built in {build_s:.0f} s (peak RSS {rss.gb:.1f} GB), serialized in "
+        f"{serialize_s:.0f} s ({index_bytes / 1e9:.2f} GB), loaded in {load_s:.0f} s; "
+        f"recall@{TOP_N} {recall:.4f}", flush=True)
+  qps = {f"scann_b{b}": round(queries_per_s(lambda q: index.search(q, TOP_N), queries, b,
+                                            args.qps_seconds), 1)
+         for b in (1, args.batch)}
+  shutil.rmtree(index_dir, ignore_errors=True)
+  return {"scann": settings, "build_s": round(build_s, 1), "serialize_s": round(serialize_s, 1),
+          "build_peak_rss_gb": round(rss.gb, 2), "load_s": round(load_s, 1),
+          "index_bytes": index_bytes, "recall_at_10": recall, "qps": qps}
+
+
+def bench_exact_device(table, queries, args) -> dict:
+  """Memory of the on-device exact search (compiled, nothing allocated) at three batches, and
+  its queries/s where the host can hold the padded table twice (host copy + device copy)."""
+  n, dim = table.shape
+  chunks = -(-n // index_lib.CHUNK)
+  abstract_table = jax.ShapeDtypeStruct((chunks, index_lib.CHUNK, dim), np.float32)
+  memory = {}
+  for b in sorted({1, 32, args.batch}):
+    compiled = index_lib._top_n.lower(jax.ShapeDtypeStruct((b, dim), np.float32),
+                                      abstract_table, n, TOP_N).compile()
+    stats = compiled.memory_analysis()
+    memory[f"b{b}"] = round((stats.argument_size_in_bytes + stats.output_size_in_bytes
+                             + stats.temp_size_in_bytes) / 1e9, 2)
+  record = {"exact_device_memory_gb": memory, "exact_device_qps": {}}
+  needed = 2 * chunks * index_lib.CHUNK * dim * 4
+  available = available_bytes()
+  if available is not None and available < needed * 1.2:
+    record["exact_device_qps_skipped"] = (f"needs ~{needed / 1e9:.1f} GB, "
+                                          f"{available / 1e9:.1f} GB available")
+    return record
+  exact_index = index_lib.ExactIndex.from_embeddings(np.asarray(table))
+  for b in (1, 32):
+    record["exact_device_qps"][f"b{b}"] = round(queries_per_s(
+        lambda q: exact_index.search(q, TOP_N), queries, b, args.qps_seconds), 1)
+  return record
+
+
+def available_bytes() -> int | None:
+  try:
+    with open("/proc/meminfo") as f:
+      fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    return None
+
+
+def refresh_rate(args) -> dict:
+  """Blocks/s needed to re-embed the corpus every refresh_every steps, and what the BERT-base
+  block tower embeds here (a few batches of random 288-wordpiece blocks)."""
+  from realm_jax.train import partitioning, state as state_lib, steps
+  config = repo_config("realm_base")
+  step_s, basis = args.step_s, "given (--step_s)"
+  if not step_s:
+    flops = analytic_flops(config)    # batch 512, the paper's
+    step_s = flops / (64 * TPU_V3_BF16_FLOPS * args.mfu)
+    basis = (f"estimate: {flops / 1e15:.2f} PFLOP a step (batch 512) on 64 TPU v3 chips at "
+             f"{args.mfu:.0%} of their {TPU_V3_BF16_FLOPS / 1e12:.0f} TFLOP/s bf16")
+  needed = args.blocks / (args.refresh_every * step_s)
+  mesh = partitioning.make_mesh(config.mesh.shape)
+  model = state_lib.build_model(config, config.model.vocab_size)
+  state, _, _ = state_lib.create_train_state(config, model, mesh, config.data.block_len,
+                                             jax.random.PRNGKey(0))
+  embed = steps.block_embedder(model, mesh, config, state.params["retriever"])
+  batch = max(jax.device_count(), args.embed_batch // jax.device_count() * jax.device_count())
+  rng = np.random.default_rng(0)
+  ids = rng.integers(1, config.model.vocab_size, (batch, config.data.block_len)).astype(np.int32)
+  segments = (np.arange(config.data.block_len) >= 40)[None].repeat(batch, 0).astype(np.int32)
+  sharding = partitioning.batch_sharding(mesh)
+  run = lambda: np.asarray(embed(jax.device_put(ids, sharding), jax.device_put(segments,
+                                                                              sharding)))
+  run()
+  t0 = time.perf_counter()
+  for _ in range(args.embed_batches):
+    run()
+  measured = args.embed_batches * batch / (time.perf_counter() - t0)
+  return {"step_s": round(step_s, 3), "step_s_basis": basis,
+          "refresh_every": args.refresh_every, "needed_blocks_per_s": round(needed),
+          "measured_blocks_per_s": round(measured, 2),
+          "measured_on": f"{jax.device_count()} x {jax.devices()[0].device_kind} "
+                         f"({jax.default_backend()}), BERT-base block tower, fp32",
+          "refresh_s_at_measured": round(args.blocks / measured)}
+
+
+def print_table(r: dict) -> None:
+  ok = lambda good: "ok" if good else "MISSED"
+  f = r["refresh"]
+  rows = [
+      ("device", f"{r['devices']} x {r['device_kind']} ({r['backend']}), jax {r['jax']}"),
+      ("table", f"{r['blocks']:,} x {r['dim']} float32 SYNTHETIC ({r['clusters']:,} clusters), "
+                f"{r['table_gb']:.1f} GB"),
+      ("ScaNN settings", ", ".join(f"{k} {v}" for k, v in r["scann"].items())),
+      ("build + serialize", f"{r['build_s']:.0f} + {r['serialize_s']:.0f} s, peak RSS "
+                            f"{r['build_peak_rss_gb']:.1f} GB"),
+      ("index on disk / load", f"{r['index_bytes'] / 1e9:.2f} GB / {r['load_s']:.1f} s"),
+      (f"recall@{TOP_N} vs exact", f"{r['recall_at_10']:.4f} on {r['queries']:,} queries "
+                                   f"[>= 0.95: {ok(r['recall_at_10'] >= 0.95)}]"),
+  ]
+  for key, qps in {**r["qps"], **{f"exact_device_{k}": v
+                                  for k, v in r["exact_device_qps"].items()}}.items():
+    rows.append((f"queries/s {key}", f"{qps:,.1f}"))
+  for b in (1, r["batch"]):
+    speedup = r["qps"][f"scann_b{b}"] / r["qps"][f"exact_numpy_b{b}"]
+    rows.append((f"ScaNN / exact, batch {b}", f"{speedup:.1f}x [>= 10x: {ok(speedup >= 10)}]"))
+  rows.append(("exact on-device memory", ", ".join(
+      f"batch {k[1:]}: {v:.1f} GB" for k, v in r["exact_device_memory_gb"].items())))
+  if "exact_device_qps_skipped" in r:
+    rows.append(("exact on-device qps", "skipped: " + r["exact_device_qps_skipped"]))
+  rows += [
+      ("paper step", f"{f['step_s']} s ({f['step_s_basis']})"),
+      ("refresh needs", f"{f['needed_blocks_per_s']:,} blocks/s (all blocks every "
+                        f"{f['refresh_every']} steps)"),
+      ("block tower here", f"{f['measured_blocks_per_s']:,} blocks/s on {f['measured_on']}: "
+                           f"one refresh {f['refresh_s_at_measured'] / 3600:,.1f} h"),
+  ]
+  width = max(len(name) for name, _ in rows)
+  print()
+  for name, value in rows:
+    print(f"{name.ljust(width)} | {value}")
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--blocks", type=int, default=13_350_000, help="rows of the table")
+  parser.add_argument("--dim", type=int, default=128, help="embedding size (REALM: 128)")
+  parser.add_argument("--clusters", type=int, default=16_384, help="mixture components")
+  parser.add_argument("--seed", type=int, default=0, help="seed of the table and queries")
+  parser.add_argument("--queries", type=int, default=1000, help="queries for recall and qps")
+  parser.add_argument("--batch", type=int, default=512, help="the REALM batch (queries/step)")
+  parser.add_argument("--qps_seconds", type=float, default=20.0, help="budget per qps figure")
+  parser.add_argument("--step_s", type=float, default=0.0,
+                      help="seconds per train step (0: estimated from the paper's FLOPs)")
+  parser.add_argument("--mfu", type=float, default=0.4, help="MFU assumed for --step_s 0")
+  parser.add_argument("--refresh_every", type=int, default=500, help="steps between rebuilds")
+  parser.add_argument("--embed_batch", type=int, default=16, help="blocks per embed batch")
+  parser.add_argument("--embed_batches", type=int, default=2, help="timed embed batches")
+  parser.add_argument("--cache", default=str(REPO / "runs/bench_index_scale"),
+                      help="where the table and the index under test live")
+  parser.add_argument("--out", default=str(REPO / "runs/bench_index_scale.jsonl"),
+                      help="append the JSON record here ('' to skip)")
+  args = parser.parse_args(argv)
+  cache = pathlib.Path(args.cache)
+  print(f"[scale] backend {jax.default_backend()}, {jax.device_count()} x "
+        f"{jax.devices()[0].device_kind}; {args.blocks:,} x {args.dim} synthetic", flush=True)
+  name = f"table-{args.blocks}x{args.dim}-c{args.clusters}-s{args.seed}.npy"
+  table, generate_s = synthetic_table(cache / name, args.blocks, args.dim, args.clusters,
+                                      args.seed)
+  centers = np.random.default_rng(args.seed).normal(size=(args.clusters, args.dim))
+  queries = mixture_draws(np.random.default_rng(args.seed + 1), centers.astype(np.float32),
+                          args.queries)
+  exact_search = lambda q: scann_index.exact_top_n(q, table, TOP_N, chunk=1 << 18)
+  t0 = time.perf_counter()
+  exact = exact_search(queries)
+  print(f"[scale] exact top-{TOP_N} of {len(queries):,} queries in "
+        f"{time.perf_counter() - t0:.0f} s", flush=True)
+  record = {"bench": "index_scale", "backend": jax.default_backend(), "jax": jax.__version__,
+            "device_kind": jax.devices()[0].device_kind, "devices": jax.device_count(),
+            "blocks": args.blocks, "dim": args.dim, "clusters": args.clusters,
+            "synthetic": True, "table_gb": round(table.nbytes / 1e9, 2),
+            "generate_s": round(generate_s, 1), "queries": len(queries), "batch": args.batch}
+  record.update(bench_scann(table, queries, exact, cache, args))
+  for b in (1, args.batch):
+    record["qps"][f"exact_numpy_b{b}"] = round(queries_per_s(exact_search, queries, b,
+                                                             args.qps_seconds), 1)
+    print(f"[scale] queries/s at batch {b}: ScaNN {record['qps'][f'scann_b{b}']:,}, exact "
+          f"{record['qps'][f'exact_numpy_b{b}']:,}", flush=True)
+  record.update(bench_exact_device(table, queries, args))
+  record["refresh"] = refresh_rate(args)
+  print_table(record)
+  line = json.dumps(record)
+  print(line)
+  if args.out:
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as f:
+      f.write(line + "\n")
+  return record
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
