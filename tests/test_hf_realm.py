@@ -287,6 +287,18 @@ def test_realm_default_activation_is_imported_as_the_config_value(tmp_path):
   assert state_lib.build_model(config, 0).cfg.hidden_act == "gelu_new"
 
 
+def test_attention_dropout_is_imported_apart_from_hidden_dropout(tmp_path):
+  """HF's attention_probs_dropout_prob becomes model.attention_dropout_rate where it differs
+  from hidden_dropout_prob (-1: the same rate), and the imported model drops at that rate."""
+  hf_dir = _embedder_checkpoint(tmp_path / "hf", attention_probs_dropout_prob=0.0)
+  hf_realm.import_checkpoint(hf_dir, str(tmp_path / "w2"))
+  config, _, _, _ = restore(str(tmp_path / "w2"))
+  assert (config.model.dropout_rate, config.model.attention_dropout_rate) == (0.1, 0.0)
+  assert state_lib.build_model(config, 0).cfg.attention_dropout == 0.0
+  hf_realm.import_checkpoint(_embedder_checkpoint(tmp_path / "hf_same"), str(tmp_path / "w3"))
+  assert restore(str(tmp_path / "w3"))[0].model.attention_dropout_rate == -1.0
+
+
 @pytest.mark.parametrize("activation", ["relu", "swish"])
 def test_an_activation_our_bert_lacks_is_a_clear_error(tmp_path, capsys, activation):
   hf_dir = _embedder_checkpoint(tmp_path / "hf", hidden_act=activation)

@@ -31,11 +31,11 @@ HIDDEN_ACTS = {"gelu": False, "gelu_python": False, "gelu_new": True,
                "gelu_pytorch_tanh": True, "gelu_python_tanh": True, "gelu_fast": True,
                "gelu_accurate": True}
 # `attention` values: implementations of `jax.nn.dot_product_attention` ("cudnn": NVIDIA GPUs,
-# bfloat16 / float16 compute only).
+# bfloat16 compute only; [PAD]s must trail, as every input this project builds has them).
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 # `remat` values -> the `jax.checkpoint` policy of each transformer layer ("none": no remat;
 # "full": save only the layer's inputs; "matmuls": also save the outputs of the weight
-# matmuls, recomputing the cheap element-wise parts and attention's softmax).
+# matmuls, recomputing the element-wise parts and attention (its batched matmuls included)).
 REMAT_POLICIES = {"none": None, "full": None,
                   "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -194,8 +194,13 @@ class _SelfAttentionOnly(nn.Module):
     q = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "query")(x))
     k = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "key")(x))
     v = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "value")(x))
-    if deterministic or cfg.attention_dropout == 0:
-      out = jax.nn.dot_product_attention(q, k, v, mask=key_mask, implementation=cfg.attention)
+    if (deterministic or cfg.attention_dropout == 0) and cfg.attention == "cudnn":
+      # cuDNN's own padding mask (no [B, 1, 1, S] bias, which its kernel does not take)
+      lengths = key_mask.sum(axis=-1, dtype=jnp.int32).reshape(-1)
+      out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                         implementation="cudnn")
+    elif deterministic or cfg.attention_dropout == 0:
+      out = jax.nn.dot_product_attention(q, k, v, mask=key_mask, implementation="xla")
     else:   # dropout on the weights needs them materialised: no fused kernel
       out = self.attention_with_dropout(q, k, v, key_mask)
     return out.reshape(out.shape[:-2] + (cfg.hidden_size,))

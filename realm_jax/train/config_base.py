@@ -14,7 +14,7 @@ from realm_jax.errors import ConfigError
 from realm_jax.train.option_names import upgrade_config
 
 TASKS = ("ict", "realm", "openqa")
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("float32", "bfloat16")
 CANDIDATE_SOURCES = ("index", "own_block", "null_only")
 REFRESH_MODES = ("in_process", "async", "deterministic")
 BACKENDS = ("exact", "scann")
@@ -79,14 +79,16 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.num_heads = 12           # attention heads
   c.model.intermediate_size = 3072  # feed-forward width
   c.model.max_position = 512       # position embeddings (>= query_len + block_len)
-  c.model.dropout_rate = 0.1       # BERT dropout (0 makes the step deterministic)
+  c.model.dropout_rate = 0.1       # BERT dropout (the step is deterministic when this, the
+                                   # retriever's and the attention weights' rates are all 0)
   c.model.initializer_range = 0.02  # std of the normal init of every kernel and embedding
   c.model.hidden_act = "gelu"      # "gelu" (erf) or "gelu_new" (tanh approx., HF REALM's)
   c.model.dtype = "float32"        # compute dtype ("bfloat16" on TPU/GPU); params stay fp32
   c.model.attention = "xla"        # jax.nn.dot_product_attention implementation: "xla", or
-                                   # "cudnn" (fused flash attention; NVIDIA GPU, bfloat16)
+                                   # "cudnn" (fused flash attention; NVIDIA GPU, bfloat16;
+                                   # elsewhere "xla" is used, with a warning)
   c.model.attention_dropout_rate = -1.0  # dropout on the attention weights (-1: dropout_rate);
-                                   # > 0 in training materialises them (no fused kernel)
+                                   # > 0 in training materialises them: no fused kernel there
   c.model.remat = "none"           # recompute layer activations in the backward pass: "none",
                                    # "full", or "matmuls" (keep the weight matmuls' outputs)
   c.model.retrieval_dim = 128      # retriever embedding size
@@ -291,8 +293,8 @@ def _validate_execution(m) -> None:
     raise ConfigError("model.attention", f"{m.attention!r} is not one of "
                       f"{ATTENTION_IMPLEMENTATIONS}")
   if m.get("attention", "xla") == "cudnn" and m.dtype == "float32":
-    raise ConfigError("model.attention", "'cudnn' (flash attention) computes in bfloat16 or "
-                      "float16: set model.dtype too, or use 'xla'")
+    raise ConfigError("model.attention", "'cudnn' (flash attention) computes in bfloat16: "
+                      "set model.dtype too, or use 'xla'")
   if m.get("remat", "none") not in REMAT_POLICIES:
     raise ConfigError("model.remat", f"{m.remat!r} is not one of {tuple(REMAT_POLICIES)}")
 

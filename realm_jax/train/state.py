@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -21,11 +23,14 @@ def build_model(config, vocab_size: int) -> REALM:
   """The REALM module for `config.model` (the reader's shape, and the retriever's as
   `model.retriever.*` change it); vocab_size comes from the data's vocab if 0."""
   vocab_size = config.model.vocab_size or vocab_size
-  if config.model.get("attention", "xla") == "cudnn" and jax.default_backend() != "gpu":
-    raise ConfigError("model.attention", f"'cudnn' needs an NVIDIA GPU; this process runs on "
-                      f"{jax.default_backend()}: use 'xla'")
-  reader, retriever = (BertConfig.from_config(part_model(config, part), vocab_size=vocab_size)
-                       for part in ("reader", "retriever"))
+  attention = attention_here(config)
+
+  def tower(part):
+    m = part_model(config, part)
+    m.attention = attention
+    return BertConfig.from_config(m, vocab_size=vocab_size)
+
+  reader, retriever = tower("reader"), tower("retriever")
   openqa = config.task == "openqa"
   return REALM(reader, retriever_cfg=None if retriever == reader else retriever,
                retrieval_dim=config.model.retrieval_dim,
@@ -33,6 +38,21 @@ def build_model(config, vocab_size: int) -> REALM:
                span_hidden=config.model.span_hidden_size if openqa else 0,
                max_span_width=config.model.max_span_width,
                span_eps=config.model.span_layer_norm_eps)
+
+
+def attention_here(config) -> str:
+  """`model.attention`, or "xla" (with a warning) for "cudnn" where no CUDA GPU is: a run
+  trained with cuDNN attention is restored, evaluated and indexed anywhere."""
+  attention = config.model.get("attention", "xla")
+  device = jax.devices()[0]
+  if attention == "cudnn" and not (device.platform == "gpu"
+                                   and "cuda" in device.client.platform_version.lower()):
+    warnings.warn(f"model.attention 'cudnn' needs an NVIDIA GPU; this process runs on "
+                  f"{device.platform}: using 'xla' (the same attention)", stacklevel=2)
+    return "xla"
+  if attention == "cudnn" and config.model.dtype == "float32":
+    raise ConfigError("model.attention", "'cudnn' computes in bfloat16: set model.dtype")
+  return attention
 
 
 def frozen_modules(config) -> tuple[tuple[str, ...], ...]:
