@@ -85,6 +85,21 @@ def test_attention_dropout_is_applied_in_training_only():
   np.testing.assert_array_equal(run(plain, False, 0), run(plain, True, 0))
 
 
+def test_erf_gelu_is_jax_gelu_keeping_one_tensor_for_the_backward_pass():
+  """The model's erf GELU: jax.nn.gelu(approximate=False) bit for bit, the same gradient,
+  and one saved residual where autodiff through erfc saves three tensors and a constant."""
+  import functools
+  from jax._src.ad_checkpoint import saved_residuals
+  from realm_jax.models.bert import erf_gelu
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(64, 48)).astype(np.float32) * 3)
+  reference = functools.partial(jax.nn.gelu, approximate=False)
+  np.testing.assert_array_equal(np.asarray(erf_gelu(x)), np.asarray(reference(x)))
+  weighted = lambda f: jax.grad(lambda x: (f(x) * jnp.cos(x)).sum())(x)
+  np.testing.assert_allclose(np.asarray(weighted(erf_gelu)), np.asarray(weighted(reference)),
+                             atol=1e-6, rtol=1e-6)
+  assert len(saved_residuals(erf_gelu, x)) == 1 < len(saved_residuals(reference, x))
+
+
 def random_realm_batch(config, rng):
   """A REALM batch of the config's shapes (random wordpieces, padded blocks)."""
   b, k, m = config.train.batch_size, config.retrieval.k, config.data.max_masks

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 # `hidden_act` values (HF ACT2FN names, transformers/activations.py) -> whether the GELU is
@@ -96,7 +97,25 @@ class BertConfig:
 
 def activation(cfg: BertConfig) -> Callable[[Array], Array]:
   """`cfg.hidden_act` as a function: erf GELU or its tanh approximation (as HF's ACT2FN)."""
-  return functools.partial(nn.gelu, approximate=HIDDEN_ACTS[cfg.hidden_act])
+  if HIDDEN_ACTS[cfg.hidden_act]:
+    return functools.partial(nn.gelu, approximate=True)
+  return erf_gelu
+
+
+@jax.custom_jvp
+def erf_gelu(x: Array) -> Array:
+  """x / 2 * erfc(-x / sqrt(2)): `jax.nn.gelu(x, approximate=False)`, value for value, with a
+  derivative that keeps one tensor for the backward pass (autodiff through erfc keeps four:
+  at BERT-base's feed-forward width that is 3 x [tokens, 3072] floats a layer)."""
+  return nn.gelu(x, approximate=False)
+
+
+@erf_gelu.defjvp
+def _erf_gelu_jvp(primals, tangents):
+  (x,), (dx,) = primals, tangents
+  cdf = 0.5 * jax.lax.erfc(-x * np.sqrt(0.5).astype(x.dtype))
+  pdf = jnp.exp(-0.5 * x * x) * np.sqrt(0.5 / np.pi).astype(x.dtype)
+  return x * cdf, dx * (cdf + x * pdf)
 
 
 def dense(features: int, names: tuple[str, str], cfg: BertConfig, name: str) -> nn.Dense:
@@ -200,7 +219,10 @@ class _SelfAttentionOnly(nn.Module):
       out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
                                          implementation="cudnn")
     elif deterministic or cfg.attention_dropout == 0:
-      out = jax.nn.dot_product_attention(q, k, v, mask=key_mask, implementation="xla")
+      # padding as an additive bias: a boolean mask would be broadcast to [B, N, T, S] and
+      # kept for the backward pass
+      bias = jnp.where(key_mask, 0.0, -1e9).astype(jnp.float32)
+      out = jax.nn.dot_product_attention(q, k, v, bias=bias, implementation="xla")
     else:   # dropout on the weights needs them materialised: no fused kernel
       out = self.attention_with_dropout(q, k, v, key_mask)
     return out.reshape(out.shape[:-2] + (cfg.hidden_size,))
