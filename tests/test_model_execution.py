@@ -204,6 +204,29 @@ def test_bfloat16_step_stays_close_to_float32():
   assert logits.dtype == jnp.float32 and vocab_lp.dtype == jnp.float32
 
 
+def test_the_null_document_read_short_and_embedded_once_changes_no_score():
+  """realm_scores with `null_first` (null column embedded once, read at the query's length)
+  gives the retrieval logits and log-probs of reading every column in full, and so does the
+  train loss."""
+  config = step_config()
+  config.model.vocab_size = VOCAB
+  model = state_lib.build_model(config, VOCAB)
+  batch = random_realm_batch(config, np.random.default_rng(4))
+  q = config.data.query_len
+  batch["candidate_ids"][:, 0] = 0
+  batch["candidate_ids"][:, 0, :3] = (2, 3, 3)              # `[CLS][SEP][SEP]`
+  batch["candidate_segments"][:, 0] = (np.arange(config.data.block_len) >= 2)
+  batch["reader_ids"][:, 0, q + 1:] = 0                     # `[CLS] x [SEP][SEP]`, padding
+  batch["reader_segments"][:, 0, q + 1:] = 0
+  inputs = state_lib.dummy_inputs(config, config.data.block_len)
+  params = model.init(jax.random.PRNGKey(0), **inputs)["params"]
+  full = steps.realm_scores(model, params, batch, null_first=False)
+  short = steps.realm_scores(model, params, batch, null_first=True)
+  for a, b in zip(full, short):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5, rtol=1e-5)
+  assert steps.null_column(config, training=True) and steps.null_column(config, training=False)
+
+
 def test_execution_options_are_checked_and_do_not_block_resume():
   for field, value in (("dtype", "float16"), ("attention", "flash"), ("remat", "some")):
     with pytest.raises(ConfigError, match=f"model.{field}"):
