@@ -10,18 +10,19 @@ allocated) and compiled on one device of this backend. Two figures per case:
              temporaries, from XLA's memory analysis of the compiled program on this backend;
   estimate   arguments + outputs - aliased + the activations saved for the backward pass
              (JAX's own residual accounting of the loss, which `model.remat` decides and no
-             backend changes) + the working set of the backward pass (the temporaries beyond
-             the residuals without remat) + with remat, the activations of the layer being
-             recomputed (those of one layer of every tower together, residuals without remat
-             / layers: an upper bound, the backward recomputes one tower's layer at a time).
+             backend changes) + the gradients and the optimizer's update (2 x the parameters'
+             float32 bytes) + with remat, the activations of the layer being recomputed (one
+             layer of every tower together, residuals without remat / layers: an upper bound,
+             the backward recomputes one tower's layer at a time). This is what a
+             memory-aware scheduler needs.
 
-They agree without remat. With remat they differ on CPU: XLA's CPU scheduler is not
-memory-aware and runs the recomputation right after the forward pass, so the compiled CPU
-program keeps every activation anyway (the recomputation is only ordered late across a loop
-boundary, e.g. layers under `lax.scan`); GPU and TPU schedule it into the backward pass. The
-`fits` columns use the estimate; on a GPU/TPU the XLA peak is that device's own figure. ICT's
-in-batch softmax over the global batch adds an all-gather of 4,096 x 128 embeddings, not
-counted.
+On CPU the XLA peak is far above the estimate and remat hardly moves it: XLA's CPU scheduler
+is not memory-aware (it runs the recomputation right after the forward pass, so the program
+keeps every activation anyway; only across a loop boundary, e.g. layers under `lax.scan`, is
+it ordered late), and CPU has no native bfloat16 matmul, so bf16 programs keep float32 copies.
+GPU and TPU compilers schedule for memory; run the script there for their own peak. The
+`fits` columns use the estimate. ICT's in-batch softmax over the global batch adds an
+all-gather of 4,096 x 128 embeddings, not counted.
 
   python bench/memory.py [--only realm_base|ict_base] [--dtype float32 bfloat16]
       [--remat none full matmuls] [--out runs/memory.jsonl]
@@ -81,11 +82,8 @@ def residual_bytes(config, model, abstract_state, batch) -> int:
              if "from the argument" not in source)
 
 
-def measure(name: str, dtype: str, remat: str, working_set: dict) -> dict:
-  """Compiles the step of one case; returns its memory record (GB). `working_set` keeps
-  the backward working set (temporaries - residuals) of the remat "none" case per config and
-  dtype, and one layer depth's residuals, measured when that case comes first (as the default
-  order has it)."""
+def measure(name: str, dtype: str, remat: str) -> dict:
+  """Compiles the step of one case; returns its memory record (GB)."""
   config = case_config(name, dtype, remat)
   mesh = partitioning.make_mesh((1, 1), jax.devices()[:1])
   model = state_lib.build_model(config, config.model.vocab_size)
@@ -98,15 +96,16 @@ def measure(name: str, dtype: str, remat: str, working_set: dict) -> dict:
   with partitioning.mesh_rules(mesh, partitioning.logical_rules(config.mesh.rules)):
     compiled = train_step.jitted.lower(abstract_state, batch, rng).compile()
     residuals = residual_bytes(config, model, abstract_state, batch)
+    plain = case_config(name, dtype, "none")
+    one_layer = (residual_bytes(plain, state_lib.build_model(plain, plain.model.vocab_size),
+                                abstract_state, batch) / config.model.num_layers
+                 if remat != "none" else 0)
   stats = compiled.memory_analysis()
   sizes = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
            "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes}
   held = sizes["argument"] + sizes["output"] - sizes["alias"]
-  if remat == "none":
-    working_set[name, dtype] = (max(sizes["temp"] - residuals, 0),
-                                residuals / config.model.num_layers)
-  backward, one_layer = working_set.get((name, dtype), (float("nan"), float("nan")))
-  estimate = held + residuals + backward + (one_layer if remat != "none" else 0)
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_state.params))
+  estimate = held + residuals + 2 * param_bytes + one_layer
   return {"bench": "memory", "config": name, "backend": jax.default_backend(),
           "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
           "dtype": dtype, "remat": remat, "batch_per_device": config.train.batch_size,
@@ -139,18 +138,17 @@ def main(argv=None) -> None:
   parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
                       choices=("float32", "bfloat16"))
   parser.add_argument("--remat", nargs="+", default=["none", "full", "matmuls"],
-                      choices=("none", "full", "matmuls"),
-                      help="include none (first) for the estimate's backward working set")
+                      choices=("none", "full", "matmuls"))
   parser.add_argument("--out", default=None, help="append one JSON line per case here")
   args = parser.parse_args(argv)
   print(f"[memory] backend {jax.default_backend()}, {jax.devices()[0].device_kind}, "
         f"jax {jax.__version__}", flush=True)
   names = [args.only] if args.only else ["realm_base", "ict_base"]
   cases = [(n, d, r) for n in names for d in args.dtype for r in args.remat]
-  records, working_set = [], {}
+  records = []
   for i, (name, dtype, remat) in enumerate(cases, 1):
     print(f"[memory] {i}/{len(cases)} {name} {dtype} remat={remat}: compiling", flush=True)
-    record = measure(name, dtype, remat, working_set)
+    record = measure(name, dtype, remat)
     print(f"[memory] {i}/{len(cases)} XLA peak {record['xla_peak_gb']:.2f} GB, saved "
           f"activations {record['residual_gb']:.2f} GB, estimate {record['estimate_gb']:.2f} "
           f"GB; compiled in {record['compile_s']:.0f} s", flush=True)
