@@ -21,22 +21,6 @@ from realm_jax.errors import run_cli
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_DIR, "configs")
-# On a CPU host the demo's processes see the cores as this many XLA devices, data parallel:
-# two devices of one core each run the demo's small step ~12% faster than one device with two
-# threads. Fixed (not the core count) so a seed gives the same figures on every machine.
-CPU_DEVICES = 2
-
-
-def use_cpu_devices(count: int = CPU_DEVICES) -> None:
-  """Makes XLA's CPU platform `count` devices in this process and the stages it starts
-  (trainer, index builder), unless XLA_FLAGS already sets a count; a GPU or TPU is used as
-  usual. Must run before JAX is imported."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" in flags:
-    return
-  if "jax" in sys.modules:
-    raise RuntimeError("use_cpu_devices() must run before jax is imported")
-  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 def repo_config(name: str, arg: str | None = None):
@@ -207,7 +191,6 @@ def main() -> None:
   parser.add_argument("--entities", type=int, default=2000, help="entities in the world "
                       "(about 4 blocks each)")
   args = parser.parse_args()
-  use_cpu_devices()
   from absl import logging
   logging.set_verbosity(logging.WARNING)
   run_cli("realm-demo", lambda: run_demo(args.workdir, args.seed, args.entities))
