@@ -151,6 +151,7 @@ def step_config(**model_fields):
   config.data.query_len, config.data.block_len, config.retrieval.k = 12, 24, 4
   config.train.batch_size, config.train.retriever_lr_scale = 4, 0.3
   config.model.max_position = 40
+  config.model.num_layers = 1      # one layer per tower: the compile is most of these tests
   for name, value in model_fields.items():
     config.model[name] = value
   return config
@@ -193,7 +194,7 @@ def test_bfloat16_step_stays_close_to_float32():
   """The same params and batch in bfloat16 compute: loss within 0.2% and retrieval utility
   within 0.01 nats of the float32 step's, the whole gradient within 5% (relative L2) and the
   direction of every tensor holding >= 0.1% of the gradient's norm within cos 0.97 (measured:
-  2e-5, 3e-4, 1.3%, 0.994); the retrieval logits and the reader's log-probs are float32."""
+  4e-6, 2e-4, 2.5%, 0.998); the retrieval logits and the reader's log-probs are float32."""
   params, loss, metrics, grads = reference_loss_and_grads()
   _, bf16_loss, bf16_metrics, bf16_grads = loss_and_grads(step_config(dtype="bfloat16"),
                                                           params=params)
@@ -215,30 +216,6 @@ def test_bfloat16_step_stays_close_to_float32():
   batch = random_realm_batch(config, np.random.default_rng(0))
   logits, vocab_lp = jax.jit(steps.realm_scores, static_argnums=(0,))(model, params, batch)
   assert logits.dtype == jnp.float32 and vocab_lp.dtype == jnp.float32
-
-
-def test_the_null_document_read_short_and_embedded_once_changes_no_score():
-  """realm_scores with `null_first` (null column embedded once, read at the query's length)
-  gives the retrieval logits and log-probs of reading every column in full, and so does the
-  train loss."""
-  config = step_config()
-  config.model.vocab_size = VOCAB
-  model = state_lib.build_model(config, VOCAB)
-  batch = random_realm_batch(config, np.random.default_rng(4))
-  q = config.data.query_len
-  batch["candidate_ids"][:, 0] = 0
-  batch["candidate_ids"][:, 0, :3] = (2, 3, 3)              # `[CLS][SEP][SEP]`
-  batch["candidate_segments"][:, 0] = (np.arange(config.data.block_len) >= 2)
-  batch["reader_ids"][:, 0, q + 1:] = 0                     # `[CLS] x [SEP][SEP]`, padding
-  batch["reader_segments"][:, 0, q + 1:] = 0
-  inputs = state_lib.dummy_inputs(config, config.data.block_len)
-  params = model.init(jax.random.PRNGKey(0), **inputs)["params"]
-  scores = jax.jit(steps.realm_scores, static_argnums=(0,), static_argnames=("null_first",))
-  full = scores(model, params, batch, null_first=False)
-  short = scores(model, params, batch, null_first=True)
-  for a, b in zip(full, short):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-5, rtol=1e-5)
-  assert steps.null_column(config, training=True) and steps.null_column(config, training=False)
 
 
 def test_execution_options_are_checked_and_do_not_block_resume():

@@ -24,7 +24,7 @@ def _freeze(params, train_config):
 
 
 def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
-                 rescore: bool = True, null_first: bool = False):
+                 rescore: bool = True):
   """Re-scores the k candidates with the current towers and reads each one.
 
   With `rescore=False` the retriever plays no part (the reader warm-up, whose last candidate
@@ -33,66 +33,26 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
   mixture it learns to memorise facts instead); in evaluation the null column is read to
   measure retrieval utility. The no-retrieval baseline's only candidate, the null document,
   also gets all the mass.
-  With `null_first` (candidate 0 of every row is the null document, see `null_column`) the
-  null document is read at the query's length (`[CLS] x [SEP][SEP]`: the rest of its row is
-  padding) and, in a deterministic step, embedded once for the batch (every row's is the same
-  `[CLS][SEP][SEP]`): the same numbers up to rounding, for less work.
   Returns (retrieval_logits [B, k], vocab log-probs at the masks [B, k, M, V]).
   """
   variables = {"params": params}
-  b, k, _ = batch["candidate_ids"].shape
-  null_first = null_first and k > 1
+  b, k, lb = batch["candidate_ids"].shape
+  m = batch["mask_positions"].shape[1]
   if rescore:
     query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
                         method=REALM.embed_queries)
-    blocks = _embed_candidates(model, variables, batch, rngs, deterministic,
-                               null_first and deterministic)
+    blocks = model.apply(variables, batch["candidate_ids"].reshape(b * k, lb),
+                         batch["candidate_segments"].reshape(b * k, lb), deterministic,
+                         rngs=rngs, method=REALM.embed_blocks).reshape(b, k, -1)
     logits = jnp.einsum("bd,bkd->bk", query, blocks)
   else:
     logits = jnp.full((b, k), -1e9, jnp.float32).at[:, -1].set(0.0)
-  return logits, _read_candidates(model, variables, batch, rngs, deterministic, null_first)
-
-
-def _embed_candidates(model, variables, batch, rngs, deterministic, null_once):
-  """Block-tower embeddings [B, k, dim] of the candidates (the null column's computed once)."""
-  ids, segments = batch["candidate_ids"], batch["candidate_segments"]
-  b, k, lb = ids.shape
-  embed = lambda i, s: model.apply(variables, i.reshape(-1, lb), s.reshape(-1, lb),
-                                   deterministic, rngs=rngs, method=REALM.embed_blocks)
-  if not null_once:
-    return embed(ids, segments).reshape(b, k, -1)
-  null = embed(ids[:1, 0], segments[:1, 0])                     # [1, dim]
-  rest = embed(ids[:, 1:], segments[:, 1:]).reshape(b, k - 1, -1)
-  return jnp.concatenate([jnp.broadcast_to(null[None], (b, 1, null.shape[-1])), rest], axis=1)
-
-
-def _read_candidates(model, variables, batch, rngs, deterministic, null_first):
-  """The reader's log-probs at the masks [B, k, M, V] (the null column read at query length)."""
-  ids, segments = batch["reader_ids"], batch["reader_segments"]
-  b, k, _ = ids.shape
-  m = batch["mask_positions"].shape[1]
-
-  def read(i, s):
-    n, length = i.shape[1], i.shape[2]
-    positions = jnp.broadcast_to(batch["mask_positions"][:, None], (b, n, m)).reshape(b * n, m)
-    return model.apply(variables, i.reshape(b * n, length), s.reshape(b * n, length), positions,
-                       deterministic, rngs=rngs, method=REALM.read).reshape(b, n, m, -1)
-
-  null_len = batch["query_ids"].shape[1] + 1                    # `[CLS] x [SEP]` + `[SEP]`
-  if not null_first or ids.shape[2] <= null_len:
-    return read(ids, segments)
-  null = read(ids[:, :1, :null_len], segments[:, :1, :null_len])
-  return jnp.concatenate([null, read(ids[:, 1:], segments[:, 1:])], axis=1)
-
-
-def null_column(config, training: bool) -> bool:
-  """Whether candidate 0 of every row of a REALM batch is the null document (and k > 1 follow
-  it or the query's own block does): retrieved candidates in training with the null document,
-  and every evaluation batch but the no-retrieval baseline's (the null document alone)."""
-  r = config.retrieval
-  if training:
-    return r.candidates == "index" and config_base.null_in_training(config)
-  return r.candidates in ("index", "own_block")
+  lr = batch["reader_ids"].shape[-1]
+  positions = jnp.broadcast_to(batch["mask_positions"][:, None], (b, k, m)).reshape(b * k, m)
+  vocab_log_probs = model.apply(variables, batch["reader_ids"].reshape(b * k, lr),
+                                batch["reader_segments"].reshape(b * k, lr), positions,
+                                deterministic, rngs=rngs, method=REALM.read)
+  return logits, vocab_log_probs.reshape(b, k, m, -1)
 
 
 NULL_DOCUMENT_LENGTH = 3   # `[CLS][SEP][SEP]`
@@ -126,7 +86,7 @@ def realm_loss_fn(params, model, batch, config, rng):
   params = _freeze(params, config.train)
   deterministic = without_dropout(config)
   logits, vocab_lp = realm_scores(model, params, batch, {"dropout": rng}, deterministic,
-                                  rescores(config), null_column(config, training=True))
+                                  rescores(config))
   logits = without_untrained_null(config, batch, logits)
   mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
   loss, metrics = losses.realm_loss(logits, mask_lp, batch["mask_weights"],
@@ -230,8 +190,7 @@ def make_realm_eval(config, model, mesh):
   rules = partitioning.logical_rules(config.mesh.rules)
 
   def evaluate(params, batch):
-    logits, vocab_lp = realm_scores(model, params, batch, rescore=rescores(config),
-                                    null_first=null_column(config, training=False))
+    logits, vocab_lp = realm_scores(model, params, batch, rescore=rescores(config))
     logits = without_untrained_null(config, batch, logits)
     marginal = losses.marginal_token_log_probs(logits, vocab_lp)
     mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
