@@ -48,7 +48,8 @@ from realm_jax.retrieval import scann_index
 from realm_jax.retrieval.index import embed_blocks
 from realm_jax.train import partitioning, state as state_lib, steps
 from realm_jax.train.checkpoints import restore_run
-from train_step import matmul_flops_per_s   # bench/ is this script's directory: sys.path[0]
+from report import append_jsonl, print_rows   # bench/ is this script's directory: sys.path[0]
+from train_step import matmul_flops_per_s
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TOP_N = 10
@@ -249,10 +250,7 @@ def print_table(r: dict) -> None:
   for key in sorted(k for k in r if k.startswith("speedup_b")):
     rows.append((f"ScaNN / exact, {key[8:]}", f"{r[key]:.1f}x [target at ~1M blocks >= "
                  f"{TARGETS['speedup']:.0f}x: {ok(r[key] >= TARGETS['speedup'])}]"))
-  width = max(len(name) for name, _ in rows)
-  print()
-  for name, value in rows:
-    print(f"{name.ljust(width)} | {value}")
+  print_rows(rows)
 
 
 def main(argv=None) -> dict:
@@ -317,12 +315,8 @@ def main(argv=None) -> dict:
   record["embed_ratio_to_matmul"] = record["embed_flops_per_s"] / matmul
   record.update(bench_index(table, queries, config, cache, args))
   print_table(record)
-  line = json.dumps(record)
-  print(line)
-  if args.out:
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-      f.write(line + "\n")
+  print(json.dumps(record))
+  append_jsonl(args.out, record)
   return record
 
 

@@ -42,7 +42,8 @@ import numpy as np
 
 from realm_jax.demo import repo_config
 from realm_jax.retrieval import index as index_lib, scann_index
-from train_step import analytic_flops   # bench/ is this script's directory: sys.path[0]
+from report import append_jsonl, print_rows   # bench/ is this script's directory: sys.path[0]
+from train_step import analytic_flops, host_available_gb
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TOP_N = 10
@@ -108,7 +109,9 @@ class PeakRSS:
 
 
 def queries_per_s(search, queries: np.ndarray, batch: int, budget_s: float) -> float:
-  """Queries/s of `search(q [batch, dim])` (one untimed warm-up), within ~`budget_s`."""
+  """Queries/s of `search(q [batch, dim])` (one untimed warm-up), passing over `queries` again
+  until ~`budget_s` are spent (bench/index.py's makes one pass: at 13.35M blocks one pass of
+  fast ScaNN searches is too short to time)."""
   search(queries[:batch])
   done, t0 = 0, time.perf_counter()
   while time.perf_counter() - t0 < budget_s:
@@ -165,26 +168,17 @@ def bench_exact_device(table, queries, args) -> dict:
     memory[f"b{b}"] = round((stats.argument_size_in_bytes + stats.output_size_in_bytes
                              + stats.temp_size_in_bytes) / 1e9, 2)
   record = {"exact_device_memory_gb": memory, "exact_device_qps": {}}
-  needed = 2 * chunks * index_lib.CHUNK * dim * 4
-  available = available_bytes()
-  if available is not None and available < needed * 1.2:
-    record["exact_device_qps_skipped"] = (f"needs ~{needed / 1e9:.1f} GB, "
-                                          f"{available / 1e9:.1f} GB available")
+  needed_gb = 2 * chunks * index_lib.CHUNK * dim * 4 / 1e9
+  available_gb = host_available_gb()
+  if available_gb is not None and available_gb < needed_gb * 1.2:
+    record["exact_device_qps_skipped"] = (f"needs ~{needed_gb:.1f} GB, "
+                                          f"{available_gb:.1f} GB available")
     return record
   exact_index = index_lib.ExactIndex.from_embeddings(np.asarray(table))
   for b in (1, 32):
     record["exact_device_qps"][f"b{b}"] = round(queries_per_s(
         lambda q: exact_index.search(q, TOP_N), queries, b, args.qps_seconds), 1)
   return record
-
-
-def available_bytes() -> int | None:
-  try:
-    with open("/proc/meminfo") as f:
-      fields = dict(line.split(":", 1) for line in f)
-    return int(fields["MemAvailable"].split()[0]) * 1024
-  except (OSError, KeyError, ValueError):
-    return None
 
 
 def refresh_rate(args) -> dict:
@@ -255,10 +249,7 @@ def print_table(r: dict) -> None:
       ("block tower here", f"{f['measured_blocks_per_s']:,} blocks/s on {f['measured_on']}: "
                            f"one refresh {f['refresh_s_at_measured'] / 3600:,.1f} h"),
   ]
-  width = max(len(name) for name, _ in rows)
-  print()
-  for name, value in rows:
-    print(f"{name.ljust(width)} | {value}")
+  print_rows(rows)
 
 
 def main(argv=None) -> dict:
@@ -309,12 +300,8 @@ def main(argv=None) -> dict:
   record.update(bench_exact_device(table, queries, args))
   record["refresh"] = refresh_rate(args)
   print_table(record)
-  line = json.dumps(record)
-  print(line)
-  if args.out:
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-      f.write(line + "\n")
+  print(json.dumps(record))
+  append_jsonl(args.out, record)
   return record
 
 

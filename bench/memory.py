@@ -31,8 +31,6 @@ all-gather of 4,096 x 128 embeddings, not counted.
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import sys
 import time
 
@@ -43,6 +41,7 @@ from jax._src.ad_checkpoint import saved_residuals   # (aval, source) of each sa
 from realm_jax.demo import repo_config
 from realm_jax.train import partitioning, state as state_lib, steps
 from realm_jax.train.config_base import validate
+from report import append_jsonl   # bench/ is this script's directory: sys.path[0]
 
 PAPER_DEVICES = 64          # REALM and ORQA trained on 64 TPUs
 DEVICE_GB = (16, 32, 80)    # device memories to check the peak against
@@ -153,10 +152,7 @@ def main(argv=None) -> None:
           f"activations {record['residual_gb']:.2f} GB, estimate {record['estimate_gb']:.2f} "
           f"GB; compiled in {record['compile_s']:.0f} s", flush=True)
     records.append(record)
-    if args.out:
-      pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-      with open(args.out, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_jsonl(args.out, record)
   print_table(records)
 
 

@@ -80,6 +80,7 @@ from realm_jax.interop import hf_parity, hf_realm  # noqa: E402
 from realm_jax.models import losses  # noqa: E402
 from realm_jax.models.bert import BertConfig  # noqa: E402
 from realm_jax.models.realm import REALM  # noqa: E402
+from report import append_jsonl  # noqa: E402  (bench/ is this script's directory: sys.path[0])
 from realm_jax.train import state as state_lib  # noqa: E402
 from realm_jax.train.config_base import base_config  # noqa: E402
 from realm_jax.train.steps import label_log_probs  # noqa: E402
@@ -323,9 +324,7 @@ def main() -> None:
           f"ms | peer / ours = {record['openqa_ratio']:.2f}x | same answer "
           f"{record['openqa_same_answer']}/{record['openqa_questions']}", flush=True)
   print(json.dumps(record), flush=True)
-  if args.out:
-    with open(args.out, "a") as f:
-      f.write(json.dumps(record) + "\n")
+  append_jsonl(args.out, record)
 
 
 if __name__ == "__main__":

@@ -36,18 +36,13 @@ import jax
 import numpy as np
 
 from realm_jax.train import partitioning, state as state_lib, steps
-from train_step import case_config, random_batch   # bench/ is sys.path[0]
+from realm_jax.train.metrics import read_jsonl
+from report import append_jsonl                    # bench/ is sys.path[0]
+from train_step import case_config, random_batch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUNTIME_EVENTS = ("ThunkExecutor", "PjRt", "Pjit", "SlinkyThreadPool", "ParseArguments",
                   "Handle inputs", "AllocateOutput")
-
-
-def read_jsonl(path: str) -> list[dict]:
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
 
 
 def run_breakdown(demo: str) -> dict:
@@ -190,10 +185,7 @@ def main(argv=None) -> None:
     print(f"[profile] no finished demo under {args.demo}: step profile only", flush=True)
   record["step"] = step_profile(args.steps)
   print_report(record)
-  if args.out:
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-      f.write(json.dumps(record) + "\n")
+  append_jsonl(args.out, record)
 
 
 if __name__ == "__main__":

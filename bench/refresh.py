@@ -49,6 +49,7 @@ import numpy as np
 
 from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
+from report import append_jsonl, print_rows   # bench/ is this script's directory: sys.path[0]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = "configs/demo_realm.py:realm"
@@ -234,10 +235,7 @@ def print_table(r: dict) -> None:
       ("builder embed per version", f"{r['embed_s_mean']:.2f} s mean (build interval "
                                     f"{r['build_interval_s_mean']:.2f} s)"),
   ]
-  width = max(len(name) for name, _ in rows)
-  print()
-  for name, value in rows:
-    print(f"{name.ljust(width)} | {value}")
+  print_rows(rows)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -287,12 +285,8 @@ def main(argv: list[str] | None = None) -> dict:
   record.update(measure(args, workdir))
   print_table(record)
   print(f"\ncommand: {command}")
-  line = json.dumps(record)
-  print(line, flush=True)
-  if args.out:
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-      f.write(line + "\n")
+  print(json.dumps(record), flush=True)
+  append_jsonl(args.out, record)
   return record
 
 

@@ -38,6 +38,7 @@ import numpy as np
 from realm_jax.demo import repo_config
 from realm_jax.train import partitioning, state as state_lib, steps
 from realm_jax.train.config_base import part_model, validate
+from report import append_jsonl   # bench/ is this script's directory: sys.path[0]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -326,10 +327,7 @@ def main(argv=None) -> None:
     record = bench_case(case, config, num_steps, matmul)
     records.append(record)
     print(json.dumps(record), flush=True)
-    if args.out:
-      pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-      with open(args.out, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_jsonl(args.out, record)
   print_table(records, matmul)
 
 

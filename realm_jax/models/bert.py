@@ -213,18 +213,18 @@ class _SelfAttentionOnly(nn.Module):
     q = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "query")(x))
     k = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "key")(x))
     v = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "value")(x))
-    if (deterministic or cfg.attention_dropout == 0) and cfg.attention == "cudnn":
+    if not deterministic and cfg.attention_dropout > 0:
+      out = self.attention_with_dropout(q, k, v, key_mask)   # materialised: no fused kernel
+    elif cfg.attention == "cudnn":
       # cuDNN's own padding mask (no [B, 1, 1, S] bias, which its kernel does not take)
       lengths = key_mask.sum(axis=-1, dtype=jnp.int32).reshape(-1)
       out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
                                          implementation="cudnn")
-    elif deterministic or cfg.attention_dropout == 0:
+    else:
       # padding as an additive bias: a boolean mask would be broadcast to [B, N, T, S] and
       # kept for the backward pass
       bias = jnp.where(key_mask, 0.0, -1e9).astype(jnp.float32)
       out = jax.nn.dot_product_attention(q, k, v, bias=bias, implementation="xla")
-    else:   # dropout on the weights needs them materialised: no fused kernel
-      out = self.attention_with_dropout(q, k, v, key_mask)
     return out.reshape(out.shape[:-2] + (cfg.hidden_size,))
 
   def attention_with_dropout(self, q, k, v, key_mask):

@@ -284,6 +284,14 @@ def _validate_towers(config) -> None:
                         f"{', '.join(HIDDEN_ACTS)} (erf GELU or its tanh approximation)")
 
 
+def check_cudnn_dtype(m) -> None:
+  """cuDNN's fused attention computes in bfloat16 only (checked at start-up and where a model
+  is built for a GPU)."""
+  if m.get("attention", "xla") == "cudnn" and m.dtype == "float32":
+    raise ConfigError("model.attention", "'cudnn' (flash attention) computes in bfloat16: "
+                      "set model.dtype too, or use 'xla'")
+
+
 def _validate_execution(m) -> None:
   """model.dtype / attention / remat: how the step computes."""
   from realm_jax.models.bert import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
@@ -292,9 +300,7 @@ def _validate_execution(m) -> None:
   if m.get("attention", "xla") not in ATTENTION_IMPLEMENTATIONS:
     raise ConfigError("model.attention", f"{m.attention!r} is not one of "
                       f"{ATTENTION_IMPLEMENTATIONS}")
-  if m.get("attention", "xla") == "cudnn" and m.dtype == "float32":
-    raise ConfigError("model.attention", "'cudnn' (flash attention) computes in bfloat16: "
-                      "set model.dtype too, or use 'xla'")
+  check_cudnn_dtype(m)
   if m.get("remat", "none") not in REMAT_POLICIES:
     raise ConfigError("model.remat", f"{m.remat!r} is not one of {tuple(REMAT_POLICIES)}")
 

@@ -10,11 +10,10 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from realm_jax.errors import ConfigError
 from realm_jax.models.bert import BertConfig
 from realm_jax.models.realm import REALM
 from realm_jax.train import partitioning
-from realm_jax.train.config_base import part_model
+from realm_jax.train.config_base import check_cudnn_dtype, part_model
 
 TrainState = train_state.TrainState
 
@@ -50,8 +49,7 @@ def attention_here(config) -> str:
     warnings.warn(f"model.attention 'cudnn' needs an NVIDIA GPU; this process runs on "
                   f"{device.platform}: using 'xla' (the same attention)", stacklevel=2)
     return "xla"
-  if attention == "cudnn" and config.model.dtype == "float32":
-    raise ConfigError("model.attention", "'cudnn' computes in bfloat16: set model.dtype")
+  check_cudnn_dtype(config.model)
   return attention
 
 
