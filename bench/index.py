@@ -166,6 +166,24 @@ def jax_exact_search(table: np.ndarray):
   return lambda q: np.asarray(top(jnp.asarray(q), device_table))
 
 
+def serialize(searcher, index_dir: pathlib.Path) -> tuple[float, int]:
+  """Saves `searcher` into a fresh `index_dir`: (seconds, bytes on disk)."""
+  shutil.rmtree(index_dir, ignore_errors=True)
+  index_dir.mkdir(parents=True)
+  t0 = time.perf_counter()
+  scann_index.save_searcher(searcher, str(index_dir))
+  seconds = time.perf_counter() - t0
+  return seconds, sum(p.stat().st_size for p in index_dir.rglob("*") if p.is_file())
+
+
+def load(index_dir: pathlib.Path, num_blocks: int, settings: dict):
+  """The serialized index as the trainer loads it: (ScannIndex, seconds)."""
+  t0 = time.perf_counter()
+  index = scann_index.ScannIndex.load(str(index_dir), version=0, step=0, num_blocks=num_blocks,
+                                      settings=settings)
+  return index, time.perf_counter() - t0
+
+
 def bench_index(table: np.ndarray, queries: np.ndarray, config, cache: pathlib.Path,
                 args) -> dict:
   """Builds, serializes, loads and searches the ScaNN index; exact search for reference."""
@@ -176,16 +194,8 @@ def bench_index(table: np.ndarray, queries: np.ndarray, config, cache: pathlib.P
   searcher = scann_index.build_searcher(table, settings)
   build_s = time.perf_counter() - t0
   index_dir = cache / "index"
-  shutil.rmtree(index_dir, ignore_errors=True)
-  index_dir.mkdir(parents=True)
-  t0 = time.perf_counter()
-  scann_index.save_searcher(searcher, str(index_dir))
-  serialize_s = time.perf_counter() - t0
-  index_bytes = sum(p.stat().st_size for p in index_dir.rglob("*") if p.is_file())
-  t0 = time.perf_counter()
-  index = scann_index.ScannIndex.load(str(index_dir), version=0, step=0, num_blocks=num_blocks,
-                                      settings=settings)
-  load_s = time.perf_counter() - t0
+  serialize_s, index_bytes = serialize(searcher, index_dir)
+  index, load_s = load(index_dir, num_blocks, settings)
   print(f"[bench] built in {build_s:.1f}s, serialized in {serialize_s:.1f}s "
         f"({index_bytes / 1e6:,.0f} MB), loaded in {load_s:.1f}s; exact top-{TOP_N} of "
         f"{len(queries):,} queries", flush=True)

@@ -42,7 +42,8 @@ import numpy as np
 
 from realm_jax.demo import repo_config
 from realm_jax.retrieval import index as index_lib, scann_index
-from report import append_jsonl, print_rows   # bench/ is this script's directory: sys.path[0]
+from index import load, serialize        # bench/ is this script's directory: sys.path[0]
+from report import append_jsonl, print_rows
 from train_step import analytic_flops, host_available_gb
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -130,17 +131,9 @@ def bench_scann(table, queries, exact, cache: pathlib.Path, args) -> dict:
     searcher = scann_index.build_searcher(table, settings)
     build_s = time.perf_counter() - t0
   index_dir = cache / "index"
-  shutil.rmtree(index_dir, ignore_errors=True)
-  index_dir.mkdir(parents=True)
-  t0 = time.perf_counter()
-  scann_index.save_searcher(searcher, str(index_dir))
-  serialize_s = time.perf_counter() - t0
-  del searcher
-  index_bytes = sum(p.stat().st_size for p in index_dir.rglob("*") if p.is_file())
-  t0 = time.perf_counter()
-  index = scann_index.ScannIndex.load(str(index_dir), version=0, step=0,
-                                      num_blocks=len(table), settings=settings)
-  load_s = time.perf_counter() - t0
+  serialize_s, index_bytes = serialize(searcher, index_dir)
+  del searcher    # at full size the built and the loaded index do not both fit
+  index, load_s = load(index_dir, len(table), settings)
   recall = scann_index.recall_at(index.search(queries, TOP_N), exact)
   print(f"[scale] built in {build_s:.0f} s (peak RSS {rss.gb:.1f} GB), serialized in "
         f"{serialize_s:.0f} s ({index_bytes / 1e9:.2f} GB), loaded in {load_s:.0f} s; "
