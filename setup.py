@@ -32,7 +32,7 @@ setup(
         "scann>=1.3,<2; platform_system == 'Linux'",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "tensorflow-datasets>=4.9,<5"],
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "tensorflow-datasets>=4.9,<5"],
         "tfds": ["tensorflow-datasets>=4.9,<5"],
         # jaxlib's accelerator plugins: TPU VMs (launch/tpu_pod.py, the GKE image) and CUDA 12.
         "tpu": ["jax[tpu]" + JAX],

@@ -7,7 +7,8 @@ if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES_FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A compilation cache private to this test session: the Trainer runs (and CLI subprocesses)
-# that compile the same programs again pay for XLA only once. Removed when the session ends.
+# that compile the same programs again pay for XLA only once. pytest-xdist workers inherit the
+# variable from the controlling process, so they share it. Removed when the session ends.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   import atexit
   import shutil
