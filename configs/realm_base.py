@@ -16,6 +16,11 @@ must be prepared with that vocab, which is checked at start-up). Point them at y
       --config.data.dir gs://BUCKET/realm/data --config.init.retriever gs://BUCKET/realm/ict \
       --config.init.reader /data/bert-base-uncased
 
+and `realm-index` with the same flags on devices of its own: the corpus is re-embedded by the
+separate builder (`retrieval.refresh=async`), as in the paper; in the trainer's process a
+rebuild of 13.35M blocks would stall training for hours between two steps.
+launch/tpu_pod.py starts both.
+
 Variants by arg:
   base   (default) the paper's settings
   small  the same data shapes (query 96, block 288, k 8) with a 2-layer d=128 model, a small
@@ -37,6 +42,7 @@ def get_config(arg=None):
   c.model.vocab_size = 30522       # BERT-base uncased wordpieces (imported BERT fits as is)
   c.init.retriever = ICT_RUN       # the retriever from the ICT warm start
   c.init.reader = BERT_BASE        # the reader (BERT + MLM head) from pre-trained BERT-base
+  c.retrieval.refresh = "async"    # the separate realm-index job re-embeds the corpus
   if variant == "small":
     _small(c)
   return c
@@ -52,4 +58,5 @@ def _small(c):
   c.train.log_every = 10           # progress every 10 steps
   c.train.checkpoint_every = 20    # two checkpoints
   c.retrieval.refresh_every = 20   # one index rebuild mid-run
+  c.retrieval.refresh = "in_process"   # by the trainer itself: one command
   c.eval.num_examples = 64         # a quick final evaluation

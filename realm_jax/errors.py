@@ -18,6 +18,15 @@ class DataError(ValueError):
   """Input data that cannot be used as given; the message names the file and line."""
 
 
+class CheckpointError(RuntimeError):
+  """A run's checkpoints cannot be used (each one tried is named); the CLI exits with code 1."""
+
+
+class NonFiniteError(RuntimeError):
+  """A training step's loss or gradient is not finite (`train.nonfinite=stop`); the message
+  names the step, the values and the last checkpoint. The CLI exits with code 1."""
+
+
 def run_cli(prog: str, main: Callable[[], object]) -> object:
   """Runs `main`; ConfigError / missing files -> one clear line on stderr and exit code 2; an
   unreachable coordinator -> one line and exit code 1."""
@@ -29,6 +38,6 @@ def run_cli(prog: str, main: Callable[[], object]) -> object:
   except (FileNotFoundError, DataError) as e:
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
-  except ConnectionError as e:   # another process of the job (the coordinator) is unreachable
+  except (ConnectionError, CheckpointError, NonFiniteError) as e:   # e.g. no coordinator
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(1) from None

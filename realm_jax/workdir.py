@@ -4,6 +4,8 @@
   W/config.json          the run's resolved config: recorded at start, checked on resume
   W/blocks.json          the block store the trainer's block rows refer to (realm-index checks)
   W/checkpoints/<step>/  Orbax checkpoints (train/checkpoints.py)
+  W/unreadable_checkpoints/<step>/   a checkpoint that failed to restore on resume, moved
+                         aside (kept for a post-mortem; that step is saved again)
   W/index/<version>/     published index versions (retrieval/published.py)
   W/metrics/<kind>.jsonl, W/tb/<kind>/   metrics (train/metrics.py)
   W/summary.json         the run's summary, written when it finishes (absent: not finished)
@@ -24,6 +26,7 @@ from realm_jax.errors import ConfigError
 CONFIG = "config.json"
 BLOCKS_RECORD = "blocks.json"
 CHECKPOINTS = "checkpoints"
+UNREADABLE_CHECKPOINTS = "unreadable_checkpoints"
 SUMMARY = "summary.json"
 DONE = "DONE"
 

@@ -319,8 +319,8 @@ def test_gke_slice_sizes_and_a_trainer_only_run(tmp_path):
   specs = [j["template"]["spec"] for j in manifest["spec"]["replicatedJobs"]]
   assert [(s["parallelism"], s["template"]["spec"]["nodeSelector"][
       "cloud.google.com/gke-tpu-topology"]) for s in specs] == [(8, "2x4x4"), (2, "2x2x2")]
-  only = _render(tmp_path, *RUN[:6], *INIT, *GKE_RUN[-2:], "--builder_type",
-                 "none")   # in_process
+  only = _render(tmp_path, *RUN[:6], "--set", "retrieval.refresh=in_process", *INIT,
+                 *GKE_RUN[-2:], "--builder_type", "none")
   assert [j["name"] for j in only["spec"]["replicatedJobs"]] == ["trainer"]
 
 

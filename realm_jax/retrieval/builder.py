@@ -18,6 +18,7 @@ the last published; `deterministic` builds every refresh step (multiples of
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -29,6 +30,8 @@ from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
 from realm_jax.train import multihost
 from realm_jax.train.option_names import upgrade_flags
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)   # a full disk or quota: retried at the next poll
 
 WAIT_MESSAGE_SECONDS = 30.0      # one "still waiting" line per this many seconds
 LIST_ATTEMPTS = 5                # listings of the checkpoints tried while steps vanish under it
@@ -136,6 +139,24 @@ class IndexBuilder:
     timings["embed_seconds"] = round(seconds, 3)
     timings["blocks_per_second"] = round(len(embeddings) / max(seconds, 1e-9), 1)
     query_params = partitioning.host_copy(steps_lib.query_tower_params(params))
+    while True:   # a full disk: nothing of the version is visible; write it again next poll
+      try:
+        return self._publish(step, version, staging, embeddings, query_params, timings)
+      except OSError as e:
+        if e.errno not in NO_SPACE:
+          raise
+        self.published.abandon(staging)
+        print(f"{prefix}no space left writing {e.filename or staging} ({e.strerror}): "
+              f"nothing of v{version} is visible; writing it again in "
+              f"{cfg.builder.poll_seconds:g}s", flush=True)
+        time.sleep(cfg.builder.poll_seconds)
+        version, staging = self.published.start_version(self.root)
+        prefix = f"[index] v{version} (step {step}): "
+
+  def _publish(self, step: int, version: int, staging, embeddings: np.ndarray,
+               query_params: dict, timings: dict) -> dict:
+    """Writes version `version`'s files into `staging` and publishes it; its manifest."""
+    cfg, prefix = self.config, f"[index] v{version} (step {step}): "
     extra = self._write_index(staging, embeddings, query_params, timings, prefix)
     print(f"{prefix}publishing", flush=True)
     t0 = time.time()

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from realm_jax.data.prepared import BlockStore
+from realm_jax.errors import NonFiniteError
 from realm_jax.train import partitioning
 from realm_jax.train.metrics import format_duration
 
@@ -101,13 +102,23 @@ class IndexVersion:
     return self.index.search(self.encode_queries(query_ids), n)
 
 
+class EmbeddingStopped(Exception):
+  """`embed_blocks` gave up between two batches because `should_stop()` said so."""
+
+  def __init__(self, done: int, total: int):
+    super().__init__(f"stopped after {done:,} of {total:,} blocks")
+    self.done, self.total = done, total
+
+
 def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
-                 log_prefix: str = "") -> tuple[np.ndarray, float]:
+                 log_prefix: str = "", should_stop: Callable[[], bool] | None = None
+                 ) -> tuple[np.ndarray, float]:
   """Embeds every block with `embed_fn(ids, segments)` -> ([num_blocks, dim] host, seconds).
 
   Batches are padded to a multiple of the device count so every device embeds an equal share;
   one batch is in flight while the previous one is copied out. With `log_prefix`, prints a
-  progress line (blocks/s, ETA) every PROGRESS_SECONDS and a final one.
+  progress line (blocks/s, ETA) every PROGRESS_SECONDS and a final one. `should_stop` is asked
+  after every batch; True raises EmbeddingStopped (a SIGTERM: the trainer saves its step).
   """
   t0 = last = time.time()
   devices = mesh.devices.size
@@ -121,10 +132,16 @@ def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
   def drain(item):
     nonlocal out
     start, count, emb = item
-    emb = partitioning.host_array(emb)   # every host gets every block's embedding
+    emb = partitioning.host_array(emb)[:count]   # every host gets every block's embedding
+    bad = ~np.isfinite(emb).all(axis=1)
+    if bad.any():
+      raise NonFiniteError(
+          f"{log_prefix}the embeddings of {int(bad.sum())} of blocks {start}..{start + count - 1}"
+          f" are not finite (first: block {start + int(np.argmax(bad))}): the block tower's "
+          f"parameters have diverged; nothing is indexed")
     if out is None:
       out = np.empty((n, emb.shape[1]), np.float32)
-    out[start:start + count] = emb[:count]
+    out[start:start + count] = emb
 
   for start in range(0, n, batch_size):
     rows = np.arange(start, min(start + batch_size, n))
@@ -133,6 +150,8 @@ def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
     if pending is not None:
       drain(pending)
     pending = (start, len(rows), emb)
+    if should_stop is not None and should_stop():
+      raise EmbeddingStopped(start, n)
     now = time.time()
     if log_prefix and now - last >= PROGRESS_SECONDS:
       done, rate = start + len(rows), (start + len(rows)) / (now - t0)

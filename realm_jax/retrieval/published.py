@@ -127,6 +127,14 @@ def start_version(root) -> tuple[int, epath.Path]:
   return version, staging
 
 
+def abandon(staging) -> None:
+  """Removes what a failed write left of an unpublished version (no manifest: no reader ever
+  used it)."""
+  staging = epath.Path(staging)
+  if staging.exists() and not (staging / MANIFEST).exists():
+    staging.rmtree()
+
+
 def _list_files(directory: epath.Path, prefix: str = "") -> list[tuple[str, epath.Path]]:
   out = []
   for p in sorted(directory.iterdir(), key=lambda p: p.name):
@@ -273,13 +281,23 @@ def clean_staging(root) -> list[str]:
 
 # -- the arrays of a version -------------------------------------------------------------------
 def write_arrays(staging, embeddings: np.ndarray, query_params: dict) -> None:
-  """The files every version has, into its staging dir (see the module doc)."""
+  """The files every version has, into its staging dir (see the module doc). A failed write
+  raises OSError naming the file, with its errno (ENOSPC for a full disk)."""
   from flax import traverse_util
   staging = epath.Path(staging)
-  with (staging / EMBEDDINGS).open("wb") as f:
-    np.save(f, embeddings)
-  with (staging / QUERY_PARAMS).open("wb") as f:
-    np.savez(f, **traverse_util.flatten_dict(query_params, sep="/"))
+  embeddings = np.ascontiguousarray(embeddings)
+  path = staging / EMBEDDINGS
+  try:
+    with path.open("wb") as f:
+      # np.save's own writer (ndarray.tofile) drops the errno of a failed write
+      np.lib.format.write_array_header_1_0(
+          f, np.lib.format.header_data_from_array_1_0(embeddings))
+      f.write(embeddings.data)
+    path = staging / QUERY_PARAMS
+    with path.open("wb") as f:
+      np.savez(f, **traverse_util.flatten_dict(query_params, sep="/"))
+  except OSError as e:
+    raise OSError(e.errno, e.strerror or str(e), str(path)) from e
 
 
 def publish_arrays(root, embeddings: np.ndarray, query_params: dict, *, step: int,

@@ -42,6 +42,7 @@ class NoRetrieval:
 
   retrieves = False     # training batches read retrieved blocks
   measures = False      # evaluation retrieves (recall, REALM's marginal)
+  should_stop = None    # () -> bool, set by the trainer: a SIGTERM came (a rebuild yields)
 
   def __init__(self, config, workdir: str):
     self.config, self.workdir = config, workdir
@@ -148,14 +149,16 @@ class RebuiltIndex(NoRetrieval):
     self.params = None                      # the retriever snapshot it was built from
     self.schedule = VersionSchedule(config, None, _all_hosts_have) if retrieves else None
 
-  def rebuild(self, retriever_params, step: int) -> None:
-    """Embeds every block with `retriever_params` (a snapshot at `step`)."""
+  def rebuild(self, retriever_params, step: int, should_stop=None) -> None:
+    """Embeds every block with `retriever_params` (a snapshot at `step`). `should_stop`: see
+    `embed_blocks` (the index and the snapshot it records stay the previous ones)."""
     version = 0 if self.index is None else self.index.version + 1
-    self.params = retriever_params
     embed_fn = steps.block_embedder(self.model, self.mesh, self.config, retriever_params)
     embeddings, _ = embed_blocks(embed_fn, self.data.blocks, self.mesh,
                                  self.config.retrieval.embed_batch_size,
-                                 log_prefix=f"[{self.config.task}] index v{version}: ")
+                                 log_prefix=f"[{self.config.task}] index v{version}: ",
+                                 should_stop=should_stop)
+    self.params = retriever_params
     encoder = steps.QueryEncoder(self.model, self.config,
                                  steps.query_tower_params(retriever_params))
     self.index = IndexVersion(version=version, step=step,
@@ -186,7 +189,7 @@ class RebuiltIndex(NoRetrieval):
     every = self.config.retrieval.refresh_every
     horizon = (step // every + 1) * every - 1
     if self.index is None or (step % every == 0 and step != self.index.step):
-      self.rebuild(self.snapshot(), step)
+      self.rebuild(self.snapshot(), step, self.should_stop)
       self.schedule.announce(step, self.index, horizon)
     elif step == start:
       self.schedule.announce(step, self.index, horizon)

@@ -6,11 +6,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from flax import traverse_util
+
+from realm_jax.errors import CheckpointError
 
 ITEMS = ("params", "opt", "data", "retrieval")
 # How long a save may take, its cross-host barriers included, before it is an error.
@@ -38,6 +41,8 @@ class Checkpointer:
         self.directory,
         options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_saves,
+            # what a save cut short left (`<step>.orbax-checkpoint-tmp`) goes at start-up
+            cleanup_tmp_directories=True,
             async_options=ocp.AsyncOptions(timeout_secs=SAVE_TIMEOUT_SECONDS)),
         item_names=ITEMS)
 
@@ -48,12 +53,31 @@ class Checkpointer:
     return list(self.manager.all_steps())
 
   def save(self, step: int, state, data_state: dict, retrieval: dict) -> None:
-    """Starts an async save; a failure of the previous one surfaces here or in `close`."""
-    self.manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(state.params),
-        opt=ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
-        data=ocp.args.JsonSave(data_state),
-        retrieval=ocp.args.StandardSave(retrieval)), force=True)
+    """Starts an async save; a failure of the previous one surfaces here or in `close`, as a
+    CheckpointError naming the directory and the latest complete checkpoint."""
+    try:
+      self.manager.save(step, args=ocp.args.Composite(
+          params=ocp.args.StandardSave(state.params),
+          opt=ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
+          data=ocp.args.JsonSave(data_state),
+          retrieval=ocp.args.StandardSave(retrieval)), force=True)
+    except Exception as e:   # Orbax / TensorStore: ValueError, RuntimeError, OSError ...
+      raise self._save_failed(e) from e
+
+  def _save_failed(self, error: Exception) -> CheckpointError:
+    """A save that failed (e.g. no space left): nothing of it is visible (Orbax writes under a
+    tmp name and renames on commit); says which checkpoint a rerun resumes from."""
+    try:
+      self.manager.reload()
+      latest = self.manager.latest_step()
+    except Exception:  # noqa: BLE001  (the listing itself may fail on a sick disk)
+      latest = None
+    reason = str(error).splitlines()[0][:600] if str(error) else type(error).__name__
+    return CheckpointError(
+        f"saving a checkpoint under {self.directory} failed: {reason}. Nothing of it is "
+        f"visible; the latest complete checkpoint is "
+        + (f"{self.directory}/{latest} (a rerun resumes from it)" if latest is not None
+           else "none (a rerun starts over)"))
 
   def restore(self, step: int, abstract_state, abstract_retrieval) -> tuple[Any, dict, dict]:
     """Restores straight into the shardings of the abstract targets (no host copy first)."""
@@ -67,14 +91,57 @@ class Checkpointer:
                                    opt_state=restored.opt["opt_state"])
     return state, restored.data, restored.retrieval
 
+  def restore_latest(self, abstract_state, abstract_retrieval, log=print):
+    """(step, state, data item, retrieval item) of the newest checkpoint that restores, or
+    None when there is none. A newer one that fails (a truncated or corrupt file) is named,
+    moved to `W/unreadable_checkpoints/<step>` (so that step can be saved again) and the one
+    before it tried; when none restores, CheckpointError names each: never step 0 silently."""
+    failures, failed_steps = [], []
+    for step in sorted(self.all_steps(), reverse=True):
+      try:
+        restored = self.restore(step, abstract_state, abstract_retrieval)
+      except Exception as e:   # Orbax / TensorStore raise bare Exceptions for a bad file
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        failures.append(f"{self.directory}/{step} ({reason})")
+        failed_steps.append(step)
+        log(f"checkpoint {self.directory}/{step} cannot be restored ({reason}); "
+            f"trying the one before it")
+        continue
+      for bad in failed_steps:
+        self._move_aside(bad, log)
+      return (step, *restored)
+    if failures:
+      raise CheckpointError("no checkpoint of this run can be restored; not starting over "
+                            "from step 0. Tried (newest first): " + "; ".join(failures))
+    return None
+
+  def _move_aside(self, step: int, log) -> None:
+    """`W/checkpoints/<step>` -> `W/unreadable_checkpoints/<step>` (process 0; all wait)."""
+    from realm_jax.workdir import UNREADABLE_CHECKPOINTS
+    from realm_jax.train import multihost
+    target = os.path.join(os.path.dirname(self.directory), UNREADABLE_CHECKPOINTS, str(step))
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      if os.path.exists(target):
+        shutil.rmtree(target)
+      os.replace(os.path.join(self.directory, str(step)), target)
+      log(f"moved the unreadable checkpoint {step} to {target}")
+    multihost.barrier(f"checkpoint-{step}-moved-aside")
+    self.manager.reload()
+
   def wait(self) -> None:
-    """Until every started save is finalised (re-raising its error)."""
-    self.manager.wait_until_finished()
+    """Until every started save is finalised (its error as a CheckpointError)."""
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      raise self._save_failed(e) from e
 
   def close(self) -> None:
-    """Waits for pending saves (re-raising their errors) and releases the manager."""
-    self.manager.wait_until_finished()
-    self.manager.close()
+    """Waits for pending saves (their errors as CheckpointError) and releases the manager."""
+    try:
+      self.wait()
+    finally:
+      self.manager.close()
 
 
 def checkpoint_dir(workdir: str) -> str:

@@ -20,6 +20,7 @@ REFRESH_MODES = ("in_process", "async", "deterministic")
 BACKENDS = ("exact", "scann")
 # Fields that fix parameter shapes or the meaning of a checkpoint: a workdir whose
 # checkpoints were written under other values cannot be resumed.
+NONFINITE_ACTIONS = ("stop", "skip")   # train.nonfinite
 COMPATIBILITY_FIELDS = ("task", "model", "data.query_len", "data.block_len", "retrieval.k",
                         "retrieval.candidates", "train.batch_size")
 # The shape fields the retriever towers may set apart from the reader's (`model.retriever.*`,
@@ -150,6 +151,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.keep_checkpoints = 3     # checkpoints kept on disk
   c.train.async_checkpoints = True  # save in the background while training goes on
   c.train.preemption_grace_seconds = 30.0  # on SIGTERM: save the step within this, then exit
+  c.train.nonfinite = "stop"       # a step whose loss or gradient is not finite is never
+                                   # applied; "stop": the run stops naming it, "skip": the
+                                   # update is skipped and counted (skipped_updates)
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 0                 # steps between evaluations on the eval split (0: end only)
@@ -369,6 +373,8 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
     raise ConfigError("train.retriever_lr_scale", "learning-rate scales must be >= 0")
   if t.get("preemption_grace_seconds", 30.0) <= 0:
     raise ConfigError("train.preemption_grace_seconds", "must be > 0 seconds")
+  if t.get("nonfinite", "stop") not in NONFINITE_ACTIONS:
+    raise ConfigError("train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE_ACTIONS}")
   if num_blocks is not None and config.task == "realm" and r.candidates == "index" \
       and r.k + 1 > num_blocks:
     raise ConfigError("retrieval.k", f"k={r.k} needs at least k + 1 = {r.k + 1} blocks "

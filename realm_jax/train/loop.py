@@ -81,6 +81,7 @@ class Trainer(Run):
           f"{self.candidates.describe()}", flush=True)
 
   def begin_steps(self, start: int, depth: int) -> None:
+    self.candidates.should_stop = self.preemption.requested
     self.candidates.begin(start, depth, lambda: self.save(0, self.data_iter.get_state()))
 
   def evaluates_at_start(self) -> bool:

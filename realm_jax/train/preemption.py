@@ -50,6 +50,11 @@ class Preemption:
           file=sys.stderr, flush=True)
     os._exit(EXIT_CODE)
 
+  def requested(self) -> bool:
+    """Whether this process got SIGTERM (asked between steps, e.g. by an index rebuild that
+    then yields; with several processes JAX's sync manager owns the signal: False here)."""
+    return self.received_at is not None
+
   def reached(self, step: int) -> bool:
     """Whether to save and stop after `step` (the same answer on every process)."""
     if self.multihost:
@@ -66,9 +71,11 @@ class Preemption:
     watchdog and says so."""
     checkpointer.wait()
     self._saved.set()
-    print(f"{self.prefix}SIGTERM: checkpoint {step} finalised "
-          f"{time.time() - self.received_at:.1f}s after the signal; exiting (rerun the same "
-          "command to resume)", flush=True)
+    latest = checkpointer.latest_step()
+    since = "the start" if latest is None else f"checkpoint {latest}"
+    what = f"checkpoint {step} finalised" if latest == step else f"no step since {since}"
+    print(f"{self.prefix}SIGTERM: {what} {time.time() - self.received_at:.1f}s after the "
+          "signal; exiting (rerun the same command to resume)", flush=True)
 
   def close(self) -> None:
     if self._previous is not None:

@@ -14,7 +14,8 @@ import jax
 import ml_collections
 
 from realm_jax import workdir as workdir_lib
-from realm_jax.errors import ConfigError
+from realm_jax.errors import ConfigError, NonFiniteError
+from realm_jax.retrieval.index import EmbeddingStopped
 from realm_jax.train import initialization, partitioning, state as state_lib, steps
 from realm_jax.train.checkpoints import Checkpointer
 from realm_jax.train.config_base import validate
@@ -50,6 +51,7 @@ class Run:
     self.checkpointer = Checkpointer(workdir, config.train.keep_checkpoints,
                                      config.train.async_checkpoints)
     self.saved_data = None
+    self.skipped_updates = 0   # non-finite steps not applied (train.nonfinite=skip), this run
     self.prefix = f"[{config.task}] "
 
   # -- what a task fills in ----------------------------------------------------------------
@@ -116,10 +118,11 @@ class Run:
   def restore_or_init(self) -> int:
     """Resumes from the latest checkpoint, else starts each part from its `config.init`
     source (train/initialization.py). Returns the first step to run."""
-    latest = self.checkpointer.latest_step()
-    if latest is not None:
-      self.state, self.saved_data, item = self.checkpointer.restore(
-          latest, self.abstract, self.abstract_item())
+    def log(line: str) -> None:
+      print(self.prefix + line, flush=True)
+    restored = self.checkpointer.restore_latest(self.abstract, self.abstract_item(), log)
+    if restored is not None:
+      latest, self.state, self.saved_data, item = restored
       self.resumed(item)
       print(f"{self.prefix}resumed from {self.checkpointer.directory}/{latest} "
             f"(data at step {self.saved_data['next_step']})", flush=True)
@@ -143,7 +146,7 @@ class Run:
     logs = {name: MetricWriter(self.workdir, name) for name in ("train", "eval")}
     depth = max(1, cfg.data.prefetch)
     self.data_iter = self.inputs.iterator(cfg.data.prefetch, self.saved_data)
-    preemption = Preemption(cfg.train.preemption_grace_seconds, self.prefix)
+    preemption = self.preemption = Preemption(cfg.train.preemption_grace_seconds, self.prefix)
     eval_metrics, details, preempted = {}, [], None
     try:
       self.begin_steps(start, depth)
@@ -172,14 +175,23 @@ class Run:
   def _steps(self, start: int, logs: dict, preemption: Preemption, eval_metrics: dict):
     """Steps `start`..total; returns (the step preempted after or None, latest eval)."""
     cfg, total = self.config, self.config.train.steps
-    window, t_last = [], time.time()
+    window, t_last, data_state = [], time.time(), None
     for step in range(start, total):
-      batch, data_state = self.next_batch(step)
+      try:
+        batch, data_state = self.next_batch(step)
+      except EmbeddingStopped as e:   # SIGTERM during an index rebuild: save step `step`
+        print(f"{self.prefix}SIGTERM during the index rebuild before step {step + 1}: "
+              f"{e}; saving step {step}", flush=True)
+        if step > start and not self.checkpoint_due(step):
+          self.save(step, data_state)
+        preemption.saved(step, self.checkpointer)
+        return step, eval_metrics
       self.state, metrics = self.train_step(self.state, batch, self.step_rng)
       done = step + 1
+      if self.applied(done, metrics):
+        window.append(metrics)
       self.after_step(done, metrics)
-      window.append(metrics)
-      if done % cfg.train.log_every == 0 or done == total:
+      if (done % cfg.train.log_every == 0 or done == total) and window:
         now = time.time()
         scalars = window_scalars(window, now - t_last, float(
             state_lib.learning_rate_schedule(cfg.train)(done)))
@@ -199,10 +211,32 @@ class Run:
         return done, eval_metrics
     return None, eval_metrics
 
+  def applied(self, done: int, metrics: dict) -> bool:
+    """Whether step `done`'s update was applied (its loss and gradient finite; the step left
+    the state unchanged otherwise). Reads one scalar per step: the host waits for each step
+    while the feed thread builds the next batch. A non-finite step raises NonFiniteError
+    (`train.nonfinite=stop`) or is counted and left out of the logged means (`skip`)."""
+    if bool(jax.device_get(metrics.pop("finite"))):
+      return True
+    loss, grad_norm = (float(jax.device_get(metrics[k])) for k in ("loss", "grad_norm"))
+    if self.config.train.nonfinite == "skip":
+      self.skipped_updates += 1
+      print(f"{self.prefix}step {done}: loss {loss:.4g}, gradient norm {grad_norm:.4g}: not "
+            f"finite, update skipped ({self.skipped_updates} so far)", flush=True)
+      return False
+    last = self.checkpointer.latest_step()
+    raise NonFiniteError(
+        f"step {done}: the loss ({loss:.4g}) or the gradient norm ({grad_norm:.4g}) is not "
+        f"finite; stopped before applying it. Last checkpoint: " +
+        (f"{self.checkpointer.directory}/{last} (a rerun resumes from it)" if last is not None
+         else "none yet (a rerun starts over)") +
+        ". Lower train.lr, or set train.nonfinite=skip to skip such updates and go on")
+
   def _summarise(self, wall: float, eval_metrics: dict, details: list) -> dict:
     cfg = self.config
     summary = {"task": cfg.task, "steps": cfg.train.steps, "wall_seconds": wall,
-               "params": state_lib.count_params(self.state.params), **self.summary_fields(),
+               "params": state_lib.count_params(self.state.params),
+               "skipped_updates": self.skipped_updates, **self.summary_fields(),
                **{f"eval_{k}": v for k, v in eval_metrics.items()}}
     extra = {"examples": details} if self.keep_examples else {}
     if jax.process_index() == 0:

@@ -164,8 +164,14 @@ def make_train_step(config, model, state_shardings, mesh):
     rng = jax.random.fold_in(rng, state.step)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (loss, metrics), grads = grad_fn(state.params, model, batch, config, rng)
-    new_state = state.apply_gradients(grads=grads)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    # A non-finite loss or gradient is never applied: params and optimizer state stay as they
+    # were (the step counter moves on); the loop stops or counts it (`train.nonfinite`).
+    new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                             state.apply_gradients(grads=grads), state)
+    new_state = new_state.replace(step=state.step + 1)
+    metrics = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite)
     return new_state, metrics
 
   rules = partitioning.logical_rules(config.mesh.rules)

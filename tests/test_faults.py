@@ -1,0 +1,300 @@
+"""Faults a long run meets, each with its message: a latest checkpoint that is truncated or
+unreadable (resume names it and falls back to the one before, never silently to step 0); a
+loss that turns NaN (never applied: the run stops naming the step and the last checkpoint, or
+skips the update and counts it); SIGTERM while the trainer re-embeds the corpus (the rebuild
+yields, the step is saved within the grace period, the rerun repeats the uninterrupted run)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from realm_jax.errors import CheckpointError, NonFiniteError
+from realm_jax.train import checkpoints, steps
+from realm_jax.retrieval import published
+from realm_jax.retrieval.builder import IndexBuilder
+from realm_jax.train.checkpoints import Checkpointer
+from realm_jax.train.loop import Trainer, train
+from realm_jax.workdir import UNREADABLE_CHECKPOINTS
+from tests.helpers import tiny_config
+
+STEPS = 4   # checkpoints at 2 and 4
+
+
+@pytest.fixture(scope="module")
+def finished_ict(world_dir, tmp_path_factory):
+  """A finished 4-step ICT run with checkpoints 2 and 4 (copied by each test)."""
+  workdir = str(tmp_path_factory.mktemp("faults") / "ict")
+  config = tiny_config("ict", None, world_dir, train__steps=STEPS, train__checkpoint_every=2)
+  train(config, workdir)
+  return config, workdir
+
+
+def copy_of(finished, tmp_path):
+  config, workdir = finished
+  copy = str(tmp_path / "run")
+  shutil.copytree(workdir, copy)
+  os.remove(os.path.join(copy, "summary.json"))
+  return config, copy
+
+
+def truncate_arrays(workdir: str, step: int) -> None:
+  """Cuts every array data file of checkpoint `step`'s params to 100 bytes (a disk that filled
+  up or a copy that stopped half way); the checkpoint still looks finalised."""
+  cut = 0
+  for root, _, files in os.walk(os.path.join(workdir, "checkpoints", str(step), "params")):
+    for name in files:
+      path = os.path.join(root, name)
+      if "ocdbt.process_" in root and os.path.getsize(path) > 1000:
+        os.truncate(path, 100)
+        cut += 1
+  assert cut, "no array file found to truncate"
+
+
+def loss_records(workdir: str) -> dict[int, list[float]]:
+  """step -> every loss logged for it (a resumed run logs its repeated steps again)."""
+  losses: dict[int, list[float]] = {}
+  with open(os.path.join(workdir, "metrics", "train.jsonl")) as f:
+    for line in f:
+      record = json.loads(line)
+      losses.setdefault(record["step"], []).append(record["loss"])
+  return losses
+
+
+@pytest.mark.slow
+def test_truncated_latest_checkpoint_is_named_and_the_previous_one_resumes(
+    finished_ict, tmp_path, capsys):
+  config, workdir = copy_of(finished_ict, tmp_path)
+  truncate_arrays(workdir, STEPS)
+  summary = train(config, workdir)
+  out = capsys.readouterr().out
+  ckpt = os.path.join(os.path.abspath(workdir), "checkpoints")
+  assert f"checkpoint {ckpt}/{STEPS} cannot be restored" in out, out[-3000:]
+  assert f"resumed from {ckpt}/2 " in out, out[-3000:]
+  assert f"moved the unreadable checkpoint {STEPS}" in out
+  # The bad one is kept aside for a post-mortem; its step was trained and saved again.
+  assert os.path.isdir(os.path.join(workdir, UNREADABLE_CHECKPOINTS, str(STEPS), "params"))
+  assert sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) == [2, STEPS]
+  assert summary["steps"] == STEPS
+  losses = loss_records(workdir)
+  for step in (3, 4):   # the steps after checkpoint 2 ran twice, with the same losses
+    assert len(losses[step]) == 2 and losses[step][1] == pytest.approx(losses[step][0],
+                                                                        abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_no_readable_checkpoint_stops_naming_each_instead_of_starting_over(
+    finished_ict, tmp_path):
+  config, workdir = copy_of(finished_ict, tmp_path)
+  for step in (2, STEPS):
+    truncate_arrays(workdir, step)
+  with pytest.raises(CheckpointError) as error:
+    train(config, workdir)
+  text = str(error.value)
+  assert "not starting over from step 0" in text
+  for step in (STEPS, 2):
+    assert f"checkpoints/{step} (" in text, text
+  # Nothing was trained, moved or overwritten.
+  assert not os.path.exists(os.path.join(workdir, UNREADABLE_CHECKPOINTS))
+  assert len(loss_records(workdir)[1]) == 1
+
+
+POISONED_STEP = 3
+
+
+@pytest.fixture
+def nan_at_step_3(monkeypatch):
+  """The ICT loss turns NaN at step 3 only: its batch carries a NaN that the loss adds (the
+  gradient stays finite; the loss alone is what the step sees as not finite)."""
+  ict_loss = steps.LOSS_FNS["ict"]
+
+  def poisoned_loss(params, model, batch, config, rng):
+    loss, metrics = ict_loss(params, model, batch, config, rng)
+    return loss + jnp.sum(batch["poison"]), metrics
+
+  next_batch = Trainer.next_batch
+
+  def poisoned_batch(self, step):
+    batch, data_state = next_batch(self, step)
+    value = np.nan if step + 1 == POISONED_STEP else 0.0
+    poison = np.full(self.config.train.batch_size, value, np.float32)
+    batch["poison"] = jax.device_put(poison, batch["query_ids"].sharding)
+    return batch, data_state
+
+  monkeypatch.setitem(steps.LOSS_FNS, "ict", poisoned_loss)
+  monkeypatch.setattr(Trainer, "next_batch", poisoned_batch)
+
+
+def saved_state(workdir: str, step: int) -> dict:
+  """Params and optimizer state of checkpoint `step`, as numpy."""
+  manager = checkpoints.read_only_manager(workdir)
+  try:
+    restored = manager.restore(step)
+  finally:
+    manager.close()
+  return jax.tree.map(np.asarray, {"params": restored["params"],
+                                   "opt": restored["opt"]["opt_state"]})
+
+
+@pytest.mark.slow
+def test_a_nan_loss_stops_the_run_naming_the_step_and_the_last_checkpoint(
+    world_dir, tmp_path, nan_at_step_3):
+  workdir = str(tmp_path / "run")
+  config = tiny_config("ict", None, world_dir, train__steps=5, train__checkpoint_every=1)
+  with pytest.raises(NonFiniteError) as error:
+    train(config, workdir)
+  text = str(error.value)
+  ckpt = os.path.join(os.path.abspath(workdir), "checkpoints")
+  assert f"step {POISONED_STEP}: the loss (nan)" in text, text
+  assert f"Last checkpoint: {ckpt}/{POISONED_STEP - 1} (a rerun resumes from it)" in text, text
+  assert "train.nonfinite=skip" in text
+  # The poisoned step was neither applied nor saved.
+  assert sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) == [1, POISONED_STEP - 1]
+
+
+@pytest.mark.slow
+def test_a_nan_loss_with_nonfinite_skip_is_skipped_and_counted(
+    world_dir, tmp_path, nan_at_step_3, capsys):
+  workdir = str(tmp_path / "run")
+  config = tiny_config("ict", None, world_dir, train__steps=4, train__checkpoint_every=1,
+                       train__nonfinite="skip")
+  summary = train(config, workdir)
+  assert summary["skipped_updates"] == 1 and summary["steps"] == 4
+  out = capsys.readouterr().out
+  assert f"step {POISONED_STEP}: loss nan" in out and "update skipped (1 so far)" in out
+  # Params and optimizer state after the skipped step are those before it, bit for bit; the
+  # steps around it moved them.
+  before, after = saved_state(workdir, POISONED_STEP - 1), saved_state(workdir, POISONED_STEP)
+  jax.tree.map(np.testing.assert_array_equal, after, before)
+  moved = saved_state(workdir, POISONED_STEP + 1)["params"]
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(moved),
+                                                         jax.tree.leaves(before["params"])))
+  # The logged means leave the skipped step out: every logged loss is finite.
+  assert all(np.isfinite(losses).all() for losses in loss_records(workdir).values())
+  assert POISONED_STEP not in loss_records(workdir)
+
+
+@pytest.mark.slow
+def test_sigterm_during_an_in_process_rebuild_saves_the_step_and_resumes_exactly(
+    world_dir, tmp_path, monkeypatch, capsys):
+  """REALM rebuilding its index in process every 3 steps; SIGTERM arrives while the rebuild
+  before step 4 embeds its first batch: the rebuild stops there, step 3 is checkpointed and
+  the run exits; the rerun's losses are the uninterrupted run's."""
+  config = tiny_config("realm", None, world_dir, train__steps=6, train__checkpoint_every=100,
+                       retrieval__refresh_every=3, retrieval__embed_batch_size=64)
+  straight = train(config, str(tmp_path / "straight"))
+  workdir = str(tmp_path / "stopped")
+  block_embedder, rebuilds = steps.block_embedder, []
+
+  def signalling_embedder(*args, **kwargs):
+    embed = block_embedder(*args, **kwargs)
+    rebuilds.append(0)
+    if len(rebuilds) != 2:   # the first rebuild is step 0's; the second comes before step 4
+      return embed
+
+    def embed_then_signal(*batch):
+      os.kill(os.getpid(), signal.SIGTERM)
+      return embed(*batch)
+    return embed_then_signal
+
+  monkeypatch.setattr(steps, "block_embedder", signalling_embedder)
+  stopped = train(config, workdir)
+  out = capsys.readouterr().out
+  assert stopped.get("preempted_at_step") == 3, out[-3000:]
+  assert "SIGTERM during the index rebuild before step 4: stopped after 0 of 240 blocks" in out
+  assert "SIGTERM: checkpoint 3 finalised" in out, out[-3000:]
+  assert not os.path.exists(os.path.join(workdir, "summary.json"))
+  monkeypatch.setattr(steps, "block_embedder", block_embedder)
+  resumed = train(config, workdir)
+  assert resumed["steps"] == 6 and resumed["eval_recall_at_5"] == straight["eval_recall_at_5"]
+  want = loss_records(str(tmp_path / "straight"))
+  got = loss_records(workdir)
+  assert sorted(got) == list(range(1, 7))   # each step once: none lost, none repeated
+  for step in range(1, 7):
+    assert got[step] == pytest.approx(want[step], abs=1e-6), step
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """mount(size) -> a directory on a tmpfs of `size` bytes, remount(size) to resize it;
+  skipped where this machine does not let the test mount one (needs root)."""
+  mounted = []
+
+  def mount(path: str, size: int) -> str:
+    os.makedirs(path, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+      pytest.skip(f"cannot mount a small tmpfs here (a full disk needs one): "
+                  f"{result.stderr.strip() or result.returncode}")
+    mounted.append(path)
+    return path
+
+  def remount(path: str, size: int) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", path], check=True)
+
+  yield mount, remount
+  for path in mounted:
+    subprocess.run(["umount", "-l", path], check=False)
+
+
+@pytest.mark.slow
+def test_no_space_while_publishing_shows_nothing_and_the_builder_writes_again(
+    world_dir, tmp_path, small_disk, capsys):
+  from tests.test_index_builder import builder_config, make_checkpoints
+  mount, remount = small_disk
+  workdir = str(tmp_path / "run")
+  config = builder_config(world_dir)
+  make_checkpoints(config, workdir, steps_to_save=(10,))
+  root = mount(os.path.join(workdir, "index"), 16 * 1024)   # smaller than one version
+  builder = IndexBuilder(config, workdir)
+  result = {}
+  thread = threading.Thread(target=lambda: result.update(built=builder.run(once=True)))
+  thread.start()
+  out, deadline = "", time.time() + 120
+  while out.count("no space left writing") < 2 and time.time() < deadline:
+    time.sleep(0.2)
+    out += capsys.readouterr().out
+  try:
+    assert out.count("no space left writing") >= 2, out[-3000:]   # and written again
+    assert f"writing {root}/" in out and "nothing of v1 is visible" in out, out[-3000:]
+    assert published.complete_versions(root) == [] and published.read_latest(root) is None
+  finally:
+    remount(root, 64 * 2**20)   # space again: the next attempt publishes
+    thread.join(timeout=120)
+    builder.close()
+  assert result.get("built") == 1
+  manifest = published.read_manifest(root, published.read_latest(root))
+  assert manifest["step"] == 10 and manifest["num_blocks"] == 240
+  assert [p for p in os.listdir(root) if p.startswith(".tmp")] == []   # no leftovers
+
+
+@pytest.mark.slow
+def test_no_space_while_checkpointing_names_the_path_and_shows_nothing_partial(
+    world_dir, tmp_path, small_disk):
+  mount, remount = small_disk
+  workdir = str(tmp_path / "run")
+  ckpt = mount(os.path.join(workdir, "checkpoints"), 3 * 2**20)   # ~1.5 checkpoints
+  config = tiny_config("ict", None, world_dir, train__steps=6, train__checkpoint_every=2)
+  with pytest.raises(CheckpointError) as error:
+    train(config, workdir)
+  text = str(error.value)
+  assert f"saving a checkpoint under {os.path.abspath(ckpt)} failed" in text, text
+  assert "No space left on device" in text and f"{ckpt}/" in text, text
+  complete = Checkpointer(workdir, keep=3).all_steps()   # a cut-short save is not one of them
+  assert complete in ([], [2]), complete
+  assert ("none (a rerun starts over)" if not complete else
+          f"latest complete checkpoint is {ckpt}/2 (a rerun resumes from it)") in text, text
+  remount(ckpt, 64 * 2**20)
+  summary = train(config, workdir)   # resumes from what is complete; leftovers cleaned up
+  assert summary["steps"] == 6
+  assert not [d for d in os.listdir(ckpt) if "tmp" in d]
+  assert Checkpointer(workdir, keep=3).all_steps() == [2, 4, 6]
