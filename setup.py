@@ -23,6 +23,7 @@ setup(
         "matplotlib>=3.8,<4",
         "absl-py>=2,<3",
         "etils[epath]>=1.7",
+        "gcsfs>=2024.6",                 # gs:// workdirs and data dirs through etils.epath
         "grain>=0.2.10,<0.3",
         "sentencex>=1.0,<2",
         "safetensors>=0.4,<1",
@@ -32,7 +33,10 @@ setup(
         "scann>=1.3,<2; platform_system == 'Linux'",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "tensorflow-datasets>=4.9,<5"],
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "tensorflow-datasets>=4.9,<5",
+                 # the GCS JSON API server of tests/test_gcs.py (tests/gcs_server.py adds
+                 # generations and preconditions to its handlers)
+                 "gcp-storage-emulator>=2026.7,<2027"],
         "tfds": ["tensorflow-datasets>=4.9,<5"],
         # jaxlib's accelerator plugins: TPU VMs (launch/tpu_pod.py, the GKE image) and CUDA 12.
         "tpu": ["jax[tpu]" + JAX],

@@ -12,15 +12,16 @@
   W/DONE                 the trainer's last step: tells realm-index to exit
   W/logs/                launch/local.py: the trainer's and the builder's output
 
-Every record is written to `<name>.tmp` and renamed into place, so a reader never sees half
-of one.
+W may be a local dir or a bucket URL (`gs://B/P`): every file goes through realm_jax/paths.py.
+Every record is written whole (a local temp name renamed into place; one object write in a
+bucket), so a reader never sees half of one.
 """
 
 from __future__ import annotations
 
 import json
-import os
 
+from realm_jax import paths
 from realm_jax.errors import ConfigError
 
 CONFIG = "config.json"
@@ -32,16 +33,11 @@ DONE = "DONE"
 
 
 def _write_json(path: str, record: dict) -> None:
-  with open(path + ".tmp", "w") as f:
-    json.dump(record, f, indent=2)
-  os.replace(path + ".tmp", path)
+  paths.write_json(path, record)
 
 
 def _read_json(path: str) -> dict | None:
-  if not os.path.exists(path):
-    return None
-  with open(path) as f:
-    return json.load(f)
+  return paths.read_json(path)
 
 
 # -- the prepared data a run reads -------------------------------------------------------------
@@ -51,6 +47,13 @@ def open_data(config):
   if not config.data.dir:
     raise ConfigError("data.dir", "is empty: point it at a prepared data dir")
   try:
+    paths.check(config.data.dir, "data.dir")
+  except ValueError as e:
+    raise ConfigError("data.dir", str(e)) from None
+  try:
+    if paths.is_remote(config.data.dir):   # memory-mapped arrays: read from a local copy
+      return PreparedData(paths.local_copy(
+          config.data.dir, log=lambda line: print(f"[data] {line}", flush=True)))
     return PreparedData(config.data.dir)
   except FileNotFoundError as e:
     raise ConfigError("data.dir", str(e)) from None
@@ -63,30 +66,30 @@ def record_config(config, workdir: str) -> None:
   from realm_jax.train import multihost
   from realm_jax.train.config_base import incompatible_fields
   from realm_jax.train.option_names import upgrade_record
-  path = os.path.join(workdir, CONFIG)
+  path = paths.join(workdir, CONFIG)
   current = json.loads(config.to_json_best_effort())
-  if os.path.exists(path) and os.path.isdir(os.path.join(workdir, CHECKPOINTS)):
+  if paths.exists(path) and paths.isdir(paths.join(workdir, CHECKPOINTS)):
     diffs = incompatible_fields(upgrade_record(_read_json(path), f"{path}: "), current)
     if diffs:
       raise ConfigError("", f"workdir {workdir} holds checkpoints of an incompatible config; "
                         "fields that differ: " + "; ".join(diffs))
   if jax.process_index() == 0:
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)
     _write_json(path, current)
   multihost.barrier("workdir")   # no process goes on before the workdir exists
 
 
 def write_config(workdir: str, config) -> None:
   """`W/config.json` (also for a workdir written by a converter: `realm-import-hf`)."""
-  os.makedirs(workdir, exist_ok=True)
-  _write_json(os.path.join(workdir, CONFIG), json.loads(config.to_json_best_effort()))
+  paths.makedirs(workdir)
+  _write_json(paths.join(workdir, CONFIG), json.loads(config.to_json_best_effort()))
 
 
 def saved_config(workdir: str):
   """The run's own resolved config (`W/config.json`) as a ConfigDict."""
   import ml_collections
   from realm_jax.train.option_names import upgrade_record
-  path = os.path.join(workdir, CONFIG)
+  path = paths.join(workdir, CONFIG)
   record = _read_json(path)
   if record is None:
     raise FileNotFoundError(f"{path}: no config of the run; pass --config")
@@ -96,15 +99,15 @@ def saved_config(workdir: str):
 # -- W/blocks.json -----------------------------------------------------------------------------
 def record_block_store(workdir: str, data) -> None:
   """The trainer's side of `check_block_store`: which block store its rows refer to."""
-  os.makedirs(workdir, exist_ok=True)
-  _write_json(os.path.join(workdir, BLOCKS_RECORD),
+  paths.makedirs(workdir)
+  _write_json(paths.join(workdir, BLOCKS_RECORD),
               {"block_store_fingerprint": data.blocks.fingerprint, "data_dir": data.dir,
                "num_blocks": data.blocks.num_blocks})
 
 
 def check_block_store(workdir: str, fingerprint: str, data_dir: str) -> None:
   """Refuses to serve a trainer whose block store differs from ours (both fingerprints shown)."""
-  trainer = _read_json(os.path.join(workdir, BLOCKS_RECORD))
+  trainer = _read_json(paths.join(workdir, BLOCKS_RECORD))
   if trainer is None:
     return
   if trainer.get("block_store_fingerprint") != fingerprint:
@@ -116,32 +119,29 @@ def check_block_store(workdir: str, fingerprint: str, data_dir: str) -> None:
 
 # -- W/DONE ------------------------------------------------------------------------------------
 def done_path(workdir: str) -> str:
-  return os.path.join(workdir, DONE)
+  return paths.join(workdir, DONE)
 
 
 def mark_done(workdir: str, step: int) -> None:
   """The trainer finished at `step`: realm-index exits when it sees this."""
-  with open(done_path(workdir) + ".tmp", "w") as f:
-    f.write(f"{step}\n")
-  os.replace(done_path(workdir) + ".tmp", done_path(workdir))
+  paths.write_text_atomic(done_path(workdir), f"{step}\n")
 
 
 def clear_done(workdir: str) -> None:
   """A trainer (re)starting: the builder must not exit on an earlier run's DONE."""
-  if os.path.exists(done_path(workdir)):
-    os.remove(done_path(workdir))
+  paths.remove(done_path(workdir))
 
 
 def is_done(workdir: str) -> bool:
-  return os.path.exists(done_path(workdir))
+  return paths.exists(done_path(workdir))
 
 
 # -- W/summary.json ----------------------------------------------------------------------------
 def write_summary(workdir: str, summary: dict) -> None:
-  os.makedirs(workdir, exist_ok=True)
-  _write_json(os.path.join(workdir, SUMMARY), summary)
+  paths.makedirs(workdir)
+  _write_json(paths.join(workdir, SUMMARY), summary)
 
 
 def read_summary(workdir: str) -> dict | None:
   """The finished run's summary, None while it has not finished."""
-  return _read_json(os.path.join(workdir, SUMMARY))
+  return _read_json(paths.join(workdir, SUMMARY))

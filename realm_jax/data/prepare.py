@@ -23,7 +23,7 @@ from collections import Counter, deque
 import ml_collections
 import numpy as np
 
-from realm_jax import packages
+from realm_jax import packages, paths
 from realm_jax.data import corpus, sources
 from realm_jax.data.tokenizer import load_tokenizer, train_tokenizer
 from realm_jax.errors import ConfigError, DataError
@@ -65,6 +65,10 @@ def validate_prepare(config) -> None:
   """ConfigError naming the first bad option, before any work."""
   if not config.out_dir:
     raise ConfigError("out_dir", "is empty: name the data dir to write")
+  try:
+    paths.check(config.out_dir, "out_dir")
+  except ValueError as e:
+    raise ConfigError("out_dir", str(e)) from None
   sources.parse_source(config.source)
   if config.block_len < 8:
     raise ConfigError("block_len", f"{config.block_len} < 8 wordpieces")
@@ -183,8 +187,31 @@ class _Progress:
 
 
 def prepare(config) -> dict:
-  """Runs the whole preparation (or returns the stats of a finished one)."""
+  """Runs the whole preparation (or returns the stats of a finished one). A bucket `out_dir`
+  (gs://B/D) is prepared in a local dir (`paths.cache_dir`; a rerun resumes there) and then
+  uploaded, its `files.json` (size and sha256 of every file) last."""
   validate_prepare(config)
+  if not paths.is_remote(config.out_dir):
+    return _prepare_local(config)
+  url = config.out_dir
+  if paths.exists(paths.join(url, paths.FILES_MANIFEST)):
+    stats = paths.read_json(paths.join(url, "stats.json"))
+    print(f"[prepare] {url} is already prepared and uploaded ({stats['blocks']:,} blocks)",
+          flush=True)
+    return stats
+  local = paths.cache_dir(url)
+  print(f"[prepare] {url}: preparing in {local}, then uploading", flush=True)
+  config.out_dir = local
+  try:
+    stats = _prepare_local(config)
+  finally:
+    config.out_dir = url
+  paths.upload_tree(local, url, log=lambda line: print(f"[prepare] {line}", flush=True))
+  print(f"[prepare] uploaded to {url} ({paths.FILES_MANIFEST} written last)", flush=True)
+  return stats
+
+
+def _prepare_local(config) -> dict:
   finished = _check_out_dir(config)
   if finished is not None:
     print(f"[prepare] {config.out_dir} is already prepared ({finished['blocks']:,} blocks)",

@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from flax import traverse_util
 
+from realm_jax import paths
 from realm_jax.errors import CheckpointError
 
 ITEMS = ("params", "opt", "data", "retrieval")
@@ -119,12 +120,12 @@ class Checkpointer:
     """`W/checkpoints/<step>` -> `W/unreadable_checkpoints/<step>` (process 0; all wait)."""
     from realm_jax.workdir import UNREADABLE_CHECKPOINTS
     from realm_jax.train import multihost
-    target = os.path.join(os.path.dirname(self.directory), UNREADABLE_CHECKPOINTS, str(step))
+    target = epath.Path(self.directory).parent / UNREADABLE_CHECKPOINTS / str(step)
     if jax.process_index() == 0:
-      os.makedirs(os.path.dirname(target), exist_ok=True)
-      if os.path.exists(target):
-        shutil.rmtree(target)
-      os.replace(os.path.join(self.directory, str(step)), target)
+      target.parent.mkdir(parents=True, exist_ok=True)
+      if target.exists():
+        target.rmtree()
+      (epath.Path(self.directory) / str(step)).rename(target)
       log(f"moved the unreadable checkpoint {step} to {target}")
     multihost.barrier(f"checkpoint-{step}-moved-aside")
     self.manager.reload()
@@ -145,14 +146,15 @@ class Checkpointer:
 
 
 def checkpoint_dir(workdir: str) -> str:
+  """`W/checkpoints`, absolute (a bucket URL as it is: Orbax writes to it directly)."""
   from realm_jax.workdir import CHECKPOINTS
-  return os.path.join(os.path.abspath(workdir), CHECKPOINTS)
+  return paths.join(paths.absolute(workdir), CHECKPOINTS)
 
 
 def read_only_manager(workdir: str, **kwargs) -> ocp.CheckpointManager:
   """A manager that lists and reads `W/checkpoints` of a run another job writes."""
   directory = checkpoint_dir(workdir)
-  if not os.path.isdir(directory):
+  if not paths.isdir(directory):
     raise FileNotFoundError(f"no checkpoints under {directory}")
   return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
       read_only=True, create=False, save_interval_steps=0), **kwargs)
@@ -175,7 +177,7 @@ def write_params(workdir: str, params: dict, step: int = 0) -> str:
   manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)), force=True)
   manager.wait_until_finished()
   manager.close()
-  return os.path.join(checkpoint_dir(workdir), str(step))
+  return paths.join(checkpoint_dir(workdir), str(step))
 
 
 def saved_param_shapes(workdir: str, step: int | None = None

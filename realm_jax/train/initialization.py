@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from realm_jax import packages, workdir as workdir_lib
+from realm_jax import packages, paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError
 from realm_jax.train.config_base import PARTS, part_model, part_options
 
@@ -77,6 +77,11 @@ def resolve(spec: str, option: str, part: str, step: int = -1) -> Source:
   if spec in ("", "random"):
     return Source(part, option, "random")
   path = packages.resolve(spec, option)
+  if paths.is_remote(path):   # a run's workdir in a bucket (HF dirs are read locally)
+    if paths.isdir(paths.join(path, workdir_lib.CHECKPOINTS)):
+      return Source(part, option, "workdir", path, step)
+    raise ConfigError(option, f"{spec!r}: no checkpoints/ under it (a bucket URL must be a "
+                      "run's workdir)")
   if os.path.isdir(os.path.join(path, workdir_lib.CHECKPOINTS)):
     return Source(part, option, "workdir", path, step)
   if os.path.isfile(os.path.join(path, "config.json")) and any(

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import jax
 import numpy as np
+
+from realm_jax import paths
 
 
 def window_scalars(window: list[dict], seconds: float, learning_rate: float) -> dict:
@@ -29,13 +30,9 @@ class MetricWriter:
     self.name = name
     if not self.enabled:
       return
-    os.makedirs(os.path.join(workdir, "metrics"), exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics", f"{name}.jsonl"), "a")
-    try:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, "tb", name), flush_secs=10)
-    except ImportError:  # TensorBoard is optional; JSONL is always written
-      self._tb = None
+    paths.makedirs(paths.join(workdir, "metrics"))
+    self._jsonl = paths.AppendLog(paths.join(workdir, "metrics", f"{name}.jsonl"))
+    self._tb = _tensorboard_writer(_tensorboard_dir(workdir, name))
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self.enabled:
@@ -43,7 +40,6 @@ class MetricWriter:
     clean = {k: float(np.asarray(v)) for k, v in scalars.items()}
     self._jsonl.write(json.dumps({"step": int(step), "time": round(time.time(), 3), **clean})
                       + "\n")
-    self._jsonl.flush()
     if self._tb is not None:
       for key, value in clean.items():
         self._tb.add_scalar(f"{self.name}/{key}", value, step)
@@ -55,11 +51,37 @@ class MetricWriter:
         self._tb.close()
 
 
+_TB_NOTED: set[str] = set()
+
+
+def _tensorboard_dir(workdir: str, name: str) -> str:
+  """`W/tb/<name>`; for a bucket workdir a local dir, said once per workdir: tensorboardX's
+  bucket writer uploads the whole file again at every flush and blocks at exit while the
+  bucket is unreachable (the metrics JSONL goes to the bucket)."""
+  if not paths.is_remote(workdir):
+    return paths.join(workdir, "tb", name)
+  local = paths.join(paths.cache_dir(workdir), "tb")
+  if workdir not in _TB_NOTED:
+    _TB_NOTED.add(workdir)
+    print(f"TensorBoard events of {workdir} are written locally to {local} (tensorboard "
+          f"--logdir {local}); the metrics JSONL goes to {workdir}/metrics", flush=True)
+  return paths.join(local, name)
+
+
+def _tensorboard_writer(directory: str):
+  """tensorboardX's writer for `directory`; None without tensorboardX (the JSONL is always
+  written)."""
+  try:
+    from tensorboardX import SummaryWriter
+  except ImportError:
+    return None
+  return SummaryWriter(directory, flush_secs=10)
+
+
 def read_jsonl(path: str) -> list[dict]:
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  text = paths.read_text(path)
+  return [] if text is None else [json.loads(line) for line in text.splitlines()
+                                  if line.strip()]
 
 
 def format_duration(seconds: float) -> str:

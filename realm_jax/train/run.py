@@ -13,7 +13,7 @@ import time
 import jax
 import ml_collections
 
-from realm_jax import workdir as workdir_lib
+from realm_jax import paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError, NonFiniteError
 from realm_jax.retrieval.index import EmbeddingStopped
 from realm_jax.train import initialization, partitioning, state as state_lib, steps
@@ -34,6 +34,10 @@ class Run:
   keep_examples = 0   # examples with their evidence the final evaluation keeps for the summary
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+    try:
+      paths.check(workdir, "--workdir")
+    except ValueError as e:
+      raise ConfigError("", str(e)) from None
     validate(config)
     self.data = workdir_lib.open_data(config)
     self.config, self.workdir = config, workdir

@@ -1,0 +1,121 @@
+"""A server speaking the GCS JSON API on 127.0.0.1, for the gs:// tests.
+
+It is gcp-storage-emulator (PyPI) in this process, with what that emulator lacks and the
+clients here rely on added to its request handlers: the object generation in download headers
+(`x-goog-generation`; TensorStore reads it) and the generation preconditions
+(`ifGenerationMatch`, `ifGenerationNotMatch`: 412 / 304), with which TensorStore's OCDBT
+commits its manifests and a create-if-absent fails when the object exists. Nothing on the
+client side is replaced: Orbax / TensorStore, gcsfs (etils.epath) and google-cloud-storage
+talk HTTP to it, pointed there by `TENSORSTORE_GCS_HTTP_URL` and `STORAGE_EMULATOR_HOST`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from http import HTTPStatus
+
+BUCKET = "realm-test"
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _precondition(handler):
+  """`handler` after the request's generation preconditions hold (else 412 or 304)."""
+  from gcp_storage_emulator.exceptions import NotFound
+
+  def checked(req, response, store, *args, **kwargs):
+    query = req.query
+    match, not_match = query.get("ifGenerationMatch"), query.get("ifGenerationNotMatch")
+    if match or not_match:
+      bucket = req.params.get("bucket_name")
+      name = req.params.get("object_id") or (query.get("name") or [None])[0]
+      if name is None and (query.get("uploadType") or [""])[0] == "multipart":
+        name = req.data["meta"].get("name")   # named in the metadata part
+      try:
+        current = int(store.get_file_obj(bucket, name)["generation"])
+      except (NotFound, KeyError, TypeError):
+        current = 0   # absent: generation 0 (ifGenerationMatch=0: create only)
+      if match and int(match[0]) != current:
+        response.status = HTTPStatus.PRECONDITION_FAILED
+        response.json({"error": {"code": 412, "message": "Precondition Failed"}})
+        return None
+      if not_match and int(not_match[0]) == current:
+        response.status = HTTPStatus.NOT_MODIFIED
+        return None
+    return handler(req, response, store, *args, **kwargs)
+  return checked
+
+
+def _with_generation_headers(download):
+  def handler(req, response, store, *args, **kwargs):
+    from gcp_storage_emulator.exceptions import NotFound
+    try:
+      obj = store.get_file_obj(req.params["bucket_name"], req.params["object_id"])
+      response["x-goog-generation"] = str(obj["generation"])
+      response["x-goog-metageneration"] = str(obj.get("metageneration", "1"))
+    except NotFound:
+      pass
+    return download(req, response, store, *args, **kwargs)
+  return handler
+
+
+def _patch_handlers() -> None:
+  """Once per process: the handlers above into the emulator's routing table."""
+  from gcp_storage_emulator import server
+  from gcp_storage_emulator.handlers import objects
+  if getattr(objects, "_realm_patched", False):
+    return
+  insert, download, get, delete = objects.insert, objects.download, objects.get, objects.delete
+  checked_download = _precondition(_with_generation_headers(download))
+  checked_get = _precondition(get)
+
+  def get_or_download(req, response, store, *args, **kwargs):   # ?alt=media is a download
+    if req.query.get("alt") and req.query.get("alt")[0] == "media":
+      return checked_download(req, response, store, *args, **kwargs)
+    return checked_get(req, response, store, *args, **kwargs)
+  new = {insert: _precondition(insert), download: checked_download, get: get_or_download,
+         delete: _precondition(delete)}
+  for _, handlers in server.HANDLERS:
+    for method, fn in list(handlers.items()):
+      if fn in new:
+        handlers[method] = new[fn]
+  objects.insert = new[insert]   # the server also looks it up by name for bare POST uploads
+  objects._realm_patched = True
+
+
+class GcsServer:
+  """The server on a free port with bucket BUCKET; `env` are the variables that point the
+  clients at it (set them before the clients are first used)."""
+
+  def __init__(self):
+    from gcp_storage_emulator.server import create_server
+    _patch_handlers()
+    self.port = _free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self._server = create_server("127.0.0.1", self.port, in_memory=True,
+                                 default_bucket=BUCKET)
+    self._server.start()
+    self.env = {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
+                "GOOGLE_CLOUD_PROJECT": "realm-test"}
+
+  def stop(self) -> None:
+    self._server.stop()
+
+
+def start_or_skip_reason() -> tuple[GcsServer | None, str]:
+  """(server, "") or (None, why it cannot start here)."""
+  import importlib.util
+  missing = [m for m in ("gcp_storage_emulator", "gcsfs") if importlib.util.find_spec(m) is None]
+  if missing:
+    return None, f"the GCS emulator needs {', '.join(missing)} (pip install -e '.[test]')"
+  try:
+    server = GcsServer()
+  except OSError as e:
+    return None, f"the GCS emulator did not start on 127.0.0.1: {e}"
+  os.environ.update(server.env)
+  return server, ""
