@@ -28,7 +28,7 @@ import threading
 import time
 
 from realm_jax.errors import ConfigError, run_cli
-from realm_jax import workdir as workdir_lib
+from realm_jax import paths, workdir as workdir_lib
 from realm_jax.train.config_base import load_config
 from realm_jax.train.option_names import upgrade_flags
 
@@ -263,10 +263,21 @@ def _exit_code(returncode: int) -> int:
   return 128 - returncode if returncode < 0 else returncode    # a shell's code for a signal
 
 
+def _log_dir(workdir: str, say) -> str:
+  """`W/logs`; for a bucket workdir a local dir (the children's output is appended line by
+  line), said once."""
+  if not paths.is_remote(workdir):
+    return os.path.join(workdir, "logs")
+  local = os.path.join(paths.cache_dir(workdir), "logs")
+  say(f"{workdir} is a bucket: the children's logs go to {local}")
+  return local
+
+
 class _Supervisor:
   """Watches the two children and applies the stopping rules of `supervise`."""
 
   def __init__(self, workdir: str, grace: float, say):
+    self.workdir = workdir
     self.done_path = workdir_lib.done_path(workdir)
     self.grace = grace
     self.say = say
@@ -331,7 +342,7 @@ class _Supervisor:
                    "stopping it (the run succeeded)")
           self.stop([builder], "stopped after the trainer finished")
           return 0
-      elif builder.returncode == 0 and not os.path.exists(self.done_path):
+      elif builder.returncode == 0 and not workdir_lib.is_done(self.workdir):
         self.say(f"builder exited 0 while the trainer still runs and {self.done_path} does not "
                  "exist (the trainer may wait forever for index versions); stopping trainer")
         self.stop([trainer], "stopped after the builder quit early")
@@ -367,7 +378,7 @@ def supervise(commands: dict[str, list[str]], workdir: str,
       out.write(prefix + message + "\n")
       out.flush()
 
-  log_dir = os.path.join(workdir, "logs")
+  log_dir = _log_dir(workdir, say)
   os.makedirs(log_dir, exist_ok=True)
   supervisor = _Supervisor(workdir, grace, say)
   handlers = {}

@@ -17,7 +17,14 @@ import json
 import os
 import re
 
+import fsspec
 from etils import epath
+
+# Jobs sharing a bucket workdir watch each other's files (the builder lists the trainer's
+# checkpoints, the trainer the builder's versions): gcsfs must list afresh every time, not
+# from its listings cache.
+for _protocol in ("gs", "gcs"):
+  fsspec.config.conf.setdefault(_protocol, {}).setdefault("use_listings_cache", False)
 
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
 _BROKEN_URL = re.compile(r"^(gs|s3|gcs|hf|https?):/?(?!/)", re.IGNORECASE)

@@ -11,8 +11,10 @@ talk HTTP to it, pointed there by `TENSORSTORE_GCS_HTTP_URL` and `STORAGE_EMULAT
 
 from __future__ import annotations
 
+import http.server
 import os
 import socket
+import types
 from http import HTTPStatus
 
 BUCKET = "realm-test"
@@ -85,6 +87,9 @@ def _patch_handlers() -> None:
       if fn in new:
         handlers[method] = new[fn]
   objects.insert = new[insert]   # the server also looks it up by name for bare POST uploads
+  # One thread per connection, as a real endpoint serves: with one, a client that keeps its
+  # connection open (HTTP/1.1 keep-alive) starves the others (trainer, builder, this process).
+  server.server = types.SimpleNamespace(HTTPServer=http.server.ThreadingHTTPServer)
   objects._realm_patched = True
 
 

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from realm_jax import workdir as workdir_lib
+from realm_jax import paths, workdir as workdir_lib
 from realm_jax.errors import run_cli
 from realm_jax.train import multihost
 from realm_jax.train.option_names import upgrade_flags
@@ -57,7 +57,7 @@ class IndexBuilder:
     from realm_jax.retrieval import published
     self.published = published
     self.root = published.index_root(workdir)
-    removed = published.clean_staging(self.root) if os.path.isdir(str(self.root)) else []
+    removed = published.clean_staging(self.root) if paths.isdir(self.root) else []
     for path in removed:
       print(f"[index] removed {path} (left by a builder that was stopped)", flush=True)
     from realm_jax.train.metrics import MetricWriter
@@ -71,7 +71,7 @@ class IndexBuilder:
   # -- checkpoints -------------------------------------------------------------------------
   def checkpoint_steps(self) -> list[int]:
     """Finalised checkpoint steps, from Orbax's listing (re-read every call)."""
-    if not os.path.isdir(self.checkpoint_dir):
+    if not paths.isdir(self.checkpoint_dir):
       return []
     if self.manager is None:
       self.manager = self.checkpoints.read_only_manager(self.workdir,
