@@ -135,7 +135,8 @@ FILES_MANIFEST = "files.json"   # every file of an uploaded dir: size and sha256
 _CHUNK = 8 << 20
 
 
-def _sha256(path) -> str:
+def sha256_file(path) -> str:
+  """Hex sha256 of a file (local or in a bucket), read in chunks."""
   import hashlib
   digest = hashlib.sha256()
   with epath.Path(path).open("rb") as f:
@@ -162,7 +163,7 @@ def upload_tree(local_dir: str, url: str, log=print) -> dict:
     target = epath.Path(url) / name
     target.parent.mkdir(parents=True, exist_ok=True)
     epath.Path(source).copy(target, overwrite=True)
-    files[name] = {"bytes": os.path.getsize(source), "sha256": _sha256(source)}
+    files[name] = {"bytes": os.path.getsize(source), "sha256": sha256_file(source)}
     log(f"uploaded {i + 1}/{len(names)}: {target} ({files[name]['bytes']:,} bytes)")
   manifest = {"files": files}
   (epath.Path(url) / FILES_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -194,12 +195,12 @@ def local_copy(url: str, log=print) -> str:
   for i, name in enumerate(names):
     want, target = manifest["files"][name], os.path.join(local, name)
     if os.path.exists(target) and os.path.getsize(target) == want["bytes"] and \
-        _sha256(target) == want["sha256"]:
+        sha256_file(target) == want["sha256"]:
       continue
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = f"{target}.tmp-{os.getpid()}"
     (epath.Path(url) / name).copy(tmp, overwrite=True)
-    got = (os.path.getsize(tmp), _sha256(tmp))
+    got = (os.path.getsize(tmp), sha256_file(tmp))
     if got != (want["bytes"], want["sha256"]):
       os.remove(tmp)
       raise OSError(f"{url}/{name}: copied {got[0]:,} bytes with sha256 {got[1][:12]}..., "

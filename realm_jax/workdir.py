@@ -32,14 +32,6 @@ SUMMARY = "summary.json"
 DONE = "DONE"
 
 
-def _write_json(path: str, record: dict) -> None:
-  paths.write_json(path, record)
-
-
-def _read_json(path: str) -> dict | None:
-  return paths.read_json(path)
-
-
 # -- the prepared data a run reads -------------------------------------------------------------
 def open_data(config):
   """Opens `config.data.dir` (a PreparedData), a missing or partial dir as a ConfigError."""
@@ -69,20 +61,20 @@ def record_config(config, workdir: str) -> None:
   path = paths.join(workdir, CONFIG)
   current = json.loads(config.to_json_best_effort())
   if paths.exists(path) and paths.isdir(paths.join(workdir, CHECKPOINTS)):
-    diffs = incompatible_fields(upgrade_record(_read_json(path), f"{path}: "), current)
+    diffs = incompatible_fields(upgrade_record(paths.read_json(path), f"{path}: "), current)
     if diffs:
       raise ConfigError("", f"workdir {workdir} holds checkpoints of an incompatible config; "
                         "fields that differ: " + "; ".join(diffs))
   if jax.process_index() == 0:
     paths.makedirs(workdir)
-    _write_json(path, current)
+    paths.write_json(path, current)
   multihost.barrier("workdir")   # no process goes on before the workdir exists
 
 
 def write_config(workdir: str, config) -> None:
   """`W/config.json` (also for a workdir written by a converter: `realm-import-hf`)."""
   paths.makedirs(workdir)
-  _write_json(paths.join(workdir, CONFIG), json.loads(config.to_json_best_effort()))
+  paths.write_json(paths.join(workdir, CONFIG), json.loads(config.to_json_best_effort()))
 
 
 def saved_config(workdir: str):
@@ -90,7 +82,7 @@ def saved_config(workdir: str):
   import ml_collections
   from realm_jax.train.option_names import upgrade_record
   path = paths.join(workdir, CONFIG)
-  record = _read_json(path)
+  record = paths.read_json(path)
   if record is None:
     raise FileNotFoundError(f"{path}: no config of the run; pass --config")
   return ml_collections.ConfigDict(upgrade_record(record, f"{path}: "))
@@ -100,14 +92,14 @@ def saved_config(workdir: str):
 def record_block_store(workdir: str, data) -> None:
   """The trainer's side of `check_block_store`: which block store its rows refer to."""
   paths.makedirs(workdir)
-  _write_json(paths.join(workdir, BLOCKS_RECORD),
+  paths.write_json(paths.join(workdir, BLOCKS_RECORD),
               {"block_store_fingerprint": data.blocks.fingerprint, "data_dir": data.dir,
                "num_blocks": data.blocks.num_blocks})
 
 
 def check_block_store(workdir: str, fingerprint: str, data_dir: str) -> None:
   """Refuses to serve a trainer whose block store differs from ours (both fingerprints shown)."""
-  trainer = _read_json(paths.join(workdir, BLOCKS_RECORD))
+  trainer = paths.read_json(paths.join(workdir, BLOCKS_RECORD))
   if trainer is None:
     return
   if trainer.get("block_store_fingerprint") != fingerprint:
@@ -139,9 +131,9 @@ def is_done(workdir: str) -> bool:
 # -- W/summary.json ----------------------------------------------------------------------------
 def write_summary(workdir: str, summary: dict) -> None:
   paths.makedirs(workdir)
-  _write_json(paths.join(workdir, SUMMARY), summary)
+  paths.write_json(paths.join(workdir, SUMMARY), summary)
 
 
 def read_summary(workdir: str) -> dict | None:
   """The finished run's summary, None while it has not finished."""
-  return _read_json(paths.join(workdir, SUMMARY))
+  return paths.read_json(paths.join(workdir, SUMMARY))

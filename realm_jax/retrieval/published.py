@@ -14,7 +14,6 @@ them for the builder, Open-QA's frozen index, the HF import and the trainer.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -22,6 +21,8 @@ import time
 
 import numpy as np
 from etils import epath
+
+from realm_jax.paths import sha256_file  # noqa: F401  (also read as published.sha256_file)
 
 MANIFEST = "manifest.json"
 EMBEDDINGS = "embeddings.npy"
@@ -32,7 +33,6 @@ REQUIRED_KEYS = ("version", "step", "num_blocks", "dim", "backend", "block_store
                  "files", "timings")
 _VERSION_NAME = re.compile(r"^[0-9]{8}$")
 _STAGING_PREFIX = ".tmp-"
-_CHUNK_BYTES = 8 << 20
 
 
 class RejectedVersion(Exception):
@@ -55,14 +55,6 @@ def is_local(path) -> bool:
 
 def version_dir(root, version: int) -> epath.Path:
   return epath.Path(root) / f"{version:08d}"
-
-
-def sha256_file(path) -> str:
-  digest = hashlib.sha256()
-  with epath.Path(path).open("rb") as f:
-    while chunk := f.read(_CHUNK_BYTES):
-      digest.update(chunk)
-  return digest.hexdigest()
 
 
 def _fsync(path) -> None:

@@ -97,23 +97,22 @@ class Checkpointer:
     None when there is none. A newer one that fails (a truncated or corrupt file) is named,
     moved to `W/unreadable_checkpoints/<step>` (so that step can be saved again) and the one
     before it tried; when none restores, CheckpointError names each: never step 0 silently."""
-    failures, failed_steps = [], []
+    failed: dict[int, str] = {}   # step -> why it did not restore
     for step in sorted(self.all_steps(), reverse=True):
       try:
         restored = self.restore(step, abstract_state, abstract_retrieval)
       except Exception as e:   # Orbax / TensorStore raise bare Exceptions for a bad file
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        failures.append(f"{self.directory}/{step} ({reason})")
-        failed_steps.append(step)
-        log(f"checkpoint {self.directory}/{step} cannot be restored ({reason}); "
+        failed[step] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        log(f"checkpoint {self.directory}/{step} cannot be restored ({failed[step]}); "
             f"trying the one before it")
         continue
-      for bad in failed_steps:
+      for bad in failed:
         self._move_aside(bad, log)
       return (step, *restored)
-    if failures:
+    if failed:
       raise CheckpointError("no checkpoint of this run can be restored; not starting over "
-                            "from step 0. Tried (newest first): " + "; ".join(failures))
+                            "from step 0. Tried (newest first): " + "; ".join(
+                                f"{self.directory}/{s} ({why})" for s, why in failed.items()))
     return None
 
   def _move_aside(self, step: int, log) -> None:
