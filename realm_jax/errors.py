@@ -27,6 +27,11 @@ class NonFiniteError(RuntimeError):
   names the step, the values and the last checkpoint. The CLI exits with code 1."""
 
 
+class StorageUnreachable(ConnectionError):
+  """The storage server (a gs:// bucket) did not answer for longer than the patience
+  ($REALM_JAX_STORAGE_PATIENCE); the message names the path and the operation. Exit code 1."""
+
+
 def run_cli(prog: str, main: Callable[[], object]) -> object:
   """Runs `main`; ConfigError / missing files -> one clear line on stderr and exit code 2; an
   unreachable coordinator -> one line and exit code 1."""

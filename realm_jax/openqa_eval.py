@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import sys
-import os
 import time
 
 import numpy as np
 
-from realm_jax import workdir as workdir_lib
+from realm_jax import paths, workdir as workdir_lib
 from realm_jax.data.answers import exact_match, f1_score
 from realm_jax.data.qa import QAExample
 from realm_jax.data.prepared import PreparedData
@@ -133,14 +132,13 @@ def format_metrics(metrics: dict) -> str:
 
 
 def write_results(workdir: str, step: int, metrics: dict, predictions: list[dict]) -> str:
-  """W/eval/<step>/{metrics.json, predictions.jsonl}, each written then renamed."""
-  out = os.path.join(workdir, "eval", str(step))
-  os.makedirs(out, exist_ok=True)
-  for name, text in (("metrics.json", json.dumps(metrics, indent=2)),
-                     ("predictions.jsonl", "".join(json.dumps(p) + "\n" for p in predictions))):
-    with open(os.path.join(out, name + ".tmp"), "w") as f:
-      f.write(text)
-    os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+  """W/eval/<step>/{metrics.json, predictions.jsonl}, each seen whole or not at all (a local
+  file is written then renamed, a bucket object written in one request)."""
+  out = paths.join(workdir, "eval", str(step))
+  paths.makedirs(out)
+  paths.write_text_atomic(paths.join(out, "metrics.json"), json.dumps(metrics, indent=2))
+  paths.write_text_atomic(paths.join(out, "predictions.jsonl"),
+                          "".join(json.dumps(p) + "\n" for p in predictions))
   return out
 
 
@@ -178,7 +176,7 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
                       f"needs: {', '.join(shown)} (is config.model the run's?)")
   fingerprint, dim = data.blocks.fingerprint, config.model.retrieval_dim
   frozen, root = None, published.index_root(workdir)
-  latest = published.read_latest(root) if os.path.isdir(str(root)) else None
+  latest = published.read_latest(root) if paths.isdir(root) else None
   if latest is not None:
     manifest = published.read_manifest(root, latest)
     # Open-QA runs keep one frozen index; other runs' must come from this very checkpoint.

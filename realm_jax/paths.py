@@ -9,16 +9,26 @@ Object stores have no rename and no append: `write_text_atomic` writes a local f
 temp name and renames it, and a bucket object in one request (readers see the old object or
 the new one, never half); `AppendLog` appends to a local file and rewrites the object of a
 remote one.
+
+A storage server that does not answer: gcsfs retries each request itself (6 attempts, 1 to 16 s
+apart, about 30 s), which is said here as `[storage]` lines; an operation that still fails is
+tried again with backoff until $REALM_JAX_STORAGE_PATIENCE seconds (default 600) have passed
+since its first failure, then `StorageUnreachable` names the path. Writes are single requests
+(an object is there whole or not at all), so a failure leaves nothing partial visible.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import time
 
 import fsspec
 from etils import epath
+
+from realm_jax.errors import StorageUnreachable
 
 # Jobs sharing a bucket workdir watch each other's files (the builder lists the trainer's
 # checkpoints, the trainer the builder's versions): gcsfs must list afresh every time, not
@@ -55,39 +65,134 @@ def join(base, *parts) -> str:
   return str(epath.Path(check(str(base))).joinpath(*parts))
 
 
+# -- a storage server that does not answer ---------------------------------------------------
+PATIENCE_ENV = "REALM_JAX_STORAGE_PATIENCE"
+DEFAULT_PATIENCE = 600.0    # seconds a bucket may not answer before an operation fails
+MAX_BACKOFF = 60.0
+
+
+def patience() -> float:
+  text = os.environ.get(PATIENCE_ENV, "")
+  try:
+    return float(text) if text else DEFAULT_PATIENCE
+  except ValueError:
+    raise ValueError(f"${PATIENCE_ENV}={text!r}: not a number of seconds") from None
+
+
+def unreachable(error: BaseException) -> bool:
+  """Whether `error` says the storage server did not answer (worth retrying), rather than that
+  a file is absent or a request was refused."""
+  import asyncio
+  import aiohttp
+  if isinstance(error, StorageUnreachable):
+    return False   # already retried until the patience ran out
+  if isinstance(error, (ConnectionError, TimeoutError, asyncio.TimeoutError,
+                        aiohttp.ClientConnectionError, fsspec.exceptions.FSTimeoutError)):
+    return True
+  code = getattr(error, "code", None)   # gcsfs's HttpError: 5xx, 408 and 429 are transient
+  return isinstance(code, int) and (code >= 500 or code in (408, 429))
+
+
+def retried(what: str, path, fn):
+  """`fn()`; for a bucket path, an unreachable server is retried with backoff (1, 2, 4 ... 60 s)
+  and a line per retry, until `patience()` seconds after the first failure: then
+  StorageUnreachable naming `path` and `what` was being done."""
+  if not is_remote(path):
+    return fn()
+  first, delay, attempt = None, 1.0, 1
+  while True:
+    began = time.monotonic()
+    try:
+      return fn()
+    except Exception as e:  # noqa: BLE001  (only an unreachable server is retried)
+      if not unreachable(e):
+        raise
+      first = first or began   # gcsfs's own retries count: it failed since this attempt began
+      waited, limit = time.monotonic() - first, patience()
+      error = f"{type(e).__name__}: {e}"
+      if waited + delay > limit:
+        raise StorageUnreachable(
+            f"{path}: {what} failed, the storage server did not answer ({attempt} attempts "
+            f"over {waited:.0f}s, each retried by gcsfs; last: {error}); giving up after "
+            f"${PATIENCE_ENV}={limit:g}s") from e
+      print(f"[storage] {path}: {what} failed ({error}); trying again in {delay:.0f}s "
+            f"({waited:.0f}s of ${PATIENCE_ENV}={limit:g}s)", flush=True)
+      time.sleep(delay)
+      delay, attempt = min(2 * delay, MAX_BACKOFF), attempt + 1
+
+
+class _SayGcsfsRetries(logging.Filter):
+  """gcsfs retries a failed request itself and says so only at debug level: each retry becomes
+  a `[storage]` line (at most one per 5 s), and its giving up (an error with a traceback) one
+  line; gcsfs's other debug and info records are dropped."""
+
+  def __init__(self):
+    super().__init__()
+    self.last, self.unsaid = 0.0, 0
+
+  def filter(self, record) -> bool:
+    message = record.getMessage()
+    if "out of retries on exception" in message:   # an error with a traceback: one line here
+      print(f"[storage] gcsfs gave up on a request after its retries "
+            f"({message.split('exception: ', 1)[-1]})", flush=True)
+      return False
+    if record.levelno >= logging.WARNING:
+      return True
+    if "retrying after exception" in message:
+      if time.monotonic() - self.last < 5.0:
+        self.unsaid += 1
+      else:
+        more = f" (+{self.unsaid} more retries)" if self.unsaid else ""
+        print(f"[storage] a request to the bucket failed ({message.split('exception: ', 1)[-1]})"
+              f"; gcsfs retries it with backoff{more}", flush=True)
+        self.last, self.unsaid = time.monotonic(), 0
+    return False
+
+
+_gcsfs_log = logging.getLogger("gcsfs")
+if not any(isinstance(f, _SayGcsfsRetries) for f in _gcsfs_log.filters):
+  _gcsfs_log.addFilter(_SayGcsfsRetries())
+  if _gcsfs_log.level in (logging.NOTSET,) or _gcsfs_log.level > logging.DEBUG:
+    _gcsfs_log.setLevel(logging.DEBUG)   # the filter passes only warnings on
+
+
+# -- files -------------------------------------------------------------------------------------
 def exists(path) -> bool:
-  return epath.Path(path).exists()
+  return retried("checking", path, epath.Path(path).exists)
 
 
 def isdir(path) -> bool:
-  return epath.Path(path).is_dir()
+  return retried("checking", path, epath.Path(path).is_dir)
 
 
 def makedirs(path) -> None:
-  epath.Path(path).mkdir(parents=True, exist_ok=True)
+  """A local dir and its parents; nothing in a bucket (an object's name is its dir there)."""
+  if not is_remote(path):
+    os.makedirs(path, exist_ok=True)
 
 
 def remove(path) -> None:
   """Deletes a file if it is there."""
   p = epath.Path(path)
-  if p.exists():
-    p.unlink()
+  if exists(p):
+    retried("deleting", path, p.unlink)
 
 
 def read_text(path) -> str | None:
   """The file's text, None if it is absent."""
-  p = epath.Path(path)
-  try:
-    return p.read_text()
-  except FileNotFoundError:
-    return None
+  def read():
+    try:
+      return epath.Path(path).read_text()
+    except FileNotFoundError:
+      return None
+  return retried("reading", path, read)
 
 
 def write_text_atomic(path, text: str) -> None:
   """Readers see the old or the new content, never half: a local file via a temp name and a
   rename, a bucket object in one request."""
   if is_remote(path):
-    epath.Path(path).write_text(text)
+    retried("writing", path, lambda: epath.Path(path).write_text(text))
     return
   tmp = f"{path}.tmp-{os.getpid()}"
   with open(tmp, "w") as f:
@@ -120,7 +225,7 @@ class AppendLog:
   def write(self, line: str) -> None:
     if self.remote:
       self._lines += line
-      epath.Path(self.path).write_text(self._lines)
+      retried("appending to", self.path, lambda: epath.Path(self.path).write_text(self._lines))
     else:
       self._file.write(line)
       self._file.flush()
@@ -161,12 +266,12 @@ def upload_tree(local_dir: str, url: str, log=print) -> dict:
   for i, name in enumerate(names):
     source = os.path.join(local_dir, name)
     target = epath.Path(url) / name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    epath.Path(source).copy(target, overwrite=True)
+    makedirs(target.parent)
+    retried("uploading", target, lambda: epath.Path(source).copy(target, overwrite=True))
     files[name] = {"bytes": os.path.getsize(source), "sha256": sha256_file(source)}
     log(f"uploaded {i + 1}/{len(names)}: {target} ({files[name]['bytes']:,} bytes)")
   manifest = {"files": files}
-  (epath.Path(url) / FILES_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+  write_text_atomic(join(url, FILES_MANIFEST), json.dumps(manifest, indent=1, sort_keys=True))
   return manifest
 
 
@@ -176,6 +281,11 @@ def cache_dir(url: str) -> str:
   root = os.environ.get("REALM_JAX_CACHE") or os.path.join(
       os.path.expanduser("~"), ".cache", "realm_jax")
   return os.path.join(root, "data", hashlib.sha256(url.encode()).hexdigest()[:16])
+
+
+def local_dir(data_dir: str, log=print) -> str:
+  """`data_dir` itself when local, else its verified local copy (`local_copy`)."""
+  return local_copy(data_dir, log) if is_remote(data_dir) else data_dir
 
 
 def local_copy(url: str, log=print) -> str:
@@ -199,7 +309,8 @@ def local_copy(url: str, log=print) -> str:
       continue
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = f"{target}.tmp-{os.getpid()}"
-    (epath.Path(url) / name).copy(tmp, overwrite=True)
+    retried("copying", join(url, name), lambda: (epath.Path(url) / name).copy(
+        tmp, overwrite=True))
     got = (os.path.getsize(tmp), sha256_file(tmp))
     if got != (want["bytes"], want["sha256"]):
       os.remove(tmp)

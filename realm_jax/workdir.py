@@ -43,10 +43,9 @@ def open_data(config):
   except ValueError as e:
     raise ConfigError("data.dir", str(e)) from None
   try:
-    if paths.is_remote(config.data.dir):   # memory-mapped arrays: read from a local copy
-      return PreparedData(paths.local_copy(
-          config.data.dir, log=lambda line: print(f"[data] {line}", flush=True)))
-    return PreparedData(config.data.dir)
+    # Memory-mapped arrays: a data dir in a bucket is read from a verified local copy.
+    return PreparedData(paths.local_dir(
+        config.data.dir, log=lambda line: print(f"[data] {line}", flush=True)))
   except FileNotFoundError as e:
     raise ConfigError("data.dir", str(e)) from None
 
@@ -124,8 +123,14 @@ def clear_done(workdir: str) -> None:
   paths.remove(done_path(workdir))
 
 
-def is_done(workdir: str) -> bool:
-  return paths.exists(done_path(workdir))
+def is_done(workdir: str, steps: int | None = None) -> bool:
+  """Whether the trainer has finished: W/DONE is there and, given `steps` (the run's
+  train.steps), records at least that step. A DONE of an earlier, shorter run that a longer one
+  resumes is not this run's end (a builder started before the trainer clears it must wait)."""
+  text = paths.read_text(done_path(workdir))
+  if text is None:
+    return False
+  return steps is None or int(text.strip() or 0) >= steps
 
 
 # -- W/summary.json ----------------------------------------------------------------------------

@@ -14,10 +14,43 @@ from __future__ import annotations
 import http.server
 import os
 import socket
+import threading
+import time
 import types
 from http import HTTPStatus
 
 BUCKET = "realm-test"
+SLOW_UPLOADS = {}   # object-name part -> seconds each upload of a matching object takes
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+  """One thread per connection, as a real endpoint serves (with one, a client that keeps its
+  connection open starves the others), with the open connections known so that an outage cuts
+  them as well as refusing new ones."""
+  daemon_threads = True
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.connections, self.lock = set(), threading.Lock()
+
+  def process_request(self, request, client_address):
+    with self.lock:
+      self.connections.add(request)
+    super().process_request(request, client_address)
+
+  def shutdown_request(self, request):
+    with self.lock:
+      self.connections.discard(request)
+    super().shutdown_request(request)
+
+  def cut(self) -> None:
+    with self.lock:
+      open_ = list(self.connections)
+    for connection in open_:
+      try:
+        connection.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass
 
 
 def _free_port() -> int:
@@ -34,10 +67,7 @@ def _precondition(handler):
     query = req.query
     match, not_match = query.get("ifGenerationMatch"), query.get("ifGenerationNotMatch")
     if match or not_match:
-      bucket = req.params.get("bucket_name")
-      name = req.params.get("object_id") or (query.get("name") or [None])[0]
-      if name is None and (query.get("uploadType") or [""])[0] == "multipart":
-        name = req.data["meta"].get("name")   # named in the metadata part
+      bucket, name = req.params.get("bucket_name"), _object_name(req)
       try:
         current = int(store.get_file_obj(bucket, name)["generation"])
       except (NotFound, KeyError, TypeError):
@@ -51,6 +81,23 @@ def _precondition(handler):
         return None
     return handler(req, response, store, *args, **kwargs)
   return checked
+
+
+def _object_name(req):
+  name = req.params.get("object_id") or (req.query.get("name") or [None])[0]
+  if name is None and (req.query.get("uploadType") or [""])[0] == "multipart":
+    name = req.data["meta"].get("name")   # named in the metadata part
+  return name
+
+
+def _slow(insert):
+  """Uploads of objects named in SLOW_UPLOADS take that long (a slow link to the bucket)."""
+  def handler(req, response, store, *args, **kwargs):
+    name = _object_name(req) or ""
+    delay = max([s for part, s in SLOW_UPLOADS.items() if part in name], default=0.0)
+    time.sleep(delay)
+    return insert(req, response, store, *args, **kwargs)
+  return handler
 
 
 def _with_generation_headers(download):
@@ -80,16 +127,14 @@ def _patch_handlers() -> None:
     if req.query.get("alt") and req.query.get("alt")[0] == "media":
       return checked_download(req, response, store, *args, **kwargs)
     return checked_get(req, response, store, *args, **kwargs)
-  new = {insert: _precondition(insert), download: checked_download, get: get_or_download,
+  new = {insert: _slow(_precondition(insert)), download: checked_download, get: get_or_download,
          delete: _precondition(delete)}
   for _, handlers in server.HANDLERS:
     for method, fn in list(handlers.items()):
       if fn in new:
         handlers[method] = new[fn]
   objects.insert = new[insert]   # the server also looks it up by name for bare POST uploads
-  # One thread per connection, as a real endpoint serves: with one, a client that keeps its
-  # connection open (HTTP/1.1 keep-alive) starves the others (trainer, builder, this process).
-  server.server = types.SimpleNamespace(HTTPServer=http.server.ThreadingHTTPServer)
+  server.server = types.SimpleNamespace(HTTPServer=_HTTPServer)
   objects._realm_patched = True
 
 
@@ -105,11 +150,35 @@ class GcsServer:
     self._server = create_server("127.0.0.1", self.port, in_memory=True,
                                  default_bucket=BUCKET)
     self._server.start()
+    # The server takes no credentials and speaks only the JSON API: gcsfs anonymous
+    # (FSSPEC_GS_TOKEN) and without its gRPC bucket-type probe (GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT,
+    # read when gcsfs is imported), google-auth not looking for a GCE metadata server.
     self.env = {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
-                "GOOGLE_CLOUD_PROJECT": "realm-test"}
+                "GOOGLE_CLOUD_PROJECT": "realm-test", "FSSPEC_GS_TOKEN": "anon",
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "NO_GCE_CHECK": "True"}
 
   def stop(self) -> None:
     self._server.stop()
+
+  def go_down(self) -> None:
+    """Unreachable: new connections refused, open ones cut; the stored objects are kept."""
+    api = self._server._api
+    api.join()
+    api._httpd.cut()
+
+  def come_back(self) -> None:
+    """Serves again on the same port, with the same objects."""
+    from gcp_storage_emulator.server import APIThread
+    old = self._server._api
+    self._server._api = APIThread(old._host, old._port, old._storage, daemon=True)
+    self._server.start()
+
+  def down_for(self, seconds: float) -> threading.Thread:
+    """Goes down now and comes back after `seconds` (in a thread, returned)."""
+    self.go_down()
+    thread = threading.Timer(seconds, self.come_back)
+    thread.start()
+    return thread
 
 
 def start_or_skip_reason() -> tuple[GcsServer | None, str]:

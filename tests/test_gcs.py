@@ -1,18 +1,26 @@
-"""Runs that live in a bucket: `realm-prepare` -> ICT -> resume with `gs://` data dir and workdir,
-against a server speaking the GCS JSON API on 127.0.0.1 (tests/gcs_server.py; skipped with the
-reason where it cannot start). A malformed URL never becomes a local path."""
+"""Runs that live in a bucket: `realm-prepare` -> ICT -> REALM with `realm-index` in its own
+process -> that builder killed -9 while publishing -> resume -> `realm-eval`, with the data dir
+and the workdirs on `gs://`, against a server speaking the GCS JSON API on 127.0.0.1
+(tests/gcs_server.py; skipped with the reason where it cannot start). A malformed URL never
+becomes a local path."""
 
 import json
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from etils import epath
 
 from realm_jax import paths
 from realm_jax.data.prepare import prepare
-from realm_jax.errors import ConfigError
+from realm_jax.errors import ConfigError, StorageUnreachable
+from realm_jax.openqa_eval import evaluate_run
+from realm_jax.retrieval import published
 from realm_jax.train.loop import train
 from tests import gcs_server, helpers
 from tests.helpers import tiny_config
@@ -21,29 +29,66 @@ BUCKET = f"gs://{gcs_server.BUCKET}"
 
 
 @pytest.fixture(scope="module")
-def gcs(tmp_path_factory):
-  """The server, with the local data cache in a temp dir; yields the bucket URL."""
-  server, why = gcs_server.start_or_skip_reason()
-  if server is None:
+def server(tmp_path_factory):
+  """The server, with the local data cache in a temp dir."""
+  started, why = gcs_server.start_or_skip_reason()
+  if started is None:
     pytest.skip(why)
   logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)  # its 404 lines
   saved = os.environ.get("REALM_JAX_CACHE")
   os.environ["REALM_JAX_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-  yield BUCKET
-  server.stop()
+  yield started
+  started.stop()
   if saved is None:
     os.environ.pop("REALM_JAX_CACHE", None)
   else:
     os.environ["REALM_JAX_CACHE"] = saved
 
 
+@pytest.fixture
+def gcs(server):
+  """The bucket URL."""
+  return BUCKET
+
+
 def bucket_text(url: str) -> str:
   return epath.Path(url).read_text()
 
 
-@pytest.mark.slow
-def test_prepare_train_and_resume_with_everything_in_the_bucket(gcs, capsys):
-  data, workdir = f"{gcs}/world/data", f"{gcs}/world/ict"
+def _builder(config, workdir: str, log: str, *extra: str) -> subprocess.Popen:
+  """realm-index on `workdir`, in its own process (the environment points it at the server),
+  its output to the file `log`."""
+  with open(log, "w") as out:
+    return subprocess.Popen(
+        [sys.executable, "-u", "-m", "realm_jax.retrieval.builder",
+         *helpers.config_flags(config, "demo_realm"), f"--workdir={workdir}", *extra],
+        cwd=helpers.REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finished(builder: subprocess.Popen, log: str) -> str:
+  builder.wait(timeout=300)
+  out = open(log).read()
+  assert builder.returncode == 0, out[-3000:]
+  return out
+
+
+def _killed_while_publishing(config, workdir: str, log: str) -> str:
+  """realm-index --once on a slow link to the bucket, kill -9 once it is publishing."""
+  gcs_server.SLOW_UPLOADS["/index/"] = 0.4
+  try:
+    builder, deadline = _builder(config, workdir, log, "--once"), time.time() + 300
+    while "publishing" not in open(log).read() and builder.poll() is None:
+      assert time.time() < deadline, open(log).read()[-3000:]
+      time.sleep(0.05)
+    time.sleep(0.5)
+    os.killpg(builder.pid, signal.SIGKILL)
+    builder.wait()
+  finally:
+    gcs_server.SLOW_UPLOADS.clear()
+  return open(log).read()
+
+
+def _prepare_in_the_bucket(data: str, capsys) -> dict:
   config = helpers.load_config_module("prepare").get_config("world")
   config.source, config.out_dir = f"world:{helpers.WORLD_ENTITIES}", data
   config.vocab_size, config.num_workers = helpers.VOCAB_SIZE, 0
@@ -51,32 +96,102 @@ def test_prepare_train_and_resume_with_everything_in_the_bucket(gcs, capsys):
   out = capsys.readouterr().out
   assert f"[prepare] uploaded to {data}" in out
   manifest = json.loads(bucket_text(f"{data}/{paths.FILES_MANIFEST}"))
-  assert {"vocab.txt", "stats.json"} <= set(manifest["files"])
+  assert {"vocab.txt", "stats.json", "qa/eval.jsonl"} <= set(manifest["files"])
   assert json.loads(bucket_text(f"{data}/stats.json"))["blocks"] == stats["blocks"]
   assert not os.path.exists("gs:"), "a URL became a local dir"
   assert prepare(config)["blocks"] == stats["blocks"]   # finished: not prepared again
   assert "is already prepared and uploaded" in capsys.readouterr().out
   shutil.rmtree(paths.cache_dir(data))   # as on another host: nothing local yet
+  return stats
 
-  ict = tiny_config("ict", None, data, train__steps=4, train__checkpoint_every=2)
-  first = train(ict, workdir)
+
+@pytest.mark.slow
+def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(gcs, capsys,
+                                                                              tmp_path):
+  data, ict_dir, workdir = f"{gcs}/world/data", f"{gcs}/world/ict", f"{gcs}/world/realm"
+  _prepare_in_the_bucket(data, capsys)
+
+  # REALM from an ICT run, with realm-index in its own process: the two meet only in the
+  # bucket. The builder starts first and waits for the REALM run's checkpoints.
+  realm = tiny_config("realm", None, data, train__steps=4, train__checkpoint_every=2,
+                      retrieval__refresh="deterministic", retrieval__refresh_every=2,
+                      retrieval__swap_lag=1, retrieval__index_timeout=240.0,
+                      builder__poll_seconds=0.2, init__from_workdir=ict_dir)
+  log = str(tmp_path / "builder.log")
+  builder = _builder(realm, workdir, log)
+  ict = tiny_config("ict", None, data, train__steps=2, train__checkpoint_every=2)
+  assert train(ict, ict_dir)["steps"] == 2
   out = capsys.readouterr().out
   assert "[data] copied" in out and "verified" in out   # the arrays are read locally
   assert "TensorBoard events of gs://" in out
-  checkpoints = sorted(p.name for p in epath.Path(f"{workdir}/checkpoints").iterdir())
-  assert checkpoints == ["2", "4"], checkpoints
-  assert json.loads(bucket_text(f"{workdir}/summary.json"))["steps"] == 4 == first["steps"]
-  assert json.loads(bucket_text(f"{workdir}/config.json"))["data"]["dir"] == data
+  assert json.loads(bucket_text(f"{ict_dir}/config.json"))["data"]["dir"] == data
 
-  ict.train.steps = 6
-  again = train(ict, workdir)
+  first = train(realm, workdir)
+  built = _finished(builder, log)
+  out = capsys.readouterr().out
+  root = published.index_root(workdir)
+  assert f"published {workdir}/index/00000003" in built, built[-3000:]
+  assert "[data] copied" not in out   # the verified local copy is reused
+  assert first["steps"] == 4 and first["index_versions_used"] >= 2, first
+  assert sorted(p.name for p in epath.Path(f"{workdir}/checkpoints").iterdir()) == ["0", "2", "4"]
+  assert published.complete_versions(root) == [1, 2, 3] and published.read_latest(root) == 3
+
+  # kill -9 inside the publish sequence: the objects written so far are there, but no reader
+  # sees the version (no manifest, LATEST unchanged), and its number is never used again.
+  printed = _killed_while_publishing(realm, workdir, log)
+  assert "v4 (step 4): publishing" in printed and "published" not in printed, printed[-3000:]
+  assert epath.Path(f"{workdir}/index/00000004").exists()
+  assert published.complete_versions(root) == [1, 2, 3] and published.read_latest(root) == 3
+
+  # Resumed with more steps; its builder starts before the trainer clears the earlier DONE.
+  realm.train.steps = 6
+  builder = _builder(realm, workdir, log)
+  again = train(realm, workdir)
+  built = _finished(builder, log)
   out = capsys.readouterr().out
   assert f"resumed from {workdir}/checkpoints/4 (data at step 4)" in out, out[-3000:]
-  assert "[data] copied" not in out   # the verified local copy is reused
-  assert again["steps"] == 6
+  assert again["steps"] == 6 and again["eval_index_step"] == 6, again
+  assert f"published {workdir}/index/00000005" in built, built[-3000:]
+  for version in published.complete_versions(root):
+    published.verify(root, version, dim=realm.model.retrieval_dim)
   logged = [json.loads(line)["step"] for line in
             bucket_text(f"{workdir}/metrics/train.jsonl").splitlines()]
   assert logged == list(range(1, 7))   # appended across the restart, in the bucket
+
+  # realm-eval of the bucket run: metrics and predictions written back to the bucket.
+  realm.qa.test = "prepared:eval"
+  metrics, out_dir = evaluate_run(realm, workdir, split="test")
+  assert out_dir == f"{workdir}/eval/6"
+  saved = json.loads(bucket_text(f"{out_dir}/metrics.json"))
+  assert saved["step"] == 6 and saved["recall_at_5"] == metrics["recall_at_5"]
+  predictions = bucket_text(f"{out_dir}/predictions.jsonl").splitlines()
+  assert len(predictions) == saved["num_questions"] > 0
+  assert not os.path.exists("gs:")
+
+
+@pytest.mark.slow
+def test_an_unreachable_bucket_is_retried_then_a_clear_failure_with_nothing_partial(
+    server, gcs, capsys, monkeypatch):
+  record = f"{gcs}/outage/record.json"
+  paths.write_json(record, {"try": 1})
+  comes_back = server.down_for(3.0)   # refused for 3 s: the write waits it out, and says so
+  paths.write_json(record, {"try": 2})
+  comes_back.join()
+  assert "[storage] a request to the bucket failed (Cannot connect" in capsys.readouterr().out
+  assert paths.read_json(record) == {"try": 2}
+
+  # Down for good: after the patience, an error naming the object, whose old content stays
+  # (an object is written in one request: there whole or not at all).
+  monkeypatch.setenv(paths.PATIENCE_ENV, "1")
+  server.go_down()
+  try:
+    with pytest.raises(StorageUnreachable, match=r"outage/record.json: writing failed, the "
+                       r"storage server did not answer .*REALM_JAX_STORAGE_PATIENCE=1s"):
+      paths.write_json(record, {"try": 3})
+  finally:
+    server.come_back()
+  assert "[storage] gcsfs gave up on a request" in capsys.readouterr().out
+  assert paths.read_json(record) == {"try": 2}
 
 
 @pytest.mark.parametrize("field", ["workdir", "data.dir", "out_dir"])

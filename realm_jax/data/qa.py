@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from realm_jax import paths
 from realm_jax.data.answers import compile_answer_regex
 from realm_jax.data.sources import INVALID_UTF8, MALFORMED_JSON, NOT_AN_OBJECT, Skips
 from realm_jax.errors import ConfigError, DataError
@@ -139,7 +140,7 @@ def read_qa(spec: str, *, strict: bool = False, data_dir: str = "", option: str 
   if kind == "prepared":
     if not data_dir:
       raise ConfigError(option, f"{spec!r} reads DATA/qa/{arg}.jsonl: set data.dir")
-    path = os.path.join(data_dir, "qa", f"{arg}.jsonl")
+    path = os.path.join(paths.local_dir(data_dir), "qa", f"{arg}.jsonl")
     if not os.path.isfile(path):
       raise ConfigError(option, f"{spec!r}: no such file {path} (realm-prepare writes the QA "
                         "sets of squad: and world: sources there)")

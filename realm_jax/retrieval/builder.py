@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from realm_jax import paths, workdir as workdir_lib
-from realm_jax.errors import run_cli
+from realm_jax.errors import StorageUnreachable, run_cli
 from realm_jax.train import multihost
 from realm_jax.train.option_names import upgrade_flags
 
@@ -139,19 +139,41 @@ class IndexBuilder:
     timings["embed_seconds"] = round(seconds, 3)
     timings["blocks_per_second"] = round(len(embeddings) / max(seconds, 1e-9), 1)
     query_params = partitioning.host_copy(steps_lib.query_tower_params(params))
-    while True:   # a full disk: nothing of the version is visible; write it again next poll
+    failing_since = None
+    while True:   # a full disk or an unreachable bucket: nothing of the version is visible
       try:
         return self._publish(step, version, staging, embeddings, query_params, timings)
       except OSError as e:
-        if e.errno not in NO_SPACE:
-          raise
-        self.published.abandon(staging)
-        print(f"{prefix}no space left writing {e.filename or staging} ({e.strerror}): "
-              f"nothing of v{version} is visible; writing it again in "
+        failing_since = failing_since or time.time()
+        why = self._unpublished(e, staging, version, prefix, failing_since)
+        print(f"{prefix}{why}: nothing of v{version} is visible; writing it again in "
               f"{cfg.builder.poll_seconds:g}s", flush=True)
         time.sleep(cfg.builder.poll_seconds)
-        version, staging = self.published.start_version(self.root)
+        version, staging = paths.retried("starting an index version", self.root,
+                                         lambda: self.published.start_version(self.root))
         prefix = f"[index] v{version} (step {step}): "
+
+  def _unpublished(self, error: OSError, staging, version: int, prefix: str,
+                   failing_since: float) -> str:
+    """Why a version could not be written (a full disk, an unreachable bucket), after removing
+    what it left; any other error, or an unreachable bucket past the patience, is raised."""
+    if error.errno in NO_SPACE:
+      self.published.abandon(staging)
+      return f"no space left writing {error.filename or staging} ({error.strerror})"
+    if not paths.unreachable(error):
+      raise error
+    waited = time.time() - failing_since
+    if waited > paths.patience():
+      raise StorageUnreachable(
+          f"{prefix}the bucket did not answer for {waited:.0f}s while publishing to "
+          f"{staging} ({type(error).__name__}: {error}); giving up after "
+          f"${paths.PATIENCE_ENV}={paths.patience():g}s") from error
+    try:   # best effort: a version dir without a manifest is invisible to every reader
+      self.published.abandon(staging)
+    except OSError:
+      pass
+    return (f"the bucket did not answer writing {staging} ({type(error).__name__}: {error}; "
+            f"{waited:.0f}s of ${paths.PATIENCE_ENV}={paths.patience():g}s)")
 
   def _publish(self, step: int, version: int, staging, embeddings: np.ndarray,
                query_params: dict, timings: dict) -> dict:
@@ -238,7 +260,7 @@ class IndexBuilder:
       steps = self.checkpoint_steps()
       if not steps:
         waited = time.time() - started
-        if workdir_lib.is_done(self.workdir):
+        if workdir_lib.is_done(self.workdir, cfg.train.steps):
           print("[index] the trainer is done and left no checkpoint; exiting", flush=True)
           return self.built
         if waited > cfg.builder.wait_timeout:
@@ -259,7 +281,7 @@ class IndexBuilder:
           if once:
             return self.built
         continue    # look again at once: a deleted checkpoint means a newer one exists
-      if workdir_lib.is_done(self.workdir):
+      if workdir_lib.is_done(self.workdir, cfg.train.steps):
         print(f"[index] the trainer is done; {self.built} versions published", flush=True)
         return self.built
       time.sleep(cfg.builder.poll_seconds)

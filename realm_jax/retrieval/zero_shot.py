@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from realm_jax import paths
 from realm_jax.data.qa import is_heldout_article, question_inputs
 from realm_jax.data.prepared import PreparedData
 from realm_jax.retrieval.index import ExactIndex, IndexVersion, embed_blocks
@@ -28,7 +29,7 @@ CANDIDATE_BLOCKS = 100      # blocks ranked per question before collapsing to pa
 
 def load_questions(data_dir: str) -> list[dict]:
   """The questions of `data_dir/qa/eval.jsonl` that point at a kept paragraph (`doc_id`)."""
-  path = os.path.join(data_dir, "qa", "eval.jsonl")
+  path = os.path.join(paths.local_dir(data_dir), "qa", "eval.jsonl")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path}: no questions (prepare a squad: source to get them)")
   with open(path) as f:

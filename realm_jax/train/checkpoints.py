@@ -267,7 +267,7 @@ def abstract_run(config, vocab_size: int | None = None, block_len: int | None = 
   from realm_jax.train import partitioning, state as state_lib
   if vocab_size is None:
     vocab_size = config.model.vocab_size or load_tokenizer(
-        os.path.join(config.data.dir, "vocab.txt")).vocab_size
+        os.path.join(paths.local_dir(config.data.dir), "vocab.txt")).vocab_size
   model = state_lib.build_model(config, vocab_size)
   mesh = partitioning.make_mesh(config.mesh.shape if mesh_shape is None else mesh_shape)
   abstract, _ = state_lib.abstract_train_state(config, model, mesh,
