@@ -8,15 +8,19 @@ Slices `NAME-trainer` (--trainer_type, default v4-32) and `NAME-builder` (--buil
 default v4-8; `none` for a config without the separate index builder). Actions:
   create   describe each slice; create it only if there is none (a slice is reused)
   install  build this repository's wheel, copy it and configs/ to every worker, install it with
-           its [tpu] extra into ~/realm_env and mount every bucket the run names at /gcs/BUCKET
+           its [tpu] extra into ~/realm_env (--storage gcsfuse: and mount every bucket the run
+           names at /gcs/BUCKET)
   start    `realm-train ... --multihost=auto` on every trainer worker and `realm-index ...` on
            every builder worker, nohup'd, output to ~/realm_logs/{trainer,builder}.log
   tail     follow worker 0's log of --job (trainer or builder)
   stop     SIGTERM both jobs on every worker (the trainer saves a checkpoint), wait --grace s
   delete   delete both slices
   up       create, install, start
-Both jobs get the same config, `--set KEY=VALUE` overrides (as `--config.KEY=VALUE`) and workdir;
-every gs://BUCKET/PATH becomes /gcs/BUCKET/PATH, where gcsfuse mounts the bucket on each worker.
+Both jobs get the same config, `--set KEY=VALUE` overrides (as `--config.KEY=VALUE`) and workdir.
+--storage gcs (default): the jobs read and write the gs:// paths themselves (Orbax/TensorStore
+for checkpoints, gcsfs for the rest; the index published with its manifest as the commit
+marker); --storage gcsfuse: every gs://BUCKET/PATH becomes /gcs/BUCKET/PATH, where gcsfuse
+mounts the bucket on each worker.
 `--dry-run` prints each command, shell-quoted, one per line, and runs nothing.
 """
 
@@ -45,6 +49,7 @@ ACTIONS = ("create", "install", "start", "tail", "stop", "delete", "up")
 JOBS = ("trainer", "builder")
 ENTRY = {"trainer": "realm-train", "builder": "realm-index"}
 MOUNT_ROOT = "/gcs"
+STORAGES = ("gcs", "gcsfuse")   # the jobs on gs:// themselves | buckets mounted by gcsfuse
 PATH_FIELDS = ("data.dir", "init.from_workdir", "init.hf_bert", "init.retriever",
                "init.reader")     # paths read on the machines
 GRACE_SECONDS = 120         # after SIGTERM: the trainer saves a checkpoint before it exits
@@ -52,7 +57,7 @@ PYTHON = "python3.11"       # the package needs 3.11+; Ubuntu 22.04's python3 is
 ENV_BIN = "$HOME/realm_env/bin"
 LOGS = "$HOME/realm_logs"
 LIBTPU_RELEASES = "https://storage.googleapis.com/jax-releases/libtpu_releases.html"
-SCOPES = "https://www.googleapis.com/auth/cloud-platform"   # gcsfuse writes the bucket
+SCOPES = "https://www.googleapis.com/auth/cloud-platform"   # the jobs (or gcsfuse) write buckets
 # Slice sizes as GKE names their topologies; chips -> topology.
 _TOPOLOGY_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
                 256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
@@ -96,13 +101,15 @@ def check_name(name: str, flag: str, max_len: int) -> None:
                       f"letter, at most {max_len} characters")
 
 
-def gcs_bucket(url: str, flag: str) -> tuple[str, str]:
-  """`gs://B/p/q` -> ("B", "/gcs/B/p/q"), where gcsfuse mounts it on every machine."""
+def gcs_bucket(url: str, flag: str, storage: str = "gcs") -> tuple[str, str]:
+  """`gs://B/p/q` -> ("B", the path the jobs get): "gs://B/p/q" itself (--storage gcs), or
+  "/gcs/B/p/q", where gcsfuse mounts the bucket on every machine (--storage gcsfuse)."""
   m = re.fullmatch(r"gs://([a-z0-9][-a-z0-9_.]{1,220}[a-z0-9])/+(.*[^/])/*", url)
   if not m:
-    raise ConfigError("", f"{flag} {url!r}: must be gs://BUCKET/PATH (the bucket is mounted "
-                      f"with gcsfuse at {MOUNT_ROOT}/BUCKET on every machine)")
-  return m.group(1), f"{MOUNT_ROOT}/{m.group(1)}/{m.group(2)}"
+    raise ConfigError("", f"{flag} {url!r}: must be gs://BUCKET/PATH")
+  if storage == "gcsfuse":
+    return m.group(1), f"{MOUNT_ROOT}/{m.group(1)}/{m.group(2)}"
+  return m.group(1), f"gs://{m.group(1)}/{m.group(2)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,23 +117,32 @@ class Plan:
   """What both jobs run, as the machines name it."""
 
   config: str               # configs/X.py[:arg], relative to the job's working directory
-  workdir: str              # /gcs/BUCKET/PATH
-  overrides: tuple          # --config.KEY=VALUE tokens, gs:// values as mounted paths
+  workdir: str              # gs://BUCKET/PATH, or /gcs/BUCKET/PATH with gcsfuse
+  overrides: tuple          # --config.KEY=VALUE tokens (gs:// values mounted with gcsfuse)
   buckets: tuple            # every bucket the jobs read or write, the workdir's first
   builder: bool             # the config needs the separate index builder (realm-index)
+  storage: str = "gcs"      # STORAGES
+
+  @property
+  def mounts(self) -> tuple:
+    """The buckets gcsfuse mounts on every machine (none with --storage gcs)."""
+    return self.buckets if self.storage == "gcsfuse" else ()
 
 
-def plan_run(config_spec: str, workdir: str, sets: list[str]) -> Plan:
+def plan_run(config_spec: str, workdir: str, sets: list[str], storage: str = "gcs") -> Plan:
   """Checks the config, its overrides and the workdir before any machine is touched.
 
   Args:
     config_spec: `configs/X.py[:arg]`, a file in this repository's configs/.
     workdir: gs://BUCKET/PATH, the run directory both jobs share.
     sets: `KEY=VALUE` config overrides, applied to both jobs.
+    storage: "gcs" (the jobs use the gs:// paths) or "gcsfuse" (mounted at /gcs/BUCKET).
   Returns:
     The Plan. Raises ConfigError naming the bad flag or config field.
   """
-  bucket, mounted = gcs_bucket(workdir, "--workdir")
+  if storage not in STORAGES:
+    raise ConfigError("", f"--storage {storage!r} is not one of {STORAGES}")
+  bucket, workdir_path = gcs_bucket(workdir, "--workdir", storage)
   path, _, arg = config_spec.partition(":")
   if not os.path.isfile(path):
     raise ConfigError("", f"--config {config_spec!r}: no such file {path!r}")
@@ -150,7 +166,7 @@ def plan_run(config_spec: str, workdir: str, sets: list[str]) -> Plan:
   for key in [*given, *(k for k in final if k not in given)]:
     value = given.get(key, final[key])
     if isinstance(value, str) and value.startswith("gs://"):
-      where, value = gcs_bucket(value, f"config.{key}")
+      where, value = gcs_bucket(value, f"config.{key}", storage)
       buckets += [where] if where not in buckets else []
     elif key in PATH_FIELDS and (value or key == "data.dir") and \
         not str(value).startswith("pkg:"):    # pkg:MODULE/DIR: in a package the machines install
@@ -162,7 +178,7 @@ def plan_run(config_spec: str, workdir: str, sets: list[str]) -> Plan:
     overrides.append(f"--config.{key}={value}")
   builder = uses_index_builder(config)
   remote = "configs/" + os.path.basename(path) + (f":{arg}" if arg else "")
-  return Plan(remote, mounted, tuple(overrides), tuple(buckets), builder)
+  return Plan(remote, workdir_path, tuple(overrides), tuple(buckets), builder, storage)
 
 
 def check_builder(plan: Plan, builder_type: str) -> None:
@@ -196,7 +212,8 @@ def wheel_name() -> str:
 
 
 def install_script(plan: Plan) -> str:
-  """Python 3.11, gcsfuse, ~/realm_env with the wheel's [tpu] extra, every bucket mounted."""
+  """Python 3.11, ~/realm_env with the wheel's [tpu] extra; with gcsfuse, every bucket
+  mounted."""
   wheel = f"$HOME/{wheel_name()}"
   gcsfuse_repo = ('echo "deb [signed-by=/usr/share/keyrings/cloud.google.asc] '
                   'https://packages.cloud.google.com/apt gcsfuse-$(lsb_release -cs) main" '
@@ -204,13 +221,15 @@ def install_script(plan: Plan) -> str:
   key = ("curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg "
          "| sudo tee /usr/share/keyrings/cloud.google.asc > /dev/null")
   steps = [
-      "set -e", "sudo apt-get update -qq", f"sudo apt-get install -y -qq {PYTHON} {PYTHON}-venv",
-      f"if ! command -v gcsfuse > /dev/null; then {gcsfuse_repo}; {key}; "
-      "sudo apt-get update -qq; sudo apt-get install -y -qq gcsfuse; fi",
+      "set -e", "sudo apt-get update -qq", f"sudo apt-get install -y -qq {PYTHON} {PYTHON}-venv"]
+  if plan.mounts:
+    steps.append(f"if ! command -v gcsfuse > /dev/null; then {gcsfuse_repo}; {key}; "
+                 "sudo apt-get update -qq; sudo apt-get install -y -qq gcsfuse; fi")
+  steps += [
       f"{PYTHON} -m venv $HOME/realm_env", f"{ENV_BIN}/pip install -q -U pip",
       f'{ENV_BIN}/pip install -q "{wheel}[tpu]" -f {LIBTPU_RELEASES}',
       f'{ENV_BIN}/pip install -q --no-deps --force-reinstall "{wheel}"']   # same version, new code
-  for bucket in plan.buckets:
+  for bucket in plan.mounts:
     mount = f"{MOUNT_ROOT}/{bucket}"
     steps.append(f"if ! mountpoint -q {mount}; then sudo mkdir -p {mount}; "
                  f'sudo chown "$USER" {mount}; gcsfuse --implicit-dirs {bucket} {mount}; fi')
@@ -221,7 +240,7 @@ def start_script(plan: Plan, job: str) -> str:
   """Starts `job` in the background unless it runs already; its pid in ~/realm_logs/JOB.pid."""
   log, pid = f"{LOGS}/{job}.log", f"{LOGS}/{job}.pid"
   steps = [f'mountpoint -q {MOUNT_ROOT}/{b} || {{ echo "{MOUNT_ROOT}/{b} is not mounted: run '
-           f'{PROG} install" >&2; exit 1; }}' for b in plan.buckets]
+           f'{PROG} install" >&2; exit 1; }}' for b in plan.mounts]
   steps += ["cd $HOME", f"mkdir -p {LOGS}",
             f'if [ -f {pid} ] && kill -0 "$(cat {pid})" 2> /dev/null; then echo "{job} is '
             f'already running (pid $(cat {pid}))" >&2; exit 1; fi',
@@ -258,7 +277,7 @@ class Pod:
     if args.action in ("create", "install", "start", "up"):
       if not args.config or not args.workdir:
         raise ConfigError("", f"{args.action}: --config and --workdir are required")
-      self.plan = plan_run(args.config, args.workdir, args.set)
+      self.plan = plan_run(args.config, args.workdir, args.set, args.storage)
       check_builder(self.plan, args.builder_type)
 
   def gcloud(self, verb: str, targets: list[str], *flags: str) -> list[str]:
@@ -357,7 +376,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--config", default="", help="configs/X.py[:arg]")
   parser.add_argument("--workdir", default="", help="gs://BUCKET/PATH shared by both jobs")
   parser.add_argument("--set", action="append", default=[], help="KEY=VALUE config override "
-                      "for both jobs (repeat); gs:// values become /gcs/ paths")
+                      "for both jobs (repeat)")
+  parser.add_argument("--storage", choices=STORAGES, default="gcs", help="gcs: the jobs read "
+                      "and write gs:// paths themselves; gcsfuse: mount every bucket at "
+                      "/gcs/BUCKET and pass those paths")
   parser.add_argument("--job", choices=JOBS, default="trainer", help="tail: whose log")
   parser.add_argument("--grace", type=int, default=GRACE_SECONDS,
                       help="stop: seconds a job gets to exit after SIGTERM")

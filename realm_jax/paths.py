@@ -258,11 +258,17 @@ def _local_files(directory: str) -> list[str]:
   return sorted(out)
 
 
-def upload_tree(local_dir: str, url: str, log=print) -> dict:
-  """Copies `local_dir` to `url` file by file, then writes `url/files.json` (size and sha256
-  of each: the commit marker a reader checks). Returns that manifest."""
+COMMIT_FILES = ("manifest.json", "LATEST", "config.json")   # uploaded after the files they name
+
+
+def upload_tree(local_dir: str, url: str, log=print, exclude: str = "") -> dict:
+  """Copies `local_dir` (but names starting with `exclude`) to `url` file by file, a dir's
+  commit files (COMMIT_FILES) after its other files, then writes `url/files.json` (size and
+  sha256 of each: the commit marker a reader checks). Returns that manifest."""
   files = {}
-  names = [n for n in _local_files(local_dir) if n != FILES_MANIFEST]
+  names = [n for n in _local_files(local_dir)
+           if n != FILES_MANIFEST and not (exclude and n.startswith(exclude))]
+  names.sort(key=lambda n: (os.path.basename(n) in COMMIT_FILES, n))
   for i, name in enumerate(names):
     source = os.path.join(local_dir, name)
     target = epath.Path(url) / name
@@ -296,28 +302,56 @@ def local_copy(url: str, log=print) -> str:
   if text is None:
     raise FileNotFoundError(f"{url}: no {FILES_MANIFEST} (not a data dir realm-prepare "
                             "uploaded, or its upload did not finish)")
-  manifest = json.loads(text)
+  return _fetch_all(url, json.loads(text)["files"], text, log)
+
+
+def local_mirror(url: str, log=print) -> str:
+  """A local copy of a dir in a bucket that no realm_jax job uploaded (a Hugging Face
+  checkpoint): every object under `url` copied once into `cache_dir(url)`, each checked against
+  the size the listing gives, and reused while the listing (names, sizes, generations) is the
+  same. A dir with files.json goes through `local_copy` (sha256 checked too)."""
+  if exists(join(url, FILES_MANIFEST)):
+    return local_copy(url, log)
+  fs, root = fsspec.core.url_to_fs(url)
+  found = retried("listing", url, lambda: fs.find(root, detail=True))
+  files = {os.path.relpath(p, root): {"bytes": int(info["size"]),
+                                      "generation": str(info.get("generation", ""))}
+           for p, info in found.items() if info.get("type") == "file"}
+  if not files:
+    raise FileNotFoundError(f"{url}: no files there")
+  return _fetch_all(url, files, json.dumps(files, sort_keys=True), log)
+
+
+def _fetch_all(url: str, files: dict, stamp_text: str, log) -> str:
+  """Copies each of `files` ({name: {"bytes", ["sha256"]}}) from `url` into `cache_dir(url)`
+  unless a checked copy is there; `stamp_text` marks the finished copy. The local dir."""
   local = cache_dir(url)
-  stamp = os.path.join(local, FILES_MANIFEST)
-  if read_text(stamp) == text:
+  stamp = os.path.join(local, ".copied.json")
+  if read_text(stamp) == stamp_text:
     return local
-  names = sorted(manifest["files"])
+  names = sorted(files)
   for i, name in enumerate(names):
-    want, target = manifest["files"][name], os.path.join(local, name)
-    if os.path.exists(target) and os.path.getsize(target) == want["bytes"] and \
-        sha256_file(target) == want["sha256"]:
+    want, target = files[name], os.path.join(local, name)
+    if _matches(target, want):
       continue
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = f"{target}.tmp-{os.getpid()}"
     retried("copying", join(url, name), lambda: (epath.Path(url) / name).copy(
         tmp, overwrite=True))
-    got = (os.path.getsize(tmp), sha256_file(tmp))
-    if got != (want["bytes"], want["sha256"]):
+    if not _matches(tmp, want):
+      got = (os.path.getsize(tmp), sha256_file(tmp))
       os.remove(tmp)
       raise OSError(f"{url}/{name}: copied {got[0]:,} bytes with sha256 {got[1][:12]}..., "
-                    f"{FILES_MANIFEST} says {want['bytes']:,} bytes, {want['sha256'][:12]}...")
+                    f"expected {want['bytes']:,} bytes" +
+                    (f", {want['sha256'][:12]}..." if "sha256" in want else ""))
     os.replace(tmp, target)
     log(f"copied {i + 1}/{len(names)}: {url}/{name} -> {target} ({want['bytes']:,} bytes, "
         "verified)")
-  write_text_atomic(stamp, text)
+  write_text_atomic(stamp, stamp_text)
   return local
+
+
+def _matches(path: str, want: dict) -> bool:
+  """The local file has the size (and, when given, the sha256) `want` names."""
+  return os.path.exists(path) and os.path.getsize(path) == want["bytes"] and (
+      "sha256" not in want or sha256_file(path) == want["sha256"])

@@ -13,10 +13,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from etils import epath
 
-from realm_jax import paths
+from realm_jax import paths, workdir as workdir_lib
 from realm_jax.data.prepare import prepare
 from realm_jax.errors import ConfigError, StorageUnreachable
 from realm_jax.openqa_eval import evaluate_run
@@ -192,6 +193,50 @@ def test_an_unreachable_bucket_is_retried_then_a_clear_failure_with_nothing_part
     server.come_back()
   assert "[storage] gcsfs gave up on a request" in capsys.readouterr().out
   assert paths.read_json(record) == {"try": 2}
+
+
+def test_a_hugging_face_dir_in_the_bucket_starts_the_towers(gcs, world_dir, tmp_path, capsys):
+  from realm_jax.train.loop import Trainer
+  from tests.test_hf_bert import world_checkpoint
+  local, weights = world_checkpoint(world_dir, tmp_path / "hf")
+  url = f"{gcs}/hf/bert"
+  for name in os.listdir(local):   # as `gsutil cp -r` leaves it: plain objects, no files.json
+    epath.Path(os.path.join(local, name)).copy(epath.Path(f"{url}/{name}"))
+  config = tiny_config("realm", None, world_dir, init__hf_bert=url)
+  trainer = Trainer(config, str(tmp_path / "work"))
+  assert trainer.restore_or_init() == 0
+  out = capsys.readouterr().out
+  assert f"[init] copied 1/{len(os.listdir(local))}: {url}/" in out
+  assert f"init.hf_bert={url}" in out
+  np.testing.assert_array_equal(
+      trainer.state.params["reader"]["bert"]["embeddings"]["word_embeddings"]["embedding"],
+      weights["embeddings.word_embeddings.weight"])
+
+
+@pytest.mark.slow
+def test_an_open_qa_checkpoint_imported_into_the_bucket_is_a_workdir_there(gcs, tmp_path):
+  from realm_jax.interop import hf_realm
+  from tests import test_hf_realm as hf
+  tensors = hf.to_hf(hf.random_params("RealmForOpenQA", seed=1), "RealmForOpenQA")
+  records, tensors["block_emb"] = hf.records_and_emb(np.random.default_rng(2))
+  tensors["embedder.cls.predictions.bias"] = np.zeros(len(hf.VOCAB), np.float32)
+  hf_dir = hf.write_realm_checkpoint(tmp_path / "hf", "RealmForOpenQA", tensors, records)
+  url = f"{gcs}/imported/openqa"
+  hf_realm.import_checkpoint(hf_dir, url)
+  config = workdir_lib.saved_config(url)
+  assert config.data.dir == f"{url}/data"
+  assert paths.exists(f"{url}/data/{paths.FILES_MANIFEST}")   # a data dir like realm-prepare's
+  data = workdir_lib.open_data(config)
+  root = published.index_root(url)
+  published.verify(root, published.read_latest(root), fingerprint=data.blocks.fingerprint,
+                   dim=hf.SIZES["retriever_proj_size"])
+  _, _, params, step = hf.restore(url)   # Orbax reads the uploaded checkpoint in the bucket
+  assert step == 0
+  np.testing.assert_array_equal(
+      params["retriever"]["query_tower"]["projection"]["kernel"],
+      tensors["embedder.cls.dense.weight"].T)
+  with pytest.raises(ConfigError, match="is not empty"):
+    hf_realm.import_checkpoint(hf_dir, url)
 
 
 @pytest.mark.parametrize("field", ["workdir", "data.dir", "out_dir"])

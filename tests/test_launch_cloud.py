@@ -35,6 +35,12 @@ JOB_FLAGS = ("--config configs/realm_base.py --workdir /gcs/my-bucket/realm/real
              "--multihost=auto --config.data.dir=/gcs/my-bucket/realm/data "
              "--config.retrieval.refresh=async --config.init.retriever=/gcs/my-bucket/realm/ict "
              "--config.init.reader=/gcs/my-bucket/bert-base-uncased")
+# --storage gcs (the default): the jobs get the gs:// paths as they are
+GCS_FLAGS = ("--config configs/realm_base.py --workdir gs://my-bucket/realm/realm "
+             "--multihost=auto --config.data.dir=gs://my-bucket/realm/data "
+             "--config.retrieval.refresh=async --config.init.retriever=gs://my-bucket/realm/ict "
+             "--config.init.reader=gs://my-bucket/bert-base-uncased")
+FUSE = ["--storage", "gcsfuse"]
 WHEEL = os.path.join(REPO, "build", "tpu_pod", "realm_jax-0.1.0-py3-none-any.whl")
 
 
@@ -65,7 +71,7 @@ def _remote_script(line: str, name: str, worker: str = "all") -> str:
 
 
 def test_up_dry_run_prints_create_install_and_start_for_both_slices(capsys):
-  lines = _dry_run(capsys, "up", *SLICES, *RUN)
+  lines = _dry_run(capsys, "up", *SLICES, *RUN, *FUSE)
   create = ("--version=tpu-ubuntu2204-base --scopes=https://www.googleapis.com/auth/cloud-platform"
             "  # only if the describe finds no such TPU")
   assert lines[:4] == [
@@ -98,6 +104,27 @@ def test_up_dry_run_prints_create_install_and_start_for_both_slices(capsys):
       assert subprocess.run(["bash", "-n", "-c", script]).returncode == 0, script
 
 
+def test_with_native_gcs_the_jobs_get_the_urls_and_nothing_is_mounted(capsys, tmp_path):
+  lines = _dry_run(capsys, "up", *SLICES, *RUN)
+  assert len(lines) == 11
+  for i, name in ((6, "realm-trainer"), (8, "realm-builder")):
+    install = _remote_script(lines[i], name)
+    assert '"$HOME/realm_jax-0.1.0-py3-none-any.whl[tpu]"' in install
+    assert "gcsfuse" not in install and "mountpoint" not in install
+  for line, (name, entry) in zip(lines[9:], (("realm-trainer", "realm-train"),
+                                             ("realm-builder", "realm-index"))):
+    start = _remote_script(line, name)
+    assert f"nohup $HOME/realm_env/bin/{entry} {GCS_FLAGS} >>" in start
+    assert "mountpoint" not in start and "/gcs/" not in start
+  manifest = _render(tmp_path, *GKE_RUN)
+  for job in manifest["spec"]["replicatedJobs"]:
+    pod = job["template"]["spec"]["template"]
+    assert "metadata" not in pod and "volumes" not in pod["spec"]
+    (container,) = pod["spec"]["containers"]
+    assert "volumeMounts" not in container
+    assert shlex.join(container["command"]).endswith(GCS_FLAGS)
+
+
 def test_stop_sends_sigterm_tail_follows_worker_0_and_delete_is_quiet(capsys):
   stop = _dry_run(capsys, "stop", *SLICES)
   assert len(stop) == 2
@@ -119,7 +146,7 @@ def test_start_and_stop_scripts_run_the_job_in_the_background_and_sigterm_it(tmp
   """The remote scripts in a local bash: a stand-in job records its argv and its SIGTERM."""
   plan = tpu_pod.plan_run(REALM_BASE, "gs://my-bucket/realm/realm",
                           ["data.dir=gs://my-bucket/realm/data", "retrieval.refresh=async",
-                           *INIT[1::2]])
+                           *INIT[1::2]], storage="gcsfuse")
   bin_dir, home = tmp_path / "bin", tmp_path / "home"
   (home / "realm_env" / "bin").mkdir(parents=True)
   bin_dir.mkdir()
@@ -285,7 +312,7 @@ def _render(tmp_path, *argv: str) -> dict:
 
 
 def test_gke_jobset_runs_trainer_and_builder_on_their_slices_with_one_workdir(tmp_path):
-  manifest = _render(tmp_path, *GKE_RUN)
+  manifest = _render(tmp_path, *GKE_RUN, *FUSE)
   assert (manifest["apiVersion"], manifest["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
   assert manifest["spec"]["successPolicy"]["targetReplicatedJobs"] == ["trainer"]
   jobs = {j["name"]: j for j in manifest["spec"]["replicatedJobs"]}

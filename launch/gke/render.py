@@ -9,9 +9,10 @@
 Two replicated Jobs, each Indexed with one pod per TPU host of its slice (--trainer_type,
 default v4-32: 4 pods of 4 chips; --builder_type, default v4-8: 1 pod; `none`: no builder):
 `trainer` runs `realm-train ... --multihost=auto` (JAX finds the other pods of its slice) and
-`builder` runs `realm-index ...`, with the same config, overrides and workdir. Every bucket the
-run names is mounted with the GCS FUSE CSI driver at /gcs/BUCKET and gs:// paths become those
-paths. A pod that fails fails its Job (backoffLimit 0) and the JobSet restarts both Jobs (up
+`builder` runs `realm-index ...`, with the same config, overrides and workdir. --storage gcs
+(default): the jobs use the gs:// paths themselves (the pods' service account needs access to
+the buckets); --storage gcsfuse: every bucket the run names is mounted with the GCS FUSE CSI
+driver at /gcs/BUCKET and gs:// paths become those paths. A pod that fails fails its Job (backoffLimit 0) and the JobSet restarts both Jobs (up
 to --max_restarts): the trainer resumes from its last checkpoint. Pods get SIGTERM first and
 --grace seconds before SIGKILL (the trainer saves a checkpoint); the JobSet succeeds when the
 trainer does. The image has the package installed with its [tpu] extra and configs/ in its
@@ -31,8 +32,8 @@ from realm_jax.errors import ConfigError, run_cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))   # launch/ holds scripts: import tpu_pod by name
-from tpu_pod import (GRACE_SECONDS, MOUNT_ROOT, Plan, check_builder, check_name,  # noqa: E402
-                     job_argv, plan_run, tpu_slice)
+from tpu_pod import (GRACE_SECONDS, MOUNT_ROOT, STORAGES, Plan, check_builder,  # noqa: E402
+                     check_name, job_argv, plan_run, tpu_slice)
 
 PROG = "render.py"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -43,7 +44,8 @@ PORTS = (8471, 8482)
 
 def pod_template(job: str, argv: list[str], tpu, args: argparse.Namespace,
                  buckets: tuple) -> dict:
-  """The pod of one host of `job`: its slice's node labels, all its chips, the buckets."""
+  """The pod of one host of `job`: its slice's node labels, all its chips, the buckets
+  (`buckets`: those gcsfuse mounts, none with --storage gcs)."""
   spec = {
       "restartPolicy": "Never",
       "terminationGracePeriodSeconds": args.grace,
@@ -56,16 +58,19 @@ def pod_template(job: str, argv: list[str], tpu, args: argparse.Namespace,
           "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
           "ports": [{"containerPort": p} for p in PORTS],
           "resources": {"limits": {"google.com/tpu": tpu.chips_per_host}},
-          "volumeMounts": [{"name": f"gcs-{i}", "mountPath": f"{MOUNT_ROOT}/{b}"}
-                           for i, b in enumerate(buckets)],
       }],
-      "volumes": [{"name": f"gcs-{i}", "csi": {
-          "driver": GCSFUSE_DRIVER,
-          "volumeAttributes": {"bucketName": b, "mountOptions": "implicit-dirs"}}}
-          for i, b in enumerate(buckets)],
   }
+  if buckets:
+    spec["containers"][0]["volumeMounts"] = [
+        {"name": f"gcs-{i}", "mountPath": f"{MOUNT_ROOT}/{b}"} for i, b in enumerate(buckets)]
+    spec["volumes"] = [{"name": f"gcs-{i}", "csi": {
+        "driver": GCSFUSE_DRIVER,
+        "volumeAttributes": {"bucketName": b, "mountOptions": "implicit-dirs"}}}
+        for i, b in enumerate(buckets)]
   if args.service_account:
     spec = {"serviceAccountName": args.service_account, **spec}
+  if not buckets:
+    return {"spec": spec}
   return {"metadata": {"annotations": {"gke-gcsfuse/volumes": "true"}}, "spec": spec}
 
 
@@ -81,7 +86,7 @@ def jobset(args: argparse.Namespace, plan: Plan) -> dict:
         "completions": tpu.hosts,
         "completionMode": "Indexed",
         "backoffLimit": 0,
-        "template": pod_template(job, job_argv(plan, job), tpu, args, plan.buckets)}}})
+        "template": pod_template(job, job_argv(plan, job), tpu, args, plan.mounts)}}})
   return {
       "apiVersion": JOBSET_API,
       "kind": "JobSet",
@@ -106,6 +111,7 @@ def command_line(args: argparse.Namespace, plan: Plan) -> str:
            "--builder_type", args.builder_type, "--max_restarts", str(args.max_restarts),
            "--grace", str(args.grace)]
   argv += ["--service_account", args.service_account] if args.service_account else []
+  argv += ["--storage", args.storage] if args.storage != "gcs" else []
   return "python launch/gke/render.py " + shlex.join(argv)
 
 
@@ -115,7 +121,7 @@ def render(args: argparse.Namespace) -> str:
   if not args.image:
     raise ConfigError("", "--image is required: the container image with realm_jax[tpu] and "
                       "configs/ in its working directory (launch/README.md, GKE)")
-  plan = plan_run(args.config, args.workdir, args.set)
+  plan = plan_run(args.config, args.workdir, args.set, args.storage)
   check_builder(plan, args.builder_type)
   body = yaml.safe_dump(jobset(args, plan), sort_keys=False, default_flow_style=False,
                         width=1000)
@@ -129,7 +135,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--config", required=True, help="configs/X.py[:arg]")
   parser.add_argument("--workdir", required=True, help="gs://BUCKET/PATH shared by both jobs")
   parser.add_argument("--set", action="append", default=[], help="KEY=VALUE config override "
-                      "for both jobs (repeat); gs:// values become /gcs/ paths")
+                      "for both jobs (repeat)")
+  parser.add_argument("--storage", choices=STORAGES, default="gcs", help="gcs: the jobs read "
+                      "and write gs:// paths themselves; gcsfuse: mount every bucket at "
+                      "/gcs/BUCKET (GCS FUSE CSI driver) and pass those paths")
   parser.add_argument("--image", default="", help="container image (realm_jax[tpu], configs/)")
   parser.add_argument("--name", default="realm", help="the JobSet's name")
   parser.add_argument("--trainer_type", default="v4-32", help="the trainer's TPU slice")

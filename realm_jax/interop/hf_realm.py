@@ -45,6 +45,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from realm_jax import paths
 from realm_jax.errors import ConfigError, DataError, run_cli
 from realm_jax.interop import hf_bert
 
@@ -467,6 +468,10 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
   from realm_jax import workdir as workdir_lib
   from realm_jax.train import checkpoints
   from realm_jax.train.config_base import TASKS
+  if paths.is_remote(hf_dir):   # read from a local copy
+    hf_dir = paths.local_mirror(hf_dir, log=lambda line: print(f"[import] {line}", flush=True))
+  if paths.is_remote(out):
+    return _import_into_bucket(hf_dir, out, vocab, task)
   t0 = time.time()
   layout, hf = read_hf_config(hf_dir)
   if task is not None and task not in TASKS:
@@ -513,6 +518,31 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
                       f"{time.time() - t0:.1f}s")
   with open(os.path.join(out, "import_report.json"), "w") as f:
     json.dump(report.to_json(), f, indent=1)
+  return report
+
+
+def _import_into_bucket(hf_dir: str, url: str, vocab: str | None, task: str | None
+                        ) -> ImportReport:
+  """The import written into a local dir (in the cache) and uploaded to the workdir `url`:
+  its data dir (RealmForOpenQA) first, with its own files.json (a data dir in a bucket is read
+  through a verified copy), then the rest, config.json and the index's commit files last."""
+  from realm_jax import workdir as workdir_lib
+  check = paths.check(url, "--out")
+  if paths.isdir(check):
+    raise ConfigError("", f"--out {url} is not empty (an earlier import or run?); import into "
+                      "a new dir")
+  local = paths.cache_dir(url) + "-import"
+  shutil.rmtree(local, ignore_errors=True)
+  report = import_checkpoint(hf_dir, local, vocab, task)
+  log = lambda line: print(f"[import] {line}", flush=True)  # noqa: E731
+  if os.path.isdir(os.path.join(local, "data")):
+    config = workdir_lib.saved_config(local)
+    config.data.dir = paths.join(url, "data")
+    workdir_lib.write_config(local, config)
+    paths.upload_tree(os.path.join(local, "data"), config.data.dir, log)
+  paths.upload_tree(local, url, log, exclude="data/")
+  shutil.rmtree(local)
+  report.notes.append(f"uploaded to {url}")
   return report
 
 

@@ -48,13 +48,18 @@ class Source:
   kind: str
   path: str = ""
   step: int = -1
+  url: str = ""                    # an HF dir in a bucket, of which `path` is the local copy
+
+  @property
+  def shown(self) -> str:
+    return self.url or self.path
 
   def describe(self) -> str:
     if self.kind == "random":
       return "random init"
     if self.kind == "workdir":
       return f"workdir {self.path}" + (f" step {self.step}" if self.step >= 0 else "")
-    return f"HF dir {self.path}"
+    return f"HF dir {self.shown}"
 
 
 @dataclasses.dataclass
@@ -76,12 +81,15 @@ def resolve(spec: str, option: str, part: str, step: int = -1) -> Source:
   """One init option's value -> its Source; ConfigError if it is none of the accepted forms."""
   if spec in ("", "random"):
     return Source(part, option, "random")
-  path = packages.resolve(spec, option)
-  if paths.is_remote(path):   # a run's workdir in a bucket (HF dirs are read locally)
+  path, url = packages.resolve(spec, option), ""
+  if paths.is_remote(path):   # a run's workdir (read there) or an HF dir (copied here)
     if paths.isdir(paths.join(path, workdir_lib.CHECKPOINTS)):
       return Source(part, option, "workdir", path, step)
-    raise ConfigError(option, f"{spec!r}: no checkpoints/ under it (a bucket URL must be a "
-                      "run's workdir)")
+    if not paths.exists(paths.join(path, "config.json")):
+      raise ConfigError(option, f"{spec!r}: neither checkpoints/ nor config.json under it (a "
+                        "bucket URL must be a run's workdir or a Hugging Face dir)")
+    url, path = path, paths.local_mirror(path, log=lambda line: print(f"[init] {line}",
+                                                                      flush=True))
   if os.path.isdir(os.path.join(path, workdir_lib.CHECKPOINTS)):
     return Source(part, option, "workdir", path, step)
   if os.path.isfile(os.path.join(path, "config.json")) and any(
@@ -89,7 +97,7 @@ def resolve(spec: str, option: str, part: str, step: int = -1) -> Source:
     if step >= 0:
       raise ConfigError(f"init.{part}_step", f"{step}, but {option}={spec!r} is a Hugging Face "
                         "dir (no checkpoint steps): leave it at -1")
-    return Source(part, option, "hf", path)
+    return Source(part, option, "hf", path, url=url)
   why = "does not exist" if not os.path.exists(path) else "is not a directory" \
       if not os.path.isdir(path) else f"holds neither checkpoints/ nor config.json with " \
       f"{' or '.join(WEIGHT_FILES)}"
@@ -253,7 +261,7 @@ def _from_hf(config, src: Source, params, data_vocab: str, vocab_size: int):
   host = jax.tree.map(np.asarray, dict(params))
   if layout == "bert":
     new, report = hf_bert.load_bert_towers({part: host[part]}, path, option)
-    head = f"{part} <- {option}={path} (BERT: {', '.join(report.loaded)})"
+    head = f"{part} <- {option}={src.shown} (BERT: {', '.join(report.loaded)})"
     said = " ".join(report.loaded + report.left_at_init)
     others = [f"  left at init: {part}/{key} (not in a BERT checkpoint)" for key in host[part]
               if f"{part}/{key}" not in said]
@@ -264,6 +272,7 @@ def _from_hf(config, src: Source, params, data_vocab: str, vocab_size: int):
   if not report.from_hf:
     raise ConfigError(option, f"{path} is a {layout}, which holds no {part} parameters")
   left = sorted({"/".join(p.split("/")[:3]) for p in report.initialised})
-  return new[part], ([f"{part} <- {option}={path} ({layout}, {len(report.from_hf)} arrays)"]
+  return new[part], ([f"{part} <- {option}={src.shown} ({layout}, "
+                      f"{len(report.from_hf)} arrays)"]
                      + [f"  left at init: {x}" for x in left]
                      + [f"  note: {x}" for x in report.notes])
