@@ -33,6 +33,16 @@ class _ExpectedWarnings(logging.Filter):
 logging.getLogger("absl").addFilter(_ExpectedWarnings())
 
 
+def _first_line(error: Exception, limit: int) -> str:
+  """The error's first line, at most `limit` characters: a longer one keeps its start and its
+  end (TensorStore puts the cause, e.g. "No space left on device", after long paths)."""
+  text = str(error).splitlines()[0] if str(error) else ""
+  if len(text) <= limit:
+    return text
+  half = (limit - 5) // 2
+  return f"{text[:half]} ... {text[-half:]}"
+
+
 class Checkpointer:
   """`W/checkpoints/<step>/{params,opt,data,retrieval}` via one CheckpointManager."""
 
@@ -73,7 +83,7 @@ class Checkpointer:
       latest = self.manager.latest_step()
     except Exception:  # noqa: BLE001  (the listing itself may fail on a sick disk)
       latest = None
-    reason = str(error).splitlines()[0][:600] if str(error) else type(error).__name__
+    reason = _first_line(error, 600) or type(error).__name__
     return CheckpointError(
         f"saving a checkpoint under {self.directory} failed: {reason}. Nothing of it is "
         f"visible; the latest complete checkpoint is "
@@ -102,7 +112,7 @@ class Checkpointer:
       try:
         restored = self.restore(step, abstract_state, abstract_retrieval)
       except Exception as e:   # Orbax / TensorStore raise bare Exceptions for a bad file
-        failed[step] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        failed[step] = f"{type(e).__name__}: {_first_line(e, 400)}"
         log(f"checkpoint {self.directory}/{step} cannot be restored ({failed[step]}); "
             f"trying the one before it")
         continue
