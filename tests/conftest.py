@@ -1,5 +1,6 @@
 """Test-wide setup: 8 host CPU devices (set before anything imports jax) and one tiny world."""
 
+import logging
 import os
 
 _DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
@@ -20,7 +21,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import pytest  # noqa: E402  (after the environment above, on purpose)
 
-from tests import helpers  # noqa: E402
+from tests import gcs_server, helpers  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +40,30 @@ def world_dir(tmp_path_factory) -> str:
 def world_data(world_dir):
   from realm_jax.data.prepared import PreparedData
   return PreparedData(world_dir)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+  """The GCS JSON API server of the bucket tests (tests/gcs_server.py), one per test process,
+  with the local data cache in a temp dir; skipped with the reason where it cannot start."""
+  started, why = gcs_server.start_or_skip_reason()
+  if started is None:
+    pytest.skip(why)
+  logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)  # its 404 lines
+  saved = os.environ.get("REALM_JAX_CACHE")
+  os.environ["REALM_JAX_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+  yield started
+  started.stop()
+  if saved is None:
+    os.environ.pop("REALM_JAX_CACHE", None)
+  else:
+    os.environ["REALM_JAX_CACHE"] = saved
+
+
+@pytest.fixture
+def gcs(server):
+  """The bucket URL."""
+  return f"gs://{gcs_server.BUCKET}"
 
 
 def pytest_configure(config):

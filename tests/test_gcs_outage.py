@@ -1,0 +1,33 @@
+"""A bucket that stops answering (tests/gcs_server.py goes down): retried with backoff and
+said, then a clear failure naming the object after $REALM_JAX_STORAGE_PATIENCE, with nothing
+partial visible. Most of its time is spent waiting out gcsfs's own retries (~30 s)."""
+
+import pytest
+
+from realm_jax import paths
+from realm_jax.errors import StorageUnreachable
+
+
+@pytest.mark.slow
+def test_an_unreachable_bucket_is_retried_then_a_clear_failure_with_nothing_partial(
+    server, gcs, capsys, monkeypatch):
+  record = f"{gcs}/outage/record.json"
+  paths.write_json(record, {"try": 1})
+  comes_back = server.down_for(2.0)   # refused for 2 s: the write waits it out, and says so
+  paths.write_json(record, {"try": 2})
+  comes_back.join()
+  assert "[storage] a request to the bucket failed (Cannot connect" in capsys.readouterr().out
+  assert paths.read_json(record) == {"try": 2}
+
+  # Down for good: after the patience, an error naming the object, whose old content stays
+  # (an object is written in one request: there whole or not at all).
+  monkeypatch.setenv(paths.PATIENCE_ENV, "1")
+  server.go_down()
+  try:
+    with pytest.raises(StorageUnreachable, match=r"outage/record.json: writing failed, the "
+                       r"storage server did not answer .*REALM_JAX_STORAGE_PATIENCE=1s"):
+      paths.write_json(record, {"try": 3})
+  finally:
+    server.come_back()
+  assert "[storage] gcsfs gave up on a request" in capsys.readouterr().out
+  assert paths.read_json(record) == {"try": 2}
