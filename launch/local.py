@@ -266,10 +266,9 @@ def _exit_code(returncode: int) -> int:
 def _log_dir(workdir: str, say) -> str:
   """`W/logs`; for a bucket workdir a local dir (the children's output is appended line by
   line), said once."""
-  if not paths.is_remote(workdir):
-    return os.path.join(workdir, "logs")
-  local = os.path.join(paths.cache_dir(workdir), "logs")
-  say(f"{workdir} is a bucket: the children's logs go to {local}")
+  local = paths.local_side(workdir, "logs")
+  if paths.is_remote(workdir):
+    say(f"{workdir} is a bucket: the children's logs go to {local}")
   return local
 
 

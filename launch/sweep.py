@@ -30,6 +30,7 @@ import argparse
 import ast
 import csv
 import difflib
+import io
 import itertools
 import os
 import shlex
@@ -37,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from realm_jax import workdir as workdir_lib
+from realm_jax import paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.train.config_base import config_module, flat_options, uses_index_builder
 from realm_jax.train.option_names import current_name
@@ -157,7 +158,7 @@ def collect(root: str, runs: list[tuple[str, dict]], metric: str, descending: bo
   """One row per run: its overrides, status, and the scalar fields of its summary.json."""
   rows = []
   for name, overrides in runs:
-    summary = _summary(os.path.join(root, name)) or {}
+    summary = _summary(paths.join(root, name)) or {}
     row = {"run": name, **{k: v for k, v in overrides.items()},
            "status": status.get(name, "done" if summary else "missing")}
     row.update({k: v for k, v in summary.items()
@@ -170,21 +171,22 @@ def collect(root: str, runs: list[tuple[str, dict]], metric: str, descending: bo
 
 
 def write_tables(root: str, rows: list[dict], metric: str) -> tuple[str, str]:
-  """ROOT/results.csv (every column) and ROOT/results.md (the grid, status, metrics)."""
+  """ROOT/results.csv (every column) and ROOT/results.md (the grid, status, metrics); ROOT may
+  be a bucket URL."""
   columns = list(dict.fromkeys(c for r in rows for c in r))
-  csv_path, md_path = os.path.join(root, "results.csv"), os.path.join(root, "results.md")
-  with open(csv_path, "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows(rows)
+  csv_path, md_path = paths.join(root, "results.csv"), paths.join(root, "results.md")
+  table = io.StringIO(newline="")
+  writer = csv.DictWriter(table, fieldnames=columns)
+  writer.writeheader()
+  writer.writerows(rows)
+  paths.write_text_atomic(csv_path, table.getvalue())
   shown = [c for c in columns if c in ("run", "status") or c == metric or "." in c
            or c.startswith("eval_") or c == "wall_seconds"]
   lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
   for r in rows:
     cells = [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in shown]
     lines.append("| " + " | ".join(cells) + " |")
-  with open(md_path, "w") as f:
-    f.write(f"Sorted by {metric}.\n\n" + "\n".join(lines) + "\n")
+  paths.write_text_atomic(md_path, f"Sorted by {metric}.\n\n" + "\n".join(lines) + "\n")
   return csv_path, md_path
 
 
@@ -269,7 +271,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
   printing = args.launcher == "print" or args.dry_run
   status = {}
   for i, (name, overrides) in enumerate(runs, 1):
-    workdir = os.path.join(args.root, name)
+    workdir = paths.join(paths.check(args.root, "--root"), name)
     run = {**fixed, **overrides}
     cmd = command(args.config, workdir, run, needs_builder(config, run))
     if printing:
@@ -281,26 +283,26 @@ def sweep(args: argparse.Namespace) -> list[dict]:
       print(f"[sweep] {i}/{len(runs)} {name}: already done", flush=True)
       continue
     print(f"[sweep] {i}/{len(runs)} {name}: {shlex.join(cmd)}", flush=True)
-    os.makedirs(workdir, exist_ok=True)
+    log_path = paths.local_side(workdir, "sweep.log")   # W/sweep.log; local for a bucket W
+    paths.makedirs(os.path.dirname(log_path))
     t0 = time.time()
-    with open(os.path.join(workdir, "sweep.log"), "ab") as log:
+    with open(log_path, "ab") as log:
       code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
     status[name] = "done" if code == 0 else f"failed ({code})"
     print(f"[sweep] {i}/{len(runs)} {name}: {status[name]} in {time.time() - t0:.0f}s "
-          f"(log: {workdir}/sweep.log)", flush=True)
+          f"(log: {log_path})", flush=True)
   if printing:
     return []
   metric = args.metric
   for name, _ in runs if not metric else ():
-    found = [k for k, v in (_summary(os.path.join(args.root, name)) or {}).items()
+    found = [k for k, v in (_summary(paths.join(args.root, name)) or {}).items()
              if k.startswith("eval_") and isinstance(v, (int, float))]
     if found:
       metric = found[0]
       break
   rows = collect(args.root, runs, metric, not args.ascending, status)
   csv_path, md_path = write_tables(args.root, rows, metric)
-  with open(md_path) as f:
-    print(f.read())
+  print(paths.read_text(md_path))
   print(f"[sweep] wrote {csv_path} and {md_path}", flush=True)
   return rows
 

@@ -289,6 +289,13 @@ def cache_dir(url: str) -> str:
   return os.path.join(root, "data", hashlib.sha256(url.encode()).hexdigest()[:16])
 
 
+def local_side(workdir: str, name: str) -> str:
+  """`workdir/name` for a local workdir; for a bucket workdir the local path that stands in
+  for it (`cache_dir(workdir)/name`): files appended line by line or flushed often (logs,
+  TensorBoard events), which an object store would take whole again at every write."""
+  return join(cache_dir(workdir), name) if is_remote(workdir) else join(workdir, name)
+
+
 def local_dir(data_dir: str, log=print) -> str:
   """`data_dir` itself when local, else its verified local copy (`local_copy`)."""
   return local_copy(data_dir, log) if is_remote(data_dir) else data_dir

@@ -1,5 +1,5 @@
 """Runs that live in a bucket: `realm-prepare` -> ICT -> REALM with `realm-index` in its own
-process -> that builder killed -9 while publishing -> resume -> `realm-eval`, with the data dir
+process, killed -9 while publishing -> another builder -> resume -> `realm-eval`, with the data dir
 and the workdirs on `gs://`, against a server speaking the GCS JSON API on 127.0.0.1
 (tests/gcs_server.py; skipped with the reason where it cannot start). A malformed URL never
 becomes a local path."""
@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -46,20 +47,24 @@ def _finished(builder: subprocess.Popen, log: str) -> str:
   return out
 
 
-def _killed_while_publishing(config, workdir: str, log: str) -> str:
-  """realm-index --once on a slow link to the bucket, kill -9 once it is publishing."""
-  gcs_server.SLOW_UPLOADS["/index/"] = 0.4
-  try:
-    builder, deadline = _builder(config, workdir, log, "--once"), time.time() + 300
-    while "publishing" not in open(log).read() and builder.poll() is None:
-      assert time.time() < deadline, open(log).read()[-3000:]
-      time.sleep(0.05)
-    time.sleep(0.5)
-    os.killpg(builder.pid, signal.SIGKILL)
-    builder.wait()
-  finally:
-    gcs_server.SLOW_UPLOADS.clear()
-  return open(log).read()
+def _kill_when(builder: subprocess.Popen, log: str, written, then) -> threading.Thread:
+  """A thread that kill -9s `builder` as soon as `written` (a path) exists, then calls
+  `then()`; errors are kept in `thread.errors`."""
+  def watch():
+    try:
+      deadline = time.time() + 300
+      while not epath.Path(written).exists():
+        assert builder.poll() is None and time.time() < deadline, open(log).read()[-3000:]
+        time.sleep(0.05)
+      os.killpg(builder.pid, signal.SIGKILL)
+      builder.wait()
+      then()
+    except BaseException as e:  # noqa: BLE001  (raised in the test's thread)
+      thread.errors.append(e)
+  thread = threading.Thread(target=watch, daemon=True)
+  thread.errors = []
+  thread.start()
+  return thread
 
 
 def _prepare_in_the_bucket(data: str, capsys) -> dict:
@@ -100,41 +105,54 @@ def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(gc
   assert "TensorBoard events of gs://" in out
   assert json.loads(bucket_text(f"{ict_dir}/config.json"))["data"]["dir"] == data
 
-  first = train(realm, workdir)
-  built = _finished(builder, log)
+  # The builder is killed -9 in the middle of publishing the final version (a slow link to
+  # the bucket: killed once its first file is there). A second builder, with the config of
+  # the longer run that will resume this one, builds it again under a new number while the
+  # trainer waits.
+  resumed = realm.copy_and_resolve_references()
+  resumed.train.steps = 6
+  second, second_log = [], str(tmp_path / "builder2.log")
+  gcs_server.SLOW_UPLOADS["/index/00000002/"] = 1.0
+  killer = _kill_when(builder, log, f"{workdir}/index/00000002/{published.EMBEDDINGS}",
+                      lambda: second.append(_builder(resumed, workdir, second_log)))
+  try:
+    first = train(realm, workdir)
+  finally:
+    gcs_server.SLOW_UPLOADS.clear()
+    killer.join(timeout=60)
+  assert not killer.errors, killer.errors
   out = capsys.readouterr().out
-  root = published.index_root(workdir)
-  assert f"published {workdir}/index/00000002" in built, built[-3000:]
   assert "[data] copied" not in out   # the verified local copy is reused
   assert first["steps"] == 4 and first["eval_index_step"] == 4, first   # the final version
+  assert first["index_rejected"] == 0, out[-3000:]
   assert sorted(p.name for p in epath.Path(f"{workdir}/checkpoints").iterdir()) == ["0", "4"]
-  assert published.complete_versions(root) == [1, 2] and published.read_latest(root) == 2
+  # What the killed builder wrote is there, but no reader sees it (no manifest); the number is
+  # not used again.
+  root = published.index_root(workdir)
+  assert "v2 (step 4)" in open(log).read()
+  assert f"published {workdir}/index/00000002" not in open(log).read()
+  assert epath.Path(f"{workdir}/index/00000002").exists()
+  assert not epath.Path(f"{workdir}/index/00000002/{published.MANIFEST}").exists()
+  assert published.complete_versions(root) == [1, 3] and published.read_latest(root) == 3
 
-  # kill -9 inside the publish sequence: the objects written so far are there, but no reader
-  # sees the version (no manifest, LATEST unchanged), and its number is never used again.
-  printed = _killed_while_publishing(realm, workdir, log)
-  assert "v3 (step 4): publishing" in printed and "published" not in printed, printed[-3000:]
-  assert epath.Path(f"{workdir}/index/00000003").exists()
-  assert published.complete_versions(root) == [1, 2] and published.read_latest(root) == 2
-
-  # Resumed with more steps; its builder starts before the trainer clears the earlier DONE.
-  realm.train.steps = 6
-  builder = _builder(realm, workdir, log)
-  again = train(realm, workdir)
-  built = _finished(builder, log)
+  # Resumed with more steps, by the same second builder: the earlier DONE (step 4) is not
+  # this run's end.
+  again = train(resumed, workdir)
+  built = _finished(second[0], second_log)
   out = capsys.readouterr().out
   assert f"resumed from {workdir}/checkpoints/4 (data at step 4)" in out, out[-3000:]
   assert again["steps"] == 6 and again["eval_index_step"] == 6, again
-  assert f"published {workdir}/index/00000004" in built, built[-3000:]
+  assert f"published {workdir}/index/00000003" in built and \
+      f"published {workdir}/index/00000004" in built, built[-3000:]
   for version in published.complete_versions(root):
-    published.verify(root, version, dim=realm.model.retrieval_dim)
+    published.verify(root, version, dim=resumed.model.retrieval_dim)
   logged = [json.loads(line)["step"] for line in
             bucket_text(f"{workdir}/metrics/train.jsonl").splitlines()]
   assert logged == list(range(1, 7))   # appended across the restart, in the bucket
 
   # realm-eval of the bucket run: metrics and predictions written back to the bucket.
-  realm.qa.test = "prepared:eval"
-  metrics, out_dir = evaluate_run(realm, workdir, split="test")
+  resumed.qa.test = "prepared:eval"
+  metrics, out_dir = evaluate_run(resumed, workdir, split="test")
   assert out_dir == f"{workdir}/eval/6"
   saved = json.loads(bucket_text(f"{out_dir}/metrics.json"))
   assert saved["step"] == 6 and saved["recall_at_5"] == metrics["recall_at_5"]
@@ -185,6 +203,24 @@ def test_an_open_qa_checkpoint_imported_into_the_bucket_is_a_workdir_there(gcs, 
       tensors["embedder.cls.dense.weight"].T)
   with pytest.raises(ConfigError, match="is not empty"):
     hf_realm.import_checkpoint(hf_dir, url)
+
+
+def test_a_sweep_rooted_in_the_bucket_reads_summaries_and_writes_its_tables_there(gcs):
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "_test_sweep_gcs", os.path.join(helpers.REPO, "launch", "sweep.py"))
+  sweep = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(sweep)
+  root = f"{gcs}/sweep"
+  runs = [("lr-0.001", {"train.lr": 1e-3}), ("lr-0.003", {"train.lr": 3e-3})]
+  workdir_lib.write_summary(f"{root}/lr-0.003", {"steps": 4, "eval_recall_at_5": 0.5})
+  rows = sweep.collect(root, runs, "eval_recall_at_5", True, {})
+  assert [(r["run"], r["status"]) for r in rows] == [("lr-0.003", "done"), ("lr-0.001", "missing")]
+  csv_path, md_path = sweep.write_tables(root, rows, "eval_recall_at_5")
+  assert (csv_path, md_path) == (f"{root}/results.csv", f"{root}/results.md")
+  assert bucket_text(csv_path).splitlines()[1].startswith("lr-0.003,0.003,done,4,0.5")
+  assert "| lr-0.003 |" in bucket_text(md_path)
+  assert not os.path.exists("gs:")
 
 
 @pytest.mark.parametrize("field", ["workdir", "data.dir", "out_dir"])

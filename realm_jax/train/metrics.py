@@ -58,10 +58,8 @@ def _tensorboard_dir(workdir: str, name: str) -> str:
   """`W/tb/<name>`; for a bucket workdir a local dir, said once per workdir: tensorboardX's
   bucket writer uploads the whole file again at every flush and blocks at exit while the
   bucket is unreachable (the metrics JSONL goes to the bucket)."""
-  if not paths.is_remote(workdir):
-    return paths.join(workdir, "tb", name)
-  local = paths.join(paths.cache_dir(workdir), "tb")
-  if workdir not in _TB_NOTED:
+  local = paths.local_side(workdir, "tb")
+  if paths.is_remote(workdir) and workdir not in _TB_NOTED:
     _TB_NOTED.add(workdir)
     print(f"TensorBoard events of {workdir} are written locally to {local} (tensorboard "
           f"--logdir {local}); the metrics JSONL goes to {workdir}/metrics", flush=True)
