@@ -80,17 +80,27 @@ def patience() -> float:
 
 
 def unreachable(error: BaseException) -> bool:
-  """Whether `error` says the storage server did not answer (worth retrying), rather than that
-  a file is absent or a request was refused."""
+  """Whether `error` (or the error it was raised from) says the storage server did not answer
+  (worth retrying), rather than that a file is absent, a request was refused or a certificate
+  is wrong."""
   import asyncio
   import aiohttp
-  if isinstance(error, StorageUnreachable):
-    return False   # already retried until the patience ran out
-  if isinstance(error, (ConnectionError, TimeoutError, asyncio.TimeoutError,
-                        aiohttp.ClientConnectionError, fsspec.exceptions.FSTimeoutError)):
-    return True
-  code = getattr(error, "code", None)   # gcsfs's HttpError: 5xx, 408 and 429 are transient
-  return isinstance(code, int) and (code >= 500 or code in (408, 429))
+  import requests
+  for e in (error, error.__cause__):
+    if e is None or isinstance(e, (StorageUnreachable, FileNotFoundError, PermissionError)):
+      continue   # StorageUnreachable: already retried until the patience ran out
+    if isinstance(e, (aiohttp.ClientSSLError, requests.exceptions.SSLError)):
+      continue   # a bad certificate does not heal by waiting
+    if isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError,
+                      aiohttp.ClientConnectionError, fsspec.exceptions.FSTimeoutError,
+                      requests.exceptions.ConnectionError, requests.exceptions.Timeout)):
+      return True
+    if type(e).__name__ == "TransportError":   # google-auth could not reach its token server
+      return True
+    code = getattr(e, "code", None)   # gcsfs's HttpError: 5xx, 408 and 429 are transient
+    if isinstance(code, int) and (code >= 500 or code in (408, 429)):
+      return True
+  return False
 
 
 def retried(what: str, path, fn):
@@ -121,39 +131,44 @@ def retried(what: str, path, fn):
       delay, attempt = min(2 * delay, MAX_BACKOFF), attempt + 1
 
 
-class _SayGcsfsRetries(logging.Filter):
-  """gcsfs retries a failed request itself and says so only at debug level: each retry becomes
-  a `[storage]` line (at most one per 5 s), and its giving up (an error with a traceback) one
-  line; gcsfs's other debug and info records are dropped."""
+class _GcsfsRecords(logging.Handler):
+  """Every record of gcsfs and its child loggers: gcsfs retries a failed request itself and
+  says so only at debug level; each retry becomes a `[storage]` line (at most one per 5 s) and
+  its giving up (an error with a traceback) one line; other warnings and errors go on to the
+  root logger's handlers; the rest is dropped."""
 
   def __init__(self):
-    super().__init__()
+    super().__init__(logging.DEBUG)
     self.last, self.unsaid = 0.0, 0
 
-  def filter(self, record) -> bool:
+  def emit(self, record) -> None:
     message = record.getMessage()
-    if "out of retries on exception" in message:   # an error with a traceback: one line here
+    if "out of retries on exception" in message:
       print(f"[storage] gcsfs gave up on a request after its retries "
             f"({message.split('exception: ', 1)[-1]})", flush=True)
-      return False
-    if record.levelno >= logging.WARNING:
-      return True
-    if "retrying after exception" in message:
+    elif "retrying after exception" in message:
       if time.monotonic() - self.last < 5.0:
         self.unsaid += 1
-      else:
-        more = f" (+{self.unsaid} more retries)" if self.unsaid else ""
-        print(f"[storage] a request to the bucket failed ({message.split('exception: ', 1)[-1]})"
-              f"; gcsfs retries it with backoff{more}", flush=True)
-        self.last, self.unsaid = time.monotonic(), 0
-    return False
+        return
+      more = f" (+{self.unsaid} more retries)" if self.unsaid else ""
+      print(f"[storage] a request to the bucket failed ({message.split('exception: ', 1)[-1]})"
+            f"; gcsfs retries it with backoff{more}", flush=True)
+      self.last, self.unsaid = time.monotonic(), 0
+    elif record.levelno >= logging.WARNING:
+      logging.getLogger().handle(record)
 
 
-_gcsfs_log = logging.getLogger("gcsfs")
-if not any(isinstance(f, _SayGcsfsRetries) for f in _gcsfs_log.filters):
-  _gcsfs_log.addFilter(_SayGcsfsRetries())
-  if _gcsfs_log.level in (logging.NOTSET,) or _gcsfs_log.level > logging.DEBUG:
-    _gcsfs_log.setLevel(logging.DEBUG)   # the filter passes only warnings on
+def _say_gcsfs_retries() -> None:
+  """Installs _GcsfsRecords once, unless the user has set gcsfs's log level themselves."""
+  log = logging.getLogger("gcsfs")
+  if log.level != logging.NOTSET or any(isinstance(h, _GcsfsRecords) for h in log.handlers):
+    return
+  log.setLevel(logging.DEBUG)
+  log.propagate = False
+  log.addHandler(_GcsfsRecords())
+
+
+_say_gcsfs_retries()
 
 
 # -- files -------------------------------------------------------------------------------------
@@ -162,7 +177,16 @@ def exists(path) -> bool:
 
 
 def isdir(path) -> bool:
-  return retried("checking", path, epath.Path(path).is_dir)
+  if not is_remote(path):
+    return epath.Path(path).is_dir()
+  fs, name = fsspec.core.url_to_fs(str(path))
+
+  def probe() -> bool:   # gcsfs's isdir answers False for any error, an outage included
+    try:
+      return fs.info(name)["type"] == "directory"
+    except FileNotFoundError:
+      return False
+  return retried("checking", path, probe)
 
 
 def makedirs(path) -> None:
@@ -174,8 +198,8 @@ def makedirs(path) -> None:
 def remove(path) -> None:
   """Deletes a file if it is there."""
   p = epath.Path(path)
-  if exists(p):
-    retried("deleting", path, p.unlink)
+  if exists(p):   # a retried delete may find it gone already
+    retried("deleting", path, lambda: p.unlink(missing_ok=True))
 
 
 def read_text(path) -> str | None:
@@ -258,7 +282,9 @@ def _local_files(directory: str) -> list[str]:
   return sorted(out)
 
 
-COMMIT_FILES = ("manifest.json", "LATEST", "config.json")   # uploaded after the files they name
+# Uploaded after the files they name, the deepest first: an index version's manifest, Orbax's
+# marker of a complete checkpoint in a bucket, the index's LATEST, a workdir's config.
+COMMIT_FILES = ("manifest.json", "commit_success.txt", "LATEST", "config.json")
 
 
 def upload_tree(local_dir: str, url: str, log=print, exclude: str = "") -> dict:
@@ -268,7 +294,8 @@ def upload_tree(local_dir: str, url: str, log=print, exclude: str = "") -> dict:
   files = {}
   names = [n for n in _local_files(local_dir)
            if n != FILES_MANIFEST and not (exclude and n.startswith(exclude))]
-  names.sort(key=lambda n: (os.path.basename(n) in COMMIT_FILES, n))
+  names.sort(key=lambda n: (os.path.basename(n) in COMMIT_FILES,
+                            -n.count("/") if os.path.basename(n) in COMMIT_FILES else 0, n))
   for i, name in enumerate(names):
     source = os.path.join(local_dir, name)
     target = epath.Path(url) / name

@@ -20,6 +20,7 @@ bucket), so a reader never sees half of one.
 from __future__ import annotations
 
 import json
+import sys
 
 from realm_jax import paths
 from realm_jax.errors import ConfigError
@@ -127,10 +128,20 @@ def is_done(workdir: str, steps: int | None = None) -> bool:
   """Whether the trainer has finished: W/DONE is there and, given `steps` (the run's
   train.steps), records at least that step. A DONE of an earlier, shorter run that a longer one
   resumes is not this run's end (a builder started before the trainer clears it must wait)."""
+  step = done_step(workdir)
+  return step is not None and (steps is None or step >= steps)
+
+
+def done_step(workdir: str) -> int | None:
+  """The step W/DONE records; None without W/DONE. A DONE that holds no step (written by
+  hand, or by an older version) counts as the end of any run."""
   text = paths.read_text(done_path(workdir))
   if text is None:
-    return False
-  return steps is None or int(text.strip() or 0) >= steps
+    return None
+  try:
+    return int(text.strip())
+  except ValueError:
+    return sys.maxsize
 
 
 # -- W/summary.json ----------------------------------------------------------------------------

@@ -19,6 +19,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
+# The bucket tests' server speaks only the GCS JSON API: gcsfs must not probe the bucket type
+# over gRPC (read when gcsfs is imported, which may happen before their fixture runs).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
 import pytest  # noqa: E402  (after the environment above, on purpose)
 
 from tests import gcs_server, helpers  # noqa: E402

@@ -155,7 +155,7 @@ class GcsServer:
     # read when gcsfs is imported), google-auth not looking for a GCE metadata server.
     self.env = {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
                 "GOOGLE_CLOUD_PROJECT": "realm-test", "FSSPEC_GS_TOKEN": "anon",
-                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "NO_GCE_CHECK": "True"}
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "NO_GCE_CHECK": "true"}
 
   def stop(self) -> None:
     self._server.stop()
@@ -192,4 +192,8 @@ def start_or_skip_reason() -> tuple[GcsServer | None, str]:
   except OSError as e:
     return None, f"the GCS emulator did not start on 127.0.0.1: {e}"
   os.environ.update(server.env)
+  # fsspec reads FSSPEC_* variables when it is imported (long before, in a test process);
+  # the child processes the tests start read them from the environment above.
+  import fsspec
+  fsspec.config.conf.setdefault("gs", {})["token"] = "anon"
   return server, ""

@@ -120,7 +120,7 @@ def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(gc
   finally:
     gcs_server.SLOW_UPLOADS.clear()
     killer.join(timeout=60)
-  assert not killer.errors, killer.errors
+  assert not killer.errors and not killer.is_alive(), killer.errors
   out = capsys.readouterr().out
   assert "[data] copied" not in out   # the verified local copy is reused
   assert first["steps"] == 4 and first["eval_index_step"] == 4, first   # the final version

@@ -2,6 +2,8 @@
 said, then a clear failure naming the object after $REALM_JAX_STORAGE_PATIENCE, with nothing
 partial visible. Most of its time is spent waiting out gcsfs's own retries (~30 s)."""
 
+import logging
+
 import pytest
 
 from realm_jax import paths
@@ -13,9 +15,13 @@ def test_an_unreachable_bucket_is_retried_then_a_clear_failure_with_nothing_part
     server, gcs, capsys, monkeypatch):
   record = f"{gcs}/outage/record.json"
   paths.write_json(record, {"try": 1})
+  monkeypatch.setenv(paths.PATIENCE_ENV, "60")
+  said = next(h for h in logging.getLogger("gcsfs").handlers if hasattr(h, "unsaid"))
+  monkeypatch.setattr(said, "last", 0.0)   # no retry line said just before (one per 5 s)
   comes_back = server.down_for(2.0)   # refused for 2 s: the write waits it out, and says so
   paths.write_json(record, {"try": 2})
-  comes_back.join()
+  comes_back.join(timeout=30)
+  assert not comes_back.is_alive(), "the server did not come back"
   assert "[storage] a request to the bucket failed (Cannot connect" in capsys.readouterr().out
   assert paths.read_json(record) == {"try": 2}
 

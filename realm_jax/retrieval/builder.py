@@ -63,6 +63,7 @@ class IndexBuilder:
     from realm_jax.train.metrics import MetricWriter
     self.metrics = MetricWriter(workdir, "index")
     self.built = 0   # versions published by this run
+    self._said_done = False
     print(f"[index] {self.data.blocks.num_blocks:,} blocks of {self.data.dir} (fingerprint "
           f"{self.fingerprint}), backend {config.retrieval.backend}, mode "
           f"{config.retrieval.refresh}, mesh {dict(self.mesh.shape)} on "
@@ -139,13 +140,14 @@ class IndexBuilder:
     timings["embed_seconds"] = round(seconds, 3)
     timings["blocks_per_second"] = round(len(embeddings) / max(seconds, 1e-9), 1)
     query_params = partitioning.host_copy(steps_lib.query_tower_params(params))
-    failing_since = None
+    unreachable_since = None
     while True:   # a full disk or an unreachable bucket: nothing of the version is visible
       try:
         return self._publish(step, version, staging, embeddings, query_params, timings)
-      except OSError as e:
-        failing_since = failing_since or time.time()
-        why = self._unpublished(e, staging, version, prefix, failing_since)
+      except Exception as e:  # noqa: BLE001  (anything but those two is raised again)
+        unreachable = paths.unreachable(e)
+        unreachable_since = (unreachable_since or time.time()) if unreachable else None
+        why = self._unpublished(e, staging, version, prefix, unreachable_since)
         print(f"{prefix}{why}: nothing of v{version} is visible; writing it again in "
               f"{cfg.builder.poll_seconds:g}s", flush=True)
         time.sleep(cfg.builder.poll_seconds)
@@ -153,16 +155,17 @@ class IndexBuilder:
                                          lambda: self.published.start_version(self.root))
         prefix = f"[index] v{version} (step {step}): "
 
-  def _unpublished(self, error: OSError, staging, version: int, prefix: str,
-                   failing_since: float) -> str:
-    """Why a version could not be written (a full disk, an unreachable bucket), after removing
-    what it left; any other error, or an unreachable bucket past the patience, is raised."""
-    if error.errno in NO_SPACE:
+  def _unpublished(self, error: Exception, staging, version: int, prefix: str,
+                   unreachable_since: float | None) -> str:
+    """Why a version could not be written (a full disk, an unreachable bucket since
+    `unreachable_since`), after removing what it left; any other error, or an unreachable
+    bucket past the patience, is raised."""
+    if getattr(error, "errno", None) in NO_SPACE:
       self.published.abandon(staging)
       return f"no space left writing {error.filename or staging} ({error.strerror})"
-    if not paths.unreachable(error):
+    if unreachable_since is None:
       raise error
-    waited = time.time() - failing_since
+    waited = time.time() - unreachable_since
     if waited > paths.patience():
       raise StorageUnreachable(
           f"{prefix}the bucket did not answer for {waited:.0f}s while publishing to "
@@ -170,7 +173,7 @@ class IndexBuilder:
           f"${paths.PATIENCE_ENV}={paths.patience():g}s") from error
     try:   # best effort: a version dir without a manifest is invisible to every reader
       self.published.abandon(staging)
-    except OSError:
+    except Exception:  # noqa: BLE001  (the bucket is not answering)
       pass
     return (f"the bucket did not answer writing {staging} ({type(error).__name__}: {error}; "
             f"{waited:.0f}s of ${paths.PATIENCE_ENV}={paths.patience():g}s)")
@@ -284,7 +287,18 @@ class IndexBuilder:
       if workdir_lib.is_done(self.workdir, cfg.train.steps):
         print(f"[index] the trainer is done; {self.built} versions published", flush=True)
         return self.built
+      self._say_if_done_earlier()
       time.sleep(cfg.builder.poll_seconds)
+
+  def _say_if_done_earlier(self) -> None:
+    """Once: W/DONE of a run that ended before this config's train.steps (a resumed, longer
+    run has not cleared it yet, or the two jobs were given different train.steps)."""
+    step = workdir_lib.done_step(self.workdir)
+    if step is not None and not self._said_done:
+      self._said_done = True
+      print(f"[index] {workdir_lib.done_path(self.workdir)} says the trainer finished at step "
+            f"{step}, before train.steps {self.config.train.steps}: waiting for the run that "
+            "resumes it (the trainer and the builder need the same train.steps)", flush=True)
 
   def close(self) -> None:
     if self.manager is not None:
