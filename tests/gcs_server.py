@@ -43,6 +43,12 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
       self.connections.discard(request)
     super().shutdown_request(request)
 
+  def handle_error(self, request, client_address):
+    import sys
+    if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+      return   # a client that went away (a killed builder, a connection cut by an outage)
+    super().handle_error(request, client_address)
+
   def cut(self) -> None:
     with self.lock:
       open_ = list(self.connections)
