@@ -196,10 +196,8 @@ def makedirs(path) -> None:
 
 
 def remove(path) -> None:
-  """Deletes a file if it is there."""
-  p = epath.Path(path)
-  if exists(p):   # a retried delete may find it gone already
-    retried("deleting", path, lambda: p.unlink(missing_ok=True))
+  """Deletes a file if it is there (a retried delete may find it gone already)."""
+  retried("deleting", path, lambda: epath.Path(path).unlink(missing_ok=True))
 
 
 def read_text(path) -> str | None:

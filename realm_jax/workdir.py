@@ -124,12 +124,8 @@ def clear_done(workdir: str) -> None:
   paths.remove(done_path(workdir))
 
 
-def is_done(workdir: str, steps: int | None = None) -> bool:
-  """Whether the trainer has finished: W/DONE is there and, given `steps` (the run's
-  train.steps), records at least that step. A DONE of an earlier, shorter run that a longer one
-  resumes is not this run's end (a builder started before the trainer clears it must wait)."""
-  step = done_step(workdir)
-  return step is not None and (steps is None or step >= steps)
+def is_done(workdir: str) -> bool:
+  return done_step(workdir) is not None
 
 
 def done_step(workdir: str) -> int | None:

@@ -263,7 +263,7 @@ class IndexBuilder:
       steps = self.checkpoint_steps()
       if not steps:
         waited = time.time() - started
-        if workdir_lib.is_done(self.workdir, cfg.train.steps):
+        if self._trainer_done():
           print("[index] the trainer is done and left no checkpoint; exiting", flush=True)
           return self.built
         if waited > cfg.builder.wait_timeout:
@@ -284,21 +284,24 @@ class IndexBuilder:
           if once:
             return self.built
         continue    # look again at once: a deleted checkpoint means a newer one exists
-      if workdir_lib.is_done(self.workdir, cfg.train.steps):
+      if self._trainer_done():
         print(f"[index] the trainer is done; {self.built} versions published", flush=True)
         return self.built
-      self._say_if_done_earlier()
       time.sleep(cfg.builder.poll_seconds)
 
-  def _say_if_done_earlier(self) -> None:
-    """Once: W/DONE of a run that ended before this config's train.steps (a resumed, longer
-    run has not cleared it yet, or the two jobs were given different train.steps)."""
+  def _trainer_done(self) -> bool:
+    """W/DONE records a step >= this config's train.steps. A DONE of a run that ended before
+    it (a resumed, longer run has not cleared it yet, or the two jobs were given different
+    train.steps) is not this run's end: said once, and waited out."""
     step = workdir_lib.done_step(self.workdir)
-    if step is not None and not self._said_done:
+    if step is None or step >= self.config.train.steps:
+      return step is not None
+    if not self._said_done:
       self._said_done = True
       print(f"[index] {workdir_lib.done_path(self.workdir)} says the trainer finished at step "
             f"{step}, before train.steps {self.config.train.steps}: waiting for the run that "
             "resumes it (the trainer and the builder need the same train.steps)", flush=True)
+    return False
 
   def close(self) -> None:
     if self.manager is not None:
