@@ -270,8 +270,9 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     return launch_on_tpu_pods(args, runs, config, fixed)
   printing = args.launcher == "print" or args.dry_run
   status = {}
+  paths.check(args.root, "--root")
   for i, (name, overrides) in enumerate(runs, 1):
-    workdir = paths.join(paths.check(args.root, "--root"), name)
+    workdir = paths.join(args.root, name)
     run = {**fixed, **overrides}
     cmd = command(args.config, workdir, run, needs_builder(config, run))
     if printing:

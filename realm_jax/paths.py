@@ -28,7 +28,7 @@ import time
 import fsspec
 from etils import epath
 
-from realm_jax.errors import StorageUnreachable
+from realm_jax.errors import ConfigError, StorageUnreachable
 
 # Jobs sharing a bucket workdir watch each other's files (the builder lists the trainer's
 # checkpoints, the trainer the builder's versions): gcsfs must list afresh every time, not
@@ -46,11 +46,12 @@ def is_remote(path) -> bool:
 
 
 def check(path: str, what: str = "path") -> str:
-  """`path` unchanged; a malformed URL (`gs:/B/P`, `gs:B`) is an error naming `what` (it would
-  otherwise become a local dir called `gs:`)."""
+  """`path` unchanged; a malformed URL (`gs:/B/P`, `gs:B`) is a ConfigError (a ValueError)
+  naming `what` (it would otherwise become a local dir called `gs:`)."""
   text = str(path)
   if not is_remote(text) and _BROKEN_URL.match(text):
-    raise ValueError(f"{what} {text!r}: not a URL (gs://BUCKET/PATH) and not a local path")
+    raise ConfigError("", f"{what} {text!r}: not a URL (gs://BUCKET/PATH) and not a local "
+                      "path")
   return text
 
 

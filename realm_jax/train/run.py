@@ -34,10 +34,7 @@ class Run:
   keep_examples = 0   # examples with their evidence the final evaluation keeps for the summary
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str):
-    try:
-      paths.check(workdir, "--workdir")
-    except ValueError as e:
-      raise ConfigError("", str(e)) from None
+    paths.check(workdir, "--workdir")
     validate(config)
     self.data = workdir_lib.open_data(config)
     self.config, self.workdir = config, workdir
