@@ -42,14 +42,20 @@ INTEROP_PYTHON := $(INTEROP_VENV)/bin/python
 
 install: $(VENV)/.installed
 
-# The stamp makes re-runs instant; editing setup.py (dependencies, entry points) reinstalls.
-$(VENV)/.installed: setup.py
+# The stamps make re-runs instant; editing setup.py (dependencies, entry points) reinstalls.
+# .installed-core: the package and what it runs on (all the demos need); .installed adds the
+# test extras (tensorflow-datasets and its pyarrow, pytest, the GCS server) on top.
+$(VENV)/.installed-core: setup.py
 	test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)
 	$(VENV_PYTHON) -m pip install --quiet --upgrade pip
+	$(VENV_PYTHON) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.installed-core
 	$(VENV_PYTHON) -m pip install --quiet -e '.[test]'
 	touch $@
 
-demo: install
+demo: $(VENV)/.installed-core
 	$(VENV_PYTHON) -m realm_jax.demo --workdir $(WORKDIR) --seed $(SEED)
 
 demo-squad: install

@@ -101,19 +101,23 @@ def test_erf_gelu_is_jax_gelu_keeping_one_tensor_for_the_backward_pass():
 
 
 def random_realm_batch(config, rng):
-  """A REALM batch of the config's shapes (random wordpieces, padded blocks)."""
+  """A REALM batch of the config's shapes (random wordpieces, padded blocks; candidate 0 is
+  the null document, as in a training batch of the pipeline)."""
   b, k, m = config.train.batch_size, config.retrieval.k, config.data.max_masks
   q, lb = config.data.query_len, config.data.block_len
   ids = lambda *shape: rng.integers(1, VOCAB, shape).astype(np.int32)
   candidates = ids(b, k, lb)
   candidates[:, :, lb - 6:] = 0
+  candidates[:, 0, steps.NULL_DOCUMENT_LENGTH:] = 0
+  reader_ids = ids(b, k, q + lb - 2)
+  reader_ids[:, 0, q + 1:] = 0
   return {
       "query_ids": ids(b, q), "mask_labels": ids(b, m),
       "mask_positions": np.broadcast_to(np.arange(1, m + 1), (b, m)).astype(np.int32),
       "mask_weights": np.ones((b, m), np.float32),
       "candidate_ids": candidates,
       "candidate_segments": np.broadcast_to(np.arange(lb) > 4, (b, k, lb)).astype(np.int32),
-      "reader_ids": ids(b, k, q + lb - 2),
+      "reader_ids": reader_ids,
       "reader_segments": np.broadcast_to(np.arange(q + lb - 2) >= q,
                                          (b, k, q + lb - 2)).astype(np.int32),
   }

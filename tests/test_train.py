@@ -207,6 +207,43 @@ def test_no_retrieval_baseline_reads_only_the_null_document(world_dir, world_dat
   assert summary["eval_span_accuracy_null_document"] == summary["eval_span_accuracy"]
 
 
+def test_the_null_document_embedded_once_and_read_short_changes_nothing(world_data, world_dir,
+                                                                        monkeypatch):
+  """A training batch's candidate 0 is the null document in every row: embedding it once and
+  reading it at the query's length gives the same retrieval logits, log-probs, loss and
+  gradients as the block-length path (the padding takes no part in either)."""
+  from realm_jax.train import state as state_lib
+  config = tiny_config("realm", None, world_dir, retrieval__k=4)
+  assert steps.null_first(config, training=True) and steps.null_first(config, training=False)
+  queries = batches.QueryBatches(config, world_data, world_data.examples("train"))(0)
+  source = queries["source_block"]
+  retrieved = np.stack([source + i for i in range(1, 5)], axis=1) % world_data.blocks.num_blocks
+  cand = batches.candidates_for(config, world_data, queries, retrieved, training=True)
+  batch = batches.realm_batch(config, world_data, queries, cand)
+  assert batch["reader_ids"].shape[-1] > config.data.query_len + 1
+  assert not batch["reader_ids"][:, 0, config.data.query_len + 1:].any()
+  model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
+  inputs = state_lib.dummy_inputs(config, config.data.block_len)
+  params = model.init(jax.random.PRNGKey(0), **inputs)["params"]
+  scores = jax.jit(steps.realm_scores, static_argnums=(0, 4, 5, 6))
+  short = scores(model, params, batch, None, True, True, True)
+  full = scores(model, params, batch, None, True, True, False)
+  for a, b in zip(short, full):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+  def loss_and_grads(first):
+    """The train step's loss and gradients with the null-first path on or off."""
+    monkeypatch.setattr(steps, "null_first", lambda config, training: first)
+    loss = lambda p: steps.realm_loss_fn(p, model, batch, config, jax.random.PRNGKey(0))[0]
+    return jax.jit(jax.value_and_grad(loss))(params)
+  (loss_a, grads_a), (loss_b, grads_b) = loss_and_grads(True), loss_and_grads(False)
+  assert float(loss_a) == pytest.approx(float(loss_b), rel=1e-6)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_a),
+                          jax.tree_util.tree_leaves(grads_b)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.slow
 def test_training_without_the_null_document(world_dir, world_data, tmp_path):
   """`retrieval.train_null_document=False`: a training batch holds the k - 1 retrieved blocks

@@ -24,7 +24,7 @@ def _freeze(params, train_config):
 
 
 def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
-                 rescore: bool = True):
+                 rescore: bool = True, null_first: bool = False):
   """Re-scores the k candidates with the current towers and reads each one.
 
   With `rescore=False` the retriever plays no part (the reader warm-up, whose last candidate
@@ -33,26 +33,67 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
   mixture it learns to memorise facts instead); in evaluation the null column is read to
   measure retrieval utility. The no-retrieval baseline's only candidate, the null document,
   also gets all the mass.
+  `null_first`: candidate 0 of every query is the null document (`null_first` below); it is
+  then embedded once for the batch (without dropout) and read at the query's length, not the
+  block's: the same values for a fraction of the work.
   Returns (retrieval_logits [B, k], vocab log-probs at the masks [B, k, M, V]).
   """
   variables = {"params": params}
-  b, k, lb = batch["candidate_ids"].shape
-  m = batch["mask_positions"].shape[1]
+  b, k, _ = batch["candidate_ids"].shape
+  null_first = null_first and k > 1
   if rescore:
     query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
                         method=REALM.embed_queries)
-    blocks = model.apply(variables, batch["candidate_ids"].reshape(b * k, lb),
-                         batch["candidate_segments"].reshape(b * k, lb), deterministic,
-                         rngs=rngs, method=REALM.embed_blocks).reshape(b, k, -1)
+    blocks = _embed_candidates(model, variables, batch, rngs, deterministic,
+                               null_first and deterministic)
     logits = jnp.einsum("bd,bkd->bk", query, blocks)
   else:
     logits = jnp.full((b, k), -1e9, jnp.float32).at[:, -1].set(0.0)
-  lr = batch["reader_ids"].shape[-1]
-  positions = jnp.broadcast_to(batch["mask_positions"][:, None], (b, k, m)).reshape(b * k, m)
-  vocab_log_probs = model.apply(variables, batch["reader_ids"].reshape(b * k, lr),
-                                batch["reader_segments"].reshape(b * k, lr), positions,
-                                deterministic, rngs=rngs, method=REALM.read)
-  return logits, vocab_log_probs.reshape(b, k, m, -1)
+  read = functools.partial(_read, model, variables, batch["mask_positions"], rngs,
+                           deterministic)
+  null_len = batch["query_ids"].shape[-1] + 1   # `[CLS] x [SEP]` + the null's `[SEP]`
+  if not null_first or null_len >= batch["reader_ids"].shape[-1]:
+    return logits, read(batch["reader_ids"], batch["reader_segments"])
+  null = read(batch["reader_ids"][:, :1, :null_len], batch["reader_segments"][:, :1, :null_len])
+  rest = read(batch["reader_ids"][:, 1:], batch["reader_segments"][:, 1:])
+  return logits, jnp.concatenate([null, rest], axis=1)
+
+
+def _embed_candidates(model: REALM, variables, batch, rngs, deterministic, null_once: bool):
+  """The block tower's embeddings of the candidates [B, k, d]; with `null_once`, candidate 0
+  (the null document in every row) is embedded once and broadcast."""
+  ids, segments = batch["candidate_ids"], batch["candidate_segments"]
+  embed = lambda i, s: model.apply(variables, i.reshape(-1, i.shape[-1]),
+                                   s.reshape(-1, s.shape[-1]), deterministic, rngs=rngs,
+                                   method=REALM.embed_blocks)
+  b, k, _ = ids.shape
+  if not null_once:
+    return embed(ids, segments).reshape(b, k, -1)
+  null = embed(ids[:1, 0], segments[:1, 0])                       # [1, d]
+  rest = embed(ids[:, 1:], segments[:, 1:]).reshape(b, k - 1, -1)
+  return jnp.concatenate([jnp.broadcast_to(null[None], (b, 1, null.shape[-1])), rest], axis=1)
+
+
+def _read(model: REALM, variables, mask_positions, rngs, deterministic, reader_ids,
+          reader_segments):
+  """The reader's vocab log-probs at the masks [B, n, M, V] for reader inputs [B, n, L]."""
+  b, n, length = reader_ids.shape
+  m = mask_positions.shape[1]
+  positions = jnp.broadcast_to(mask_positions[:, None], (b, n, m)).reshape(b * n, m)
+  log_probs = model.apply(variables, reader_ids.reshape(b * n, length),
+                          reader_segments.reshape(b * n, length), positions, deterministic,
+                          rngs=rngs, method=REALM.read)
+  return log_probs.reshape(b, n, m, -1)
+
+
+def null_first(config, training: bool) -> bool:
+  """Whether candidate 0 of every query in a REALM batch is the null document: in evaluation
+  unless the null document is the only candidate; in training when retrieving from the index
+  with the null document in the mixture (the own-block warm-up reads the block alone)."""
+  r = config.retrieval
+  if not training:
+    return r.candidates != "null_only"
+  return r.candidates == "index" and config_base.null_in_training(config)
 
 
 NULL_DOCUMENT_LENGTH = 3   # `[CLS][SEP][SEP]`
@@ -86,7 +127,7 @@ def realm_loss_fn(params, model, batch, config, rng):
   params = _freeze(params, config.train)
   deterministic = without_dropout(config)
   logits, vocab_lp = realm_scores(model, params, batch, {"dropout": rng}, deterministic,
-                                  rescores(config))
+                                  rescores(config), null_first(config, training=True))
   logits = without_untrained_null(config, batch, logits)
   mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
   loss, metrics = losses.realm_loss(logits, mask_lp, batch["mask_weights"],
@@ -196,7 +237,8 @@ def make_realm_eval(config, model, mesh):
   rules = partitioning.logical_rules(config.mesh.rules)
 
   def evaluate(params, batch):
-    logits, vocab_lp = realm_scores(model, params, batch, rescore=rescores(config))
+    logits, vocab_lp = realm_scores(model, params, batch, rescore=rescores(config),
+                                    null_first=null_first(config, training=False))
     logits = without_untrained_null(config, batch, logits)
     marginal = losses.marginal_token_log_probs(logits, vocab_lp)
     mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
