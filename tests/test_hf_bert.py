@@ -459,9 +459,11 @@ def test_pytorch_bin_written_by_torch_converts(tmp_path):
 
 # -- the Trainer's init.hf_bert -------------------------------------------------------------
 def world_checkpoint(world_dir, path, vocab=None, **overrides):
-  """A random BERT of tiny_config's shape over the world's vocab (or `vocab`)."""
+  """A random BERT of tiny_config's shape and activation over the world's vocab (or
+  `vocab`)."""
   with open(os.path.join(world_dir, "vocab.txt")) as f:
     world_vocab = f.read().splitlines()
+  overrides.setdefault("hidden_act", tiny_config("realm").model.hidden_act)
   config = hf_config(len(world_vocab), max_position_embeddings=160, **overrides)
   weights = random_bert(config, seed=3, mlm_head=True)
   return write_checkpoint(path, weights, config, vocab or world_vocab), weights
@@ -507,9 +509,9 @@ def test_trainer_refuses_a_checkpoint_that_does_not_fit(world_dir, tmp_path):
   config = tiny_config("realm", None, world_dir, init__hf_bert=path)
   with pytest.raises(ConfigError, match=r"model\.hidden_size: 32 \(config\) != 48 "):
     check_hf_bert(config, data_vocab, n)
-  path, _ = world_checkpoint(world_dir, tmp_path / "tanh", hidden_act="gelu_new")
-  config = tiny_config("realm", None, world_dir, init__hf_bert=path)
-  with pytest.raises(ConfigError, match=r"model\.hidden_act: 'gelu' \(config\) != 'gelu_new' "):
+  path, _ = world_checkpoint(world_dir, tmp_path / "erf", hidden_act="gelu")
+  config = tiny_config("realm", None, world_dir, init__hf_bert=path)   # the demo's tanh GELU
+  with pytest.raises(ConfigError, match=r"model\.hidden_act: 'gelu_new' \(config\) != 'gelu' "):
     check_hf_bert(config, data_vocab, n)
   swapped = world_vocab[:5] + [world_vocab[6], world_vocab[5]] + world_vocab[7:]
   path, _ = world_checkpoint(world_dir, tmp_path / "swapped", vocab=swapped)
