@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,13 +29,17 @@ HOST_DEVICES = 2   # the REALM stage's trainer and builder see the CPU as two JA
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
-def split_host(env: dict[str, str], devices: int) -> dict[str, str]:
-  """`env` for a process that should see the host CPU as `devices` JAX devices; a count
-  already in its $XLA_FLAGS is kept, and 0 leaves JAX's default (one CPU device)."""
+def split_host(env: dict[str, str], devices: int) -> tuple[dict[str, str], int]:
+  """(`env` for a process that should see the host CPU as `devices` JAX devices, the count
+  it will see): a count already in its $XLA_FLAGS is kept, and 0 leaves JAX's default (one
+  CPU device; the count returned is then 0)."""
   flags = env.get("XLA_FLAGS", "")
-  if not devices or DEVICE_COUNT_FLAG in flags:
-    return env
-  return {**env, "XLA_FLAGS": f"{flags} {DEVICE_COUNT_FLAG}={devices}".strip()}
+  kept = re.search(rf"{DEVICE_COUNT_FLAG}=(\d+)", flags)
+  if kept:
+    return env, int(kept.group(1))
+  if not devices:
+    return env, 0
+  return {**env, "XLA_FLAGS": f"{flags} {DEVICE_COUNT_FLAG}={devices}".strip()}, devices
 
 
 def repo_config(name: str, arg: str | None = None):
@@ -100,7 +105,7 @@ def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir:
              *(f"--config.{key}={value}" for key, value in overrides.items())]
   print(f"[demo] stage {name} -> {workdir}: trainer + index builder "
         f"({config.retrieval.refresh}): {' '.join(command[1:])}", flush=True)
-  env = split_host(dict(os.environ), host_devices)
+  env, _ = split_host(dict(os.environ), host_devices)
   code = subprocess.run(command, check=False, env=env).returncode
   if code != 0:
     raise RuntimeError(f"stage {name}: launch/local.py exited with code {code}; see "
@@ -162,15 +167,14 @@ def print_report(summary: dict, examples: list[dict]) -> None:
       print(f"      p={ev['p_z']:.2f}  {ev['title']}: {ev['text'][:90]}")
 
 
-def devices(host_devices: int) -> str:
-  """What the stages ran on, e.g. '1 x cpu (REALM stage: 2 x cpu)'."""
+def devices(stage_devices: int) -> str:
+  """What the stages ran on, e.g. '1 x cpu (REALM stage: 2 x cpu)' (`stage_devices`: the
+  count `split_host` gave the REALM stage's processes, 0 for JAX's default)."""
   import jax
   here = f"{jax.device_count()} x {jax.devices()[0].platform}"
-  flags = split_host(dict(os.environ), host_devices).get("XLA_FLAGS", "")
-  count = flags.split(f"{DEVICE_COUNT_FLAG}=")[-1].split()[0] if DEVICE_COUNT_FLAG in flags else ""
-  if jax.devices()[0].platform != "cpu" or not count or count == str(jax.device_count()):
+  if jax.devices()[0].platform != "cpu" or stage_devices in (0, jax.device_count()):
     return here
-  return f"{here} (REALM stage: {count} x cpu)"
+  return f"{here} (REALM stage: {stage_devices} x cpu)"
 
 
 def run_demo(workdir: str, seed: int, entities: int, host_devices: int = HOST_DEVICES) -> dict:
@@ -188,8 +192,9 @@ def run_demo(workdir: str, seed: int, entities: int, host_devices: int = HOST_DE
           f"queries, {stats['examples']['eval']:,} held-out eval queries, vocab "
           f"{stats['vocab_size']:,}", flush=True)
   results = run_stages(demo_stages(), data_dir, workdir, seed, host_devices)
+  _, stage_devices = split_host(dict(os.environ), host_devices)
   summary = {
-      "seed": seed, "entities": entities, "devices": devices(host_devices),
+      "seed": seed, "entities": entities, "devices": devices(stage_devices),
       "recall_at_1_ict": results["ict"].get("eval_recall_at_1"),
       "recall_at_5_ict": results["ict"].get("eval_recall_at_5"),
       "recall_at_1_realm": results["realm"].get("eval_recall_at_1"),

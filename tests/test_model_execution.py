@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from realm_jax.data import pipeline
 from realm_jax.errors import ConfigError
 from realm_jax.models.bert import BertConfig, BertEncoder
 from realm_jax.train import state as state_lib, steps
@@ -108,7 +109,7 @@ def random_realm_batch(config, rng):
   ids = lambda *shape: rng.integers(1, VOCAB, shape).astype(np.int32)
   candidates = ids(b, k, lb)
   candidates[:, :, lb - 6:] = 0
-  candidates[:, 0, steps.NULL_DOCUMENT_LENGTH:] = 0
+  candidates[:, 0, pipeline.NULL_DOCUMENT_LENGTH:] = 0
   reader_ids = ids(b, k, q + lb - 2)
   reader_ids[:, 0, q + 1:] = 0
   return {

@@ -25,6 +25,7 @@ import numpy as np
 from realm_jax.data.prepared import BlockStore, ExampleSet, segment_ids
 
 NULL_BLOCK = -1  # candidate row of the null document `[CLS][SEP][SEP]`
+NULL_DOCUMENT_LENGTH = 3   # `[CLS][SEP][SEP]`: its wordpieces
 
 
 def stream_seed(seed: int) -> int:
@@ -139,11 +140,18 @@ def candidate_inputs(blocks: BlockStore, rows: np.ndarray, cls_id: int,
   tokens = np.asarray(blocks.tokens[flat])[np.searchsorted(flat, safe)]
   tokens = np.where(null[..., None], 0, tokens)
   tokens[null, 0], tokens[null, 1], tokens[null, 2] = cls_id, sep_id, sep_id
-  body_start = np.where(null, 2, blocks.body_start[safe])
-  lengths = np.where(null, 3, blocks.lengths[safe])
+  body_start = np.where(null, NULL_DOCUMENT_LENGTH - 1, blocks.body_start[safe])
+  lengths = np.where(null, NULL_DOCUMENT_LENGTH, blocks.lengths[safe])
   segments = segment_ids(body_start, lengths, tokens.shape[-1])
   return {"candidate_ids": tokens.astype(np.int32), "candidate_segments": segments,
           "body_start": body_start, "lengths": lengths}
+
+
+def reader_length(query_len: int, block_len: int) -> int:
+  """Wordpieces of the reader's `[CLS] x [SEP] body [SEP]` for queries `[CLS] x [SEP]` of
+  `query_len` and candidates `[CLS] title [SEP] body [SEP]` of `block_len` (the reader reads
+  the body and its `[SEP]`: block_len - 2). The null document's is query_len + 1."""
+  return query_len + block_len - 2
 
 
 def reader_inputs(query: np.ndarray, query_len: np.ndarray, candidates: dict[str, np.ndarray],

@@ -132,10 +132,11 @@ def realm_batch(config, data: PreparedData, queries: dict[str, np.ndarray],
   """Everything the REALM step reads: queries, candidates (to re-score) and reader inputs."""
   tok = data.tokenizer
   cands = pipeline.candidate_inputs(data.blocks, candidate_rows, tok.cls_id, tok.sep_id)
-  # `[CLS] x [SEP]` + body `[SEP]`; the null document alone has an empty body, and padding
-  # to the block length would only be read and masked out
-  body = 1 if config.retrieval.candidates == "null_only" else data.blocks.block_len - 2
-  reader_len = config.data.query_len + body
+  # the null document alone is read at its own length: padding to the block length would
+  # only be read and masked out
+  null_only = config.retrieval.candidates == "null_only"
+  reader_len = pipeline.reader_length(
+      config.data.query_len, pipeline.NULL_DOCUMENT_LENGTH if null_only else data.blocks.block_len)
   reader_ids, reader_segments = pipeline.reader_inputs(queries["query_ids"],
                                                        queries["query_len"], cands, reader_len)
   return {"query_ids": queries["query_ids"], "mask_positions": queries["mask_positions"],

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from realm_jax.data import pipeline
 from realm_jax.models import losses
 from realm_jax.models.realm import REALM
 from realm_jax.train import config_base, partitioning
@@ -34,8 +35,9 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
   measure retrieval utility. The no-retrieval baseline's only candidate, the null document,
   also gets all the mass.
   `null_first`: candidate 0 of every query is the null document (`null_first` below); it is
-  then embedded once for the batch (without dropout) and read at the query's length, not the
-  block's: the same values for a fraction of the work.
+  then read at its own length, not the block's, and, when no dropout is drawn (with dropout
+  each row keeps its own draw), embedded once for the batch: the same values for a fraction
+  of the work.
   Returns (retrieval_logits [B, k], vocab log-probs at the masks [B, k, M, V]).
   """
   variables = {"params": params}
@@ -51,7 +53,7 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
     logits = jnp.full((b, k), -1e9, jnp.float32).at[:, -1].set(0.0)
   read = functools.partial(_read, model, variables, batch["mask_positions"], rngs,
                            deterministic)
-  null_len = batch["query_ids"].shape[-1] + 1   # `[CLS] x [SEP]` + the null's `[SEP]`
+  null_len = pipeline.reader_length(batch["query_ids"].shape[-1], pipeline.NULL_DOCUMENT_LENGTH)
   if not null_first or null_len >= batch["reader_ids"].shape[-1]:
     return logits, read(batch["reader_ids"], batch["reader_segments"])
   null = read(batch["reader_ids"][:, :1, :null_len], batch["reader_segments"][:, :1, :null_len])
@@ -94,9 +96,6 @@ def null_first(config, training: bool) -> bool:
   if not training:
     return r.candidates != "null_only"
   return r.candidates == "index" and config_base.null_in_training(config)
-
-
-NULL_DOCUMENT_LENGTH = 3   # `[CLS][SEP][SEP]`
 
 
 def without_dropout(config) -> bool:
@@ -144,7 +143,7 @@ def null_candidates(candidate_ids):
   """[B, k] True where a candidate is the null document: `[CLS][SEP][SEP]` and padding
   (pipeline.candidate_inputs), the only candidate whose 4th wordpiece is padding (a block
   holds `[CLS]`, a title or body wordpiece and two `[SEP]`s at least)."""
-  return candidate_ids[:, :, NULL_DOCUMENT_LENGTH] == 0
+  return candidate_ids[:, :, pipeline.NULL_DOCUMENT_LENGTH] == 0
 
 
 def without_untrained_null(config, batch, logits):
