@@ -118,7 +118,7 @@ def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir:
 
 
 def plot_curves(realm_dir: str, out_path: str) -> None:
-  """Loss, retrieval utility, recall and span accuracy of the REALM stage over steps."""
+  """Loss, entropy of p(z|x), recall and span accuracy of the REALM stage over steps."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -127,7 +127,7 @@ def plot_curves(realm_dir: str, out_path: str) -> None:
   evals = read_jsonl(os.path.join(realm_dir, "metrics", "eval.jsonl"))
   fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
   panels = [("loss", train, "train loss (-log p(y|x))"),
-            ("retrieval_utility", train, "log retrieval utility (train)"),
+            ("retrieval_entropy", train, "entropy of p(z|x), nats (train)"),
             (("recall_at_1", "recall_at_5"), evals, "held-out recall"),
             ("span_accuracy", evals, "held-out span accuracy")]
   for ax, (keys, rows, title) in zip(axes, panels):

@@ -155,6 +155,7 @@ def step_config(**model_fields):
   config = tiny_config("realm", None, "")
   config.data.query_len, config.data.block_len, config.retrieval.k = 12, 24, 4
   config.train.batch_size, config.train.retriever_lr_scale = 4, 0.3
+  config.retrieval.train_null_document = True   # the random batches' column 0 is the null
   config.model.max_position = 40
   config.model.num_layers = 1      # one layer per tower: the compile is most of these tests
   for name, value in model_fields.items():
