@@ -23,8 +23,8 @@ def get_config(arg=None):
     raise ValueError(f"configs/demo_realm.py: unknown variant {variant!r}; one of {VARIANTS}")
   c = demo_scale(base_config())
   c.task = "realm"
-  c.retrieval.k = 7                # training reads the top 6 blocks: 700 steps of 6 beat 600
-                                   # of 7 for the same time (seed 1: span 0.644 vs 0.574)
+  c.retrieval.k = 7                # training reads the top 6 blocks: 700 steps of 6 cost ~28 s
+                                   # more than 600 of 7 and learn more (docs/performance.md)
   c.retrieval.refresh_every = 100
   c.retrieval.refresh = "deterministic"   # the separate realm-index job (launch/local.py);
                                    # deterministic: the demo's numbers repeat run to run

@@ -110,8 +110,9 @@ def random_realm_batch(config, rng):
   candidates = ids(b, k, lb)
   candidates[:, :, lb - 6:] = 0
   candidates[:, 0, pipeline.NULL_DOCUMENT_LENGTH:] = 0
-  reader_ids = ids(b, k, q + lb - 2)
-  reader_ids[:, 0, q + 1:] = 0
+  reader_len = pipeline.reader_length(q, lb)
+  reader_ids = ids(b, k, reader_len)
+  reader_ids[:, 0, pipeline.reader_length(q, pipeline.NULL_DOCUMENT_LENGTH):] = 0
   return {
       "query_ids": ids(b, q), "mask_labels": ids(b, m),
       "mask_positions": np.broadcast_to(np.arange(1, m + 1), (b, m)).astype(np.int32),
@@ -119,8 +120,8 @@ def random_realm_batch(config, rng):
       "candidate_ids": candidates,
       "candidate_segments": np.broadcast_to(np.arange(lb) > 4, (b, k, lb)).astype(np.int32),
       "reader_ids": reader_ids,
-      "reader_segments": np.broadcast_to(np.arange(q + lb - 2) >= q,
-                                         (b, k, q + lb - 2)).astype(np.int32),
+      "reader_segments": np.broadcast_to(np.arange(reader_len) >= q,
+                                         (b, k, reader_len)).astype(np.int32),
   }
 
 

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from realm_jax.data import pipeline
 from realm_jax.train import batches, preemption, steps
 from realm_jax.train.checkpoints import Checkpointer, restore_run
 from realm_jax.train.loop import train
@@ -222,8 +223,9 @@ def test_the_null_document_embedded_once_and_read_short_changes_nothing(world_da
   retrieved = np.stack([source + i for i in range(1, 5)], axis=1) % world_data.blocks.num_blocks
   cand = batches.candidates_for(config, world_data, queries, retrieved, training=True)
   batch = batches.realm_batch(config, world_data, queries, cand)
-  assert batch["reader_ids"].shape[-1] > config.data.query_len + 1
-  assert not batch["reader_ids"][:, 0, config.data.query_len + 1:].any()
+  null_len = pipeline.reader_length(config.data.query_len, pipeline.NULL_DOCUMENT_LENGTH)
+  assert batch["reader_ids"].shape[-1] > null_len
+  assert not batch["reader_ids"][:, 0, null_len:].any()
   model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
   inputs = state_lib.dummy_inputs(config, config.data.block_len)
   params = model.init(jax.random.PRNGKey(0), **inputs)["params"]
