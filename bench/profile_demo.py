@@ -7,7 +7,7 @@ Two parts, both printed as tables (and appended as one JSON line to `--out`):
            of its step to its eval record), the trainer's waits for index versions, the
            builder's embedding time (which shares the cores with the trainer), and the rest:
            train steps with their host feed, logging and checkpoints
-  step     one demo REALM train step (configs/demo_realm.py, batch 32 x k 8, a random batch of
+  step     one demo REALM train step (configs/demo_realm.py, batch 32 x its k, a random batch of
            the real shapes) under `jax.profiler`: wall ms per step, and the device time of
            the compiled program's ops grouped by forward / backward, model part (the block
            and query towers of the retriever re-scoring the candidates, the reader's encoder,

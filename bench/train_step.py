@@ -4,8 +4,8 @@ Two cases, each one jitted `make_train_step` on a random batch of the real shape
 (the keys `realm_jax.train.batches.realm_batch` produces), on a mesh of the config's shape
 over whatever devices exist:
 
-  demo  configs/demo_realm.py (mode index): 2-layer d=128 shared tower and reader, batch 32, k 7
-        (6 blocks read per query: no null document in training), query 16 + block 40, vocab 4000
+  demo  configs/demo_realm.py (mode index): 2-layer d=128 shared tower and reader, batch 32, k 5
+        (4 blocks read per query: no null document in training), query 16 + block 40, vocab 4000
   base  configs/realm_base.py: three BERT-base encoders, k 8, query 96 + block 288,
         vocab 30522; batch 1 query on CPU (8 candidates, 8 reader sequences of 382: in fp32
         the step's temporaries are ~10 GB per query), 32 on an accelerator

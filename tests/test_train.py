@@ -205,6 +205,9 @@ def test_no_retrieval_baseline_reads_only_the_null_document(world_dir, world_dat
   assert (batch["reader_ids"][rows, 0, ends] == world_data.tokenizer.sep_id).all()
   summary = train(config, str(tmp_path / "no_retrieval"))
   assert summary["eval_retrieval_utility"] == 0.0 and 0 <= summary["eval_span_accuracy"] <= 1
+  # One candidate: training logs no retrieval figures (they would be 0 by definition).
+  rows = read_jsonl(os.path.join(tmp_path, "no_retrieval", "metrics", "train.jsonl"))
+  assert rows and not any(k.startswith(("retrieval_", "null_doc")) for r in rows for k in r)
   # Its only candidate is the null document: the marginal is the null document's prediction.
   assert summary["eval_span_accuracy_null_document"] == summary["eval_span_accuracy"]
 
@@ -249,11 +252,10 @@ def test_the_null_document_embedded_once_and_read_short_changes_nothing(world_da
 
 
 @pytest.mark.slow
-def test_training_without_the_null_document(world_dir, world_data, tmp_path):
+def test_training_without_the_null_document(world_dir, world_data, tmp_path, capsys):
   """`retrieval.train_null_document=False`: a training batch holds the k - 1 retrieved blocks
   (no null document, never the query's own block); evaluation still reads the null document
   alone, outside the marginal the step trained; k = 2 is refused."""
-  from realm_jax.data import pipeline
   from realm_jax.errors import ConfigError
   from realm_jax.train.config_base import validate
   config = tiny_config("realm", None, world_dir, train__steps=2, retrieval__k=4,
@@ -280,6 +282,9 @@ def test_training_without_the_null_document(world_dir, world_data, tmp_path):
   rows = read_jsonl(os.path.join(tmp_path, "no_null", "metrics", "train.jsonl"))
   assert rows and all("retrieval_utility" not in r and "null_doc_prob" not in r for r in rows)
   assert all(np.isfinite(r["loss"]) and "retrieval_entropy" in r for r in rows)
+  # The progress line shows the entropy of p(z|x) (no utility without the null document).
+  lines = [l for l in capsys.readouterr().out.splitlines() if " step 2/2 loss " in l]
+  assert lines and " retrieval_entropy " in lines[0] and "retrieval_utility" not in lines[0]
   assert np.isfinite(summary["eval_retrieval_utility"])
   assert 0 <= summary["eval_span_accuracy_null_document"] <= 1
   config.retrieval.k = 2

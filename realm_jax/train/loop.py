@@ -19,7 +19,9 @@ from realm_jax.train.feed import BatchFeed
 from realm_jax.train.metrics import MetricWriter
 from realm_jax.train.run import Run
 
-_SHOWN = ("loss", "retrieval_utility", "ict_accuracy")   # the figures of a progress line
+# The figures of a progress line: REALM trained without the null document has no utility to
+# show, but the entropy of p(z|x) shows the retriever committing to blocks.
+_SHOWN = ("loss", "retrieval_utility", "retrieval_entropy", "ict_accuracy")
 
 
 class Trainer(Run):

@@ -131,8 +131,9 @@ def realm_loss_fn(params, model, batch, config, rng):
   mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
   loss, metrics = losses.realm_loss(logits, mask_lp, batch["mask_weights"],
                                     config.retrieval.marginalization)
-  if logits.shape[1] == 1 and config.retrieval.candidates == "own_block":
-    metrics = {}    # no null document in the batch: nothing to measure utility against
+  if logits.shape[1] == 1:
+    metrics = {}    # one candidate (the warm-up's own block, the baseline's null document):
+                    # no p(z|x) to measure, no utility to measure against
   elif not config_base.null_in_training(config):   # candidate 0 is a retrieved block
     metrics = {k: v for k, v in metrics.items()
                if k not in ("retrieval_utility", "null_doc_prob")}
