@@ -89,7 +89,8 @@ def model_part(op_name: str) -> str:
     return "block tower"
   if "embed_queries" in op_name:
     return "query tower"
-  if "reader/cls" in op_name or "log_softmax" in op_name or "take_along_axis" in op_name:
+  if ("cls/" in op_name or "log_softmax" in op_name or "take_along_axis" in op_name
+      or ("label_log_probs" in op_name and "mask_logits" not in op_name)):
     return "reader MLM head + log-softmax"
   if "reader" in op_name:
     return "reader encoder"

@@ -115,15 +115,16 @@ def analytic_flops(config) -> float:
   b, k, m = config.train.batch_size, candidates_read(config), config.data.max_masks
   q, lb = config.data.query_len, config.data.block_len
 
-  def encoder(mc, sequences, length):  # projections, feed-forward, scores and weighted sum
-    d, ff = mc.hidden_size, mc.intermediate_size
-    return sequences * mc.num_layers * (2 * length * (4 * d * d + 2 * d * ff)
-                                        + 4 * length**2 * d)
+  def encoder(mc, sequences, length, outputs):  # projections, feed-forward, attention; the
+    d, ff = mc.hidden_size, mc.intermediate_size  # last layer's keys and values at every
+    layer = lambda rows: 2 * rows * (2 * d * d + 2 * d * ff) + 4 * rows * length * d
+    kv = 2 * length * 2 * d * d                   # position, the rest at the `outputs` read
+    return sequences * ((mc.num_layers - 1) * (layer(length) + kv) + layer(outputs) + kv)
 
   r, d = retriever.hidden_size, reader.hidden_size
-  retrieval = encoder(retriever, b, q) + encoder(retriever, b * k, lb)
+  retrieval = encoder(retriever, b, q, 1) + encoder(retriever, b * k, lb, 1)   # [CLS]
   retrieval += (b + b * k) * 2 * (r * r + r * config.model.retrieval_dim)  # pooler + projection
-  reading = encoder(reader, b * k, q + lb - 2)
+  reading = encoder(reader, b * k, q + lb - 2, m)                            # the masks
   reading += b * k * m * 2 * (d * d + d * v)                    # MLM head at the masks
   # a frozen part has no backward: the retriever's gradient needs p(y|z,x), not its gradient
   reader_backward = 2.0 if config.train.reader_lr_scale else 0.0

@@ -153,3 +153,20 @@ def test_marginal_token_log_probs():
   got = losses.marginal_token_log_probs(*f32(logits, vocab_lp))
   np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.exp(np.asarray(got)).sum(-1), 1.0, rtol=1e-5)
+
+
+def test_label_log_softmax_is_log_softmax_at_the_label_with_its_gradient():
+  """The fused log p(label): the values and the gradient of log_softmax + gather, for labels
+  anywhere in the vocab and logits of any scale (the one-hot minus softmax backward)."""
+  rng = np.random.default_rng(5)
+  logits = jnp.asarray(rng.normal(size=(3, 4, 50)) * np.array([0.1, 1.0, 30.0])[:, None, None],
+                       jnp.float32)
+  labels = jnp.asarray(rng.integers(0, 50, (3, 4)).astype(np.int32).clip(0, 49))
+  labels = labels.at[0, 0].set(0).at[0, 1].set(49)
+  weights = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)
+  reference = lambda x: jnp.take_along_axis(jax.nn.log_softmax(x), labels[..., None], -1)[..., 0]
+  np.testing.assert_allclose(np.asarray(losses.label_log_softmax(logits, labels)),
+                             np.asarray(reference(logits)), rtol=1e-6, atol=1e-6)
+  grad = lambda f: jax.grad(lambda x: (f(x) * weights).sum())(logits)
+  np.testing.assert_allclose(np.asarray(grad(lambda x: losses.label_log_softmax(x, labels))),
+                             np.asarray(grad(reference)), rtol=1e-5, atol=1e-6)

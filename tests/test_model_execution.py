@@ -71,6 +71,34 @@ def test_padding_does_not_reach_the_real_tokens():
   np.testing.assert_allclose(np.asarray(long)[:, :7], np.asarray(short), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_the_last_layer_computes_only_the_positions_read(remat):
+  """`positions`: the sequence output at those positions and the pooled output as the full
+  encoder's (padding included, the gradients too), for a fraction of the last layer's work."""
+  rng = np.random.default_rng(4)
+  ids = padded_ids(rng, batch=3, length=24)
+  # [CLS] first (the pooler reads the first row), then any positions, repeats allowed
+  positions = np.array([[0, 2, 3], [0, 5, 5], [0, 7, 1]], np.int32)
+  model = encoder(remat=remat)
+  params = model.init(jax.random.PRNGKey(0), ids, np.zeros_like(ids))["params"]
+  weights = rng.normal(size=(3, 3, 32)).astype(np.float32)
+
+  def read(params, at):
+    out, pooled = model.apply({"params": params}, ids, np.zeros_like(ids), True, at)
+    picked = out if at is not None else jnp.take_along_axis(out, positions[..., None], axis=1)
+    return (picked * weights).sum() + pooled.sum(), (picked, pooled)
+
+  (_, (want, want_pooled)), want_grads = jax.value_and_grad(read, has_aux=True)(params, None)
+  (_, (got, got_pooled)), got_grads = jax.value_and_grad(read, has_aux=True)(params, positions)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(got_pooled), np.asarray(want_pooled), atol=1e-5, rtol=0)
+  for name, w, g in compared(want_grads, got_grads):
+    assert relative_error(w, g) < 1e-5, name
+  flops = lambda at: jax.jit(lambda p: read(p, at)[0]).lower(params).compile().cost_analysis()
+  cost = lambda c: (c[0] if isinstance(c, list) else c)["flops"]
+  assert cost(flops(positions)) < 0.75 * cost(flops(None))
+
+
 def test_attention_dropout_is_applied_in_training_only():
   """With attention dropout the training output depends on the rng (the weights are dropped)
   and the deterministic one is the fused path's."""

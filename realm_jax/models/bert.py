@@ -180,8 +180,12 @@ class BertLayer(nn.Module):
     self.intermediate = _Projection(cfg, cfg.intermediate_size, ("embed", "mlp"))
     self.output = _Residual(cfg, ("mlp", "embed"))
 
-  def __call__(self, x, key_mask, deterministic):
-    x = self.attention(x, key_mask, deterministic)
+  def __call__(self, x, key_mask, deterministic, positions=None):
+    """x [batch, length, hidden] -> the same; with `positions` ([batch, P] int), only those
+    positions' outputs ([batch, P, hidden]): every position still gives keys and values, but
+    queries, the attention output and the feed-forward run on the P alone."""
+    queries = x if positions is None else jnp.take_along_axis(x, positions[..., None], axis=1)
+    x = self.attention(queries, x, key_mask, deterministic)
     h = activation(self.cfg)(self.intermediate(x))
     x = self.output(h, x, deterministic)
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
@@ -196,23 +200,25 @@ class _AttentionBlock(nn.Module):
     self.self = _SelfAttentionOnly(self.cfg)
     self.output = _Residual(self.cfg, ("heads", "embed"))
 
-  def __call__(self, x, key_mask, deterministic):
-    return self.output(self.self(x, key_mask, deterministic), x, deterministic)
+  def __call__(self, x, context, key_mask, deterministic):
+    return self.output(self.self(x, context, key_mask, deterministic), x, deterministic)
 
 
 class _SelfAttentionOnly(nn.Module):
-  """Multi-head self-attention over the keys `key_mask` lets through ([batch, 1, 1, keys])."""
+  """Multi-head self-attention of `x` over the positions of `context` (x itself, or the whole
+  sequence when x holds some of its positions) that `key_mask` lets through ([batch, 1, 1,
+  keys])."""
 
   cfg: BertConfig
 
   @nn.compact
-  def __call__(self, x, key_mask, deterministic):
+  def __call__(self, x, context, key_mask, deterministic):
     cfg = self.cfg
     head_dim = cfg.hidden_size // cfg.num_heads
     split = lambda t: t.reshape(t.shape[:-1] + (cfg.num_heads, head_dim))
     q = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "query")(x))
-    k = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "key")(x))
-    v = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "value")(x))
+    k = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "key")(context))
+    v = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "value")(context))
     if not deterministic and cfg.attention_dropout > 0:
       out = self.attention_with_dropout(q, k, v, key_mask)   # materialised: no fused kernel
     elif cfg.attention == "cudnn":
@@ -274,17 +280,24 @@ class _LayerStack(nn.Module):
       layer = nn.remat(BertLayer, static_argnums=(3,), policy=REMAT_POLICIES[self.cfg.remat])
     self.layer = [layer(self.cfg, name=str(i)) for i in range(self.cfg.num_layers)]
 
-  def __call__(self, x, key_mask, deterministic):
-    for layer in self.layer:
+  def __call__(self, x, key_mask, deterministic, positions=None):
+    """`positions` ([batch, P] or None): the last layer computes only those (`BertLayer`)."""
+    *inner, last = self.layer
+    for layer in inner:
       x = layer(x, key_mask, deterministic)
-    return x
+    return last(x, key_mask, deterministic, positions)
 
 
 class BertEncoder(nn.Module):
   """BERT: embeddings (with segment ids) -> post-LN transformer -> optional pooler.
 
   Returns (sequence_output [batch, length, hidden], pooled_output [batch, hidden] or None).
-  Padding is token id 0 ([PAD]); padded keys are masked out of attention.
+  Padding is token id 0 ([PAD]); padded keys are masked out of attention. A caller that reads
+  only some positions passes them (`positions` [batch, P] int): the last layer then computes
+  those alone and the sequence output is [batch, P, hidden], the same values as the full
+  output's rows at them (a retriever tower reads [CLS], the reader its [MASK]s: the last
+  layer's queries, attention output and feed-forward shrink from `length` rows to P). The
+  pooler reads the first row: [CLS] unless `positions` starts elsewhere.
   """
 
   cfg: BertConfig
@@ -296,11 +309,12 @@ class BertEncoder(nn.Module):
     if self.add_pooler:
       self.pooler = _Projection(self.cfg, self.cfg.hidden_size, ("embed", "hidden"))
 
-  def __call__(self, token_ids: Array, segment_ids: Array, deterministic: bool = True):
+  def __call__(self, token_ids: Array, segment_ids: Array, deterministic: bool = True,
+               positions: Array | None = None):
     key_mask = token_ids[:, None, None, :] > 0     # [PAD] keys take no part
     x = self.embeddings(token_ids, segment_ids, deterministic)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-    x = self.encoder(x, key_mask, deterministic)
+    x = self.encoder(x, key_mask, deterministic, positions)
     pooled = jnp.tanh(self.pooler(x[:, 0])) if self.add_pooler else None
     return x, pooled
 

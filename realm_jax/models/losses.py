@@ -10,6 +10,32 @@ Array = jax.Array
 MARGINALIZATIONS = ("joint", "per_mask")
 
 
+@jax.custom_vjp
+def label_log_softmax(logits: Array, labels: Array) -> Array:
+  """log softmax(logits)[label] over the last axis: [..., V] float, [...] int -> [...].
+
+  The same values as `log_softmax` then a gather, without either's [..., V] backward: the
+  gradient g * (one_hot(label) - softmax) is one element-wise pass over the logits (the
+  gather's own backward would scatter into a zero tensor of the logits' shape).
+  """
+  return _label_log_softmax_fwd(logits, labels)[0]
+
+
+def _label_log_softmax_fwd(logits, labels):
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+  return picked - lse, (logits, lse, labels)
+
+
+def _label_log_softmax_bwd(residuals, g):
+  logits, lse, labels = residuals
+  one_hot = labels[..., None] == jnp.arange(logits.shape[-1], dtype=labels.dtype)
+  return g[..., None] * (one_hot - jnp.exp(logits - lse[..., None])), None
+
+
+label_log_softmax.defvjp(_label_log_softmax_fwd, _label_log_softmax_bwd)
+
+
 def realm_log_likelihood(retrieval_logits: Array, mask_log_probs: Array, mask_weights: Array,
                          marginalization: str = "joint") -> Array:
   """log p(y|x) per query (REALM eq. 1-2).

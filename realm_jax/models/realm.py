@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from realm_jax.models.bert import BertConfig, BertEncoder, activation, dense, layer_norm
+from realm_jax.models.losses import label_log_softmax
 
 Array = jax.Array
 
@@ -33,8 +34,9 @@ class Embedder(nn.Module):
 
   @nn.compact
   def __call__(self, token_ids: Array, segment_ids: Array, deterministic: bool = True) -> Array:
+    cls_only = jnp.zeros((token_ids.shape[0], 1), jnp.int32)   # the last layer: [CLS] alone
     _, pooled = BertEncoder(self.cfg, add_pooler=True, name="bert")(
-        token_ids, segment_ids, deterministic)
+        token_ids, segment_ids, deterministic, cls_only)
     x = nn.Dense(
         self.retrieval_dim, dtype=self.cfg.dtype,
         kernel_init=nn.with_logical_partitioning(
@@ -140,7 +142,8 @@ class SpanHead(nn.Module):
 class Reader(nn.Module):
   """Knowledge-augmented encoder: `[CLS] x [SEP] body [SEP]` -> MLM log-probs at the masks.
 
-  Logits are computed only at the masked positions (the vocab projection is the costly part).
+  The last layer and the MLM head run only at the masked positions (the vocab projection is
+  the costly part).
   """
 
   cfg: BertConfig
@@ -157,9 +160,21 @@ class Reader(nn.Module):
   def __call__(self, reader_ids: Array, reader_segments: Array, mask_positions: Array,
                deterministic: bool = True) -> Array:
     """Args: reader_ids/segments [n, L]; mask_positions [n, M]. Returns log-probs [n, M, V]."""
-    hidden, _ = self.bert(reader_ids, reader_segments, deterministic)
-    at_masks = jnp.take_along_axis(hidden, mask_positions[..., None], axis=1)
-    return jax.nn.log_softmax(self.cls(at_masks, self.bert), axis=-1)
+    return jax.nn.log_softmax(
+        self.mask_logits(reader_ids, reader_segments, mask_positions, deterministic), axis=-1)
+
+  def mask_logits(self, reader_ids, reader_segments, mask_positions, deterministic=True):
+    """The MLM logits at the masks [n, M, V] (float32)."""
+    at_masks, _ = self.bert(reader_ids, reader_segments, deterministic, mask_positions)
+    return self.cls(at_masks, self.bert)
+
+  def label_log_probs(self, reader_ids, reader_segments, mask_positions, mask_labels,
+                      deterministic=True):
+    """log p(y_j | z, x) of the wordpieces `mask_labels` [n, M] at the masks: [n, M] (what
+    training reads of the [n, M, V] log-probs, for less work; `losses.label_log_softmax`)."""
+    return label_log_softmax(
+        self.mask_logits(reader_ids, reader_segments, mask_positions, deterministic),
+        mask_labels)
 
   def spans(self, reader_ids: Array, reader_segments: Array, start_mask: Array,
             end_mask: Array | None = None, deterministic: bool = True) -> Array:
@@ -195,6 +210,11 @@ class REALM(nn.Module):
 
   def read(self, reader_ids, reader_segments, mask_positions, deterministic=True):
     return self.reader(reader_ids, reader_segments, mask_positions, deterministic)
+
+  def read_labels(self, reader_ids, reader_segments, mask_positions, mask_labels,
+                  deterministic=True):
+    return self.reader.label_log_probs(reader_ids, reader_segments, mask_positions,
+                                       mask_labels, deterministic)
 
   def read_spans(self, reader_ids, reader_segments, start_mask, end_mask=None,
                  deterministic=True):

@@ -227,6 +227,8 @@ def demo_scale(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.model.share_towers = True      # one tower: ICT learns in 300 steps (separate: it stalls)
   c.data.query_len = 16            # the world's sentences are <= 13 wordpieces
   c.data.block_len = 40            # its sections are <= 37 wordpieces with title
+  c.data.max_masks = 8             # its salient spans are <= 8 wordpieces (seeds 0-3): the
+                                   # MLM head runs at 8 mask slots per reader input, not 10
   c.retrieval.embed_batch_size = 512
   c.eval.num_examples = 1000
   c.eval.batch_size = 128

@@ -25,7 +25,7 @@ def _freeze(params, train_config):
 
 
 def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
-                 rescore: bool = True, null_first: bool = False):
+                 rescore: bool = True, null_first: bool = False, labels: bool = False):
   """Re-scores the k candidates with the current towers and reads each one.
 
   With `rescore=False` the retriever plays no part (the reader warm-up, whose last candidate
@@ -38,7 +38,8 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
   then read at its own length, not the block's, and, when no dropout is drawn (with dropout
   each row keeps its own draw), embedded once for the batch: the same values for a fraction
   of the work.
-  Returns (retrieval_logits [B, k], vocab log-probs at the masks [B, k, M, V]).
+  Returns (retrieval_logits [B, k], vocab log-probs at the masks [B, k, M, V]), or with
+  `labels` (training), log p(y_j | z, x) of the true wordpieces [B, k, M] in their place.
   """
   variables = {"params": params}
   b, k, _ = batch["candidate_ids"].shape
@@ -51,8 +52,8 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
     logits = jnp.einsum("bd,bkd->bk", query, blocks)
   else:
     logits = jnp.full((b, k), -1e9, jnp.float32).at[:, -1].set(0.0)
-  read = functools.partial(_read, model, variables, batch["mask_positions"], rngs,
-                           deterministic)
+  read = functools.partial(_read, model, variables, batch["mask_positions"],
+                           batch["mask_labels"] if labels else None, rngs, deterministic)
   null_len = pipeline.reader_length(batch["query_ids"].shape[-1], pipeline.NULL_DOCUMENT_LENGTH)
   if not null_first or null_len >= batch["reader_ids"].shape[-1]:
     return logits, read(batch["reader_ids"], batch["reader_segments"])
@@ -76,15 +77,19 @@ def _embed_candidates(model: REALM, variables, batch, rngs, deterministic, null_
   return jnp.concatenate([jnp.broadcast_to(null[None], (b, 1, null.shape[-1])), rest], axis=1)
 
 
-def _read(model: REALM, variables, mask_positions, rngs, deterministic, reader_ids,
-          reader_segments):
-  """The reader's vocab log-probs at the masks [B, n, M, V] for reader inputs [B, n, L]."""
+def _read(model: REALM, variables, mask_positions, mask_labels, rngs, deterministic,
+          reader_ids, reader_segments):
+  """The reader's vocab log-probs at the masks [B, n, M, V] for reader inputs [B, n, L]; with
+  `mask_labels` [B, M], those of the labels alone [B, n, M]."""
   b, n, length = reader_ids.shape
   m = mask_positions.shape[1]
-  positions = jnp.broadcast_to(mask_positions[:, None], (b, n, m)).reshape(b * n, m)
-  log_probs = model.apply(variables, reader_ids.reshape(b * n, length),
-                          reader_segments.reshape(b * n, length), positions, deterministic,
-                          rngs=rngs, method=REALM.read)
+  per_read = lambda t: jnp.broadcast_to(t[:, None], (b, n, m)).reshape(b * n, m)
+  inputs = (reader_ids.reshape(b * n, length), reader_segments.reshape(b * n, length),
+            per_read(mask_positions))
+  if mask_labels is not None:
+    return model.apply(variables, *inputs, per_read(mask_labels), deterministic, rngs=rngs,
+                       method=REALM.read_labels).reshape(b, n, m)
+  log_probs = model.apply(variables, *inputs, deterministic, rngs=rngs, method=REALM.read)
   return log_probs.reshape(b, n, m, -1)
 
 
@@ -125,10 +130,10 @@ def realm_loss_fn(params, model, batch, config, rng):
   """REALM's negative marginal log-likelihood (plus metrics) for one batch."""
   params = _freeze(params, config.train)
   deterministic = without_dropout(config)
-  logits, vocab_lp = realm_scores(model, params, batch, {"dropout": rng}, deterministic,
-                                  rescores(config), null_first(config, training=True))
+  logits, mask_lp = realm_scores(model, params, batch, {"dropout": rng}, deterministic,
+                                 rescores(config), null_first(config, training=True),
+                                 labels=True)
   logits = without_untrained_null(config, batch, logits)
-  mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
   loss, metrics = losses.realm_loss(logits, mask_lp, batch["mask_weights"],
                                     config.retrieval.marginalization)
   if logits.shape[1] == 1:
