@@ -161,7 +161,7 @@ def test_label_log_softmax_is_log_softmax_at_the_label_with_its_gradient():
   rng = np.random.default_rng(5)
   logits = jnp.asarray(rng.normal(size=(3, 4, 50)) * np.array([0.1, 1.0, 30.0])[:, None, None],
                        jnp.float32)
-  labels = jnp.asarray(rng.integers(0, 50, (3, 4)).astype(np.int32).clip(0, 49))
+  labels = jnp.asarray(rng.integers(0, 50, (3, 4)).astype(np.int32))
   labels = labels.at[0, 0].set(0).at[0, 1].set(49)
   weights = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)
   reference = lambda x: jnp.take_along_axis(jax.nn.log_softmax(x), labels[..., None], -1)[..., 0]
