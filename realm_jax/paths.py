@@ -211,16 +211,31 @@ def read_text(path) -> str | None:
   return retried("reading", path, read)
 
 
-def write_text_atomic(path, text: str) -> None:
-  """Readers see the old or the new content, never half: a local file via a temp name and a
-  rename, a bucket object in one request."""
+def fsync(path) -> None:
+  """fsync of a local file or directory (a directory's fsync makes renames in it durable)."""
+  fd = os.open(str(path), os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def write_text_atomic(path, text: str, durable: bool = False) -> None:
+  """Readers see the old or the new content, never half: a local file via a temp name
+  (`<name>.tmp-<pid>`) and a rename, a bucket object in one request. `durable`: the local
+  file and its directory are fsynced too, so the new content survives a machine crash."""
   if is_remote(path):
     retried("writing", path, lambda: epath.Path(path).write_text(text))
     return
   tmp = f"{path}.tmp-{os.getpid()}"
   with open(tmp, "w") as f:
     f.write(text)
+    if durable:
+      f.flush()
+      os.fsync(f.fileno())
   os.replace(tmp, str(path))
+  if durable:
+    fsync(os.path.dirname(os.path.abspath(str(path))))
 
 
 def read_json(path) -> dict | None:

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from realm_jax import paths
 from realm_jax.retrieval import published
 
 FINGERPRINT = "fp-abc"
@@ -179,7 +180,7 @@ def test_publish_refuses_bad_calls(tmp_path):
 
 
 def test_remote_path_writes_in_place_with_manifest_last(tmp_path, monkeypatch):
-  monkeypatch.setattr(published, "is_local", lambda path: False)
+  monkeypatch.setattr(paths, "is_remote", lambda path: True)
   root = published.index_root(tmp_path)
   assert published.clean_staging(root) == []
   publish_one(root, step=100)
@@ -209,8 +210,8 @@ def test_remote_path_writes_in_place_with_manifest_last(tmp_path, monkeypatch):
 
 
 def test_paths():
-  assert published.is_local("/tmp/w") and published.is_local(published.index_root("rel/w"))
-  assert not published.is_local("gs://bucket/w")
-  assert not published.is_local(published.index_root("gs://bucket/w"))
+  assert not paths.is_remote("/tmp/w") and not paths.is_remote(published.index_root("rel/w"))
+  assert paths.is_remote("gs://bucket/w")
+  assert paths.is_remote(published.index_root("gs://bucket/w"))
   remote = published.version_dir(published.index_root("gs://b/w"), 42)
   assert str(remote) == "gs://b/w/index/00000042"

@@ -22,6 +22,7 @@ import time
 import numpy as np
 from etils import epath
 
+from realm_jax import paths
 from realm_jax.paths import sha256_file  # noqa: F401  (also read as published.sha256_file)
 
 MANIFEST = "manifest.json"
@@ -48,33 +49,8 @@ def index_root(workdir) -> epath.Path:
   return epath.Path(workdir) / "index"
 
 
-def is_local(path) -> bool:
-  """False for `gs://...` and any other URL-like path (no atomic rename, no fsync there)."""
-  return "://" not in str(path)
-
-
 def version_dir(root, version: int) -> epath.Path:
   return epath.Path(root) / f"{version:08d}"
-
-
-def _fsync(path) -> None:
-  """fsync of a local file or directory (a directory's fsync makes renames in it durable)."""
-  fd = os.open(str(path), os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-def _write_local_atomic(path: epath.Path, text: str) -> None:
-  """Write to a temp name, fsync, os.replace: readers see the old or the new file, never half."""
-  tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-  with open(str(tmp), "w") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(str(tmp), str(path))
-  _fsync(path.parent)
 
 
 def _version_names(root: epath.Path) -> dict[int, epath.Path]:
@@ -109,7 +85,7 @@ def start_version(root) -> tuple[int, epath.Path]:
   root = epath.Path(root)
   root.mkdir(parents=True, exist_ok=True)
   version = 1 + max([*_version_names(root), read_latest(root) or 0, 0])
-  if not is_local(root):
+  if paths.is_remote(root):
     staging = version_dir(root, version)
   else:
     staging = root / f"{_STAGING_PREFIX}{version:08d}-{os.getpid()}"
@@ -154,7 +130,7 @@ def publish(root, version: int, staging, fields: dict, keep: int) -> dict:
   """
   root, staging = epath.Path(root), epath.Path(staging)
   target = version_dir(root, version)
-  local = is_local(root)
+  local = not paths.is_remote(root)
   missing = [k for k in REQUIRED_KEYS if k not in ("version", "files") and k not in fields]
   if missing or keep < 1:
     raise ValueError(f"publish needs fields {missing} and keep >= 1 (got {keep})")
@@ -165,15 +141,15 @@ def publish(root, version: int, staging, fields: dict, keep: int) -> dict:
   files = {}
   for rel, path in _list_files(staging):
     if local:
-      _fsync(path)
+      paths.fsync(path)
     files[rel] = {"bytes": path.stat().length, "sha256": sha256_file(path)}
   manifest = {"version": version, **fields, "files": files, "created": time.time()}
   text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
   if local:
-    _write_local_atomic(staging / MANIFEST, text)
+    paths.write_text_atomic(staging / MANIFEST, text, durable=True)
     os.rename(str(staging), str(target))
-    _fsync(root)
-    _write_local_atomic(root / LATEST, f"{version:08d}\n")
+    paths.fsync(root)
+    paths.write_text_atomic(root / LATEST, f"{version:08d}\n", durable=True)
   else:
     (target / MANIFEST).write_text(text)
     (root / LATEST).write_text(f"{version:08d}\n")
@@ -256,7 +232,7 @@ def clean_staging(root) -> list[str]:
   with one builder per workdir. Returns the paths removed.
   """
   root = epath.Path(root)
-  if not is_local(root) or not root.exists():
+  if paths.is_remote(root) or not root.exists():
     return []
   removed = []
   own_suffix = f"-{os.getpid()}"

@@ -17,6 +17,7 @@ import time
 from typing import Callable
 
 
+from realm_jax import paths
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, IndexVersion
 
@@ -56,7 +57,7 @@ def _load_scann(directory, manifest):
   from realm_jax.retrieval import scann_index
   local = str(directory / "scann")
   scratch = None
-  if not published.is_local(directory):   # ScaNN reads local files: copy the assets first
+  if paths.is_remote(directory):   # ScaNN reads local files: copy the assets first
     scratch = tempfile.mkdtemp(prefix="realm_scann_")
     for path in (directory / "scann").iterdir():
       path.copy(os.path.join(scratch, path.name))
