@@ -7,14 +7,16 @@ Runs in the interop env (`make bench-peer`, or `.venv-interop/bin/python bench/p
    relevance scores (per-mask marginalisation: what HF's RealmKnowledgeAugEncoder computes),
    backward, global-norm clip 1.0 and an AdamW update (lr 1e-4, wd 0.01 not on LayerNorm and
    biases, eps 1e-6), dropout 0.1 in both, float32.
-     ours: the reader's MLM log-probs (`REALM.read`), `steps.label_log_probs` and
-           `losses.realm_loss`, with `state.make_optimizer`, in one jitted step (donated state)
+     ours: the reader's log p(label) at the masks (`REALM.read_labels`, what the train step
+           reads) and `losses.realm_loss`, with `state.make_optimizer`, in one jitted step
+           (donated state)
      peer: RealmKnowledgeAugEncoder(labels=..., relevance_score=..., mlm_mask=...) + backward
            + clip_grad_norm_ + torch.optim.AdamW
    Prints the median step time over the timed steps (warm-up steps excluded), reader
    sequences/s (B*k per step) of each, and ours / peer; and each step's matmul FLOPs
-   (3 x forward) with the FLOP/s they make: HF's class projects every position onto the
-   vocabulary, ours only the masked ones, so much of the ratio is work not done.
+   (3 x forward) with the FLOP/s they make: HF's class runs its last layer and the vocabulary
+   projection at every position, ours at the masked ones only, so much of the ratio is work
+   not done.
 2. Open-QA forward of one question: embed it, retrieve the top reader_beam blocks from a
    block_emb of N blocks, read them, pick the best span. A random RealmForOpenQA checkpoint of
    the same BERT is written by transformers and imported with `realm-import-hf` (so both sides
@@ -81,9 +83,9 @@ from realm_jax.models import losses  # noqa: E402
 from realm_jax.models.bert import BertConfig  # noqa: E402
 from realm_jax.models.realm import REALM  # noqa: E402
 from report import append_jsonl  # noqa: E402  (bench/ is this script's directory: sys.path[0])
+from train_step import encoder_flops  # noqa: E402
 from realm_jax.train import state as state_lib  # noqa: E402
 from realm_jax.train.config_base import base_config  # noqa: E402
-from realm_jax.train.steps import label_log_probs  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -126,14 +128,15 @@ def our_step(args, batch):
                                     jnp.zeros((1, 1), jnp.int32))["params"])
   reader = {"reader": params["reader"]}      # the step trains the reader, as HF's does
   tx = state_lib.make_optimizer(config.train)
-  labels_j, weights = jnp.asarray(labels, jnp.int32), jnp.ones(labels.shape, jnp.float32)
+  flat_labels = jnp.asarray(np.repeat(labels, k, axis=0), jnp.int32)   # rows as flat_pos
+  weights = jnp.ones(labels.shape, jnp.float32)
   relevance_j = jnp.asarray(relevance)
 
   def loss_fn(p, rng):
-    vocab_lp = model.apply({"params": p}, inputs["reader_ids"], inputs["reader_segments"],
-                           inputs["mask_positions"], args.dropout == 0, rngs={"dropout": rng},
-                           method=REALM.read).reshape(b, k, labels.shape[1], -1)
-    mask_lp = label_log_probs(vocab_lp, labels_j)
+    mask_lp = model.apply({"params": p}, inputs["reader_ids"], inputs["reader_segments"],
+                          inputs["mask_positions"], flat_labels, args.dropout == 0,
+                          rngs={"dropout": rng}, method=REALM.read_labels
+                          ).reshape(b, k, labels.shape[1])
     return losses.realm_loss(relevance_j, mask_lp, weights, "per_mask")[0]
 
   def step(state, rng):
@@ -187,13 +190,14 @@ def timed(fn, warmup: int, steps: int, name: str) -> list[float]:
   return times
 
 
-def step_flops(args, vocab_positions: int) -> float:
-  """3 x the forward matmul FLOPs of a step: the encoder over B*k*L tokens and the MLM head
-  (transform + vocabulary projection) at `vocab_positions` positions."""
-  d, ff, length = args.hidden, args.intermediate, args.length
-  tokens = args.batch * args.k * length
-  encoder = tokens * args.layers * (2 * (4 * d * d + 2 * d * ff) + 4 * length * d)
-  head = vocab_positions * 2 * (d * d + d * args.vocab)
+def step_flops(args, positions_read: int) -> float:
+  """3 x the forward matmul FLOPs of a step: the encoder over B*k sequences of L tokens whose
+  last layer computes `positions_read` positions of each, and the MLM head (transform +
+  vocabulary projection) at those positions."""
+  d, sequences = args.hidden, args.batch * args.k
+  encoder = encoder_flops(d, args.intermediate, args.layers, sequences, args.length,
+                          positions_read)
+  head = sequences * positions_read * 2 * (d * d + d * args.vocab)
   return 3.0 * (encoder + head)
 
 
@@ -217,8 +221,8 @@ def bench_step(args) -> dict:
   log(f"peer: {n_peer / 1e6:.1f}M params")
   peer = timed(step, args.warmup, args.steps, "peer")
   o, p = statistics.median(ours), statistics.median(peer)
-  ours_flops = step_flops(args, args.batch * args.k * args.masks)
-  peer_flops = step_flops(args, args.batch * args.k * args.length)
+  ours_flops = step_flops(args, args.masks)     # the last layer and head at the masks
+  peer_flops = step_flops(args, args.length)    # HF's: every position
   return {"ours_step_s": o, "peer_step_s": p, "ours_seq_per_s": seqs / o,
           "peer_seq_per_s": seqs / p, "ratio": p / o, "sequences_per_step": seqs,
           "ours_flops": ours_flops, "peer_flops": peer_flops,

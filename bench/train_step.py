@@ -105,21 +105,29 @@ def token_counts(config) -> dict[str, int]:
   return {"reader_tokens": reader, "retriever_tokens": retriever, "tokens": reader + retriever}
 
 
+def encoder_flops(d: int, ff: int, num_layers: int, sequences: int, length: int,
+                  outputs: int) -> float:
+  """Forward matmul FLOPs of a BERT encoder (hidden d, feed-forward ff) over `sequences` of
+  `length`: projections, feed-forward and attention at every position, except the last
+  layer, which gives keys and values at every position and computes the rest at the
+  `outputs` positions read (`BertEncoder(positions=...)`; `outputs=length`: all of them)."""
+  layer = lambda rows: 2 * rows * (2 * d * d + 2 * d * ff) + 4 * rows * length * d
+  kv = 2 * length * 2 * d * d
+  return sequences * ((num_layers - 1) * (layer(length) + kv) + layer(outputs) + kv)
+
+
 def analytic_flops(config) -> float:
   """The forward matmul FLOPs of the three encoders and heads, x 3 where they are trained
   (backward = 2 x forward; a frozen part, `train.*_lr_scale` 0, runs forward only),
   each tower at its own shape (`config_base.part_model`: the retriever may differ)."""
-  from realm_jax.train.config_base import part_model
   reader, retriever = part_model(config, "reader"), part_model(config, "retriever")
   v = config.model.vocab_size
   b, k, m = config.train.batch_size, candidates_read(config), config.data.max_masks
   q, lb = config.data.query_len, config.data.block_len
 
-  def encoder(mc, sequences, length, outputs):  # projections, feed-forward, attention; the
-    d, ff = mc.hidden_size, mc.intermediate_size  # last layer's keys and values at every
-    layer = lambda rows: 2 * rows * (2 * d * d + 2 * d * ff) + 4 * rows * length * d
-    kv = 2 * length * 2 * d * d                   # position, the rest at the `outputs` read
-    return sequences * ((mc.num_layers - 1) * (layer(length) + kv) + layer(outputs) + kv)
+  def encoder(mc, sequences, length, outputs):
+    return encoder_flops(mc.hidden_size, mc.intermediate_size, mc.num_layers, sequences,
+                         length, outputs)
 
   r, d = retriever.hidden_size, reader.hidden_size
   retrieval = encoder(retriever, b, q, 1) + encoder(retriever, b * k, lb, 1)   # [CLS]
