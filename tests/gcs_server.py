@@ -96,8 +96,24 @@ def _object_name(req):
   return name
 
 
+_STORE_LOCK = threading.RLock()   # re-entrant: the batch handler calls the others
+
+
+def _one_at_a_time(handler):
+  """`handler` holding the store's lock: the emulator's in-memory store is not thread-safe
+  (one thread serialising its metadata while another adds an object raised "dictionary
+  changed size during iteration" mid-request, the client saw the connection drop, and its
+  retry of the finished resumable upload got a 404), and a real bucket serves each request
+  whole."""
+  def locked(req, response, store, *args, **kwargs):
+    with _STORE_LOCK:
+      return handler(req, response, store, *args, **kwargs)
+  return locked
+
+
 def _slow(insert):
-  """Uploads of objects named in SLOW_UPLOADS take that long (a slow link to the bucket)."""
+  """Uploads of objects named in SLOW_UPLOADS take that long (a slow link to the bucket; the
+  wait holds no lock, so other requests are served meanwhile)."""
   def handler(req, response, store, *args, **kwargs):
     name = _object_name(req) or ""
     delay = max([s for part, s in SLOW_UPLOADS.items() if part in name], default=0.0)
@@ -133,12 +149,12 @@ def _patch_handlers() -> None:
     if req.query.get("alt") and req.query.get("alt")[0] == "media":
       return checked_download(req, response, store, *args, **kwargs)
     return checked_get(req, response, store, *args, **kwargs)
-  new = {insert: _slow(_precondition(insert)), download: checked_download, get: get_or_download,
-         delete: _precondition(delete)}
+  new = {insert: _slow(_one_at_a_time(_precondition(insert))),
+         download: _one_at_a_time(checked_download), get: _one_at_a_time(get_or_download),
+         delete: _one_at_a_time(_precondition(delete))}
   for _, handlers in server.HANDLERS:
     for method, fn in list(handlers.items()):
-      if fn in new:
-        handlers[method] = new[fn]
+      handlers[method] = new[fn] if fn in new else _one_at_a_time(fn)
   objects.insert = new[insert]   # the server also looks it up by name for bare POST uploads
   server.server = types.SimpleNamespace(HTTPServer=_HTTPServer)
   objects._realm_patched = True
