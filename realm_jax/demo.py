@@ -1,9 +1,10 @@
 """`make demo`: REALM end to end on the generated knowledge world.
 
-world -> blocks -> ICT -> reader warm-up -> REALM (+ the no-retrieval baseline) -> evaluation
-on masked sentences about held-out entities -> `W/summary.json`, `W/curves.png`, a table and
-example predictions with their evidence. Every stage is an ordinary `realm-train` run in its
-own sub-workdir, so an interrupted demo resumes where it stopped.
+world -> blocks -> reader warm-up (ICT beside it) -> REALM (the no-retrieval baseline beside it)
+-> evaluation on masked sentences about held-out entities -> `W/summary.json`, `W/curves.png`,
+a table and example predictions with their evidence. Every stage is an ordinary `realm-train`
+run in its own sub-workdir, so an interrupted demo resumes where it stopped; a stage beside
+another is a process of its own (its output in `W/<stage>/logs/stage.log`).
 
   python -m realm_jax.demo --workdir runs/demo --seed 0
 """
@@ -27,6 +28,7 @@ HOST_DEVICES = 2   # the REALM stage's trainer and builder see the CPU as two JA
                    # threads (docs/performance.md); the small in-process stages run faster on
                    # one. A fixed count gives the same figures on any number of cores.
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+STAGE_LOG = "stage.log"  # the output of a stage run beside another (`start_stage`)
 
 
 def split_host(env: dict[str, str], devices: int) -> tuple[dict[str, str], int]:
@@ -59,26 +61,70 @@ def with_overrides(config, overrides: dict):
   return config
 
 
-def demo_stages() -> list[tuple[str, str, str | None, str]]:
-  """(name, config file, its arg, stage it starts from) of the four training stages."""
-  return [("ict", "demo_ict", None, ""),
-          ("warmup", "demo_realm", "warmup", "ict"),
-          ("realm", "demo_realm", "realm", "warmup"),
-          ("no_retrieval", "demo_realm", "no_retrieval", "warmup")]
+def demo_stages() -> list:
+  """The four training stages in two rounds; the stages of a round run at once (`run_stages`).
+
+  A stage is (name, config file, its arg, init): init names the stage whose params it starts
+  from ("" none), or {part: stage} per part. The reader warm-up starts from nothing: its
+  retriever is frozen and plays no part, and its reader starts from the same seed's initial
+  values that ICT (which trains the retriever alone) would have handed it; so it runs beside
+  ICT, and REALM and the baseline take the retriever from ICT and the reader from the warm-up.
+  """
+  after = {"retriever": "ict", "reader": "warmup"}
+  return [[("warmup", "demo_realm", "warmup", ""), ("ict", "demo_ict", None, "")],
+          [("realm", "demo_realm", "realm", after),
+           ("no_retrieval", "demo_realm", "no_retrieval", after)]]
+
+
+def stage_overrides(init, data_dir: str, workdir: str, seed: int) -> dict:
+  """The overrides of a stage started from `init` (see `demo_stages`)."""
+  overrides = {"data.dir": data_dir, "seed": seed}
+  if isinstance(init, dict):
+    return {**overrides, **{f"init.{part}": os.path.join(workdir, stage)
+                            for part, stage in init.items()}}
+  return {**overrides, "init.from_workdir": os.path.join(workdir, init) if init else ""}
 
 
 def run_stages(stages, data_dir: str, workdir: str, seed: int,
                host_devices: int = 0) -> dict[str, dict]:
-  """Trains (name, config file, arg, init_from) in order, each in `workdir/name` and started
-  from the params of `workdir/init_from`, with the data dir and seed set (`host_devices`: see
-  `run_stage`). Returns the summaries."""
+  """Trains the stages in order, each in `workdir/name`, with the data dir and seed set
+  (`host_devices`: see `run_stage`); returns their summaries. A stage is (name, config file,
+  arg, init) as in `demo_stages`; an item that is a list of stages (a round) runs them at once:
+  the first here, the others beside it as processes of their own whose output goes to
+  `workdir/name/logs/stage.log`. A round's stages must not start from one another."""
   results = {}
-  for name, config_name, arg, init_from in stages:
-    overrides = {"data.dir": data_dir, "seed": seed,
-                 "init.from_workdir": os.path.join(workdir, init_from) if init_from else ""}
-    results[name] = run_stage(name, (config_name, arg), overrides, os.path.join(workdir, name),
-                              host_devices)
+  for item in stages:
+    specs = [(name, (config_name, arg), stage_overrides(init, data_dir, workdir, seed),
+              os.path.join(workdir, name))
+             for name, config_name, arg, init in (item if isinstance(item, list) else [item])]
+    beside = [(spec, start_stage(*spec, host_devices)) for spec in specs[1:]]
+    try:
+      results[specs[0][0]] = run_stage(*specs[0], host_devices)
+    except BaseException:
+      for _, process in beside:
+        stop_stage(process)
+      raise
+    for (name, _, _, stage_dir), process in beside:
+      results[name] = finish_stage(name, process, stage_dir)
   return results
+
+
+def stage_command(spec: tuple[str, str | None], overrides: dict, workdir: str,
+                  config) -> list[str]:
+  """The command that trains a stage in a process of its own: `launch/local.py` (trainer +
+  `realm-index`) where the index comes from the separate builder, else `realm-train`."""
+  config_arg = os.path.join(CONFIG_DIR, f"{spec[0]}.py") + (f":{spec[1]}" if spec[1] else "")
+  program = [os.path.join(REPO_DIR, "launch", "local.py")] \
+      if config.retrieval.refresh != "in_process" else ["-m", "realm_jax.train.main"]
+  return [sys.executable, "-u", *program, f"--config={config_arg}", f"--workdir={workdir}",
+          *(f"--config.{key}={value}" for key, value in overrides.items())]
+
+
+def finished(config, workdir: str) -> dict | None:
+  """The summary of a stage that already ran all of `config`'s steps in `workdir`, else None."""
+  summary = workdir_lib.read_summary(workdir)
+  return summary if summary is not None and summary.get("steps") == config.train.steps \
+      else None
 
 
 def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir: str,
@@ -90,19 +136,15 @@ def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir:
   those two processes see the host CPU as `host_devices` devices (0: JAX's default).
   """
   config = with_overrides(repo_config(*spec), overrides)
-  summary = workdir_lib.read_summary(workdir)
+  summary = finished(config, workdir)
   if summary is not None:
-    if summary.get("steps") == config.train.steps:
-      print(f"[demo] stage {name}: already done in {workdir}", flush=True)
-      return summary
+    print(f"[demo] stage {name}: already done in {workdir}", flush=True)
+    return summary
   if config.retrieval.refresh == "in_process":
     from realm_jax.train.loop import train
     print(f"[demo] stage {name} -> {workdir}", flush=True)
     return train(config, workdir)
-  config_arg = os.path.join(CONFIG_DIR, f"{spec[0]}.py") + (f":{spec[1]}" if spec[1] else "")
-  command = [sys.executable, "-u", os.path.join(REPO_DIR, "launch", "local.py"),
-             f"--config={config_arg}", f"--workdir={workdir}",
-             *(f"--config.{key}={value}" for key, value in overrides.items())]
+  command = stage_command(spec, overrides, workdir, config)
   print(f"[demo] stage {name} -> {workdir}: trainer + index builder "
         f"({config.retrieval.refresh}): {' '.join(command[1:])}", flush=True)
   env, _ = split_host(dict(os.environ), host_devices)
@@ -110,9 +152,61 @@ def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir:
   if code != 0:
     raise RuntimeError(f"stage {name}: launch/local.py exited with code {code}; see "
                        f"{workdir}/logs/trainer.log and builder.log")
+  return _summary_after_exit(name, workdir, "launch/local.py")
+
+
+def start_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir: str,
+                host_devices: int = 0) -> subprocess.Popen | None:
+  """Starts one stage in a process of its own beside the caller's work, its output in
+  `workdir/logs/stage.log`; None if it already finished. `finish_stage` waits for it."""
+  config = with_overrides(repo_config(*spec), overrides)
+  if finished(config, workdir) is not None:
+    return None
+  command = stage_command(spec, overrides, workdir, config)
+  log = os.path.join(workdir, "logs", STAGE_LOG)
+  os.makedirs(os.path.dirname(log), exist_ok=True)
+  print(f"[demo] stage {name} -> {workdir}, beside the next one (progress: {log}): "
+        f"{' '.join(command[1:])}", flush=True)
+  env = split_host(dict(os.environ), host_devices)[0] \
+      if config.retrieval.refresh != "in_process" else dict(os.environ)
+  with open(log, "ab") as out:
+    return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def finish_stage(name: str, process: subprocess.Popen | None, workdir: str) -> dict:
+  """Waits for a stage `start_stage` started; its summary."""
+  if process is None:
+    print(f"[demo] stage {name}: already done in {workdir}", flush=True)
+    return workdir_lib.read_summary(workdir)
+  code = process.wait()
+  log = os.path.join(workdir, "logs", STAGE_LOG)
+  if code != 0:
+    raise RuntimeError(f"stage {name}: its process exited with code {code}; see {log}")
+  summary = _summary_after_exit(name, workdir, "its process")
+  shown = " ".join(f"{k[5:]} {v:.3f}" for k, v in summary.items()
+                   if k.startswith("eval_") and isinstance(v, float) and "num_" not in k)
+  print(f"[demo] stage {name}: done in {summary.get('wall_seconds')} s: {shown} ({log})",
+        flush=True)
+  return summary
+
+
+def stop_stage(process: subprocess.Popen | None, grace_seconds: float = 60.0) -> None:
+  """Stops a stage started beside a failed one: SIGTERM (the trainer saves its step, so a
+  rerun resumes), then SIGKILL after `grace_seconds`."""
+  if process is None or process.poll() is not None:
+    return
+  process.terminate()
+  try:
+    process.wait(grace_seconds)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    process.wait()
+
+
+def _summary_after_exit(name: str, workdir: str, what: str) -> dict:
   summary = workdir_lib.read_summary(workdir)
   if summary is None:
-    raise RuntimeError(f"stage {name}: launch/local.py exited 0 but left no "
+    raise RuntimeError(f"stage {name}: {what} exited 0 but left no "
                        f"{workdir}/{workdir_lib.SUMMARY}")
   return summary
 

@@ -1,5 +1,11 @@
 """The demo driver's own logic (the demo itself runs in `make demo`)."""
 
+import signal
+import subprocess
+import sys
+
+import pytest
+
 from realm_jax import demo
 
 
@@ -22,3 +28,76 @@ def test_devices_names_the_realm_stage_count_only_when_it_differs():
   assert demo.devices(jax.device_count()) == here
   assert demo.devices(jax.device_count() + 1) == f"{here} (REALM stage: " \
                                                  f"{jax.device_count() + 1} x cpu)"
+
+
+def test_stage_overrides_start_every_part_or_each_part_from_a_stage():
+  assert demo.stage_overrides("", "D", "W", 3) == {"data.dir": "D", "seed": 3,
+                                                   "init.from_workdir": ""}
+  assert demo.stage_overrides("ict", "D", "W", 3)["init.from_workdir"] == "W/ict"
+  per_part = demo.stage_overrides({"retriever": "ict", "reader": "warmup"}, "D", "W", 3)
+  assert per_part == {"data.dir": "D", "seed": 3, "init.retriever": "W/ict",
+                      "init.reader": "W/warmup"}
+
+
+def test_the_demo_rounds_start_no_stage_from_one_beside_it():
+  rounds = demo.demo_stages()
+  done = set()
+  for stages in rounds:
+    names = {name for name, *_ in stages}
+    for _, _, _, init in stages:
+      sources = set(init.values()) if isinstance(init, dict) else {init} - {""}
+      assert sources <= done and not sources & names
+    done |= names
+  assert done == {"ict", "warmup", "realm", "no_retrieval"}
+
+
+class _Calls:
+  """Stands in for the stage runners: records what ran when, fails where told."""
+
+  def __init__(self, fail=()):
+    self.log, self.fail = [], set(fail)
+
+  def run(self, name, spec, overrides, workdir, host_devices=0):
+    self.log.append(("run", name))
+    if name in self.fail:
+      raise RuntimeError(f"{name} failed")
+    return {"steps": 1, "name": name}
+
+  def start(self, name, spec, overrides, workdir, host_devices=0):
+    self.log.append(("start", name))
+    return name
+
+  def finish(self, name, process, workdir):
+    self.log.append(("finish", name))
+    return {"steps": 1, "name": name}
+
+  def stop(self, process):
+    self.log.append(("stop", process))
+
+
+def test_run_stages_runs_a_round_at_once_and_stops_it_when_its_first_stage_fails(monkeypatch):
+  calls = _Calls()
+  for attr, fn in (("run_stage", calls.run), ("start_stage", calls.start),
+                   ("finish_stage", calls.finish), ("stop_stage", calls.stop)):
+    monkeypatch.setattr(demo, attr, fn)
+  stages = [("a", "demo_ict", None, ""), [("b", "demo_realm", "warmup", "a"),
+                                         ("c", "demo_realm", "no_retrieval", "a")]]
+  results = demo.run_stages(stages, "D", "W", 0)
+  assert calls.log == [("run", "a"), ("start", "c"), ("run", "b"), ("finish", "c")]
+  assert sorted(results) == ["a", "b", "c"] and results["c"]["name"] == "c"
+  calls.log.clear()
+  calls.fail = {"b"}
+  with pytest.raises(RuntimeError, match="b failed"):
+    demo.run_stages(stages, "D", "W", 0)
+  assert calls.log == [("run", "a"), ("start", "c"), ("run", "b"), ("stop", "c")]
+
+
+def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(tmp_path):
+  workdir = str(tmp_path / "stage")
+  failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+  with pytest.raises(RuntimeError, match=r"exited with code 3; see .*stage/logs/stage\.log"):
+    demo.finish_stage("no_retrieval", failing, workdir)
+  sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  demo.stop_stage(sleeping, grace_seconds=10)
+  assert sleeping.returncode == -signal.SIGTERM
+  demo.stop_stage(None)                         # a stage that had already finished

@@ -139,6 +139,22 @@ def test_warmup_starts_from_ict_and_keeps_the_frozen_retriever(stages, world_dat
 
 
 @pytest.mark.slow
+def test_a_warmup_from_nothing_trains_the_reader_a_warmup_from_ict_does(stages, world_dir,
+                                                                        world_data, tmp_path):
+  """What lets `make demo` run the warm-up beside ICT: ICT leaves the reader at the seed's
+  initial values, so a warm-up started from nothing ends with the same reader, to the bit."""
+  dirs, configs, _ = stages
+  config = tiny_config("realm", "warmup", world_dir, train__steps=3, **helpers.SMALL_RETRIEVER)
+  train(config, str(tmp_path / "warmup"))
+  alone, _ = saved_params(config, str(tmp_path / "warmup"), world_data)
+  after_ict, _ = saved_params(configs["warmup"], dirs["warmup"], world_data)
+  ours, theirs = flat(alone["reader"]), flat(after_ict["reader"])
+  assert ours.keys() == theirs.keys()
+  for key, value in theirs.items():
+    np.testing.assert_array_equal(ours[key], value, err_msg=key)
+
+
+@pytest.mark.slow
 def test_sigterm_saves_exits_and_the_resumed_run_matches_the_uninterrupted_one(
     stages, world_dir, world_data, tmp_path):
   """realm-train gets SIGTERM mid-run: it finishes the step, finalises a checkpoint of it and
