@@ -97,7 +97,8 @@ def run_stages(stages, data_dir: str, workdir: str, seed: int,
     specs = [(name, (config_name, arg), stage_overrides(init, data_dir, workdir, seed),
               os.path.join(workdir, name))
              for name, config_name, arg, init in (item if isinstance(item, list) else [item])]
-    beside = [(spec, start_stage(*spec, host_devices)) for spec in specs[1:]]
+    beside = [(spec, start_stage(*spec, host_devices, beside=specs[0][0]))
+              for spec in specs[1:]]
     try:
       results[specs[0][0]] = run_stage(*specs[0], host_devices)
     except BaseException:
@@ -156,17 +157,17 @@ def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir:
 
 
 def start_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir: str,
-                host_devices: int = 0) -> subprocess.Popen | None:
-  """Starts one stage in a process of its own beside the caller's work, its output in
-  `workdir/logs/stage.log`; None if it already finished. `finish_stage` waits for it."""
+                host_devices: int = 0, beside: str = "") -> subprocess.Popen | None:
+  """Starts one stage in a process of its own beside the caller's work (stage `beside`), its
+  output in `workdir/logs/stage.log`; None if it already finished. `finish_stage` waits."""
   config = with_overrides(repo_config(*spec), overrides)
   if finished(config, workdir) is not None:
     return None
   command = stage_command(spec, overrides, workdir, config)
   log = os.path.join(workdir, "logs", STAGE_LOG)
   os.makedirs(os.path.dirname(log), exist_ok=True)
-  print(f"[demo] stage {name} -> {workdir}, beside the next one (progress: {log}): "
-        f"{' '.join(command[1:])}", flush=True)
+  print(f"[demo] stage {name} -> {workdir}, beside stage {beside or '(none)'} (progress: "
+        f"{log}): {' '.join(command[1:])}", flush=True)
   env = split_host(dict(os.environ), host_devices)[0] \
       if config.retrieval.refresh != "in_process" else dict(os.environ)
   with open(log, "ab") as out:
@@ -184,7 +185,8 @@ def finish_stage(name: str, process: subprocess.Popen | None, workdir: str) -> d
     raise RuntimeError(f"stage {name}: its process exited with code {code}; see {log}")
   summary = _summary_after_exit(name, workdir, "its process")
   shown = " ".join(f"{k[5:]} {v:.3f}" for k, v in summary.items()
-                   if k.startswith("eval_") and isinstance(v, float) and "num_" not in k)
+                   if k.startswith("eval_") and isinstance(v, float)
+                   and not k.startswith(("eval_num_", "eval_index_")))
   print(f"[demo] stage {name}: done in {summary.get('wall_seconds')} s: {shown} ({log})",
         flush=True)
   return summary

@@ -63,7 +63,8 @@ class _Calls:
       raise RuntimeError(f"{name} failed")
     return {"steps": 1, "name": name}
 
-  def start(self, name, spec, overrides, workdir, host_devices=0):
+  def start(self, name, spec, overrides, workdir, host_devices=0, beside=""):
+    assert beside == "b"
     self.log.append(("start", name))
     return name
 
