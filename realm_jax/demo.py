@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 
 from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
+from realm_jax.train.preemption import EXIT_CODE
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_DIR, "configs")
@@ -29,6 +31,20 @@ HOST_DEVICES = 2   # the REALM stage's trainer and builder see the CPU as two JA
                    # one. A fixed count gives the same figures on any number of cores.
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 STAGE_LOG = "stage.log"  # the output of a stage run beside another (`start_stage`)
+
+
+class Preempted(SystemExit):
+  """SIGTERM reached the demo: the running stages saved their step (a rerun resumes)."""
+
+  def __init__(self, why: str):
+    print(f"[demo] preempted: {why}; rerun the same command to resume", flush=True)
+    super().__init__(EXIT_CODE)
+
+
+def _on_sigterm(signum, frame) -> None:
+  """The demo's SIGTERM handler outside an in-process stage (which saves its own step): stop
+  here, and `run_stage` / `run_stages` pass SIGTERM on to the stage processes."""
+  raise Preempted("SIGTERM")
 
 
 def split_host(env: dict[str, str], devices: int) -> tuple[dict[str, str], int]:
@@ -144,12 +160,22 @@ def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir:
   if config.retrieval.refresh == "in_process":
     from realm_jax.train.loop import train
     print(f"[demo] stage {name} -> {workdir}", flush=True)
-    return train(config, workdir)
+    summary = train(config, workdir)
+    if "preempted_at_step" in summary:
+      raise Preempted(f"stage {name} saved step {summary['preempted_at_step']}")
+    return summary
   command = stage_command(spec, overrides, workdir, config)
   print(f"[demo] stage {name} -> {workdir}: trainer + index builder "
         f"({config.retrieval.refresh}): {' '.join(command[1:])}", flush=True)
   env, _ = split_host(dict(os.environ), host_devices)
-  code = subprocess.run(command, check=False, env=env).returncode
+  process = subprocess.Popen(command, env=env)
+  try:
+    code = process.wait()
+  except BaseException:
+    stop_stage(process)
+    raise
+  if code == EXIT_CODE:
+    raise Preempted(f"stage {name}'s trainer saved its step")
   if code != 0:
     raise RuntimeError(f"stage {name}: launch/local.py exited with code {code}; see "
                        f"{workdir}/logs/trainer.log and builder.log")
@@ -181,6 +207,8 @@ def finish_stage(name: str, process: subprocess.Popen | None, workdir: str) -> d
     return workdir_lib.read_summary(workdir)
   code = process.wait()
   log = os.path.join(workdir, "logs", STAGE_LOG)
+  if code == EXIT_CODE:
+    raise Preempted(f"stage {name} saved its step ({log})")
   if code != 0:
     raise RuntimeError(f"stage {name}: its process exited with code {code}; see {log}")
   summary = _summary_after_exit(name, workdir, "its process")
@@ -193,8 +221,8 @@ def finish_stage(name: str, process: subprocess.Popen | None, workdir: str) -> d
 
 
 def stop_stage(process: subprocess.Popen | None, grace_seconds: float = 60.0) -> None:
-  """Stops a stage started beside a failed one: SIGTERM (the trainer saves its step, so a
-  rerun resumes), then SIGKILL after `grace_seconds`."""
+  """Stops a stage process when the demo stops (a failed stage beside it, SIGTERM, Ctrl-C):
+  SIGTERM (its trainer saves its step, so a rerun resumes), SIGKILL after `grace_seconds`."""
   if process is None or process.poll() is not None:
     return
   process.terminate()
@@ -321,6 +349,7 @@ def main() -> None:
   args = parser.parse_args()
   from absl import logging
   logging.set_verbosity(logging.WARNING)
+  signal.signal(signal.SIGTERM, _on_sigterm)
   run_cli("realm-demo", lambda: run_demo(args.workdir, args.seed, args.entities,
                                          args.host_devices))
 

@@ -98,7 +98,21 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
   failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
   with pytest.raises(RuntimeError, match=r"exited with code 3; see .*stage/logs/stage\.log"):
     demo.finish_stage("no_retrieval", failing, workdir)
+  preempted = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({demo.EXIT_CODE})"])
+  with pytest.raises(demo.Preempted) as stopped:       # SIGTERM reached it: the demo stops
+    demo.finish_stage("no_retrieval", preempted, workdir)
+  assert stopped.value.code == demo.EXIT_CODE
   sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
   demo.stop_stage(sleeping, grace_seconds=10)
   assert sleeping.returncode == -signal.SIGTERM
   demo.stop_stage(None)                         # a stage that had already finished
+
+
+def test_a_preempted_in_process_stage_stops_the_demo_instead_of_starting_the_next(
+    monkeypatch, tmp_path):
+  from realm_jax.train import loop
+  monkeypatch.setattr(loop, "train", lambda config, workdir: {"task": "realm",
+                                                              "preempted_at_step": 7})
+  with pytest.raises(demo.Preempted, match=str(demo.EXIT_CODE)):
+    demo.run_stage("warmup", ("demo_realm", "warmup"), {"data.dir": str(tmp_path)},
+                   str(tmp_path / "warmup"))
