@@ -117,9 +117,9 @@ def run_stages(stages, data_dir: str, workdir: str, seed: int,
               for spec in specs[1:]]
     try:
       results[specs[0][0]] = run_stage(*specs[0], host_devices)
-    except BaseException:
+    except BaseException as e:
       for _, process in beside:
-        stop_stage(process)
+        stop_stage(process, interrupted=isinstance(e, KeyboardInterrupt))
       raise
     for (name, _, _, stage_dir), process in beside:
       results[name] = finish_stage(name, process, stage_dir)
@@ -171,8 +171,8 @@ def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir:
   process = subprocess.Popen(command, env=env)
   try:
     code = process.wait()
-  except BaseException:
-    stop_stage(process)
+  except BaseException as e:
+    stop_stage(process, interrupted=isinstance(e, KeyboardInterrupt))
     raise
   if code == EXIT_CODE:
     raise Preempted(f"stage {name}'s trainer saved its step")
@@ -220,11 +220,21 @@ def finish_stage(name: str, process: subprocess.Popen | None, workdir: str) -> d
   return summary
 
 
-def stop_stage(process: subprocess.Popen | None, grace_seconds: float = 60.0) -> None:
+def stop_stage(process: subprocess.Popen | None, grace_seconds: float = 60.0,
+               interrupted: bool = False) -> None:
   """Stops a stage process when the demo stops (a failed stage beside it, SIGTERM, Ctrl-C):
-  SIGTERM (its trainer saves its step, so a rerun resumes), SIGKILL after `grace_seconds`."""
+  SIGTERM (its trainer saves its step, so a rerun resumes), SIGKILL after `grace_seconds`.
+  `interrupted` (Ctrl-C, which the terminal sent the whole process group): it first gets
+  `grace_seconds` to stop on its own, since a second signal makes launch/local.py SIGKILL its
+  trainer and builder at once."""
   if process is None or process.poll() is not None:
     return
+  if interrupted:
+    try:
+      process.wait(grace_seconds)
+      return
+    except subprocess.TimeoutExpired:
+      pass
   process.terminate()
   try:
     process.wait(grace_seconds)
@@ -350,8 +360,13 @@ def main() -> None:
   from absl import logging
   logging.set_verbosity(logging.WARNING)
   signal.signal(signal.SIGTERM, _on_sigterm)
-  run_cli("realm-demo", lambda: run_demo(args.workdir, args.seed, args.entities,
-                                         args.host_devices))
+  try:
+    run_cli("realm-demo", lambda: run_demo(args.workdir, args.seed, args.entities,
+                                           args.host_devices))
+  except KeyboardInterrupt:
+    print("\n[demo] interrupted; the stages keep their last checkpoints: rerun the same "
+          "command to resume", flush=True)
+    raise SystemExit(130) from None
 
 
 def run() -> None:

@@ -72,7 +72,7 @@ class _Calls:
     self.log.append(("finish", name))
     return {"steps": 1, "name": name}
 
-  def stop(self, process):
+  def stop(self, process, interrupted=False):
     self.log.append(("stop", process))
 
 
@@ -106,6 +106,14 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
   demo.stop_stage(sleeping, grace_seconds=10)
   assert sleeping.returncode == -signal.SIGTERM
   demo.stop_stage(None)                         # a stage that had already finished
+  # Ctrl-C: the process got SIGINT from the terminal too; it is left to stop on its own ...
+  exiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+  demo.stop_stage(exiting, grace_seconds=30, interrupted=True)
+  assert exiting.returncode == 0
+  # ... and terminated only if it does not
+  deaf = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  demo.stop_stage(deaf, grace_seconds=1, interrupted=True)
+  assert deaf.returncode == -signal.SIGTERM
 
 
 def test_a_preempted_in_process_stage_stops_the_demo_instead_of_starting_the_next(
