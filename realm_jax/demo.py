@@ -37,14 +37,23 @@ class Preempted(SystemExit):
   """SIGTERM reached the demo: the running stages saved their step (a rerun resumes)."""
 
   def __init__(self, why: str):
-    print(f"[demo] preempted: {why}; rerun the same command to resume", flush=True)
     super().__init__(EXIT_CODE)
+    self.why = why
 
 
 def _on_sigterm(signum, frame) -> None:
   """The demo's SIGTERM handler outside an in-process stage (which saves its own step): stop
-  here, and `run_stage` / `run_stages` pass SIGTERM on to the stage processes."""
+  here, and `run_stage` / `run_stages` pass SIGTERM on to the stage processes (which run in
+  sessions of their own, so that each gets exactly one signal, the demo's). One-shot: a second
+  SIGTERM must not cut short the stopping of the stages."""
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
   raise Preempted("SIGTERM")
+
+
+def _stop_signal(error: BaseException) -> int:
+  """The signal a stage process gets when the demo stops on `error`: SIGINT for Ctrl-C (the
+  stage stops as on Ctrl-C), SIGTERM otherwise (its trainer saves its step first)."""
+  return signal.SIGINT if isinstance(error, KeyboardInterrupt) else signal.SIGTERM
 
 
 def split_host(env: dict[str, str], devices: int) -> tuple[dict[str, str], int]:
@@ -113,16 +122,17 @@ def run_stages(stages, data_dir: str, workdir: str, seed: int,
     specs = [(name, (config_name, arg), stage_overrides(init, data_dir, workdir, seed),
               os.path.join(workdir, name))
              for name, config_name, arg, init in (item if isinstance(item, list) else [item])]
-    beside = [(spec, start_stage(*spec, host_devices, beside=specs[0][0]))
-              for spec in specs[1:]]
+    beside = []
     try:
+      for spec in specs[1:]:
+        beside.append((spec, start_stage(*spec, host_devices, beside=specs[0][0])))
       results[specs[0][0]] = run_stage(*specs[0], host_devices)
-    except BaseException as e:
+      for (name, _, _, stage_dir), process in beside:
+        results[name] = finish_stage(name, process, stage_dir)
+    except BaseException as e:   # a stage failed, SIGTERM, Ctrl-C: stop the rest of the round
       for _, process in beside:
-        stop_stage(process, interrupted=isinstance(e, KeyboardInterrupt))
+        stop_stage(process, sig=_stop_signal(e))
       raise
-    for (name, _, _, stage_dir), process in beside:
-      results[name] = finish_stage(name, process, stage_dir)
   return results
 
 
@@ -168,11 +178,11 @@ def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir:
   print(f"[demo] stage {name} -> {workdir}: trainer + index builder "
         f"({config.retrieval.refresh}): {' '.join(command[1:])}", flush=True)
   env, _ = split_host(dict(os.environ), host_devices)
-  process = subprocess.Popen(command, env=env)
+  process = subprocess.Popen(command, env=env, start_new_session=True)
   try:
     code = process.wait()
   except BaseException as e:
-    stop_stage(process, interrupted=isinstance(e, KeyboardInterrupt))
+    stop_stage(process, sig=_stop_signal(e))
     raise
   if code == EXIT_CODE:
     raise Preempted(f"stage {name}'s trainer saved its step")
@@ -197,7 +207,8 @@ def start_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdi
   env = split_host(dict(os.environ), host_devices)[0] \
       if config.retrieval.refresh != "in_process" else dict(os.environ)
   with open(log, "ab") as out:
-    return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
 
 
 def finish_stage(name: str, process: subprocess.Popen | None, workdir: str) -> dict:
@@ -221,21 +232,15 @@ def finish_stage(name: str, process: subprocess.Popen | None, workdir: str) -> d
 
 
 def stop_stage(process: subprocess.Popen | None, grace_seconds: float = 60.0,
-               interrupted: bool = False) -> None:
+               sig: int = signal.SIGTERM) -> None:
   """Stops a stage process when the demo stops (a failed stage beside it, SIGTERM, Ctrl-C):
-  SIGTERM (its trainer saves its step, so a rerun resumes), SIGKILL after `grace_seconds`.
-  `interrupted` (Ctrl-C, which the terminal sent the whole process group): it first gets
-  `grace_seconds` to stop on its own, since a second signal makes launch/local.py SIGKILL its
-  trainer and builder at once."""
+  `sig` (SIGTERM: its trainer saves its step, so a rerun resumes; SIGINT for Ctrl-C, which
+  the terminal sent the demo alone: stage processes run in sessions of their own, so each gets
+  one signal, since a second one makes launch/local.py SIGKILL its trainer and builder), then
+  SIGKILL after `grace_seconds`."""
   if process is None or process.poll() is not None:
     return
-  if interrupted:
-    try:
-      process.wait(grace_seconds)
-      return
-    except subprocess.TimeoutExpired:
-      pass
-  process.terminate()
+  process.send_signal(sig)
   try:
     process.wait(grace_seconds)
   except subprocess.TimeoutExpired:
@@ -359,12 +364,22 @@ def main() -> None:
   args = parser.parse_args()
   from absl import logging
   logging.set_verbosity(logging.WARNING)
+  run_demo_cli("realm-demo", lambda: run_demo(args.workdir, args.seed, args.entities,
+                                              args.host_devices))
+
+
+def run_demo_cli(prog: str, job) -> object:
+  """`run_cli(prog, job)` for a demo driver: SIGTERM stops it with every running stage saved
+  (exit 143), Ctrl-C with every stage stopped (exit 130), each with one line saying so."""
   signal.signal(signal.SIGTERM, _on_sigterm)
   try:
-    run_cli("realm-demo", lambda: run_demo(args.workdir, args.seed, args.entities,
-                                           args.host_devices))
+    return run_cli(prog, job)
+  except Preempted as e:
+    print(f"\n[{prog}] preempted ({e.why}); the stages saved their step: rerun the same "
+          "command to resume", flush=True)
+    raise
   except KeyboardInterrupt:
-    print("\n[demo] interrupted; the stages keep their last checkpoints: rerun the same "
+    print(f"\n[{prog}] interrupted; the stages keep their last checkpoints: rerun the same "
           "command to resume", flush=True)
     raise SystemExit(130) from None
 

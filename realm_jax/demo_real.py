@@ -19,9 +19,8 @@ import os
 import platform
 import time
 
-from realm_jax.demo import repo_config, run_stage, with_overrides
+from realm_jax.demo import repo_config, run_demo_cli, run_stage, with_overrides
 from realm_jax import workdir as workdir_lib
-from realm_jax.errors import run_cli
 from realm_jax.packages import MINILM
 
 CONFIG = "real_realm"
@@ -157,7 +156,7 @@ def main() -> None:
   from absl import logging
   logging.set_verbosity(logging.WARNING)
   squad = os.path.abspath(args.squad) if args.squad else ""
-  run_cli("realm-demo-real", lambda: run_demo_real(args.workdir, squad, args.seed))
+  run_demo_cli("realm-demo-real", lambda: run_demo_real(args.workdir, squad, args.seed))
 
 
 if __name__ == "__main__":

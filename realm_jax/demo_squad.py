@@ -18,9 +18,8 @@ import json
 import os
 import time
 
-from realm_jax.demo import repo_config, run_stage, run_stages
+from realm_jax.demo import repo_config, run_demo_cli, run_stage, run_stages
 from realm_jax import workdir as workdir_lib
-from realm_jax.errors import run_cli
 
 STAGES = (("ict", ""), ("warmup", "ict"), ("realm", "warmup"))
 OPENQA_STAGES = (("openqa_realm", "realm"), ("openqa_ict", "ict"))   # (stage, starts from)
@@ -128,7 +127,7 @@ def main() -> None:
   from absl import logging
   logging.set_verbosity(logging.WARNING)
   demo = run_demo_openqa if args.openqa else run_demo_squad
-  run_cli("realm-demo-squad", lambda: demo(args.workdir, args.squad, args.seed))
+  run_demo_cli("realm-demo-squad", lambda: demo(args.workdir, args.squad, args.seed))
 
 
 if __name__ == "__main__":

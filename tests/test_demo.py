@@ -1,8 +1,10 @@
 """The demo driver's own logic (the demo itself runs in `make demo`)."""
 
+import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -70,10 +72,12 @@ class _Calls:
 
   def finish(self, name, process, workdir):
     self.log.append(("finish", name))
+    if name in self.fail:
+      raise demo.Preempted(f"{name} saved its step")
     return {"steps": 1, "name": name}
 
-  def stop(self, process, interrupted=False):
-    self.log.append(("stop", process))
+  def stop(self, process, sig=signal.SIGTERM):
+    self.log.append(("stop", process, signal.Signals(sig).name))
 
 
 def test_run_stages_runs_a_round_at_once_and_stops_it_when_its_first_stage_fails(monkeypatch):
@@ -82,15 +86,23 @@ def test_run_stages_runs_a_round_at_once_and_stops_it_when_its_first_stage_fails
                    ("finish_stage", calls.finish), ("stop_stage", calls.stop)):
     monkeypatch.setattr(demo, attr, fn)
   stages = [("a", "demo_ict", None, ""), [("b", "demo_realm", "warmup", "a"),
-                                         ("c", "demo_realm", "no_retrieval", "a")]]
+                                         ("c", "demo_realm", "no_retrieval", "a"),
+                                         ("d", "demo_realm", "no_retrieval", "a")]]
   results = demo.run_stages(stages, "D", "W", 0)
-  assert calls.log == [("run", "a"), ("start", "c"), ("run", "b"), ("finish", "c")]
-  assert sorted(results) == ["a", "b", "c"] and results["c"]["name"] == "c"
+  assert calls.log == [("run", "a"), ("start", "c"), ("start", "d"), ("run", "b"),
+                       ("finish", "c"), ("finish", "d")]
+  assert sorted(results) == ["a", "b", "c", "d"] and results["c"]["name"] == "c"
   calls.log.clear()
   calls.fail = {"b"}
   with pytest.raises(RuntimeError, match="b failed"):
     demo.run_stages(stages, "D", "W", 0)
-  assert calls.log == [("run", "a"), ("start", "c"), ("run", "b"), ("stop", "c")]
+  assert calls.log[-2:] == [("stop", "c", "SIGTERM"), ("stop", "d", "SIGTERM")]
+  # stopped while waiting for a stage beside (SIGTERM reached the demo): the rest stop too
+  calls.log.clear()
+  calls.fail = {"c"}
+  with pytest.raises(demo.Preempted):
+    demo.run_stages(stages, "D", "W", 0)
+  assert calls.log[-3:] == [("finish", "c"), ("stop", "c", "SIGTERM"), ("stop", "d", "SIGTERM")]
 
 
 def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(tmp_path):
@@ -106,14 +118,28 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
   demo.stop_stage(sleeping, grace_seconds=10)
   assert sleeping.returncode == -signal.SIGTERM
   demo.stop_stage(None)                         # a stage that had already finished
-  # Ctrl-C: the process got SIGINT from the terminal too; it is left to stop on its own ...
-  exiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
-  demo.stop_stage(exiting, grace_seconds=30, interrupted=True)
-  assert exiting.returncode == 0
-  # ... and terminated only if it does not
-  deaf = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-  demo.stop_stage(deaf, grace_seconds=1, interrupted=True)
-  assert deaf.returncode == -signal.SIGTERM
+  # Ctrl-C: SIGINT is passed on; one that ignores it is killed after the grace period
+  interrupted = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  demo.stop_stage(interrupted, grace_seconds=30, sig=signal.SIGINT)
+  assert interrupted.returncode not in (0, -signal.SIGKILL)
+  deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                           "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
+  time.sleep(2)                                 # let it install its handler
+  demo.stop_stage(deaf, grace_seconds=1)
+  assert deaf.returncode == -signal.SIGKILL
+
+
+def test_the_demos_sigterm_handler_stops_it_once(monkeypatch):
+  previous = signal.signal(signal.SIGTERM, demo._on_sigterm)
+  try:
+    with pytest.raises(demo.Preempted) as stopped:
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(5)                             # the handler raises here, in the main thread
+    assert stopped.value.code == demo.EXIT_CODE
+    # a second SIGTERM while the stages are being stopped is ignored
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def test_a_preempted_in_process_stage_stops_the_demo_instead_of_starting_the_next(
