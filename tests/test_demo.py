@@ -119,7 +119,11 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
   assert sleeping.returncode == -signal.SIGTERM
   demo.stop_stage(None)                         # a stage that had already finished
   # Ctrl-C: SIGINT is passed on; one that ignores it is killed after the grace period
-  interrupted = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  # (a pytest-xdist worker ignores SIGINT and its children inherit that: restore Python's own)
+  interrupted = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                  "signal.signal(signal.SIGINT, signal.default_int_handler); "
+                                  "time.sleep(60)"])
+  time.sleep(2)                                 # let it install its handler
   demo.stop_stage(interrupted, grace_seconds=30, sig=signal.SIGINT)
   assert interrupted.returncode not in (0, -signal.SIGKILL)
   deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; "
