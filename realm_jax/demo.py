@@ -177,19 +177,13 @@ def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir:
   command = stage_command(spec, overrides, workdir, config)
   print(f"[demo] stage {name} -> {workdir}: trainer + index builder "
         f"({config.retrieval.refresh}): {' '.join(command[1:])}", flush=True)
-  env, _ = split_host(dict(os.environ), host_devices)
-  process = subprocess.Popen(command, env=env, start_new_session=True)
+  process = _launch(command, config, host_devices)
   try:
-    code = process.wait()
+    return _wait_stage(name, process, workdir, "launch/local.py",
+                       f"{workdir}/logs/trainer.log and builder.log")
   except BaseException as e:
     stop_stage(process, sig=_stop_signal(e))
     raise
-  if code == EXIT_CODE:
-    raise Preempted(f"stage {name}'s trainer saved its step")
-  if code != 0:
-    raise RuntimeError(f"stage {name}: launch/local.py exited with code {code}; see "
-                       f"{workdir}/logs/trainer.log and builder.log")
-  return _summary_after_exit(name, workdir, "launch/local.py")
 
 
 def start_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir: str,
@@ -204,11 +198,8 @@ def start_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdi
   os.makedirs(os.path.dirname(log), exist_ok=True)
   print(f"[demo] stage {name} -> {workdir}, beside stage {beside or '(none)'} (progress: "
         f"{log}): {' '.join(command[1:])}", flush=True)
-  env = split_host(dict(os.environ), host_devices)[0] \
-      if config.retrieval.refresh != "in_process" else dict(os.environ)
   with open(log, "ab") as out:
-    return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    return _launch(command, config, host_devices, out)
 
 
 def finish_stage(name: str, process: subprocess.Popen | None, workdir: str) -> dict:
@@ -216,13 +207,8 @@ def finish_stage(name: str, process: subprocess.Popen | None, workdir: str) -> d
   if process is None:
     print(f"[demo] stage {name}: already done in {workdir}", flush=True)
     return workdir_lib.read_summary(workdir)
-  code = process.wait()
   log = os.path.join(workdir, "logs", STAGE_LOG)
-  if code == EXIT_CODE:
-    raise Preempted(f"stage {name} saved its step ({log})")
-  if code != 0:
-    raise RuntimeError(f"stage {name}: its process exited with code {code}; see {log}")
-  summary = _summary_after_exit(name, workdir, "its process")
+  summary = _wait_stage(name, process, workdir, "its process", log)
   shown = " ".join(f"{k[5:]} {v:.3f}" for k, v in summary.items()
                    if k.startswith("eval_") and isinstance(v, float)
                    and not k.startswith(("eval_num_", "eval_index_")))
@@ -248,7 +234,24 @@ def stop_stage(process: subprocess.Popen | None, grace_seconds: float = 60.0,
     process.wait()
 
 
-def _summary_after_exit(name: str, workdir: str, what: str) -> dict:
+def _launch(command: list[str], config, host_devices: int, out=None) -> subprocess.Popen:
+  """A stage's process (`stage_command`), in a session of its own (see `stop_stage`); a
+  builder stage's processes see the host CPU as `host_devices` devices (`run_stage`)."""
+  env = split_host(dict(os.environ), host_devices)[0] \
+      if config.retrieval.refresh != "in_process" else dict(os.environ)
+  return subprocess.Popen(command, env=env, stdout=out,
+                          stderr=subprocess.STDOUT if out else None, start_new_session=True)
+
+
+def _wait_stage(name: str, process: subprocess.Popen, workdir: str, what: str,
+                see: str) -> dict:
+  """The summary of a stage process once it exits; `Preempted` if it saved its step on
+  SIGTERM, RuntimeError naming `what` and where to `see` if it failed."""
+  code = process.wait()
+  if code == EXIT_CODE:
+    raise Preempted(f"stage {name} saved its step ({see})")
+  if code != 0:
+    raise RuntimeError(f"stage {name}: {what} exited with code {code}; see {see}")
   summary = workdir_lib.read_summary(workdir)
   if summary is None:
     raise RuntimeError(f"stage {name}: {what} exited 0 but left no "

@@ -133,7 +133,7 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
   assert deaf.returncode == -signal.SIGKILL
 
 
-def test_the_demos_sigterm_handler_stops_it_once(monkeypatch):
+def test_the_demos_sigterm_handler_stops_it_once():
   previous = signal.signal(signal.SIGTERM, demo._on_sigterm)
   try:
     with pytest.raises(demo.Preempted) as stopped:
