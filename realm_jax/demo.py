@@ -3,8 +3,9 @@
 world -> blocks -> reader warm-up (ICT beside it) -> REALM (the no-retrieval baseline beside it)
 -> evaluation on masked sentences about held-out entities -> `W/summary.json`, `W/curves.png`,
 a table and example predictions with their evidence. Every stage is an ordinary `realm-train`
-run in its own sub-workdir, so an interrupted demo resumes where it stopped; a stage beside
-another is a process of its own (its output in `W/<stage>/logs/stage.log`).
+run in its own sub-workdir, so an interrupted demo resumes where it stopped. The two stages of
+a pair run at once, each in a process of its own (the second's output in
+`W/<stage>/logs/stage.log`); one that fails stops the other as soon as it ends.
 
   python -m realm_jax.demo --workdir runs/demo --seed 0
 """
@@ -31,6 +32,7 @@ HOST_DEVICES = 2   # the REALM stage's trainer and builder see the CPU as two JA
                    # one. A fixed count gives the same figures on any number of cores.
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 STAGE_LOG = "stage.log"  # the output of a stage run beside another (`start_stage`)
+ROUND_POLL_SECONDS = 1.0   # how often a round's stage processes are looked at (`run_round`)
 
 
 class Preempted(SystemExit):
@@ -114,26 +116,41 @@ def run_stages(stages, data_dir: str, workdir: str, seed: int,
                host_devices: int = 0) -> dict[str, dict]:
   """Trains the stages in order, each in `workdir/name`, with the data dir and seed set
   (`host_devices`: see `run_stage`); returns their summaries. A stage is (name, config file,
-  arg, init) as in `demo_stages`; an item that is a list of stages (a round) runs them at once:
-  the first here, the others beside it as processes of their own whose output goes to
-  `workdir/name/logs/stage.log`. A round's stages must not start from one another."""
+  arg, init) as in `demo_stages`; an item that is a list of stages (a round) runs them at once
+  (`run_round`). A round's stages must not start from one another."""
   results = {}
   for item in stages:
     specs = [(name, (config_name, arg), stage_overrides(init, data_dir, workdir, seed),
               os.path.join(workdir, name))
              for name, config_name, arg, init in (item if isinstance(item, list) else [item])]
-    beside = []
-    try:
-      for spec in specs[1:]:
-        beside.append((spec, start_stage(*spec, host_devices, beside=specs[0][0])))
+    if len(specs) == 1:
       results[specs[0][0]] = run_stage(*specs[0], host_devices)
-      for (name, _, _, stage_dir), process in beside:
-        results[name] = finish_stage(name, process, stage_dir)
-    except BaseException as e:   # a stage failed, SIGTERM, Ctrl-C: stop the rest of the round
-      for _, process in beside:
-        stop_stage(process, sig=_stop_signal(e))
-      raise
+    else:
+      results.update(run_round(specs, host_devices))
   return results
+
+
+def run_round(specs: list, host_devices: int = 0) -> dict[str, dict]:
+  """Runs a round's stages (name, spec, overrides, workdir) at once, each in a process of its
+  own: the first with its output here, the others with theirs in `workdir/logs/stage.log`.
+  The first to fail stops the others as soon as it ends, as do SIGTERM and Ctrl-C (each
+  running stage saves its step). Returns their summaries, in the order they finished."""
+  processes, results = {}, {}
+  try:
+    for i, spec in enumerate(specs):
+      processes[spec[0]] = start_stage(*spec, host_devices, beside=specs[0][0] if i else "")
+    while True:
+      for name, _, _, stage_dir in specs:
+        process = processes[name]
+        if name not in results and (process is None or process.poll() is not None):
+          results[name] = finish_stage(name, process, stage_dir)
+      if len(results) == len(specs):
+        return results
+      time.sleep(ROUND_POLL_SECONDS)
+  except BaseException as e:   # a stage failed, SIGTERM, Ctrl-C: stop the rest of the round
+    for process in processes.values():
+      stop_stage(process, sig=_stop_signal(e))
+    raise
 
 
 def stage_command(spec: tuple[str, str | None], overrides: dict, workdir: str,
@@ -174,30 +191,27 @@ def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir:
     if "preempted_at_step" in summary:
       raise Preempted(f"stage {name} saved step {summary['preempted_at_step']}")
     return summary
-  command = stage_command(spec, overrides, workdir, config)
-  print(f"[demo] stage {name} -> {workdir}: trainer + index builder "
-        f"({config.retrieval.refresh}): {' '.join(command[1:])}", flush=True)
-  process = _launch(command, config, host_devices)
-  try:
-    return _wait_stage(name, process, workdir, "launch/local.py",
-                       f"{workdir}/logs/trainer.log and builder.log")
-  except BaseException as e:
-    stop_stage(process, sig=_stop_signal(e))
-    raise
+  return run_round([(name, spec, overrides, workdir)], host_devices)[name]
 
 
 def start_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir: str,
                 host_devices: int = 0, beside: str = "") -> subprocess.Popen | None:
-  """Starts one stage in a process of its own beside the caller's work (stage `beside`), its
-  output in `workdir/logs/stage.log`; None if it already finished. `finish_stage` waits."""
+  """Starts one stage in a process of its own, its output here, or in `workdir/logs/stage.log`
+  when it runs beside stage `beside` (whose output is here); None if it already finished.
+  `finish_stage` reads its end."""
   config = with_overrides(repo_config(*spec), overrides)
   if finished(config, workdir) is not None:
     return None
   command = stage_command(spec, overrides, workdir, config)
-  log = os.path.join(workdir, "logs", STAGE_LOG)
+  what = f"trainer + index builder ({config.retrieval.refresh})" \
+      if config.retrieval.refresh != "in_process" else "realm-train"
+  if not beside:
+    print(f"[demo] stage {name} -> {workdir}: {what}: {' '.join(command[1:])}", flush=True)
+    return _launch(command, config, host_devices)
+  log = _stage_log(workdir)
   os.makedirs(os.path.dirname(log), exist_ok=True)
-  print(f"[demo] stage {name} -> {workdir}, beside stage {beside or '(none)'} (progress: "
-        f"{log}): {' '.join(command[1:])}", flush=True)
+  print(f"[demo] stage {name} -> {workdir}, beside stage {beside}: {what} (progress: {log}): "
+        f"{' '.join(command[1:])}", flush=True)
   with open(log, "ab") as out:
     return _launch(command, config, host_devices, out)
 
@@ -207,14 +221,24 @@ def finish_stage(name: str, process: subprocess.Popen | None, workdir: str) -> d
   if process is None:
     print(f"[demo] stage {name}: already done in {workdir}", flush=True)
     return workdir_lib.read_summary(workdir)
-  log = os.path.join(workdir, "logs", STAGE_LOG)
-  summary = _wait_stage(name, process, workdir, "its process", log)
+  log, where = _stage_log(workdir), ""
+  if os.path.exists(log):        # it ran beside another: its output is there
+    what, see, where = "its process", log, f" ({log})"
+  elif os.path.exists(os.path.join(workdir, "logs", "trainer.log")):   # launch/local.py's
+    what, see = "launch/local.py", f"{workdir}/logs/trainer.log and builder.log"
+  else:
+    what, see = "its process", "its output above"
+  summary = _wait_stage(name, process, workdir, what, see)
   shown = " ".join(f"{k[5:]} {v:.3f}" for k, v in summary.items()
                    if k.startswith("eval_") and isinstance(v, float)
                    and not k.startswith(("eval_num_", "eval_index_")))
-  print(f"[demo] stage {name}: done in {summary.get('wall_seconds')} s: {shown} ({log})",
+  print(f"[demo] stage {name}: done in {summary.get('wall_seconds')} s: {shown}{where}",
         flush=True)
   return summary
+
+
+def _stage_log(workdir: str) -> str:
+  return os.path.join(workdir, "logs", STAGE_LOG)
 
 
 def stop_stage(process: subprocess.Popen | None, grace_seconds: float = 60.0,

@@ -53,60 +53,84 @@ def test_the_demo_rounds_start_no_stage_from_one_beside_it():
   assert done == {"ict", "warmup", "realm", "no_retrieval"}
 
 
-class _Calls:
-  """Stands in for the stage runners: records what ran when, fails where told."""
+class _Process:
+  """Stands in for a stage process: ends (exit 0) at its `polls`-th poll."""
 
-  def __init__(self, fail=()):
-    self.log, self.fail = [], set(fail)
+  def __init__(self, name, polls):
+    self.name, self.polls = name, polls
+
+  def poll(self):
+    self.polls -= 1
+    return 0 if self.polls <= 0 else None
+
+
+class _Calls:
+  """Stands in for the stage runners: records what ran when; a stage in `fail` raises `error`
+  when it ends, and a stage ends at the poll `polls` says (1 by default)."""
+
+  def __init__(self, fail=(), error=RuntimeError, polls=None):
+    self.log, self.fail, self.error, self.polls = [], set(fail), error, polls or {}
 
   def run(self, name, spec, overrides, workdir, host_devices=0):
     self.log.append(("run", name))
-    if name in self.fail:
-      raise RuntimeError(f"{name} failed")
     return {"steps": 1, "name": name}
 
   def start(self, name, spec, overrides, workdir, host_devices=0, beside=""):
-    assert beside == "b"
-    self.log.append(("start", name))
-    return name
+    self.log.append(("start", name, beside))
+    return _Process(name, self.polls.get(name, 1))
 
   def finish(self, name, process, workdir):
     self.log.append(("finish", name))
     if name in self.fail:
-      raise demo.Preempted(f"{name} saved its step")
+      raise self.error(f"{name} failed")
     return {"steps": 1, "name": name}
 
   def stop(self, process, sig=signal.SIGTERM):
-    self.log.append(("stop", process, signal.Signals(sig).name))
+    self.log.append(("stop", process.name, signal.Signals(sig).name))
 
 
-def test_run_stages_runs_a_round_at_once_and_stops_it_when_its_first_stage_fails(monkeypatch):
-  calls = _Calls()
+STAGES = [("a", "demo_ict", None, ""), [("b", "demo_realm", "warmup", "a"),
+                                        ("c", "demo_realm", "no_retrieval", "a"),
+                                        ("d", "demo_realm", "no_retrieval", "a")]]
+
+
+def _runners(monkeypatch, calls):
   for attr, fn in (("run_stage", calls.run), ("start_stage", calls.start),
                    ("finish_stage", calls.finish), ("stop_stage", calls.stop)):
     monkeypatch.setattr(demo, attr, fn)
-  stages = [("a", "demo_ict", None, ""), [("b", "demo_realm", "warmup", "a"),
-                                         ("c", "demo_realm", "no_retrieval", "a"),
-                                         ("d", "demo_realm", "no_retrieval", "a")]]
-  results = demo.run_stages(stages, "D", "W", 0)
-  assert calls.log == [("run", "a"), ("start", "c"), ("start", "d"), ("run", "b"),
-                       ("finish", "c"), ("finish", "d")]
+  monkeypatch.setattr(demo, "ROUND_POLL_SECONDS", 0.0)
+  return calls
+
+
+def test_run_stages_runs_a_round_at_once_each_stage_in_a_process(monkeypatch):
+  calls = _runners(monkeypatch, _Calls(polls={"b": 3, "c": 2}))
+  results = demo.run_stages(STAGES, "D", "W", 0)
+  # the first stage's output here, the others' beside it; each read as soon as it ends
+  assert calls.log == [("run", "a"), ("start", "b", ""), ("start", "c", "b"),
+                       ("start", "d", "b"), ("finish", "d"), ("finish", "c"), ("finish", "b")]
   assert sorted(results) == ["a", "b", "c", "d"] and results["c"]["name"] == "c"
-  calls.log.clear()
-  calls.fail = {"b"}
-  with pytest.raises(RuntimeError, match="b failed"):
-    demo.run_stages(stages, "D", "W", 0)
-  assert calls.log[-2:] == [("stop", "c", "SIGTERM"), ("stop", "d", "SIGTERM")]
-  # stopped while waiting for a stage beside (SIGTERM reached the demo): the rest stop too
-  calls.log.clear()
-  calls.fail = {"c"}
-  with pytest.raises(demo.Preempted):
-    demo.run_stages(stages, "D", "W", 0)
-  assert calls.log[-3:] == [("finish", "c"), ("stop", "c", "SIGTERM"), ("stop", "d", "SIGTERM")]
+
+
+@pytest.mark.parametrize("error, sig", [(RuntimeError, "SIGTERM"), (demo.Preempted, "SIGTERM"),
+                                        (KeyboardInterrupt, "SIGINT")])
+def test_a_stage_that_fails_stops_its_round_at_once(monkeypatch, error, sig):
+  """A stage beside the first fails (or was stopped: SIGTERM, Ctrl-C) long before the first
+  ends: the round stops when it ends, without waiting for the first stage."""
+  calls = _runners(monkeypatch, _Calls(fail={"c"}, error=error, polls={"b": 100, "c": 2}))
+  with pytest.raises(error):
+    demo.run_stages(STAGES, "D", "W", 0)
+  assert ("finish", "b") not in calls.log
+  assert calls.log[-4:] == [("finish", "c"), ("stop", "b", sig), ("stop", "c", sig),
+                            ("stop", "d", sig)]
 
 
 def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(tmp_path):
   workdir = str(tmp_path / "stage")
+  first = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+  with pytest.raises(RuntimeError, match=r"exited with code 3; see its output above"):
+    demo.finish_stage("warmup", first, workdir)   # the first stage of its round
+  os.makedirs(os.path.join(workdir, "logs"))
+  open(os.path.join(workdir, "logs", demo.STAGE_LOG), "w").close()  # as start_stage makes it
   failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
   with pytest.raises(RuntimeError, match=r"exited with code 3; see .*stage/logs/stage\.log"):
     demo.finish_stage("no_retrieval", failing, workdir)
