@@ -399,16 +399,20 @@ def run_demo_cli(prog: str, job) -> object:
   """`run_cli(prog, job)` for a demo driver: SIGTERM stops it with every running stage saved
   (exit 143), Ctrl-C with every stage stopped (exit 130), each with one line saying so."""
   signal.signal(signal.SIGTERM, _on_sigterm)
+
+  def stoppable_job():
+    try:
+      return job()
+    except KeyboardInterrupt:   # before run_cli's own line: say what a rerun does
+      print(f"\n[{prog}] interrupted; the stages keep their last checkpoints: rerun the same "
+            "command to resume", flush=True)
+      raise SystemExit(130) from None
   try:
-    return run_cli(prog, job)
+    return run_cli(prog, stoppable_job)
   except Preempted as e:
     print(f"\n[{prog}] preempted ({e.why}); the stages saved their step: rerun the same "
           "command to resume", flush=True)
     raise
-  except KeyboardInterrupt:
-    print(f"\n[{prog}] interrupted; the stages keep their last checkpoints: rerun the same "
-          "command to resume", flush=True)
-    raise SystemExit(130) from None
 
 
 def run() -> None:

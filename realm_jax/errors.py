@@ -34,9 +34,13 @@ class StorageUnreachable(ConnectionError):
 
 def run_cli(prog: str, main: Callable[[], object]) -> object:
   """Runs `main`; ConfigError / missing files -> one clear line on stderr and exit code 2; an
-  unreachable coordinator -> one line and exit code 1."""
+  unreachable coordinator -> one line and exit code 1; Ctrl-C -> one line and exit code 130
+  (not a traceback: what was finalised before it, a checkpoint or a published version, stays)."""
   try:
     return main()
+  except KeyboardInterrupt:
+    print(f"\n{prog}: interrupted", file=sys.stderr, flush=True)
+    raise SystemExit(130) from None
   except ConfigError as e:
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
