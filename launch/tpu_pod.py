@@ -395,8 +395,6 @@ def main(argv: list[str] | None = None) -> int:
   except CommandFailed as e:
     print(f"{PROG}: error: {e}", file=sys.stderr)
     return 1
-  except KeyboardInterrupt:
-    return 130
   return 0
 
 

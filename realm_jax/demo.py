@@ -28,8 +28,8 @@ REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_DIR, "configs")
 HOST_DEVICES = 2   # the REALM stage's trainer and builder see the CPU as two JAX devices
                    # (data-parallel): its step runs ~13% faster than on one device with two
-                   # threads (docs/performance.md); the small in-process stages run faster on
-                   # one. A fixed count gives the same figures on any number of cores.
+                   # threads (docs/performance.md); the small stages (in-process index or
+                   # none) run faster on one. A fixed count gives the same figures on any number of cores.
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 STAGE_LOG = "stage.log"  # the output of a stage run beside another (`start_stage`)
 ROUND_POLL_SECONDS = 1.0   # how often a round's stage processes are looked at (`run_round`)
@@ -45,9 +45,9 @@ class Preempted(SystemExit):
 
 def _on_sigterm(signum, frame) -> None:
   """The demo's SIGTERM handler outside an in-process stage (which saves its own step): stop
-  here, and `run_stage` / `run_stages` pass SIGTERM on to the stage processes (which run in
-  sessions of their own, so that each gets exactly one signal, the demo's). One-shot: a second
-  SIGTERM must not cut short the stopping of the stages."""
+  here, and `run_round` passes SIGTERM on to the stage processes (which run in sessions of
+  their own, so that each gets exactly one signal, the demo's). One-shot: a second SIGTERM
+  must not cut short the stopping of the stages."""
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
   raise Preempted("SIGTERM")
 
@@ -132,13 +132,15 @@ def run_stages(stages, data_dir: str, workdir: str, seed: int,
 
 def run_round(specs: list, host_devices: int = 0) -> dict[str, dict]:
   """Runs a round's stages (name, spec, overrides, workdir) at once, each in a process of its
-  own: the first with its output here, the others with theirs in `workdir/logs/stage.log`.
-  The first to fail stops the others as soon as it ends, as do SIGTERM and Ctrl-C (each
-  running stage saves its step). Returns their summaries, in the order they finished."""
-  processes, results = {}, {}
+  own: the first that is not already done with its output here, the others with theirs in
+  `workdir/logs/stage.log`. The first to fail stops the others as soon as it ends, as do
+  SIGTERM (each running stage saves its step) and Ctrl-C (each keeps its last checkpoint).
+  Returns their summaries, in the order they finished."""
+  processes, results, here = {}, {}, ""
   try:
-    for i, spec in enumerate(specs):
-      processes[spec[0]] = start_stage(*spec, host_devices, beside=specs[0][0] if i else "")
+    for spec in specs:
+      processes[spec[0]] = start_stage(*spec, host_devices, beside=here)
+      here = here or (spec[0] if processes[spec[0]] is not None else "")
     while True:
       for name, _, _, stage_dir in specs:
         process = processes[name]
@@ -148,8 +150,7 @@ def run_round(specs: list, host_devices: int = 0) -> dict[str, dict]:
         return results
       time.sleep(ROUND_POLL_SECONDS)
   except BaseException as e:   # a stage failed, SIGTERM, Ctrl-C: stop the rest of the round
-    for process in processes.values():
-      stop_stage(process, sig=_stop_signal(e))
+    stop_stages(list(processes.values()), sig=_stop_signal(e))
     raise
 
 
@@ -241,25 +242,34 @@ def _stage_log(workdir: str) -> str:
   return os.path.join(workdir, "logs", STAGE_LOG)
 
 
-def stop_stage(process: subprocess.Popen | None, grace_seconds: float = 60.0,
-               sig: int = signal.SIGTERM) -> None:
-  """Stops a stage process when the demo stops (a failed stage beside it, SIGTERM, Ctrl-C):
-  `sig` (SIGTERM: its trainer saves its step, so a rerun resumes; SIGINT for Ctrl-C, which
-  the terminal sent the demo alone: stage processes run in sessions of their own, so each gets
-  one signal, since a second one makes launch/local.py SIGKILL its trainer and builder), then
-  SIGKILL after `grace_seconds`."""
-  if process is None or process.poll() is not None:
-    return
-  process.send_signal(sig)
+def stop_stages(processes: list, grace_seconds: float = 60.0,
+                sig: int = signal.SIGTERM) -> None:
+  """Stops the stage processes still running when the demo stops (a stage failed, SIGTERM,
+  Ctrl-C): `sig` to each at once (SIGTERM: its trainer saves its step, so a rerun resumes;
+  SIGINT for Ctrl-C, which the terminal sent the demo alone: stage processes run in sessions of
+  their own, so each gets one signal, since a second one makes launch/local.py SIGKILL its
+  trainer and builder), then SIGKILL to those still running `grace_seconds` later, or at once
+  if the demo is interrupted again meanwhile (none is left behind to run on)."""
+  running = [p for p in processes if p is not None and p.poll() is None]
+  for process in running:
+    process.send_signal(sig)
+  deadline = time.time() + grace_seconds
   try:
-    process.wait(grace_seconds)
-  except subprocess.TimeoutExpired:
-    process.kill()
-    process.wait()
+    for process in running:
+      try:
+        process.wait(max(0.0, deadline - time.time()))
+      except subprocess.TimeoutExpired:
+        pass
+  finally:
+    alive = [p for p in running if p.poll() is None]
+    for process in alive:
+      process.kill()
+    for process in alive:
+      process.wait()
 
 
 def _launch(command: list[str], config, host_devices: int, out=None) -> subprocess.Popen:
-  """A stage's process (`stage_command`), in a session of its own (see `stop_stage`); a
+  """A stage's process (`stage_command`), in a session of its own (see `stop_stages`); a
   builder stage's processes see the host CPU as `host_devices` devices (`run_stage`)."""
   env = split_host(dict(os.environ), host_devices)[0] \
       if config.retrieval.refresh != "in_process" else dict(os.environ)

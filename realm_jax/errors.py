@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from typing import Callable
 
@@ -34,13 +36,19 @@ class StorageUnreachable(ConnectionError):
 
 def run_cli(prog: str, main: Callable[[], object]) -> object:
   """Runs `main`; ConfigError / missing files -> one clear line on stderr and exit code 2; an
-  unreachable coordinator -> one line and exit code 1; Ctrl-C -> one line and exit code 130
-  (not a traceback: what was finalised before it, a checkpoint or a published version, stays)."""
+  unreachable coordinator -> one line and exit code 1; Ctrl-C -> one line instead of a
+  traceback, and the process ends by SIGINT at once, as Python would after its traceback (a
+  shell stops its script there), without the interpreter's shutdown, which XLA threads cut
+  short mid-compile can crash. What was finalised before it (a checkpoint, a published
+  version) stays."""
   try:
     return main()
   except KeyboardInterrupt:
     print(f"\n{prog}: interrupted", file=sys.stderr, flush=True)
-    raise SystemExit(130) from None
+    sys.stdout.flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+    raise                           # (where a signal does not end the process at once)
   except ConfigError as e:
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(2) from None

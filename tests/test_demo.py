@@ -66,10 +66,12 @@ class _Process:
 
 class _Calls:
   """Stands in for the stage runners: records what ran when; a stage in `fail` raises `error`
-  when it ends, and a stage ends at the poll `polls` says (1 by default)."""
+  when it ends, a stage ends at the poll `polls` says (1 by default), one in `done` had
+  already finished (no process)."""
 
-  def __init__(self, fail=(), error=RuntimeError, polls=None):
+  def __init__(self, fail=(), error=RuntimeError, polls=None, done=()):
     self.log, self.fail, self.error, self.polls = [], set(fail), error, polls or {}
+    self.done = set(done)
 
   def run(self, name, spec, overrides, workdir, host_devices=0):
     self.log.append(("run", name))
@@ -77,7 +79,7 @@ class _Calls:
 
   def start(self, name, spec, overrides, workdir, host_devices=0, beside=""):
     self.log.append(("start", name, beside))
-    return _Process(name, self.polls.get(name, 1))
+    return None if name in self.done else _Process(name, self.polls.get(name, 1))
 
   def finish(self, name, process, workdir):
     self.log.append(("finish", name))
@@ -85,8 +87,8 @@ class _Calls:
       raise self.error(f"{name} failed")
     return {"steps": 1, "name": name}
 
-  def stop(self, process, sig=signal.SIGTERM):
-    self.log.append(("stop", process.name, signal.Signals(sig).name))
+  def stop(self, processes, sig=signal.SIGTERM):
+    self.log.append(("stop", [p and p.name for p in processes], signal.Signals(sig).name))
 
 
 STAGES = [("a", "demo_ict", None, ""), [("b", "demo_realm", "warmup", "a"),
@@ -96,7 +98,7 @@ STAGES = [("a", "demo_ict", None, ""), [("b", "demo_realm", "warmup", "a"),
 
 def _runners(monkeypatch, calls):
   for attr, fn in (("run_stage", calls.run), ("start_stage", calls.start),
-                   ("finish_stage", calls.finish), ("stop_stage", calls.stop)):
+                   ("finish_stage", calls.finish), ("stop_stages", calls.stop)):
     monkeypatch.setattr(demo, attr, fn)
   monkeypatch.setattr(demo, "ROUND_POLL_SECONDS", 0.0)
   return calls
@@ -120,8 +122,14 @@ def test_a_stage_that_fails_stops_its_round_at_once(monkeypatch, error, sig):
   with pytest.raises(error):
     demo.run_stages(STAGES, "D", "W", 0)
   assert ("finish", "b") not in calls.log
-  assert calls.log[-4:] == [("finish", "c"), ("stop", "b", sig), ("stop", "c", sig),
-                            ("stop", "d", sig)]
+  assert calls.log[-2:] == [("finish", "c"), ("stop", ["b", "c", "d"], sig)]
+
+
+def test_a_resumed_round_gives_the_terminal_to_its_first_stage_still_to_run(monkeypatch):
+  calls = _runners(monkeypatch, _Calls(done={"b"}))
+  results = demo.run_stages(STAGES, "D", "W", 0)
+  assert calls.log[1:4] == [("start", "b", ""), ("start", "c", ""), ("start", "d", "c")]
+  assert sorted(results) == ["a", "b", "c", "d"]
 
 
 def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(tmp_path):
@@ -139,21 +147,63 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
     demo.finish_stage("no_retrieval", preempted, workdir)
   assert stopped.value.code == demo.EXIT_CODE
   sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-  demo.stop_stage(sleeping, grace_seconds=10)
+  demo.stop_stages([sleeping, None], grace_seconds=10)   # None: a stage already finished
   assert sleeping.returncode == -signal.SIGTERM
-  demo.stop_stage(None)                         # a stage that had already finished
   # Ctrl-C: SIGINT is passed on; one that ignores it is killed after the grace period
   # (a pytest-xdist worker ignores SIGINT and its children inherit that: restore Python's own)
   interrupted = subprocess.Popen([sys.executable, "-c", "import signal, time; "
                                   "signal.signal(signal.SIGINT, signal.default_int_handler); "
                                   "time.sleep(60)"])
   time.sleep(2)                                 # let it install its handler
-  demo.stop_stage(interrupted, grace_seconds=30, sig=signal.SIGINT)
+  demo.stop_stages([interrupted], grace_seconds=30, sig=signal.SIGINT)
   assert interrupted.returncode not in (0, -signal.SIGKILL)
   deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; "
                            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
   time.sleep(2)                                 # let it install its handler
-  demo.stop_stage(deaf, grace_seconds=1)
+  demo.stop_stages([deaf], grace_seconds=1)
+  assert deaf.returncode == -signal.SIGKILL
+
+
+def test_stopping_signals_every_stage_at_once_and_leaves_none_when_interrupted(tmp_path):
+  """Each stage gets its signal before the demo waits for any (a stage saving its step must not
+  wait for another's save), and a second interrupt while they stop kills the rest rather
+  than leave a stage running, unseen, in a session of its own."""
+  slow = ("import signal, sys, time\n"
+          "def stop(*_):\n"
+          "  open(sys.argv[1], 'w').write(repr(time.time())); time.sleep(3); sys.exit(143)\n"
+          "signal.signal(signal.SIGTERM, stop)\n"
+          "open(sys.argv[1] + '.ready', 'w').close()\n"
+          "time.sleep(60)\n")
+  marks = [str(tmp_path / f"stage{i}") for i in range(2)]
+  stages = [subprocess.Popen([sys.executable, "-c", slow, mark]) for mark in marks]
+  while not all(os.path.exists(mark + ".ready") for mark in marks):
+    time.sleep(0.1)
+  demo.stop_stages(stages, grace_seconds=30)
+  assert [p.returncode for p in stages] == [143, 143]
+  signalled = [float(open(mark).read()) for mark in marks]
+  assert abs(signalled[1] - signalled[0]) < 2.0      # one after the other: >= 3 s apart
+
+  class Interrupted:                                 # the demo gets Ctrl-C while it waits
+    waited, killed = False, False
+
+    def poll(self):
+      return -signal.SIGKILL if self.killed else None
+
+    def send_signal(self, sig):
+      pass
+
+    def wait(self, timeout=None):
+      if not self.waited:
+        self.waited = True
+        raise KeyboardInterrupt
+
+    def kill(self):
+      self.killed = True
+  deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                           "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
+  time.sleep(2)                                      # let it install its handler
+  with pytest.raises(KeyboardInterrupt):
+    demo.stop_stages([Interrupted(), deaf], grace_seconds=30)
   assert deaf.returncode == -signal.SIGKILL
 
 
