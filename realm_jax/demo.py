@@ -26,10 +26,12 @@ from realm_jax.train.preemption import EXIT_CODE
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_DIR, "configs")
+LAUNCHER = os.path.join(REPO_DIR, "launch", "local.py")  # a builder stage's trainer + builder
 HOST_DEVICES = 2   # the REALM stage's trainer and builder see the CPU as two JAX devices
                    # (data-parallel): its step runs ~13% faster than on one device with two
                    # threads (docs/performance.md); the small stages (in-process index or
-                   # none) run faster on one. A fixed count gives the same figures on any number of cores.
+                   # none) run faster on one. A fixed count gives the same figures on any
+                   # number of cores.
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 STAGE_LOG = "stage.log"  # the output of a stage run beside another (`start_stage`)
 ROUND_POLL_SECONDS = 1.0   # how often a round's stage processes are looked at (`run_round`)
@@ -136,16 +138,17 @@ def run_round(specs: list, host_devices: int = 0) -> dict[str, dict]:
   `workdir/logs/stage.log`. The first to fail stops the others as soon as it ends, as do
   SIGTERM (each running stage saves its step) and Ctrl-C (each keeps its last checkpoint).
   Returns their summaries, in the order they finished."""
-  processes, results, here = {}, {}, ""
+  processes, besides, results, here = {}, {}, {}, ""
   try:
     for spec in specs:
+      besides[spec[0]] = here
       processes[spec[0]] = start_stage(*spec, host_devices, beside=here)
       here = here or (spec[0] if processes[spec[0]] is not None else "")
     while True:
       for name, _, _, stage_dir in specs:
         process = processes[name]
         if name not in results and (process is None or process.poll() is not None):
-          results[name] = finish_stage(name, process, stage_dir)
+          results[name] = finish_stage(name, process, stage_dir, beside=besides[name])
       if len(results) == len(specs):
         return results
       time.sleep(ROUND_POLL_SECONDS)
@@ -159,7 +162,7 @@ def stage_command(spec: tuple[str, str | None], overrides: dict, workdir: str,
   """The command that trains a stage in a process of its own: `launch/local.py` (trainer +
   `realm-index`) where the index comes from the separate builder, else `realm-train`."""
   config_arg = os.path.join(CONFIG_DIR, f"{spec[0]}.py") + (f":{spec[1]}" if spec[1] else "")
-  program = [os.path.join(REPO_DIR, "launch", "local.py")] \
+  program = [LAUNCHER] \
       if config.retrieval.refresh != "in_process" else ["-m", "realm_jax.train.main"]
   return [sys.executable, "-u", *program, f"--config={config_arg}", f"--workdir={workdir}",
           *(f"--config.{key}={value}" for key, value in overrides.items())]
@@ -217,15 +220,16 @@ def start_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdi
     return _launch(command, config, host_devices, out)
 
 
-def finish_stage(name: str, process: subprocess.Popen | None, workdir: str) -> dict:
-  """Waits for a stage `start_stage` started; its summary."""
+def finish_stage(name: str, process: subprocess.Popen | None, workdir: str,
+                 beside: str = "") -> dict:
+  """Waits for a stage `start_stage` started (with the same `beside`); its summary."""
   if process is None:
     print(f"[demo] stage {name}: already done in {workdir}", flush=True)
     return workdir_lib.read_summary(workdir)
   log, where = _stage_log(workdir), ""
-  if os.path.exists(log):        # it ran beside another: its output is there
+  if beside:                     # its output is in its log
     what, see, where = "its process", log, f" ({log})"
-  elif os.path.exists(os.path.join(workdir, "logs", "trainer.log")):   # launch/local.py's
+  elif LAUNCHER in process.args:
     what, see = "launch/local.py", f"{workdir}/logs/trainer.log and builder.log"
   else:
     what, see = "its process", "its output above"

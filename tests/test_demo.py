@@ -81,8 +81,8 @@ class _Calls:
     self.log.append(("start", name, beside))
     return None if name in self.done else _Process(name, self.polls.get(name, 1))
 
-  def finish(self, name, process, workdir):
-    self.log.append(("finish", name))
+  def finish(self, name, process, workdir, beside=""):
+    self.log.append(("finish", name, beside))
     if name in self.fail:
       raise self.error(f"{name} failed")
     return {"steps": 1, "name": name}
@@ -109,7 +109,8 @@ def test_run_stages_runs_a_round_at_once_each_stage_in_a_process(monkeypatch):
   results = demo.run_stages(STAGES, "D", "W", 0)
   # the first stage's output here, the others' beside it; each read as soon as it ends
   assert calls.log == [("run", "a"), ("start", "b", ""), ("start", "c", "b"),
-                       ("start", "d", "b"), ("finish", "d"), ("finish", "c"), ("finish", "b")]
+                       ("start", "d", "b"), ("finish", "d", "b"), ("finish", "c", "b"),
+                       ("finish", "b", "")]
   assert sorted(results) == ["a", "b", "c", "d"] and results["c"]["name"] == "c"
 
 
@@ -121,14 +122,15 @@ def test_a_stage_that_fails_stops_its_round_at_once(monkeypatch, error, sig):
   calls = _runners(monkeypatch, _Calls(fail={"c"}, error=error, polls={"b": 100, "c": 2}))
   with pytest.raises(error):
     demo.run_stages(STAGES, "D", "W", 0)
-  assert ("finish", "b") not in calls.log
-  assert calls.log[-2:] == [("finish", "c"), ("stop", ["b", "c", "d"], sig)]
+  assert ("finish", "b", "") not in calls.log
+  assert calls.log[-2:] == [("finish", "c", "b"), ("stop", ["b", "c", "d"], sig)]
 
 
 def test_a_resumed_round_gives_the_terminal_to_its_first_stage_still_to_run(monkeypatch):
   calls = _runners(monkeypatch, _Calls(done={"b"}))
   results = demo.run_stages(STAGES, "D", "W", 0)
   assert calls.log[1:4] == [("start", "b", ""), ("start", "c", ""), ("start", "d", "c")]
+  assert ("finish", "c", "") in calls.log and ("finish", "d", "c") in calls.log
   assert sorted(results) == ["a", "b", "c", "d"]
 
 
@@ -137,14 +139,16 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
   first = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
   with pytest.raises(RuntimeError, match=r"exited with code 3; see its output above"):
     demo.finish_stage("warmup", first, workdir)   # the first stage of its round
-  os.makedirs(os.path.join(workdir, "logs"))
-  open(os.path.join(workdir, "logs", demo.STAGE_LOG), "w").close()  # as start_stage makes it
+  launcher = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)", demo.LAUNCHER])
+  with pytest.raises(RuntimeError, match=r"launch/local.py exited with code 3; see "
+                     r".*stage/logs/trainer\.log and builder\.log"):
+    demo.finish_stage("realm", launcher, workdir)   # a builder stage, the first of its round
   failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
   with pytest.raises(RuntimeError, match=r"exited with code 3; see .*stage/logs/stage\.log"):
-    demo.finish_stage("no_retrieval", failing, workdir)
+    demo.finish_stage("no_retrieval", failing, workdir, beside="realm")
   preempted = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({demo.EXIT_CODE})"])
   with pytest.raises(demo.Preempted) as stopped:       # SIGTERM reached it: the demo stops
-    demo.finish_stage("no_retrieval", preempted, workdir)
+    demo.finish_stage("no_retrieval", preempted, workdir, beside="realm")
   assert stopped.value.code == demo.EXIT_CODE
   sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
   demo.stop_stages([sleeping, None], grace_seconds=10)   # None: a stage already finished
