@@ -65,20 +65,23 @@ def test_deterministic_runs_repeat_exactly_also_after_a_kill(world_dir, tmp_path
   assert summary["index_versions_used"] == len(set(index_steps.values()))
   assert os.path.exists(os.path.join(first, "DONE"))
 
-  # The same run again, its trainer killed -9 mid-run, then launched again: resumes.
+  # The same run again, its trainer killed -9 before its first step (only the first snapshot,
+  # checkpoint 0, saved), launched again and killed mid-run, then launched again: resumes.
   second = str(tmp_path / "second")
-  proc = launch(config, second)
-  trainer_pid, printed = None, []
-  for line in proc.stdout:
-    printed.append(line)
-    if "trainer: started, pid" in line:
-      trainer_pid = int(line.rsplit(" ", 1)[1])
-    if f"step {KILL_AT}/{STEPS}" in line:
-      os.killpg(trainer_pid, signal.SIGKILL)
-      break
-  printed.append(proc.communicate(timeout=300)[0])
-  assert proc.returncode != 0 and "trainer failed" in "".join(printed), "".join(printed)[-3000:]
-  assert not os.path.exists(os.path.join(second, "DONE"))
+  for kill_at in ("index v1 (step 0) loaded", f"step {KILL_AT}/{STEPS}"):
+    proc = launch(config, second)
+    trainer_pid, printed = None, []
+    for line in proc.stdout:
+      printed.append(line)
+      if "trainer: started, pid" in line:
+        trainer_pid = int(line.rsplit(" ", 1)[1])
+      if kill_at in line:
+        os.killpg(trainer_pid, signal.SIGKILL)
+        break
+    printed.append(proc.communicate(timeout=300)[0])
+    assert proc.returncode != 0 and "trainer failed" in "".join(printed), \
+        "".join(printed)[-3000:]
+    assert not os.path.exists(os.path.join(second, "DONE"))
   out = finish(launch(config, second))
   assert "resumed from" in out, out[-3000:]
   resumed = per_step(second, "train", "loss")

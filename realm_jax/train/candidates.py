@@ -247,7 +247,7 @@ class PublishedIndex(NoRetrieval):
     return done % self.config.retrieval.refresh_every == 0   # each one a snapshot to index
 
   def begin(self, start: int, depth: int, save_start: Callable[[], None]) -> None:
-    """Clears a DONE of an earlier run, writes the builder's first snapshot (a fresh run),
+    """Clears a DONE of an earlier run, writes the builder's first snapshot (at step 0),
     and in async mode waits for the first version (the one blocking wait)."""
     super().begin(start, depth, save_start)
     if jax.process_index() == 0:

@@ -84,7 +84,13 @@ class Trainer(Run):
 
   def begin_steps(self, start: int, depth: int) -> None:
     self.candidates.should_stop = self.preemption.requested
-    self.candidates.begin(start, depth, lambda: self.save(0, self.data_iter.get_state()))
+    self.candidates.begin(start, depth, self._save_first_snapshot)
+
+  def _save_first_snapshot(self) -> None:
+    """Step 0's checkpoint, the builder's first snapshot, unless the run resumed from it
+    (stopped before its first refresh step's checkpoint)."""
+    if 0 not in self.checkpointer.all_steps():
+      self.save(0, self.data_iter.get_state())
 
   def evaluates_at_start(self) -> bool:
     return self.candidates.measures   # the starting point of the curves
