@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -206,6 +207,44 @@ def test_sigterm_saves_exits_and_the_resumed_run_matches_the_uninterrupted_one(
   b_flat = flat(b_params)
   for key, value in flat(a_params).items():
     np.testing.assert_allclose(b_flat[key], value, rtol=0, atol=1e-6, err_msg=key)
+
+
+class _Finalised:
+  """A checkpointer whose step 3 is finalised."""
+
+  def wait(self):
+    pass
+
+  def latest_step(self):
+    return 3
+
+
+def test_an_unsaved_sigterm_reaches_the_callers_handler_and_no_watchdog_outlives_the_run(
+    monkeypatch, capsys):
+  """SIGTERM after the last step (during the final evaluation, or as the checkpointer closes):
+  closing the run hands it on to the handler its in-process caller installed (the demo's stops
+  the demo), and the watchdog stops instead of ending the caller's process later."""
+  exits, handled = [], []
+  monkeypatch.setattr(preemption.os, "_exit", exits.append)
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: handled.append(signum))
+  try:
+    watcher = preemption.Preemption(grace_seconds=0.5, prefix="[t] ")
+    os.kill(os.getpid(), signal.SIGTERM)
+    while not watcher.requested():
+      time.sleep(0.01)
+    watcher.close()
+    time.sleep(1.5)                  # past the grace: a watchdog still running would exit now
+    assert exits == [] and handled == [signal.SIGTERM]
+    assert "[t] SIGTERM: no step saved for it" in capsys.readouterr().out
+    answered = preemption.Preemption(grace_seconds=0.5)   # a SIGTERM the run saved a step for
+    os.kill(os.getpid(), signal.SIGTERM)
+    while not answered.requested():
+      time.sleep(0.01)
+    answered.saved(3, _Finalised())
+    answered.close()
+    assert handled == [signal.SIGTERM]
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def test_no_retrieval_baseline_reads_only_the_null_document(world_dir, world_data, tmp_path):

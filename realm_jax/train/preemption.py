@@ -78,6 +78,19 @@ class Preemption:
           "signal; exiting (rerun the same command to resume)", flush=True)
 
   def close(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
+    """Ends the bookkeeping once the run has closed (its checkpointer too: a SIGTERM while a
+    save finalises is still the run's): the watchdog stops, the previous handler is back. A
+    SIGTERM the run did not answer with a saved step (it came after the last step) leaves the
+    run as it stands, and goes on to a handler its caller installed (the demo's stops there).
+    """
+    unanswered = self.received_at is not None and not self._saved.is_set()
+    self._saved.set()   # a watchdog left running would end the caller's process later
+    previous, self._previous = self._previous, None
+    if previous is None:
+      return
+    signal.signal(signal.SIGTERM, previous)
+    if unanswered:
+      print(f"{self.prefix}SIGTERM: no step saved for it (it came after the last step, or "
+            "as the run failed); the run ends as it stands", flush=True)
+      if callable(previous):
+        previous(signal.SIGTERM, None)

@@ -159,12 +159,14 @@ class Run:
       if preempted is None and self.evaluates():
         eval_metrics, details = self.evaluate(logs["eval"], cfg.train.steps, final=True)
     finally:
-      preemption.close()
-      self.close()
-      self.data_iter.close()
-      self.checkpointer.close()
-      for log in logs.values():
-        log.close()
+      try:
+        self.close()
+        self.data_iter.close()
+        self.checkpointer.close()
+        for log in logs.values():
+          log.close()
+      finally:
+        preemption.close()   # last: a SIGTERM while the checkpointer closes is the run's
     wall = round(time.time() - t_start, 1)
     if preempted is not None:   # no summary.json, no DONE: the run is not over
       return {"task": cfg.task, "preempted_at_step": preempted, "wall_seconds": wall}
