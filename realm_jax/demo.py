@@ -13,11 +13,13 @@ a pair run at once, each in a process of its own (the second's output in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from realm_jax import workdir as workdir_lib
@@ -35,6 +37,7 @@ HOST_DEVICES = 2   # the REALM stage's trainer and builder see the CPU as two JA
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 STAGE_LOG = "stage.log"  # the output of a stage run beside another (`start_stage`)
 ROUND_POLL_SECONDS = 1.0   # how often a round's stage processes are looked at (`run_round`)
+KILL_SECONDS = 5.0   # after a stage's second signal, until SIGKILL (`stop_stages`)
 
 
 class Preempted(SystemExit):
@@ -43,6 +46,11 @@ class Preempted(SystemExit):
   def __init__(self, why: str):
     super().__init__(EXIT_CODE)
     self.why = why
+
+
+class StageFailed(RuntimeError):
+  """A stage's process failed; the message names it and where its output is (the demo
+  prints it as one line: the stage's own output says why)."""
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -135,26 +143,71 @@ def run_stages(stages, data_dir: str, workdir: str, seed: int,
 def run_round(specs: list, host_devices: int = 0) -> dict[str, dict]:
   """Runs a round's stages (name, spec, overrides, workdir) at once, each in a process of its
   own: the first that is not already done with its output here, the others with theirs in
-  `workdir/logs/stage.log`. The first to fail stops the others as soon as it ends, as do
-  SIGTERM (each running stage saves its step) and Ctrl-C (each keeps its last checkpoint).
-  Returns their summaries, in the order they finished."""
+  `workdir/logs/stage.log`. The first to fail stops the others as soon as it ends (stages
+  failing in the same poll are named together), as do SIGTERM (each running stage saves its
+  step) and Ctrl-C (each keeps its last checkpoint); an interrupt while they stop ends them at
+  once (`stop_stages`), and the demo as on Ctrl-C unless a stage had failed. Returns their
+  summaries, in the order they finished."""
   processes, besides, results, here = {}, {}, {}, ""
   try:
     for spec in specs:
       besides[spec[0]] = here
-      processes[spec[0]] = start_stage(*spec, host_devices, beside=here)
+      with _signals_deferred():   # the process is recorded before a signal can stop the demo
+        processes[spec[0]] = start_stage(*spec, host_devices, beside=here)
       here = here or (spec[0] if processes[spec[0]] is not None else "")
     while True:
+      failures = []
       for name, _, _, stage_dir in specs:
         process = processes[name]
         if name not in results and (process is None or process.poll() is not None):
-          results[name] = finish_stage(name, process, stage_dir, beside=besides[name])
+          try:
+            results[name] = finish_stage(name, process, stage_dir, beside=besides[name])
+          except (StageFailed, Preempted) as e:
+            failures.append(e)
+      if failures:
+        raise _together(failures)
       if len(results) == len(specs):
         return results
       time.sleep(ROUND_POLL_SECONDS)
   except BaseException as e:   # a stage failed, SIGTERM, Ctrl-C: stop the rest of the round
-    stop_stages(list(processes.values()), sig=_stop_signal(e))
+    try:
+      stop_stages(list(processes.values()), sig=_stop_signal(e))
+    except (KeyboardInterrupt, Preempted):   # interrupted again: the stages were ended at once
+      if not isinstance(e, (KeyboardInterrupt, Preempted)):
+        raise e from None      # a stage's failure says more than the interrupt after it
+      raise KeyboardInterrupt from None   # none saved its step on purpose: as on Ctrl-C
     raise
+
+
+def _together(failures: list[BaseException]) -> BaseException:
+  """One error for the stages that failed in the same poll: StageFailed naming each if any
+  failed, else (each saved its step on SIGTERM) one Preempted."""
+  if len(failures) == 1:
+    return failures[0]
+  whys = "; ".join(e.why if isinstance(e, Preempted) else str(e) for e in failures)
+  if all(isinstance(e, Preempted) for e in failures):
+    return Preempted(whys)
+  return StageFailed(whys)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+  """Holds Ctrl-C and SIGTERM until the block ends, then delivers the first as usual (the
+  handlers are Python's, so a process started inside does not inherit them, as it would a
+  blocked signal mask)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  caught = []
+  previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+              for sig in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+    if caught:
+      signal.raise_signal(caught[0])
 
 
 def stage_command(spec: tuple[str, str | None], overrides: dict, workdir: str,
@@ -251,25 +304,37 @@ def stop_stages(processes: list, grace_seconds: float = 60.0,
   """Stops the stage processes still running when the demo stops (a stage failed, SIGTERM,
   Ctrl-C): `sig` to each at once (SIGTERM: its trainer saves its step, so a rerun resumes;
   SIGINT for Ctrl-C, which the terminal sent the demo alone: stage processes run in sessions of
-  their own, so each gets one signal, since a second one makes launch/local.py SIGKILL its
-  trainer and builder), then SIGKILL to those still running `grace_seconds` later, or at once
-  if the demo is interrupted again meanwhile (none is left behind to run on)."""
+  their own, so each gets one signal), then, to those still running `grace_seconds` later or
+  at once if the demo is interrupted again meanwhile, `sig` a second time, which makes
+  launch/local.py SIGKILL its trainer and builder (in sessions of their own, out of the demo's
+  reach) and exit, and SIGKILL `KILL_SECONDS` after that (none is left behind to run on)."""
   running = [p for p in processes if p is not None and p.poll() is None]
   for process in running:
     process.send_signal(sig)
-  deadline = time.time() + grace_seconds
   try:
-    for process in running:
-      try:
-        process.wait(max(0.0, deadline - time.time()))
-      except subprocess.TimeoutExpired:
-        pass
+    _wait_stages(running, grace_seconds)
   finally:
     alive = [p for p in running if p.poll() is None]
     for process in alive:
-      process.kill()
-    for process in alive:
-      process.wait()
+      process.send_signal(sig)
+    try:
+      _wait_stages(alive, KILL_SECONDS)
+    finally:
+      for process in alive:
+        if process.poll() is None:
+          process.kill()
+      for process in alive:
+        process.wait()
+
+
+def _wait_stages(processes: list, seconds: float) -> None:
+  """Waits until every process exited or `seconds` passed."""
+  deadline = time.time() + seconds
+  for process in processes:
+    try:
+      process.wait(max(0.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+      pass
 
 
 def _launch(command: list[str], config, host_devices: int, out=None) -> subprocess.Popen:
@@ -284,15 +349,15 @@ def _launch(command: list[str], config, host_devices: int, out=None) -> subproce
 def _wait_stage(name: str, process: subprocess.Popen, workdir: str, what: str,
                 see: str) -> dict:
   """The summary of a stage process once it exits; `Preempted` if it saved its step on
-  SIGTERM, RuntimeError naming `what` and where to `see` if it failed."""
+  SIGTERM, StageFailed naming `what` and where to `see` if it failed."""
   code = process.wait()
   if code == EXIT_CODE:
     raise Preempted(f"stage {name} saved its step ({see})")
   if code != 0:
-    raise RuntimeError(f"stage {name}: {what} exited with code {code}; see {see}")
+    raise StageFailed(f"stage {name}: {what} exited with code {code}; see {see}")
   summary = workdir_lib.read_summary(workdir)
   if summary is None:
-    raise RuntimeError(f"stage {name}: {what} exited 0 but left no "
+    raise StageFailed(f"stage {name}: {what} exited 0 but left no "
                        f"{workdir}/{workdir_lib.SUMMARY}")
   return summary
 
@@ -411,7 +476,8 @@ def main() -> None:
 
 def run_demo_cli(prog: str, job) -> object:
   """`run_cli(prog, job)` for a demo driver: SIGTERM stops it with every running stage saved
-  (exit 143), Ctrl-C with every stage stopped (exit 130), each with one line saying so."""
+  (exit 143), Ctrl-C with every stage stopped (exit 130), a failed stage (exit 1), each with
+  one line saying so."""
   signal.signal(signal.SIGTERM, _on_sigterm)
 
   def stoppable_job():
@@ -421,6 +487,9 @@ def run_demo_cli(prog: str, job) -> object:
       print(f"\n[{prog}] interrupted; the stages keep their last checkpoints: rerun the same "
             "command to resume", flush=True)
       raise SystemExit(130) from None
+    except StageFailed as e:
+      print(f"[{prog}] error: {e}", file=sys.stderr, flush=True)
+      raise SystemExit(1) from None
   try:
     return run_cli(prog, stoppable_job)
   except Preempted as e:

@@ -126,6 +126,61 @@ def test_a_stage_that_fails_stops_its_round_at_once(monkeypatch, error, sig):
   assert calls.log[-2:] == [("finish", "c", "b"), ("stop", ["b", "c", "d"], sig)]
 
 
+def test_stages_that_fail_in_the_same_poll_are_named_together(monkeypatch):
+  calls = _runners(monkeypatch, _Calls(fail={"c", "d"}, error=demo.StageFailed,
+                                       polls={"b": 100}))
+  with pytest.raises(demo.StageFailed, match=r"^c failed; d failed$"):
+    demo.run_stages(STAGES, "D", "W", 0)
+  calls = _runners(monkeypatch, _Calls(fail={"c", "d"}, error=demo.Preempted,
+                                       polls={"b": 100}))
+  with pytest.raises(demo.Preempted) as stopped:   # each saved its step: still a preemption
+    demo.run_stages(STAGES, "D", "W", 0)
+  assert stopped.value.why == "c failed; d failed"
+
+
+@pytest.mark.parametrize("first, again, raised", [
+    (KeyboardInterrupt, demo.Preempted("SIGTERM"), KeyboardInterrupt),
+    (demo.Preempted, KeyboardInterrupt(), KeyboardInterrupt),
+    (demo.StageFailed, KeyboardInterrupt(), demo.StageFailed)])
+def test_an_interrupt_while_the_stages_stop_ends_the_demo_as_ctrl_c(monkeypatch, first, again,
+                                                                    raised):
+  """The stages were ended at once, none saving its step on purpose: the demo says what Ctrl-C
+  says (their last checkpoints are kept), unless a stage's failure was what stopped them."""
+  class Interrupted(_Calls):
+    def stop(self, processes, sig=signal.SIGTERM):
+      super().stop(processes, sig)
+      raise again
+  calls = _runners(monkeypatch, Interrupted(fail={"c"}, error=first, polls={"b": 100}))
+  with pytest.raises(raised, match="c failed" if raised is demo.StageFailed else None):
+    demo.run_stages(STAGES, "D", "W", 0)
+  assert calls.log[-1][0] == "stop"
+
+
+def test_a_signal_as_a_stage_starts_still_stops_that_stage(monkeypatch, tmp_path):
+  """Ctrl-C in the instant after a stage's process started, before the round recorded it, waits
+  until it is recorded: the stage is stopped with the rest, not left running unseen."""
+  started = []
+
+  def launch(command, config, host_devices, out=None):
+    started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(2)                             # the handler would run here, in the main thread
+    return started[-1]
+  monkeypatch.setattr(demo, "_launch", launch)
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # xdist ignores SIGINT
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      demo.run_round([("warmup", ("demo_realm", "warmup"), {"data.dir": str(tmp_path)},
+                       str(tmp_path / "warmup"))])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  finally:
+    signal.signal(signal.SIGINT, previous)
+    stopped = started[0].poll()
+    started[0].kill()
+    started[0].wait()
+  assert stopped is not None
+
+
 def test_a_resumed_round_gives_the_terminal_to_its_first_stage_still_to_run(monkeypatch):
   calls = _runners(monkeypatch, _Calls(done={"b"}))
   results = demo.run_stages(STAGES, "D", "W", 0)
@@ -134,7 +189,8 @@ def test_a_resumed_round_gives_the_terminal_to_its_first_stage_still_to_run(monk
   assert sorted(results) == ["a", "b", "c", "d"]
 
 
-def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(tmp_path):
+def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(tmp_path,
+                                                                              monkeypatch):
   workdir = str(tmp_path / "stage")
   first = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
   with pytest.raises(RuntimeError, match=r"exited with code 3; see its output above"):
@@ -164,11 +220,13 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
   deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; "
                            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
   time.sleep(2)                                 # let it install its handler
-  demo.stop_stages([deaf], grace_seconds=1)
+  monkeypatch.setattr(demo, "KILL_SECONDS", 1.0)
+  demo.stop_stages([deaf], grace_seconds=1)   # SIGTERM, again after 1 s, SIGKILL after 1 more
   assert deaf.returncode == -signal.SIGKILL
 
 
-def test_stopping_signals_every_stage_at_once_and_leaves_none_when_interrupted(tmp_path):
+def test_stopping_signals_every_stage_at_once_and_leaves_none_when_interrupted(tmp_path,
+                                                                              monkeypatch):
   """Each stage gets its signal before the demo waits for any (a stage saving its step must not
   wait for another's save), and a second interrupt while they stop kills the rest rather
   than leave a stage running, unseen, in a session of its own."""
@@ -206,9 +264,52 @@ def test_stopping_signals_every_stage_at_once_and_leaves_none_when_interrupted(t
   deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; "
                            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
   time.sleep(2)                                      # let it install its handler
+  monkeypatch.setattr(demo, "KILL_SECONDS", 1.0)
   with pytest.raises(KeyboardInterrupt):
     demo.stop_stages([Interrupted(), deaf], grace_seconds=30)
   assert deaf.returncode == -signal.SIGKILL
+
+
+def test_a_second_signal_lets_a_launcher_end_the_processes_it_started(tmp_path, monkeypatch):
+  """A stage still running after the grace period (or when the demo is interrupted again) gets
+  its signal a second time before SIGKILL: launch/local.py answers it by SIGKILLing its trainer
+  and builder, which run in sessions of their own that a SIGKILL to the launcher never reaches.
+  """
+  launcher = ("import signal, subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+              " start_new_session=True)\n"
+              "signals = []\n"
+              "def on_signal(*_):\n"
+              "  signals.append(1)\n"
+              "  if len(signals) == 2:\n"
+              "    child.kill(); child.wait(); open(sys.argv[1], 'w').close(); sys.exit(130)\n"
+              "signal.signal(signal.SIGTERM, on_signal)\n"
+              "open(sys.argv[1] + '.ready', 'w').write(str(child.pid))\n"
+              "time.sleep(60)\n")
+  mark = str(tmp_path / "launcher")
+  stage = subprocess.Popen([sys.executable, "-c", launcher, mark])
+  while not os.path.exists(mark + ".ready") or not open(mark + ".ready").read():
+    time.sleep(0.1)
+  monkeypatch.setattr(demo, "KILL_SECONDS", 30.0)
+  demo.stop_stages([stage], grace_seconds=1)
+  assert stage.returncode == 130 and os.path.exists(mark)   # its child ended by it
+
+
+def test_a_failed_stage_ends_the_demo_with_one_line(capsys):
+  """The stage's own output says why it failed; the demo names it and where that output is,
+  without a traceback of its own code."""
+  why = "stage ict: its process exited with code 2; see W/ict/logs/stage.log"
+
+  def job():
+    raise demo.StageFailed(why)
+  previous = signal.getsignal(signal.SIGTERM)
+  try:
+    with pytest.raises(SystemExit) as ended:
+      demo.run_demo_cli("realm-demo", job)
+  finally:
+    signal.signal(signal.SIGTERM, previous)      # run_demo_cli installs the demo's handler
+  assert ended.value.code == 1
+  assert capsys.readouterr().err == f"[realm-demo] error: {why}\n"
 
 
 def test_the_demos_sigterm_handler_stops_it_once():
