@@ -287,15 +287,17 @@ class _Supervisor:
     del frame
     self.signals.append(signal.Signals(signum).name)
 
-  def stop(self, children: list[_Child], why: str, sig: int = signal.SIGINT) -> None:
-    """`sig` to each running child's group, SIGKILL after the grace period (or at once on
-    another signal to us)."""
+  def stop(self, children: list[_Child], why: str, sig: int = signal.SIGINT,
+           signals_seen: int | None = None) -> None:
+    """`sig` to each running child's group, SIGKILL after the grace period, or at once on
+    a signal to us after the first `signals_seen` (default: those already received)."""
     running = [c for c in children if c.running]
     for c in running:
       c.note = why
       c.signal_group(sig)
     deadline = time.monotonic() + self.grace
-    signals_seen = len(self.signals)
+    if signals_seen is None:
+      signals_seen = len(self.signals)
     while any(c.running for c in running) and time.monotonic() < deadline \
         and len(self.signals) == signals_seen:
       time.sleep(POLL_SECONDS)
@@ -320,7 +322,8 @@ class _Supervisor:
         sig = signal.SIGTERM if self.signals[0] == "SIGTERM" else signal.SIGINT
         self.say(f"got {self.signals[0]}; stopping trainer and builder ({sig.name}, then "
                  f"SIGKILL after {self.grace:g} s)")
-        self.stop([trainer, builder], f"stopped on {self.signals[0]}", sig)
+        # counted from the first signal: a second one that came before this poll is one too
+        self.stop([trainer, builder], f"stopped on {self.signals[0]}", sig, signals_seen=1)
         return 128 + sig
       for child, other in ((trainer, builder), (builder, trainer)):
         code = child.poll()

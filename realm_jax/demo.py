@@ -38,14 +38,17 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 STAGE_LOG = "stage.log"  # the output of a stage run beside another (`start_stage`)
 ROUND_POLL_SECONDS = 1.0   # how often a round's stage processes are looked at (`run_round`)
 KILL_SECONDS = 5.0   # after a stage's second signal, until SIGKILL (`stop_stages`)
+SIGNAL_GAP_SECONDS = 0.5   # at least between a stage's two signals: the OS merges a signal
+                           # sent while the same one is still pending into it
 
 
 class Preempted(SystemExit):
-  """SIGTERM reached the demo: the running stages saved their step (a rerun resumes)."""
+  """SIGTERM reached the demo: the running stages saved their step (`saved`; else `why` names
+  those that did not); a rerun resumes."""
 
-  def __init__(self, why: str):
+  def __init__(self, why: str, saved: bool = True):
     super().__init__(EXIT_CODE)
-    self.why = why
+    self.why, self.saved = why, saved
 
 
 class StageFailed(RuntimeError):
@@ -171,11 +174,16 @@ def run_round(specs: list, host_devices: int = 0) -> dict[str, dict]:
       time.sleep(ROUND_POLL_SECONDS)
   except BaseException as e:   # a stage failed, SIGTERM, Ctrl-C: stop the rest of the round
     try:
-      stop_stages(list(processes.values()), sig=_stop_signal(e))
+      forced = stop_stages(list(processes.values()), sig=_stop_signal(e))
     except (KeyboardInterrupt, Preempted):   # interrupted again: the stages were ended at once
       if not isinstance(e, (KeyboardInterrupt, Preempted)):
         raise e from None      # a stage's failure says more than the interrupt after it
       raise KeyboardInterrupt from None   # none saved its step on purpose: as on Ctrl-C
+    unsaved = [name for name, process in processes.items() if process in forced]
+    if isinstance(e, Preempted) and unsaved:
+      raise Preempted(f"{e.why}; stage {' and '.join(unsaved)} did not end as asked (still "
+                      "running after the grace period, or failing as it saved)",
+                      saved=False) from None
     raise
 
 
@@ -192,22 +200,36 @@ def _together(failures: list[BaseException]) -> BaseException:
 
 @contextlib.contextmanager
 def _signals_deferred():
-  """Holds Ctrl-C and SIGTERM until the block ends, then delivers the first as usual (the
-  handlers are Python's, so a process started inside does not inherit them, as it would a
-  blocked signal mask)."""
+  """Holds Ctrl-C and SIGTERM until the block ends, then delivers the first as usual. The
+  handlers are Python's, so a process started inside inherits nothing of it (a blocked signal
+  mask it would inherit); the OS holds the two signals only while the handlers are swapped."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
-  caught = []
-  previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
-              for sig in (signal.SIGINT, signal.SIGTERM)}
+  caught, previous = [], {}
+  with _signals_blocked():
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      if signal.getsignal(sig) is not signal.SIG_IGN:   # an ignored one stays ignored
+        previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
   try:
     yield
   finally:
-    for sig, handler in previous.items():
-      signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+    with _signals_blocked():
+      for sig, handler in previous.items():
+        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
     if caught:
       signal.raise_signal(caught[0])
+
+
+@contextlib.contextmanager
+def _signals_blocked():
+  """SIGINT and SIGTERM held by the OS until the block ends (then delivered); start no
+  process inside: it would inherit the mask."""
+  held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+  try:
+    yield
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def stage_command(spec: tuple[str, str | None], overrides: dict, workdir: str,
@@ -300,31 +322,54 @@ def _stage_log(workdir: str) -> str:
 
 
 def stop_stages(processes: list, grace_seconds: float = 60.0,
-                sig: int = signal.SIGTERM) -> None:
+                sig: int = signal.SIGTERM) -> list:
   """Stops the stage processes still running when the demo stops (a stage failed, SIGTERM,
-  Ctrl-C): `sig` to each at once (SIGTERM: its trainer saves its step, so a rerun resumes;
-  SIGINT for Ctrl-C, which the terminal sent the demo alone: stage processes run in sessions of
-  their own, so each gets one signal), then, to those still running `grace_seconds` later or
-  at once if the demo is interrupted again meanwhile, `sig` a second time, which makes
-  launch/local.py SIGKILL its trainer and builder (in sessions of their own, out of the demo's
-  reach) and exit, and SIGKILL `KILL_SECONDS` after that (none is left behind to run on)."""
+  Ctrl-C): `sig` to each at once (SIGTERM: its trainer saves its step, so a rerun resumes, and
+  the demo ignores another SIGTERM meanwhile; SIGINT for Ctrl-C, which the terminal sent the
+  demo alone: stage processes run in sessions of their own, so each gets one signal), then, to
+  those still running `grace_seconds` later or at once if the demo is interrupted again,
+  `sig` a second time, which makes launch/local.py SIGKILL its trainer and builder (in
+  sessions of their own, out of the demo's reach) and exit, and SIGKILL `KILL_SECONDS` after
+  that (none is left behind to run on). Returns the processes that did not end as asked:
+  signalled twice, or exiting with another code than 0 or the signal's."""
   running = [p for p in processes if p is not None and p.poll() is None]
   for process in running:
     process.send_signal(sig)
-  try:
-    _wait_stages(running, grace_seconds)
-  finally:
-    alive = [p for p in running if p.poll() is None]
-    for process in alive:
-      process.send_signal(sig)
+  sent, late = time.time(), []
+  with _sigterm_ignored(sig == signal.SIGTERM):
     try:
-      _wait_stages(alive, KILL_SECONDS)
+      _wait_stages(running, grace_seconds)
     finally:
-      for process in alive:
-        if process.poll() is None:
-          process.kill()
-      for process in alive:
-        process.wait()
+      late = [p for p in running if p.poll() is None]
+      try:
+        if late:
+          time.sleep(max(0.0, sent + SIGNAL_GAP_SECONDS - time.time()))
+        for process in late:
+          process.send_signal(sig)
+        _wait_stages(late, KILL_SECONDS)
+      finally:
+        for process in late:
+          if process.poll() is None:
+            process.kill()
+        for process in late:
+          process.wait()
+  # a stage's own ending: 0 (it had just finished), 128 + sig (local.py; realm-train's 143
+  # after saving on SIGTERM), -sig (realm-train ends by SIGINT on Ctrl-C)
+  return late + [p for p in running if p not in late and p.returncode not in
+                 (0, 128 + sig, -sig)]
+
+
+@contextlib.contextmanager
+def _sigterm_ignored(ignored: bool):
+  """The demo ignores SIGTERM in the block if `ignored` (in the main thread)."""
+  if not ignored or threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _wait_stages(processes: list, seconds: float) -> None:
@@ -493,8 +538,10 @@ def run_demo_cli(prog: str, job) -> object:
   try:
     return run_cli(prog, stoppable_job)
   except Preempted as e:
-    print(f"\n[{prog}] preempted ({e.why}); the stages saved their step: rerun the same "
-          "command to resume", flush=True)
+    saved = "the stages saved their step" if e.saved else \
+        "each stage keeps its last checkpoint"
+    print(f"\n[{prog}] preempted ({e.why}); {saved}: rerun the same command to resume",
+          flush=True)
     raise
 
 

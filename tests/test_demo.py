@@ -53,6 +53,18 @@ def test_the_demo_rounds_start_no_stage_from_one_beside_it():
   assert done == {"ict", "warmup", "realm", "no_retrieval"}
 
 
+def _ready(tmp_path, name: str, handlers: str) -> subprocess.Popen:
+  """A sleeping Python process, returned once it has run `handlers` (signal set-up)."""
+  mark = tmp_path / f"{name}.ready"
+  process = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n" + handlers +
+                              f"\nopen({str(mark)!r}, 'w').close()\ntime.sleep(60)"])
+  deadline = time.monotonic() + 60
+  while not mark.exists():
+    assert time.monotonic() < deadline and process.poll() is None, name
+    time.sleep(0.05)
+  return process
+
+
 class _Process:
   """Stands in for a stage process: ends (exit 0) at its `polls`-th poll."""
 
@@ -69,9 +81,9 @@ class _Calls:
   when it ends, a stage ends at the poll `polls` says (1 by default), one in `done` had
   already finished (no process)."""
 
-  def __init__(self, fail=(), error=RuntimeError, polls=None, done=()):
+  def __init__(self, fail=(), error=RuntimeError, polls=None, done=(), forced=()):
     self.log, self.fail, self.error, self.polls = [], set(fail), error, polls or {}
-    self.done = set(done)
+    self.done, self.forced = set(done), set(forced)
 
   def run(self, name, spec, overrides, workdir, host_devices=0):
     self.log.append(("run", name))
@@ -89,6 +101,7 @@ class _Calls:
 
   def stop(self, processes, sig=signal.SIGTERM):
     self.log.append(("stop", [p and p.name for p in processes], signal.Signals(sig).name))
+    return [p for p in processes if p is not None and p.name in self.forced]
 
 
 STAGES = [("a", "demo_ict", None, ""), [("b", "demo_realm", "warmup", "a"),
@@ -136,6 +149,18 @@ def test_stages_that_fail_in_the_same_poll_are_named_together(monkeypatch):
   with pytest.raises(demo.Preempted) as stopped:   # each saved its step: still a preemption
     demo.run_stages(STAGES, "D", "W", 0)
   assert stopped.value.why == "c failed; d failed"
+
+
+def test_a_preemption_names_the_stages_that_did_not_save_their_step(monkeypatch):
+  calls = _runners(monkeypatch, _Calls(fail={"c"}, error=demo.Preempted, polls={"b": 100},
+                                       forced={"b"}))
+  with pytest.raises(demo.Preempted) as stopped:
+    demo.run_stages(STAGES, "D", "W", 0)
+  assert not stopped.value.saved and "stage b did not end as asked" in stopped.value.why
+  calls = _runners(monkeypatch, _Calls(fail={"c"}, error=demo.Preempted, polls={"b": 100}))
+  with pytest.raises(demo.Preempted) as stopped:
+    demo.run_stages(STAGES, "D", "W", 0)
+  assert stopped.value.saved
 
 
 @pytest.mark.parametrize("first, again, raised", [
@@ -207,21 +232,19 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
     demo.finish_stage("no_retrieval", preempted, workdir, beside="realm")
   assert stopped.value.code == demo.EXIT_CODE
   sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-  demo.stop_stages([sleeping, None], grace_seconds=10)   # None: a stage already finished
+  assert demo.stop_stages([sleeping, None], grace_seconds=10) == []   # None: already finished
   assert sleeping.returncode == -signal.SIGTERM
+  failing = _ready(tmp_path, "failing", "signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))")
+  assert demo.stop_stages([failing], grace_seconds=10) == [failing]   # did not save its step
   # Ctrl-C: SIGINT is passed on; one that ignores it is killed after the grace period
   # (a pytest-xdist worker ignores SIGINT and its children inherit that: restore Python's own)
-  interrupted = subprocess.Popen([sys.executable, "-c", "import signal, time; "
-                                  "signal.signal(signal.SIGINT, signal.default_int_handler); "
-                                  "time.sleep(60)"])
-  time.sleep(2)                                 # let it install its handler
+  interrupted = _ready(tmp_path, "interrupted",
+                       "signal.signal(signal.SIGINT, signal.default_int_handler)")
   demo.stop_stages([interrupted], grace_seconds=30, sig=signal.SIGINT)
   assert interrupted.returncode not in (0, -signal.SIGKILL)
-  deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; "
-                           "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
-  time.sleep(2)                                 # let it install its handler
+  deaf = _ready(tmp_path, "deaf", "signal.signal(signal.SIGTERM, signal.SIG_IGN)")
   monkeypatch.setattr(demo, "KILL_SECONDS", 1.0)
-  demo.stop_stages([deaf], grace_seconds=1)   # SIGTERM, again after 1 s, SIGKILL after 1 more
+  assert demo.stop_stages([deaf], grace_seconds=1) == [deaf]   # SIGTERM, again, SIGKILL
   assert deaf.returncode == -signal.SIGKILL
 
 
@@ -238,7 +261,9 @@ def test_stopping_signals_every_stage_at_once_and_leaves_none_when_interrupted(t
           "time.sleep(60)\n")
   marks = [str(tmp_path / f"stage{i}") for i in range(2)]
   stages = [subprocess.Popen([sys.executable, "-c", slow, mark]) for mark in marks]
+  deadline = time.monotonic() + 60
   while not all(os.path.exists(mark + ".ready") for mark in marks):
+    assert time.monotonic() < deadline and all(p.poll() is None for p in stages)
     time.sleep(0.1)
   demo.stop_stages(stages, grace_seconds=30)
   assert [p.returncode for p in stages] == [143, 143]
@@ -261,9 +286,7 @@ def test_stopping_signals_every_stage_at_once_and_leaves_none_when_interrupted(t
 
     def kill(self):
       self.killed = True
-  deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; "
-                           "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
-  time.sleep(2)                                      # let it install its handler
+  deaf = _ready(tmp_path, "deaf", "signal.signal(signal.SIGTERM, signal.SIG_IGN)")
   monkeypatch.setattr(demo, "KILL_SECONDS", 1.0)
   with pytest.raises(KeyboardInterrupt):
     demo.stop_stages([Interrupted(), deaf], grace_seconds=30)
@@ -288,7 +311,9 @@ def test_a_second_signal_lets_a_launcher_end_the_processes_it_started(tmp_path, 
               "time.sleep(60)\n")
   mark = str(tmp_path / "launcher")
   stage = subprocess.Popen([sys.executable, "-c", launcher, mark])
+  deadline = time.monotonic() + 60
   while not os.path.exists(mark + ".ready") or not open(mark + ".ready").read():
+    assert time.monotonic() < deadline and stage.poll() is None
     time.sleep(0.1)
   monkeypatch.setattr(demo, "KILL_SECONDS", 30.0)
   demo.stop_stages([stage], grace_seconds=1)

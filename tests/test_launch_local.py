@@ -257,6 +257,35 @@ def test_a_signal_to_the_launcher_stops_both_and_leaves_no_process(tmp_path, sig
     assert gone(read_pid(tmp_path, name)), name
 
 
+class _Stubborn:
+  """A child that ignores everything but SIGKILL."""
+
+  def __init__(self, name):
+    self.name, self.note, self.got = name, "", []
+
+  @property
+  def running(self):
+    return signal.SIGKILL not in self.got
+
+  def signal_group(self, sig):
+    self.got.append(sig)
+
+
+def test_two_signals_before_the_launchers_poll_kill_both_at_once(tmp_path):
+  """A second signal that reached the launcher before it acted on the first (a demo stopping
+  its stages again at once) counts as a second signal: SIGKILL now, not after the grace
+  period, which children that ignore SIGINT would otherwise outlast."""
+  said = []
+  supervisor = local._Supervisor(str(tmp_path), grace=30.0, say=said.append)
+  supervisor.children = {name: _Stubborn(name) for name in local.NAMES}
+  supervisor.signals = ["SIGINT", "SIGINT"]       # both handled before the poll
+  start = time.monotonic()
+  assert supervisor.watch() == 128 + signal.SIGINT
+  assert time.monotonic() - start < 10
+  assert [c.got for c in supervisor.children.values()] == [[signal.SIGINT, signal.SIGKILL]] * 2
+  assert "trainer and builder still running on a second signal; sending SIGKILL" in said
+
+
 @pytest.mark.parametrize("visible, builder_ids, expected", [
     (["0", "1", "2", "3", "4", "5", "6", "7"], "6,7", ("0,1,2,3,4,5", "6,7")),
     (["0", "1", "2", "3"], " 0, 2 ", ("1,3", "0,2")),

@@ -82,6 +82,9 @@ def test_deterministic_runs_repeat_exactly_also_after_a_kill(world_dir, tmp_path
     assert proc.returncode != 0 and "trainer failed" in "".join(printed), \
         "".join(printed)[-3000:]
     assert not os.path.exists(os.path.join(second, "DONE"))
+    if kill_at.startswith("index"):   # the rerun resumes from the first snapshot alone
+      saved = os.listdir(os.path.join(second, "checkpoints"))
+      assert sorted(int(d) for d in saved if d.isdigit()) == [0], saved
   out = finish(launch(config, second))
   assert "resumed from" in out, out[-3000:]
   resumed = per_step(second, "train", "loss")

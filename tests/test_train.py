@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -223,26 +224,33 @@ def test_an_unsaved_sigterm_reaches_the_callers_handler_and_no_watchdog_outlives
     monkeypatch, capsys):
   """SIGTERM after the last step (during the final evaluation, or as the checkpointer closes):
   closing the run hands it on to the handler its in-process caller installed (the demo's stops
-  the demo), and the watchdog stops instead of ending the caller's process later."""
+  the demo) unless the run failed, and the watchdog stops instead of ending the caller's
+  process later."""
   exits, handled = [], []
   monkeypatch.setattr(preemption.os, "_exit", exits.append)
   previous = signal.signal(signal.SIGTERM, lambda signum, frame: handled.append(signum))
-  try:
-    watcher = preemption.Preemption(grace_seconds=0.5, prefix="[t] ")
+
+  def signalled(grace):
+    watcher = preemption.Preemption(grace_seconds=grace, prefix="[t] ")
+    watcher.steps_done()
     os.kill(os.getpid(), signal.SIGTERM)
     while not watcher.requested():
       time.sleep(0.01)
-    watcher.close()
-    time.sleep(1.5)                  # past the grace: a watchdog still running would exit now
+    return watcher
+  try:
+    signalled(2.0).close()
+    for thread in threading.enumerate():   # a watchdog still waiting would exit after 2 s
+      if thread.name == "preemption-watchdog":
+        thread.join(5)
     assert exits == [] and handled == [signal.SIGTERM]
-    assert "[t] SIGTERM: no step saved for it" in capsys.readouterr().out
-    answered = preemption.Preemption(grace_seconds=0.5)   # a SIGTERM the run saved a step for
-    os.kill(os.getpid(), signal.SIGTERM)
-    while not answered.requested():
-      time.sleep(0.01)
+    out = capsys.readouterr().out
+    assert "[t] SIGTERM: after the last step: finishing the run (grace 2s)" in out
+    assert "[t] SIGTERM after the last step: the run has finished; passing the signal on" in out
+    signalled(2.0).close(pass_on=False)    # the run failed: its error says more
+    answered = signalled(2.0)              # a SIGTERM the run saved a step for
     answered.saved(3, _Finalised())
     answered.close()
-    assert handled == [signal.SIGTERM]
+    assert handled == [signal.SIGTERM] and exits == []
   finally:
     signal.signal(signal.SIGTERM, previous)
 

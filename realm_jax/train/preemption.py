@@ -29,26 +29,37 @@ class Preemption:
     self.multihost = jax.process_count() > 1
     self._saved = threading.Event()
     self._previous = None
+    self._phase = "steps"   # "steps" -> "after" (the last step ran) -> "closing" (close())
     if not self.multihost and threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGTERM, self._on_signal)
 
   def _on_signal(self, signum, frame) -> None:
-    if self.received_at is None:
+    if self.received_at is None and self._phase == "closing":
+      self.received_at = time.time()   # close() passes it on
+    elif self.received_at is None:
       self._start(time.time())
 
   def _start(self, now: float) -> None:
     self.received_at = now
-    print(f"{self.prefix}SIGTERM: finishing this step, then saving a checkpoint (grace "
-          f"{self.grace:g}s)", flush=True)
+    doing = "finishing this step, then saving a checkpoint" if self._phase == "steps" else \
+        "after the last step: finishing the run"
+    print(f"{self.prefix}SIGTERM: {doing} (grace {self.grace:g}s)", flush=True)
     threading.Thread(target=self._watchdog, name="preemption-watchdog", daemon=True).start()
 
   def _watchdog(self) -> None:
     if self._saved.wait(max(0.0, self.received_at + self.grace - time.time())):
       return
-    print(f"{self.prefix}SIGTERM: the checkpoint was not finalised within the grace period "
-          f"({self.grace:g}s, config.train.preemption_grace_seconds); exiting without it",
-          file=sys.stderr, flush=True)
+    what = "the checkpoint was not finalised" if self._phase == "steps" else \
+        "the run did not finish"
+    print(f"{self.prefix}SIGTERM: {what} within the grace period ({self.grace:g}s, "
+          "config.train.preemption_grace_seconds); exiting (a rerun resumes from the latest "
+          "finalised checkpoint)", file=sys.stderr, flush=True)
     os._exit(EXIT_CODE)
+
+  def steps_done(self) -> None:
+    """The last step ran and its checkpoint was issued: a SIGTERM from now on finds the run
+    finishing (final evaluation, closing), not stepping."""
+    self._phase = "after"
 
   def requested(self) -> bool:
     """Whether this process got SIGTERM (asked between steps, e.g. by an index rebuild that
@@ -77,20 +88,23 @@ class Preemption:
     print(f"{self.prefix}SIGTERM: {what} {time.time() - self.received_at:.1f}s after the "
           "signal; exiting (rerun the same command to resume)", flush=True)
 
-  def close(self) -> None:
+  def close(self, pass_on: bool = True) -> None:
     """Ends the bookkeeping once the run has closed (its checkpointer too: a SIGTERM while a
-    save finalises is still the run's): the watchdog stops, the previous handler is back. A
-    SIGTERM the run did not answer with a saved step (it came after the last step) leaves the
-    run as it stands, and goes on to a handler its caller installed (the demo's stops there).
-    """
-    unanswered = self.received_at is not None and not self._saved.is_set()
-    self._saved.set()   # a watchdog left running would end the caller's process later
+    save finalises is still the run's): the watchdog stops (it would end a caller's process
+    later), the previous handler is back. A SIGTERM the run did not answer with a saved step
+    (it came after the last step) leaves the run as it finished and, if `pass_on` (the run and
+    its closing succeeded; else their error says more), goes on to a handler its caller
+    installed: the demo's stops the demo."""
+    self._phase = "closing"
+    answered = self._saved.is_set()
+    self._saved.set()
     previous, self._previous = self._previous, None
     if previous is None:
       return
     signal.signal(signal.SIGTERM, previous)
-    if unanswered:
-      print(f"{self.prefix}SIGTERM: no step saved for it (it came after the last step, or "
-            "as the run failed); the run ends as it stands", flush=True)
-      if callable(previous):
-        previous(signal.SIGTERM, None)
+    if self.received_at is None or answered or not pass_on:
+      return
+    print(f"{self.prefix}SIGTERM after the last step: the run has finished"
+          f"{'; passing the signal on' if callable(previous) else ''}", flush=True)
+    if callable(previous):
+      previous(signal.SIGTERM, None)

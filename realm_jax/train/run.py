@@ -148,29 +148,40 @@ class Run:
     depth = max(1, cfg.data.prefetch)
     self.data_iter = self.inputs.iterator(cfg.data.prefetch, self.saved_data)
     preemption = self.preemption = Preemption(cfg.train.preemption_grace_seconds, self.prefix)
-    eval_metrics, details, preempted = {}, [], None
+    eval_metrics, details, preempted, ran = {}, [], None, False
     try:
       self.begin_steps(start, depth)
       if cfg.eval.every and start == 0 and self.evaluates_at_start():
         eval_metrics = self.evaluate(logs["eval"], 0, final=False)[0]
       self.first_batch(start, depth)
       preempted, eval_metrics = self._steps(start, logs, preemption, eval_metrics)
+      if preempted is None:
+        preemption.steps_done()
       self.stop_feeding(preempted is not None)
       if preempted is None and self.evaluates():
         eval_metrics, details = self.evaluate(logs["eval"], cfg.train.steps, final=True)
+      ran = True
     finally:
-      try:
-        self.close()
-        self.data_iter.close()
-        self.checkpointer.close()
-        for log in logs.values():
-          log.close()
-      finally:
-        preemption.close()   # last: a SIGTERM while the checkpointer closes is the run's
+      self._close_run(logs, preemption, ran)
     wall = round(time.time() - t_start, 1)
     if preempted is not None:   # no summary.json, no DONE: the run is not over
       return {"task": cfg.task, "preempted_at_step": preempted, "wall_seconds": wall}
     return self._summarise(wall, eval_metrics, details)
+
+  def _close_run(self, logs: dict, preemption: Preemption, ran: bool) -> None:
+    """Closes the run's parts, the SIGTERM handler last (a SIGTERM while the checkpointer
+    finalises is still the run's); one the run saved no step for goes on to its caller's
+    handler only if the run (`ran`) and the closing succeeded."""
+    closed = False
+    try:
+      self.close()
+      self.data_iter.close()
+      self.checkpointer.close()
+      for log in logs.values():
+        log.close()
+      closed = True
+    finally:
+      preemption.close(pass_on=ran and closed)
 
   def begin_steps(self, start: int, depth: int) -> None:
     """Inside the loop's error handling, before the first evaluation."""
