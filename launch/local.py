@@ -10,9 +10,9 @@ With GPUs visible, `config.builder.devices` names the builder's GPUs and the tra
 rest; on CPU both inherit the environment. Output is streamed line by line with a `[trainer] ` /
 `[builder] ` prefix and appended to `W/logs/<name>.log`. Ctrl-C stops both (SIGINT to each
 process group, SIGKILL after the grace period, exit 130); SIGTERM (preemption) is passed on
-as SIGTERM, so the trainer saves a checkpoint of its step first (exit 143); when one fails the
-other is stopped and its exit code is ours; after the trainer succeeds the builder gets the grace
-period to see `W/DONE` and exit on its own.
+as SIGTERM, so the trainer saves a checkpoint of its step first (exit 143; 137 if it had to be
+SIGKILLed); when one fails the other is stopped and its exit code is ours; after the trainer
+succeeds the builder gets the grace period to see `W/DONE` and exit on its own.
 """
 
 from __future__ import annotations
@@ -324,6 +324,8 @@ class _Supervisor:
                  f"SIGKILL after {self.grace:g} s)")
         # counted from the first signal: a second one that came before this poll is one too
         self.stop([trainer, builder], f"stopped on {self.signals[0]}", sig, signals_seen=1)
+        if sig == signal.SIGTERM and trainer.returncode == -signal.SIGKILL:
+          return 128 + signal.SIGKILL   # not 143: the trainer did not save its step
         return 128 + sig
       for child, other in ((trainer, builder), (builder, trainer)):
         code = child.poll()

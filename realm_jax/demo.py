@@ -201,35 +201,36 @@ def _together(failures: list[BaseException]) -> BaseException:
 @contextlib.contextmanager
 def _signals_deferred():
   """Holds Ctrl-C and SIGTERM until the block ends, then delivers the first as usual. The
-  handlers are Python's, so a process started inside inherits nothing of it (a blocked signal
-  mask it would inherit); the OS holds the two signals only while the handlers are swapped."""
+  handlers are Python's, so a process started inside inherits nothing of it (as it would a
+  blocked signal mask); an ignored signal stays ignored."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
   caught, previous = [], {}
-  with _signals_blocked():
-    for sig in (signal.SIGINT, signal.SIGTERM):
-      if signal.getsignal(sig) is not signal.SIG_IGN:   # an ignored one stays ignored
-        previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
   try:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      if signal.getsignal(sig) is not signal.SIG_IGN:
+        previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
     yield
   finally:
-    with _signals_blocked():
-      for sig, handler in previous.items():
-        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+    _set_handlers(previous)
     if caught:
       signal.raise_signal(caught[0])
 
 
-@contextlib.contextmanager
-def _signals_blocked():
-  """SIGINT and SIGTERM held by the OS until the block ends (then delivered); start no
-  process inside: it would inherit the mask."""
-  held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-  try:
-    yield
-  finally:
-    signal.pthread_sigmask(signal.SIG_SETMASK, held)
+def _set_handlers(handlers: dict) -> None:
+  """Sets every signal's handler even if one set first runs at once and raises (Python runs
+  pending handlers before it changes one); then raises the first such error."""
+  error = None
+  for sig, handler in handlers.items():
+    while True:
+      try:
+        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        break
+      except BaseException as e:   # the pending handler ran and raised; it is not pending now
+        error = error or e
+  if error is not None:
+    raise error
 
 
 def stage_command(spec: tuple[str, str | None], overrides: dict, workdir: str,
@@ -330,33 +331,61 @@ def stop_stages(processes: list, grace_seconds: float = 60.0,
   those still running `grace_seconds` later or at once if the demo is interrupted again,
   `sig` a second time, which makes launch/local.py SIGKILL its trainer and builder (in
   sessions of their own, out of the demo's reach) and exit, and SIGKILL `KILL_SECONDS` after
-  that (none is left behind to run on). Returns the processes that did not end as asked:
-  signalled twice, or exiting with another code than 0 or the signal's."""
+  that (none is left behind to run on; further interrupts wait until then). Returns the
+  processes that did not end as asked: signalled twice, or exiting with another code than 0
+  or the signal's."""
   running = [p for p in processes if p is not None and p.poll() is None]
-  for process in running:
-    process.send_signal(sig)
-  sent, late = time.time(), []
-  with _sigterm_ignored(sig == signal.SIGTERM):
-    try:
+  sent = time.monotonic()
+  try:
+    for process in running:
+      process.send_signal(sig)
+    with _sigterm_ignored(sig == signal.SIGTERM):
       _wait_stages(running, grace_seconds)
-    finally:
-      late = [p for p in running if p.poll() is None]
-      try:
-        if late:
-          time.sleep(max(0.0, sent + SIGNAL_GAP_SECONDS - time.time()))
-        for process in late:
-          process.send_signal(sig)
-        _wait_stages(late, KILL_SECONDS)
-      finally:
-        for process in late:
-          if process.poll() is None:
-            process.kill()
-        for process in late:
-          process.wait()
+  finally:
+    late = _end_stages(running, sig, sent)
   # a stage's own ending: 0 (it had just finished), 128 + sig (local.py; realm-train's 143
-  # after saving on SIGTERM), -sig (realm-train ends by SIGINT on Ctrl-C)
-  return late + [p for p in running if p not in late and p.returncode not in
-                 (0, 128 + sig, -sig)]
+  # after saving on SIGTERM), -SIGINT (realm-train ends by SIGINT on Ctrl-C)
+  done = (0, 128 + sig, -signal.SIGINT) if sig == signal.SIGINT else (0, 128 + sig)
+  return late + [p for p in running if p not in late and p.returncode not in done]
+
+
+def _end_stages(running: list, sig: int, sent: float) -> list:
+  """`sig` a second time to the stages still running (at least `SIGNAL_GAP_SECONDS` after the
+  first), SIGKILL to those left `KILL_SECONDS` later; Ctrl-C and SIGTERM are ignored
+  meanwhile, since a SIGKILL to launch/local.py before it has ended its trainer and builder
+  would leave them running. Returns the stages it signalled."""
+  late = [p for p in running if p.poll() is None]
+  if not late:
+    return late
+  held = _ignore_interrupts()
+  try:
+    time.sleep(max(0.0, sent + SIGNAL_GAP_SECONDS - time.monotonic()))
+    for process in late:
+      process.send_signal(sig)
+    _wait_stages(late, KILL_SECONDS)
+  finally:
+    for process in late:
+      if process.poll() is None:
+        process.kill()
+    for process in late:
+      process.wait()
+    _set_handlers(held)
+  return late
+
+
+def _ignore_interrupts() -> dict:
+  """Ignores SIGINT and SIGTERM (in the main thread); the handlers to set back. An interrupt
+  pending as this starts runs its handler, whose error is dropped: the stop is under way."""
+  if threading.current_thread() is not threading.main_thread():
+    return {}
+  held = {}
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    while sig not in held:
+      try:
+        held[sig] = signal.signal(sig, signal.SIG_IGN)
+      except (KeyboardInterrupt, Preempted):
+        pass
+  return held
 
 
 @contextlib.contextmanager
@@ -369,15 +398,15 @@ def _sigterm_ignored(ignored: bool):
   try:
     yield
   finally:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    _set_handlers({signal.SIGTERM: previous})
 
 
 def _wait_stages(processes: list, seconds: float) -> None:
   """Waits until every process exited or `seconds` passed."""
-  deadline = time.time() + seconds
+  deadline = time.monotonic() + seconds
   for process in processes:
     try:
-      process.wait(max(0.0, deadline - time.time()))
+      process.wait(max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
       pass
 
@@ -538,7 +567,7 @@ def run_demo_cli(prog: str, job) -> object:
   try:
     return run_cli(prog, stoppable_job)
   except Preempted as e:
-    saved = "the stages saved their step" if e.saved else \
+    saved = "the stages stopped at a saved checkpoint" if e.saved else \
         "each stage keeps its last checkpoint"
     print(f"\n[{prog}] preempted ({e.why}); {saved}: rerun the same command to resume",
           flush=True)

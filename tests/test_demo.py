@@ -231,8 +231,10 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
   with pytest.raises(demo.Preempted) as stopped:       # SIGTERM reached it: the demo stops
     demo.finish_stage("no_retrieval", preempted, workdir, beside="realm")
   assert stopped.value.code == demo.EXIT_CODE
+  saving = _ready(tmp_path, "saving", "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))")
+  assert demo.stop_stages([saving, None], grace_seconds=10) == []   # None: already finished
   sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-  assert demo.stop_stages([sleeping, None], grace_seconds=10) == []   # None: already finished
+  assert demo.stop_stages([sleeping], grace_seconds=10) == [sleeping]   # ended, nothing saved
   assert sleeping.returncode == -signal.SIGTERM
   failing = _ready(tmp_path, "failing", "signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))")
   assert demo.stop_stages([failing], grace_seconds=10) == [failing]   # did not save its step
@@ -335,6 +337,44 @@ def test_a_failed_stage_ends_the_demo_with_one_line(capsys):
     signal.signal(signal.SIGTERM, previous)      # run_demo_cli installs the demo's handler
   assert ended.value.code == 1
   assert capsys.readouterr().err == f"[realm-demo] error: {why}\n"
+
+
+def test_a_third_interrupt_waits_until_every_stage_got_its_second_signal(tmp_path,
+                                                                          monkeypatch):
+  """Ctrl-C hammered: the interrupt that comes while the demo escalates (second signal, then
+  SIGKILL) must not SIGKILL launch/local.py before it has ended its trainer and builder."""
+  launcher = _ready(tmp_path, "launcher", "signals = []\n"
+                    "def on_signal(*_):\n"
+                    "  signals.append(1)\n"
+                    "  if len(signals) == 2:\n"
+                    "    time.sleep(1); open(sys.argv[0] + '.ended', 'w').close(); sys.exit(130)\n"
+                    "signal.signal(signal.SIGTERM, on_signal)")
+
+  class Interrupting:          # the demo waits on it when Ctrl-C comes, and again during
+    signals, killed = 0, False   # the escalation
+
+    def poll(self):
+      return -signal.SIGKILL if self.killed else None
+
+    def send_signal(self, sig):
+      self.signals += 1
+      if self.signals == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def wait(self, timeout=None):
+      if self.signals == 1:
+        raise KeyboardInterrupt
+
+    def kill(self):
+      self.killed = True
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # xdist ignores SIGINT
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      demo.stop_stages([Interrupting(), launcher], grace_seconds=30)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  finally:
+    signal.signal(signal.SIGINT, previous)
+  assert launcher.returncode == 130
 
 
 def test_the_demos_sigterm_handler_stops_it_once():

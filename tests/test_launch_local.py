@@ -267,6 +267,10 @@ class _Stubborn:
   def running(self):
     return signal.SIGKILL not in self.got
 
+  @property
+  def returncode(self):
+    return -signal.SIGKILL if signal.SIGKILL in self.got else None
+
   def signal_group(self, sig):
     self.got.append(sig)
 
@@ -284,6 +288,15 @@ def test_two_signals_before_the_launchers_poll_kill_both_at_once(tmp_path):
   assert time.monotonic() - start < 10
   assert [c.got for c in supervisor.children.values()] == [[signal.SIGINT, signal.SIGKILL]] * 2
   assert "trainer and builder still running on a second signal; sending SIGKILL" in said
+
+
+def test_a_trainer_sigkilled_on_sigterm_makes_the_launcher_exit_137_not_143(tmp_path):
+  """143 says the trainer saved its step (a scheduler's or the demo's reading); a trainer
+  still running after the grace period was killed instead."""
+  supervisor = local._Supervisor(str(tmp_path), grace=0.5, say=lambda message: None)
+  supervisor.children = {name: _Stubborn(name) for name in local.NAMES}
+  supervisor.signals = ["SIGTERM"]
+  assert supervisor.watch() == 128 + signal.SIGKILL
 
 
 @pytest.mark.parametrize("visible, builder_ids, expected", [
