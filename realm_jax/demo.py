@@ -218,19 +218,20 @@ def _signals_deferred():
       signal.raise_signal(caught[0])
 
 
-def _set_handlers(handlers: dict) -> None:
-  """Sets every signal's handler even if one set first runs at once and raises (Python runs
-  pending handlers before it changes one); then raises the first such error."""
-  error = None
+def _set_handlers(handlers: dict, drop: tuple = ()) -> dict:
+  """Sets every signal's handler even if a pending one runs and raises as it is changed (Python
+  runs pending handlers first); returns the handlers replaced, then raises the first such
+  error unless it is one of `drop`."""
+  replaced, error = {}, None
   for sig, handler in handlers.items():
-    while True:
+    while sig not in replaced:
       try:
-        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        break
+        replaced[sig] = signal.signal(sig, signal.SIG_DFL if handler is None else handler)
       except BaseException as e:   # the pending handler ran and raised; it is not pending now
         error = error or e
-  if error is not None:
+  if error is not None and not isinstance(error, drop):
     raise error
+  return replaced
 
 
 def stage_command(spec: tuple[str, str | None], overrides: dict, workdir: str,
@@ -378,14 +379,8 @@ def _ignore_interrupts() -> dict:
   pending as this starts runs its handler, whose error is dropped: the stop is under way."""
   if threading.current_thread() is not threading.main_thread():
     return {}
-  held = {}
-  for sig in (signal.SIGINT, signal.SIGTERM):
-    while sig not in held:
-      try:
-        held[sig] = signal.signal(sig, signal.SIG_IGN)
-      except (KeyboardInterrupt, Preempted):
-        pass
-  return held
+  return _set_handlers(dict.fromkeys((signal.SIGINT, signal.SIGTERM), signal.SIG_IGN),
+                       drop=(KeyboardInterrupt, Preempted))
 
 
 @contextlib.contextmanager

@@ -255,18 +255,11 @@ def test_stopping_signals_every_stage_at_once_and_leaves_none_when_interrupted(t
   """Each stage gets its signal before the demo waits for any (a stage saving its step must not
   wait for another's save), and a second interrupt while they stop kills the rest rather
   than leave a stage running, unseen, in a session of its own."""
-  slow = ("import signal, sys, time\n"
-          "def stop(*_):\n"
-          "  open(sys.argv[1], 'w').write(repr(time.time())); time.sleep(3); sys.exit(143)\n"
-          "signal.signal(signal.SIGTERM, stop)\n"
-          "open(sys.argv[1] + '.ready', 'w').close()\n"
-          "time.sleep(60)\n")
+  slow = ("def stop(*_):\n"
+          "  open({mark!r}, 'w').write(repr(time.time())); time.sleep(3); sys.exit(143)\n"
+          "signal.signal(signal.SIGTERM, stop)")
   marks = [str(tmp_path / f"stage{i}") for i in range(2)]
-  stages = [subprocess.Popen([sys.executable, "-c", slow, mark]) for mark in marks]
-  deadline = time.monotonic() + 60
-  while not all(os.path.exists(mark + ".ready") for mark in marks):
-    assert time.monotonic() < deadline and all(p.poll() is None for p in stages)
-    time.sleep(0.1)
+  stages = [_ready(tmp_path, f"stage{i}", slow.format(mark=mark)) for i, mark in enumerate(marks)]
   demo.stop_stages(stages, grace_seconds=30)
   assert [p.returncode for p in stages] == [143, 143]
   signalled = [float(open(mark).read()) for mark in marks]
@@ -300,23 +293,16 @@ def test_a_second_signal_lets_a_launcher_end_the_processes_it_started(tmp_path, 
   its signal a second time before SIGKILL: launch/local.py answers it by SIGKILLing its trainer
   and builder, which run in sessions of their own that a SIGKILL to the launcher never reaches.
   """
-  launcher = ("import signal, subprocess, sys, time\n"
-              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
-              " start_new_session=True)\n"
-              "signals = []\n"
-              "def on_signal(*_):\n"
-              "  signals.append(1)\n"
-              "  if len(signals) == 2:\n"
-              "    child.kill(); child.wait(); open(sys.argv[1], 'w').close(); sys.exit(130)\n"
-              "signal.signal(signal.SIGTERM, on_signal)\n"
-              "open(sys.argv[1] + '.ready', 'w').write(str(child.pid))\n"
-              "time.sleep(60)\n")
-  mark = str(tmp_path / "launcher")
-  stage = subprocess.Popen([sys.executable, "-c", launcher, mark])
-  deadline = time.monotonic() + 60
-  while not os.path.exists(mark + ".ready") or not open(mark + ".ready").read():
-    assert time.monotonic() < deadline and stage.poll() is None
-    time.sleep(0.1)
+  mark = str(tmp_path / "launcher.ended")
+  stage = _ready(tmp_path, "launcher", "import subprocess\n"
+                 "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+                 " start_new_session=True)\n"
+                 "signals = []\n"
+                 "def on_signal(*_):\n"
+                 "  signals.append(1)\n"
+                 "  if len(signals) == 2:\n"
+                 f"    child.kill(); child.wait(); open({mark!r}, 'w').close(); sys.exit(130)\n"
+                 "signal.signal(signal.SIGTERM, on_signal)")
   monkeypatch.setattr(demo, "KILL_SECONDS", 30.0)
   demo.stop_stages([stage], grace_seconds=1)
   assert stage.returncode == 130 and os.path.exists(mark)   # its child ended by it
@@ -347,7 +333,7 @@ def test_a_third_interrupt_waits_until_every_stage_got_its_second_signal(tmp_pat
                     "def on_signal(*_):\n"
                     "  signals.append(1)\n"
                     "  if len(signals) == 2:\n"
-                    "    time.sleep(1); open(sys.argv[0] + '.ended', 'w').close(); sys.exit(130)\n"
+                    "    time.sleep(1); sys.exit(130)\n"
                     "signal.signal(signal.SIGTERM, on_signal)")
 
   class Interrupting:          # the demo waits on it when Ctrl-C comes, and again during

@@ -34,9 +34,11 @@ class Preemption:
       self._previous = signal.signal(signal.SIGTERM, self._on_signal)
 
   def _on_signal(self, signum, frame) -> None:
-    if self.received_at is None and self._phase == "closing":
+    if self.received_at is not None:
+      return
+    if self._phase == "closing":
       self.received_at = time.time()   # close() passes it on
-    elif self.received_at is None:
+    else:
       self._start(time.time())
 
   def _start(self, now: float) -> None:
