@@ -16,14 +16,21 @@ not perturbed table rows. Printed, and appended as one JSON line to `--out`:
   exact top-k    on device (`retrieval.index.ExactIndex`, what `retrieval.backend=exact`
                  serves): the compiled search's memory (XLA's analysis: the table and the
                  [batch, blocks] scores) at batch 1, 32 and the REALM batch, and its queries/s at
-                 batch 1 and 32 where this host has the memory to hold the table twice
+                 batch 1, 32 and the REALM batch where the memory holds it (on CPU the host
+                 keeps the table twice; on an accelerator, where its memory holds the
+                 compiled search), and its recall@10 against the host (numpy, float32)
+                 search (GPUs multiply float32 in TF32 by default)
   refresh rate   blocks/s the builder must embed to rebuild the index every `--refresh_every`
                  steps at `--step_s` seconds a step (default: an estimate of the paper's step
                  from its FLOPs, shown with its assumptions), against the BERT-base block
-                 tower's measured blocks/s at 288 wordpieces on this host
+                 tower's measured blocks/s at 288 wordpieces on this host (in bfloat16 on an
+                 accelerator, as the builder runs there)
+
+`--skip_scann` leaves the host-side ScaNN build and numpy's queries/s (its baseline) out: on a
+GPU machine the figures wanted are the device's.
 
   python bench/index_scale.py [--blocks 13350000] [--queries 1000] [--batch 512]
-      [--cache runs/bench_index_scale] [--out runs/bench_index_scale.jsonl]
+      [--skip_scann] [--cache runs/bench_index_scale] [--out runs/bench_index_scale.jsonl]
 """
 
 from __future__ import annotations
@@ -147,9 +154,19 @@ def bench_scann(table, queries, exact, cache: pathlib.Path, args) -> dict:
           "index_bytes": index_bytes, "recall_at_10": recall, "qps": qps}
 
 
-def bench_exact_device(table, queries, args) -> dict:
-  """Memory of the on-device exact search (compiled, nothing allocated) at three batches, and
-  its queries/s where the host can hold the padded table twice (host copy + device copy)."""
+def device_memory_gb() -> float | None:
+  """The first device's memory (an accelerator's bytes_limit; None on CPU or if unknown)."""
+  if jax.default_backend() == "cpu":
+    return None
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats["bytes_limit"] / 1e9 if "bytes_limit" in stats else None
+
+
+def bench_exact_device(table, queries, exact, args) -> dict:
+  """Memory of the on-device exact search (compiled, nothing allocated) at three batches, its
+  recall@10 against `exact` (numpy), and its queries/s at each batch whose compiled search the
+  memory holds: on CPU the host holds the padded table twice (host copy + device copy) beside
+  it, on an accelerator its own memory holds the search."""
   n, dim = table.shape
   chunks = -(-n // index_lib.CHUNK)
   abstract_table = jax.ShapeDtypeStruct((chunks, index_lib.CHUNK, dim), np.float32)
@@ -158,19 +175,34 @@ def bench_exact_device(table, queries, args) -> dict:
     compiled = index_lib._top_n.lower(jax.ShapeDtypeStruct((b, dim), np.float32),
                                       abstract_table, n, TOP_N).compile()
     stats = compiled.memory_analysis()
-    memory[f"b{b}"] = round((stats.argument_size_in_bytes + stats.output_size_in_bytes
-                             + stats.temp_size_in_bytes) / 1e9, 2)
-  record = {"exact_device_memory_gb": memory, "exact_device_qps": {}}
-  needed_gb = 2 * chunks * index_lib.CHUNK * dim * 4 / 1e9
-  available_gb = host_available_gb()
-  if available_gb is not None and available_gb < needed_gb * 1.2:
-    record["exact_device_qps_skipped"] = (f"needs ~{needed_gb:.1f} GB, "
-                                          f"{available_gb:.1f} GB available")
-    return record
+    memory[b] = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+                 + stats.temp_size_in_bytes) / 1e9
+  record = {"exact_device_memory_gb": {f"b{b}": round(gb, 2) for b, gb in memory.items()},
+            "exact_device_qps": {}}
+  device_gb = device_memory_gb()
+  if device_gb is None:
+    needed_gb = 2 * chunks * index_lib.CHUNK * dim * 4 / 1e9
+    available_gb = host_available_gb()
+    if available_gb is not None and available_gb < needed_gb * 1.2:
+      record["exact_device_qps_skipped"] = (f"needs ~{needed_gb:.1f} GB, "
+                                            f"{available_gb:.1f} GB available")
+      return record
+    timed = [b for b in (1, 32) if b in memory]
+  else:   # XLA's GEMM autotuner profiles into a second output buffer: twice the scores
+    timed = [b for b, gb in memory.items() if 2 * gb < 0.9 * device_gb]
+    record["device_memory_gb"] = round(device_gb, 1)
+  t0 = time.perf_counter()
   exact_index = index_lib.ExactIndex.from_embeddings(np.asarray(table))
-  for b in (1, 32):
+  jax.block_until_ready(exact_index.table)
+  record["exact_device_load_s"] = round(time.perf_counter() - t0, 1)
+  found = np.concatenate([exact_index.search(queries[i:i + timed[-1]], TOP_N)
+                          for i in range(0, len(queries), timed[-1])])
+  record["exact_device_recall_at_10"] = scann_index.recall_at(found, exact)
+  for b in timed:
     record["exact_device_qps"][f"b{b}"] = round(queries_per_s(
         lambda q: exact_index.search(q, TOP_N), queries, b, args.qps_seconds), 1)
+  print(f"[scale] exact on device: recall@{TOP_N} {record['exact_device_recall_at_10']:.4f}, "
+        f"queries/s {record['exact_device_qps']}", flush=True)
   return record
 
 
@@ -178,7 +210,10 @@ def refresh_rate(args) -> dict:
   """Blocks/s needed to re-embed the corpus every refresh_every steps, and what the BERT-base
   block tower embeds here (a few batches of random 288-wordpiece blocks)."""
   from realm_jax.train import partitioning, state as state_lib, steps
+  from train_step import random_state
   config = repo_config("realm_base")
+  if jax.default_backend() != "cpu":
+    config.model.dtype = "bfloat16"   # as the builder runs on an accelerator
   step_s, basis = args.step_s, "given (--step_s)"
   if not step_s:
     flops = analytic_flops(config)    # batch 512, the paper's
@@ -188,8 +223,8 @@ def refresh_rate(args) -> dict:
   needed = args.blocks / (args.refresh_every * step_s)
   mesh = partitioning.make_mesh(config.mesh.shape)
   model = state_lib.build_model(config, config.model.vocab_size)
-  state, _, _ = state_lib.create_train_state(config, model, mesh, config.data.block_len,
-                                             jax.random.PRNGKey(0))
+  state = random_state(*state_lib.abstract_train_state(config, model, mesh,
+                                                       config.data.block_len))
   embed = steps.block_embedder(model, mesh, config, state.params["retriever"])
   batch = max(jax.device_count(), args.embed_batch // jax.device_count() * jax.device_count())
   rng = np.random.default_rng(0)
@@ -207,7 +242,8 @@ def refresh_rate(args) -> dict:
           "refresh_every": args.refresh_every, "needed_blocks_per_s": round(needed),
           "measured_blocks_per_s": round(measured, 2),
           "measured_on": f"{jax.device_count()} x {jax.devices()[0].device_kind} "
-                         f"({jax.default_backend()}), BERT-base block tower, fp32",
+                         f"({jax.default_backend()}), BERT-base block tower, "
+                         f"{config.model.dtype}, batch {batch}",
           "refresh_s_at_measured": round(args.blocks / measured)}
 
 
@@ -218,21 +254,20 @@ def print_table(r: dict) -> None:
       ("device", f"{r['devices']} x {r['device_kind']} ({r['backend']}), jax {r['jax']}"),
       ("table", f"{r['blocks']:,} x {r['dim']} float32 SYNTHETIC ({r['clusters']:,} clusters), "
                 f"{r['table_gb']:.1f} GB"),
-      ("ScaNN settings", ", ".join(f"{k} {v}" for k, v in r["scann"].items())),
-      ("build + serialize", f"{r['build_s']:.0f} + {r['serialize_s']:.0f} s, peak RSS "
-                            f"{r['build_peak_rss_gb']:.1f} GB"),
-      ("index on disk / load", f"{r['index_bytes'] / 1e9:.2f} GB / {r['load_s']:.1f} s"),
-      (f"recall@{TOP_N} vs exact", f"{r['recall_at_10']:.4f} on {r['queries']:,} queries "
-                                   f"[>= 0.95: {ok(r['recall_at_10'] >= 0.95)}]"),
   ]
+  if "scann" in r:
+    rows += scann_rows(r)
   for key, qps in {**r["qps"], **{f"exact_device_{k}": v
                                   for k, v in r["exact_device_qps"].items()}}.items():
     rows.append((f"queries/s {key}", f"{qps:,.1f}"))
-  for b in (1, r["batch"]):
+  for b in (1, r["batch"]) if "scann" in r else ():
     speedup = r["qps"][f"scann_b{b}"] / r["qps"][f"exact_numpy_b{b}"]
     rows.append((f"ScaNN / exact, batch {b}", f"{speedup:.1f}x [>= 10x: {ok(speedup >= 10)}]"))
   rows.append(("exact on-device memory", ", ".join(
       f"batch {k[1:]}: {v:.1f} GB" for k, v in r["exact_device_memory_gb"].items())))
+  if "exact_device_recall_at_10" in r:
+    rows.append((f"exact on-device recall@{TOP_N}", f"{r['exact_device_recall_at_10']:.4f} "
+                 "vs the host's numpy search"))
   if "exact_device_qps_skipped" in r:
     rows.append(("exact on-device qps", "skipped: " + r["exact_device_qps_skipped"]))
   rows += [
@@ -243,6 +278,18 @@ def print_table(r: dict) -> None:
                            f"one refresh {f['refresh_s_at_measured'] / 3600:,.1f} h"),
   ]
   print_rows(rows)
+
+
+def scann_rows(r: dict) -> list[tuple[str, str]]:
+  ok = lambda good: "ok" if good else "MISSED"
+  return [
+      ("ScaNN settings", ", ".join(f"{k} {v}" for k, v in r["scann"].items())),
+      ("build + serialize", f"{r['build_s']:.0f} + {r['serialize_s']:.0f} s, peak RSS "
+                            f"{r['build_peak_rss_gb']:.1f} GB"),
+      ("index on disk / load", f"{r['index_bytes'] / 1e9:.2f} GB / {r['load_s']:.1f} s"),
+      (f"recall@{TOP_N} vs exact", f"{r['recall_at_10']:.4f} on {r['queries']:,} queries "
+                                   f"[>= 0.95: {ok(r['recall_at_10'] >= 0.95)}]"),
+  ]
 
 
 def main(argv=None) -> dict:
@@ -260,6 +307,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--refresh_every", type=int, default=500, help="steps between rebuilds")
   parser.add_argument("--embed_batch", type=int, default=16, help="blocks per embed batch")
   parser.add_argument("--embed_batches", type=int, default=2, help="timed embed batches")
+  parser.add_argument("--skip_scann", action="store_true",
+                      help="leave the host-side ScaNN build, and numpy's queries/s (its "
+                           "baseline), out")
   parser.add_argument("--cache", default=str(REPO / "runs/bench_index_scale"),
                       help="where the table and the index under test live")
   parser.add_argument("--out", default=str(REPO / "runs/bench_index_scale.jsonl"),
@@ -284,13 +334,15 @@ def main(argv=None) -> dict:
             "blocks": args.blocks, "dim": args.dim, "clusters": args.clusters,
             "synthetic": True, "table_gb": round(table.nbytes / 1e9, 2),
             "generate_s": round(generate_s, 1), "queries": len(queries), "batch": args.batch}
-  record.update(bench_scann(table, queries, exact, cache, args))
-  for b in (1, args.batch):
+  record["qps"] = {}
+  if not args.skip_scann:
+    record.update(bench_scann(table, queries, exact, cache, args))
+  for b in (1, args.batch) if not args.skip_scann else ():   # the baseline of ScaNN's speedup
     record["qps"][f"exact_numpy_b{b}"] = round(queries_per_s(exact_search, queries, b,
                                                              args.qps_seconds), 1)
-    print(f"[scale] queries/s at batch {b}: ScaNN {record['qps'][f'scann_b{b}']:,}, exact "
-          f"{record['qps'][f'exact_numpy_b{b}']:,}", flush=True)
-  record.update(bench_exact_device(table, queries, args))
+    print(f"[scale] queries/s at batch {b}: ScaNN {record['qps'].get(f'scann_b{b}', '-')}, "
+          f"exact {record['qps'][f'exact_numpy_b{b}']:,}", flush=True)
+  record.update(bench_exact_device(table, queries, exact, args))
   record["refresh"] = refresh_rate(args)
   print_table(record)
   print(json.dumps(record))

@@ -8,35 +8,48 @@ over whatever devices exist:
         (4 blocks read per query: no null document in training), query 16 + block 40, vocab 4000
   base  configs/realm_base.py: three BERT-base encoders, k 8, query 96 + block 288,
         vocab 30522; batch 1 query on CPU (8 candidates, 8 reader sequences of 382: in fp32
-        the step's temporaries are ~10 GB per query), 32 on an accelerator
+        the step's temporaries are ~10 GB per query), 8 on an accelerator (the paper's 512
+        on 64 devices; 32.4 GB at its peak on an H100 in bf16 without remat)
 
 For each it prints the compile time, the median of `--steps` timed steps after one warm-up
 step, tokens per second (reader tokens B*k*(query_len+block_len-2) plus retriever tokens
 B*query_len + B*k*block_len), the FLOPs of one step from XLA's cost analysis of the compiled
-program (next to an analytic 3 x forward count as a cross-check), the achieved FLOP/s, and
-its ratio to a 2048^3 fp32 matmul timed in the same process. On GPU/TPU the model runs in
-bfloat16 and the MFU against the chip's dense bf16 peak is printed as well.
+program next to an analytic 3 x forward count, the achieved FLOP/s, and its ratio to a matmul
+timed in the same process (2048^3 on CPU, 8192^3 on an accelerator, in the step's dtype). The
+rates use XLA's count on CPU and the analytic count on an accelerator (XLA's GPU count leaves
+out the GEMMs it hands to cuBLAS). On GPU/TPU the model runs in bfloat16 and the MFU against
+the chip's dense bf16 peak is printed as well. `--profile DIR` traces 3 more steps per case
+(jax.profiler; `python bench/trace_summary.py DIR` lists where the device time went).
 
 Only the device step is measured: host-side batch building and the index search are not.
 
-  python bench/train_step.py [--steps N] [--only demo|real|base] [--out runs/bench.jsonl]
+`--set KEY=VALUE` (repeatable) sets a config field of every case run, e.g. on a GPU
+`--set model.attention=cudnn --set model.attention_dropout_rate=0` (the fused kernel; with
+dropout on the attention weights they are materialised) or `--set model.remat=full`.
+
+  python bench/train_step.py [--steps N] [--only demo|real|base] [--batch B]
+      [--set KEY=VALUE ...] [--out runs/bench.jsonl]
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import os
 import pathlib
 import statistics
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from realm_jax.demo import repo_config
+from realm_jax.demo import repo_config, with_overrides
 from realm_jax.train import partitioning, state as state_lib, steps
+from realm_jax.errors import ConfigError
 from realm_jax.train.config_base import part_model, validate
 from report import append_jsonl   # bench/ is this script's directory: sys.path[0]
 
@@ -52,8 +65,24 @@ PEAK_BF16_FLOPS = (
 )
 
 
-def case_config(case: str, accelerator: bool, batch_size: int | None):
-  """The config of a bench case with its bench-only overrides (vocab, batch, dtype)."""
+def parse_sets(items: list[str]) -> dict:
+  """`--set KEY=VALUE` items -> {KEY: value}; a value is a Python literal or else a string."""
+  overrides = {}
+  for item in items:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+      raise SystemExit(f"bench: --set {item!r}: expected KEY=VALUE (e.g. model.remat=full)")
+    try:
+      overrides[key] = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      overrides[key] = text
+  return overrides
+
+
+def case_config(case: str, accelerator: bool, batch_size: int | None,
+                overrides: dict | None = None):
+  """The config of a bench case with its bench-only overrides (vocab, batch, dtype) and the
+  `--set` ones last."""
   if case == "demo":
     config = repo_config("demo_realm", "realm")
     config.model.vocab_size = 4000      # the demo's vocab comes from its data dir (0)
@@ -61,12 +90,26 @@ def case_config(case: str, accelerator: bool, batch_size: int | None):
     config = repo_config("real_realm", "realm")
   else:
     config = repo_config("realm_base")
-    config.train.batch_size = 32 if accelerator else 1  # ~10 GB of fp32 temporaries a query
+    config.train.batch_size = 8 if accelerator else 1  # ~10 GB of fp32 temporaries a query
   if batch_size:
     config.train.batch_size = batch_size
   if accelerator:
     config.model.dtype = "bfloat16"
-  validate(config)
+  for key, value in (overrides or {}).items():
+    *parents, leaf = key.split(".")
+    node = config
+    try:
+      for parent in parents:
+        node = node[parent]
+      if leaf not in node:
+        raise KeyError(f"no field {leaf!r}")
+      with_overrides(config, {key: value})
+    except (KeyError, AttributeError, TypeError) as e:
+      raise SystemExit(f"bench: --set {key}={value!r}: {e}") from None
+  try:
+    validate(config)
+  except ConfigError as e:
+    raise SystemExit(f"bench: {e}") from None
   return config
 
 
@@ -150,6 +193,11 @@ def xla_flops(compiled) -> float:
   return float(cost["flops"])
 
 
+def matmul_size() -> int:
+  """The reference matmul's size: one that fills the device (a CPU is filled by 2048^3)."""
+  return 2048 if jax.default_backend() == "cpu" else 8192
+
+
 def matmul_flops_per_s(dtype, n: int = 2048, reps: int = 5) -> float:
   """FLOP/s of a jitted n x n @ n x n matmul on the default device (median of `reps`)."""
   key_a, key_b = jax.random.split(jax.random.PRNGKey(0))
@@ -191,7 +239,8 @@ def peak_bf16_flops(device) -> float | None:
   return None
 
 
-def bench_case(case: str, config, num_steps: int, matmul: dict[str, float]) -> dict:
+def bench_case(case: str, config, num_steps: int, matmul: dict[str, float],
+               profile: str = "") -> dict:
   """Builds the state, compiles the step, times it; returns the JSON record of the case."""
   name = {"demo": "demo_realm", "real": "real_realm", "base": "realm_base"}[case]
   log = lambda msg: print(f"[bench] {name}: {msg}", flush=True)
@@ -201,10 +250,11 @@ def bench_case(case: str, config, num_steps: int, matmul: dict[str, float]) -> d
                      f"axis ({mesh.shape['data']} devices); pass --batch")
   model = state_lib.build_model(config, config.model.vocab_size)
   rng = jax.random.PRNGKey(config.seed)
-  log("creating the train state")
+  log("creating the train state (host-side random parameters)")
   t0 = time.perf_counter()
-  state, shardings, _ = state_lib.create_train_state(config, model, mesh,
-                                                     config.data.block_len, rng)
+  abstract, shardings = state_lib.abstract_train_state(config, model, mesh,
+                                                       config.data.block_len, rng)
+  state = random_state(abstract, shardings)
   jax.block_until_ready(state)
   n_params = state_lib.count_params(state.params)
   log(f"{n_params / 1e6:.1f}M params in {time.perf_counter() - t0:.1f}s; compiling the step")
@@ -222,7 +272,7 @@ def bench_case(case: str, config, num_steps: int, matmul: dict[str, float]) -> d
     # Fail with a message rather than be killed by the OOM killer mid-step.
     raise SystemExit(f"bench: {name} needs {memory['temp_gb']:.1f} GB of temporaries, only "
                      f"{available:.1f} GB of host memory are available; pass a smaller --batch")
-  log(f"1 warm-up + {num_steps} timed steps")
+  log(f"1 warm-up + {num_steps} timed steps" + (f" + 3 traced into {profile}" if profile else ""))
   times = []
   for i in range(num_steps + 1):
     t0 = time.perf_counter()
@@ -232,6 +282,11 @@ def bench_case(case: str, config, num_steps: int, matmul: dict[str, float]) -> d
       times.append(time.perf_counter() - t0)
       log(f"step {i}/{num_steps} {times[-1]:.3f}s loss {float(metrics['loss']):.3f}")
   step_s = statistics.median(times)
+  if profile:   # after the timed steps: tracing slows the host side
+    with jax.profiler.trace(profile):
+      for _ in range(3):
+        state, metrics = compiled(state, batch, rng)
+      jax.block_until_ready((state, metrics))
 
   devices = mesh.devices.size
   device = mesh.devices.flat[0]
@@ -244,6 +299,8 @@ def bench_case(case: str, config, num_steps: int, matmul: dict[str, float]) -> d
       "bench": "train_step", "config": name, "backend": jax.default_backend(),
       "device_kind": device.device_kind, "devices": devices,
       "mesh": dict(mesh.shape), "dtype": compute_dtype, "params": n_params,
+      "attention": attention_used(config), "remat": config.model.remat,
+      "attention_dropout": config.model.attention_dropout_rate,
       "batch": config.train.batch_size, "k": config.retrieval.k,
       "query_len": config.data.query_len, "block_len": config.data.block_len,
       "vocab_size": config.model.vocab_size, "layers": config.model.num_layers,
@@ -256,14 +313,53 @@ def bench_case(case: str, config, num_steps: int, matmul: dict[str, float]) -> d
       **tokens, "tokens_per_s": tokens["tokens"] / step_s,
       "queries_per_s": config.train.batch_size / step_s,
       "xla_flops": flops, "analytic_flops": analytic_flops(config),
-      "flops_per_s": flops / step_s, "flops_per_s_per_device": flops_device / step_s,
+      "flops_per_s": step_flops_device(flops_device, config, devices) * devices / step_s,
+      "flops_per_s_per_device": step_flops_device(flops_device, config, devices) / step_s,
       "matmul_dtype": compute_dtype, "matmul_flops_per_s": matmul_ref,
-      "ratio_to_matmul": flops_device / step_s / matmul_ref,
+      "ratio_to_matmul": step_flops_device(flops_device, config, devices) / step_s / matmul_ref,
   }
+  stats = device.memory_stats() if jax.default_backend() != "cpu" else None
+  if stats and "peak_bytes_in_use" in stats:   # what the allocator really held at its peak
+    record["device_peak_gb"] = round(stats["peak_bytes_in_use"] / 1e9, 2)
   peak = peak_bf16_flops(device) if jax.default_backend() != "cpu" else None
   if peak:
-    record.update(peak_bf16_flops=peak, mfu=flops_device / step_s / peak)
+    record.update(peak_bf16_flops=peak,
+                  mfu=step_flops_device(flops_device, config, devices) / step_s / peak)
   return record
+
+
+def step_flops_device(xla_flops_device: float, config, devices: int) -> float:
+  """One device's FLOPs a step for the rates: XLA's count on CPU; on an accelerator the model's
+  (3 x forward), since XLA's GPU count leaves out the GEMMs it hands to cuBLAS (custom calls)."""
+  if jax.default_backend() == "cpu":
+    return xla_flops_device
+  return analytic_flops(config) / devices
+
+
+def attention_used(config) -> str:
+  """The attention the step ran: `model.attention`, or "xla" where cuDNN's is not available."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")   # the model warned once already when it was built
+    return state_lib.attention_here(config)
+
+
+def random_state(abstract, shardings, seed: int = 0):
+  """A train state of `abstract`'s shapes: parameters N(0, 0.02^2) drawn on the host, every
+  other leaf (optimizer moments, step) zero; placed with `shardings`. The step's speed does not
+  depend on the values (not zeros: they can run faster), and this skips compiling the
+  initialisers of a BERT-base x 3 model (minutes on a GPU)."""
+  rng = np.random.default_rng(seed)
+
+  def place(leaf, sharding, draw):
+    if draw and np.issubdtype(leaf.dtype, np.floating):
+      value = (0.02 * rng.standard_normal(leaf.shape, np.float32)).astype(leaf.dtype)
+    else:
+      value = np.zeros(leaf.shape, leaf.dtype)
+    return jax.device_put(value, sharding)
+
+  state = jax.tree.map(lambda a, s: place(a, s, False), abstract, shardings)
+  return state.replace(params=jax.tree.map(lambda a, s: place(a, s, True), abstract.params,
+                                           shardings.params))
 
 
 def _si(x: float, unit: str = "") -> str:
@@ -277,6 +373,7 @@ def print_table(records: list[dict], matmul: dict[str, float]) -> None:
   rows = [
       ("device", lambda r: f"{r['devices']} x {r['device_kind']} ({r['backend']})"),
       ("dtype", lambda r: r["dtype"]),
+      ("attention / remat", lambda r: f"{r.get('attention', 'xla')} / {r.get('remat', 'none')}"),
       ("params", lambda r: f"{r['params'] / 1e6:.1f}M"),
       ("layers x hidden", lambda r: f"{r['layers']} x {r['hidden']}"),
       ("batch x k", lambda r: f"{r['batch']} x {r['k']}"),
@@ -296,9 +393,12 @@ def print_table(records: list[dict], matmul: dict[str, float]) -> None:
       ("matmul FLOP/s", lambda r: f"{_si(r['matmul_flops_per_s'])} ({r['matmul_dtype']})"),
       ("step / matmul", lambda r: f"{r['ratio_to_matmul']:.1%}"),
   ]
+  if any("device_peak_gb" in r for r in records):
+    rows.append(("device memory peak", lambda r: f"{r['device_peak_gb']:.1f} GB"
+                 if "device_peak_gb" in r else "-"))
   if any("mfu" in r for r in records):
-    rows.append(("bf16 MFU", lambda r: f"{r['mfu']:.1%} of {_si(r['peak_bf16_flops'])}"
-                 if "mfu" in r else "-"))
+    rows.append(("bf16 MFU", lambda r: f"{r['mfu']:.1%} of "
+                 f"{_si(r['peak_bf16_flops'])}" if "mfu" in r else "-"))
   width = max(len(name) for name, _ in rows)
   cells = [[fmt(r) for r in records] for _, fmt in rows]
   col = [max(len(r["config"]), *(len(c[i]) for c in cells)) for i, r in enumerate(records)]
@@ -308,7 +408,7 @@ def print_table(records: list[dict], matmul: dict[str, float]) -> None:
   for (name, _), row in zip(rows, cells):
     print(" | ".join([name.ljust(width)] + [c.ljust(w) for c, w in zip(row, col)]))
   shown = ", ".join(f"{k} {_si(v, 'FLOP/s')}" for k, v in matmul.items())
-  print(f"\n2048^3 matmul: {shown}")
+  print(f"\n{matmul_size()}^3 matmul: {shown}")
 
 
 def main(argv=None) -> None:
@@ -319,21 +419,28 @@ def main(argv=None) -> None:
                       help="run one case only")
   parser.add_argument("--batch", type=int, default=None,
                       help="override the batch (queries) of every case run")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="set a config field of every case (repeatable)")
+  parser.add_argument("--profile", default="", metavar="DIR",
+                      help="trace 3 more steps of each case into DIR (jax.profiler)")
   parser.add_argument("--out", default=None, help="append one JSON line per case here")
   args = parser.parse_args(argv)
+  overrides = parse_sets(args.set)
 
   accelerator = jax.default_backend() != "cpu"
   print(f"[bench] backend {jax.default_backend()}, {jax.device_count()} x "
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
-  matmul = {"float32": matmul_flops_per_s(jnp.float32)}
-  if accelerator:
-    matmul["bfloat16"] = matmul_flops_per_s(jnp.bfloat16)
+  n = matmul_size()
+  matmul = {"float32": matmul_flops_per_s(jnp.float32, n)}
+  if accelerator or overrides.get("model.dtype") == "bfloat16":
+    matmul["bfloat16"] = matmul_flops_per_s(jnp.bfloat16, n)
   cases = [args.only] if args.only else ["demo", "real", "base"]
   records = []
   for case in cases:
-    config = case_config(case, accelerator, args.batch)
+    config = case_config(case, accelerator, args.batch, overrides)
     num_steps = args.steps or {"demo": 10, "real": 5}.get(case, 3)
-    record = bench_case(case, config, num_steps, matmul)
+    record = bench_case(case, config, num_steps, matmul,
+                        os.path.join(args.profile, case) if args.profile else "")
     records.append(record)
     print(json.dumps(record), flush=True)
     append_jsonl(args.out, record)

@@ -5,6 +5,7 @@ logits and the marginal in float32."""
 
 import functools
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,6 +140,45 @@ def test_erf_gelu_is_jax_gelu_keeping_one_tensor_for_the_backward_pass():
   np.testing.assert_allclose(np.asarray(weighted(erf_gelu)), np.asarray(weighted(reference)),
                              atol=1e-6, rtol=1e-6)
   assert len(saved_residuals(erf_gelu, x)) == 1 < len(saved_residuals(reference, x))
+
+
+def equations(jaxpr):
+  """Every equation of a jaxpr, those of its sub-jaxprs (jit, remat, custom_vjp) included."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from equations(inner)
+
+
+def test_embedding_gradients_scatter_only_the_word_ids_and_in_float32():
+  """In a bfloat16 model the embeddings' gradient is one scatter-add, of the word ids into the
+  float32 table (a bfloat16 scatter is compare-and-swap loops on a GPU); the positions (a slice)
+  and the token types (a select) scatter nothing; the forward pass equals the three lookups."""
+  from realm_jax.models.bert import BertEmbeddings
+  rng = np.random.default_rng(5)
+  ids = padded_ids(rng)
+  segments = np.broadcast_to(np.arange(ids.shape[1]) >= 5, ids.shape).astype(np.int32)
+  model = encoder(dtype=jnp.bfloat16)
+  params = flax.linen.meta.unbox(init_params(model, 0, ids, segments))
+  loss = lambda p: model.apply({"params": p}, ids, segments)[0].astype(jnp.float32).sum()
+  gradient = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+  scatters = [eqn.outvars[0].aval for eqn in equations(gradient)
+              if eqn.primitive.name.startswith("scatter")]
+  assert [(a.shape, a.dtype) for a in scatters] == [((VOCAB, 32), jnp.float32)]
+
+  table = {name: np.asarray(params["embeddings"][name]["embedding"])
+           for name in ("word_embeddings", "position_embeddings", "token_type_embeddings")}
+  summed = (table["word_embeddings"][ids] + table["position_embeddings"][None, :ids.shape[1]]
+            + table["token_type_embeddings"][segments])
+  embeddings = BertEmbeddings(model.cfg)
+  pre_norm = embeddings.apply({"params": params["embeddings"]}, ids, segments,
+                              method=lambda m, i, s: m.word_embeddings(i)
+                              + m.position_embeddings.embedding[:i.shape[1]][None]
+                              + m.token_types(s))
+  np.testing.assert_array_equal(np.asarray(pre_norm), summed)
 
 
 def random_realm_batch(config, rng):

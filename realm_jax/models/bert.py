@@ -146,27 +146,44 @@ class BertEmbeddings(nn.Module):
   def setup(self):
     cfg = self.cfg
     init = nn.initializers.normal(cfg.initializer_range)
+    # The lookups are float32 whatever cfg.dtype: a lookup's gradient is a scatter-add into
+    # the table, which in bfloat16 a GPU runs as compare-and-swap loops (the token types' two
+    # rows take every token's update: two thirds of a BERT-base REALM step's device time on an
+    # H100, docs/performance.md). The sum goes
+    # to the LayerNorm, which computes in float32 anyway.
     self.word_embeddings = nn.Embed(
-        cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype,
+        cfg.vocab_size, cfg.hidden_size, dtype=jnp.float32,
         embedding_init=nn.with_logical_partitioning(init, ("vocab", "embed")))
     self.position_embeddings = nn.Embed(
-        cfg.max_position, cfg.hidden_size, dtype=cfg.dtype,
+        cfg.max_position, cfg.hidden_size, dtype=jnp.float32,
         embedding_init=nn.with_logical_partitioning(init, ("position", "embed")))
     self.token_type_embeddings = nn.Embed(
-        cfg.type_vocab_size, cfg.hidden_size, dtype=cfg.dtype,
+        cfg.type_vocab_size, cfg.hidden_size, dtype=jnp.float32,
         embedding_init=nn.with_logical_partitioning(init, ("segment", "embed")))
     self.LayerNorm = layer_norm(cfg, "LayerNorm")
     self.dropout = nn.Dropout(cfg.dropout_rate)
 
   def __call__(self, token_ids: Array, segment_ids: Array, deterministic: bool) -> Array:
-    positions = jnp.arange(token_ids.shape[-1])[None, :]
-    x = (self.word_embeddings(token_ids) + self.position_embeddings(positions)
-         + self.token_type_embeddings(segment_ids))
+    # positions 0..T-1 are the table's first rows: a slice (its gradient a pad, not a scatter)
+    positions = self.position_embeddings.embedding[:token_ids.shape[-1]]
+    x = self.word_embeddings(token_ids) + positions[None] + self.token_types(segment_ids)
     return self.dropout(self.LayerNorm(x), deterministic=deterministic)
 
+  def token_types(self, segment_ids: Array) -> Array:
+    """The segment embeddings as a select over BERT's few types (the gradient a reduction per
+    type, where a lookup's would be a scatter of every token into one of two rows)."""
+    table = self.token_type_embeddings.embedding
+    if table.shape[0] > 8:
+      return self.token_type_embeddings(segment_ids)
+    out = jnp.zeros(segment_ids.shape + table.shape[-1:], table.dtype)
+    for value in range(table.shape[0]):
+      out = jnp.where((segment_ids == value)[..., None], table[value], out)
+    return out
+
   def attend(self, hidden: Array) -> Array:
-    """Logits against the word embeddings (the MLM decoder tied to them)."""
-    return self.word_embeddings.attend(hidden)
+    """Logits against the word embeddings (the MLM decoder tied to them), in cfg.dtype."""
+    table = self.word_embeddings.embedding.astype(self.cfg.dtype)
+    return jnp.dot(hidden.astype(self.cfg.dtype), table.T)
 
 
 class BertLayer(nn.Module):
@@ -221,8 +238,10 @@ class _SelfAttentionOnly(nn.Module):
     v = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "value")(context))
     if not deterministic and cfg.attention_dropout > 0:
       out = self.attention_with_dropout(q, k, v, key_mask)   # materialised: no fused kernel
-    elif cfg.attention == "cudnn":
-      # cuDNN's own padding mask (no [B, 1, 1, S] bias, which its kernel does not take)
+    elif cfg.attention == "cudnn" and q.shape[1] % 2 == 0 and k.shape[1] % 2 == 0:
+      # cuDNN's own padding mask (no [B, 1, 1, S] bias, which its kernel does not take); its
+      # masked kernel trains on even lengths only, so a last layer that computes [CLS] alone
+      # (or an odd number of positions) attends through XLA below, the same function
       lengths = key_mask.sum(axis=-1, dtype=jnp.int32).reshape(-1)
       out = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
                                          implementation="cudnn")

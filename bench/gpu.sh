@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The accelerator figures of docs/performance.md in one run on a CUDA machine (one GPU):
+# versions; bench/train_step.py on realm_base in bf16 at the paper's per-device batch (8
+# queries), with cuDNN's fused attention (traced: bench/trace_summary.py prints where the device
+# time went), then at 32 queries with remat, then with the config's own attention (XLA, with
+# attention dropout); bench/memory.py (realm_base and ict_base on this device's compiler, compile only, beside the
+# rest in three processes); bench/index_scale.py's device figures (exact top-k over 13.35M x
+# 128, the BERT-base block tower's blocks/s at 288 wordpieces; --skip_scann: ScaNN is
+# host-side). The 6.8 GB synthetic table is generated on the host while the train step runs.
+#
+#   bash bench/gpu.sh [OUT_DIR [PARTS]]   (default runs/gpu; logs and JSONL land there)
+#
+# PARTS (default "step memory index"): which figures to take; the train steps run first, alone
+# on the device, the compile-only memory bench beside them.
+#
+# Every part has a time limit and the whole run a deadline ($DEADLINE seconds, default 560), so
+# that it ends inside a 10-minute lease; a part cut short says so in its log. Processes allocate
+# device memory as they need it (XLA_PYTHON_CLIENT_PREALLOCATE=false), so that they can share
+# the device.
+set -u
+out=${1:-runs/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python=${PYTHON:-python3}
+deadline=${DEADLINE:-560}
+cache=runs/bench_index_scale
+parts=" ${2:-step memory index} "
+want() { [[ "$parts" == *" $1 "* ]]; }
+
+quiet() { grep -v -e "^\*\*\*" -e "slow_operation_alarm" -e "Very slow compile" -e "^$"; }
+
+part() {   # part NAME LIMIT_S COMMAND...: runs COMMAND, its output to the console and $out/NAME.log
+  local name=$1 limit=$2; shift 2
+  local left=$((deadline - SECONDS))
+  if [ "$left" -lt 30 ]; then echo "== $name: skipped (${left}s to the deadline)"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | tee "$out/$name.log" | quiet
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - t0))s$([ "$rc" = 124 ] && echo ' (time limit)')"
+}
+
+background() {   # background NAME LIMIT_S COMMAND...: as part, in the background, log only
+  local name=$1 limit=$2; shift 2
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1 &
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  $python -c "import jax, jaxlib, flax, optax, orbax.checkpoint as o, numpy, sys; \
+print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, \
+'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__, \
+'numpy', numpy.__version__); print(jax.devices())"
+} 2>&1 | tee "$out/versions.log"
+
+# The index bench's table, on the host (index_scale reuses its cache).
+want index && background table $((deadline - 60)) $python -c "
+import pathlib, sys
+sys.path.insert(0, 'bench')
+from index_scale import synthetic_table
+_, seconds = synthetic_table(pathlib.Path('$cache/table-13350000x128-c16384-s0.npy'),
+                             13_350_000, 128, 16_384, 0)
+print(f'table generated in {seconds:.0f} s')"
+table_pid=${!:-}
+# Memory: compile only, without GEMM autotuning (it times kernels; the plan's sizes hardly move).
+want memory && for cases in "realm_base --dtype bfloat16" "realm_base --dtype float32" "ict_base"; do
+  set -- $cases
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" background "memory_$1_${3:-all}" \
+    $((deadline - 40)) $python bench/memory.py --only $cases --out "$out/memory.jsonl"
+done
+
+cudnn=(--set model.attention=cudnn --set model.attention_dropout_rate=0)
+if want step; then
+  part train_step_cudnn 270 $python bench/train_step.py --only base --batch 8 --steps 10 \
+    "${cudnn[@]}" --profile "$out/trace" --out "$out/train_step.jsonl"
+  part trace_summary 60 $python bench/trace_summary.py "$out/trace/base" --top 25
+fi
+if want index; then
+  wait "$table_pid"; tr '\r' '\n' < "$out/table.log" | tail -1
+  part index_scale 220 $python bench/index_scale.py --skip_scann --qps_seconds 5 \
+    --embed_batch 256 --embed_batches 4 --cache "$cache" --out "$out/index_scale.jsonl"
+fi
+if want step; then
+  part train_step_cudnn_b32 200 $python bench/train_step.py --only base --batch 32 --steps 5 \
+    "${cudnn[@]}" --set model.remat=matmuls --out "$out/train_step.jsonl"
+  part train_step_xla 200 $python bench/train_step.py --only base --batch 8 --steps 10 \
+    --out "$out/train_step.jsonl"
+fi
+wait
+want memory && for log in "$out"/memory_*.log; do echo "== $log"; quiet < "$log" | tail -9; done
