@@ -21,8 +21,8 @@ is not memory-aware (it runs the recomputation right after the forward pass, so 
 keeps every activation anyway; only across a loop boundary, e.g. layers under `lax.scan`, is
 it ordered late), and CPU has no native bfloat16 matmul, so bf16 programs keep float32 copies.
 GPU and TPU compilers schedule for memory; run the script there for their own peak. The
-`fits` columns use the estimate on CPU and XLA's own peak on an accelerator. ICT's in-batch softmax over the global batch adds an
-all-gather of 4,096 x 128 embeddings, not counted.
+`fits` columns use the estimate on CPU and XLA's own peak on an accelerator. ICT's in-batch
+softmax over the global batch adds an all-gather of 4,096 x 128 embeddings, not counted.
 
   python bench/memory.py [--only realm_base|ict_base] [--dtype float32 bfloat16]
       [--remat none full matmuls] [--out runs/memory.jsonl]

@@ -58,8 +58,8 @@ def summarise(path: pathlib.Path, steps: int, top: int) -> int:
     by_name = collections.Counter()
     count = collections.Counter()
     for line in plane.lines:
-      if "stream" not in line.name.lower() or "memcpy" in line.name.lower():
-        continue   # kernel lines only (not XLA's op or module lines, which nest them)
+      if "stream" not in line.name.lower():
+        continue   # stream lines only (XLA's op and module lines nest the same kernels)
       for event in line.events:
         by_name[event.name] += event.duration_ns
         count[event.name] += 1
@@ -68,8 +68,8 @@ def summarise(path: pathlib.Path, steps: int, top: int) -> int:
       print(f"{plane.name}: no kernel events; its lines: "
             + ", ".join(f"{line.name} ({sum(1 for _ in line.events)})" for line in plane.lines))
       continue
-    print(f"\n{plane.name}: kernels busy {busy / 1e6:.1f} ms in {steps} steps "
-          f"({busy / 1e6 / steps:.1f} ms a step), {sum(count.values()):,} launches")
+    print(f"\n{plane.name}: kernels busy (summed over streams) {busy / 1e6:.1f} ms in {steps} "
+          f"steps ({busy / 1e6 / steps:.1f} ms a step), {sum(count.values()):,} launches")
     kinds = collections.Counter()
     for name, ns in by_name.items():
       kinds[kind_of(name)] += ns

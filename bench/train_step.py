@@ -394,7 +394,7 @@ def print_table(records: list[dict], matmul: dict[str, float]) -> None:
       ("step / matmul", lambda r: f"{r['ratio_to_matmul']:.1%}"),
   ]
   if any("device_peak_gb" in r for r in records):
-    rows.append(("device memory peak", lambda r: f"{r['device_peak_gb']:.1f} GB"
+    rows.append(("device peak (process)", lambda r: f"{r['device_peak_gb']:.1f} GB"
                  if "device_peak_gb" in r else "-"))
   if any("mfu" in r for r in records):
     rows.append(("bf16 MFU", lambda r: f"{r['mfu']:.1%} of "

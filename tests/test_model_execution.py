@@ -169,16 +169,21 @@ def test_embedding_gradients_scatter_only_the_word_ids_and_in_float32():
               if eqn.primitive.name.startswith("scatter")]
   assert [(a.shape, a.dtype) for a in scatters] == [((VOCAB, 32), jnp.float32)]
 
-  table = {name: np.asarray(params["embeddings"][name]["embedding"])
+  plain = encoder()    # float32: the forward pass against the three lookups + LayerNorm
+  params = flax.linen.meta.unbox(init_params(plain, 1, ids, segments))["embeddings"]
+  table = {name: np.asarray(params[name]["embedding"], np.float64)
            for name in ("word_embeddings", "position_embeddings", "token_type_embeddings")}
   summed = (table["word_embeddings"][ids] + table["position_embeddings"][None, :ids.shape[1]]
             + table["token_type_embeddings"][segments])
-  embeddings = BertEmbeddings(model.cfg)
-  pre_norm = embeddings.apply({"params": params["embeddings"]}, ids, segments,
-                              method=lambda m, i, s: m.word_embeddings(i)
-                              + m.position_embeddings.embedding[:i.shape[1]][None]
-                              + m.token_types(s))
-  np.testing.assert_array_equal(np.asarray(pre_norm), summed)
+  norm = params["LayerNorm"]
+  expected = ((summed - summed.mean(-1, keepdims=True))
+              / np.sqrt(summed.var(-1, keepdims=True) + plain.cfg.layer_norm_eps)
+              * np.asarray(norm["scale"]) + np.asarray(norm["bias"]))
+  got = BertEmbeddings(plain.cfg).apply({"params": params}, ids, segments, True)
+  np.testing.assert_allclose(np.asarray(got), expected, atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="max_position"):
+    BertEmbeddings(plain.cfg).apply({"params": params}, np.ones((1, 40), np.int32),
+                                    np.zeros((1, 40), np.int32), True)
 
 
 def random_realm_batch(config, rng):

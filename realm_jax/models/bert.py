@@ -149,8 +149,7 @@ class BertEmbeddings(nn.Module):
     # The lookups are float32 whatever cfg.dtype: a lookup's gradient is a scatter-add into
     # the table, which in bfloat16 a GPU runs as compare-and-swap loops (the token types' two
     # rows take every token's update: two thirds of a BERT-base REALM step's device time on an
-    # H100, docs/performance.md). The sum goes
-    # to the LayerNorm, which computes in float32 anyway.
+    # H100, docs/performance.md). The sum goes to the LayerNorm, which computes in float32.
     self.word_embeddings = nn.Embed(
         cfg.vocab_size, cfg.hidden_size, dtype=jnp.float32,
         embedding_init=nn.with_logical_partitioning(init, ("vocab", "embed")))
@@ -165,6 +164,9 @@ class BertEmbeddings(nn.Module):
 
   def __call__(self, token_ids: Array, segment_ids: Array, deterministic: bool) -> Array:
     # positions 0..T-1 are the table's first rows: a slice (its gradient a pad, not a scatter)
+    if token_ids.shape[-1] > self.cfg.max_position:
+      raise ValueError(f"sequences of {token_ids.shape[-1]} tokens: the position table has "
+                       f"{self.cfg.max_position} rows (max_position)")
     positions = self.position_embeddings.embedding[:token_ids.shape[-1]]
     x = self.word_embeddings(token_ids) + positions[None] + self.token_types(segment_ids)
     return self.dropout(self.LayerNorm(x), deterministic=deterministic)
@@ -175,7 +177,7 @@ class BertEmbeddings(nn.Module):
     table = self.token_type_embeddings.embedding
     if table.shape[0] > 8:
       return self.token_type_embeddings(segment_ids)
-    out = jnp.zeros(segment_ids.shape + table.shape[-1:], table.dtype)
+    out = jnp.full(segment_ids.shape + table.shape[-1:], jnp.nan, table.dtype)  # as a lookup
     for value in range(table.shape[0]):
       out = jnp.where((segment_ids == value)[..., None], table[value], out)
     return out
