@@ -34,7 +34,6 @@ dropout on the attention weights they are materialised) or `--set model.remat=fu
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import pathlib
@@ -47,13 +46,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from realm_jax.demo import repo_config, with_overrides
+from realm_jax.demo import repo_config
 from realm_jax.train import partitioning, state as state_lib, steps
 from realm_jax.errors import ConfigError
-from realm_jax.train.config_base import part_model, validate
+from realm_jax.train.config_base import flat_options, part_model, validate
 from report import append_jsonl   # bench/ is this script's directory: sys.path[0]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(1, str(REPO / "launch"))    # scripts, not a package: the launchers' --set
+from sweep import check_key, parse_assignment, typed_value  # noqa: E402
+
 
 # Dense bf16 peak FLOP/s per chip, matched in order against `device_kind` (first hit wins).
 PEAK_BF16_FLOPS = (
@@ -65,24 +67,9 @@ PEAK_BF16_FLOPS = (
 )
 
 
-def parse_sets(items: list[str]) -> dict:
-  """`--set KEY=VALUE` items -> {KEY: value}; a value is a Python literal or else a string."""
-  overrides = {}
-  for item in items:
-    key, sep, text = item.partition("=")
-    if not sep or not key:
-      raise SystemExit(f"bench: --set {item!r}: expected KEY=VALUE (e.g. model.remat=full)")
-    try:
-      overrides[key] = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-      overrides[key] = text
-  return overrides
-
-
-def case_config(case: str, accelerator: bool, batch_size: int | None,
-                overrides: dict | None = None):
+def case_config(case: str, accelerator: bool, batch_size: int | None, sets: list[str] = ()):
   """The config of a bench case with its bench-only overrides (vocab, batch, dtype) and the
-  `--set` ones last."""
+  `--set KEY=VALUE` ones last, read as the launchers read theirs."""
   if case == "demo":
     config = repo_config("demo_realm", "realm")
     config.model.vocab_size = 4000      # the demo's vocab comes from its data dir (0)
@@ -95,18 +82,12 @@ def case_config(case: str, accelerator: bool, batch_size: int | None,
     config.train.batch_size = batch_size
   if accelerator:
     config.model.dtype = "bfloat16"
-  for key, value in (overrides or {}).items():
-    *parents, leaf = key.split(".")
-    node = config
-    try:
-      for parent in parents:
-        node = node[parent]
-      if leaf not in node:
-        raise KeyError(f"no field {leaf!r}")
-      with_overrides(config, {key: value})
-    except (KeyError, AttributeError, TypeError) as e:
-      raise SystemExit(f"bench: --set {key}={value!r}: {e}") from None
+  fields = flat_options(config)
   try:
+    for text in sets:
+      key, value = parse_assignment(text, "--set")
+      check_key(key, fields, "--set")
+      config.update_from_flattened_dict({key: typed_value(value, fields[key], key)})
     validate(config)
   except ConfigError as e:
     raise SystemExit(f"bench: {e}") from None
@@ -295,6 +276,7 @@ def bench_case(case: str, config, num_steps: int, matmul: dict[str, float],
   tokens = token_counts(config)
   compute_dtype = config.model.dtype
   matmul_ref = matmul["bfloat16" if compute_dtype == "bfloat16" else "float32"]
+  rate_flops = step_flops_device(flops_device, config, devices)
   record = {
       "bench": "train_step", "config": name, "backend": jax.default_backend(),
       "device_kind": device.device_kind, "devices": devices,
@@ -313,10 +295,9 @@ def bench_case(case: str, config, num_steps: int, matmul: dict[str, float],
       **tokens, "tokens_per_s": tokens["tokens"] / step_s,
       "queries_per_s": config.train.batch_size / step_s,
       "xla_flops": flops, "analytic_flops": analytic_flops(config),
-      "flops_per_s": step_flops_device(flops_device, config, devices) * devices / step_s,
-      "flops_per_s_per_device": step_flops_device(flops_device, config, devices) / step_s,
+      "flops_per_s": rate_flops * devices / step_s, "flops_per_s_per_device": rate_flops / step_s,
       "matmul_dtype": compute_dtype, "matmul_flops_per_s": matmul_ref,
-      "ratio_to_matmul": step_flops_device(flops_device, config, devices) / step_s / matmul_ref,
+      "ratio_to_matmul": rate_flops / step_s / matmul_ref,
   }
   stats = device.memory_stats() if jax.default_backend() != "cpu" else None
   if stats and "peak_bytes_in_use" in stats:   # what the allocator really held at its peak
@@ -324,7 +305,7 @@ def bench_case(case: str, config, num_steps: int, matmul: dict[str, float],
   peak = peak_bf16_flops(device) if jax.default_backend() != "cpu" else None
   if peak:
     record.update(peak_bf16_flops=peak,
-                  mfu=step_flops_device(flops_device, config, devices) / step_s / peak)
+                  mfu=rate_flops / step_s / peak)
   return record
 
 
@@ -425,19 +406,18 @@ def main(argv=None) -> None:
                       help="trace 3 more steps of each case into DIR (jax.profiler)")
   parser.add_argument("--out", default=None, help="append one JSON line per case here")
   args = parser.parse_args(argv)
-  overrides = parse_sets(args.set)
 
   accelerator = jax.default_backend() != "cpu"
   print(f"[bench] backend {jax.default_backend()}, {jax.device_count()} x "
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+  cases = [args.only] if args.only else ["demo", "real", "base"]
+  configs = {case: case_config(case, accelerator, args.batch, args.set) for case in cases}
   n = matmul_size()
   matmul = {"float32": matmul_flops_per_s(jnp.float32, n)}
-  if accelerator or overrides.get("model.dtype") == "bfloat16":
+  if any(c.model.dtype == "bfloat16" for c in configs.values()):
     matmul["bfloat16"] = matmul_flops_per_s(jnp.bfloat16, n)
-  cases = [args.only] if args.only else ["demo", "real", "base"]
   records = []
-  for case in cases:
-    config = case_config(case, accelerator, args.batch, overrides)
+  for case, config in configs.items():
     num_steps = args.steps or {"demo": 10, "real": 5}.get(case, 3)
     record = bench_case(case, config, num_steps, matmul,
                         os.path.join(args.profile, case) if args.profile else "")
