@@ -56,13 +56,8 @@ print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib
 } 2>&1 | tee "$out/versions.log"
 
 # The index bench's table, on the host (index_scale reuses its cache).
-want index && background table $((deadline - 60)) $python -c "
-import pathlib, sys
-sys.path.insert(0, 'bench')
-from index_scale import synthetic_table
-_, seconds = synthetic_table(pathlib.Path('$cache/table-13350000x128-c16384-s0.npy'),
-                             13_350_000, 128, 16_384, 0)
-print(f'table generated in {seconds:.0f} s')"
+want index && background table $((deadline - 60)) $python bench/index_scale.py --table_only \
+  --cache "$cache"
 table_pid=${!:-}
 # Memory: compile only, without GEMM autotuning (it times kernels; the plan's sizes hardly move).
 want memory && for cases in "realm_base --dtype bfloat16" "realm_base --dtype float32" "ict_base"; do

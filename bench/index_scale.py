@@ -26,6 +26,7 @@ not perturbed table rows. Printed, and appended as one JSON line to `--out`:
                  tower's measured blocks/s at 288 wordpieces on this host (in bfloat16 on an
                  accelerator, as the builder runs there)
 
+`--table_only` generates the table into the cache and stops (to have it ready beforehand).
 `--skip_scann` leaves the host-side ScaNN build and numpy's queries/s (its baseline) out: on a
 GPU machine the figures wanted are the device's.
 
@@ -312,6 +313,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--refresh_every", type=int, default=500, help="steps between rebuilds")
   parser.add_argument("--embed_batch", type=int, default=16, help="blocks per embed batch")
   parser.add_argument("--embed_batches", type=int, default=2, help="timed embed batches")
+  parser.add_argument("--table_only", action="store_true",
+                      help="generate (or find) the cached table and stop")
   parser.add_argument("--skip_scann", action="store_true",
                       help="leave the host-side ScaNN build, and numpy's queries/s (its "
                            "baseline), out")
@@ -326,6 +329,10 @@ def main(argv=None) -> dict:
   name = f"table-{args.blocks}x{args.dim}-c{args.clusters}-s{args.seed}.npy"
   table, generate_s = synthetic_table(cache / name, args.blocks, args.dim, args.clusters,
                                       args.seed)
+  if args.table_only:
+    done = f"generated in {generate_s:.0f} s" if generate_s else "found in the cache"
+    print(f"[scale] table {cache / name}: {done}", flush=True)
+    return {}
   centers = np.random.default_rng(args.seed).normal(size=(args.clusters, args.dim))
   queries = mixture_draws(np.random.default_rng(args.seed + 1), centers.astype(np.float32),
                           args.queries)
