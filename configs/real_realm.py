@@ -13,6 +13,10 @@ Variants by arg (one per stage, all on the same data):
   openqa    Open-QA fine-tuning (ORQA) on the training articles' questions; the demo starts
             it once from the REALM and once from the ICT-only checkpoint
 
+A second arg after a comma picks the scale: `cpu` (default: the recipe above, sized for a
+2-core CPU hour) or `gpu` (`ict,gpu`, ...: every MiniLM layer in the reader, a larger
+retriever, 3-5x the steps; sized for one accelerator, `_gpu_scale`).
+
   realm-prepare --config configs/real_realm.py:prepare --config.out_dir runs/real/data
   realm-train --config configs/real_realm.py:ict --workdir runs/real/ict \
       --config.data.dir runs/real/data
@@ -29,6 +33,7 @@ from realm_jax.packages import MINILM
 from realm_jax.train.config_base import base_config
 
 VARIANTS = ("prepare", "ict", "warmup", "realm", "openqa")
+SCALES = ("cpu", "gpu")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SQUAD = os.path.join(REPO, "..", "shared", "data", "squadshifts_new_wiki_v1.0.json")
 BLOCK_LEN = 128                    # SQuAD paragraphs average ~170 wordpieces: ~2 blocks each
@@ -37,9 +42,20 @@ HELDOUT_ARTICLES = 0.2             # share of articles whose questions are only 
 
 
 def get_config(arg=None):
-  variant = arg or "realm"
+  variant, _, scale = (arg or "realm").partition(",")
   if variant not in VARIANTS:
     raise ValueError(f"configs/real_realm.py: unknown variant {variant!r}; one of {VARIANTS}")
+  if (scale or "cpu") not in SCALES:
+    raise ValueError(f"configs/real_realm.py: unknown scale {scale!r} in {arg!r}; one of "
+                     f"{SCALES} (VARIANT,SCALE)")
+  c = _recipe(variant)
+  if scale == "gpu" and variant != "prepare":
+    _gpu_scale(c, variant)
+  return c
+
+
+def _recipe(variant):
+  """The CPU-hour recipe of `variant`."""
   if variant == "prepare":
     c = prepare_config()
     c.source = f"squad:{os.path.normpath(SQUAD)}"
@@ -113,6 +129,40 @@ def _shapes(c):
   c.train.log_every = 25
   c.train.checkpoint_every = 100
   c.qa.heldout_articles = HELDOUT_ARTICLES
+
+
+def _gpu_scale(c, variant):
+  """The recipe at the scale of one accelerator (not yet run: sized by arithmetic, e.g. a
+  warm-up step of MiniLM's 6 layers over 32 x 190 wordpieces is ~0.56 TFLOP). Same data; the
+  reader is all of MiniLM, the random-start retriever 4 layers of d=256; ICT, the warm-up,
+  REALM and Open-QA take 5x, 2.5x, 5x and 3.3x the steps, REALM reads 8 blocks per query."""
+  c.model.num_layers = 6           # every MiniLM layer (the CPU recipe: the first 4)
+  c.model.retriever.hidden_size = 256
+  c.model.retriever.num_layers = 4
+  c.model.retriever.intermediate_size = 1024
+  c.retrieval.embed_batch_size = 1024
+  c.eval.num_examples = 1024
+  c.eval.batch_size = 128
+  c.builder.devices = "shared"     # trainer and builder on the one GPU (launch/local.py)
+  if variant == "ict":
+    c.train.batch_size = 256       # 4x the in-batch negatives
+    c.train.steps = 2000
+  elif variant == "warmup":
+    c.train.batch_size = 32
+    c.train.steps = 3000
+    c.train.warmup_steps = 100
+  elif variant == "realm":
+    c.retrieval.k = 9              # training reads the top 8 blocks (the paper's k)
+    c.retrieval.refresh_every = 50
+    c.train.batch_size = 32
+    c.train.steps = 1000
+    c.train.warmup_steps = 50
+    c.train.checkpoint_every = 200
+  elif variant == "openqa":
+    c.train.batch_size = 16
+    c.train.steps = 1000
+    c.train.warmup_steps = 100
+    c.train.checkpoint_every = 250
 
 
 def _openqa(c):

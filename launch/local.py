@@ -7,7 +7,8 @@ Every `--config.*` override goes to both processes (`realm_jax.train.main` and
 `realm_jax.retrieval.builder`); they share only the workdir (realm_jax/workdir.py;
 docs/workdir.md).
 With GPUs visible, `config.builder.devices` names the builder's GPUs and the trainer gets the
-rest; on CPU both inherit the environment. Output is streamed line by line with a `[trainer] ` /
+rest, or is `shared`: both on every GPU (a one-GPU machine), each allocating device memory as
+it needs; on CPU both inherit the environment. Output is streamed line by line with a `[trainer] ` /
 `[builder] ` prefix and appended to `W/logs/<name>.log`. Ctrl-C stops both (SIGINT to each
 process group, SIGKILL after the grace period, exit 130); SIGTERM (preemption) is passed on
 as SIGTERM, so the trainer saves a checkpoint of its step first (exit 143; 137 if it had to be
@@ -34,6 +35,7 @@ from realm_jax.train.option_names import upgrade_flags
 
 PROG = "local.py"
 NAMES = ("trainer", "builder")
+SHARED = "shared"      # config.builder.devices: trainer and builder on the same GPUs
 DEFAULT_GRACE = 30.0
 POLL_SECONDS = 0.1
 _OVERRIDE = re.compile(r"^--?(no)?config\.")     # the override forms absl's config_flags takes
@@ -125,15 +127,19 @@ def assign_devices(visible: list[str], builder_ids: str) -> tuple[str, str] | No
 
   Args:
     visible: GPU ids visible to the launcher, in order ([] on CPU).
-    builder_ids: `config.builder.devices`, comma-separated ids for the builder ("6,7").
+    builder_ids: `config.builder.devices`, comma-separated ids for the builder ("6,7"), or
+      "shared": both processes on every visible GPU (one GPU; their memory:
+      `shared_memory_env`).
   Returns:
     (trainer ids, builder ids) as CUDA_VISIBLE_DEVICES values, or None on CPU (no GPU visible
     and none asked for): both processes then inherit the environment.
   Raises:
     ConfigError naming `builder.devices` when the split is impossible.
   """
-  wanted = [d.strip() for d in builder_ids.split(",") if d.strip()]
   shown = ",".join(visible)
+  if builder_ids.strip() == SHARED:
+    return (shown, shown) if visible else None
+  wanted = [d.strip() for d in builder_ids.split(",") if d.strip()]
   if not visible:
     if wanted:
       raise ConfigError("builder.devices", f"{builder_ids!r} names GPUs for the builder, but no "
@@ -144,7 +150,7 @@ def assign_devices(visible: list[str], builder_ids: str) -> tuple[str, str] | No
     raise ConfigError("builder.devices", f"GPUs {shown} are visible and the trainer and the "
                       "builder must get disjoint ones: set --config.builder.devices to the "
                       f"builder's ids (e.g. --config.builder.devices={visible[-1]}); the trainer "
-                      "gets the rest")
+                      f"gets the rest (or '{SHARED}': both on every GPU)")
   unknown = [d for d in wanted if d not in visible]
   if unknown:
     raise ConfigError("builder.devices", f"{','.join(unknown)} not among the visible GPUs "
@@ -154,8 +160,18 @@ def assign_devices(visible: list[str], builder_ids: str) -> tuple[str, str] | No
   trainer = [d for d in visible if d not in wanted]
   if not trainer:
     raise ConfigError("builder.devices", f"{builder_ids!r} takes every visible GPU ({shown}) "
-                      "and leaves none for the trainer")
+                      f"and leaves none for the trainer (to share them: '{SHARED}')")
   return ",".join(trainer), ",".join(wanted)
+
+
+def shared_memory_env(environ: dict[str, str]) -> dict[str, str]:
+  """The variables that let trainer and builder share a GPU: each allocates as it needs
+  (JAX's default takes 75% of the device at start-up, leaving the second process too little),
+  unless the launcher's environment already says how much each may take."""
+  if any(k in environ for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                "XLA_PYTHON_CLIENT_ALLOCATOR")):
+    return {}
+  return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
 def default_commands(config: str, workdir: str, overrides: list[str]) -> dict[str, list[str]]:
@@ -433,10 +449,14 @@ def _launch(args: argparse.Namespace) -> int:
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})", flush=True)
     env_for = {}
   else:
-    print(f"{PROG}: GPUs {','.join(visible)}: trainer {split[0]}, builder {split[1]} "
-          "(config.builder.devices)", flush=True)
     env_for = {"trainer": {"CUDA_VISIBLE_DEVICES": split[0]},
                "builder": {"CUDA_VISIBLE_DEVICES": split[1]}}
+    memory = shared_memory_env(dict(os.environ)) if builder_ids.strip() == SHARED else {}
+    for env in env_for.values():
+      env.update(memory)
+    print(f"{PROG}: GPUs {','.join(visible)}: trainer {split[0]}, builder {split[1]} "
+          "(config.builder.devices)" + "".join(f"; both with {k}={v}" for k, v in memory.items()),
+          flush=True)
   commands = default_commands(args.config, args.workdir, args.overrides)
   return supervise(commands, args.workdir, env_for, args.grace)
 

@@ -548,6 +548,10 @@ def run_demo_cli(prog: str, job) -> object:
   (exit 143), Ctrl-C with every stage stopped (exit 130), a failed stage (exit 1), each with
   one line saying so."""
   signal.signal(signal.SIGTERM, _on_sigterm)
+  # Stages run in this process and in processes of their own (trainer + builder), one after
+  # another and side by side: on an accelerator none may take most of the device's memory at
+  # start-up, as JAX does by default (the variable is read when the device is first used).
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
   def stoppable_job():
     try:

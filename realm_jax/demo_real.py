@@ -9,7 +9,9 @@ reader, ORQA's start) with the same settings -> EM / F1 / recall on the held-out
 Every stage is an ordinary `realm-train` run in its own sub-workdir (configs/real_realm.py),
 so an interrupted demo resumes where it stopped. W/summary.json holds every figure.
 
-  python -m realm_jax.demo_real --workdir runs/real [--squad PATH] [--seed S]
+  python -m realm_jax.demo_real --workdir runs/real [--squad PATH] [--seed S] [--scale gpu]
+
+`--scale gpu` runs every stage at configs/real_realm.py's accelerator scale (`VARIANT,gpu`).
 """
 
 from __future__ import annotations
@@ -33,8 +35,13 @@ OPENQA_STAGES = (("openqa_realm", {"init.from_workdir": "realm"}, {}),
                  ("openqa_ict", {"init.retriever": "ict"}, {"init.reader": MINILM}))
 
 
-def _config(variant: str, overrides: dict):
-  return with_overrides(repo_config(CONFIG, variant), overrides)
+def _arg(variant: str, scale: str) -> str:
+  """configs/real_realm.py's arg for `variant` at `scale` (cpu: the variant alone)."""
+  return variant if scale == "cpu" else f"{variant},{scale}"
+
+
+def _config(variant: str, overrides: dict, scale: str):
+  return with_overrides(repo_config(CONFIG, _arg(variant, scale)), overrides)
 
 
 def prepare_data(workdir: str, squad: str) -> tuple[str, str, dict]:
@@ -57,11 +64,11 @@ def stage_overrides(data_dir: str, source: str, seed: int, workdir: str, inits: 
   return overrides
 
 
-def retrieval_table(workdir: str, data_dir: str, source: str, seed: int) -> dict:
+def retrieval_table(workdir: str, data_dir: str, source: str, seed: int, scale: str) -> dict:
   """recall@1/5/20 of the answer paragraph on the held-out articles' questions."""
   from realm_jax.retrieval.zero_shot import format_table, recall_table
-  ict = _config("ict", stage_overrides(data_dir, source, seed, workdir, {}))
-  realm = _config("realm", stage_overrides(data_dir, source, seed, workdir, {}))
+  ict = _config("ict", stage_overrides(data_dir, source, seed, workdir, {}), scale)
+  realm = _config("realm", stage_overrides(data_dir, source, seed, workdir, {}), scale)
   table = recall_table(data_dir, {"untrained": (ict, ""),
                                   "ict": (ict, os.path.join(workdir, "ict")),
                                   "realm": (realm, os.path.join(workdir, "realm"))},
@@ -72,17 +79,23 @@ def retrieval_table(workdir: str, data_dir: str, source: str, seed: int) -> dict
   return table
 
 
-def open_qa(workdir: str, data_dir: str, source: str, seed: int) -> tuple[dict, dict]:
+def open_qa(workdir: str, data_dir: str, source: str, seed: int,
+            scale: str) -> tuple[dict, dict]:
   """Fine-tunes from each start and scores the held-out articles. Returns (table, summaries)."""
   from realm_jax.openqa_eval import evaluate_run
   table, summaries = {}, {}
   for name, inits, extra in OPENQA_STAGES:
     overrides = {**stage_overrides(data_dir, source, seed, workdir, inits), **extra}
     stage_dir = os.path.join(workdir, name)
-    summaries[name] = run_stage(name, (CONFIG, "openqa"), overrides, stage_dir)
+    summaries[name] = run_stage(name, (CONFIG, _arg("openqa", scale)), overrides, stage_dir)
     print(f"[demo-real] realm-eval {stage_dir} on the held-out articles", flush=True)
-    table[name], _ = evaluate_run(_config("openqa", overrides), stage_dir, split="test")
+    table[name], _ = evaluate_run(_config("openqa", overrides, scale), stage_dir, split="test")
   return table, summaries
+
+
+def _devices() -> str:
+  import jax
+  return f"{jax.device_count()} x {jax.devices()[0].device_kind}"
 
 
 def print_report(summary: dict) -> None:
@@ -100,7 +113,7 @@ def print_report(summary: dict) -> None:
           ("Open-QA recall@5, from ICT + MiniLM", "openqa_recall_at_5_ict"),
           ("wall minutes", "wall_minutes")]
   print(f"\n== REALM on real prose: {summary['source']} (seed {summary['seed']}, "
-        f"{summary['machine']}) ==")
+        f"{summary['scale']} scale, {summary['machine']}) ==")
   for label, key in rows:
     value = summary.get(key)
     print(f"  {label:<40} {value:>8.3f}" if isinstance(value, float) else
@@ -109,20 +122,21 @@ def print_report(summary: dict) -> None:
         "the retriever is a random-start tower trained by ICT, not MiniLM)")
 
 
-def run_demo_real(workdir: str, squad: str = "", seed: int = 0) -> dict:
+def run_demo_real(workdir: str, squad: str = "", seed: int = 0, scale: str = "cpu") -> dict:
   t0 = time.time()
   data_dir, source, stats = prepare_data(workdir, squad)
   results = {}
   for name, variant, inits in STAGES:
     overrides = stage_overrides(data_dir, source, seed, workdir, inits)
-    results[name] = run_stage(name, (CONFIG, variant), overrides, os.path.join(workdir, name))
-  table = retrieval_table(workdir, data_dir, source, seed)
-  qa_table, qa_results = open_qa(workdir, data_dir, source, seed)
+    results[name] = run_stage(name, (CONFIG, _arg(variant, scale)), overrides,
+                              os.path.join(workdir, name))
+  table = retrieval_table(workdir, data_dir, source, seed, scale)
+  qa_table, qa_results = open_qa(workdir, data_dir, source, seed, scale)
   results.update(qa_results)
   realm_eval = results["realm"]
   summary = {
-      "source": source, "seed": seed, "blocks": stats["blocks"],
-      "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+      "source": source, "seed": seed, "scale": scale, "blocks": stats["blocks"],
+      "machine": f"{platform.machine()}, {os.cpu_count()} cores, {_devices()}",
       "heldout_questions": table["bm25"]["questions"],
       **{f"recall_at_{k}_{name}": table[name][f"recall_at_{k}"]
          for name in table for k in (1, 5, 20)},
@@ -152,11 +166,15 @@ def main() -> None:
   parser.add_argument("--squad", default="", help="SQuAD v1.1-format JSON file (default: the "
                       "SQuADShifts file of ../shared/data)")
   parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
+  parser.add_argument("--scale", default="cpu", choices=("cpu", "gpu"),
+                      help="the recipe's size: cpu (a 2-core CPU hour) or gpu (one accelerator; "
+                      "configs/real_realm.py)")
   args = parser.parse_args()
   from absl import logging
   logging.set_verbosity(logging.WARNING)
   squad = os.path.abspath(args.squad) if args.squad else ""
-  run_demo_cli("realm-demo-real", lambda: run_demo_real(args.workdir, squad, args.seed))
+  run_demo_cli("realm-demo-real",
+               lambda: run_demo_real(args.workdir, squad, args.seed, args.scale))
 
 
 if __name__ == "__main__":

@@ -83,3 +83,40 @@ def test_the_config_reference_covers_every_option_and_is_current():
     assert f.read() == config_reference.markdown(), (
         "docs/config_reference.md is stale: python -m realm_jax.train.config_reference > "
         "docs/config_reference.md")
+
+
+def test_the_real_text_recipe_scales():
+  """configs/real_realm.py's `VARIANT,SCALE`: cpu is the variant alone; gpu validates and is
+  larger where it says; a bad scale names itself."""
+  module = load_config_module("real_realm")
+  for variant in module.VARIANTS:
+    assert module.get_config(f"{variant},cpu") == module.get_config(variant)
+    if variant != "prepare":
+      validate(module.get_config(f"{variant},gpu"))
+  cpu, gpu = module.get_config("realm"), module.get_config("realm,gpu")
+  assert (gpu.model.num_layers, cpu.model.num_layers) == (6, 4)
+  assert gpu.train.steps > cpu.train.steps and gpu.retrieval.k > cpu.retrieval.k
+  assert (gpu.builder.devices, cpu.builder.devices) == ("shared", "")
+  assert module.get_config("prepare,gpu") == module.get_config("prepare")
+  with pytest.raises(ValueError, match="unknown scale 'tpu'"):
+    module.get_config("realm,tpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["ict,gpu", "warmup,gpu", "realm,gpu"])
+def test_the_real_text_recipe_at_gpu_scale_lowers(variant):
+  """Each pre-training stage's train step at the accelerator scale lowers on abstract inputs
+  over the 8 test devices, with all 6 of MiniLM's layers in the reader."""
+  config = load_config_module("real_realm").get_config(variant)
+  mesh = partitioning.make_mesh(config.mesh.shape)
+  model = state_lib.build_model(config, config.model.vocab_size)
+  abstract, shardings = state_lib.abstract_train_state(config, model, mesh,
+                                                       config.data.block_len)
+  assert sorted(abstract.params["reader"]["bert"]["encoder"], key=int) == \
+      [str(i) for i in range(6)]
+  step = steps.make_train_step(config, model, shardings, mesh)
+  rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
+  with partitioning.mesh_rules(mesh, partitioning.logical_rules(config.mesh.rules)):
+    lowered = step.jitted.lower(abstract, abstract_batch(config, mesh), rng)
+  out_state, _ = lowered.out_info
+  assert [x.sharding for x in jax.tree.leaves(out_state)] == jax.tree.leaves(shardings)

@@ -384,3 +384,30 @@ def test_a_preempted_in_process_stage_stops_the_demo_instead_of_starting_the_nex
   with pytest.raises(demo.Preempted, match=str(demo.EXIT_CODE)):
     demo.run_stage("warmup", ("demo_realm", "warmup"), {"data.dir": str(tmp_path)},
                    str(tmp_path / "warmup"))
+
+
+def test_demo_real_runs_every_stage_at_the_scale_asked(monkeypatch, tmp_path, capsys):
+  """`--scale gpu` reaches every stage's config arg (VARIANT,gpu) and the summary; the data
+  are prepared once whatever the scale. Stages and evaluations are stand-ins here."""
+  from realm_jax import demo_real, openqa_eval
+  from realm_jax.retrieval import zero_shot
+  specs, tables = [], []
+  monkeypatch.setattr(demo_real, "prepare_data",
+                      lambda workdir, squad: (str(tmp_path / "data"), "squad:F", {"blocks": 3}))
+  monkeypatch.setattr(demo_real, "run_stage",
+                      lambda name, spec, overrides, workdir: specs.append((name, spec)) or {})
+  def recall_table(data_dir, retrievers, heldout_articles):
+    tables.append({name: config.model.num_layers for name, (config, _) in retrievers.items()})
+    return {name: {"recall_at_1": 0.0, "recall_at_5": 0.0, "recall_at_20": 0.0,
+                   "questions": 1} for name in (*retrievers, "bm25")}
+  monkeypatch.setattr(zero_shot, "recall_table", recall_table)
+  monkeypatch.setattr(openqa_eval, "evaluate_run",
+                      lambda config, workdir, split: ({"num_questions": 1}, []))
+  summary = demo_real.run_demo_real(str(tmp_path / "W"), seed=1, scale="gpu")
+  assert specs == [("ict", ("real_realm", "ict,gpu")), ("warmup", ("real_realm", "warmup,gpu")),
+                   ("realm", ("real_realm", "realm,gpu")),
+                   ("openqa_realm", ("real_realm", "openqa,gpu")),
+                   ("openqa_ict", ("real_realm", "openqa,gpu"))]
+  assert tables == [{"untrained": 6, "ict": 6, "realm": 6}]   # the gpu scale's reader
+  assert summary["scale"] == "gpu" and "gpu scale" in capsys.readouterr().out
+  assert demo_real._arg("realm", "cpu") == "realm"

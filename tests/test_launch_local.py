@@ -304,6 +304,9 @@ def test_a_trainer_sigkilled_on_sigterm_makes_the_launcher_exit_137_not_143(tmp_
     (["0", "1", "2", "3"], " 0, 2 ", ("1,3", "0,2")),
     (["2", "3", "5"], "5", ("2,3", "5")),               # ids as CUDA_VISIBLE_DEVICES lists them
     ([], "", None),                                     # CPU: no split, environment inherited
+    (["0"], "shared", ("0", "0")),                      # one GPU: both on it
+    (["0", "1"], " shared ", ("0,1", "0,1")),
+    ([], "shared", None),                               # CPU: nothing to share
 ])
 def test_assign_devices(visible, builder_ids, expected):
   assert local.assign_devices(visible, builder_ids) == expected
@@ -311,6 +314,7 @@ def test_assign_devices(visible, builder_ids, expected):
 
 @pytest.mark.parametrize("visible, builder_ids, words", [
     (["0", "1"], "", "disjoint"),
+    (["0"], "", "or 'shared'"),
     (["0", "1"], "2", "not among the visible GPUs 0,1"),
     (["0", "1"], "0,1", "leaves none for the trainer"),
     (["0", "1", "2"], "1,1", "twice"),
@@ -321,6 +325,13 @@ def test_assign_devices_errors(visible, builder_ids, words):
     local.assign_devices(visible, builder_ids)
   assert e.value.option == "builder.devices"
   assert str(e.value).startswith("config.builder.devices: ") and words in str(e.value)
+
+
+def test_a_shared_gpu_is_allocated_as_needed_unless_the_environment_says_how():
+  assert local.shared_memory_env({}) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  for own in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+              "XLA_PYTHON_CLIENT_ALLOCATOR"):
+    assert local.shared_memory_env({own: "0.4"}) == {}
 
 
 def test_visible_gpus():

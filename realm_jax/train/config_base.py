@@ -185,7 +185,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.builder.reorder = 0            # scann exact re-scoring of this many; 0: derived (>= 100)
   c.builder.recall_queries = 1000  # block-derived queries for the logged recall@10 vs exact
   c.builder.devices = ""           # GPU ids of the builder ("6,7"); the trainer gets the rest
-                                   # (launch/local.py); "" on CPU: separate processes
+                                   # (launch/local.py); "shared": both on every GPU (one GPU);
+                                   # "" on CPU: separate processes
 
   c.init = ml_collections.ConfigDict()   # where each part's params start (resume aside)
   c.init.from_workdir = ""         # every part from this run's latest checkpoint
