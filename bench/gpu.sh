@@ -13,10 +13,10 @@
 # PARTS (default "step memory index"): which figures to take; the train steps run first, alone
 # on the device, the compile-only memory bench beside them. `real` (on its own: it wants the
 # device and the deadline to itself) runs `make demo-real`'s recipe at its accelerator scale
-# (`python -m realm_jax.demo_real --scale gpu`, workdir $REAL_WORKDIR, default runs/gpu_real;
-# the SQuAD-format file $SQUAD; all-MiniLM-L6-v2 installed): the demo resumes at its last
-# finished stage or checkpoint, so running the part again goes on where the deadline stopped it;
-# summary.json is copied to OUT_DIR/real_summary.json once it exists.
+# (`python -m realm_jax.demo_real --scale gpu`, workdir $REAL_WORKDIR, default runs/real_gpu;
+# the SQuAD-format file $SQUAD; all-MiniLM-L6-v2 installed). It gets SIGTERM 100 s before the
+# deadline and 90 s to stop (its stages save their steps); running the part again resumes it
+# from there; summary.json is copied to OUT_DIR/real_summary.json once it exists.
 #
 # Every part has a time limit and the whole run a deadline ($DEADLINE seconds, default 560), so
 # that it ends inside a 10-minute lease; a part cut short says so in its log. Processes allocate
@@ -36,13 +36,14 @@ want() { [[ "$parts" == *" $1 "* ]]; }
 quiet() { grep -v -e "^\*\*\*" -e "slow_operation_alarm" -e "Very slow compile" -e "^$"; }
 
 part() {   # part NAME LIMIT_S COMMAND...: runs COMMAND, its output to the console and $out/NAME.log
-  local name=$1 limit=$2; shift 2
+           # (SIGTERM at the limit, SIGKILL $GRACE seconds later, default 10)
+  local name=$1 limit=$2 grace=${GRACE:-10}; shift 2
   local left=$((deadline - SECONDS))
   if [ "$left" -lt 30 ]; then echo "== $name: skipped (${left}s to the deadline)"; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
   echo "== $name (limit ${limit}s): $*"
   local t0=$SECONDS
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" 2>&1 | tee "$out/$name.log" | quiet
+  timeout --signal=TERM --kill-after="$grace" "$limit" "$@" 2>&1 | tee "$out/$name.log" | quiet
   local rc=${PIPESTATUS[0]}
   echo "== $name: exit $rc after $((SECONDS - t0))s$([ "$rc" = 124 ] && echo ' (time limit)')"
 }
@@ -89,9 +90,10 @@ if want step; then
     --out "$out/train_step.jsonl"
 fi
 if want real; then
-  real=${REAL_WORKDIR:-runs/gpu_real}
-  part demo_real $((deadline - SECONDS - 15)) $python -m realm_jax.demo_real --workdir "$real" \
-    --scale gpu ${SQUAD:+--squad "$SQUAD"}
+  real=${REAL_WORKDIR:-runs/real_gpu}
+  [ $((deadline - SECONDS)) -lt 160 ] && echo "== demo_real: skipped ($((deadline - SECONDS))s left)"
+  [ $((deadline - SECONDS)) -ge 160 ] && GRACE=90 part demo_real $((deadline - SECONDS - 100)) $python -m realm_jax.demo_real \
+    --workdir "$real" --scale gpu ${SQUAD:+--squad "$SQUAD"}
   [ -f "$real/summary.json" ] && cp "$real/summary.json" "$out/real_summary.json"
 fi
 wait

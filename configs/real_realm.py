@@ -15,7 +15,7 @@ Variants by arg (one per stage, all on the same data):
 
 A second arg after a comma picks the scale: `cpu` (default: the recipe above, sized for a
 2-core CPU hour) or `gpu` (`ict,gpu`, ...: every MiniLM layer in the reader, a larger
-retriever, 3-5x the steps; sized for one accelerator, `_gpu_scale`).
+retriever, 5-10x the queries per stage; sized for one accelerator, `_gpu_scale`).
 
   realm-prepare --config configs/real_realm.py:prepare --config.out_dir runs/real/data
   realm-train --config configs/real_realm.py:ict --workdir runs/real/ict \
@@ -135,29 +135,31 @@ def _gpu_scale(c, variant):
   """The recipe at the scale of one accelerator (not yet run: sized by arithmetic, e.g. a
   warm-up step of MiniLM's 6 layers over 32 x 190 wordpieces is ~0.56 TFLOP). Same data; the
   reader is all of MiniLM, the random-start retriever 4 layers of d=256; ICT, the warm-up,
-  REALM and Open-QA take 5x, 2.5x, 5x and 3.3x the steps, REALM reads 8 blocks per query."""
+  REALM and Open-QA read 5x, 5x, 10x and 6.7x the queries, REALM 8 blocks per query."""
   c.model.num_layers = 6           # every MiniLM layer (the CPU recipe: the first 4)
-  c.model.retriever.hidden_size = 256
+  c.model.retriever.hidden_size = 256   # the random-start retriever, 4 layers of d=256
   c.model.retriever.num_layers = 4
   c.model.retriever.intermediate_size = 1024
   c.retrieval.embed_batch_size = 1024
-  c.eval.num_examples = 1024
+  c.eval.num_examples = 1024       # every held-out sentence (~300 on SQuADShifts)
   c.eval.batch_size = 128
   c.builder.devices = "shared"     # trainer and builder on the one GPU (launch/local.py)
   if variant == "ict":
-    c.train.batch_size = 256       # 4x the in-batch negatives
-    c.train.steps = 2000
+    c.train.batch_size = 128       # 2x the in-batch negatives (256 would pair ~11 queries of
+                                   # the same block a batch: ~1.8 sentences per block here)
+    c.train.steps = 1000
+    c.train.checkpoint_every = 500
   elif variant == "warmup":
     c.train.batch_size = 32
     c.train.steps = 3000
     c.train.warmup_steps = 100
+    c.train.checkpoint_every = 500
   elif variant == "realm":
     c.retrieval.k = 9              # training reads the top 8 blocks (the paper's k)
-    c.retrieval.refresh_every = 50
+    c.retrieval.refresh_every = 50  # (a checkpoint every 50 steps for the builder)
     c.train.batch_size = 32
     c.train.steps = 1000
     c.train.warmup_steps = 50
-    c.train.checkpoint_every = 200
   elif variant == "openqa":
     c.train.batch_size = 16
     c.train.steps = 1000

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 
+from realm_jax.demo import shared_memory_env
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax import paths, workdir as workdir_lib
 from realm_jax.train.config_base import load_config
@@ -162,16 +163,6 @@ def assign_devices(visible: list[str], builder_ids: str) -> tuple[str, str] | No
     raise ConfigError("builder.devices", f"{builder_ids!r} takes every visible GPU ({shown}) "
                       f"and leaves none for the trainer (to share them: '{SHARED}')")
   return ",".join(trainer), ",".join(wanted)
-
-
-def shared_memory_env(environ: dict[str, str]) -> dict[str, str]:
-  """The variables that let trainer and builder share a GPU: each allocates as it needs
-  (JAX's default takes 75% of the device at start-up, leaving the second process too little),
-  unless the launcher's environment already says how much each may take."""
-  if any(k in environ for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                "XLA_PYTHON_CLIENT_ALLOCATOR")):
-    return {}
-  return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
 def default_commands(config: str, workdir: str, overrides: list[str]) -> dict[str, list[str]]:

@@ -84,6 +84,16 @@ def split_host(env: dict[str, str], devices: int) -> tuple[dict[str, str], int]:
   return {**env, "XLA_FLAGS": f"{flags} {DEVICE_COUNT_FLAG}={devices}".strip()}, devices
 
 
+def shared_memory_env(environ: dict[str, str]) -> dict[str, str]:
+  """The variables that let processes share an accelerator (a demo's stages, trainer and
+  builder on one GPU): each allocates device memory as it needs, where JAX's default takes 75%
+  of the device at start-up, unless `environ` already says how much each may take."""
+  if any(k in environ for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                "XLA_PYTHON_CLIENT_ALLOCATOR")):
+    return {}
+  return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
 def repo_config(name: str, arg: str | None = None):
   """`configs/<name>.py` -> get_config(arg)."""
   from realm_jax.train.config_base import load_config as load_config_file
@@ -550,8 +560,8 @@ def run_demo_cli(prog: str, job) -> object:
   signal.signal(signal.SIGTERM, _on_sigterm)
   # Stages run in this process and in processes of their own (trainer + builder), one after
   # another and side by side: on an accelerator none may take most of the device's memory at
-  # start-up, as JAX does by default (the variable is read when the device is first used).
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  # start-up (the variables are read when the device is first used).
+  os.environ.update(shared_memory_env(dict(os.environ)))
 
   def stoppable_job():
     try:

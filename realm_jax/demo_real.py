@@ -9,9 +9,10 @@ reader, ORQA's start) with the same settings -> EM / F1 / recall on the held-out
 Every stage is an ordinary `realm-train` run in its own sub-workdir (configs/real_realm.py),
 so an interrupted demo resumes where it stopped. W/summary.json holds every figure.
 
-  python -m realm_jax.demo_real --workdir runs/real [--squad PATH] [--seed S] [--scale gpu]
+  python -m realm_jax.demo_real [--workdir W] [--squad PATH] [--seed S] [--scale gpu]
 
-`--scale gpu` runs every stage at configs/real_realm.py's accelerator scale (`VARIANT,gpu`).
+`--scale gpu` runs every stage at configs/real_realm.py's accelerator scale (`VARIANT,gpu`), by
+default in runs/real_gpu (runs/real at the CPU scale: the two do not resume each other).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import os
 import platform
 import time
 
-from realm_jax.demo import repo_config, run_demo_cli, run_stage, with_overrides
+from realm_jax.demo import devices, repo_config, run_demo_cli, run_stage, with_overrides
 from realm_jax import workdir as workdir_lib
 from realm_jax.packages import MINILM
 
 CONFIG = "real_realm"
+WORKDIRS = {"cpu": "runs/real", "gpu": "runs/real_gpu"}   # default workdir per scale
 # (stage, config variant, init options set to the workdir of the stage they name)
 STAGES = (("ict", "ict", {}),
           ("warmup", "warmup", {"init.retriever": "ict"}),
@@ -93,11 +95,6 @@ def open_qa(workdir: str, data_dir: str, source: str, seed: int,
   return table, summaries
 
 
-def _devices() -> str:
-  import jax
-  return f"{jax.device_count()} x {jax.devices()[0].device_kind}"
-
-
 def print_report(summary: dict) -> None:
   rows = [("zero-shot recall@5, untrained start", "recall_at_5_untrained"),
           ("zero-shot recall@5, ICT", "recall_at_5_ict"),
@@ -136,7 +133,7 @@ def run_demo_real(workdir: str, squad: str = "", seed: int = 0, scale: str = "cp
   realm_eval = results["realm"]
   summary = {
       "source": source, "seed": seed, "scale": scale, "blocks": stats["blocks"],
-      "machine": f"{platform.machine()}, {os.cpu_count()} cores, {_devices()}",
+      "machine": f"{platform.machine()}, {os.cpu_count()} cores, {devices(0)}",
       "heldout_questions": table["bm25"]["questions"],
       **{f"recall_at_{k}_{name}": table[name][f"recall_at_{k}"]
          for name in table for k in (1, 5, 20)},
@@ -162,19 +159,20 @@ def run_demo_real(workdir: str, squad: str = "", seed: int = 0, scale: str = "cp
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--workdir", default="runs/real", help="where everything is written")
+  parser.add_argument("--workdir", default="", help="where everything is written (default: "
+                      f"{WORKDIRS['cpu']}, or {WORKDIRS['gpu']} with --scale gpu)")
   parser.add_argument("--squad", default="", help="SQuAD v1.1-format JSON file (default: the "
                       "SQuADShifts file of ../shared/data)")
   parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
-  parser.add_argument("--scale", default="cpu", choices=("cpu", "gpu"),
+  parser.add_argument("--scale", default="cpu", choices=tuple(WORKDIRS),
                       help="the recipe's size: cpu (a 2-core CPU hour) or gpu (one accelerator; "
                       "configs/real_realm.py)")
   args = parser.parse_args()
   from absl import logging
   logging.set_verbosity(logging.WARNING)
   squad = os.path.abspath(args.squad) if args.squad else ""
-  run_demo_cli("realm-demo-real",
-               lambda: run_demo_real(args.workdir, squad, args.seed, args.scale))
+  workdir = args.workdir or WORKDIRS[args.scale]
+  run_demo_cli("realm-demo-real", lambda: run_demo_real(workdir, squad, args.seed, args.scale))
 
 
 if __name__ == "__main__":

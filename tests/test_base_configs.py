@@ -10,16 +10,17 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from realm_jax.train import partitioning, state as state_lib, steps
-from realm_jax.train.config_base import validate
+from realm_jax.train.config_base import null_in_training, validate
 from tests.helpers import CONFIGS, REPO, load_config_module
 
 QUERIES = 8           # a small global batch: the shapes that matter are per query
 
 
-def abstract_batch(config, mesh):
+def abstract_batch(config, mesh, k=None):
+  """A training batch's shapes (`k` candidates per query; default retrieval.k)."""
   sharding = partitioning.batch_sharding(mesh)
   q, lb, m, k = (config.data.query_len, config.data.block_len, config.data.max_masks,
-                 config.retrieval.k)
+                 k or config.retrieval.k)
   spec = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct((QUERIES,) + shape, dtype,
                                                               sharding=sharding)
   if config.task == "ict":
@@ -106,7 +107,8 @@ def test_the_real_text_recipe_scales():
 @pytest.mark.parametrize("variant", ["ict,gpu", "warmup,gpu", "realm,gpu"])
 def test_the_real_text_recipe_at_gpu_scale_lowers(variant):
   """Each pre-training stage's train step at the accelerator scale lowers on abstract inputs
-  over the 8 test devices, with all 6 of MiniLM's layers in the reader."""
+  of its training batches' shapes over the 8 test devices, with all 6 of MiniLM's layers in
+  the reader."""
   config = load_config_module("real_realm").get_config(variant)
   mesh = partitioning.make_mesh(config.mesh.shape)
   model = state_lib.build_model(config, config.model.vocab_size)
@@ -117,6 +119,17 @@ def test_the_real_text_recipe_at_gpu_scale_lowers(variant):
   step = steps.make_train_step(config, model, shardings, mesh)
   rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, P()))
   with partitioning.mesh_rules(mesh, partitioning.logical_rules(config.mesh.rules)):
-    lowered = step.jitted.lower(abstract, abstract_batch(config, mesh), rng)
+    lowered = step.jitted.lower(abstract, abstract_batch(config, mesh, training_k(config)), rng)
   out_state, _ = lowered.out_info
   assert [x.sharding for x in jax.tree.leaves(out_state)] == jax.tree.leaves(shardings)
+
+
+def training_k(config):
+  """Candidates per query in a training batch (train/batches.py `candidates_for`): the
+  warm-up's own block alone; the retrieved blocks without the null document when training
+  leaves it out."""
+  if config.task != "realm":
+    return None
+  if config.retrieval.candidates == "own_block":
+    return 1
+  return config.retrieval.k - (0 if null_in_training(config) else 1)

@@ -401,13 +401,34 @@ def test_demo_real_runs_every_stage_at_the_scale_asked(monkeypatch, tmp_path, ca
     return {name: {"recall_at_1": 0.0, "recall_at_5": 0.0, "recall_at_20": 0.0,
                    "questions": 1} for name in (*retrievers, "bm25")}
   monkeypatch.setattr(zero_shot, "recall_table", recall_table)
-  monkeypatch.setattr(openqa_eval, "evaluate_run",
-                      lambda config, workdir, split: ({"num_questions": 1}, []))
+  monkeypatch.setattr(openqa_eval, "evaluate_run", lambda config, workdir, split: (
+      tables.append({"openqa": config.model.num_layers}) or {"num_questions": 1}, []))
   summary = demo_real.run_demo_real(str(tmp_path / "W"), seed=1, scale="gpu")
   assert specs == [("ict", ("real_realm", "ict,gpu")), ("warmup", ("real_realm", "warmup,gpu")),
                    ("realm", ("real_realm", "realm,gpu")),
                    ("openqa_realm", ("real_realm", "openqa,gpu")),
                    ("openqa_ict", ("real_realm", "openqa,gpu"))]
-  assert tables == [{"untrained": 6, "ict": 6, "realm": 6}]   # the gpu scale's reader
+  assert tables == [{"untrained": 6, "ict": 6, "realm": 6},   # the gpu scale's reader
+                    {"openqa": 6}, {"openqa": 6}]
   assert summary["scale"] == "gpu" and "gpu scale" in capsys.readouterr().out
   assert demo_real._arg("realm", "cpu") == "realm"
+
+
+def test_stages_sharing_a_device_allocate_as_needed_unless_the_environment_says_how(
+    monkeypatch):
+  assert demo.shared_memory_env({}) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  for own in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+              "XLA_PYTHON_CLIENT_ALLOCATOR"):
+    assert demo.shared_memory_env({own: "0.4"}) == {}
+  previous = signal.getsignal(signal.SIGTERM)
+  try:
+    for own, expected in ((None, "false"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", None)):
+      for name in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        monkeypatch.delenv(name, raising=False)
+      if own:
+        monkeypatch.setenv(own, "0.4")
+      seen = demo.run_demo_cli("realm-demo",
+                               lambda: os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"))
+      assert seen == expected      # what the stages (and their processes) inherit
+  finally:
+    signal.signal(signal.SIGTERM, previous)      # run_demo_cli installs the demo's handler

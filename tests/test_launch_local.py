@@ -327,13 +327,6 @@ def test_assign_devices_errors(visible, builder_ids, words):
   assert str(e.value).startswith("config.builder.devices: ") and words in str(e.value)
 
 
-def test_a_shared_gpu_is_allocated_as_needed_unless_the_environment_says_how():
-  assert local.shared_memory_env({}) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-  for own in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-              "XLA_PYTHON_CLIENT_ALLOCATOR"):
-    assert local.shared_memory_env({own: "0.4"}) == {}
-
-
 def test_visible_gpus():
   listing = ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaa)\n"
              "GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-bbb)\n"
