@@ -3,8 +3,8 @@
 # versions; bench/train_step.py on realm_base in bf16 at the paper's per-device batch (8
 # queries), with cuDNN's fused attention (traced: bench/trace_summary.py prints where the device
 # time went), then at 32 queries with remat, then with the config's own attention (XLA, with
-# attention dropout); bench/memory.py (realm_base and ict_base on this device's compiler, compile only, beside the
-# rest in three processes); bench/index_scale.py's device figures (exact top-k over 13.35M x
+# attention dropout); bench/memory.py (realm_base and ict_base on this device's compiler,
+# compile only, beside the rest in three processes); bench/index_scale.py's device figures (exact top-k over 13.35M x
 # 128, the BERT-base block tower's blocks/s at 288 wordpieces; --skip_scann: ScaNN is
 # host-side). The 6.8 GB synthetic table is generated on the host while the train step runs.
 #
@@ -66,7 +66,8 @@ want index && background table $((deadline - 60)) $python bench/index_scale.py -
   --cache "$cache"
 table_pid=${!:-}
 # Memory: compile only, without GEMM autotuning (it times kernels; the plan's sizes hardly move).
-want memory && for cases in "realm_base --dtype bfloat16" "realm_base --dtype float32" "ict_base"; do
+want memory && for cases in "realm_base --dtype bfloat16" "realm_base --dtype float32" \
+    "ict_base"; do
   set -- $cases
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" background "memory_$1_${3:-all}" \
     $((deadline - 40)) $python bench/memory.py --only $cases --out "$out/memory.jsonl"
@@ -91,9 +92,13 @@ if want step; then
 fi
 if want real; then
   real=${REAL_WORKDIR:-runs/real_gpu}
-  [ $((deadline - SECONDS)) -lt 160 ] && echo "== demo_real: skipped ($((deadline - SECONDS))s left)"
-  [ $((deadline - SECONDS)) -ge 160 ] && GRACE=90 part demo_real $((deadline - SECONDS - 100)) $python -m realm_jax.demo_real \
-    --workdir "$real" --scale gpu ${SQUAD:+--squad "$SQUAD"}
+  limit=$((deadline - SECONDS - 100))   # SIGTERM then: 90 s to save before the deadline
+  if [ "$limit" -lt 60 ]; then
+    echo "== demo_real: skipped ($((deadline - SECONDS))s to the deadline)"
+  else
+    GRACE=90 part demo_real "$limit" $python -m realm_jax.demo_real --workdir "$real" \
+      --scale gpu ${SQUAD:+--squad "$SQUAD"}
+  fi
   [ -f "$real/summary.json" ] && cp "$real/summary.json" "$out/real_summary.json"
 fi
 wait

@@ -48,7 +48,7 @@ from realm_jax.retrieval import scann_index
 from realm_jax.retrieval.index import embed_blocks
 from realm_jax.train import partitioning, state as state_lib, steps
 from realm_jax.train.checkpoints import restore_run
-from report import append_jsonl, print_rows   # bench/ is this script's directory: sys.path[0]
+from report import append_jsonl, print_rows, verdict   # bench/: this script's sys.path[0]
 from train_step import matmul_flops_per_s
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -233,7 +233,6 @@ def bench_index(table: np.ndarray, queries: np.ndarray, config, cache: pathlib.P
 
 
 def print_table(r: dict) -> None:
-  ok = lambda good: "ok" if good else "MISSED"
   settings = ", ".join(f"{k} {v}" for k, v in r["scann"].items())
   rows = [
       ("model", r["model"]),
@@ -247,19 +246,19 @@ def print_table(r: dict) -> None:
       ("ScaNN settings", settings),
       ("build + serialize", f"{r['build_s']:.1f} + {r['serialize_s']:.1f} s "
                             f"[target at ~1M blocks <= {TARGETS['build_s']:.0f} s: "
-                            f"{ok(r['build_serialize_s'] <= TARGETS['build_s'])}]"),
+                            f"{verdict(r['build_serialize_s'] <= TARGETS['build_s'])}]"),
       ("load", f"{r['load_s']:.2f} s"),
       ("index on disk", f"{r['index_bytes'] / 1e6:,.1f} MB"),
       (f"recall@{TOP_N}", f"{r['recall_at_10']:.4f} on {r['queries']:,} block queries "
                           f"[target at ~1M blocks >= {TARGETS['recall_at_10']}: "
-                          f"{ok(r['recall_at_10'] >= TARGETS['recall_at_10'])}]"),
+                          f"{verdict(r['recall_at_10'] >= TARGETS['recall_at_10'])}]"),
       ("loaded == in-memory", str(r["loaded_matches_in_memory"])),
   ]
   for key, qps in r["qps"].items():
     rows.append((f"QPS {key}", f"{qps:,.1f}"))
   for key in sorted(k for k in r if k.startswith("speedup_b")):
     rows.append((f"ScaNN / exact, {key[8:]}", f"{r[key]:.1f}x [target at ~1M blocks >= "
-                 f"{TARGETS['speedup']:.0f}x: {ok(r[key] >= TARGETS['speedup'])}]"))
+                 f"{TARGETS['speedup']:.0f}x: {verdict(r[key] >= TARGETS['speedup'])}]"))
   print_rows(rows)
 
 

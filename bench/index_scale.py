@@ -51,7 +51,7 @@ import numpy as np
 from realm_jax.demo import repo_config
 from realm_jax.retrieval import index as index_lib, scann_index
 from index import load, serialize        # bench/ is this script's directory: sys.path[0]
-from report import append_jsonl, print_rows
+from report import append_jsonl, print_rows, verdict
 from train_step import analytic_flops, host_available_gb
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -254,7 +254,6 @@ def refresh_rate(args) -> dict:
 
 
 def print_table(r: dict) -> None:
-  ok = lambda good: "ok" if good else "MISSED"
   f = r["refresh"]
   rows = [
       ("device", f"{r['devices']} x {r['device_kind']} ({r['backend']}), jax {r['jax']}"),
@@ -268,7 +267,8 @@ def print_table(r: dict) -> None:
     rows.append((f"queries/s {key}", f"{qps:,.1f}"))
   for b in (1, r["batch"]) if "scann" in r else ():
     speedup = r["qps"][f"scann_b{b}"] / r["qps"][f"exact_numpy_b{b}"]
-    rows.append((f"ScaNN / exact, batch {b}", f"{speedup:.1f}x [>= 10x: {ok(speedup >= 10)}]"))
+    rows.append((f"ScaNN / exact, batch {b}",
+                 f"{speedup:.1f}x [>= 10x: {verdict(speedup >= 10)}]"))
   rows.append(("exact on-device memory", ", ".join(
       f"batch {k[1:]}: {v:.1f} GB" for k, v in r["exact_device_memory_gb"].items())))
   if "exact_device_recall_at_10" in r:
@@ -287,14 +287,13 @@ def print_table(r: dict) -> None:
 
 
 def scann_rows(r: dict) -> list[tuple[str, str]]:
-  ok = lambda good: "ok" if good else "MISSED"
   return [
       ("ScaNN settings", ", ".join(f"{k} {v}" for k, v in r["scann"].items())),
       ("build + serialize", f"{r['build_s']:.0f} + {r['serialize_s']:.0f} s, peak RSS "
                             f"{r['build_peak_rss_gb']:.1f} GB"),
       ("index on disk / load", f"{r['index_bytes'] / 1e9:.2f} GB / {r['load_s']:.1f} s"),
       (f"recall@{TOP_N} vs exact", f"{r['recall_at_10']:.4f} on {r['queries']:,} queries "
-                                   f"[>= 0.95: {ok(r['recall_at_10'] >= 0.95)}]"),
+                                   f"[>= 0.95: {verdict(r['recall_at_10'] >= 0.95)}]"),
   ]
 
 

@@ -15,6 +15,11 @@ def print_rows(rows: list[tuple[str, str]]) -> None:
     print(f"{name.ljust(width)} | {value}")
 
 
+def verdict(good: bool) -> str:
+  """How a table row marks a target: "ok", or "MISSED"."""
+  return "ok" if good else "MISSED"
+
+
 def append_jsonl(path: str, record: dict) -> None:
   """Appends `record` as one JSON line to `path` (its directory made); '' or None: nothing."""
   if not path:

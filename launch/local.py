@@ -8,12 +8,12 @@ Every `--config.*` override goes to both processes (`realm_jax.train.main` and
 docs/workdir.md).
 With GPUs visible, `config.builder.devices` names the builder's GPUs and the trainer gets the
 rest, or is `shared`: both on every GPU (a one-GPU machine), each allocating device memory as
-it needs; on CPU both inherit the environment. Output is streamed line by line with a `[trainer] ` /
-`[builder] ` prefix and appended to `W/logs/<name>.log`. Ctrl-C stops both (SIGINT to each
-process group, SIGKILL after the grace period, exit 130); SIGTERM (preemption) is passed on
-as SIGTERM, so the trainer saves a checkpoint of its step first (exit 143; 137 if it had to be
-SIGKILLed); when one fails the other is stopped and its exit code is ours; after the trainer
-succeeds the builder gets the grace period to see `W/DONE` and exit on its own.
+it needs; on CPU both inherit the environment. Output is streamed line by line with a
+`[trainer] ` / `[builder] ` prefix and appended to `W/logs/<name>.log`. Ctrl-C stops both
+(SIGINT to each process group, SIGKILL after the grace period, exit 130); SIGTERM (preemption)
+is passed on as SIGTERM, so the trainer saves a checkpoint of its step first (exit 143; 137 if
+it had to be SIGKILLed); when one fails the other is stopped and its exit code is ours; after
+the trainer succeeds the builder gets the grace period to see `W/DONE` and exit on its own.
 """
 
 from __future__ import annotations
@@ -442,7 +442,8 @@ def _launch(args: argparse.Namespace) -> int:
   else:
     env_for = {"trainer": {"CUDA_VISIBLE_DEVICES": split[0]},
                "builder": {"CUDA_VISIBLE_DEVICES": split[1]}}
-    memory = shared_memory_env(dict(os.environ)) if builder_ids.strip() == SHARED else {}
+    # the same GPUs for both (builder.devices=shared): neither may take most of their memory
+    memory = shared_memory_env(dict(os.environ)) if split[0] == split[1] else {}
     for env in env_for.values():
       env.update(memory)
     print(f"{PROG}: GPUs {','.join(visible)}: trainer {split[0]}, builder {split[1]} "
