@@ -13,8 +13,9 @@ module's `get_hyper(arg)` (a list of override dicts). Every key must be a field 
 gets the name `key-value_key-value` and the workdir `ROOT/<name>`; `--set` overrides apply to
 every run. `local` runs them one after another on this machine, each as its own process
 (`realm-train`, or `launch/local.py` when the config uses the separate index builder), and
-skips runs whose `summary.json` already covers their steps, so an interrupted sweep resumes;
-`print` prints the commands instead. Then every run's `summary.json` is collected into
+skips runs whose `summary.json` already covers their steps, so an interrupted sweep resumes
+(Ctrl-C or SIGTERM to the sweep stops the running run as `realm_jax.demo.run_to_end` says:
+SIGTERM makes it save its step, then the sweep exits 143); `print` prints the commands instead. Then every run's `summary.json` is collected into
 `ROOT/results.csv` and `ROOT/results.md`, sorted by `--metric` (best first: descending unless
 `--ascending`), and the table is printed.
 
@@ -34,11 +35,12 @@ import io
 import itertools
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
 
-from realm_jax import paths, workdir as workdir_lib
+from realm_jax import demo, paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.train.config_base import config_module, flat_options, uses_index_builder
 from realm_jax.train.option_names import current_name
@@ -288,7 +290,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     paths.makedirs(os.path.dirname(log_path))
     t0 = time.time()
     with open(log_path, "ab") as log:
-      code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+      code = demo.run_to_end(f"run {name}", cmd, log)
     status[name] = "done" if code == 0 else f"failed ({code})"
     print(f"[sweep] {i}/{len(runs)} {name}: {status[name]} in {time.time() - t0:.0f}s "
           f"(log: {log_path})", flush=True)
@@ -310,7 +312,17 @@ def sweep(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  rows = run_cli(PROG, lambda: sweep(args))
+  previous = signal.signal(signal.SIGTERM, demo.on_sigterm)
+  try:
+    rows = run_cli(PROG, lambda: sweep(args))
+  except demo.Preempted as e:
+    saved = "the running run stopped at a saved checkpoint" if e.saved else \
+        "the running run keeps its last checkpoint"
+    print(f"\n[{PROG}] preempted ({e.why}); {saved}: rerun the same command to resume "
+          "(finished runs are skipped)", flush=True)
+    raise
+  finally:
+    signal.signal(signal.SIGTERM, previous)
   return 1 if any(str(r.get("status", "")).startswith("failed") for r in rows) else 0
 
 

@@ -56,7 +56,7 @@ class StageFailed(RuntimeError):
   prints it as one line: the stage's own output says why)."""
 
 
-def _on_sigterm(signum, frame) -> None:
+def on_sigterm(signum, frame) -> None:
   """The demo's SIGTERM handler outside an in-process stage (which saves its own step): stop
   here, and `run_round` passes SIGTERM on to the stage processes (which run in sessions of
   their own, so that each gets exactly one signal, the demo's). One-shot: a second SIGTERM
@@ -425,6 +425,27 @@ def _launch(command: list[str], config, host_devices: int, out=None) -> subproce
                           stderr=subprocess.STDOUT if out else None, start_new_session=True)
 
 
+def run_to_end(name: str, command: list[str], out=None) -> int:
+  """Runs `command` (a sweep's run, say) to its end in a process and session of its own, its
+  output to the file `out` (else here), and returns its exit code. Ctrl-C or SIGTERM to this
+  process stops it as a stage is stopped (`stop_stages`: SIGTERM makes its trainer save its
+  step, Ctrl-C keeps its last checkpoint), then goes on as usual (KeyboardInterrupt,
+  `Preempted`; saved=False naming `name` if it did not end as asked)."""
+  process = None
+  try:
+    with _signals_deferred():   # the process is recorded before a signal can stop us
+      process = subprocess.Popen(command, stdout=out,
+                                 stderr=subprocess.STDOUT if out else None,
+                                 start_new_session=True)
+    return process.wait()
+  except BaseException as e:
+    forced = stop_stages([process], sig=_stop_signal(e)) if process is not None else []
+    if isinstance(e, Preempted) and forced:
+      raise Preempted(f"{e.why}; {name} did not end as asked (still running after the grace "
+                      "period, or failing as it saved)", saved=False) from None
+    raise
+
+
 def _wait_stage(name: str, process: subprocess.Popen, workdir: str, what: str,
                 see: str) -> dict:
   """The summary of a stage process once it exits; `Preempted` if it saved its step on
@@ -557,7 +578,7 @@ def run_demo_cli(prog: str, job) -> object:
   """`run_cli(prog, job)` for a demo driver: SIGTERM stops it with every running stage saved
   (exit 143), Ctrl-C with every stage stopped (exit 130), a failed stage (exit 1), each with
   one line saying so."""
-  signal.signal(signal.SIGTERM, _on_sigterm)
+  signal.signal(signal.SIGTERM, on_sigterm)
   # Stages run in this process and in processes of their own (trainer + builder), one after
   # another and side by side: on an accelerator none may take most of the device's memory at
   # start-up (the variables are read when the device is first used).

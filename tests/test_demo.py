@@ -364,7 +364,7 @@ def test_a_third_interrupt_waits_until_every_stage_got_its_second_signal(tmp_pat
 
 
 def test_the_demos_sigterm_handler_stops_it_once():
-  previous = signal.signal(signal.SIGTERM, demo._on_sigterm)
+  previous = signal.signal(signal.SIGTERM, demo.on_sigterm)
   try:
     with pytest.raises(demo.Preempted) as stopped:
       os.kill(os.getpid(), signal.SIGTERM)

@@ -1,13 +1,20 @@
-"""launch/sweep.py: grid expansion, typed values, clear errors, a local sweep and its table."""
+"""launch/sweep.py: grid expansion, typed values, clear errors, a local sweep and its table, a
+sweep stopped by SIGTERM."""
 
 from __future__ import annotations
 
 import csv
 import importlib.util
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
+from realm_jax.train import preemption
 from tests import helpers
 
 pytestmark = pytest.mark.slow   # the slow tier: `make test` runs it, `make test-fast` does not
@@ -63,3 +70,27 @@ def test_local_sweep_runs_every_point_and_sorts_the_table(world_dir, tmp_path, c
   capsys.readouterr()
   assert sweep.main(argv) == 0            # a finished sweep is not run again
   assert capsys.readouterr().out.count("already done") == 2
+
+
+def test_sigterm_to_a_local_sweep_makes_the_running_run_save_its_step(world_dir, tmp_path):
+  """The sweep passes SIGTERM on to the run it is running (in a session of its own) and waits
+  for it to save its step, then exits 143 saying a rerun resumes."""
+  run = tmp_path / "train.lr-0.001"
+  proc = subprocess.Popen(
+      [sys.executable, "-u", os.path.join(helpers.REPO, "launch", "sweep.py"), "--config", ICT,
+       "--root", str(tmp_path), "--grid", "train.lr=1e-3", "--set", f"data.dir={world_dir}",
+       "--set", "train.steps=5000", "--set", "train.log_every=1", "--set",
+       "train.batch_size=16", "--set", "train.checkpoint_every=5000"],
+      cwd=helpers.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  log, deadline = run / "sweep.log", time.monotonic() + 300
+  while not (log.exists() and "step 2/5000" in log.read_text()):
+    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  out = proc.communicate(timeout=180)[0]
+  assert proc.returncode == preemption.EXIT_CODE, out[-3000:]
+  assert "preempted (SIGTERM); the running run stopped at a saved checkpoint" in out, out
+  saved = re.search(r"SIGTERM: checkpoint (\d+) finalised", log.read_text())
+  assert saved and 2 <= int(saved.group(1)) < 5000, log.read_text()[-3000:]
+  assert (run / "checkpoints" / saved.group(1)).is_dir()
+  assert not (tmp_path / "results.csv").exists()     # the sweep stopped before its table
