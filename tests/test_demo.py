@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -361,6 +362,32 @@ def test_a_third_interrupt_waits_until_every_stage_got_its_second_signal(tmp_pat
   finally:
     signal.signal(signal.SIGINT, previous)
   assert launcher.returncode == 130
+
+
+def test_run_to_end_passes_ctrl_c_to_its_process_once_and_waits_for_it(tmp_path):
+  """Ctrl-C while `run_to_end` waits (a sweep's run, in a session of its own, so the terminal's
+  SIGINT reaches only us): the process gets one SIGINT, ends on its own, then we stop too."""
+  stopped, ready = tmp_path / "stopped", tmp_path / "ready"
+  child = ("import os, signal, sys, time\n"
+           f"def stop(*_):\n  open({str(stopped)!r}, 'a').write('SIGINT\\n'); sys.exit(130)\n"
+           "signal.signal(signal.SIGINT, stop)\n"
+           f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n")
+
+  def interrupt_once_ready():
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+      time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGINT)
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # xdist ignores SIGINT
+  try:
+    threading.Thread(target=interrupt_once_ready, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+      demo.run_to_end("run x", [sys.executable, "-c", child])
+  finally:
+    signal.signal(signal.SIGINT, previous)
+  assert stopped.read_text() == "SIGINT\n"            # one signal, and it had ended before us
+  assert time.monotonic() - t0 < 30                    # not the 60 s sleep: it was stopped
 
 
 def test_the_demos_sigterm_handler_stops_it_once():
