@@ -14,8 +14,8 @@ gets the name `key-value_key-value` and the workdir `ROOT/<name>`; `--set` overr
 every run. `local` runs them one after another on this machine, each as its own process
 (`realm-train`, or `launch/local.py` when the config uses the separate index builder), and
 skips runs whose `summary.json` already covers their steps, so an interrupted sweep resumes
-(Ctrl-C or SIGTERM to the sweep stops the running run as `realm_jax.demo.run_to_end` says:
-SIGTERM makes it save its step, then the sweep exits 143); `print` prints the commands instead. Then every run's `summary.json` is collected into
+(Ctrl-C or SIGTERM to the sweep stops the running run first: `run_locally`); `print` prints
+the commands instead. Then every run's `summary.json` is collected into
 `ROOT/results.csv` and `ROOT/results.md`, sorted by `--metric` (best first: descending unless
 `--ascending`), and the table is printed.
 
@@ -49,6 +49,9 @@ PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCHERS = ("local", "print", "tpu_pod")
 TPU_POD_OWN = ("--name", "--config", "--workdir", "--set")   # set by the sweep for each run
+MIN_STOP_SECONDS = 60.0     # a local run stopped by Ctrl-C / SIGTERM gets at least this long to
+                            # end, and its preemption grace + STOP_MARGIN_SECONDS if longer
+STOP_MARGIN_SECONDS = 30.0  # start-up of the save, launch/local.py's own stop
 
 
 def typed_value(text: str, current, key: str):
@@ -250,6 +253,44 @@ def launch_on_tpu_pods(args: argparse.Namespace, runs: list[tuple[str, dict]], c
   return rows
 
 
+def run_locally(args: argparse.Namespace, runs: list[tuple[str, dict]], config, fields: dict,
+                fixed: dict) -> dict[str, str]:
+  """Runs the points one after another on this machine, skipping those already finished;
+  returns {run: status}. Ctrl-C or SIGTERM stops the running one (`demo.run_to_end`: on
+  SIGTERM it saves its step, within its `train.preemption_grace_seconds`), then the sweep,
+  saying that a rerun resumes."""
+  status = {}
+  previous = signal.signal(signal.SIGTERM, demo.on_sigterm)
+  try:
+    for i, (name, overrides) in enumerate(runs, 1):
+      workdir, run = paths.join(args.root, name), {**fixed, **overrides}
+      done = _summary(workdir)
+      if done is not None and done.get("steps") == int(run.get("train.steps",
+                                                               fields["train.steps"])):
+        print(f"[sweep] {i}/{len(runs)} {name}: already done", flush=True)
+        continue
+      cmd = command(args.config, workdir, run, needs_builder(config, run))
+      print(f"[sweep] {i}/{len(runs)} {name}: {shlex.join(cmd)}", flush=True)
+      log_path = paths.local_side(workdir, "sweep.log")   # W/sweep.log; local for a bucket W
+      paths.makedirs(os.path.dirname(log_path))
+      grace = float(run.get("train.preemption_grace_seconds",
+                            fields["train.preemption_grace_seconds"])) + STOP_MARGIN_SECONDS
+      t0 = time.time()
+      with open(log_path, "ab") as log:
+        code = demo.run_to_end(f"run {name}", cmd, log, max(grace, MIN_STOP_SECONDS))
+      status[name] = "done" if code == 0 else f"failed ({code})"
+      print(f"[sweep] {i}/{len(runs)} {name}: {status[name]} in {time.time() - t0:.0f}s "
+            f"(log: {log_path})", flush=True)
+  except (KeyboardInterrupt, demo.Preempted) as e:
+    why = f"preempted ({e.why})" if isinstance(e, demo.Preempted) else "interrupted"
+    print(f"\n[{PROG}] {why}: rerun the same command to resume (finished runs are skipped; "
+          "a stopped run resumes from its last checkpoint)", flush=True)
+    raise
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  return status
+
+
 def sweep(args: argparse.Namespace) -> list[dict]:
   if args.launcher not in LAUNCHERS:
     raise ConfigError("", f"--launcher {args.launcher!r}: one of {LAUNCHERS}")
@@ -270,32 +311,14 @@ def sweep(args: argparse.Namespace) -> list[dict]:
         flush=True)
   if args.launcher == "tpu_pod":
     return launch_on_tpu_pods(args, runs, config, fixed)
-  printing = args.launcher == "print" or args.dry_run
-  status = {}
   paths.check(args.root, "--root")
-  for i, (name, overrides) in enumerate(runs, 1):
-    workdir = paths.join(args.root, name)
-    run = {**fixed, **overrides}
-    cmd = command(args.config, workdir, run, needs_builder(config, run))
-    if printing:
-      print(shlex.join(cmd))
-      continue
-    steps = int(overrides.get("train.steps", fixed.get("train.steps", fields["train.steps"])))
-    done = _summary(workdir)
-    if done is not None and done.get("steps") == steps:
-      print(f"[sweep] {i}/{len(runs)} {name}: already done", flush=True)
-      continue
-    print(f"[sweep] {i}/{len(runs)} {name}: {shlex.join(cmd)}", flush=True)
-    log_path = paths.local_side(workdir, "sweep.log")   # W/sweep.log; local for a bucket W
-    paths.makedirs(os.path.dirname(log_path))
-    t0 = time.time()
-    with open(log_path, "ab") as log:
-      code = demo.run_to_end(f"run {name}", cmd, log)
-    status[name] = "done" if code == 0 else f"failed ({code})"
-    print(f"[sweep] {i}/{len(runs)} {name}: {status[name]} in {time.time() - t0:.0f}s "
-          f"(log: {log_path})", flush=True)
-  if printing:
+  if args.launcher == "print" or args.dry_run:
+    for name, overrides in runs:
+      run = {**fixed, **overrides}
+      print(shlex.join(command(args.config, paths.join(args.root, name), run,
+                               needs_builder(config, run))))
     return []
+  status = run_locally(args, runs, config, fields, fixed)
   metric = args.metric
   for name, _ in runs if not metric else ():
     found = [k for k, v in (_summary(paths.join(args.root, name)) or {}).items()
@@ -312,17 +335,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  previous = signal.signal(signal.SIGTERM, demo.on_sigterm)
-  try:
-    rows = run_cli(PROG, lambda: sweep(args))
-  except demo.Preempted as e:
-    saved = "the running run stopped at a saved checkpoint" if e.saved else \
-        "the running run keeps its last checkpoint"
-    print(f"\n[{PROG}] preempted ({e.why}); {saved}: rerun the same command to resume "
-          "(finished runs are skipped)", flush=True)
-    raise
-  finally:
-    signal.signal(signal.SIGTERM, previous)
+  rows = run_cli(PROG, lambda: sweep(args))
   return 1 if any(str(r.get("status", "")).startswith("failed") for r in rows) else 0
 
 

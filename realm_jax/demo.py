@@ -425,12 +425,13 @@ def _launch(command: list[str], config, host_devices: int, out=None) -> subproce
                           stderr=subprocess.STDOUT if out else None, start_new_session=True)
 
 
-def run_to_end(name: str, command: list[str], out=None) -> int:
+def run_to_end(name: str, command: list[str], out=None, grace_seconds: float = 60.0) -> int:
   """Runs `command` (a sweep's run, say) to its end in a process and session of its own, its
   output to the file `out` (else here), and returns its exit code. Ctrl-C or SIGTERM to this
-  process stops it as a stage is stopped (`stop_stages`: SIGTERM makes its trainer save its
-  step, Ctrl-C keeps its last checkpoint), then goes on as usual (KeyboardInterrupt,
-  `Preempted`; saved=False naming `name` if it did not end as asked)."""
+  process stops it as a stage is stopped (`stop_stages` with `grace_seconds`: SIGTERM makes its
+  trainer save its step, Ctrl-C keeps its last checkpoint), then goes on as KeyboardInterrupt or
+  `Preempted` naming `name` (saved=False if it did not end as asked). An interrupt while it
+  stops ends it at once, then goes on as Ctrl-C."""
   process = None
   try:
     with _signals_deferred():   # the process is recorded before a signal can stop us
@@ -439,11 +440,18 @@ def run_to_end(name: str, command: list[str], out=None) -> int:
                                  start_new_session=True)
     return process.wait()
   except BaseException as e:
-    forced = stop_stages([process], sig=_stop_signal(e)) if process is not None else []
-    if isinstance(e, Preempted) and forced:
-      raise Preempted(f"{e.why}; {name} did not end as asked (still running after the grace "
-                      "period, or failing as it saved)", saved=False) from None
-    raise
+    if process is None:
+      raise
+    try:
+      forced = stop_stages([process], grace_seconds, sig=_stop_signal(e))
+    except (KeyboardInterrupt, Preempted):   # interrupted again: it was ended at once
+      raise KeyboardInterrupt from None
+    if not isinstance(e, Preempted):
+      raise
+    if forced:
+      raise Preempted(f"{e.why}; {name} did not end as asked (still running after "
+                      f"{grace_seconds:g} s, or failing as it saved)", saved=False) from None
+    raise Preempted(f"{e.why}; {name} stopped at a saved checkpoint") from None
 
 
 def _wait_stage(name: str, process: subprocess.Popen, workdir: str, what: str,

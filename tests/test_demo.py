@@ -369,7 +369,10 @@ def test_run_to_end_passes_ctrl_c_to_its_process_once_and_waits_for_it(tmp_path)
   SIGINT reaches only us): the process gets one SIGINT, ends on its own, then we stop too."""
   stopped, ready = tmp_path / "stopped", tmp_path / "ready"
   child = ("import os, signal, sys, time\n"
-           f"def stop(*_):\n  open({str(stopped)!r}, 'a').write('SIGINT\\n'); sys.exit(130)\n"
+           "def stop(*_):\n"
+           f"  with open({str(stopped)!r}, 'a') as f:\n"
+           "    f.write(f'SIGINT {os.getsid(0) == os.getpid()}\\n')\n"
+           "  sys.exit(130)\n"
            "signal.signal(signal.SIGINT, stop)\n"
            f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n")
 
@@ -386,8 +389,36 @@ def test_run_to_end_passes_ctrl_c_to_its_process_once_and_waits_for_it(tmp_path)
       demo.run_to_end("run x", [sys.executable, "-c", child])
   finally:
     signal.signal(signal.SIGINT, previous)
-  assert stopped.read_text() == "SIGINT\n"            # one signal, and it had ended before us
+  # one signal, in a session of its own (the terminal's Ctrl-C is ours alone); it had ended
+  assert stopped.read_text() == "SIGINT True\n"
   assert time.monotonic() - t0 < 30                    # not the 60 s sleep: it was stopped
+
+
+def test_run_to_end_interrupted_again_while_it_stops_ends_its_process_as_on_ctrl_c(tmp_path):
+  """Ctrl-C, then SIGTERM while the process (which ignores SIGINT) is given its grace: it is
+  ended at once (second signal, SIGKILL), and we stop as on Ctrl-C, not as a saved preemption."""
+  ready = tmp_path / "ready"
+  child = (f"import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+           f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n")
+
+  def interrupt_twice():
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+      time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+  previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+              signal.SIGTERM: signal.signal(signal.SIGTERM, demo.on_sigterm)}
+  try:
+    threading.Thread(target=interrupt_twice, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+      demo.run_to_end("run x", [sys.executable, "-c", child], grace_seconds=50)
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+  assert time.monotonic() - t0 < 20        # not the 50 s grace nor the 60 s sleep
 
 
 def test_the_demos_sigterm_handler_stops_it_once():

@@ -82,14 +82,20 @@ def test_sigterm_to_a_local_sweep_makes_the_running_run_save_its_step(world_dir,
        "--set", "train.steps=5000", "--set", "train.log_every=1", "--set",
        "train.batch_size=16", "--set", "train.checkpoint_every=5000"],
       cwd=helpers.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  log, deadline = run / "sweep.log", time.monotonic() + 300
-  while not (log.exists() and "step 2/5000" in log.read_text()):
-    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-    time.sleep(0.2)
-  proc.send_signal(signal.SIGTERM)
-  out = proc.communicate(timeout=180)[0]
+  try:
+    log, deadline = run / "sweep.log", time.monotonic() + 300
+    while not (log.exists() and "step 2/5000" in log.read_text()):
+      assert proc.poll() is None and time.monotonic() < deadline, "the run never reached step 2"
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=180)[0]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    subprocess.run(["pkill", "-KILL", "-f", f"--workdir={run}"], check=False)  # a run left over
   assert proc.returncode == preemption.EXIT_CODE, out[-3000:]
-  assert "preempted (SIGTERM); the running run stopped at a saved checkpoint" in out, out
+  assert ("preempted (SIGTERM; run train.lr-0.001 stopped at a saved checkpoint): rerun the "
+          "same command to resume") in out, out[-3000:]
   saved = re.search(r"SIGTERM: checkpoint (\d+) finalised", log.read_text())
   assert saved and 2 <= int(saved.group(1)) < 5000, log.read_text()[-3000:]
   assert (run / "checkpoints" / saved.group(1)).is_dir()
