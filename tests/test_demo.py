@@ -364,6 +364,19 @@ def test_a_third_interrupt_waits_until_every_stage_got_its_second_signal(tmp_pat
   assert launcher.returncode == 130
 
 
+def _signal_us_once(ready, *signals) -> None:
+  """From a thread: once the file `ready` exists, `signals` to this process, 1 s apart (the
+  main thread's handlers run them)."""
+  def send():
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+      time.sleep(0.05)
+    for i, sig in enumerate(signals):
+      time.sleep(1 if i else 0)
+      os.kill(os.getpid(), sig)
+  threading.Thread(target=send, daemon=True).start()
+
+
 def test_run_to_end_passes_ctrl_c_to_its_process_once_and_waits_for_it(tmp_path):
   """Ctrl-C while `run_to_end` waits (a sweep's run, in a session of its own, so the terminal's
   SIGINT reaches only us): the process gets one SIGINT, ends on its own, then we stop too."""
@@ -375,15 +388,9 @@ def test_run_to_end_passes_ctrl_c_to_its_process_once_and_waits_for_it(tmp_path)
            "  sys.exit(130)\n"
            "signal.signal(signal.SIGINT, stop)\n"
            f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n")
-
-  def interrupt_once_ready():
-    deadline = time.monotonic() + 60
-    while not ready.exists() and time.monotonic() < deadline:
-      time.sleep(0.05)
-    os.kill(os.getpid(), signal.SIGINT)
   previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # xdist ignores SIGINT
   try:
-    threading.Thread(target=interrupt_once_ready, daemon=True).start()
+    _signal_us_once(ready, signal.SIGINT)
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
       demo.run_to_end("run x", [sys.executable, "-c", child])
@@ -400,18 +407,10 @@ def test_run_to_end_interrupted_again_while_it_stops_ends_its_process_as_on_ctrl
   ready = tmp_path / "ready"
   child = (f"import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
            f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n")
-
-  def interrupt_twice():
-    deadline = time.monotonic() + 60
-    while not ready.exists() and time.monotonic() < deadline:
-      time.sleep(0.05)
-    os.kill(os.getpid(), signal.SIGINT)
-    time.sleep(1)
-    os.kill(os.getpid(), signal.SIGTERM)
   previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
               signal.SIGTERM: signal.signal(signal.SIGTERM, demo.on_sigterm)}
   try:
-    threading.Thread(target=interrupt_twice, daemon=True).start()
+    _signal_us_once(ready, signal.SIGINT, signal.SIGTERM)
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
       demo.run_to_end("run x", [sys.executable, "-c", child], grace_seconds=50)
