@@ -28,9 +28,9 @@ import sys
 import threading
 import time
 
-from realm_jax.demo import shared_memory_env
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax import paths, workdir as workdir_lib
+from realm_jax.processes import shared_memory_env
 from realm_jax.train.config_base import load_config
 from realm_jax.train.option_names import upgrade_flags
 

@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 
-from realm_jax import demo, paths, workdir as workdir_lib
+from realm_jax import paths, processes, workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.train.config_base import config_module, flat_options, uses_index_builder
 from realm_jax.train.option_names import current_name
@@ -49,9 +49,9 @@ PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCHERS = ("local", "print", "tpu_pod")
 TPU_POD_OWN = ("--name", "--config", "--workdir", "--set")   # set by the sweep for each run
-MIN_STOP_SECONDS = 60.0     # a local run stopped by Ctrl-C / SIGTERM gets at least this long to
-                            # end, and its preemption grace + STOP_MARGIN_SECONDS if longer
-STOP_MARGIN_SECONDS = 30.0  # start-up of the save, launch/local.py's own stop
+STOP_MARGIN_SECONDS = 30.0  # a local run stopped by Ctrl-C / SIGTERM gets its preemption grace
+                            # + this (start-up of the save, launch/local.py's own stop) to end,
+                            # at least processes.GRACE_SECONDS
 
 
 def typed_value(text: str, current, key: str):
@@ -256,11 +256,11 @@ def launch_on_tpu_pods(args: argparse.Namespace, runs: list[tuple[str, dict]], c
 def run_locally(args: argparse.Namespace, runs: list[tuple[str, dict]], config, fields: dict,
                 fixed: dict) -> dict[str, str]:
   """Runs the points one after another on this machine, skipping those already finished;
-  returns {run: status}. Ctrl-C or SIGTERM stops the running one (`demo.run_to_end`: on
+  returns {run: status}. Ctrl-C or SIGTERM stops the running one (`processes.run_to_end`: on
   SIGTERM it saves its step, within its `train.preemption_grace_seconds`), then the sweep,
   saying that a rerun resumes."""
   status = {}
-  previous = signal.signal(signal.SIGTERM, demo.on_sigterm)
+  previous = signal.signal(signal.SIGTERM, processes.on_sigterm)
   try:
     for i, (name, overrides) in enumerate(runs, 1):
       workdir, run = paths.join(args.root, name), {**fixed, **overrides}
@@ -277,12 +277,13 @@ def run_locally(args: argparse.Namespace, runs: list[tuple[str, dict]], config, 
                             fields["train.preemption_grace_seconds"])) + STOP_MARGIN_SECONDS
       t0 = time.time()
       with open(log_path, "ab") as log:
-        code = demo.run_to_end(f"run {name}", cmd, log, max(grace, MIN_STOP_SECONDS))
+        code = processes.run_to_end(f"run {name}", cmd, log,
+                                     max(grace, processes.GRACE_SECONDS))
       status[name] = "done" if code == 0 else f"failed ({code})"
       print(f"[sweep] {i}/{len(runs)} {name}: {status[name]} in {time.time() - t0:.0f}s "
             f"(log: {log_path})", flush=True)
-  except (KeyboardInterrupt, demo.Preempted) as e:
-    why = f"preempted ({e.why})" if isinstance(e, demo.Preempted) else "interrupted"
+  except (KeyboardInterrupt, processes.Preempted) as e:
+    why = f"preempted ({e.why})" if isinstance(e, processes.Preempted) else "interrupted"
     print(f"\n[{PROG}] {why}: rerun the same command to resume (finished runs are skipped; "
           "a stopped run resumes from its last checkpoint)", flush=True)
     raise

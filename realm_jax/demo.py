@@ -13,17 +13,17 @@ a pair run at once, each in a process of its own (the second's output in
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
+from realm_jax.processes import (Preempted, on_sigterm, shared_memory_env, signals_deferred,
+                                 stop_after)
 from realm_jax.train.preemption import EXIT_CODE
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,38 +37,11 @@ HOST_DEVICES = 2   # the REALM stage's trainer and builder see the CPU as two JA
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 STAGE_LOG = "stage.log"  # the output of a stage run beside another (`start_stage`)
 ROUND_POLL_SECONDS = 1.0   # how often a round's stage processes are looked at (`run_round`)
-KILL_SECONDS = 5.0   # after a stage's second signal, until SIGKILL (`stop_stages`)
-SIGNAL_GAP_SECONDS = 0.5   # at least between a stage's two signals: the OS merges a signal
-                           # sent while the same one is still pending into it
-
-
-class Preempted(SystemExit):
-  """SIGTERM reached the demo: the running stages saved their step (`saved`; else `why` names
-  those that did not); a rerun resumes."""
-
-  def __init__(self, why: str, saved: bool = True):
-    super().__init__(EXIT_CODE)
-    self.why, self.saved = why, saved
 
 
 class StageFailed(RuntimeError):
   """A stage's process failed; the message names it and where its output is (the demo
   prints it as one line: the stage's own output says why)."""
-
-
-def on_sigterm(signum, frame) -> None:
-  """The demo's SIGTERM handler outside an in-process stage (which saves its own step): stop
-  here, and `run_round` passes SIGTERM on to the stage processes (which run in sessions of
-  their own, so that each gets exactly one signal, the demo's). One-shot: a second SIGTERM
-  must not cut short the stopping of the stages."""
-  signal.signal(signal.SIGTERM, signal.SIG_IGN)
-  raise Preempted("SIGTERM")
-
-
-def _stop_signal(error: BaseException) -> int:
-  """The signal a stage process gets when the demo stops on `error`: SIGINT for Ctrl-C (the
-  stage stops as on Ctrl-C), SIGTERM otherwise (its trainer saves its step first)."""
-  return signal.SIGINT if isinstance(error, KeyboardInterrupt) else signal.SIGTERM
 
 
 def split_host(env: dict[str, str], devices: int) -> tuple[dict[str, str], int]:
@@ -82,16 +55,6 @@ def split_host(env: dict[str, str], devices: int) -> tuple[dict[str, str], int]:
   if not devices:
     return env, 0
   return {**env, "XLA_FLAGS": f"{flags} {DEVICE_COUNT_FLAG}={devices}".strip()}, devices
-
-
-def shared_memory_env(environ: dict[str, str]) -> dict[str, str]:
-  """The variables that let processes share an accelerator (a demo's stages, trainer and
-  builder on one GPU): each allocates device memory as it needs, where JAX's default takes 75%
-  of the device at start-up, unless `environ` already says how much each may take."""
-  if any(k in environ for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                "XLA_PYTHON_CLIENT_ALLOCATOR")):
-    return {}
-  return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
 def repo_config(name: str, arg: str | None = None):
@@ -159,13 +122,13 @@ def run_round(specs: list, host_devices: int = 0) -> dict[str, dict]:
   `workdir/logs/stage.log`. The first to fail stops the others as soon as it ends (stages
   failing in the same poll are named together), as do SIGTERM (each running stage saves its
   step) and Ctrl-C (each keeps its last checkpoint); an interrupt while they stop ends them at
-  once (`stop_stages`), and the demo as on Ctrl-C unless a stage had failed. Returns their
+  once (`processes.stop_after`), and the demo as on Ctrl-C unless a stage had failed. Returns their
   summaries, in the order they finished."""
   processes, besides, results, here = {}, {}, {}, ""
   try:
     for spec in specs:
       besides[spec[0]] = here
-      with _signals_deferred():   # the process is recorded before a signal can stop the demo
+      with signals_deferred():   # the process is recorded before a signal can stop the demo
         processes[spec[0]] = start_stage(*spec, host_devices, beside=here)
       here = here or (spec[0] if processes[spec[0]] is not None else "")
     while True:
@@ -183,18 +146,10 @@ def run_round(specs: list, host_devices: int = 0) -> dict[str, dict]:
         return results
       time.sleep(ROUND_POLL_SECONDS)
   except BaseException as e:   # a stage failed, SIGTERM, Ctrl-C: stop the rest of the round
-    try:
-      forced = stop_stages(list(processes.values()), sig=_stop_signal(e))
-    except (KeyboardInterrupt, Preempted):   # interrupted again: the stages were ended at once
-      if not isinstance(e, (KeyboardInterrupt, Preempted)):
-        raise e from None      # a stage's failure says more than the interrupt after it
-      raise KeyboardInterrupt from None   # none saved its step on purpose: as on Ctrl-C
-    unsaved = [name for name, process in processes.items() if process in forced]
-    if isinstance(e, Preempted) and unsaved:
-      raise Preempted(f"{e.why}; stage {' and '.join(unsaved)} did not end as asked (still "
-                      "running after the grace period, or failing as it saved)",
-                      saved=False) from None
-    raise
+    error = stop_after(e, {f"stage {name}": process for name, process in processes.items()})
+    if error is e:
+      raise
+    raise error from None
 
 
 def _together(failures: list[BaseException]) -> BaseException:
@@ -206,42 +161,6 @@ def _together(failures: list[BaseException]) -> BaseException:
   if all(isinstance(e, Preempted) for e in failures):
     return Preempted(whys)
   return StageFailed(whys)
-
-
-@contextlib.contextmanager
-def _signals_deferred():
-  """Holds Ctrl-C and SIGTERM until the block ends, then delivers the first as usual. The
-  handlers are Python's, so a process started inside inherits nothing of it (as it would a
-  blocked signal mask); an ignored signal stays ignored."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  caught, previous = [], {}
-  try:
-    for sig in (signal.SIGINT, signal.SIGTERM):
-      if signal.getsignal(sig) is not signal.SIG_IGN:
-        previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
-    yield
-  finally:
-    _set_handlers(previous)
-    if caught:
-      signal.raise_signal(caught[0])
-
-
-def _set_handlers(handlers: dict, drop: tuple = ()) -> dict:
-  """Sets every signal's handler even if a pending one runs and raises as it is changed (Python
-  runs pending handlers first); returns the handlers replaced, then raises the first such
-  error unless it is one of `drop`."""
-  replaced, error = {}, None
-  for sig, handler in handlers.items():
-    while sig not in replaced:
-      try:
-        replaced[sig] = signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-      except BaseException as e:   # the pending handler ran and raised; it is not pending now
-        error = error or e
-  if error is not None and not isinstance(error, drop):
-    raise error
-  return replaced
 
 
 def stage_command(spec: tuple[str, str | None], overrides: dict, workdir: str,
@@ -333,125 +252,13 @@ def _stage_log(workdir: str) -> str:
   return os.path.join(workdir, "logs", STAGE_LOG)
 
 
-def stop_stages(processes: list, grace_seconds: float = 60.0,
-                sig: int = signal.SIGTERM) -> list:
-  """Stops the stage processes still running when the demo stops (a stage failed, SIGTERM,
-  Ctrl-C): `sig` to each at once (SIGTERM: its trainer saves its step, so a rerun resumes, and
-  the demo ignores another SIGTERM meanwhile; SIGINT for Ctrl-C, which the terminal sent the
-  demo alone: stage processes run in sessions of their own, so each gets one signal), then, to
-  those still running `grace_seconds` later or at once if the demo is interrupted again,
-  `sig` a second time, which makes launch/local.py SIGKILL its trainer and builder (in
-  sessions of their own, out of the demo's reach) and exit, and SIGKILL `KILL_SECONDS` after
-  that (none is left behind to run on; further interrupts wait until then). Returns the
-  processes that did not end as asked: signalled twice, or exiting with another code than 0
-  or the signal's."""
-  running = [p for p in processes if p is not None and p.poll() is None]
-  sent = time.monotonic()
-  try:
-    for process in running:
-      process.send_signal(sig)
-    with _sigterm_ignored(sig == signal.SIGTERM):
-      _wait_stages(running, grace_seconds)
-  finally:
-    late = _end_stages(running, sig, sent)
-  # a stage's own ending: 0 (it had just finished), 128 + sig (local.py; realm-train's 143
-  # after saving on SIGTERM), -SIGINT (realm-train ends by SIGINT on Ctrl-C)
-  done = (0, 128 + sig, -signal.SIGINT) if sig == signal.SIGINT else (0, 128 + sig)
-  return late + [p for p in running if p not in late and p.returncode not in done]
-
-
-def _end_stages(running: list, sig: int, sent: float) -> list:
-  """`sig` a second time to the stages still running (at least `SIGNAL_GAP_SECONDS` after the
-  first), SIGKILL to those left `KILL_SECONDS` later; Ctrl-C and SIGTERM are ignored
-  meanwhile, since a SIGKILL to launch/local.py before it has ended its trainer and builder
-  would leave them running. Returns the stages it signalled."""
-  late = [p for p in running if p.poll() is None]
-  if not late:
-    return late
-  held = _ignore_interrupts()
-  try:
-    time.sleep(max(0.0, sent + SIGNAL_GAP_SECONDS - time.monotonic()))
-    for process in late:
-      process.send_signal(sig)
-    _wait_stages(late, KILL_SECONDS)
-  finally:
-    for process in late:
-      if process.poll() is None:
-        process.kill()
-    for process in late:
-      process.wait()
-    _set_handlers(held)
-  return late
-
-
-def _ignore_interrupts() -> dict:
-  """Ignores SIGINT and SIGTERM (in the main thread); the handlers to set back. An interrupt
-  pending as this starts runs its handler, whose error is dropped: the stop is under way."""
-  if threading.current_thread() is not threading.main_thread():
-    return {}
-  return _set_handlers(dict.fromkeys((signal.SIGINT, signal.SIGTERM), signal.SIG_IGN),
-                       drop=(KeyboardInterrupt, Preempted))
-
-
-@contextlib.contextmanager
-def _sigterm_ignored(ignored: bool):
-  """The demo ignores SIGTERM in the block if `ignored` (in the main thread)."""
-  if not ignored or threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-  try:
-    yield
-  finally:
-    _set_handlers({signal.SIGTERM: previous})
-
-
-def _wait_stages(processes: list, seconds: float) -> None:
-  """Waits until every process exited or `seconds` passed."""
-  deadline = time.monotonic() + seconds
-  for process in processes:
-    try:
-      process.wait(max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      pass
-
-
 def _launch(command: list[str], config, host_devices: int, out=None) -> subprocess.Popen:
-  """A stage's process (`stage_command`), in a session of its own (see `stop_stages`); a
+  """A stage's process (`stage_command`), in a session of its own (realm_jax/processes.py); a
   builder stage's processes see the host CPU as `host_devices` devices (`run_stage`)."""
   env = split_host(dict(os.environ), host_devices)[0] \
       if config.retrieval.refresh != "in_process" else dict(os.environ)
   return subprocess.Popen(command, env=env, stdout=out,
                           stderr=subprocess.STDOUT if out else None, start_new_session=True)
-
-
-def run_to_end(name: str, command: list[str], out=None, grace_seconds: float = 60.0) -> int:
-  """Runs `command` (a sweep's run, say) to its end in a process and session of its own, its
-  output to the file `out` (else here), and returns its exit code. Ctrl-C or SIGTERM to this
-  process stops it as a stage is stopped (`stop_stages` with `grace_seconds`: SIGTERM makes its
-  trainer save its step, Ctrl-C keeps its last checkpoint), then goes on as KeyboardInterrupt or
-  `Preempted` naming `name` (saved=False if it did not end as asked). An interrupt while it
-  stops ends it at once, then goes on as Ctrl-C."""
-  process = None
-  try:
-    with _signals_deferred():   # the process is recorded before a signal can stop us
-      process = subprocess.Popen(command, stdout=out,
-                                 stderr=subprocess.STDOUT if out else None,
-                                 start_new_session=True)
-    return process.wait()
-  except BaseException as e:
-    if process is None:
-      raise
-    try:
-      forced = stop_stages([process], grace_seconds, sig=_stop_signal(e))
-    except (KeyboardInterrupt, Preempted):   # interrupted again: it was ended at once
-      raise KeyboardInterrupt from None
-    if not isinstance(e, Preempted):
-      raise
-    if forced:
-      raise Preempted(f"{e.why}; {name} did not end as asked (still running after "
-                      f"{grace_seconds:g} s, or failing as it saved)", saved=False) from None
-    raise Preempted(f"{e.why}; {name} stopped at a saved checkpoint") from None
 
 
 def _wait_stage(name: str, process: subprocess.Popen, workdir: str, what: str,

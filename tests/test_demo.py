@@ -4,12 +4,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
-from realm_jax import demo
+from realm_jax import demo, processes
 
 
 def test_split_host_applies_keeps_or_leaves_the_device_count():
@@ -54,18 +53,6 @@ def test_the_demo_rounds_start_no_stage_from_one_beside_it():
   assert done == {"ict", "warmup", "realm", "no_retrieval"}
 
 
-def _ready(tmp_path, name: str, handlers: str) -> subprocess.Popen:
-  """A sleeping Python process, returned once it has run `handlers` (signal set-up)."""
-  mark = tmp_path / f"{name}.ready"
-  process = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n" + handlers +
-                              f"\nopen({str(mark)!r}, 'w').close()\ntime.sleep(60)"])
-  deadline = time.monotonic() + 60
-  while not mark.exists():
-    assert time.monotonic() < deadline and process.poll() is None, name
-    time.sleep(0.05)
-  return process
-
-
 class _Process:
   """Stands in for a stage process: ends (exit 0) at its `polls`-th poll."""
 
@@ -100,7 +87,7 @@ class _Calls:
       raise self.error(f"{name} failed")
     return {"steps": 1, "name": name}
 
-  def stop(self, processes, sig=signal.SIGTERM):
+  def stop(self, processes, grace_seconds=None, sig=signal.SIGTERM):
     self.log.append(("stop", [p and p.name for p in processes], signal.Signals(sig).name))
     return [p for p in processes if p is not None and p.name in self.forced]
 
@@ -112,8 +99,9 @@ STAGES = [("a", "demo_ict", None, ""), [("b", "demo_realm", "warmup", "a"),
 
 def _runners(monkeypatch, calls):
   for attr, fn in (("run_stage", calls.run), ("start_stage", calls.start),
-                   ("finish_stage", calls.finish), ("stop_stages", calls.stop)):
+                   ("finish_stage", calls.finish)):
     monkeypatch.setattr(demo, attr, fn)
+  monkeypatch.setattr(processes, "stop_processes", calls.stop)
   monkeypatch.setattr(demo, "ROUND_POLL_SECONDS", 0.0)
   return calls
 
@@ -173,8 +161,8 @@ def test_an_interrupt_while_the_stages_stop_ends_the_demo_as_ctrl_c(monkeypatch,
   """The stages were ended at once, none saving its step on purpose: the demo says what Ctrl-C
   says (their last checkpoints are kept), unless a stage's failure was what stopped them."""
   class Interrupted(_Calls):
-    def stop(self, processes, sig=signal.SIGTERM):
-      super().stop(processes, sig)
+    def stop(self, processes, grace_seconds=None, sig=signal.SIGTERM):
+      super().stop(processes, grace_seconds, sig)
       raise again
   calls = _runners(monkeypatch, Interrupted(fail={"c"}, error=first, polls={"b": 100}))
   with pytest.raises(raised, match="c failed" if raised is demo.StageFailed else None):
@@ -215,8 +203,7 @@ def test_a_resumed_round_gives_the_terminal_to_its_first_stage_still_to_run(monk
   assert sorted(results) == ["a", "b", "c", "d"]
 
 
-def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(tmp_path,
-                                                                              monkeypatch):
+def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(tmp_path):
   workdir = str(tmp_path / "stage")
   first = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
   with pytest.raises(RuntimeError, match=r"exited with code 3; see its output above"):
@@ -232,83 +219,6 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
   with pytest.raises(demo.Preempted) as stopped:       # SIGTERM reached it: the demo stops
     demo.finish_stage("no_retrieval", preempted, workdir, beside="realm")
   assert stopped.value.code == demo.EXIT_CODE
-  saving = _ready(tmp_path, "saving", "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))")
-  assert demo.stop_stages([saving, None], grace_seconds=10) == []   # None: already finished
-  sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-  assert demo.stop_stages([sleeping], grace_seconds=10) == [sleeping]   # ended, nothing saved
-  assert sleeping.returncode == -signal.SIGTERM
-  failing = _ready(tmp_path, "failing", "signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))")
-  assert demo.stop_stages([failing], grace_seconds=10) == [failing]   # did not save its step
-  # Ctrl-C: SIGINT is passed on; one that ignores it is killed after the grace period
-  # (a pytest-xdist worker ignores SIGINT and its children inherit that: restore Python's own)
-  interrupted = _ready(tmp_path, "interrupted",
-                       "signal.signal(signal.SIGINT, signal.default_int_handler)")
-  demo.stop_stages([interrupted], grace_seconds=30, sig=signal.SIGINT)
-  assert interrupted.returncode not in (0, -signal.SIGKILL)
-  deaf = _ready(tmp_path, "deaf", "signal.signal(signal.SIGTERM, signal.SIG_IGN)")
-  monkeypatch.setattr(demo, "KILL_SECONDS", 1.0)
-  assert demo.stop_stages([deaf], grace_seconds=1) == [deaf]   # SIGTERM, again, SIGKILL
-  assert deaf.returncode == -signal.SIGKILL
-
-
-def test_stopping_signals_every_stage_at_once_and_leaves_none_when_interrupted(tmp_path,
-                                                                              monkeypatch):
-  """Each stage gets its signal before the demo waits for any (a stage saving its step must not
-  wait for another's save), and a second interrupt while they stop kills the rest rather
-  than leave a stage running, unseen, in a session of its own."""
-  slow = ("def stop(*_):\n"
-          "  open({mark!r}, 'w').write(repr(time.time())); time.sleep(3); sys.exit(143)\n"
-          "signal.signal(signal.SIGTERM, stop)")
-  marks = [str(tmp_path / f"stage{i}") for i in range(2)]
-  stages = [_ready(tmp_path, f"stage{i}", slow.format(mark=mark)) for i, mark in enumerate(marks)]
-  demo.stop_stages(stages, grace_seconds=30)
-  assert [p.returncode for p in stages] == [143, 143]
-  signalled = [float(open(mark).read()) for mark in marks]
-  assert abs(signalled[1] - signalled[0]) < 2.0      # one after the other: >= 3 s apart
-
-  class Interrupted:                                 # the demo gets Ctrl-C while it waits
-    waited, killed = False, False
-
-    def poll(self):
-      return -signal.SIGKILL if self.killed else None
-
-    def send_signal(self, sig):
-      pass
-
-    def wait(self, timeout=None):
-      if not self.waited:
-        self.waited = True
-        raise KeyboardInterrupt
-
-    def kill(self):
-      self.killed = True
-  deaf = _ready(tmp_path, "deaf", "signal.signal(signal.SIGTERM, signal.SIG_IGN)")
-  monkeypatch.setattr(demo, "KILL_SECONDS", 1.0)
-  with pytest.raises(KeyboardInterrupt):
-    demo.stop_stages([Interrupted(), deaf], grace_seconds=30)
-  assert deaf.returncode == -signal.SIGKILL
-
-
-def test_a_second_signal_lets_a_launcher_end_the_processes_it_started(tmp_path, monkeypatch):
-  """A stage still running after the grace period (or when the demo is interrupted again) gets
-  its signal a second time before SIGKILL: launch/local.py answers it by SIGKILLing its trainer
-  and builder, which run in sessions of their own that a SIGKILL to the launcher never reaches.
-  """
-  mark = str(tmp_path / "launcher.ended")
-  stage = _ready(tmp_path, "launcher", "import subprocess\n"
-                 "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
-                 " start_new_session=True)\n"
-                 "signals = []\n"
-                 "def on_signal(*_):\n"
-                 "  signals.append(1)\n"
-                 "  if len(signals) == 2:\n"
-                 f"    child.kill(); child.wait(); open({mark!r}, 'w').close(); sys.exit(130)\n"
-                 "signal.signal(signal.SIGTERM, on_signal)")
-  monkeypatch.setattr(demo, "KILL_SECONDS", 30.0)
-  demo.stop_stages([stage], grace_seconds=1)
-  assert stage.returncode == 130 and os.path.exists(mark)   # its child ended by it
-
-
 def test_a_failed_stage_ends_the_demo_with_one_line(capsys):
   """The stage's own output says why it failed; the demo names it and where that output is,
   without a traceback of its own code."""
@@ -324,113 +234,6 @@ def test_a_failed_stage_ends_the_demo_with_one_line(capsys):
     signal.signal(signal.SIGTERM, previous)      # run_demo_cli installs the demo's handler
   assert ended.value.code == 1
   assert capsys.readouterr().err == f"[realm-demo] error: {why}\n"
-
-
-def test_a_third_interrupt_waits_until_every_stage_got_its_second_signal(tmp_path,
-                                                                          monkeypatch):
-  """Ctrl-C hammered: the interrupt that comes while the demo escalates (second signal, then
-  SIGKILL) must not SIGKILL launch/local.py before it has ended its trainer and builder."""
-  launcher = _ready(tmp_path, "launcher", "signals = []\n"
-                    "def on_signal(*_):\n"
-                    "  signals.append(1)\n"
-                    "  if len(signals) == 2:\n"
-                    "    time.sleep(1); sys.exit(130)\n"
-                    "signal.signal(signal.SIGTERM, on_signal)")
-
-  class Interrupting:          # the demo waits on it when Ctrl-C comes, and again during
-    signals, killed = 0, False   # the escalation
-
-    def poll(self):
-      return -signal.SIGKILL if self.killed else None
-
-    def send_signal(self, sig):
-      self.signals += 1
-      if self.signals == 2:
-        os.kill(os.getpid(), signal.SIGINT)
-
-    def wait(self, timeout=None):
-      if self.signals == 1:
-        raise KeyboardInterrupt
-
-    def kill(self):
-      self.killed = True
-  previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # xdist ignores SIGINT
-  try:
-    with pytest.raises(KeyboardInterrupt):
-      demo.stop_stages([Interrupting(), launcher], grace_seconds=30)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-  finally:
-    signal.signal(signal.SIGINT, previous)
-  assert launcher.returncode == 130
-
-
-def _signal_us_once(ready, *signals) -> None:
-  """From a thread: once the file `ready` exists, `signals` to this process, 1 s apart (the
-  main thread's handlers run them)."""
-  def send():
-    deadline = time.monotonic() + 60
-    while not ready.exists() and time.monotonic() < deadline:
-      time.sleep(0.05)
-    for i, sig in enumerate(signals):
-      time.sleep(1 if i else 0)
-      os.kill(os.getpid(), sig)
-  threading.Thread(target=send, daemon=True).start()
-
-
-def test_run_to_end_passes_ctrl_c_to_its_process_once_and_waits_for_it(tmp_path):
-  """Ctrl-C while `run_to_end` waits (a sweep's run, in a session of its own, so the terminal's
-  SIGINT reaches only us): the process gets one SIGINT, ends on its own, then we stop too."""
-  stopped, ready = tmp_path / "stopped", tmp_path / "ready"
-  child = ("import os, signal, sys, time\n"
-           "def stop(*_):\n"
-           f"  with open({str(stopped)!r}, 'a') as f:\n"
-           "    f.write(f'SIGINT {os.getsid(0) == os.getpid()}\\n')\n"
-           "  sys.exit(130)\n"
-           "signal.signal(signal.SIGINT, stop)\n"
-           f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n")
-  previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # xdist ignores SIGINT
-  try:
-    _signal_us_once(ready, signal.SIGINT)
-    t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-      demo.run_to_end("run x", [sys.executable, "-c", child])
-  finally:
-    signal.signal(signal.SIGINT, previous)
-  # one signal, in a session of its own (the terminal's Ctrl-C is ours alone); it had ended
-  assert stopped.read_text() == "SIGINT True\n"
-  assert time.monotonic() - t0 < 30                    # not the 60 s sleep: it was stopped
-
-
-def test_run_to_end_interrupted_again_while_it_stops_ends_its_process_as_on_ctrl_c(tmp_path):
-  """Ctrl-C, then SIGTERM while the process (which ignores SIGINT) is given its grace: it is
-  ended at once (second signal, SIGKILL), and we stop as on Ctrl-C, not as a saved preemption."""
-  ready = tmp_path / "ready"
-  child = (f"import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-           f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n")
-  previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
-              signal.SIGTERM: signal.signal(signal.SIGTERM, demo.on_sigterm)}
-  try:
-    _signal_us_once(ready, signal.SIGINT, signal.SIGTERM)
-    t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-      demo.run_to_end("run x", [sys.executable, "-c", child], grace_seconds=50)
-  finally:
-    for sig, handler in previous.items():
-      signal.signal(sig, handler)
-  assert time.monotonic() - t0 < 20        # not the 50 s grace nor the 60 s sleep
-
-
-def test_the_demos_sigterm_handler_stops_it_once():
-  previous = signal.signal(signal.SIGTERM, demo.on_sigterm)
-  try:
-    with pytest.raises(demo.Preempted) as stopped:
-      os.kill(os.getpid(), signal.SIGTERM)
-      time.sleep(5)                             # the handler raises here, in the main thread
-    assert stopped.value.code == demo.EXIT_CODE
-    # a second SIGTERM while the stages are being stopped is ignored
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
-  finally:
-    signal.signal(signal.SIGTERM, previous)
 
 
 def test_a_preempted_in_process_stage_stops_the_demo_instead_of_starting_the_next(
@@ -473,10 +276,10 @@ def test_demo_real_runs_every_stage_at_the_scale_asked(monkeypatch, tmp_path, ca
 
 def test_stages_sharing_a_device_allocate_as_needed_unless_the_environment_says_how(
     monkeypatch):
-  assert demo.shared_memory_env({}) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  assert processes.shared_memory_env({}) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   for own in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
               "XLA_PYTHON_CLIENT_ALLOCATOR"):
-    assert demo.shared_memory_env({own: "0.4"}) == {}
+    assert processes.shared_memory_env({own: "0.4"}) == {}
   previous = signal.getsignal(signal.SIGTERM)
   try:
     for own, expected in ((None, "false"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", None)):
