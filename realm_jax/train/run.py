@@ -26,9 +26,10 @@ from realm_jax.train.preemption import Preemption
 class Run:
   """One training run in `workdir`; `run()` trains to `config.train.steps` and evaluates.
 
-  Attributes set here: config, workdir, data, mesh, model, state, shardings, abstract,
-  train_step, step_rng, checkpointer, saved_data (the data item of the checkpoint resumed
-  from), inputs (set by `check_inputs`: the input iterator's owner, with `iterator` / `state`).
+  Attributes set here: config, workdir, data, mesh, model, shardings, abstract, train_step,
+  step_rng, checkpointer, saved_data (the data item of the checkpoint resumed from), inputs
+  (set by `check_inputs`: the input iterator's owner, with `iterator` / `state`); state (the
+  train state) from `restore_or_init` on.
   """
 
   keep_examples = 0   # examples with their evidence the final evaluation keeps for the summary
@@ -46,7 +47,9 @@ class Run:
     workdir_lib.record_config(config, workdir)
     self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
     init_rng, self.step_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    self.state, self.shardings, self.abstract = state_lib.create_train_state(
+    # the state itself comes from `restore_or_init`: restored, or initialised on a fresh start
+    self.state = None
+    self._initial_state, self.abstract, self.shardings = state_lib.deferred_train_state(
         config, self.model, self.mesh, self.data.blocks.block_len, init_rng)
     self.train_step = steps.make_train_step(config, self.model, self.shardings, self.mesh)
     self.checkpointer = Checkpointer(workdir, config.train.keep_checkpoints,
@@ -128,6 +131,7 @@ class Run:
       print(f"{self.prefix}resumed from {self.checkpointer.directory}/{latest} "
             f"(data at step {self.saved_data['next_step']})", flush=True)
       return int(self.saved_data["next_step"])
+    self.state = self._initial_state()
     start = initialization.start_params(self.config, self.state.params, self.abstract.params,
                                         self.shardings.params, self.data.tokenizer.vocab_path,
                                         self.data.tokenizer.vocab_size)

@@ -171,11 +171,21 @@ def create_train_state(config, model: REALM, mesh, block_len: int, rng):
   optimizer-state leaf takes the sharding of the parameter whose path ends its own path.
   Returns (state, state_shardings, abstract_state).
   """
+  make, abstract, shardings = deferred_train_state(config, model, mesh, block_len, rng)
+  return make(), shardings, abstract
+
+
+def deferred_train_state(config, model: REALM, mesh, block_len: int, rng):
+  """(make, abstract_state, state_shardings): `make()` creates the state as
+  `create_train_state` does. A run that resumes restores into the abstract state and never
+  calls it: no random init compiled, run and thrown away."""
   init, abstract, shardings = _state_setup(config, model, mesh, block_len, rng)
   rules = partitioning.logical_rules(config.mesh.rules)
-  with partitioning.mesh_rules(mesh, rules):
-    state = jax.jit(init, out_shardings=shardings)(rng)
-  return state, shardings, abstract
+
+  def make():
+    with partitioning.mesh_rules(mesh, rules):
+      return jax.jit(init, out_shardings=shardings)(rng)
+  return make, abstract, shardings
 
 
 def _state_shardings(abstract_state, param_shardings, replicated):
