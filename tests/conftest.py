@@ -6,10 +6,23 @@ import os
 _DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES_FLAG).strip()
+# XLA:CPU compiles the tests' programs without LLVM optimisation and with its older fusion
+# emitters: compiling is most of what the suite does (its programs are tiny: running them
+# takes milliseconds), and these two cut the compile of test_model_execution's REALM loss and
+# gradients 3.5x (9.5 -> 2.7 s on the AVX-512 Xeon; docs/testing.md). Same semantics; float
+# results differ from an optimised build's in the last bits, and every comparison in the
+# suite is between programs compiled alike. REALM_JAX_TEST_FAST_COMPILE=0: XLA's defaults.
+_FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+if os.environ.get("REALM_JAX_TEST_FAST_COMPILE", "1") != "0" and \
+    _FAST_COMPILE_FLAGS not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " " + _FAST_COMPILE_FLAGS
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A compilation cache private to this test session: the Trainer runs (and CLI subprocesses)
 # that compile the same programs again pay for XLA only once. pytest-xdist workers inherit the
 # variable from the controlling process, so they share it. Removed when the session ends.
+# Every program is cached, however small: each process the tests start compiles the eager ops
+# of its start-up (hundreds of tiny programs) again otherwise. The cache key holds XLA_FLAGS
+# and the devices, so processes with another device count get programs of their own.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   import atexit
   import shutil
@@ -17,7 +30,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _CACHE_DIR = tempfile.mkdtemp(prefix="realm_jax_test_xla_cache_")
   atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # The bucket tests' server speaks only the GCS JSON API: gcsfs must not probe the bucket type
 # over gRPC (read when gcsfs is imported, which may happen before their fixture runs).
