@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from realm_jax.train.config_base import flat_options
 
@@ -12,10 +13,16 @@ WORLD_ENTITIES = 60
 VOCAB_SIZE = 904        # just below the 913 entries at which the world's vocab saturates, so
                         # exactly 904: divisible by the 8-way model axis of the tensor-parallel
                         # tests (the vocab trainer is deterministic)
-# tiny_config overrides for a retriever smaller than its reader (hidden 32, 4 heads, 2 layers,
+# tiny_config overrides for a retriever smaller than its reader (hidden 32, 4 heads, 1 layer,
 # ff 64): towers of their own sizes through checkpoints, resume, the index and the builder.
 SMALL_RETRIEVER = dict(model__retriever__hidden_size=16, model__retriever__num_heads=2,
                        model__retriever__num_layers=1, model__retriever__intermediate_size=48)
+
+
+def xla_flags(devices: int) -> str:
+  """This session's $XLA_FLAGS (tests/conftest.py) for a process of `devices` host devices."""
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ["XLA_FLAGS"])
+  return f"{flags.strip()} --xla_force_host_platform_device_count={devices}".strip()
 
 
 def load_config_module(name: str):
@@ -25,7 +32,7 @@ def load_config_module(name: str):
 
 
 def tiny_config(task: str = "realm", variant: str | None = None, data_dir: str = "", **overrides):
-  """`configs/demo_ict.py` or `configs/demo_realm.py[:variant]` with a 2-layer d=32 BERT,
+  """`configs/demo_ict.py` or `configs/demo_realm.py[:variant]` with a 1-layer d=32 BERT,
   batch 16, a few steps, small eval, frequent logs and checkpoints.
 
   `overrides` are dotted names with `__` for the dots: `train__steps=8`.
@@ -38,7 +45,11 @@ def tiny_config(task: str = "realm", variant: str | None = None, data_dir: str =
   config.data.dir = data_dir
   config.data.prefetch = 2
   m = config.model
-  m.hidden_size, m.num_heads, m.intermediate_size, m.num_layers = 32, 4, 64, 2
+  # One layer: what the tests check is the same code in every layer (they run the last one,
+  # which computes only the positions read), and tracing and compiling the steps is most of
+  # their time. Tests of how layers stack build encoders of their own (test_model_execution,
+  # the checkpoint imports).
+  m.hidden_size, m.num_heads, m.intermediate_size, m.num_layers = 32, 4, 64, 1
   m.retrieval_dim = 32
   t = config.train
   t.batch_size, t.steps, t.log_every, t.checkpoint_every, t.keep_checkpoints = 16, 4, 1, 2, 3

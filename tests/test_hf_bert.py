@@ -469,10 +469,12 @@ def world_checkpoint(world_dir, path, vocab=None, **overrides):
   return write_checkpoint(path, weights, config, vocab or world_vocab), weights
 
 
+@pytest.mark.slow
 def test_trainer_starts_every_tower_from_the_checkpoint(world_dir, tmp_path, capsys):
   from realm_jax.train.loop import Trainer
   path, weights = world_checkpoint(world_dir, tmp_path / "hf")
-  config = tiny_config("realm", None, world_dir, init__hf_bert=path, model__share_towers=False)
+  config = tiny_config("realm", None, world_dir, init__hf_bert=path, model__share_towers=False,
+                       model__num_layers=2)   # the checkpoint's two: layer 1 lands in encoder/1
   trainer = Trainer(config, str(tmp_path / "work"))
   assert trainer.restore_or_init() == 0
   params = trainer.state.params
@@ -533,6 +535,7 @@ def minilm_dir():
   return os.path.join(os.path.dirname(spec.origin), "model")
 
 
+@pytest.mark.slow
 def test_all_minilm_l6_v2_matches_numpy_reference():
   path = minilm_dir()
   config = hf_bert.read_config(path)

@@ -244,6 +244,7 @@ def test_open_qa_evidence_becomes_a_block_store_and_a_published_index(imported):
       restored["retriever"]["query_tower"]["projection"]["kernel"])
 
 
+@pytest.mark.slow
 def test_plain_bert_loads_every_tower(tmp_path):
   from tests.test_hf_bert import hf_config, random_bert, write_checkpoint
   config = hf_config(len(VOCAB))
@@ -279,6 +280,7 @@ def _embedder_checkpoint(path, **config_changes):
   return hf_dir
 
 
+@pytest.mark.slow
 def test_realm_default_activation_is_imported_as_the_config_value(tmp_path):
   hf_dir = _embedder_checkpoint(tmp_path / "hf", hidden_act=None)   # RealmConfig's: gelu_new
   hf_realm.import_checkpoint(hf_dir, str(tmp_path / "w2"))
@@ -287,6 +289,7 @@ def test_realm_default_activation_is_imported_as_the_config_value(tmp_path):
   assert state_lib.build_model(config, 0).cfg.hidden_act == "gelu_new"
 
 
+@pytest.mark.slow
 def test_attention_dropout_is_imported_apart_from_hidden_dropout(tmp_path):
   """HF's attention_probs_dropout_prob becomes model.attention_dropout_rate where it differs
   from hidden_dropout_prob (-1: the same rate), and the imported model drops at that rate."""

@@ -109,6 +109,7 @@ def start(config, fresh, world_data):
                                      world_data.tokenizer.vocab_size)
 
 
+@pytest.mark.slow
 def test_bad_init_sources_name_the_option(world_dir, world_data, fresh, tmp_path, monkeypatch):
   vocab_size = world_data.tokenizer.vocab_size
   empty = tmp_path / "empty"

@@ -269,6 +269,7 @@ def relative_error(a, b):
   return float(np.linalg.norm(b - a) / np.linalg.norm(a))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat, dropout", [("full", 0.0), ("matmuls", 0.1)])
 def test_remat_gives_the_same_loss_and_gradients(remat, dropout):
   """Every transformer layer rematerialised: same parameter tree, same loss and gradients as
@@ -282,6 +283,7 @@ def test_remat_gives_the_same_loss_and_gradients(remat, dropout):
     assert relative_error(want, got) < 1e-4, name
 
 
+@pytest.mark.slow
 def test_bfloat16_step_stays_close_to_float32():
   """The same params and batch in bfloat16 compute: loss within 0.2% and retrieval utility
   within 0.01 nats of the float32 step's, the whole gradient within 5% (relative L2) and the

@@ -181,9 +181,11 @@ def test_run_to_end_passes_ctrl_c_to_its_process_once_and_waits_for_it(tmp_path)
   assert time.monotonic() - t0 < 30                    # not the 60 s sleep: it was stopped
 
 
-def test_run_to_end_interrupted_again_while_it_stops_ends_its_process_as_on_ctrl_c(tmp_path):
+def test_run_to_end_interrupted_again_while_it_stops_ends_its_process_as_on_ctrl_c(
+    tmp_path, monkeypatch):
   """Ctrl-C, then SIGTERM while the process (which ignores SIGINT) is given its grace: it is
   ended at once (second signal, SIGKILL), and we stop as on Ctrl-C, not as a saved preemption."""
+  monkeypatch.setattr(processes, "KILL_SECONDS", 1.0)   # from its second signal to SIGKILL
   ready = tmp_path / "ready"
   child = (f"import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
            f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n")

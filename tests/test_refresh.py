@@ -15,7 +15,7 @@ from tests import helpers
 
 pytestmark = pytest.mark.slow   # the slow tier: `make test` runs it, `make test-fast` does not
 
-STEPS = 12
+STEPS = 9
 REFRESH_EVERY = 3
 SWAP_LAG = 1
 KILL_AT = 8      # the trainer is killed once it has logged this step

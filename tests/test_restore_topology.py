@@ -83,7 +83,7 @@ def test_restores_exactly_onto_another_mesh(saved, shape, devices):
 
 def test_restores_and_trains_on_in_a_process_with_two_devices(saved, tmp_path):
   config, workdir, expected = saved
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  env = {**os.environ, "XLA_FLAGS": helpers.xla_flags(2)}
   out = str(tmp_path / "restored.npz")
   subprocess.run([sys.executable, "-c", "from tests.test_restore_topology import dump; "
                   f"dump({workdir!r}, {out!r})"], cwd=helpers.REPO, env=env, check=True,

@@ -1,6 +1,6 @@
-"""One train step on a single device, on a 1x8 (tensor-parallel) mesh and on a 2x4 mesh: same
-loss, same gradients (ICT, REALM, and REALM with a retriever of another size than the reader);
-and the parameter shardings the default rules give.
+"""One train step on a single device and on a 2x4 mesh (batch over `data`, tensor parallel over
+`model`): same loss, same gradients (ICT, REALM, and REALM with a retriever of another size than
+the reader); and the parameter shardings the default rules give on 1x8 and 2x4.
 
 The model is sized so every tensor-parallel dim divides 8: hidden 64, 8 heads, mlp 128, and
 `model.vocab_size` set explicitly to the tokenizer's vocab rounded up to a multiple of 8
@@ -102,12 +102,12 @@ def runs_for(run, world_dir, world_data):
     else:   # same model, same parameter tree: reuse REALM's initial state (params only used)
       _, host_state, _ = runs_for("realm", world_dir, world_data)
       model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
-    # ICT's own concern is the in-batch softmax over a batch split across `data`: 2x4 has it
-    # (its tensor-parallel towers are the ones the REALM loss runs too).
-    names = MESHES if task == "realm" else ("1 device", "2x4")
+    # 2x4 splits the batch over `data` (ICT's in-batch softmax, REALM's marginal) and every
+    # tensor-parallel dim over `model`: what 1x8 splits, 8 ways instead of 4 (the rules and
+    # constraints are the same; test_default_rules_shard_parameters_over_model reads 1x8's).
     runs = {name: run_on_mesh(config, world_data, model, host_state, MESHES[name],
                               train_step=name == "2x4" and task == "realm")
-            for name in names}
+            for name in ("1 device", "2x4")}
     _RUNS[run] = config, host_state, runs
   return _RUNS[run]
 
@@ -168,10 +168,12 @@ def spec(sharding):
   return tuple(entries)
 
 
-def test_default_rules_shard_parameters_over_model(realm_results):
+def test_default_rules_shard_parameters_over_model(realm_results, world_data):
   config, _, runs = realm_results
-  run = runs["1x8"]
-  shardings, mesh = run["shardings"], run["mesh"]
+  mesh = partitioning.make_mesh(MESHES["1x8"], jax.devices()[:8])
+  model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
+  _, shardings = state_lib.abstract_train_state(config, model, mesh,
+                                                world_data.blocks.block_len)
   tower = "tower" if config.model.share_towers else "query_tower"
   for half in (("reader", "bert"), ("retriever", tower, "bert")):
     node = shardings.params

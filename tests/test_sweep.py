@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -29,6 +30,7 @@ def sweep_module():
 
 
 ICT = os.path.join(helpers.CONFIGS, "demo_ict.py")
+SMALL = ["--set", "model.num_layers=1"]   # the demo's towers, one layer deep: a faster compile
 
 
 def test_a_key_not_in_the_config_names_the_closest(capsys):
@@ -55,21 +57,32 @@ def test_print_launcher_expands_the_grid_with_typed_values(capsys, tmp_path):
 
 def test_local_sweep_runs_every_point_and_sorts_the_table(world_dir, tmp_path, capsys):
   sweep = sweep_module()
-  argv = ["--config", ICT, "--root", str(tmp_path), "--grid", "train.lr=1e-4,1e-2",
-          "--set", f"data.dir={world_dir}", "--set", "train.steps=2",
+  # Two seeds: the second run compiles nothing (the programs are the first's, from the XLA
+  # cache); a learning rate is a constant of the step, a seed is not.
+  argv = ["--config", ICT, "--root", str(tmp_path), "--grid", "seed=1,2",
+          "--set", f"data.dir={world_dir}", "--set", "train.steps=2", *SMALL,
           "--set", "eval.num_examples=32", "--set", "train.batch_size=16",
           "--metric", "eval_recall_at_5"]
   assert sweep.main(argv) == 0
   with open(tmp_path / "results.csv") as f:
     rows = list(csv.DictReader(f))
-  assert sorted(r["train.lr"] for r in rows) == ["0.0001", "0.01"]
+  assert sorted(r["seed"] for r in rows) == ["1", "2"]
   assert all(r["status"] == "done" for r in rows)
   recalls = [float(r["eval_recall_at_5"]) for r in rows]
   assert recalls == sorted(recalls, reverse=True)
   assert (tmp_path / "results.md").read_text().startswith("Sorted by eval_recall_at_5.")
+  # A finished sweep is not run again; its table is made again from the runs' summaries. Two
+  # tiny runs may tie on the metric: given distinct values, the best comes first.
+  for seed, recall in (("1", 0.25), ("2", 0.75)):
+    summary = json.loads((tmp_path / f"seed-{seed}" / "summary.json").read_text())
+    summary["eval_recall_at_5"] = recall
+    (tmp_path / f"seed-{seed}" / "summary.json").write_text(json.dumps(summary))
   capsys.readouterr()
-  assert sweep.main(argv) == 0            # a finished sweep is not run again
+  assert sweep.main(argv) == 0
   assert capsys.readouterr().out.count("already done") == 2
+  with open(tmp_path / "results.csv") as f:
+    assert [(r["seed"], r["eval_recall_at_5"]) for r in csv.DictReader(f)] == [
+        ("2", "0.75"), ("1", "0.25")]
 
 
 def test_sigterm_to_a_local_sweep_makes_the_running_run_save_its_step(world_dir, tmp_path):
@@ -80,7 +93,7 @@ def test_sigterm_to_a_local_sweep_makes_the_running_run_save_its_step(world_dir,
       [sys.executable, "-u", os.path.join(helpers.REPO, "launch", "sweep.py"), "--config", ICT,
        "--root", str(tmp_path), "--grid", "train.lr=1e-3", "--set", f"data.dir={world_dir}",
        "--set", "train.steps=5000", "--set", "train.log_every=1", "--set",
-       "train.batch_size=16", "--set", "train.checkpoint_every=5000"],
+       "train.batch_size=16", "--set", "train.checkpoint_every=5000", *SMALL],
       cwd=helpers.REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     log, deadline = run / "sweep.log", time.monotonic() + 300

@@ -275,6 +275,7 @@ def test_no_retrieval_baseline_reads_only_the_null_document(world_dir, world_dat
   assert summary["eval_span_accuracy_null_document"] == summary["eval_span_accuracy"]
 
 
+@pytest.mark.slow
 def test_the_null_document_embedded_once_and_read_short_changes_nothing(world_data, world_dir,
                                                                         monkeypatch):
   """A training batch's candidate 0 is the null document in every row: embedding it once and
