@@ -15,7 +15,8 @@ from tests.helpers import tiny_config
 
 STOP_AFTER, RESUMED = 7, 100
 KEYS = {"realm": {"query_ids": np.int32, "mask_positions": np.int32, "mask_labels": np.int32,
-                  "mask_weights": np.float32, "query_len": np.int32, "source_block": np.int32},
+                  "mask_weights": np.float32, "query_len": np.int32, "source_block": np.int32,
+                  "query_row": np.int32, "span_index": np.int32},
         "ict": {"query_ids": np.int32, "block_ids": np.int32, "block_segments": np.int32}}
 
 

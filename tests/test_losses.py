@@ -170,3 +170,37 @@ def test_label_log_softmax_is_log_softmax_at_the_label_with_its_gradient():
   grad = lambda f: jax.grad(lambda x: (f(x) * weights).sum())(logits)
   np.testing.assert_allclose(np.asarray(grad(lambda x: losses.label_log_softmax(x, labels))),
                              np.asarray(grad(reference)), rtol=1e-5, atol=1e-6)
+
+
+def np_distill(logits, mask_lp, weights, tau, tau_s, marginalization, masked=None):
+  """float64 Atlas PDist: KL(q || p), q = softmax(log p(y|z,x) / tau), p = softmax(f / tau_s);
+  `masked` [B, k] candidates take no part in either. Returns (KL [B], d KL / d logits)."""
+  score = (mask_lp * weights[:, None, :]).sum(-1)
+  if marginalization == "per_mask":
+    score = score / weights.sum(-1, keepdims=True)
+  masked = np.zeros(logits.shape, bool) if masked is None else masked
+  softmax = lambda x: (lambda e: e / e.sum(-1, keepdims=True))(
+      np.where(masked, 0.0, np.exp(x - np.where(masked, -np.inf, x).max(-1, keepdims=True))))
+  q, p = softmax(score / tau), softmax(logits / tau_s)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    kl = np.where(masked | (q == 0), 0.0, q * (np.log(q) - np.log(p))).sum(-1)
+  return kl, (p - q) / tau_s
+
+
+@pytest.mark.parametrize("tau, tau_s, marginalization", [
+    (1.0, 1.0, "joint"), (0.1, 1.0, "joint"), (2.0, 0.5, "per_mask")])
+def test_distill_loss_and_gradient_match_a_float64_reference(tau, tau_s, marginalization):
+  logits, mask_lp, weights = random_case(3)
+  masked = np.zeros(logits.shape, bool)
+  masked[1, 2] = True            # a null document filling a slot training leaves it out of
+  logits = np.where(masked, -1e9, logits)
+  kl_ref, grad_ref = np_distill(logits, mask_lp, weights, tau, tau_s, marginalization, masked)
+  l, lp, w = f32(logits, mask_lp, weights)
+  fn = lambda x: losses.distill_loss(x, lp, w, tau, tau_s, marginalization)[0]
+  np.testing.assert_allclose(float(fn(l)), kl_ref.mean(), rtol=1e-5, atol=1e-6)
+  grad = np.asarray(jax.grad(fn)(l))
+  np.testing.assert_allclose(grad, grad_ref / len(logits), atol=1e-6)
+  assert np.abs(grad_ref).max() > 1e-2 and grad[1, 2] == 0
+  # the reader is the teacher: no gradient reaches its log-likelihoods
+  assert not np.asarray(jax.grad(lambda m: losses.distill_loss(l, m, w, tau, tau_s,
+                                                               marginalization)[0])(lp)).any()

@@ -355,3 +355,35 @@ def test_a_config_saved_before_the_execution_fields_loads_and_resumes():
   old.model.vocab_size = VOCAB
   cfg = state_lib.build_model(old, VOCAB).cfg
   assert (cfg.attention, cfg.remat, cfg.attention_dropout) == ("xla", "none", 0.1)
+
+
+def test_mean_pooling_is_the_mean_over_real_tokens_then_the_projection():
+  """`model.retriever.pooling` "mean": the tower's embedding is LayerNorm(dense(mean of the
+  last layer over the non-padding tokens)), against float64 numpy from the tower's own
+  sequence output; padding added to a row changes nothing; the tower has no pooler."""
+  from realm_jax.models.realm import Embedder
+  cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+                   intermediate_size=64, max_position=32, dropout_rate=0.0)
+  ids = padded_ids(np.random.default_rng(5), batch=4, length=12)
+  segments = np.zeros_like(ids)
+  tower = Embedder(cfg, 16, pooling="mean")
+  params = flax.linen.unbox(tower.init(jax.random.PRNGKey(0), ids, segments)["params"])
+  assert "pooler" not in params["bert"]
+  out = np.asarray(tower.apply({"params": params}, ids, segments), np.float64)
+  hidden, _ = BertEncoder(cfg, add_pooler=False).apply({"params": params["bert"]}, ids,
+                                                       segments)
+  hidden = np.asarray(hidden, np.float64)
+  real = (ids > 0)[..., None]
+  mean = (hidden * real).sum(1) / real.sum(1)
+  dense = mean @ np.asarray(params["projection"]["kernel"], np.float64) + \
+      np.asarray(params["projection"]["bias"])
+  normed = (dense - dense.mean(-1, keepdims=True)) / np.sqrt(dense.var(-1, keepdims=True)
+                                                             + cfg.layer_norm_eps)
+  ref = normed * np.asarray(params["projection_norm"]["scale"]) + \
+      np.asarray(params["projection_norm"]["bias"])
+  np.testing.assert_allclose(out, ref, atol=2e-5)
+  longer = np.concatenate([ids, np.zeros((4, 5), np.int32)], axis=1)
+  np.testing.assert_allclose(np.asarray(tower.apply({"params": params}, longer,
+                                                    np.zeros_like(longer))), out, atol=1e-5)
+  cls = Embedder(cfg, 16).init(jax.random.PRNGKey(0), ids, segments)["params"]
+  assert "pooler" in cls["bert"]

@@ -89,6 +89,47 @@ def realm_loss(retrieval_logits: Array, mask_log_probs: Array, mask_weights: Arr
   return -jnp.mean(log_lik), metrics
 
 
+RETRIEVER_LOSSES = ("marginal", "distill")
+
+
+def candidate_log_likelihood(mask_log_probs: Array, mask_weights: Array,
+                             marginalization: str = "joint") -> Array:
+  """log p(y | z, x) of each candidate [B, k]: the sum over the real masks ("joint"), or
+  their mean ("per_mask", the scale the released code's per-mask marginal reads)."""
+  summed = (mask_log_probs * mask_weights[:, None, :]).sum(-1)
+  if marginalization == "joint":
+    return summed
+  return summed / jnp.maximum(mask_weights.sum(-1), 1.0)[:, None]
+
+
+def distill_loss(retrieval_logits: Array, mask_log_probs: Array, mask_weights: Array,
+                 temperature: float, retriever_temperature: float = 1.0,
+                 marginalization: str = "joint") -> tuple[Array, dict[str, Array]]:
+  """Atlas's PDist: the retriever learns the reader's ranking of the candidates.
+
+  loss = mean_x KL(q(.|x) || p(.|x)), where the target q(z|x) = softmax_z(log p(y|z,x) / tau)
+  is the reader's likelihood of the masked span given candidate z alone (no gradient: the
+  reader is the teacher), tau = `temperature`, and p(z|x) = softmax_z(f(x,z) / tau_s),
+  tau_s = `retriever_temperature`. Every candidate the step reads is in both softmaxes: the
+  null document too when training reads it (`retrieval.train_null_document`), so the
+  retriever learns where "no evidence" ranks; a candidate masked out of the prior (logit
+  -1e9: a null document filling a slot when training leaves it out) gets no target mass either.
+  Its gradient with respect to f(x, z) is (p(z|x) - q(z|x)) / (tau_s B).
+
+  Returns (mean KL, metrics: the KL and the target's entropy).
+  """
+  masked_out = retrieval_logits <= -1e8
+  reader = candidate_log_likelihood(jax.lax.stop_gradient(mask_log_probs), mask_weights,
+                                    marginalization)
+  target_logits = jnp.where(masked_out, -1e9, reader / temperature)
+  log_q = jax.nn.log_softmax(target_logits, axis=-1)
+  q = jnp.exp(log_q)
+  log_p = jax.nn.log_softmax(retrieval_logits / retriever_temperature, axis=-1)
+  kl = jnp.where(masked_out, 0.0, q * (log_q - log_p)).sum(-1)
+  entropy = jnp.where(masked_out, 0.0, -q * log_q).sum(-1)
+  return jnp.mean(kl), {"distill_kl": jnp.mean(kl), "distill_target_entropy": jnp.mean(entropy)}
+
+
 def marginal_token_log_probs(retrieval_logits: Array, vocab_log_probs: Array) -> Array:
   """log p(y_j = v | x) = log sum_z p(z|x) p(v|z,x) for every vocabulary entry.
 

@@ -25,18 +25,38 @@ from realm_jax.models.losses import label_log_softmax
 Array = jax.Array
 
 
+POOLINGS = ("cls", "mean")
+
+
+def mean_pool(hidden: Array, token_ids: Array) -> Array:
+  """The mean of `hidden` [n, L, H] over each row's non-padding tokens (id > 0): [n, H], as
+  sentence encoders (all-MiniLM-L6-v2 among them) are trained to be read."""
+  weights = (token_ids > 0).astype(hidden.dtype)[..., None]
+  return (hidden * weights).sum(1) / jnp.maximum(weights.sum(1), 1.0)
+
+
 class Embedder(nn.Module):
   """Retriever tower: BERT pooled output -> dense to `retrieval_dim` -> LayerNorm (REALM's
-  `Embed_input` / `Embed_doc`)."""
+  `Embed_input` / `Embed_doc`).
+
+  `pooling`: "cls" reads [CLS] through BERT's pooler (REALM's); "mean" averages the last layer
+  over the non-padding tokens (a sentence encoder's; the tower then has no pooler)."""
 
   cfg: BertConfig
   retrieval_dim: int
+  pooling: str = "cls"
 
   @nn.compact
   def __call__(self, token_ids: Array, segment_ids: Array, deterministic: bool = True) -> Array:
-    cls_only = jnp.zeros((token_ids.shape[0], 1), jnp.int32)   # the last layer: [CLS] alone
-    _, pooled = BertEncoder(self.cfg, add_pooler=True, name="bert")(
-        token_ids, segment_ids, deterministic, cls_only)
+    if self.pooling not in POOLINGS:
+      raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+    bert = BertEncoder(self.cfg, add_pooler=self.pooling == "cls", name="bert")
+    if self.pooling == "cls":
+      cls_only = jnp.zeros((token_ids.shape[0], 1), jnp.int32)   # the last layer: [CLS] alone
+      _, pooled = bert(token_ids, segment_ids, deterministic, cls_only)
+    else:
+      hidden, _ = bert(token_ids, segment_ids, deterministic)
+      pooled = mean_pool(hidden, token_ids)
     x = nn.Dense(
         self.retrieval_dim, dtype=self.cfg.dtype,
         kernel_init=nn.with_logical_partitioning(
@@ -57,13 +77,14 @@ class Retriever(nn.Module):
   cfg: BertConfig
   retrieval_dim: int
   share_towers: bool = False
+  pooling: str = "cls"
 
   def setup(self):
     if self.share_towers:
-      self.tower = Embedder(self.cfg, self.retrieval_dim)
+      self.tower = Embedder(self.cfg, self.retrieval_dim, self.pooling)
     else:
-      self.query_tower = Embedder(self.cfg, self.retrieval_dim)
-      self.block_tower = Embedder(self.cfg, self.retrieval_dim)
+      self.query_tower = Embedder(self.cfg, self.retrieval_dim, self.pooling)
+      self.block_tower = Embedder(self.cfg, self.retrieval_dim, self.pooling)
 
   def embed_queries(self, query_ids: Array, deterministic: bool = True) -> Array:
     """`[CLS] x [SEP]` (segment 0) -> [batch, retrieval_dim]."""
@@ -193,13 +214,15 @@ class REALM(nn.Module):
   max_span_width: int = 10
   span_eps: float = 1e-3
   retriever_cfg: BertConfig | None = None   # the retriever towers' BERT (None: as `cfg`)
+  pooling: str = "cls"             # the retriever towers' pooling (`Embedder`)
 
   @property
   def retriever_bert(self) -> BertConfig:
     return self.retriever_cfg or self.cfg
 
   def setup(self):
-    self.retriever = Retriever(self.retriever_bert, self.retrieval_dim, self.share_towers)
+    self.retriever = Retriever(self.retriever_bert, self.retrieval_dim, self.share_towers,
+                               self.pooling)
     self.reader = Reader(self.cfg, self.span_hidden, self.max_span_width, self.span_eps)
 
   def embed_queries(self, query_ids, deterministic=True):

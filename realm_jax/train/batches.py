@@ -90,8 +90,10 @@ class QueryBatches(BatchStream):
       return pipeline.ict_inputs(self.examples, self.data.blocks, rows,
                                  self.config.data.query_len, choice.astype(bool), self.cls_id,
                                  self.sep_id)
-    return masked_queries(self.examples, rows, self.examples.spans[rows, choice], self.config,
-                          self.cls_id, self.sep_id, self.mask_id)
+    batch = masked_queries(self.examples, rows, self.examples.spans[rows, choice], self.config,
+                           self.cls_id, self.sep_id, self.mask_id)
+    batch["query_row"], batch["span_index"] = rows.astype(np.int32), choice.astype(np.int32)
+    return batch   # (query row, span): what the masked query is (the score cache's key)
 
 
 def masked_queries(examples: ExampleSet, rows: np.ndarray, spans: np.ndarray, config, cls_id,

@@ -34,6 +34,7 @@ PARTS = ("retriever", "reader")  # the two halves of the parameter tree, each wi
 EXECUTION_FIELDS = ("model.dtype", "model.attention", "model.remat")
 # Compatibility fields added later -> the value checkpoints saved without them were written under.
 ADDED_FIELDS = {"model.hidden_act": "gelu", "model.attention_dropout_rate": -1.0,
+                "model.retriever.pooling": "cls",
                 **{f"model.retriever.{f}": TOWER_UNSET.get(f, 0) for f in TOWER_FIELDS}}
 
 
@@ -105,6 +106,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.retriever.max_position = 0       # 0: model.max_position (>= query_len, block_len)
   c.model.retriever.dropout_rate = -1.0    # -1: model.dropout_rate
   c.model.retriever.hidden_act = ""        # "": model.hidden_act
+  c.model.retriever.pooling = "cls"        # "cls": [CLS] through BERT's pooler (REALM's);
+                                           # "mean": the last layer averaged over non-padding
+                                           # tokens (how sentence encoders such as
+                                           # all-MiniLM-L6-v2 are trained; no pooler)
 
   c.retrieval = ml_collections.ConfigDict()
   c.retrieval.candidates = "index"  # where a step's candidates come from: "index": top-k
@@ -132,6 +137,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.retrieval.backend = "exact"    # "exact": matmul + top-k on device; "scann": tree +
                                    # asymmetric hashing + reorder on the host (builder job)
   c.retrieval.marginalization = "joint"  # "joint" over masks (paper) or "per_mask" (code)
+  c.retrieval.loss = "marginal"    # the retriever's loss: "marginal" (REALM eq. 2: the
+                                   # reader's and the retriever's gradient from one marginal
+                                   # likelihood) or "distill" (Atlas's PDist: KL from a
+                                   # temperature-softmax of each candidate's reader
+                                   # log-likelihood to p(z|x); the reader still learns from
+                                   # the marginal, with p(z|x) held fixed)
+  c.retrieval.distill_temperature = 1.0    # distill: tau of the reader's target softmax
+                                   # (log p(y|z,x) / tau; smaller: a sharper target)
+  c.retrieval.retriever_temperature = 1.0  # distill: p(z|x) = softmax(f(x,z) / tau_s) in the KL
+  c.retrieval.score_cache = False  # with the reader frozen (train.reader_lr_scale 0): each
+                                   # (query, span, block) pair's reader log-likelihoods are
+                                   # computed once and read back on later steps (docs/design.md)
   c.retrieval.embed_batch_size = 512     # blocks per batch when (re)building the index
 
   c.train = ml_collections.ConfigDict()
@@ -267,6 +284,7 @@ def _validate_towers(config) -> None:
   d = config.data
   needs = {"reader": d.query_len + d.block_len, "retriever": max(d.query_len, d.block_len)}
   from realm_jax.models.bert import HIDDEN_ACTS   # (flax) not at the top: configs import us
+  from realm_jax.models.realm import POOLINGS
   for part in PARTS:
     m, opts = part_model(config, part), part_options(config, part)
     option = lambda field: opts.get(field, f"model.{field}")
@@ -287,6 +305,9 @@ def _validate_towers(config) -> None:
             or 0 <= m.attention_dropout_rate < 1):
       raise ConfigError("model.attention_dropout_rate", f"must be -1 (model dropout_rate) or "
                         f"in [0, 1), got {m.attention_dropout_rate}")
+    if part == "retriever" and config.model.retriever.get("pooling", "cls") not in POOLINGS:
+      raise ConfigError("model.retriever.pooling", f"{config.model.retriever.pooling!r} is not "
+                        f"one of {POOLINGS}")
     hidden_act = m.get("hidden_act", "gelu")
     if hidden_act not in HIDDEN_ACTS:
       raise ConfigError(option("hidden_act"), f"{hidden_act!r} is not one of "
@@ -346,6 +367,7 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
                       f"{config.builder.keep_versions}")
   if r.marginalization not in ("joint", "per_mask"):
     raise ConfigError("retrieval.marginalization", f"{r.marginalization!r}: joint | per_mask")
+  _validate_retriever_learning(config)
   if config.task == "realm" and r.candidates == "index" and r.k < 2:
     raise ConfigError("retrieval.k", f"k={r.k}: REALM needs k >= 2 (null document + >= 1 block)")
   if not isinstance(r.get("train_null_document", True), bool):
@@ -393,6 +415,29 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
   if vocab_size is not None and config.model.vocab_size not in (0, vocab_size):
     raise ConfigError("model.vocab_size", f"{config.model.vocab_size} but {d.dir}/vocab.txt "
                       f"has {vocab_size} entries")
+
+
+def _validate_retriever_learning(config) -> None:
+  """retrieval.loss and its temperatures, the score cache."""
+  from realm_jax.models.losses import RETRIEVER_LOSSES
+  r, t = config.retrieval, config.train
+  if r.get("loss", "marginal") not in RETRIEVER_LOSSES:
+    raise ConfigError("retrieval.loss", f"{r.loss!r} is not one of {RETRIEVER_LOSSES}")
+  for name in ("distill_temperature", "retriever_temperature"):
+    if not r.get(name, 1.0) > 0:
+      raise ConfigError(f"retrieval.{name}", f"must be > 0, got {r[name]}")
+  if r.get("score_cache", False):
+    if config.task != "realm" or r.candidates != "index":
+      raise ConfigError("retrieval.score_cache", "caches the reader's scores of retrieved "
+                        "candidates: task 'realm' with retrieval.candidates 'index'")
+    if t.reader_lr_scale != 0:
+      raise ConfigError("retrieval.score_cache", f"needs a frozen reader "
+                        f"(train.reader_lr_scale 0, got {t.reader_lr_scale}): a trained "
+                        "reader's scores change every step")
+    if part_model(config, "reader").dropout_rate > 0 or \
+        config.model.get("attention_dropout_rate", -1.0) > 0:
+      raise ConfigError("retrieval.score_cache", "needs a reader without dropout "
+                        "(model.dropout_rate 0): each read must give the same scores")
 
 
 def _validate_openqa(config) -> None:

@@ -18,6 +18,7 @@ from realm_jax.train.config_base import validate
 from realm_jax.train.feed import BatchFeed
 from realm_jax.train.metrics import MetricWriter
 from realm_jax.train.run import Run
+from realm_jax.train.score_cache import ScoreCache, cache_keys
 
 # The figures of a progress line: REALM trained without the null document has no utility to
 # show, but the entropy of p(z|x) shows the retriever committing to blocks.
@@ -40,6 +41,8 @@ class Trainer(Run):
         abstract_retriever=self.abstract.params["retriever"], snapshot=self._snapshot,
         has_answers=self.evaluator.has_answers)
     self.feed: BatchFeed | None = None
+    self.score_cache: ScoreCache | None = None
+    self.cache_hits = self.cache_reads = 0
 
   def check_inputs(self) -> None:
     config, stats = self.config, self.data.stats
@@ -97,6 +100,9 @@ class Trainer(Run):
 
   def first_batch(self, start: int, depth: int) -> None:
     self.start, self.depth = start, depth
+    if self.config.retrieval.get("score_cache", False):   # the reader is frozen: read once
+      self.score_cache = ScoreCache(self.config, self.model, self.state.params["reader"],
+                                    self.inputs.local_batch)
     self.feed = BatchFeed(self.data_iter, self._assemble, start, depth)
 
   def _assemble(self, step: int, queries: dict[str, np.ndarray]):
@@ -110,7 +116,11 @@ class Trainer(Run):
       retrieved = loaded.retrieve(queries["query_ids"], cfg.retrieval.k + 1)
       used = {"index": loaded, "wait_seconds": waited}
     cand = batches.candidates_for(cfg, self.data, queries, retrieved, training=True)
-    return batches.realm_batch(cfg, self.data, queries, cand), used
+    batch = batches.realm_batch(cfg, self.data, queries, cand)
+    if self.score_cache is not None:
+      batch, hits, reads = self.score_cache.fill(batch, cache_keys(queries, cand))
+      used["score_cache"] = (hits, reads)
+    return batch, used
 
   def next_batch(self, step: int):
     self.candidates.before_step(step, self.start, self.depth)
@@ -120,6 +130,9 @@ class Trainer(Run):
     return partitioning.global_batch(host, self.mesh), data_state
 
   def after_step(self, done: int, metrics) -> None:
+    if "score_cache" in self.used:
+      self.cache_hits += self.used["score_cache"][0]
+      self.cache_reads += self.used["score_cache"][1]
     if "index" in self.used:
       self.candidates.served(done, self.used["index"], self.used["wait_seconds"],
                              self.feed_wait, metrics)
@@ -127,8 +140,18 @@ class Trainer(Run):
   def progress(self, scalars: dict) -> tuple[str, str]:
     if self.candidates.staleness:
       scalars["index_staleness"] = self.candidates.staleness[-1]
-    return (" ".join(f"{k} {scalars[k]:.4g}" for k in _SHOWN if k in scalars),
-            self.candidates.progress_note())
+    note = self.candidates.progress_note()
+    if self.score_cache is not None:
+      note += (f" | score cache {len(self.score_cache):,} pairs, hit rate "
+               f"{self._cache_figures()['score_cache_hit_rate']:.2f}")
+    return " ".join(f"{k} {scalars[k]:.4g}" for k in _SHOWN if k in scalars), note
+
+  def _cache_figures(self) -> dict:
+    """The score cache's figures over the steps this process ran (since a resume)."""
+    looked_up = max(self.cache_hits + self.cache_reads, 1)
+    return {"score_cache_hit_rate": round(self.cache_hits / looked_up, 4),
+            "score_cache_reader_forwards_saved": self.cache_hits,
+            "score_cache_reader_forwards": self.cache_reads}
 
   def stop_feeding(self, preempted: bool) -> None:
     # The feed thread is building batches past the last step and may be waiting for an index
@@ -161,6 +184,12 @@ class Trainer(Run):
 
   def summary_fields(self) -> dict:
     figures = self.candidates.summary()
+    if self.score_cache is not None:
+      cache = self._cache_figures()
+      print(f"{self.prefix}score cache: {cache['score_cache_reader_forwards_saved']:,} reader "
+            f"forwards saved, {cache['score_cache_reader_forwards']:,} made (hit rate "
+            f"{cache['score_cache_hit_rate']:.3f})", flush=True)
+      figures = {**figures, **cache}
     if figures:
       print(f"{self.prefix}index staleness p50 {figures['index_staleness_p50']:g} p95 "
             f"{figures['index_staleness_p95']:g} max {figures['index_staleness_max']} over "

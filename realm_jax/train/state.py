@@ -34,6 +34,7 @@ def build_model(config, vocab_size: int) -> REALM:
   return REALM(reader, retriever_cfg=None if retriever == reader else retriever,
                retrieval_dim=config.model.retrieval_dim,
                share_towers=config.model.share_towers,
+               pooling=config.model.retriever.get("pooling", "cls"),
                span_hidden=config.model.span_hidden_size if openqa else 0,
                max_span_width=config.model.max_span_width,
                span_eps=config.model.span_layer_norm_eps)

@@ -42,16 +42,9 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
   `labels` (training), log p(y_j | z, x) of the true wordpieces [B, k, M] in their place.
   """
   variables = {"params": params}
-  b, k, _ = batch["candidate_ids"].shape
+  k = batch["candidate_ids"].shape[1]
   null_first = null_first and k > 1
-  if rescore:
-    query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
-                        method=REALM.embed_queries)
-    blocks = _embed_candidates(model, variables, batch, rngs, deterministic,
-                               null_first and deterministic)
-    logits = jnp.einsum("bd,bkd->bk", query, blocks)
-  else:
-    logits = jnp.full((b, k), -1e9, jnp.float32).at[:, -1].set(0.0)
+  logits = retrieval_logits(model, params, batch, rngs, deterministic, rescore, null_first)
   read = functools.partial(_read, model, variables, batch["mask_positions"],
                            batch["mask_labels"] if labels else None, rngs, deterministic)
   null_len = pipeline.reader_length(batch["query_ids"].shape[-1], pipeline.NULL_DOCUMENT_LENGTH)
@@ -60,6 +53,21 @@ def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
   null = read(batch["reader_ids"][:, :1, :null_len], batch["reader_segments"][:, :1, :null_len])
   rest = read(batch["reader_ids"][:, 1:], batch["reader_segments"][:, 1:])
   return logits, jnp.concatenate([null, rest], axis=1)
+
+
+def retrieval_logits(model: REALM, params, batch, rngs=None, deterministic=True,
+                     rescore: bool = True, null_first: bool = False):
+  """f(x, z) [B, k] of the k candidates with the current towers (`realm_scores`); without
+  `rescore`, all prior mass on the last candidate."""
+  b, k, _ = batch["candidate_ids"].shape
+  if not rescore:
+    return jnp.full((b, k), -1e9, jnp.float32).at[:, -1].set(0.0)
+  variables = {"params": params}
+  query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
+                      method=REALM.embed_queries)
+  blocks = _embed_candidates(model, variables, batch, rngs, deterministic,
+                             null_first and k > 1 and deterministic)
+  return jnp.einsum("bd,bkd->bk", query, blocks)
 
 
 def _embed_candidates(model: REALM, variables, batch, rngs, deterministic, null_once: bool):
@@ -127,15 +135,22 @@ def label_log_probs(vocab_log_probs, mask_labels):
 
 
 def realm_loss_fn(params, model, batch, config, rng):
-  """REALM's negative marginal log-likelihood (plus metrics) for one batch."""
+  """REALM's loss (plus metrics) for one batch: the negative marginal log-likelihood, or with
+  `retrieval.loss` "distill" that of the reader plus the retriever's KL (`retriever_loss`).
+  A batch carrying `candidate_log_probs` (the score cache's, train/score_cache.py) is not
+  read again: those are the frozen reader's log p(y_j | z, x)."""
   params = _freeze(params, config.train)
   deterministic = without_dropout(config)
-  logits, mask_lp = realm_scores(model, params, batch, {"dropout": rng}, deterministic,
-                                 rescores(config), null_first(config, training=True),
-                                 labels=True)
+  rngs, first = {"dropout": rng}, null_first(config, training=True)
+  if "candidate_log_probs" in batch:
+    logits = retrieval_logits(model, params, batch, rngs, deterministic, rescores(config),
+                              first)
+    mask_lp = batch["candidate_log_probs"]
+  else:
+    logits, mask_lp = realm_scores(model, params, batch, rngs, deterministic,
+                                   rescores(config), first, labels=True)
   logits = without_untrained_null(config, batch, logits)
-  loss, metrics = losses.realm_loss(logits, mask_lp, batch["mask_weights"],
-                                    config.retrieval.marginalization)
+  loss, metrics = retriever_loss(config, logits, mask_lp, batch["mask_weights"])
   if logits.shape[1] == 1:
     metrics = {}    # one candidate (the warm-up's own block, the baseline's null document):
                     # no p(z|x) to measure, no utility to measure against
@@ -143,6 +158,20 @@ def realm_loss_fn(params, model, batch, config, rng):
     metrics = {k: v for k, v in metrics.items()
                if k not in ("retrieval_utility", "null_doc_prob")}
   return loss, metrics
+
+
+def retriever_loss(config, logits, mask_lp, mask_weights):
+  """`retrieval.loss`: "marginal", REALM's -log p(y|x) (both halves learn from it); "distill",
+  the same marginal with p(z|x) held fixed (the reader's term) plus the KL from the reader's
+  per-candidate target to p(z|x) (the retriever's; `losses.distill_loss`)."""
+  r = config.retrieval
+  if r.get("loss", "marginal") == "marginal":
+    return losses.realm_loss(logits, mask_lp, mask_weights, r.marginalization)
+  nll, metrics = losses.realm_loss(jax.lax.stop_gradient(logits), mask_lp, mask_weights,
+                                   r.marginalization)
+  kl, kl_metrics = losses.distill_loss(logits, mask_lp, mask_weights, r.distill_temperature,
+                                       r.retriever_temperature, r.marginalization)
+  return nll + kl, {**metrics, **kl_metrics}
 
 
 def null_candidates(candidate_ids):

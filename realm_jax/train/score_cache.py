@@ -1,0 +1,109 @@
+"""The frozen reader's scores, read once (`retrieval.score_cache`).
+
+With the reader frozen (`train.reader_lr_scale` 0, no dropout), log p(y_j | z, x) of a masked
+query x and a candidate block z never changes: a REALM step needs the reader only for the
+(query, span, block) triples it has not read before. `ScoreCache.fill` runs in the batch
+feed's thread after the candidates are retrieved: it looks every triple of the batch up,
+reads the new ones with the reader on this process's devices (in chunks of one shape, so a
+triple's scores do not depend on which other triples were read with it), stores them, and
+hands the step `candidate_log_probs` [B, k, M] in place of the reader inputs. The step then
+computes only the retriever (train/steps.py `realm_loss_fn`).
+
+The cache lives in memory and is not checkpointed: a resumed run reads the triples again
+and gets the same scores (tests/test_score_cache.py), so resuming stays exact.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+
+from realm_jax.data import pipeline
+from realm_jax.models.realm import REALM
+from realm_jax.train import partitioning
+from realm_jax.train.steps import null_first
+
+
+class ScoreCache:
+  """(query row, span, block row) -> the reader's log p(y_j | z, x) at the query's masks [M]."""
+
+  def __init__(self, config, model: REALM, reader_params, local_batch: int):
+    self.config, self.model = config, model
+    self.mesh = partitioning.make_mesh((-1, 1), jax.local_devices())
+    self.params = jax.device_put({"params": {"reader": partitioning.host_copy(reader_params)}},
+                                 partitioning.replicated(self.mesh))
+    devices = len(jax.local_devices())
+    # every chunk is read at one shape: the most triples a batch can miss, in whole devices
+    self.chunk = -(-local_batch * config.retrieval.k // devices) * devices
+    self.null_len = pipeline.reader_length(config.data.query_len,
+                                           pipeline.NULL_DOCUMENT_LENGTH)
+    self.null_short = null_first(config, training=True)   # the step reads it at its length
+    self._scores: dict[tuple[int, int, int], np.ndarray] = {}
+    self._lock = threading.Lock()
+    self.rules = partitioning.logical_rules(config.mesh.rules)
+    self._read = jax.jit(self._read_fn)
+
+  def __len__(self) -> int:
+    return len(self._scores)
+
+  def _read_fn(self, params, ids, segments, positions, labels):
+    return self.model.apply(params, ids, segments, positions, labels, True,
+                            method=REALM.read_labels)
+
+  def fill(self, batch: dict[str, np.ndarray], keys: np.ndarray) -> tuple[dict, int, int]:
+    """`batch` (a host REALM batch) with `candidate_log_probs` [B, k, M] from the cache, its
+    reader inputs dropped; `keys` [B, k, 3]: (query row, span, block row) per candidate.
+    Returns (batch, hits, reads)."""
+    b, k = keys.shape[:2]
+    out = np.zeros((b, k, batch["mask_labels"].shape[1]), np.float32)
+    missing = []
+    with self._lock:
+      for i in range(b):
+        for j in range(k):
+          found = self._scores.get(tuple(keys[i, j]))
+          if found is None:
+            missing.append((i, j))
+          else:
+            out[i, j] = found
+    if missing:
+      self._read_missing(batch, keys, missing, out)
+    batch = {name: value for name, value in batch.items()
+             if name not in ("reader_ids", "reader_segments")}
+    batch["candidate_log_probs"] = out
+    return batch, b * k - len(missing), len(missing)
+
+  def _read_missing(self, batch, keys, missing, out) -> None:
+    """Reads the `missing` (row, column) pairs, the null document at its own length."""
+    is_null = lambda ij: self.null_short and keys[ij][2] == pipeline.NULL_BLOCK
+    for group, length in (([p for p in missing if is_null(p)], self.null_len),
+                          ([p for p in missing if not is_null(p)], None)):
+      for start in range(0, len(group), self.chunk):
+        part = group[start:start + self.chunk]
+        scores = self._read_pairs(batch, part, length)
+        with self._lock:
+          for (i, j), value in zip(part, scores):
+            out[i, j] = value
+            self._scores[tuple(keys[i, j])] = value
+
+  def _read_pairs(self, batch, pairs, length) -> np.ndarray:
+    rows, cols = np.asarray(pairs).T
+    ids = batch["reader_ids"][rows, cols, :length]
+    segments = batch["reader_segments"][rows, cols, :length]
+    inputs = [ids, segments, batch["mask_positions"][rows], batch["mask_labels"][rows]]
+    padded = [np.zeros((self.chunk,) + x.shape[1:], x.dtype) for x in inputs]
+    for full, x in zip(padded, inputs):
+      full[:len(x)] = x
+    sharding = partitioning.batch_sharding(self.mesh)
+    with partitioning.mesh_rules(self.mesh, self.rules):
+      scores = self._read(self.params, *[jax.device_put(x, sharding) for x in padded])
+    return np.asarray(jax.device_get(scores), np.float32)[:len(pairs)]
+
+
+def cache_keys(queries: dict[str, np.ndarray], candidate_rows: np.ndarray) -> np.ndarray:
+  """[B, k, 3] (query row, span, block row) of a batch's candidates."""
+  b, k = candidate_rows.shape
+  rows = np.broadcast_to(queries["query_row"][:, None], (b, k))
+  spans = np.broadcast_to(queries["span_index"][:, None], (b, k))
+  return np.stack([rows, spans, candidate_rows], axis=-1).astype(np.int64)

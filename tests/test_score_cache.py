@@ -1,0 +1,117 @@
+"""The frozen reader's score cache (`retrieval.score_cache`, train/score_cache.py): a step fed
+cached scores gives the loss and gradients of the step that reads every candidate, for the
+marginal and the distillation loss, with and without the null document; a second look-up of
+the same triples reads nothing; a run with the cache resumes exactly and reports its hit rate;
+the bad settings are refused naming the option."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from realm_jax.data import pipeline
+from realm_jax.errors import ConfigError
+from realm_jax.train import batches, partitioning, state as state_lib, steps
+from realm_jax.train.config_base import null_in_training, validate
+from realm_jax.train.loop import train
+from realm_jax.train.metrics import read_jsonl
+from realm_jax.train.score_cache import ScoreCache, cache_keys
+from tests.helpers import tiny_config
+
+
+def cache_config(world_dir, **overrides):
+  settings = dict(train__reader_lr_scale=0.0, train__retriever_lr_scale=1.0,
+                  retrieval__score_cache=True, retrieval__k=4)
+  return tiny_config("realm", None, world_dir, **{**settings, **overrides})
+
+
+def host_batch(config, data, seed=0):
+  queries = batches.QueryBatches(config, data, data.examples("train"))(0)
+  retrieved = np.random.default_rng(seed).integers(
+      0, data.blocks.num_blocks, (len(queries["query_ids"]), config.retrieval.k + 1))
+  cands = batches.candidates_for(config, data, queries, retrieved, training=True)
+  return queries, cands, batches.realm_batch(config, data, queries, cands)
+
+
+def loss_and_grads(config, model, params, batch, mesh):
+  rules = partitioning.logical_rules(config.mesh.rules)
+  fn = lambda p, b: jax.value_and_grad(steps.realm_loss_fn, has_aux=True)(
+      p, model, b, config, jax.random.PRNGKey(0))
+  with partitioning.mesh_rules(mesh, rules):
+    (loss, metrics), grads = jax.jit(fn)(params, partitioning.global_batch(batch, mesh))
+  return float(loss), jax.device_get(metrics), jax.device_get(grads)
+
+
+@pytest.mark.parametrize("loss, null_document", [("marginal", True), ("distill", False)])
+def test_cached_scores_give_the_same_loss_and_gradients(world_dir, world_data, loss,
+                                                        null_document):
+  config = cache_config(world_dir, retrieval__loss=loss,
+                        retrieval__train_null_document=null_document)
+  validate(config)
+  model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
+  mesh = partitioning.make_mesh((-1, 1))
+  state, _, _ = state_lib.create_train_state(config, model, mesh, world_data.blocks.block_len,
+                                             jax.random.PRNGKey(0))
+  queries, cands, batch = host_batch(config, world_data)
+  assert (cands[:, 0] == pipeline.NULL_BLOCK).all() == null_document
+  cache = ScoreCache(config, model, state.params["reader"], len(cands))
+  keys = cache_keys(queries, cands)
+  cached, hits, reads = cache.fill(dict(batch), keys)
+  assert (hits, reads) == (0, cands.size) and len(cache) == len({tuple(k) for k in
+                                                                 keys.reshape(-1, 3)})
+  assert "reader_ids" not in cached and cached["candidate_log_probs"].shape == \
+      cands.shape + (config.data.max_masks,)
+  again, hits, reads = cache.fill(dict(batch), keys)   # every triple seen: nothing read
+  assert (hits, reads) == (cands.size, 0)
+  np.testing.assert_array_equal(again["candidate_log_probs"], cached["candidate_log_probs"])
+
+  full = loss_and_grads(config, model, state.params, batch, mesh)
+  fast = loss_and_grads(config, model, state.params, cached, mesh)
+  assert abs(full[0] - fast[0]) < 1e-5 * max(1.0, abs(full[0]))
+  for name in full[1]:
+    np.testing.assert_allclose(fast[1][name], full[1][name], rtol=1e-5, atol=1e-6)
+  flat_full = jax.tree_util.tree_leaves_with_path(full[2]["retriever"])
+  flat_fast = jax.tree.leaves(fast[2]["retriever"])
+  assert any(np.abs(g).max() > 0 for _, g in flat_full)   # the retriever does learn
+  for (path, a), b in zip(flat_full, flat_fast):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+  # the frozen reader gets no gradient either way
+  assert all(np.abs(g).max() == 0 for g in jax.tree.leaves(fast[2]["reader"]))
+
+
+def test_a_run_with_the_cache_resumes_exactly_and_reports_its_hits(world_dir, tmp_path,
+                                                                   capsys):
+  """30 steps of 16 read the tiny world's 392 queries 1.2 times: the second epoch's triples
+  are found (those whose candidates the refreshed index still retrieves)."""
+  run = lambda steps: cache_config(world_dir, train__steps=steps, train__checkpoint_every=15,
+                                   retrieval__refresh_every=10, train__warmup_steps=10,
+                                   train__log_every=5)
+  whole = train(run(30), str(tmp_path / "whole"))
+  assert 0 < whole["score_cache_hit_rate"] < 1
+  read_per_query = 4 if null_in_training(run(30)) else 3   # k, or k - 1 without the null
+  assert whole["score_cache_reader_forwards_saved"] + whole["score_cache_reader_forwards"] \
+      == 30 * 16 * read_per_query
+  assert " | score cache " in capsys.readouterr().out
+  train(run(15), str(tmp_path / "resumed"))
+  train(run(30), str(tmp_path / "resumed"))   # a fresh cache: every triple read again
+  losses = [[r["loss"] for r in read_jsonl(os.path.join(tmp_path, name, "metrics",
+                                                        "train.jsonl"))]
+            for name in ("whole", "resumed")]
+  assert len(losses[0]) == 6 and losses[1][-3:] == losses[0][-3:]
+
+
+@pytest.mark.parametrize("overrides, option", [
+    (dict(train__reader_lr_scale=1.0), "retrieval.score_cache"),
+    (dict(model__dropout_rate=0.1), "retrieval.score_cache"),
+    (dict(retrieval__candidates="own_block"), "retrieval.score_cache"),
+    (dict(retrieval__loss="pdist"), "retrieval.loss"),
+    (dict(retrieval__distill_temperature=0.0), "retrieval.distill_temperature"),
+    (dict(retrieval__retriever_temperature=-1.0), "retrieval.retriever_temperature"),
+    (dict(model__retriever__pooling="max"), "model.retriever.pooling"),
+])
+def test_bad_settings_are_refused_naming_the_option(world_dir, overrides, option):
+  config = cache_config(world_dir, **overrides)
+  with pytest.raises(ConfigError) as e:
+    validate(config)
+  assert e.value.option == option, str(e.value)
