@@ -115,3 +115,35 @@ def test_bad_settings_are_refused_naming_the_option(world_dir, overrides, option
   with pytest.raises(ConfigError) as e:
     validate(config)
   assert e.value.option == option, str(e.value)
+
+
+def test_without_block_gradients_the_index_embeddings_score_and_only_queries_learn(
+    world_dir, world_data):
+  """`retrieval.block_gradients` False: the candidates are scored with the serving index's
+  embeddings (here built from the same params, so the loss is REALM's), the query tower's
+  gradient is REALM's, and none reaches the block tower."""
+  from types import SimpleNamespace
+  from realm_jax.retrieval.index import embed_blocks
+  config = cache_config(world_dir, model__share_towers=False, retrieval__loss="distill",
+                        retrieval__train_null_document=False)
+  model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
+  mesh = partitioning.make_mesh((-1, 1))
+  state, _, _ = state_lib.create_train_state(config, model, mesh, world_data.blocks.block_len,
+                                             jax.random.PRNGKey(0))
+  embeddings, _ = embed_blocks(steps.block_embedder(model, mesh, config,
+                                                    state.params["retriever"]),
+                               world_data.blocks, mesh, 256)
+  _, cands, batch = host_batch(config, world_data, seed=1)
+  served = SimpleNamespace(version=0, embeddings=np.asarray(embeddings))
+  index_batch = dict(batch, candidate_emb=batches.index_embeddings(served, cands))
+  full = loss_and_grads(config, model, state.params, batch, mesh)
+  fast = loss_and_grads(config, model, state.params, index_batch, mesh)
+  assert abs(full[0] - fast[0]) < 1e-5 * max(1.0, abs(full[0]))
+  flat = lambda grads: np.concatenate([g.ravel() for g in jax.tree.leaves(
+      grads["retriever"]["query_tower"])])
+  # the index embedded the blocks in batches of another size: their logits agree to 1e-6
+  # (float32 rounding), which the gradient p(z|x) - q(z|x) of a peaked target amplifies
+  np.testing.assert_allclose(flat(fast[2]), flat(full[2]),
+                             atol=1e-2 * np.abs(flat(full[2])).max())
+  assert any(np.abs(g).max() > 0 for g in jax.tree.leaves(full[2]["retriever"]["block_tower"]))
+  assert all(np.abs(g).max() == 0 for g in jax.tree.leaves(fast[2]["retriever"]["block_tower"]))

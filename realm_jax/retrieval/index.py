@@ -90,12 +90,15 @@ class IndexVersion:
     step: train step of the parameters both the block embeddings and `encode_queries` are.
     index: the block index.
     encode_queries: fn(query_ids [B, L] host) -> [B, dim] host, the query tower of `step`.
+    embeddings: the blocks' embeddings [num_blocks, dim] on the host (what a step reads
+      when `retrieval.block_gradients` is False), or None.
   """
 
   version: int
   step: int
   index: BlockIndex
   encode_queries: Callable[[np.ndarray], np.ndarray]
+  embeddings: np.ndarray | None = None
 
   def retrieve(self, query_ids: np.ndarray, n: int) -> np.ndarray:
     """Top-n block rows for `[CLS] x [SEP]` queries (this process's rows)."""

@@ -50,7 +50,7 @@ def load_version(root, version: int, *, config, fingerprint: str, query_template
   else:
     index = ExactIndex.from_embeddings(embeddings)
   return IndexVersion(version=version, step=int(manifest["step"]), index=index,
-                      encode_queries=make_encoder(query_params))
+                      encode_queries=make_encoder(query_params), embeddings=embeddings)
 
 
 def _load_scann(directory, manifest):

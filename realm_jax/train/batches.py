@@ -146,3 +146,13 @@ def realm_batch(config, data: PreparedData, queries: dict[str, np.ndarray],
           "candidate_ids": cands["candidate_ids"],
           "candidate_segments": cands["candidate_segments"],
           "reader_ids": reader_ids, "reader_segments": reader_segments}
+
+
+def index_embeddings(loaded, candidate_rows: np.ndarray) -> np.ndarray:
+  """The serving index's embeddings of candidate blocks [n, k, d] (the null document's row:
+  zeros, the step embeds it itself), for `retrieval.block_gradients` False."""
+  if loaded.embeddings is None:
+    raise ValueError(f"index version {loaded.version} carries no block embeddings")
+  null = candidate_rows == pipeline.NULL_BLOCK
+  return np.where(null[..., None], 0.0,
+                  loaded.embeddings[np.where(null, 0, candidate_rows)]).astype(np.float32)

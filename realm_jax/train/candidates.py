@@ -163,7 +163,7 @@ class RebuiltIndex(NoRetrieval):
                                  steps.query_tower_params(retriever_params))
     self.index = IndexVersion(version=version, step=step,
                               index=ExactIndex.from_embeddings(embeddings),
-                              encode_queries=encoder)
+                              encode_queries=encoder, embeddings=embeddings)
 
   def abstract_item(self) -> dict:
     item = {"step": _NO_STEP}

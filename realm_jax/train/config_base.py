@@ -146,6 +146,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.retrieval.distill_temperature = 1.0    # distill: tau of the reader's target softmax
                                    # (log p(y|z,x) / tau; smaller: a sharper target)
   c.retrieval.retriever_temperature = 1.0  # distill: p(z|x) = softmax(f(x,z) / tau_s) in the KL
+  c.retrieval.block_gradients = True  # True: the step re-embeds its candidates with the
+                                   # block tower and trains both towers (REALM's); False: it
+                                   # scores them with the serving index's block embeddings and
+                                   # only the query side learns between refreshes (Atlas's
+                                   # query-side training; the step then costs the query tower)
   c.retrieval.score_cache = False  # with the reader frozen (train.reader_lr_scale 0): each
                                    # (query, span, block) pair's reader log-likelihoods are
                                    # computed once and read back on later steps (docs/design.md)
@@ -426,6 +431,9 @@ def _validate_retriever_learning(config) -> None:
   for name in ("distill_temperature", "retriever_temperature"):
     if not r.get(name, 1.0) > 0:
       raise ConfigError(f"retrieval.{name}", f"must be > 0, got {r[name]}")
+  if not isinstance(r.get("block_gradients", True), bool):
+    raise ConfigError("retrieval.block_gradients", f"must be True or False, got "
+                      f"{r.block_gradients!r}")
   if r.get("score_cache", False):
     if config.task != "realm" or r.candidates != "index":
       raise ConfigError("retrieval.score_cache", "caches the reader's scores of retrieved "

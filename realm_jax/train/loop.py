@@ -117,6 +117,8 @@ class Trainer(Run):
       used = {"index": loaded, "wait_seconds": waited}
     cand = batches.candidates_for(cfg, self.data, queries, retrieved, training=True)
     batch = batches.realm_batch(cfg, self.data, queries, cand)
+    if not cfg.retrieval.get("block_gradients", True) and loaded is not None:
+      batch["candidate_emb"] = batches.index_embeddings(loaded, cand)
     if self.score_cache is not None:
       batch, hits, reads = self.score_cache.fill(batch, cache_keys(queries, cand))
       used["score_cache"] = (hits, reads)

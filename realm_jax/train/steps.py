@@ -65,9 +65,23 @@ def retrieval_logits(model: REALM, params, batch, rngs=None, deterministic=True,
   variables = {"params": params}
   query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
                       method=REALM.embed_queries)
-  blocks = _embed_candidates(model, variables, batch, rngs, deterministic,
-                             null_first and k > 1 and deterministic)
+  if "candidate_emb" in batch:
+    blocks = _index_candidates(model, variables, batch, rngs, deterministic)
+  else:
+    blocks = _embed_candidates(model, variables, batch, rngs, deterministic,
+                               null_first and k > 1 and deterministic)
   return jnp.einsum("bd,bkd->bk", query, blocks)
+
+
+def _index_candidates(model: REALM, variables, batch, rngs, deterministic):
+  """The candidates' embeddings [B, k, d] from the serving index (`candidate_emb`, no gradient
+  reaches the block tower through them), the null document's embedded once by the tower."""
+  ids, segments = batch["candidate_ids"], batch["candidate_segments"]
+  null = model.apply(variables, ids[:1, 0, :pipeline.NULL_DOCUMENT_LENGTH],
+                     segments[:1, 0, :pipeline.NULL_DOCUMENT_LENGTH], deterministic, rngs=rngs,
+                     method=REALM.embed_blocks)                       # [1, d]
+  return jnp.where(null_candidates(ids)[..., None], null[None],
+                   batch["candidate_emb"].astype(null.dtype))
 
 
 def _embed_candidates(model: REALM, variables, batch, rngs, deterministic, null_once: bool):

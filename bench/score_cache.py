@@ -1,0 +1,109 @@
+"""REALM retriever steps/s with and without the frozen reader's score cache
+(`retrieval.score_cache`, realm_jax/train/score_cache.py), on the real-prose recipe's shapes.
+
+configs/real_realm.py:realm (reader frozen: MiniLM's shape, 4 layers; the small retriever;
+batch 16, 4 blocks read per query, query 64 + block 128 wordpieces) on a prepared data dir
+(`make demo-real` writes runs/real/data). Each step's candidates are random blocks (a fixed
+stand-in for the index: the search is not what is measured). For `--steps` batches it times:
+
+  uncached   the train step reading every candidate (what a run without the cache does)
+  cold       the cache's look-up and reads of a batch never seen, then the step
+  warm       the same batches again, every triple found: look-up + the step alone
+
+Each figure: the median of the timed steps (host batch building excluded, the cache's work
+included), as steps/s, and warm / uncached. `--set KEY=VALUE` changes the config (e.g.
+`--set model.retriever.num_layers=2`).
+
+  python bench/score_cache.py --data runs/real/data [--steps 20] [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from realm_jax.data.prepared import PreparedData
+from realm_jax.demo import repo_config, with_overrides
+from realm_jax.train import batches, partitioning, state as state_lib, steps
+from realm_jax.train.config_base import validate
+from realm_jax.train.score_cache import ScoreCache, cache_keys
+
+
+def host_batches(config, data, n: int):
+  """n REALM batches: (queries, candidate rows, host batch), random candidates."""
+  stream = batches.QueryBatches(config, data, data.examples("train"))
+  rng = np.random.default_rng(0)
+  out = []
+  for t in range(n):
+    queries = stream(t)
+    retrieved = rng.integers(0, data.blocks.num_blocks,
+                             (len(queries["query_ids"]), config.retrieval.k + 1))
+    cands = batches.candidates_for(config, data, queries, retrieved, training=True)
+    out.append((queries, cands, batches.realm_batch(config, data, queries, cands)))
+  return out
+
+
+def timed(run, items) -> list[float]:
+  seconds = []
+  for item in items:
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(item))
+    seconds.append(time.perf_counter() - t0)
+  return seconds
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--data", required=True, help="a prepared data dir (runs/real/data)")
+  parser.add_argument("--steps", type=int, default=20, help="timed steps per case")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  args = parser.parse_args()
+  overrides = dict(kv.split("=", 1) for kv in args.set)
+  config = with_overrides(repo_config("real_realm", "realm"),
+                          {"data.dir": args.data, "retrieval.refresh": "in_process",
+                           "retrieval.score_cache": True, **overrides})
+  data = PreparedData(args.data)
+  validate(config, num_blocks=data.blocks.num_blocks, store_block_len=data.blocks.block_len)
+  model = state_lib.build_model(config, data.tokenizer.vocab_size)
+  mesh = partitioning.make_mesh(tuple(config.mesh.shape))
+  state, shardings, _ = state_lib.create_train_state(config, model, mesh,
+                                                     data.blocks.block_len,
+                                                     jax.random.PRNGKey(0))
+  step = steps.make_train_step(config, model, shardings, mesh)
+  rng = jax.random.PRNGKey(1)
+  work = host_batches(config, data, args.steps + 1)
+  cache = ScoreCache(config, model, state.params["reader"], config.train.batch_size)
+
+  def run_step(batch):
+    nonlocal state
+    state, metrics = step(state, partitioning.global_batch(batch, mesh), rng)
+    return metrics
+
+  def cached_step(item):
+    queries, cands, batch = item
+    return run_step(cache.fill(dict(batch), cache_keys(queries, cands))[0])
+
+  figures = {}
+  for name, run in (("uncached", lambda item: run_step(item[2])), ("cold", cached_step),
+                    ("warm", cached_step)):
+    run(work[0])                                  # compile (warm: the first batch is found)
+    figures[name] = statistics.median(timed(run, work[1:]))
+  machine = f"{platform.machine()}, {os.cpu_count()} cores, {jax.device_count()} x " \
+            f"{jax.devices()[0].platform}"
+  print(f"score cache on configs/real_realm.py:realm shapes (batch {config.train.batch_size}, "
+        f"{work[0][1].shape[1]} candidates read per query, reader {config.model.num_layers} "
+        f"layers; {machine}), median of {args.steps} steps:")
+  for name, seconds in figures.items():
+    print(f"  {name:<9} {seconds * 1e3:8.1f} ms/step  {1 / seconds:7.2f} steps/s")
+  print(f"  warm / uncached: {figures['uncached'] / figures['warm']:.1f}x steps/s "
+        f"({len(cache):,} triples cached)")
+
+
+if __name__ == "__main__":
+  main()
