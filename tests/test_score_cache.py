@@ -147,3 +147,25 @@ def test_without_block_gradients_the_index_embeddings_score_and_only_queries_lea
                              atol=1e-2 * np.abs(flat(full[2])).max())
   assert any(np.abs(g).max() > 0 for g in jax.tree.leaves(full[2]["retriever"]["block_tower"]))
   assert all(np.abs(g).max() == 0 for g in jax.tree.leaves(fast[2]["retriever"]["block_tower"]))
+
+
+def test_the_best_evaluation_is_exported_as_a_workdir(world_dir, world_data, tmp_path):
+  """`eval.export_best`: W/best holds the params of the evaluation with the highest retrieval
+  utility (the start counts), readable as a run's workdir; the summary names its step."""
+  from realm_jax.train.checkpoints import restore_run
+  config = tiny_config("realm", None, world_dir, train__steps=6, eval__every=2,
+                       train__checkpoint_every=2, train__keep_checkpoints=5,
+                       retrieval__train_null_document=True, retrieval__k=4,
+                       train__retriever_lr_scale=1.0, eval__export_best=True)
+  workdir = str(tmp_path / "run")
+  summary = train(config, workdir)
+  evals = read_jsonl(os.path.join(workdir, "metrics", "eval.jsonl"))
+  best = max(evals, key=lambda r: r["retrieval_utility"])
+  assert summary["best_step"] == best["step"], evals
+  assert summary["best_eval_retrieval_utility"] == pytest.approx(best["retrieval_utility"])
+  exported = restore_run(os.path.join(workdir, "best"), vocab_size=world_data.tokenizer.vocab_size)
+  assert exported.step == best["step"]
+  if best["step"] > 0:
+    saved = restore_run(workdir, step=best["step"], vocab_size=world_data.tokenizer.vocab_size)
+    for a, b in zip(jax.tree.leaves(saved.params), jax.tree.leaves(exported.params)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

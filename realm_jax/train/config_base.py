@@ -182,6 +182,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.split = "eval"            # held-out split (masked fact about held-out entities)
   c.eval.num_examples = 1000       # eval examples used (<= split size)
   c.eval.batch_size = 64           # eval batch
+  c.eval.export_best = False       # REALM: after each evaluation with the best retrieval
+                                   # utility so far, the params go to W/best (a workdir's
+                                   # layout: init.retriever=W/best starts from it), as the
+                                   # original code's best exporter; never chosen by recall
 
   c.qa = ml_collections.ConfigDict()      # Open-QA questions (task openqa, realm-eval)
   c.qa.train = ""                  # training questions: nq_open:P | webq:P | curated_trec:P |

@@ -12,6 +12,7 @@ import numpy as np
 
 from realm_jax.errors import ConfigError
 from realm_jax.masked_eval import Evaluator
+from realm_jax.train.best_export import BestExport
 from realm_jax.train import batches, partitioning, state as state_lib, steps
 from realm_jax.train.candidates import candidate_source
 from realm_jax.train.config_base import validate
@@ -22,7 +23,7 @@ from realm_jax.train.score_cache import ScoreCache, cache_keys
 
 # The figures of a progress line: REALM trained without the null document has no utility to
 # show, but the entropy of p(z|x) shows the retriever committing to blocks.
-_SHOWN = ("loss", "retrieval_utility", "retrieval_entropy", "ict_accuracy")
+_SHOWN = ("loss", "distill_kl", "retrieval_utility", "retrieval_entropy", "ict_accuracy")
 
 
 class Trainer(Run):
@@ -42,6 +43,8 @@ class Trainer(Run):
         has_answers=self.evaluator.has_answers)
     self.feed: BatchFeed | None = None
     self.score_cache: ScoreCache | None = None
+    self.best = BestExport(workdir, config) \
+        if config.task == "realm" and config.eval.get("export_best", False) else None
     self.cache_hits = self.cache_reads = 0
 
   def check_inputs(self) -> None:
@@ -182,6 +185,8 @@ class Trainer(Run):
                      if k not in ("num_examples", "index_step")) \
         or "nothing to measure (no recall ground truth in this data, no reader to score)"
     print(f"{self.prefix}eval @ {step}: {shown} ({time.time() - t0:.1f}s)", flush=True)
+    if self.best is not None:
+      self.best.consider(step, metrics, self.state.params, self.prefix)
     return metrics, details
 
   def summary_fields(self) -> dict:
@@ -192,6 +197,8 @@ class Trainer(Run):
             f"forwards saved, {cache['score_cache_reader_forwards']:,} made (hit rate "
             f"{cache['score_cache_hit_rate']:.3f})", flush=True)
       figures = {**figures, **cache}
+    if self.best is not None:
+      figures = {**figures, **self.best.summary()}
     if figures:
       print(f"{self.prefix}index staleness p50 {figures['index_staleness_p50']:g} p95 "
             f"{figures['index_staleness_p95']:g} max {figures['index_staleness_max']} over "

@@ -1,0 +1,57 @@
+"""The best evaluation's parameters, exported beside the run (`eval.export_best`).
+
+The original REALM code re-embeds its index from the *best* export, chosen by the retrieval
+utility (log p(y|x) - log p(y|null,x)) on held-out masked sentences; question recall never
+chooses it. A REALM run with `eval.export_best` does the same: after each evaluation whose
+`retrieval_utility` beats every earlier one, the params are written to `W/best`, laid out as
+a run's workdir (`config.json`, `checkpoints/<step>/params`) so that everything that reads a
+run reads it too: `init.retriever=W/best`, `realm-eval --workdir W/best`, zero-shot recall.
+`W/best/best.json` says which step and utility it holds; a resumed run reads it back, so the
+export survives preemption.
+"""
+
+from __future__ import annotations
+
+import jax
+import orbax.checkpoint as ocp
+
+from realm_jax import paths, workdir as workdir_lib
+from realm_jax.train.checkpoints import checkpoint_dir
+
+BEST = "best"
+METRIC = "retrieval_utility"
+
+
+class BestExport:
+  """Keeps `W/best` at the params of the best evaluation so far by `METRIC`."""
+
+  def __init__(self, workdir: str, config):
+    self.config, self.directory = config, paths.join(workdir, BEST)
+    self.record = paths.join(self.directory, "best.json")
+    self.best: dict | None = paths.read_json(self.record)   # None: nothing exported yet
+
+  def consider(self, step: int, metrics: dict, params, prefix: str = "") -> bool:
+    """Exports `params` if `metrics[METRIC]` is the best yet; returns whether it did."""
+    value = metrics.get(METRIC)
+    if value is None or (self.best is not None and value <= self.best[METRIC]):
+      return False
+    manager = ocp.CheckpointManager(
+        checkpoint_dir(self.directory),
+        options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
+                                             enable_async_checkpointing=False),
+        item_names=("params",))
+    manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
+                 force=True)
+    manager.wait_until_finished()
+    manager.close()
+    self.best = {"step": int(step), METRIC: float(value)}
+    if jax.process_index() == 0:
+      workdir_lib.write_config(self.directory, self.config)
+      paths.write_json(self.record, self.best)
+    print(f"{prefix}best {METRIC} so far ({value:.4f} at step {step}): exported to "
+          f"{self.directory}", flush=True)
+    return True
+
+  def summary(self) -> dict:
+    return {} if self.best is None else {"best_step": self.best["step"],
+                                         f"best_eval_{METRIC}": self.best[METRIC]}
