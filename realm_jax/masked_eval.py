@@ -4,7 +4,10 @@ recall@n: one of the top-n retrieved blocks (the query's own block excluded) sta
 fact (generator ground truth, used only here; real text has none, so no recall there).
 span accuracy: every masked wordpiece of the span is the argmax of the marginal
 p(y_j | x) = sum_z p(z|x) p(y_j|z,x); span_accuracy_null_document: the same reader's argmax of
-p(y_j | null, x), the null document alone (what retrieval adds is the difference).
+p(y_j | null, x), the null document alone (what retrieval adds is the difference);
+span_accuracy_distractor (a "mixed" warm-up): the reader given the best retrieved block that
+is not the query's own, which seldom holds the span (a reader that knows when to copy keeps
+this near the null document's).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class Evaluator:
     bs = max(cfg.eval.batch_size // self.mesh.devices.size, 1) * self.mesh.devices.size
     n = len(self.rows)
     hits = {at: [] for at in RECALL_AT}
-    correct, null_correct, utility, details = [], [], [], []
+    correct, null_correct, utility, details, distracted = [], [], [], [], []
     # Examples to show in detail, spread over the set (neighbours are about one entity).
     show = set(np.linspace(0, n - 1, keep_examples).astype(int).tolist()) \
         if keep_examples else set()
@@ -87,6 +90,9 @@ class Evaluator:
       null_ok = ((out["null_predictions"] == q["mask_labels"]) | ~valid).all(axis=1)
       null_correct.extend(null_ok[:real])
       utility.extend(out["retrieval_utility"][:real])
+      if cfg.retrieval.candidates == "mixed":   # the same reader given a distractor
+        other = batches.candidates_for(cfg, self.data, q, retrieved, distractor=True)
+        distracted.extend(self._span_correct(params, q, other)[:real])
       shown = [i for i in range(real) if start + i in show]
       if shown:
         details.extend(self._details(q, cand, preds, out["p_z"], ok, shown))
@@ -95,8 +101,18 @@ class Evaluator:
       metrics["span_accuracy"] = float(np.mean(correct))
       metrics["span_accuracy_null_document"] = float(np.mean(null_correct))
       metrics["retrieval_utility"] = float(np.mean(utility))
+    if distracted:
+      metrics["span_accuracy_distractor"] = float(np.mean(distracted))
     metrics["num_examples"] = float(n)
     return metrics, details
+
+  def _span_correct(self, params, q, cand) -> np.ndarray:
+    """Per query: every masked wordpiece is the argmax of the marginal over `cand`."""
+    batch = batches.realm_batch(self.config, self.data, q, cand)
+    out = partitioning.host_copy(self.realm_eval(
+        params, partitioning.global_batch(partitioning.process_share(batch), self.mesh)))
+    valid = q["mask_weights"] > 0
+    return ((out["predictions"] == q["mask_labels"]) | ~valid).all(axis=1)
 
   def _details(self, q, cand, preds, p_z, ok, rows) -> list[dict]:
     tok, blocks = self.data.tokenizer, self.data.blocks

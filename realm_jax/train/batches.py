@@ -77,15 +77,19 @@ class QueryBatches(BatchStream):
                                             config.train.batch_size, process_index,
                                             process_count, self._assemble)
 
-  def _draw(self, row: int, rng: np.random.Generator) -> tuple[int, int]:
-    """(row, choice): the salient span to mask (REALM), or whether to cut the sentence out of
-    its block (ICT, with probability `data.ict_remove_prob`)."""
+  def _draw(self, row: int, rng: np.random.Generator) -> tuple[int, int, int]:
+    """(row, choice, own): the salient span to mask (REALM), or whether to cut the sentence
+    out of its block (ICT, with probability `data.ict_remove_prob`); `own`: whether a
+    "mixed" warm-up query reads its own block (probability `retrieval.own_block_share`)."""
     if self.config.task == "ict":
-      return row, int(rng.random() < self.config.data.ict_remove_prob)
-    return row, int(rng.integers(self.examples.num_spans[row]))
+      return row, int(rng.random() < self.config.data.ict_remove_prob), 0
+    span = int(rng.integers(self.examples.num_spans[row]))
+    if self.config.retrieval.candidates != "mixed":
+      return row, span, 0
+    return row, span, int(rng.random() < self.config.retrieval.own_block_share)
 
-  def _assemble(self, drawn: list[tuple[int, int]]) -> dict[str, np.ndarray]:
-    rows, choice = np.asarray(drawn, np.int64).reshape(-1, 2).T
+  def _assemble(self, drawn: list[tuple[int, int, int]]) -> dict[str, np.ndarray]:
+    rows, choice, own = np.asarray(drawn, np.int64).reshape(-1, 3).T
     if self.config.task == "ict":
       return pipeline.ict_inputs(self.examples, self.data.blocks, rows,
                                  self.config.data.query_len, choice.astype(bool), self.cls_id,
@@ -93,6 +97,8 @@ class QueryBatches(BatchStream):
     batch = masked_queries(self.examples, rows, self.examples.spans[rows, choice], self.config,
                            self.cls_id, self.sep_id, self.mask_id)
     batch["query_row"], batch["span_index"] = rows.astype(np.int32), choice.astype(np.int32)
+    if self.config.retrieval.candidates == "mixed":
+      batch["reads_own_block"] = own.astype(np.int32)
     return batch   # (query row, span): what the masked query is (the score cache's key)
 
 
@@ -107,13 +113,17 @@ def masked_queries(examples: ExampleSet, rows: np.ndarray, spans: np.ndarray, co
 
 
 def candidates_for(config, data: PreparedData, queries: dict[str, np.ndarray],
-                   retrieved: np.ndarray | None, training: bool = False) -> np.ndarray:
+                   retrieved: np.ndarray | None, training: bool = False,
+                   distractor: bool = False) -> np.ndarray:
   """Candidate block rows [n, k] (column 0 = the null document) for the retrieval mode; a
   training batch without the null document (see `index` below) holds [n, k - 1].
 
   own_block: the null document and the query's own block, whose prior mass is all on the
   block; a training batch leaves the null document out (it would add exactly nothing to the
   loss or its gradient, at the cost of reading it), evaluation reads it to measure utility.
+  mixed: as own_block, but a training query reads its own block only where its draw says
+  (`reads_own_block`), else the best retrieved block that is not its own (a distractor);
+  evaluation reads the own block, or with `distractor` that block.
   index: the null document and the top k - 1 retrieved blocks (the query's own block dropped);
   without the null document in training (`retrieval.train_null_document` False) a training
   batch holds the blocks only.
@@ -125,6 +135,11 @@ def candidates_for(config, data: PreparedData, queries: dict[str, np.ndarray],
     return null
   if mode == "own_block":
     return source[:, None] if training else np.concatenate([null, source[:, None]], axis=1)
+  if mode == "mixed":   # the best retrieved block that is not the query's own
+    other = pipeline.candidate_rows(retrieved, source, data.blocks.uids, 2)[:, 1:]
+    if training:
+      return np.where(queries["reads_own_block"][:, None] > 0, source[:, None], other)
+    return np.concatenate([null, other if distractor else source[:, None]], axis=1)
   rows = pipeline.candidate_rows(retrieved, source, data.blocks.uids, config.retrieval.k)
   return rows[:, 1:] if training and not config_base.null_in_training(config) else rows
 

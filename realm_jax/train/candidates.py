@@ -304,7 +304,7 @@ def candidate_source(config, workdir: str, *, model, mesh, data, abstract_retrie
     return PublishedIndex(config, workdir, model=model, data=data,
                           abstract_retriever=abstract_retriever)
   candidates = config.retrieval.candidates
-  retrieves = config.task == "realm" and candidates == "index"
+  retrieves = config.task == "realm" and candidates in ("index", "mixed")
   if retrieves or (config.task == "ict" and has_answers):
     return RebuiltIndex(config, workdir, retrieves=retrieves, model=model, mesh=mesh,
                         data=data, abstract_retriever=abstract_retriever, snapshot=snapshot)

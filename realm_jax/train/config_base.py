@@ -15,7 +15,7 @@ from realm_jax.train.option_names import upgrade_config
 
 TASKS = ("ict", "realm", "openqa")
 COMPUTE_DTYPES = ("float32", "bfloat16")
-CANDIDATE_SOURCES = ("index", "own_block", "null_only")
+CANDIDATE_SOURCES = ("index", "own_block", "mixed", "null_only")
 REFRESH_MODES = ("in_process", "async", "deterministic")
 BACKENDS = ("exact", "scann")
 # Fields that fix parameter shapes or the meaning of a checkpoint: a workdir whose
@@ -115,8 +115,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.retrieval.candidates = "index"  # where a step's candidates come from: "index": top-k
                                    # from the block index; "own_block": null + the query's
                                    # source block, all prior mass on the block (reader
-                                   # warm-up); "null_only": the null document alone (the
-                                   # no-retrieval baseline). Was retrieval.mode.
+                                   # warm-up); "mixed": one block per query, its own with
+                                   # probability own_block_share, else the best retrieved
+                                   # block that is not (a warm-up that learns when to copy);
+                                   # "null_only": the null document alone (the no-retrieval
+                                   # baseline). Was retrieval.mode.
   c.retrieval.k = 8                # candidates per query, the null document included
   c.retrieval.train_null_document = True  # False: a training step reads the k - 1 retrieved
                                    # blocks only, so the retriever cannot move its mass to "no
@@ -151,6 +154,8 @@ def base_config() -> ml_collections.ConfigDict:
                                    # scores them with the serving index's block embeddings and
                                    # only the query side learns between refreshes (Atlas's
                                    # query-side training; the step then costs the query tower)
+  c.retrieval.own_block_share = 0.5  # candidates "mixed": the share of training queries that
+                                   # read their own block (the rest read a distractor)
   c.retrieval.score_cache = False  # with the reader frozen (train.reader_lr_scale 0): each
                                    # (query, span, block) pair's reader log-likelihoods are
                                    # computed once and read back on later steps (docs/design.md)
@@ -427,7 +432,7 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
 
 
 def _validate_retriever_learning(config) -> None:
-  """retrieval.loss and its temperatures, the score cache."""
+  """retrieval.loss and its temperatures, the score cache, the mixed candidates' share."""
   from realm_jax.models.losses import RETRIEVER_LOSSES
   r, t = config.retrieval, config.train
   if r.get("loss", "marginal") not in RETRIEVER_LOSSES:
@@ -435,6 +440,12 @@ def _validate_retriever_learning(config) -> None:
   for name in ("distill_temperature", "retriever_temperature"):
     if not r.get(name, 1.0) > 0:
       raise ConfigError(f"retrieval.{name}", f"must be > 0, got {r[name]}")
+  if not 0 <= r.get("own_block_share", 0.5) <= 1:
+    raise ConfigError("retrieval.own_block_share", f"must be in [0, 1], got "
+                      f"{r.own_block_share}")
+  if r.candidates == "mixed" and config.task != "realm":
+    raise ConfigError("retrieval.candidates", "'mixed' is a REALM reader warm-up (task "
+                      f"'realm'), not {config.task!r}")
   if not isinstance(r.get("block_gradients", True), bool):
     raise ConfigError("retrieval.block_gradients", f"must be True or False, got "
                       f"{r.block_gradients!r}")

@@ -1,8 +1,9 @@
-"""The frozen reader's score cache (`retrieval.score_cache`, train/score_cache.py): a step fed
-cached scores gives the loss and gradients of the step that reads every candidate, for the
-marginal and the distillation loss, with and without the null document; a second look-up of
-the same triples reads nothing; a run with the cache resumes exactly and reports its hit rate;
-the bad settings are refused naming the option."""
+"""What the retriever learns from and how cheaply (docs/design.md, "How the retriever learns
+from the reader"): the frozen reader's score cache (a step fed cached scores gives the loss and
+gradients of the step that reads every candidate, marginal and distillation, with and without
+the null document; a cached run resumes exactly and reports its hit rate), scoring with the
+index's block embeddings, the best evaluation's export, the "mixed" warm-up's candidates, and
+the bad settings refused naming the option. The losses themselves: tests/test_losses.py."""
 
 import os
 
@@ -109,6 +110,7 @@ def test_a_run_with_the_cache_resumes_exactly_and_reports_its_hits(world_dir, tm
     (dict(retrieval__distill_temperature=0.0), "retrieval.distill_temperature"),
     (dict(retrieval__retriever_temperature=-1.0), "retrieval.retriever_temperature"),
     (dict(model__retriever__pooling="max"), "model.retriever.pooling"),
+    (dict(retrieval__own_block_share=1.5), "retrieval.own_block_share"),
 ])
 def test_bad_settings_are_refused_naming_the_option(world_dir, overrides, option):
   config = cache_config(world_dir, **overrides)
@@ -169,3 +171,38 @@ def test_the_best_evaluation_is_exported_as_a_workdir(world_dir, world_data, tmp
     saved = restore_run(workdir, step=best["step"], vocab_size=world_data.tokenizer.vocab_size)
     for a, b in zip(jax.tree.leaves(saved.params), jax.tree.leaves(exported.params)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_mixed_warmup_reads_its_own_block_or_a_distractor_as_drawn(world_dir, world_data,
+                                                                    tmp_path):
+  """`retrieval.candidates` "mixed": a training query reads its own block where its draw says
+  (about `own_block_share` of them), else the best retrieved block that is not its own; the
+  evaluation reports span accuracy with the own block, with that distractor and with the null
+  document."""
+  config = tiny_config("realm", "warmup", world_dir, retrieval__candidates="mixed",
+                       retrieval__own_block_share=0.75, retrieval__refresh_every=100,
+                       train__steps=3)
+  validate(config)
+  stream = batches.QueryBatches(config, world_data, world_data.examples("train"))
+  drawn = np.concatenate([stream(t)["reads_own_block"] for t in range(20)])
+  assert 0.65 < drawn.mean() < 0.85
+  queries = stream(0)
+  source = queries["source_block"]
+  retrieved = np.stack([source, (source + 7) % world_data.blocks.num_blocks,
+                        (source + 9) % world_data.blocks.num_blocks], axis=1)
+  cand = batches.candidates_for(config, world_data, queries, retrieved, training=True)
+  own = queries["reads_own_block"] > 0
+  assert cand.shape == (len(source), 1) and own.any() and (~own).any()
+  np.testing.assert_array_equal(cand[own, 0], source[own])
+  uids = world_data.blocks.uids
+  assert (uids[cand[~own, 0]] != uids[source[~own]]).all() and (cand[~own, 0] >= 0).all()
+  evaluated = batches.candidates_for(config, world_data, queries, retrieved, distractor=True)
+  assert (evaluated[:, 0] == pipeline.NULL_BLOCK).all()
+  assert (uids[evaluated[:, 1]] != uids[source]).all()
+  summary = train(config, str(tmp_path / "mixed"))
+  for key in ("span_accuracy", "span_accuracy_distractor", "span_accuracy_null_document"):
+    assert 0 <= summary[f"eval_{key}"] <= 1
+  config.retrieval.refresh = "async"      # its distractors come from an in-process index
+  with pytest.raises(ConfigError) as e:
+    validate(config)
+  assert e.value.option == "retrieval.refresh"
