@@ -10,6 +10,9 @@ stand-in for the index: the search is not what is measured). For `--steps` batch
   cold       the cache's look-up and reads of a batch never seen, then the step
   warm       the same batches again, every triple found: look-up + the step alone
 
+With `--set retrieval.block_gradients=False` the candidates are scored with a random table's
+embeddings (the serving index's stand-in) and only the query side is trained.
+
 Each figure: the median of the timed steps (host batch building excluded, the cache's work
 included), as steps/s, and warm / uncached. `--set KEY=VALUE` changes the config (e.g.
 `--set model.retriever.num_layers=2`).
@@ -20,10 +23,12 @@ included), as steps/s, and warm / uncached. `--set KEY=VALUE` changes the config
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import platform
 import statistics
 import time
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -36,17 +41,32 @@ from realm_jax.train.score_cache import ScoreCache, cache_keys
 
 
 def host_batches(config, data, n: int):
-  """n REALM batches: (queries, candidate rows, host batch), random candidates."""
+  """n REALM batches: (queries, candidate rows, host batch), random candidates; without
+  `retrieval.block_gradients`, with a random table's embeddings of them (the serving index's
+  stand-in)."""
   stream = batches.QueryBatches(config, data, data.examples("train"))
   rng = np.random.default_rng(0)
+  index = SimpleNamespace(version=0, embeddings=rng.normal(
+      size=(data.blocks.num_blocks, config.model.retrieval_dim)).astype(np.float32))
   out = []
   for t in range(n):
     queries = stream(t)
     retrieved = rng.integers(0, data.blocks.num_blocks,
                              (len(queries["query_ids"]), config.retrieval.k + 1))
     cands = batches.candidates_for(config, data, queries, retrieved, training=True)
-    out.append((queries, cands, batches.realm_batch(config, data, queries, cands)))
+    batch = batches.realm_batch(config, data, queries, cands)
+    if not config.retrieval.block_gradients:
+      batch["candidate_emb"] = batches.index_embeddings(index, cands)
+    out.append((queries, cands, batch))
   return out
+
+
+def _typed(value: str):
+  """A --set value as Python reads it (1e-4, False, 'mean'), else the string."""
+  try:
+    return ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    return value
 
 
 def timed(run, items) -> list[float]:
@@ -64,7 +84,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=20, help="timed steps per case")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
   args = parser.parse_args()
-  overrides = dict(kv.split("=", 1) for kv in args.set)
+  overrides = {key: _typed(value) for key, value in (kv.split("=", 1) for kv in args.set)}
   config = with_overrides(repo_config("real_realm", "realm"),
                           {"data.dir": args.data, "retrieval.refresh": "in_process",
                            "retrieval.score_cache": True, **overrides})
