@@ -81,6 +81,7 @@ def test_cached_scores_give_the_same_loss_and_gradients(world_dir, world_data, l
   assert all(np.abs(g).max() == 0 for g in jax.tree.leaves(fast[2]["reader"]))
 
 
+@pytest.mark.slow   # end-to-end runs: the slow tier
 def test_a_run_with_the_cache_resumes_exactly_and_reports_its_hits(world_dir, tmp_path,
                                                                    capsys):
   """30 steps of 16 read the tiny world's 392 queries 1.2 times: the second epoch's triples
@@ -151,6 +152,7 @@ def test_without_block_gradients_the_index_embeddings_score_and_only_queries_lea
   assert all(np.abs(g).max() == 0 for g in jax.tree.leaves(fast[2]["retriever"]["block_tower"]))
 
 
+@pytest.mark.slow   # end-to-end runs: the slow tier
 def test_the_best_evaluation_is_exported_as_a_workdir(world_dir, world_data, tmp_path):
   """`eval.export_best`: W/best holds the params of the evaluation with the highest retrieval
   utility (the start counts), readable as a run's workdir; the summary names its step."""
@@ -173,6 +175,7 @@ def test_the_best_evaluation_is_exported_as_a_workdir(world_dir, world_data, tmp
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow   # end-to-end runs: the slow tier
 def test_a_mixed_warmup_reads_its_own_block_or_a_distractor_as_drawn(world_dir, world_data,
                                                                     tmp_path):
   """`retrieval.candidates` "mixed": a training query reads its own block where its draw says
