@@ -23,10 +23,11 @@ included), as steps/s, and warm / uncached. `--set KEY=VALUE` changes the config
 from __future__ import annotations
 
 import argparse
-import ast
 import os
+import pathlib
 import platform
 import statistics
+import sys
 import time
 from types import SimpleNamespace
 
@@ -36,8 +37,13 @@ import numpy as np
 from realm_jax.data.prepared import PreparedData
 from realm_jax.demo import repo_config, with_overrides
 from realm_jax.train import batches, partitioning, state as state_lib, steps
-from realm_jax.train.config_base import validate
+from realm_jax.errors import ConfigError
+from realm_jax.train.config_base import flat_options, validate
 from realm_jax.train.score_cache import ScoreCache, cache_keys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(1, str(REPO / "launch"))    # scripts, not a package: the launchers' --set
+from sweep import check_key, parse_assignment, typed_value  # noqa: E402
 
 
 def host_batches(config, data, n: int):
@@ -61,14 +67,6 @@ def host_batches(config, data, n: int):
   return out
 
 
-def _typed(value: str):
-  """A --set value as Python reads it (1e-4, False, 'mean'), else the string."""
-  try:
-    return ast.literal_eval(value)
-  except (ValueError, SyntaxError):
-    return value
-
-
 def timed(run, items) -> list[float]:
   seconds = []
   for item in items:
@@ -84,12 +82,19 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=20, help="timed steps per case")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
   args = parser.parse_args()
-  overrides = {key: _typed(value) for key, value in (kv.split("=", 1) for kv in args.set)}
   config = with_overrides(repo_config("real_realm", "realm"),
                           {"data.dir": args.data, "retrieval.refresh": "in_process",
-                           "retrieval.score_cache": True, **overrides})
+                           "retrieval.score_cache": True})
+  fields = flat_options(config)
   data = PreparedData(args.data)
-  validate(config, num_blocks=data.blocks.num_blocks, store_block_len=data.blocks.block_len)
+  try:
+    for text in args.set:
+      key, value = parse_assignment(text, "--set")
+      check_key(key, fields, "--set")
+      config.update_from_flattened_dict({key: typed_value(value, fields[key], key)})
+    validate(config, num_blocks=data.blocks.num_blocks, store_block_len=data.blocks.block_len)
+  except ConfigError as e:
+    raise SystemExit(f"bench: {e}") from None
   model = state_lib.build_model(config, data.tokenizer.vocab_size)
   mesh = partitioning.make_mesh(tuple(config.mesh.shape))
   state, shardings, _ = state_lib.create_train_state(config, model, mesh,

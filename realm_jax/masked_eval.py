@@ -79,20 +79,16 @@ class Evaluator:
       if self.realm_eval is None:
         continue
       cand = batches.candidates_for(cfg, self.data, q, retrieved)
-      batch = batches.realm_batch(cfg, self.data, q, cand)
-      # Every process built the whole batch; each feeds its rows and gets back every row.
-      out = partitioning.host_copy(self.realm_eval(
-          params, partitioning.global_batch(partitioning.process_share(batch), self.mesh)))
+      out = self._read(params, q, cand)
       preds = out["predictions"]
-      valid = q["mask_weights"] > 0
-      ok = ((preds == q["mask_labels"]) | ~valid).all(axis=1)
+      ok = _every_mask_right(preds, q)
       correct.extend(ok[:real])
-      null_ok = ((out["null_predictions"] == q["mask_labels"]) | ~valid).all(axis=1)
-      null_correct.extend(null_ok[:real])
+      null_correct.extend(_every_mask_right(out["null_predictions"], q)[:real])
       utility.extend(out["retrieval_utility"][:real])
       if cfg.retrieval.candidates == "mixed":   # the same reader given a distractor
         other = batches.candidates_for(cfg, self.data, q, retrieved, distractor=True)
-        distracted.extend(self._span_correct(params, q, other)[:real])
+        distracted.extend(_every_mask_right(self._read(params, q, other)["predictions"],
+                                            q)[:real])
       shown = [i for i in range(real) if start + i in show]
       if shown:
         details.extend(self._details(q, cand, preds, out["p_z"], ok, shown))
@@ -106,13 +102,12 @@ class Evaluator:
     metrics["num_examples"] = float(n)
     return metrics, details
 
-  def _span_correct(self, params, q, cand) -> np.ndarray:
-    """Per query: every masked wordpiece is the argmax of the marginal over `cand`."""
+  def _read(self, params, q, cand) -> dict[str, np.ndarray]:
+    """The REALM eval fn's outputs for queries `q` over candidates `cand`, every row. Every
+    process built the whole batch; each feeds its rows and gets back every row."""
     batch = batches.realm_batch(self.config, self.data, q, cand)
-    out = partitioning.host_copy(self.realm_eval(
+    return partitioning.host_copy(self.realm_eval(
         params, partitioning.global_batch(partitioning.process_share(batch), self.mesh)))
-    valid = q["mask_weights"] > 0
-    return ((out["predictions"] == q["mask_labels"]) | ~valid).all(axis=1)
 
   def _details(self, q, cand, preds, p_z, ok, rows) -> list[dict]:
     tok, blocks = self.data.tokenizer, self.data.blocks
@@ -134,3 +129,8 @@ class Evaluator:
                   "prediction": tok.decode(preds[i][valid]), "correct": bool(ok[i]),
                   "evidence": evidence})
     return out
+
+
+def _every_mask_right(predictions: np.ndarray, q: dict[str, np.ndarray]) -> np.ndarray:
+  """Per query: the predicted wordpiece is the label at every real mask."""
+  return ((predictions == q["mask_labels"]) | (q["mask_weights"] <= 0)).all(axis=1)

@@ -12,8 +12,8 @@ import numpy as np
 
 from realm_jax.errors import ConfigError
 from realm_jax.masked_eval import Evaluator
-from realm_jax.train.best_export import BestExport
 from realm_jax.train import batches, partitioning, state as state_lib, steps
+from realm_jax.train.best_export import BestExport
 from realm_jax.train.candidates import candidate_source
 from realm_jax.train.config_base import validate
 from realm_jax.train.feed import BatchFeed

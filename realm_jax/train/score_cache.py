@@ -10,7 +10,7 @@ hands the step `candidate_log_probs` [B, k, M] in place of the reader inputs. Th
 computes only the retriever (train/steps.py `realm_loss_fn`).
 
 The cache lives in memory and is not checkpointed: a resumed run reads the triples again
-and gets the same scores (tests/test_score_cache.py), so resuming stays exact.
+and gets the same scores (tests/test_retriever_learning.py), so resuming stays exact.
 """
 
 from __future__ import annotations

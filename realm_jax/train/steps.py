@@ -75,7 +75,10 @@ def retrieval_logits(model: REALM, params, batch, rngs=None, deterministic=True,
 
 def _index_candidates(model: REALM, variables, batch, rngs, deterministic):
   """The candidates' embeddings [B, k, d] from the serving index (`candidate_emb`, no gradient
-  reaches the block tower through them), the null document's embedded once by the tower."""
+  reaches the block tower through them), the null document's embedded once by the tower
+  (from candidate 0 of row 0: the null document whenever training reads it; without it, a
+  null only fills a slot left by duplicates, whose prior mass `without_untrained_null`
+  removes, so its embedding takes no part)."""
   ids, segments = batch["candidate_ids"], batch["candidate_segments"]
   null = model.apply(variables, ids[:1, 0, :pipeline.NULL_DOCUMENT_LENGTH],
                      segments[:1, 0, :pipeline.NULL_DOCUMENT_LENGTH], deterministic, rngs=rngs,
