@@ -3,7 +3,8 @@ pre-trained BERT (all-MiniLM-L6-v2), on any SQuAD v1.1-format file.
 
 prepare (MiniLM's vocab) -> ICT (the retriever) -> reader warm-up (MiniLM's BERT learns an MLM
 head and to read its own block) -> REALM (trainer + the separate `realm-index` job) ->
-zero-shot retrieval on the held-out articles' questions (untrained start, ICT, REALM, BM25) ->
+zero-shot retrieval on the held-out articles' questions (untrained start, ICT, REALM, BM25,
+all-MiniLM-L6-v2 whole for reference) ->
 Open-QA fine-tuning from the REALM checkpoint and from the ICT start (ICT retriever + MiniLM
 reader, ORQA's start) with the same settings -> EM / F1 / recall on the held-out articles.
 Every stage is an ordinary `realm-train` run in its own sub-workdir (configs/real_realm.py),
@@ -71,9 +72,13 @@ def retrieval_table(workdir: str, data_dir: str, source: str, seed: int, scale: 
   from realm_jax.retrieval.zero_shot import format_table, recall_table
   ict = _config("ict", stage_overrides(data_dir, source, seed, workdir, {}), scale)
   realm = _config("realm", stage_overrides(data_dir, source, seed, workdir, {}), scale)
+  # MiniLM whole (6 layers): a reference only; it was trained on question-passage pairs
+  minilm = _config("ict", {**stage_overrides(data_dir, source, seed, workdir, {}),
+                           "model.retriever.num_layers": 6}, scale)
   table = recall_table(data_dir, {"untrained": (ict, ""),
                                   "ict": (ict, os.path.join(workdir, "ict")),
-                                  "realm": (realm, os.path.join(workdir, "realm"))},
+                                  "realm": (realm, os.path.join(workdir, "realm")),
+                                  "minilm_6": (minilm, "")},
                        heldout_articles=ict.qa.heldout_articles)
   print(f"\n== zero-shot retrieval: {table['bm25']['questions']:,} questions of the held-out "
         "articles ==")
@@ -100,6 +105,7 @@ def print_report(summary: dict) -> None:
           ("zero-shot recall@5, ICT", "recall_at_5_ict"),
           ("zero-shot recall@5, REALM", "recall_at_5_realm"),
           ("zero-shot recall@5, BM25", "recall_at_5_bm25"),
+          ("zero-shot recall@5, MiniLM whole (ref.)", "recall_at_5_minilm_6"),
           ("span accuracy, REALM reader", "span_accuracy_realm"),
           ("span accuracy, null document only", "span_accuracy_no_retrieval"),
           ("Open-QA EM, from REALM", "exact_match_realm"),
@@ -116,7 +122,8 @@ def print_report(summary: dict) -> None:
     print(f"  {label:<40} {value:>8.3f}" if isinstance(value, float) else
           f"  {label:<40} {value!s:>8}")
   print("  (recall: the answer paragraph among the top k on the held-out articles' questions; "
-        "the retriever is a random-start tower trained by ICT, not MiniLM)")
+        "every retriever starts from all-MiniLM-L6-v2's first 2 layers, mean-pooled: "
+        "untrained, then ICT, then REALM)")
 
 
 def run_demo_real(workdir: str, squad: str = "", seed: int = 0, scale: str = "cpu") -> dict:

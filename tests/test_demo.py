@@ -257,7 +257,8 @@ def test_demo_real_runs_every_stage_at_the_scale_asked(monkeypatch, tmp_path, ca
   monkeypatch.setattr(demo_real, "run_stage",
                       lambda name, spec, overrides, workdir: specs.append((name, spec)) or {})
   def recall_table(data_dir, retrievers, heldout_articles):
-    tables.append({name: config.model.num_layers for name, (config, _) in retrievers.items()})
+    tables.append({name: (config.model.num_layers, config.model.retriever.num_layers)
+                   for name, (config, _) in retrievers.items()})
     return {name: {"recall_at_1": 0.0, "recall_at_5": 0.0, "recall_at_20": 0.0,
                    "questions": 1} for name in (*retrievers, "bm25")}
   monkeypatch.setattr(zero_shot, "recall_table", recall_table)
@@ -268,7 +269,9 @@ def test_demo_real_runs_every_stage_at_the_scale_asked(monkeypatch, tmp_path, ca
                    ("realm", ("real_realm", "realm,gpu")),
                    ("openqa_realm", ("real_realm", "openqa,gpu")),
                    ("openqa_ict", ("real_realm", "openqa,gpu"))]
-  assert tables == [{"untrained": 6, "ict": 6, "realm": 6},   # the gpu scale's reader
+  # (reader, retriever) layers: the gpu scale's reader; MiniLM's first 2 as the retriever,
+  # and MiniLM whole as the reference row
+  assert tables == [{"untrained": (6, 2), "ict": (6, 2), "realm": (6, 2), "minilm_6": (6, 6)},
                     {"openqa": 6}, {"openqa": 6}]
   assert summary["scale"] == "gpu" and "gpu scale" in capsys.readouterr().out
   assert demo_real._arg("realm", "cpu") == "realm"
