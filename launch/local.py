@@ -28,10 +28,9 @@ import sys
 import threading
 import time
 
-from realm_jax.errors import ConfigError, run_cli
+from realm_jax.errors import ConfigError, config_from_flags, run_cli
 from realm_jax import paths, workdir as workdir_lib
 from realm_jax.processes import shared_memory_env
-from realm_jax.train.config_base import load_config
 from realm_jax.train.option_names import upgrade_flags
 
 PROG = "local.py"
@@ -65,19 +64,6 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
       own.append(arg)
     i += 1
   return own, overrides
-
-
-def override_value(overrides: list[str], name: str) -> str | None:
-  """The last value given to `--config.<name>` among `overrides`, or None if it is not set."""
-  value = None
-  pattern = re.compile(r"^--?config\." + re.escape(name) + r"(=(.*))?$", re.DOTALL)
-  for i, arg in enumerate(overrides):
-    m = pattern.match(arg)
-    if m and m.group(1) is not None:
-      value = m.group(2)
-    elif m and i + 1 < len(overrides) and not overrides[i + 1].startswith("-"):
-      value = overrides[i + 1]
-  return value
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -428,10 +414,8 @@ def supervise(commands: dict[str, list[str]], workdir: str,
 
 
 def _launch(args: argparse.Namespace) -> int:
-  config = load_config(args.config)
-  builder_ids = override_value(args.overrides, "builder.devices")
-  if builder_ids is None:
-    builder_ids = config.builder.devices
+  config = config_from_flags(PROG, args.config, args.overrides)   # as the children will read it
+  builder_ids = config.builder.devices
   visible = visible_gpus(dict(os.environ))
   split = assign_devices(visible, builder_ids)
   if split is None:

@@ -228,6 +228,7 @@ def main(argv) -> None:
 def run() -> None:
   from absl import app, flags
   from ml_collections import config_flags
+  from realm_jax.errors import flags_parser
   config_flags.DEFINE_config_file("config", None, "Config file (default: W/config.json).",
                                   lock_config=True)
   flags.DEFINE_string("workdir", None, "Run directory with checkpoints.", required=True)
@@ -235,7 +236,7 @@ def run() -> None:
   flags.DEFINE_string("split", "test", "QA split: config.qa.<split> (train | dev | test).")
   flags.DEFINE_bool("retrieval_only", False, "Retrieval recall only (no reader).")
   sys.argv = upgrade_flags(sys.argv)   # old option names, with a warning
-  app.run(main)
+  app.run(main, flags_parser=flags_parser("realm-eval"))
 
 
 if __name__ == "__main__":

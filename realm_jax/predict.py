@@ -10,7 +10,7 @@ import textwrap
 
 from absl import app, flags, logging
 
-from realm_jax.errors import run_cli
+from realm_jax.errors import flags_parser, run_cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory with checkpoints and its index.")
 _STEP = flags.DEFINE_integer("step", -1, "Checkpoint step (default: the latest).")
@@ -57,6 +57,10 @@ def main(argv) -> None:
     print('realm-predict: error: usage: realm-predict --workdir W "question" [...]',
           file=sys.stderr)
     raise SystemExit(2)
+  empty = [i for i, q in enumerate(questions, 1) if not q.strip()]
+  if empty:
+    print(f"realm-predict: error: question {empty[0]} is empty: ask something", file=sys.stderr)
+    raise SystemExit(2)
   logging.set_verbosity(logging.WARNING)
   step = _STEP.value if _STEP.value >= 0 else None
   results = run_cli("realm-predict", lambda: predict(_WORKDIR.value, questions, step))
@@ -65,7 +69,7 @@ def main(argv) -> None:
 
 
 def run() -> None:
-  app.run(main)
+  app.run(main, flags_parser=flags_parser("realm-predict"))
 
 
 if __name__ == "__main__":

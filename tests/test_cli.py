@@ -110,3 +110,43 @@ def test_ctrl_c_ends_a_cli_with_one_line_and_by_sigint():
     process.kill()
   assert process.returncode == -signal.SIGINT
   assert err.strip() == "realm-train: interrupted"
+
+
+CLI_MODULES = {"realm-train": ["-m", "realm_jax.train.main", "--workdir", "W"],
+               "realm-index": ["-m", "realm_jax.retrieval.builder", "--workdir", "W"],
+               "realm-eval": ["-m", "realm_jax.openqa_eval", "--workdir", "W"],
+               "realm-prepare": ["-m", "realm_jax.data.prepare"],
+               "local.py": ["launch/local.py", "--workdir", "W"]}
+
+
+def run_entry(prog, args, tmp_path):
+  command = [str(tmp_path / "w") if a == "W" else a for a in CLI_MODULES[prog]]
+  return subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+
+
+@pytest.mark.parametrize("prog", sorted(CLI_MODULES))
+def test_every_cli_names_a_misspelt_option_and_a_missing_config_file_in_one_line(
+    prog, tmp_path):
+  """ml_collections' "did you mean" reaches the line; nothing starts, nothing is written."""
+  config = "configs/prepare.py" if prog == "realm-prepare" else "configs/demo_realm.py"
+  leaf = "out_dir" if prog == "realm-prepare" else "train.steps"
+  cases = [(["--config", config, f"--config.{leaf}z=1"],
+            f"--config.{leaf}z: no such option; did you mean '{leaf.split('.')[-1]}'?"),
+           (["--config", "configs/nowhere.py"], "--config configs/nowhere.py: no such file"),
+           ([f"--config={config}:bogus"], "unknown variant 'bogus'")]
+  for args, expected in cases:
+    result = run_entry(prog, args, tmp_path)
+    assert result.returncode == 2, (args, result.returncode, result.stderr[-2000:])
+    lines = [line for line in result.stderr.splitlines() if "Warning" not in line and line]
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), result.stderr[-2000:]
+    assert expected in lines[0], lines[0]
+  assert not os.path.exists(tmp_path / "w")
+
+
+def test_realm_predict_refuses_an_empty_question(tmp_path):
+  result = subprocess.run([sys.executable, "-m", "realm_jax.predict", "--workdir",
+                           str(tmp_path), "who?", "  "], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert result.stderr.strip() == "realm-predict: error: question 2 is empty: ask something"

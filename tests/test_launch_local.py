@@ -340,13 +340,13 @@ def test_visible_gpus():
 def test_command_line_passes_overrides_to_both():
   args = local.parse_args(["--config", "configs/demo_realm.py:realm", "--workdir", "W",
                            "--config.builder.devices=6,7", "--grace", "3",
-                           "--config.train.steps", "5", "--noconfig.model.remat"])
+                           "--config.train.steps", "5", "--noconfig.model.share_towers"])
   assert (args.config, args.workdir, args.grace) == ("configs/demo_realm.py:realm", "W", 3.0)
   assert args.overrides == ["--config.builder.devices=6,7", "--config.train.steps", "5",
-                            "--noconfig.model.remat"]
-  assert local.override_value(args.overrides, "builder.devices") == "6,7"
-  assert local.override_value(args.overrides, "train.steps") == "5"
-  assert local.override_value(args.overrides, "index") is None
+                            "--noconfig.model.share_towers"]
+  config = local.config_from_flags("local.py", args.config, args.overrides)   # as the children
+  assert (config.builder.devices, config.train.steps, config.model.share_towers) == (
+      "6,7", 5, False)
   commands = local.default_commands(args.config, args.workdir, args.overrides)
   tail = ["--config", "configs/demo_realm.py:realm", "--workdir", "W", *args.overrides]
   assert commands["trainer"] == [sys.executable, "-m", "realm_jax.train.main", *tail]

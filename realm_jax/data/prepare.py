@@ -353,7 +353,7 @@ def _stats(config, tokenizer, skips, titles, results, merged, qas, reused, t0, t
 def main() -> None:
   from absl import app, flags
   from ml_collections import config_flags
-  from realm_jax.errors import run_cli
+  from realm_jax.errors import flags_parser, run_cli
   config = config_flags.DEFINE_config_file("config", None, "configs/prepare.py[:variant]",
                                            lock_config=True)
 
@@ -367,7 +367,7 @@ def main() -> None:
       raise SystemExit(2)
     run_cli("realm-prepare", lambda: prepare(config.value))
   del flags
-  app.run(_main)
+  app.run(_main, flags_parser=flags_parser("realm-prepare"))
 
 
 if __name__ == "__main__":

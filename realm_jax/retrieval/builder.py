@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from realm_jax import paths, workdir as workdir_lib
-from realm_jax.errors import StorageUnreachable, run_cli
+from realm_jax.errors import StorageUnreachable, flags_parser, run_cli
 from realm_jax.train import multihost
 from realm_jax.train.option_names import upgrade_flags
 
@@ -354,7 +354,7 @@ def run() -> None:
   flags.DEFINE_string("workdir", None, "The trainer's run directory.")
   flags.DEFINE_bool("once", False, "Build for the newest checkpoint, publish, and exit.")
   sys.argv = upgrade_flags(sys.argv)   # old option names, with a warning
-  app.run(main)
+  app.run(main, flags_parser=flags_parser("realm-index"))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from realm_jax.errors import run_cli
+from realm_jax.errors import flags_parser, run_cli
 from realm_jax.train import multihost, preemption
 from realm_jax.train.option_names import upgrade_flags
 
@@ -43,7 +43,7 @@ def main(argv) -> None:
 
 def run() -> None:
   sys.argv = upgrade_flags(sys.argv)   # old option names, with a warning
-  app.run(main)
+  app.run(main, flags_parser=flags_parser("realm-train"))
 
 
 if __name__ == "__main__":
