@@ -379,3 +379,23 @@ def test_scann_backend_is_published_with_its_recall_and_served(larger_world, tmp
     exact = ExactIndex.from_embeddings(np.load(f))
   got, want = loaded.retrieve(ids, 5), exact.search(loaded.encode_queries(ids), 5)
   assert np.mean([len(set(a) & set(b)) / 5 for a, b in zip(got, want)]) >= 0.9
+
+
+def test_a_trainer_waiting_for_its_first_index_says_so_at_once_and_then_regularly(
+    tmp_path, capsys, monkeypatch):
+  """No builder running: the wait names where it looks and what to start, at once and every
+  WAIT_NOTICE_SECONDS, and ends by the timeout naming the option."""
+  from realm_jax.retrieval import subscriber
+  monkeypatch.setattr(subscriber, "WAIT_NOTICE_SECONDS", 0.4)
+  sub = IndexSubscriber(str(tmp_path / "run"), loader=None, poll_seconds=3600)
+  try:
+    t0 = time.time()
+    with pytest.raises(TimeoutError, match="config.retrieval.index_timeout"):
+      sub.wait(lambda have: None, 1.0, "built from step 0")
+    lines = [l for l in capsys.readouterr().out.splitlines() if "waiting for" in l]
+    assert time.time() - t0 >= 1.0
+    assert 3 <= len(lines) <= 4, lines        # at once, at ~0.4 s and ~0.8 s
+    assert f"--workdir {tmp_path / 'run'}" in lines[0] and "realm-index" in lines[0]
+    assert "built from step 0" in lines[0] and "index_timeout" in lines[0]
+  finally:
+    sub.close()

@@ -21,6 +21,7 @@ from realm_jax import paths
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, IndexVersion
 
+WAIT_NOTICE_SECONDS = 60.0   # a trainer waiting for an index says so this often
 MAX_LOAD_ATTEMPTS = 3   # a version that fails to load for other reasons (pruned under us) this
                         # many times is given up
 
@@ -80,7 +81,7 @@ class IndexSubscriber:
 
   def __init__(self, workdir: str, loader: Callable[[int], IndexVersion], poll_seconds: float,
                log_prefix: str = "[realm] "):
-    self.root = published.index_root(workdir)
+    self.workdir, self.root = workdir, published.index_root(workdir)
     self.loader, self.poll_seconds, self.log_prefix = loader, poll_seconds, log_prefix
     self._loaded: dict[int, IndexVersion] = {}
     self._rejected: dict[int, str] = {}
@@ -168,9 +169,12 @@ class IndexSubscriber:
 
   def wait(self, pick: Callable[[dict[int, IndexVersion]], IndexVersion | None], timeout: float,
            what: str) -> IndexVersion:
-    """Blocks until `pick(loaded versions)` returns one; TimeoutError after `timeout` s."""
-    deadline = time.time() + timeout
+    """Blocks until `pick(loaded versions)` returns one; TimeoutError after `timeout` s. A wait
+    for the first index says so at once, any wait every WAIT_NOTICE_SECONDS after."""
+    start = time.time()
+    deadline, notice = start + timeout, start + WAIT_NOTICE_SECONDS
     with self._cond:
+      first = not self._loaded
       while True:
         self._raise()
         if self._stop.is_set():
@@ -178,12 +182,21 @@ class IndexSubscriber:
         found = pick(self._loaded)
         if found is not None:
           return found
-        left = deadline - time.time()
-        if left <= 0:
+        now = time.time()
+        if now >= deadline:
           raise TimeoutError(f"no published index {what} under {self.root} after "
                              f"{timeout:g}s (config.retrieval.index_timeout); is "
                              "realm-index running with this workdir?")
-        self._cond.wait(min(left, 1.0))
+        if first or now >= notice:
+          self._say_waiting(what, now - start, timeout)
+          first, notice = False, now + WAIT_NOTICE_SECONDS
+        self._cond.wait(max(0.0, min(deadline - now, notice - time.time(), 1.0)))
+
+  def _say_waiting(self, what: str, waited: float, timeout: float) -> None:
+    print(f"{self.log_prefix}waiting for a published index {what} under {self.root} "
+          f"({waited:.0f}s of {timeout:g}s, config.retrieval.index_timeout): it comes from "
+          f"`realm-index --config <this config> --workdir {self.workdir}` (launch/local.py "
+          "starts both)", flush=True)
 
   def wait_for_step(self, step: int, timeout: float) -> IndexVersion:
     """The newest loaded version built from checkpoint `step` (waits for it)."""
