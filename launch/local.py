@@ -30,7 +30,7 @@ import time
 
 from realm_jax.errors import ConfigError, config_from_flags, run_cli
 from realm_jax import paths, workdir as workdir_lib
-from realm_jax.processes import shared_memory_env
+from realm_jax.processes import own_session, shared_memory_env
 from realm_jax.train.option_names import upgrade_flags
 
 PROG = "local.py"
@@ -190,7 +190,7 @@ class _Child:
     # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it (and can
     # then SIGKILL everything the job started, grandchildren included).
     self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+                                 stderr=subprocess.STDOUT, **own_session())
     self._log = open(log_path, "a", encoding="utf-8")
     self._log.write(f"# {PROG} {time.strftime('%Y-%m-%d %H:%M:%S')}: {command_line(argv)}\n")
     self._log.flush()

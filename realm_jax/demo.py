@@ -22,8 +22,8 @@ import time
 
 from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
-from realm_jax.processes import (Preempted, on_sigterm, shared_memory_env, signals_deferred,
-                                 stop_after)
+from realm_jax.processes import (Preempted, on_sigterm, own_session, shared_memory_env,
+                                 signals_deferred, stop_after)
 from realm_jax.train.preemption import EXIT_CODE
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -258,7 +258,7 @@ def _launch(command: list[str], config, host_devices: int, out=None) -> subproce
   env = split_host(dict(os.environ), host_devices)[0] \
       if config.retrieval.refresh != "in_process" else dict(os.environ)
   return subprocess.Popen(command, env=env, stdout=out,
-                          stderr=subprocess.STDOUT if out else None, start_new_session=True)
+                          stderr=subprocess.STDOUT if out else None, **own_session())
 
 
 def _wait_stage(name: str, process: subprocess.Popen, workdir: str, what: str,

@@ -6,14 +6,19 @@ passes the signal on (`stop_processes`: SIGTERM makes a trainer save its step, s
 resumes; Ctrl-C keeps its last checkpoint), gives them a grace period, signals those left a
 second time (launch/local.py then SIGKILLs its trainer and builder) and SIGKILLs what is left
 after that: nothing is left running unseen. SIGTERM surfaces as `Preempted` (exit 143),
-Ctrl-C as KeyboardInterrupt.
+Ctrl-C as KeyboardInterrupt. A driver killed outright (SIGKILL, the OOM killer) cannot pass
+anything on: on Linux its children get SIGTERM from the kernel instead (`own_session`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -23,6 +28,24 @@ GRACE_SECONDS = 60.0   # from the first signal until the second (`stop_processes
 KILL_SECONDS = 5.0   # after a process's second signal, until SIGKILL (`stop_processes`)
 SIGNAL_GAP_SECONDS = 0.5   # at least between a process's two signals: the OS merges a signal
                            # sent while the same one is still pending into it
+_PR_SET_PDEATHSIG = 1      # prctl(2): the signal a process gets when its parent thread ends
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def own_session() -> dict:
+  """subprocess.Popen's keyword arguments for a driver's child: a session of its own (the
+  terminal's Ctrl-C reaches the driver alone) and, on Linux, SIGTERM from the kernel when the
+  driver dies, even by SIGKILL (a trainer saves its step on it). Start children from the
+  thread that outlives them (the main thread): the signal comes when that thread ends."""
+  return {"start_new_session": True, "preexec_fn": functools.partial(_die_with, os.getpid())}
+
+
+def _die_with(parent: int) -> None:
+  """Runs in the child between fork and exec."""
+  if _LIBC is not None:
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+  if os.getppid() != parent:   # the driver died before the prctl: nobody will send it
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Preempted(SystemExit):
@@ -209,8 +232,7 @@ def run_to_end(name: str, command: list[str], out=None,
   try:
     with signals_deferred():   # the process is recorded before a signal can stop us
       process = subprocess.Popen(command, stdout=out,
-                                 stderr=subprocess.STDOUT if out else None,
-                                 start_new_session=True)
+                                 stderr=subprocess.STDOUT if out else None, **own_session())
     return process.wait()
   except BaseException as e:
     if process is None:

@@ -372,3 +372,27 @@ def test_cli_device_errors_name_the_option(tmp_path, cuda_visible, flags, words)
       result.stderr
   assert words in errors[0], errors[0]
   assert not (tmp_path / "run").exists()               # nothing started
+
+
+def test_the_launchers_children_stop_when_it_is_sigkilled(tmp_path):
+  """A launcher killed outright cannot pass a signal on: the kernel sends its children SIGTERM
+  (a trainer saves its step on it) and none is left running."""
+  trainer = child(tmp_path, "trainer", "touch('trainer.ready')\ntime.sleep(60)\n")
+  builder = child(tmp_path, "builder", "touch('builder.ready')\ntime.sleep(60)\n")
+  driver = tmp_path / "driver.py"
+  driver.write_text(DRIVER.format(local=LOCAL_PY, workdir=str(tmp_path),
+                                  commands={"trainer": trainer, "builder": builder}))
+  launcher = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.STDOUT)
+  try:
+    deadline = time.monotonic() + 20
+    while not all((tmp_path / f).exists() for f in ("trainer.ready", "builder.ready")):
+      assert time.monotonic() < deadline and launcher.poll() is None
+      time.sleep(0.05)
+    launcher.kill()
+    launcher.wait(timeout=20)
+  finally:
+    if launcher.poll() is None:
+      launcher.kill()
+  for name in ("trainer", "builder"):
+    assert gone(read_pid(tmp_path, name)), name

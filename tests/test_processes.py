@@ -213,3 +213,28 @@ def test_the_sigterm_handler_stops_the_driver_once():
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
   finally:
     signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_drivers_child_gets_sigterm_when_the_driver_is_sigkilled(tmp_path):
+  """run_to_end's process (a sweep's run; the demos' stages start the same way) outlives no
+  driver killed outright: the kernel sends it SIGTERM, which a trainer saves its step on."""
+  child = (f"import os, signal, sys, time\n"
+           f"signal.signal(signal.SIGTERM, lambda *a: (open({str(tmp_path / 'term')!r}, 'w')"
+           f".close(), sys.exit(143)))\n"
+           f"open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
+  driver = subprocess.Popen([sys.executable, "-c", "import sys; from realm_jax import processes; "
+                             f"processes.run_to_end('run', [sys.executable, '-c', {child!r}])"])
+  try:
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
+      assert time.monotonic() < deadline and driver.poll() is None
+      time.sleep(0.05)
+    driver.kill()
+    driver.wait(timeout=20)
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "term").exists():
+      assert time.monotonic() < deadline, "the driver's child got no SIGTERM"
+      time.sleep(0.05)
+  finally:
+    if driver.poll() is None:
+      driver.kill()
