@@ -1,7 +1,7 @@
 """What a checkpoint save costs a run: the blocking part of an async save (what the training
 step that saves waits for) and the whole save, with Orbax's replica-parallel writes (its
 default off GPUs) and with each array written whole by its first replica (what `Checkpointer`
-does in a one-process run, train/checkpoints.py).
+does in a one-process run, runtime/checkpoints.py).
 
 The train state (params and Adam moments) of `--config` (default the demo REALM stage's
 model) is created once on `--devices` host CPU devices, data-parallel as the demo's, and saved
@@ -59,9 +59,9 @@ def main(argv=None) -> int:
   import jax
   import numpy as np
   import orbax.checkpoint as ocp
-  from realm_jax.train import partitioning, state as state_lib
-  from realm_jax.train.checkpoints import Checkpointer
-  from realm_jax.train.config_base import load_config
+  from realm_jax.runtime import partitioning, state as state_lib
+  from realm_jax.runtime.checkpoints import Checkpointer
+  from realm_jax.config.loading import load_config
   from report import append_jsonl, print_rows   # bench/ is this script's directory
 
   path, _, arg = args.config.partition(":")

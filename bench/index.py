@@ -46,8 +46,9 @@ from realm_jax.demo import repo_config
 from realm_jax.errors import run_cli
 from realm_jax.retrieval import scann_index
 from realm_jax.retrieval.index import embed_blocks
-from realm_jax.train import partitioning, state as state_lib, steps
-from realm_jax.train.checkpoints import restore_run
+from realm_jax.runtime import partitioning, state as state_lib
+from realm_jax.runtime import embedders
+from realm_jax.runtime.checkpoints import restore_run
 from report import append_jsonl, print_rows, verdict   # bench/: this script's sys.path[0]
 from train_step import matmul_flops_per_s
 
@@ -94,7 +95,7 @@ def retriever_params(config, model, mesh, data, workdir: str, seed: int) -> tupl
 def block_flops(config) -> float:
   """Forward FLOPs of the block tower on one block: encoder matmuls, pooler, projection (at
   the retriever's own shape)."""
-  from realm_jax.train.config_base import part_model
+  from realm_jax.config.reading import part_model
   mc = part_model(config, "retriever")
   d, ff, length = mc.hidden_size, mc.intermediate_size, config.data.block_len
   encoder = mc.num_layers * (2 * length * (4 * d * d + 2 * d * ff) + 4 * length**2 * d)
@@ -111,7 +112,7 @@ def block_embeddings(cache: pathlib.Path, world: pathlib.Path, data: PreparedDat
     print(f"[bench] cached embeddings {path} ({model_meta['model']})", flush=True)
     return np.load(path, mmap_mode="r"), {**json.loads(meta_path.read_text()),
                                           "embed_cached": True}
-  embed_fn = steps.block_embedder(model, mesh, config, params)
+  embed_fn = embedders.block_embedder(model, mesh, config, params)
   table, seconds = embed_blocks(embed_fn, data.blocks, mesh, args.embed_batch, "[bench] ")
   # np.asarray(...)[:num_blocks] also accepts the older contract (a padded device table).
   table = np.ascontiguousarray(np.asarray(table)[:data.blocks.num_blocks], np.float32)
@@ -141,7 +142,7 @@ def block_queries(data: PreparedData, config, model, mesh, params, rows: np.ndar
     chunk = ids[start:start + batch_size]
     padded = np.zeros((batch_size, q), np.int32)
     padded[:len(chunk)] = chunk
-    emb = steps.embed(model, mesh, config, {"retriever": params}, "query",
+    emb = embedders.embed(model, mesh, config, {"retriever": params}, "query",
                       jax.device_put(padded, sharding))
     out.append(np.asarray(emb)[:len(chunk)])
   return np.concatenate(out).astype(np.float32)

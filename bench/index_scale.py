@@ -215,7 +215,8 @@ def bench_exact_device(table, queries, exact, args) -> dict:
 def refresh_rate(args) -> dict:
   """Blocks/s needed to re-embed the corpus every refresh_every steps, and what the BERT-base
   block tower embeds here (a few batches of random 288-wordpiece blocks)."""
-  from realm_jax.train import partitioning, state as state_lib, steps
+  from realm_jax.runtime import partitioning, state as state_lib
+  from realm_jax.runtime import embedders
   from train_step import random_state
   config = repo_config("realm_base")
   if jax.default_backend() != "cpu":
@@ -231,7 +232,7 @@ def refresh_rate(args) -> dict:
   model = state_lib.build_model(config, config.model.vocab_size)
   state = random_state(*state_lib.abstract_train_state(config, model, mesh,
                                                        config.data.block_len))
-  embed = steps.block_embedder(model, mesh, config, state.params["retriever"])
+  embed = embedders.block_embedder(model, mesh, config, state.params["retriever"])
   batch = max(jax.device_count(), args.embed_batch // jax.device_count() * jax.device_count())
   rng = np.random.default_rng(0)
   ids = rng.integers(1, config.model.vocab_size, (batch, config.data.block_len)).astype(np.int32)

@@ -39,8 +39,9 @@ import numpy as np
 from jax._src.ad_checkpoint import saved_residuals   # (aval, source) of each saved residual
 
 from realm_jax.demo import repo_config
-from realm_jax.train import partitioning, state as state_lib, steps
-from realm_jax.train.config_base import validate
+from realm_jax.runtime import partitioning, state as state_lib
+from realm_jax.train import steps
+from realm_jax.config.validation import validate
 from report import append_jsonl   # bench/ is this script's directory: sys.path[0]
 
 PAPER_DEVICES = 64          # REALM and ORQA trained on 64 TPUs

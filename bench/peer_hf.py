@@ -84,8 +84,8 @@ from realm_jax.models.bert import BertConfig  # noqa: E402
 from realm_jax.models.realm import REALM  # noqa: E402
 from report import append_jsonl  # noqa: E402  (bench/ is this script's directory: sys.path[0])
 from train_step import encoder_flops  # noqa: E402
-from realm_jax.train import state as state_lib  # noqa: E402
-from realm_jax.train.config_base import base_config  # noqa: E402
+from realm_jax.runtime import state as state_lib  # noqa: E402
+from realm_jax.config.defaults import base_config  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -235,7 +235,7 @@ def bench_openqa(args) -> dict:
   from realm_jax.data.tokenizer import load_tokenizer
   from realm_jax.retrieval import published
   from realm_jax.retrieval.index import ExactIndex
-  from realm_jax.train.checkpoints import restore_run
+  from realm_jax.runtime.checkpoints import restore_run
   sizes = dict(hidden_size=args.hidden, num_hidden_layers=args.layers,
                num_attention_heads=args.heads, intermediate_size=args.intermediate,
                max_position_embeddings=512, reader_seq_len=320, reader_beam_size=5,

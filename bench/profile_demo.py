@@ -35,8 +35,9 @@ import time
 import jax
 import numpy as np
 
-from realm_jax.train import partitioning, state as state_lib, steps
-from realm_jax.train.metrics import read_jsonl
+from realm_jax.runtime import partitioning, state as state_lib
+from realm_jax.train import steps
+from realm_jax.runtime.metrics import read_jsonl
 from report import append_jsonl                    # bench/ is sys.path[0]
 from train_step import case_config, random_batch
 

@@ -36,9 +36,11 @@ import numpy as np
 
 from realm_jax.data.prepared import PreparedData
 from realm_jax.demo import repo_config, with_overrides
-from realm_jax.train import batches, partitioning, state as state_lib, steps
+from realm_jax.train import batches, steps
+from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.errors import ConfigError
-from realm_jax.train.config_base import flat_options, validate
+from realm_jax.config.reading import flat_options
+from realm_jax.config.validation import validate
 from realm_jax.train.score_cache import ScoreCache, cache_keys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -47,9 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from realm_jax.demo import repo_config
-from realm_jax.train import partitioning, state as state_lib, steps
+from realm_jax.runtime import partitioning, state as state_lib
+from realm_jax.train import steps
 from realm_jax.errors import ConfigError
-from realm_jax.train.config_base import flat_options, part_model, validate
+from realm_jax.config.reading import flat_options, part_model
+from realm_jax.config.validation import validate
 from report import append_jsonl   # bench/ is this script's directory: sys.path[0]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -96,7 +98,7 @@ def case_config(case: str, accelerator: bool, batch_size: int | None, sets: list
 
 def candidates_read(config) -> int:
   """Candidates a training step reads: k, or k - 1 without the null document in training."""
-  from realm_jax.train.config_base import null_in_training
+  from realm_jax.config.reading import null_in_training
   return config.retrieval.k - (0 if null_in_training(config) else 1)
 
 
@@ -143,7 +145,7 @@ def encoder_flops(d: int, ff: int, num_layers: int, sequences: int, length: int,
 def analytic_flops(config) -> float:
   """The forward matmul FLOPs of the three encoders and heads, x 3 where they are trained
   (backward = 2 x forward; a frozen part, `train.*_lr_scale` 0, runs forward only),
-  each tower at its own shape (`config_base.part_model`: the retriever may differ)."""
+  each tower at its own shape (`reading.part_model`: the retriever may differ)."""
   reader, retriever = part_model(config, "reader"), part_model(config, "retriever")
   v = config.model.vocab_size
   b, k, m = config.train.batch_size, candidates_read(config), config.data.max_masks

@@ -4,7 +4,7 @@
       --config.data.dir runs/demo/data
 """
 
-from realm_jax.train.config_base import base_config, demo_scale
+from realm_jax.config.defaults import base_config, demo_scale
 
 
 def get_config(arg=None):

@@ -33,7 +33,7 @@ import os
 
 from realm_jax.data.prepare import prepare_config
 from realm_jax.packages import MINILM
-from realm_jax.train.config_base import base_config
+from realm_jax.config.defaults import base_config
 
 VARIANTS = ("prepare", "ict", "warmup", "realm", "openqa")
 SCALES = ("cpu", "gpu")

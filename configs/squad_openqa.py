@@ -17,7 +17,7 @@ init.from_workdir to runs/squad/realm or runs/squad/ict).
 
 import os
 
-from realm_jax.train.config_base import config_module
+from realm_jax.config.loading import config_module
 
 VARIANTS = ("realm", "ict")
 HERE = os.path.dirname(os.path.abspath(__file__))

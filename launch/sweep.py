@@ -42,8 +42,9 @@ import time
 
 from realm_jax import paths, processes, workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
-from realm_jax.train.config_base import config_module, flat_options, uses_index_builder
-from realm_jax.train.option_names import current_name
+from realm_jax.config.loading import config_module
+from realm_jax.config.reading import flat_options, uses_index_builder
+from realm_jax.config.option_names import current_name
 
 PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -148,7 +149,7 @@ def tpu_pod_command(config_spec: str, workdir: str, overrides: dict, builder: bo
 
 def needs_builder(config, overrides: dict) -> bool:
   """Whether the run with `overrides` uses the separate index builder (the trainer's rule,
-  `config_base.uses_index_builder`)."""
+  `reading.uses_index_builder`)."""
   run = config.copy_and_resolve_references()
   run.update_from_flattened_dict(overrides)
   return uses_index_builder(run)

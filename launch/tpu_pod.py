@@ -36,8 +36,10 @@ import subprocess
 import sys
 
 from realm_jax.errors import ConfigError, run_cli
-from realm_jax.train.config_base import flat_options, load_config, uses_index_builder, validate
-from realm_jax.train.option_names import upgrade_flags
+from realm_jax.config.loading import load_config
+from realm_jax.config.reading import flat_options, uses_index_builder
+from realm_jax.config.validation import validate
+from realm_jax.config.option_names import upgrade_flags
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)    # launch/ holds scripts, not a package: import the sibling by name

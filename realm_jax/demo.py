@@ -24,7 +24,7 @@ from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
 from realm_jax.processes import (Preempted, on_sigterm, own_session, shared_memory_env,
                                  signals_deferred, stop_after)
-from realm_jax.train.preemption import EXIT_CODE
+from realm_jax.runtime.preemption import EXIT_CODE
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_DIR, "configs")
@@ -59,7 +59,7 @@ def split_host(env: dict[str, str], devices: int) -> tuple[dict[str, str], int]:
 
 def repo_config(name: str, arg: str | None = None):
   """`configs/<name>.py` -> get_config(arg)."""
-  from realm_jax.train.config_base import load_config as load_config_file
+  from realm_jax.config.loading import load_config as load_config_file
   return load_config_file(os.path.join(CONFIG_DIR, f"{name}.py") + (f":{arg}" if arg else ""))
 
 
@@ -282,7 +282,7 @@ def plot_curves(realm_dir: str, out_path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  from realm_jax.train.metrics import read_jsonl
+  from realm_jax.runtime.metrics import read_jsonl
   train = read_jsonl(os.path.join(realm_dir, "metrics", "train.jsonl"))
   evals = read_jsonl(os.path.join(realm_dir, "metrics", "eval.jsonl"))
   fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))

@@ -17,7 +17,8 @@ import numpy as np
 from realm_jax.data import pipeline
 from realm_jax.data.prepared import PreparedData
 from realm_jax.retrieval.index import IndexVersion
-from realm_jax.train import batches, partitioning
+from realm_jax.train import batches
+from realm_jax.runtime import partitioning
 
 RECALL_AT = (1, 5)
 

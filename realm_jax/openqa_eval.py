@@ -24,10 +24,12 @@ from realm_jax.data.answers import exact_match, f1_score
 from realm_jax.data.qa import QAExample
 from realm_jax.data.prepared import PreparedData
 from realm_jax.retrieval import published
-from realm_jax.train import partitioning, steps
-from realm_jax.train.metrics import format_duration
+from realm_jax.runtime import partitioning
+from realm_jax.train import steps
+from realm_jax.runtime import embedders
+from realm_jax.runtime.metrics import format_duration
 from realm_jax.train.openqa_inputs import FrozenIndex, QABatchBuilder
-from realm_jax.train.option_names import upgrade_flags
+from realm_jax.config.option_names import upgrade_flags
 
 RECALL_AT = (1, 5, 20, 100)
 PROGRESS_SECONDS = 10.0
@@ -60,7 +62,7 @@ class QAEvaluator:
     for start in range(0, n, bs):
       rows = np.arange(start, start + bs) % n    # the last batch wraps; extra rows dropped
       real = min(bs, n - start)
-      q_emb = steps.query_embeddings(self.model, self.mesh, cfg, params, b.question_ids[rows])
+      q_emb = embedders.query_embeddings(self.model, self.mesh, cfg, params, b.question_ids[rows])
       ranked = self.frozen.index.search(q_emb, self.depth)
       has = b.has_answer(rows[:real], ranked[:real])
       for k in self.recall_at:
@@ -152,8 +154,8 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   an Open-QA run (config.task 'openqa') is an error unless `retrieval_only`.
   """
   from realm_jax.errors import ConfigError
-  from realm_jax.train.checkpoints import restore_run, saved_param_paths
-  from realm_jax.train.config_base import validate
+  from realm_jax.runtime.checkpoints import restore_run, saved_param_paths
+  from realm_jax.config.validation import validate
   validate(config)
   saved, step = saved_param_paths(workdir, step)
   has_reader = any(p[:2] == ("reader", "qa_outputs") for p in saved)
@@ -214,7 +216,7 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
 def main(argv) -> None:
   from absl import flags, logging
   from realm_jax.errors import run_cli
-  from realm_jax.train.checkpoints import run_config
+  from realm_jax.runtime.checkpoints import run_config
   flags_ = flags.FLAGS
   if len(argv) > 1:
     raise SystemExit(f"realm-eval: unexpected arguments {argv[1:]}")

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from realm_jax.train.preemption import EXIT_CODE
+from realm_jax.runtime.preemption import EXIT_CODE
 
 GRACE_SECONDS = 60.0   # from the first signal until the second (`stop_processes`)
 KILL_SECONDS = 5.0   # after a process's second signal, until SIGKILL (`stop_processes`)

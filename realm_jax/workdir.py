@@ -3,11 +3,11 @@
 
   W/config.json          the run's resolved config: recorded at start, checked on resume
   W/blocks.json          the block store the trainer's block rows refer to (realm-index checks)
-  W/checkpoints/<step>/  Orbax checkpoints (train/checkpoints.py)
+  W/checkpoints/<step>/  Orbax checkpoints (runtime/checkpoints.py)
   W/unreadable_checkpoints/<step>/   a checkpoint that failed to restore on resume, moved
                          aside (kept for a post-mortem; that step is saved again)
   W/index/<version>/     published index versions (retrieval/published.py)
-  W/metrics/<kind>.jsonl, W/tb/<kind>/   metrics (train/metrics.py)
+  W/metrics/<kind>.jsonl, W/tb/<kind>/   metrics (runtime/metrics.py)
   W/summary.json         the run's summary, written when it finishes (absent: not finished)
   W/DONE                 the trainer's last step: tells realm-index to exit
   W/logs/                launch/local.py: the trainer's and the builder's output
@@ -55,9 +55,9 @@ def open_data(config):
 def record_config(config, workdir: str) -> None:
   """Refuses a workdir whose checkpoints come from an incompatible config; records ours."""
   import jax
-  from realm_jax.train import multihost
-  from realm_jax.train.config_base import incompatible_fields
-  from realm_jax.train.option_names import upgrade_record
+  from realm_jax.runtime import multihost
+  from realm_jax.config.compatibility import incompatible_fields
+  from realm_jax.config.option_names import upgrade_record
   path = paths.join(workdir, CONFIG)
   current = json.loads(config.to_json_best_effort())
   if paths.exists(path) and paths.isdir(paths.join(workdir, CHECKPOINTS)):
@@ -80,7 +80,7 @@ def write_config(workdir: str, config) -> None:
 def saved_config(workdir: str):
   """The run's own resolved config (`W/config.json`) as a ConfigDict."""
   import ml_collections
-  from realm_jax.train.option_names import upgrade_record
+  from realm_jax.config.option_names import upgrade_record
   path = paths.join(workdir, CONFIG)
   record = paths.read_json(path)
   if record is None:

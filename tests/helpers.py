@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from realm_jax.train.config_base import flat_options
+from realm_jax.config.reading import flat_options
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "configs")
@@ -27,7 +27,7 @@ def xla_flags(devices: int) -> str:
 
 def load_config_module(name: str):
   """Imports `configs/<name>.py` by path (configs/ is not a package)."""
-  from realm_jax.train.config_base import config_module
+  from realm_jax.config.loading import config_module
   return config_module(os.path.join(CONFIGS, f"{name}.py"))
 
 

@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from realm_jax.train import partitioning, state as state_lib, steps
-from realm_jax.train.config_base import null_in_training, validate
+from realm_jax.runtime import partitioning, state as state_lib
+from realm_jax.train import steps
+from realm_jax.config.reading import null_in_training
+from realm_jax.config.validation import validate
 from tests.helpers import CONFIGS, REPO, load_config_module
 
 QUERIES = 8           # a small global batch: the shapes that matter are per query
@@ -98,14 +100,15 @@ def lower_step(config, mesh, k=None):
 def test_the_config_reference_covers_every_option_and_is_current():
   """docs/config_reference.md is generated from base_config's one comment per field: every
   option is listed with a comment, and the page matches the code."""
-  from realm_jax.train import config_reference
-  from realm_jax.train.config_base import base_config, flat_options
+  from realm_jax.config import reference as config_reference
+  from realm_jax.config.defaults import base_config
+  from realm_jax.config.reading import flat_options
   rows = config_reference.fields()
   assert sorted(name for name, _, _ in rows) == sorted(flat_options(base_config()))
   assert all(comment for _, _, comment in rows), [n for n, _, c in rows if not c]
   with open(os.path.join(REPO, "docs", "config_reference.md")) as f:
     assert f.read() == config_reference.markdown(), (
-        "docs/config_reference.md is stale: python -m realm_jax.train.config_reference > "
+        "docs/config_reference.md is stale: python -m realm_jax.config.reference > "
         "docs/config_reference.md")
 
 

@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 
 from realm_jax.errors import CheckpointError, NonFiniteError
-from realm_jax.train import checkpoints, steps
+from realm_jax.runtime import checkpoints
+from realm_jax.train import steps
+from realm_jax.runtime import embedders
 from realm_jax.retrieval import published
 from realm_jax.retrieval.builder import IndexBuilder
-from realm_jax.train.checkpoints import Checkpointer
+from realm_jax.runtime.checkpoints import Checkpointer
 from realm_jax.train.loop import Trainer, train
 from realm_jax.workdir import UNREADABLE_CHECKPOINTS
 from tests.helpers import tiny_config
@@ -192,7 +194,7 @@ def test_sigterm_during_an_in_process_rebuild_saves_the_step_and_resumes_exactly
                        retrieval__refresh_every=3, retrieval__embed_batch_size=64)
   straight = train(config, str(tmp_path / "straight"))
   workdir = str(tmp_path / "stopped")
-  block_embedder, rebuilds = steps.block_embedder, []
+  block_embedder, rebuilds = embedders.block_embedder, []
 
   def signalling_embedder(*args, **kwargs):
     embed = block_embedder(*args, **kwargs)

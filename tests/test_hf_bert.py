@@ -21,7 +21,9 @@ from realm_jax.errors import ConfigError
 from realm_jax.interop import hf_bert
 from realm_jax.models.bert import BertConfig, BertEncoder
 from realm_jax.models.realm import REALM
-from realm_jax.train.config_base import base_config, incompatible_fields, validate
+from realm_jax.config.compatibility import incompatible_fields
+from realm_jax.config.defaults import base_config
+from realm_jax.config.validation import validate
 from tests.helpers import tiny_config
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -496,7 +498,7 @@ def test_trainer_starts_every_tower_from_the_checkpoint(world_dir, tmp_path, cap
 
 def check_hf_bert(config, data_vocab, vocab_size):
   """The start-up checks of `init.hf_bert` for every part it starts (nothing is loaded)."""
-  from realm_jax.train import initialization
+  from realm_jax.runtime import initialization
   for source in initialization.sources(config).values():
     assert source.option == "init.hf_bert"
     initialization.check_hf_source(config, source, data_vocab, vocab_size)

@@ -24,8 +24,9 @@ from realm_jax.data.prepared import PreparedData
 from realm_jax.data.tokenizer import load_tokenizer
 from realm_jax.interop import hf_bert, hf_realm, torch_pickle
 from realm_jax.retrieval import published, subscriber
-from realm_jax.train import state as state_lib, steps
-from realm_jax.train.checkpoints import restore_run
+from realm_jax.runtime import state as state_lib
+from realm_jax.runtime import embedders
+from realm_jax.runtime.checkpoints import restore_run
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "city", "north", "born", "king", "year",
@@ -233,7 +234,7 @@ def test_open_qa_evidence_becomes_a_block_store_and_a_published_index(imported):
   manifest = published.verify(root, version, fingerprint=blocks.fingerprint,
                               dim=SIZES["retriever_proj_size"])
   assert manifest["step"] == 0 and manifest["backend"] == "exact"
-  template = steps.query_tower_params(abstract.params["retriever"])
+  template = embedders.query_tower_params(abstract.params["retriever"])
   loaded = subscriber.load_version(root, version, config=config, fingerprint=blocks.fingerprint,
                                    query_template=template, make_encoder=lambda p: p)
   table = np.asarray(loaded.index.table).reshape(-1, SIZES["retriever_proj_size"])

@@ -94,3 +94,21 @@ def test_no_import_cycle_in_realm_jax():
   assert not found, "import cycles: " + "; ".join(
       " <-> ".join(c) + " (" + ", ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a])
                                          if b in c) + ")" for c in found)
+
+
+LAYERS = {   # package -> the packages it must never import (the floors above it)
+    "realm_jax.config": ("realm_jax.runtime", "realm_jax.retrieval", "realm_jax.train"),
+    "realm_jax.runtime": ("realm_jax.retrieval", "realm_jax.train"),
+    "realm_jax.retrieval": ("realm_jax.train",),
+}
+
+
+def test_the_layers_import_only_downwards():
+  """config/ below runtime/ below retrieval/ below train/: what both the trainer and the index
+  builder need lives below both."""
+  graph = import_graph()
+  upward = [f"{module} -> {target}" for module, targets in sorted(graph.items())
+            for package, above in LAYERS.items() if module.startswith(package + ".")
+            or module == package for target in sorted(targets)
+            if any(target == a or target.startswith(a + ".") for a in above)]
+  assert not upward, "imports that run up a layer: " + "; ".join(upward)

@@ -23,8 +23,9 @@ from realm_jax.retrieval.builder import IndexBuilder
 from realm_jax.workdir import BLOCKS_RECORD
 from realm_jax.retrieval.index import ExactIndex, embed_blocks
 from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
-from realm_jax.train import partitioning, state as state_lib, steps
-from realm_jax.train.checkpoints import Checkpointer
+from realm_jax.runtime import partitioning, state as state_lib
+from realm_jax.runtime import embedders
+from realm_jax.runtime.checkpoints import Checkpointer
 from tests import helpers
 
 CHECKPOINT_STEPS = (0, 10, 20)
@@ -62,18 +63,18 @@ def build_once(config, workdir) -> int:
 
 
 def reference_embeddings(config, model, mesh, data, state):
-  fn = steps.block_embedder(model, mesh, config, state.params["retriever"])
+  fn = embedders.block_embedder(model, mesh, config, state.params["retriever"])
   return embed_blocks(fn, data.blocks, mesh, config.retrieval.embed_batch_size)[0]
 
 
 def loader_for(config, workdir, model, data):
   abstract, _ = state_lib.abstract_train_state(config, model, partitioning.make_mesh(
       config.mesh.shape), data.blocks.block_len)
-  template = steps.query_tower_params(abstract.params["retriever"])
+  template = embedders.query_tower_params(abstract.params["retriever"])
   return lambda version: load_version(
       published.index_root(workdir), version, config=config, fingerprint=data.blocks.fingerprint,
       query_template=template,
-      make_encoder=lambda p: steps.QueryEncoder(model, config, p))
+      make_encoder=lambda p: embedders.QueryEncoder(model, config, p))
 
 
 @pytest.mark.slow
@@ -104,8 +105,8 @@ def test_builder_publishes_the_newest_checkpoint_and_the_trainer_retrieves_from_
   loaded = loader_for(config, workdir, model, data)(1)
   ids = pipeline.query_ids(data.examples("train"), np.arange(8), config.data.query_len,
                           data.tokenizer.cls_id, data.tokenizer.sep_id)[0]
-  query_params = steps.query_tower_params(states[20].params["retriever"])
-  emb = steps.QueryEncoder(model, config, query_params)(ids)
+  query_params = embedders.query_tower_params(states[20].params["retriever"])
+  emb = embedders.QueryEncoder(model, config, query_params)(ids)
   expected = ExactIndex.from_embeddings(got).search(emb, 5)
   np.testing.assert_array_equal(loaded.retrieve(ids, 5), expected)
   assert loaded.step == 20 and loaded.version == 1
@@ -193,7 +194,7 @@ def test_subscriber_rejects_bad_versions_and_keeps_the_good_one(world_dir, tmp_p
   build_once(config, workdir)
   root = published.index_root(workdir)
   good = published.read_manifest(root, 1)
-  query_params = partitioning.host_copy(steps.query_tower_params(states[0].params["retriever"]))
+  query_params = partitioning.host_copy(embedders.query_tower_params(states[0].params["retriever"]))
   n = data.blocks.num_blocks
   fp = data.blocks.fingerprint
   wrong_dim = _publish_fake(workdir, 5, np.ones((n, 16), np.float32), query_params, fp)

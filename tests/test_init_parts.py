@@ -13,7 +13,7 @@ from realm_jax import packages
 from realm_jax.errors import ConfigError
 from realm_jax.interop import hf_bert, hf_realm
 from realm_jax.models.bert import hf_parameter_names
-from realm_jax.train import checkpoints, initialization, state as state_lib
+from realm_jax.runtime import checkpoints, initialization, state as state_lib
 from realm_jax.train.loop import Trainer
 from tests.helpers import SMALL_RETRIEVER, tiny_config
 from tests.test_hf_bert import world_checkpoint
@@ -95,7 +95,7 @@ def fresh(world_dir, world_data):
   """The params a towers_config run initialises (for start_params calls)."""
   config = towers_config(world_dir)
   model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
-  from realm_jax.train import partitioning
+  from realm_jax.runtime import partitioning
   mesh = partitioning.make_mesh(config.mesh.shape)
   state, shardings, abstract = state_lib.create_train_state(
       config, model, mesh, world_data.blocks.block_len, jax.random.PRNGKey(0))

@@ -220,7 +220,7 @@ def test_bad_inputs_name_the_flag(change, message, capsys):
 
 def test_missing_data_dir_and_a_config_outside_configs_are_refused(capsys, tmp_path):
   outside = tmp_path / "mine.py"
-  outside.write_text("from realm_jax.train.config_base import base_config\n"
+  outside.write_text("from realm_jax.config.defaults import base_config\n"
                      "def get_config(arg=None):\n  return base_config()\n")
   for argv, message in (
       (["--config", REALM_BASE, "--workdir", "gs://my-bucket/run"], "config.data.dir: is empty"),

@@ -14,8 +14,10 @@ import pytest
 from realm_jax.data import pipeline
 from realm_jax.errors import ConfigError
 from realm_jax.models.bert import BertConfig, BertEncoder
-from realm_jax.train import state as state_lib, steps
-from realm_jax.train.config_base import incompatible_fields, validate
+from realm_jax.runtime import state as state_lib
+from realm_jax.train import steps
+from realm_jax.config.compatibility import incompatible_fields
+from realm_jax.config.validation import validate
 from tests.helpers import tiny_config
 
 VOCAB = 96

@@ -16,8 +16,8 @@ from jax.sharding import Mesh
 
 from realm_jax.errors import ConfigError
 from realm_jax.retrieval import index as index_lib
-from realm_jax.train import multihost, state as state_lib
-from realm_jax.train.checkpoints import restore_run
+from realm_jax.runtime import multihost, state as state_lib
+from realm_jax.runtime.checkpoints import restore_run
 from realm_jax.train.loop import train
 from tests import helpers
 

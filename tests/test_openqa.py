@@ -205,8 +205,8 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path)
   """Open-QA eval of a checkpoint without the span reader: a clear error; --retrieval_only:
   the zero-shot retrieval evaluation."""
   from realm_jax.openqa_eval import evaluate_run
-  from realm_jax.train import partitioning, state as state_lib
-  from realm_jax.train.checkpoints import Checkpointer
+  from realm_jax.runtime import partitioning, state as state_lib
+  from realm_jax.runtime.checkpoints import Checkpointer
   pretraining = helpers.tiny_config("realm", data_dir=world_dir)
   mesh = partitioning.make_mesh(pretraining.mesh.shape)
   model = state_lib.build_model(pretraining, world_data.tokenizer.vocab_size)

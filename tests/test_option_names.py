@@ -8,8 +8,9 @@ import pytest
 
 from realm_jax import workdir as workdir_lib
 from realm_jax.errors import ConfigError
-from realm_jax.train.config_base import base_config, validate
-from realm_jax.train.option_names import (RenamedOptionWarning, new_name,
+from realm_jax.config.defaults import base_config
+from realm_jax.config.validation import validate
+from realm_jax.config.option_names import (RenamedOptionWarning, new_name,
                                           upgrade_flags, upgrade_record)
 from tests.helpers import tiny_config
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from realm_jax.train.feed import deterministic_source_step
-from realm_jax.train.metrics import read_jsonl
+from realm_jax.runtime.metrics import read_jsonl
 from tests import helpers
 
 pytestmark = pytest.mark.slow   # the slow tier: `make test` runs it, `make test-fast` does not

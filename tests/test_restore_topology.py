@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from realm_jax.data.tokenizer import load_tokenizer
-from realm_jax.train import partitioning, state as state_lib
-from realm_jax.train.checkpoints import Checkpointer, run_config
+from realm_jax.runtime import partitioning, state as state_lib
+from realm_jax.runtime.checkpoints import Checkpointer, run_config
 from realm_jax.train.loop import train
 from tests import helpers
 

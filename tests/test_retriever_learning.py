@@ -13,10 +13,13 @@ import pytest
 
 from realm_jax.data import pipeline
 from realm_jax.errors import ConfigError
-from realm_jax.train import batches, partitioning, state as state_lib, steps
-from realm_jax.train.config_base import null_in_training, validate
+from realm_jax.train import batches, steps
+from realm_jax.runtime import embedders
+from realm_jax.runtime import partitioning, state as state_lib
+from realm_jax.config.reading import null_in_training
+from realm_jax.config.validation import validate
 from realm_jax.train.loop import train
-from realm_jax.train.metrics import read_jsonl
+from realm_jax.runtime.metrics import read_jsonl
 from realm_jax.train.score_cache import ScoreCache, cache_keys
 from tests.helpers import tiny_config
 
@@ -133,7 +136,7 @@ def test_without_block_gradients_the_index_embeddings_score_and_only_queries_lea
   mesh = partitioning.make_mesh((-1, 1))
   state, _, _ = state_lib.create_train_state(config, model, mesh, world_data.blocks.block_len,
                                              jax.random.PRNGKey(0))
-  embeddings, _ = embed_blocks(steps.block_embedder(model, mesh, config,
+  embeddings, _ = embed_blocks(embedders.block_embedder(model, mesh, config,
                                                     state.params["retriever"]),
                                world_data.blocks, mesh, 256)
   _, cands, batch = host_batch(config, world_data, seed=1)
@@ -156,7 +159,7 @@ def test_without_block_gradients_the_index_embeddings_score_and_only_queries_lea
 def test_the_best_evaluation_is_exported_as_a_workdir(world_dir, world_data, tmp_path):
   """`eval.export_best`: W/best holds the params of the evaluation with the highest retrieval
   utility (the start counts), readable as a run's workdir; the summary names its step."""
-  from realm_jax.train.checkpoints import restore_run
+  from realm_jax.runtime.checkpoints import restore_run
   config = tiny_config("realm", None, world_dir, train__steps=6, eval__every=2,
                        train__checkpoint_every=2, train__keep_checkpoints=5,
                        retrieval__train_null_document=True, retrieval__k=4,

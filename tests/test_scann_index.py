@@ -9,7 +9,7 @@ import pytest
 
 from realm_jax.errors import ConfigError
 from realm_jax.retrieval import scann_index
-from realm_jax.train.config_base import base_config
+from realm_jax.config.defaults import base_config
 
 NUM_BLOCKS, DIM, CLUSTERS = 20_000, 32, 100
 

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from realm_jax.train import batches, partitioning, state as state_lib, steps
+from realm_jax.train import batches, steps
+from realm_jax.runtime import partitioning, state as state_lib
 from tests.helpers import tiny_config
 
 pytestmark = pytest.mark.slow   # the slow tier: `make test` runs it, `make test-fast` does not

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from realm_jax.train import preemption
+from realm_jax.runtime import preemption
 from tests import helpers
 
 pytestmark = pytest.mark.slow   # the slow tier: `make test` runs it, `make test-fast` does not

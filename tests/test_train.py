@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from realm_jax.data import pipeline
-from realm_jax.train import batches, preemption, steps
-from realm_jax.train.checkpoints import Checkpointer, restore_run
+from realm_jax.train import batches, steps
+from realm_jax.runtime import preemption
+from realm_jax.runtime.checkpoints import Checkpointer, restore_run
 from realm_jax.train.loop import train
-from realm_jax.train.metrics import read_jsonl
+from realm_jax.runtime.metrics import read_jsonl
 from tests import helpers
 from tests.helpers import tiny_config
 
@@ -281,7 +282,7 @@ def test_the_null_document_embedded_once_and_read_short_changes_nothing(world_da
   """A training batch's candidate 0 is the null document in every row: embedding it once and
   reading it at the query's length gives the same retrieval logits, log-probs, loss and
   gradients as the block-length path (the padding takes no part in either)."""
-  from realm_jax.train import state as state_lib
+  from realm_jax.runtime import state as state_lib
   config = tiny_config("realm", None, world_dir, retrieval__k=4,
                        retrieval__train_null_document=True)
   assert steps.null_first(config, training=True) and steps.null_first(config, training=False)
@@ -321,7 +322,7 @@ def test_training_without_the_null_document(world_dir, world_data, tmp_path, cap
   (no null document, never the query's own block); evaluation still reads the null document
   alone, outside the marginal the step trained; k = 2 is refused."""
   from realm_jax.errors import ConfigError
-  from realm_jax.train.config_base import validate
+  from realm_jax.config.validation import validate
   config = tiny_config("realm", None, world_dir, train__steps=2, retrieval__k=4,
                        retrieval__train_null_document=False)
   queries = batches.QueryBatches(config, world_data, world_data.examples("train"))(0)

@@ -106,8 +106,8 @@ def bert_config_mismatches(model_cfg, hf_config: Mapping | str, *, vocab_size: i
   (the first rows of its position table are taken). model.hidden_act must compute the
   checkpoint's GELU (erf or tanh: the names of one form are interchangeable); an activation
   our BERT lacks is reported as unsupported. `model_cfg` may be one part's shape
-  (`config_base.part_model`); `options` then names the option that sets each field for that
-  part (`config_base.part_options`; default `model.<field>`).
+  (`reading.part_model`); `options` then names the option that sets each field for that
+  part (`reading.part_options`; default `model.<field>`).
   """
   options = options or {}
   model_option = lambda field: options.get(field, f"model.{field}")

@@ -22,7 +22,7 @@ from realm_jax.data.tokenizer import load_tokenizer
 from realm_jax.errors import ConfigError
 from realm_jax.interop import hf_bert
 from realm_jax.models.bert import BertConfig, BertEncoder
-from realm_jax.train import partitioning
+from realm_jax.runtime import partitioning
 
 OPTION = "tagger"
 BUCKETS = (16, 32, 64, 128, 256, 512)   # padded lengths (capped at max_len): few recompiles

@@ -109,7 +109,7 @@ def _log_softmax(x):
 def load_ours(hf_dir: str, workdir: str):
   """Imports `hf_dir` into `workdir`, then restores the params from the written checkpoint."""
   from realm_jax.interop import hf_realm
-  from realm_jax.train.checkpoints import restore_run
+  from realm_jax.runtime.checkpoints import restore_run
   report = hf_realm.import_checkpoint(hf_dir, workdir)
   print("\n".join(f"  {line}" for line in report.lines()), flush=True)
   run = restore_run(workdir, mesh_shape=(-1, 1))

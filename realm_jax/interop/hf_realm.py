@@ -120,7 +120,8 @@ def make_config(layout: str, hf: Mapping, *, task: str | None = None, data_dir: 
   scaled down to fit) or the layout fixes them (Open-QA: the block store's block_len, the rest
   of HF's reader_seq_len for the question).
   """
-  from realm_jax.train.config_base import base_config, validate
+  from realm_jax.config.defaults import base_config
+  from realm_jax.config.validation import validate
   c = base_config()
   c.task = task or DEFAULT_TASK[layout]
   m = c.model
@@ -159,7 +160,7 @@ def init_params(config, model) -> dict:
   """Our parameters as the model initialises them (host NumPy), from config.seed."""
   import flax.linen as nn
   import jax
-  from realm_jax.train import state as state_lib
+  from realm_jax.runtime import state as state_lib
   inputs = state_lib.dummy_inputs(config, config.data.block_len)
   params = jax.jit(lambda rng: nn.meta.unbox(model.init(rng, **inputs)["params"]))(
       jax.random.PRNGKey(config.seed))
@@ -466,8 +467,8 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
     The report (also written to out/import_report.json).
   """
   from realm_jax import workdir as workdir_lib
-  from realm_jax.train import checkpoints
-  from realm_jax.train.config_base import TASKS
+  from realm_jax.runtime import checkpoints
+  from realm_jax.config.defaults import TASKS
   if paths.is_remote(hf_dir):   # read from a local copy
     hf_dir = paths.local_mirror(hf_dir, log=lambda line: print(f"[import] {line}", flush=True))
   if paths.is_remote(out):
@@ -493,7 +494,7 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
     block_stats = _import_block_records(hf_dir, hf, tensors, source, vocab, data_dir)
     block_len = block_stats["block_len"]
 
-  from realm_jax.train.state import build_model
+  from realm_jax.runtime.state import build_model
   config = make_config(layout, hf, task=task, data_dir=data_dir, block_len=block_len)
   model = build_model(config, config.model.vocab_size)
   params = init_params(config, model)
@@ -504,7 +505,7 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
     params, report = convert(params, tensors, layout, source, hf_dir)
   if layout == "RealmForOpenQA":
     from realm_jax.data.prepared import BlockStore
-    from realm_jax.train.steps import query_tower_params
+    from realm_jax.runtime.embedders import query_tower_params
     report.block_store = block_stats
     report.index = publish_index(out, tensors["block_emb"],
                                  query_tower_params(params["retriever"]),

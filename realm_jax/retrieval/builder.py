@@ -28,8 +28,8 @@ import numpy as np
 
 from realm_jax import paths, workdir as workdir_lib
 from realm_jax.errors import StorageUnreachable, flags_parser, run_cli
-from realm_jax.train import multihost
-from realm_jax.train.option_names import upgrade_flags
+from realm_jax.runtime import multihost
+from realm_jax.config.option_names import upgrade_flags
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)   # a full disk or quota: retried at the next poll
 
@@ -42,8 +42,9 @@ class IndexBuilder:
 
   def __init__(self, config, workdir: str):
     import jax
-    from realm_jax.train import checkpoints, config_base
-    config_base.validate(config)
+    from realm_jax.runtime import checkpoints
+    from realm_jax.config import validation
+    validation.validate(config)
     self.config, self.workdir = config, workdir
     self.data = workdir_lib.open_data(config)
     self.fingerprint = self.data.blocks.fingerprint
@@ -60,7 +61,7 @@ class IndexBuilder:
     removed = published.clean_staging(self.root) if paths.isdir(self.root) else []
     for path in removed:
       print(f"[index] removed {path} (left by a builder that was stopped)", flush=True)
-    from realm_jax.train.metrics import MetricWriter
+    from realm_jax.runtime.metrics import MetricWriter
     self.metrics = MetricWriter(workdir, "index")
     self.built = 0   # versions published by this run
     self._said_done = False
@@ -122,7 +123,8 @@ class IndexBuilder:
   def build(self, step: int) -> dict | None:
     """Restores, embeds, indexes and publishes the snapshot of `step`; None if it vanished."""
     from realm_jax.retrieval.index import embed_blocks
-    from realm_jax.train import partitioning, steps as steps_lib
+    from realm_jax.runtime import partitioning
+    from realm_jax.runtime import embedders
     workdir_lib.check_block_store(self.workdir, self.fingerprint, self.data.dir)
     cfg, timings = self.config, {}
     t0 = time.time()
@@ -134,12 +136,12 @@ class IndexBuilder:
     timings["restore_seconds"] = round(time.time() - t0, 3)
     version, staging = self.published.start_version(self.root)
     prefix = f"[index] v{version} (step {step}): "
-    embed_fn = steps_lib.block_embedder(self.model, self.mesh, cfg, params)
+    embed_fn = embedders.block_embedder(self.model, self.mesh, cfg, params)
     embeddings, seconds = embed_blocks(embed_fn, self.data.blocks, self.mesh,
                                        cfg.retrieval.embed_batch_size, prefix)
     timings["embed_seconds"] = round(seconds, 3)
     timings["blocks_per_second"] = round(len(embeddings) / max(seconds, 1e-9), 1)
-    query_params = partitioning.host_copy(steps_lib.query_tower_params(params))
+    query_params = partitioning.host_copy(embedders.query_tower_params(params))
     unreachable_since = None
     while True:   # a full disk or an unreachable bucket: nothing of the version is visible
       try:
@@ -244,14 +246,14 @@ class IndexBuilder:
                                  scann_index.exact_top_n(queries, embeddings, n))
 
   def _block_queries(self, rows: np.ndarray, query_params: dict) -> np.ndarray:
-    from realm_jax.train import steps as steps_lib
+    from realm_jax.runtime import embedders
     blocks, tok = self.data.blocks, self.data.tokenizer
     q = self.config.data.query_len
     ids = np.zeros((len(rows), q), np.int32)
     for i, row in enumerate(rows):
       body = blocks.tokens[row][blocks.body_start[row]:blocks.lengths[row] - 1][:q - 2]
       ids[i, :len(body) + 2] = [tok.cls_id, *body, tok.sep_id]
-    return steps_lib.QueryEncoder(self.model, self.config, query_params)(ids)
+    return embedders.QueryEncoder(self.model, self.config, query_params)(ids)
 
   # -- the job -----------------------------------------------------------------------------
   def run(self, once: bool = False) -> int:

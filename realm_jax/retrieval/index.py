@@ -22,8 +22,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from realm_jax.data.prepared import BlockStore
 from realm_jax.errors import NonFiniteError
-from realm_jax.train import partitioning
-from realm_jax.train.metrics import format_duration
+from realm_jax.runtime import partitioning
+from realm_jax.runtime.metrics import format_duration
 
 PROGRESS_SECONDS = 10.0   # one progress line per this many seconds of embedding
 CHUNK = 256               # rows of the exact index's table scored by one matmul

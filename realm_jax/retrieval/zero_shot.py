@@ -20,8 +20,8 @@ from realm_jax import paths
 from realm_jax.data.qa import is_heldout_article, question_inputs
 from realm_jax.data.prepared import PreparedData
 from realm_jax.retrieval.index import ExactIndex, IndexVersion, embed_blocks
-from realm_jax.train import steps
-from realm_jax.train.checkpoints import abstract_run, restore_run
+from realm_jax.runtime import embedders
+from realm_jax.runtime.checkpoints import abstract_run, restore_run
 
 RECALL_AT = (1, 5, 20)
 CANDIDATE_BLOCKS = 100      # blocks ranked per question before collapsing to paragraphs
@@ -59,16 +59,16 @@ def dense_ranking(config, workdir: str, data: PreparedData, questions: list[dict
                       block_len=data.blocks.block_len)
     mesh, model, params, step = run.mesh, run.model, run.params, run.step
   else:
-    from realm_jax.train import initialization
+    from realm_jax.runtime import initialization
     model, mesh, _ = abstract_run(config, data.tokenizer.vocab_size, data.blocks.block_len)
     params, step = initialization.initial_params(config, model, mesh, data), 0
-  embeddings, _ = embed_blocks(steps.block_embedder(model, mesh, config, params["retriever"]),
+  embeddings, _ = embed_blocks(embedders.block_embedder(model, mesh, config, params["retriever"]),
                                data.blocks, mesh, config.retrieval.embed_batch_size,
                                log_prefix=f"[recall] {os.path.basename(workdir) or 'start'} @ "
                                f"{step}: ")
   index = IndexVersion(version=0, step=step, index=ExactIndex.from_embeddings(embeddings),
-                       encode_queries=steps.QueryEncoder(
-                           model, config, steps.query_tower_params(params["retriever"])))
+                       encode_queries=embedders.QueryEncoder(
+                           model, config, embedders.query_tower_params(params["retriever"])))
   ids, _ = question_inputs(data.tokenizer, [q["question"] for q in questions],
                            config.data.query_len)
   n = min(n, data.blocks.num_blocks)

@@ -12,7 +12,7 @@ import numpy as np
 from realm_jax.data import pipeline
 from realm_jax.data.prepared import ExampleSet, PreparedData
 from realm_jax.errors import ConfigError
-from realm_jax.train import config_base
+from realm_jax.config import reading
 
 
 class BatchStream:
@@ -141,7 +141,7 @@ def candidates_for(config, data: PreparedData, queries: dict[str, np.ndarray],
       return np.where(queries["reads_own_block"][:, None] > 0, source[:, None], other)
     return np.concatenate([null, other if distractor else source[:, None]], axis=1)
   rows = pipeline.candidate_rows(retrieved, source, data.blocks.uids, config.retrieval.k)
-  return rows[:, 1:] if training and not config_base.null_in_training(config) else rows
+  return rows[:, 1:] if training and not reading.null_in_training(config) else rows
 
 
 def realm_batch(config, data: PreparedData, queries: dict[str, np.ndarray],

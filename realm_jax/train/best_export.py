@@ -16,7 +16,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from realm_jax import paths, workdir as workdir_lib
-from realm_jax.train.checkpoints import checkpoint_dir
+from realm_jax.runtime.checkpoints import checkpoint_dir
 
 BEST = "best"
 METRIC = "retrieval_utility"

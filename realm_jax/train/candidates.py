@@ -29,10 +29,10 @@ from realm_jax import workdir as workdir_lib
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, IndexVersion, embed_blocks
 from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
-from realm_jax.train import steps
-from realm_jax.train.config_base import uses_index_builder
+from realm_jax.runtime import embedders
+from realm_jax.config.reading import uses_index_builder
 from realm_jax.train.feed import VersionSchedule
-from realm_jax.train.metrics import MetricWriter
+from realm_jax.runtime.metrics import MetricWriter
 
 _NO_STEP = np.zeros((), np.int32)
 
@@ -153,14 +153,14 @@ class RebuiltIndex(NoRetrieval):
     """Embeds every block with `retriever_params` (a snapshot at `step`). `should_stop`: see
     `embed_blocks` (the index and the snapshot it records stay the previous ones)."""
     version = 0 if self.index is None else self.index.version + 1
-    embed_fn = steps.block_embedder(self.model, self.mesh, self.config, retriever_params)
+    embed_fn = embedders.block_embedder(self.model, self.mesh, self.config, retriever_params)
     embeddings, _ = embed_blocks(embed_fn, self.data.blocks, self.mesh,
                                  self.config.retrieval.embed_batch_size,
                                  log_prefix=f"[{self.config.task}] index v{version}: ",
                                  should_stop=should_stop)
     self.params = retriever_params
-    encoder = steps.QueryEncoder(self.model, self.config,
-                                 steps.query_tower_params(retriever_params))
+    encoder = embedders.QueryEncoder(self.model, self.config,
+                                 embedders.query_tower_params(retriever_params))
     self.index = IndexVersion(version=version, step=step,
                               index=ExactIndex.from_embeddings(embeddings),
                               encode_queries=encoder, embeddings=embeddings)
@@ -226,7 +226,7 @@ class PublishedIndex(NoRetrieval):
   def __init__(self, config, workdir: str, *, model, data, abstract_retriever):
     super().__init__(config, workdir)
     self.model, self.data = model, data
-    self.query_template = steps.query_tower_params(abstract_retriever)
+    self.query_template = embedders.query_tower_params(abstract_retriever)
     if jax.process_index() == 0:
       workdir_lib.record_block_store(workdir, data)
     self.subscriber = IndexSubscriber(workdir, self._load_version, config.builder.poll_seconds,
@@ -241,7 +241,7 @@ class PublishedIndex(NoRetrieval):
     return load_version(published.index_root(self.workdir), version, config=self.config,
                         fingerprint=self.data.blocks.fingerprint,
                         query_template=self.query_template,
-                        make_encoder=lambda p: steps.QueryEncoder(self.model, self.config, p))
+                        make_encoder=lambda p: embedders.QueryEncoder(self.model, self.config, p))
 
   def checkpoint_due(self, done: int) -> bool:
     return done % self.config.retrieval.refresh_every == 0   # each one a snapshot to index

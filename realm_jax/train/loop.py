@@ -12,12 +12,13 @@ import numpy as np
 
 from realm_jax.errors import ConfigError
 from realm_jax.masked_eval import Evaluator
-from realm_jax.train import batches, partitioning, state as state_lib, steps
+from realm_jax.train import batches, steps
+from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.train.best_export import BestExport
 from realm_jax.train.candidates import candidate_source
-from realm_jax.train.config_base import validate
+from realm_jax.config.validation import validate
 from realm_jax.train.feed import BatchFeed
-from realm_jax.train.metrics import MetricWriter
+from realm_jax.runtime.metrics import MetricWriter
 from realm_jax.train.run import Run
 from realm_jax.train.score_cache import ScoreCache, cache_keys
 

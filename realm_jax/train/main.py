@@ -1,6 +1,6 @@
 """`realm-train --config configs/X.py[:arg] --workdir W [--config.a.b=v ...]`.
 
-On a pod every process runs the same command; see `realm_jax.train.multihost` for the
+On a pod every process runs the same command; see `realm_jax.runtime.multihost` for the
 --multihost switch (auto on TPU slices) and the explicit --coordinator_address /
 --num_processes / --process_id of GPU clusters and CPU tests."""
 
@@ -12,8 +12,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from realm_jax.errors import flags_parser, run_cli
-from realm_jax.train import multihost, preemption
-from realm_jax.train.option_names import upgrade_flags
+from realm_jax.runtime import multihost, preemption
+from realm_jax.config.option_names import upgrade_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).",
                                           lock_config=True)

@@ -23,7 +23,8 @@ from realm_jax.data.prepared import PreparedData
 from realm_jax.models.realm import span_candidates
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, embed_blocks
-from realm_jax.train import batches, steps
+from realm_jax.train import batches
+from realm_jax.runtime import embedders
 
 
 @dataclasses.dataclass
@@ -53,7 +54,7 @@ class FrozenIndex:
   def embed(cls, model, mesh, config, data: PreparedData, retriever_params, step: int,
             log_prefix: str) -> FrozenIndex:
     """Embeds every block with the block tower of `retriever_params` (version -1: unpublished)."""
-    embed_fn = steps.block_embedder(model, mesh, config, retriever_params)
+    embed_fn = embedders.block_embedder(model, mesh, config, retriever_params)
     embeddings, _ = embed_blocks(embed_fn, data.blocks, mesh, config.retrieval.embed_batch_size,
                                  log_prefix=log_prefix)
     return cls(version=-1, step=step, embeddings=embeddings,

@@ -21,9 +21,10 @@ from realm_jax.data import qa as qa_lib
 from realm_jax.errors import ConfigError
 from realm_jax.openqa_eval import QAEvaluator, format_metrics
 from realm_jax.retrieval import published
-from realm_jax.train import multihost, partitioning, state as state_lib, steps
-from realm_jax.train.config_base import validate
-from realm_jax.train.metrics import MetricWriter
+from realm_jax.runtime import multihost, partitioning, state as state_lib
+from realm_jax.runtime import embedders
+from realm_jax.config.validation import validate
+from realm_jax.runtime.metrics import MetricWriter
 from realm_jax.train.run import Run
 from realm_jax.train.openqa_inputs import FrozenIndex, QABatchBuilder, QuestionBatches
 
@@ -84,7 +85,7 @@ class OpenQATrainer(Run):
       source = FrozenIndex.embed(self.model, self.mesh, cfg, self.data,
                                  self.state.params["retriever"], max(init_step, 0),
                                  f"[{task}] frozen index: ")
-    query = partitioning.host_copy(steps.query_tower_params(self.state.params["retriever"]))
+    query = partitioning.host_copy(embedders.query_tower_params(self.state.params["retriever"]))
     if jax.process_index() == 0:
       published.publish_arrays(published.index_root(self.workdir), source.embeddings, query,
                                step=source.step, fingerprint=fingerprint,
@@ -111,7 +112,7 @@ class OpenQATrainer(Run):
     """The questions' top blocks by the current query tower over the frozen index."""
     rows = next(self.data_iter)["rows"]
     data_state = self.data_iter.get_state()
-    q_emb = steps.query_embeddings(self.model, self.mesh, self.config, self.state.params,
+    q_emb = embedders.query_embeddings(self.model, self.mesh, self.config, self.state.params,
                              self.builder.question_ids[rows])
     ranked = self.frozen.index.search(q_emb, self.builder.n)
     return partitioning.global_batch(self.builder.train_batch(rows, ranked), self.mesh), \

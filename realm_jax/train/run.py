@@ -16,11 +16,12 @@ import ml_collections
 from realm_jax import paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError, NonFiniteError
 from realm_jax.retrieval.index import EmbeddingStopped
-from realm_jax.train import initialization, partitioning, state as state_lib, steps
-from realm_jax.train.checkpoints import Checkpointer
-from realm_jax.train.config_base import validate
-from realm_jax.train.metrics import MetricWriter, format_duration, window_scalars
-from realm_jax.train.preemption import Preemption
+from realm_jax.runtime import initialization, partitioning, state as state_lib
+from realm_jax.train import steps
+from realm_jax.runtime.checkpoints import Checkpointer
+from realm_jax.config.validation import validate
+from realm_jax.runtime.metrics import MetricWriter, format_duration, window_scalars
+from realm_jax.runtime.preemption import Preemption
 
 
 class Run:
@@ -121,7 +122,7 @@ class Run:
   # -- the skeleton ------------------------------------------------------------------------
   def restore_or_init(self) -> int:
     """Resumes from the latest checkpoint, else starts each part from its `config.init`
-    source (train/initialization.py). Returns the first step to run."""
+    source (runtime/initialization.py). Returns the first step to run."""
     def log(line: str) -> None:
       print(self.prefix + line, flush=True)
     restored = self.checkpointer.restore_latest(self.abstract, self.abstract_item(), log)

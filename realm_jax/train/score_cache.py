@@ -22,7 +22,7 @@ import numpy as np
 
 from realm_jax.data import pipeline
 from realm_jax.models.realm import REALM
-from realm_jax.train import partitioning
+from realm_jax.runtime import partitioning
 from realm_jax.train.steps import null_first
 
 

@@ -1,6 +1,6 @@
-"""The jitted computations: ICT / REALM train steps, REALM evaluation, and the embedders the
-index refresh and retrieval use. Each is jitted with explicit shardings; train steps donate
-the state."""
+"""The jitted computations: ICT / REALM / Open-QA train steps and their evaluations (the
+embedders the index refresh and retrieval use: `runtime/embedders.py`). Each is jitted with
+explicit shardings; train steps donate the state."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from realm_jax.data import pipeline
 from realm_jax.models import losses
 from realm_jax.models.realm import REALM
-from realm_jax.train import config_base, partitioning
+from realm_jax.config import defaults, reading
+from realm_jax.runtime import partitioning
 
 
 def _freeze(params, train_config):
@@ -125,14 +125,14 @@ def null_first(config, training: bool) -> bool:
   r = config.retrieval
   if not training:
     return r.candidates != "null_only"
-  return r.candidates == "index" and config_base.null_in_training(config)
+  return r.candidates == "index" and reading.null_in_training(config)
 
 
 def without_dropout(config) -> bool:
   """Whether no tower drops anything (`model.dropout_rate`, the retriever's own, the attention
   weights'): the step then runs deterministically, with no dropout rng drawn."""
-  for part in config_base.PARTS:
-    m = config_base.part_model(config, part)
+  for part in defaults.PARTS:
+    m = reading.part_model(config, part)
     attention = m.get("attention_dropout_rate", -1.0)
     if m.dropout_rate > 0 or attention > 0:
       return False
@@ -171,7 +171,7 @@ def realm_loss_fn(params, model, batch, config, rng):
   if logits.shape[1] == 1:
     metrics = {}    # one candidate (the warm-up's own block, the baseline's null document):
                     # no p(z|x) to measure, no utility to measure against
-  elif not config_base.null_in_training(config):   # candidate 0 is a retrieved block
+  elif not reading.null_in_training(config):   # candidate 0 is a retrieved block
     metrics = {k: v for k, v in metrics.items()
                if k not in ("retrieval_utility", "null_doc_prob")}
   return loss, metrics
@@ -202,7 +202,7 @@ def without_untrained_null(config, batch, logits):
   """Retrieval logits with no prior mass on a null document when training leaves it out
   (`retrieval.train_null_document` False): in a training batch, one filling a slot left by
   duplicate blocks; in evaluation, column 0, read alone outside the marginal."""
-  if config_base.null_in_training(config):
+  if reading.null_in_training(config):
     return logits
   return jnp.where(null_candidates(batch["candidate_ids"]), -1e9, logits)
 
@@ -336,64 +336,3 @@ def make_openqa_eval(config, model, mesh):
       return jitted(params, batch)
 
   return run
-
-
-@functools.lru_cache(maxsize=None)
-def _embedder(model: REALM, kind: str, mesh, rules):
-  method = REALM.embed_queries if kind == "query" else REALM.embed_blocks
-  fn = lambda params, *inputs: model.apply({"params": params}, *inputs, method=method)
-  return jax.jit(fn, out_shardings=partitioning.batch_sharding(mesh))
-
-
-def embed(model: REALM, mesh, config, params, kind: str, *inputs):
-  """Query ([CLS] x [SEP]) or block embeddings with `params` (global arrays in and out)."""
-  rules = partitioning.logical_rules(config.mesh.rules)
-  with partitioning.mesh_rules(mesh, rules):
-    return _embedder(model, kind, mesh, rules)(params, *inputs)
-
-
-def block_embedder(model: REALM, mesh, config, retriever_params):
-  """fn(ids, segments) on host arrays -> block embeddings with `retriever_params`: what an
-  index (re)build (`retrieval.index.embed_blocks`) embeds every block with."""
-  sharding = partitioning.batch_sharding(mesh)
-
-  def embed_fn(ids, segments):
-    return embed(model, mesh, config, {"retriever": retriever_params}, "block",
-                 jax.device_put(ids, sharding), jax.device_put(segments, sharding))
-  return embed_fn
-
-
-def query_tower_params(retriever_params: dict) -> dict:
-  """The part of the retriever params that embeds queries: the shared tower, or the query
-  tower alone (what a published index carries next to its block embeddings)."""
-  names = [n for n in ("tower", "query_tower") if n in retriever_params]
-  if len(names) != 1:
-    raise ValueError(f"retriever params with sub-trees {sorted(retriever_params)}: expected "
-                     "'tower' (shared) or 'query_tower' + 'block_tower'")
-  return {names[0]: retriever_params[names[0]]}
-
-
-class QueryEncoder:
-  """One snapshot's query tower on this process's devices: host `[CLS] x [SEP]` ids -> host
-  embeddings. Process-local on purpose: retrieval runs in the input pipeline's thread and must
-  never launch collectives across hosts next to the train step's."""
-
-  def __init__(self, model: REALM, config, query_params: dict):
-    self.model, self.config = model, config
-    self.mesh = partitioning.make_mesh((-1, 1), jax.local_devices())
-    self.params = jax.device_put({"retriever": partitioning.host_copy(query_params)},
-                                 partitioning.replicated(self.mesh))
-
-  def __call__(self, query_ids: np.ndarray) -> np.ndarray:
-    return query_embeddings(self.model, self.mesh, self.config, self.params, query_ids)
-
-
-def query_embeddings(model, mesh, config, params, query_ids: np.ndarray) -> np.ndarray:
-  """This process's [b, dim] embeddings of its `[CLS] x [SEP]` rows with the query tower of
-  `params` on `mesh` (the train mesh: every process calls it with the same number of rows; a
-  process-local mesh: `QueryEncoder`)."""
-  b, devices = len(query_ids), jax.local_device_count()
-  padded = np.zeros((-(-b // devices) * devices, query_ids.shape[1]), np.int32)
-  padded[:b] = query_ids
-  ids = partitioning.global_batch({"ids": padded}, mesh)["ids"]
-  return partitioning.local_rows(embed(model, mesh, config, params, "query", ids))[:b]

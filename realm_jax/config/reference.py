@@ -1,7 +1,7 @@
-"""The config reference (docs/config_reference.md), generated from `config_base.base_config`,
+"""The config reference (docs/config_reference.md), generated from `defaults.base_config`,
 whose one comment per field is the documentation:
 
-  python -m realm_jax.train.config_reference > docs/config_reference.md
+  python -m realm_jax.config.reference > docs/config_reference.md
 
 `tests/test_base_configs.py` checks that the page matches the code.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import inspect
 import re
 
-from realm_jax.train import config_base
-from realm_jax.train.option_names import RENAMED_OPTIONS
+from realm_jax.config import defaults, reading
+from realm_jax.config.option_names import RENAMED_OPTIONS
 
 _FIELD = re.compile(r"^  c\.([\w.]+) = (.*?)(?:\s+#\s?(.*))?$")
 _MORE = re.compile(r"^\s{20,}#\s?(.*)$")
@@ -20,10 +20,10 @@ _MORE = re.compile(r"^\s{20,}#\s?(.*)$")
 
 def fields() -> list[tuple[str, str, str]]:
   """(dotted name, default, comment) of every field `base_config` sets."""
-  defaults = config_base.flat_options(config_base.base_config())
+  values = reading.flat_options(defaults.base_config())
   rows: list[list[str]] = []
   current = None
-  for line in inspect.getsource(config_base.base_config).splitlines():
+  for line in inspect.getsource(defaults.base_config).splitlines():
     field = _FIELD.match(line)
     if field and "ConfigDict()" not in field.group(2):
       current = [field.group(1), field.group(2).strip(), (field.group(3) or "").strip()]
@@ -32,7 +32,7 @@ def fields() -> list[tuple[str, str, str]]:
       current[2] = f"{current[2]} {_MORE.match(line).group(1).strip()}".strip()
     elif field:
       current = None
-  return [(name, repr(_plain(defaults[name])), comment) for name, _, comment in rows]
+  return [(name, repr(_plain(values[name])), comment) for name, _, comment in rows]
 
 
 def _plain(value):
@@ -41,9 +41,9 @@ def _plain(value):
 
 def markdown() -> str:
   lines = ["# Config reference", "",
-           "Every training option, its default and what it does, as `realm_jax/train/"
-           "config_base.py` defines them (generated: `python -m "
-           "realm_jax.train.config_reference > docs/config_reference.md`). `realm-prepare`'s "
+           "Every training option, its default and what it does, as `realm_jax/config/"
+           "defaults.py` defines them (generated: `python -m "
+           "realm_jax.config.reference > docs/config_reference.md`). `realm-prepare`'s "
            "own options are in `realm_jax/data/prepare.py`; configs, per-part initialisation "
            "and sharding: docs/configs.md. Renamed options (the old name is still read, with a "
            "warning): " + ", ".join(f"`{old}` -> `{new}`" for old, new in

@@ -12,8 +12,9 @@ from flax.training import train_state
 
 from realm_jax.models.bert import BertConfig
 from realm_jax.models.realm import REALM
-from realm_jax.train import partitioning
-from realm_jax.train.config_base import check_cudnn_dtype, part_model
+from realm_jax.runtime import partitioning
+from realm_jax.config.reading import part_model
+from realm_jax.config.validation import check_cudnn_dtype
 
 TrainState = train_state.TrainState
 

@@ -8,7 +8,7 @@
 
 A workdir part restores only that part's parameters, straight into their shardings, once its
 shapes are checked against this run's (a mismatch names the config fields that differ). An HF
-part is checked field by field against that part's shape (`config_base.part_model`), and the
+part is checked field by field against that part's shape (`reading.part_model`), and the
 data's vocab against the checkpoint's. `start_params` prints where every part came from and
 what stayed at its initial values. Resuming a run's own checkpoint is not this module's job
 (the trainers resume first and only start from here when there is nothing to resume).
@@ -26,7 +26,8 @@ from flax import traverse_util
 
 from realm_jax import packages, paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError
-from realm_jax.train.config_base import PARTS, part_model, part_options
+from realm_jax.config.defaults import PARTS
+from realm_jax.config.reading import part_model, part_options
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Parameters a part may lack in a workdir source: Open-QA's span scorer after pre-training.
@@ -157,7 +158,7 @@ def start_params(config, params, abstract_params, shardings, data_vocab: str,
 def initial_params(config, model, mesh, data):
   """The params a fresh run of `config` starts from (the parts' sources applied), outside a
   trainer: the untrained reference of an evaluation."""
-  from realm_jax.train import state as state_lib
+  from realm_jax.runtime import state as state_lib
   state, shardings, abstract = state_lib.create_train_state(
       config, model, mesh, data.blocks.block_len, jax.random.split(
           jax.random.PRNGKey(config.seed))[0])
@@ -167,7 +168,7 @@ def initial_params(config, model, mesh, data):
 
 # -- a run's workdir ------------------------------------------------------------------------
 def _from_workdir(config, src: Source, initial, abstract, data_vocab: str):
-  from realm_jax.train.checkpoints import restore_params, saved_param_shapes
+  from realm_jax.runtime.checkpoints import restore_params, saved_param_shapes
   part, option = src.part, src.option
   try:
     saved, step = saved_param_shapes(src.path, None if src.step < 0 else src.step)
@@ -199,7 +200,7 @@ def _from_workdir(config, src: Source, initial, abstract, data_vocab: str):
 
 def _field_differences(config, workdir: str, part: str) -> list[str]:
   """`option: ours (this run) != theirs (W/config.json)` for each shape field of `part`."""
-  from realm_jax.train.checkpoints import run_config
+  from realm_jax.runtime.checkpoints import run_config
   try:
     theirs_config = run_config(workdir)
   except FileNotFoundError:
@@ -220,7 +221,7 @@ def _field_differences(config, workdir: str, part: str) -> list[str]:
 def _check_workdir_vocab(src: Source, data_vocab: str) -> None:
   """The source run's token ids must mean what ours mean (its data dir's vocab.txt)."""
   from realm_jax.interop import hf_bert
-  from realm_jax.train.checkpoints import run_config
+  from realm_jax.runtime.checkpoints import run_config
   try:
     data_dir = run_config(src.path).data.dir
   except FileNotFoundError:

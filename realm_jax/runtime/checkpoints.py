@@ -146,7 +146,7 @@ class Checkpointer:
   def _move_aside(self, step: int, log) -> None:
     """`W/checkpoints/<step>` -> `W/unreadable_checkpoints/<step>` (process 0; all wait)."""
     from realm_jax.workdir import UNREADABLE_CHECKPOINTS
-    from realm_jax.train import multihost
+    from realm_jax.runtime import multihost
     target = epath.Path(self.directory).parent / UNREADABLE_CHECKPOINTS / str(step)
     if jax.process_index() == 0:
       target.parent.mkdir(parents=True, exist_ok=True)
@@ -292,7 +292,7 @@ def abstract_run(config, vocab_size: int | None = None, block_len: int | None = 
   """(model, mesh, abstract train state) of `config`, nothing materialised: what a run's
   checkpoint restores onto. Defaults as `restore_run`'s."""
   from realm_jax.data.tokenizer import load_tokenizer
-  from realm_jax.train import partitioning, state as state_lib
+  from realm_jax.runtime import partitioning, state as state_lib
   if vocab_size is None:
     vocab_size = config.model.vocab_size or load_tokenizer(
         os.path.join(paths.local_dir(config.data.dir), "vocab.txt")).vocab_size

@@ -1,0 +1,4 @@
+"""The config's schema, below every job: its defaults (`defaults`), how a config reads
+(`reading`), its validation (`validation`), loading a config file (`loading`), which options a
+workdir's checkpoints fix (`compatibility`) and the options renamed since release
+(`option_names`). `python -m realm_jax.config.reference` writes docs/config_reference.md."""

@@ -1,0 +1,39 @@
+"""Which options a workdir's checkpoints fix: a run resumes only under the same values of the
+compatibility fields (execution fields may change; fields added later read as the value old
+checkpoints were written under)."""
+
+from __future__ import annotations
+
+from realm_jax.config.defaults import TOWER_FIELDS, TOWER_UNSET
+from realm_jax.config.reading import flat_options
+
+# Fields that fix parameter shapes or the meaning of a checkpoint: a workdir whose
+# checkpoints were written under other values cannot be resumed.
+COMPATIBILITY_FIELDS = ("task", "model", "data.query_len", "data.block_len", "retrieval.k",
+                        "retrieval.candidates", "train.batch_size")
+# Fields under `model` that decide how the step computes, not what the parameters mean: a run
+# may resume with other values (e.g. in bfloat16, or with remat to fit a smaller device).
+EXECUTION_FIELDS = ("model.dtype", "model.attention", "model.remat")
+# Compatibility fields added later -> the value checkpoints saved without them were written under.
+ADDED_FIELDS = {"model.hidden_act": "gelu", "model.attention_dropout_rate": -1.0,
+                "model.retriever.pooling": "cls",
+                **{f"model.retriever.{f}": TOWER_UNSET.get(f, 0) for f in TOWER_FIELDS}}
+
+
+def incompatible_fields(saved: dict, current: dict) -> list[str]:
+  """`field: saved -> current` for every compatibility field whose value changed."""
+  saved_flat, current_flat = flat_options(saved), flat_options(current)
+  diffs = []
+  for name in sorted(set(saved_flat) | set(current_flat)):
+    if name in EXECUTION_FIELDS:
+      continue
+    if any(name == f or name.startswith(f + ".") for f in COMPATIBILITY_FIELDS):
+      a, b = (saved_flat.get(name, ADDED_FIELDS.get(name)),
+              current_flat.get(name, ADDED_FIELDS.get(name)))
+      if _norm(a) != _norm(b):
+        diffs.append(f"{name}: {a!r} (checkpoints) != {b!r} (this run)")
+  return diffs
+
+
+def _norm(v):
+  return list(map(_norm, v)) if isinstance(v, (list, tuple)) else v

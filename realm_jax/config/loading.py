@@ -1,0 +1,29 @@
+"""A config file (`configs/X.py[:arg]`) -> its ConfigDict, old option names read as the new."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import ml_collections
+
+from realm_jax.config.option_names import upgrade_config
+
+def config_module(path: str):
+  """Imports a config file (`configs/X.py`) by path, as ml_collections' `--config` does."""
+  spec = importlib.util.spec_from_file_location(
+      "_config_" + os.path.splitext(os.path.basename(path))[0], path)
+  if spec is None:
+    raise FileNotFoundError(f"config file {path!r} is not a .py file")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+  """`path/to/config.py[:arg]` -> its get_config(arg)."""
+  path, _, arg = spec.partition(":")
+  module = config_module(path)
+  config = module.get_config(arg) if arg else module.get_config()
+  upgrade_config(config)
+  return config

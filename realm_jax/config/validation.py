@@ -1,0 +1,191 @@
+"""The start-up validation of a config: every bad value is a ConfigError naming its option,
+found before any JAX work."""
+
+from __future__ import annotations
+
+from realm_jax.config.defaults import (BACKENDS, CANDIDATE_SOURCES, COMPUTE_DTYPES,
+                                      NONFINITE_ACTIONS, PARTS, REFRESH_MODES, TASKS)
+from realm_jax.config.option_names import upgrade_config
+from realm_jax.config.reading import null_in_training, part_model, part_options, uses_index_builder
+from realm_jax.errors import ConfigError
+
+def _validate_towers(config) -> None:
+  d = config.data
+  needs = {"reader": d.query_len + d.block_len, "retriever": max(d.query_len, d.block_len)}
+  from realm_jax.models.bert import HIDDEN_ACTS   # (flax) not at the top: configs import us
+  from realm_jax.models.realm import POOLINGS
+  for part in PARTS:
+    m, opts = part_model(config, part), part_options(config, part)
+    option = lambda field: opts.get(field, f"model.{field}")
+    for field in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+      if m[field] < 1:
+        raise ConfigError(option(field), f"must be >= 1, got {m[field]}")
+    if m.max_position < needs[part]:
+      what = "query_len + block_len" if part == "reader" else "max(query_len, block_len)"
+      raise ConfigError(option("max_position"), f"{m.max_position} < {what} = "
+                        f"{needs[part]} ({part})")
+    if m.hidden_size % m.num_heads:
+      raise ConfigError(option("num_heads"), f"{m.num_heads} must divide "
+                        f"{option('hidden_size')} ({m.hidden_size})")
+    if not 0 <= m.dropout_rate < 1:
+      raise ConfigError(option("dropout_rate"), f"must be in [0, 1), got "
+                        f"{m.dropout_rate}")
+    if not (m.get("attention_dropout_rate", -1.0) == -1.0
+            or 0 <= m.attention_dropout_rate < 1):
+      raise ConfigError("model.attention_dropout_rate", f"must be -1 (model dropout_rate) or "
+                        f"in [0, 1), got {m.attention_dropout_rate}")
+    if part == "retriever" and config.model.retriever.get("pooling", "cls") not in POOLINGS:
+      raise ConfigError("model.retriever.pooling", f"{config.model.retriever.pooling!r} is not "
+                        f"one of {POOLINGS}")
+    hidden_act = m.get("hidden_act", "gelu")
+    if hidden_act not in HIDDEN_ACTS:
+      raise ConfigError(option("hidden_act"), f"{hidden_act!r} is not one of "
+                        f"{', '.join(HIDDEN_ACTS)} (erf GELU or its tanh approximation)")
+
+
+def check_cudnn_dtype(m) -> None:
+  """cuDNN's fused attention computes in bfloat16 only (checked at start-up and where a model
+  is built for a GPU)."""
+  if m.get("attention", "xla") == "cudnn" and m.dtype == "float32":
+    raise ConfigError("model.attention", "'cudnn' (flash attention) computes in bfloat16: "
+                      "set model.dtype too, or use 'xla'")
+
+
+def _validate_execution(m) -> None:
+  """model.dtype / attention / remat: how the step computes."""
+  from realm_jax.models.bert import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+  if m.dtype not in COMPUTE_DTYPES:
+    raise ConfigError("model.dtype", f"{m.dtype!r} is not one of {COMPUTE_DTYPES}")
+  if m.get("attention", "xla") not in ATTENTION_IMPLEMENTATIONS:
+    raise ConfigError("model.attention", f"{m.attention!r} is not one of "
+                      f"{ATTENTION_IMPLEMENTATIONS}")
+  check_cudnn_dtype(m)
+  if m.get("remat", "none") not in REMAT_POLICIES:
+    raise ConfigError("model.remat", f"{m.remat!r} is not one of {tuple(REMAT_POLICIES)}")
+
+
+def validate(config, *, num_blocks: int | None = None, store_block_len: int | None = None,
+             max_sentence_len: int | None = None, vocab_size: int | None = None) -> None:
+  """Raises ConfigError naming the first bad option; called before any JAX work. Options set
+  under an old name are first moved to the new one (config/option_names.py)."""
+  upgrade_config(config)
+  if config.task not in TASKS:
+    raise ConfigError("task", f"unknown task {config.task!r}; choose one of {TASKS}")
+  r, d, t = config.retrieval, config.data, config.train
+  if r.candidates not in CANDIDATE_SOURCES:
+    raise ConfigError("retrieval.candidates",
+                      f"{r.candidates!r} is not one of {CANDIDATE_SOURCES}")
+  if r.backend not in BACKENDS:
+    raise ConfigError("retrieval.backend", f"{r.backend!r} is not one of {BACKENDS}")
+  if r.refresh not in REFRESH_MODES:
+    raise ConfigError("retrieval.refresh", f"{r.refresh!r} is not one of {REFRESH_MODES}")
+  if r.backend == "scann" and r.refresh == "in_process":
+    raise ConfigError("retrieval.backend", "'scann' indexes are built by the separate "
+                      "realm-index job: set retrieval.refresh to 'async' or 'deterministic'")
+  if r.refresh != "in_process" and not uses_index_builder(config):
+    raise ConfigError("retrieval.refresh", f"{r.refresh!r} (a separate realm-index job) serves "
+                      "REALM with retrieval.candidates='index' only; use 'in_process'")
+  if r.swap_lag < 0:
+    raise ConfigError("retrieval.swap_lag", f"must be >= 0, got {r.swap_lag}")
+  # deterministic: the version a step needs is up to swap_lag / refresh_every + 1 versions
+  # older than the newest (and the trainer may still be loading the previous one)
+  needed = 2 + (-(-r.swap_lag // max(r.refresh_every, 1)) if r.refresh == "deterministic" else 0)
+  if config.builder.keep_versions < needed:
+    raise ConfigError("builder.keep_versions", f"must be >= {needed} with retrieval.refresh "
+                      f"{r.refresh!r} and swap_lag {r.swap_lag}, got "
+                      f"{config.builder.keep_versions}")
+  if r.marginalization not in ("joint", "per_mask"):
+    raise ConfigError("retrieval.marginalization", f"{r.marginalization!r}: joint | per_mask")
+  _validate_retriever_learning(config)
+  if config.task == "realm" and r.candidates == "index" and r.k < 2:
+    raise ConfigError("retrieval.k", f"k={r.k}: REALM needs k >= 2 (null document + >= 1 block)")
+  if not isinstance(r.get("train_null_document", True), bool):
+    raise ConfigError("retrieval.train_null_document", f"must be True or False, got "
+                      f"{r.train_null_document!r}")
+  if config.task == "realm" and not null_in_training(config) and r.k < 3:
+    raise ConfigError("retrieval.k", f"k={r.k} with retrieval.train_null_document False: a "
+                      "training step would read one block, and the retriever learn nothing "
+                      "(k >= 3: the null document + >= 2 blocks)")
+  if r.refresh_every < 1:
+    raise ConfigError("retrieval.refresh_every", f"must be >= 1, got {r.refresh_every}")
+  if d.block_len < 8:
+    raise ConfigError("data.block_len", f"{d.block_len} < 8 wordpieces")
+  if d.query_len < 4:
+    raise ConfigError("data.query_len", f"{d.query_len} < 4 wordpieces")
+  if not 1 <= d.max_masks <= d.query_len - 2:
+    raise ConfigError("data.max_masks", f"must be in [1, query_len - 2], got {d.max_masks}")
+  _validate_towers(config)
+  _validate_execution(config.model)
+  if t.batch_size < 1 or t.steps < 1:
+    raise ConfigError("train.batch_size" if t.batch_size < 1 else "train.steps", "must be >= 1")
+  if config.init.get("hf_bert") and config.init.from_workdir:
+    raise ConfigError("init.hf_bert", "and init.from_workdir are both set: start from one")
+  for part in PARTS:
+    if config.init.get(f"{part}_step", -1) < -1:
+      raise ConfigError(f"init.{part}_step", "must be a checkpoint step or -1 (the latest)")
+  if config.task == "openqa":
+    _validate_openqa(config)
+  if t.retriever_lr_scale < 0 or t.reader_lr_scale < 0:
+    raise ConfigError("train.retriever_lr_scale", "learning-rate scales must be >= 0")
+  if t.get("preemption_grace_seconds", 30.0) <= 0:
+    raise ConfigError("train.preemption_grace_seconds", "must be > 0 seconds")
+  if t.get("nonfinite", "stop") not in NONFINITE_ACTIONS:
+    raise ConfigError("train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE_ACTIONS}")
+  if num_blocks is not None and config.task == "realm" and r.candidates == "index" \
+      and r.k + 1 > num_blocks:
+    raise ConfigError("retrieval.k", f"k={r.k} needs at least k + 1 = {r.k + 1} blocks "
+                      f"(retrieve k+1, drop the query's own), the corpus has {num_blocks}")
+  if store_block_len is not None and store_block_len != d.block_len:
+    raise ConfigError("data.block_len", f"{d.block_len} but {d.dir} was prepared with "
+                      f"blocks of {store_block_len}")
+  if max_sentence_len is not None and max_sentence_len + 2 > d.query_len:
+    raise ConfigError("data.query_len", f"{d.query_len} < longest prepared sentence + 2 = "
+                      f"{max_sentence_len + 2}")
+  if vocab_size is not None and config.model.vocab_size not in (0, vocab_size):
+    raise ConfigError("model.vocab_size", f"{config.model.vocab_size} but {d.dir}/vocab.txt "
+                      f"has {vocab_size} entries")
+
+
+def _validate_retriever_learning(config) -> None:
+  """retrieval.loss and its temperatures, the score cache, the mixed candidates' share."""
+  from realm_jax.models.losses import RETRIEVER_LOSSES
+  r, t = config.retrieval, config.train
+  if r.get("loss", "marginal") not in RETRIEVER_LOSSES:
+    raise ConfigError("retrieval.loss", f"{r.loss!r} is not one of {RETRIEVER_LOSSES}")
+  for name in ("distill_temperature", "retriever_temperature"):
+    if not r.get(name, 1.0) > 0:
+      raise ConfigError(f"retrieval.{name}", f"must be > 0, got {r[name]}")
+  if not 0 <= r.get("own_block_share", 0.5) <= 1:
+    raise ConfigError("retrieval.own_block_share", f"must be in [0, 1], got "
+                      f"{r.own_block_share}")
+  if r.candidates == "mixed" and config.task != "realm":
+    raise ConfigError("retrieval.candidates", "'mixed' is a REALM reader warm-up (task "
+                      f"'realm'), not {config.task!r}")
+  if not isinstance(r.get("block_gradients", True), bool):
+    raise ConfigError("retrieval.block_gradients", f"must be True or False, got "
+                      f"{r.block_gradients!r}")
+  if r.get("score_cache", False):
+    if config.task != "realm" or r.candidates != "index":
+      raise ConfigError("retrieval.score_cache", "caches the reader's scores of retrieved "
+                        "candidates: task 'realm' with retrieval.candidates 'index'")
+    if t.reader_lr_scale != 0:
+      raise ConfigError("retrieval.score_cache", f"needs a frozen reader "
+                        f"(train.reader_lr_scale 0, got {t.reader_lr_scale}): a trained "
+                        "reader's scores change every step")
+    if part_model(config, "reader").dropout_rate > 0 or \
+        config.model.get("attention_dropout_rate", -1.0) > 0:
+      raise ConfigError("retrieval.score_cache", "needs a reader without dropout "
+                        "(model.dropout_rate 0): each read must give the same scores")
+
+
+def _validate_openqa(config) -> None:
+  q = config.qa    # the question sets themselves are checked where they are read (qa_split)
+  if q.reader_beam < 1 or q.searcher_beam < q.reader_beam:
+    raise ConfigError("qa.searcher_beam" if q.reader_beam >= 1 else "qa.reader_beam",
+                      f"need 1 <= reader_beam <= searcher_beam, got {q.reader_beam} and "
+                      f"{q.searcher_beam}")
+  if config.model.span_hidden_size < 1 or config.model.max_span_width < 1:
+    raise ConfigError("model.span_hidden_size" if config.model.span_hidden_size < 1
+                      else "model.max_span_width", "must be >= 1 for task 'openqa'")
+  if not 0 <= q.heldout_articles < 1:
+    raise ConfigError("qa.heldout_articles", f"must be in [0, 1), got {q.heldout_articles}")
