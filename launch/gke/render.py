@@ -16,7 +16,7 @@ driver at /gcs/BUCKET and gs:// paths become those paths. A pod that fails fails
 to --max_restarts): the trainer resumes from its last checkpoint. Pods get SIGTERM first and
 --grace seconds before SIGKILL (the trainer saves a checkpoint); the JobSet succeeds when the
 trainer does. The image has the package installed with its [tpu] extra and configs/ in its
-working directory (launch/README.md, "GKE").
+working directory (docs/launch.md, "GKE").
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def render(args: argparse.Namespace) -> str:
   check_name(args.name, "--name", 40)
   if not args.image:
     raise ConfigError("", "--image is required: the container image with realm_jax[tpu] and "
-                      "configs/ in its working directory (launch/README.md, GKE)")
+                      "configs/ in its working directory (docs/launch.md, GKE)")
   plan = plan_run(args.config, args.workdir, args.set, args.storage)
   check_builder(plan, args.builder_type)
   body = yaml.safe_dump(jobset(args, plan), sort_keys=False, default_flow_style=False,
