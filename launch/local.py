@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 
+from realm_jax import log
 from realm_jax.errors import ConfigError, config_from_flags, run_cli
 from realm_jax import paths, workdir as workdir_lib
 from realm_jax.processes import own_session, shared_memory_env
@@ -78,6 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--grace", type=float, default=DEFAULT_GRACE,
                       help="seconds a process gets to exit after SIGINT before SIGKILL "
                            "(and the builder after the trainer finished)")
+  log.add_verbosity_argument(parser)
   args = parser.parse_args(own)
   args.overrides = overrides
   return args
@@ -151,9 +153,12 @@ def assign_devices(visible: list[str], builder_ids: str) -> tuple[str, str] | No
   return ",".join(trainer), ",".join(wanted)
 
 
-def default_commands(config: str, workdir: str, overrides: list[str]) -> dict[str, list[str]]:
-  """The trainer's and the builder's argv, both with the same config, workdir and overrides."""
-  common = ["--config", config, "--workdir", workdir, *overrides]
+def default_commands(config: str, workdir: str, overrides: list[str],
+                     verbosity: int = 0) -> dict[str, list[str]]:
+  """The trainer's and the builder's argv, both with the same config, workdir and overrides
+  (and the launcher's `--verbosity`, where one was given)."""
+  common = ["--config", config, "--workdir", workdir, *overrides,
+            *([f"--verbosity={verbosity}"] if verbosity else [])]
   return {"trainer": [sys.executable, "-m", "realm_jax.train.main", *common],
           "builder": [sys.executable, "-m", "realm_jax.retrieval.builder", *common]}
 
@@ -433,13 +438,14 @@ def _launch(args: argparse.Namespace) -> int:
     print(f"{PROG}: GPUs {','.join(visible)}: trainer {split[0]}, builder {split[1]} "
           "(config.builder.devices)" + "".join(f"; both with {k}={v}" for k, v in memory.items()),
           flush=True)
-  commands = default_commands(args.config, args.workdir, args.overrides)
+  commands = default_commands(args.config, args.workdir, args.overrides, args.verbosity)
   return supervise(commands, args.workdir, env_for, args.grace)
 
 
 def main(argv: list[str] | None = None) -> int:
   """`python launch/local.py --config C[:arg] --workdir W [--grace S] [--config.a.b=v ...]`."""
   args = parse_args(upgrade_flags(sys.argv[1:] if argv is None else argv))
+  log.set_verbosity(args.verbosity)
   return run_cli(PROG, lambda: _launch(args))
 
 

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 
+from realm_jax import log
 from realm_jax import paths, processes, workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.loading import config_module
@@ -212,6 +213,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--ascending", action="store_true", help="smaller metric is better")
   parser.add_argument("--name", default="", help="tpu_pod: runs on slices NAME-1, NAME-2, ...")
   parser.add_argument("--dry-run", action="store_true", help="print the commands, run none")
+  log.add_verbosity_argument(parser)
   args = parser.parse_args(argv)
   args.tpu_pod_args = tpu_pod_args
   return args
@@ -337,6 +339,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  log.set_verbosity(args.verbosity)
   rows = run_cli(PROG, lambda: sweep(args))
   return 1 if any(str(r.get("status", "")).startswith("failed") for r in rows) else 0
 

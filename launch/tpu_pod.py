@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 
+from realm_jax import log
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.loading import load_config
 from realm_jax.config.reading import flat_options, uses_index_builder
@@ -386,12 +387,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--grace", type=int, default=GRACE_SECONDS,
                       help="stop: seconds a job gets to exit after SIGTERM")
   parser.add_argument("--dry-run", action="store_true", help="print the commands, run none")
+  log.add_verbosity_argument(parser)
   return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
   """`python launch/tpu_pod.py ACTION --name N --zone Z --project P [...] [--dry-run]`."""
   args = parse_args(upgrade_flags(sys.argv[1:] if argv is None else argv))
+  log.set_verbosity(args.verbosity)
   try:
     run_cli(PROG, lambda: getattr(Pod(args), args.action)())
   except CommandFailed as e:

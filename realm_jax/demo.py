@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from realm_jax import log
 from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
 from realm_jax.processes import (Preempted, on_sigterm, own_session, shared_memory_env,
@@ -382,7 +383,9 @@ def main() -> None:
   parser.add_argument("--host_devices", type=int, default=HOST_DEVICES,
                       help="JAX devices the REALM stage's processes see the host CPU as (0: "
                       "JAX's default; a count in $XLA_FLAGS wins); the batch must divide by it")
+  log.add_verbosity_argument(parser)
   args = parser.parse_args()
+  log.set_verbosity(args.verbosity)
   from absl import logging
   logging.set_verbosity(logging.WARNING)
   run_demo_cli("realm-demo", lambda: run_demo(args.workdir, args.seed, args.entities,

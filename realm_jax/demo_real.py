@@ -23,6 +23,7 @@ import os
 import platform
 import time
 
+from realm_jax import log
 from realm_jax.demo import devices, repo_config, run_demo_cli, run_stage, with_overrides
 from realm_jax import workdir as workdir_lib
 from realm_jax.packages import MINILM
@@ -174,7 +175,9 @@ def main() -> None:
   parser.add_argument("--scale", default="cpu", choices=tuple(WORKDIRS),
                       help="the recipe's size: cpu (a 2-core CPU hour) or gpu (one accelerator; "
                       "configs/real_realm.py)")
+  log.add_verbosity_argument(parser)
   args = parser.parse_args()
+  log.set_verbosity(args.verbosity)
   from absl import logging
   logging.set_verbosity(logging.WARNING)
   squad = os.path.abspath(args.squad) if args.squad else ""

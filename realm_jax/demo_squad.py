@@ -18,6 +18,7 @@ import json
 import os
 import time
 
+from realm_jax import log
 from realm_jax.demo import repo_config, run_demo_cli, run_stage, run_stages
 from realm_jax import workdir as workdir_lib
 
@@ -123,7 +124,9 @@ def main() -> None:
   parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
   parser.add_argument("--openqa", action="store_true", help="then Open-QA fine-tuning from the "
                       "REALM and ICT checkpoints, scored on the test articles")
+  log.add_verbosity_argument(parser)
   args = parser.parse_args()
+  log.set_verbosity(args.verbosity)
   from absl import logging
   logging.set_verbosity(logging.WARNING)
   demo = run_demo_openqa if args.openqa else run_demo_squad

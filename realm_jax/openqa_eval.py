@@ -13,13 +13,14 @@ writes W/eval/<step>/metrics.json and W/eval/<step>/predictions.jsonl.
 
 from __future__ import annotations
 
+import logging
 import json
 import sys
 import time
 
 import numpy as np
 
-from realm_jax import paths, workdir as workdir_lib
+from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.data.answers import exact_match, f1_score
 from realm_jax.data.qa import QAExample
 from realm_jax.data.prepared import PreparedData
@@ -30,6 +31,8 @@ from realm_jax.runtime import embedders
 from realm_jax.runtime.metrics import format_duration
 from realm_jax.train.openqa_inputs import FrozenIndex, QABatchBuilder
 from realm_jax.config.option_names import upgrade_flags
+
+logger = logging.getLogger("realm_jax.openqa_eval")   # (__name__ is __main__ under python -m)
 
 RECALL_AT = (1, 5, 20, 100)
 PROGRESS_SECONDS = 10.0
@@ -87,8 +90,8 @@ class QAEvaluator:
       if now - last >= PROGRESS_SECONDS:
         done = start + real
         rate = done / (now - t0)
-        print(f"{self.prefix}{done:,}/{n:,} questions | {rate:,.1f} q/s ETA "
-              f"{format_duration((n - done) / rate)}", flush=True)
+        logger.info(f"{self.prefix}{done:,}/{n:,} questions | {rate:,.1f} q/s ETA "
+                    f"{format_duration((n - done) / rate)}")
         last = now
     metrics = {f"recall_at_{k}": float(h.mean()) for k, h in hits.items()}
     if self.reader:
@@ -184,7 +187,7 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
     # Open-QA runs keep one frozen index; other runs' must come from this very checkpoint.
     if reader or manifest["step"] == step:
       frozen = FrozenIndex.load(workdir, fingerprint, dim, latest)
-      print(f"[eval] index {root}/{latest} (blocks embedded at step {frozen.step})", flush=True)
+      logger.info(f"[eval] index {root}/{latest} (blocks embedded at step {frozen.step})")
   if frozen is None:
     frozen = FrozenIndex.embed(model, mesh, config, data, params["retriever"], step,
                                   f"[eval] index of checkpoint {step}: ")
@@ -199,28 +202,28 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
   examples, counts = qa_split(config.qa, split, config.data.dir)   # bad specs fail first
   config, data, mesh, model, params, frozen, reader, step = load_run(
       config, workdir, step, retrieval_only)
-  print(f"[eval] {workdir} step {step}: {len(examples):,} {split} questions "
-        f"({config.qa.get(split)}), skipped {counts or 'none'}; "
-        f"{'reader + retrieval' if reader else 'retrieval only'}", flush=True)
+  logger.info(f"[eval] {workdir} step {step}: {len(examples):,} {split} questions "
+              f"({config.qa.get(split)}), skipped {counts or 'none'}; "
+              f"{'reader + retrieval' if reader else 'retrieval only'}")
   evaluator = QAEvaluator(config, data, mesh, model, examples, frozen, reader, counts)
   metrics, predictions = evaluator.run(params)
   metrics.update(step=step, split=split, source=config.qa.get(split), reader=reader)
   out = write_results(workdir, step, metrics, predictions)
-  print(f"[eval] step {step} {split}: {format_metrics(metrics)} | {metrics['num_questions']} "
-        f"questions, answer in no top-{metrics['reader_beam']} block: "
-        f"{metrics['no_answer_in_top_k']}, truncated: {metrics['truncated_questions']}, "
-        f"skipped: {counts or 'none'} ({metrics['seconds']:.1f}s) -> {out}", flush=True)
+  logger.info(f"[eval] step {step} {split}: {format_metrics(metrics)} | {metrics['num_questions']} "
+              f"questions, answer in no top-{metrics['reader_beam']} block: "
+              f"{metrics['no_answer_in_top_k']}, truncated: {metrics['truncated_questions']}, "
+              f"skipped: {counts or 'none'} ({metrics['seconds']:.1f}s) -> {out}")
   return metrics, out
 
 
 def main(argv) -> None:
-  from absl import flags, logging
+  from absl import flags
   from realm_jax.errors import run_cli
   from realm_jax.runtime.checkpoints import run_config
   flags_ = flags.FLAGS
   if len(argv) > 1:
     raise SystemExit(f"realm-eval: unexpected arguments {argv[1:]}")
-  logging.set_verbosity(logging.WARNING)
+  log.use_absl_verbosity()   # -v N; Orbax's and TFDS's INFO lines off the console
   step = flags_.step if flags_.step >= 0 else None
   run_cli("realm-eval", lambda: evaluate_run(run_config(flags_.workdir, flags_.config),
                                              flags_.workdir, step, flags_.split,

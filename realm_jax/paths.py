@@ -30,6 +30,8 @@ from etils import epath
 
 from realm_jax.errors import ConfigError, StorageUnreachable
 
+logger = logging.getLogger(__name__)
+
 # Jobs sharing a bucket workdir watch each other's files (the builder lists the trainer's
 # checkpoints, the trainer the builder's versions): gcsfs must list afresh every time, not
 # from its listings cache.
@@ -126,8 +128,8 @@ def retried(what: str, path, fn):
             f"{path}: {what} failed, the storage server did not answer ({attempt} attempts "
             f"over {waited:.0f}s, each retried by gcsfs; last: {error}); giving up after "
             f"${PATIENCE_ENV}={limit:g}s") from e
-      print(f"[storage] {path}: {what} failed ({error}); trying again in {delay:.0f}s "
-            f"({waited:.0f}s of ${PATIENCE_ENV}={limit:g}s)", flush=True)
+      logger.warning(f"[storage] {path}: {what} failed ({error}); trying again in {delay:.0f}s "
+                     f"({waited:.0f}s of ${PATIENCE_ENV}={limit:g}s)")
       time.sleep(delay)
       delay, attempt = min(2 * delay, MAX_BACKOFF), attempt + 1
 
@@ -145,15 +147,16 @@ class _GcsfsRecords(logging.Handler):
   def emit(self, record) -> None:
     message = record.getMessage()
     if "out of retries on exception" in message:
-      print(f"[storage] gcsfs gave up on a request after its retries "
-            f"({message.split('exception: ', 1)[-1]})", flush=True)
+      logger.warning(f"[storage] gcsfs gave up on a request after its retries "
+                     f"({message.split('exception: ', 1)[-1]})")
     elif "retrying after exception" in message:
       if time.monotonic() - self.last < 5.0:
         self.unsaid += 1
         return
       more = f" (+{self.unsaid} more retries)" if self.unsaid else ""
-      print(f"[storage] a request to the bucket failed ({message.split('exception: ', 1)[-1]})"
-            f"; gcsfs retries it with backoff{more}", flush=True)
+      logger.warning(
+          f"[storage] a request to the bucket failed ({message.split('exception: ', 1)[-1]})"
+          f"; gcsfs retries it with backoff{more}")
       self.last, self.unsaid = time.monotonic(), 0
     elif record.levelno >= logging.WARNING:
       logging.getLogger().handle(record)

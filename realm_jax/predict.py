@@ -8,8 +8,9 @@ import json
 import sys
 import textwrap
 
-from absl import app, flags, logging
+from absl import app, flags
 
+from realm_jax import log
 from realm_jax.errors import flags_parser, run_cli
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory with checkpoints and its index.")
@@ -61,7 +62,7 @@ def main(argv) -> None:
   if empty:
     print(f"realm-predict: error: question {empty[0]} is empty: ask something", file=sys.stderr)
     raise SystemExit(2)
-  logging.set_verbosity(logging.WARNING)
+  log.use_absl_verbosity()   # -v N; Orbax's and TFDS's INFO lines off the console
   step = _STEP.value if _STEP.value >= 0 else None
   results = run_cli("realm-predict", lambda: predict(_WORKDIR.value, questions, step))
   for item in results:

@@ -19,11 +19,14 @@ bucket), so a reader never sees half of one.
 
 from __future__ import annotations
 
+import logging
 import json
 import sys
 
 from realm_jax import paths
 from realm_jax.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 CONFIG = "config.json"
 BLOCKS_RECORD = "blocks.json"
@@ -46,7 +49,7 @@ def open_data(config):
   try:
     # Memory-mapped arrays: a data dir in a bucket is read from a verified local copy.
     return PreparedData(paths.local_dir(
-        config.data.dir, log=lambda line: print(f"[data] {line}", flush=True)))
+        config.data.dir, log=lambda line: logger.info(f"[data] {line}")))
   except FileNotFoundError as e:
     raise ConfigError("data.dir", str(e)) from None
 

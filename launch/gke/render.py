@@ -28,6 +28,7 @@ import sys
 
 import yaml
 
+from realm_jax import log
 from realm_jax.errors import ConfigError, run_cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -151,12 +152,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--grace", type=int, default=GRACE_SECONDS,
                       help="seconds between SIGTERM and SIGKILL")
   parser.add_argument("--out", default="", help="write here (default: stdout)")
+  log.add_verbosity_argument(parser)
   return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
   """`python launch/gke/render.py --config C --workdir gs://B/P --image I [--out F]`."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  log.set_verbosity(args.verbosity)
   text = run_cli(PROG, lambda: render(args))
   if args.out:
     with open(args.out, "w") as f:

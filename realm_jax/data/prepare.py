@@ -12,6 +12,7 @@ finished preparation (stats.json present) is returned as is.
 
 from __future__ import annotations
 
+import logging
 import json
 import multiprocessing
 import os
@@ -27,6 +28,8 @@ from realm_jax import packages, paths
 from realm_jax.data import corpus, sources
 from realm_jax.data.tokenizer import load_tokenizer, train_tokenizer
 from realm_jax.errors import ConfigError, DataError
+
+logger = logging.getLogger("realm_jax.data.prepare")   # (__name__ is __main__ under python -m)
 
 # Settings that change the output: a re-run must agree on all of them to reuse anything.
 FINGERPRINT_FIELDS = ("source", "title_field", "text_field", "world_seed", "vocab",
@@ -142,8 +145,8 @@ def _vocab(config):
   tokenizer = train_tokenizer(titles + texts, tmp, config.vocab_size)
   os.replace(os.path.join(tmp, "vocab.txt"), path)
   shutil.rmtree(tmp, ignore_errors=True)
-  print(f"[prepare] trained a {tokenizer.vocab_size:,}-entry WordPiece vocab on "
-        f"{len(titles):,} documents ({time.time() - t0:.1f}s)", flush=True)
+  logger.info(f"[prepare] trained a {tokenizer.vocab_size:,}-entry WordPiece vocab on "
+              f"{len(titles):,} documents ({time.time() - t0:.1f}s)")
   return load_tokenizer(path)
 
 
@@ -181,9 +184,9 @@ class _Progress:
       return
     self.last = now
     dt = max(now - self.t0, 1e-9)
-    print(f"[prepare] {docs:,} docs read ({docs / dt:,.0f} docs/s) | shards {shards_done}/"
-          f"{shards} done | {blocks:,} blocks ({blocks / dt:,.0f} blocks/s) | "
-          f"{dt:,.0f}s", flush=True)
+    logger.info(f"[prepare] {docs:,} docs read ({docs / dt:,.0f} docs/s) | shards {shards_done}/"
+                f"{shards} done | {blocks:,} blocks ({blocks / dt:,.0f} blocks/s) | "
+                f"{dt:,.0f}s")
 
 
 def prepare(config) -> dict:
@@ -196,26 +199,24 @@ def prepare(config) -> dict:
   url = config.out_dir
   if paths.exists(paths.join(url, paths.FILES_MANIFEST)):
     stats = paths.read_json(paths.join(url, "stats.json"))
-    print(f"[prepare] {url} is already prepared and uploaded ({stats['blocks']:,} blocks)",
-          flush=True)
+    logger.info(f"[prepare] {url} is already prepared and uploaded ({stats['blocks']:,} blocks)")
     return stats
   local = paths.cache_dir(url)
-  print(f"[prepare] {url}: preparing in {local}, then uploading", flush=True)
+  logger.info(f"[prepare] {url}: preparing in {local}, then uploading")
   config.out_dir = local
   try:
     stats = _prepare_local(config)
   finally:
     config.out_dir = url
-  paths.upload_tree(local, url, log=lambda line: print(f"[prepare] {line}", flush=True))
-  print(f"[prepare] uploaded to {url} ({paths.FILES_MANIFEST} written last)", flush=True)
+  paths.upload_tree(local, url, log=lambda line: logger.info(f"[prepare] {line}"))
+  logger.info(f"[prepare] uploaded to {url} ({paths.FILES_MANIFEST} written last)")
   return stats
 
 
 def _prepare_local(config) -> dict:
   finished = _check_out_dir(config)
   if finished is not None:
-    print(f"[prepare] {config.out_dir} is already prepared ({finished['blocks']:,} blocks)",
-          flush=True)
+    logger.info(f"[prepare] {config.out_dir} is already prepared ({finished['blocks']:,} blocks)")
     return finished
   t0 = time.time()
   tokenizer = _vocab(config)
@@ -223,8 +224,8 @@ def _prepare_local(config) -> dict:
   shards_root = os.path.join(config.out_dir, "shards")
   in_process = config.num_workers == 0 or config.tagger.startswith("hf_ner:")
   if in_process and config.num_workers > 0:
-    print("[prepare] hf_ner runs its model on this process's devices: shards are packed "
-          "in this process", flush=True)
+    logger.info("[prepare] hf_ner runs its model on this process's devices: shards are packed "
+                "in this process")
   tools = (tokenizer.vocab_path, config.tagger, not in_process)
   pool = None if in_process else multiprocessing.get_context("spawn").Pool(config.num_workers)
   skips = sources.Skips(config.strict)
@@ -305,10 +306,11 @@ def _finish(config, tokenizer, skips, titles, qas, shard_dirs, results, reused, 
   os.replace(os.path.join(config.out_dir, "stats.json.tmp"),
              os.path.join(config.out_dir, "stats.json"))
   corpus.remove_shards(shards_root)
-  print(f"[prepare] {stats['documents']:,} documents -> {stats['blocks']:,} blocks, "
-        f"{stats['examples']['train']:,} train / {stats['examples']['eval']:,} eval examples, "
-        f"{sum(stats['skipped'].values()):,} skipped, in {stats['seconds']:.1f}s "
-        f"({stats['blocks_per_second']:,.0f} blocks/s)", flush=True)
+  logger.info(
+      f"[prepare] {stats['documents']:,} documents -> {stats['blocks']:,} blocks, "
+      f"{stats['examples']['train']:,} train / {stats['examples']['eval']:,} eval examples, "
+      f"{sum(stats['skipped'].values()):,} skipped, in {stats['seconds']:.1f}s "
+      f"({stats['blocks_per_second']:,.0f} blocks/s)")
   return stats
 
 
@@ -360,8 +362,8 @@ def main() -> None:
   def _main(argv):
     if len(argv) > 1:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from absl import logging
-    logging.set_verbosity(logging.WARNING)   # keep TFDS's INFO lines off the console
+    from realm_jax import log
+    log.use_absl_verbosity()   # -v N; Orbax's and TFDS's INFO lines off the console
     if config.value is None:
       print("realm-prepare: error: --config is required (configs/prepare.py)", file=sys.stderr)
       raise SystemExit(2)

@@ -33,6 +33,7 @@ block x span) that the parity check (`hf_parity`) compares against HF's RealmFor
 
 from __future__ import annotations
 
+import logging
 import argparse
 import dataclasses
 import functools
@@ -45,9 +46,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from realm_jax import log
 from realm_jax import paths
 from realm_jax.errors import ConfigError, DataError, run_cli
 from realm_jax.interop import hf_bert
+
+logger = logging.getLogger("realm_jax.interop.hf_realm")   # (__name__ is __main__ under python -m)
 
 PROG = "realm-import-hf"
 REALM_ARCHITECTURES = ("RealmEmbedder", "RealmKnowledgeAugEncoder", "RealmReader",
@@ -470,7 +474,7 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
   from realm_jax.runtime import checkpoints
   from realm_jax.config.defaults import TASKS
   if paths.is_remote(hf_dir):   # read from a local copy
-    hf_dir = paths.local_mirror(hf_dir, log=lambda line: print(f"[import] {line}", flush=True))
+    hf_dir = paths.local_mirror(hf_dir, log=lambda line: logger.info(f"[import] {line}"))
   if paths.is_remote(out):
     return _import_into_bucket(hf_dir, out, vocab, task)
   t0 = time.time()
@@ -535,7 +539,7 @@ def _import_into_bucket(hf_dir: str, url: str, vocab: str | None, task: str | No
   local = paths.cache_dir(url) + "-import"
   shutil.rmtree(local, ignore_errors=True)
   report = import_checkpoint(hf_dir, local, vocab, task)
-  log = lambda line: print(f"[import] {line}", flush=True)  # noqa: E731
+  log = lambda line: logger.info(f"[import] {line}")  # noqa: E731
   if os.path.isdir(os.path.join(local, "data")):
     config = workdir_lib.saved_config(local)
     config.data.dir = paths.join(url, "data")
@@ -649,7 +653,9 @@ def main(argv: list[str] | None = None) -> ImportReport:
                       "(default: HF_DIR/vocab.txt)")
   parser.add_argument("--task", default=None, help="stage the checkpoint starts: ict | realm | "
                       "openqa (default: realm, or openqa for RealmReader / RealmForOpenQA)")
+  log.add_verbosity_argument(parser)
   args = parser.parse_args(argv)
+  log.set_verbosity(args.verbosity)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")   # host-side conversion; no accelerator needed
 
   def job():

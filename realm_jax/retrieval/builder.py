@@ -18,6 +18,7 @@ the last published; `deterministic` builds every refresh step (multiples of
 
 from __future__ import annotations
 
+import logging
 import errno
 import os
 import signal
@@ -26,10 +27,12 @@ import time
 
 import numpy as np
 
-from realm_jax import paths, workdir as workdir_lib
+from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import StorageUnreachable, flags_parser, run_cli
 from realm_jax.runtime import multihost
 from realm_jax.config.option_names import upgrade_flags
+
+logger = logging.getLogger("realm_jax.retrieval.builder")   # (__name__ is __main__ under python -m)
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)   # a full disk or quota: retried at the next poll
 
@@ -60,15 +63,15 @@ class IndexBuilder:
     self.root = published.index_root(workdir)
     removed = published.clean_staging(self.root) if paths.isdir(self.root) else []
     for path in removed:
-      print(f"[index] removed {path} (left by a builder that was stopped)", flush=True)
+      logger.info(f"[index] removed {path} (left by a builder that was stopped)")
     from realm_jax.runtime.metrics import MetricWriter
     self.metrics = MetricWriter(workdir, "index")
     self.built = 0   # versions published by this run
     self._said_done = False
-    print(f"[index] {self.data.blocks.num_blocks:,} blocks of {self.data.dir} (fingerprint "
-          f"{self.fingerprint}), backend {config.retrieval.backend}, mode "
-          f"{config.retrieval.refresh}, mesh {dict(self.mesh.shape)} on "
-          f"{jax.devices()[0].platform}", flush=True)
+    logger.info(f"[index] {self.data.blocks.num_blocks:,} blocks of {self.data.dir} (fingerprint "
+                f"{self.fingerprint}), backend {config.retrieval.backend}, mode "
+                f"{config.retrieval.refresh}, mesh {dict(self.mesh.shape)} on "
+                f"{jax.devices()[0].platform}")
 
   # -- checkpoints -------------------------------------------------------------------------
   def checkpoint_steps(self) -> list[int]:
@@ -130,8 +133,8 @@ class IndexBuilder:
     t0 = time.time()
     params = self.restore_retriever(step)
     if params is None:
-      print(f"[index] checkpoint {step} was deleted while being restored; moving to the "
-            "newest", flush=True)
+      logger.warning(f"[index] checkpoint {step} was deleted while being restored; moving to the "
+                     "newest")
       return None
     timings["restore_seconds"] = round(time.time() - t0, 3)
     version, staging = self.published.start_version(self.root)
@@ -150,8 +153,8 @@ class IndexBuilder:
         unreachable = paths.unreachable(e)
         unreachable_since = (unreachable_since or time.time()) if unreachable else None
         why = self._unpublished(e, staging, version, prefix, unreachable_since)
-        print(f"{prefix}{why}: nothing of v{version} is visible; writing it again in "
-              f"{cfg.builder.poll_seconds:g}s", flush=True)
+        logger.warning(f"{prefix}{why}: nothing of v{version} is visible; writing it again in "
+                       f"{cfg.builder.poll_seconds:g}s")
         time.sleep(cfg.builder.poll_seconds)
         version, staging = paths.retried("starting an index version", self.root,
                                          lambda: self.published.start_version(self.root))
@@ -185,7 +188,7 @@ class IndexBuilder:
     """Writes version `version`'s files into `staging` and publishes it; its manifest."""
     cfg, prefix = self.config, f"[index] v{version} (step {step}): "
     extra = self._write_index(staging, embeddings, query_params, timings, prefix)
-    print(f"{prefix}publishing", flush=True)
+    logger.info(f"{prefix}publishing")
     t0 = time.time()
     manifest = self.published.publish(
         self.root, version, staging, dict(
@@ -194,9 +197,8 @@ class IndexBuilder:
             timings=timings, **extra), keep=cfg.builder.keep_versions)
     publish_seconds = time.time() - t0
     size = sum(f["bytes"] for f in manifest["files"].values())
-    print(f"{prefix}published {self.published.version_dir(self.root, version)} "
-          f"({size / 2**20:,.1f} MiB, hashed and committed in {publish_seconds:.1f}s)",
-          flush=True)
+    logger.info(f"{prefix}published {self.published.version_dir(self.root, version)} "
+                f"({size / 2**20:,.1f} MiB, hashed and committed in {publish_seconds:.1f}s)")
     self.metrics.write(step, {"version": version, "index_bytes": size,
                               "publish_seconds": publish_seconds,
                               **{k: v for k, v in timings.items()},
@@ -210,7 +212,7 @@ class IndexBuilder:
     self.published.write_arrays(staging, embeddings, query_params)
     if cfg.retrieval.backend == "exact":
       timings["build_seconds"] = 0.0
-      print(f"{prefix}exact index: {len(embeddings):,} x {embeddings.shape[1]}", flush=True)
+      logger.info(f"{prefix}exact index: {len(embeddings):,} x {embeddings.shape[1]}")
       return {}
     from realm_jax.retrieval import scann_index
     settings = scann_index.scann_settings(len(embeddings), cfg.builder)
@@ -223,10 +225,10 @@ class IndexBuilder:
     scann_index.save_searcher(searcher, local_dir)
     timings["serialize_seconds"] = round(time.time() - t0, 3)
     recall = self._scann_recall(searcher, embeddings, settings, query_params)
-    print(f"{prefix}scann index: {len(embeddings):,} x {embeddings.shape[1]}, {settings}, "
-          f"built in {timings['build_seconds']:.1f}s, serialized in "
-          f"{timings['serialize_seconds']:.1f}s, recall@10 vs exact {recall:.3f} on "
-          f"{cfg.builder.recall_queries} block-derived queries", flush=True)
+    logger.info(f"{prefix}scann index: {len(embeddings):,} x {embeddings.shape[1]}, {settings}, "
+                f"built in {timings['build_seconds']:.1f}s, serialized in "
+                f"{timings['serialize_seconds']:.1f}s, recall@10 vs exact {recall:.3f} on "
+                f"{cfg.builder.recall_queries} block-derived queries")
     return {"scann": settings, "recall_at_10": recall}
 
   def _scann_recall(self, searcher, embeddings: np.ndarray, settings: dict,
@@ -266,7 +268,7 @@ class IndexBuilder:
       if not steps:
         waited = time.time() - started
         if self._trainer_done():
-          print("[index] the trainer is done and left no checkpoint; exiting", flush=True)
+          logger.info("[index] the trainer is done and left no checkpoint; exiting")
           return self.built
         if waited > cfg.builder.wait_timeout:
           raise FileNotFoundError(
@@ -274,8 +276,9 @@ class IndexBuilder:
               f"(config.builder.wait_timeout = {cfg.builder.wait_timeout:g}); is the trainer "
               "running with this workdir?")
         if time.time() - last_message >= WAIT_MESSAGE_SECONDS:
-          print(f"[index] waiting for a checkpoint under {self.checkpoint_dir} ({waited:.0f}s "
-                f"of {cfg.builder.wait_timeout:g}s)", flush=True)
+          logger.info(
+              f"[index] waiting for a checkpoint under {self.checkpoint_dir} ({waited:.0f}s "
+              f"of {cfg.builder.wait_timeout:g}s)")
           last_message = time.time()
         time.sleep(cfg.builder.poll_seconds)
         continue
@@ -287,7 +290,7 @@ class IndexBuilder:
             return self.built
         continue    # look again at once: a deleted checkpoint means a newer one exists
       if self._trainer_done():
-        print(f"[index] the trainer is done; {self.built} versions published", flush=True)
+        logger.info(f"[index] the trainer is done; {self.built} versions published")
         return self.built
       time.sleep(cfg.builder.poll_seconds)
 
@@ -300,9 +303,10 @@ class IndexBuilder:
       return step is not None
     if not self._said_done:
       self._said_done = True
-      print(f"[index] {workdir_lib.done_path(self.workdir)} says the trainer finished at step "
-            f"{step}, before train.steps {self.config.train.steps}: waiting for the run that "
-            "resumes it (the trainer and the builder need the same train.steps)", flush=True)
+      logger.info(
+          f"[index] {workdir_lib.done_path(self.workdir)} says the trainer finished at step "
+          f"{step}, before train.steps {self.config.train.steps}: waiting for the run that "
+          "resumes it (the trainer and the builder need the same train.steps)")
     return False
 
   def close(self) -> None:
@@ -320,14 +324,14 @@ def _stop(signum, frame):
 
 
 def main(argv) -> None:
-  from absl import flags, logging
+  from absl import flags
   if len(argv) > 1:
     raise SystemExit(f"realm-index: error: unexpected arguments {argv[1:]}")
   config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
   if config is None or not workdir:
     print("realm-index: error: --config and --workdir are required", file=sys.stderr)
     raise SystemExit(2)
-  logging.set_verbosity(logging.WARNING)
+  log.use_absl_verbosity()   # -v N; Orbax's and TFDS's INFO lines off the console
 
   def job():
     multihost.initialize_from_flags()
@@ -338,8 +342,7 @@ def main(argv) -> None:
     except Stopped:
       # Publishing is atomic: a version cut short is an unpublished staging dir, which the
       # next start removes; every published version stays valid.
-      print(f"[index] SIGTERM: stopped; {builder.built} versions published by this run",
-            flush=True)
+      logger.warning(f"[index] SIGTERM: stopped; {builder.built} versions published by this run")
       return builder.built
     finally:
       signal.signal(signal.SIGTERM, previous)

@@ -10,6 +10,7 @@ from, so retrieval scores queries and blocks of the same parameters (REALM's set
 
 from __future__ import annotations
 
+import logging
 import dataclasses
 import functools
 import time
@@ -24,6 +25,8 @@ from realm_jax.data.prepared import BlockStore
 from realm_jax.errors import NonFiniteError
 from realm_jax.runtime import partitioning
 from realm_jax.runtime.metrics import format_duration
+
+logger = logging.getLogger(__name__)
 
 PROGRESS_SECONDS = 10.0   # one progress line per this many seconds of embedding
 CHUNK = 256               # rows of the exact index's table scored by one matmul
@@ -128,7 +131,7 @@ def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
   batch_size = max(devices, batch_size // devices * devices)
   n = store.num_blocks
   if log_prefix:
-    print(f"{log_prefix}embedding {n:,} blocks in batches of {batch_size}", flush=True)
+    logger.info(f"{log_prefix}embedding {n:,} blocks in batches of {batch_size}")
   out = None
   pending = None   # (start, count, device array) of the batch in flight
 
@@ -158,12 +161,12 @@ def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
     now = time.time()
     if log_prefix and now - last >= PROGRESS_SECONDS:
       done, rate = start + len(rows), (start + len(rows)) / (now - t0)
-      print(f"{log_prefix}embedded {done:,}/{n:,} blocks ({done / n:.0%}) | {rate:,.0f} "
-            f"blocks/s ETA {format_duration((n - done) / rate)}", flush=True)
+      logger.info(f"{log_prefix}embedded {done:,}/{n:,} blocks ({done / n:.0%}) | {rate:,.0f} "
+                  f"blocks/s ETA {format_duration((n - done) / rate)}")
       last = now
   drain(pending)
   seconds = time.time() - t0
   if log_prefix:
-    print(f"{log_prefix}embedded {n:,} blocks in {seconds:.1f}s ({n / seconds:,.0f} blocks/s)",
-          flush=True)
+    logger.info(
+        f"{log_prefix}embedded {n:,} blocks in {seconds:.1f}s ({n / seconds:,.0f} blocks/s)")
   return out, seconds

@@ -9,6 +9,7 @@ trainer keeps the version it has.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -20,6 +21,8 @@ from typing import Callable
 from realm_jax import paths
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, IndexVersion
+
+logger = logging.getLogger(__name__)
 
 WAIT_NOTICE_SECONDS = 60.0   # a trainer waiting for an index says so this often
 MAX_LOAD_ATTEMPTS = 3   # a version that fails to load for other reasons (pruned under us) this
@@ -136,19 +139,19 @@ class IndexSubscriber:
         continue
       except (OSError, ValueError) as e:   # e.g. pruned while we read it: try again later
         tries = self._failures[version] = self._failures.get(version, 0) + 1
-        print(f"{self.log_prefix}index v{version}: could not load ({e}); "
-              f"{'giving up' if tries >= MAX_LOAD_ATTEMPTS else 'will retry'}", flush=True)
+        logger.warning(f"{self.log_prefix}index v{version}: could not load ({e}); "
+                       f"{'giving up' if tries >= MAX_LOAD_ATTEMPTS else 'will retry'}")
         if tries >= MAX_LOAD_ATTEMPTS:
           self._reject(version, str(e))
         continue
-      print(f"{self.log_prefix}index v{version} (step {loaded.step}) loaded and verified in "
-            f"{time.time() - t0:.1f}s", flush=True)
+      logger.info(f"{self.log_prefix}index v{version} (step {loaded.step}) loaded and verified in "
+                  f"{time.time() - t0:.1f}s")
       with self._cond:
         self._loaded[version] = loaded
         self._cond.notify_all()
 
   def _reject(self, version: int, reason: str) -> None:
-    print(f"{self.log_prefix}index v{version} rejected, not used: {reason}", flush=True)
+    logger.warning(f"{self.log_prefix}index v{version} rejected, not used: {reason}")
     with self._cond:
       self._rejected[version] = reason
 
@@ -193,10 +196,10 @@ class IndexSubscriber:
         self._cond.wait(max(0.0, min(deadline - now, notice - time.time(), 1.0)))
 
   def _say_waiting(self, what: str, waited: float, timeout: float) -> None:
-    print(f"{self.log_prefix}waiting for a published index {what} under {self.root} "
-          f"({waited:.0f}s of {timeout:g}s, config.retrieval.index_timeout): it comes from "
-          f"`realm-index --config <this config> --workdir {self.workdir}` (launch/local.py "
-          "starts both)", flush=True)
+    logger.info(f"{self.log_prefix}waiting for a published index {what} under {self.root} "
+                f"({waited:.0f}s of {timeout:g}s, config.retrieval.index_timeout): it comes from "
+                f"`realm-index --config <this config> --workdir {self.workdir}` (launch/local.py "
+                "starts both)")
 
   def wait_for_step(self, step: int, timeout: float) -> IndexVersion:
     """The newest loaded version built from checkpoint `step` (waits for it)."""

@@ -16,6 +16,7 @@ what stayed at its initial values. Resuming a run's own checkpoint is not this m
 
 from __future__ import annotations
 
+import logging
 import dataclasses
 import os
 from typing import Any
@@ -28,6 +29,8 @@ from realm_jax import packages, paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError
 from realm_jax.config.defaults import PARTS
 from realm_jax.config.reading import part_model, part_options
+
+logger = logging.getLogger(__name__)
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Parameters a part may lack in a workdir source: Open-QA's span scorer after pre-training.
@@ -74,8 +77,8 @@ class Start:
 
   def print(self, prefix: str) -> None:
     """One `PREFIX init PART <- SOURCE` line per part, its details indented below."""
-    print("\n".join(f"{prefix}{'  ' if line.startswith(' ') else 'init '}{line.strip()}"
-                    for line in self.lines), flush=True)
+    logger.info("\n".join(f"{prefix}{'  ' if line.startswith(' ') else 'init '}{line.strip()}"
+                          for line in self.lines))
 
 
 def resolve(spec: str, option: str, part: str, step: int = -1) -> Source:
@@ -89,8 +92,7 @@ def resolve(spec: str, option: str, part: str, step: int = -1) -> Source:
     if not paths.exists(paths.join(path, "config.json")):
       raise ConfigError(option, f"{spec!r}: neither checkpoints/ nor config.json under it (a "
                         "bucket URL must be a run's workdir or a Hugging Face dir)")
-    url, path = path, paths.local_mirror(path, log=lambda line: print(f"[init] {line}",
-                                                                      flush=True))
+    url, path = path, paths.local_mirror(path, log=lambda line: logger.info(f"[init] {line}"))
   if os.path.isdir(os.path.join(path, workdir_lib.CHECKPOINTS)):
     return Source(part, option, "workdir", path, step)
   if os.path.isfile(os.path.join(path, "config.json")) and any(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import json
 import time
 
@@ -9,6 +10,8 @@ import jax
 import numpy as np
 
 from realm_jax import paths
+
+logger = logging.getLogger(__name__)
 
 
 def window_scalars(window: list[dict], seconds: float, learning_rate: float) -> dict:
@@ -61,8 +64,8 @@ def _tensorboard_dir(workdir: str, name: str) -> str:
   local = paths.local_side(workdir, "tb")
   if paths.is_remote(workdir) and workdir not in _TB_NOTED:
     _TB_NOTED.add(workdir)
-    print(f"TensorBoard events of {workdir} are written locally to {local} (tensorboard "
-          f"--logdir {local}); the metrics JSONL goes to {workdir}/metrics", flush=True)
+    logger.info(f"TensorBoard events of {workdir} are written locally to {local} (tensorboard "
+                f"--logdir {local}); the metrics JSONL goes to {workdir}/metrics")
   return paths.join(local, name)
 
 

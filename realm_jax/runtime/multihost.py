@@ -18,6 +18,7 @@ when the lost one is the coordinator (process 0), with "the leader task was pree
 
 from __future__ import annotations
 
+import logging
 import dataclasses
 import os
 import socket
@@ -27,6 +28,8 @@ from typing import Callable, Mapping
 from absl import flags
 
 from realm_jax.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 ENV = {"coordinator_address": "REALM_COORDINATOR_ADDRESS", "num_processes": "REALM_NUM_PROCESSES",
        "process_id": "REALM_PROCESS_ID"}
@@ -151,16 +154,15 @@ def initialize(topology: Topology | None) -> None:
   import jax
   jax.config.update("jax_cpu_collectives_implementation", "gloo")   # CPU processes: gloo
   if topology.coordinator_address is None:
-    print(f"[multihost] joining the {topology.cluster} job (JAX's cluster detection, timeout "
-          f"{topology.init_timeout}s, heartbeat timeout {topology.heartbeat_timeout}s)",
-          flush=True)
+    logger.info(f"[multihost] joining the {topology.cluster} job (JAX's cluster detection, timeout "
+                f"{topology.init_timeout}s, heartbeat timeout {topology.heartbeat_timeout}s)")
     jax.distributed.initialize(initialization_timeout=topology.init_timeout,
                                heartbeat_timeout_seconds=topology.heartbeat_timeout)
   else:
-    print(f"[multihost] process {topology.process_id} of {topology.num_processes}: connecting "
-          f"to the coordinator {topology.coordinator_address} (timeout "
-          f"{topology.init_timeout}s, heartbeat timeout {topology.heartbeat_timeout}s)",
-          flush=True)
+    logger.info(
+        f"[multihost] process {topology.process_id} of {topology.num_processes}: connecting "
+        f"to the coordinator {topology.coordinator_address} (timeout "
+        f"{topology.init_timeout}s, heartbeat timeout {topology.heartbeat_timeout}s)")
     if topology.process_id != 0:
       # JAX aborts the process (no exception, no address) when the coordinator never answers.
       _wait_for_coordinator(topology.coordinator_address, topology.init_timeout)
@@ -170,8 +172,8 @@ def initialize(topology: Topology | None) -> None:
                                heartbeat_timeout_seconds=topology.heartbeat_timeout,
                                shutdown_timeout_seconds=topology.heartbeat_timeout)
   _initialized = topology
-  print(f"[multihost] process {jax.process_index()} of {jax.process_count()}: "
-        f"{jax.local_device_count()} local / {jax.device_count()} global devices", flush=True)
+  logger.info(f"[multihost] process {jax.process_index()} of {jax.process_count()}: "
+              f"{jax.local_device_count()} local / {jax.device_count()} global devices")
 
 
 def initialize_from_flags() -> Topology | None:

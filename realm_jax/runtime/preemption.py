@@ -10,11 +10,13 @@ finalised checkpoint stays the latest) rather than be killed mid-write by the sc
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
-import sys
 import threading
 import time
+
+logger = logging.getLogger(__name__)
 
 EXIT_CODE = 143   # 128 + SIGTERM: schedulers restart the job; the rerun resumes
 
@@ -45,7 +47,7 @@ class Preemption:
     self.received_at = now
     doing = "finishing this step, then saving a checkpoint" if self._phase == "steps" else \
         "after the last step: finishing the run"
-    print(f"{self.prefix}SIGTERM: {doing} (grace {self.grace:g}s)", flush=True)
+    logger.warning(f"{self.prefix}SIGTERM: {doing} (grace {self.grace:g}s)")
     threading.Thread(target=self._watchdog, name="preemption-watchdog", daemon=True).start()
 
   def _watchdog(self) -> None:
@@ -53,9 +55,10 @@ class Preemption:
       return
     what = "the checkpoint was not finalised" if self._phase == "steps" else \
         "the run did not finish"
-    print(f"{self.prefix}SIGTERM: {what} within the grace period ({self.grace:g}s, "
-          "config.train.preemption_grace_seconds); exiting (a rerun resumes from the latest "
-          "finalised checkpoint)", file=sys.stderr, flush=True)
+    logger.warning(
+        f"{self.prefix}SIGTERM: {what} within the grace period ({self.grace:g}s, "
+        "config.train.preemption_grace_seconds); exiting (a rerun resumes from the latest "
+        "finalised checkpoint)")
     os._exit(EXIT_CODE)
 
   def steps_done(self) -> None:
@@ -87,8 +90,8 @@ class Preemption:
     latest = checkpointer.latest_step()
     since = "the start" if latest is None else f"checkpoint {latest}"
     what = f"checkpoint {step} finalised" if latest == step else f"no step since {since}"
-    print(f"{self.prefix}SIGTERM: {what} {time.time() - self.received_at:.1f}s after the "
-          "signal; exiting (rerun the same command to resume)", flush=True)
+    logger.warning(f"{self.prefix}SIGTERM: {what} {time.time() - self.received_at:.1f}s after the "
+                   "signal; exiting (rerun the same command to resume)")
 
   def close(self, pass_on: bool = True) -> None:
     """Ends the bookkeeping once the run has closed (its checkpointer too: a SIGTERM while a
@@ -106,7 +109,7 @@ class Preemption:
     signal.signal(signal.SIGTERM, previous)
     if self.received_at is None or answered or not pass_on:
       return
-    print(f"{self.prefix}SIGTERM after the last step: the run has finished"
-          f"{'; passing the signal on' if callable(previous) else ''}", flush=True)
+    logger.warning(f"{self.prefix}SIGTERM after the last step: the run has finished"
+                   f"{'; passing the signal on' if callable(previous) else ''}")
     if callable(previous):
       previous(signal.SIGTERM, None)

@@ -12,11 +12,14 @@ export survives preemption.
 
 from __future__ import annotations
 
+import logging
 import jax
 import orbax.checkpoint as ocp
 
 from realm_jax import paths, workdir as workdir_lib
 from realm_jax.runtime.checkpoints import checkpoint_dir
+
+logger = logging.getLogger(__name__)
 
 BEST = "best"
 METRIC = "retrieval_utility"
@@ -48,8 +51,8 @@ class BestExport:
     if jax.process_index() == 0:
       workdir_lib.write_config(self.directory, self.config)
       paths.write_json(self.record, self.best)
-    print(f"{prefix}best {METRIC} so far ({value:.4f} at step {step}): exported to "
-          f"{self.directory}", flush=True)
+    logger.info(f"{prefix}best {METRIC} so far ({value:.4f} at step {step}): exported to "
+                f"{self.directory}")
     return True
 
   def summary(self) -> dict:

@@ -16,6 +16,7 @@ this process's devices and host only, and the reader inputs.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -24,6 +25,8 @@ from typing import Callable
 import numpy as np
 
 from realm_jax.retrieval.index import IndexVersion
+
+logger = logging.getLogger(__name__)
 
 
 def deterministic_source_step(step: int, refresh_every: int, swap_lag: int) -> int:
@@ -67,8 +70,8 @@ class VersionSchedule:
     while not self.agree(loaded.version):     # another host has not loaded it yet
       time.sleep(0.2)
       loaded = self.subscriber.newest()
-    print(f"[realm] first index v{loaded.version} (step {loaded.step}) after "
-          f"{time.time() - t0:.1f}s", flush=True)
+    logger.info(f"[realm] first index v{loaded.version} (step {loaded.step}) after "
+                f"{time.time() - t0:.1f}s")
     self.announce(start, loaded, start + depth)
     return loaded
 
@@ -180,4 +183,4 @@ class BatchFeed:
         break
     self._thread.join(timeout=30)
     if self._thread.is_alive():
-      print("warning: the batch feed thread did not stop within 30s", flush=True)
+      logger.warning("warning: the batch feed thread did not stop within 30s")

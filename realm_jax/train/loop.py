@@ -4,6 +4,7 @@ held-out queries, the index figures of the summary."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import jax
@@ -21,6 +22,8 @@ from realm_jax.train.feed import BatchFeed
 from realm_jax.runtime.metrics import MetricWriter
 from realm_jax.train.run import Run
 from realm_jax.train.score_cache import ScoreCache, cache_keys
+
+logger = logging.getLogger(__name__)
 
 # The figures of a progress line: REALM trained without the null document has no utility to
 # show, but the entropy of p(z|x) shows the retriever committing to blocks.
@@ -84,10 +87,10 @@ class Trainer(Run):
   def begin(self, start: int) -> None:
     cfg = self.config
     n_params = state_lib.count_params(self.state.params)
-    print(f"{self.prefix}{n_params / 1e6:.2f}M params, mesh {dict(self.mesh.shape)}, batch "
-          f"{cfg.train.batch_size}, steps {start}->{cfg.train.steps}, "
-          f"{self.data.blocks.num_blocks:,} blocks, {len(self.examples):,} queries"
-          f"{self.candidates.describe()}", flush=True)
+    logger.info(f"{self.prefix}{n_params / 1e6:.2f}M params, mesh {dict(self.mesh.shape)}, batch "
+                f"{cfg.train.batch_size}, steps {start}->{cfg.train.steps}, "
+                f"{self.data.blocks.num_blocks:,} blocks, {len(self.examples):,} queries"
+                f"{self.candidates.describe()}")
 
   def begin_steps(self, start: int, depth: int) -> None:
     self.candidates.should_stop = self.preemption.requested
@@ -185,7 +188,7 @@ class Trainer(Run):
     shown = " ".join(f"{k} {v:.3f}" for k, v in metrics.items()
                      if k not in ("num_examples", "index_step")) \
         or "nothing to measure (no recall ground truth in this data, no reader to score)"
-    print(f"{self.prefix}eval @ {step}: {shown} ({time.time() - t0:.1f}s)", flush=True)
+    logger.info(f"{self.prefix}eval @ {step}: {shown} ({time.time() - t0:.1f}s)")
     if self.best is not None:
       self.best.consider(step, metrics, self.state.params, self.prefix)
     return metrics, details
@@ -194,18 +197,20 @@ class Trainer(Run):
     figures = self.candidates.summary()
     if self.score_cache is not None:
       cache = self._cache_figures()
-      print(f"{self.prefix}score cache: {cache['score_cache_reader_forwards_saved']:,} reader "
-            f"forwards saved, {cache['score_cache_reader_forwards']:,} made (hit rate "
-            f"{cache['score_cache_hit_rate']:.3f})", flush=True)
+      logger.info(
+          f"{self.prefix}score cache: {cache['score_cache_reader_forwards_saved']:,} reader "
+          f"forwards saved, {cache['score_cache_reader_forwards']:,} made (hit rate "
+          f"{cache['score_cache_hit_rate']:.3f})")
       figures = {**figures, **cache}
     if self.best is not None:
       figures = {**figures, **self.best.summary()}
     if figures:
-      print(f"{self.prefix}index staleness p50 {figures['index_staleness_p50']:g} p95 "
-            f"{figures['index_staleness_p95']:g} max {figures['index_staleness_max']} over "
-            f"{len(self.candidates.staleness)} steps; {figures['index_versions_used']} versions "
-            f"used; {figures['index_blocking_waits']} blocking waits after the first index "
-            f"({figures['index_wait_seconds']:.1f}s)", flush=True)
+      logger.info(
+          f"{self.prefix}index staleness p50 {figures['index_staleness_p50']:g} p95 "
+          f"{figures['index_staleness_p95']:g} max {figures['index_staleness_max']} over "
+          f"{len(self.candidates.staleness)} steps; {figures['index_versions_used']} versions "
+          f"used; {figures['index_blocking_waits']} blocking waits after the first index "
+          f"({figures['index_wait_seconds']:.1f}s)")
     return figures
 
   def finished(self, summary: dict) -> None:

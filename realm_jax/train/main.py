@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
+from realm_jax import log
 from realm_jax.errors import flags_parser, run_cli
 from realm_jax.runtime import multihost, preemption
 from realm_jax.config.option_names import upgrade_flags
@@ -26,7 +27,7 @@ def main(argv) -> None:
   if _CONFIG.value is None or not _WORKDIR.value:
     print("realm-train: error: --config and --workdir are required", file=sys.stderr)
     raise SystemExit(2)
-  logging.set_verbosity(logging.WARNING)  # keep Orbax's per-save INFO lines off the console
+  log.use_absl_verbosity()   # -v N; Orbax's and TFDS's INFO lines off the console
 
   def job():
     multihost.initialize_from_flags()

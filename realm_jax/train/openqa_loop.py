@@ -11,6 +11,7 @@ blocks embedded with the starting block tower. Resuming reuses it, so every step
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
@@ -27,6 +28,8 @@ from realm_jax.config.validation import validate
 from realm_jax.runtime.metrics import MetricWriter
 from realm_jax.train.run import Run
 from realm_jax.train.openqa_inputs import FrozenIndex, QABatchBuilder, QuestionBatches
+
+logger = logging.getLogger(__name__)
 
 
 class OpenQATrainer(Run):
@@ -69,8 +72,8 @@ class OpenQATrainer(Run):
     fingerprint, dim = self.data.blocks.fingerprint, cfg.model.retrieval_dim
     frozen = FrozenIndex.load(self.workdir, fingerprint, dim)
     if frozen is not None:
-      print(f"[{task}] frozen index: {self.workdir}/index v{frozen.version} (blocks embedded "
-            f"at step {frozen.step})", flush=True)
+      logger.info(f"[{task}] frozen index: {self.workdir}/index v{frozen.version} (blocks embedded "
+                  f"at step {frozen.step})")
       return frozen
     source = None
     origin = self.retriever_workdir
@@ -79,8 +82,8 @@ class OpenQATrainer(Run):
       latest = published.read_latest(root) if os.path.isdir(str(root)) else None
       if latest is not None and published.read_manifest(root, latest)["step"] == init_step:
         source = FrozenIndex.load(origin, fingerprint, dim, latest)
-        print(f"[{task}] frozen index: the block embeddings of {origin}/index "
-              f"v{latest} (step {init_step})", flush=True)
+        logger.info(f"[{task}] frozen index: the block embeddings of {origin}/index "
+                    f"v{latest} (step {init_step})")
     if source is None:
       source = FrozenIndex.embed(self.model, self.mesh, cfg, self.data,
                                  self.state.params["retriever"], max(init_step, 0),
@@ -101,12 +104,13 @@ class OpenQATrainer(Run):
     self.evaluator = QAEvaluator(cfg, self.data, self.mesh, self.model, self.dev_qa,
                                  self.frozen, reader=True, counts=self.dev_counts,
                                  prefix=f"{self.prefix}eval ") if self.dev_qa else None
-    print(f"{self.prefix}{state_lib.count_params(self.state.params) / 1e6:.2f}M params, mesh "
-          f"{dict(self.mesh.shape)}, {cfg.train.batch_size} questions per step, steps "
-          f"{start}->{cfg.train.steps}, {len(self.train_qa):,} training questions "
-          f"({int(self.builder.truncated.sum())} truncated to {cfg.data.query_len} wordpieces; "
-          f"skipped {self.train_counts or 'none'}), {self.frozen.num_blocks:,} blocks, top "
-          f"{self.builder.n} for the retriever, top {self.builder.k} read", flush=True)
+    logger.info(
+        f"{self.prefix}{state_lib.count_params(self.state.params) / 1e6:.2f}M params, mesh "
+        f"{dict(self.mesh.shape)}, {cfg.train.batch_size} questions per step, steps "
+        f"{start}->{cfg.train.steps}, {len(self.train_qa):,} training questions "
+        f"({int(self.builder.truncated.sum())} truncated to {cfg.data.query_len} wordpieces; "
+        f"skipped {self.train_counts or 'none'}), {self.frozen.num_blocks:,} blocks, top "
+        f"{self.builder.n} for the retriever, top {self.builder.k} read")
 
   def next_batch(self, step: int):
     """The questions' top blocks by the current query tower over the frozen index."""
@@ -129,8 +133,8 @@ class OpenQATrainer(Run):
   def evaluate(self, writer: MetricWriter, step: int, final: bool):
     metrics, _ = self.evaluator.run(self.state.params, keep_predictions=False)
     writer.write(step, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
-    print(f"{self.prefix}eval @ {step} on {metrics['num_questions']} dev questions: "
-          f"{format_metrics(metrics)} ({metrics['seconds']:.1f}s)", flush=True)
+    logger.info(f"{self.prefix}eval @ {step} on {metrics['num_questions']} dev questions: "
+                f"{format_metrics(metrics)} ({metrics['seconds']:.1f}s)")
     return metrics, []
 
   def summary_fields(self) -> dict:

@@ -8,6 +8,7 @@ built), `evaluate`, the `retrieval` item of its checkpoints and what its summary
 
 from __future__ import annotations
 
+import logging
 import time
 
 import jax
@@ -22,6 +23,8 @@ from realm_jax.runtime.checkpoints import Checkpointer
 from realm_jax.config.validation import validate
 from realm_jax.runtime.metrics import MetricWriter, format_duration, window_scalars
 from realm_jax.runtime.preemption import Preemption
+
+logger = logging.getLogger(__name__)
 
 
 class Run:
@@ -124,13 +127,13 @@ class Run:
     """Resumes from the latest checkpoint, else starts each part from its `config.init`
     source (runtime/initialization.py). Returns the first step to run."""
     def log(line: str) -> None:
-      print(self.prefix + line, flush=True)
+      logger.info(self.prefix + line)
     restored = self.checkpointer.restore_latest(self.abstract, self.abstract_item(), log)
     if restored is not None:
       latest, self.state, self.saved_data, item = restored
       self.resumed(item)
-      print(f"{self.prefix}resumed from {self.checkpointer.directory}/{latest} "
-            f"(data at step {self.saved_data['next_step']})", flush=True)
+      logger.info(f"{self.prefix}resumed from {self.checkpointer.directory}/{latest} "
+                  f"(data at step {self.saved_data['next_step']})")
       return int(self.saved_data["next_step"])
     self.state = self._initial_state()
     start = initialization.start_params(self.config, self.state.params, self.abstract.params,
@@ -199,8 +202,8 @@ class Run:
       try:
         batch, data_state = self.next_batch(step)
       except EmbeddingStopped as e:   # SIGTERM during an index rebuild: save step `step`
-        print(f"{self.prefix}SIGTERM during the index rebuild before step {step + 1}: "
-              f"{e}; saving step {step}", flush=True)
+        logger.warning(f"{self.prefix}SIGTERM during the index rebuild before step {step + 1}: "
+                       f"{e}; saving step {step}")
         if step > start and not self.checkpoint_due(step):
           self.save(step, data_state)
         preemption.saved(step, self.checkpointer)
@@ -217,8 +220,8 @@ class Run:
         figures, note = self.progress(scalars)   # may add figures to the scalars
         logs["train"].write(done, scalars)
         rate = scalars["steps_per_second"]
-        print(f"{self.prefix}step {done}/{total} {figures} | {rate:.2f} steps/s ETA "
-              f"{format_duration((total - done) / max(rate, 1e-9))}{note}", flush=True)
+        logger.info(f"{self.prefix}step {done}/{total} {figures} | {rate:.2f} steps/s ETA "
+                    f"{format_duration((total - done) / max(rate, 1e-9))}{note}")
         window, t_last = [], now
       if self.evaluates() and cfg.eval.every and done % cfg.eval.every == 0 and done != total:
         eval_metrics = self.evaluate(logs["eval"], done, final=False)[0]
@@ -240,8 +243,9 @@ class Run:
     loss, grad_norm = (float(jax.device_get(metrics[k])) for k in ("loss", "grad_norm"))
     if self.config.train.nonfinite == "skip":
       self.skipped_updates += 1
-      print(f"{self.prefix}step {done}: loss {loss:.4g}, gradient norm {grad_norm:.4g}: not "
-            f"finite, update skipped ({self.skipped_updates} so far)", flush=True)
+      logger.warning(
+          f"{self.prefix}step {done}: loss {loss:.4g}, gradient norm {grad_norm:.4g}: not "
+          f"finite, update skipped ({self.skipped_updates} so far)")
       return False
     last = self.checkpointer.latest_step()
     raise NonFiniteError(

@@ -1,0 +1,61 @@
+"""The project's log. Library modules log through Python `logging` (`logging.getLogger(__name__)`,
+under the `realm_jax` logger); what reaches the console is the message alone, on stdout, so
+progress lines and result tables read as they always have. A CLI sets the level from its
+verbosity flag (`set_verbosity`): absl's convention, 1 = debug, 0 = info (the default),
+-1 = warnings, -2 = errors only.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+ROOT = "realm_jax"
+LEVELS = {1: logging.DEBUG, 0: logging.INFO, -1: logging.WARNING, -2: logging.ERROR}
+
+
+class _ConsoleHandler(logging.Handler):
+  """Each record's message on the current sys.stdout (looked up at every line, so a test's
+  captured stdout and a CLI's redirected one both see it), flushed."""
+
+  def emit(self, record: logging.LogRecord) -> None:
+    try:
+      stream = sys.stdout
+      stream.write(self.format(record) + "\n")
+      stream.flush()
+    except Exception:   # noqa: BLE001 -- logging's own convention
+      self.handleError(record)
+
+
+def install() -> logging.Logger:
+  """The `realm_jax` logger with the console handler, once (the package does it on import)."""
+  logger = logging.getLogger(ROOT)
+  if not any(isinstance(h, _ConsoleHandler) for h in logger.handlers):
+    logger.addHandler(_ConsoleHandler())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False       # not through absl's handler on the root logger
+  return logger
+
+
+def set_verbosity(verbosity: int) -> None:
+  """1 debug, 0 info, -1 warnings, -2 errors (clamped)."""
+  install().setLevel(LEVELS[max(-2, min(1, int(verbosity)))])
+
+
+def use_absl_verbosity() -> int:
+  """An absl CLI (realm-train, realm-index, ...): our level from its `-v/--verbosity` (0 when not
+  given); the libraries' own absl/Python logging (Orbax, TFDS) shows warnings only, and its
+  INFO lines too at `-v 1`. Returns the verbosity."""
+  from absl import flags, logging as absl_logging
+  flag = flags.FLAGS["verbosity"]
+  verbosity = int(flag.value) if flag.present else 0
+  set_verbosity(verbosity)
+  absl_logging.set_verbosity(absl_logging.INFO if verbosity >= 1 else absl_logging.WARNING)
+  return verbosity
+
+
+def add_verbosity_argument(parser) -> None:
+  """`-v/--verbosity N` on an argparse CLI (read it with `set_verbosity(args.verbosity)`)."""
+  parser.add_argument("-v", "--verbosity", type=int, default=0,
+                      help="1: debug lines too; 0: progress and results (default); -1: warnings "
+                      "and errors only; -2: errors only")

@@ -1,0 +1,48 @@
+"""realm_jax/log.py: library modules log through Python logging; the console shows the message
+alone at the level a CLI's verbosity flag sets."""
+
+import logging
+import subprocess
+import sys
+
+from realm_jax import log
+from tests.helpers import REPO
+
+
+def test_the_console_shows_the_message_alone_at_the_level_set(capsys):
+  logger = logging.getLogger("realm_jax.some.module")
+  try:
+    logger.info("[realm] step 1/2 loss 3.5")
+    logger.debug("hidden at the default level")
+    log.set_verbosity(-1)
+    logger.info("hidden at -1")
+    logger.warning("[realm] index v3 rejected, not used: a reason")
+    log.set_verbosity(1)
+    logger.debug("shown at 1")
+    log.set_verbosity(-5)     # clamped to errors only
+    logger.warning("hidden at -2")
+    logger.error("an error")
+  finally:
+    log.set_verbosity(0)
+  assert capsys.readouterr().out.splitlines() == [
+      "[realm] step 1/2 loss 3.5", "[realm] index v3 rejected, not used: a reason",
+      "shown at 1", "an error"]
+
+
+def test_a_cli_takes_its_verbosity_flag(tmp_path):
+  """absl CLIs read -v/--verbosity (realm-prepare here: its progress lines go at -1), and
+  launch/local.py hands its own to both processes."""
+  for verbosity, shown in ((0, True), (-1, False)):
+    args = ["-c", "from realm_jax.data.prepare import main; main()", "--config",
+            "configs/prepare.py:world", "--config.source=world:40",
+            f"--config.out_dir={tmp_path / str(verbosity)}", f"--verbosity={verbosity}"]
+    result = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ("[prepare]" in result.stdout) == shown, (verbosity, result.stdout[-2000:],
+                                                     result.stderr[-2000:])
+  sys.path.insert(0, REPO)
+  from launch import local
+  commands = local.default_commands("configs/demo_realm.py", "W", [], verbosity=-1)
+  assert all(c[-1] == "--verbosity=-1" for c in commands.values())
+  assert local.default_commands("C", "W", [])["trainer"][-1] == "W"
