@@ -20,8 +20,7 @@ import subprocess
 import sys
 import time
 
-from realm_jax import log
-from realm_jax import workdir as workdir_lib
+from realm_jax import log, workdir as workdir_lib
 from realm_jax.errors import run_cli
 from realm_jax.processes import (Preempted, on_sigterm, own_session, shared_memory_env,
                                  signals_deferred, stop_after)

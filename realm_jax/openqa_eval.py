@@ -13,8 +13,8 @@ writes W/eval/<step>/metrics.json and W/eval/<step>/predictions.jsonl.
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import sys
 import time
 

@@ -19,8 +19,8 @@ bucket), so a reader never sees half of one.
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import sys
 
 from realm_jax import paths

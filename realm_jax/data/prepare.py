@@ -12,8 +12,8 @@ finished preparation (stats.json present) is returned as is.
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import multiprocessing
 import os
 import shutil

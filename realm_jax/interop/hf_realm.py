@@ -33,11 +33,11 @@ block x span) that the parity check (`hf_parity`) compares against HF's RealmFor
 
 from __future__ import annotations
 
-import logging
 import argparse
 import dataclasses
 import functools
 import json
+import logging
 import os
 import shutil
 import sys
@@ -46,8 +46,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from realm_jax import log
-from realm_jax import paths
+from realm_jax import log, paths
 from realm_jax.errors import ConfigError, DataError, run_cli
 from realm_jax.interop import hf_bert
 

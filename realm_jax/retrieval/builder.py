@@ -18,8 +18,8 @@ the last published; `deterministic` builds every refresh step (multiples of
 
 from __future__ import annotations
 
-import logging
 import errno
+import logging
 import os
 import signal
 import sys

@@ -10,9 +10,9 @@ from, so retrieval scores queries and blocks of the same parameters (REALM's set
 
 from __future__ import annotations
 
-import logging
 import dataclasses
 import functools
+import logging
 import time
 from typing import Callable, Protocol
 

@@ -16,8 +16,8 @@ what stayed at its initial values. Resuming a run's own checkpoint is not this m
 
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 import os
 from typing import Any
 

@@ -18,8 +18,8 @@ when the lost one is the coordinator (process 0), with "the leader task was pree
 
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
 import os
 import socket
 import time

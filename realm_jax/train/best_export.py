@@ -12,8 +12,8 @@ export survives preemption.
 
 from __future__ import annotations
 
-import logging
 import jax
+import logging
 import orbax.checkpoint as ocp
 
 from realm_jax import paths, workdir as workdir_lib
