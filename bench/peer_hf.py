@@ -20,7 +20,7 @@ Runs in the interop env (`make bench-peer`, or `.venv-interop/bin/python bench/p
 2. Open-QA forward of one question: embed it, retrieve the top reader_beam blocks from a
    block_emb of N blocks, read them, pick the best span. A random RealmForOpenQA checkpoint of
    the same BERT is written by transformers and imported with `realm-import-hf` (so both sides
-   hold the same weights and blocks); ours is `hf_realm.openqa_forward`, the peer
+   hold the same weights and blocks); ours is `hf_realm_openqa.openqa_forward`, the peer
    `RealmForOpenQA.forward` (its RealmRetriever tokenises the question and the blocks). Prints
    the median latency of each over `--questions` questions after warm-up (one side after
    the other), and on how many questions the two predict the same answer.
@@ -78,7 +78,7 @@ import optax  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from realm_jax.interop import hf_parity, hf_realm  # noqa: E402
+from realm_jax.interop import hf_parity, hf_realm, hf_realm_openqa  # noqa: E402
 from realm_jax.models import losses  # noqa: E402
 from realm_jax.models.bert import BertConfig  # noqa: E402
 from realm_jax.models.realm import REALM  # noqa: E402
@@ -269,7 +269,7 @@ def bench_openqa(args) -> dict:
 
     def run_ours(question):
       ids = np.asarray(tokenizer.encode_batch([question])[0][0], np.int32)
-      return hf_realm.openqa_forward(
+      return hf_realm_openqa.openqa_forward(
           model, params, ids, index=index, block_emb=block_emb, blocks=blocks,
           cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, reader_beam=config.qa.reader_beam,
           reader_len=320, query_len=config.data.query_len)

@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from realm_jax.interop import hf_realm
+from realm_jax.interop import hf_realm, hf_realm_weights
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 1e-4
-CHECKPOINTS = [(arch, fmt) for arch in hf_realm.REALM_ARCHITECTURES
+CHECKPOINTS = [(arch, fmt) for arch in hf_realm_weights.REALM_ARCHITECTURES
                for fmt in ("safetensors", "bin")] + [("bert", "safetensors")]
 # The activation hf_parity's checkpoints are made with (HF RealmConfig's default; BERT's).
-HIDDEN_ACT = {**{arch: "gelu_new" for arch in hf_realm.REALM_ARCHITECTURES}, "bert": "gelu"}
+HIDDEN_ACT = {**{arch: "gelu_new" for arch in hf_realm_weights.REALM_ARCHITECTURES}, "bert": "gelu"}
 # Outputs each layout must report (names printed by hf_parity).
 EXPECTED = {
     "RealmEmbedder": {"projected_score_block_inputs", "projected_score_query_inputs"},
@@ -87,7 +87,7 @@ def test_parity_with_transformers(parity_output, checkpoint):
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("arch", hf_realm.REALM_ARCHITECTURES)
+@pytest.mark.parametrize("arch", hf_realm_weights.REALM_ARCHITECTURES)
 def test_transformers_bin_files_read_without_torch(parity_output, arch, monkeypatch):
   """pytorch_model.bin written by transformers holds, read torch-free, what its
   model.safetensors twin (same seed) holds."""

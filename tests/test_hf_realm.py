@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 
 from realm_jax.data.prepared import PreparedData
 from realm_jax.data.tokenizer import load_tokenizer
-from realm_jax.interop import hf_bert, hf_realm, torch_pickle
+from realm_jax.interop import hf_bert, hf_realm, hf_realm_weights, torch_pickle
 from realm_jax.retrieval import published, subscriber
 from realm_jax.runtime import state as state_lib
 from realm_jax.runtime import embedders
@@ -48,7 +48,7 @@ def write_vocab(path):
 def random_params(architecture, seed):
   """Our params for the layout's import config, every leaf random (so that no two leaves are
   alike and a misplaced tensor cannot go unnoticed)."""
-  hf = {**hf_realm.REALM_DEFAULTS, **SIZES}
+  hf = {**hf_realm_weights.REALM_DEFAULTS, **SIZES}
   block_len = 40 if architecture == "RealmForOpenQA" else None
   config = hf_realm.make_config(architecture, hf, block_len=block_len)
   model = state_lib.build_model(config, 0)
@@ -63,7 +63,7 @@ def to_hf(params, architecture):
   """HF-named tensors (torch layout) of the leaves the layout holds, via our own key map."""
   flat = traverse_util.flatten_dict(params, sep="/")
   out = {}
-  for ours, hf in hf_realm.realm_key_map(params, architecture).items():
+  for ours, hf in hf_realm_weights.realm_key_map(params, architecture).items():
     value = flat[ours]
     out[hf] = np.ascontiguousarray(value.T if ours.endswith("/kernel") else value)
   return out
@@ -180,7 +180,7 @@ def imported(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("architecture", hf_realm.REALM_ARCHITECTURES)
+@pytest.mark.parametrize("architecture", hf_realm_weights.REALM_ARCHITECTURES)
 def test_every_tensor_lands_in_its_place(imported, architecture):
   run = imported(architecture)
   source, report, prefix = run.source, run.report, run.prefix
@@ -191,7 +191,7 @@ def test_every_tensor_lands_in_its_place(imported, architecture):
   assert step == 0
   flat_restored = traverse_util.flatten_dict(restored, sep="/")
   flat_source = traverse_util.flatten_dict(source, sep="/")
-  assert report.from_hf == hf_realm.realm_key_map(source, architecture)
+  assert report.from_hf == hf_realm_weights.realm_key_map(source, architecture)
   for ours in report.from_hf:                     # exactly the source values, in place
     np.testing.assert_array_equal(flat_restored[ours], flat_source[ours], err_msg=ours)
   assert set(report.from_hf) | set(report.initialised) == set(flat_restored)

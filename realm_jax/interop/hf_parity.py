@@ -238,7 +238,7 @@ def check_openqa(res, model, params, hf_model, hf, rng, config, workdir):
   import torch
   from realm_jax.data.prepared import BlockStore
   from realm_jax.data.tokenizer import load_tokenizer
-  from realm_jax.interop.hf_realm import openqa_forward
+  from realm_jax.interop.hf_realm_openqa import openqa_forward
   from realm_jax.models.realm import REALM
   from realm_jax.retrieval.index import ExactIndex
   tokenizer = load_tokenizer(os.path.join(workdir, "data", "vocab.txt"))
@@ -315,8 +315,8 @@ def _vocab(workdir: str) -> list[str]:
 
 def check_dir(hf_dir: str, tol: float, seed: int) -> list[str]:
   """Runs every comparison for one checkpoint dir; returns the failures."""
-  from realm_jax.interop import hf_realm
-  layout, hf = hf_realm.read_hf_config(hf_dir)
+  from realm_jax.interop import hf_realm_weights
+  layout, hf = hf_realm_weights.read_hf_config(hf_dir)
   print(f"hf_parity: {hf_dir} ({layout})", flush=True)
   rng = np.random.default_rng(seed)
   res = Results(layout, tol)
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.make_random != "all":
       print(make_random_checkpoint(args.out, args.make_random, not args.bin), flush=True)
       return 0
-    from realm_jax.interop.hf_realm import REALM_ARCHITECTURES
+    from realm_jax.interop.hf_realm_weights import REALM_ARCHITECTURES
     for arch in REALM_ARCHITECTURES:
       for fmt in ("safetensors", "bin"):
         print(make_random_checkpoint(os.path.join(args.out, f"{arch}-{fmt}"), arch,

@@ -237,10 +237,10 @@ def _check_workdir_vocab(src: Source, data_vocab: str) -> None:
 def check_hf_source(config, src: Source, data_vocab: str, vocab_size: int) -> str:
   """ConfigError (naming src.option) unless the HF dir fits its part's shape and the data's
   vocab is the checkpoint's; returns the checkpoint's layout ("bert" or a REALM class)."""
-  from realm_jax.interop import hf_bert, hf_realm
+  from realm_jax.interop import hf_bert, hf_realm_weights
   part, option, path = src.part, src.option, src.path
   try:
-    layout, hf = hf_realm.read_hf_config(path)
+    layout, hf = hf_realm_weights.read_hf_config(path)
   except ConfigError as e:
     raise ConfigError(option, str(e)) from None
   lines = hf_bert.bert_config_mismatches(part_model(config, part), hf, vocab_size=vocab_size,
@@ -258,7 +258,7 @@ def check_hf_source(config, src: Source, data_vocab: str, vocab_size: int) -> st
 
 
 def _from_hf(config, src: Source, params, data_vocab: str, vocab_size: int):
-  from realm_jax.interop import hf_bert, hf_realm
+  from realm_jax.interop import hf_bert, hf_realm_weights
   part, option, path = src.part, src.option, src.path
   layout = check_hf_source(config, src, data_vocab, vocab_size)
   host = jax.tree.map(np.asarray, dict(params))
@@ -271,7 +271,7 @@ def _from_hf(config, src: Source, params, data_vocab: str, vocab_size: int):
     return new[part], ([head] + [f"  {line.strip()}" for line in report.lines()[1:]]
                        + others)
   tensors, file = hf_bert.read_weights(path)
-  new, report = hf_realm.convert(host, tensors, layout, file, path, only=part, option=option)
+  new, report = hf_realm_weights.convert(host, tensors, layout, file, path, only=part, option=option)
   if not report.from_hf:
     raise ConfigError(option, f"{path} is a {layout}, which holds no {part} parameters")
   left = sorted({"/".join(p.split("/")[:3]) for p in report.initialised})
