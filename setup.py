@@ -53,7 +53,6 @@ setup(
         "console_scripts": [
             "realm-prepare=realm_jax.data.prepare:main",
             "realm-train=realm_jax.train.main:run",
-            "realm-demo=realm_jax.demo:run",
             "realm-index=realm_jax.retrieval.builder:run",
             "realm-import-hf=realm_jax.interop.hf_realm:run",
             "realm-eval=realm_jax.openqa_eval:run",

@@ -27,7 +27,10 @@ FIGURES = ("loss", "grad_norm", "retrieval_utility", "null_doc_prob", "index_sta
 # then key=value overrides.
 STAGE = """
 import sys
-from realm_jax.demo import run_stage
+try:
+  from realm_jax.stages import run_stage
+except ImportError:   # a base from before realm_jax/stages.py
+  from realm_jax.demo import run_stage
 def typed(v):
   for cast in (int, float):
     try:
@@ -44,7 +47,7 @@ if __name__ == "__main__":
 PREPARE = """
 import sys
 from realm_jax.data.world_corpus import prepare_world
-from realm_jax.demo import {loader} as load
+from {module} import {loader} as load
 if __name__ == "__main__":
   shapes = load("demo_realm").data
   prepare_world(sys.argv[1], int(sys.argv[2]), 0, block_len=shapes.block_len,
@@ -120,7 +123,9 @@ def main() -> int:
   if not os.path.exists(os.path.join(data, "stats.json")):
     loader = "repo_config" if os.path.exists(os.path.join(base_src, "realm_jax", "train",
                                                           "run.py")) else "load_config"
-    run_code(base_src, PREPARE.format(loader=loader), data, str(args.entities))
+    module = "realm_jax.stages" if os.path.exists(os.path.join(base_src, "realm_jax",
+                                                               "stages.py")) else "realm_jax.demo"
+    run_code(base_src, PREPARE.format(module=module, loader=loader), data, str(args.entities))
   if not os.path.exists(os.path.join(ict, "summary.json")):
     run_code(base_src, STAGE, "demo_ict", "-", ict, data, "train.steps=150", "eval.every=0")
   realm_stage(base_src, os.path.join(work, "realm_base"), data, ict, args.steps)

@@ -42,7 +42,7 @@ import numpy as np
 
 from realm_jax.data.prepare import prepare_config, prepare
 from realm_jax.data.prepared import PreparedData
-from realm_jax.demo import repo_config
+from realm_jax.stages import repo_config
 from realm_jax.errors import run_cli
 from realm_jax.retrieval import scann_index
 from realm_jax.retrieval.index import embed_blocks

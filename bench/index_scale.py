@@ -48,7 +48,7 @@ import time
 import jax
 import numpy as np
 
-from realm_jax.demo import repo_config
+from realm_jax.stages import repo_config
 from realm_jax.retrieval import index as index_lib, scann_index
 from index import load, serialize        # bench/ is this script's directory: sys.path[0]
 from report import append_jsonl, print_rows, verdict

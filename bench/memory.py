@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from jax._src.ad_checkpoint import saved_residuals   # (aval, source) of each saved residual
 
-from realm_jax.demo import repo_config
+from realm_jax.stages import repo_config
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.train import steps
 from realm_jax.config.validation import validate

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from realm_jax.data.prepared import PreparedData
-from realm_jax.demo import repo_config, with_overrides
+from realm_jax.stages import repo_config, with_overrides
 from realm_jax.train import batches, steps
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.errors import ConfigError

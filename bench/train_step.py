@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from realm_jax.demo import repo_config
+from realm_jax.stages import repo_config
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.train import steps
 from realm_jax.errors import ConfigError

@@ -14,64 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import signal
-import subprocess
-import sys
 import time
 
 from realm_jax import log, workdir as workdir_lib
-from realm_jax.errors import run_cli
-from realm_jax.processes import (Preempted, on_sigterm, own_session, shared_memory_env,
-                                 signals_deferred, stop_after)
-from realm_jax.runtime.preemption import EXIT_CODE
-
-REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_DIR = os.path.join(REPO_DIR, "configs")
-LAUNCHER = os.path.join(REPO_DIR, "launch", "local.py")  # a builder stage's trainer + builder
-HOST_DEVICES = 2   # the REALM stage's trainer and builder see the CPU as two JAX devices
-                   # (data-parallel): its step runs ~13% faster than on one device with two
-                   # threads (docs/performance.md); the small stages (in-process index or
-                   # none) run faster on one. A fixed count gives the same figures on any
-                   # number of cores.
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-STAGE_LOG = "stage.log"  # the output of a stage run beside another (`start_stage`)
-ROUND_POLL_SECONDS = 1.0   # how often a round's stage processes are looked at (`run_round`)
-
-
-class StageFailed(RuntimeError):
-  """A stage's process failed; the message names it and where its output is (the demo
-  prints it as one line: the stage's own output says why)."""
-
-
-def split_host(env: dict[str, str], devices: int) -> tuple[dict[str, str], int]:
-  """(`env` for a process that should see the host CPU as `devices` JAX devices, the count
-  it will see): a count already in its $XLA_FLAGS is kept, and 0 leaves JAX's default (one
-  CPU device; the count returned is then 0)."""
-  flags = env.get("XLA_FLAGS", "")
-  kept = re.search(rf"{DEVICE_COUNT_FLAG}=(\d+)", flags)
-  if kept:
-    return env, int(kept.group(1))
-  if not devices:
-    return env, 0
-  return {**env, "XLA_FLAGS": f"{flags} {DEVICE_COUNT_FLAG}={devices}".strip()}, devices
-
-
-def repo_config(name: str, arg: str | None = None):
-  """`configs/<name>.py` -> get_config(arg)."""
-  from realm_jax.config.loading import load_config as load_config_file
-  return load_config_file(os.path.join(CONFIG_DIR, f"{name}.py") + (f":{arg}" if arg else ""))
-
-
-def with_overrides(config, overrides: dict):
-  """`config` with dotted `overrides` (`{"data.dir": D}`) set; returns it."""
-  for key, value in overrides.items():
-    *parents, leaf = key.split(".")
-    node = config
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
-  return config
+from realm_jax.stages import (HOST_DEVICES, devices, repo_config, run_demo_cli, run_stages,
+                              split_host)
 
 
 def demo_stages() -> list:
@@ -87,194 +34,6 @@ def demo_stages() -> list:
   return [[("warmup", "demo_realm", "warmup", ""), ("ict", "demo_ict", None, "")],
           [("realm", "demo_realm", "realm", after),
            ("no_retrieval", "demo_realm", "no_retrieval", after)]]
-
-
-def stage_overrides(init, data_dir: str, workdir: str, seed: int) -> dict:
-  """The overrides of a stage started from `init` (see `demo_stages`)."""
-  overrides = {"data.dir": data_dir, "seed": seed}
-  if isinstance(init, dict):
-    return {**overrides, **{f"init.{part}": os.path.join(workdir, stage)
-                            for part, stage in init.items()}}
-  return {**overrides, "init.from_workdir": os.path.join(workdir, init) if init else ""}
-
-
-def run_stages(stages, data_dir: str, workdir: str, seed: int,
-               host_devices: int = 0) -> dict[str, dict]:
-  """Trains the stages in order, each in `workdir/name`, with the data dir and seed set
-  (`host_devices`: see `run_stage`); returns their summaries. A stage is (name, config file,
-  arg, init) as in `demo_stages`; an item that is a list of stages (a round) runs them at once
-  (`run_round`). A round's stages must not start from one another."""
-  results = {}
-  for item in stages:
-    specs = [(name, (config_name, arg), stage_overrides(init, data_dir, workdir, seed),
-              os.path.join(workdir, name))
-             for name, config_name, arg, init in (item if isinstance(item, list) else [item])]
-    if len(specs) == 1:
-      results[specs[0][0]] = run_stage(*specs[0], host_devices)
-    else:
-      results.update(run_round(specs, host_devices))
-  return results
-
-
-def run_round(specs: list, host_devices: int = 0) -> dict[str, dict]:
-  """Runs a round's stages (name, spec, overrides, workdir) at once, each in a process of its
-  own: the first that is not already done with its output here, the others with theirs in
-  `workdir/logs/stage.log`. The first to fail stops the others as soon as it ends (stages
-  failing in the same poll are named together), as do SIGTERM (each running stage saves its
-  step) and Ctrl-C (each keeps its last checkpoint); an interrupt while they stop ends them at
-  once (`processes.stop_after`), and the demo as on Ctrl-C unless a stage had failed. Returns their
-  summaries, in the order they finished."""
-  processes, besides, results, here = {}, {}, {}, ""
-  try:
-    for spec in specs:
-      besides[spec[0]] = here
-      with signals_deferred():   # the process is recorded before a signal can stop the demo
-        processes[spec[0]] = start_stage(*spec, host_devices, beside=here)
-      here = here or (spec[0] if processes[spec[0]] is not None else "")
-    while True:
-      failures = []
-      for name, _, _, stage_dir in specs:
-        process = processes[name]
-        if name not in results and (process is None or process.poll() is not None):
-          try:
-            results[name] = finish_stage(name, process, stage_dir, beside=besides[name])
-          except (StageFailed, Preempted) as e:
-            failures.append(e)
-      if failures:
-        raise _together(failures)
-      if len(results) == len(specs):
-        return results
-      time.sleep(ROUND_POLL_SECONDS)
-  except BaseException as e:   # a stage failed, SIGTERM, Ctrl-C: stop the rest of the round
-    error = stop_after(e, {f"stage {name}": process for name, process in processes.items()})
-    if error is e:
-      raise
-    raise error from None
-
-
-def _together(failures: list[BaseException]) -> BaseException:
-  """One error for the stages that failed in the same poll: StageFailed naming each if any
-  failed, else (each saved its step on SIGTERM) one Preempted."""
-  if len(failures) == 1:
-    return failures[0]
-  whys = "; ".join(e.why if isinstance(e, Preempted) else str(e) for e in failures)
-  if all(isinstance(e, Preempted) for e in failures):
-    return Preempted(whys)
-  return StageFailed(whys)
-
-
-def stage_command(spec: tuple[str, str | None], overrides: dict, workdir: str,
-                  config) -> list[str]:
-  """The command that trains a stage in a process of its own: `launch/local.py` (trainer +
-  `realm-index`) where the index comes from the separate builder, else `realm-train`."""
-  config_arg = os.path.join(CONFIG_DIR, f"{spec[0]}.py") + (f":{spec[1]}" if spec[1] else "")
-  program = [LAUNCHER] \
-      if config.retrieval.refresh != "in_process" else ["-m", "realm_jax.train.main"]
-  return [sys.executable, "-u", *program, f"--config={config_arg}", f"--workdir={workdir}",
-          *(f"--config.{key}={value}" for key, value in overrides.items())]
-
-
-def finished(config, workdir: str) -> dict | None:
-  """The summary of a stage that already ran all of `config`'s steps in `workdir`, else None."""
-  summary = workdir_lib.read_summary(workdir)
-  return summary if summary is not None and summary.get("steps") == config.train.steps \
-      else None
-
-
-def run_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir: str,
-              host_devices: int = 0) -> dict:
-  """Trains one stage unless its summary says it already finished (then reuses it).
-
-  A stage whose index comes from the separate builder (`retrieval.refresh` async or
-  deterministic) runs as trainer + `realm-index` under `launch/local.py`, as a user would;
-  those two processes see the host CPU as `host_devices` devices (0: JAX's default).
-  """
-  config = with_overrides(repo_config(*spec), overrides)
-  summary = finished(config, workdir)
-  if summary is not None:
-    print(f"[demo] stage {name}: already done in {workdir}", flush=True)
-    return summary
-  if config.retrieval.refresh == "in_process":
-    from realm_jax.train.loop import train
-    print(f"[demo] stage {name} -> {workdir}", flush=True)
-    summary = train(config, workdir)
-    if "preempted_at_step" in summary:
-      raise Preempted(f"stage {name} saved step {summary['preempted_at_step']}")
-    return summary
-  return run_round([(name, spec, overrides, workdir)], host_devices)[name]
-
-
-def start_stage(name: str, spec: tuple[str, str | None], overrides: dict, workdir: str,
-                host_devices: int = 0, beside: str = "") -> subprocess.Popen | None:
-  """Starts one stage in a process of its own, its output here, or in `workdir/logs/stage.log`
-  when it runs beside stage `beside` (whose output is here); None if it already finished.
-  `finish_stage` reads its end."""
-  config = with_overrides(repo_config(*spec), overrides)
-  if finished(config, workdir) is not None:
-    return None
-  command = stage_command(spec, overrides, workdir, config)
-  what = f"trainer + index builder ({config.retrieval.refresh})" \
-      if config.retrieval.refresh != "in_process" else "realm-train"
-  if not beside:
-    print(f"[demo] stage {name} -> {workdir}: {what}: {' '.join(command[1:])}", flush=True)
-    return _launch(command, config, host_devices)
-  log = _stage_log(workdir)
-  os.makedirs(os.path.dirname(log), exist_ok=True)
-  print(f"[demo] stage {name} -> {workdir}, beside stage {beside}: {what} (progress: {log}): "
-        f"{' '.join(command[1:])}", flush=True)
-  with open(log, "ab") as out:
-    return _launch(command, config, host_devices, out)
-
-
-def finish_stage(name: str, process: subprocess.Popen | None, workdir: str,
-                 beside: str = "") -> dict:
-  """Waits for a stage `start_stage` started (with the same `beside`); its summary."""
-  if process is None:
-    print(f"[demo] stage {name}: already done in {workdir}", flush=True)
-    return workdir_lib.read_summary(workdir)
-  log, where = _stage_log(workdir), ""
-  if beside:                     # its output is in its log
-    what, see, where = "its process", log, f" ({log})"
-  elif LAUNCHER in process.args:
-    what, see = "launch/local.py", f"{workdir}/logs/trainer.log and builder.log"
-  else:
-    what, see = "its process", "its output above"
-  summary = _wait_stage(name, process, workdir, what, see)
-  shown = " ".join(f"{k[5:]} {v:.3f}" for k, v in summary.items()
-                   if k.startswith("eval_") and isinstance(v, float)
-                   and not k.startswith(("eval_num_", "eval_index_")))
-  print(f"[demo] stage {name}: done in {summary.get('wall_seconds')} s: {shown}{where}",
-        flush=True)
-  return summary
-
-
-def _stage_log(workdir: str) -> str:
-  return os.path.join(workdir, "logs", STAGE_LOG)
-
-
-def _launch(command: list[str], config, host_devices: int, out=None) -> subprocess.Popen:
-  """A stage's process (`stage_command`), in a session of its own (realm_jax/processes.py); a
-  builder stage's processes see the host CPU as `host_devices` devices (`run_stage`)."""
-  env = split_host(dict(os.environ), host_devices)[0] \
-      if config.retrieval.refresh != "in_process" else dict(os.environ)
-  return subprocess.Popen(command, env=env, stdout=out,
-                          stderr=subprocess.STDOUT if out else None, **own_session())
-
-
-def _wait_stage(name: str, process: subprocess.Popen, workdir: str, what: str,
-                see: str) -> dict:
-  """The summary of a stage process once it exits; `Preempted` if it saved its step on
-  SIGTERM, StageFailed naming `what` and where to `see` if it failed."""
-  code = process.wait()
-  if code == EXIT_CODE:
-    raise Preempted(f"stage {name} saved its step ({see})")
-  if code != 0:
-    raise StageFailed(f"stage {name}: {what} exited with code {code}; see {see}")
-  summary = workdir_lib.read_summary(workdir)
-  if summary is None:
-    raise StageFailed(f"stage {name}: {what} exited 0 but left no "
-                       f"{workdir}/{workdir_lib.SUMMARY}")
-  return summary
 
 
 def plot_curves(realm_dir: str, out_path: str) -> None:
@@ -327,16 +86,6 @@ def print_report(summary: dict, examples: list[dict]) -> None:
       print(f"      p={ev['p_z']:.2f}  {ev['title']}: {ev['text'][:90]}")
 
 
-def devices(stage_devices: int) -> str:
-  """What the stages ran on, e.g. '1 x cpu (REALM stage: 2 x cpu)' (`stage_devices`: the
-  count `split_host` gave the REALM stage's processes, 0 for JAX's default)."""
-  import jax
-  here = f"{jax.device_count()} x {jax.devices()[0].platform}"
-  if jax.devices()[0].platform != "cpu" or stage_devices in (0, jax.device_count()):
-    return here
-  return f"{here} (REALM stage: {stage_devices} x cpu)"
-
-
 def run_demo(workdir: str, seed: int, entities: int, host_devices: int = HOST_DEVICES) -> dict:
   """The whole demo; returns the summary written to `workdir/summary.json`."""
   from realm_jax.data.world_corpus import prepare_world
@@ -387,42 +136,8 @@ def main() -> None:
   log.set_verbosity(args.verbosity)
   from absl import logging
   logging.set_verbosity(logging.WARNING)
-  run_demo_cli("realm-demo", lambda: run_demo(args.workdir, args.seed, args.entities,
-                                              args.host_devices))
-
-
-def run_demo_cli(prog: str, job) -> object:
-  """`run_cli(prog, job)` for a demo driver: SIGTERM stops it with every running stage saved
-  (exit 143), Ctrl-C with every stage stopped (exit 130), a failed stage (exit 1), each with
-  one line saying so."""
-  signal.signal(signal.SIGTERM, on_sigterm)
-  # Stages run in this process and in processes of their own (trainer + builder), one after
-  # another and side by side: on an accelerator none may take most of the device's memory at
-  # start-up (the variables are read when the device is first used).
-  os.environ.update(shared_memory_env(dict(os.environ)))
-
-  def stoppable_job():
-    try:
-      return job()
-    except KeyboardInterrupt:   # before run_cli's own line: say what a rerun does
-      print(f"\n[{prog}] interrupted; the stages keep their last checkpoints: rerun the same "
-            "command to resume", flush=True)
-      raise SystemExit(130) from None
-    except StageFailed as e:
-      print(f"[{prog}] error: {e}", file=sys.stderr, flush=True)
-      raise SystemExit(1) from None
-  try:
-    return run_cli(prog, stoppable_job)
-  except Preempted as e:
-    saved = "the stages stopped at a saved checkpoint" if e.saved else \
-        "each stage keeps its last checkpoint"
-    print(f"\n[{prog}] preempted ({e.why}); {saved}: rerun the same command to resume",
-          flush=True)
-    raise
-
-
-def run() -> None:
-  main()
+  run_demo_cli("demo", lambda: run_demo(args.workdir, args.seed, args.entities,
+                                        args.host_devices))
 
 
 if __name__ == "__main__":

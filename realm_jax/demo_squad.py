@@ -19,7 +19,7 @@ import os
 import time
 
 from realm_jax import log
-from realm_jax.demo import repo_config, run_demo_cli, run_stage, run_stages
+from realm_jax.stages import repo_config, run_demo_cli, run_stage, run_stages
 from realm_jax import workdir as workdir_lib
 
 STAGES = (("ict", ""), ("warmup", "ict"), ("realm", "warmup"))

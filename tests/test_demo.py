@@ -8,35 +8,35 @@ import time
 
 import pytest
 
-from realm_jax import demo, processes
+from realm_jax import demo, processes, stages
 
 
 def test_split_host_applies_keeps_or_leaves_the_device_count():
   env = {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false", "HOME": "/h"}
-  applied, count = demo.split_host(env, 2)
+  applied, count = stages.split_host(env, 2)
   assert count == 2 and applied["HOME"] == "/h"
   assert applied["XLA_FLAGS"] == ("--xla_cpu_enable_fast_math=false "
                                   "--xla_force_host_platform_device_count=2")
   assert env["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false"   # the caller's env untouched
   user = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/d"}
-  assert demo.split_host(user, 2) == (user, 8)                     # the user's count wins
-  assert demo.split_host({}, 0) == ({}, 0)                         # JAX's default
+  assert stages.split_host(user, 2) == (user, 8)                     # the user's count wins
+  assert stages.split_host({}, 0) == ({}, 0)                         # JAX's default
 
 
 def test_devices_names_the_realm_stage_count_only_when_it_differs():
   import jax
   here = f"{jax.device_count()} x cpu"
-  assert demo.devices(0) == here
-  assert demo.devices(jax.device_count()) == here
-  assert demo.devices(jax.device_count() + 1) == f"{here} (REALM stage: " \
+  assert stages.devices(0) == here
+  assert stages.devices(jax.device_count()) == here
+  assert stages.devices(jax.device_count() + 1) == f"{here} (REALM stage: " \
                                                  f"{jax.device_count() + 1} x cpu)"
 
 
 def test_stage_overrides_start_every_part_or_each_part_from_a_stage():
-  assert demo.stage_overrides("", "D", "W", 3) == {"data.dir": "D", "seed": 3,
+  assert stages.stage_overrides("", "D", "W", 3) == {"data.dir": "D", "seed": 3,
                                                    "init.from_workdir": ""}
-  assert demo.stage_overrides("ict", "D", "W", 3)["init.from_workdir"] == "W/ict"
-  per_part = demo.stage_overrides({"retriever": "ict", "reader": "warmup"}, "D", "W", 3)
+  assert stages.stage_overrides("ict", "D", "W", 3)["init.from_workdir"] == "W/ict"
+  per_part = stages.stage_overrides({"retriever": "ict", "reader": "warmup"}, "D", "W", 3)
   assert per_part == {"data.dir": "D", "seed": 3, "init.retriever": "W/ict",
                       "init.reader": "W/warmup"}
 
@@ -44,9 +44,9 @@ def test_stage_overrides_start_every_part_or_each_part_from_a_stage():
 def test_the_demo_rounds_start_no_stage_from_one_beside_it():
   rounds = demo.demo_stages()
   done = set()
-  for stages in rounds:
-    names = {name for name, *_ in stages}
-    for _, _, _, init in stages:
+  for round_ in rounds:
+    names = {name for name, *_ in round_}
+    for _, _, _, init in round_:
       sources = set(init.values()) if isinstance(init, dict) else {init} - {""}
       assert sources <= done and not sources & names
     done |= names
@@ -100,15 +100,15 @@ STAGES = [("a", "demo_ict", None, ""), [("b", "demo_realm", "warmup", "a"),
 def _runners(monkeypatch, calls):
   for attr, fn in (("run_stage", calls.run), ("start_stage", calls.start),
                    ("finish_stage", calls.finish)):
-    monkeypatch.setattr(demo, attr, fn)
+    monkeypatch.setattr(stages, attr, fn)
   monkeypatch.setattr(processes, "stop_processes", calls.stop)
-  monkeypatch.setattr(demo, "ROUND_POLL_SECONDS", 0.0)
+  monkeypatch.setattr(stages, "ROUND_POLL_SECONDS", 0.0)
   return calls
 
 
 def test_run_stages_runs_a_round_at_once_each_stage_in_a_process(monkeypatch):
   calls = _runners(monkeypatch, _Calls(polls={"b": 3, "c": 2}))
-  results = demo.run_stages(STAGES, "D", "W", 0)
+  results = stages.run_stages(STAGES, "D", "W", 0)
   # the first stage's output here, the others' beside it; each read as soon as it ends
   assert calls.log == [("run", "a"), ("start", "b", ""), ("start", "c", "b"),
                        ("start", "d", "b"), ("finish", "d", "b"), ("finish", "c", "b"),
@@ -116,46 +116,46 @@ def test_run_stages_runs_a_round_at_once_each_stage_in_a_process(monkeypatch):
   assert sorted(results) == ["a", "b", "c", "d"] and results["c"]["name"] == "c"
 
 
-@pytest.mark.parametrize("error, sig", [(RuntimeError, "SIGTERM"), (demo.Preempted, "SIGTERM"),
+@pytest.mark.parametrize("error, sig", [(RuntimeError, "SIGTERM"), (stages.Preempted, "SIGTERM"),
                                         (KeyboardInterrupt, "SIGINT")])
 def test_a_stage_that_fails_stops_its_round_at_once(monkeypatch, error, sig):
   """A stage beside the first fails (or was stopped: SIGTERM, Ctrl-C) long before the first
   ends: the round stops when it ends, without waiting for the first stage."""
   calls = _runners(monkeypatch, _Calls(fail={"c"}, error=error, polls={"b": 100, "c": 2}))
   with pytest.raises(error):
-    demo.run_stages(STAGES, "D", "W", 0)
+    stages.run_stages(STAGES, "D", "W", 0)
   assert ("finish", "b", "") not in calls.log
   assert calls.log[-2:] == [("finish", "c", "b"), ("stop", ["b", "c", "d"], sig)]
 
 
 def test_stages_that_fail_in_the_same_poll_are_named_together(monkeypatch):
-  calls = _runners(monkeypatch, _Calls(fail={"c", "d"}, error=demo.StageFailed,
+  calls = _runners(monkeypatch, _Calls(fail={"c", "d"}, error=stages.StageFailed,
                                        polls={"b": 100}))
-  with pytest.raises(demo.StageFailed, match=r"^c failed; d failed$"):
-    demo.run_stages(STAGES, "D", "W", 0)
-  calls = _runners(monkeypatch, _Calls(fail={"c", "d"}, error=demo.Preempted,
+  with pytest.raises(stages.StageFailed, match=r"^c failed; d failed$"):
+    stages.run_stages(STAGES, "D", "W", 0)
+  calls = _runners(monkeypatch, _Calls(fail={"c", "d"}, error=stages.Preempted,
                                        polls={"b": 100}))
-  with pytest.raises(demo.Preempted) as stopped:   # each saved its step: still a preemption
-    demo.run_stages(STAGES, "D", "W", 0)
+  with pytest.raises(stages.Preempted) as stopped:   # each saved its step: still a preemption
+    stages.run_stages(STAGES, "D", "W", 0)
   assert stopped.value.why == "c failed; d failed"
 
 
 def test_a_preemption_names_the_stages_that_did_not_save_their_step(monkeypatch):
-  calls = _runners(monkeypatch, _Calls(fail={"c"}, error=demo.Preempted, polls={"b": 100},
+  calls = _runners(monkeypatch, _Calls(fail={"c"}, error=stages.Preempted, polls={"b": 100},
                                        forced={"b"}))
-  with pytest.raises(demo.Preempted) as stopped:
-    demo.run_stages(STAGES, "D", "W", 0)
+  with pytest.raises(stages.Preempted) as stopped:
+    stages.run_stages(STAGES, "D", "W", 0)
   assert not stopped.value.saved and "stage b did not end as asked" in stopped.value.why
-  calls = _runners(monkeypatch, _Calls(fail={"c"}, error=demo.Preempted, polls={"b": 100}))
-  with pytest.raises(demo.Preempted) as stopped:
-    demo.run_stages(STAGES, "D", "W", 0)
+  calls = _runners(monkeypatch, _Calls(fail={"c"}, error=stages.Preempted, polls={"b": 100}))
+  with pytest.raises(stages.Preempted) as stopped:
+    stages.run_stages(STAGES, "D", "W", 0)
   assert stopped.value.saved
 
 
 @pytest.mark.parametrize("first, again, raised", [
-    (KeyboardInterrupt, demo.Preempted("SIGTERM"), KeyboardInterrupt),
-    (demo.Preempted, KeyboardInterrupt(), KeyboardInterrupt),
-    (demo.StageFailed, KeyboardInterrupt(), demo.StageFailed)])
+    (KeyboardInterrupt, stages.Preempted("SIGTERM"), KeyboardInterrupt),
+    (stages.Preempted, KeyboardInterrupt(), KeyboardInterrupt),
+    (stages.StageFailed, KeyboardInterrupt(), stages.StageFailed)])
 def test_an_interrupt_while_the_stages_stop_ends_the_demo_as_ctrl_c(monkeypatch, first, again,
                                                                     raised):
   """The stages were ended at once, none saving its step on purpose: the demo says what Ctrl-C
@@ -165,8 +165,8 @@ def test_an_interrupt_while_the_stages_stop_ends_the_demo_as_ctrl_c(monkeypatch,
       super().stop(processes, grace_seconds, sig)
       raise again
   calls = _runners(monkeypatch, Interrupted(fail={"c"}, error=first, polls={"b": 100}))
-  with pytest.raises(raised, match="c failed" if raised is demo.StageFailed else None):
-    demo.run_stages(STAGES, "D", "W", 0)
+  with pytest.raises(raised, match="c failed" if raised is stages.StageFailed else None):
+    stages.run_stages(STAGES, "D", "W", 0)
   assert calls.log[-1][0] == "stop"
 
 
@@ -180,11 +180,11 @@ def test_a_signal_as_a_stage_starts_still_stops_that_stage(monkeypatch, tmp_path
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(2)                             # the handler would run here, in the main thread
     return started[-1]
-  monkeypatch.setattr(demo, "_launch", launch)
+  monkeypatch.setattr(stages, "_launch", launch)
   previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # xdist ignores SIGINT
   try:
     with pytest.raises(KeyboardInterrupt):
-      demo.run_round([("warmup", ("demo_realm", "warmup"), {"data.dir": str(tmp_path)},
+      stages.run_round([("warmup", ("demo_realm", "warmup"), {"data.dir": str(tmp_path)},
                        str(tmp_path / "warmup"))])
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
   finally:
@@ -197,7 +197,7 @@ def test_a_signal_as_a_stage_starts_still_stops_that_stage(monkeypatch, tmp_path
 
 def test_a_resumed_round_gives_the_terminal_to_its_first_stage_still_to_run(monkeypatch):
   calls = _runners(monkeypatch, _Calls(done={"b"}))
-  results = demo.run_stages(STAGES, "D", "W", 0)
+  results = stages.run_stages(STAGES, "D", "W", 0)
   assert calls.log[1:4] == [("start", "b", ""), ("start", "c", ""), ("start", "d", "c")]
   assert ("finish", "c", "") in calls.log and ("finish", "d", "c") in calls.log
   assert sorted(results) == ["a", "b", "c", "d"]
@@ -207,29 +207,29 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
   workdir = str(tmp_path / "stage")
   first = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
   with pytest.raises(RuntimeError, match=r"exited with code 3; see its output above"):
-    demo.finish_stage("warmup", first, workdir)   # the first stage of its round
-  launcher = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)", demo.LAUNCHER])
+    stages.finish_stage("warmup", first, workdir)   # the first stage of its round
+  launcher = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)", stages.LAUNCHER])
   with pytest.raises(RuntimeError, match=r"launch/local.py exited with code 3; see "
                      r".*stage/logs/trainer\.log and builder\.log"):
-    demo.finish_stage("realm", launcher, workdir)   # a builder stage, the first of its round
+    stages.finish_stage("realm", launcher, workdir)   # a builder stage, the first of its round
   failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
   with pytest.raises(RuntimeError, match=r"exited with code 3; see .*stage/logs/stage\.log"):
-    demo.finish_stage("no_retrieval", failing, workdir, beside="realm")
-  preempted = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({demo.EXIT_CODE})"])
-  with pytest.raises(demo.Preempted) as stopped:       # SIGTERM reached it: the demo stops
-    demo.finish_stage("no_retrieval", preempted, workdir, beside="realm")
-  assert stopped.value.code == demo.EXIT_CODE
+    stages.finish_stage("no_retrieval", failing, workdir, beside="realm")
+  preempted = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({stages.EXIT_CODE})"])
+  with pytest.raises(stages.Preempted) as stopped:       # SIGTERM reached it: the demo stops
+    stages.finish_stage("no_retrieval", preempted, workdir, beside="realm")
+  assert stopped.value.code == stages.EXIT_CODE
 def test_a_failed_stage_ends_the_demo_with_one_line(capsys):
   """The stage's own output says why it failed; the demo names it and where that output is,
   without a traceback of its own code."""
   why = "stage ict: its process exited with code 2; see W/ict/logs/stage.log"
 
   def job():
-    raise demo.StageFailed(why)
+    raise stages.StageFailed(why)
   previous = signal.getsignal(signal.SIGTERM)
   try:
     with pytest.raises(SystemExit) as ended:
-      demo.run_demo_cli("realm-demo", job)
+      stages.run_demo_cli("realm-demo", job)
   finally:
     signal.signal(signal.SIGTERM, previous)      # run_demo_cli installs the demo's handler
   assert ended.value.code == 1
@@ -241,8 +241,8 @@ def test_a_preempted_in_process_stage_stops_the_demo_instead_of_starting_the_nex
   from realm_jax.train import loop
   monkeypatch.setattr(loop, "train", lambda config, workdir: {"task": "realm",
                                                               "preempted_at_step": 7})
-  with pytest.raises(demo.Preempted, match=str(demo.EXIT_CODE)):
-    demo.run_stage("warmup", ("demo_realm", "warmup"), {"data.dir": str(tmp_path)},
+  with pytest.raises(stages.Preempted, match=str(stages.EXIT_CODE)):
+    stages.run_stage("warmup", ("demo_realm", "warmup"), {"data.dir": str(tmp_path)},
                    str(tmp_path / "warmup"))
 
 
@@ -290,8 +290,16 @@ def test_stages_sharing_a_device_allocate_as_needed_unless_the_environment_says_
         monkeypatch.delenv(name, raising=False)
       if own:
         monkeypatch.setenv(own, "0.4")
-      seen = demo.run_demo_cli("realm-demo",
+      seen = stages.run_demo_cli("realm-demo",
                                lambda: os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"))
       assert seen == expected      # what the stages (and their processes) inherit
   finally:
     signal.signal(signal.SIGTERM, previous)      # run_demo_cli installs the demo's handler
+
+
+def test_the_demos_outside_a_checkout_say_so(monkeypatch, tmp_path):
+  """realm_jax/stages.py reads configs/ beside the package: an installed package without it
+  is told to run from a checkout, in one line (the demos are `make` targets, not commands)."""
+  monkeypatch.setattr(stages, "CONFIG_DIR", str(tmp_path / "configs"))
+  with pytest.raises(FileNotFoundError, match="run from a checkout of the repository"):
+    stages.repo_config("demo_realm")
