@@ -204,3 +204,34 @@ def test_distill_loss_and_gradient_match_a_float64_reference(tau, tau_s, margina
   # the reader is the teacher: no gradient reaches its log-likelihoods
   assert not np.asarray(jax.grad(lambda m: losses.distill_loss(l, m, w, tau, tau_s,
                                                                marginalization)[0])(lp)).any()
+
+
+def test_distill_over_the_queries_with_evidence_is_their_weighted_mean():
+  """retrieval.distill_queries=evidence: the KL and its gradient come from the weighted
+  queries alone (float64 reference); no weighted query: no loss, no gradient."""
+  logits, mask_lp, weights = random_case(3, b=3)
+  kl_ref, grad_ref = np_distill(logits, mask_lp, weights, 1.0, 1.0, "joint")
+  query_weights = np.array([1.0, 0.0, 1.0])
+  l, lp, w, qw = f32(logits, mask_lp, weights, query_weights)
+  fn = lambda x, q: losses.distill_loss(x, lp, w, 1.0, 1.0, "joint", q)[0]
+  np.testing.assert_allclose(float(fn(l, qw)), (kl_ref * query_weights).sum() / 2, rtol=1e-5)
+  grad = np.asarray(jax.grad(fn)(l, qw))
+  np.testing.assert_allclose(grad, grad_ref * query_weights[:, None] / 2, atol=1e-6)
+  assert not grad[1].any() and grad[0].any()
+  none = jnp.zeros(3)
+  assert float(fn(l, none)) == 0 and not np.asarray(jax.grad(fn)(l, none)).any()
+
+
+def test_a_span_is_found_in_a_candidates_body_only():
+  from realm_jax.train.batches import span_in_candidates
+  ids = np.array([[[101, 7, 8, 102, 5, 6, 9, 102, 0, 0],     # title 7 8, body 5 6 9
+                   [101, 5, 102, 4, 5, 102, 0, 0, 0, 0],      # body 4 5: the span cut short
+                   [101, 102, 102, 0, 0, 0, 0, 0, 0, 0]]])     # the null document
+  cands = {"candidate_ids": ids, "body_start": np.array([[4, 3, 2]]),
+           "lengths": np.array([[8, 6, 3]])}
+  found = lambda labels, weights: span_in_candidates(np.array([labels]), np.array([weights]),
+                                                     cands)[0].tolist()
+  assert found([5, 6, 0], [1, 1, 0]) == [True, False, False]
+  assert found([7, 8, 0], [1, 1, 0]) == [False, False, False]    # only in a title
+  assert found([5, 0, 0], [1, 0, 0]) == [True, True, False]
+  assert found([0, 0, 0], [0, 0, 0]) == [False, False, False]    # no span

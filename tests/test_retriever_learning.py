@@ -115,6 +115,9 @@ def test_a_run_with_the_cache_resumes_exactly_and_reports_its_hits(world_dir, tm
     (dict(retrieval__retriever_temperature=-1.0), "retrieval.retriever_temperature"),
     (dict(model__retriever__pooling="max"), "model.retriever.pooling"),
     (dict(retrieval__own_block_share=1.5), "retrieval.own_block_share"),
+    (dict(retrieval__distill_queries="some"), "retrieval.distill_queries"),
+    (dict(retrieval__loss="marginal", retrieval__distill_queries="evidence"),
+     "retrieval.distill_queries"),
 ])
 def test_bad_settings_are_refused_naming_the_option(world_dir, overrides, option):
   config = cache_config(world_dir, **overrides)

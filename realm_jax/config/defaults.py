@@ -11,6 +11,7 @@ CANDIDATE_SOURCES = ("index", "own_block", "mixed", "null_only")
 REFRESH_MODES = ("in_process", "async", "deterministic")
 BACKENDS = ("exact", "scann")
 NONFINITE_ACTIONS = ("stop", "skip")   # train.nonfinite
+DISTILL_QUERIES = ("all", "evidence")   # retrieval.distill_queries
 # The shape fields the retriever towers may set apart from the reader's (`model.retriever.*`,
 # 0 / -1.0 / "": the same as `model.*`).
 TOWER_FIELDS = ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position",
@@ -110,6 +111,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.retrieval.distill_temperature = 1.0    # distill: tau of the reader's target softmax
                                    # (log p(y|z,x) / tau; smaller: a sharper target)
   c.retrieval.retriever_temperature = 1.0  # distill: p(z|x) = softmax(f(x,z) / tau_s) in the KL
+  c.retrieval.distill_queries = "all"  # distill: the queries the KL averages over: "all", or
+                                   # "evidence": those with a candidate whose body holds the
+                                   # masked span (the others' targets are flat: no candidate
+                                   # helps the reader)
   c.retrieval.block_gradients = True  # True: the step re-embeds its candidates with the
                                    # block tower and trains both towers (REALM's); False: it
                                    # scores them with the serving index's block embeddings and

@@ -4,7 +4,8 @@ found before any JAX work."""
 from __future__ import annotations
 
 from realm_jax.config.defaults import (BACKENDS, CANDIDATE_SOURCES, COMPUTE_DTYPES,
-                                      NONFINITE_ACTIONS, PARTS, REFRESH_MODES, TASKS)
+                                      DISTILL_QUERIES, NONFINITE_ACTIONS, PARTS, REFRESH_MODES,
+                                      TASKS)
 from realm_jax.config.option_names import upgrade_config
 from realm_jax.config.reading import null_in_training, part_model, part_options, uses_index_builder
 from realm_jax.errors import ConfigError
@@ -155,6 +156,12 @@ def _validate_retriever_learning(config) -> None:
   for name in ("distill_temperature", "retriever_temperature"):
     if not r.get(name, 1.0) > 0:
       raise ConfigError(f"retrieval.{name}", f"must be > 0, got {r[name]}")
+  if r.get("distill_queries", "all") not in DISTILL_QUERIES:
+    raise ConfigError("retrieval.distill_queries", f"{r.distill_queries!r} is not one of "
+                      f"{DISTILL_QUERIES}")
+  if r.get("distill_queries", "all") != "all" and r.get("loss", "marginal") != "distill":
+    raise ConfigError("retrieval.distill_queries", "weighs the distillation loss's queries: "
+                      f"needs retrieval.loss 'distill', not {r.get('loss', 'marginal')!r}")
   if not 0 <= r.get("own_block_share", 0.5) <= 1:
     raise ConfigError("retrieval.own_block_share", f"must be in [0, 1], got "
                       f"{r.own_block_share}")

@@ -104,7 +104,8 @@ def candidate_log_likelihood(mask_log_probs: Array, mask_weights: Array,
 
 def distill_loss(retrieval_logits: Array, mask_log_probs: Array, mask_weights: Array,
                  temperature: float, retriever_temperature: float = 1.0,
-                 marginalization: str = "joint") -> tuple[Array, dict[str, Array]]:
+                 marginalization: str = "joint",
+                 query_weights: Array | None = None) -> tuple[Array, dict[str, Array]]:
   """Atlas's PDist: the retriever learns the reader's ranking of the candidates.
 
   loss = mean_x KL(q(.|x) || p(.|x)), where the target q(z|x) = softmax_z(log p(y|z,x) / tau)
@@ -114,7 +115,9 @@ def distill_loss(retrieval_logits: Array, mask_log_probs: Array, mask_weights: A
   null document too when training reads it (`retrieval.train_null_document`), so the
   retriever learns where "no evidence" ranks; a candidate masked out of the prior (logit
   -1e9: a null document filling a slot when training leaves it out) gets no target mass either.
-  Its gradient with respect to f(x, z) is (p(z|x) - q(z|x)) / (tau_s B).
+  Its gradient with respect to f(x, z) is (p(z|x) - q(z|x)) / (tau_s B). With
+  `query_weights` [B] (`retrieval.distill_queries=evidence`: 1 where a candidate holds the
+  span), the KL is their weighted mean instead (0 when every weight is 0).
 
   Returns (mean KL, metrics: the KL and the target's entropy).
   """
@@ -127,7 +130,14 @@ def distill_loss(retrieval_logits: Array, mask_log_probs: Array, mask_weights: A
   log_p = jax.nn.log_softmax(retrieval_logits / retriever_temperature, axis=-1)
   kl = jnp.where(masked_out, 0.0, q * (log_q - log_p)).sum(-1)
   entropy = jnp.where(masked_out, 0.0, -q * log_q).sum(-1)
-  return jnp.mean(kl), {"distill_kl": jnp.mean(kl), "distill_target_entropy": jnp.mean(entropy)}
+  if query_weights is None:
+    return jnp.mean(kl), {"distill_kl": jnp.mean(kl),
+                          "distill_target_entropy": jnp.mean(entropy)}
+  total = jnp.maximum(query_weights.sum(), 1.0)
+  mean_kl = (kl * query_weights).sum() / total
+  return mean_kl, {"distill_kl": mean_kl,
+                   "distill_target_entropy": (entropy * query_weights).sum() / total,
+                   "distill_queries": query_weights.mean()}
 
 
 def marginal_token_log_probs(retrieval_logits: Array, vocab_log_probs: Array) -> Array:

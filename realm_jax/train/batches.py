@@ -156,11 +156,34 @@ def realm_batch(config, data: PreparedData, queries: dict[str, np.ndarray],
       config.data.query_len, pipeline.NULL_DOCUMENT_LENGTH if null_only else data.blocks.block_len)
   reader_ids, reader_segments = pipeline.reader_inputs(queries["query_ids"],
                                                        queries["query_len"], cands, reader_len)
-  return {"query_ids": queries["query_ids"], "mask_positions": queries["mask_positions"],
-          "mask_labels": queries["mask_labels"], "mask_weights": queries["mask_weights"],
-          "candidate_ids": cands["candidate_ids"],
-          "candidate_segments": cands["candidate_segments"],
-          "reader_ids": reader_ids, "reader_segments": reader_segments}
+  batch = {"query_ids": queries["query_ids"], "mask_positions": queries["mask_positions"],
+           "mask_labels": queries["mask_labels"], "mask_weights": queries["mask_weights"],
+           "candidate_ids": cands["candidate_ids"],
+           "candidate_segments": cands["candidate_segments"],
+           "reader_ids": reader_ids, "reader_segments": reader_segments}
+  if config.retrieval.get("distill_queries", "all") == "evidence":
+    batch["has_evidence"] = span_in_candidates(queries["mask_labels"], queries["mask_weights"],
+                                               cands).any(-1).astype(np.float32)
+  return batch
+
+
+def span_in_candidates(mask_labels: np.ndarray, mask_weights: np.ndarray,
+                       cands: dict[str, np.ndarray]) -> np.ndarray:
+  """[n, k] bool: whether candidate z's body (what the reader reads) holds query x's masked
+  span, wordpiece for wordpiece (the null document never does)."""
+  ids, starts, ends = cands["candidate_ids"], cands["body_start"], cands["lengths"]
+  n, k, _ = ids.shape
+  found = np.zeros((n, k), bool)
+  for i in range(n):
+    span = mask_labels[i][mask_weights[i] > 0]
+    if not len(span):
+      continue
+    for z in range(k):
+      body = ids[i, z, starts[i, z]:ends[i, z]]
+      if len(body) >= len(span):
+        windows = np.lib.stride_tricks.sliding_window_view(body, len(span))
+        found[i, z] = bool((windows == span).all(-1).any())
+  return found
 
 
 def index_embeddings(loaded, candidate_rows: np.ndarray) -> np.ndarray:

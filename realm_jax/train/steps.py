@@ -167,7 +167,8 @@ def realm_loss_fn(params, model, batch, config, rng):
     logits, mask_lp = realm_scores(model, params, batch, rngs, deterministic,
                                    rescores(config), first, labels=True)
   logits = without_untrained_null(config, batch, logits)
-  loss, metrics = retriever_loss(config, logits, mask_lp, batch["mask_weights"])
+  loss, metrics = retriever_loss(config, logits, mask_lp, batch["mask_weights"],
+                                 batch.get("has_evidence"))
   if logits.shape[1] == 1:
     metrics = {}    # one candidate (the warm-up's own block, the baseline's null document):
                     # no p(z|x) to measure, no utility to measure against
@@ -177,7 +178,7 @@ def realm_loss_fn(params, model, batch, config, rng):
   return loss, metrics
 
 
-def retriever_loss(config, logits, mask_lp, mask_weights):
+def retriever_loss(config, logits, mask_lp, mask_weights, query_weights=None):
   """`retrieval.loss`: "marginal", REALM's -log p(y|x) (both halves learn from it); "distill",
   the same marginal with p(z|x) held fixed (the reader's term) plus the KL from the reader's
   per-candidate target to p(z|x) (the retriever's; `losses.distill_loss`)."""
@@ -187,7 +188,8 @@ def retriever_loss(config, logits, mask_lp, mask_weights):
   nll, metrics = losses.realm_loss(jax.lax.stop_gradient(logits), mask_lp, mask_weights,
                                    r.marginalization)
   kl, kl_metrics = losses.distill_loss(logits, mask_lp, mask_weights, r.distill_temperature,
-                                       r.retriever_temperature, r.marginalization)
+                                       r.retriever_temperature, r.marginalization,
+                                       query_weights)
   return nll + kl, {**metrics, **kl_metrics}
 
 
