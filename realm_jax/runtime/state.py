@@ -55,10 +55,28 @@ def attention_here(config) -> str:
   return attention
 
 
-def frozen_modules(config) -> tuple[tuple[str, ...], ...]:
-  """Parameter sub-trees the task never trains: Open-QA keeps the block tower (and the index
-  built from it) frozen, as ORQA and REALM's fine-tuning do."""
-  return (("retriever", "block_tower"),) if config.task == "openqa" else ()
+def frozen_paths(config) -> tuple[tuple[str, ...], ...]:
+  """Every parameter sub-tree the run does not train, as path prefixes: a half whose learning
+  rate scale is 0 (`train.retriever_lr_scale`, `train.reader_lr_scale`), and what the task never
+  trains (Open-QA: the block tower and the index built from it, as ORQA and REALM's
+  fine-tuning). The one owner of freezing: the optimiser (`make_optimizer`) neither updates
+  nor decays these, and the steps (`stop_frozen_gradients`) compute no gradient for them."""
+  t = config.train
+  halves = tuple((part,) for part, scale in (("retriever", t.retriever_lr_scale),
+                                             ("reader", t.reader_lr_scale)) if scale == 0)
+  return halves + ((("retriever", "block_tower"),) if config.task == "openqa" else ())
+
+
+def _is_frozen(names: tuple[str, ...], frozen: tuple[tuple[str, ...], ...]) -> bool:
+  return any(names[:len(prefix)] == prefix for prefix in frozen)
+
+
+def stop_frozen_gradients(params, frozen: tuple[tuple[str, ...], ...]):
+  """`params` with stop_gradient on the `frozen` sub-trees, so that XLA drops their backward
+  pass altogether."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p: jax.lax.stop_gradient(p) if _is_frozen(tuple(_path_names(path)), frozen)
+      else p, params)
 
 
 def warmup_steps(train_config) -> int:
@@ -93,11 +111,11 @@ def decays(path) -> bool:
               or any(n in ("bias", "scale") for n in names))
 
 
-def make_optimizer(train_config, frozen: tuple[tuple[str, ...], ...] = ()
+def make_optimizer(train_config, frozen: tuple[tuple[str, ...], ...]
                    ) -> optax.GradientTransformation:
   """BERT's AdamW (wd 0.01 not on LayerNorm/bias, eps 1e-6), global-norm clipping, and a
-  learning-rate scale per half of the model (0 freezes it: no update, no decay, no state);
-  the sub-trees in `frozen` (path prefixes) are frozen too."""
+  learning-rate scale per half of the model; the `frozen` sub-trees (`frozen_paths`: a half
+  whose scale is 0 among them) get no update, no decay and no state."""
   schedule = learning_rate_schedule(train_config)
   scales = {"retriever": train_config.retriever_lr_scale,
             "reader": train_config.reader_lr_scale}
@@ -109,10 +127,7 @@ def make_optimizer(train_config, frozen: tuple[tuple[str, ...], ...] = ()
                        mask=lambda p: jax.tree_util.tree_map_with_path(lambda q, _: decays(q), p))
 
   def label(path):
-    names = tuple(_path_names(path))
-    if scales[param_group(path)] == 0 or any(names[:len(f)] == f for f in frozen):
-      return "frozen"
-    return param_group(path)
+    return "frozen" if _is_frozen(tuple(_path_names(path)), frozen) else param_group(path)
 
   def labels(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: label(path), params)
@@ -141,7 +156,7 @@ def _state_setup(config, model: REALM, mesh, block_len: int, rng):
 
   One optimizer object serves both, so the abstract state and the real one share a treedef.
   """
-  tx = make_optimizer(config.train, frozen_modules(config))
+  tx = make_optimizer(config.train, frozen_paths(config))
   inputs = dummy_inputs(config, block_len)
   rules = partitioning.logical_rules(config.mesh.rules)
 

@@ -14,14 +14,7 @@ from realm_jax.data import pipeline
 from realm_jax.models import losses
 from realm_jax.models.realm import REALM
 from realm_jax.config import defaults, reading
-from realm_jax.runtime import partitioning
-
-
-def _freeze(params, train_config):
-  """stop_gradient on a frozen half so XLA drops its backward pass altogether."""
-  scales = {"retriever": train_config.retriever_lr_scale, "reader": train_config.reader_lr_scale}
-  return {name: jax.lax.stop_gradient(p) if scales.get(name, 1.0) == 0 else p
-          for name, p in params.items()}
+from realm_jax.runtime import partitioning, state as state_lib
 
 
 def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
@@ -156,7 +149,7 @@ def realm_loss_fn(params, model, batch, config, rng):
   `retrieval.loss` "distill" that of the reader plus the retriever's KL (`retriever_loss`).
   A batch carrying `candidate_log_probs` (the score cache's, train/score_cache.py) is not
   read again: those are the frozen reader's log p(y_j | z, x)."""
-  params = _freeze(params, config.train)
+  params = state_lib.stop_frozen_gradients(params, state_lib.frozen_paths(config))
   deterministic = without_dropout(config)
   rngs, first = {"dropout": rng}, null_first(config, training=True)
   if "candidate_log_probs" in batch:
@@ -211,7 +204,7 @@ def without_untrained_null(config, batch, logits):
 
 def ict_loss_fn(params, model, batch, config, rng):
   """Inverse Cloze Task loss with in-batch negatives over the global batch."""
-  params = _freeze(params, config.train)
+  params = state_lib.stop_frozen_gradients(params, state_lib.frozen_paths(config))
   deterministic = without_dropout(config)
   variables, rngs = {"params": params}, {"dropout": rng}
   query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
@@ -241,7 +234,7 @@ def openqa_scores(model: REALM, params, batch, rngs=None, deterministic=True):
 
 def openqa_loss_fn(params, model, batch, config, rng):
   """ORQA's retriever + reader marginal log-likelihood (block tower and index frozen)."""
-  params = _freeze(params, config.train)
+  params = state_lib.stop_frozen_gradients(params, state_lib.frozen_paths(config))
   deterministic = without_dropout(config)
   logits, spans = openqa_scores(model, params, batch, {"dropout": rng}, deterministic)
   return losses.openqa_loss(logits, batch["has_answer"], spans, batch["span_correct"])
