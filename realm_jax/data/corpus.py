@@ -38,6 +38,7 @@ from collections import Counter
 
 import numpy as np
 
+from realm_jax.data.prepared import open_block_arrays
 from realm_jax.data.sentences import split_sentences
 from realm_jax.data.spans import span_covering
 from realm_jax.data.tokenizer import Tokenizer
@@ -278,13 +279,9 @@ def merge_shards(shard_dirs: list[str], out_dir: str, block_len: int,
             for d in shard_dirs]
   offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
   total = int(offsets[-1])
-  os.makedirs(os.path.join(out_dir, "blocks"), exist_ok=True)
-  block_shapes = {"tokens": ((total, block_len), np.int32), "lengths": ((total,), np.int32),
-                  "body_start": ((total,), np.int32), "uids": ((total,), np.uint64),
-                  "doc_ids": ((total,), np.int32)}
-  for key, (shape, dtype) in block_shapes.items():
-    out = np.lib.format.open_memmap(os.path.join(out_dir, "blocks", f"{key}.npy"), "w+",
-                                    dtype, shape)
+  arrays = open_block_arrays(out_dir, total, block_len)
+  for key in list(arrays):
+    out = arrays.pop(key)
     for d, a, b in zip(shard_dirs, offsets[:-1], offsets[1:]):
       out[a:b] = np.load(os.path.join(d, f"blocks.{key}.npy"))
     out.flush()

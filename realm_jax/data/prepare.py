@@ -26,6 +26,7 @@ import numpy as np
 
 from realm_jax import packages, paths
 from realm_jax.data import corpus, sources
+from realm_jax.data.prepared import write_stats, write_titles
 from realm_jax.data.tokenizer import load_tokenizer, train_tokenizer
 from realm_jax.errors import ConfigError, DataError
 
@@ -297,14 +298,10 @@ def _finish(config, tokenizer, skips, titles, qas, shard_dirs, results, reused, 
   t_merge = time.time()
   merged = corpus.merge_shards(shard_dirs, config.out_dir, config.block_len,
                                config.max_sentence_len)
-  with open(os.path.join(config.out_dir, "blocks", "titles.json"), "w") as f:
-    json.dump(titles, f)
+  write_titles(config.out_dir, titles)
   _write_qa(config, qas)
   stats = _stats(config, tokenizer, skips, titles, results, merged, qas, reused, t0, t_merge)
-  with open(os.path.join(config.out_dir, "stats.json.tmp"), "w") as f:
-    json.dump(stats, f, indent=2)
-  os.replace(os.path.join(config.out_dir, "stats.json.tmp"),
-             os.path.join(config.out_dir, "stats.json"))
+  write_stats(config.out_dir, stats)
   corpus.remove_shards(shards_root)
   logger.info(
       f"[prepare] {stats['documents']:,} documents -> {stats['blocks']:,} blocks, "

@@ -1,4 +1,7 @@
-"""Readers for a prepared data dir (see `realm_jax.data.corpus` for the layout)."""
+"""A prepared data dir's block store, read (`BlockStore`, `PreparedData`) and written
+(`open_block_arrays`, `write_titles`, `write_stats`: the one writer `realm-prepare`, the world
+and `realm-import-hf` share; see `realm_jax.data.corpus` for the layout). `stats.json`,
+written last and atomically, marks a prepared dir complete."""
 
 from __future__ import annotations
 
@@ -10,6 +13,40 @@ import os
 import numpy as np
 
 from realm_jax.data.tokenizer import Tokenizer, load_tokenizer
+
+
+# blocks/<name>.npy: what each block row holds
+BLOCK_ARRAYS = {"tokens": np.int32,      # [N, block_len] `[CLS] title [SEP] body [SEP]`, 0-padded
+                "lengths": np.int32,     # [N] wordpieces of the row
+                "body_start": np.int32,  # [N] where the body starts (after title's [SEP])
+                "uids": np.uint64,       # [N] content uid (`corpus.block_uid`)
+                "doc_ids": np.int32}     # [N] the document: its title in blocks/titles.json
+
+
+def open_block_arrays(data_dir: str, num_blocks: int, block_len: int) -> dict[str, np.ndarray]:
+  """Writable memory-mapped `blocks/<name>.npy` arrays of a new block store (flush and drop
+  them when filled); a reader sees nothing complete until `write_stats`."""
+  os.makedirs(os.path.join(data_dir, "blocks"), exist_ok=True)
+  return {name: np.lib.format.open_memmap(
+      os.path.join(data_dir, "blocks", f"{name}.npy"), "w+", dtype,
+      (num_blocks, block_len) if name == "tokens" else (num_blocks,))
+      for name, dtype in BLOCK_ARRAYS.items()}
+
+
+def _write_json(path: str, record, indent: int | None = None) -> None:
+  with open(path + ".tmp", "w") as f:
+    json.dump(record, f, indent=indent)
+  os.replace(path + ".tmp", path)
+
+
+def write_titles(data_dir: str, titles: list[str]) -> None:
+  """blocks/titles.json: the title of each document (`doc_ids` index it)."""
+  _write_json(os.path.join(data_dir, "blocks", "titles.json"), titles)
+
+
+def write_stats(data_dir: str, stats: dict) -> None:
+  """stats.json, last: what `realm-prepare` found, and the mark of a complete data dir."""
+  _write_json(os.path.join(data_dir, "stats.json"), stats, indent=2)
 
 
 def _load(path: str) -> np.ndarray:

@@ -155,38 +155,36 @@ def write_block_store(records: np.ndarray, tokenizer, out_dir: str, max_block_le
   `[CLS] [SEP] body [SEP]` (empty titles), block_len = the longest record's + 3, at most
   `max_block_len` (longer records are cut, and counted). Returns the stats written."""
   from realm_jax.data.corpus import block_uid
+  from realm_jax.data.prepared import open_block_arrays, write_stats, write_titles
   texts = [r.decode("utf-8") if isinstance(r, bytes) else str(r) for r in records.reshape(-1)]
   bodies = [ids for ids, _ in tokenizer.encode_batch(texts)]
   longest = max((len(b) for b in bodies), default=0)
   block_len = max(8, min(longest + 3, max_block_len))
   budget = block_len - 3
   n = len(bodies)
-  tokens = np.zeros((n, block_len), np.int32)
-  lengths = np.zeros(n, np.int32)
-  uids = np.zeros(n, np.uint64)
+  arrays = open_block_arrays(out_dir, n, block_len)
+  arrays["tokens"][:] = 0
   cut = 0
   for i, body in enumerate(bodies):
     cut += len(body) > budget
     body = body[:budget]
     row = [tokenizer.cls_id, tokenizer.sep_id, *body, tokenizer.sep_id]
-    tokens[i, :len(row)] = row
-    lengths[i] = len(row)
-    uids[i] = block_uid([], body)
-  blocks = os.path.join(out_dir, "blocks")
-  os.makedirs(blocks, exist_ok=True)
-  for name, value in (("tokens", tokens), ("lengths", lengths),
-                      ("body_start", np.full(n, 2, np.int32)), ("uids", uids),
-                      ("doc_ids", np.zeros(n, np.int32))):
-    np.save(os.path.join(blocks, f"{name}.npy"), value)
-  with open(os.path.join(blocks, "titles.json"), "w") as f:
-    json.dump([""], f)
+    arrays["tokens"][i, :len(row)] = row
+    arrays["lengths"][i] = len(row)
+    arrays["uids"][i] = block_uid([], body)
+  arrays["body_start"][:] = 2
+  arrays["doc_ids"][:] = 0
+  longest_row = int(np.max(arrays["lengths"], initial=0))
+  for array in arrays.values():
+    array.flush()
+  del arrays
+  write_titles(out_dir, [""])
   shutil.copyfile(tokenizer.vocab_path, os.path.join(out_dir, "vocab.txt"))
   stats = {"source": source, "documents": 1, "blocks": n, "block_len": block_len,
-           "max_block_wordpieces": int(lengths.max(initial=0)), "records_cut": int(cut),
+           "max_block_wordpieces": longest_row, "records_cut": int(cut),
            "longest_record_wordpieces": int(longest), "max_sentence_len": 0,
            "examples": {"train": 0, "eval": 0}, "vocab_size": tokenizer.vocab_size}
-  with open(os.path.join(out_dir, "stats.json"), "w") as f:
-    json.dump(stats, f, indent=2)
+  write_stats(out_dir, stats)
   return stats
 
 
