@@ -35,7 +35,8 @@ import jax
 import numpy as np
 
 from realm_jax.data.prepared import PreparedData
-from realm_jax.stages import repo_config, with_overrides
+from realm_jax.stages import repo_config
+from realm_jax.config.overrides import with_overrides
 from realm_jax.train import batches, steps
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.errors import ConfigError
@@ -45,7 +46,7 @@ from realm_jax.train.score_cache import ScoreCache, cache_keys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(1, str(REPO / "launch"))    # scripts, not a package: the launchers' --set
-from sweep import check_key, parse_assignment, typed_value  # noqa: E402
+from realm_jax.config.overrides import check_key, parse_assignment, typed_value
 
 
 def host_batches(config, data, n: int):

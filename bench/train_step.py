@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import statistics
 import sys
 import time
@@ -50,13 +49,11 @@ from realm_jax.stages import repo_config
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.train import steps
 from realm_jax.errors import ConfigError
-from realm_jax.config.reading import flat_options, part_model
+from realm_jax.config.reading import part_model
+from realm_jax.config.overrides import apply_assignments
 from realm_jax.config.validation import validate
 from report import append_jsonl   # bench/ is this script's directory: sys.path[0]
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(1, str(REPO / "launch"))    # scripts, not a package: the launchers' --set
-from sweep import check_key, parse_assignment, typed_value  # noqa: E402
 
 
 # Dense bf16 peak FLOP/s per chip, matched in order against `device_kind` (first hit wins).
@@ -84,12 +81,8 @@ def case_config(case: str, accelerator: bool, batch_size: int | None, sets: list
     config.train.batch_size = batch_size
   if accelerator:
     config.model.dtype = "bfloat16"
-  fields = flat_options(config)
   try:
-    for text in sets:
-      key, value = parse_assignment(text, "--set")
-      check_key(key, fields, "--set")
-      config.update_from_flattened_dict({key: typed_value(value, fields[key], key)})
+    apply_assignments(config, sets, "--set")   # read as the launchers read theirs
     validate(config)
   except ConfigError as e:
     raise SystemExit(f"bench: {e}") from None

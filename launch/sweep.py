@@ -28,9 +28,7 @@ tpu_pod.py call) and returns once all are started; their summaries land in the b
 from __future__ import annotations
 
 import argparse
-import ast
 import csv
-import difflib
 import io
 import itertools
 import os
@@ -45,7 +43,7 @@ from realm_jax import paths, processes, workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.loading import config_module
 from realm_jax.config.reading import flat_options, uses_index_builder
-from realm_jax.config.option_names import current_name
+from realm_jax.config.overrides import check_key, parse_assignment, typed_value
 
 PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,46 +52,6 @@ TPU_POD_OWN = ("--name", "--config", "--workdir", "--set")   # set by the sweep 
 STOP_MARGIN_SECONDS = 30.0  # a local run stopped by Ctrl-C / SIGTERM gets its preemption grace
                             # + this (start-up of the save, launch/local.py's own stop) to end,
                             # at least processes.GRACE_SECONDS
-
-
-def typed_value(text: str, current, key: str):
-  """`text` as the type of the field's current value (a bool accepts true/false/1/0)."""
-  if isinstance(current, bool):
-    if text.lower() in ("true", "1", "yes"):
-      return True
-    if text.lower() in ("false", "0", "no"):
-      return False
-    raise ConfigError(key, f"{text!r} is not a boolean")
-  if isinstance(current, (int, float)):
-    try:
-      number = float(text)
-    except ValueError:
-      raise ConfigError(key, f"{text!r} is not a number") from None
-    if isinstance(current, float):
-      return number
-    if number != int(number):
-      raise ConfigError(key, f"{text!r} is not an integer")
-    return int(number)
-  if isinstance(current, (tuple, list)):
-    try:
-      return tuple(ast.literal_eval(text))
-    except (ValueError, SyntaxError):
-      raise ConfigError(key, f"{text!r} is not a tuple literal") from None
-  return text
-
-
-def check_key(key: str, fields: dict, where: str) -> None:
-  if key not in fields:
-    close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
-    hint = f"; the closest is {close[0]!r}" if close else ""
-    raise ConfigError("", f"{where}: {key!r} is not a field of the config{hint}")
-
-
-def parse_assignment(text: str, flag: str) -> tuple[str, str]:
-  key, sep, value = text.partition("=")
-  if not sep or not key or not value:
-    raise ConfigError("", f"{flag} {text!r}: expected KEY=VALUE")
-  return current_name(key.strip()), value.strip()   # an old name: read as the new, warned
 
 
 def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list[dict]:

@@ -41,10 +41,9 @@ from realm_jax.config.loading import load_config
 from realm_jax.config.reading import flat_options, uses_index_builder
 from realm_jax.config.validation import validate
 from realm_jax.config.option_names import upgrade_flags
+from realm_jax.config.overrides import apply_assignments
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)    # launch/ holds scripts, not a package: import the sibling by name
-from sweep import check_key, parse_assignment, typed_value  # noqa: E402
 
 PROG = "tpu_pod.py"
 REPO = os.path.dirname(HERE)
@@ -156,13 +155,7 @@ def plan_run(config_spec: str, workdir: str, sets: list[str], storage: str = "gc
     config = load_config(config_spec)
   except Exception as e:     # a config module's own error, named with the flag that chose it
     raise ConfigError("", f"--config {config_spec!r}: {type(e).__name__}: {e}") from None
-  fields = flat_options(config)
-  given = {}
-  for text in sets:
-    key, value = parse_assignment(text, "--set")
-    check_key(key, fields, "--set")
-    config.update_from_flattened_dict({key: typed_value(value, fields[key], key)})
-    given[key] = value
+  given = apply_assignments(config, sets, "--set")
   validate(config)
   buckets, overrides = [bucket], []
   final = flat_options(config)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 from typing import Callable
@@ -60,76 +59,3 @@ def run_cli(prog: str, main: Callable[[], object]) -> object:
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(1) from None
 
-
-def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
-  """absl `app.run(main, flags_parser=flags_parser(prog))`: the command line parsed, and the
-  config file of a `--config` flag loaded; a misspelt option, a bad value, a config file that
-  is missing or whose get_config fails -> one line naming it on stderr and exit code 2."""
-  def parse(argv: list[str]) -> list[str]:
-    from absl import flags
-    try:
-      rest = flags.FLAGS(argv)
-      if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
-        flags.FLAGS["config"].value.keys()   # a file that failed to load raises only here
-      return rest
-    except Exception as e:   # noqa: BLE001 -- whatever parsing raises is a usage error
-      print(f"{prog}: error: {flag_error(e, argv)}", file=sys.stderr)
-      raise SystemExit(2) from None
-  return parse
-
-
-def flag_error(error: Exception, argv: list[str]) -> str:
-  """One line for what parsing `argv` raised: the option or file it names, and the cause."""
-  root = error
-  while (root.__cause__ or root.__context__) is not None:
-    root = root.__cause__ or root.__context__
-  if isinstance(root, (KeyError, AttributeError)):   # a misspelt --config.* key
-    wrong = str(root.args[0]).strip("'") if root.args else ""
-    option = next((a.split("=")[0] for a in argv[1:] if re.match(
-        r"^--?(no)?config\.(.*\.)?" + re.escape(wrong) + r"(\.|=|$)", a)), f"config.*.{wrong}")
-    suggestion = re.search(r'Did you mean "([^"]+)"', str(error))
-    return f"{option}: no such option" + (f"; did you mean {suggestion.group(1)!r}?"
-                                          if suggestion else "")
-  config_file = _config_file(argv)
-  if config_file is not None and "config file" in str(error):
-    path = config_file.partition(":")[0]
-    if not os.path.exists(path):
-      return f"--config {config_file}: no such file"
-    return f"--config {config_file}: {_first_line(root)}"
-  return _first_line(error)
-
-
-def _config_file(argv: list[str]) -> str | None:
-  """The value of --config in `argv`, or None."""
-  for i, arg in enumerate(argv):
-    if arg in ("--config", "-config") and i + 1 < len(argv):
-      return argv[i + 1]
-    if arg.startswith(("--config=", "-config=")):
-      return arg.partition("=")[2]
-  return None
-
-
-def _first_line(error: BaseException) -> str:
-  text = str(error).strip() or type(error).__name__
-  return text.splitlines()[0]
-
-
-def config_from_flags(prog: str, config_spec: str, overrides: list[str]):
-  """The config that `--config config_spec` with the `--config.*` override tokens gives a CLI
-  (the same ml_collections parser): a launcher checks what it will hand its children before it
-  starts them. A bad option, value or file -> one line naming it and exit code 2."""
-  from absl import flags
-  from ml_collections import config_flags
-  flag_values = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, lock_config=True)
-  argv = [prog, "--config", config_spec, *overrides]
-  saved, sys.argv = sys.argv, argv     # ml_collections reads the overrides from sys.argv
-  try:
-    flag_values(argv)
-    flag_values["config"].value.keys()
-    return flag_values["config"].value
-  except Exception as e:   # noqa: BLE001 -- whatever parsing raises is a usage error
-    print(f"{prog}: error: {flag_error(e, argv)}", file=sys.stderr)
-    raise SystemExit(2) from None
-  finally:
-    sys.argv = saved

@@ -233,7 +233,7 @@ def main(argv) -> None:
 def run() -> None:
   from absl import app, flags
   from ml_collections import config_flags
-  from realm_jax.errors import flags_parser
+  from realm_jax.config.overrides import flags_parser
   config_flags.DEFINE_config_file("config", None, "Config file (default: W/config.json).",
                                   lock_config=True)
   flags.DEFINE_string("workdir", None, "Run directory with checkpoints.", required=True)

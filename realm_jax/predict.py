@@ -11,7 +11,8 @@ import textwrap
 from absl import app, flags
 
 from realm_jax import log
-from realm_jax.errors import flags_parser, run_cli
+from realm_jax.errors import run_cli
+from realm_jax.config.overrides import flags_parser
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory with checkpoints and its index.")
 _STEP = flags.DEFINE_integer("step", -1, "Checkpoint step (default: the latest).")

@@ -16,6 +16,7 @@ import sys
 import time
 
 from realm_jax import workdir as workdir_lib
+from realm_jax.config.overrides import with_overrides
 from realm_jax.errors import run_cli
 from realm_jax.processes import (Preempted, on_sigterm, own_session, shared_memory_env,
                                  signals_deferred, stop_after)
@@ -59,17 +60,6 @@ def repo_config(name: str, arg: str | None = None):
                             "a checkout of the repository (make demo)")
   from realm_jax.config.loading import load_config as load_config_file
   return load_config_file(os.path.join(CONFIG_DIR, f"{name}.py") + (f":{arg}" if arg else ""))
-
-
-def with_overrides(config, overrides: dict):
-  """`config` with dotted `overrides` (`{"data.dir": D}`) set; returns it."""
-  for key, value in overrides.items():
-    *parents, leaf = key.split(".")
-    node = config
-    for parent in parents:
-      node = node[parent]
-    node[leaf] = value
-  return config
 
 
 def stage_overrides(init, data_dir: str, workdir: str, seed: int) -> dict:

@@ -66,7 +66,7 @@ def tiny_config(task: str = "realm", variant: str | None = None, data_dir: str =
 
 def apply_overrides(config, overrides: dict):
   """Sets `a__b=v` (dotted names with `__` for the dots) on `config`; returns it."""
-  from realm_jax.stages import with_overrides
+  from realm_jax.config.overrides import with_overrides
   return with_overrides(config, {key.replace("__", "."): v for key, v in overrides.items()})
 
 

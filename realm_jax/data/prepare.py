@@ -352,7 +352,8 @@ def _stats(config, tokenizer, skips, titles, results, merged, qas, reused, t0, t
 def main() -> None:
   from absl import app, flags
   from ml_collections import config_flags
-  from realm_jax.errors import flags_parser, run_cli
+  from realm_jax.errors import run_cli
+  from realm_jax.config.overrides import flags_parser
   config = config_flags.DEFINE_config_file("config", None, "configs/prepare.py[:variant]",
                                            lock_config=True)
 

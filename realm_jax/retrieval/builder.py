@@ -28,7 +28,8 @@ import time
 import numpy as np
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.errors import StorageUnreachable, flags_parser, run_cli
+from realm_jax.errors import StorageUnreachable, run_cli
+from realm_jax.config.overrides import flags_parser
 from realm_jax.runtime import multihost
 from realm_jax.config.option_names import upgrade_flags
 

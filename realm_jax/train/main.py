@@ -12,7 +12,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from realm_jax import log
-from realm_jax.errors import flags_parser, run_cli
+from realm_jax.errors import run_cli
+from realm_jax.config.overrides import flags_parser
 from realm_jax.runtime import multihost, preemption
 from realm_jax.config.option_names import upgrade_flags
 

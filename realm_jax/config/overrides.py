@@ -1,0 +1,160 @@
+"""Config overrides, parsed in one place.
+
+- On the command line, `--config path.py[:arg] --config.a.b=v`: ml_collections' own parser,
+  behind `flags_parser` (the absl CLIs: realm-train, realm-index, ...) and `config_from_flags`
+  (a launcher reading what it will hand its children); a misspelt option, a bad value or a
+  missing config file is one line naming it (with ml_collections' "did you mean") and exit 2.
+- `KEY=VALUE` text (`--set`, `--grid` of sweep.py and the pod launchers): `parse_assignment`,
+  `check_key`, `typed_value` (the field's type), `apply_assignments`.
+- A dict of dotted names set in code (the demos' stages, benches, tests): `with_overrides`.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+import re
+import sys
+from typing import Callable
+
+from realm_jax.config.option_names import current_name
+from realm_jax.config.reading import flat_options
+from realm_jax.errors import ConfigError
+
+
+def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
+  """absl `app.run(main, flags_parser=flags_parser(prog))`: the command line parsed, and the
+  config file of a `--config` flag loaded; a misspelt option, a bad value, a config file that
+  is missing or whose get_config fails -> one line naming it on stderr and exit code 2."""
+  def parse(argv: list[str]) -> list[str]:
+    from absl import flags
+    try:
+      rest = flags.FLAGS(argv)
+      if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
+        flags.FLAGS["config"].value.keys()   # a file that failed to load raises only here
+      return rest
+    except Exception as e:   # noqa: BLE001 -- whatever parsing raises is a usage error
+      print(f"{prog}: error: {flag_error(e, argv)}", file=sys.stderr)
+      raise SystemExit(2) from None
+  return parse
+
+
+def flag_error(error: Exception, argv: list[str]) -> str:
+  """One line for what parsing `argv` raised: the option or file it names, and the cause."""
+  root = error
+  while (root.__cause__ or root.__context__) is not None:
+    root = root.__cause__ or root.__context__
+  if isinstance(root, (KeyError, AttributeError)):   # a misspelt --config.* key
+    wrong = str(root.args[0]).strip("'") if root.args else ""
+    option = next((a.split("=")[0] for a in argv[1:] if re.match(
+        r"^--?(no)?config\.(.*\.)?" + re.escape(wrong) + r"(\.|=|$)", a)), f"config.*.{wrong}")
+    suggestion = re.search(r'Did you mean "([^"]+)"', str(error))
+    return f"{option}: no such option" + (f"; did you mean {suggestion.group(1)!r}?"
+                                          if suggestion else "")
+  config_file = _config_file(argv)
+  if config_file is not None and "config file" in str(error):
+    path = config_file.partition(":")[0]
+    if not os.path.exists(path):
+      return f"--config {config_file}: no such file"
+    return f"--config {config_file}: {_first_line(root)}"
+  return _first_line(error)
+
+
+def _config_file(argv: list[str]) -> str | None:
+  """The value of --config in `argv`, or None."""
+  for i, arg in enumerate(argv):
+    if arg in ("--config", "-config") and i + 1 < len(argv):
+      return argv[i + 1]
+    if arg.startswith(("--config=", "-config=")):
+      return arg.partition("=")[2]
+  return None
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip() or type(error).__name__
+  return text.splitlines()[0]
+
+
+def config_from_flags(prog: str, config_spec: str, overrides: list[str]):
+  """The config that `--config config_spec` with the `--config.*` override tokens gives a CLI
+  (the same ml_collections parser): a launcher checks what it will hand its children before it
+  starts them. A bad option, value or file -> one line naming it and exit code 2."""
+  from absl import flags
+  from ml_collections import config_flags
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, lock_config=True)
+  argv = [prog, "--config", config_spec, *overrides]
+  saved, sys.argv = sys.argv, argv     # ml_collections reads the overrides from sys.argv
+  try:
+    flag_values(argv)
+    flag_values["config"].value.keys()
+    return flag_values["config"].value
+  except Exception as e:   # noqa: BLE001 -- whatever parsing raises is a usage error
+    print(f"{prog}: error: {flag_error(e, argv)}", file=sys.stderr)
+    raise SystemExit(2) from None
+  finally:
+    sys.argv = saved
+
+
+def typed_value(text: str, current, key: str):
+  """`text` as the type of the field's current value (a bool accepts true/false/1/0)."""
+  if isinstance(current, bool):
+    if text.lower() in ("true", "1", "yes"):
+      return True
+    if text.lower() in ("false", "0", "no"):
+      return False
+    raise ConfigError(key, f"{text!r} is not a boolean")
+  if isinstance(current, (int, float)):
+    try:
+      number = float(text)
+    except ValueError:
+      raise ConfigError(key, f"{text!r} is not a number") from None
+    if isinstance(current, float):
+      return number
+    if number != int(number):
+      raise ConfigError(key, f"{text!r} is not an integer")
+    return int(number)
+  if isinstance(current, (tuple, list)):
+    try:
+      return tuple(ast.literal_eval(text))
+    except (ValueError, SyntaxError):
+      raise ConfigError(key, f"{text!r} is not a tuple literal") from None
+  return text
+
+
+def check_key(key: str, fields: dict, where: str) -> None:
+  if key not in fields:
+    close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
+    hint = f"; the closest is {close[0]!r}" if close else ""
+    raise ConfigError("", f"{where}: {key!r} is not a field of the config{hint}")
+
+
+def parse_assignment(text: str, flag: str) -> tuple[str, str]:
+  key, sep, value = text.partition("=")
+  if not sep or not key or not value:
+    raise ConfigError("", f"{flag} {text!r}: expected KEY=VALUE")
+  return current_name(key.strip()), value.strip()   # an old name: read as the new, warned
+
+
+def apply_assignments(config, texts: list[str], flag: str = "--set") -> dict:
+  """`config` with each `KEY=VALUE` of `texts` set (checked against its fields, typed as the
+  field); returns {key: the value given, as text}."""
+  fields, given = flat_options(config), {}
+  for text in texts:
+    key, value = parse_assignment(text, flag)
+    check_key(key, fields, flag)
+    config.update_from_flattened_dict({key: typed_value(value, fields[key], key)})
+    given[key] = value
+  return given
+
+
+def with_overrides(config, overrides: dict):
+  """`config` with dotted `overrides` (`{"data.dir": D}`) set; returns it."""
+  for key, value in overrides.items():
+    *parents, leaf = key.split(".")
+    node = config
+    for parent in parents:
+      node = node[parent]
+    node[leaf] = value
+  return config
