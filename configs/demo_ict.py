@@ -4,7 +4,8 @@
       --config.data.dir runs/demo/data
 """
 
-from realm_jax.config.defaults import base_config, demo_scale
+from realm_jax.config.defaults import base_config
+from realm_jax.config.presets import demo_scale
 
 
 def get_config(arg=None):

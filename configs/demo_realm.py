@@ -12,7 +12,8 @@ Variants by arg:
       --config.data.dir runs/demo/data --config.init.from_workdir runs/demo/ict
 """
 
-from realm_jax.config.defaults import base_config, demo_scale
+from realm_jax.config.defaults import base_config
+from realm_jax.config.presets import demo_scale
 
 VARIANTS = ("realm", "warmup", "no_retrieval")
 

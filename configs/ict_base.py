@@ -17,7 +17,8 @@ Variants by arg:
          smoke test of a launch on the real prepared data
 """
 
-from realm_jax.config.defaults import base_config, tiny_model
+from realm_jax.config.defaults import base_config
+from realm_jax.config.presets import tiny_model
 
 VARIANTS = ("base", "small")
 BERT_BASE = "bert-base-uncased"    # a local Hugging Face BERT-base dir (never downloaded)

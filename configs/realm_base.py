@@ -27,7 +27,8 @@ Variants by arg:
          batch and a few steps: a smoke test of a launch on the real prepared data
 """
 
-from realm_jax.config.defaults import base_config, tiny_model
+from realm_jax.config.defaults import base_config
+from realm_jax.config.presets import tiny_model
 
 VARIANTS = ("base", "small")
 ICT_RUN = "runs/ict_base"          # the workdir of the configs/ict_base.py run

@@ -17,7 +17,8 @@ Variants by arg (one per stage, all on the same data and shapes):
 import os
 
 from realm_jax.data.prepare import prepare_config
-from realm_jax.config.defaults import base_config, tiny_model
+from realm_jax.config.defaults import base_config
+from realm_jax.config.presets import tiny_model
 
 VARIANTS = ("prepare", "ict", "warmup", "realm")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
