@@ -132,6 +132,17 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
     raise ConfigError("train.preemption_grace_seconds", "must be > 0 seconds")
   if t.get("nonfinite", "stop") not in NONFINITE_ACTIONS:
     raise ConfigError("train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE_ACTIONS}")
+  validate_against_data(config, num_blocks=num_blocks, store_block_len=store_block_len,
+                        max_sentence_len=max_sentence_len, vocab_size=vocab_size)
+
+
+def validate_against_data(config, *, num_blocks: int | None = None,
+                          store_block_len: int | None = None,
+                          max_sentence_len: int | None = None,
+                          vocab_size: int | None = None) -> None:
+  """The checks that need the prepared data (a `validate`d config against its data dir's
+  block count, block length, longest sentence and vocab); each None is skipped."""
+  r, d = config.retrieval, config.data
   if num_blocks is not None and config.task == "realm" and r.candidates == "index" \
       and r.k + 1 > num_blocks:
     raise ConfigError("retrieval.k", f"k={r.k} needs at least k + 1 = {r.k + 1} blocks "

@@ -17,7 +17,7 @@ from realm_jax.train import batches, steps
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.train.best_export import BestExport
 from realm_jax.train.candidates import candidate_source
-from realm_jax.config.validation import validate
+from realm_jax.config.validation import validate_against_data
 from realm_jax.train.feed import BatchFeed
 from realm_jax.runtime.metrics import MetricWriter
 from realm_jax.train.run import Run
@@ -53,9 +53,10 @@ class Trainer(Run):
 
   def check_inputs(self) -> None:
     config, stats = self.config, self.data.stats
-    validate(config, num_blocks=self.data.blocks.num_blocks,
-             store_block_len=self.data.blocks.block_len,
-             max_sentence_len=stats["max_sentence_len"], vocab_size=self.data.tokenizer.vocab_size)
+    validate_against_data(config, num_blocks=self.data.blocks.num_blocks,
+                          store_block_len=self.data.blocks.block_len,
+                          max_sentence_len=stats["max_sentence_len"],
+                          vocab_size=self.data.tokenizer.vocab_size)
     try:
       self.examples = self.data.examples(config.data.split)
     except FileNotFoundError as e:

@@ -24,7 +24,7 @@ from realm_jax.openqa_eval import QAEvaluator, format_metrics
 from realm_jax.retrieval import published
 from realm_jax.runtime import multihost, partitioning, state as state_lib
 from realm_jax.runtime import embedders
-from realm_jax.config.validation import validate
+from realm_jax.config.validation import validate_against_data
 from realm_jax.runtime.metrics import MetricWriter
 from realm_jax.train.run import Run
 from realm_jax.train.openqa_inputs import FrozenIndex, QABatchBuilder, QuestionBatches
@@ -42,9 +42,9 @@ class OpenQATrainer(Run):
 
   def check_inputs(self) -> None:
     config = self.config
-    validate(config, num_blocks=self.data.blocks.num_blocks,
-             store_block_len=self.data.blocks.block_len,
-             vocab_size=self.data.tokenizer.vocab_size)
+    validate_against_data(config, num_blocks=self.data.blocks.num_blocks,
+                          store_block_len=self.data.blocks.block_len,
+                          vocab_size=self.data.tokenizer.vocab_size)
     self.train_qa, self.train_counts = qa_lib.qa_split(config.qa, "train", config.data.dir)
     if len(self.train_qa) < config.train.batch_size:
       raise ConfigError("train.batch_size", f"{config.train.batch_size} > the "
