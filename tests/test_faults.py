@@ -207,14 +207,14 @@ def test_sigterm_during_an_in_process_rebuild_saves_the_step_and_resumes_exactly
       return embed(*batch)
     return embed_then_signal
 
-  monkeypatch.setattr(steps, "block_embedder", signalling_embedder)
+  monkeypatch.setattr(embedders, "block_embedder", signalling_embedder)
   stopped = train(config, workdir)
   out = capsys.readouterr().out
   assert stopped.get("preempted_at_step") == 3, out[-3000:]
   assert "SIGTERM during the index rebuild before step 4: stopped after 0 of 240 blocks" in out
   assert "SIGTERM: checkpoint 3 finalised" in out, out[-3000:]
   assert not os.path.exists(os.path.join(workdir, "summary.json"))
-  monkeypatch.setattr(steps, "block_embedder", block_embedder)
+  monkeypatch.setattr(embedders, "block_embedder", block_embedder)
   resumed = train(config, workdir)
   assert resumed["steps"] == 6 and resumed["eval_recall_at_5"] == straight["eval_recall_at_5"]
   want = loss_records(str(tmp_path / "straight"))
