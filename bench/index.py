@@ -46,8 +46,7 @@ from realm_jax.stages import repo_config
 from realm_jax.errors import run_cli
 from realm_jax.retrieval import scann_index
 from realm_jax.retrieval.index import embed_blocks
-from realm_jax.runtime import partitioning, state as state_lib
-from realm_jax.runtime import embedders
+from realm_jax.runtime import partitioning, state as state_lib, embedders
 from realm_jax.runtime.checkpoints import restore_run
 from report import append_jsonl, print_rows, verdict   # bench/: this script's sys.path[0]
 from train_step import matmul_flops_per_s

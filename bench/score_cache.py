@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import platform
 import statistics
-import sys
 import time
 from types import SimpleNamespace
 
@@ -36,17 +34,12 @@ import numpy as np
 
 from realm_jax.data.prepared import PreparedData
 from realm_jax.stages import repo_config
-from realm_jax.config.overrides import with_overrides
+from realm_jax.config.overrides import apply_assignments, with_overrides
 from realm_jax.train import batches, steps
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.errors import ConfigError
-from realm_jax.config.reading import flat_options
 from realm_jax.config.validation import validate
 from realm_jax.train.score_cache import ScoreCache, cache_keys
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(1, str(REPO / "launch"))    # scripts, not a package: the launchers' --set
-from realm_jax.config.overrides import check_key, parse_assignment, typed_value
 
 
 def host_batches(config, data, n: int):
@@ -88,13 +81,9 @@ def main() -> None:
   config = with_overrides(repo_config("real_realm", "realm"),
                           {"data.dir": args.data, "retrieval.refresh": "in_process",
                            "retrieval.score_cache": True})
-  fields = flat_options(config)
   data = PreparedData(args.data)
   try:
-    for text in args.set:
-      key, value = parse_assignment(text, "--set")
-      check_key(key, fields, "--set")
-      config.update_from_flattened_dict({key: typed_value(value, fields[key], key)})
+    apply_assignments(config, args.set, "--set")   # read as the launchers read theirs
     validate(config, num_blocks=data.blocks.num_blocks, store_block_len=data.blocks.block_len)
   except ConfigError as e:
     raise SystemExit(f"bench: {e}") from None

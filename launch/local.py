@@ -28,10 +28,9 @@ import sys
 import threading
 import time
 
-from realm_jax import log
+from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.overrides import config_from_flags
-from realm_jax import paths, workdir as workdir_lib
 from realm_jax.processes import own_session, shared_memory_env
 from realm_jax.config.option_names import upgrade_flags
 

@@ -38,8 +38,7 @@ import subprocess
 import sys
 import time
 
-from realm_jax import log
-from realm_jax import paths, processes, workdir as workdir_lib
+from realm_jax import log, paths, processes, workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.loading import config_module
 from realm_jax.config.reading import flat_options, uses_index_builder

@@ -23,10 +23,9 @@ import os
 import platform
 import time
 
-from realm_jax import log
+from realm_jax import log, workdir as workdir_lib
 from realm_jax.stages import devices, repo_config, run_demo_cli, run_stage
 from realm_jax.config.overrides import with_overrides
-from realm_jax import workdir as workdir_lib
 from realm_jax.packages import MINILM
 
 CONFIG = "real_realm"

@@ -18,9 +18,8 @@ import json
 import os
 import time
 
-from realm_jax import log
+from realm_jax import log, workdir as workdir_lib
 from realm_jax.stages import repo_config, run_demo_cli, run_stage, run_stages
-from realm_jax import workdir as workdir_lib
 
 STAGES = (("ict", ""), ("warmup", "ict"), ("realm", "warmup"))
 OPENQA_STAGES = (("openqa_realm", "realm"), ("openqa_ict", "ict"))   # (stage, starts from)

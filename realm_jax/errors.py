@@ -58,4 +58,3 @@ def run_cli(prog: str, main: Callable[[], object]) -> object:
   except (ConnectionError, CheckpointError, NonFiniteError) as e:   # e.g. no coordinator
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(1) from None
-

@@ -25,9 +25,8 @@ from realm_jax.data.answers import exact_match, f1_score
 from realm_jax.data.qa import QAExample
 from realm_jax.data.prepared import PreparedData
 from realm_jax.retrieval import published
-from realm_jax.runtime import partitioning
+from realm_jax.runtime import embedders, partitioning
 from realm_jax.train import steps
-from realm_jax.runtime import embedders
 from realm_jax.runtime.metrics import format_duration
 from realm_jax.train.openqa_inputs import FrozenIndex, QABatchBuilder
 from realm_jax.config.option_names import upgrade_flags

@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 
 from realm_jax.errors import CheckpointError, NonFiniteError
-from realm_jax.runtime import checkpoints
+from realm_jax.runtime import checkpoints, embedders
 from realm_jax.train import steps
-from realm_jax.runtime import embedders
 from realm_jax.retrieval import published
 from realm_jax.retrieval.builder import IndexBuilder
 from realm_jax.runtime.checkpoints import Checkpointer

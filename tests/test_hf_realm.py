@@ -24,8 +24,7 @@ from realm_jax.data.prepared import PreparedData
 from realm_jax.data.tokenizer import load_tokenizer
 from realm_jax.interop import hf_bert, hf_realm, hf_realm_weights, torch_pickle
 from realm_jax.retrieval import published, subscriber
-from realm_jax.runtime import state as state_lib
-from realm_jax.runtime import embedders
+from realm_jax.runtime import state as state_lib, embedders
 from realm_jax.runtime.checkpoints import restore_run
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

@@ -23,8 +23,7 @@ from realm_jax.retrieval.builder import IndexBuilder
 from realm_jax.workdir import BLOCKS_RECORD
 from realm_jax.retrieval.index import ExactIndex, embed_blocks
 from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
-from realm_jax.runtime import partitioning, state as state_lib
-from realm_jax.runtime import embedders
+from realm_jax.runtime import partitioning, state as state_lib, embedders
 from realm_jax.runtime.checkpoints import Checkpointer
 from tests import helpers
 

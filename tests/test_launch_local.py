@@ -351,6 +351,9 @@ def test_command_line_passes_overrides_to_both():
   tail = ["--config", "configs/demo_realm.py:realm", "--workdir", "W", *args.overrides]
   assert commands["trainer"] == [sys.executable, "-m", "realm_jax.train.main", *tail]
   assert commands["builder"] == [sys.executable, "-m", "realm_jax.retrieval.builder", *tail]
+  # the launcher's own -v N reaches both processes (nothing is added without one)
+  loud = local.default_commands(args.config, args.workdir, args.overrides, verbosity=-1)
+  assert all(c == commands[name] + ["--verbosity=-1"] for name, c in loud.items())
 
 
 @pytest.mark.parametrize("cuda_visible, flags, words", [

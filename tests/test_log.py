@@ -30,8 +30,7 @@ def test_the_console_shows_the_message_alone_at_the_level_set(capsys):
 
 
 def test_a_cli_takes_its_verbosity_flag(tmp_path):
-  """absl CLIs read -v/--verbosity (realm-prepare here: its progress lines go at -1), and
-  launch/local.py hands its own to both processes."""
+  """absl CLIs read -v/--verbosity (realm-prepare here: its progress lines go at -1)."""
   for verbosity, shown in ((0, True), (-1, False)):
     args = ["-c", "from realm_jax.data.prepare import main; main()", "--config",
             "configs/prepare.py:world", "--config.source=world:40",
@@ -41,8 +40,3 @@ def test_a_cli_takes_its_verbosity_flag(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert ("[prepare]" in result.stdout) == shown, (verbosity, result.stdout[-2000:],
                                                      result.stderr[-2000:])
-  sys.path.insert(0, REPO)
-  from launch import local
-  commands = local.default_commands("configs/demo_realm.py", "W", [], verbosity=-1)
-  assert all(c[-1] == "--verbosity=-1" for c in commands.values())
-  assert local.default_commands("C", "W", [])["trainer"][-1] == "W"

@@ -14,8 +14,7 @@ import pytest
 from realm_jax.data import pipeline
 from realm_jax.errors import ConfigError
 from realm_jax.train import batches, steps
-from realm_jax.runtime import embedders
-from realm_jax.runtime import partitioning, state as state_lib
+from realm_jax.runtime import embedders, partitioning, state as state_lib
 from realm_jax.config.reading import null_in_training
 from realm_jax.config.validation import validate
 from realm_jax.train.loop import train

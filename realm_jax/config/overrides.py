@@ -29,15 +29,21 @@ def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
   is missing or whose get_config fails -> one line naming it on stderr and exit code 2."""
   def parse(argv: list[str]) -> list[str]:
     from absl import flags
-    try:
-      rest = flags.FLAGS(argv)
-      if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
-        flags.FLAGS["config"].value.keys()   # a file that failed to load raises only here
-      return rest
-    except Exception as e:   # noqa: BLE001 -- whatever parsing raises is a usage error
-      print(f"{prog}: error: {flag_error(e, argv)}", file=sys.stderr)
-      raise SystemExit(2) from None
+    return _parse_or_exit(prog, flags.FLAGS, argv)
   return parse
+
+
+def _parse_or_exit(prog: str, flag_values, argv: list[str]) -> list[str]:
+  """`flag_values(argv)` with its `--config` file loaded (a file that failed to load raises
+  only when the config is read); whatever that raises -> one line and exit code 2."""
+  try:
+    rest = flag_values(argv)
+    if "config" in flag_values and flag_values["config"].value is not None:
+      flag_values["config"].value.keys()
+    return rest
+  except Exception as e:   # noqa: BLE001 -- whatever parsing raises is a usage error
+    print(f"{prog}: error: {flag_error(e, argv)}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 def flag_error(error: Exception, argv: list[str]) -> str:
@@ -87,12 +93,8 @@ def config_from_flags(prog: str, config_spec: str, overrides: list[str]):
   argv = [prog, "--config", config_spec, *overrides]
   saved, sys.argv = sys.argv, argv     # ml_collections reads the overrides from sys.argv
   try:
-    flag_values(argv)
-    flag_values["config"].value.keys()
+    _parse_or_exit(prog, flag_values, argv)
     return flag_values["config"].value
-  except Exception as e:   # noqa: BLE001 -- whatever parsing raises is a usage error
-    print(f"{prog}: error: {flag_error(e, argv)}", file=sys.stderr)
-    raise SystemExit(2) from None
   finally:
     sys.argv = saved
 

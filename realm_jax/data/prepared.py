@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 
+from realm_jax import paths
 from realm_jax.data.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -33,20 +34,14 @@ def open_block_arrays(data_dir: str, num_blocks: int, block_len: int) -> dict[st
       for name, dtype in BLOCK_ARRAYS.items()}
 
 
-def _write_json(path: str, record, indent: int | None = None) -> None:
-  with open(path + ".tmp", "w") as f:
-    json.dump(record, f, indent=indent)
-  os.replace(path + ".tmp", path)
-
-
 def write_titles(data_dir: str, titles: list[str]) -> None:
   """blocks/titles.json: the title of each document (`doc_ids` index it)."""
-  _write_json(os.path.join(data_dir, "blocks", "titles.json"), titles)
+  paths.write_text_atomic(os.path.join(data_dir, "blocks", "titles.json"), json.dumps(titles))
 
 
 def write_stats(data_dir: str, stats: dict) -> None:
   """stats.json, last: what `realm-prepare` found, and the mark of a complete data dir."""
-  _write_json(os.path.join(data_dir, "stats.json"), stats, indent=2)
+  paths.write_json(os.path.join(data_dir, "stats.json"), stats)
 
 
 def _load(path: str) -> np.ndarray:

@@ -127,8 +127,7 @@ class IndexBuilder:
   def build(self, step: int) -> dict | None:
     """Restores, embeds, indexes and publishes the snapshot of `step`; None if it vanished."""
     from realm_jax.retrieval.index import embed_blocks
-    from realm_jax.runtime import partitioning
-    from realm_jax.runtime import embedders
+    from realm_jax.runtime import embedders, partitioning
     workdir_lib.check_block_store(self.workdir, self.fingerprint, self.data.dir)
     cfg, timings = self.config, {}
     t0 = time.time()

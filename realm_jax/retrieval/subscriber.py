@@ -193,7 +193,7 @@ class IndexSubscriber:
         if first or now >= notice:
           self._say_waiting(what, now - start, timeout)
           first, notice = False, now + WAIT_NOTICE_SECONDS
-        self._cond.wait(max(0.0, min(deadline - now, notice - time.time(), 1.0)))
+        self._cond.wait(min(deadline - now, notice - now, 1.0))
 
   def _say_waiting(self, what: str, waited: float, timeout: float) -> None:
     logger.info(f"{self.log_prefix}waiting for a published index {what} under {self.root} "

@@ -271,7 +271,8 @@ def _from_hf(config, src: Source, params, data_vocab: str, vocab_size: int):
     return new[part], ([head] + [f"  {line.strip()}" for line in report.lines()[1:]]
                        + others)
   tensors, file = hf_bert.read_weights(path)
-  new, report = hf_realm_weights.convert(host, tensors, layout, file, path, only=part, option=option)
+  new, report = hf_realm_weights.convert(host, tensors, layout, file, path, only=part,
+                                         option=option)
   if not report.from_hf:
     raise ConfigError(option, f"{path} is a {layout}, which holds no {part} parameters")
   left = sorted({"/".join(p.split("/")[:3]) for p in report.initialised})
