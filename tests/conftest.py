@@ -1,6 +1,5 @@
 """Test-wide setup: 8 host CPU devices (set before anything imports jax) and one tiny world."""
 
-import logging
 import os
 
 _DEVICES_FLAG = "--xla_force_host_platform_device_count=8"

@@ -168,7 +168,6 @@ def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(se
 def test_the_slow_link_holds_only_uploads_of_the_named_objects(server):
   """The fault layer of the test above: through the relay, an upload naming a held object
   takes the hold; another passes at once; both land in the server."""
-  import urllib.request
   slow = gcs_server.SlowLink(server, ["/held/"], seconds=1.0)
   try:
     took = {}
