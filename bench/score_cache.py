@@ -35,7 +35,7 @@ import numpy as np
 from realm_jax.data.prepared import PreparedData
 from realm_jax.stages import repo_config
 from realm_jax.config.overrides import apply_assignments, with_overrides
-from realm_jax.train import batches, steps
+from realm_jax.train import batches, candidate_rows, steps
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.errors import ConfigError
 from realm_jax.config.validation import validate
@@ -55,7 +55,7 @@ def host_batches(config, data, n: int):
     queries = stream(t)
     retrieved = rng.integers(0, data.blocks.num_blocks,
                              (len(queries["query_ids"]), config.retrieval.k + 1))
-    cands = batches.candidates_for(config, data, queries, retrieved, training=True)
+    cands = candidate_rows.of(config).rows(data, queries, retrieved, training=True)
     batch = batches.realm_batch(config, data, queries, cands)
     if not config.retrieval.block_gradients:
       batch["candidate_emb"] = batches.index_embeddings(index, cands)

@@ -17,7 +17,7 @@ import numpy as np
 from realm_jax.data import pipeline
 from realm_jax.data.prepared import PreparedData
 from realm_jax.retrieval.index import IndexVersion
-from realm_jax.train import batches
+from realm_jax.train import batches, candidate_rows
 from realm_jax.runtime import partitioning
 
 RECALL_AT = (1, 5)
@@ -31,6 +31,7 @@ class Evaluator:
       realm_eval: the jitted REALM eval fn (None for ICT: retrieval metrics only).
     """
     self.config, self.data, self.mesh = config, data, mesh
+    self.candidates = candidate_rows.of(config)   # what the REALM reader reads
     self.examples = data.examples(config.eval.split)
     if self.examples.target_span is None:
       raise FileNotFoundError(f"split {config.eval.split!r} has no target spans to evaluate")
@@ -79,15 +80,15 @@ class Evaluator:
         retrieved = top
       if self.realm_eval is None:
         continue
-      cand = batches.candidates_for(cfg, self.data, q, retrieved)
+      cand = self.candidates.rows(self.data, q, retrieved)
       out = self._read(params, q, cand)
       preds = out["predictions"]
       ok = _every_mask_right(preds, q)
       correct.extend(ok[:real])
       null_correct.extend(_every_mask_right(out["null_predictions"], q)[:real])
       utility.extend(out["retrieval_utility"][:real])
-      if cfg.retrieval.candidates == "mixed":   # the same reader given a distractor
-        other = batches.candidates_for(cfg, self.data, q, retrieved, distractor=True)
+      if self.candidates.name == "mixed":   # the same reader given a distractor
+        other = self.candidates.rows(self.data, q, retrieved, distractor=True)
         distracted.extend(_every_mask_right(self._read(params, q, other)["predictions"],
                                             q)[:real])
       shown = [i for i in range(real) if start + i in show]

@@ -83,7 +83,7 @@ def lower_step(config, mesh, k=None):
   its shardings."""
   config = config.copy_and_resolve_references()
   config.model.num_layers = min(config.model.num_layers, 2)
-  if config.model.retriever.num_layers > 2:
+  if config.model.retriever.num_layers is not None and config.model.retriever.num_layers > 2:
     config.model.retriever.num_layers = 2
   validate(config)
   model = state_lib.build_model(config, config.model.vocab_size)

@@ -23,7 +23,7 @@ from realm_jax.train import steps
 from realm_jax.retrieval import published
 from realm_jax.retrieval.builder import IndexBuilder
 from realm_jax.runtime.checkpoints import Checkpointer
-from realm_jax.train.loop import Trainer, train
+from realm_jax.train.loop import QueryStepBatches, train
 from realm_jax.workdir import UNREADABLE_CHECKPOINTS
 from tests.helpers import tiny_config
 
@@ -121,17 +121,17 @@ def nan_at_step_3(monkeypatch):
     loss, metrics = ict_loss(params, model, batch, config, rng)
     return loss + jnp.sum(batch["poison"]), metrics
 
-  next_batch = Trainer.next_batch
+  next_batch = QueryStepBatches.next
 
   def poisoned_batch(self, step):
-    batch, data_state = next_batch(self, step)
+    fed = next_batch(self, step)
     value = np.nan if step + 1 == POISONED_STEP else 0.0
     poison = np.full(self.config.train.batch_size, value, np.float32)
-    batch["poison"] = jax.device_put(poison, batch["query_ids"].sharding)
-    return batch, data_state
+    fed.batch["poison"] = jax.device_put(poison, fed.batch["query_ids"].sharding)
+    return fed
 
   monkeypatch.setitem(steps.LOSS_FNS, "ict", poisoned_loss)
-  monkeypatch.setattr(Trainer, "next_batch", poisoned_batch)
+  monkeypatch.setattr(QueryStepBatches, "next", poisoned_batch)
 
 
 def saved_state(workdir: str, step: int) -> dict:

@@ -193,7 +193,7 @@ def test_a_hugging_face_dir_in_the_bucket_starts_the_towers(gcs, world_dir, tmp_
     epath.Path(os.path.join(local, name)).copy(epath.Path(f"{url}/{name}"))
   config = tiny_config("realm", None, world_dir, init__hf_bert=url)
   trainer = Trainer(config, str(tmp_path / "work"))
-  assert trainer.restore_or_init() == 0
+  assert trainer.restore_or_init()[0] == 0
   out = capsys.readouterr().out
   assert f"[init] copied 1/{len(os.listdir(local))}: {url}/" in out
   assert f"init.hf_bert={url}" in out

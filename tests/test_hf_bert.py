@@ -478,7 +478,7 @@ def test_trainer_starts_every_tower_from_the_checkpoint(world_dir, tmp_path, cap
   config = tiny_config("realm", None, world_dir, init__hf_bert=path, model__share_towers=False,
                        model__num_layers=2)   # the checkpoint's two: layer 1 lands in encoder/1
   trainer = Trainer(config, str(tmp_path / "work"))
-  assert trainer.restore_or_init() == 0
+  assert trainer.restore_or_init()[0] == 0
   params = trainer.state.params
   for tower in towers(False):
     np.testing.assert_array_equal(get(params, tower + "/embeddings/word_embeddings/embedding"),

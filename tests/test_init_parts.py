@@ -51,7 +51,7 @@ def test_each_part_starts_from_its_own_source(world_dir, world_data, tmp_path, c
   config = towers_config(world_dir, init__retriever=ict, init__retriever_step=0,
                          init__reader=bert_dir)
   trainer = Trainer(config, str(tmp_path / "work"))
-  assert trainer.restore_or_init() == 0
+  assert trainer.restore_or_init()[0] == 0
   params = trainer.state.params
   # The retriever: every leaf of step 0 of the ICT run (not of its latest, step 5).
   got, want = flat(params["retriever"]), flat(saved[0]["retriever"])

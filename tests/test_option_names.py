@@ -12,7 +12,7 @@ from realm_jax.config.defaults import base_config
 from realm_jax.config.validation import validate
 from realm_jax.config.option_names import (RenamedOptionWarning, new_name,
                                           upgrade_flags, upgrade_record)
-from tests.helpers import tiny_config
+from tests.helpers import REPO, tiny_config
 
 
 def old_style(record: dict) -> dict:
@@ -90,3 +90,38 @@ def test_old_flags_are_spelt_the_new_way():
   with pytest.warns(RenamedOptionWarning):
     assert upgrade_flags(["--config.retrieval.mode", "own_block"]) == [
         "--config.retrieval.candidates", "own_block"]
+
+
+def test_the_retriever_is_the_reader_unless_it_says_otherwise(tmp_path):
+  """`model.retriever.*` unset (None) is the reader's shape, said as such; a value set on the
+  command line or with --set is parsed as the field's type; a workdir recorded when "the
+  reader's" was written 0 / -1.0 / "" reads as unset and resumes; 0 layers set on purpose is
+  refused naming the option."""
+  from realm_jax.config import reading
+  from realm_jax.config.overrides import apply_assignments, config_from_flags
+  config = tiny_config("realm")
+  assert config.model.retriever.num_layers is None and config.model.retriever.hidden_act is None
+  assert reading.part_model(config, "retriever").num_layers == config.model.num_layers
+  flagged = config_from_flags("realm-train", os.path.join(REPO, "configs/demo_realm.py"), [
+      "--config.model.retriever.num_layers=3", "--config.model.retriever.dropout_rate=0.2"])
+  assert flagged.model.retriever.num_layers == 3 and flagged.model.retriever.dropout_rate == 0.2
+  resolved = config.copy_and_resolve_references()   # a resolved copy no longer knows the type
+  apply_assignments(resolved, ["model.retriever.num_heads=2"])
+  assert resolved.model.retriever.num_heads == 2 and isinstance(resolved.model.retriever.num_heads,
+                                                                 int)
+  assert reading.part_options(resolved, "retriever")["num_heads"] == "model.retriever.num_heads"
+  # A record from before: the retriever's shape fields said "the reader's" with 0 / -1 / "".
+  workdir = str(tmp_path)
+  os.makedirs(os.path.join(workdir, workdir_lib.CHECKPOINTS))
+  record = json.loads(config.to_json_best_effort())
+  record["model"]["retriever"].update(hidden_size=0, num_layers=0, num_heads=0,
+                                      intermediate_size=0, max_position=0, dropout_rate=-1.0,
+                                      hidden_act="")
+  with open(os.path.join(workdir, workdir_lib.CONFIG), "w") as f:
+    json.dump(record, f)
+  saved = workdir_lib.saved_config(workdir)
+  assert saved.model.retriever.num_layers is None and saved.model.retriever.hidden_act is None
+  workdir_lib.record_config(config, workdir)        # compatible: no error
+  zero = tiny_config("realm", model__retriever__num_layers=0)
+  with pytest.raises(ConfigError, match="model.retriever.num_layers: must be >= 1, got 0"):
+    validate(zero)

@@ -13,7 +13,7 @@ import pytest
 
 from realm_jax.data import pipeline
 from realm_jax.errors import ConfigError
-from realm_jax.train import batches, steps
+from realm_jax.train import batches, candidate_rows, steps
 from realm_jax.runtime import embedders, partitioning, state as state_lib
 from realm_jax.config.reading import null_in_training
 from realm_jax.config.validation import validate
@@ -33,7 +33,7 @@ def host_batch(config, data, seed=0):
   queries = batches.QueryBatches(config, data, data.examples("train"))(0)
   retrieved = np.random.default_rng(seed).integers(
       0, data.blocks.num_blocks, (len(queries["query_ids"]), config.retrieval.k + 1))
-  cands = batches.candidates_for(config, data, queries, retrieved, training=True)
+  cands = candidate_rows.of(config).rows(data, queries, retrieved, training=True)
   return queries, cands, batches.realm_batch(config, data, queries, cands)
 
 
@@ -198,13 +198,13 @@ def test_a_mixed_warmup_reads_its_own_block_or_a_distractor_as_drawn(world_dir, 
   source = queries["source_block"]
   retrieved = np.stack([source, (source + 7) % world_data.blocks.num_blocks,
                         (source + 9) % world_data.blocks.num_blocks], axis=1)
-  cand = batches.candidates_for(config, world_data, queries, retrieved, training=True)
+  cand = candidate_rows.of(config).rows(world_data, queries, retrieved, training=True)
   own = queries["reads_own_block"] > 0
   assert cand.shape == (len(source), 1) and own.any() and (~own).any()
   np.testing.assert_array_equal(cand[own, 0], source[own])
   uids = world_data.blocks.uids
   assert (uids[cand[~own, 0]] != uids[source[~own]]).all() and (cand[~own, 0] >= 0).all()
-  evaluated = batches.candidates_for(config, world_data, queries, retrieved, distractor=True)
+  evaluated = candidate_rows.of(config).rows(world_data, queries, retrieved, distractor=True)
   assert (evaluated[:, 0] == pipeline.NULL_BLOCK).all()
   assert (uids[evaluated[:, 1]] != uids[source]).all()
   summary = train(config, str(tmp_path / "mixed"))

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from realm_jax.train import batches, steps
+from realm_jax.train import batches, candidate_rows, steps
 from realm_jax.runtime import partitioning, state as state_lib
 from tests.helpers import tiny_config
 
@@ -45,7 +45,7 @@ def host_batch(config, data):
   # A fixed stand-in for the index's top k+1 (the index itself is not under test here).
   retrieved = np.random.default_rng(0).integers(
       0, data.blocks.num_blocks, (len(queries["query_ids"]), config.retrieval.k + 1))
-  cands = batches.candidates_for(config, data, queries, retrieved)
+  cands = candidate_rows.of(config).rows(data, queries, retrieved)
   assert cands.shape[1] == config.retrieval.k and (cands[:, 0] == -1).all()
   return batches.realm_batch(config, data, queries, cands)
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from realm_jax.data import pipeline
-from realm_jax.train import batches, steps
+from realm_jax.train import batches, candidate_rows, steps
 from realm_jax.runtime import preemption
 from realm_jax.runtime.checkpoints import Checkpointer, restore_run
 from realm_jax.train.loop import train
@@ -261,7 +261,7 @@ def test_no_retrieval_baseline_reads_only_the_null_document(world_dir, world_dat
   retriever plays no part, and retrieval utility is 0 by definition."""
   config = tiny_config("realm", "no_retrieval", world_dir, train__steps=2)
   queries = batches.QueryBatches(config, world_data, world_data.examples("train"))(0)
-  cand = batches.candidates_for(config, world_data, queries, None, training=True)
+  cand = candidate_rows.of(config).rows(world_data, queries, None, training=True)
   batch = batches.realm_batch(config, world_data, queries, cand)
   assert batch["reader_ids"].shape == (config.train.batch_size, 1, config.data.query_len + 1)
   rows = np.arange(config.train.batch_size)
@@ -285,11 +285,12 @@ def test_the_null_document_embedded_once_and_read_short_changes_nothing(world_da
   from realm_jax.runtime import state as state_lib
   config = tiny_config("realm", None, world_dir, retrieval__k=4,
                        retrieval__train_null_document=True)
-  assert steps.null_first(config, training=True) and steps.null_first(config, training=False)
+  candidates = candidate_rows.of(config)
+  assert candidates.null_first(training=True) and candidates.null_first(training=False)
   queries = batches.QueryBatches(config, world_data, world_data.examples("train"))(0)
   source = queries["source_block"]
   retrieved = np.stack([source + i for i in range(1, 5)], axis=1) % world_data.blocks.num_blocks
-  cand = batches.candidates_for(config, world_data, queries, retrieved, training=True)
+  cand = candidate_rows.of(config).rows(world_data, queries, retrieved, training=True)
   batch = batches.realm_batch(config, world_data, queries, cand)
   null_len = pipeline.reader_length(config.data.query_len, pipeline.NULL_DOCUMENT_LENGTH)
   assert batch["reader_ids"].shape[-1] > null_len
@@ -305,7 +306,7 @@ def test_the_null_document_embedded_once_and_read_short_changes_nothing(world_da
 
   def loss_and_grads(first):
     """The train step's loss and gradients with the null-first path on or off."""
-    monkeypatch.setattr(steps, "null_first", lambda config, training: first)
+    monkeypatch.setattr(candidate_rows.Retrieved, "null_first", lambda self, training: first)
     loss = lambda p: steps.realm_loss_fn(p, model, batch, config, jax.random.PRNGKey(0))[0]
     return jax.jit(jax.value_and_grad(loss))(params)
   (loss_a, grads_a), (loss_b, grads_b) = loss_and_grads(True), loss_and_grads(False)
@@ -329,16 +330,16 @@ def test_training_without_the_null_document(world_dir, world_data, tmp_path, cap
   source = queries["source_block"]
   retrieved = np.stack([source, source + 1, source + 2, source + 3, source + 4], axis=1)
   retrieved %= world_data.blocks.num_blocks
-  cand = batches.candidates_for(config, world_data, queries, retrieved, training=True)
+  cand = candidate_rows.of(config).rows(world_data, queries, retrieved, training=True)
   assert cand.shape == (len(source), 3) and (cand != pipeline.NULL_BLOCK).all()
   assert (world_data.blocks.uids[cand] != world_data.blocks.uids[source][:, None]).all()
-  evaluated = batches.candidates_for(config, world_data, queries, retrieved)
+  evaluated = candidate_rows.of(config).rows(world_data, queries, retrieved)
   assert (evaluated[:, 0] == pipeline.NULL_BLOCK).all()
   np.testing.assert_array_equal(evaluated[:, 1:], cand)
   # Three copies of the query's own block among the top k + 1 leave a slot to the null
   # document; the step finds it (and gives it no prior mass) from its wordpieces alone.
   retrieved[:, 1:3] = source[:, None]
-  cand = batches.candidates_for(config, world_data, queries, retrieved, training=True)
+  cand = candidate_rows.of(config).rows(world_data, queries, retrieved, training=True)
   assert (cand[:, :2] != pipeline.NULL_BLOCK).all() and (cand[:, 2] == pipeline.NULL_BLOCK).all()
   batch = batches.realm_batch(config, world_data, queries, cand)
   np.testing.assert_array_equal(np.asarray(steps.null_candidates(batch["candidate_ids"])),
@@ -355,3 +356,19 @@ def test_training_without_the_null_document(world_dir, world_data, tmp_path, cap
   config.retrieval.k = 2
   with pytest.raises(ConfigError, match="retrieval.k.*train_null_document False"):
     validate(config)
+
+
+def test_every_candidates_mode_is_one_object_with_its_spec():
+  """`retrieval.candidates` names one object each (train/candidate_rows.py), and what the
+  step reads of it: only retrieved candidates are scored by the retriever; evaluation puts
+  the null document first except when it is the only candidate; the null document alone is
+  read at its own length."""
+  from realm_jax.config import defaults
+  assert set(candidate_rows.MODES) == set(defaults.CANDIDATE_SOURCES)
+  spec = {}
+  for mode in defaults.CANDIDATE_SOURCES:
+    c = candidate_rows.of(tiny_config("realm", None, "", retrieval__candidates=mode))
+    spec[mode] = (c.retrieves, c.scored, c.null_first(training=False), c.reader_block_len(288))
+  assert spec == {"index": (True, True, True, 288), "mixed": (True, False, True, 288),
+                  "own_block": (False, False, True, 288),
+                  "null_only": (False, False, False, pipeline.NULL_DOCUMENT_LENGTH)}

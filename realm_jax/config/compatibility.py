@@ -4,7 +4,7 @@ checkpoints were written under)."""
 
 from __future__ import annotations
 
-from realm_jax.config.defaults import TOWER_FIELDS, TOWER_UNSET
+from realm_jax.config.defaults import TOWER_FIELDS
 from realm_jax.config.reading import flat_options
 
 # Fields that fix parameter shapes or the meaning of a checkpoint: a workdir whose
@@ -17,7 +17,7 @@ EXECUTION_FIELDS = ("model.dtype", "model.attention", "model.remat")
 # Compatibility fields added later -> the value checkpoints saved without them were written under.
 ADDED_FIELDS = {"model.hidden_act": "gelu", "model.attention_dropout_rate": -1.0,
                 "model.retriever.pooling": "cls",
-                **{f"model.retriever.{f}": TOWER_UNSET.get(f, 0) for f in TOWER_FIELDS}}
+                **{f"model.retriever.{f}": None for f in TOWER_FIELDS}}
 
 
 def incompatible_fields(saved: dict, current: dict) -> list[str]:

@@ -4,6 +4,7 @@ override what their stage or scale changes, and the choices each option may take
 from __future__ import annotations
 
 import ml_collections
+from ml_collections import config_dict
 
 TASKS = ("ict", "realm", "openqa")
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -12,11 +13,18 @@ REFRESH_MODES = ("in_process", "async", "deterministic")
 BACKENDS = ("exact", "scann")
 NONFINITE_ACTIONS = ("stop", "skip")   # train.nonfinite
 DISTILL_QUERIES = ("all", "evidence")   # retrieval.distill_queries
-# The shape fields the retriever towers may set apart from the reader's (`model.retriever.*`,
-# 0 / -1.0 / "": the same as `model.*`).
+# The shape fields the retriever towers may set apart from the reader's (`model.retriever.*`;
+# unset, None, the default: the same as the reader's `model.*`).
 TOWER_FIELDS = ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position",
                 "dropout_rate", "hidden_act")
-TOWER_UNSET = {"dropout_rate": -1.0, "hidden_act": ""}   # the others: 0
+# What "the same as the reader's" was written as in configs saved before it was None.
+OLD_SAME_AS_READER = {"dropout_rate": -1.0, "hidden_act": ""}   # the others: 0
+
+
+def same_as_reader(kind: type):
+  """A `model.retriever.*` field that is the reader's unless set: None, typed `kind` (a
+  command-line or `--set` value is parsed as one)."""
+  return config_dict.placeholder(kind)
 PARTS = ("retriever", "reader")  # the two halves of the parameter tree, each with its own start
 
 
@@ -61,13 +69,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.max_span_width = 10      # longest answer span, in wordpieces (openqa)
   c.model.span_layer_norm_eps = 1e-3  # the span scorer's LayerNorm epsilon (HF RealmConfig)
   c.model.retriever = ml_collections.ConfigDict()   # the retriever towers' own shape
-  c.model.retriever.hidden_size = 0        # 0: model.hidden_size
-  c.model.retriever.num_layers = 0         # 0: model.num_layers
-  c.model.retriever.num_heads = 0          # 0: model.num_heads
-  c.model.retriever.intermediate_size = 0  # 0: model.intermediate_size
-  c.model.retriever.max_position = 0       # 0: model.max_position (>= query_len, block_len)
-  c.model.retriever.dropout_rate = -1.0    # -1: model.dropout_rate
-  c.model.retriever.hidden_act = ""        # "": model.hidden_act
+  c.model.retriever.hidden_size = same_as_reader(int)        # unset: model.hidden_size
+  c.model.retriever.num_layers = same_as_reader(int)         # unset: model.num_layers
+  c.model.retriever.num_heads = same_as_reader(int)          # unset: model.num_heads
+  c.model.retriever.intermediate_size = same_as_reader(int)  # unset: model.intermediate_size
+  c.model.retriever.max_position = same_as_reader(int)       # unset: model.max_position
+                                                             # (>= query_len, block_len)
+  c.model.retriever.dropout_rate = same_as_reader(float)     # unset: model.dropout_rate
+  c.model.retriever.hidden_act = same_as_reader(str)         # unset: model.hidden_act
   c.model.retriever.pooling = "cls"        # "cls": [CLS] through BERT's pooler (REALM's);
                                            # "mean": the last layer averaged over non-padding
                                            # tokens (how sentence encoders such as

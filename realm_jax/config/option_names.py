@@ -1,15 +1,18 @@
-"""Options renamed since they were first released, and the reading of old names.
+"""Options renamed since they were first released, and the reading of old names and values.
 
 A saved `W/config.json`, a config file that sets a renamed leaf (`c.retrieval.mode = ...`) and a
 `--config.*` flag keep working under the old name: the value moves to the new name and a
 `RenamedOptionWarning` names it. A config file must spell a renamed group the new way
 (`c.builder.keep_versions`, not `c.index.keep_versions`): the old group no longer exists to be
-assigned into.
+assigned into. A saved config also reads the values that once meant "the same as the reader's"
+in `model.retriever.*` (0, -1.0, "") as that meaning's spelling now, None.
 """
 
 from __future__ import annotations
 
 import warnings
+
+from realm_jax.config.defaults import OLD_SAME_AS_READER, TOWER_FIELDS
 
 # old dotted name -> new
 RENAMED_OPTIONS = {
@@ -38,8 +41,9 @@ def _warn(old: str, new: str, where: str) -> None:
 
 
 def upgrade_record(record: dict, where: str = "") -> dict:
-  """A saved config (the JSON of `W/config.json`) with old names moved to the new ones."""
-  out = dict(record)
+  """A saved config (the JSON of `W/config.json`) with old names moved to the new ones and
+  the retriever's old "same as the reader's" values as None."""
+  out = _same_as_reader_unset(record)
   for old, new in RENAMED_OPTIONS.items():
     *old_parents, old_leaf = old.split(".")
     parent = out
@@ -57,6 +61,15 @@ def upgrade_record(record: dict, where: str = "") -> dict:
     else:
       target[new_leaf] = value
   return out
+
+
+def _same_as_reader_unset(record: dict) -> dict:
+  own = (record.get("model") or {}).get("retriever")
+  if not isinstance(own, dict):
+    return dict(record)
+  own = {f: None if f in TOWER_FIELDS and v == OLD_SAME_AS_READER.get(f, 0) else v
+         for f, v in own.items()}
+  return {**record, "model": {**record["model"], "retriever": own}}
 
 
 def _copy_path(root: dict, keys: list[str], create: bool = False) -> dict:

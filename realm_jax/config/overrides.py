@@ -146,9 +146,27 @@ def apply_assignments(config, texts: list[str], flag: str = "--set") -> dict:
   for text in texts:
     key, value = parse_assignment(text, flag)
     check_key(key, fields, flag)
-    config.update_from_flattened_dict({key: typed_value(value, fields[key], key)})
+    current = fields[key] if fields[key] is not None else _unset_example(config, key)
+    config.update_from_flattened_dict({key: typed_value(value, current, key)})
     given[key] = value
   return given
+
+
+def _unset_example(config, key: str):
+  """A value of the type an unset (None) field takes (`defaults.same_as_reader`), to parse
+  a value given for it: the config's own record of it, else (a config whose references were
+  resolved has lost it) the defaults'; None where neither knows."""
+  from realm_jax.config.defaults import base_config
+  for source in (config, base_config()):
+    node = source
+    *parents, leaf = key.split(".")
+    for parent in parents:
+      node = node.get(parent) if hasattr(node, "get") else None
+    if hasattr(node, "get_type") and leaf in node:
+      kind = node.get_type(leaf)
+      if kind is not type(None):
+        return kind()
+  return None
 
 
 def with_overrides(config, overrides: dict):

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import ml_collections
 
-from realm_jax.config.defaults import PARTS, TOWER_FIELDS, TOWER_UNSET
+from realm_jax.config.defaults import PARTS, TOWER_FIELDS
 
 def retriever_own_fields(config) -> dict:
-  """The `model.retriever.*` fields set apart from `model.*` (configs saved before the
-  per-tower shapes have none)."""
+  """The `model.retriever.*` fields set apart from `model.*`: those not None (configs saved
+  before the per-tower shapes have none)."""
   own = config.model.get("retriever") or {}
-  return {f: own[f] for f in TOWER_FIELDS if f in own and own[f] != TOWER_UNSET.get(f, 0)}
+  return {f: own[f] for f in TOWER_FIELDS if own.get(f) is not None}
 
 
 def part_model(config, part: str) -> ml_collections.ConfigDict:

@@ -1,6 +1,5 @@
 """Host-side batch assembly for each task: queries (a grain pipeline, checkpointed with the
-train state), then the candidates retrieved from the index that serves the step and the reader
-inputs. The trainer calls these in its batch-feed thread, steps ahead of the train step
+train state), then the reader inputs of the candidates (their rows: train/candidate_rows.py). The trainer calls these in its batch-feed thread, steps ahead of the train step
 (train/feed.py); which index serves which step is decided by the candidate source
 (train/candidates.py)."""
 
@@ -12,7 +11,7 @@ import numpy as np
 from realm_jax.data import pipeline
 from realm_jax.data.prepared import ExampleSet, PreparedData
 from realm_jax.errors import ConfigError
-from realm_jax.config import reading
+from realm_jax.train import candidate_rows
 
 
 class BatchStream:
@@ -112,48 +111,14 @@ def masked_queries(examples: ExampleSet, rows: np.ndarray, spans: np.ndarray, co
   return batch
 
 
-def candidates_for(config, data: PreparedData, queries: dict[str, np.ndarray],
-                   retrieved: np.ndarray | None, training: bool = False,
-                   distractor: bool = False) -> np.ndarray:
-  """Candidate block rows [n, k] (column 0 = the null document) for the retrieval mode; a
-  training batch without the null document (see `index` below) holds [n, k - 1].
-
-  own_block: the null document and the query's own block, whose prior mass is all on the
-  block; a training batch leaves the null document out (it would add exactly nothing to the
-  loss or its gradient, at the cost of reading it), evaluation reads it to measure utility.
-  mixed: as own_block, but a training query reads its own block only where its draw says
-  (`reads_own_block`), else the best retrieved block that is not its own (a distractor);
-  evaluation reads the own block, or with `distractor` that block.
-  index: the null document and the top k - 1 retrieved blocks (the query's own block dropped);
-  without the null document in training (`retrieval.train_null_document` False) a training
-  batch holds the blocks only.
-  """
-  source = queries["source_block"]
-  null = np.full((len(source), 1), pipeline.NULL_BLOCK)
-  mode = config.retrieval.candidates
-  if mode == "null_only":
-    return null
-  if mode == "own_block":
-    return source[:, None] if training else np.concatenate([null, source[:, None]], axis=1)
-  if mode == "mixed":   # the best retrieved block that is not the query's own
-    other = pipeline.candidate_rows(retrieved, source, data.blocks.uids, 2)[:, 1:]
-    if training:
-      return np.where(queries["reads_own_block"][:, None] > 0, source[:, None], other)
-    return np.concatenate([null, other if distractor else source[:, None]], axis=1)
-  rows = pipeline.candidate_rows(retrieved, source, data.blocks.uids, config.retrieval.k)
-  return rows[:, 1:] if training and not reading.null_in_training(config) else rows
-
-
 def realm_batch(config, data: PreparedData, queries: dict[str, np.ndarray],
-                candidate_rows: np.ndarray) -> dict[str, np.ndarray]:
-  """Everything the REALM step reads: queries, candidates (to re-score) and reader inputs."""
+                rows: np.ndarray) -> dict[str, np.ndarray]:
+  """Everything the REALM step reads: queries, candidates (`rows`, to re-score) and reader
+  inputs."""
   tok = data.tokenizer
-  cands = pipeline.candidate_inputs(data.blocks, candidate_rows, tok.cls_id, tok.sep_id)
-  # the null document alone is read at its own length: padding to the block length would
-  # only be read and masked out
-  null_only = config.retrieval.candidates == "null_only"
+  cands = pipeline.candidate_inputs(data.blocks, rows, tok.cls_id, tok.sep_id)
   reader_len = pipeline.reader_length(
-      config.data.query_len, pipeline.NULL_DOCUMENT_LENGTH if null_only else data.blocks.block_len)
+      config.data.query_len, candidate_rows.of(config).reader_block_len(data.blocks.block_len))
   reader_ids, reader_segments = pipeline.reader_inputs(queries["query_ids"],
                                                        queries["query_len"], cands, reader_len)
   batch = {"query_ids": queries["query_ids"], "mask_positions": queries["mask_positions"],
@@ -186,11 +151,11 @@ def span_in_candidates(mask_labels: np.ndarray, mask_weights: np.ndarray,
   return found
 
 
-def index_embeddings(loaded, candidate_rows: np.ndarray) -> np.ndarray:
-  """The serving index's embeddings of candidate blocks [n, k, d] (the null document's row:
-  zeros, the step embeds it itself), for `retrieval.block_gradients` False."""
+def index_embeddings(loaded, rows: np.ndarray) -> np.ndarray:
+  """The serving index's embeddings of candidate blocks `rows` [n, k, d] (the null document's
+  row: zeros, the step embeds it itself), for `retrieval.block_gradients` False."""
   if loaded.embeddings is None:
     raise ValueError(f"index version {loaded.version} carries no block embeddings")
-  null = candidate_rows == pipeline.NULL_BLOCK
+  null = rows == pipeline.NULL_BLOCK
   return np.where(null[..., None], 0.0,
-                  loaded.embeddings[np.where(null, 0, candidate_rows)]).astype(np.float32)
+                  loaded.embeddings[np.where(null, 0, rows)]).astype(np.float32)

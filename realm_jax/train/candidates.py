@@ -1,10 +1,9 @@
 """Where a pre-training step's candidate blocks come from: one source per way, behind one
 interface the trainer asks (`candidate_source` picks it from the config).
 
-  NoRetrieval      nothing is retrieved (ICT on data without recall ground truth); the base
-                   of the others
-  OwnBlock         the query's own block (`retrieval.candidates=own_block`: the reader warm-up)
-  NullDocumentOnly the null document alone (`retrieval.candidates=null_only`: the baseline)
+  NoRetrieval      nothing is retrieved (ICT on data without recall ground truth; REALM's
+                   reader warm-up on its own block, the null-document baseline); the base of
+                   the others
   RebuiltIndex     rebuilt in this process from a snapshot of the retriever
                    (`retrieval.refresh=in_process`): REALM every `refresh_every` steps; ICT at
                    each evaluation, to measure recall
@@ -31,6 +30,7 @@ from realm_jax.retrieval.index import ExactIndex, IndexVersion, embed_blocks
 from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
 from realm_jax.runtime import embedders
 from realm_jax.config.reading import uses_index_builder
+from realm_jax.train import candidate_rows
 from realm_jax.train.feed import VersionSchedule
 from realm_jax.runtime.metrics import MetricWriter
 
@@ -42,11 +42,11 @@ class NoRetrieval:
 
   retrieves = False     # training batches read retrieved blocks
   measures = False      # evaluation retrieves (recall, REALM's marginal)
-  should_stop = None    # () -> bool, set by the trainer: a SIGTERM came (a rebuild yields)
 
   def __init__(self, config, workdir: str):
     self.config, self.workdir = config, workdir
     self.last: IndexVersion | None = None   # the index that served the last step (or eval)
+    self.should_stop: Callable[[], bool] | None = None   # from `begin`
     self.staleness: list[int] = []
     self.versions_used: set[int] = set()
     self._log: MetricWriter | None = None
@@ -71,8 +71,11 @@ class NoRetrieval:
     return False
 
   # -- the loop ----------------------------------------------------------------------------
-  def begin(self, start: int, depth: int, save_start: Callable[[], None]) -> None:
-    """Before the first step (after restore): `save_start` writes step `start`'s checkpoint."""
+  def begin(self, start: int, depth: int, save_start: Callable[[], None],
+            should_stop: Callable[[], bool] | None = None) -> None:
+    """Before the first step (after restore): `save_start` writes step `start`'s checkpoint;
+    `should_stop` says a SIGTERM came (a rebuild yields to it)."""
+    self.should_stop = should_stop
     if self.retrieves:
       self._log = MetricWriter(self.workdir, "retrieval")
 
@@ -123,15 +126,6 @@ class NoRetrieval:
   def summary(self) -> dict:
     """`index_*` figures over the steps this process ran (a resumed run: since the resume)."""
     return {}
-
-
-class OwnBlock(NoRetrieval):
-  """The query's own block, all prior mass on it (the reader warm-up); evaluation also reads
-  the null document, to measure retrieval utility (`batches.candidates_for`)."""
-
-
-class NullDocumentOnly(NoRetrieval):
-  """The null document alone: the no-retrieval baseline."""
 
 
 class RebuiltIndex(NoRetrieval):
@@ -246,10 +240,11 @@ class PublishedIndex(NoRetrieval):
   def checkpoint_due(self, done: int) -> bool:
     return done % self.config.retrieval.refresh_every == 0   # each one a snapshot to index
 
-  def begin(self, start: int, depth: int, save_start: Callable[[], None]) -> None:
+  def begin(self, start: int, depth: int, save_start: Callable[[], None],
+            should_stop: Callable[[], bool] | None = None) -> None:
     """Clears a DONE of an earlier run, writes the builder's first snapshot (at step 0),
     and in async mode waits for the first version (the one blocking wait)."""
-    super().begin(start, depth, save_start)
+    super().begin(start, depth, save_start, should_stop)
     if jax.process_index() == 0:
       workdir_lib.clear_done(self.workdir)
     if start == 0:
@@ -303,15 +298,11 @@ def candidate_source(config, workdir: str, *, model, mesh, data, abstract_retrie
   if uses_index_builder(config):
     return PublishedIndex(config, workdir, model=model, data=data,
                           abstract_retriever=abstract_retriever)
-  candidates = config.retrieval.candidates
-  retrieves = config.task == "realm" and candidates in ("index", "mixed")
+  retrieves = config.task == "realm" and candidate_rows.of(config).retrieves
   if retrieves or (config.task == "ict" and has_answers):
     return RebuiltIndex(config, workdir, retrieves=retrieves, model=model, mesh=mesh,
                         data=data, abstract_retriever=abstract_retriever, snapshot=snapshot)
-  if config.task == "realm":
-    return OwnBlock(config, workdir) if candidates == "own_block" \
-        else NullDocumentOnly(config, workdir)
-  return NoRetrieval(config, workdir)
+  return NoRetrieval(config, workdir)   # the own block or the null document alone
 
 
 def _staleness_summary(staleness: list[int], versions_used: set[int],

@@ -13,14 +13,14 @@ import numpy as np
 
 from realm_jax.errors import ConfigError
 from realm_jax.masked_eval import Evaluator
-from realm_jax.train import batches, steps
+from realm_jax.train import batches, candidate_rows, steps
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.train.best_export import BestExport
 from realm_jax.train.candidates import candidate_source
 from realm_jax.config.validation import validate_against_data
 from realm_jax.train.feed import BatchFeed
 from realm_jax.runtime.metrics import MetricWriter
-from realm_jax.train.run import Run
+from realm_jax.train.run import Run, StepBatch, StepBatches, checked_data
 from realm_jax.train.score_cache import ScoreCache, cache_keys
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,10 @@ class Trainer(Run):
   keep_examples = 5
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str):
-    super().__init__(config, workdir)
+    data = checked_data(config, workdir)
+    self.examples = query_examples(config, data)
+    super().__init__(config, workdir, data, batches.QueryBatches(
+        config, data, self.examples, jax.process_index(), jax.process_count()))
     realm_eval = steps.make_realm_eval(config, self.model, self.mesh) \
         if config.task == "realm" else None
     self.evaluator = Evaluator(config, self.data, self.mesh, realm_eval)
@@ -45,27 +48,8 @@ class Trainer(Run):
         config, workdir, model=self.model, mesh=self.mesh, data=self.data,
         abstract_retriever=self.abstract.params["retriever"], snapshot=self._snapshot,
         has_answers=self.evaluator.has_answers)
-    self.feed: BatchFeed | None = None
-    self.score_cache: ScoreCache | None = None
     self.best = BestExport(workdir, config) \
         if config.task == "realm" and config.eval.get("export_best", False) else None
-    self.cache_hits = self.cache_reads = 0
-
-  def check_inputs(self) -> None:
-    config, stats = self.config, self.data.stats
-    validate_against_data(config, num_blocks=self.data.blocks.num_blocks,
-                          store_block_len=self.data.blocks.block_len,
-                          max_sentence_len=stats["max_sentence_len"],
-                          vocab_size=self.data.tokenizer.vocab_size)
-    try:
-      self.examples = self.data.examples(config.data.split)
-    except FileNotFoundError as e:
-      raise ConfigError("data.split", str(e)) from None
-    if len(self.examples) < config.train.batch_size:
-      raise ConfigError("train.batch_size", f"{config.train.batch_size} > the "
-                        f"{len(self.examples)} examples of split {config.data.split!r}")
-    self.inputs = batches.QueryBatches(config, self.data, self.examples, jax.process_index(),
-                                       jax.process_count())
 
   def _snapshot(self):
     """A copy of the current retriever params (the state's buffers are donated every step)."""
@@ -85,7 +69,7 @@ class Trainer(Run):
     return super().checkpoint_due(done) or self.candidates.checkpoint_due(done)
 
   # -- the steps ---------------------------------------------------------------------------
-  def begin(self, start: int) -> None:
+  def begin(self, start: int, init) -> None:
     cfg = self.config
     n_params = state_lib.count_params(self.state.params)
     logger.info(f"{self.prefix}{n_params / 1e6:.2f}M params, mesh {dict(self.mesh.shape)}, batch "
@@ -93,87 +77,27 @@ class Trainer(Run):
                 f"{self.data.blocks.num_blocks:,} blocks, {len(self.examples):,} queries"
                 f"{self.candidates.describe()}")
 
-  def begin_steps(self, start: int, depth: int) -> None:
-    self.candidates.should_stop = self.preemption.requested
-    self.candidates.begin(start, depth, self._save_first_snapshot)
+  def open_batches(self, start: int, data_iter, preemption) -> QueryStepBatches:
+    """The candidate source begins (a published index: the first snapshot saved, the first
+    version awaited); the score cache starts empty (the reader is frozen: read once)."""
+    depth = max(1, self.config.data.prefetch)
 
-  def _save_first_snapshot(self) -> None:
-    """Step 0's checkpoint, the builder's first snapshot, unless the run resumed from it
-    (stopped before its first refresh step's checkpoint)."""
-    if 0 not in self.checkpointer.all_steps():
-      self.save(0, self.data_iter.get_state())
+    def save_first_snapshot() -> None:
+      """Step 0's checkpoint, the builder's first snapshot, unless the run resumed from it
+      (stopped before its first refresh step's checkpoint)."""
+      if 0 not in self.checkpointer.all_steps():
+        self.save(0, data_iter.get_state())
+    self.candidates.begin(start, depth, save_first_snapshot, preemption.requested)
+    score_cache = ScoreCache(self.config, self.model, self.state.params["reader"],
+                             self.inputs.local_batch) \
+        if self.config.retrieval.get("score_cache", False) else None
+    return QueryStepBatches(self.config, self.data, self.mesh, self.candidates, score_cache,
+                            data_iter, start, depth)
 
   def evaluates_at_start(self) -> bool:
     return self.candidates.measures   # the starting point of the curves
 
-  def first_batch(self, start: int, depth: int) -> None:
-    self.start, self.depth = start, depth
-    if self.config.retrieval.get("score_cache", False):   # the reader is frozen: read once
-      self.score_cache = ScoreCache(self.config, self.model, self.state.params["reader"],
-                                    self.inputs.local_batch)
-    self.feed = BatchFeed(self.data_iter, self._assemble, start, depth)
-
-  def _assemble(self, step: int, queries: dict[str, np.ndarray]):
-    """Step `step`'s host batch from its queries (runs in the feed thread)."""
-    cfg = self.config
-    if cfg.task == "ict":
-      return queries, {}
-    loaded, waited = self.candidates.for_step(step)
-    retrieved, used = None, {}
-    if loaded is not None:
-      retrieved = loaded.retrieve(queries["query_ids"], cfg.retrieval.k + 1)
-      used = {"index": loaded, "wait_seconds": waited}
-    cand = batches.candidates_for(cfg, self.data, queries, retrieved, training=True)
-    batch = batches.realm_batch(cfg, self.data, queries, cand)
-    if not cfg.retrieval.get("block_gradients", True) and loaded is not None:
-      batch["candidate_emb"] = batches.index_embeddings(loaded, cand)
-    if self.score_cache is not None:
-      batch, hits, reads = self.score_cache.fill(batch, cache_keys(queries, cand))
-      used["score_cache"] = (hits, reads)
-    return batch, used
-
-  def next_batch(self, step: int):
-    self.candidates.before_step(step, self.start, self.depth)
-    t_feed = time.time()
-    host, self.used, data_state = self.feed.next()
-    self.feed_wait = time.time() - t_feed
-    return partitioning.global_batch(host, self.mesh), data_state
-
-  def after_step(self, done: int, metrics) -> None:
-    if "score_cache" in self.used:
-      self.cache_hits += self.used["score_cache"][0]
-      self.cache_reads += self.used["score_cache"][1]
-    if "index" in self.used:
-      self.candidates.served(done, self.used["index"], self.used["wait_seconds"],
-                             self.feed_wait, metrics)
-
-  def progress(self, scalars: dict) -> tuple[str, str]:
-    if self.candidates.staleness:
-      scalars["index_staleness"] = self.candidates.staleness[-1]
-    note = self.candidates.progress_note()
-    if self.score_cache is not None:
-      note += (f" | score cache {len(self.score_cache):,} pairs, hit rate "
-               f"{self._cache_figures()['score_cache_hit_rate']:.2f}")
-    return " ".join(f"{k} {scalars[k]:.4g}" for k in _SHOWN if k in scalars), note
-
-  def _cache_figures(self) -> dict:
-    """The score cache's figures over the steps this process ran (since a resume)."""
-    looked_up = max(self.cache_hits + self.cache_reads, 1)
-    return {"score_cache_hit_rate": round(self.cache_hits / looked_up, 4),
-            "score_cache_reader_forwards_saved": self.cache_hits,
-            "score_cache_reader_forwards": self.cache_reads}
-
-  def stop_feeding(self, preempted: bool) -> None:
-    # The feed thread is building batches past the last step and may be waiting for an index
-    # that will not come: release it before joining it.
-    self.candidates.stop_feeding(preempted)
-    self.feed.close()
-    self.feed = None
-
   def close(self) -> None:
-    if self.feed is not None:
-      self.candidates.stop_feeding(True)
-      self.feed.close()
     self.candidates.close()
 
   # -- evaluation and summary --------------------------------------------------------------
@@ -195,27 +119,125 @@ class Trainer(Run):
     return metrics, details
 
   def summary_fields(self) -> dict:
+    return self.best.summary() if self.best is not None else {}
+
+  def finished(self, summary: dict) -> None:
+    self.candidates.finished(summary["steps"])
+
+
+def query_examples(config: ml_collections.ConfigDict, data) -> list:
+  """The training queries of `data.split`, with the config checked against the data."""
+  validate_against_data(config, num_blocks=data.blocks.num_blocks,
+                        store_block_len=data.blocks.block_len,
+                        max_sentence_len=data.stats["max_sentence_len"],
+                        vocab_size=data.tokenizer.vocab_size)
+  try:
+    examples = data.examples(config.data.split)
+  except FileNotFoundError as e:
+    raise ConfigError("data.split", str(e)) from None
+  if len(examples) < config.train.batch_size:
+    raise ConfigError("train.batch_size", f"{config.train.batch_size} > the "
+                      f"{len(examples)} examples of split {config.data.split!r}")
+  return examples
+
+
+class QueryStepBatches(StepBatches):
+  """Pre-training's step batches: the queries from the input pipeline, their candidates from
+  the candidate source (which swaps the index before the step that first uses a new one),
+  the reader scores from the score cache where it has them; built `depth` steps ahead in the
+  batch feed's thread."""
+
+  def __init__(self, config, data, mesh, candidates, score_cache: ScoreCache | None,
+               data_iter, start: int, depth: int):
+    self.config, self.data, self.mesh = config, data, mesh
+    self.candidates, self.score_cache = candidates, score_cache
+    self.rows = candidate_rows.of(config)
+    self.data_iter, self.start, self.depth = data_iter, start, depth
+    self.feed: BatchFeed | None = None   # started by the first `next` (after the first eval)
+    self.cache_hits = self.cache_reads = 0
+
+  def next(self, step: int) -> StepBatch:
+    self.candidates.before_step(step, self.start, self.depth)
+    if self.feed is None:
+      self.feed = BatchFeed(self.data_iter, self._assemble, self.start, self.depth)
+    t_feed = time.time()
+    host, used, data_state = self.feed.next()
+    used["feed_wait"] = time.time() - t_feed
+    return StepBatch(partitioning.global_batch(host, self.mesh), data_state, used)
+
+  def _assemble(self, step: int, queries: dict[str, np.ndarray]):
+    """Step `step`'s host batch from its queries (runs in the feed thread)."""
+    cfg = self.config
+    if cfg.task == "ict":
+      return queries, {}
+    loaded, waited = self.candidates.for_step(step)
+    retrieved, used = None, {}
+    if loaded is not None:
+      retrieved = loaded.retrieve(queries["query_ids"], cfg.retrieval.k + 1)
+      used = {"index": loaded, "wait_seconds": waited}
+    cand = self.rows.rows(self.data, queries, retrieved, training=True)
+    batch = batches.realm_batch(cfg, self.data, queries, cand)
+    if not cfg.retrieval.get("block_gradients", True) and loaded is not None:
+      batch["candidate_emb"] = batches.index_embeddings(loaded, cand)
+    if self.score_cache is not None:
+      batch, hits, reads = self.score_cache.fill(batch, cache_keys(queries, cand))
+      used["score_cache"] = (hits, reads)
+    return batch, used
+
+  def served(self, done: int, fed: StepBatch, metrics) -> None:
+    used = fed.used
+    if "score_cache" in used:
+      self.cache_hits += used["score_cache"][0]
+      self.cache_reads += used["score_cache"][1]
+    if "index" in used:
+      self.candidates.served(done, used["index"], used["wait_seconds"], used["feed_wait"],
+                             metrics)
+
+  def progress(self, scalars: dict) -> tuple[str, str]:
+    if self.candidates.staleness:
+      scalars["index_staleness"] = self.candidates.staleness[-1]
+    note = self.candidates.progress_note()
+    if self.score_cache is not None:
+      note += (f" | score cache {len(self.score_cache):,} pairs, hit rate "
+               f"{self._cache_figures()['score_cache_hit_rate']:.2f}")
+    return " ".join(f"{k} {scalars[k]:.4g}" for k in _SHOWN if k in scalars), note
+
+  def _cache_figures(self) -> dict:
+    """The score cache's figures over the steps this process ran (since a resume)."""
+    looked_up = max(self.cache_hits + self.cache_reads, 1)
+    return {"score_cache_hit_rate": round(self.cache_hits / looked_up, 4),
+            "score_cache_reader_forwards_saved": self.cache_hits,
+            "score_cache_reader_forwards": self.cache_reads}
+
+  def stop(self, preempted: bool) -> None:
+    # The feed thread is building batches past the last step and may be waiting for an index
+    # that will not come: release it before joining it.
+    self.candidates.stop_feeding(preempted)
+    if self.feed is not None:
+      self.feed.close()
+      self.feed = None
+
+  def close(self) -> None:
+    if self.feed is not None:
+      self.stop(True)
+
+  def summary(self) -> dict:
     figures = self.candidates.summary()
     if self.score_cache is not None:
       cache = self._cache_figures()
       logger.info(
-          f"{self.prefix}score cache: {cache['score_cache_reader_forwards_saved']:,} reader "
-          f"forwards saved, {cache['score_cache_reader_forwards']:,} made (hit rate "
+          f"[{self.config.task}] score cache: {cache['score_cache_reader_forwards_saved']:,} "
+          f"reader forwards saved, {cache['score_cache_reader_forwards']:,} made (hit rate "
           f"{cache['score_cache_hit_rate']:.3f})")
       figures = {**figures, **cache}
-    if self.best is not None:
-      figures = {**figures, **self.best.summary()}
-    if figures:
+    if "index_staleness_p50" in figures:
       logger.info(
-          f"{self.prefix}index staleness p50 {figures['index_staleness_p50']:g} p95 "
+          f"[{self.config.task}] index staleness p50 {figures['index_staleness_p50']:g} p95 "
           f"{figures['index_staleness_p95']:g} max {figures['index_staleness_max']} over "
           f"{len(self.candidates.staleness)} steps; {figures['index_versions_used']} versions "
           f"used; {figures['index_blocking_waits']} blocking waits after the first index "
           f"({figures['index_wait_seconds']:.1f}s)")
     return figures
-
-  def finished(self, summary: dict) -> None:
-    self.candidates.finished(summary["steps"])
 
 
 def train(config, workdir: str) -> dict:

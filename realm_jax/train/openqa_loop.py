@@ -25,7 +25,7 @@ from realm_jax.retrieval import published
 from realm_jax.runtime import multihost, partitioning, state as state_lib, embedders
 from realm_jax.config.validation import validate_against_data
 from realm_jax.runtime.metrics import MetricWriter
-from realm_jax.train.run import Run
+from realm_jax.train.run import Run, StepBatch, StepBatches, checked_data
 from realm_jax.train.openqa_inputs import FrozenIndex, QABatchBuilder, QuestionBatches
 
 logger = logging.getLogger(__name__)
@@ -35,38 +35,30 @@ class OpenQATrainer(Run):
   """One Open-QA fine-tuning run in `workdir`; `run()` trains and evaluates on `qa.dev`."""
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str):
-    super().__init__(config, workdir)
-    self.retriever_workdir = ""     # the run the retriever started from (its index may serve)
-    self.init_step = -1             # the step of the checkpoint the params came from
-
-  def check_inputs(self) -> None:
-    config = self.config
-    validate_against_data(config, num_blocks=self.data.blocks.num_blocks,
-                          store_block_len=self.data.blocks.block_len,
-                          vocab_size=self.data.tokenizer.vocab_size)
+    data = checked_data(config, workdir)
+    validate_against_data(config, num_blocks=data.blocks.num_blocks,
+                          store_block_len=data.blocks.block_len,
+                          vocab_size=data.tokenizer.vocab_size)
     self.train_qa, self.train_counts = qa_lib.qa_split(config.qa, "train", config.data.dir)
     if len(self.train_qa) < config.train.batch_size:
       raise ConfigError("train.batch_size", f"{config.train.batch_size} > the "
                         f"{len(self.train_qa)} training questions of {config.qa.train!r}")
     self.dev_qa, self.dev_counts = (qa_lib.qa_split(config.qa, "dev", config.data.dir)
                                     if config.qa.dev else ([], {}))
-    self.inputs = QuestionBatches(config, len(self.train_qa), jax.process_index(),
-                                  jax.process_count())
+    super().__init__(config, workdir, data, QuestionBatches(
+        config, len(self.train_qa), jax.process_index(), jax.process_count()))
+    self.frozen: FrozenIndex | None = None   # from `begin`
 
-  # -- start and checkpoints ---------------------------------------------------------------
-  def initialised(self, start) -> None:
-    retriever = start.sources["retriever"]
-    self.retriever_workdir = retriever.path if retriever.kind == "workdir" else ""
-    self.init_step = start.steps.get("retriever", -1)
-
+  # -- checkpoints -------------------------------------------------------------------------
   def abstract_item(self) -> dict:
     return {"step": np.zeros((), np.int32)}
 
   def item(self) -> dict:
     return {"step": np.asarray(self.frozen.step, np.int32)}
 
-  def frozen_index(self, init_step: int) -> FrozenIndex:
-    """W/index's latest version; on a fresh run, published first (see the module doc)."""
+  def frozen_index(self, init) -> FrozenIndex:
+    """W/index's latest version; on a fresh run (`init`: where its params came from),
+    published first (see the module doc)."""
     cfg, task = self.config, self.config.task
     fingerprint, dim = self.data.blocks.fingerprint, cfg.model.retrieval_dim
     frozen = FrozenIndex.load(self.workdir, fingerprint, dim)
@@ -74,8 +66,11 @@ class OpenQATrainer(Run):
       logger.info(f"[{task}] frozen index: {self.workdir}/index v{frozen.version} (blocks embedded "
                   f"at step {frozen.step})")
       return frozen
-    source = None
-    origin = self.retriever_workdir
+    source, origin, init_step = None, "", -1   # the run the retriever started from, its step
+    if init is not None:
+      retriever = init.sources["retriever"]
+      origin = retriever.path if retriever.kind == "workdir" else ""
+      init_step = init.steps.get("retriever", -1)
     if origin and init_step >= 0:
       root = published.index_root(origin)
       latest = published.read_latest(root) if os.path.isdir(str(root)) else None
@@ -96,9 +91,9 @@ class OpenQATrainer(Run):
     return FrozenIndex.load(self.workdir, fingerprint, dim)
 
   # -- the steps ---------------------------------------------------------------------------
-  def begin(self, start: int) -> None:
+  def begin(self, start: int, init) -> None:
     cfg = self.config
-    self.frozen = self.frozen_index(self.init_step)
+    self.frozen = self.frozen_index(init)
     self.builder = QABatchBuilder(cfg, self.data, self.train_qa, self.frozen)
     self.evaluator = QAEvaluator(cfg, self.data, self.mesh, self.model, self.dev_qa,
                                  self.frozen, reader=True, counts=self.dev_counts,
@@ -111,20 +106,8 @@ class OpenQATrainer(Run):
         f"skipped {self.train_counts or 'none'}), {self.frozen.num_blocks:,} blocks, top "
         f"{self.builder.n} for the retriever, top {self.builder.k} read")
 
-  def next_batch(self, step: int):
-    """The questions' top blocks by the current query tower over the frozen index."""
-    rows = next(self.data_iter)["rows"]
-    data_state = self.data_iter.get_state()
-    q_emb = embedders.query_embeddings(self.model, self.mesh, self.config, self.state.params,
-                             self.builder.question_ids[rows])
-    ranked = self.frozen.index.search(q_emb, self.builder.n)
-    return partitioning.global_batch(self.builder.train_batch(rows, ranked), self.mesh), \
-        data_state
-
-  def progress(self, scalars: dict) -> tuple[str, str]:
-    return (f"loss {scalars['loss']:.4g} (retriever {scalars['retriever_loss']:.3g}, reader "
-            f"{scalars['reader_loss']:.3g}) answer in top {self.builder.k} "
-            f"{scalars['answer_in_top_k']:.2f}", "")
+  def open_batches(self, start: int, data_iter, preemption) -> QuestionStepBatches:
+    return QuestionStepBatches(self, data_iter)
 
   def evaluates(self) -> bool:
     return self.evaluator is not None
@@ -139,3 +122,26 @@ class OpenQATrainer(Run):
   def summary_fields(self) -> dict:
     return {"train_questions": len(self.train_qa), "train_skipped": self.train_counts,
             "index_version": self.frozen.version, "index_step": self.frozen.step}
+
+
+class QuestionStepBatches(StepBatches):
+  """Open-QA's step batches: the questions' top blocks by the current query tower over the
+  frozen index."""
+
+  def __init__(self, run: OpenQATrainer, data_iter):
+    self.run, self.data_iter = run, data_iter
+
+  def next(self, step: int) -> StepBatch:
+    run = self.run
+    rows = next(self.data_iter)["rows"]
+    data_state = self.data_iter.get_state()
+    q_emb = embedders.query_embeddings(run.model, run.mesh, run.config, run.state.params,
+                                       run.builder.question_ids[rows])
+    ranked = run.frozen.index.search(q_emb, run.builder.n)
+    return StepBatch(partitioning.global_batch(run.builder.train_batch(rows, ranked), run.mesh),
+                     data_state)
+
+  def progress(self, scalars: dict) -> tuple[str, str]:
+    return (f"loss {scalars['loss']:.4g} (retriever {scalars['retriever_loss']:.3g}, reader "
+            f"{scalars['reader_loss']:.3g}) answer in top {self.run.builder.k} "
+            f"{scalars['answer_in_top_k']:.2f}", "")

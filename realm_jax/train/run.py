@@ -1,13 +1,17 @@
-"""The skeleton every training run shares (pre-training: train/loop.py; Open-QA:
-train/openqa_loop.py): set-up, resume or initialise, the step loop with logging, evaluation,
-checkpoints and preemption, the summary.
+"""The run every training task shares (pre-training: train/loop.py; Open-QA:
+train/openqa_loop.py), read top to bottom in `Run.run`: set up, restore or initialise, the loop
+{batch, step, log, evaluate, checkpoint} (the batch source swaps the index it retrieves from),
+finish with the summary.
 
-A task fills in what differs: `check_inputs` (its examples), `next_batch` (how a step's batch is
-built), `evaluate`, the `retrieval` item of its checkpoints and what its summary adds.
+A task hands in what differs as values and objects: its data and input pipeline (to
+`Run.__init__`), its step batches (`open_batches` returns a `StepBatches`: the batch of each
+step, what served it, its progress note and summary figures), its evaluation, the `retrieval`
+item of its checkpoints.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -15,6 +19,7 @@ import jax
 import ml_collections
 
 from realm_jax import paths, workdir as workdir_lib
+from realm_jax.data.prepared import PreparedData
 from realm_jax.errors import ConfigError, NonFiniteError
 from realm_jax.retrieval.index import EmbeddingStopped
 from realm_jax.runtime import initialization, partitioning, state as state_lib
@@ -27,23 +32,63 @@ from realm_jax.runtime.preemption import Preemption
 logger = logging.getLogger(__name__)
 
 
+def checked_data(config: ml_collections.ConfigDict, workdir: str) -> PreparedData:
+  """The run's data dir, opened after the workdir and the options are checked (a bad one is
+  a one-line error before anything is built)."""
+  paths.check(workdir, "--workdir")
+  validate(config)
+  return workdir_lib.open_data(config)
+
+
+@dataclasses.dataclass
+class StepBatch:
+  """One step's global batch, the input pipeline's state after it, and what built it (the
+  index that served it, the wait for it, the score cache's look-ups; `StepBatches.served`
+  reads it back after the step)."""
+  batch: dict
+  data_state: dict
+  used: dict = dataclasses.field(default_factory=dict)
+
+
+class StepBatches:
+  """A task's batches, step by step (`Run.open_batches` makes them)."""
+
+  def next(self, step: int) -> StepBatch:
+    raise NotImplementedError
+
+  def served(self, done: int, fed: StepBatch, metrics) -> None:
+    """After step `done` - 1 ran on `fed`."""
+
+  def progress(self, scalars: dict) -> tuple[str, str]:
+    """The figures of a progress line (it may add figures to `scalars`), and a note after
+    its rate."""
+    raise NotImplementedError
+
+  def stop(self, preempted: bool) -> None:
+    """After the last step, before the final evaluation."""
+
+  def close(self) -> None:
+    """Always, at the end (also on an error)."""
+
+  def summary(self) -> dict:
+    """Figures the run's summary adds (said in the log as well)."""
+    return {}
+
+
 class Run:
   """One training run in `workdir`; `run()` trains to `config.train.steps` and evaluates.
 
-  Attributes set here: config, workdir, data, mesh, model, shardings, abstract, train_step,
-  step_rng, checkpointer, saved_data (the data item of the checkpoint resumed from), inputs
-  (set by `check_inputs`: the input iterator's owner, with `iterator` / `state`); state (the
-  train state) from `restore_or_init` on.
+  Attributes set here: config, workdir, data, inputs (the input pipeline's owner, with
+  `iterator` / `state`), mesh, model, shardings, abstract, train_step, step_rng,
+  checkpointer, saved_data (the data item of the checkpoint resumed from); state (the train
+  state) from `restore_or_init` on.
   """
 
   keep_examples = 0   # examples with their evidence the final evaluation keeps for the summary
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
-    paths.check(workdir, "--workdir")
-    validate(config)
-    self.data = workdir_lib.open_data(config)
-    self.config, self.workdir = config, workdir
-    self.check_inputs()
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str, data: PreparedData,
+               inputs):
+    self.config, self.workdir, self.data, self.inputs = config, workdir, data, inputs
     self.mesh = partitioning.make_mesh(config.mesh.shape)
     if config.train.batch_size % self.mesh.shape["data"]:
       raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
@@ -63,10 +108,6 @@ class Run:
     self.prefix = f"[{config.task}] "
 
   # -- what a task fills in ----------------------------------------------------------------
-  def check_inputs(self) -> None:
-    """Validates the config against the data and sets `self.inputs`."""
-    raise NotImplementedError
-
   def abstract_item(self) -> dict:
     """The shape of the checkpoint's `retrieval` item."""
     raise NotImplementedError
@@ -78,24 +119,12 @@ class Run:
   def resumed(self, item: dict) -> None:
     """After a restore, with the restored `retrieval` item."""
 
-  def initialised(self, start: initialization.Start) -> None:
-    """After a fresh start took each part's params from its `config.init` source."""
+  def begin(self, start: int, init: initialization.Start | None) -> None:
+    """Before the loop (after restore; `init`: where a fresh start took each part's params
+    from): builds what the steps need, prints the header."""
 
-  def begin(self, start: int) -> None:
-    """Before the loop (after restore): builds what the steps need, prints the header."""
-
-  def first_batch(self, start: int, depth: int) -> None:
-    """Before the first `next_batch` (after the first evaluation)."""
-
-  def next_batch(self, step: int):
-    """(global batch, data state after it) of `step`."""
-    raise NotImplementedError
-
-  def after_step(self, done: int, metrics) -> None:
-    """After step `done` - 1 ran."""
-
-  def progress(self, scalars: dict) -> tuple[str, str]:
-    """The figures of a progress line, and a note after its rate."""
+  def open_batches(self, start: int, data_iter, preemption: Preemption) -> StepBatches:
+    """The batches of steps `start`.. drawn from `data_iter` (before the first evaluation)."""
     raise NotImplementedError
 
   def evaluates(self) -> bool:
@@ -110,22 +139,17 @@ class Run:
   def checkpoint_due(self, done: int) -> bool:
     return done % self.config.train.checkpoint_every == 0 or done == self.config.train.steps
 
-  def stop_feeding(self, preempted: bool) -> None:
-    """After the last step, before the final evaluation."""
-
-  def close(self) -> None:
-    """Always, at the end (also on an error)."""
-
   def summary_fields(self) -> dict:
     return {}
 
   def finished(self, summary: dict) -> None:
     """After a finished run's summary is written."""
 
-  # -- the skeleton ------------------------------------------------------------------------
-  def restore_or_init(self) -> int:
+  # -- the run -----------------------------------------------------------------------------
+  def restore_or_init(self) -> tuple[int, initialization.Start | None]:
     """Resumes from the latest checkpoint, else starts each part from its `config.init`
-    source (runtime/initialization.py). Returns the first step to run."""
+    source (runtime/initialization.py). Returns the first step to run and, on a fresh start,
+    where each part's params came from."""
     def log(line: str) -> None:
       logger.info(self.prefix + line)
     restored = self.checkpointer.restore_latest(self.abstract, self.abstract_item(), log)
@@ -134,56 +158,56 @@ class Run:
       self.resumed(item)
       logger.info(f"{self.prefix}resumed from {self.checkpointer.directory}/{latest} "
                   f"(data at step {self.saved_data['next_step']})")
-      return int(self.saved_data["next_step"])
+      return int(self.saved_data["next_step"]), None
     self.state = self._initial_state()
     start = initialization.start_params(self.config, self.state.params, self.abstract.params,
                                         self.shardings.params, self.data.tokenizer.vocab_path,
                                         self.data.tokenizer.vocab_size)
     self.state = self.state.replace(params=start.params)
     start.print(self.prefix)
-    self.initialised(start)
-    return 0
+    return 0, start
 
   def save(self, done: int, data_state: dict) -> None:
     self.checkpointer.save(done, self.state, self.inputs.state(data_state, done), self.item())
 
   def run(self) -> dict:
     cfg = self.config
-    start = self.restore_or_init()
-    self.begin(start)
+    start, init = self.restore_or_init()
+    self.begin(start, init)
     t_start = time.time()
     logs = {name: MetricWriter(self.workdir, name) for name in ("train", "eval")}
-    depth = max(1, cfg.data.prefetch)
-    self.data_iter = self.inputs.iterator(cfg.data.prefetch, self.saved_data)
-    preemption = self.preemption = Preemption(cfg.train.preemption_grace_seconds, self.prefix)
-    eval_metrics, details, preempted, ran = {}, [], None, False
+    data_iter = self.inputs.iterator(cfg.data.prefetch, self.saved_data)
+    preemption = Preemption(cfg.train.preemption_grace_seconds, self.prefix)
+    batches, eval_metrics, details, preempted, ran = None, {}, [], None, False
     try:
-      self.begin_steps(start, depth)
+      batches = self.open_batches(start, data_iter, preemption)
       if cfg.eval.every and start == 0 and self.evaluates_at_start():
         eval_metrics = self.evaluate(logs["eval"], 0, final=False)[0]
-      self.first_batch(start, depth)
-      preempted, eval_metrics = self._steps(start, logs, preemption, eval_metrics)
+      preempted, eval_metrics = self._steps(start, batches, logs, preemption, eval_metrics)
       if preempted is None:
         preemption.steps_done()
-      self.stop_feeding(preempted is not None)
+      batches.stop(preempted is not None)
       if preempted is None and self.evaluates():
         eval_metrics, details = self.evaluate(logs["eval"], cfg.train.steps, final=True)
       ran = True
     finally:
-      self._close_run(logs, preemption, ran)
+      self._close_run(batches, data_iter, logs, preemption, ran)
     wall = round(time.time() - t_start, 1)
     if preempted is not None:   # no summary.json, no DONE: the run is not over
       return {"task": cfg.task, "preempted_at_step": preempted, "wall_seconds": wall}
-    return self._summarise(wall, eval_metrics, details)
+    return self._summarise(wall, eval_metrics, details, batches.summary())
 
-  def _close_run(self, logs: dict, preemption: Preemption, ran: bool) -> None:
+  def _close_run(self, batches: StepBatches | None, data_iter, logs: dict,
+                 preemption: Preemption, ran: bool) -> None:
     """Closes the run's parts, the SIGTERM handler last (a SIGTERM while the checkpointer
     finalises is still the run's); one the run saved no step for goes on to its caller's
     handler only if the run (`ran`) and the closing succeeded."""
     closed = False
     try:
+      if batches is not None:
+        batches.close()
       self.close()
-      self.data_iter.close()
+      data_iter.close()
       self.checkpointer.close()
       for log in logs.values():
         log.close()
@@ -191,16 +215,17 @@ class Run:
     finally:
       preemption.close(pass_on=ran and closed)
 
-  def begin_steps(self, start: int, depth: int) -> None:
-    """Inside the loop's error handling, before the first evaluation."""
+  def close(self) -> None:
+    """What the task holds beyond its batches, closed at the end (also on an error)."""
 
-  def _steps(self, start: int, logs: dict, preemption: Preemption, eval_metrics: dict):
+  def _steps(self, start: int, batches: StepBatches, logs: dict, preemption: Preemption,
+             eval_metrics: dict):
     """Steps `start`..total; returns (the step preempted after or None, latest eval)."""
     cfg, total = self.config, self.config.train.steps
     window, t_last, data_state = [], time.time(), None
     for step in range(start, total):
       try:
-        batch, data_state = self.next_batch(step)
+        fed = batches.next(step)
       except EmbeddingStopped as e:   # SIGTERM during an index rebuild: save step `step`
         logger.warning(f"{self.prefix}SIGTERM during the index rebuild before step {step + 1}: "
                        f"{e}; saving step {step}")
@@ -208,16 +233,17 @@ class Run:
           self.save(step, data_state)
         preemption.saved(step, self.checkpointer)
         return step, eval_metrics
-      self.state, metrics = self.train_step(self.state, batch, self.step_rng)
+      data_state = fed.data_state
+      self.state, metrics = self.train_step(self.state, fed.batch, self.step_rng)
       done = step + 1
       if self.applied(done, metrics):
         window.append(metrics)
-      self.after_step(done, metrics)
+      batches.served(done, fed, metrics)
       if (done % cfg.train.log_every == 0 or done == total) and window:
         now = time.time()
         scalars = window_scalars(window, now - t_last, float(
             state_lib.learning_rate_schedule(cfg.train)(done)))
-        figures, note = self.progress(scalars)   # may add figures to the scalars
+        figures, note = batches.progress(scalars)   # may add figures to the scalars
         logs["train"].write(done, scalars)
         rate = scalars["steps_per_second"]
         logger.info(f"{self.prefix}step {done}/{total} {figures} | {rate:.2f} steps/s ETA "
@@ -255,11 +281,11 @@ class Run:
          else "none yet (a rerun starts over)") +
         ". Lower train.lr, or set train.nonfinite=skip to skip such updates and go on")
 
-  def _summarise(self, wall: float, eval_metrics: dict, details: list) -> dict:
+  def _summarise(self, wall: float, eval_metrics: dict, details: list, figures: dict) -> dict:
     cfg = self.config
     summary = {"task": cfg.task, "steps": cfg.train.steps, "wall_seconds": wall,
                "params": state_lib.count_params(self.state.params),
-               "skipped_updates": self.skipped_updates, **self.summary_fields(),
+               "skipped_updates": self.skipped_updates, **figures, **self.summary_fields(),
                **{f"eval_{k}": v for k, v in eval_metrics.items()}}
     extra = {"examples": details} if self.keep_examples else {}
     if jax.process_index() == 0:

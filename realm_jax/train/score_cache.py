@@ -23,7 +23,7 @@ import numpy as np
 from realm_jax.data import pipeline
 from realm_jax.models.realm import REALM
 from realm_jax.runtime import partitioning
-from realm_jax.train.steps import null_first
+from realm_jax.train import candidate_rows
 
 
 class ScoreCache:
@@ -39,7 +39,7 @@ class ScoreCache:
     self.chunk = -(-local_batch * config.retrieval.k // devices) * devices
     self.null_len = pipeline.reader_length(config.data.query_len,
                                            pipeline.NULL_DOCUMENT_LENGTH)
-    self.null_short = null_first(config, training=True)   # the step reads it at its length
+    self.null_short = candidate_rows.of(config).null_first(training=True)   # the step reads it at its length
     self._scores: dict[tuple[int, int, int], np.ndarray] = {}
     self._lock = threading.Lock()
     self.rules = partitioning.logical_rules(config.mesh.rules)

@@ -15,6 +15,7 @@ from realm_jax.models import losses
 from realm_jax.models.realm import REALM
 from realm_jax.config import defaults, reading
 from realm_jax.runtime import partitioning, state as state_lib
+from realm_jax.train import candidate_rows
 
 
 def realm_scores(model: REALM, params, batch, rngs=None, deterministic=True,
@@ -111,16 +112,6 @@ def _read(model: REALM, variables, mask_positions, mask_labels, rngs, determinis
   return log_probs.reshape(b, n, m, -1)
 
 
-def null_first(config, training: bool) -> bool:
-  """Whether candidate 0 of every query in a REALM batch is the null document: in evaluation
-  unless the null document is the only candidate; in training when retrieving from the index
-  with the null document in the mixture (the own-block warm-up reads the block alone)."""
-  r = config.retrieval
-  if not training:
-    return r.candidates != "null_only"
-  return r.candidates == "index" and reading.null_in_training(config)
-
-
 def without_dropout(config) -> bool:
   """Whether no tower drops anything (`model.dropout_rate`, the retriever's own, the attention
   weights'): the step then runs deterministically, with no dropout rng drawn."""
@@ -130,12 +121,6 @@ def without_dropout(config) -> bool:
     if m.dropout_rate > 0 or attention > 0:
       return False
   return True
-
-
-def rescores(config) -> bool:
-  """Whether the retriever scores the candidates: only when they were retrieved (not in the
-  own-block reader warm-up, nor for the null document alone, whose p(z|x) is 1 anyway)."""
-  return config.retrieval.candidates == "index"
 
 
 def label_log_probs(vocab_log_probs, mask_labels):
@@ -151,14 +136,15 @@ def realm_loss_fn(params, model, batch, config, rng):
   read again: those are the frozen reader's log p(y_j | z, x)."""
   params = state_lib.stop_frozen_gradients(params, state_lib.frozen_paths(config))
   deterministic = without_dropout(config)
-  rngs, first = {"dropout": rng}, null_first(config, training=True)
+  candidates = candidate_rows.of(config)
+  rngs, first = {"dropout": rng}, candidates.null_first(training=True)
   if "candidate_log_probs" in batch:
-    logits = retrieval_logits(model, params, batch, rngs, deterministic, rescores(config),
+    logits = retrieval_logits(model, params, batch, rngs, deterministic, candidates.scored,
                               first)
     mask_lp = batch["candidate_log_probs"]
   else:
     logits, mask_lp = realm_scores(model, params, batch, rngs, deterministic,
-                                   rescores(config), first, labels=True)
+                                   candidates.scored, first, labels=True)
   logits = without_untrained_null(config, batch, logits)
   loss, metrics = retriever_loss(config, logits, mask_lp, batch["mask_weights"],
                                  batch.get("has_evidence"))
@@ -281,10 +267,11 @@ def make_realm_eval(config, model, mesh):
   own distribution, the reader without evidence). Without the null document in training, the
   marginal is over the retrieved blocks only, as in the step."""
   rules = partitioning.logical_rules(config.mesh.rules)
+  candidates = candidate_rows.of(config)
 
   def evaluate(params, batch):
-    logits, vocab_lp = realm_scores(model, params, batch, rescore=rescores(config),
-                                    null_first=null_first(config, training=False))
+    logits, vocab_lp = realm_scores(model, params, batch, rescore=candidates.scored,
+                                    null_first=candidates.null_first(training=False))
     logits = without_untrained_null(config, batch, logits)
     marginal = losses.marginal_token_log_probs(logits, vocab_lp)
     mask_lp = label_log_probs(vocab_lp, batch["mask_labels"])
