@@ -1,8 +1,17 @@
-"""Same behaviour before and after a change: the demo's deterministic REALM stage (trainer +
-`realm-index` under launch/local.py) run by two versions of the code on one prepared data dir
-and one ICT checkpoint, then the loss traces and the final parameters compared.
+"""Same behaviour before and after a change: stages of the demo run by two versions of the
+code on one prepared data dir and one ICT checkpoint, then each stage's loss traces and final
+parameters compared.
 
   python bench/behaviour.py --base d61a9f2 [--work runs/behaviour] [--steps 150]
+      [--stages realm,ict,mixed,distill]
+
+Stages (`--stages`, default realm):
+  realm    the demo's deterministic REALM stage: trainer + `realm-index` under launch/local.py
+  ict      ICT from scratch (the retriever's warm start)
+  mixed    the reader warm-up reading its own block or a retrieved distractor, as drawn
+           (`retrieval.candidates=mixed`, the index rebuilt in process)
+  distill  REALM with the distillation loss through the score cache, the reader frozen, the
+           candidates scored with the index's embeddings (`retrieval.block_gradients` False)
 
 `--base` is a commit (checked out into a git worktree under WORK); the other side is this
 working tree. The data dir and the ICT start are made once, by the base, and reused. Prints the
@@ -32,6 +41,8 @@ try:
 except ImportError:   # a base from before realm_jax/stages.py
   from realm_jax.demo import run_stage
 def typed(v):
+  if v in ("True", "False"):
+    return v == "True"
   for cast in (int, float):
     try:
       return cast(v)
@@ -67,11 +78,28 @@ def run_code(src: str, script: str, *args: str) -> None:
     os.remove(f.name)
 
 
-def realm_stage(src: str, workdir: str, data: str, ict: str, steps: int) -> None:
+def stage_args(name: str, ict: str, steps: int) -> list[str]:
+  """The STAGE arguments (config, variant, then overrides after the workdir and data) of
+  stage `name`: every step logged, no evaluation, a checkpoint at the end."""
+  every = [f"train.steps={steps}", "eval.every=0", "train.log_every=1",
+           f"train.checkpoint_every={steps // 3}"]
+  in_process = ["retrieval.refresh=in_process", f"retrieval.refresh_every={steps // 3}"]
+  return {
+      "realm": ["demo_realm", "realm", f"init.from_workdir={ict}", *every,
+                f"retrieval.refresh_every={steps // 3}"],
+      "ict": ["demo_ict", "-", *every],
+      "mixed": ["demo_realm", "warmup", f"init.from_workdir={ict}", *every, *in_process,
+                "retrieval.candidates=mixed"],
+      "distill": ["demo_realm", "realm", f"init.from_workdir={ict}", *every, *in_process,
+                  "retrieval.loss=distill", "retrieval.score_cache=True",
+                  "train.reader_lr_scale=0.0", "retrieval.block_gradients=False"],
+  }[name]
+
+
+def run_stage_of(src: str, name: str, workdir: str, data: str, ict: str, steps: int) -> None:
   if not os.path.exists(os.path.join(workdir, "summary.json")):
-    run_code(src, STAGE, "demo_realm", "realm", workdir, data, f"init.from_workdir={ict}",
-             f"train.steps={steps}", "eval.every=0", "train.log_every=1",
-             f"train.checkpoint_every={steps // 3}", f"retrieval.refresh_every={steps // 3}")
+    config, variant, *overrides = stage_args(name, ict, steps)
+    run_code(src, STAGE, config, variant, workdir, data, *overrides)
 
 
 def trace(workdir: str) -> dict[int, dict]:
@@ -111,7 +139,10 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--base", required=True, help="the commit to compare against")
   parser.add_argument("--work", default=os.path.join(REPO, "runs", "behaviour"))
-  parser.add_argument("--steps", type=int, default=150, help="REALM steps (3 index versions)")
+  parser.add_argument("--steps", type=int, default=150, help="steps of each stage (REALM: 3 "
+                      "index versions)")
+  parser.add_argument("--stages", default="realm", help="comma-separated: realm, ict, mixed, "
+                      "distill (see the module doc)")
   parser.add_argument("--entities", type=int, default=600, help="size of the world")
   args = parser.parse_args()
   work = os.path.abspath(args.work)
@@ -128,11 +159,16 @@ def main() -> int:
     run_code(base_src, PREPARE.format(module=module, loader=loader), data, str(args.entities))
   if not os.path.exists(os.path.join(ict, "summary.json")):
     run_code(base_src, STAGE, "demo_ict", "-", ict, data, "train.steps=150", "eval.every=0")
-  realm_stage(base_src, os.path.join(work, "realm_base"), data, ict, args.steps)
-  realm_stage(REPO, os.path.join(work, "realm_head"), data, ict, args.steps)
-  same = compare(os.path.join(work, "realm_base"), os.path.join(work, "realm_head"))
-  print("SAME BEHAVIOUR" if same else "BEHAVIOUR CHANGED")
-  return 0 if same else 1
+  verdicts = {}
+  for name in args.stages.split(","):
+    base, head = (os.path.join(work, f"{name}_{side}") for side in ("base", "head"))
+    run_stage_of(base_src, name, base, data, ict, args.steps)
+    run_stage_of(REPO, name, head, data, ict, args.steps)
+    print(f"== {name}")
+    verdicts[name] = compare(base, head)
+  for name, same in verdicts.items():
+    print(f"{name}: {'SAME BEHAVIOUR' if same else 'BEHAVIOUR CHANGED'}")
+  return 0 if all(verdicts.values()) else 1
 
 
 if __name__ == "__main__":

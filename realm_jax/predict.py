@@ -21,7 +21,8 @@ _JSON = flags.DEFINE_bool("json", False, "Print one JSON object per question.")
 
 def predict(workdir: str, questions: list[str], step: int | None = None) -> list[dict]:
   from realm_jax.data.qa import QAExample
-  from realm_jax.openqa_eval import QAEvaluator, load_run
+  from realm_jax.openqa_eval import load_run
+  from realm_jax.train.qa_eval import QAEvaluator
   from realm_jax.runtime.checkpoints import run_config
   config, data, mesh, model, params, frozen, reader, step = load_run(
       run_config(workdir), workdir, step)

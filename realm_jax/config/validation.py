@@ -65,14 +65,9 @@ def _validate_execution(m) -> None:
     raise ConfigError("model.remat", f"{m.remat!r} is not one of {tuple(REMAT_POLICIES)}")
 
 
-def validate(config, *, num_blocks: int | None = None, store_block_len: int | None = None,
-             max_sentence_len: int | None = None, vocab_size: int | None = None) -> None:
-  """Raises ConfigError naming the first bad option; called before any JAX work. Options set
-  under an old name are first moved to the new one (config/option_names.py)."""
-  upgrade_config(config)
-  if config.task not in TASKS:
-    raise ConfigError("task", f"unknown task {config.task!r}; choose one of {TASKS}")
-  r, d, t = config.retrieval, config.data, config.train
+def _validate_retrieval(config) -> None:
+  """`retrieval.*` (and the builder's versions kept, which the refresh mode decides)."""
+  r = config.retrieval
   if r.candidates not in CANDIDATE_SOURCES:
     raise ConfigError("retrieval.candidates",
                       f"{r.candidates!r} is not one of {CANDIDATE_SOURCES}")
@@ -109,6 +104,17 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
                       "(k >= 3: the null document + >= 2 blocks)")
   if r.refresh_every < 1:
     raise ConfigError("retrieval.refresh_every", f"must be >= 1, got {r.refresh_every}")
+
+
+def validate(config, *, num_blocks: int | None = None, store_block_len: int | None = None,
+             max_sentence_len: int | None = None, vocab_size: int | None = None) -> None:
+  """Raises ConfigError naming the first bad option; called before any JAX work. Options set
+  under an old name are first moved to the new one (config/option_names.py)."""
+  upgrade_config(config)
+  if config.task not in TASKS:
+    raise ConfigError("task", f"unknown task {config.task!r}; choose one of {TASKS}")
+  _validate_retrieval(config)
+  d, t = config.data, config.train
   if d.block_len < 8:
     raise ConfigError("data.block_len", f"{d.block_len} < 8 wordpieces")
   if d.query_len < 4:

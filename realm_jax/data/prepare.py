@@ -214,6 +214,53 @@ def prepare(config) -> dict:
   return stats
 
 
+class _ShardPacker:
+  """Packs the documents shard by shard, in a worker pool or this process; a shard a previous
+  try finished is reused. `results[i]` is shard i's summary once it is done."""
+
+  def __init__(self, config, tools: tuple, settings, in_process: bool):
+    self.config, self.tools, self.settings = config, tools, settings
+    self.root = os.path.join(config.out_dir, "shards")
+    self.pool = None if in_process else \
+        multiprocessing.get_context("spawn").Pool(config.num_workers)
+    self.shard_dirs: list[str] = []
+    self.results: dict = {}
+    self.pending: deque = deque()
+    self.reused = self.blocks_done = 0
+
+  def collect(self, block: bool = False) -> None:
+    while self.pending and (block or self.pending[0].ready()):
+      index, result = self.pending.popleft().get()
+      self._done(index, result)
+
+  def _done(self, index: int, result: dict) -> None:
+    self.results[index] = result
+    self.blocks_done += result["blocks"]
+
+  def submit(self, docs: list) -> None:
+    index = len(self.shard_dirs)
+    shard_dir = os.path.join(self.root, f"{index:05d}")
+    self.shard_dirs.append(shard_dir)
+    done = corpus.shard_done(shard_dir)
+    if done is not None and done["documents"] == len(docs):
+      self.reused += 1
+      self._done(index, done)
+      return
+    job = (index, docs, self.settings, shard_dir, self.tools)
+    if self.pool is None:
+      self._done(index, _run_shard(job)[1])
+      return
+    while len(self.pending) >= 2 * self.config.num_workers:
+      self.pending[0].wait()
+      self.collect()
+    self.pending.append(self.pool.apply_async(_run_shard, (job,)))
+
+  def close(self) -> None:
+    if self.pool is not None:
+      self.pool.terminate()
+      self.pool.join()
+
+
 def _prepare_local(config) -> dict:
   finished = _check_out_dir(config)
   if finished is not None:
@@ -222,48 +269,19 @@ def _prepare_local(config) -> dict:
   t0 = time.time()
   tokenizer = _vocab(config)
   settings = corpus.PackSettings(config.block_len, config.max_sentence_len, config.max_masks)
-  shards_root = os.path.join(config.out_dir, "shards")
   in_process = config.num_workers == 0 or config.tagger.startswith("hf_ner:")
   if in_process and config.num_workers > 0:
     logger.info("[prepare] hf_ner runs its model on this process's devices: shards are packed "
                 "in this process")
-  tools = (tokenizer.vocab_path, config.tagger, not in_process)
-  pool = None if in_process else multiprocessing.get_context("spawn").Pool(config.num_workers)
+  packer = _ShardPacker(config, (tokenizer.vocab_path, config.tagger, not in_process),
+                        settings, in_process)
   skips = sources.Skips(config.strict)
   progress = _Progress(config.progress_every)
-  titles, qas, shard_dirs, results = [], [], [], {}
-  pending: deque = deque()
-  reused = 0
-  blocks_done = 0
+  titles, qas = [], []
 
-  def collect(block: bool):
-    nonlocal blocks_done
-    while pending and (block or pending[0].ready()):
-      index, result = pending.popleft().get()
-      results[index] = result
-      blocks_done += result["blocks"]
-
-  def submit(docs: list):
-    nonlocal reused, blocks_done
-    index = len(shard_dirs)
-    shard_dir = os.path.join(shards_root, f"{index:05d}")
-    shard_dirs.append(shard_dir)
-    done = corpus.shard_done(shard_dir)
-    if done is not None and done["documents"] == len(docs):
-      results[index] = done
-      reused += 1
-      blocks_done += done["blocks"]
-      return
-    job = (index, docs, settings, shard_dir, tools)
-    if pool is None:
-      results[index] = _run_shard(job)[1]
-      blocks_done += results[index]["blocks"]
-      return
-    while len(pending) >= 2 * config.num_workers:
-      pending[0].wait()
-      collect(block=False)
-    pending.append(pool.apply_async(_run_shard, (job,)))
-
+  def show(force: bool = False) -> None:
+    progress.maybe(len(titles), len(packer.results), len(packer.shard_dirs),
+                   packer.blocks_done, force=force)
   try:
     shard: list = []
     for doc in sources.read_documents(config, skips):
@@ -272,24 +290,23 @@ def _prepare_local(config) -> dict:
       qas.extend({**qa, "doc_id": doc_id} for qa in doc.qas)
       shard.append((doc_id, doc))
       if len(shard) == config.shard_documents:
-        submit(shard)
+        packer.submit(shard)
         shard = []
-      collect(block=False)
-      progress.maybe(len(titles), len(results), len(shard_dirs), blocks_done)
+      packer.collect()
+      show()
     if shard:
-      submit(shard)
-    while pending:
-      pending[0].wait()
-      collect(block=False)
-      progress.maybe(len(titles), len(results), len(shard_dirs), blocks_done)
+      packer.submit(shard)
+    while packer.pending:
+      packer.pending[0].wait()
+      packer.collect()
+      show()
   finally:
-    if pool is not None:
-      pool.terminate()
-      pool.join()
-  progress.maybe(len(titles), len(results), len(shard_dirs), blocks_done, force=True)
+    packer.close()
+  show(force=True)
   if not titles:
     raise DataError(f"{config.source}: no usable document (skipped: {dict(skips.counts)})")
-  return _finish(config, tokenizer, skips, titles, qas, shard_dirs, results, reused, t0)
+  return _finish(config, tokenizer, skips, titles, qas, packer.shard_dirs, packer.results,
+                 packer.reused, t0)
 
 
 def _finish(config, tokenizer, skips, titles, qas, shard_dirs, results, reused, t0) -> dict:

@@ -226,6 +226,22 @@ def _import_block_records(hf_dir: str, hf: dict, tensors: dict, source: str, voc
   return write_block_store(records, tokenizer, data_dir, reader_len, f"hf:{records_file}")
 
 
+def _checked_source(hf_dir: str, out: str, task: str | None) -> tuple[str, dict]:
+  """(layout, HF config) of `hf_dir`, after refusing a layout our model cannot express, an
+  unknown `task` and a non-empty `out` (each a ConfigError naming it)."""
+  from realm_jax.config.defaults import TASKS
+  layout, hf = read_hf_config(hf_dir)
+  if task is not None and task not in TASKS:
+    raise ConfigError("", f"--task {task!r} is not one of {TASKS}")
+  lines = unsupported(hf, os.path.join(hf_dir, "config.json"))
+  if lines:
+    raise ConfigError("", f"{hf_dir} cannot be expressed by our model:\n  " + "\n  ".join(lines))
+  if os.path.isdir(out) and os.listdir(out):
+    raise ConfigError("", f"{out} is not empty (an earlier import or run?); import into a new "
+                      "dir")
+  return layout, hf
+
+
 def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
                       task: str | None = None) -> ImportReport:
   """Converts the checkpoint in `hf_dir` into the workdir `out` (see the module docstring).
@@ -241,21 +257,12 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
   """
   from realm_jax import workdir as workdir_lib
   from realm_jax.runtime import checkpoints
-  from realm_jax.config.defaults import TASKS
   if paths.is_remote(hf_dir):   # read from a local copy
     hf_dir = paths.local_mirror(hf_dir, log=lambda line: logger.info(f"[import] {line}"))
   if paths.is_remote(out):
     return _import_into_bucket(hf_dir, out, vocab, task)
   t0 = time.time()
-  layout, hf = read_hf_config(hf_dir)
-  if task is not None and task not in TASKS:
-    raise ConfigError("", f"--task {task!r} is not one of {TASKS}")
-  lines = unsupported(hf, os.path.join(hf_dir, "config.json"))
-  if lines:
-    raise ConfigError("", f"{hf_dir} cannot be expressed by our model:\n  " + "\n  ".join(lines))
-  if os.path.isdir(out) and os.listdir(out):
-    raise ConfigError("", f"{out} is not empty (an earlier import or run?); import into a new "
-                      "dir")
+  layout, hf = _checked_source(hf_dir, out, task)
   os.makedirs(out, exist_ok=True)
   out = os.path.abspath(out)
   tensors, source = hf_bert.read_weights(hf_dir)

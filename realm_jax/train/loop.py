@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 
 from realm_jax.errors import ConfigError
-from realm_jax.masked_eval import Evaluator
+from realm_jax.train.masked_eval import Evaluator
 from realm_jax.train import batches, candidate_rows, steps
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.train.best_export import BestExport

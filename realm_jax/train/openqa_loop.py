@@ -20,7 +20,7 @@ import numpy as np
 
 from realm_jax.data import qa as qa_lib
 from realm_jax.errors import ConfigError
-from realm_jax.openqa_eval import QAEvaluator, format_metrics
+from realm_jax.train.qa_eval import QAEvaluator, format_metrics
 from realm_jax.retrieval import published
 from realm_jax.runtime import multihost, partitioning, state as state_lib, embedders
 from realm_jax.config.validation import validate_against_data
