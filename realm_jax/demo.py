@@ -134,8 +134,6 @@ def main() -> None:
   log.add_verbosity_argument(parser)
   args = parser.parse_args()
   log.set_verbosity(args.verbosity)
-  from absl import logging
-  logging.set_verbosity(logging.WARNING)
   run_demo_cli("demo", lambda: run_demo(args.workdir, args.seed, args.entities,
                                         args.host_devices))
 

@@ -178,8 +178,6 @@ def main() -> None:
   log.add_verbosity_argument(parser)
   args = parser.parse_args()
   log.set_verbosity(args.verbosity)
-  from absl import logging
-  logging.set_verbosity(logging.WARNING)
   squad = os.path.abspath(args.squad) if args.squad else ""
   workdir = args.workdir or WORKDIRS[args.scale]
   run_demo_cli("realm-demo-real", lambda: run_demo_real(workdir, squad, args.seed, args.scale))

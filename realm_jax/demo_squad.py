@@ -126,8 +126,6 @@ def main() -> None:
   log.add_verbosity_argument(parser)
   args = parser.parse_args()
   log.set_verbosity(args.verbosity)
-  from absl import logging
-  logging.set_verbosity(logging.WARNING)
   demo = run_demo_openqa if args.openqa else run_demo_squad
   run_demo_cli("realm-demo-squad", lambda: demo(args.workdir, args.squad, args.seed))
 

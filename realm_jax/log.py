@@ -38,20 +38,27 @@ def install() -> logging.Logger:
 
 
 def set_verbosity(verbosity: int) -> None:
-  """1 debug, 0 info, -1 warnings, -2 errors (clamped)."""
+  """1 debug, 0 info, -1 warnings, -2 errors (clamped); the libraries' own absl logging
+  (Orbax, TFDS) shows warnings only, and its INFO lines too at 1."""
+  from absl import logging as absl_logging
   install().setLevel(LEVELS[max(-2, min(1, int(verbosity)))])
+  absl_logging.set_verbosity(absl_logging.INFO if verbosity >= 1 else absl_logging.WARNING)
+
+
+def verbosity() -> int:
+  """The verbosity now set (what a driver hands the processes it starts)."""
+  level = install().level
+  return next((v for v, at in LEVELS.items() if at == level), 0)
 
 
 def use_absl_verbosity() -> int:
-  """An absl CLI (realm-train, realm-index, ...): our level from its `-v/--verbosity` (0 when not
-  given); the libraries' own absl/Python logging (Orbax, TFDS) shows warnings only, and its
-  INFO lines too at `-v 1`. Returns the verbosity."""
-  from absl import flags, logging as absl_logging
+  """An absl CLI (realm-train, realm-index, ...): the verbosity of its `-v/--verbosity` (0 when
+  not given), set; returns it."""
+  from absl import flags
   flag = flags.FLAGS["verbosity"]
-  verbosity = int(flag.value) if flag.present else 0
-  set_verbosity(verbosity)
-  absl_logging.set_verbosity(absl_logging.INFO if verbosity >= 1 else absl_logging.WARNING)
-  return verbosity
+  given = int(flag.value) if flag.present else 0
+  set_verbosity(given)
+  return given
 
 
 def add_verbosity_argument(parser) -> None:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from realm_jax import workdir as workdir_lib
+from realm_jax import log, workdir as workdir_lib
 from realm_jax.config.overrides import with_overrides
 from realm_jax.errors import run_cli
 from realm_jax.processes import (Preempted, on_sigterm, own_session, shared_memory_env,
@@ -143,8 +143,10 @@ def stage_command(spec: tuple[str, str | None], overrides: dict, workdir: str,
   config_arg = os.path.join(CONFIG_DIR, f"{spec[0]}.py") + (f":{spec[1]}" if spec[1] else "")
   program = [LAUNCHER] \
       if config.retrieval.refresh != "in_process" else ["-m", "realm_jax.train.main"]
+  verbosity = log.verbosity()   # the driver's -v, handed on (local.py hands it to both)
   return [sys.executable, "-u", *program, f"--config={config_arg}", f"--workdir={workdir}",
-          *(f"--config.{key}={value}" for key, value in overrides.items())]
+          *(f"--config.{key}={value}" for key, value in overrides.items()),
+          *([f"--verbosity={verbosity}"] if verbosity else [])]
 
 
 def finished(config, workdir: str) -> dict | None:

@@ -40,3 +40,22 @@ def test_a_cli_takes_its_verbosity_flag(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert ("[prepare]" in result.stdout) == shown, (verbosity, result.stdout[-2000:],
                                                      result.stderr[-2000:])
+
+
+def test_a_demo_hands_its_verbosity_to_the_stages_it_starts():
+  """`make demo`'s -v reaches the stage processes it starts (launch/local.py hands it on to
+  the trainer and the builder), and at 1 the libraries' absl INFO lines show too."""
+  from absl import logging as absl_logging
+  from realm_jax import stages
+  from tests.helpers import tiny_config
+  config = tiny_config("realm")
+  try:
+    for verbosity, flag in ((0, []), (1, ["--verbosity=1"]), (-1, ["--verbosity=-1"])):
+      log.set_verbosity(verbosity)
+      assert log.verbosity() == verbosity
+      command = stages.stage_command(("demo_realm", None), {"train.steps": 2}, "W", config)
+      assert [a for a in command if a.startswith("--verbosity")] == flag, command
+      assert absl_logging.get_verbosity() == (absl_logging.INFO if verbosity >= 1
+                                              else absl_logging.WARNING)
+  finally:
+    log.set_verbosity(0)
