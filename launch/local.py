@@ -392,20 +392,8 @@ def supervise(commands: dict[str, list[str]], workdir: str,
     say(f"removed {supervisor.done_path} left by an earlier run")
   code = 2
   try:
-    for name in NAMES:
-      extra = (env_for or {}).get(name, {})
-      shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items())
-      say(f"{name}: {shown + ' ' if shown else ''}{command_line(commands[name])}")
-      say(f"{name}: log {os.path.join(log_dir, name + '.log')}")
-      env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
-      try:
-        supervisor.children[name] = _Child(name, commands[name], env,
-                                           os.path.join(log_dir, f"{name}.log"), say)
-        say(f"{name}: started, pid {supervisor.children[name].proc.pid}")
-      except OSError as e:
-        say(f"error: cannot start the {name}: {e}")
-        return code
-    code = supervisor.watch()
+    if _start_children(supervisor, commands, env_for or {}, log_dir, say):
+      code = supervisor.watch()
     return code
   finally:
     started = list(supervisor.children.values())
@@ -416,6 +404,26 @@ def supervise(commands: dict[str, list[str]], workdir: str,
       signal.signal(sig, handler)
     if started:
       say(f"exit {code}: " + "; ".join(c.summary() for c in started))
+
+
+def _start_children(supervisor: _Supervisor, commands: dict[str, list[str]],
+                    env_for: dict[str, dict[str, str]], log_dir: str, say) -> bool:
+  """Starts the trainer and the builder (each command said, with its log), in that order;
+  False (said) when one cannot start."""
+  for name in NAMES:
+    extra = env_for.get(name, {})
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items())
+    say(f"{name}: {shown + ' ' if shown else ''}{command_line(commands[name])}")
+    say(f"{name}: log {os.path.join(log_dir, name + '.log')}")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    try:
+      supervisor.children[name] = _Child(name, commands[name], env,
+                                         os.path.join(log_dir, f"{name}.log"), say)
+      say(f"{name}: started, pid {supervisor.children[name].proc.pid}")
+    except OSError as e:
+      say(f"error: cannot start the {name}: {e}")
+      return False
+  return True
 
 
 def _launch(args: argparse.Namespace) -> int:

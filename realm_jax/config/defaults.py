@@ -43,6 +43,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.ict_remove_prob = 0.9     # ICT: the query sentence is cut from its block this often
   c.data.prefetch = 2              # host batches built ahead by grain (threads); 0: on demand
 
+  _model(c)
+  _retrieval(c)
+  _train_and_eval(c)
+  _jobs(c)
+  return c
+
+
+def _model(c) -> None:
+  """`model.*`: the towers' shape and how they compute."""
   c.model = ml_collections.ConfigDict()
   c.model.vocab_size = 0           # 0: the size of the data dir's vocab.txt
   # model.* shape the reader, and the retriever towers unless model.retriever.* say otherwise
@@ -82,6 +91,9 @@ def base_config() -> ml_collections.ConfigDict:
                                            # tokens (how sentence encoders such as
                                            # all-MiniLM-L6-v2 are trained; no pooler)
 
+
+def _retrieval(c) -> None:
+  """`retrieval.*`: the candidates, the index and how the retriever learns."""
   c.retrieval = ml_collections.ConfigDict()
   c.retrieval.candidates = "index"  # where a step's candidates come from: "index": top-k
                                    # from the block index; "own_block": null + the query's
@@ -136,6 +148,9 @@ def base_config() -> ml_collections.ConfigDict:
                                    # computed once and read back on later steps (docs/design.md)
   c.retrieval.embed_batch_size = 512     # blocks per batch when (re)building the index
 
+
+def _train_and_eval(c) -> None:
+  """`train.*` and `eval.*`."""
   c.train = ml_collections.ConfigDict()
   c.train.batch_size = 512         # global batch (queries)
   c.train.steps = 200_000          # total optimizer steps
@@ -167,6 +182,9 @@ def base_config() -> ml_collections.ConfigDict:
                                    # layout: init.retriever=W/best starts from it), as the
                                    # original code's best exporter; never chosen by recall
 
+
+def _jobs(c) -> None:
+  """`qa.*`, `builder.*` (the index-builder job), `init.*` and `mesh.*`."""
   c.qa = ml_collections.ConfigDict()      # Open-QA questions (task openqa, realm-eval)
   c.qa.train = ""                  # training questions: nq_open:P | webq:P | curated_trec:P |
                                    # squad:P | tfds:NAME[:SPLIT] | prepared:SPLIT (DATA/qa/)
@@ -212,4 +230,4 @@ def base_config() -> ml_collections.ConfigDict:
       ("batch", "data"), ("vocab", "model"), ("heads", "model"), ("mlp", "model"),
       ("embed", None), ("hidden", None), ("retrieval", None), ("position", None),
       ("segment", None), ("length", None))
-  return c
+

@@ -23,7 +23,7 @@ def fields() -> list[tuple[str, str, str]]:
   values = reading.flat_options(defaults.base_config())
   rows: list[list[str]] = []
   current = None
-  for line in inspect.getsource(defaults.base_config).splitlines():
+  for line in inspect.getsource(defaults).splitlines():   # base_config and its sections
     field = _FIELD.match(line)
     if field and "ConfigDict()" not in field.group(2):
       current = [field.group(1), field.group(2).strip(), (field.group(3) or "").strip()]

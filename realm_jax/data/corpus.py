@@ -123,6 +123,31 @@ class _Split:
             "fact": np.asarray(self.rows["fact"], np.int64).reshape(n)}
 
 
+class _Blocks:
+  """A shard's blocks as they are packed, and the examples of the sentences in each."""
+
+  def __init__(self, settings: PackSettings, sep_id: int):
+    self.settings, self.sep_id = settings, sep_id
+    self.rows, self.body_starts, self.uids, self.docs = [], [], [], []
+    self.facts: list[tuple[int, int]] = []
+    self.splits = {s: _Split() for s in SPLITS}
+    self.dropped = Counter()
+
+  def add(self, doc_id: int, head: list[int], title_ids: list[int], body: list[int],
+          members: list) -> None:
+    """One block `head + body + [SEP]` of document `doc_id`; `members`: its whole sentences
+    (sentence, ids, offsets, char spans, position in the body)."""
+    row = len(self.rows)
+    self.rows.append(head + body + [self.sep_id])
+    self.body_starts.append(len(head))
+    self.uids.append(block_uid(title_ids, body))
+    self.docs.append(doc_id)
+    for sentence, ids, offsets, char_spans, pos in members:
+      self.facts.extend((f, row) for f in sentence.facts)
+      _add_examples(self.splits, sentence, ids, offsets, char_spans, row, len(head) + pos,
+                    self.settings, self.dropped)
+
+
 def build_shard(documents: list[tuple[int, SourceDocument]], tokenizer: Tokenizer, tagger,
                 settings: PackSettings, out_dir: str) -> dict:
   """Packs one shard's documents (with their global doc ids) and writes `out_dir`.
@@ -132,63 +157,55 @@ def build_shard(documents: list[tuple[int, SourceDocument]], tokenizer: Tokenize
   Every sentence with a split and at least one salient span of <= max_masks wordpieces
   becomes an example (`eval` sentences: one per evaluated span). Returns the shard's stats.
   """
-  block_len = settings.block_len
   docs = [(doc_id, doc, sentences_of(doc)) for doc_id, doc in documents]
   texts = [doc.title for _, doc, _ in docs] + [s.text for _, _, ss in docs for s in ss]
   encoded = tokenizer.encode_batch(texts)
   sentence_texts = texts[len(docs):]
   spans_all = tagger.tag_batch(sentence_texts) if sentence_texts else []
   title_enc, sent_enc = encoded[:len(docs)], iter(zip(encoded[len(docs):], spans_all))
-  blocks, body_starts, uids, block_docs = [], [], [], []
-  block_facts: list[tuple[int, int]] = []
-  splits = {s: _Split() for s in SPLITS}
-  stats, dropped = Counter(), Counter()
-  head_max = (block_len - 3) // 2
-
+  blocks, stats = _Blocks(settings, tokenizer.sep_id), Counter()
+  head_max = (settings.block_len - 3) // 2
   for (doc_id, doc, sentences), (title_ids, _) in zip(docs, title_enc):
     if len(title_ids) > head_max:
       title_ids = title_ids[:head_max]
       stats["titles_truncated"] += 1
     head = [tokenizer.cls_id] + title_ids + [tokenizer.sep_id]
-    budget = block_len - 1 - len(head)
-    body, members = [], []        # members: (sentence, ids, offsets, char spans, body pos)
+    _pack_document(blocks, doc_id, head, title_ids, sentences, sent_enc, stats)
+  return _write_shard(out_dir, settings, blocks.rows, blocks.body_starts, blocks.uids,
+                      blocks.docs, blocks.facts, blocks.splits, stats, blocks.dropped, len(docs))
 
-    def flush():
-      if not body:
-        return
-      row = len(blocks)
-      blocks.append(head + body + [tokenizer.sep_id])
-      body_starts.append(len(head))
-      uids.append(block_uid(title_ids, body))
-      block_docs.append(doc_id)
-      for sentence, ids, offsets, char_spans, pos in members:
-        block_facts.extend((f, row) for f in sentence.facts)
-        _add_examples(splits, sentence, ids, offsets, char_spans, row, len(head) + pos,
-                      settings, dropped)
+
+def _pack_document(blocks: _Blocks, doc_id: int, head: list[int], title_ids: list[int],
+                   sentences, sent_enc, stats: Counter) -> None:
+  """A document's sentences (their encodings and spans drawn from `sent_enc`) into blocks:
+  whole sentences while they fit, a sentence longer than a block cut into blocks of its own."""
+  budget = blocks.settings.block_len - 1 - len(head)
+  body, members = [], []        # members: (sentence, ids, offsets, char spans, body pos)
+
+  def flush():
+    if body:
+      blocks.add(doc_id, head, title_ids, list(body), list(members))
       body.clear()
       members.clear()
 
-    for sentence in sentences:
-      (ids, offsets), char_spans = next(sent_enc)
-      stats["sentences"] += 1
-      if not ids:
-        continue
-      if len(ids) > budget:         # longer than a block: its pieces fill blocks of their own
-        stats["sentences_cut"] += 1
-        dropped["sentence longer than a block"] += sentence.split is not None
+  for sentence in sentences:
+    (ids, offsets), char_spans = next(sent_enc)
+    stats["sentences"] += 1
+    if not ids:
+      continue
+    if len(ids) > budget:         # longer than a block: its pieces fill blocks of their own
+      stats["sentences_cut"] += 1
+      blocks.dropped["sentence longer than a block"] += sentence.split is not None
+      flush()
+      for start in range(0, len(ids), budget):
+        body.extend(ids[start:start + budget])
         flush()
-        for start in range(0, len(ids), budget):
-          body.extend(ids[start:start + budget])
-          flush()
-        continue
-      if len(body) + len(ids) > budget:
-        flush()
-      members.append((sentence, ids, offsets, char_spans, len(body)))
-      body.extend(ids)
-    flush()
-
-  return _write_shard(out_dir, settings, blocks, body_starts, uids, block_docs, block_facts,
-                      splits, stats, dropped, len(docs))
+      continue
+    if len(body) + len(ids) > budget:
+      flush()
+    members.append((sentence, ids, offsets, char_spans, len(body)))
+    body.extend(ids)
+  flush()
 
 
 def _write_shard(out_dir, settings, blocks, body_starts, uids, block_docs, block_facts, splits,
