@@ -262,8 +262,7 @@ def print_table(r: dict) -> None:
   print_rows(rows)
 
 
-def main(argv=None) -> dict:
-  """Prepares (or reuses) the world and the embeddings, benches the index, prints and logs."""
+def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--model_workdir", default=str(REPO / "runs/demo/realm"),
                       help="trained demo REALM workdir ('' for a random retriever)")
@@ -288,7 +287,12 @@ def main(argv=None) -> dict:
                       help="where the world, embeddings and the index under test live")
   parser.add_argument("--out", default=str(REPO / "runs/bench_index.jsonl"),
                       help="append the JSON record here ('' to skip)")
-  args = parser.parse_args(argv)
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+  """Prepares (or reuses) the world and the embeddings, benches the index, prints and logs."""
+  args = parse_args(argv)
   if args.model_workdir and not os.path.isdir(os.path.join(args.model_workdir, "checkpoints")):
     raise FileNotFoundError(f"no checkpoints under {args.model_workdir} (train the demo, or "
                             "pass --model_workdir '' for a random retriever)")

@@ -298,7 +298,7 @@ def scann_rows(r: dict) -> list[tuple[str, str]]:
   ]
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--blocks", type=int, default=13_350_000, help="rows of the table")
   parser.add_argument("--dim", type=int, default=128, help="embedding size (REALM: 128)")
@@ -322,7 +322,12 @@ def main(argv=None) -> dict:
                       help="where the table and the index under test live")
   parser.add_argument("--out", default=str(REPO / "runs/bench_index_scale.jsonl"),
                       help="append the JSON record here ('' to skip)")
-  args = parser.parse_args(argv)
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+  """Builds the synthetic table, benches exact search and ScaNN on it, prints and logs."""
+  args = parse_args(argv)
   cache = pathlib.Path(args.cache)
   print(f"[scale] backend {jax.default_backend()}, {jax.device_count()} x "
         f"{jax.devices()[0].device_kind}; {args.blocks:,} x {args.dim} synthetic", flush=True)

@@ -230,6 +230,25 @@ def bench_step(args) -> dict:
           "ours_step_s_all": ours, "peer_step_s_all": peer}
 
 
+def _answer_each(questions: list[str], warmup: int, **runs) -> tuple[dict, dict]:
+  """Each side's seconds and answers per question after `warmup` questions. One side after
+  the other: torch's idle OpenMP threads spin for a while after each call and would slow down
+  whatever runs next."""
+  lat, answers = {}, {}
+  for name, run in runs.items():
+    lat[name], answers[name] = [], []
+    for i, question in enumerate(questions):
+      t0 = time.perf_counter()
+      out = run(question)
+      dt = time.perf_counter() - t0
+      if i >= warmup:
+        lat[name].append(dt)
+        answers[name].append(out.answer_ids.tolist() if name == "ours"
+                             else out.predicted_answer_ids.tolist())
+      log(f"{name} question {i + 1}{' (warm-up)' if i < warmup else ''}: {dt * 1e3:.0f} ms")
+  return lat, answers
+
+
 def bench_openqa(args) -> dict:
   from realm_jax.data.prepared import BlockStore
   from realm_jax.data.tokenizer import load_tokenizer
@@ -278,21 +297,7 @@ def bench_openqa(args) -> dict:
       with torch.no_grad():
         return peer(**retriever.tokenizer([question], return_tensors="pt"), return_dict=True)
 
-    # One side after the other: torch's idle OpenMP threads spin for a while after each call
-    # and would slow down whatever runs next.
-    lat, answers = {}, {}
-    for name, run in (("ours", run_ours), ("peer", run_peer)):
-      lat[name], answers[name] = [], []
-      for i, question in enumerate(questions):
-        t0 = time.perf_counter()
-        out = run(question)
-        dt = time.perf_counter() - t0
-        if i >= args.warmup:
-          lat[name].append(dt)
-          answers[name].append(out.answer_ids.tolist() if name == "ours"
-                               else out.predicted_answer_ids.tolist())
-        log(f"{name} question {i + 1}{' (warm-up)' if i < args.warmup else ''}: "
-            f"{dt * 1e3:.0f} ms")
+    lat, answers = _answer_each(questions, args.warmup, ours=run_ours, peer=run_peer)
     agree = sum(a == b for a, b in zip(answers["ours"], answers["peer"]))
   o, p = statistics.median(lat["ours"]), statistics.median(lat["peer"])
   return {"openqa_blocks": args.blocks, "ours_openqa_s": o, "peer_openqa_s": p,

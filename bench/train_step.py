@@ -248,6 +248,12 @@ def bench_case(case: str, config, num_steps: int, matmul: dict[str, float],
     # Fail with a message rather than be killed by the OOM killer mid-step.
     raise SystemExit(f"bench: {name} needs {memory['temp_gb']:.1f} GB of temporaries, only "
                      f"{available:.1f} GB of host memory are available; pass a smaller --batch")
+  times = timed_steps(compiled, state, batch, rng, num_steps, profile, log)
+  return case_record(name, config, mesh, compiled, n_params, compile_s, memory, times, matmul)
+
+
+def timed_steps(compiled, state, batch, rng, num_steps: int, profile: str, log) -> list[float]:
+  """Seconds of each of `num_steps` steps after one warm-up (then 3 traced into `profile`)."""
   log(f"1 warm-up + {num_steps} timed steps" + (f" + 3 traced into {profile}" if profile else ""))
   times = []
   for i in range(num_steps + 1):
@@ -257,13 +263,18 @@ def bench_case(case: str, config, num_steps: int, matmul: dict[str, float],
     if i:  # step 0 is the warm-up
       times.append(time.perf_counter() - t0)
       log(f"step {i}/{num_steps} {times[-1]:.3f}s loss {float(metrics['loss']):.3f}")
-  step_s = statistics.median(times)
   if profile:   # after the timed steps: tracing slows the host side
     with jax.profiler.trace(profile):
       for _ in range(3):
         state, metrics = compiled(state, batch, rng)
       jax.block_until_ready((state, metrics))
+  return times
 
+
+def case_record(name: str, config, mesh, compiled, n_params: int, compile_s: float,
+                memory: dict, times: list[float], matmul: dict[str, float]) -> dict:
+  """The JSON record of a case: shapes, compile time, memory, step time, rates, MFU."""
+  step_s = statistics.median(times)
   devices = mesh.devices.size
   device = mesh.devices.flat[0]
   flops_device = xla_flops(compiled)
