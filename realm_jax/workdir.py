@@ -55,10 +55,9 @@ def open_data(config):
 
 
 # -- W/config.json -----------------------------------------------------------------------------
-def record_config(config, workdir: str) -> None:
-  """Refuses a workdir whose checkpoints come from an incompatible config; records ours."""
-  import jax
-  from realm_jax.runtime import multihost
+def record_config(config, workdir: str, primary: bool = True) -> None:
+  """Refuses a workdir whose checkpoints come from an incompatible config; records ours (the
+  `primary` process of a job writes it; every process checks)."""
   from realm_jax.config.compatibility import incompatible_fields
   from realm_jax.config.option_names import upgrade_record
   path = paths.join(workdir, CONFIG)
@@ -68,10 +67,9 @@ def record_config(config, workdir: str) -> None:
     if diffs:
       raise ConfigError("", f"workdir {workdir} holds checkpoints of an incompatible config; "
                         "fields that differ: " + "; ".join(diffs))
-  if jax.process_index() == 0:
+  if primary:
     paths.makedirs(workdir)
     paths.write_json(path, current)
-  multihost.barrier("workdir")   # no process goes on before the workdir exists
 
 
 def write_config(workdir: str, config) -> None:

@@ -100,6 +100,11 @@ LAYERS = {   # package -> the packages it must never import (the floors above it
     "realm_jax.config": ("realm_jax.runtime", "realm_jax.retrieval", "realm_jax.train"),
     "realm_jax.runtime": ("realm_jax.retrieval", "realm_jax.train"),
     "realm_jax.retrieval": ("realm_jax.train",),
+    # the HF checkpoint-format readers runtime/initialization.py starts a part from: below
+    # runtime/ (interop's converters and the NER tagger above them may import anything)
+    **{f"realm_jax.interop.{reader}": ("realm_jax.runtime", "realm_jax.retrieval",
+                                      "realm_jax.train")
+       for reader in ("hf_bert", "hf_realm_weights", "torch_pickle")},
     # the commands and demo drivers above the library (a run evaluates through train/'s own
     # evaluators; realm-eval and realm-predict import them)
     "realm_jax.train": ("realm_jax.openqa_eval", "realm_jax.predict", "realm_jax.stages",

@@ -22,7 +22,7 @@ from realm_jax import paths, workdir as workdir_lib
 from realm_jax.data.prepared import PreparedData
 from realm_jax.errors import ConfigError, NonFiniteError
 from realm_jax.retrieval.index import EmbeddingStopped
-from realm_jax.runtime import initialization, partitioning, state as state_lib
+from realm_jax.runtime import initialization, multihost, partitioning, state as state_lib
 from realm_jax.train import steps
 from realm_jax.runtime.checkpoints import Checkpointer
 from realm_jax.config.validation import validate
@@ -93,7 +93,8 @@ class Run:
     if config.train.batch_size % self.mesh.shape["data"]:
       raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
                         f"the data axis ({self.mesh.shape['data']})")
-    workdir_lib.record_config(config, workdir)
+    workdir_lib.record_config(config, workdir, primary=jax.process_index() == 0)
+    multihost.barrier("workdir")   # no process goes on before the workdir exists
     self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
     init_rng, self.step_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     # the state itself comes from `restore_or_init`: restored, or initialised on a fresh start
