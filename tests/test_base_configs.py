@@ -144,7 +144,7 @@ def test_the_real_text_recipe_at_gpu_scale_lowers(variant):
 
 
 def training_k(config):
-  """Candidates per query in a training batch (train/batches.py `candidates_for`): the
+  """Candidates per query in a training batch (train/candidate_rows.py, `rows`): the
   warm-up's own block alone; the retrieved blocks without the null document when training
   leaves it out."""
   if config.task != "realm":
