@@ -130,14 +130,7 @@ def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(se
   assert first["steps"] == 4 and first["eval_index_step"] == 4, first   # the final version
   assert first["index_rejected"] == 0, out[-3000:]
   assert sorted(p.name for p in epath.Path(f"{workdir}/checkpoints").iterdir()) == ["0", "4"]
-  # What the killed builder wrote is there, but no reader sees it (no manifest); the number is
-  # not used again.
-  root = published.index_root(workdir)
-  assert "v2 (step 4)" in open(log).read()
-  assert f"published {workdir}/index/00000002" not in open(log).read()
-  assert epath.Path(f"{workdir}/index/00000002").exists()
-  assert not epath.Path(f"{workdir}/index/00000002/{published.MANIFEST}").exists()
-  assert published.complete_versions(root) == [1, 3] and published.read_latest(root) == 3
+  _killed_version_unseen(workdir, log, version=2, step=4, complete=[1, 3])
 
   # Resumed with more steps, by the same second builder: the earlier DONE (step 4) is not
   # this run's end.
@@ -148,18 +141,35 @@ def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(se
   assert again["steps"] == 6 and again["eval_index_step"] == 6, again
   assert f"published {workdir}/index/00000003" in built and \
       f"published {workdir}/index/00000004" in built, built[-3000:]
-  for version in published.complete_versions(root):
-    published.verify(root, version, dim=resumed.model.retrieval_dim)
+  for version in published.complete_versions(published.index_root(workdir)):
+    published.verify(published.index_root(workdir), version, dim=resumed.model.retrieval_dim)
   logged = [json.loads(line)["step"] for line in
             bucket_text(f"{workdir}/metrics/train.jsonl").splitlines()]
   assert logged == list(range(1, 7))   # appended across the restart, in the bucket
 
-  # realm-eval of the bucket run: metrics and predictions written back to the bucket.
-  resumed.qa.test = "prepared:eval"
-  metrics, out_dir = evaluate_run(resumed, workdir, split="test")
-  assert out_dir == f"{workdir}/eval/6"
+  _evaluate_in_the_bucket(resumed, workdir, step=6)
+
+
+def _killed_version_unseen(workdir: str, log: str, version: int, step: int,
+                          complete: list[int]) -> None:
+  """What the builder killed while publishing `version` wrote is there, but no reader sees it
+  (no manifest); the number is not used again: the complete versions are `complete`."""
+  root, name = published.index_root(workdir), f"{workdir}/index/{version:08d}"
+  assert f"v{version} (step {step})" in open(log).read()
+  assert f"published {name}" not in open(log).read()
+  assert epath.Path(name).exists()
+  assert not epath.Path(f"{name}/{published.MANIFEST}").exists()
+  assert published.complete_versions(root) == complete
+  assert published.read_latest(root) == complete[-1]
+
+
+def _evaluate_in_the_bucket(config, workdir: str, step: int) -> None:
+  """realm-eval of a bucket run: metrics and predictions written back to the bucket."""
+  config.qa.test = "prepared:eval"
+  metrics, out_dir = evaluate_run(config, workdir, split="test")
+  assert out_dir == f"{workdir}/eval/{step}"
   saved = json.loads(bucket_text(f"{out_dir}/metrics.json"))
-  assert saved["step"] == 6 and saved["recall_at_5"] == metrics["recall_at_5"]
+  assert saved["step"] == step and saved["recall_at_5"] == metrics["recall_at_5"]
   predictions = bucket_text(f"{out_dir}/predictions.jsonl").splitlines()
   assert len(predictions) == saved["num_questions"] > 0
   assert not os.path.exists("gs:")

@@ -278,6 +278,28 @@ def larger_world(tmp_path_factory):
   return out
 
 
+def _kill_builders(flags, workdir: str, slow_disk: str | None, marker: str, max_delay: float,
+                   rng: random.Random, fingerprint: str, kills: int = 5) -> list[str]:
+  """`kills` builders, each killed -9 a random delay after it printed `marker`; after each,
+  every visible version is complete and verifies and LATEST names one of them. Returns where
+  each kill landed: "before" the version's commit or "after" it."""
+  root = published.index_root(workdir)
+  landed = []
+  for _ in range(kills):
+    latest = published.read_latest(root)
+    proc = _start_builder(flags, workdir, slow_disk)
+    printed = _kill_after_marker(proc, marker, rng.uniform(0, max_delay))
+    assert marker in printed, printed[-2000:]
+    committed = published.read_latest(root) != latest
+    assert committed or "published" not in printed, printed[-2000:]
+    landed.append("after" if committed else "before")
+    versions = published.complete_versions(root)
+    for version in versions:
+      published.verify(root, version, fingerprint=fingerprint, dim=32)
+    assert published.read_latest(root) in versions
+  return landed
+
+
 @pytest.mark.parametrize("phase,marker,max_delay", [
     ("embedding", "embedding", 0.5),
     ("publishing", "publishing", 0.3),
@@ -309,23 +331,10 @@ def test_builder_killed_at_random_points_never_exposes_a_partial_version(
       time.sleep(0.01)
   watcher = threading.Thread(target=watch)
   watcher.start()
-  rng = random.Random(len(phase))
-  landed = []    # where each kill landed: before the version's commit, or after it
   try:
-    for _ in range(5):
-      latest = published.read_latest(root)
-      proc = _start_builder(flags, workdir, str(tmp_path / "slow_disk")
-                            if phase == "publishing" else None)
-      printed = _kill_after_marker(proc, marker, rng.uniform(0, max_delay))
-      assert marker in printed, printed[-2000:]
-      committed = published.read_latest(root) != latest
-      assert committed or "published" not in printed, printed[-2000:]
-      landed.append("after" if committed else "before")
-      # Every visible version is complete and verifies; LATEST names one of them.
-      versions = published.complete_versions(root)
-      for version in versions:
-        published.verify(root, version, fingerprint=data.blocks.fingerprint, dim=32)
-      assert published.read_latest(root) in versions
+    slow_disk = str(tmp_path / "slow_disk") if phase == "publishing" else None
+    landed = _kill_builders(flags, workdir, slow_disk, marker, max_delay,
+                            random.Random(len(phase)), data.blocks.fingerprint)
     print(f"{phase}: kills landed {landed} the commit")
     if phase == "embedding":   # most kills inside the embedding (on an idle fast machine one
       assert landed.count("before") >= 3, landed   # may finish within its delay)
