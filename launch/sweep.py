@@ -42,7 +42,7 @@ from realm_jax import log, paths, processes, workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.loading import config_module
 from realm_jax.config.reading import flat_options, uses_index_builder
-from realm_jax.config.overrides import check_key, parse_assignment, typed_value
+from realm_jax.config.overrides import check_key, field_value, parse_assignment
 
 PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -61,7 +61,8 @@ def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list
     for flag in grid_flags:
       key, values = parse_assignment(flag, "--grid")
       check_key(key, fields, "--grid")
-      axes.append([(key, typed_value(v.strip(), fields[key], key)) for v in values.split(",")])
+      axes.append([(key, field_value(config, fields, key, v.strip()))
+                   for v in values.split(",")])
     runs = [dict(combo) for combo in itertools.product(*axes)]
   elif hyper:
     runs = [dict(run) for run in hyper]
@@ -265,7 +266,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
   for text in args.set:
     key, value = parse_assignment(text, "--set")
     check_key(key, fields, "--set")
-    fixed[key] = typed_value(value, fields[key], key)
+    fixed[key] = field_value(config, fields, key, value)
   grid = expand_grid(config, args.grid, hyper)
   runs = [(run_name(overrides), overrides) for overrides in grid]
   print(f"[sweep] {len(runs)} runs of {args.config} under {args.root} ({args.launcher})",

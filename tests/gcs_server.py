@@ -51,6 +51,12 @@ def binary_or_reason() -> tuple[str | None, str]:
   return str(path), ""
 
 
+def _killed_with_parent() -> None:
+  """Runs in the server's process between fork and exec: SIGKILL when its parent ends."""
+  import ctypes
+  ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)   # PR_SET_PDEATHSIG, SIGKILL
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -84,17 +90,22 @@ class GcsServer:
     self.come_back()
 
   def come_back(self) -> None:
-    """Serves (again) on the same port, with the objects stored under `root`."""
+    """Serves (again) on the same port, with the objects stored under `root`. Started from
+    the main thread, the server gets SIGKILL when this process ends, however it ends (a
+    restart from another thread cannot ask for it: the signal comes when that thread ends)."""
+    self.stop()
+    on_main = threading.current_thread() is threading.main_thread()
     with open(self._log, "a") as log:
       self._process = subprocess.Popen(
           [self.binary, "-scheme", "http", "-backend", "filesystem", "-filesystem-root",
            self.root, "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url,
-           "-log-level", "error"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+           "-log-level", "error"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+          preexec_fn=_killed_with_parent if on_main else None)
     deadline = time.monotonic() + START_SECONDS
     while True:
       try:
         with urllib.request.urlopen(f"{self.url}/storage/v1/b/{BUCKET}", timeout=2) as answer:
-          if answer.status == 200:
+          if answer.status == 200 and self._process.poll() is None:   # ours, not another's
             return
       except (urllib.error.URLError, OSError):
         pass
@@ -165,8 +176,14 @@ class SlowLink:
           s.shutdown(socket.SHUT_RDWR)
         except OSError:
           pass
+        s.close()
 
   def close(self) -> None:
+    """No new connection: the listener shut down (which wakes the accept) and closed."""
+    try:
+      self._listener.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass
     self._listener.close()
 
 

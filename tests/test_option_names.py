@@ -95,8 +95,8 @@ def test_old_flags_are_spelt_the_new_way():
 def test_the_retriever_is_the_reader_unless_it_says_otherwise(tmp_path):
   """`model.retriever.*` unset (None) is the reader's shape, said as such; a value set on the
   command line or with --set is parsed as the field's type; a workdir recorded when "the
-  reader's" was written 0 / -1.0 / "" reads as unset and resumes; 0 layers set on purpose is
-  refused naming the option."""
+  reader's" was written 0 / -1.0 / "" reads as unset and resumes; on the command line that old
+  spelling still resets a field (warned); a bad size is refused naming the option."""
   from realm_jax.config import reading
   from realm_jax.config.overrides import apply_assignments, config_from_flags
   config = tiny_config("realm")
@@ -122,6 +122,15 @@ def test_the_retriever_is_the_reader_unless_it_says_otherwise(tmp_path):
   saved = workdir_lib.saved_config(workdir)
   assert saved.model.retriever.num_layers is None and saved.model.retriever.hidden_act is None
   workdir_lib.record_config(config, workdir)        # compatible: no error
-  zero = tiny_config("realm", model__retriever__num_layers=0)
-  with pytest.raises(ConfigError, match="model.retriever.num_layers: must be >= 1, got 0"):
-    validate(zero)
+  # A flag cannot say None: the old spelling, 0, resets a config file's own shape to the
+  # reader's, with a warning; a value that was never a spelling of it is refused.
+  reset = config_from_flags("realm-train", os.path.join(REPO, "configs/real_realm.py"),
+                            ["--config.model.retriever.num_layers=0"])
+  assert reset.model.retriever.num_layers == 0
+  with pytest.warns(RenamedOptionWarning, match="retriever.num_layers=0 is the old spelling"):
+    validate(reset)
+  assert reset.model.retriever.num_layers is None
+  assert reading.part_model(reset, "retriever").num_layers == reset.model.num_layers
+  negative = tiny_config("realm", model__retriever__num_layers=-2)
+  with pytest.raises(ConfigError, match="model.retriever.num_layers: must be >= 1, got -2"):
+    validate(negative)

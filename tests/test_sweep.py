@@ -53,6 +53,13 @@ def test_print_launcher_expands_the_grid_with_typed_values(capsys, tmp_path):
   assert "--workdir=" + str(tmp_path / "train.lr-0.003_train.batch_size-64") in lines[-1]
   with pytest.raises(SystemExit):        # 3.5 is no batch size
     sweep.main(["--config", ICT, "--grid", "train.batch_size=3.5", "--launcher", "print"])
+  # An unset retriever field (the reader's shape) is typed as what it takes, too.
+  config = helpers.load_config_module("demo_ict").get_config()
+  assert sweep.expand_grid(config, ["model.retriever.num_layers=1,2"], None) == [
+      {"model.retriever.num_layers": 1}, {"model.retriever.num_layers": 2}]
+  with pytest.raises(SystemExit):
+    sweep.main(["--config", ICT, "--grid", "model.retriever.num_layers=1,2.5", "--launcher",
+                "print"])
 
 
 def test_local_sweep_runs_every_point_and_sorts_the_table(world_dir, tmp_path, capsys):

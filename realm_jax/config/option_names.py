@@ -85,7 +85,9 @@ def _copy_path(root: dict, keys: list[str], create: bool = False) -> dict:
 
 
 def upgrade_config(config) -> None:
-  """Moves options a ConfigDict sets under an old leaf name to the new one (in place)."""
+  """Moves options a ConfigDict sets under an old leaf name to the new one, and reads the
+  retriever's old "same as the reader's" values as unset (in place, each with a warning)."""
+  _unset_old_same_as_reader(config)
   for old, new in RENAMED_OPTIONS.items():
     *old_parents, old_leaf = old.split(".")
     parent = config
@@ -102,6 +104,22 @@ def upgrade_config(config) -> None:
       value = parent[old_leaf]
       del parent[old_leaf]
       target[new_leaf] = value
+
+
+def _unset_old_same_as_reader(config) -> None:
+  """`model.retriever.X` set to what once meant "the reader's" (0, -1.0, ""; a config file
+  or a --config flag, which cannot say None) -> None, warned."""
+  own = config.get("model", {}).get("retriever") if hasattr(config, "get") else None
+  if not hasattr(own, "keys"):
+    return
+  for field in TOWER_FIELDS:
+    value = own.get(field)
+    old = OLD_SAME_AS_READER.get(field, 0)
+    if value is not None and type(value) is type(old) and value == old:
+      warnings.warn(f"config.model.retriever.{field}={value!r} is the old spelling of \"the "
+                    f"same as the reader's\"; read as unset (None)", RenamedOptionWarning,
+                    stacklevel=3)
+      own[field] = None
 
 
 def current_name(name: str, where: str = "") -> str:

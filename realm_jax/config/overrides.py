@@ -146,10 +146,16 @@ def apply_assignments(config, texts: list[str], flag: str = "--set") -> dict:
   for text in texts:
     key, value = parse_assignment(text, flag)
     check_key(key, fields, flag)
-    current = fields[key] if fields[key] is not None else _unset_example(config, key)
-    config.update_from_flattened_dict({key: typed_value(value, current, key)})
+    config.update_from_flattened_dict({key: field_value(config, fields, key, value)})
     given[key] = value
   return given
+
+
+def field_value(config, fields: dict, key: str, text: str):
+  """`text` typed as field `key` of `config` (`fields`: its flat options), also where the
+  field is unset (None)."""
+  current = fields[key] if fields[key] is not None else _unset_example(config, key)
+  return typed_value(text, current, key)
 
 
 def _unset_example(config, key: str):
