@@ -63,12 +63,17 @@ def upgrade_record(record: dict, where: str = "") -> dict:
   return out
 
 
+def _old_same_as_reader(field: str, value) -> bool:
+  """Whether `model.retriever.<field>` = `value` is the old spelling of "the reader's"."""
+  old = OLD_SAME_AS_READER.get(field, 0)
+  return field in TOWER_FIELDS and type(value) is type(old) and value == old
+
+
 def _same_as_reader_unset(record: dict) -> dict:
   own = (record.get("model") or {}).get("retriever")
   if not isinstance(own, dict):
     return dict(record)
-  own = {f: None if f in TOWER_FIELDS and v == OLD_SAME_AS_READER.get(f, 0) else v
-         for f, v in own.items()}
+  own = {f: None if _old_same_as_reader(f, v) else v for f, v in own.items()}
   return {**record, "model": {**record["model"], "retriever": own}}
 
 
@@ -114,8 +119,7 @@ def _unset_old_same_as_reader(config) -> None:
     return
   for field in TOWER_FIELDS:
     value = own.get(field)
-    old = OLD_SAME_AS_READER.get(field, 0)
-    if value is not None and type(value) is type(old) and value == old:
+    if _old_same_as_reader(field, value):
       warnings.warn(f"config.model.retriever.{field}={value!r} is the old spelling of \"the "
                     f"same as the reader's\"; read as unset (None)", RenamedOptionWarning,
                     stacklevel=3)

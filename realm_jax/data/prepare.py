@@ -228,8 +228,9 @@ class _ShardPacker:
     self.pending: deque = deque()
     self.reused = self.blocks_done = 0
 
-  def collect(self, block: bool = False) -> None:
-    while self.pending and (block or self.pending[0].ready()):
+  def collect(self) -> None:
+    """Takes in the shards finished so far, in order (without waiting)."""
+    while self.pending and self.pending[0].ready():
       index, result = self.pending.popleft().get()
       self._done(index, result)
 
