@@ -117,6 +117,8 @@ def test_a_run_with_the_cache_resumes_exactly_and_reports_its_hits(world_dir, tm
     (dict(retrieval__distill_queries="some"), "retrieval.distill_queries"),
     (dict(retrieval__loss="marginal", retrieval__distill_queries="evidence"),
      "retrieval.distill_queries"),
+    (dict(retrieval__score_cache=False, retrieval__candidates="own_block",
+          retrieval__own_context=True), "retrieval.own_context"),
 ])
 def test_bad_settings_are_refused_naming_the_option(world_dir, overrides, option):
   config = cache_config(world_dir, **overrides)
@@ -214,3 +216,39 @@ def test_a_mixed_warmup_reads_its_own_block_or_a_distractor_as_drawn(world_dir, 
   with pytest.raises(ConfigError) as e:
     validate(config)
   assert e.value.option == "retrieval.refresh"
+
+
+@pytest.mark.parametrize("null_document", [True, False])
+def test_own_context_reads_the_own_block_without_the_query_sentence(world_dir, world_data,
+                                                                   null_document):
+  """`retrieval.own_context`: a training batch's last candidate is the query's own block with
+  the query's sentence cut out (its other candidates and their reader inputs unchanged);
+  evaluation rows still drop the own block."""
+  config = cache_config(world_dir, retrieval__score_cache=False, retrieval__own_context=True,
+                        retrieval__train_null_document=null_document)
+  validate(config)
+  queries, cands, batch = host_batch(config, world_data)
+  plain = cache_config(world_dir, retrieval__score_cache=False,
+                       retrieval__train_null_document=null_document)
+  _, plain_cands, plain_batch = host_batch(plain, world_data)
+  source, (start, end) = queries["source_block"], queries["sentence_cut"].T
+  np.testing.assert_array_equal(cands[:, -1], source)
+  np.testing.assert_array_equal(cands[:, :-1], plain_cands[:, :-1])
+  for key in ("reader_ids", "reader_segments", "candidate_ids"):
+    np.testing.assert_array_equal(batch[key][:, :-1], plain_batch[key][:, :-1])
+  blocks, examples = world_data.blocks, world_data.examples("train")
+  rows = queries["query_row"]
+  for i in range(len(source)):
+    block = np.asarray(blocks.tokens[source[i]])[:blocks.lengths[source[i]]]
+    sentence = np.asarray(examples.tokens[rows[i]])[:examples.lengths[rows[i]]]
+    np.testing.assert_array_equal(block[start[i]:end[i]], sentence)   # the cut is the sentence
+    kept = np.concatenate([block[:start[i]], block[end[i]:]])
+    got = batch["candidate_ids"][i, -1]
+    np.testing.assert_array_equal(got[:len(kept)], kept)
+    assert not got[len(kept):].any()
+    segments = batch["candidate_segments"][i, -1]
+    assert segments[blocks.body_start[source[i]]:len(kept)].all() and \
+        not segments[len(kept):].any()
+  retrieved = np.concatenate([source[:, None], cands], axis=1)
+  evaluated = candidate_rows.of(config).rows(world_data, queries, retrieved)
+  assert not (evaluated == source[:, None]).any()

@@ -143,6 +143,12 @@ def _retrieval(c) -> None:
                                    # query-side training; the step then costs the query tower)
   c.retrieval.own_block_share = 0.5  # candidates "mixed": the share of training queries that
                                    # read their own block (the rest read a distractor)
+  c.retrieval.own_context = False  # candidates "index", training only: the query's own
+                                   # block with the query's sentence cut out (ORQA's ICT
+                                   # context) takes the last candidate's place. REALM drops the
+                                   # own block because the reader would copy the sentence;
+                                   # without it, the rest of the paragraph is evidence like any
+                                   # other block's. Evaluation still drops the own block
   c.retrieval.score_cache = False  # with the reader frozen (train.reader_lr_scale 0): each
                                    # (query, span, block) pair's reader log-likelihoods are
                                    # computed once and read back on later steps (docs/design.md)

@@ -182,6 +182,10 @@ def _validate_retriever_learning(config) -> None:
   if not 0 <= r.get("own_block_share", 0.5) <= 1:
     raise ConfigError("retrieval.own_block_share", f"must be in [0, 1], got "
                       f"{r.own_block_share}")
+  if r.get("own_context", False) and (config.task != "realm" or r.candidates != "index"):
+    raise ConfigError("retrieval.own_context", "adds the own block, its sentence cut out, to "
+                      "retrieved candidates: task 'realm' with retrieval.candidates 'index', "
+                      f"not {config.task!r} with {r.candidates!r}")
   if r.candidates == "mixed" and config.task != "realm":
     raise ConfigError("retrieval.candidates", "'mixed' is a REALM reader warm-up (task "
                       f"'realm'), not {config.task!r}")

@@ -131,6 +131,21 @@ def candidate_rows(retrieved: np.ndarray, query_block: np.ndarray, uids: np.ndar
   return np.concatenate([np.full((len(retrieved), 1), NULL_BLOCK), kept], axis=1)
 
 
+def cut_own_sentence(cands: dict[str, np.ndarray], own: np.ndarray,
+                     cut: np.ndarray) -> dict[str, np.ndarray]:
+  """`candidate_inputs` with the query's sentence ([s, e) of `cut` [n, 2]) cut out of the
+  candidates where `own` [n, k] (the query's own block): ORQA's ICT context, as a REALM
+  candidate the reader cannot copy the sentence from."""
+  ids, lengths = cands["candidate_ids"], cands["lengths"]
+  start = np.where(own, cut[:, None, 0], lengths)
+  end = np.where(own, cut[:, None, 1], lengths)
+  out = dict(cands)
+  out["candidate_ids"] = splice(ids, start, ids, end, lengths, ids.shape[-1])
+  out["lengths"] = lengths - (end - start)
+  out["candidate_segments"] = segment_ids(cands["body_start"], out["lengths"], ids.shape[-1])
+  return out
+
+
 def candidate_inputs(blocks: BlockStore, rows: np.ndarray, cls_id: int,
                      sep_id: int) -> dict[str, np.ndarray]:
   """Token rows of candidate blocks (NULL_BLOCK -> `[CLS][SEP][SEP]`), segments and bounds."""

@@ -98,6 +98,8 @@ class QueryBatches(BatchStream):
     batch["query_row"], batch["span_index"] = rows.astype(np.int32), choice.astype(np.int32)
     if self.config.retrieval.candidates == "mixed":
       batch["reads_own_block"] = own.astype(np.int32)
+    if self.config.retrieval.get("own_context", False):
+      batch["sentence_cut"] = self.examples.block_offsets[rows].astype(np.int32)
     return batch   # (query row, span): what the masked query is (the score cache's key)
 
 
@@ -117,6 +119,9 @@ def realm_batch(config, data: PreparedData, queries: dict[str, np.ndarray],
   inputs."""
   tok = data.tokenizer
   cands = pipeline.candidate_inputs(data.blocks, rows, tok.cls_id, tok.sep_id)
+  if "sentence_cut" in queries:   # retrieval.own_context: the own block, its sentence cut out
+    cands = pipeline.cut_own_sentence(cands, rows == queries["source_block"][:, None],
+                                      queries["sentence_cut"])
   reader_len = pipeline.reader_length(
       config.data.query_len, candidate_rows.of(config).reader_block_len(data.blocks.block_len))
   reader_ids, reader_segments = pipeline.reader_inputs(queries["query_ids"],

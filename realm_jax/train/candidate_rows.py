@@ -4,7 +4,9 @@ of them. `of(config)` picks it; train/candidates.py says where the retrieval com
 
   index      the null document and the top k - 1 retrieved blocks, the query's own block
              dropped (REALM); without the null document in training
-             (`retrieval.train_null_document` False) a training batch holds the blocks only
+             (`retrieval.train_null_document` False) a training batch holds the blocks only;
+             with `retrieval.own_context` a training batch's last candidate is the own block,
+             read with the query's sentence cut out
   own_block  the null document and the query's own block, all prior mass on the block (the
              reader warm-up); a training batch leaves the null document out (it would add
              exactly nothing to the loss or its gradient, at the cost of reading it)
@@ -64,6 +66,8 @@ class Retrieved(CandidateRows):
   def rows(self, data, queries, retrieved, training=False, distractor=False):
     rows = pipeline.candidate_rows(retrieved, queries["source_block"], data.blocks.uids,
                                    self.config.retrieval.k)
+    if training and self.config.retrieval.get("own_context", False):
+      rows[:, -1] = queries["source_block"]   # read with its sentence cut out (realm_batch)
     return rows[:, 1:] if training and not reading.null_in_training(self.config) else rows
 
 
