@@ -8,10 +8,14 @@ if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
 # XLA:CPU compiles the tests' programs without LLVM optimisation and with its older fusion
 # emitters: compiling is most of what the suite does (its programs are tiny: running them
 # takes milliseconds), and these two cut the compile of test_model_execution's REALM loss and
-# gradients 3.5x (9.5 -> 2.7 s on the AVX-512 Xeon; docs/testing.md). Same semantics; float
-# results differ from an optimised build's in the last bits, and every comparison in the
-# suite is between programs compiled alike. REALM_JAX_TEST_FAST_COMPILE=0: XLA's defaults.
-_FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# gradients 3.5x (9.5 -> 2.7 s on the AVX-512 Xeon; docs/testing.md). The third compiles each
+# program's LLVM module whole on one thread instead of split across the thread pool: the
+# processes of the suite keep both cores busy already, and the split's own work cost ~8% of
+# the CPU time of a compile-bound test. Same semantics; float results differ from an
+# optimised build's in the last bits, and every comparison in the suite is between programs
+# compiled alike. REALM_JAX_TEST_FAST_COMPILE=0: XLA's defaults.
+_FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                       "--xla_cpu_parallel_codegen_split_count=1")
 if os.environ.get("REALM_JAX_TEST_FAST_COMPILE", "1") != "0" and \
     _FAST_COMPILE_FLAGS not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " " + _FAST_COMPILE_FLAGS
