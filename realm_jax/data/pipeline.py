@@ -136,14 +136,11 @@ def cut_own_sentence(cands: dict[str, np.ndarray], own: np.ndarray,
   """`candidate_inputs` with the query's sentence ([s, e) of `cut` [n, 2]) cut out of the
   candidates where `own` [n, k] (the query's own block): ORQA's ICT context, as a REALM
   candidate the reader cannot copy the sentence from."""
-  ids, lengths = cands["candidate_ids"], cands["lengths"]
-  start = np.where(own, cut[:, None, 0], lengths)
-  end = np.where(own, cut[:, None, 1], lengths)
-  out = dict(cands)
-  out["candidate_ids"] = splice(ids, start, ids, end, lengths, ids.shape[-1])
-  out["lengths"] = lengths - (end - start)
-  out["candidate_segments"] = segment_ids(cands["body_start"], out["lengths"], ids.shape[-1])
-  return out
+  lengths = cands["lengths"]
+  ids, new_lengths, segments = cut_out(cands["candidate_ids"], cands["body_start"], lengths,
+                                       np.where(own, cut[:, None, 0], lengths),
+                                       np.where(own, cut[:, None, 1], lengths))
+  return {**cands, "candidate_ids": ids, "lengths": new_lengths, "candidate_segments": segments}
 
 
 def candidate_inputs(blocks: BlockStore, rows: np.ndarray, cls_id: int,
@@ -189,9 +186,16 @@ def ict_inputs(examples: ExampleSet, blocks: BlockStore, rows: np.ndarray, query
   block_rows = examples.block[rows]
   block = np.asarray(blocks.tokens[block_rows])
   start, end = examples.block_offsets[rows, 0], examples.block_offsets[rows, 1]
-  cut_end = np.where(remove, end, start)
-  length = blocks.lengths[block_rows]
-  context = splice(block, start, block, cut_end, length, blocks.block_len)
-  new_len = length - (cut_end - start)
-  segments = segment_ids(blocks.body_start[block_rows], new_len, blocks.block_len)
+  context, _, segments = cut_out(block, blocks.body_start[block_rows],
+                                 blocks.lengths[block_rows], start, np.where(remove, end, start))
   return {"query_ids": queries, "block_ids": context, "block_segments": segments}
+
+
+def cut_out(tokens: np.ndarray, body_start: np.ndarray, lengths: np.ndarray, start: np.ndarray,
+            end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Block rows `tokens` [..., L] with positions [start, end) cut out (a sentence: ICT's
+  context; start == end cuts nothing) -> (ids, lengths, segments), 0-padded to L."""
+  width = tokens.shape[-1]
+  ids = splice(tokens, start, tokens, end, lengths, width)
+  new_lengths = lengths - (end - start)
+  return ids, new_lengths, segment_ids(body_start, new_lengths, width)
