@@ -81,7 +81,7 @@ def test_each_part_starts_from_its_own_source(world_dir, world_data, tmp_path, c
   # Left at -1, a workdir part comes from the latest checkpoint.
   config = towers_config(world_dir, init__retriever=ict)
   start = initialization.start_params(
-      config, trainer.state.params, trainer.abstract.params, trainer.shardings.params,
+      config, lambda: trainer.state.params, trainer.abstract.params, trainer.shardings.params,
       world_data.tokenizer.vocab_path, vocab_size)
   assert start.steps == {"retriever": 5}
   np.testing.assert_array_equal(
@@ -104,7 +104,7 @@ def fresh(world_dir, world_data):
 
 def start(config, fresh, world_data):
   params, abstract, shardings = fresh
-  return initialization.start_params(config, params, abstract, shardings,
+  return initialization.start_params(config, lambda: params, abstract, shardings,
                                      world_data.tokenizer.vocab_path,
                                      world_data.tokenizer.vocab_size)
 
@@ -196,3 +196,31 @@ def test_legacy_options_still_start_both_parts(world_dir, world_data, fresh, tmp
   import ml_collections
   old = ml_collections.ConfigDict(saved_config)
   assert initialization.sources(old)["reader"].path == run
+
+
+def test_a_start_restored_whole_runs_no_random_init(world_dir, world_data, tmp_path):
+  """Every part from a workdir: the state is built around the restored params, the random
+  init neither compiled nor run, and holds what the random init's state with those params
+  held (the optimizer starts at zero whatever the params). A part left random still gets it."""
+  run = str(tmp_path / "run")
+  saved = source_run(towers_config(world_dir), run, world_data.tokenizer.vocab_size)
+
+  def started(**init):
+    trainer = Trainer(towers_config(world_dir, **init), str(tmp_path / f"work{len(init)}"))
+    make, made = trainer._initial_state, []
+    trainer._initial_state = lambda *params: made.append(len(params)) or make(*params)
+    assert trainer.restore_or_init()[0] == 0
+    return trainer, make, made
+
+  trainer, make, made = started(init__from_workdir=run)
+  assert made == [1]       # around the restored params only: no random init
+  state, reference = trainer.state, make()
+  for part in ("retriever", "reader"):
+    for key, value in flat(saved[0][part]).items():
+      np.testing.assert_array_equal(flat(state.params[part])[key], value, err_msg=key)
+  assert jax.tree.structure(state) == jax.tree.structure(reference)
+  for got, want in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(reference.opt_state)):
+    np.testing.assert_array_equal(got, want)
+  assert [x.sharding for x in jax.tree.leaves(state)] == jax.tree.leaves(trainer.shardings)
+  _, _, made = started(init__from_workdir=run, init__reader="random")
+  assert made == [0]       # the random init, once, for the reader

@@ -17,9 +17,10 @@ what stayed at its initial values. Resuming a run's own checkpoint is not this m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -131,27 +132,30 @@ def sources(config) -> dict[str, Source]:
   return out
 
 
-def start_params(config, params, abstract_params, shardings, data_vocab: str,
-                 vocab_size: int) -> Start:
+def start_params(config, initial: Callable[[], dict], abstract_params, shardings,
+                 data_vocab: str, vocab_size: int) -> Start:
   """The run's starting params: each part from its Source (see the module doc).
 
   Args:
-    params: the freshly initialised params (sharded), kept where a part starts at random.
+    initial: returns the freshly initialised params (sharded), kept where a part starts at
+      random or its source lacks arrays; called only then (a start whose every part is
+      restored whole compiles and runs no random init).
     abstract_params: their ShapeDtypeStructs with shardings (restore targets).
     shardings: the params' shardings (for parts loaded on the host).
     data_vocab, vocab_size: the data dir's vocab.txt and its size.
   """
   srcs = sources(config)
-  out, lines, steps = dict(params), [], {}
+  out, lines, steps = {}, [], {}
   for part, src in srcs.items():
     if src.kind == "random":
+      out[part] = initial()[part]
       lines.append(f"{part} <- random init (seed {config.seed})")
       continue
     if src.kind == "workdir":
-      out[part], line, steps[part] = _from_workdir(config, src, params[part],
+      out[part], line, steps[part] = _from_workdir(config, src, lambda: initial()[part],
                                                    abstract_params[part], data_vocab)
     else:
-      host, line = _from_hf(config, src, params, data_vocab, vocab_size)
+      host, line = _from_hf(config, src, initial(), data_vocab, vocab_size)
       out[part] = jax.device_put(host, shardings[part])
     lines += line
   return Start(out, lines, srcs, steps)
@@ -161,15 +165,16 @@ def initial_params(config, model, mesh, data):
   """The params a fresh run of `config` starts from (the parts' sources applied), outside a
   trainer: the untrained reference of an evaluation."""
   from realm_jax.runtime import state as state_lib
-  state, shardings, abstract = state_lib.create_train_state(
+  make, abstract, shardings = state_lib.deferred_train_state(
       config, model, mesh, data.blocks.block_len, jax.random.split(
           jax.random.PRNGKey(config.seed))[0])
-  return start_params(config, state.params, abstract.params, shardings.params,
+  initial = functools.cache(lambda: make().params)
+  return start_params(config, initial, abstract.params, shardings.params,
                       data.tokenizer.vocab_path, data.tokenizer.vocab_size).params
 
 
 # -- a run's workdir ------------------------------------------------------------------------
-def _from_workdir(config, src: Source, initial, abstract, data_vocab: str):
+def _from_workdir(config, src: Source, initial: Callable[[], Any], abstract, data_vocab: str):
   from realm_jax.runtime.checkpoints import restore_params, saved_param_shapes
   part, option = src.part, src.option
   try:
@@ -192,7 +197,7 @@ def _from_workdir(config, src: Source, initial, abstract, data_vocab: str):
   restored, step, _ = restore_params(src.path, {part: abstract}, step, partial=True)
   value = restored[part]
   if missing:   # keep our initial values for what the checkpoint lacks
-    flat = traverse_util.flatten_dict(initial)
+    flat = traverse_util.flatten_dict(initial())
     flat.update(traverse_util.flatten_dict(value))
     value = traverse_util.unflatten_dict(flat)
   fresh = sorted({"/".join(p[:2]) for p in missing})

@@ -152,7 +152,8 @@ def dummy_inputs(config, block_len: int) -> dict[str, jnp.ndarray]:
 
 
 def _state_setup(config, model: REALM, mesh, block_len: int, rng):
-  """The init fn, the abstract state (ShapeDtypeStructs with shardings) and its shardings.
+  """The init fn, the fn building a state around given params, the abstract state
+  (ShapeDtypeStructs with shardings) and its shardings.
 
   One optimizer object serves both, so the abstract state and the real one share a treedef.
   """
@@ -160,9 +161,11 @@ def _state_setup(config, model: REALM, mesh, block_len: int, rng):
   inputs = dummy_inputs(config, block_len)
   rules = partitioning.logical_rules(config.mesh.rules)
 
-  def init(rng):
-    params = nn.meta.unbox(model.init(rng, **inputs)["params"])
+  def around(params):
     return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+  def init(rng):
+    return around(nn.meta.unbox(model.init(rng, **inputs)["params"]))
 
   boxed = jax.eval_shape(lambda r: model.init(r, **inputs)["params"], rng)
   param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
@@ -170,14 +173,14 @@ def _state_setup(config, model: REALM, mesh, block_len: int, rng):
   shardings = _state_shardings(abstract, param_shardings, partitioning.replicated(mesh))
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
-  return init, abstract, shardings
+  return init, around, abstract, shardings
 
 
 def abstract_train_state(config, model: REALM, mesh, block_len: int, rng=None):
   """The train state's shapes, dtypes and shardings, allocating nothing (for AOT lowering of
   full-size configs). Returns (abstract_state, state_shardings)."""
   rng = jax.random.PRNGKey(config.seed) if rng is None else rng
-  _, abstract, shardings = _state_setup(config, model, mesh, block_len, rng)
+  _, _, abstract, shardings = _state_setup(config, model, mesh, block_len, rng)
   return abstract, shardings
 
 
@@ -194,14 +197,19 @@ def create_train_state(config, model: REALM, mesh, block_len: int, rng):
 
 def deferred_train_state(config, model: REALM, mesh, block_len: int, rng):
   """(make, abstract_state, state_shardings): `make()` creates the state as
-  `create_train_state` does. A run that resumes restores into the abstract state and never
-  calls it: no random init compiled, run and thrown away."""
-  init, abstract, shardings = _state_setup(config, model, mesh, block_len, rng)
+  `create_train_state` does; `make(params)` builds the state around `params` (sharded as the
+  state's params, donated) without the random init: a fresh start whose every part is
+  restored from elsewhere. The optimizer state is the same either way (it starts at zero
+  whatever the params). A run that resumes restores into the abstract state and calls
+  neither: no random init compiled, run and thrown away."""
+  init, around, abstract, shardings = _state_setup(config, model, mesh, block_len, rng)
   rules = partitioning.logical_rules(config.mesh.rules)
 
-  def make():
+  def make(params=None):
     with partitioning.mesh_rules(mesh, rules):
-      return jax.jit(init, out_shardings=shardings)(rng)
+      if params is None:
+        return jax.jit(init, out_shardings=shardings)(rng)
+      return jax.jit(around, out_shardings=shardings, donate_argnums=0)(params)
   return make, abstract, shardings
 
 

@@ -12,6 +12,7 @@ item of its checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -160,11 +161,13 @@ class Run:
       logger.info(f"{self.prefix}resumed from {self.checkpointer.directory}/{latest} "
                   f"(data at step {self.saved_data['next_step']})")
       return int(self.saved_data["next_step"]), None
-    self.state = self._initial_state()
-    start = initialization.start_params(self.config, self.state.params, self.abstract.params,
-                                        self.shardings.params, self.data.tokenizer.vocab_path,
+    initial = functools.cache(self._initial_state)   # only where a part needs random init
+    start = initialization.start_params(self.config, lambda: initial().params,
+                                        self.abstract.params, self.shardings.params,
+                                        self.data.tokenizer.vocab_path,
                                         self.data.tokenizer.vocab_size)
-    self.state = self.state.replace(params=start.params)
+    self.state = (initial().replace(params=start.params) if initial.cache_info().currsize
+                  else self._initial_state(start.params))
     start.print(self.prefix)
     return 0, start
 
