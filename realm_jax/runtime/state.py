@@ -169,7 +169,8 @@ def _state_setup(config, model: REALM, mesh, block_len: int, rng):
 
   boxed = jax.eval_shape(lambda r: model.init(r, **inputs)["params"], rng)
   param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
-  abstract = jax.eval_shape(init, rng)
+  # the state's shapes around the params' (the model is traced once here, not again)
+  abstract = jax.eval_shape(around, nn.meta.unbox(boxed))
   shardings = _state_shardings(abstract, param_shardings, partitioning.replicated(mesh))
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract, shardings)
