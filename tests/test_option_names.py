@@ -12,6 +12,8 @@ from realm_jax.config.defaults import base_config
 from realm_jax.config.validation import validate
 from realm_jax.config.option_names import (RenamedOptionWarning, new_name,
                                           upgrade_flags, upgrade_record)
+from realm_jax.config.overrides import with_overrides
+from realm_jax.config.reading import option_parent
 from tests.helpers import REPO, tiny_config
 
 
@@ -28,6 +30,21 @@ def test_new_names():
   assert new_name("retrieval.mode") == "retrieval.candidates"
   assert new_name("index.keep_versions") == "builder.keep_versions"
   assert new_name("indexes.x") is None and new_name("retrieval.k") is None
+
+
+def test_one_walk_finds_an_option_in_a_config_and_in_its_record():
+  config = base_config()
+  record = json.loads(config.to_json_best_effort())
+  for root in (config, record):
+    parent, leaf = option_parent(root, "model.retriever.pooling")
+    assert leaf == "pooling" and parent["pooling"] == "cls"
+    assert option_parent(root, "task") == (root, "task")
+    assert option_parent(root, "nowhere.x")[0] is None
+    assert option_parent(root, "task.x")[0] is None        # a leaf is no group
+  assert with_overrides(config, {"model.retriever.pooling": "mean"}).model.retriever.pooling \
+      == "mean"
+  with pytest.raises(KeyError, match="model.nowhere.x: the config has no group 'model.nowhere'"):
+    with_overrides(config, {"model.nowhere.x": 1})
 
 
 def test_a_saved_config_under_old_names_reads_as_the_new_ones():

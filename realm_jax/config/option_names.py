@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 
 from realm_jax.config.defaults import OLD_SAME_AS_READER, TOWER_FIELDS
+from realm_jax.config.reading import option_parent
 
 # old dotted name -> new
 RENAMED_OPTIONS = {
@@ -45,14 +46,11 @@ def upgrade_record(record: dict, where: str = "") -> dict:
   the retriever's old "same as the reader's" values as None."""
   out = _same_as_reader_unset(record)
   for old, new in RENAMED_OPTIONS.items():
-    *old_parents, old_leaf = old.split(".")
-    parent = out
-    for key in old_parents:
-      parent = parent.get(key) if isinstance(parent, dict) else None
-    if not isinstance(parent, dict) or old_leaf not in parent:
+    parent, old_leaf = option_parent(out, old)
+    if parent is None or old_leaf not in parent:
       continue
     _warn(old, new, where)
-    parent = _copy_path(out, old_parents)
+    parent = _copy_path(out, old.split(".")[:-1])
     value = parent.pop(old_leaf)
     *new_parents, new_leaf = new.split(".")
     target = _copy_path(out, new_parents, create=True)
@@ -94,17 +92,11 @@ def upgrade_config(config) -> None:
   retriever's old "same as the reader's" values as unset (in place, each with a warning)."""
   _unset_old_same_as_reader(config)
   for old, new in RENAMED_OPTIONS.items():
-    *old_parents, old_leaf = old.split(".")
-    parent = config
-    for key in old_parents:
-      parent = parent.get(key) if hasattr(parent, "get") else None
-    if parent is None or not hasattr(parent, "keys") or old_leaf not in parent.keys():
+    parent, old_leaf = option_parent(config, old)
+    if parent is None or old_leaf not in parent.keys():
       continue
     _warn(old, new, "")
-    *new_parents, new_leaf = new.split(".")
-    target = config
-    for key in new_parents:
-      target = target[key]
+    target, new_leaf = option_parent(config, new)
     with parent.unlocked(), target.unlocked():
       value = parent[old_leaf]
       del parent[old_leaf]

@@ -19,7 +19,7 @@ import sys
 from typing import Callable
 
 from realm_jax.config.option_names import current_name
-from realm_jax.config.reading import flat_options
+from realm_jax.config.reading import flat_options, option_parent
 from realm_jax.errors import ConfigError
 
 
@@ -164,10 +164,7 @@ def _unset_example(config, key: str):
   resolved has lost it) the defaults'; None where neither knows."""
   from realm_jax.config.defaults import base_config
   for source in (config, base_config()):
-    node = source
-    *parents, leaf = key.split(".")
-    for parent in parents:
-      node = node.get(parent) if hasattr(node, "get") else None
+    node, leaf = option_parent(source, key)
     if hasattr(node, "get_type") and leaf in node:
       kind = node.get_type(leaf)
       if kind is not type(None):
@@ -178,9 +175,8 @@ def _unset_example(config, key: str):
 def with_overrides(config, overrides: dict):
   """`config` with dotted `overrides` (`{"data.dir": D}`) set; returns it."""
   for key, value in overrides.items():
-    *parents, leaf = key.split(".")
-    node = config
-    for parent in parents:
-      node = node[parent]
+    node, leaf = option_parent(config, key)
+    if node is None:
+      raise KeyError(f"{key}: the config has no group {key.rsplit('.', 1)[0]!r}")
     node[leaf] = value
   return config

@@ -44,6 +44,16 @@ def flat_options(config, prefix: str = "") -> dict:
   return out
 
 
+def option_parent(root, name: str):
+  """(the mapping that holds dotted option `name`'s leaf under `root`, the leaf's key): `root`
+  a ConfigDict or its JSON record; the mapping is None where a level is missing or no mapping."""
+  *parents, leaf = name.split(".")
+  node = root
+  for key in parents:
+    node = node.get(key) if hasattr(node, "get") else None
+  return (node if hasattr(node, "keys") else None), leaf
+
+
 def null_in_training(config) -> bool:
   """Whether a REALM training batch's candidate 0 is the null document (saved configs from
   before `retrieval.train_null_document`: yes)."""
