@@ -14,9 +14,10 @@ Stages (`--stages`, default realm):
            candidates scored with the index's embeddings (`retrieval.block_gradients` False)
 
 `--base` is a commit (checked out into a git worktree under WORK); the other side is this
-working tree. The data dir and the ICT start are made once, by the base, and reused. Prints the
-largest difference of each logged figure over the steps and whether every parameter array is
-bitwise equal; exits 1 when they are not.
+working tree. The data dir, the ICT start and the base's stage runs are made once, by the base,
+and reused by later calls with the same WORK (a WORK made for another base is refused); this
+tree's runs are made again on every call. Prints the largest difference of each logged figure
+over the steps and whether every parameter array is bitwise equal; exits 1 when they are not.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -135,6 +137,15 @@ def compare(base: str, head: str) -> bool:
   return sorted(a) == sorted(b) and equal
 
 
+def git_commit(cwd: str, rev: str, option: str) -> str:
+  """The full hash `rev` names in the repository at `cwd`; exits naming `option` if none."""
+  got = subprocess.run(["git", "rev-parse", "--verify", "--quiet", rev], cwd=cwd,
+                       capture_output=True, text=True)
+  if got.returncode:
+    sys.exit(f"bench/behaviour.py: {option}: {rev.split('^')[0]!r} is not a commit ({cwd})")
+  return got.stdout.strip()
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--base", required=True, help="the commit to compare against")
@@ -147,9 +158,15 @@ def main() -> int:
   args = parser.parse_args()
   work = os.path.abspath(args.work)
   base_src = os.path.join(work, "base_src")
+  base = git_commit(REPO, f"{args.base}^{{commit}}", "--base")
   if not os.path.isdir(base_src):
-    subprocess.run(["git", "worktree", "add", "--detach", "-f", base_src, args.base],
+    subprocess.run(["git", "worktree", "add", "--detach", "-f", base_src, base],
                    cwd=REPO, check=True)
+  made_for = git_commit(base_src, "HEAD", "--work")
+  if made_for != base:   # its data, ICT start and base runs are that commit's
+    sys.exit(f"bench/behaviour.py: --work {work} holds the base {made_for[:7]}, not --base "
+             f"{args.base} ({base[:7]}): give another --work, or remove {work} and run "
+             "`git worktree prune`")
   data, ict = os.path.join(work, "data"), os.path.join(work, "ict")
   if not os.path.exists(os.path.join(data, "stats.json")):
     loader = "repo_config" if os.path.exists(os.path.join(base_src, "realm_jax", "train",
@@ -162,7 +179,8 @@ def main() -> int:
   verdicts = {}
   for name in args.stages.split(","):
     base, head = (os.path.join(work, f"{name}_{side}") for side in ("base", "head"))
-    run_stage_of(base_src, name, base, data, ict, args.steps)
+    run_stage_of(base_src, name, base, data, ict, args.steps)   # the base's runs are kept
+    shutil.rmtree(head, ignore_errors=True)   # this tree changes between calls: run it again
     run_stage_of(REPO, name, head, data, ict, args.steps)
     print(f"== {name}")
     verdicts[name] = compare(base, head)
