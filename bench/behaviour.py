@@ -15,9 +15,10 @@ Stages (`--stages`, default realm):
 
 `--base` is a commit (checked out into a git worktree under WORK); the other side is this
 working tree. The data dir, the ICT start and the base's stage runs are made once, by the base,
-and reused by later calls with the same WORK (a WORK made for another base is refused); this
-tree's runs are made again on every call. Prints the largest difference of each logged figure
-over the steps and whether every parameter array is bitwise equal; exits 1 when they are not.
+and reused by later calls with the same WORK (a WORK made for another base or world size is
+refused; a base run of other arguments, or unfinished, is made again); this tree's runs are
+made again on every call. Prints the largest difference of each logged figure over the steps
+and whether every parameter array is bitwise equal; exits 1 when they are not.
 """
 
 from __future__ import annotations
@@ -98,10 +99,25 @@ def stage_args(name: str, ict: str, steps: int) -> list[str]:
   }[name]
 
 
-def run_stage_of(src: str, name: str, workdir: str, data: str, ict: str, steps: int) -> None:
-  if not os.path.exists(os.path.join(workdir, "summary.json")):
-    config, variant, *overrides = stage_args(name, ict, steps)
-    run_code(src, STAGE, config, variant, workdir, data, *overrides)
+def run_stage_of(src: str, name: str, workdir: str, data: str, ict: str, steps: int,
+                 keep: bool) -> None:
+  """Stage `name` run by the code at `src` into `workdir`. With `keep` (the base's side), a
+  finished run there of the same arguments is kept; anything else is removed and run again."""
+  stage = stage_args(name, ict, steps)
+  record = os.path.join(workdir, "behaviour_args.json")
+  if keep and os.path.exists(os.path.join(workdir, "summary.json")) and \
+      os.path.exists(record) and read_json(record) == stage:
+    return
+  shutil.rmtree(workdir, ignore_errors=True)
+  config, variant, *overrides = stage
+  run_code(src, STAGE, config, variant, workdir, data, *overrides)
+  with open(record, "w") as f:
+    json.dump(stage, f)
+
+
+def read_json(path: str):
+  with open(path) as f:
+    return json.load(f)
 
 
 def trace(workdir: str) -> dict[int, dict]:
@@ -137,13 +153,41 @@ def compare(base: str, head: str) -> bool:
   return sorted(a) == sorted(b) and equal
 
 
-def git_commit(cwd: str, rev: str, option: str) -> str:
-  """The full hash `rev` names in the repository at `cwd`; exits naming `option` if none."""
+def git_commit(cwd: str, rev: str, what: str) -> str:
+  """The full hash `rev` names in the repository at `cwd`; exits naming `what` if none."""
   got = subprocess.run(["git", "rev-parse", "--verify", "--quiet", rev], cwd=cwd,
                        capture_output=True, text=True)
   if got.returncode:
-    sys.exit(f"bench/behaviour.py: {option}: {rev.split('^')[0]!r} is not a commit ({cwd})")
+    sys.exit(f"bench/behaviour.py: {what} is not a commit ({cwd})")
   return got.stdout.strip()
+
+
+def open_work(work: str, base_rev: str, entities: int) -> str:
+  """WORK's checkout of the base (made on first use), refused where WORK holds another base or
+  another world size: its data, ICT start and base runs are theirs. Returns its path."""
+  base_src = os.path.join(work, "base_src")
+  base = git_commit(REPO, f"{base_rev}^{{commit}}", f"--base {base_rev!r}")
+  if not os.path.isdir(base_src):
+    subprocess.run(["git", "worktree", "add", "--detach", "-f", base_src, base],
+                   cwd=REPO, check=True)
+  top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=base_src,
+                       capture_output=True, text=True).stdout.strip()
+  if not top or os.path.realpath(top) != os.path.realpath(base_src):
+    sys.exit(f"bench/behaviour.py: --work {work}: {base_src} is not a git worktree of its "
+             f"own: remove {work} and run `git worktree prune`")
+  settings, path = {"base": base, "entities": entities}, os.path.join(work, "settings.json")
+  if not os.path.exists(path):   # a new WORK; or one of before this record: its world unknown
+    made_before = os.path.exists(os.path.join(work, "data"))
+    with open(path, "w") as f:
+      json.dump({"base": git_commit(base_src, "HEAD", f"{base_src}'s HEAD"),
+                 "entities": None if made_before else entities}, f)
+  made = read_json(path)
+  differ = [f"{key} {str(made[key])[:12]} (not {str(value)[:12]})"
+            for key, value in settings.items() if made.get(key) not in (value, None)]
+  if differ:
+    sys.exit(f"bench/behaviour.py: --work {work} holds {', '.join(differ)}: give another "
+             f"--work, or remove {work} and run `git worktree prune`")
+  return base_src
 
 
 def main() -> int:
@@ -157,16 +201,7 @@ def main() -> int:
   parser.add_argument("--entities", type=int, default=600, help="size of the world")
   args = parser.parse_args()
   work = os.path.abspath(args.work)
-  base_src = os.path.join(work, "base_src")
-  base = git_commit(REPO, f"{args.base}^{{commit}}", "--base")
-  if not os.path.isdir(base_src):
-    subprocess.run(["git", "worktree", "add", "--detach", "-f", base_src, base],
-                   cwd=REPO, check=True)
-  made_for = git_commit(base_src, "HEAD", "--work")
-  if made_for != base:   # its data, ICT start and base runs are that commit's
-    sys.exit(f"bench/behaviour.py: --work {work} holds the base {made_for[:7]}, not --base "
-             f"{args.base} ({base[:7]}): give another --work, or remove {work} and run "
-             "`git worktree prune`")
+  base_src = open_work(work, args.base, args.entities)
   data, ict = os.path.join(work, "data"), os.path.join(work, "ict")
   if not os.path.exists(os.path.join(data, "stats.json")):
     loader = "repo_config" if os.path.exists(os.path.join(base_src, "realm_jax", "train",
@@ -178,12 +213,11 @@ def main() -> int:
     run_code(base_src, STAGE, "demo_ict", "-", ict, data, "train.steps=150", "eval.every=0")
   verdicts = {}
   for name in args.stages.split(","):
-    base, head = (os.path.join(work, f"{name}_{side}") for side in ("base", "head"))
-    run_stage_of(base_src, name, base, data, ict, args.steps)   # the base's runs are kept
-    shutil.rmtree(head, ignore_errors=True)   # this tree changes between calls: run it again
-    run_stage_of(REPO, name, head, data, ict, args.steps)
+    base_run, head_run = (os.path.join(work, f"{name}_{side}") for side in ("base", "head"))
+    run_stage_of(base_src, name, base_run, data, ict, args.steps, keep=True)
+    run_stage_of(REPO, name, head_run, data, ict, args.steps, keep=False)   # this tree changes
     print(f"== {name}")
-    verdicts[name] = compare(base, head)
+    verdicts[name] = compare(base_run, head_run)
   for name, same in verdicts.items():
     print(f"{name}: {'SAME BEHAVIOUR' if same else 'BEHAVIOUR CHANGED'}")
   return 0 if all(verdicts.values()) else 1

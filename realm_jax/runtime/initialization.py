@@ -138,8 +138,8 @@ def start_params(config, initial: Callable[[], dict], abstract_params, shardings
 
   Args:
     initial: returns the freshly initialised params (sharded), kept where a part starts at
-      random or its source lacks arrays; called only then (a start whose every part is
-      restored whole compiles and runs no random init).
+      random or its source lacks arrays, and filled in by an HF part; called only then (a
+      start whose every part is restored whole from workdirs runs no random init).
     abstract_params: their ShapeDtypeStructs with shardings (restore targets).
     shardings: the params' shardings (for parts loaded on the host).
     data_vocab, vocab_size: the data dir's vocab.txt and its size.

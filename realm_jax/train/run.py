@@ -161,13 +161,15 @@ class Run:
       logger.info(f"{self.prefix}resumed from {self.checkpointer.directory}/{latest} "
                   f"(data at step {self.saved_data['next_step']})")
       return int(self.saved_data["next_step"]), None
-    initial = functools.cache(self._initial_state)   # only where a part needs random init
+    # the random init only where a part needs it (random, an HF dir, a source lacking arrays)
+    initial = functools.cache(self._initial_state)
     start = initialization.start_params(self.config, lambda: initial().params,
                                         self.abstract.params, self.shardings.params,
                                         self.data.tokenizer.vocab_path,
                                         self.data.tokenizer.vocab_size)
     self.state = (initial().replace(params=start.params) if initial.cache_info().currsize
-                  else self._initial_state(start.params))
+                  else self._initial_state(start.params))   # donates start.params
+    start.params = self.state.params
     start.print(self.prefix)
     return 0, start
 
