@@ -33,6 +33,8 @@ import tempfile
 
 import numpy as np
 
+from realm_jax import paths
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIGURES = ("loss", "grad_norm", "retrieval_utility", "null_doc_prob", "index_staleness")
 # One stage of the demo, run by the code on PYTHONPATH: argv = config, variant, workdir, data,
@@ -106,18 +108,12 @@ def run_stage_of(src: str, name: str, workdir: str, data: str, ict: str, steps: 
   stage = stage_args(name, ict, steps)
   record = os.path.join(workdir, "behaviour_args.json")
   if keep and os.path.exists(os.path.join(workdir, "summary.json")) and \
-      os.path.exists(record) and read_json(record) == stage:
+      (paths.read_json(record) or {}).get("args") == stage:
     return
   shutil.rmtree(workdir, ignore_errors=True)
   config, variant, *overrides = stage
   run_code(src, STAGE, config, variant, workdir, data, *overrides)
-  with open(record, "w") as f:
-    json.dump(stage, f)
-
-
-def read_json(path: str):
-  with open(path) as f:
-    return json.load(f)
+  paths.write_json(record, {"args": stage})
 
 
 def trace(workdir: str) -> dict[int, dict]:
@@ -176,12 +172,11 @@ def open_work(work: str, base_rev: str, entities: int) -> str:
     sys.exit(f"bench/behaviour.py: --work {work}: {base_src} is not a git worktree of its "
              f"own: remove {work} and run `git worktree prune`")
   settings, path = {"base": base, "entities": entities}, os.path.join(work, "settings.json")
-  if not os.path.exists(path):   # a new WORK; or one of before this record: its world unknown
-    made_before = os.path.exists(os.path.join(work, "data"))
-    with open(path, "w") as f:
-      json.dump({"base": git_commit(base_src, "HEAD", f"{base_src}'s HEAD"),
-                 "entities": None if made_before else entities}, f)
-  made = read_json(path)
+  made = paths.read_json(path)
+  if made is None:   # a new WORK; or one of before this record: its world unknown
+    made = {"base": git_commit(base_src, "HEAD", f"{base_src}'s HEAD"),
+            "entities": None if os.path.exists(os.path.join(work, "data")) else entities}
+    paths.write_json(path, made)
   differ = [f"{key} {str(made[key])[:12]} (not {str(value)[:12]})"
             for key, value in settings.items() if made.get(key) not in (value, None)]
   if differ:
