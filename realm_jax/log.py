@@ -45,6 +45,13 @@ def set_verbosity(verbosity: int) -> None:
   absl_logging.set_verbosity(absl_logging.INFO if verbosity >= 1 else absl_logging.WARNING)
 
 
+def follow_verbosity(library: str) -> None:
+  """A library's own Python logger shows what this project's verbosity does for libraries:
+  warnings, and its debug and INFO lines too at 1 (for a library that sets its logger to DEBUG
+  when imported, as bm25s does: call this after the import)."""
+  logging.getLogger(library).setLevel(logging.DEBUG if verbosity() >= 1 else logging.WARNING)
+
+
 def verbosity() -> int:
   """The verbosity now set (what a driver hands the processes it starts)."""
   level = install().level

@@ -2,6 +2,7 @@
 retriever and for BM25 on a small SQuAD-format file the test writes."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -90,3 +91,24 @@ def test_bm25_and_a_trained_retriever_side_by_side(squad_data, tmp_path):
                                        heldout_articles=0.2)
   assert table["untrained"]["questions"] == table["bm25"]["questions"] == 1
   assert table["bm25"]["recall_at_1"] == 1.0 and table["untrained"]["recall_at_4"] == 1.0
+
+
+def test_bm25_logs_at_the_projects_verbosity(squad_data, caplog):
+  """bm25s sets its own logger to DEBUG when imported ("Building index from IDs objects" on
+  the demos' console); its records follow the project's verbosity: none below warnings at 0,
+  its debug lines at 1."""
+  from realm_jax import log
+  from realm_jax.data.prepared import PreparedData
+  data, questions = PreparedData(squad_data), zero_shot.load_questions(squad_data)
+  caplog.set_level(logging.DEBUG)
+  before = log.verbosity()
+  try:
+    for verbosity, shown in ((0, False), (1, True)):
+      caplog.clear()
+      log.set_verbosity(verbosity)
+      rows = zero_shot.bm25_ranking(data, questions, n=2)
+      assert np.asarray(data.blocks.doc_ids)[rows[:, 0]].tolist() == [0, 1, 2, 3]
+      debug = [r for r in caplog.records if r.name == "bm25s" and r.levelno < logging.WARNING]
+      assert bool(debug) == shown, (verbosity, [r.getMessage() for r in debug])
+  finally:
+    log.set_verbosity(before)

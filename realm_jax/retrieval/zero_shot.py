@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from realm_jax import paths
+from realm_jax import log, paths
 from realm_jax.data.qa import is_heldout_article, question_inputs
 from realm_jax.data.prepared import PreparedData
 from realm_jax.retrieval.index import ExactIndex, IndexVersion, embed_blocks
@@ -81,6 +81,7 @@ def bm25_ranking(data: PreparedData, questions: list[dict],
                  n: int = CANDIDATE_BLOCKS) -> np.ndarray:
   """Top-n block rows per question by BM25 over each block's title + body text."""
   import bm25s
+  log.follow_verbosity("bm25s")   # it sets its logger to DEBUG when imported
   blocks, tok = data.blocks, data.tokenizer
   texts = [tok.decode(blocks.tokens[row][1:blocks.lengths[row] - 1])
            for row in range(blocks.num_blocks)]
