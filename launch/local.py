@@ -31,7 +31,7 @@ import time
 from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.overrides import config_from_flags
-from realm_jax.processes import own_session, shared_memory_env
+from realm_jax.processes import shared_memory_env, start_child
 from realm_jax.config.option_names import upgrade_flags
 
 PROG = "local.py"
@@ -194,8 +194,8 @@ class _Child:
     self.end: float | None = None
     # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it (and can
     # then SIGKILL everything the job started, grandchildren included).
-    self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, **own_session())
+    self.proc = start_child(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)
     self._log = open(log_path, "a", encoding="utf-8")
     self._log.write(f"# {PROG} {time.strftime('%Y-%m-%d %H:%M:%S')}: {command_line(argv)}\n")
     self._log.flush()

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 from realm_jax.runtime.preemption import EXIT_CODE
 
@@ -38,6 +39,17 @@ def own_session() -> dict:
   driver dies, even by SIGKILL (a trainer saves its step on it). Start children from the
   thread that outlives them (the main thread): the signal comes when that thread ends."""
   return {"start_new_session": True, "preexec_fn": functools.partial(_die_with, os.getpid())}
+
+
+def start_child(command: list[str], **popen) -> subprocess.Popen:
+  """`subprocess.Popen(command, **popen)` in a session of its own (`own_session`). JAX warns
+  at every fork once it has a backend ("os.fork() was called ... will likely lead to a
+  deadlock"); here the child runs only `_die_with` (no lock, no import) before it execs, so
+  the warning is silenced for this one call."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
+                            category=RuntimeWarning)
+    return subprocess.Popen(command, **popen, **own_session())
 
 
 def _die_with(parent: int) -> None:
@@ -231,8 +243,7 @@ def run_to_end(name: str, command: list[str], out=None,
   process = None
   try:
     with signals_deferred():   # the process is recorded before a signal can stop us
-      process = subprocess.Popen(command, stdout=out,
-                                 stderr=subprocess.STDOUT if out else None, **own_session())
+      process = start_child(command, stdout=out, stderr=subprocess.STDOUT if out else None)
     return process.wait()
   except BaseException as e:
     if process is None:

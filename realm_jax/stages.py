@@ -18,7 +18,7 @@ import time
 from realm_jax import log, workdir as workdir_lib
 from realm_jax.config.overrides import with_overrides
 from realm_jax.errors import run_cli
-from realm_jax.processes import (Preempted, on_sigterm, own_session, shared_memory_env,
+from realm_jax.processes import (Preempted, on_sigterm, shared_memory_env, start_child,
                                  signals_deferred, stop_after)
 from realm_jax.runtime.preemption import EXIT_CODE
 
@@ -232,8 +232,7 @@ def _launch(command: list[str], config, host_devices: int, out=None) -> subproce
   builder stage's processes see the host CPU as `host_devices` devices (`run_stage`)."""
   env = split_host(dict(os.environ), host_devices)[0] \
       if config.retrieval.refresh != "in_process" else dict(os.environ)
-  return subprocess.Popen(command, env=env, stdout=out,
-                          stderr=subprocess.STDOUT if out else None, **own_session())
+  return start_child(command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
 
 
 def _wait_stage(name: str, process: subprocess.Popen, workdir: str, what: str,

@@ -238,3 +238,21 @@ def test_a_drivers_child_gets_sigterm_when_the_driver_is_sigkilled(tmp_path):
   finally:
     if driver.poll() is None:
       driver.kill()
+
+
+def test_a_child_started_after_jax_brings_no_fork_warning(recwarn):
+  """A demo runs its first stages in its own process, then starts the REALM stage's: JAX's
+  at-fork hook ("os.fork() was called ... will likely lead to a deadlock") must not reach the
+  console for a child that only execs (`start_child`); the filter is for that call alone."""
+  import jax
+  import warnings
+  jax.devices()   # a backend: JAX's at-fork hook is installed
+  child = processes.start_child([sys.executable, "-c", "pass"])
+  assert child.wait(timeout=60) == 0
+  forks = [w for w in recwarn if "os.fork() was called" in str(w.message)]
+  assert not forks, [str(w.message) for w in forks]
+  with warnings.catch_warnings(record=True) as seen:   # the hook is there: a plain Popen warns
+    warnings.simplefilter("always")
+    assert subprocess.Popen([sys.executable, "-c", "pass"],
+                            preexec_fn=lambda: None).wait(timeout=60) == 0
+  assert any("os.fork() was called" in str(w.message) for w in seen)
