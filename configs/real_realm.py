@@ -17,7 +17,7 @@ Variants by arg (one per stage, all on the same data):
             it once from the REALM and once from the ICT-only checkpoint
 
 A second arg after a comma picks the scale: `cpu` (default: the recipe above, sized for a
-2-core CPU hour) or `gpu` (`ict,gpu`, ...: every MiniLM layer in the reader, 1.6-3.8x the
+2-core CPU hour) or `gpu` (`ict,gpu`, ...: every MiniLM layer in the reader, 1.2-2.5x the
 queries per stage, REALM reading 8 blocks; sized for 10 minutes of one accelerator,
 `_gpu_scale`).
 
@@ -148,8 +148,9 @@ def _shapes(c):
 def _gpu_scale(c, variant):
   """The recipe at the scale of one accelerator, sized by the stage rates of its one run on an
   H200 (2026-11-27, docs/real_text.md: ICT 11 steps/s, the warm-up 21, REALM 9-11, Open-QA 4;
-  ~15-35 s of start-up and compiling a stage) to fit `bench/gpu.sh OUT real` in one 10-minute
-  lease. Same data; the reader is all of MiniLM, the retriever starts as on the CPU."""
+  ~20-30 s of start-up and compiling a stage) to fit `bench/gpu.sh OUT real` in one 10-minute
+  lease (~7 1/2 min by those rates, the demo's limit there ~8 1/3). Same data; the reader is
+  all of MiniLM, the retriever starts as on the CPU."""
   c.model.num_layers = 6           # every MiniLM layer (the CPU recipe: the first 4)
   c.retrieval.embed_batch_size = 1024
   c.eval.num_examples = 1024       # every held-out sentence (~300 on SQuADShifts)
@@ -172,11 +173,11 @@ def _gpu_scale(c, variant):
     c.retrieval.refresh_every = 50  # a checkpoint every 50 steps for the builder (the CPU
     c.train.checkpoint_every = 50   # recipe's 40 as well made 34 versions in 1,000 steps)
     c.train.batch_size = 32
-    c.train.steps = 500            # ~3 epochs through the score cache (1,000: hit rate 0.46)
+    c.train.steps = 400            # ~2.4 epochs through the score cache (1,000: hit rate 0.46)
     c.train.warmup_steps = 50
   elif variant == "openqa":
     c.train.batch_size = 16
-    c.train.steps = 200            # ~0.5 epoch of the training questions, each start
+    c.train.steps = 150            # ~0.4 epoch of the training questions, each start
     c.train.warmup_steps = 30
     c.train.checkpoint_every = 100
 
