@@ -16,10 +16,12 @@
 # (`python -m realm_jax.demo_real --scale gpu`, workdir $REAL_WORKDIR, default runs/real_gpu;
 # the SQuAD-format file $SQUAD; all-MiniLM-L6-v2 installed), with XLA's GEMM autotuning off
 # (the recipe compiles ~20 programs of a small model) and JAX's compilation cache in the
-# workdir (the two Open-QA stages and a resumed run compile nothing twice). It gets SIGTERM 45 s
-# before the deadline and 40 s to stop (its stages save their steps within ~1 s); running the
-# part again resumes it from there; summary.json is copied to OUT_DIR/real_summary.json once
-# it exists.
+# workdir (programs that took over a second to compile are read back by a resumed run and by
+# later stages of the same shapes). It gets SIGTERM 45 s before the deadline and 40 s to stop
+# (its stages save their steps within ~1 s on a GPU; launch/local.py and the train loop each
+# allow 30 s, and a stage still running when `timeout` kills the driver runs on in its own
+# session); running the part again resumes it from there; summary.json is copied to
+# OUT_DIR/real_summary.json once it exists.
 #
 # Every part has a time limit and the whole run a deadline ($DEADLINE seconds, default 560), so
 # that it ends inside a 10-minute lease; a part cut short says so in its log. Processes allocate

@@ -147,7 +147,7 @@ def _shapes(c):
 
 def _gpu_scale(c, variant):
   """The recipe at the scale of one accelerator, sized by the stage rates of its one run on an
-  H200 (2026-11-27, docs/real_text.md: ICT 11 steps/s, the warm-up 21, REALM 9-11, Open-QA 4;
+  H200 (2026-11-27, docs/real_text.md: ICT 11 steps/s, the warm-up 21, REALM 8-11, Open-QA 4;
   ~20-30 s of start-up and compiling a stage) to fit `bench/gpu.sh OUT real` in one 10-minute
   lease (~7 1/2 min by those rates, the demo's limit there ~8 1/3). Same data; the reader is
   all of MiniLM, the retriever starts as on the CPU."""

@@ -195,7 +195,7 @@ class _Child:
     # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it (and can
     # then SIGKILL everything the job started, grandchildren included).
     self.proc = start_child(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT)
     self._log = open(log_path, "a", encoding="utf-8")
     self._log.write(f"# {PROG} {time.strftime('%Y-%m-%d %H:%M:%S')}: {command_line(argv)}\n")
     self._log.flush()

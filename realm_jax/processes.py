@@ -45,10 +45,11 @@ def start_child(command: list[str], **popen) -> subprocess.Popen:
   """`subprocess.Popen(command, **popen)` in a session of its own (`own_session`). JAX warns
   at every fork once it has a backend ("os.fork() was called ... will likely lead to a
   deadlock"); here the child runs only `_die_with` (no lock, no import) before it execs, so
-  the warning is silenced for this one call."""
+  the warning is silenced for this one call. Call it from the main thread, as `own_session`
+  asks (the warnings filters are the process's)."""
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
-                            category=RuntimeWarning)
+                            category=RuntimeWarning, module="subprocess")
     return subprocess.Popen(command, **popen, **own_session())
 
 

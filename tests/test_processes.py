@@ -247,8 +247,10 @@ def test_a_child_started_after_jax_brings_no_fork_warning(recwarn):
   import jax
   import warnings
   jax.devices()   # a backend: JAX's at-fork hook is installed
+  filters = list(warnings.filters)
   child = processes.start_child([sys.executable, "-c", "pass"])
   assert child.wait(timeout=60) == 0
+  assert warnings.filters == filters   # the filter was for that call alone
   forks = [w for w in recwarn if "os.fork() was called" in str(w.message)]
   assert not forks, [str(w.message) for w in forks]
   with warnings.catch_warnings(record=True) as seen:   # the hook is there: a plain Popen warns

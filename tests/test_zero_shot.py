@@ -101,7 +101,7 @@ def test_bm25_logs_at_the_projects_verbosity(squad_data, caplog):
   from realm_jax.data.prepared import PreparedData
   data, questions = PreparedData(squad_data), zero_shot.load_questions(squad_data)
   caplog.set_level(logging.DEBUG)
-  before = log.verbosity()
+  before, bm25_level = log.verbosity(), logging.getLogger("bm25s").level
   try:
     for verbosity, shown in ((0, False), (1, True)):
       caplog.clear()
@@ -112,3 +112,4 @@ def test_bm25_logs_at_the_projects_verbosity(squad_data, caplog):
       assert bool(debug) == shown, (verbosity, [r.getMessage() for r in debug])
   finally:
     log.set_verbosity(before)
+    logging.getLogger("bm25s").setLevel(bm25_level)
