@@ -33,32 +33,36 @@ _PR_SET_PDEATHSIG = 1      # prctl(2): the signal a process gets when its parent
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
-def own_session() -> dict:
+def own_session(death_signal: int = signal.SIGTERM) -> dict:
   """subprocess.Popen's keyword arguments for a driver's child: a session of its own (the
-  terminal's Ctrl-C reaches the driver alone) and, on Linux, SIGTERM from the kernel when the
-  driver dies, even by SIGKILL (a trainer saves its step on it). Start children from the
-  thread that outlives them (the main thread): the signal comes when that thread ends."""
-  return {"start_new_session": True, "preexec_fn": functools.partial(_die_with, os.getpid())}
+  terminal's Ctrl-C reaches the driver alone) and, on Linux, `death_signal` from the kernel
+  when the driver dies, even by SIGKILL (SIGTERM: a trainer saves its step on it). Start
+  children from the thread that outlives them (the main thread): the signal comes when that
+  thread ends."""
+  return {"start_new_session": True,
+          "preexec_fn": functools.partial(_die_with, os.getpid(), death_signal)}
 
 
-def start_child(command: list[str], **popen) -> subprocess.Popen:
+def start_child(command: list[str], death_signal: int = signal.SIGTERM,
+                **popen) -> subprocess.Popen:
   """`subprocess.Popen(command, **popen)` in a session of its own (`own_session`). JAX warns
   at every fork once it has a backend ("os.fork() was called ... will likely lead to a
   deadlock"); here the child runs only `_die_with` (no lock, no import) before it execs, so
   the warning is silenced for this one call. Call it from the main thread, as `own_session`
-  asks (the warnings filters are the process's)."""
+  asks (the warnings filters are the process's). `death_signal`: what the child gets when the
+  driver dies (SIGKILL for one with nothing to save)."""
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
                             category=RuntimeWarning, module="subprocess")
-    return subprocess.Popen(command, **popen, **own_session())
+    return subprocess.Popen(command, **popen, **own_session(death_signal))
 
 
-def _die_with(parent: int) -> None:
+def _die_with(parent: int, death_signal: int) -> None:
   """Runs in the child between fork and exec."""
   if _LIBC is not None:
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    _LIBC.prctl(_PR_SET_PDEATHSIG, death_signal, 0, 0, 0)
   if os.getppid() != parent:   # the driver died before the prctl: nobody will send it
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), death_signal)
 
 
 class Preempted(SystemExit):

