@@ -20,7 +20,7 @@ from realm_jax.config.reading import null_in_training
 from realm_jax.config.validation import validate
 from realm_jax.train.loop import train
 from realm_jax.runtime.metrics import read_jsonl
-from realm_jax.train.score_cache import ScoreCache, cache_keys
+from realm_jax.train.score_cache import ScoreCache, cache_keys, read_chunk
 from tests.helpers import tiny_config
 
 
@@ -84,6 +84,35 @@ def test_cached_scores_give_the_same_loss_and_gradients(world_dir, world_data, l
   assert all(np.abs(g).max() == 0 for g in jax.tree.leaves(fast[2]["reader"]))
 
 
+def test_a_batch_reads_the_chunks_its_misses_fill_and_the_same_scores(world_dir, world_data):
+  """A batch half of whose triples are cached reads fewer rows than the same batch cold (whole
+  chunks of a quarter of a batch, not the batch), and every triple's scores are the ones it
+  gets read with other neighbours."""
+  config = cache_config(world_dir, retrieval__loss="distill",
+                        retrieval__train_null_document=False)   # one group: the blocks
+  validate(config)
+  model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
+  mesh = partitioning.make_mesh((-1, 1))
+  state, _, _ = state_lib.create_train_state(config, model, mesh, world_data.blocks.block_len,
+                                             jax.random.PRNGKey(0))
+  queries, cands, batch = host_batch(config, world_data)
+  b, keys = len(cands), cache_keys(queries, cands)
+  cold = ScoreCache(config, model, state.params["reader"], b)
+  chunk = read_chunk(config, b, jax.local_device_count())
+  assert cold.chunk == chunk < cands.size and chunk % jax.local_device_count() == 0
+  read_cold, _, _ = cold.fill(dict(batch), keys)
+  assert cold.rows_read == -(-cands.size // chunk) * chunk
+  split = ScoreCache(config, model, state.params["reader"], b)
+  split.fill({name: value[:b // 2] for name, value in batch.items()}, keys[:b // 2])
+  before = split.rows_read
+  read_split, hits, reads = split.fill(dict(batch), keys)
+  seen = {tuple(key) for key in keys[:b // 2].reshape(-1, 3)}
+  assert hits == sum(tuple(key) in seen for key in keys.reshape(-1, 3)) > 0
+  assert split.rows_read - before == -(-reads // chunk) * chunk < cold.rows_read
+  np.testing.assert_array_equal(read_split["candidate_log_probs"],
+                                read_cold["candidate_log_probs"])
+
+
 @pytest.mark.slow   # end-to-end runs: the slow tier
 def test_a_run_with_the_cache_resumes_exactly_and_reports_its_hits(world_dir, tmp_path,
                                                                    capsys):
@@ -97,6 +126,11 @@ def test_a_run_with_the_cache_resumes_exactly_and_reports_its_hits(world_dir, tm
   read_per_query = 4 if null_in_training(run(30)) else 3   # k, or k - 1 without the null
   assert whole["score_cache_reader_forwards_saved"] + whole["score_cache_reader_forwards"] \
       == 30 * 16 * read_per_query
+  # the reader ran on whole chunks: at most one partly filled per step and group
+  chunk = read_chunk(run(30), 16, jax.local_device_count())
+  assert whole["score_cache_reader_rows"] % chunk == 0
+  assert whole["score_cache_reader_forwards"] <= whole["score_cache_reader_rows"] \
+      < whole["score_cache_reader_forwards"] + 30 * 2 * chunk
   assert " | score cache " in capsys.readouterr().out
   # The whole run's step-15 checkpoint (what a run stopped there leaves: its lr schedule does
   # not depend on train.steps, warm-up 10) resumed by a new run: a fresh cache, every triple

@@ -154,7 +154,7 @@ class QueryStepBatches(StepBatches):
     self.rows = candidate_rows.of(config)
     self.data_iter, self.start, self.depth = data_iter, start, depth
     self.feed: BatchFeed | None = None   # started by the first `next` (after the first eval)
-    self.cache_hits = self.cache_reads = 0
+    self.cache_hits = self.cache_reads = self.cache_rows = 0
 
   def next(self, step: int) -> StepBatch:
     self.candidates.before_step(step, self.start, self.depth)
@@ -180,15 +180,17 @@ class QueryStepBatches(StepBatches):
     if not cfg.retrieval.get("block_gradients", True) and loaded is not None:
       batch["candidate_emb"] = batches.index_embeddings(loaded, cand)
     if self.score_cache is not None:
+      rows_before = self.score_cache.rows_read
       batch, hits, reads = self.score_cache.fill(batch, cache_keys(queries, cand))
-      used["score_cache"] = (hits, reads)
+      used["score_cache"] = (hits, reads, self.score_cache.rows_read - rows_before)
     return batch, used
 
   def served(self, done: int, fed: StepBatch, metrics) -> None:
     used = fed.used
     if "score_cache" in used:
-      self.cache_hits += used["score_cache"][0]
-      self.cache_reads += used["score_cache"][1]
+      hits, reads, rows = used["score_cache"]
+      self.cache_hits, self.cache_reads = self.cache_hits + hits, self.cache_reads + reads
+      self.cache_rows += rows
     if "index" in used:
       self.candidates.served(done, used["index"], used["wait_seconds"], used["feed_wait"],
                              metrics)
@@ -207,7 +209,9 @@ class QueryStepBatches(StepBatches):
     looked_up = max(self.cache_hits + self.cache_reads, 1)
     return {"score_cache_hit_rate": round(self.cache_hits / looked_up, 4),
             "score_cache_reader_forwards_saved": self.cache_hits,
-            "score_cache_reader_forwards": self.cache_reads}
+            "score_cache_reader_forwards": self.cache_reads,
+            # what the reader ran on for them: whole chunks (score_cache.read_chunk)
+            "score_cache_reader_rows": self.cache_rows}
 
   def stop(self, preempted: bool) -> None:
     # The feed thread is building batches past the last step and may be waiting for an index
@@ -227,7 +231,8 @@ class QueryStepBatches(StepBatches):
       cache = self._cache_figures()
       logger.info(
           f"[{self.config.task}] score cache: {cache['score_cache_reader_forwards_saved']:,} "
-          f"reader forwards saved, {cache['score_cache_reader_forwards']:,} made (hit rate "
+          f"reader forwards saved, {cache['score_cache_reader_forwards']:,} made in "
+          f"{cache['score_cache_reader_rows']:,} rows (hit rate "
           f"{cache['score_cache_hit_rate']:.3f})")
       figures = {**figures, **cache}
     if "index_staleness_p50" in figures:

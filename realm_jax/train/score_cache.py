@@ -4,10 +4,11 @@ With the reader frozen (`train.reader_lr_scale` 0, no dropout), log p(y_j | z, x
 query x and a candidate block z never changes: a REALM step needs the reader only for the
 (query, span, block) triples it has not read before. `ScoreCache.fill` runs in the batch
 feed's thread after the candidates are retrieved: it looks every triple of the batch up,
-reads the new ones with the reader on this process's devices (in chunks of one shape, so a
-triple's scores do not depend on which other triples were read with it), stores them, and
-hands the step `candidate_log_probs` [B, k, M] in place of the reader inputs. The step then
-computes only the retriever (train/steps.py `realm_loss_fn`).
+reads the new ones with the reader on this process's devices, stores them, and hands the step
+`candidate_log_probs` [B, k, M] in place of the reader inputs. The step then computes only the
+retriever (train/steps.py `realm_loss_fn`). The reads go in chunks of one shape, so a
+triple's scores do not depend on which other triples were read with it; a chunk is a quarter
+of a batch's triples (`read_chunk`), so a batch pays for the triples it misses, not for all.
 
 The cache lives in memory and is not checkpointed: a resumed run reads the triples again
 and gets the same scores (tests/test_retriever_learning.py), so resuming stays exact.
@@ -20,10 +21,13 @@ import threading
 import jax
 import numpy as np
 
+from realm_jax.config import reading
 from realm_jax.data import pipeline
 from realm_jax.models.realm import REALM
 from realm_jax.runtime import partitioning
 from realm_jax.train import candidate_rows
+
+READ_CHUNKS = 4   # a batch's triples are read in (at most) this many chunks of one shape
 
 
 class ScoreCache:
@@ -34,13 +38,12 @@ class ScoreCache:
     self.mesh = partitioning.make_mesh((-1, 1), jax.local_devices())
     self.params = jax.device_put({"params": {"reader": partitioning.host_copy(reader_params)}},
                                  partitioning.replicated(self.mesh))
-    devices = len(jax.local_devices())
-    # every chunk is read at one shape: the most triples a batch can miss, in whole devices
-    self.chunk = -(-local_batch * config.retrieval.k // devices) * devices
+    self.chunk = read_chunk(config, local_batch, len(jax.local_devices()))
     self.null_len = pipeline.reader_length(config.data.query_len,
                                            pipeline.NULL_DOCUMENT_LENGTH)
     self.null_short = candidate_rows.of(config).null_first(training=True)   # the step reads it at its length
     self._scores: dict[tuple[int, int, int], np.ndarray] = {}
+    self.rows_read = 0   # the rows the reader ran on, chunks' padding included
     self._lock = threading.Lock()
     self.rules = partitioning.logical_rules(config.mesh.rules)
     self._read = jax.jit(self._read_fn)
@@ -95,10 +98,20 @@ class ScoreCache:
     padded = [np.zeros((self.chunk,) + x.shape[1:], x.dtype) for x in inputs]
     for full, x in zip(padded, inputs):
       full[:len(x)] = x
+    self.rows_read += self.chunk
     sharding = partitioning.batch_sharding(self.mesh)
     with partitioning.mesh_rules(self.mesh, self.rules):
       scores = self._read(self.params, *[jax.device_put(x, sharding) for x in padded])
     return np.asarray(jax.device_get(scores), np.float32)[:len(pairs)]
+
+
+def read_chunk(config, local_batch: int, devices: int) -> int:
+  """The rows of every chunk the reader reads: a READ_CHUNKS-th of the triples a training
+  batch holds (k per query, or k - 1 without the null document), in whole devices. A batch
+  that misses m of its triples reads ceil(m / chunk) chunks per group (the null document's,
+  the blocks')."""
+  per_query = config.retrieval.k - (0 if reading.null_in_training(config) else 1)
+  return -(-local_batch * per_query // (READ_CHUNKS * devices)) * devices
 
 
 def cache_keys(queries: dict[str, np.ndarray], candidate_rows: np.ndarray) -> np.ndarray:
