@@ -47,9 +47,8 @@ from realm_jax.train.score_cache import ScoreCache, cache_keys
 
 def host_batches(config, data, n: int, first: int = 0):
   """n REALM batches from step `first`: (queries, candidate rows, host batch), random
-  candidates; without
-  `retrieval.block_gradients`, with a random table's embeddings of them (the serving index's
-  stand-in)."""
+  candidates; without `retrieval.block_gradients`, with a random table's embeddings of them
+  (the serving index's stand-in)."""
   stream = batches.QueryBatches(config, data, data.examples("train"))
   rng = np.random.default_rng(first)
   index = SimpleNamespace(version=0, embeddings=rng.normal(
@@ -106,9 +105,13 @@ def main() -> None:
     state, metrics = step(state, partitioning.global_batch(batch, mesh), rng)
     return metrics
 
+  rows_read = []
+
   def cached_step(item):
     queries, cands, batch = item
-    return run_step(cache.fill(dict(batch), cache_keys(queries, cands))[0])
+    batch, _, _, rows = cache.fill(dict(batch), cache_keys(queries, cands))
+    rows_read.append(rows)
+    return run_step(batch)
 
   figures, rows = {}, {}
   for name, run in (("uncached", lambda item: run_step(item[2])), ("cold", cached_step),
@@ -116,13 +119,13 @@ def main() -> None:
     if name == "half":                            # other batches, their first halves read
       work = host_batches(config, data, args.steps + 1, first=args.steps + 1)
       for queries, cands, batch in work:
-        half = len(cands) // 2
-        cache.fill({key: value[:half] for key, value in batch.items()},
-                   cache_keys(queries, cands)[:half])
+        first_half = len(cands) // 2
+        cache.fill({key: value[:first_half] for key, value in batch.items()},
+                   cache_keys(queries, cands)[:first_half])
     run(work[0])                                  # compile (warm: the first batch is found)
-    before = cache.rows_read
+    rows_read.clear()
     figures[name] = statistics.median(timed(run, work[1:]))
-    rows[name] = (cache.rows_read - before) / args.steps
+    rows[name] = sum(rows_read) / args.steps
   machine = f"{platform.machine()}, {os.cpu_count()} cores, {jax.device_count()} x " \
             f"{jax.devices()[0].platform}"
   print(f"score cache on configs/real_realm.py:realm shapes (batch {config.train.batch_size}, "
@@ -133,7 +136,8 @@ def main() -> None:
     print(f"  {name:<9} {seconds * 1e3:8.1f} ms/step  {1 / seconds:7.2f} steps/s{read}")
   print(f"  warm / uncached: {figures['uncached'] / figures['warm']:.1f}x steps/s, half / "
         f"uncached {figures['uncached'] / figures['half']:.2f}x ({len(cache):,} triples "
-        f"cached; reads in chunks of {cache.chunk} rows)")
+        f"cached; reads in chunks of {cache.chunks[False]} rows, the null document's "
+        f"{cache.chunks[True]})")
 
 
 if __name__ == "__main__":

@@ -61,13 +61,13 @@ def test_cached_scores_give_the_same_loss_and_gradients(world_dir, world_data, l
   assert (cands[:, 0] == pipeline.NULL_BLOCK).all() == null_document
   cache = ScoreCache(config, model, state.params["reader"], len(cands))
   keys = cache_keys(queries, cands)
-  cached, hits, reads = cache.fill(dict(batch), keys)
+  cached, hits, reads, _ = cache.fill(dict(batch), keys)
   assert (hits, reads) == (0, cands.size) and len(cache) == len({tuple(k) for k in
                                                                  keys.reshape(-1, 3)})
   assert "reader_ids" not in cached and cached["candidate_log_probs"].shape == \
       cands.shape + (config.data.max_masks,)
-  again, hits, reads = cache.fill(dict(batch), keys)   # every triple seen: nothing read
-  assert (hits, reads) == (cands.size, 0)
+  again, hits, reads, rows = cache.fill(dict(batch), keys)   # every triple seen: none read
+  assert (hits, reads, rows) == (cands.size, 0, 0)
   np.testing.assert_array_equal(again["candidate_log_probs"], cached["candidate_log_probs"])
 
   full = loss_and_grads(config, model, state.params, batch, mesh)
@@ -84,12 +84,14 @@ def test_cached_scores_give_the_same_loss_and_gradients(world_dir, world_data, l
   assert all(np.abs(g).max() == 0 for g in jax.tree.leaves(fast[2]["reader"]))
 
 
-def test_a_batch_reads_the_chunks_its_misses_fill_and_the_same_scores(world_dir, world_data):
+@pytest.mark.parametrize("null_document", [True, False])
+def test_a_batch_reads_the_chunks_its_misses_fill_and_the_same_scores(world_dir, world_data,
+                                                                      null_document):
   """A batch half of whose triples are cached reads fewer rows than the same batch cold (whole
-  chunks of a quarter of a batch, not the batch), and every triple's scores are the ones it
-  gets read with other neighbours."""
+  chunks of a quarter of each group's triples, not the batch), and every triple's scores are
+  the ones it gets read with other neighbours."""
   config = cache_config(world_dir, retrieval__loss="distill",
-                        retrieval__train_null_document=False)   # one group: the blocks
+                        retrieval__train_null_document=null_document)
   validate(config)
   model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
   mesh = partitioning.make_mesh((-1, 1))
@@ -98,17 +100,24 @@ def test_a_batch_reads_the_chunks_its_misses_fill_and_the_same_scores(world_dir,
   queries, cands, batch = host_batch(config, world_data)
   b, keys = len(cands), cache_keys(queries, cands)
   cold = ScoreCache(config, model, state.params["reader"], b)
-  chunk = read_chunk(config, b, jax.local_device_count())
-  assert cold.chunk == chunk < cands.size and chunk % jax.local_device_count() == 0
-  read_cold, _, _ = cold.fill(dict(batch), keys)
-  assert cold.rows_read == -(-cands.size // chunk) * chunk
+  devices = jax.local_device_count()
+  assert cold.chunks == {True: read_chunk(b, devices),
+                         False: read_chunk(b * (config.retrieval.k - 1), devices)}
+
+  def rows_for(missed):   # whole chunks per group: the null document's, the blocks'
+    null = missed[:, 2] == pipeline.NULL_BLOCK
+    return sum(-(-int(n) // cold.chunks[g]) * cold.chunks[g]
+               for g, n in ((True, null.sum()), (False, (~null).sum())))
+
+  read_cold, _, _, cold_rows = cold.fill(dict(batch), keys)
+  assert cold_rows == rows_for(keys.reshape(-1, 3)) == cands.size   # the tiny batch divides
   split = ScoreCache(config, model, state.params["reader"], b)
   split.fill({name: value[:b // 2] for name, value in batch.items()}, keys[:b // 2])
-  before = split.rows_read
-  read_split, hits, reads = split.fill(dict(batch), keys)
+  read_split, hits, reads, rows = split.fill(dict(batch), keys)
   seen = {tuple(key) for key in keys[:b // 2].reshape(-1, 3)}
-  assert hits == sum(tuple(key) in seen for key in keys.reshape(-1, 3)) > 0
-  assert split.rows_read - before == -(-reads // chunk) * chunk < cold.rows_read
+  missed = np.array([key for key in keys.reshape(-1, 3) if tuple(key) not in seen])
+  assert hits == cands.size - len(missed) > 0 and reads == len(missed)
+  assert rows == rows_for(missed) < cold_rows
   np.testing.assert_array_equal(read_split["candidate_log_probs"],
                                 read_cold["candidate_log_probs"])
 
@@ -127,10 +136,9 @@ def test_a_run_with_the_cache_resumes_exactly_and_reports_its_hits(world_dir, tm
   assert whole["score_cache_reader_forwards_saved"] + whole["score_cache_reader_forwards"] \
       == 30 * 16 * read_per_query
   # the reader ran on whole chunks: at most one partly filled per step and group
-  chunk = read_chunk(run(30), 16, jax.local_device_count())
-  assert whole["score_cache_reader_rows"] % chunk == 0
+  padding = sum(read_chunk(n, jax.local_device_count()) - 1 for n in (16, 16 * 3))
   assert whole["score_cache_reader_forwards"] <= whole["score_cache_reader_rows"] \
-      < whole["score_cache_reader_forwards"] + 30 * 2 * chunk
+      <= whole["score_cache_reader_forwards"] + 30 * padding
   assert " | score cache " in capsys.readouterr().out
   # The whole run's step-15 checkpoint (what a run stopped there leaves: its lr schedule does
   # not depend on train.steps, warm-up 10) resumed by a new run: a fresh cache, every triple

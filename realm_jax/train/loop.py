@@ -180,16 +180,16 @@ class QueryStepBatches(StepBatches):
     if not cfg.retrieval.get("block_gradients", True) and loaded is not None:
       batch["candidate_emb"] = batches.index_embeddings(loaded, cand)
     if self.score_cache is not None:
-      rows_before = self.score_cache.rows_read
-      batch, hits, reads = self.score_cache.fill(batch, cache_keys(queries, cand))
-      used["score_cache"] = (hits, reads, self.score_cache.rows_read - rows_before)
+      batch, hits, reads, rows = self.score_cache.fill(batch, cache_keys(queries, cand))
+      used["score_cache"] = (hits, reads, rows)
     return batch, used
 
   def served(self, done: int, fed: StepBatch, metrics) -> None:
     used = fed.used
     if "score_cache" in used:
       hits, reads, rows = used["score_cache"]
-      self.cache_hits, self.cache_reads = self.cache_hits + hits, self.cache_reads + reads
+      self.cache_hits += hits
+      self.cache_reads += reads
       self.cache_rows += rows
     if "index" in used:
       self.candidates.served(done, used["index"], used["wait_seconds"], used["feed_wait"],

@@ -6,9 +6,10 @@ query x and a candidate block z never changes: a REALM step needs the reader onl
 feed's thread after the candidates are retrieved: it looks every triple of the batch up,
 reads the new ones with the reader on this process's devices, stores them, and hands the step
 `candidate_log_probs` [B, k, M] in place of the reader inputs. The step then computes only the
-retriever (train/steps.py `realm_loss_fn`). The reads go in chunks of one shape, so a
-triple's scores do not depend on which other triples were read with it; a chunk is a quarter
-of a batch's triples (`read_chunk`), so a batch pays for the triples it misses, not for all.
+retriever (train/steps.py `realm_loss_fn`). The reads go in chunks of one shape per group
+(the null document at its own length, the blocks), so a triple's scores do not depend on
+which other triples were read with it; a chunk is a quarter of the group's triples in a batch
+(`read_chunk`), so a batch pays for the triples it misses, not for all.
 
 The cache lives in memory and is not checkpointed: a resumed run reads the triples again
 and gets the same scores (tests/test_retriever_learning.py), so resuming stays exact.
@@ -21,13 +22,12 @@ import threading
 import jax
 import numpy as np
 
-from realm_jax.config import reading
 from realm_jax.data import pipeline
 from realm_jax.models.realm import REALM
 from realm_jax.runtime import partitioning
 from realm_jax.train import candidate_rows
 
-READ_CHUNKS = 4   # a batch's triples are read in (at most) this many chunks of one shape
+READ_CHUNKS = 4   # a batch's misses of a group are read in at most this many chunks
 
 
 class ScoreCache:
@@ -38,12 +38,15 @@ class ScoreCache:
     self.mesh = partitioning.make_mesh((-1, 1), jax.local_devices())
     self.params = jax.device_put({"params": {"reader": partitioning.host_copy(reader_params)}},
                                  partitioning.replicated(self.mesh))
-    self.chunk = read_chunk(config, local_batch, len(jax.local_devices()))
     self.null_len = pipeline.reader_length(config.data.query_len,
                                            pipeline.NULL_DOCUMENT_LENGTH)
     self.null_short = candidate_rows.of(config).null_first(training=True)   # the step reads it at its length
+    # rows per chunk of each group, by whether it is the null document's: a training batch
+    # holds one null document (when it reads it) and k - 1 blocks per query
+    devices = len(jax.local_devices())
+    self.chunks = {True: read_chunk(local_batch, devices),
+                   False: read_chunk(local_batch * (config.retrieval.k - 1), devices)}
     self._scores: dict[tuple[int, int, int], np.ndarray] = {}
-    self.rows_read = 0   # the rows the reader ran on, chunks' padding included
     self._lock = threading.Lock()
     self.rules = partitioning.logical_rules(config.mesh.rules)
     self._read = jax.jit(self._read_fn)
@@ -55,10 +58,11 @@ class ScoreCache:
     return self.model.apply(params, ids, segments, positions, labels, True,
                             method=REALM.read_labels)
 
-  def fill(self, batch: dict[str, np.ndarray], keys: np.ndarray) -> tuple[dict, int, int]:
+  def fill(self, batch: dict[str, np.ndarray], keys: np.ndarray
+           ) -> tuple[dict, int, int, int]:
     """`batch` (a host REALM batch) with `candidate_log_probs` [B, k, M] from the cache, its
     reader inputs dropped; `keys` [B, k, 3]: (query row, span, block row) per candidate.
-    Returns (batch, hits, reads)."""
+    Returns (batch, hits, reads, the rows the reader ran on: whole chunks)."""
     b, k = keys.shape[:2]
     out = np.zeros((b, k, batch["mask_labels"].shape[1]), np.float32)
     missing = []
@@ -70,48 +74,48 @@ class ScoreCache:
             missing.append((i, j))
           else:
             out[i, j] = found
-    if missing:
-      self._read_missing(batch, keys, missing, out)
+    rows = self._read_missing(batch, keys, missing, out) if missing else 0
     batch = {name: value for name, value in batch.items()
              if name not in ("reader_ids", "reader_segments")}
     batch["candidate_log_probs"] = out
-    return batch, b * k - len(missing), len(missing)
+    return batch, b * k - len(missing), len(missing), rows
 
-  def _read_missing(self, batch, keys, missing, out) -> None:
-    """Reads the `missing` (row, column) pairs, the null document at its own length."""
+  def _read_missing(self, batch, keys, missing, out) -> int:
+    """Reads the `missing` (row, column) pairs, the null document at its own length; returns
+    the rows the reader ran on (whole chunks)."""
     is_null = lambda ij: self.null_short and keys[ij][2] == pipeline.NULL_BLOCK
-    for group, length in (([p for p in missing if is_null(p)], self.null_len),
-                          ([p for p in missing if not is_null(p)], None)):
-      for start in range(0, len(group), self.chunk):
-        part = group[start:start + self.chunk]
-        scores = self._read_pairs(batch, part, length)
+    rows = 0
+    for null, length in ((True, self.null_len), (False, None)):
+      group, chunk = [p for p in missing if is_null(p) == null], self.chunks[null]
+      for start in range(0, len(group), chunk):
+        part = group[start:start + chunk]
+        scores = self._read_pairs(batch, part, length, chunk)
+        rows += chunk
         with self._lock:
           for (i, j), value in zip(part, scores):
             out[i, j] = value
             self._scores[tuple(keys[i, j])] = value
+    return rows
 
-  def _read_pairs(self, batch, pairs, length) -> np.ndarray:
+  def _read_pairs(self, batch, pairs, length, chunk) -> np.ndarray:
     rows, cols = np.asarray(pairs).T
     ids = batch["reader_ids"][rows, cols, :length]
     segments = batch["reader_segments"][rows, cols, :length]
     inputs = [ids, segments, batch["mask_positions"][rows], batch["mask_labels"][rows]]
-    padded = [np.zeros((self.chunk,) + x.shape[1:], x.dtype) for x in inputs]
+    padded = [np.zeros((chunk,) + x.shape[1:], x.dtype) for x in inputs]
     for full, x in zip(padded, inputs):
       full[:len(x)] = x
-    self.rows_read += self.chunk
     sharding = partitioning.batch_sharding(self.mesh)
     with partitioning.mesh_rules(self.mesh, self.rules):
       scores = self._read(self.params, *[jax.device_put(x, sharding) for x in padded])
     return np.asarray(jax.device_get(scores), np.float32)[:len(pairs)]
 
 
-def read_chunk(config, local_batch: int, devices: int) -> int:
-  """The rows of every chunk the reader reads: a READ_CHUNKS-th of the triples a training
-  batch holds (k per query, or k - 1 without the null document), in whole devices. A batch
-  that misses m of its triples reads ceil(m / chunk) chunks per group (the null document's,
-  the blocks')."""
-  per_query = config.retrieval.k - (0 if reading.null_in_training(config) else 1)
-  return -(-local_batch * per_query // (READ_CHUNKS * devices)) * devices
+def read_chunk(triples: int, devices: int) -> int:
+  """The rows of every chunk of a group that has `triples` in a batch: a READ_CHUNKS-th of
+  them, in whole devices. A batch missing m_g triples of group g runs the reader on the sum
+  over the groups of ceil(m_g / chunk_g) * chunk_g rows."""
+  return -(-triples // (READ_CHUNKS * devices)) * devices
 
 
 def cache_keys(queries: dict[str, np.ndarray], candidate_rows: np.ndarray) -> np.ndarray:
