@@ -38,6 +38,17 @@ def host_batch(config, data, seed=0):
   return queries, cands, batches.realm_batch(config, data, queries, cands)
 
 
+def cache_start(world_dir, world_data, **overrides):
+  """A checked cache config, its model, mesh and initial train state, and one host batch."""
+  config = cache_config(world_dir, **overrides)
+  validate(config)
+  model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
+  mesh = partitioning.make_mesh((-1, 1))
+  state, _, _ = state_lib.create_train_state(config, model, mesh, world_data.blocks.block_len,
+                                             jax.random.PRNGKey(0))
+  return config, model, mesh, state, host_batch(config, world_data)
+
+
 def loss_and_grads(config, model, params, batch, mesh):
   rules = partitioning.logical_rules(config.mesh.rules)
   fn = lambda p, b: jax.value_and_grad(steps.realm_loss_fn, has_aux=True)(
@@ -50,14 +61,8 @@ def loss_and_grads(config, model, params, batch, mesh):
 @pytest.mark.parametrize("loss, null_document", [("marginal", True), ("distill", False)])
 def test_cached_scores_give_the_same_loss_and_gradients(world_dir, world_data, loss,
                                                         null_document):
-  config = cache_config(world_dir, retrieval__loss=loss,
-                        retrieval__train_null_document=null_document)
-  validate(config)
-  model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
-  mesh = partitioning.make_mesh((-1, 1))
-  state, _, _ = state_lib.create_train_state(config, model, mesh, world_data.blocks.block_len,
-                                             jax.random.PRNGKey(0))
-  queries, cands, batch = host_batch(config, world_data)
+  config, model, mesh, state, (queries, cands, batch) = cache_start(
+      world_dir, world_data, retrieval__loss=loss, retrieval__train_null_document=null_document)
   assert (cands[:, 0] == pipeline.NULL_BLOCK).all() == null_document
   cache = ScoreCache(config, model, state.params["reader"], len(cands))
   keys = cache_keys(queries, cands)
@@ -90,14 +95,9 @@ def test_a_batch_reads_the_chunks_its_misses_fill_and_the_same_scores(world_dir,
   """A batch half of whose triples are cached reads fewer rows than the same batch cold (whole
   chunks of a quarter of each group's triples, not the batch), and every triple's scores are
   the ones it gets read with other neighbours."""
-  config = cache_config(world_dir, retrieval__loss="distill",
-                        retrieval__train_null_document=null_document)
-  validate(config)
-  model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
-  mesh = partitioning.make_mesh((-1, 1))
-  state, _, _ = state_lib.create_train_state(config, model, mesh, world_data.blocks.block_len,
-                                             jax.random.PRNGKey(0))
-  queries, cands, batch = host_batch(config, world_data)
+  config, model, _, state, (queries, cands, batch) = cache_start(
+      world_dir, world_data, retrieval__loss="distill",
+      retrieval__train_null_document=null_document)
   b, keys = len(cands), cache_keys(queries, cands)
   cold = ScoreCache(config, model, state.params["reader"], b)
   devices = jax.local_device_count()
