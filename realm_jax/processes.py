@@ -7,7 +7,7 @@ resumes; Ctrl-C keeps its last checkpoint), gives them a grace period, signals t
 second time (launch/local.py then SIGKILLs its trainer and builder) and SIGKILLs what is left
 after that: nothing is left running unseen. SIGTERM surfaces as `Preempted` (exit 143),
 Ctrl-C as KeyboardInterrupt. A driver killed outright (SIGKILL, the OOM killer) cannot pass
-anything on: on Linux its children get SIGTERM from the kernel instead (`own_session`).
+anything on: on Linux its children get SIGTERM from the kernel instead (`start_child`).
 """
 
 from __future__ import annotations
@@ -33,28 +33,21 @@ _PR_SET_PDEATHSIG = 1      # prctl(2): the signal a process gets when its parent
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
-def own_session(death_signal: int = signal.SIGTERM) -> dict:
-  """subprocess.Popen's keyword arguments for a driver's child: a session of its own (the
-  terminal's Ctrl-C reaches the driver alone) and, on Linux, `death_signal` from the kernel
-  when the driver dies, even by SIGKILL (SIGTERM: a trainer saves its step on it). Start
-  children from the thread that outlives them (the main thread): the signal comes when that
-  thread ends."""
-  return {"start_new_session": True,
-          "preexec_fn": functools.partial(_die_with, os.getpid(), death_signal)}
-
-
 def start_child(command: list[str], death_signal: int = signal.SIGTERM,
                 **popen) -> subprocess.Popen:
-  """`subprocess.Popen(command, **popen)` in a session of its own (`own_session`). JAX warns
-  at every fork once it has a backend ("os.fork() was called ... will likely lead to a
-  deadlock"); here the child runs only `_die_with` (no lock, no import) before it execs, so
-  the warning is silenced for this one call. Call it from the main thread, as `own_session`
-  asks (the warnings filters are the process's). `death_signal`: what the child gets when the
-  driver dies (SIGKILL for one with nothing to save)."""
+  """`subprocess.Popen(command, **popen)` for a driver's child: a session of its own (the
+  terminal's Ctrl-C reaches the driver alone) and, on Linux, `death_signal` from the kernel
+  when the driver dies, even by SIGKILL (SIGTERM, the default: a trainer saves its step on it;
+  SIGKILL for a child with nothing to save). Start children from the thread that outlives them
+  (the main thread): the signal comes when that thread ends, and the warnings filters are the
+  process's. JAX warns at every fork once it has a backend ("os.fork() was called ... will
+  likely lead to a deadlock"); here the child runs only `_die_with` (no lock, no import)
+  before it execs, so the warning is silenced for this one call."""
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
                             category=RuntimeWarning, module="subprocess")
-    return subprocess.Popen(command, **popen, **own_session(death_signal))
+    return subprocess.Popen(command, **popen, start_new_session=True,
+                            preexec_fn=functools.partial(_die_with, os.getpid(), death_signal))
 
 
 def _die_with(parent: int, death_signal: int) -> None:

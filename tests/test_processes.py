@@ -216,6 +216,15 @@ def test_the_sigterm_handler_stops_the_driver_once():
     signal.signal(signal.SIGTERM, previous)
 
 
+def child_pid(path, driver: subprocess.Popen) -> int:
+  """The pid a driver's child writes to `path` once it runs (the driver still alive)."""
+  deadline = time.monotonic() + 60
+  while not path.exists() or not path.read_text():
+    assert time.monotonic() < deadline and driver.poll() is None
+    time.sleep(0.05)
+  return int(path.read_text())
+
+
 def test_a_drivers_child_gets_sigterm_when_the_driver_is_sigkilled(tmp_path):
   """run_to_end's process (a sweep's run; the demos' stages start the same way) outlives no
   driver killed outright: the kernel sends it SIGTERM, which a trainer saves its step on."""
@@ -226,10 +235,7 @@ def test_a_drivers_child_gets_sigterm_when_the_driver_is_sigkilled(tmp_path):
   driver = subprocess.Popen([sys.executable, "-c", "import sys; from realm_jax import processes; "
                              f"processes.run_to_end('run', [sys.executable, '-c', {child!r}])"])
   try:
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
-      assert time.monotonic() < deadline and driver.poll() is None
-      time.sleep(0.05)
+    child_pid(tmp_path / "pid", driver)
     driver.kill()
     driver.wait(timeout=20)
     deadline = time.monotonic() + 10
@@ -251,11 +257,7 @@ def test_a_child_started_with_another_death_signal_gets_that_one(tmp_path):
                              f"[sys.executable, '-c', {child!r}], death_signal=signal.SIGKILL); "
                              "time.sleep(60)"])
   try:
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
-      assert time.monotonic() < deadline and driver.poll() is None
-      time.sleep(0.05)
-    pid = int((tmp_path / "pid").read_text())
+    pid = child_pid(tmp_path / "pid", driver)
     driver.kill()
     driver.wait(timeout=20)
     deadline = time.monotonic() + 10
