@@ -67,7 +67,7 @@ def world_data(world_dir):
 def server(tmp_path_factory):
   """The GCS JSON API server of the bucket tests (tests/gcs_server.py), one per test process,
   with the local data cache in a temp dir; skipped with the reason where it cannot start."""
-  started, why = gcs_server.start_or_skip_reason()
+  started, why = gcs_server.start_or_skip_reason(str(tmp_path_factory.mktemp("gcs")))
   if started is None:
     pytest.skip(why)
   saved = os.environ.get("REALM_JAX_CACHE")

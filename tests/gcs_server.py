@@ -26,7 +26,6 @@ import platform
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.error
@@ -187,15 +186,17 @@ class SlowLink:
     self._listener.close()
 
 
-def start_or_skip_reason() -> tuple[GcsServer | None, str]:
-  """(server, "") or (None, why it cannot start here); the clients' variables are set."""
+def start_or_skip_reason(root: str) -> tuple[GcsServer | None, str]:
+  """(server, "") or (None, why it cannot start here); the clients' variables are set. The
+  bucket's objects and the server's log go under `root` (the caller's temp dir, which pytest
+  removes with its other old ones)."""
   binary, why = binary_or_reason()
   if binary is None:
     return None, why
   if importlib.util.find_spec("gcsfs") is None:
     return None, "the gs:// tests need gcsfs (pip install -e .)"
   try:
-    server = GcsServer(binary, os.path.join(tempfile.mkdtemp(prefix="gcs-"), "objects"))
+    server = GcsServer(binary, os.path.join(root, "objects"))
   except OSError as e:
     return None, f"the GCS server did not start on 127.0.0.1: {e}"
   os.environ.update(server.env)
