@@ -17,7 +17,10 @@ With `--set retrieval.block_gradients=False` the candidates are scored with a ra
 embeddings (the serving index's stand-in) and only the query side is trained.
 
 Each figure: the median of the timed steps (host batch building excluded, the cache's work
-included), as steps/s, and warm / uncached. `--set KEY=VALUE` changes the config (e.g.
+included), as steps/s, and warm / uncached. Then what a warm step is made of (the same
+batches): the loss alone, the loss and its gradients (no update), and within them the query
+tower's forward and forward + backward, beside the share of the query batch's wordpieces that
+are not padding (the tower computes on every one of them). `--set KEY=VALUE` changes the config (e.g.
 `--set model.retriever.num_layers=2`).
 
   python bench/score_cache.py --data runs/real/data [--steps 20] [--set KEY=VALUE ...]
@@ -43,6 +46,7 @@ from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.errors import ConfigError
 from realm_jax.config.validation import validate
 from realm_jax.train.score_cache import ScoreCache, cache_keys
+from realm_jax.models.realm import REALM
 
 
 def host_batches(config, data, n: int, first: int = 0):
@@ -73,6 +77,24 @@ def timed(run, items) -> list[float]:
     jax.block_until_ready(run(item))
     seconds.append(time.perf_counter() - t0)
   return seconds
+
+
+def warm_parts(config, model, params, found: list[dict], rng) -> dict[str, float]:
+  """ms of a warm step's parts on batches whose scores were all found (`found`: filled
+  batches, the first one compiles): the loss, loss + gradients, the query tower's forward
+  and forward + backward; and the query wordpieces' non-padding share."""
+  loss = lambda p, b: steps.realm_loss_fn(p, model, b, config, rng)[0]
+  tower = lambda p, b: model.apply({"params": p}, b["query_ids"], True,
+                                   method=REALM.embed_queries).sum()
+  parts = {"loss": jax.jit(loss), "loss + gradients": jax.jit(jax.grad(loss)),
+           "query tower": jax.jit(tower), "query tower + gradients": jax.jit(jax.grad(tower))}
+  figures = {}
+  for name, fn in parts.items():
+    jax.block_until_ready(fn(params, found[0]))    # compile
+    figures[name] = statistics.median(timed(lambda b: fn(params, b), found[1:])) * 1e3
+  ids = np.concatenate([np.asarray(b["query_ids"]) for b in found])
+  figures["real wordpieces"] = float((ids > 0).mean())
+  return figures
 
 
 def main() -> None:
@@ -113,7 +135,7 @@ def main() -> None:
     rows_read.append(rows)
     return run_step(batch)
 
-  figures, rows = {}, {}
+  figures, rows, first_work = {}, {}, work
   for name, run in (("uncached", lambda item: run_step(item[2])), ("cold", cached_step),
                     ("warm", cached_step), ("half", cached_step)):
     if name == "half":                            # other batches, their first halves read
@@ -138,6 +160,13 @@ def main() -> None:
         f"uncached {figures['uncached'] / figures['half']:.2f}x ({len(cache):,} triples "
         f"cached; reads in chunks of {cache.chunks[False]} rows, the null document's "
         f"{cache.chunks[True]})")
+  found = [partitioning.global_batch(cache.fill(dict(batch), cache_keys(queries, cands))[0],
+                                     mesh) for queries, cands, batch in first_work]
+  parts = warm_parts(config, model, state.params, found, rng)
+  real = parts.pop("real wordpieces")
+  print("  a warm step's parts (ms): " + ", ".join(f"{name} {ms:.1f}"
+                                                    for name, ms in parts.items()) +
+        f"; {real:.0%} of the query batch's {config.data.query_len} wordpieces are not padding")
 
 
 if __name__ == "__main__":
