@@ -46,13 +46,15 @@ from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.errors import ConfigError
 from realm_jax.config.validation import validate
 from realm_jax.train.score_cache import ScoreCache, cache_keys
+from realm_jax.models.bert import Packing
 from realm_jax.models.realm import REALM
 
 
-def host_batches(config, data, n: int, first: int = 0):
+def host_batches(config, data, n: int, first: int = 0, shards: int = 1):
   """n REALM batches from step `first`: (queries, candidate rows, host batch), random
   candidates; without `retrieval.block_gradients`, with a random table's embeddings of them
-  (the serving index's stand-in)."""
+  (the serving index's stand-in); with `retrieval.packed_query_rows`, the queries packed
+  (in `shards` data shards) where they fit."""
   stream = batches.QueryBatches(config, data, data.examples("train"))
   rng = np.random.default_rng(first)
   index = SimpleNamespace(version=0, embeddings=rng.normal(
@@ -66,6 +68,7 @@ def host_batches(config, data, n: int, first: int = 0):
     batch = batches.realm_batch(config, data, queries, cands)
     if not config.retrieval.block_gradients:
       batch["candidate_emb"] = batches.index_embeddings(index, cands)
+    batches.pack_queries(config, batch, shards)
     out.append((queries, cands, batch))
   return out
 
@@ -84,16 +87,22 @@ def warm_parts(config, model, params, found: list[dict], rng) -> dict[str, float
   batches, the first one compiles): the loss, loss + gradients, the query tower's forward
   and forward + backward; and the query wordpieces' non-padding share."""
   loss = lambda p, b: steps.realm_loss_fn(p, model, b, config, rng)[0]
-  tower = lambda p, b: model.apply({"params": p}, b["query_ids"], True,
-                                   method=REALM.embed_queries).sum()
+  def tower(p, b):
+    if "packed_ids" in b:
+      return model.apply({"params": p}, b["packed_ids"], Packing(b["packed_positions"],
+                                                                 b["packed_owner"]),
+                         b["query_packed_row"], True, method=REALM.embed_packed_queries).sum()
+    return model.apply({"params": p}, b["query_ids"], True, method=REALM.embed_queries).sum()
+
   parts = {"loss": jax.jit(loss), "loss + gradients": jax.jit(jax.grad(loss)),
            "query tower": jax.jit(tower), "query tower + gradients": jax.jit(jax.grad(tower))}
   figures = {}
   for name, fn in parts.items():
     jax.block_until_ready(fn(params, found[0]))    # compile
     figures[name] = statistics.median(timed(lambda b: fn(params, b), found[1:])) * 1e3
-  ids = np.concatenate([np.asarray(b["query_ids"]) for b in found])
+  ids = np.concatenate([np.asarray(b.get("packed_ids", b["query_ids"])) for b in found])
   figures["real wordpieces"] = float((ids > 0).mean())
+  figures["packed"] = sum("packed_ids" in b for b in found) / len(found)
   return figures
 
 
@@ -119,7 +128,8 @@ def main() -> None:
                                                      jax.random.PRNGKey(0))
   step = steps.make_train_step(config, model, shardings, mesh)
   rng = jax.random.PRNGKey(1)
-  work = host_batches(config, data, args.steps + 1)
+  shards = mesh.shape["data"]
+  work = host_batches(config, data, args.steps + 1, shards=shards)
   cache = ScoreCache(config, model, state.params["reader"], config.train.batch_size)
 
   def run_step(batch):
@@ -139,7 +149,7 @@ def main() -> None:
   for name, run in (("uncached", lambda item: run_step(item[2])), ("cold", cached_step),
                     ("warm", cached_step), ("half", cached_step)):
     if name == "half":                            # other batches, their first halves read
-      work = host_batches(config, data, args.steps + 1, first=args.steps + 1)
+      work = host_batches(config, data, args.steps + 1, first=args.steps + 1, shards=shards)
       for queries, cands, batch in work:
         first_half = len(cands) // 2
         cache.fill({key: value[:first_half] for key, value in batch.items()},
@@ -163,10 +173,12 @@ def main() -> None:
   found = [partitioning.global_batch(cache.fill(dict(batch), cache_keys(queries, cands))[0],
                                      mesh) for queries, cands, batch in first_work]
   parts = warm_parts(config, model, state.params, found, rng)
-  real = parts.pop("real wordpieces")
+  real, packed = parts.pop("real wordpieces"), parts.pop("packed")
+  rows = config.retrieval.packed_query_rows
   print("  a warm step's parts (ms): " + ", ".join(f"{name} {ms:.1f}"
                                                     for name, ms in parts.items()) +
-        f"; {real:.0%} of the query batch's {config.data.query_len} wordpieces are not padding")
+        f"; {real:.0%} of the query tower's wordpieces are not padding" +
+        (f" (queries packed into {rows} rows in {packed:.0%} of the batches)" if rows else ""))
 
 
 if __name__ == "__main__":

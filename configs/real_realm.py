@@ -108,6 +108,9 @@ def _recipe(variant):
                                    # log-likelihood (marginal: recall below ICT as well)
   c.retrieval.score_cache = True   # the frozen reader's scores, computed once per pair
   c.retrieval.block_gradients = False  # the index's block embeddings: no block re-embedding
+  c.retrieval.packed_query_rows = 20  # the 32 sentences in 20 rows of 64 wordpieces (half of
+                                   # one a row was padding; 96% of batches fit): with the
+                                   # reader's scores cached, the step is the query tower
   c.retrieval.refresh_every = 40
   c.train.batch_size = 32
   c.train.steps = 160              # ~one epoch of the 5,436 training sentences
@@ -170,6 +173,9 @@ def _gpu_scale(c, variant):
     c.train.checkpoint_every = 500
   elif variant == "realm":
     c.retrieval.k = 9              # training reads the top 8 blocks (the paper's k)
+    c.retrieval.packed_query_rows = 0  # one query a row: the H200's step waited on its feed,
+                                   # not on its query tower (and packed rows must divide by
+                                   # the data axis of a mesh of several devices)
     c.retrieval.refresh_every = 50  # a checkpoint every 50 steps for the builder (the CPU
     c.train.checkpoint_every = 50   # recipe's 40 as well made 34 versions in 1,000 steps)
     c.train.batch_size = 32

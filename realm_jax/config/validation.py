@@ -192,6 +192,7 @@ def _validate_retriever_learning(config) -> None:
   if not isinstance(r.get("block_gradients", True), bool):
     raise ConfigError("retrieval.block_gradients", f"must be True or False, got "
                       f"{r.block_gradients!r}")
+  _validate_packing(config)
   if r.get("score_cache", False):
     if config.task != "realm" or r.candidates != "index":
       raise ConfigError("retrieval.score_cache", "caches the reader's scores of retrieved "
@@ -204,6 +205,22 @@ def _validate_retriever_learning(config) -> None:
         config.model.get("attention_dropout_rate", -1.0) > 0:
       raise ConfigError("retrieval.score_cache", "needs a reader without dropout "
                         "(model.dropout_rate 0): each read must give the same scores")
+
+
+def _validate_packing(config) -> None:
+  rows = config.retrieval.get("packed_query_rows", 0)
+  if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+    raise ConfigError("retrieval.packed_query_rows", f"must be an integer >= 0, got {rows!r}")
+  if not rows:
+    return
+  pooling = config.model.retriever.get("pooling", "cls")
+  if config.task != "realm" or pooling != "mean":
+    raise ConfigError("retrieval.packed_query_rows", "packs REALM's queries for a mean-pooled "
+                      f"query tower: task 'realm' with model.retriever.pooling 'mean', not "
+                      f"{config.task!r} with {pooling!r}")
+  if rows > config.train.batch_size:
+    raise ConfigError("retrieval.packed_query_rows", f"{rows} rows for "
+                      f"{config.train.batch_size} queries (train.batch_size) saves nothing")
 
 
 def _validate_openqa(config) -> None:

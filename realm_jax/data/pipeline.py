@@ -119,6 +119,42 @@ def mask_salient_spans(ids: np.ndarray, spans: np.ndarray, max_masks: int,
           "mask_labels": labels.astype(np.int32), "mask_weights": valid.astype(np.float32)}
 
 
+def pack_queries(query_ids: np.ndarray, rows: int, shards: int = 1
+                 ) -> dict[str, np.ndarray] | None:
+  """The queries [B, L] (each `[CLS] x [SEP]`, padding after it) packed into `rows` rows of L
+  wordpieces, so that the query tower computes on few padding wordpieces: first-fit by
+  decreasing length within each of `shards` equal slices of the batch and of the rows (a
+  device's queries in its own rows). None when a slice's queries do not fit its rows.
+
+  Returns packed_ids [rows, L]; packed_positions [rows, L], each wordpiece's position in its
+  own query; packed_owner [rows, L], the query (batch index) a wordpiece belongs to, -1 on
+  padding; query_packed_row [B], the row holding each query.
+  """
+  b, length = query_ids.shape
+  if b % shards or rows % shards:
+    raise ValueError(f"{b} queries into {rows} rows: both must divide by the {shards} shards")
+  lengths = (query_ids > 0).sum(1)
+  ids = np.zeros((rows, length), np.int32)
+  positions = np.zeros((rows, length), np.int32)
+  owner = np.full((rows, length), -1, np.int32)
+  row_of = np.zeros(b, np.int32)
+  per_slice, rows_per_slice = b // shards, rows // shards
+  for s in range(shards):
+    used = np.zeros(rows_per_slice, np.int64)        # wordpieces taken in each of its rows
+    for q in sorted(range(s * per_slice, (s + 1) * per_slice), key=lambda q: -lengths[q]):
+      n = int(lengths[q])
+      free = np.flatnonzero(used + n <= length)
+      if not len(free):
+        return None
+      row, start = s * rows_per_slice + free[0], int(used[free[0]])
+      ids[row, start:start + n] = query_ids[q, :n]
+      positions[row, start:start + n] = np.arange(n)
+      owner[row, start:start + n] = q
+      row_of[q], used[free[0]] = row, start + n
+  return {"packed_ids": ids, "packed_positions": positions, "packed_owner": owner,
+          "query_packed_row": row_of}
+
+
 def candidate_rows(retrieved: np.ndarray, query_block: np.ndarray, uids: np.ndarray,
                    k: int) -> np.ndarray:
   """Top-(k+1) retrieved rows -> k candidates: drop the query's own block (by uid, so exact

@@ -8,6 +8,10 @@ Logical axis names used by the parameters (mapped to mesh axes by the rules in t
   vocab, embed, heads (query/key/value output = heads x head_dim), mlp, position, segment.
 Activations are constrained with ('batch', 'length', 'embed').
 
+A batch of short sequences may come packed (`Packing`): several sequences a row, each
+attending only to its own wordpieces, its positions restarting at 0, so that few of the
+wordpieces computed are padding.
+
 How a layer computes (not what it means) is chosen by three fields that leave the parameters
 alone: `attention` (the `jax.nn.dot_product_attention` implementation: XLA, or cuDNN's fused
 flash attention on NVIDIA GPUs), `remat` (recompute each layer's activations in the backward
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -39,6 +43,19 @@ ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 # matmuls, recomputing the element-wise parts and attention (its batched matmuls included)).
 REMAT_POLICIES = {"none": None, "full": None,
                   "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+class Packing(NamedTuple):
+  """Sequences packed into rows (`pipeline.pack_queries`): each wordpiece's `positions`
+  [rows, L] in its own sequence, and its `owner` [rows, L], the sequence it belongs to (-1:
+  padding). A wordpiece attends to its owner's wordpieces alone."""
+  positions: Array
+  owner: Array
+
+  def key_mask(self) -> Array:
+    """[rows, 1, L, L]: query wordpiece i may attend to key wordpiece j."""
+    keys = self.owner[:, None, None, :]
+    return (self.owner[:, None, :, None] == keys) & (keys >= 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,13 +179,18 @@ class BertEmbeddings(nn.Module):
     self.LayerNorm = layer_norm(cfg, "LayerNorm")
     self.dropout = nn.Dropout(cfg.dropout_rate)
 
-  def __call__(self, token_ids: Array, segment_ids: Array, deterministic: bool) -> Array:
-    # positions 0..T-1 are the table's first rows: a slice (its gradient a pad, not a scatter)
+  def __call__(self, token_ids: Array, segment_ids: Array, deterministic: bool,
+               position_ids: Array | None = None) -> Array:
+    # positions 0..T-1 are the table's first rows: a slice (its gradient a pad, not a scatter);
+    # packed sequences (`position_ids`, each restarting at 0) look theirs up
     if token_ids.shape[-1] > self.cfg.max_position:
       raise ValueError(f"sequences of {token_ids.shape[-1]} tokens: the position table has "
                        f"{self.cfg.max_position} rows (max_position)")
-    positions = self.position_embeddings.embedding[:token_ids.shape[-1]]
-    x = self.word_embeddings(token_ids) + positions[None] + self.token_types(segment_ids)
+    if position_ids is None:
+      positions = self.position_embeddings.embedding[:token_ids.shape[-1]][None]
+    else:
+      positions = self.position_embeddings(position_ids)
+    x = self.word_embeddings(token_ids) + positions + self.token_types(segment_ids)
     return self.dropout(self.LayerNorm(x), deterministic=deterministic)
 
   def token_types(self, segment_ids: Array) -> Array:
@@ -226,7 +248,7 @@ class _AttentionBlock(nn.Module):
 class _SelfAttentionOnly(nn.Module):
   """Multi-head self-attention of `x` over the positions of `context` (x itself, or the whole
   sequence when x holds some of its positions) that `key_mask` lets through ([batch, 1, 1,
-  keys])."""
+  keys], or [batch, 1, queries, keys] for packed rows)."""
 
   cfg: BertConfig
 
@@ -240,7 +262,8 @@ class _SelfAttentionOnly(nn.Module):
     v = split(dense(cfg.hidden_size, ("embed", "heads"), cfg, "value")(context))
     if not deterministic and cfg.attention_dropout > 0:
       out = self.attention_with_dropout(q, k, v, key_mask)   # materialised: no fused kernel
-    elif cfg.attention == "cudnn" and q.shape[1] % 2 == 0 and k.shape[1] % 2 == 0:
+    elif (cfg.attention == "cudnn" and q.shape[1] % 2 == 0 and k.shape[1] % 2 == 0
+          and key_mask.shape[2] == 1):   # not packed rows (their mask is per query wordpiece)
       # cuDNN's own padding mask (no [B, 1, 1, S] bias, which its kernel does not take); its
       # masked kernel trains on even lengths only, so a last layer that computes [CLS] alone
       # (or an odd number of positions) attends through XLA below, the same function
@@ -318,7 +341,8 @@ class BertEncoder(nn.Module):
   those alone and the sequence output is [batch, P, hidden], the same values as the full
   output's rows at them (a retriever tower reads [CLS], the reader its [MASK]s: the last
   layer's queries, attention output and feed-forward shrink from `length` rows to P). The
-  pooler reads the first row: [CLS] unless `positions` starts elsewhere.
+  pooler reads the first row: [CLS] unless `positions` starts elsewhere. With `packing`
+  (`Packing`) the rows hold several sequences each, every one attending to itself alone.
   """
 
   cfg: BertConfig
@@ -331,9 +355,13 @@ class BertEncoder(nn.Module):
       self.pooler = _Projection(self.cfg, self.cfg.hidden_size, ("embed", "hidden"))
 
   def __call__(self, token_ids: Array, segment_ids: Array, deterministic: bool = True,
-               positions: Array | None = None):
-    key_mask = token_ids[:, None, None, :] > 0     # [PAD] keys take no part
-    x = self.embeddings(token_ids, segment_ids, deterministic)
+               positions: Array | None = None, packing: Packing | None = None):
+    if packing is None:
+      key_mask = token_ids[:, None, None, :] > 0     # [PAD] keys take no part
+      x = self.embeddings(token_ids, segment_ids, deterministic)
+    else:
+      key_mask = packing.key_mask()
+      x = self.embeddings(token_ids, segment_ids, deterministic, packing.positions)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     x = self.encoder(x, key_mask, deterministic, positions)
     pooled = jnp.tanh(self.pooler(x[:, 0])) if self.add_pooler else None

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from realm_jax.models.bert import BertConfig, BertEncoder, activation, dense, layer_norm
+from realm_jax.models.bert import (BertConfig, BertEncoder, Packing, activation, dense,
+                                   layer_norm)
 from realm_jax.models.losses import label_log_softmax
 
 Array = jax.Array
@@ -35,23 +36,40 @@ def mean_pool(hidden: Array, token_ids: Array) -> Array:
   return (hidden * weights).sum(1) / jnp.maximum(weights.sum(1), 1.0)
 
 
+def packed_mean_pool(hidden: Array, owner: Array, packed_row: Array) -> Array:
+  """`mean_pool` of sequences packed into rows (`Packing`): hidden [rows, L, H], owner [rows,
+  L] (the sequence of each wordpiece, -1: padding), packed_row [n] (the row holding sequence
+  i) -> [n, H]."""
+  own = owner[packed_row] == jnp.arange(packed_row.shape[0])[:, None]     # [n, L]
+  weights = own.astype(hidden.dtype)[..., None]
+  return (hidden[packed_row] * weights).sum(1) / jnp.maximum(weights.sum(1), 1.0)
+
+
 class Embedder(nn.Module):
   """Retriever tower: BERT pooled output -> dense to `retrieval_dim` -> LayerNorm (REALM's
   `Embed_input` / `Embed_doc`).
 
   `pooling`: "cls" reads [CLS] through BERT's pooler (REALM's); "mean" averages the last layer
-  over the non-padding tokens (a sentence encoder's; the tower then has no pooler)."""
+  over the non-padding tokens (a sentence encoder's; the tower then has no pooler). With
+  `packing` (`Packing` plus `packed_row`, the row of each sequence), mean pooling only,
+  `token_ids` are packed rows and the output has one embedding per sequence."""
 
   cfg: BertConfig
   retrieval_dim: int
   pooling: str = "cls"
 
   @nn.compact
-  def __call__(self, token_ids: Array, segment_ids: Array, deterministic: bool = True) -> Array:
+  def __call__(self, token_ids: Array, segment_ids: Array, deterministic: bool = True,
+               packing: Packing | None = None, packed_row: Array | None = None) -> Array:
     if self.pooling not in POOLINGS:
       raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
     bert = BertEncoder(self.cfg, add_pooler=self.pooling == "cls", name="bert")
-    if self.pooling == "cls":
+    if packing is not None:
+      if self.pooling != "mean":
+        raise ValueError("packed sequences are read with mean pooling only")
+      hidden, _ = bert(token_ids, segment_ids, deterministic, packing=packing)
+      pooled = packed_mean_pool(hidden, packing.owner, packed_row)
+    elif self.pooling == "cls":
       cls_only = jnp.zeros((token_ids.shape[0], 1), jnp.int32)   # the last layer: [CLS] alone
       _, pooled = bert(token_ids, segment_ids, deterministic, cls_only)
     else:
@@ -90,6 +108,13 @@ class Retriever(nn.Module):
     """`[CLS] x [SEP]` (segment 0) -> [batch, retrieval_dim]."""
     tower = self.tower if self.share_towers else self.query_tower
     return tower(query_ids, jnp.zeros_like(query_ids), deterministic)
+
+  def embed_packed_queries(self, packed_ids: Array, packing: Packing, packed_row: Array,
+                           deterministic: bool = True) -> Array:
+    """Queries packed into rows (`pipeline.pack_queries`) -> [queries, retrieval_dim], the
+    same embeddings as `embed_queries` of the unpacked batch (mean pooling)."""
+    tower = self.tower if self.share_towers else self.query_tower
+    return tower(packed_ids, jnp.zeros_like(packed_ids), deterministic, packing, packed_row)
 
   def embed_blocks(self, block_ids: Array, block_segments: Array,
                    deterministic: bool = True) -> Array:
@@ -227,6 +252,9 @@ class REALM(nn.Module):
 
   def embed_queries(self, query_ids, deterministic=True):
     return self.retriever.embed_queries(query_ids, deterministic)
+
+  def embed_packed_queries(self, packed_ids, packing, packed_row, deterministic=True):
+    return self.retriever.embed_packed_queries(packed_ids, packing, packed_row, deterministic)
 
   def embed_blocks(self, block_ids, block_segments, deterministic=True):
     return self.retriever.embed_blocks(block_ids, block_segments, deterministic)

@@ -137,6 +137,18 @@ def realm_batch(config, data: PreparedData, queries: dict[str, np.ndarray],
   return batch
 
 
+def pack_queries(config, batch: dict[str, np.ndarray], shards: int) -> bool:
+  """With `retrieval.packed_query_rows`, adds a training `batch`'s queries packed into that
+  many rows (`pipeline.pack_queries`, each of the `shards` data shards' queries in its own
+  rows); whether it did (not when off, nor when the queries do not fit: the step then reads
+  them one a row)."""
+  rows = config.retrieval.get("packed_query_rows", 0)
+  packed = pipeline.pack_queries(batch["query_ids"], rows, shards) if rows else None
+  if packed is not None:
+    batch.update(packed)
+  return packed is not None
+
+
 def span_in_candidates(mask_labels: np.ndarray, mask_weights: np.ndarray,
                        cands: dict[str, np.ndarray]) -> np.ndarray:
   """[n, k] bool: whether candidate z's body (what the reader reads) holds query x's masked

@@ -155,6 +155,7 @@ class QueryStepBatches(StepBatches):
     self.data_iter, self.start, self.depth = data_iter, start, depth
     self.feed: BatchFeed | None = None   # started by the first `next` (after the first eval)
     self.cache_hits = self.cache_reads = self.cache_rows = 0
+    self.packed_batches = 0   # retrieval.packed_query_rows: batches whose queries were packed
 
   def next(self, step: int) -> StepBatch:
     self.candidates.before_step(step, self.start, self.depth)
@@ -177,6 +178,7 @@ class QueryStepBatches(StepBatches):
       used = {"index": loaded, "wait_seconds": waited}
     cand = self.rows.rows(self.data, queries, retrieved, training=True)
     batch = batches.realm_batch(cfg, self.data, queries, cand)
+    used["packed"] = batches.pack_queries(cfg, batch, self.mesh.shape["data"])
     if not cfg.retrieval.get("block_gradients", True) and loaded is not None:
       batch["candidate_emb"] = batches.index_embeddings(loaded, cand)
     if self.score_cache is not None:
@@ -186,6 +188,7 @@ class QueryStepBatches(StepBatches):
 
   def served(self, done: int, fed: StepBatch, metrics) -> None:
     used = fed.used
+    self.packed_batches += used.get("packed", False)
     if "score_cache" in used:
       hits, reads, rows = used["score_cache"]
       self.cache_hits += hits
@@ -235,6 +238,10 @@ class QueryStepBatches(StepBatches):
           f"{cache['score_cache_reader_rows']:,} rows (hit rate "
           f"{cache['score_cache_hit_rate']:.3f})")
       figures = {**figures, **cache}
+    if self.config.retrieval.get("packed_query_rows", 0):
+      figures["query_batches_packed"] = self.packed_batches   # the others: one query a row
+      logger.info(f"[{self.config.task}] queries packed in {self.packed_batches:,} batches "
+                  f"({self.config.retrieval.packed_query_rows} rows each); the others one a row")
     if "index_staleness_p50" in figures:
       logger.info(
           f"[{self.config.task}] index staleness p50 {figures['index_staleness_p50']:g} p95 "

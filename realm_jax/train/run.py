@@ -94,6 +94,11 @@ class Run:
     if config.train.batch_size % self.mesh.shape["data"]:
       raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
                         f"the data axis ({self.mesh.shape['data']})")
+    rows = config.retrieval.get("packed_query_rows", 0)
+    if rows and (rows % self.mesh.shape["data"] or jax.process_count() > 1):
+      raise ConfigError("retrieval.packed_query_rows", f"{rows} rows: one process's batch is "
+                        f"packed, in rows divisible by the data axis ({self.mesh.shape['data']})"
+                        f"; this run has {jax.process_count()} processes")
     workdir_lib.record_config(config, workdir, primary=jax.process_index() == 0)
     multihost.barrier("workdir")   # no process goes on before the workdir exists
     self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)

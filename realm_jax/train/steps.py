@@ -12,6 +12,7 @@ import optax
 
 from realm_jax.data import pipeline
 from realm_jax.models import losses
+from realm_jax.models.bert import Packing
 from realm_jax.models.realm import REALM
 from realm_jax.config import defaults, reading
 from realm_jax.runtime import partitioning, state as state_lib
@@ -57,8 +58,13 @@ def retrieval_logits(model: REALM, params, batch, rngs=None, deterministic=True,
   if not rescore:
     return jnp.full((b, k), -1e9, jnp.float32).at[:, -1].set(0.0)
   variables = {"params": params}
-  query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
-                      method=REALM.embed_queries)
+  if "packed_ids" in batch:   # retrieval.packed_query_rows (pipeline.pack_queries)
+    packing = Packing(batch["packed_positions"], batch["packed_owner"])
+    query = model.apply(variables, batch["packed_ids"], packing, batch["query_packed_row"],
+                        deterministic, rngs=rngs, method=REALM.embed_packed_queries)
+  else:
+    query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
+                        method=REALM.embed_queries)
   if "candidate_emb" in batch:
     blocks = _index_candidates(model, variables, batch, rngs, deterministic)
   else:

@@ -1,0 +1,128 @@
+"""Packed queries (`retrieval.packed_query_rows`, docs/design.md): several queries a row, each
+attending to itself with its own positions, give the query tower's embeddings, REALM's loss
+and gradients, and a whole run's losses of the batch read one query a row; the host packing
+puts each query whole into its own data shard's rows; the settings it cannot serve are refused
+naming the option."""
+
+import jax
+import numpy as np
+import pytest
+from ml_collections import ConfigDict
+
+from realm_jax.data import pipeline
+from realm_jax.errors import ConfigError
+from realm_jax.models.bert import Packing
+from realm_jax.models.realm import REALM
+from realm_jax.config.validation import validate
+from realm_jax.train import batches
+from realm_jax.train.loop import train
+from realm_jax.runtime.metrics import read_jsonl
+from tests.helpers import tiny_config
+from tests.test_retriever_learning import cache_start, loss_and_grads
+
+PACKED = ("packed_ids", "packed_positions", "packed_owner", "query_packed_row")
+WIDE = 32   # query_len: twice the world's longest query, so that any two share a row
+
+
+def random_queries(rng, n: int, length: int, longest: int) -> tuple[np.ndarray, np.ndarray]:
+  lengths = rng.integers(3, longest + 1, n)
+  ids = np.zeros((n, length), np.int32)
+  for i, m in enumerate(lengths):
+    ids[i, :m] = rng.integers(1, 1000, m)
+  return ids, lengths
+
+
+def test_every_query_is_packed_whole_into_its_own_shards_rows():
+  ids, lengths = random_queries(np.random.default_rng(0), 32, 24, longest=16)
+  packed = pipeline.pack_queries(ids, 24, shards=4)
+  assert set(packed) == set(PACKED) and packed["packed_ids"].shape == (24, 24)
+  owner = packed["packed_owner"]
+  for q, n in enumerate(lengths):
+    row = packed["query_packed_row"][q]
+    assert row // 6 == q // 8                       # shard s's queries in shard s's rows
+    at = np.flatnonzero(owner[row] == q)
+    assert len(at) == n and (np.diff(at) == 1).all()   # whole, contiguous
+    np.testing.assert_array_equal(packed["packed_ids"][row, at], ids[q, :n])
+    np.testing.assert_array_equal(packed["packed_positions"][row, at], np.arange(n))
+  assert (owner >= 0).sum() == lengths.sum()         # nothing else in the rows
+  np.testing.assert_array_equal(packed["packed_ids"][owner < 0], 0)
+  assert pipeline.pack_queries(ids, 4, shards=4) is None   # more wordpieces than room
+  for rows, fits in ((4, False), (24, True), (0, False)):   # 0: packing off
+    config = ConfigDict({"retrieval": {"packed_query_rows": rows}})
+    batch = {"query_ids": ids}
+    assert batches.pack_queries(config, batch, shards=4) == fits
+    assert set(batch) == ({"query_ids"} | (set(PACKED) if fits else set()))
+  with pytest.raises(ValueError, match="shards"):
+    pipeline.pack_queries(ids, 6, shards=4)
+
+
+def test_packed_queries_give_the_same_embeddings_loss_and_gradients(world_dir, world_data):
+  """On the 8 host devices (each shard's 2 queries in its own row): the query embeddings and
+  the tower's backward pass to float32 rounding, and REALM's loss and gradients."""
+  config, model, mesh, state, (_, _, batch) = cache_start(
+      world_dir, world_data, retrieval__score_cache=False, model__retriever__pooling="mean",
+      retrieval__packed_query_rows=8, data__query_len=WIDE)
+  packed = dict(batch)
+  assert batches.pack_queries(config, packed, mesh.shape["data"])
+  assert packed["packed_ids"].shape[0] == 8 < len(batch["query_ids"])
+  packing = Packing(packed["packed_positions"], packed["packed_owner"])
+  alone = lambda p: model.apply({"params": p}, batch["query_ids"], method=REALM.embed_queries)
+  together = lambda p: model.apply({"params": p}, packed["packed_ids"], packing,
+                                   packed["query_packed_row"], method=REALM.embed_packed_queries)
+  np.testing.assert_allclose(together(state.params), alone(state.params), rtol=1e-5, atol=1e-6)
+  # the tower's backward pass, against a random cotangent
+  cotangent = np.random.default_rng(0).normal(size=alone(state.params).shape)
+  grads = [jax.grad(lambda p: (embed(p) * cotangent).sum())(state.params)["retriever"]
+           for embed in (alone, together)]
+  assert_same_gradients(*grads, rtol=1e-5)
+
+  full = loss_and_grads(config, model, state.params, batch, mesh)
+  fast = loss_and_grads(config, model, state.params, packed, mesh)
+  assert abs(full[0] - fast[0]) < 1e-5 * max(1.0, abs(full[0]))
+  # At initialisation p(z|x) and p(z|x, y) nearly agree: the loss's gradient is their small
+  # difference, in which the embeddings' last-bit differences weigh ~1e4 times more
+  assert_same_gradients(full[2]["retriever"], fast[2]["retriever"], rtol=1e-2)
+
+
+def assert_same_gradients(expected, actual, rtol: float) -> None:
+  """Every leaf within `rtol` of its largest entry; the attention key bias's gradient (0 in
+  exact arithmetic: a softmax does not move when every score moves alike) rounding alone."""
+  scale = max(np.abs(g).max() for g in jax.tree.leaves(expected))
+  assert scale > 0
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(actual)):
+    name = jax.tree_util.keystr(path)
+    if "['key']['bias']" in name:
+      assert max(np.abs(a).max(), np.abs(b).max()) < 1e-6 * scale, name
+    else:
+      np.testing.assert_allclose(b, a, rtol=0, atol=rtol * np.abs(a).max(), err_msg=name)
+
+
+@pytest.mark.slow   # end-to-end runs: the slow tier
+def test_a_packed_run_trains_as_one_query_a_row_and_counts_its_packed_batches(world_dir,
+                                                                              tmp_path):
+  run = lambda rows: tiny_config("realm", None, world_dir, model__retriever__pooling="mean",
+                                 retrieval__packed_query_rows=rows, train__steps=4,
+                                 data__query_len=WIDE)
+  packed = train(run(8), str(tmp_path / "packed"))
+  alone = train(run(0), str(tmp_path / "alone"))
+  assert packed["query_batches_packed"] == 4 and "query_batches_packed" not in alone
+  losses = [[r["loss"] for r in read_jsonl(str(tmp_path / name / "metrics" / "train.jsonl"))]
+            for name in ("packed", "alone")]
+  assert len(losses[0]) == 4
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(retrieval__packed_query_rows=-1),
+    dict(retrieval__packed_query_rows=True),
+    dict(retrieval__packed_query_rows=8),                           # [CLS] pooling
+    dict(retrieval__packed_query_rows=17, model__retriever__pooling="mean"),   # > batch 16
+])
+def test_packing_it_cannot_serve_is_refused_naming_the_option(world_dir, overrides):
+  with pytest.raises(ConfigError) as e:
+    validate(tiny_config("realm", None, world_dir, **overrides))
+  assert e.value.option == "retrieval.packed_query_rows", str(e.value)
+  with pytest.raises(ConfigError) as e:
+    validate(tiny_config("ict", None, world_dir, retrieval__packed_query_rows=8,
+                         model__retriever__pooling="mean"))
+  assert e.value.option == "retrieval.packed_query_rows", str(e.value)
