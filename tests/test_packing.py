@@ -126,3 +126,11 @@ def test_packing_it_cannot_serve_is_refused_naming_the_option(world_dir, overrid
     validate(tiny_config("ict", None, world_dir, retrieval__packed_query_rows=8,
                          model__retriever__pooling="mean"))
   assert e.value.option == "retrieval.packed_query_rows", str(e.value)
+
+
+def test_rows_that_do_not_divide_the_data_axis_are_refused_at_start(world_dir, tmp_path):
+  config = tiny_config("realm", None, world_dir, model__retriever__pooling="mean",
+                       retrieval__packed_query_rows=6, data__query_len=WIDE)   # 8 devices
+  with pytest.raises(ConfigError) as e:
+    train(config, str(tmp_path / "run"))
+  assert e.value.option == "retrieval.packed_query_rows" and "data axis (8)" in str(e.value)
