@@ -92,6 +92,10 @@ def test_truncated_latest_checkpoint_is_named_and_the_previous_one_resumes(
 
 
 @pytest.mark.slow
+# Orbax reads a checkpoint's arrays concurrently; when the first truncated one fails, the
+# others' pending reads are abandoned and Python reports each coroutine when it is collected
+# (0 to ~40 "Exception ignored" warnings a run, by timing): expected here, not a finding
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_no_readable_checkpoint_stops_naming_each_instead_of_starting_over(
     finished_ict, tmp_path):
   config, workdir = copy_of(finished_ict, tmp_path)
