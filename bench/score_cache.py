@@ -38,6 +38,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 
+from realm_jax.data import pipeline
 from realm_jax.data.prepared import PreparedData
 from realm_jax.stages import repo_config
 from realm_jax.config.overrides import apply_assignments, with_overrides
@@ -123,6 +124,10 @@ def main() -> None:
     raise SystemExit(f"bench: {e}") from None
   model = state_lib.build_model(config, data.tokenizer.vocab_size)
   mesh = partitioning.make_mesh(tuple(config.mesh.shape))
+  if config.retrieval.packed_query_rows % mesh.shape["data"]:
+    raise SystemExit(f"bench: retrieval.packed_query_rows: "
+                     f"{config.retrieval.packed_query_rows} rows do not divide by the data "
+                     f"axis ({mesh.shape['data']})")
   state, shardings, _ = state_lib.create_train_state(config, model, mesh,
                                                      data.blocks.block_len,
                                                      jax.random.PRNGKey(0))
@@ -152,7 +157,8 @@ def main() -> None:
       work = host_batches(config, data, args.steps + 1, first=args.steps + 1, shards=shards)
       for queries, cands, batch in work:
         first_half = len(cands) // 2
-        cache.fill({key: value[:first_half] for key, value in batch.items()},
+        cache.fill({key: value[:first_half] for key, value in batch.items()
+                    if key not in pipeline.PACKED_QUERIES},   # those are [rows, ...]
                    cache_keys(queries, cands)[:first_half])
     run(work[0])                                  # compile (warm: the first batch is found)
     rows_read.clear()
@@ -174,11 +180,12 @@ def main() -> None:
                                      mesh) for queries, cands, batch in first_work]
   parts = warm_parts(config, model, state.params, found, rng)
   real, packed = parts.pop("real wordpieces"), parts.pop("packed")
-  rows = config.retrieval.packed_query_rows
+  packed_rows = config.retrieval.packed_query_rows
   print("  a warm step's parts (ms): " + ", ".join(f"{name} {ms:.1f}"
                                                     for name, ms in parts.items()) +
         f"; {real:.0%} of the query tower's wordpieces are not padding" +
-        (f" (queries packed into {rows} rows in {packed:.0%} of the batches)" if rows else ""))
+        (f" (queries packed into {packed_rows} rows in {packed:.0%} of the batches)"
+         if packed_rows else ""))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ def case_config(case: str, accelerator: bool, batch_size: int | None, sets: list
     config.model.vocab_size = 4000      # the demo's vocab comes from its data dir (0)
   elif case == "real":                  # demo-real: MiniLM-shaped reader, small retriever
     config = repo_config("real_realm", "realm")
+    config.retrieval.packed_query_rows = 0  # its random full-length queries do not pack
   else:
     config = repo_config("realm_base")
     config.train.batch_size = 8 if accelerator else 1  # ~10 GB of fp32 temporaries a query

@@ -1,9 +1,9 @@
 """Packed queries (`retrieval.packed_query_rows`, docs/design.md): several queries a row, each
-attending to itself with its own positions, give the query tower's embeddings, REALM's loss
-and gradients, and a whole run's losses of the batch read one query a row; the host packing
+attending to itself with its own positions, give the query tower's embeddings and backward
+pass, and REALM's loss and gradients, of the batch read one query a row; the host packing
 puts each query whole into its own data shard's rows; the settings it cannot serve are refused
-naming the option. A run whose batches are packed resumes exactly:
-tests/test_retriever_learning.py (the score cache's resume)."""
+naming the option. A run whose batches are packed where they fit (both shapes of the step)
+resumes exactly: tests/test_retriever_learning.py (the score cache's resume)."""
 
 import jax
 import numpy as np
@@ -20,7 +20,7 @@ from realm_jax.train.loop import train
 from tests.helpers import tiny_config
 from tests.test_retriever_learning import cache_start, loss_and_grads
 
-PACKED = ("packed_ids", "packed_positions", "packed_owner", "query_packed_row")
+PACKED = pipeline.PACKED_QUERIES
 WIDE = 32   # query_len: twice the world's longest query, so that any two share a row
 
 
@@ -104,7 +104,7 @@ def assert_same_gradients(expected, actual, rtol: float) -> None:
     dict(retrieval__packed_query_rows=-1),
     dict(retrieval__packed_query_rows=True),
     dict(retrieval__packed_query_rows=8),                           # [CLS] pooling
-    dict(retrieval__packed_query_rows=17, model__retriever__pooling="mean"),   # > batch 16
+    dict(retrieval__packed_query_rows=16, model__retriever__pooling="mean"),   # batch 16
 ])
 def test_packing_it_cannot_serve_is_refused_naming_the_option(world_dir, overrides):
   with pytest.raises(ConfigError) as e:

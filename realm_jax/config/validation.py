@@ -218,7 +218,7 @@ def _validate_packing(config) -> None:
     raise ConfigError("retrieval.packed_query_rows", "packs REALM's queries for a mean-pooled "
                       f"query tower: task 'realm' with model.retriever.pooling 'mean', not "
                       f"{config.task!r} with {pooling!r}")
-  if rows > config.train.batch_size:
+  if rows >= config.train.batch_size:
     raise ConfigError("retrieval.packed_query_rows", f"{rows} rows for "
                       f"{config.train.batch_size} queries (train.batch_size) saves nothing")
 

@@ -119,6 +119,9 @@ def mask_salient_spans(ids: np.ndarray, spans: np.ndarray, max_masks: int,
           "mask_labels": labels.astype(np.int32), "mask_weights": valid.astype(np.float32)}
 
 
+PACKED_QUERIES = ("packed_ids", "packed_positions", "packed_owner", "query_packed_row")
+
+
 def pack_queries(query_ids: np.ndarray, rows: int, shards: int = 1
                  ) -> dict[str, np.ndarray] | None:
   """The queries [B, L] (each `[CLS] x [SEP]`, padding after it) packed into `rows` rows of L
@@ -151,8 +154,7 @@ def pack_queries(query_ids: np.ndarray, rows: int, shards: int = 1
       positions[row, start:start + n] = np.arange(n)
       owner[row, start:start + n] = q
       row_of[q], used[free[0]] = row, start + n
-  return {"packed_ids": ids, "packed_positions": positions, "packed_owner": owner,
-          "query_packed_row": row_of}
+  return dict(zip(PACKED_QUERIES, (ids, positions, owner, row_of)))
 
 
 def candidate_rows(retrieved: np.ndarray, query_block: np.ndarray, uids: np.ndarray,

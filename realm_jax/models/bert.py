@@ -356,6 +356,9 @@ class BertEncoder(nn.Module):
 
   def __call__(self, token_ids: Array, segment_ids: Array, deterministic: bool = True,
                positions: Array | None = None, packing: Packing | None = None):
+    if packing is not None and positions is not None:
+      raise ValueError("packed rows hold several sequences: `positions` (a last layer that "
+                       "computes some positions of each row) does not apply to them")
     if packing is None:
       key_mask = token_ids[:, None, None, :] > 0     # [PAD] keys take no part
       x = self.embeddings(token_ids, segment_ids, deterministic)
