@@ -56,22 +56,28 @@ def test_every_query_is_packed_whole_into_its_own_shards_rows():
     pipeline.pack_queries(ids, 6, shards=4)
 
 
-def test_packed_queries_give_the_same_embeddings_loss_and_gradients(world_dir, world_data):
-  """On the 8 host devices (each shard's 2 queries in its own row): the query embeddings and
-  the tower's backward pass to float32 rounding, and REALM's loss and gradients."""
+def packed_start(world_dir, world_data):
+  """A tiny REALM config whose 16 queries pack two a row (8 rows, one a device), its model,
+  mesh and state, and one host batch with and without the packed queries."""
   config, model, mesh, state, (_, _, batch) = cache_start(
       world_dir, world_data, retrieval__score_cache=False, model__retriever__pooling="mean",
       retrieval__packed_query_rows=8, data__query_len=WIDE)
   packed = dict(batch)
   assert batches.pack_queries(config, packed, mesh.shape["data"])
   assert packed["packed_ids"].shape[0] == 8 < len(batch["query_ids"])
+  return config, model, mesh, state, batch, packed
+
+
+def test_packed_queries_give_the_same_embeddings_and_backward_pass(world_dir, world_data):
+  """On the 8 host devices: the query tower's embeddings, and its backward pass against a
+  random cotangent, to float32 rounding."""
+  config, model, _, state, batch, packed = packed_start(world_dir, world_data)
   packing = Packing(packed["packed_positions"], packed["packed_owner"])
   alone = lambda p: model.apply({"params": p}, batch["query_ids"], method=REALM.embed_queries)
   together = lambda p: model.apply({"params": p}, packed["packed_ids"], packing,
                                    packed["query_packed_row"], method=REALM.embed_packed_queries)
   cotangent = np.random.default_rng(0).normal(size=(len(batch["query_ids"]),
                                                      config.model.retrieval_dim))
-  # the embeddings, and the tower's backward pass against a random cotangent
   (first, vjp_alone), (second, vjp_together) = (
       jax.jit(lambda p, embed=embed: jax.vjp(embed, p))(state.params)
       for embed in (alone, together))
@@ -79,6 +85,11 @@ def test_packed_queries_give_the_same_embeddings_loss_and_gradients(world_dir, w
   assert_same_gradients(vjp_alone(cotangent)[0]["retriever"],
                         vjp_together(cotangent)[0]["retriever"], rtol=1e-5)
 
+
+@pytest.mark.slow   # two REALM train-step compiles on 8 devices
+def test_a_packed_batch_gives_realms_loss_and_gradients(world_dir, world_data):
+  """The step reads the packed queries when the batch has them (`steps.retrieval_logits`)."""
+  config, model, mesh, state, batch, packed = packed_start(world_dir, world_data)
   full = loss_and_grads(config, model, state.params, batch, mesh)
   fast = loss_and_grads(config, model, state.params, packed, mesh)
   assert abs(full[0] - fast[0]) < 1e-5 * max(1.0, abs(full[0]))
