@@ -45,10 +45,8 @@ from realm_jax.config.overrides import apply_assignments, with_overrides
 from realm_jax.train import batches, candidate_rows, steps
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.errors import ConfigError
-from realm_jax.config.validation import validate
+from realm_jax.config.validation import validate, validate_against_mesh
 from realm_jax.train.score_cache import ScoreCache, cache_keys
-from realm_jax.models.bert import Packing
-from realm_jax.models.realm import REALM
 
 
 def host_batches(config, data, n: int, first: int = 0, shards: int = 1):
@@ -88,12 +86,7 @@ def warm_parts(config, model, params, found: list[dict], rng) -> dict[str, float
   batches, the first one compiles): the loss, loss + gradients, the query tower's forward
   and forward + backward; and the query wordpieces' non-padding share."""
   loss = lambda p, b: steps.realm_loss_fn(p, model, b, config, rng)[0]
-  def tower(p, b):
-    if "packed_ids" in b:
-      return model.apply({"params": p}, b["packed_ids"], Packing(b["packed_positions"],
-                                                                 b["packed_owner"]),
-                         b["query_packed_row"], True, method=REALM.embed_packed_queries).sum()
-    return model.apply({"params": p}, b["query_ids"], True, method=REALM.embed_queries).sum()
+  tower = lambda p, b: steps.query_embeddings(model, p, b).sum()
 
   parts = {"loss": jax.jit(loss), "loss + gradients": jax.jit(jax.grad(loss)),
            "query tower": jax.jit(tower), "query tower + gradients": jax.jit(jax.grad(tower))}
@@ -124,10 +117,10 @@ def main() -> None:
     raise SystemExit(f"bench: {e}") from None
   model = state_lib.build_model(config, data.tokenizer.vocab_size)
   mesh = partitioning.make_mesh(tuple(config.mesh.shape))
-  if config.retrieval.packed_query_rows % mesh.shape["data"]:
-    raise SystemExit(f"bench: retrieval.packed_query_rows: "
-                     f"{config.retrieval.packed_query_rows} rows do not divide by the data "
-                     f"axis ({mesh.shape['data']})")
+  try:
+    validate_against_mesh(config, mesh.shape["data"], jax.process_count())
+  except ConfigError as e:
+    raise SystemExit(f"bench: {e}") from None
   state, shardings, _ = state_lib.create_train_state(config, model, mesh,
                                                      data.blocks.block_len,
                                                      jax.random.PRNGKey(0))

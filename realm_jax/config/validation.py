@@ -223,6 +223,19 @@ def _validate_packing(config) -> None:
                       f"{config.train.batch_size} queries (train.batch_size) saves nothing")
 
 
+def validate_against_mesh(config, data_axis: int, processes: int) -> None:
+  """The checks that need the run's mesh: the batch, and packed query rows, split over the
+  `data_axis` devices; packing within one process (`processes`)."""
+  if config.train.batch_size % data_axis:
+    raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
+                      f"the data axis ({data_axis})")
+  rows = config.retrieval.get("packed_query_rows", 0)
+  if rows and (rows % data_axis or processes > 1):
+    raise ConfigError("retrieval.packed_query_rows", f"{rows} rows: one process's batch is "
+                      f"packed, in rows divisible by the data axis ({data_axis}); this run "
+                      f"has {processes} processes")
+
+
 def _validate_openqa(config) -> None:
   q = config.qa    # the question sets themselves are checked where they are read (qa_split)
   if q.reader_beam < 1 or q.searcher_beam < q.reader_beam:

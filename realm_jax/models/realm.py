@@ -32,7 +32,12 @@ POOLINGS = ("cls", "mean")
 def mean_pool(hidden: Array, token_ids: Array) -> Array:
   """The mean of `hidden` [n, L, H] over each row's non-padding tokens (id > 0): [n, H], as
   sentence encoders (all-MiniLM-L6-v2 among them) are trained to be read."""
-  weights = (token_ids > 0).astype(hidden.dtype)[..., None]
+  return _mean_over(hidden, token_ids > 0)
+
+
+def _mean_over(hidden: Array, keep: Array) -> Array:
+  """The mean of `hidden` [n, L, H] over the positions `keep` [n, L] marks (0 where none)."""
+  weights = keep.astype(hidden.dtype)[..., None]
   return (hidden * weights).sum(1) / jnp.maximum(weights.sum(1), 1.0)
 
 
@@ -41,8 +46,7 @@ def packed_mean_pool(hidden: Array, owner: Array, packed_row: Array) -> Array:
   L] (the sequence of each wordpiece, -1: padding), packed_row [n] (the row holding sequence
   i) -> [n, H]."""
   own = owner[packed_row] == jnp.arange(packed_row.shape[0])[:, None]     # [n, L]
-  weights = own.astype(hidden.dtype)[..., None]
-  return (hidden[packed_row] * weights).sum(1) / jnp.maximum(weights.sum(1), 1.0)
+  return _mean_over(hidden[packed_row], own)
 
 
 class Embedder(nn.Module):

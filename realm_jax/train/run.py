@@ -21,12 +21,12 @@ import ml_collections
 
 from realm_jax import paths, workdir as workdir_lib
 from realm_jax.data.prepared import PreparedData
-from realm_jax.errors import ConfigError, NonFiniteError
+from realm_jax.errors import NonFiniteError
 from realm_jax.retrieval.index import EmbeddingStopped
 from realm_jax.runtime import initialization, multihost, partitioning, state as state_lib
 from realm_jax.train import steps
 from realm_jax.runtime.checkpoints import Checkpointer
-from realm_jax.config.validation import validate
+from realm_jax.config.validation import validate, validate_against_mesh
 from realm_jax.runtime.metrics import MetricWriter, format_duration, window_scalars
 from realm_jax.runtime.preemption import Preemption
 
@@ -91,14 +91,7 @@ class Run:
                inputs):
     self.config, self.workdir, self.data, self.inputs = config, workdir, data, inputs
     self.mesh = partitioning.make_mesh(config.mesh.shape)
-    if config.train.batch_size % self.mesh.shape["data"]:
-      raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
-                        f"the data axis ({self.mesh.shape['data']})")
-    rows = config.retrieval.get("packed_query_rows", 0)
-    if rows and (rows % self.mesh.shape["data"] or jax.process_count() > 1):
-      raise ConfigError("retrieval.packed_query_rows", f"{rows} rows: one process's batch is "
-                        f"packed, in rows divisible by the data axis ({self.mesh.shape['data']})"
-                        f"; this run has {jax.process_count()} processes")
+    validate_against_mesh(config, self.mesh.shape["data"], jax.process_count())
     workdir_lib.record_config(config, workdir, primary=jax.process_index() == 0)
     multihost.barrier("workdir")   # no process goes on before the workdir exists
     self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)

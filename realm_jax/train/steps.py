@@ -58,19 +58,26 @@ def retrieval_logits(model: REALM, params, batch, rngs=None, deterministic=True,
   if not rescore:
     return jnp.full((b, k), -1e9, jnp.float32).at[:, -1].set(0.0)
   variables = {"params": params}
-  if "packed_ids" in batch:   # retrieval.packed_query_rows (pipeline.pack_queries)
-    packing = Packing(batch["packed_positions"], batch["packed_owner"])
-    query = model.apply(variables, batch["packed_ids"], packing, batch["query_packed_row"],
-                        deterministic, rngs=rngs, method=REALM.embed_packed_queries)
-  else:
-    query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
-                        method=REALM.embed_queries)
+  query = query_embeddings(model, params, batch, rngs, deterministic)
   if "candidate_emb" in batch:
     blocks = _index_candidates(model, variables, batch, rngs, deterministic)
   else:
     blocks = _embed_candidates(model, variables, batch, rngs, deterministic,
                                null_first and k > 1 and deterministic)
   return jnp.einsum("bd,bkd->bk", query, blocks)
+
+
+def query_embeddings(model: REALM, params, batch, rngs=None, deterministic=True):
+  """The query tower's embeddings [B, d] of a batch's queries: packed several a row where the
+  batch carries them so (`retrieval.packed_query_rows`, `pipeline.pack_queries`), else one a
+  row."""
+  variables = {"params": params}
+  if "packed_ids" in batch:
+    packing = Packing(batch["packed_positions"], batch["packed_owner"])
+    return model.apply(variables, batch["packed_ids"], packing, batch["query_packed_row"],
+                       deterministic, rngs=rngs, method=REALM.embed_packed_queries)
+  return model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
+                     method=REALM.embed_queries)
 
 
 def _index_candidates(model: REALM, variables, batch, rngs, deterministic):
