@@ -68,6 +68,21 @@ def stage_overrides(data_dir: str, source: str, seed: int, workdir: str, inits: 
   return overrides
 
 
+def check_questions(workdir: str, data_dir: str, source: str, seed: int, scale: str) -> None:
+  """Before any training: the held-out articles' questions (the zero-shot table, Open-QA's
+  test) and the training articles' (Open-QA's fine-tuning) exist. A file whose articles all
+  fall on one side of `qa.heldout_articles` fails here, naming it, not after the hour."""
+  from realm_jax.data.prepared import PreparedData
+  from realm_jax.data.qa import qa_split
+  from realm_jax.retrieval.zero_shot import table_questions
+  config = _config("openqa", stage_overrides(data_dir, source, seed, workdir, {}), scale)
+  scored = table_questions(PreparedData(data_dir), data_dir, config.qa.heldout_articles)
+  train, _ = qa_split(config.qa, "train", data_dir)
+  test, _ = qa_split(config.qa, "test", data_dir)
+  print(f"[demo-real] questions: {len(scored):,} of the held-out articles for the zero-shot "
+        f"table, Open-QA {len(train):,} to fine-tune on and {len(test):,} to test", flush=True)
+
+
 def retrieval_table(workdir: str, data_dir: str, source: str, seed: int, scale: str) -> dict:
   """recall@1/5/20 of the answer paragraph on the held-out articles' questions."""
   from realm_jax.retrieval.zero_shot import format_table, recall_table
@@ -130,6 +145,7 @@ def print_report(summary: dict) -> None:
 def run_demo_real(workdir: str, squad: str = "", seed: int = 0, scale: str = "cpu") -> dict:
   t0 = time.time()
   data_dir, source, stats = prepare_data(workdir, squad)
+  check_questions(workdir, data_dir, source, seed, scale)
   results = {}
   for name, variant, inits in STAGES:
     overrides = stage_overrides(data_dir, source, seed, workdir, inits)

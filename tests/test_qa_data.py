@@ -121,6 +121,67 @@ def test_squad_questions_keep_titles_and_skip_unanswerable(tmp_path):
     read_qa(f"squad:{path}", strict=True)
 
 
+def messy_squad() -> dict:
+  """A SQuAD v2 file with every kind of question and paragraph a reader can meet."""
+  data = squad_json(4)
+  first = data["data"][0]["paragraphs"][0]["qas"]
+  first[0]["is_impossible"], first[0]["answers"] = True, []          # v2 unanswerable
+  first[1]["answers"] = None                                          # no answers
+  first[2]["answers"] = [{"answer_start": 3}]                         # an answer without text
+  second = data["data"][1]["paragraphs"][0]["qas"]
+  second[0]["answers"] = "Ans"                                        # a bare string
+  second[1]["answers"] = [{"text": "Ans"}]                            # no answer_start
+  second[2]["question"] = "  "                                        # no question
+  del data["data"][2]["title"]                                        # an untitled article
+  data["data"][3]["paragraphs"].append({"context": " ", "qas": [     # an empty paragraph
+      {"id": "e0", "question": "q?", "answers": [{"text": "x", "answer_start": 0}]}]})
+  return data
+
+
+def test_the_corpus_and_open_qa_read_the_same_squad_questions(tmp_path):
+  """realm-prepare's questions (the zero-shot table's) and Open-QA's are the same ones, each
+  skip counted by the same reason; a BOM or gzip changes nothing, a non-SQuAD file is named."""
+  import gzip
+  from realm_jax.data import prepare as prepare_lib, sources
+  text = json.dumps(messy_squad())
+  files = [write(tmp_path / "squad.json", text),
+           write(tmp_path / "bom.json", b"\xef\xbb\xbf" + text.encode()),
+           write(tmp_path / "squad.json.gz", gzip.compress(text.encode()))]
+  for path in files:
+    examples, skipped = read_qa(f"squad:{path}")
+    assert [ex.qid for ex in examples] == ["q1-0", "q1-1", "q3-0", "q3-1", "q3-2"]
+    assert examples[0].answers == ("Ans",)
+    assert skipped == {qa.UNANSWERABLE: 1, qa.NO_ANSWERS: 1, qa.NON_STRING_ANSWERS: 1,
+                       qa.MISSING_QUESTION: 1, sources.MISSING_TITLE: 3, sources.EMPTY: 1}
+    config = prepare_lib.prepare_config()
+    config.source = f"squad:{path}"
+    skips = sources.Skips(strict=False)
+    docs = list(sources.read_documents(config, skips))
+    assert [q["id"] for doc in docs for q in doc.qas] == [ex.qid for ex in examples]
+    assert [q["answer_start"] for q in docs[1].qas] == [[None], [None]]
+    assert skips.counts == {sources.MISSING_TITLE: 1, sources.EMPTY: 1}
+    assert skips.questions == {qa.UNANSWERABLE: 1, qa.NO_ANSWERS: 1, qa.NON_STRING_ANSWERS: 1,
+                               qa.MISSING_QUESTION: 1, sources.PARAGRAPH_SKIPPED: 4}
+  for body, found in ((json.dumps(messy_squad()["data"]), "found an array"),
+                      (json.dumps({"data": None}), "'data' is null"),
+                      (text + "\n" + text, "JSONDecodeError: Extra data")):
+    bad = write(tmp_path / "bad.json", body)
+    for read in (lambda: read_qa(f"squad:{bad}"), lambda: sources.read_squad_articles(bad)):
+      with pytest.raises(DataError, match=f"{bad}: not a SQuAD-format JSON file.*{found}"):
+        read()
+  with pytest.raises(DataError, match="corrupt or truncated gzip"):
+    sources.read_squad_articles(write(tmp_path / "cut.json.gz", gzip.compress(b"{}")[:12]))
+
+
+def test_a_split_without_questions_says_how_many_articles_are_held_out(tmp_path):
+  path = write(tmp_path / "squad.json", json.dumps(squad_json(1)))   # held out at 0.25
+  assert GOLDEN_HELDOUT[0]
+  config = qa_config(train=f"squad:{path}", heldout_articles=0.25)
+  with pytest.raises(ConfigError, match=r"config\.qa\.train: .* no questions for the train "
+                     r"split.*heldout_articles=0\.25, which holds out 1 of its 1 articles"):
+    qa_split(config, "train")
+
+
 def test_prepared_split_and_spec_errors(tmp_path):
   os.makedirs(tmp_path / "data" / "qa")
   write(tmp_path / "data" / "qa" / "eval.jsonl",

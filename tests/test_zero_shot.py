@@ -26,11 +26,11 @@ QUESTIONS = ["who founded the kelmar observatory?", "where does the orvane river
              "who designed pellow bridge?", "which hospital did marta voss run?"]
 
 
-def write_squad(path) -> str:
+def write_squad(path, topics=TOPICS) -> str:
   data = {"data": [{"title": t, "paragraphs": [{"context": c, "qas": [
       {"id": str(i), "question": q, "answers": [{"text": c.split()[1], "answer_start":
                                                   c.index(c.split()[1])}]}]}]}
-      for i, ((t, c), q) in enumerate(zip(TOPICS, QUESTIONS))]}
+      for i, ((t, c), q) in enumerate(zip(topics, QUESTIONS))]}
   path.write_text(json.dumps(data))
   return str(path)
 
@@ -60,6 +60,46 @@ def test_questions_point_at_their_paragraph(squad_data):
   questions = zero_shot.load_questions(squad_data)
   assert [q["question"] for q in questions] == QUESTIONS
   assert [q["doc_id"] for q in questions] == [0, 1, 2, 3]
+
+
+def test_the_table_refuses_a_share_that_holds_out_no_article(squad_data):
+  """Checked before any retriever embeds the corpus (the demos call it right after prepare)."""
+  from realm_jax.data.prepared import PreparedData
+  from realm_jax.errors import ConfigError
+  data = PreparedData(squad_data)
+  assert len(zero_shot.table_questions(data, squad_data, 0.0)) == len(QUESTIONS)
+  none = 1e-6
+  assert not any(is_heldout_article(title, none) for title, _ in TOPICS)
+  with pytest.raises(ConfigError, match=r"config\.qa\.heldout_articles: 1e-06 holds out none "
+                     "of the 4 articles"):
+    zero_shot.table_questions(data, squad_data, none)
+  some = next(f for f in (0.2, 0.3, 0.5, 0.7, 0.9)
+              if any(is_heldout_article(title, f) for title, _ in TOPICS))
+  held = zero_shot.table_questions(data, squad_data, some)   # one question per article
+  assert [q["question"] for q in held] == [
+      q for (title, _), q in zip(TOPICS, QUESTIONS) if is_heldout_article(title, some)]
+
+
+def test_demo_real_checks_its_questions_before_training(squad_data, tmp_path, capsys):
+  """`make demo-real` on a file whose articles all stay in training stops right after
+  preparing it, naming the option; on one that holds some out it says what it will ask."""
+  import os
+  from realm_jax import demo_real
+  from realm_jax.errors import ConfigError
+  source = f"squad:{os.path.join(os.path.dirname(squad_data), 'squad.json')}"
+  demo_real.check_questions(str(tmp_path), squad_data, source, 0, "cpu")
+  assert [is_heldout_article(title, 0.2) for title, _ in TOPICS] == [False] * 3 + [True]
+  assert ("1 of the held-out articles for the zero-shot table, Open-QA 3 to fine-tune on and 1 "
+          "to test") in capsys.readouterr().out
+  config = prepare_lib.prepare_config()                 # the first three articles only
+  config.source = f"squad:{write_squad(tmp_path / 'three.json', TOPICS[:3])}"
+  config.out_dir = str(tmp_path / "three")
+  config.block_len, config.max_sentence_len, config.vocab_size = 32, 30, 300
+  config.num_workers, config.eval_fraction, config.progress_every = 0, 0.0, 1e9
+  prepare_lib.prepare(config)
+  with pytest.raises(ConfigError, match=r"config\.qa\.heldout_articles: 0\.2 holds out none of "
+                     "the 3 articles"):
+    demo_real.check_questions(str(tmp_path), config.out_dir, config.source, 0, "cpu")
 
 
 @pytest.mark.slow

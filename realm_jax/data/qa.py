@@ -23,7 +23,10 @@ import numpy as np
 
 from realm_jax import paths
 from realm_jax.data.answers import compile_answer_regex
-from realm_jax.data.sources import INVALID_UTF8, MALFORMED_JSON, NOT_AN_OBJECT, Skips
+from realm_jax.data.sources import (EMPTY, INVALID_UTF8, MALFORMED_JSON, MISSING_QUESTION,
+                                    MISSING_TEXT, MISSING_TITLE, NO_ANSWERS, NON_STRING_ANSWERS,
+                                    NOT_AN_OBJECT, UNANSWERABLE, Skips, read_squad_articles,
+                                    squad_answers)
 from realm_jax.errors import ConfigError, DataError
 
 KINDS = ("nq_open", "webq", "curated_trec", "squad", "tfds", "prepared")
@@ -35,12 +38,8 @@ TFDS_FEATURES = {"natural_questions_open": ("question", "answer"),
 _TFDS_MODULES = {"web_questions": "tensorflow_datasets.question_answering.web_questions"}
 # Skip reasons, as callers report them.
 MALFORMED_TSV = "malformed TSV line"
-MISSING_QUESTION = "missing question"
-NO_ANSWERS = "no answers"
-NON_STRING_ANSWERS = "non-string answers"
 BAD_REGEX = "invalid answer regex"   # or one that matches "" (answers everything)
 DUPLICATE_ID = "duplicate question id"
-UNANSWERABLE = "unanswerable (SQuAD v2)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,17 +178,21 @@ def qa_split(config_qa, split: str, data_dir: str = "", *, strict: bool = False
     raise ConfigError("qa.heldout_articles", f"must be in [0, 1), got {heldout}")
   examples, counts = read_qa(spec, strict=strict, data_dir=data_dir, option=option,
                              tfds_data_dir=config_qa.get("tfds_data_dir") or None)
+  articles = ""
   if heldout > 0:
     untitled = sum(not ex.title for ex in examples)
-    if untitled:
+    if untitled and not spec.startswith("squad:"):
       raise ConfigError("qa.heldout_articles", f"{heldout} splits by article title, but "
                         f"{untitled} of the {len(examples)} questions of {option}={spec!r} have "
                         "none (only squad: questions carry titles); set it to 0")
+    titles = {ex.title for ex in examples}
+    held = sum(is_heldout_article(title, heldout) for title in titles)
+    articles = f", which holds out {held} of its {len(titles)} articles by title hash"
     keep_heldout = split != "train"
     examples = [ex for ex in examples if is_heldout_article(ex.title, heldout) == keep_heldout]
   if not examples:
     raise ConfigError(option, f"{spec!r} gives no questions for the {split} split "
-                      f"(skipped: {counts or 'none'}; qa.heldout_articles={heldout})")
+                      f"(skipped: {counts or 'none'}; qa.heldout_articles={heldout}{articles})")
   return examples, counts
 
 
@@ -300,31 +303,38 @@ def _read_webq(path: str, collect: _Collector) -> None:
 
 
 def _read_squad(path: str, collect: _Collector) -> None:
-  data = _read_json(path)
-  articles = data.get("data") if isinstance(data, dict) else None
-  if not isinstance(articles, list):
-    raise DataError(f"{path}: not a SQuAD-format JSON file (no list under 'data')")
+  """The questions of a SQuAD file whose paragraph `realm-prepare` keeps in the corpus: an
+  article without a title or a paragraph without a context loses its questions, counted (as
+  the corpus skips them), so Open-QA and the zero-shot table ask the same questions."""
   skip = collect.skips.skip
-  for a, article in enumerate(articles):
+  for a, article in enumerate(read_squad_articles(path)):
     if not isinstance(article, dict) or not isinstance(article.get("paragraphs", []), list):
       skip(NOT_AN_OBJECT, f"{path}: data[{a}]")
       continue
-    title = article.get("title") if isinstance(article.get("title"), str) else ""
+    title = article.get("title")
     for p, paragraph in enumerate(article.get("paragraphs", [])):
       if not isinstance(paragraph, dict) or not isinstance(paragraph.get("qas", []), list):
         skip(NOT_AN_OBJECT, f"{path}: data[{a}].paragraphs[{p}]")
         continue
+      context = paragraph.get("context")
+      no_paragraph = (MISSING_TITLE if not isinstance(title, str) else
+                      MISSING_TEXT if not isinstance(context, str) else
+                      EMPTY if not context.strip() else None)
       for q, qa in enumerate(paragraph.get("qas", [])):
         where = f"{path}: data[{a}].paragraphs[{p}].qas[{q}]"
+        if no_paragraph:
+          skip(no_paragraph, where)
+          continue
         if isinstance(qa, dict) and qa.get("is_impossible"):
           skip(UNANSWERABLE, where)
           continue
         record = qa
         if isinstance(qa, dict):
-          raw = qa.get("answers")
-          texts = [ans.get("text") if isinstance(ans, dict) else ans for ans in raw] \
-              if isinstance(raw, list) else raw
-          record = {**qa, "answers": texts}
+          answers = squad_answers(qa)
+          if answers is None:
+            skip(NON_STRING_ANSWERS, where)
+            continue
+          record = {**qa, "answers": [text for text, _ in answers]}
         collect.add(record, where, default_id=f"{os.path.basename(path)}:{a}.{p}.{q}",
                     answers_key="answers", title=title)
 

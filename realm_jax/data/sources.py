@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import gzip
 import hashlib
 import json
 import os
@@ -30,19 +31,37 @@ INVALID_UTF8 = "invalid UTF-8"
 EMPTY = "empty or whitespace-only document"
 TOO_LARGE = "document over max_doc_bytes"
 DUPLICATE = "duplicate document"
+# Skip reasons of a SQuAD file's questions (here and in `realm_jax.data.qa`).
+MISSING_QUESTION = "missing question"
+NO_ANSWERS = "no answers"
+NON_STRING_ANSWERS = "non-string answers"
+UNANSWERABLE = "unanswerable (SQuAD v2)"
+PARAGRAPH_SKIPPED = "its paragraph skipped"
 
 
 class Skips:
-  """Counts skipped records by reason; in strict mode the first one is an error instead."""
+  """Counts skipped records by reason; in strict mode the first one is an error instead.
+  A `squad:` source's questions have counts of their own (`questions`)."""
 
   def __init__(self, strict: bool):
-    self.strict, self.counts = strict, Counter()
+    self.strict, self.counts, self.questions = strict, Counter(), Counter()
 
   def skip(self, reason: str, where: str) -> None:
     if self.strict:
       raise DataError(f"{where}: {reason} (strict=True stops here; without it the record "
                       "is skipped and counted in stats.json)")
     self.counts[reason] += 1
+
+  def skip_question(self, reason: str, where: str) -> None:
+    if self.strict:
+      raise DataError(f"{where}: {reason} (strict=True stops here; without it the question "
+                      "is skipped and counted in stats.json)")
+    self.questions[reason] += 1
+
+  def drop_questions(self, qas: tuple) -> None:
+    """Counts the questions of a skipped document (its skip is already counted)."""
+    if qas:
+      self.questions[PARAGRAPH_SKIPPED] += len(qas)
 
 
 class Deduplicator:
@@ -82,8 +101,10 @@ def read_documents(config, skips: Skips) -> Iterator[SourceDocument]:
   for doc in raw:
     if not doc.sentences and not doc.text.strip():
       skips.skip(EMPTY, doc.where)
+      skips.drop_questions(doc.qas)
     elif not dedup.is_new(doc.title, doc.text or " ".join(s.text for s in doc.sentences)):
       skips.skip(DUPLICATE, doc.where)
+      skips.drop_questions(doc.qas)
     else:
       yield doc
 
@@ -147,29 +168,94 @@ def _jsonl(pattern: str, config, skips: Skips) -> Iterator[SourceDocument]:
           yield doc
 
 
-def _squad(path: str, config, skips: Skips) -> Iterator[SourceDocument]:
-  """SQuAD v1.1 format: every paragraph is a document titled with its article's title; its
-  questions travel with it (`qas`) to become the QA set."""
+def read_squad_articles(path: str) -> list:
+  """The article list of a SQuAD-format file (v1.1 or v2.0 JSON; UTF-8 with or without a
+  byte-order mark, or gzip'd). `realm-prepare`'s corpus and the Open-QA questions both read a
+  file through this. A DataError names the file when it is not one."""
   with open(path, "rb") as f:
     raw = f.read()
+  if raw[:2] == b"\x1f\x8b":
+    try:
+      raw = gzip.decompress(raw)
+    except (OSError, EOFError) as e:
+      raise DataError(f"{path}: a corrupt or truncated gzip file ({e})") from None
   try:
-    data = json.loads(raw.decode("utf-8"))["data"]
-  except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+    data = json.loads(raw.decode("utf-8-sig"))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
     raise DataError(f"{path}: not a SQuAD-format JSON file ({type(e).__name__}: {e})") from None
-  for a, article in enumerate(data):
+  articles = data.get("data") if isinstance(data, dict) else None
+  if not isinstance(articles, list):
+    found = (f"an object whose 'data' is {_json_kind(articles)}" if isinstance(data, dict)
+             else _json_kind(data))
+    raise DataError(f"{path}: not a SQuAD-format JSON file: expected an object "
+                    f"{{\"data\": [article, ...]}}, found {found}")
+  return articles
+
+
+def _json_kind(value) -> str:
+  kinds = {list: "an array", dict: "an object", str: "a string", bool: "a boolean",
+           int: "a number", float: "a number", type(None): "null"}
+  return kinds.get(type(value), type(value).__name__)
+
+
+def _squad(path: str, config, skips: Skips) -> Iterator[SourceDocument]:
+  """SQuAD v1.1 format: every paragraph is a document titled with its article's title; its
+  questions travel with it (`qas`) to become the QA set, skipped by reason as the Open-QA
+  reader skips them (`squad_questions`)."""
+  for a, article in enumerate(read_squad_articles(path)):
     paragraphs = article.get("paragraphs", []) if isinstance(article, dict) else []
-    for p, paragraph in enumerate(paragraphs):
+    for p, paragraph in enumerate(paragraphs if isinstance(paragraphs, list) else []):
       where = f"{path}: data[{a}].paragraphs[{p}]"
       record, qas = paragraph, ()
       if isinstance(paragraph, dict):
         record = {**paragraph, "title": article.get("title")}
-        qas = tuple({"id": qa.get("id"), "question": qa.get("question"),
-                     "answer": [ans["text"] for ans in qa.get("answers", [])],
-                     "answer_start": [ans["answer_start"] for ans in qa.get("answers", [])]}
-                    for qa in paragraph.get("qas", []) if isinstance(qa, dict))
+        qas = tuple(squad_questions(paragraph, where, skips))
       doc = _document(record, "title", "context", config, where, skips, qas)
       if doc is not None:
         yield doc
+      else:
+        skips.drop_questions(qas)
+
+
+def squad_questions(paragraph: dict, where: str, skips: Skips) -> Iterator[dict]:
+  """The answerable questions of one SQuAD paragraph, {id, question, answer, answer_start};
+  an unanswerable (v2), question-less or answer-less record is skipped and counted."""
+  records = paragraph.get("qas") or []
+  if not isinstance(records, list):
+    return skips.skip_question(NOT_AN_OBJECT, f"{where}.qas")
+  for q, qa in enumerate(records):
+    at = f"{where}.qas[{q}]"
+    if not isinstance(qa, dict):
+      skips.skip_question(NOT_AN_OBJECT, at)
+    elif qa.get("is_impossible"):
+      skips.skip_question(UNANSWERABLE, at)
+    elif not isinstance(qa.get("question"), str) or not qa["question"].strip():
+      skips.skip_question(MISSING_QUESTION, at)
+    else:
+      answers = squad_answers(qa)
+      if answers is None:
+        skips.skip_question(NON_STRING_ANSWERS, at)
+      elif not answers:
+        skips.skip_question(NO_ANSWERS, at)
+      else:
+        yield {"id": qa.get("id"), "question": qa["question"],
+               "answer": [text for text, _ in answers],
+               "answer_start": [start for _, start in answers]}
+
+
+def squad_answers(qa: dict) -> list[tuple[str, int | None]] | None:
+  """A SQuAD question's non-blank answers as (text, answer_start): {"text", "answer_start"}
+  items or bare strings; None when an answer's text is not a string (the Open-QA reader's
+  rule: such a question is skipped whole)."""
+  raw = qa.get("answers")
+  raw = [raw] if isinstance(raw, str) else [] if raw is None else raw
+  if not isinstance(raw, list):
+    return None
+  answers = [(ans.get("text"), ans.get("answer_start")) if isinstance(ans, dict) else (ans, None)
+             for ans in raw]
+  if not all(isinstance(text, str) for text, _ in answers):
+    return None
+  return [(text, start) for text, start in answers if text.strip()]
 
 
 def _tfds(arg: str, config, skips: Skips) -> Iterator[SourceDocument]:

@@ -19,6 +19,7 @@ import numpy as np
 from realm_jax import log, paths
 from realm_jax.data.qa import is_heldout_article, question_inputs
 from realm_jax.data.prepared import PreparedData
+from realm_jax.errors import ConfigError, DataError
 from realm_jax.retrieval.index import ExactIndex, IndexVersion, embed_blocks
 from realm_jax.runtime import embedders
 from realm_jax.runtime.checkpoints import abstract_run, restore_run
@@ -103,12 +104,28 @@ def heldout_questions(data: PreparedData, questions: list[dict], fraction: float
   return [q for q in questions if is_heldout_article(titles[int(q["doc_id"])], fraction)]
 
 
+def table_questions(data: PreparedData, data_dir: str, heldout_articles: float) -> list[dict]:
+  """The questions `recall_table` scores; an error naming the file or the option when there
+  are none (checked before any retriever embeds the corpus)."""
+  questions = load_questions(data_dir)
+  if not questions:
+    raise DataError(f"{paths.join(data_dir, 'qa', 'eval.jsonl')}: no answerable question "
+                    "points at a kept paragraph (stats.json's questions_skipped says why)")
+  heldout = heldout_questions(data, questions, heldout_articles)
+  if not heldout:
+    titles = {data.blocks.titles[int(q["doc_id"])] for q in questions}
+    raise ConfigError("qa.heldout_articles", f"{heldout_articles} holds out none of the "
+                      f"{len(titles)} articles with questions in {data_dir} (by title hash): "
+                      "no question to score; a file of more articles, or a larger share")
+  return heldout
+
+
 def recall_table(data_dir: str, retrievers: dict[str, tuple[object, str]],
                  ks=RECALL_AT, heldout_articles: float = 0.0) -> dict[str, dict[str, float]]:
   """{name: recall@k} for each (config, workdir) retriever and for BM25, on the questions of
   the held-out articles when `heldout_articles` > 0 (else on every question)."""
   data = PreparedData(data_dir)
-  questions = heldout_questions(data, load_questions(data_dir), heldout_articles)
+  questions = table_questions(data, data_dir, heldout_articles)
   gold = np.asarray([q["doc_id"] for q in questions])
   block_docs = np.asarray(data.blocks.doc_ids)
   table = {}
