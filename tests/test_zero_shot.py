@@ -102,6 +102,33 @@ def test_demo_real_checks_its_questions_before_training(squad_data, tmp_path, ca
     demo_real.check_questions(str(tmp_path), config.out_dir, config.source, 0, "cpu")
 
 
+def test_demo_real_reads_a_larger_file_up_to_its_paragraph_limit(tmp_path, capsys):
+  """A file over `--max-paragraphs` is read as its first whole articles (the first one
+  whole in any case), written once for every stage to read; a file within it as it is."""
+  from realm_jax import demo_real
+  from realm_jax.data.qa import read_qa
+  sizes = (2, 2, 3)
+  data = {"version": "1.1", "data": [
+      {"title": f"Article {a}", "paragraphs": [
+          {"context": f"Paragraph {p} of article {a}.", "qas": [
+              {"id": f"{a}.{p}", "question": f"what is {a}.{p}?",
+               "answers": [{"text": "Paragraph", "answer_start": 0}]}]} for p in range(n)]}
+      for a, n in enumerate(sizes)]}
+  path = str(tmp_path / "squad.json")
+  with open(path, "w") as f:
+    json.dump(data, f)
+  for limit in (0, 7, 100):
+    assert demo_real.fit_to_the_hour(path, str(tmp_path / "w"), limit) == path
+  for limit, articles in ((6, 2), (4, 2), (3, 1), (1, 1)):
+    out = demo_real.fit_to_the_hour(path, str(tmp_path / f"w{limit}"), limit)
+    assert out == str(tmp_path / f"w{limit}" / "source.json")
+    examples, _ = read_qa(f"squad:{out}")
+    assert [ex.qid for ex in examples] == [f"{a}.{p}" for a in range(articles)
+                                           for p in range(sizes[a])]
+    assert (f"3 articles, 7 paragraphs; the recipe reads the first {articles} articles "
+            f"({sum(sizes[:articles])} paragraphs)") in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_bm25_and_a_trained_retriever_side_by_side(squad_data, tmp_path):
   from realm_jax.train.loop import train
