@@ -25,9 +25,10 @@ STAGES = (("ict", ""), ("warmup", "ict"), ("realm", "warmup"))
 OPENQA_STAGES = (("openqa_realm", "realm"), ("openqa_ict", "ict"))   # (stage, starts from)
 
 
-def pretrain(workdir: str, squad: str, seed: int) -> tuple[str, str, dict, dict]:
-  """prepare -> ICT -> warm-up -> REALM. Returns (data dir, source, prepare stats, stage
-  summaries)."""
+def pretrain(workdir: str, squad: str, seed: int,
+             openqa: bool = False) -> tuple[str, str, dict, dict]:
+  """prepare -> ICT -> warm-up -> REALM (for Open-QA, once its questions are checked). Returns
+  (data dir, source, prepare stats, stage summaries)."""
   from realm_jax.data.prepare import prepare
   data_dir = os.path.join(workdir, "data")
   prep = repo_config("squad_realm", "prepare")
@@ -39,9 +40,23 @@ def pretrain(workdir: str, squad: str, seed: int) -> tuple[str, str, dict, dict]
     raise FileNotFoundError(f"{path}: no SQuAD-format file (pass --squad PATH)")
   print(f"[demo-squad] preparing {path} -> {data_dir}", flush=True)
   stats = prepare(prep)
+  if openqa:
+    check_openqa_questions(prep.source)
   results = run_stages([(name, "squad_realm", name, init_from) for name, init_from in STAGES],
                        data_dir, workdir, seed)
   return data_dir, prep.source, stats, results
+
+
+def check_openqa_questions(source: str) -> None:
+  """Before any training: the file's training and held-out articles both have questions (a
+  file whose articles all fall on one side of `qa.heldout_articles` stops here, naming it)."""
+  from realm_jax.data.qa import qa_split
+  config = repo_config("squad_openqa", "realm")
+  config.qa.train = config.qa.test = source
+  train, _ = qa_split(config.qa, "train")
+  test, _ = qa_split(config.qa, "test")
+  print(f"[demo-openqa] questions: {len(train):,} to fine-tune on, {len(test):,} to test",
+        flush=True)
 
 
 def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
@@ -70,7 +85,7 @@ def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
 def run_demo_openqa(workdir: str, squad: str = "", seed: int = 0) -> dict:
   from realm_jax.openqa_eval import evaluate_run
   t0 = time.time()
-  data_dir, source, stats, results = pretrain(workdir, squad, seed)
+  data_dir, source, stats, results = pretrain(workdir, squad, seed, openqa=True)
   table = {}
   for name, start in OPENQA_STAGES:
     overrides = {"data.dir": data_dir, "seed": seed,

@@ -102,6 +102,17 @@ def test_demo_real_checks_its_questions_before_training(squad_data, tmp_path, ca
     demo_real.check_questions(str(tmp_path), config.out_dir, config.source, 0, "cpu")
 
 
+def test_demo_openqa_checks_its_questions_before_training(tmp_path, capsys):
+  from realm_jax import demo_squad
+  from realm_jax.errors import ConfigError
+  source = f"squad:{write_squad(tmp_path / 'squad.json')}"      # 1 of 4 articles held out
+  demo_squad.check_openqa_questions(source)
+  assert "3 to fine-tune on, 1 to test" in capsys.readouterr().out
+  three = f"squad:{write_squad(tmp_path / 'three.json', TOPICS[:3])}"
+  with pytest.raises(ConfigError, match=r"config\.qa\.test: .*holds out 0 of its 3 articles"):
+    demo_squad.check_openqa_questions(three)
+
+
 def test_demo_real_reads_a_larger_file_up_to_its_paragraph_limit(tmp_path, capsys):
   """A file over `--max-paragraphs` is read as its first whole articles (the first one
   whole in any case), written once for every stage to read; a file within it as it is."""
