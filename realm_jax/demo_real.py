@@ -19,6 +19,7 @@ default in runs/real_gpu (runs/real at the CPU scale: the two do not resume each
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -53,13 +54,18 @@ def _config(variant: str, overrides: dict, scale: str):
   return with_overrides(repo_config(CONFIG, _arg(variant, scale)), overrides)
 
 
+def squad_file(squad: str) -> str:
+  """The SQuAD file the demo is given: `squad`, or the recipe's default (SQuADShifts)."""
+  return squad or repo_config(CONFIG, "prepare").source.partition(":")[2]
+
+
 def prepare_data(workdir: str, squad: str,
                  max_paragraphs: int = MAX_PARAGRAPHS) -> tuple[str, str, dict]:
   """The SQuAD file (or its first `max_paragraphs`, `fit_to_the_hour`) -> W/data with MiniLM's
   vocab. Returns (data dir, source, stats); every stage reads the questions of that source."""
   from realm_jax.data.prepare import prepare
   config = repo_config(CONFIG, "prepare")
-  path = squad or config.source.partition(":")[2]
+  path = squad_file(squad)
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path}: no SQuAD-format file (pass SQUAD=PATH / --squad PATH)")
   config.source = f"squad:{fit_to_the_hour(path, workdir, max_paragraphs)}"
@@ -70,9 +76,11 @@ def prepare_data(workdir: str, squad: str,
 
 
 def fit_to_the_hour(path: str, workdir: str, max_paragraphs: int) -> str:
-  """`path`, or, when it holds more than `max_paragraphs` paragraphs (0: no limit), W/source.json:
-  its first whole articles up to that many (the first article whole in any case), so that the
-  corpus and both question sets are the same smaller file. Deterministic: a rerun resumes."""
+  """`path`, or, when it holds more than `max_paragraphs` paragraphs (0: no limit), its first
+  whole articles up to that many (the first article whole in any case) as W/source-HASH.json,
+  so that the corpus and both question sets are the same smaller file. The name carries a
+  hash of the content: a rerun with another file or limit meets W/data prepared from another
+  source and is refused, rather than mixing the two."""
   from realm_jax.data.sources import read_squad_articles
   articles = read_squad_articles(path)
   sizes = [len(a["paragraphs"]) if isinstance(a, dict) and isinstance(a.get("paragraphs"), list)
@@ -82,10 +90,12 @@ def fit_to_the_hour(path: str, workdir: str, max_paragraphs: int) -> str:
   kept = 1
   while kept < len(sizes) and sum(sizes[:kept + 1]) <= max_paragraphs:
     kept += 1
-  out = os.path.join(workdir, "source.json")
+  text = json.dumps({"source": f"the first {kept} articles of {os.path.basename(path)}",
+                     "data": articles[:kept]})
+  out = os.path.join(workdir, f"source-{hashlib.sha256(text.encode()).hexdigest()[:8]}.json")
   os.makedirs(workdir, exist_ok=True)
   with open(out + ".tmp", "w") as f:
-    json.dump({"version": f"the first {kept} articles of {path}", "data": articles[:kept]}, f)
+    f.write(text)
   os.replace(out + ".tmp", out)
   print(f"[demo-real] {path}: {len(articles):,} articles, {sum(sizes):,} paragraphs; the "
         f"recipe reads the first {kept:,} articles ({sum(sizes[:kept]):,} paragraphs) to fit "
@@ -106,10 +116,15 @@ def check_questions(workdir: str, data_dir: str, source: str, seed: int, scale: 
   from realm_jax.data.prepared import PreparedData
   from realm_jax.data.qa import qa_split
   from realm_jax.retrieval.zero_shot import table_questions
+  from realm_jax.errors import ConfigError
   config = _config("openqa", stage_overrides(data_dir, source, seed, workdir, {}), scale)
-  scored = table_questions(PreparedData(data_dir), data_dir, config.qa.heldout_articles)
-  train, _ = qa_split(config.qa, "train", data_dir)
-  test, _ = qa_split(config.qa, "test", data_dir)
+  try:
+    scored = table_questions(PreparedData(data_dir), data_dir, config.qa.heldout_articles)
+    train, _ = qa_split(config.qa, "train", data_dir)
+    test, _ = qa_split(config.qa, "test", data_dir)
+  except ConfigError as e:   # qa.heldout_articles is the recipe's (configs/real_realm.py)
+    raise ConfigError(e.option, f"{str(e).partition(': ')[2]} (demo-real: give a file of more "
+                      "articles, or a larger --max-paragraphs)") from None
   print(f"[demo-real] questions: {len(scored):,} of the held-out articles for the zero-shot "
         f"table, Open-QA {len(train):,} to fine-tune on and {len(test):,} to test", flush=True)
 
@@ -188,7 +203,7 @@ def run_demo_real(workdir: str, squad: str = "", seed: int = 0, scale: str = "cp
   results.update(qa_results)
   realm_eval = results["realm"]
   summary = {
-      "source": source, "squad": squad or source.partition(":")[2], "seed": seed,
+      "source": source, "squad": squad_file(squad), "seed": seed,
       "scale": scale, "paragraphs": stats["documents"], "blocks": stats["blocks"],
       "machine": f"{platform.machine()}, {os.cpu_count()} cores, {devices(0)}",
       "heldout_questions": table["bm25"]["questions"],

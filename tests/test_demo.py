@@ -252,8 +252,10 @@ def test_demo_real_runs_every_stage_at_the_scale_asked(monkeypatch, tmp_path, ca
   from realm_jax import demo_real, openqa_eval
   from realm_jax.retrieval import zero_shot
   specs, tables = [], []
-  monkeypatch.setattr(demo_real, "prepare_data",
-                      lambda workdir, squad: (str(tmp_path / "data"), "squad:F", {"blocks": 3}))
+  monkeypatch.setattr(demo_real, "prepare_data", lambda workdir, squad, max_paragraphs: (
+      str(tmp_path / "data"), "squad:F", {"blocks": 3, "documents": 2}))
+  monkeypatch.setattr(demo_real, "check_questions",     # before any stage
+                      lambda *args: specs.append(("questions checked", args[-1])))
   monkeypatch.setattr(demo_real, "run_stage",
                       lambda name, spec, overrides, workdir: specs.append((name, spec)) or {})
   def recall_table(data_dir, retrievers, heldout_articles):
@@ -265,7 +267,8 @@ def test_demo_real_runs_every_stage_at_the_scale_asked(monkeypatch, tmp_path, ca
   monkeypatch.setattr(openqa_eval, "evaluate_run", lambda config, workdir, split: (
       tables.append({"openqa": config.model.num_layers}) or {"num_questions": 1}, []))
   summary = demo_real.run_demo_real(str(tmp_path / "W"), seed=1, scale="gpu")
-  assert specs == [("ict", ("real_realm", "ict,gpu")), ("warmup", ("real_realm", "warmup,gpu")),
+  assert specs == [("questions checked", "gpu"), ("ict", ("real_realm", "ict,gpu")),
+                   ("warmup", ("real_realm", "warmup,gpu")),
                    ("realm", ("real_realm", "realm,gpu")),
                    ("openqa_realm", ("real_realm", "openqa,gpu")),
                    ("openqa_ict", ("real_realm", "openqa,gpu"))]

@@ -286,7 +286,8 @@ def test_no_space_while_publishing_shows_nothing_and_the_builder_writes_again(
 # The save that meets the full disk fails inside Orbax's background writer; in about half
 # the runs its event loop is closed before a callback it had scheduled runs, and Python
 # reports that callback ("Event loop is closed") when it is collected: expected here
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings(
+    "ignore:(?s).*Event loop is closed:pytest.PytestUnraisableExceptionWarning")
 def test_no_space_while_checkpointing_names_the_path_and_shows_nothing_partial(
     world_dir, tmp_path, small_disk, monkeypatch):
   mount, remount = small_disk

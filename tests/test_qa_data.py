@@ -135,6 +135,12 @@ def messy_squad() -> dict:
   del data["data"][2]["title"]                                        # an untitled article
   data["data"][3]["paragraphs"].append({"context": " ", "qas": [     # an empty paragraph
       {"id": "e0", "question": "q?", "answers": [{"text": "x", "answer_start": 0}]}]})
+  data["data"][3]["paragraphs"].append({"context": "...", "qas": [   # a repeated paragraph
+      {"id": "d0", "question": "q?", "answers": [{"text": "x", "answer_start": 0}]}]})
+  data["data"][3]["paragraphs"][0]["qas"].append(                     # a repeated id (and
+      {"id": "q1-0", "question": "again?", "answers": ["x"]})          # one the repeat had)
+  data["data"][3]["paragraphs"][0]["qas"].append(
+      {"id": "d0", "question": "d?", "answers": ["y"]})
   return data
 
 
@@ -149,19 +155,21 @@ def test_the_corpus_and_open_qa_read_the_same_squad_questions(tmp_path):
            write(tmp_path / "squad.json.gz", gzip.compress(text.encode()))]
   for path in files:
     examples, skipped = read_qa(f"squad:{path}")
-    assert [ex.qid for ex in examples] == ["q1-0", "q1-1", "q3-0", "q3-1", "q3-2"]
+    assert [ex.qid for ex in examples] == ["q1-0", "q1-1", "q3-0", "q3-1", "q3-2", "d0"]
     assert examples[0].answers == ("Ans",)
     assert skipped == {qa.UNANSWERABLE: 1, qa.NO_ANSWERS: 1, qa.NON_STRING_ANSWERS: 1,
-                       qa.MISSING_QUESTION: 1, sources.MISSING_TITLE: 3, sources.EMPTY: 1}
+                       qa.MISSING_QUESTION: 1, sources.MISSING_TITLE: 3, sources.EMPTY: 1,
+                       sources.DUPLICATE: 1, qa.DUPLICATE_ID: 1}
     config = prepare_lib.prepare_config()
     config.source = f"squad:{path}"
     skips = sources.Skips(strict=False)
     docs = list(sources.read_documents(config, skips))
     assert [q["id"] for doc in docs for q in doc.qas] == [ex.qid for ex in examples]
     assert [q["answer_start"] for q in docs[1].qas] == [[None], [None]]
-    assert skips.counts == {sources.MISSING_TITLE: 1, sources.EMPTY: 1}
+    assert skips.counts == {sources.MISSING_TITLE: 1, sources.EMPTY: 1, sources.DUPLICATE: 1}
     assert skips.questions == {qa.UNANSWERABLE: 1, qa.NO_ANSWERS: 1, qa.NON_STRING_ANSWERS: 1,
-                               qa.MISSING_QUESTION: 1, sources.PARAGRAPH_SKIPPED: 4}
+                               qa.MISSING_QUESTION: 1, qa.DUPLICATE_ID: 1,
+                               sources.PARAGRAPH_SKIPPED: 5}
   for body, found in ((json.dumps(messy_squad()["data"]), "found an array"),
                       (json.dumps({"data": None}), "'data' is null"),
                       (text + "\n" + text, "JSONDecodeError: Extra data")):

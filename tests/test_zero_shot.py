@@ -3,6 +3,7 @@ retriever and for BM25 on a small SQuAD-format file the test writes."""
 
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -83,7 +84,6 @@ def test_the_table_refuses_a_share_that_holds_out_no_article(squad_data):
 def test_demo_real_checks_its_questions_before_training(squad_data, tmp_path, capsys):
   """`make demo-real` on a file whose articles all stay in training stops right after
   preparing it, naming the option; on one that holds some out it says what it will ask."""
-  import os
   from realm_jax import demo_real
   from realm_jax.errors import ConfigError
   source = f"squad:{os.path.join(os.path.dirname(squad_data), 'squad.json')}"
@@ -98,19 +98,25 @@ def test_demo_real_checks_its_questions_before_training(squad_data, tmp_path, ca
   config.num_workers, config.eval_fraction, config.progress_every = 0, 0.0, 1e9
   prepare_lib.prepare(config)
   with pytest.raises(ConfigError, match=r"config\.qa\.heldout_articles: 0\.2 holds out none of "
-                     "the 3 articles"):
+                     r"the 3 articles.*\(demo-real: give a file of more articles"):
     demo_real.check_questions(str(tmp_path), config.out_dir, config.source, 0, "cpu")
 
 
-def test_demo_openqa_checks_its_questions_before_training(tmp_path, capsys):
+def test_demo_openqa_checks_its_questions_before_training(tmp_path, capsys, monkeypatch):
   from realm_jax import demo_squad
   from realm_jax.errors import ConfigError
   source = f"squad:{write_squad(tmp_path / 'squad.json')}"      # 1 of 4 articles held out
   demo_squad.check_openqa_questions(source)
   assert "3 to fine-tune on, 1 to test" in capsys.readouterr().out
-  three = f"squad:{write_squad(tmp_path / 'three.json', TOPICS[:3])}"
+  three = write_squad(tmp_path / 'three.json', TOPICS[:3])
   with pytest.raises(ConfigError, match=r"config\.qa\.test: .*holds out 0 of its 3 articles"):
-    demo_squad.check_openqa_questions(three)
+    demo_squad.check_openqa_questions(f"squad:{three}")
+  # and `make demo-openqa` checks before it pre-trains (prepare and the stages stand-ins here)
+  from realm_jax.data import prepare as prepare_lib
+  monkeypatch.setattr(prepare_lib, "prepare", lambda config: {})
+  monkeypatch.setattr(demo_squad, "run_stages", lambda *a: pytest.fail("pre-trained first"))
+  with pytest.raises(ConfigError, match="holds out 0 of its 3 articles"):
+    demo_squad.run_demo_openqa(str(tmp_path / "w"), three)
 
 
 def test_demo_real_reads_a_larger_file_up_to_its_paragraph_limit(tmp_path, capsys):
@@ -130,14 +136,18 @@ def test_demo_real_reads_a_larger_file_up_to_its_paragraph_limit(tmp_path, capsy
     json.dump(data, f)
   for limit in (0, 7, 100):
     assert demo_real.fit_to_the_hour(path, str(tmp_path / "w"), limit) == path
+  outs = set()
   for limit, articles in ((6, 2), (4, 2), (3, 1), (1, 1)):
-    out = demo_real.fit_to_the_hour(path, str(tmp_path / f"w{limit}"), limit)
-    assert out == str(tmp_path / f"w{limit}" / "source.json")
+    out = demo_real.fit_to_the_hour(path, str(tmp_path / "w"), limit)
+    assert os.path.dirname(out) == str(tmp_path / "w") and out.endswith(".json")
+    assert demo_real.fit_to_the_hour(path, str(tmp_path / "w"), limit) == out   # a rerun
+    outs.add(out)
     examples, _ = read_qa(f"squad:{out}")
     assert [ex.qid for ex in examples] == [f"{a}.{p}" for a in range(articles)
                                            for p in range(sizes[a])]
     assert (f"3 articles, 7 paragraphs; the recipe reads the first {articles} articles "
             f"({sum(sizes[:articles])} paragraphs)") in capsys.readouterr().out
+  assert len(outs) == 2      # another content, another name: W/data is not reused across them
 
 
 @pytest.mark.slow

@@ -331,7 +331,9 @@ def _finish(config, tokenizer, skips, titles, qas, shard_dirs, results, reused, 
 
 def _write_qa(config, qas: list[dict]) -> None:
   kind, _ = sources.parse_source(config.source)
-  sets = sources.world_qa(config) if kind == "world" else ({"eval": qas} if qas else {})
+  # a squad: source always writes its (possibly empty) questions: the zero-shot table says why
+  sets = sources.world_qa(config) if kind == "world" else (
+      {"eval": qas} if qas or kind == "squad" else {})
   if not sets:
     return
   os.makedirs(os.path.join(config.out_dir, "qa"), exist_ok=True)

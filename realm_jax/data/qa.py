@@ -23,10 +23,11 @@ import numpy as np
 
 from realm_jax import paths
 from realm_jax.data.answers import compile_answer_regex
-from realm_jax.data.sources import (EMPTY, INVALID_UTF8, MALFORMED_JSON, MISSING_QUESTION,
-                                    MISSING_TEXT, MISSING_TITLE, NO_ANSWERS, NON_STRING_ANSWERS,
-                                    NOT_AN_OBJECT, UNANSWERABLE, Skips, read_squad_articles,
-                                    squad_answers)
+from realm_jax.data.sources import (DUPLICATE, DUPLICATE_ID, EMPTY, INVALID_UTF8,
+                                    MALFORMED_JSON, MISSING_QUESTION, MISSING_TEXT,
+                                    MISSING_TITLE, NO_ANSWERS, NON_STRING_ANSWERS, NOT_AN_OBJECT,
+                                    UNANSWERABLE, Deduplicator, Skips, question_id,
+                                    read_squad_articles, squad_answers)
 from realm_jax.errors import ConfigError, DataError
 
 KINDS = ("nq_open", "webq", "curated_trec", "squad", "tfds", "prepared")
@@ -39,7 +40,6 @@ _TFDS_MODULES = {"web_questions": "tensorflow_datasets.question_answering.web_qu
 # Skip reasons, as callers report them.
 MALFORMED_TSV = "malformed TSV line"
 BAD_REGEX = "invalid answer regex"   # or one that matches "" (answers everything)
-DUPLICATE_ID = "duplicate question id"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +88,7 @@ class _Collector:
       return self.skips.skip(NO_ANSWERS, where)
     if self.is_regex and not all(compile_answer_regex(a) for a in answers):
       return self.skips.skip(BAD_REGEX, where)
-    qid = obj.get(id_key)
-    qid = str(qid) if isinstance(qid, (str, int)) and str(qid) else default_id
+    qid = question_id(obj.get(id_key), default_id)
     if qid in self.seen:
       return self.skips.skip(DUPLICATE_ID, where)
     self.seen.add(qid)
@@ -303,30 +302,25 @@ def _read_webq(path: str, collect: _Collector) -> None:
 
 
 def _read_squad(path: str, collect: _Collector) -> None:
-  """The questions of a SQuAD file whose paragraph `realm-prepare` keeps in the corpus: an
-  article without a title or a paragraph without a context loses its questions, counted (as
-  the corpus skips them), so Open-QA and the zero-shot table ask the same questions."""
-  skip = collect.skips.skip
+  """The questions of a SQuAD file whose paragraph `realm-prepare` keeps in the corpus: one
+  without a title or a context, empty, or a repeat of an earlier one loses its questions,
+  counted by the paragraph's reason, so Open-QA and the zero-shot table ask the same ones."""
+  skip, dedup = collect.skips.skip, Deduplicator()
   for a, article in enumerate(read_squad_articles(path)):
     if not isinstance(article, dict) or not isinstance(article.get("paragraphs", []), list):
       skip(NOT_AN_OBJECT, f"{path}: data[{a}]")
       continue
     title = article.get("title")
     for p, paragraph in enumerate(article.get("paragraphs", [])):
-      if not isinstance(paragraph, dict) or not isinstance(paragraph.get("qas", []), list):
+      qas = (paragraph.get("qas") or []) if isinstance(paragraph, dict) else None
+      if not isinstance(qas, list):
         skip(NOT_AN_OBJECT, f"{path}: data[{a}].paragraphs[{p}]")
         continue
-      context = paragraph.get("context")
-      no_paragraph = (MISSING_TITLE if not isinstance(title, str) else
-                      MISSING_TEXT if not isinstance(context, str) else
-                      EMPTY if not context.strip() else None)
-      for q, qa in enumerate(paragraph.get("qas", [])):
+      lost = _paragraph_skipped(title, paragraph.get("context"), dedup)
+      for q, qa in enumerate(qas):
         where = f"{path}: data[{a}].paragraphs[{p}].qas[{q}]"
-        if no_paragraph:
-          skip(no_paragraph, where)
-          continue
-        if isinstance(qa, dict) and qa.get("is_impossible"):
-          skip(UNANSWERABLE, where)
+        if lost or (isinstance(qa, dict) and qa.get("is_impossible")):
+          skip(lost or UNANSWERABLE, where)
           continue
         record = qa
         if isinstance(qa, dict):
@@ -337,6 +331,17 @@ def _read_squad(path: str, collect: _Collector) -> None:
           record = {**qa, "answers": [text for text, _ in answers]}
         collect.add(record, where, default_id=f"{os.path.basename(path)}:{a}.{p}.{q}",
                     answers_key="answers", title=title)
+
+
+def _paragraph_skipped(title, context, dedup: Deduplicator) -> str | None:
+  """Why `realm-prepare` skips this paragraph (its title and context), or None."""
+  if not isinstance(title, str):
+    return MISSING_TITLE
+  if not isinstance(context, str):
+    return MISSING_TEXT
+  if not context.strip():
+    return EMPTY
+  return None if dedup.is_new(title, context) else DUPLICATE
 
 
 def _read_tfds(arg: str, collect: _Collector, option: str, data_dir: str | None) -> None:

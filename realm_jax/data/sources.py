@@ -9,6 +9,7 @@ read is either a document or a skip, so `read == documents + sum(skipped)`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import gzip
@@ -35,6 +36,7 @@ DUPLICATE = "duplicate document"
 MISSING_QUESTION = "missing question"
 NO_ANSWERS = "no answers"
 NON_STRING_ANSWERS = "non-string answers"
+DUPLICATE_ID = "duplicate question id"
 UNANSWERABLE = "unanswerable (SQuAD v2)"
 PARAGRAPH_SKIPPED = "its paragraph skipped"
 
@@ -58,9 +60,9 @@ class Skips:
                       "is skipped and counted in stats.json)")
     self.questions[reason] += 1
 
-  def drop_questions(self, qas: tuple) -> None:
+  def drop_questions(self, qas) -> None:
     """Counts the questions of a skipped document (its skip is already counted)."""
-    if qas:
+    if isinstance(qas, (list, tuple)) and qas:
       self.questions[PARAGRAPH_SKIPPED] += len(qas)
 
 
@@ -199,48 +201,65 @@ def _json_kind(value) -> str:
 
 
 def _squad(path: str, config, skips: Skips) -> Iterator[SourceDocument]:
-  """SQuAD v1.1 format: every paragraph is a document titled with its article's title; its
-  questions travel with it (`qas`) to become the QA set, skipped by reason as the Open-QA
-  reader skips them (`squad_questions`)."""
+  """SQuAD v1.1 / v2.0 format: every paragraph is a document titled with its article's title;
+  its questions travel with it (`qas`) to become the QA set, each kept or skipped as the
+  Open-QA reader (`realm_jax.data.qa`) keeps or skips it. A paragraph skipped here takes its
+  questions with it (`its paragraph skipped`; the paragraph's own reason in `skipped`)."""
+  seen_ids: set[str] = set()
+  name, dedup = os.path.basename(path), Deduplicator()   # a repeat's questions are never read
   for a, article in enumerate(read_squad_articles(path)):
-    paragraphs = article.get("paragraphs", []) if isinstance(article, dict) else []
-    for p, paragraph in enumerate(paragraphs if isinstance(paragraphs, list) else []):
+    paragraphs = article.get("paragraphs", []) if isinstance(article, dict) else None
+    if not isinstance(paragraphs, list):
+      skips.skip(NOT_AN_OBJECT, f"{path}: data[{a}]")
+      continue
+    for p, paragraph in enumerate(paragraphs):
       where = f"{path}: data[{a}].paragraphs[{p}]"
-      record, qas = paragraph, ()
-      if isinstance(paragraph, dict):
-        record = {**paragraph, "title": article.get("title")}
-        qas = tuple(squad_questions(paragraph, where, skips))
-      doc = _document(record, "title", "context", config, where, skips, qas)
-      if doc is not None:
-        yield doc
-      else:
-        skips.drop_questions(qas)
+      record = ({**paragraph, "title": article.get("title")} if isinstance(paragraph, dict)
+                else paragraph)
+      doc = _document(record, "title", "context", config, where, skips)
+      lost = doc is None or not doc.text.strip() or not dedup.is_new(doc.title, doc.text)
+      if lost:
+        skips.drop_questions(paragraph.get("qas") if isinstance(paragraph, dict) else None)
+        if doc is not None:
+          yield doc     # read_documents skips it, empty or a repeat, and counts it
+        continue
+      qas = squad_questions(paragraph, where, skips, seen_ids, f"{name}:{a}.{p}")
+      yield dataclasses.replace(doc, qas=tuple(qas))
 
 
-def squad_questions(paragraph: dict, where: str, skips: Skips) -> Iterator[dict]:
-  """The answerable questions of one SQuAD paragraph, {id, question, answer, answer_start};
-  an unanswerable (v2), question-less or answer-less record is skipped and counted."""
+def squad_questions(paragraph: dict, where: str, skips: Skips, seen_ids: set[str],
+                    default_id: str) -> Iterator[dict]:
+  """The answerable questions of one SQuAD paragraph, {id, question, answer, answer_start}:
+  an unanswerable (v2), question-less, answer-less or repeated-id record is skipped and
+  counted. A question without an id is `default_id.q`, as Open-QA names it."""
   records = paragraph.get("qas") or []
   if not isinstance(records, list):
-    return skips.skip_question(NOT_AN_OBJECT, f"{where}.qas")
+    skips.skip_question(NOT_AN_OBJECT, f"{where}.qas")
+    return
   for q, qa in enumerate(records):
     at = f"{where}.qas[{q}]"
     if not isinstance(qa, dict):
       skips.skip_question(NOT_AN_OBJECT, at)
     elif qa.get("is_impossible"):
       skips.skip_question(UNANSWERABLE, at)
+    elif (answers := squad_answers(qa)) is None:
+      skips.skip_question(NON_STRING_ANSWERS, at)
     elif not isinstance(qa.get("question"), str) or not qa["question"].strip():
       skips.skip_question(MISSING_QUESTION, at)
+    elif not answers:
+      skips.skip_question(NO_ANSWERS, at)
+    elif (qid := question_id(qa.get("id"), f"{default_id}.{q}")) in seen_ids:
+      skips.skip_question(DUPLICATE_ID, at)
     else:
-      answers = squad_answers(qa)
-      if answers is None:
-        skips.skip_question(NON_STRING_ANSWERS, at)
-      elif not answers:
-        skips.skip_question(NO_ANSWERS, at)
-      else:
-        yield {"id": qa.get("id"), "question": qa["question"],
-               "answer": [text for text, _ in answers],
-               "answer_start": [start for _, start in answers]}
+      seen_ids.add(qid)
+      yield {"id": qa.get("id"), "question": qa["question"],
+             "answer": [text for text, _ in answers],
+             "answer_start": [start for _, start in answers]}
+
+
+def question_id(value, default: str) -> str:
+  """A question's id: its own (a non-empty string or an int), else `default`."""
+  return str(value) if isinstance(value, (str, int)) and str(value) else default
 
 
 def squad_answers(qa: dict) -> list[tuple[str, int | None]] | None:
