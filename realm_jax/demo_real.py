@@ -19,7 +19,9 @@ default in runs/real_gpu (runs/real at the CPU scale: the two do not resume each
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -83,13 +85,12 @@ def fit_to_the_hour(path: str, workdir: str, max_paragraphs: int) -> str:
   source and is refused, rather than mixing the two."""
   from realm_jax.data.sources import read_squad_articles
   articles = read_squad_articles(path)
-  sizes = [len(a["paragraphs"]) if isinstance(a, dict) and isinstance(a.get("paragraphs"), list)
-           else 0 for a in articles]
-  if not max_paragraphs or sum(sizes) <= max_paragraphs:
+  totals = list(itertools.accumulate(
+      len(a["paragraphs"]) if isinstance(a, dict) and isinstance(a.get("paragraphs"), list)
+      else 0 for a in articles))    # paragraphs in the first 1, 2, ... articles
+  if not max_paragraphs or not totals or totals[-1] <= max_paragraphs:
     return path
-  kept = 1
-  while kept < len(sizes) and sum(sizes[:kept + 1]) <= max_paragraphs:
-    kept += 1
+  kept = max(1, bisect.bisect_right(totals, max_paragraphs))
   text = json.dumps({"source": f"the first {kept} articles of {os.path.basename(path)}",
                      "data": articles[:kept]})
   out = os.path.join(workdir, f"source-{hashlib.sha256(text.encode()).hexdigest()[:8]}.json")
@@ -97,8 +98,8 @@ def fit_to_the_hour(path: str, workdir: str, max_paragraphs: int) -> str:
   with open(out + ".tmp", "w") as f:
     f.write(text)
   os.replace(out + ".tmp", out)
-  print(f"[demo-real] {path}: {len(articles):,} articles, {sum(sizes):,} paragraphs; the "
-        f"recipe reads the first {kept:,} articles ({sum(sizes[:kept]):,} paragraphs) to fit "
+  print(f"[demo-real] {path}: {len(articles):,} articles, {totals[-1]:,} paragraphs; the "
+        f"recipe reads the first {kept:,} articles ({totals[kept - 1]:,} paragraphs) to fit "
         f"its hour -> {out} (--max-paragraphs 0 reads them all)", flush=True)
   return out
 
