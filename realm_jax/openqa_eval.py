@@ -13,11 +13,10 @@ import json
 import logging
 import sys
 
-from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.retrieval import published
-from realm_jax.train.openqa_inputs import FrozenIndex
-from realm_jax.train.qa_eval import QAEvaluator, format_metrics
+from realm_jax import log, paths
 from realm_jax.config.option_names import upgrade_flags
+# JAX, grain and the evaluator are imported where they are used: a misspelt option or a
+# missing config file fails in a fraction of a second instead of after ~3 s of imports.
 
 logger = logging.getLogger("realm_jax.openqa_eval")   # (__name__ is __main__ under python -m)
 
@@ -41,9 +40,12 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   `retrieval_only`; a pre-training checkpoint gives retrieval metrics only, but one given as
   an Open-QA run (config.task 'openqa') is an error unless `retrieval_only`.
   """
+  from realm_jax import workdir as workdir_lib
   from realm_jax.errors import ConfigError
+  from realm_jax.retrieval import published
   from realm_jax.runtime.checkpoints import restore_run, saved_param_paths
   from realm_jax.config.validation import validate
+  from realm_jax.train.openqa_inputs import FrozenIndex
   validate(config)
   saved, step = saved_param_paths(workdir, step)
   has_reader = any(p[:2] == ("reader", "qa_outputs") for p in saved)
@@ -84,6 +86,7 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
   """realm-eval: metrics + predictions of one checkpoint on one QA split, written under
   W/eval/<step>/. Returns (metrics, that directory)."""
   from realm_jax.data.qa import qa_split
+  from realm_jax.train.qa_eval import QAEvaluator, format_metrics
   examples, counts = qa_split(config.qa, split, config.data.dir)   # bad specs fail first
   config, data, mesh, model, params, frozen, reader, step = load_run(
       config, workdir, step, retrieval_only)

@@ -4,6 +4,7 @@ retriever of another size than the reader, and the one-line errors of bad init s
 import json
 import os
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from flax import traverse_util
 
 from realm_jax import packages
 from realm_jax.errors import ConfigError
-from realm_jax.interop import hf_bert, hf_realm
+from realm_jax.interop import hf_bert
 from realm_jax.models.bert import hf_parameter_names
 from realm_jax.runtime import checkpoints, initialization, state as state_lib
 from realm_jax.train.loop import Trainer
@@ -25,13 +26,16 @@ def towers_config(world_dir, **overrides):
 
 
 def source_run(config, workdir, vocab_size, steps=(0,)):
-  """A run's workdir: config.json and one checkpoint of random params per step."""
+  """A run's workdir: config.json and one checkpoint of random params per step (NumPy draws
+  in the model's shapes: no init program to compile)."""
   model = state_lib.build_model(config, vocab_size)
+  inputs = state_lib.dummy_inputs(config, config.data.block_len)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), **inputs)["params"])
   saved = {}
   for step in steps:
-    seeded = config.copy_and_resolve_references()
-    seeded.seed = 1000 + step
-    saved[step] = hf_realm.init_params(seeded, model)
+    rng = np.random.default_rng(1000 + step)
+    saved[step] = jax.tree.map(lambda s: rng.normal(0, 0.02, s.shape).astype(s.dtype),
+                               nn.meta.unbox(shapes))
     checkpoints.write_params(workdir, saved[step], step)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort())

@@ -68,6 +68,7 @@ def packed_start(world_dir, world_data):
   return config, model, mesh, state, batch, packed
 
 
+@pytest.mark.slow   # a REALM init and two query-tower backward compiles on 8 devices
 def test_packed_queries_give_the_same_embeddings_and_backward_pass(world_dir, world_data):
   """On the 8 host devices: the query tower's embeddings, and its backward pass against a
   random cotangent, to float32 rounding."""

@@ -58,7 +58,10 @@ def loss_and_grads(config, model, params, batch, mesh):
   return float(loss), jax.device_get(metrics), jax.device_get(grads)
 
 
-@pytest.mark.parametrize("loss, null_document", [("marginal", True), ("distill", False)])
+@pytest.mark.parametrize("loss, null_document", [
+    ("marginal", True),
+    # two more REALM loss-and-gradient compiles on 8 devices: the slow tier
+    pytest.param("distill", False, marks=pytest.mark.slow)])
 def test_cached_scores_give_the_same_loss_and_gradients(world_dir, world_data, loss,
                                                         null_document):
   config, model, mesh, state, (queries, cands, batch) = cache_start(
@@ -180,6 +183,7 @@ def test_bad_settings_are_refused_naming_the_option(world_dir, overrides, option
   assert e.value.option == option, str(e.value)
 
 
+@pytest.mark.slow   # two REALM loss-and-gradient compiles on 8 devices, and an index
 def test_without_block_gradients_the_index_embeddings_score_and_only_queries_learn(
     world_dir, world_data):
   """`retrieval.block_gradients` False: the candidates are scored with the serving index's
