@@ -115,8 +115,9 @@ LONGEST_FILES_FIRST = (
     "test_base_configs.py",        # 12 s
     "test_restore_topology.py",    # 12 s
     "test_init_parts.py",          # 11 s
-    # files without slow tests, measured in `make test-fast` on the AVX2 EPYC (2026-11-27):
-    # started late, one of them kept a worker busy while the other had run out of files
+    # files without slow tests, timed in `make test-fast` on the AVX2 EPYC (2026-11-27):
+    # started early so that none of them is begun when the other worker has run out of files
+    # (no gain measurable within that machine's run-to-run spread; kept as the rule above)
     "test_prepare.py",             # 15 s on the EPYC
     "test_losses.py",              # 10 s on the EPYC
     "test_hf_ner.py",              # 9 s on the EPYC

@@ -4,7 +4,6 @@ retriever of another size than the reader, and the one-line errors of bad init s
 import json
 import os
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from realm_jax import packages
 from realm_jax.errors import ConfigError
 from realm_jax.interop import hf_bert
 from realm_jax.models.bert import hf_parameter_names
-from realm_jax.runtime import checkpoints, initialization, state as state_lib
+from realm_jax.runtime import checkpoints, initialization, partitioning, state as state_lib
 from realm_jax.train.loop import Trainer
 from tests.helpers import SMALL_RETRIEVER, tiny_config
 from tests.test_hf_bert import world_checkpoint
@@ -29,13 +28,13 @@ def source_run(config, workdir, vocab_size, steps=(0,)):
   """A run's workdir: config.json and one checkpoint of random params per step (NumPy draws
   in the model's shapes: no init program to compile)."""
   model = state_lib.build_model(config, vocab_size)
-  inputs = state_lib.dummy_inputs(config, config.data.block_len)
-  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), **inputs)["params"])
+  abstract, _ = state_lib.abstract_train_state(config, model, partitioning.make_mesh(
+      config.mesh.shape), config.data.block_len)
   saved = {}
   for step in steps:
     rng = np.random.default_rng(1000 + step)
     saved[step] = jax.tree.map(lambda s: rng.normal(0, 0.02, s.shape).astype(s.dtype),
-                               nn.meta.unbox(shapes))
+                               abstract.params)
     checkpoints.write_params(workdir, saved[step], step)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort())
@@ -99,7 +98,6 @@ def fresh(world_dir, world_data):
   """The params a towers_config run initialises (for start_params calls)."""
   config = towers_config(world_dir)
   model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
-  from realm_jax.runtime import partitioning
   mesh = partitioning.make_mesh(config.mesh.shape)
   state, shardings, abstract = state_lib.create_train_state(
       config, model, mesh, world_data.blocks.block_len, jax.random.PRNGKey(0))
