@@ -217,8 +217,13 @@ def realm_params(share_towers, config, vocab_size, max_position=None):
                    max_position=max_position or config["max_position_embeddings"])
   model = REALM(cfg, retrieval_dim=16, share_towers=share_towers)
   ones = jnp.ones((1, 6), jnp.int32)
-  return nn.meta.unbox(model.init(jax.random.PRNGKey(1), ones, ones, ones * 0, ones, ones * 0,
-                                  jnp.zeros((1, 1), jnp.int32))["params"])
+  abstract = nn.meta.unbox(jax.eval_shape(lambda: model.init(
+      jax.random.PRNGKey(1), ones, ones, ones * 0, ones, ones * 0,
+      jnp.zeros((1, 1), jnp.int32)))["params"])
+  # The loader reads only the tree's names, shapes and values: values drawn here, in the
+  # model's shapes, take the place of the random init (which, op by op, took seconds).
+  rng = np.random.default_rng(1)
+  return jax.tree.map(lambda x: rng.normal(0, 0.02, x.shape).astype(x.dtype), abstract)
 
 
 def towers(share_towers):
