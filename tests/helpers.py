@@ -19,6 +19,46 @@ SMALL_RETRIEVER = dict(model__retriever__hidden_size=16, model__retriever__num_h
                        model__retriever__num_layers=1, model__retriever__intermediate_size=48)
 
 
+def drawn(abstract, seed: int, initializer_range: float = 0.02):
+  """NumPy draws in the shapes (and dtypes) of a params tree or its ShapeDtypeStructs, as the
+  model's initializers draw them but for the biases and LayerNorm scales: kernels and
+  embeddings N(0, initializer_range) (`model.initializer_range`); biases N(0, 0.02) and scales
+  1 + N(0, 0.1) instead of zeros and ones, so that one left out of a computation shows. Tests
+  whose assertions hold for any such params use these instead of compiling the random init
+  (seconds per model on the slower CPU)."""
+  import jax
+  import numpy as np
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    name = getattr(path[-1], "key", None)
+    std = {"scale": 0.1, "bias": 0.02}.get(name, initializer_range)
+    return (rng.normal(0, std, leaf.shape) + (name == "scale")).astype(leaf.dtype)
+  return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+def drawn_params(model, seed: int, *args, **kwargs):
+  """`drawn` params in the tree of `model.init(rng, *args, **kwargs)["params"]` (unboxed),
+  which is traced, not compiled or run."""
+  import flax.linen as nn
+  import jax
+  abstract = jax.eval_shape(lambda: nn.meta.unbox(
+      model.init(jax.random.PRNGKey(0), *args, **kwargs)["params"]))
+  return drawn(abstract, seed)
+
+
+def drawn_state(config, model, mesh, block_len: int, seed: int = 0):
+  """`state_lib.create_train_state`'s (state, shardings, abstract state) with `drawn` params:
+  the state built around them as a run restored whole builds it, no random init compiled."""
+  import jax
+  from realm_jax.runtime import state as state_lib
+  make, abstract, shardings = state_lib.deferred_train_state(config, model, mesh, block_len,
+                                                             jax.random.PRNGKey(seed))
+  params = jax.device_put(drawn(abstract.params, seed, config.model.initializer_range),
+                          shardings.params)
+  return make(params), shardings, abstract
+
+
 def xla_flags(devices: int) -> str:
   """This session's $XLA_FLAGS (tests/conftest.py) for a process of `devices` host devices."""
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ["XLA_FLAGS"])

@@ -24,7 +24,7 @@ from realm_jax.models.realm import REALM
 from realm_jax.config.compatibility import incompatible_fields
 from realm_jax.config.defaults import base_config
 from realm_jax.config.validation import validate
-from tests.helpers import tiny_config
+from tests.helpers import drawn_params, tiny_config
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ["the", "a", "of", "in", "is", "was", "city", "river", "john", "smith", "new", "york",
@@ -217,13 +217,10 @@ def realm_params(share_towers, config, vocab_size, max_position=None):
                    max_position=max_position or config["max_position_embeddings"])
   model = REALM(cfg, retrieval_dim=16, share_towers=share_towers)
   ones = jnp.ones((1, 6), jnp.int32)
-  abstract = nn.meta.unbox(jax.eval_shape(lambda: model.init(
-      jax.random.PRNGKey(1), ones, ones, ones * 0, ones, ones * 0,
-      jnp.zeros((1, 1), jnp.int32)))["params"])
-  # The loader reads only the tree's names, shapes and values: values drawn here, in the
-  # model's shapes, take the place of the random init (which, op by op, took seconds).
-  rng = np.random.default_rng(1)
-  return jax.tree.map(lambda x: rng.normal(0, 0.02, x.shape).astype(x.dtype), abstract)
+  # The loader reads only the tree's names, shapes and values: drawn values take the place of
+  # the random init (which, op by op, took seconds per size).
+  return drawn_params(model, 1, ones, ones, ones * 0, ones, ones * 0,
+                      jnp.zeros((1, 1), jnp.int32))
 
 
 def towers(share_towers):

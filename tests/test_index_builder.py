@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 
-import jax
 import numpy as np
 import pytest
 
@@ -37,15 +36,14 @@ def builder_config(world_dir, **overrides):
 
 
 def make_checkpoints(config, workdir, steps_to_save=CHECKPOINT_STEPS):
-  """Checkpoints whose retriever params differ per step (a random init per step)."""
+  """Checkpoints whose retriever params differ per step (`drawn` per step)."""
   data = PreparedData(config.data.dir)
   model = state_lib.build_model(config, data.tokenizer.vocab_size)
   mesh = partitioning.make_mesh(config.mesh.shape)
   ckpt = Checkpointer(workdir, keep=10, async_saves=False)
   states = {}
   for step in steps_to_save:
-    state, _, _ = state_lib.create_train_state(config, model, mesh, data.blocks.block_len,
-                                               jax.random.PRNGKey(100 + step))
+    state, _, _ = helpers.drawn_state(config, model, mesh, data.blocks.block_len, 100 + step)
     ckpt.save(step, state, {"next_step": step}, {"step": np.int32(-1)})
     states[step] = state
   ckpt.close()

@@ -15,7 +15,7 @@ from realm_jax.interop import hf_bert
 from realm_jax.models.bert import hf_parameter_names
 from realm_jax.runtime import checkpoints, initialization, partitioning, state as state_lib
 from realm_jax.train.loop import Trainer
-from tests.helpers import SMALL_RETRIEVER, tiny_config
+from tests.helpers import SMALL_RETRIEVER, drawn, tiny_config
 from tests.test_hf_bert import world_checkpoint
 
 
@@ -32,9 +32,7 @@ def source_run(config, workdir, vocab_size, steps=(0,)):
       config.mesh.shape), config.data.block_len)
   saved = {}
   for step in steps:
-    rng = np.random.default_rng(1000 + step)
-    saved[step] = jax.tree.map(lambda s: rng.normal(0, 0.02, s.shape).astype(s.dtype),
-                               abstract.params)
+    saved[step] = drawn(abstract.params, 1000 + step)
     checkpoints.write_params(workdir, saved[step], step)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort())
@@ -95,13 +93,15 @@ def test_each_part_starts_from_its_own_source(world_dir, world_data, tmp_path, c
 
 @pytest.fixture(scope="module")
 def fresh(world_dir, world_data):
-  """The params a towers_config run initialises (for start_params calls)."""
+  """Params in the tree, shapes and shardings a towers_config run initialises: the random
+  init of the start_params calls (drawn: they compare values with these, whatever they are)."""
   config = towers_config(world_dir)
   model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
   mesh = partitioning.make_mesh(config.mesh.shape)
-  state, shardings, abstract = state_lib.create_train_state(
-      config, model, mesh, world_data.blocks.block_len, jax.random.PRNGKey(0))
-  return state.params, abstract.params, shardings.params
+  abstract, shardings = state_lib.abstract_train_state(config, model, mesh,
+                                                       world_data.blocks.block_len)
+  params = jax.device_put(drawn(abstract.params, 0), shardings.params)
+  return params, abstract.params, shardings.params
 
 
 def start(config, fresh, world_data):

@@ -5,7 +5,6 @@ logits and the marginal in float32."""
 
 import functools
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +17,7 @@ from realm_jax.runtime import state as state_lib
 from realm_jax.train import steps
 from realm_jax.config.compatibility import incompatible_fields
 from realm_jax.config.validation import validate
-from tests.helpers import tiny_config
+from tests.helpers import drawn_params, tiny_config
 
 VOCAB = 96
 
@@ -47,19 +46,13 @@ def encoder(**fields):
   return BertEncoder(cfg)
 
 
-def init_params(model, seed, *args, **kwargs):
-  """`model.init`'s params, jitted: run op by op, an init compiles every op of the forward
-  pass on its own (~11 s of the slower CPU for the REALM towers, ~3 s jitted)."""
-  return jax.jit(model.init)(jax.random.PRNGKey(seed), *args, **kwargs)["params"]
-
-
 def test_attention_matches_the_formula_with_padding():
   """The self-attention output of a layer, captured with its q / k / v projections, equals
   the float64 formula within 1e-5 (padded keys masked out)."""
   rng = np.random.default_rng(0)
   ids = padded_ids(rng)
   model = encoder()
-  params = init_params(model, 0, ids, np.zeros_like(ids))
+  params = drawn_params(model, 0, ids, np.zeros_like(ids))
   (_, _), state = jax.jit(functools.partial(model.apply, capture_intermediates=True,
                                             mutable=["intermediates"]))(
       {"params": params}, ids, np.zeros_like(ids))
@@ -77,7 +70,7 @@ def test_padding_does_not_reach_the_real_tokens():
   ids = rng.integers(1, VOCAB, (2, 7)).astype(np.int32)
   longer = np.concatenate([ids, np.zeros((2, 5), np.int32)], axis=1)
   model = encoder()
-  params = init_params(model, 0, longer, np.zeros_like(longer))
+  params = drawn_params(model, 0, longer, np.zeros_like(longer))
   apply = jax.jit(model.apply)
   short, _ = apply({"params": params}, ids, np.zeros_like(ids))
   long, _ = apply({"params": params}, longer, np.zeros_like(longer))
@@ -93,7 +86,7 @@ def test_the_last_layer_computes_only_the_positions_read(remat):
   # [CLS] first (the pooler reads the first row), then any positions, repeats allowed
   positions = np.array([[0, 2, 3], [0, 5, 5], [0, 7, 1]], np.int32)
   model = encoder(remat=remat)
-  params = init_params(model, 0, ids, np.zeros_like(ids))
+  params = drawn_params(model, 0, ids, np.zeros_like(ids))
   weights = rng.normal(size=(3, 3, 32)).astype(np.float32)
 
   def read(params, at):
@@ -121,7 +114,7 @@ def test_attention_dropout_is_applied_in_training_only():
   rng = np.random.default_rng(2)
   ids = padded_ids(rng)
   plain, dropping = encoder(), encoder(attention_dropout_rate=0.5)
-  params = init_params(plain, 0, ids, np.zeros_like(ids))
+  params = drawn_params(plain, 0, ids, np.zeros_like(ids))
   run = lambda model, det, seed: np.asarray(model.apply(
       {"params": params}, ids, np.zeros_like(ids), det,
       rngs={"dropout": jax.random.PRNGKey(seed)})[0])
@@ -164,7 +157,7 @@ def test_embedding_gradients_scatter_only_the_word_ids_and_in_float32():
   ids = padded_ids(rng)
   segments = np.broadcast_to(np.arange(ids.shape[1]) >= 5, ids.shape).astype(np.int32)
   model = encoder(dtype=jnp.bfloat16)
-  params = flax.linen.meta.unbox(init_params(model, 0, ids, segments))
+  params = drawn_params(model, 0, ids, segments)
   loss = lambda p: model.apply({"params": p}, ids, segments)[0].astype(jnp.float32).sum()
   gradient = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
   scatters = [eqn.outvars[0].aval for eqn in equations(gradient)
@@ -172,7 +165,7 @@ def test_embedding_gradients_scatter_only_the_word_ids_and_in_float32():
   assert [(a.shape, a.dtype) for a in scatters] == [((VOCAB, 32), jnp.float32)]
 
   plain = encoder()    # float32: the forward pass against the three lookups + LayerNorm
-  params = flax.linen.meta.unbox(init_params(plain, 1, ids, segments))["embeddings"]
+  params = drawn_params(plain, 1, ids, segments)["embeddings"]
   table = {name: np.asarray(params[name]["embedding"], np.float64)
            for name in ("word_embeddings", "position_embeddings", "token_type_embeddings")}
   summed = (table["word_embeddings"][ids] + table["position_embeddings"][None, :ids.shape[1]]
@@ -223,15 +216,15 @@ def reference_loss_and_grads(dropout_rate=0.0):
 
 
 def loss_and_grads(config, params=None, seed=0, dropout_rng=3):
-  """REALM loss, metrics and gradients of one random batch; the params are initialised from
-  `seed` unless given."""
+  """REALM loss, metrics and gradients of one random batch; the params are drawn from `seed`
+  (tests.helpers.drawn) unless given."""
   config.model.vocab_size = VOCAB
   validate(config)
   model = state_lib.build_model(config, VOCAB)
   batch = random_realm_batch(config, np.random.default_rng(seed))
   if params is None:
     inputs = state_lib.dummy_inputs(config, config.data.block_len)
-    params = init_params(model, seed, **inputs)
+    params = drawn_params(model, seed, **inputs)
   grad_fn = jax.jit(jax.value_and_grad(
       lambda p: steps.realm_loss_fn(p, model, batch, config, jax.random.PRNGKey(dropout_rng)),
       has_aux=True))
@@ -369,7 +362,7 @@ def test_mean_pooling_is_the_mean_over_real_tokens_then_the_projection():
   ids = padded_ids(np.random.default_rng(5), batch=4, length=12)
   segments = np.zeros_like(ids)
   tower = Embedder(cfg, 16, pooling="mean")
-  params = flax.linen.unbox(init_params(tower, 0, ids, segments))
+  params = drawn_params(tower, 0, ids, segments)
   assert "pooler" not in params["bert"]
   embed = jax.jit(lambda ids, segments: tower.apply({"params": params}, ids, segments))
   out = np.asarray(embed(ids, segments), np.float64)

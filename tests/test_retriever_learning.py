@@ -21,7 +21,7 @@ from realm_jax.config.validation import validate
 from realm_jax.train.loop import train
 from realm_jax.runtime.metrics import read_jsonl
 from realm_jax.train.score_cache import ScoreCache, cache_keys, read_chunk
-from tests.helpers import tiny_config
+from tests.helpers import drawn_state, tiny_config
 
 
 def cache_config(world_dir, **overrides):
@@ -38,14 +38,18 @@ def host_batch(config, data, seed=0):
   return queries, cands, batches.realm_batch(config, data, queries, cands)
 
 
-def cache_start(world_dir, world_data, **overrides):
-  """A checked cache config, its model, mesh and initial train state, and one host batch."""
+def cache_start(world_dir, world_data, model_init=False, **overrides):
+  """A checked cache config, its model, mesh and initial train state (`drawn` params, or with
+  `model_init` the model's random init), and one host batch."""
   config = cache_config(world_dir, **overrides)
   validate(config)
   model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
   mesh = partitioning.make_mesh((-1, 1))
-  state, _, _ = state_lib.create_train_state(config, model, mesh, world_data.blocks.block_len,
-                                             jax.random.PRNGKey(0))
+  if model_init:
+    state, _, _ = state_lib.create_train_state(config, model, mesh, world_data.blocks.block_len,
+                                               jax.random.PRNGKey(0))
+  else:
+    state, _, _ = drawn_state(config, model, mesh, world_data.blocks.block_len)
   return config, model, mesh, state, host_batch(config, world_data)
 
 
@@ -64,8 +68,12 @@ def loss_and_grads(config, model, params, batch, mesh):
     pytest.param("distill", False, marks=pytest.mark.slow)])
 def test_cached_scores_give_the_same_loss_and_gradients(world_dir, world_data, loss,
                                                         null_document):
+  # Distillation without the null document moves the position embeddings by ~1e-7 at drawn
+  # params, where the float32 rounding of the two paths' reader scores shows through the 1e-7
+  # atol: that case is compared at the model's own init, as it always was.
   config, model, mesh, state, (queries, cands, batch) = cache_start(
-      world_dir, world_data, retrieval__loss=loss, retrieval__train_null_document=null_document)
+      world_dir, world_data, model_init=loss == "distill", retrieval__loss=loss,
+      retrieval__train_null_document=null_document)
   assert (cands[:, 0] == pipeline.NULL_BLOCK).all() == null_document
   cache = ScoreCache(config, model, state.params["reader"], len(cands))
   keys = cache_keys(queries, cands)
@@ -195,8 +203,7 @@ def test_without_block_gradients_the_index_embeddings_score_and_only_queries_lea
                         retrieval__train_null_document=False)
   model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
   mesh = partitioning.make_mesh((-1, 1))
-  state, _, _ = state_lib.create_train_state(config, model, mesh, world_data.blocks.block_len,
-                                             jax.random.PRNGKey(0))
+  state, _, _ = drawn_state(config, model, mesh, world_data.blocks.block_len)
   embeddings, _ = embed_blocks(embedders.block_embedder(model, mesh, config,
                                                     state.params["retriever"]),
                                world_data.blocks, mesh, 256)

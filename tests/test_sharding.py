@@ -13,7 +13,7 @@ import pytest
 
 from realm_jax.train import batches, candidate_rows, steps
 from realm_jax.runtime import partitioning, state as state_lib
-from tests.helpers import tiny_config
+from tests.helpers import drawn_state, tiny_config
 
 pytestmark = pytest.mark.slow   # the slow tier: `make test` runs it, `make test-fast` does not
 
@@ -51,11 +51,10 @@ def host_batch(config, data):
 
 
 def reference_state(config, data):
-  """The train state initialised once, on a single device."""
+  """The train state (`drawn` params) made once, on a single device."""
   model = state_lib.build_model(config, data.tokenizer.vocab_size)
   mesh = partitioning.make_mesh((1, 1), jax.devices()[:1])
-  state, _, _ = state_lib.create_train_state(config, model, mesh, data.blocks.block_len,
-                                             jax.random.PRNGKey(0))
+  state, _, _ = drawn_state(config, model, mesh, data.blocks.block_len)
   return model, jax.device_get(state)
 
 
