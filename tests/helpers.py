@@ -37,14 +37,15 @@ def drawn(abstract, seed: int, initializer_range: float = 0.02):
   return jax.tree_util.tree_map_with_path(draw, abstract)
 
 
-def drawn_params(model, seed: int, *args, **kwargs):
-  """`drawn` params in the tree of `model.init(rng, *args, **kwargs)["params"]` (unboxed),
-  which is traced, not compiled or run."""
+def drawn_params(model, seed: int, *args, initializer_range: float = 0.02, **kwargs):
+  """`drawn` params (at `initializer_range`: the model's own, where it is not the default) in
+  the tree of `model.init(rng, *args, **kwargs)["params"]` (unboxed), which is traced, not
+  compiled or run."""
   import flax.linen as nn
   import jax
   abstract = jax.eval_shape(lambda: nn.meta.unbox(
       model.init(jax.random.PRNGKey(0), *args, **kwargs)["params"]))
-  return drawn(abstract, seed)
+  return drawn(abstract, seed, initializer_range)
 
 
 def drawn_state(config, model, mesh, block_len: int, seed: int = 0):

@@ -32,7 +32,7 @@ def source_run(config, workdir, vocab_size, steps=(0,)):
       config.mesh.shape), config.data.block_len)
   saved = {}
   for step in steps:
-    saved[step] = drawn(abstract.params, 1000 + step)
+    saved[step] = drawn(abstract.params, 1000 + step, config.model.initializer_range)
     checkpoints.write_params(workdir, saved[step], step)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort())
@@ -100,7 +100,8 @@ def fresh(world_dir, world_data):
   mesh = partitioning.make_mesh(config.mesh.shape)
   abstract, shardings = state_lib.abstract_train_state(config, model, mesh,
                                                        world_data.blocks.block_len)
-  params = jax.device_put(drawn(abstract.params, 0), shardings.params)
+  params = jax.device_put(drawn(abstract.params, 0, config.model.initializer_range),
+                          shardings.params)
   return params, abstract.params, shardings.params
 
 

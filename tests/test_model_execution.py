@@ -216,15 +216,17 @@ def reference_loss_and_grads(dropout_rate=0.0):
 
 
 def loss_and_grads(config, params=None, seed=0, dropout_rng=3):
-  """REALM loss, metrics and gradients of one random batch; the params are drawn from `seed`
-  (tests.helpers.drawn) unless given."""
+  """REALM loss, metrics and gradients of one random batch; the params are the model's init
+  from `seed` unless given (jitted: the bf16 test's per-tensor direction checks are sized to
+  the init's gradients, where drawn params leave 8 of the retriever's tensors under their
+  0.1%-of-the-norm floor)."""
   config.model.vocab_size = VOCAB
   validate(config)
   model = state_lib.build_model(config, VOCAB)
   batch = random_realm_batch(config, np.random.default_rng(seed))
   if params is None:
     inputs = state_lib.dummy_inputs(config, config.data.block_len)
-    params = drawn_params(model, seed, **inputs)
+    params = jax.jit(model.init)(jax.random.PRNGKey(seed), **inputs)["params"]
   grad_fn = jax.jit(jax.value_and_grad(
       lambda p: steps.realm_loss_fn(p, model, batch, config, jax.random.PRNGKey(dropout_rng)),
       has_aux=True))
@@ -282,8 +284,9 @@ def test_remat_gives_the_same_loss_and_gradients(remat, dropout):
 def test_bfloat16_step_stays_close_to_float32():
   """The same params and batch in bfloat16 compute: loss within 0.2% and retrieval utility
   within 0.01 nats of the float32 step's, the whole gradient within 5% (relative L2) and the
-  direction of every tensor holding >= 0.1% of the gradient's norm within cos 0.97 (measured:
-  4e-6, 2e-4, 2.5%, 0.998); the retrieval logits and the reader's log-probs are float32."""
+  direction of every tensor holding >= 0.1% of the gradient's norm within cos 0.97 (measured
+  2026-11-27 at the model's init: 3e-6, 9e-5, 0.95%, 0.998 for the lowest, 42 tensors
+  checked); the retrieval logits and the reader's log-probs are float32."""
   params, loss, metrics, grads = reference_loss_and_grads()
   _, bf16_loss, bf16_metrics, bf16_grads = loss_and_grads(step_config(dtype="bfloat16"),
                                                           params=params)

@@ -297,7 +297,8 @@ def test_the_null_document_embedded_once_and_read_short_changes_nothing(world_da
   assert not batch["reader_ids"][:, 0, null_len:].any()
   model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
   inputs = state_lib.dummy_inputs(config, config.data.block_len)
-  params = helpers.drawn_params(model, 0, **inputs)
+  params = helpers.drawn_params(model, 0, initializer_range=config.model.initializer_range,
+                                **inputs)
   scores = jax.jit(steps.realm_scores, static_argnums=(0, 4, 5, 6))
   short = scores(model, params, batch, None, True, True, True)
   full = scores(model, params, batch, None, True, True, False)
