@@ -15,7 +15,7 @@ from realm_jax.interop import hf_bert
 from realm_jax.models.bert import hf_parameter_names
 from realm_jax.runtime import checkpoints, initialization, partitioning, state as state_lib
 from realm_jax.train.loop import Trainer
-from tests.helpers import SMALL_RETRIEVER, drawn, tiny_config
+from tests.helpers import SMALL_RETRIEVER, drawn, drawn_state, tiny_config
 from tests.test_hf_bert import world_checkpoint
 
 
@@ -98,11 +98,8 @@ def fresh(world_dir, world_data):
   config = towers_config(world_dir)
   model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
   mesh = partitioning.make_mesh(config.mesh.shape)
-  abstract, shardings = state_lib.abstract_train_state(config, model, mesh,
-                                                       world_data.blocks.block_len)
-  params = jax.device_put(drawn(abstract.params, 0, config.model.initializer_range),
-                          shardings.params)
-  return params, abstract.params, shardings.params
+  state, shardings, abstract = drawn_state(config, model, mesh, world_data.blocks.block_len)
+  return state.params, abstract.params, shardings.params
 
 
 def start(config, fresh, world_data):
