@@ -19,7 +19,7 @@ import os
 import time
 
 from realm_jax import log, workdir as workdir_lib
-from realm_jax.stages import repo_config, run_demo_cli, run_stage, run_stages
+from realm_jax.stages import repo_config, run_demo_cli, run_stage, run_stages, stage_seconds
 
 STAGES = (("ict", ""), ("warmup", "ict"), ("realm", "warmup"))
 OPENQA_STAGES = (("openqa_realm", "realm"), ("openqa_ict", "ict"))   # (stage, starts from)
@@ -71,7 +71,7 @@ def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
       "source": source, "seed": seed, "paragraphs": stats["documents"],
       "blocks": stats["blocks"], "questions": table["bm25"]["questions"], "recall": table,
       "realm_eval": {k: v for k, v in results["realm"].items() if k.startswith("eval_")},
-      "stage_seconds": {k: v.get("wall_seconds") for k, v in results.items()},
+      "stage_seconds": stage_seconds(results),
       "wall_seconds": round(time.time() - t0, 1),
   }
   workdir_lib.write_summary(workdir, summary)
@@ -108,7 +108,7 @@ def run_demo_openqa(workdir: str, squad: str = "", seed: int = 0) -> dict:
     table[start]["before"] = {k: v for k, v in before.items() if k.startswith("recall_at_")}
   summary = {"source": source, "seed": seed, "blocks": stats["blocks"], "test": table,
              "train_questions": results["openqa_realm"].get("train_questions"),
-             "stage_seconds": {k: v.get("wall_seconds") for k, v in results.items()},
+             "stage_seconds": stage_seconds(results),
              "wall_seconds": round(time.time() - t0, 1)}
   with open(os.path.join(workdir, "summary_openqa.json"), "w") as f:
     json.dump(summary, f, indent=2)

@@ -261,6 +261,13 @@ def devices(stage_devices: int) -> str:
   return f"{here} (REALM stage: {stage_devices} x cpu)"
 
 
+def stage_seconds(results: dict[str, dict]) -> dict[str, float]:
+  """Each stage's wall seconds over all its runs (a stage resumed after a stop counts the
+  runs before it: W/wall.json, realm_jax/workdir.py)."""
+  return {name: summary.get("wall_seconds_all_runs", summary.get("wall_seconds"))
+          for name, summary in results.items()}
+
+
 def run_demo_cli(prog: str, job) -> object:
   """`run_cli(prog, job)` for a demo driver: SIGTERM stops it with every running stage saved
   (exit 143), Ctrl-C with every stage stopped (exit 130), a failed stage (exit 1), each with

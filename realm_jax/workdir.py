@@ -9,6 +9,8 @@
   W/index/<version>/     published index versions (retrieval/published.py)
   W/metrics/<kind>.jsonl, W/tb/<kind>/   metrics (runtime/metrics.py)
   W/summary.json         the run's summary, written when it finishes (absent: not finished)
+  W/wall.json            the seconds of every run of W that finished or stopped on SIGTERM (a
+                         demo's: also one that failed), so a resumed job reports them all
   W/DONE                 the trainer's last step: tells realm-index to exit
   W/logs/                launch/local.py: the trainer's and the builder's output
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 
 from realm_jax import paths
 from realm_jax.errors import ConfigError
@@ -33,6 +36,7 @@ BLOCKS_RECORD = "blocks.json"
 CHECKPOINTS = "checkpoints"
 UNREADABLE_CHECKPOINTS = "unreadable_checkpoints"
 SUMMARY = "summary.json"
+WALL = "wall.json"
 DONE = "DONE"
 
 
@@ -150,3 +154,37 @@ def write_summary(workdir: str, summary: dict) -> None:
 def read_summary(workdir: str) -> dict | None:
   """The finished run's summary, None while it has not finished."""
   return paths.read_json(paths.join(workdir, SUMMARY))
+
+
+# -- W/wall.json -------------------------------------------------------------------------------
+def add_wall(workdir: str, seconds: float) -> dict:
+  """Adds one run's `seconds` to W/wall.json (one writer: the job's first process). Returns
+  the summary fields: this run's `wall_seconds`, `wall_seconds_all_runs` and `runs` (the runs
+  added so far; a run killed outright adds nothing)."""
+  path = paths.join(workdir, WALL)
+  before = paths.read_json(path) or {"seconds": 0.0, "runs": 0}
+  after = {"seconds": round(before["seconds"] + seconds, 1), "runs": before["runs"] + 1}
+  paths.makedirs(workdir)
+  paths.write_json(path, after)
+  return {"wall_seconds": round(seconds, 1), "wall_seconds_all_runs": after["seconds"],
+          "runs": after["runs"]}
+
+
+class RunWall:
+  """Times one run of a job in `workdir`, from its creation: `record()` adds its seconds to
+  W/wall.json and returns `add_wall`'s fields; a `with` block that ends by an exception first
+  (a preempted or failed run) adds them then."""
+
+  def __init__(self, workdir: str):
+    self.workdir, self.start, self.fields = workdir, time.time(), None
+
+  def record(self) -> dict:
+    if self.fields is None:
+      self.fields = add_wall(self.workdir, time.time() - self.start)
+    return self.fields
+
+  def __enter__(self) -> RunWall:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.record()

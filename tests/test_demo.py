@@ -246,6 +246,40 @@ def test_a_preempted_in_process_stage_stops_the_demo_instead_of_starting_the_nex
                    str(tmp_path / "warmup"))
 
 
+def test_a_resumed_demo_reports_the_wall_of_every_run_and_stage(monkeypatch, tmp_path, capsys):
+  """W/wall.json adds each run of the demo, one stopped by a preemption too; the summary has
+  this run's wall and all runs', and each stage's wall over its own runs."""
+  import json
+  import types
+  from realm_jax import workdir as workdir_lib
+  clock = iter(range(0, 1000, 10))                    # each reading 10 s after the last
+  monkeypatch.setattr(workdir_lib, "time", types.SimpleNamespace(time=lambda: next(clock)))
+  monkeypatch.setattr(demo, "plot_curves", lambda *args: None)
+  workdir = tmp_path / "W"
+  (workdir / "data").mkdir(parents=True)
+  (workdir / "data" / "stats.json").write_text("{}")   # the world is prepared
+
+  def preempted(*args):
+    raise stages.Preempted("stage realm saved step 5")
+  monkeypatch.setattr(demo, "run_stages", preempted)
+  with pytest.raises(stages.Preempted):
+    demo.run_demo(str(workdir), seed=0, entities=10)
+  assert json.loads((workdir / "wall.json").read_text()) == {"seconds": 10.0, "runs": 1}
+
+  resumed = {"wall_seconds": 2.0, "wall_seconds_all_runs": 7.0}   # a stage resumed once
+  monkeypatch.setattr(demo, "run_stages", lambda *args: {
+      "ict": {"wall_seconds": 3.0}, "no_retrieval": {"wall_seconds": 4.0},
+      "warmup": {"wall_seconds": 5.0}, "realm": resumed})
+  summary = demo.run_demo(str(workdir), seed=0, entities=10)
+  assert (summary["wall_seconds"], summary["wall_seconds_all_runs"], summary["runs"]) == \
+      (10.0, 20.0, 2)
+  assert summary["stage_seconds"] == {"ict": 3.0, "no_retrieval": 4.0, "warmup": 5.0,
+                                      "realm": 7.0}
+  assert json.loads((workdir / "summary.json").read_text())["wall_seconds_all_runs"] == 20.0
+  assert [line.split()[-1] for line in capsys.readouterr().out.splitlines()
+          if "wall seconds" in line] == ["20.000"]
+
+
 def test_demo_real_runs_every_stage_at_the_scale_asked(monkeypatch, tmp_path, capsys):
   """`--scale gpu` reaches every stage's config arg (VARIANT,gpu) and the summary; the data
   are prepared once whatever the scale. Stages and evaluations are stand-ins here."""
@@ -277,6 +311,7 @@ def test_demo_real_runs_every_stage_at_the_scale_asked(monkeypatch, tmp_path, ca
   assert tables == [{"untrained": (6, 2), "ict": (6, 2), "realm": (6, 2), "minilm_6": (6, 6)},
                     {"openqa": 6}, {"openqa": 6}]
   assert summary["scale"] == "gpu" and "gpu scale" in capsys.readouterr().out
+  assert summary["runs"] == 1 and summary["wall_seconds_all_runs"] == summary["wall_seconds"]
   assert demo_real._arg("realm", "cpu") == "realm"
 
 

@@ -184,8 +184,14 @@ def test_sigterm_saves_exits_and_the_resumed_run_matches_the_uninterrupted_one(
   assert f"realm-train: preempted after step {stopped}" in out
   assert not os.path.exists(os.path.join(resumed, "summary.json"))
   assert Checkpointer(resumed, keep=3).latest_step() == stopped   # finalised, not in flight
+  with open(os.path.join(resumed, "wall.json")) as f:
+    first = json.load(f)
+  assert first["runs"] == 1 and first["seconds"] > 0
 
-  train(config, resumed)
+  summary = train(config, resumed)
+  assert summary["runs"] == 2   # the summary counts the preempted run's wall as well
+  assert summary["wall_seconds_all_runs"] == pytest.approx(
+      first["seconds"] + summary["wall_seconds"], abs=0.1)
   assert checkpoint_steps(resumed)[-1] == REALM_STEPS
   straight = read_jsonl(os.path.join(dirs["realm"], "metrics", "train.jsonl"))
   again = read_jsonl(os.path.join(resumed, "metrics", "train.jsonl"))

@@ -196,10 +196,17 @@ class Run:
       ran = True
     finally:
       self._close_run(batches, data_iter, logs, preemption, ran)
-    wall = round(time.time() - t_start, 1)
+    wall = self._wall(time.time() - t_start)
     if preempted is not None:   # no summary.json, no DONE: the run is not over
-      return {"task": cfg.task, "preempted_at_step": preempted, "wall_seconds": wall}
+      return {"task": cfg.task, "preempted_at_step": preempted, **wall}
     return self._summarise(wall, eval_metrics, details, batches.summary())
+
+  def _wall(self, seconds: float) -> dict:
+    """This run's wall time and, from the first process (W/wall.json's one writer), that of
+    every run of this workdir so far (a resumed run's summary reports both)."""
+    if jax.process_index() == 0:
+      return workdir_lib.add_wall(self.workdir, seconds)
+    return {"wall_seconds": round(seconds, 1)}
 
   def _close_run(self, batches: StepBatches | None, data_iter, logs: dict,
                  preemption: Preemption, ran: bool) -> None:
@@ -285,9 +292,9 @@ class Run:
          else "none yet (a rerun starts over)") +
         ". Lower train.lr, or set train.nonfinite=skip to skip such updates and go on")
 
-  def _summarise(self, wall: float, eval_metrics: dict, details: list, figures: dict) -> dict:
+  def _summarise(self, wall: dict, eval_metrics: dict, details: list, figures: dict) -> dict:
     cfg = self.config
-    summary = {"task": cfg.task, "steps": cfg.train.steps, "wall_seconds": wall,
+    summary = {"task": cfg.task, "steps": cfg.train.steps, **wall,
                "params": state_lib.count_params(self.state.params),
                "skipped_updates": self.skipped_updates, **figures, **self.summary_fields(),
                **{f"eval_{k}": v for k, v in eval_metrics.items()}}
