@@ -21,7 +21,8 @@
 # (its stages save their steps within ~1 s on a GPU; launch/local.py and the train loop each
 # allow 30 s, and a stage still running when `timeout` kills the driver runs on in its own
 # session); running the part again resumes it from there; summary.json is copied to
-# OUT_DIR/real_summary.json once it exists.
+# OUT_DIR/real_summary.json once it exists. On an H200 the whole recipe took ~525 s of the
+# demo's time (2026-11-27): in one 600 s call that is DEADLINE=590.
 #
 # Every part has a time limit and the whole run a deadline ($DEADLINE seconds, default 560), so
 # that it ends inside a 10-minute lease; a part cut short says so in its log. Processes allocate
