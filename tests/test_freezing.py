@@ -22,6 +22,25 @@ def test_what_a_run_freezes():
   assert state_lib.frozen_paths(c) == (("reader",),)
   c.task, c.train.reader_lr_scale, c.train.retriever_lr_scale = "openqa", 1.0, 0.0
   assert state_lib.frozen_paths(c) == (("retriever",), ("retriever", "block_tower"))
+  c = base_config()
+  c.task, c.retrieval.block_gradients = "realm", False   # the index's embeddings score blocks
+  assert state_lib.frozen_paths(c) == (("retriever", "block_tower"),)
+  c.task = "ict"                                         # ICT trains both towers
+  assert state_lib.frozen_paths(c) == ()
+
+
+def test_a_block_tower_the_realm_step_does_not_use_is_not_decayed():
+  """With `retrieval.block_gradients` False the REALM step scores its candidates with the
+  index's block embeddings: the block tower's gradient is zero, and AdamW's weight decay must
+  not shrink it either (the builder re-embeds the corpus with it)."""
+  c = base_config()
+  c.task, c.retrieval.block_gradients, c.train.lr, c.train.warmup_steps = "realm", False, 1e-2, 0
+  p = params()
+  tx = state_lib.make_optimizer(c.train, state_lib.frozen_paths(c))
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, p), tx.init(p), p)
+  assert not np.asarray(updates["retriever"]["block_tower"]["kernel"]).any()
+  assert np.asarray(updates["retriever"]["query_tower"]["kernel"]).all()   # decayed
+  assert np.asarray(updates["reader"]["kernel"]).all()
 
 
 def test_frozen_sub_trees_get_no_gradient_and_no_update():

@@ -140,7 +140,8 @@ def _retrieval(c) -> None:
                                    # block tower and trains both towers (REALM's); False: it
                                    # scores them with the serving index's block embeddings and
                                    # only the query side learns between refreshes (Atlas's
-                                   # query-side training; the step then costs the query tower)
+                                   # query-side training; the step then costs the query
+                                   # tower; a block tower of its own is frozen)
   c.retrieval.packed_query_rows = 0  # > 0: REALM's training step reads its queries packed
                                    # into this many rows of query_len wordpieces (several a
                                    # row, each attending to itself, positions restarting), so

@@ -57,14 +57,19 @@ def attention_here(config) -> str:
 
 def frozen_paths(config) -> tuple[tuple[str, ...], ...]:
   """Every parameter sub-tree the run does not train, as path prefixes: a half whose learning
-  rate scale is 0 (`train.retriever_lr_scale`, `train.reader_lr_scale`), and what the task never
-  trains (Open-QA: the block tower and the index built from it, as ORQA and REALM's
-  fine-tuning). The one owner of freezing: the optimiser (`make_optimizer`) neither updates
-  nor decays these, and the steps (`stop_frozen_gradients`) compute no gradient for them."""
+  rate scale is 0 (`train.retriever_lr_scale`, `train.reader_lr_scale`), and a block tower of
+  its own that the steps never use: Open-QA's (the block tower and the index built from it
+  stay fixed, as in ORQA and REALM's fine-tuning) and REALM's with `retrieval.block_gradients`
+  False (the index's block embeddings score the candidates; weight decay alone would shrink
+  the tower the index is rebuilt from). The one owner of freezing: the optimiser
+  (`make_optimizer`) neither updates nor decays these, and the steps
+  (`stop_frozen_gradients`) compute no gradient for them."""
   t = config.train
   halves = tuple((part,) for part, scale in (("retriever", t.retriever_lr_scale),
                                              ("reader", t.reader_lr_scale)) if scale == 0)
-  return halves + ((("retriever", "block_tower"),) if config.task == "openqa" else ())
+  fixed_blocks = config.task == "openqa" or (
+      config.task == "realm" and not config.retrieval.get("block_gradients", True))
+  return halves + ((("retriever", "block_tower"),) if fixed_blocks else ())
 
 
 def _is_frozen(names: tuple[str, ...], frozen: tuple[tuple[str, ...], ...]) -> bool:
