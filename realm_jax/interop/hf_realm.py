@@ -105,15 +105,39 @@ def make_config(layout: str, hf: Mapping, *, task: str | None = None, data_dir: 
   return c
 
 
-def init_params(config, model) -> dict:
-  """Our parameters as the model initialises them (host NumPy), from config.seed."""
+def _model_init(config, model):
+  """rng -> our parameter tree as the model initialises it (plain dicts)."""
   import flax.linen as nn
-  import jax
   from realm_jax.runtime import state as state_lib
   inputs = state_lib.dummy_inputs(config, config.data.block_len)
-  params = jax.jit(lambda rng: nn.meta.unbox(model.init(rng, **inputs)["params"]))(
-      jax.random.PRNGKey(config.seed))
-  return jax.tree.map(np.asarray, params)
+  return lambda rng: nn.meta.unbox(model.init(rng, **inputs)["params"])
+
+
+def abstract_params(config, model) -> dict:
+  """Our parameter tree with a jax.ShapeDtypeStruct for each leaf: nothing computed."""
+  import jax
+  return jax.eval_shape(_model_init(config, model), jax.random.PRNGKey(config.seed))
+
+
+def initialise_rest(config, model, params: Mapping) -> dict:
+  """`params` with each leaf still abstract (a ShapeDtypeStruct: the checkpoint lacks it) as
+  the model initialises it from config.seed, host NumPy. One jitted init returns those leaves
+  alone, so XLA drops the random draws of the others (a whole REALM's init is most of an
+  import's time otherwise); each parameter's key comes from its module path, so the values
+  are the whole init's."""
+  import jax
+  from flax import traverse_util
+  flat = traverse_util.flatten_dict(params)
+  rest = sorted(k for k, v in flat.items() if isinstance(v, jax.ShapeDtypeStruct))
+  if rest:
+    init = _model_init(config, model)
+
+    def init_rest(rng):
+      initialised = traverse_util.flatten_dict(init(rng))
+      return [initialised[k] for k in rest]
+    values = jax.jit(init_rest)(jax.random.PRNGKey(config.seed))
+    flat.update({k: np.asarray(v) for k, v in zip(rest, values)})
+  return traverse_util.unflatten_dict(flat)
 
 
 # -- Open-QA evidence: block records -> block store + published index ---------------------
@@ -277,12 +301,13 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
   from realm_jax.runtime.state import build_model
   config = make_config(layout, hf, task=task, data_dir=data_dir, block_len=block_len)
   model = build_model(config, config.model.vocab_size)
-  params = init_params(config, model)
+  params = abstract_params(config, model)    # the checkpoint's leaves, then the rest's init
   if layout == "bert":
     params, towers = hf_bert.load_bert_towers(params, hf_dir, option="")
     report = bert_report(params, towers, tensors)
   else:
     params, report = convert(params, tensors, layout, source, hf_dir)
+  params = initialise_rest(config, model, params)
   if layout == "RealmForOpenQA":
     from realm_jax.data.prepared import BlockStore
     from realm_jax.runtime.embedders import query_tower_params
