@@ -157,17 +157,24 @@ def read_summary(workdir: str) -> dict | None:
 
 
 # -- W/wall.json -------------------------------------------------------------------------------
-def add_wall(workdir: str, seconds: float) -> dict:
-  """Adds one run's `seconds` to W/wall.json (one writer: the job's first process). Returns
-  the summary fields: this run's `wall_seconds`, `wall_seconds_all_runs` and `runs` (the runs
-  added so far; a run killed outright adds nothing)."""
+def add_wall(workdir: str, seconds: float, fresh: bool = False) -> dict:
+  """Adds one run's `seconds` to W/wall.json (one writer: the job's first process; `fresh`: a
+  run that started from scratch, which starts the record again). Returns the summary fields:
+  this run's `wall_seconds`, `wall_seconds_all_runs` and `runs` (the runs added so far; a run
+  killed outright adds nothing). A record that cannot be read or written is only warned about:
+  the fields are then this run's alone."""
   path = paths.join(workdir, WALL)
-  before = paths.read_json(path) or {"seconds": 0.0, "runs": 0}
-  after = {"seconds": round(before["seconds"] + seconds, 1), "runs": before["runs"] + 1}
-  paths.makedirs(workdir)
-  paths.write_json(path, after)
-  return {"wall_seconds": round(seconds, 1), "wall_seconds_all_runs": after["seconds"],
-          "runs": after["runs"]}
+  this = {"wall_seconds": round(seconds, 1)}
+  try:
+    before = (None if fresh else paths.read_json(path)) or {"seconds": 0.0, "runs": 0}
+    after = {"seconds": round(float(before["seconds"]) + seconds, 1),
+             "runs": int(before["runs"]) + 1}
+    paths.makedirs(workdir)
+    paths.write_json(path, after)
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    logger.warning(f"{path}: the runs' wall time is not recorded ({type(e).__name__}: {e})")
+    return this
+  return {**this, "wall_seconds_all_runs": after["seconds"], "runs": after["runs"]}
 
 
 class RunWall:

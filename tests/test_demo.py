@@ -280,6 +280,21 @@ def test_a_resumed_demo_reports_the_wall_of_every_run_and_stage(monkeypatch, tmp
           if "wall seconds" in line] == ["20.000"]
 
 
+def test_the_wall_record_starts_again_from_scratch_and_never_fails_a_run(tmp_path, caplog):
+  import logging
+  from realm_jax import workdir as workdir_lib
+  w = str(tmp_path)
+  assert workdir_lib.add_wall(w, 5.0) == {"wall_seconds": 5.0, "wall_seconds_all_runs": 5.0,
+                                          "runs": 1}
+  assert workdir_lib.add_wall(w, 2.5)["wall_seconds_all_runs"] == 7.5
+  assert workdir_lib.add_wall(w, 1.0, fresh=True) == {     # a run started from scratch
+      "wall_seconds": 1.0, "wall_seconds_all_runs": 1.0, "runs": 1}
+  (tmp_path / "wall.json").write_text("{not json")
+  with caplog.at_level(logging.WARNING):
+    assert workdir_lib.add_wall(w, 3.0) == {"wall_seconds": 3.0}   # this run's alone
+  assert "wall.json: the runs' wall time is not recorded (JSONDecodeError" in caplog.text
+
+
 def test_demo_real_runs_every_stage_at_the_scale_asked(monkeypatch, tmp_path, capsys):
   """`--scale gpu` reaches every stage's config arg (VARIANT,gpu) and the summary; the data
   are prepared once whatever the scale. Stages and evaluations are stand-ins here."""

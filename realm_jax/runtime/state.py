@@ -61,7 +61,8 @@ def frozen_paths(config) -> tuple[tuple[str, ...], ...]:
   its own that the steps never use: Open-QA's (the block tower and the index built from it
   stay fixed, as in ORQA and REALM's fine-tuning) and REALM's with `retrieval.block_gradients`
   False (the index's block embeddings score the candidates; weight decay alone would shrink
-  the tower the index is rebuilt from). The one owner of freezing: the optimiser
+  the tower the index is rebuilt from; the null document's embedding, which that tower
+  computes, stays fixed with it). The one owner of freezing: the optimiser
   (`make_optimizer`) neither updates nor decays these, and the steps
   (`stop_frozen_gradients`) compute no gradient for them."""
   t = config.train

@@ -177,6 +177,7 @@ class Run:
   def run(self) -> dict:
     cfg = self.config
     start, init = self.restore_or_init()
+    self.fresh = init is not None   # started from scratch: W/wall.json starts again
     self.begin(start, init)
     t_start = time.time()
     logs = {name: MetricWriter(self.workdir, name) for name in ("train", "eval")}
@@ -205,7 +206,7 @@ class Run:
     """This run's wall time and, from the first process (W/wall.json's one writer), that of
     every run of this workdir so far (a resumed run's summary reports both)."""
     if jax.process_index() == 0:
-      return workdir_lib.add_wall(self.workdir, seconds)
+      return workdir_lib.add_wall(self.workdir, seconds, fresh=self.fresh)
     return {"wall_seconds": round(seconds, 1)}
 
   def _close_run(self, batches: StepBatches | None, data_iter, logs: dict,
