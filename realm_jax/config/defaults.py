@@ -141,7 +141,9 @@ def _retrieval(c) -> None:
                                    # scores them with the serving index's block embeddings and
                                    # only the query side learns between refreshes (Atlas's
                                    # query-side training; the step then costs the query
-                                   # tower; a block tower of its own is frozen)
+                                   # tower; a block tower of its own, model.share_towers
+                                   # False, is frozen: no update, no weight decay, and the
+                                   # null document's embedding stays as it started)
   c.retrieval.packed_query_rows = 0  # > 0: REALM's training step reads its queries packed
                                    # into this many rows of query_len wordpieces (several a
                                    # row, each attending to itself, positions restarting), so
