@@ -227,11 +227,12 @@ def _run_demo_real(workdir: str, squad: str, seed: int, scale: str, max_paragrap
       "stage_seconds": stage_seconds(results),
       **wall.record(),
   }
-  summary["wall_minutes"] = round(summary["wall_seconds_all_runs"] / 60, 1)
+  summary["wall_minutes"] = round(workdir_lib.wall_all_runs(summary) / 60, 1)
   workdir_lib.write_summary(workdir, summary)
   print_report(summary)
+  runs = summary.get("runs", 1)   # absent: the wall record could not be kept (warned)
   print(f"\n[demo-real] wrote {workdir}/summary.json ({summary['wall_minutes']} min in "
-        f"{summary['runs']} run{'s' if summary['runs'] > 1 else ''})")
+        f"{runs} run{'s' if runs > 1 else ''})")
   return summary
 
 

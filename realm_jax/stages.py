@@ -264,8 +264,7 @@ def devices(stage_devices: int) -> str:
 def stage_seconds(results: dict[str, dict]) -> dict[str, float]:
   """Each stage's wall seconds over all its runs (a stage resumed after a stop counts the
   runs before it: W/wall.json, realm_jax/workdir.py)."""
-  return {name: summary.get("wall_seconds_all_runs", summary.get("wall_seconds"))
-          for name, summary in results.items()}
+  return {name: workdir_lib.wall_all_runs(summary) for name, summary in results.items()}
 
 
 def run_demo_cli(prog: str, job) -> object:

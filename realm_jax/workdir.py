@@ -177,6 +177,12 @@ def add_wall(workdir: str, seconds: float, fresh: bool = False) -> dict:
   return {**this, "wall_seconds_all_runs": after["seconds"], "runs": after["runs"]}
 
 
+def wall_all_runs(fields: dict) -> float | None:
+  """The seconds of every recorded run in `fields` (`add_wall`'s, or a summary holding
+  them); this run's alone where the record could not be kept."""
+  return fields.get("wall_seconds_all_runs", fields.get("wall_seconds"))
+
+
 class RunWall:
   """Times one run of a job in `workdir`, from its creation: `record()` adds its seconds to
   W/wall.json and returns `add_wall`'s fields; a `with` block that ends by an exception first
