@@ -86,6 +86,7 @@ from report import append_jsonl  # noqa: E402  (bench/ is this script's director
 from train_step import encoder_flops  # noqa: E402
 from realm_jax.runtime import state as state_lib  # noqa: E402
 from realm_jax.config.defaults import base_config  # noqa: E402
+from realm_jax.config.reading import frozen_paths  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -127,7 +128,7 @@ def our_step(args, batch):
   params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), ones, ones, ones * 0, ones, ones * 0,
                                     jnp.zeros((1, 1), jnp.int32))["params"])
   reader = {"reader": params["reader"]}      # the step trains the reader, as HF's does
-  tx = state_lib.make_optimizer(config.train, state_lib.frozen_paths(config))
+  tx = state_lib.make_optimizer(config.train, frozen_paths(config))
   flat_labels = jnp.asarray(np.repeat(labels, k, axis=0), jnp.int32)   # rows as flat_pos
   weights = jnp.ones(labels.shape, jnp.float32)
   relevance_j = jnp.asarray(relevance)

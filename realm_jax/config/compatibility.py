@@ -5,7 +5,7 @@ checkpoints were written under)."""
 from __future__ import annotations
 
 from realm_jax.config.defaults import TOWER_FIELDS
-from realm_jax.config.reading import flat_options
+from realm_jax.config.reading import FREEZING_FIELDS, flat_options, frozen_paths
 
 # Fields that fix parameter shapes or the meaning of a checkpoint: a workdir whose
 # checkpoints were written under other values cannot be resumed.
@@ -32,7 +32,22 @@ def incompatible_fields(saved: dict, current: dict) -> list[str]:
               current_flat.get(name, ADDED_FIELDS.get(name)))
       if _norm(a) != _norm(b):
         diffs.append(f"{name}: {a!r} (checkpoints) != {b!r} (this run)")
-  return diffs
+  return diffs + _frozen_differs(saved, current, saved_flat, current_flat)
+
+
+def _frozen_differs(saved: dict, current: dict, saved_flat: dict, current_flat: dict
+                    ) -> list[str]:
+  """The freezing options that changed, where they change what the run trains: the optimiser
+  keeps no state for a frozen sub-tree (`frozen_paths`), so the checkpoints' optimiser state
+  has another shape. A learning-rate scale changed between two non-zero values is no diff."""
+  was, now = frozen_paths(saved), frozen_paths(current)
+  if was == now or saved.get("task") != current.get("task"):   # a new task is named above
+    return []
+  names = lambda paths: "+".join("/".join(p) for p in paths) or "nothing"
+  changed = [f for f in FREEZING_FIELDS if saved_flat.get(f) != current_flat.get(f)]
+  return [f"{', '.join(changed) or 'the freezing options'} changes the frozen parameters: {names(was)} "
+          f"(checkpoints) != {names(now)} (this run); to train other parameters, start a new "
+          f"workdir with init.from_workdir"]
 
 
 def _norm(v):

@@ -66,3 +66,29 @@ def uses_index_builder(config) -> bool:
   retrieving from the index, refreshed async or deterministic), which then must run beside it."""
   r = config.retrieval
   return config.task == "realm" and r.candidates == "index" and r.refresh != "in_process"
+
+
+# The options beside `task` that decide `frozen_paths`: the optimiser keeps no state for a
+# frozen sub-tree, so a checkpoint restores only under the same frozen sub-trees
+# (`compatibility`).
+FREEZING_FIELDS = ("train.retriever_lr_scale", "train.reader_lr_scale",
+                   "retrieval.block_gradients")
+
+
+def frozen_paths(config) -> tuple[tuple[str, ...], ...]:
+  """Every parameter sub-tree the run does not train, as path prefixes: a half whose learning
+  rate scale is 0 (`train.retriever_lr_scale`, `train.reader_lr_scale`), and a block tower of
+  its own that the steps never use: Open-QA's (the block tower and the index built from it
+  stay fixed, as in ORQA and REALM's fine-tuning) and REALM's with `retrieval.block_gradients`
+  False (the index's block embeddings score the candidates; weight decay alone would shrink
+  the tower the index is rebuilt from; the null document's embedding, which that tower
+  computes, stays fixed with it). The one owner of freezing: the optimiser
+  (`runtime.state.make_optimizer`) neither updates nor decays these, and the steps
+  (`runtime.state.stop_frozen_gradients`) compute no gradient for them. `config` is a
+  ConfigDict or its JSON record (options missing from an old record read as their defaults)."""
+  t, r = config["train"], config.get("retrieval") or {}
+  halves = tuple((part,) for part in ("retriever", "reader")
+                 if t.get(f"{part}_lr_scale", 1.0) == 0)
+  fixed_blocks = config["task"] == "openqa" or (
+      config["task"] == "realm" and not r.get("block_gradients", True))
+  return halves + ((("retriever", "block_tower"),) if fixed_blocks else ())

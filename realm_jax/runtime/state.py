@@ -13,7 +13,7 @@ from flax.training import train_state
 from realm_jax.models.bert import BertConfig
 from realm_jax.models.realm import REALM
 from realm_jax.runtime import partitioning
-from realm_jax.config.reading import part_model
+from realm_jax.config.reading import frozen_paths, part_model
 from realm_jax.config.validation import check_cudnn_dtype
 
 TrainState = train_state.TrainState
@@ -53,24 +53,6 @@ def attention_here(config) -> str:
     return "xla"
   check_cudnn_dtype(config.model)
   return attention
-
-
-def frozen_paths(config) -> tuple[tuple[str, ...], ...]:
-  """Every parameter sub-tree the run does not train, as path prefixes: a half whose learning
-  rate scale is 0 (`train.retriever_lr_scale`, `train.reader_lr_scale`), and a block tower of
-  its own that the steps never use: Open-QA's (the block tower and the index built from it
-  stay fixed, as in ORQA and REALM's fine-tuning) and REALM's with `retrieval.block_gradients`
-  False (the index's block embeddings score the candidates; weight decay alone would shrink
-  the tower the index is rebuilt from; the null document's embedding, which that tower
-  computes, stays fixed with it). The one owner of freezing: the optimiser
-  (`make_optimizer`) neither updates nor decays these, and the steps
-  (`stop_frozen_gradients`) compute no gradient for them."""
-  t = config.train
-  halves = tuple((part,) for part, scale in (("retriever", t.retriever_lr_scale),
-                                             ("reader", t.reader_lr_scale)) if scale == 0)
-  fixed_blocks = config.task == "openqa" or (
-      config.task == "realm" and not config.retrieval.get("block_gradients", True))
-  return halves + ((("retriever", "block_tower"),) if fixed_blocks else ())
 
 
 def _is_frozen(names: tuple[str, ...], frozen: tuple[tuple[str, ...], ...]) -> bool:

@@ -147,7 +147,7 @@ def realm_loss_fn(params, model, batch, config, rng):
   `retrieval.loss` "distill" that of the reader plus the retriever's KL (`retriever_loss`).
   A batch carrying `candidate_log_probs` (the score cache's, train/score_cache.py) is not
   read again: those are the frozen reader's log p(y_j | z, x)."""
-  params = state_lib.stop_frozen_gradients(params, state_lib.frozen_paths(config))
+  params = state_lib.stop_frozen_gradients(params, reading.frozen_paths(config))
   deterministic = without_dropout(config)
   candidates = candidate_rows.of(config)
   rngs, first = {"dropout": rng}, candidates.null_first(training=True)
@@ -203,7 +203,7 @@ def without_untrained_null(config, batch, logits):
 
 def ict_loss_fn(params, model, batch, config, rng):
   """Inverse Cloze Task loss with in-batch negatives over the global batch."""
-  params = state_lib.stop_frozen_gradients(params, state_lib.frozen_paths(config))
+  params = state_lib.stop_frozen_gradients(params, reading.frozen_paths(config))
   deterministic = without_dropout(config)
   variables, rngs = {"params": params}, {"dropout": rng}
   query = model.apply(variables, batch["query_ids"], deterministic, rngs=rngs,
@@ -233,7 +233,7 @@ def openqa_scores(model: REALM, params, batch, rngs=None, deterministic=True):
 
 def openqa_loss_fn(params, model, batch, config, rng):
   """ORQA's retriever + reader marginal log-likelihood (block tower and index frozen)."""
-  params = state_lib.stop_frozen_gradients(params, state_lib.frozen_paths(config))
+  params = state_lib.stop_frozen_gradients(params, reading.frozen_paths(config))
   deterministic = without_dropout(config)
   logits, spans = openqa_scores(model, params, batch, {"dropout": rng}, deterministic)
   return losses.openqa_loss(logits, batch["has_answer"], spans, batch["span_correct"])
