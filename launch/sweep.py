@@ -145,8 +145,10 @@ def write_tables(root: str, rows: list[dict], metric: str) -> tuple[str, str]:
   writer.writeheader()
   writer.writerows(rows)
   paths.write_text_atomic(csv_path, table.getvalue())
+  # A resumed run's wall is all its runs' (summary.json from before the record: its own).
+  wall = "wall_seconds_all_runs" if "wall_seconds_all_runs" in columns else "wall_seconds"
   shown = [c for c in columns if c in ("run", "status") or c == metric or "." in c
-           or c.startswith("eval_") or c == "wall_seconds"]
+           or c.startswith("eval_") or c == wall]
   lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
   for r in rows:
     cells = [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in shown]

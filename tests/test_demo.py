@@ -280,7 +280,8 @@ def test_a_resumed_demo_reports_the_wall_of_every_run_and_stage(monkeypatch, tmp
           if "wall seconds" in line] == ["20.000"]
 
 
-def test_the_wall_record_starts_again_from_scratch_and_never_fails_a_run(tmp_path, caplog):
+def test_the_wall_record_starts_again_from_scratch_and_never_fails_a_run(tmp_path, caplog,
+                                                                           capsys):
   import logging
   from realm_jax import workdir as workdir_lib
   w = str(tmp_path)
@@ -293,6 +294,9 @@ def test_the_wall_record_starts_again_from_scratch_and_never_fails_a_run(tmp_pat
   with caplog.at_level(logging.WARNING):
     assert workdir_lib.add_wall(w, 3.0) == {"wall_seconds": 3.0}   # this run's alone
   assert "wall.json: the runs' wall time is not recorded (JSONDecodeError" in caplog.text
+  demo.print_report({"wall_seconds": 3.0}, [])          # the report shows this run's then
+  assert [line.split()[-1] for line in capsys.readouterr().out.splitlines()
+          if "wall seconds" in line] == ["3.000"]
 
 
 def test_demo_real_runs_every_stage_at_the_scale_asked(monkeypatch, tmp_path, capsys):

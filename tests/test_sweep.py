@@ -62,6 +62,18 @@ def test_print_launcher_expands_the_grid_with_typed_values(capsys, tmp_path):
                 "print"])
 
 
+def test_the_table_shows_a_resumed_runs_wall_over_all_its_runs(tmp_path):
+  rows = [{"run": "a", "status": "done", "wall_seconds": 4.0, "wall_seconds_all_runs": 10.0,
+           "runs": 2, "eval_recall_at_5": 0.5}]
+  _, md = sweep_module().write_tables(str(tmp_path), rows, "eval_recall_at_5")
+  header, _, cells = open(md).read().splitlines()[2:5]
+  assert header == "| run | status | wall_seconds_all_runs | eval_recall_at_5 |"
+  assert cells == "| a | done | 10 | 0.5 |"
+  del rows[0]["wall_seconds_all_runs"]                 # a summary from before the record
+  _, md = sweep_module().write_tables(str(tmp_path), rows, "eval_recall_at_5")
+  assert "| a | done | 4 | 0.5 |" in open(md).read()
+
+
 def test_local_sweep_runs_every_point_and_sorts_the_table(world_dir, tmp_path, capsys):
   sweep = sweep_module()
   # Two seeds: the second run compiles nothing (the programs are the first's, from the XLA
