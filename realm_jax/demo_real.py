@@ -8,7 +8,8 @@ all-MiniLM-L6-v2 whole for reference) ->
 Open-QA fine-tuning from the REALM checkpoint and from the ICT start (ICT retriever + MiniLM
 reader, ORQA's start) with the same settings -> EM / F1 / recall on the held-out articles.
 Every stage is an ordinary `realm-train` run in its own sub-workdir (configs/real_realm.py),
-so an interrupted demo resumes where it stopped. W/summary.json holds every figure.
+so an interrupted demo resumes where it stopped; the evaluations of finished stages are kept
+in W/evaluations.json and not repeated. W/summary.json holds every figure.
 
   python -m realm_jax.demo_real [--workdir W] [--squad PATH] [--seed S] [--scale gpu]
 
@@ -26,7 +27,7 @@ import json
 import os
 import platform
 
-from realm_jax import log, workdir as workdir_lib
+from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.stages import devices, repo_config, run_demo_cli, run_stage, stage_seconds
 from realm_jax.config.overrides import with_overrides
 from realm_jax.packages import MINILM
@@ -42,6 +43,8 @@ STAGES = (("ict", "ict", {}),
           ("warmup", "warmup", {"init.retriever": "ict"}),
           ("realm", "realm", {"init.from_workdir": "warmup"}))
 # (stage, init options as above, other overrides): the same settings, two starts
+EVALUATIONS = "evaluations.json"   # W/: the zero-shot table and each Open-QA run's scores, with
+                                  # what they were computed from (`evaluated`)
 OPENQA_STAGES = (("openqa_realm", {"init.from_workdir": "realm"}, {}),
                  ("openqa_ict", {"init.retriever": "ict"}, {"init.reader": MINILM}))
 
@@ -103,6 +106,11 @@ def fit_to_the_hour(path: str, workdir: str, max_paragraphs: int) -> str:
   return out
 
 
+def _inputs(source: str, seed: int, scale: str) -> dict:
+  """What an evaluation of the recipe depends on beside its stages' checkpoints."""
+  return {"source": source, "seed": seed, "scale": scale}
+
+
 def stage_overrides(data_dir: str, source: str, seed: int, workdir: str, inits: dict) -> dict:
   overrides = {"data.dir": data_dir, "seed": seed, "qa.train": source, "qa.test": source}
   overrides.update({key: os.path.join(workdir, stage) for key, stage in inits.items()})
@@ -129,6 +137,27 @@ def check_questions(workdir: str, data_dir: str, source: str, seed: int, scale: 
         f"table, Open-QA {len(train):,} to fine-tune on and {len(test):,} to test", flush=True)
 
 
+def evaluated(workdir: str, name: str, stages: tuple[str, ...], inputs: dict, evaluate):
+  """`evaluate()`, or the value an earlier run of the recipe recorded under `name` in
+  W/evaluations.json from the same `inputs` and the same summaries of the `stages` it reads
+  (a stage trained again has another summary): a resumed recipe does not evaluate again."""
+  path = os.path.join(workdir, EVALUATIONS)
+  key = hashlib.sha256(json.dumps(
+      {**inputs, **{stage: workdir_lib.read_summary(os.path.join(workdir, stage))
+                    for stage in stages}}, sort_keys=True).encode()).hexdigest()
+  try:
+    record = paths.read_json(path) or {}
+  except ValueError:       # a record cut short: evaluate again, and write it whole
+    record = {}
+  if record.get(name, {}).get("key") == key:
+    print(f"[demo-real] {name}: evaluated by an earlier run of the recipe ({path})", flush=True)
+    return record[name]["value"]
+  value = evaluate()
+  paths.makedirs(workdir)
+  paths.write_json(path, {**record, name: {"key": key, "value": value}})
+  return value
+
+
 def retrieval_table(workdir: str, data_dir: str, source: str, seed: int, scale: str) -> dict:
   """recall@1/5/20 of the answer paragraph on the held-out articles' questions."""
   from realm_jax.retrieval.zero_shot import format_table, recall_table
@@ -137,11 +166,11 @@ def retrieval_table(workdir: str, data_dir: str, source: str, seed: int, scale: 
   # MiniLM whole (6 layers): a reference only; it was trained on question-passage pairs
   minilm = _config("ict", {**stage_overrides(data_dir, source, seed, workdir, {}),
                            "model.retriever.num_layers": 6}, scale)
-  table = recall_table(data_dir, {"untrained": (ict, ""),
-                                  "ict": (ict, os.path.join(workdir, "ict")),
-                                  "realm": (realm, os.path.join(workdir, "realm")),
-                                  "minilm_6": (minilm, "")},
-                       heldout_articles=ict.qa.heldout_articles)
+  table = evaluated(workdir, "retrieval", ("ict", "realm"), _inputs(source, seed, scale),
+                    lambda: recall_table(data_dir, {
+                        "untrained": (ict, ""), "ict": (ict, os.path.join(workdir, "ict")),
+                        "realm": (realm, os.path.join(workdir, "realm")),
+                        "minilm_6": (minilm, "")}, heldout_articles=ict.qa.heldout_articles))
   print(f"\n== zero-shot retrieval: {table['bm25']['questions']:,} questions of the held-out "
         "articles ==")
   print(format_table(table))
@@ -158,7 +187,8 @@ def open_qa(workdir: str, data_dir: str, source: str, seed: int,
     stage_dir = os.path.join(workdir, name)
     summaries[name] = run_stage(name, (CONFIG, _arg("openqa", scale)), overrides, stage_dir)
     print(f"[demo-real] realm-eval {stage_dir} on the held-out articles", flush=True)
-    table[name], _ = evaluate_run(_config("openqa", overrides, scale), stage_dir, split="test")
+    table[name] = evaluated(workdir, name, (name,), _inputs(source, seed, scale), lambda: (
+        evaluate_run(_config("openqa", overrides, scale), stage_dir, split="test")[0]))
   return table, summaries
 
 

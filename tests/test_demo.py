@@ -360,3 +360,48 @@ def test_the_demos_outside_a_checkout_say_so(monkeypatch, tmp_path):
   monkeypatch.setattr(stages, "CONFIG_DIR", str(tmp_path / "configs"))
   with pytest.raises(FileNotFoundError, match="run from a checkout of the repository"):
     stages.repo_config("demo_realm")
+
+
+def test_a_resumed_demo_real_does_not_evaluate_again_what_it_evaluated(monkeypatch, tmp_path):
+  """W/evaluations.json keeps the zero-shot table and each Open-QA run's scores with the
+  summaries of the stages they read: a rerun reuses them, a stage trained again (another
+  summary) is evaluated again, and a record cut short is rewritten. Stand-ins as above."""
+  import json
+  from realm_jax import demo_real, openqa_eval
+  from realm_jax.retrieval import zero_shot
+  workdir, calls = tmp_path / "W", []
+  monkeypatch.setattr(demo_real, "prepare_data", lambda workdir, squad, max_paragraphs: (
+      str(tmp_path / "data"), "squad:F", {"blocks": 3, "documents": 2}))
+  monkeypatch.setattr(demo_real, "check_questions", lambda *args: None)
+
+  def run_stage(name, spec, overrides, stage_dir):
+    summary = os.path.join(stage_dir, "summary.json")
+    if not os.path.exists(summary):        # a stage trains once, as `stages.finished` says
+      os.makedirs(stage_dir, exist_ok=True)
+      with open(summary, "w") as f:
+        json.dump({"steps": 2, "trained": len(calls)}, f)
+    return {}
+  monkeypatch.setattr(demo_real, "run_stage", run_stage)
+
+  def recall_table(data_dir, retrievers, heldout_articles):
+    calls.append("table")
+    return {name: {"recall_at_1": 0.5, "recall_at_5": 0.5, "recall_at_20": 0.5,
+                   "questions": 1} for name in (*retrievers, "bm25")}
+  monkeypatch.setattr(zero_shot, "recall_table", recall_table)
+  monkeypatch.setattr(openqa_eval, "evaluate_run", lambda config, stage_dir, split: (
+      calls.append(os.path.basename(stage_dir)) or {"exact_match": 0.25}, "out"))
+  first = demo_real.run_demo_real(str(workdir), seed=1)
+  assert calls == ["table", "openqa_realm", "openqa_ict"]
+  again = demo_real.run_demo_real(str(workdir), seed=1)
+  assert calls == ["table", "openqa_realm", "openqa_ict"]            # nothing evaluated again
+  assert again["recall"] == first["recall"] and again["exact_match_realm"] == 0.25
+  (workdir / "realm" / "summary.json").unlink()                      # REALM trained again
+  demo_real.run_demo_real(str(workdir), seed=1)
+  assert calls[3:] == ["table"]
+  demo_real.run_demo_real(str(workdir), seed=2)                      # another seed: all again
+  assert calls[4:] == ["table", "openqa_realm", "openqa_ict"]
+  (workdir / "evaluations.json").write_text('{"retrieval": {"ke')    # cut short
+  demo_real.run_demo_real(str(workdir), seed=2)
+  assert calls[7:] == ["table", "openqa_realm", "openqa_ict"]
+  assert set(json.loads((workdir / "evaluations.json").read_text())) == {
+      "retrieval", "openqa_realm", "openqa_ict"}
