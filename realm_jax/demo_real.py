@@ -131,7 +131,7 @@ def check_questions(workdir: str, data_dir: str, source: str, seed: int, scale: 
     train, _ = qa_split(config.qa, "train", data_dir)
     test, _ = qa_split(config.qa, "test", data_dir)
   except ConfigError as e:   # qa.heldout_articles is the recipe's (configs/real_realm.py)
-    raise ConfigError(e.option, f"{str(e).partition(': ')[2]} (demo-real: give a file of more "
+    raise ConfigError(e.option, f"{e.message} (demo-real: give a file of more "
                       "articles, or a larger --max-paragraphs)") from None
   print(f"[demo-real] questions: {len(scored):,} of the held-out articles for the zero-shot "
         f"table, Open-QA {len(train):,} to fine-tune on and {len(test):,} to test", flush=True)

@@ -12,7 +12,7 @@ class ConfigError(ValueError):
   """A bad option value, found before any JAX work; the CLI prints it and exits with code 2."""
 
   def __init__(self, option: str, message: str):
-    self.option = option
+    self.option, self.message = option, message
     super().__init__(f"config.{option}: {message}" if option else message)
 
 
