@@ -145,12 +145,15 @@ def write_tables(root: str, rows: list[dict], metric: str) -> tuple[str, str]:
   writer.writeheader()
   writer.writerows(rows)
   paths.write_text_atomic(csv_path, table.getvalue())
-  # A resumed run's wall is all its runs' (summary.json from before the record: its own).
+  # A resumed run's wall is all its runs' (a summary from before the record, or whose record
+  # could not be kept: its own, `workdir.wall_all_runs`).
   wall = "wall_seconds_all_runs" if "wall_seconds_all_runs" in columns else "wall_seconds"
   shown = [c for c in columns if c in ("run", "status") or c == metric or "." in c
            or c.startswith("eval_") or c == wall]
   lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
   for r in rows:
+    seconds = workdir_lib.wall_all_runs(r)
+    r = {**r, wall: "" if seconds is None else seconds}   # "": a run with no summary
     cells = [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in shown]
     lines.append("| " + " | ".join(cells) + " |")
   paths.write_text_atomic(md_path, f"Sorted by {metric}.\n\n" + "\n".join(lines) + "\n")

@@ -106,11 +106,6 @@ def fit_to_the_hour(path: str, workdir: str, max_paragraphs: int) -> str:
   return out
 
 
-def _inputs(source: str, seed: int, scale: str) -> dict:
-  """What an evaluation of the recipe depends on beside its stages' checkpoints."""
-  return {"source": source, "seed": seed, "scale": scale}
-
-
 def stage_overrides(data_dir: str, source: str, seed: int, workdir: str, inits: dict) -> dict:
   overrides = {"data.dir": data_dir, "seed": seed, "qa.train": source, "qa.test": source}
   overrides.update({key: os.path.join(workdir, stage) for key, stage in inits.items()})
@@ -137,14 +132,16 @@ def check_questions(workdir: str, data_dir: str, source: str, seed: int, scale: 
         f"table, Open-QA {len(train):,} to fine-tune on and {len(test):,} to test", flush=True)
 
 
-def evaluated(workdir: str, name: str, stages: tuple[str, ...], inputs: dict, evaluate):
+def evaluated(workdir: str, name: str, stages: tuple[str, ...], configs: dict, evaluate):
   """`evaluate()`, or the value an earlier run of the recipe recorded under `name` in
-  W/evaluations.json from the same `inputs` and the same summaries of the `stages` it reads
-  (a stage trained again has another summary): a resumed recipe does not evaluate again."""
+  W/evaluations.json from the same evaluation `configs` (name: ConfigDict) and the same
+  summaries of the `stages` it reads (a stage trained again has another summary): a resumed
+  recipe does not evaluate again. (A change of the evaluating code itself is not seen.)"""
   path = os.path.join(workdir, EVALUATIONS)
   key = hashlib.sha256(json.dumps(
-      {**inputs, **{stage: workdir_lib.read_summary(os.path.join(workdir, stage))
-                    for stage in stages}}, sort_keys=True).encode()).hexdigest()
+      {"configs": {n: json.loads(c.to_json_best_effort()) for n, c in configs.items()},
+       "summaries": {stage: workdir_lib.read_summary(os.path.join(workdir, stage))
+                     for stage in stages}}, sort_keys=True).encode()).hexdigest()
   try:
     record = paths.read_json(path) or {}
   except ValueError:       # a record cut short: evaluate again, and write it whole
@@ -166,7 +163,8 @@ def retrieval_table(workdir: str, data_dir: str, source: str, seed: int, scale: 
   # MiniLM whole (6 layers): a reference only; it was trained on question-passage pairs
   minilm = _config("ict", {**stage_overrides(data_dir, source, seed, workdir, {}),
                            "model.retriever.num_layers": 6}, scale)
-  table = evaluated(workdir, "retrieval", ("ict", "realm"), _inputs(source, seed, scale),
+  configs = {"ict": ict, "realm": realm, "minilm_6": minilm}
+  table = evaluated(workdir, "retrieval", ("ict", "realm"), configs,
                     lambda: recall_table(data_dir, {
                         "untrained": (ict, ""), "ict": (ict, os.path.join(workdir, "ict")),
                         "realm": (realm, os.path.join(workdir, "realm")),
@@ -187,8 +185,9 @@ def open_qa(workdir: str, data_dir: str, source: str, seed: int,
     stage_dir = os.path.join(workdir, name)
     summaries[name] = run_stage(name, (CONFIG, _arg("openqa", scale)), overrides, stage_dir)
     print(f"[demo-real] realm-eval {stage_dir} on the held-out articles", flush=True)
-    table[name] = evaluated(workdir, name, (name,), _inputs(source, seed, scale), lambda: (
-        evaluate_run(_config("openqa", overrides, scale), stage_dir, split="test")[0]))
+    config = _config("openqa", overrides, scale)
+    table[name] = evaluated(workdir, name, (name,), {name: config}, lambda: (
+        evaluate_run(config, stage_dir, split="test")[0]))
   return table, summaries
 
 

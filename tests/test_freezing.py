@@ -89,6 +89,14 @@ def test_a_resume_under_other_frozen_parameters_is_refused_naming_the_option():
   c.retrieval.block_gradients = False                      # REALM: the block tower freezes
   (diff,) = incompatible_fields(saved, record(c))
   assert "retrieval.block_gradients" in diff and "retriever/block_tower (this run)" in diff
+  c.model.share_towers = True                              # ... unless it is the query's
+  shared = record(c)
+  c.retrieval.block_gradients = True
+  assert incompatible_fields(shared, record(c)) == []
+  c.model.share_towers, c.train.retriever_lr_scale = False, 0.0   # the retriever frozen whole
+  whole = record(c)
+  c.retrieval.block_gradients = False
+  assert incompatible_fields(whole, record(c)) == []
   ict = base_config()
   ict.task = "ict"                                         # ICT trains both towers anyway
   ict_saved = record(ict)
@@ -96,3 +104,8 @@ def test_a_resume_under_other_frozen_parameters_is_refused_naming_the_option():
   assert incompatible_fields(ict_saved, record(ict)) == []
   del saved["train"]["reader_lr_scale"]                    # a record from before the option
   assert incompatible_fields(saved, record(base_config()) | {"task": "realm"}) == []
+  now = record(base_config()) | {"task": "realm"}
+  now["train"]["retriever_lr_scale"] = 0.0                 # only the option that freezes named
+  (diff,) = incompatible_fields(saved, now)
+  assert diff.startswith("train.retriever_lr_scale changes the frozen parameters: nothing "
+                         "(checkpoints) != retriever (this run)")

@@ -69,8 +69,14 @@ def test_the_table_shows_a_resumed_runs_wall_over_all_its_runs(tmp_path):
   header, _, cells = open(md).read().splitlines()[2:5]
   assert header == "| run | status | wall_seconds_all_runs | eval_recall_at_5 |"
   assert cells == "| a | done | 10 | 0.5 |"
-  del rows[0]["wall_seconds_all_runs"]                 # a summary from before the record
+  rows.append({"run": "b", "status": "done", "wall_seconds": 6.0})   # no record kept: its own
+  rows.append({"run": "c", "status": "missing"})                    # no summary
   _, md = sweep_module().write_tables(str(tmp_path), rows, "eval_recall_at_5")
+  assert open(md).read().splitlines()[5:7] == ["| b | done | 6 |  |", "| c | missing |  |  |"]
+  rows.pop()
+  del rows[0]["wall_seconds_all_runs"]                 # summaries from before the record
+  _, md = sweep_module().write_tables(str(tmp_path), rows, "eval_recall_at_5")
+  assert open(md).read().splitlines()[2] == "| run | status | wall_seconds | eval_recall_at_5 |"
   assert "| a | done | 4 | 0.5 |" in open(md).read()
 
 

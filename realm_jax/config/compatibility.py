@@ -39,15 +39,26 @@ def _frozen_differs(saved: dict, current: dict, saved_flat: dict, current_flat: 
                     ) -> list[str]:
   """The freezing options that changed, where they change what the run trains: the optimiser
   keeps no state for a frozen sub-tree (`frozen_paths`), so the checkpoints' optimiser state
-  has another shape. A learning-rate scale changed between two non-zero values is no diff."""
-  was, now = frozen_paths(saved), frozen_paths(current)
+  has another shape. A learning-rate scale changed between two non-zero values is no diff,
+  nor is `retrieval.block_gradients` where no block tower of its own exists."""
+  shared = current_flat.get("model.share_towers", False)   # a change is named above
+  was, now = _frozen(frozen_paths(saved), shared), _frozen(frozen_paths(current), shared)
   if was == now or saved.get("task") != current.get("task"):   # a new task is named above
     return []
   names = lambda paths: "+".join("/".join(p) for p in paths) or "nothing"
-  changed = [f for f in FREEZING_FIELDS if saved_flat.get(f) != current_flat.get(f)]
-  return [f"{', '.join(changed) or 'the freezing options'} changes the frozen parameters: {names(was)} "
-          f"(checkpoints) != {names(now)} (this run); to train other parameters, start a new "
-          f"workdir with init.from_workdir"]
+  freezes = lambda flat, f: (flat.get(f, 1.0) == 0 if f.endswith("lr_scale")
+                             else not flat.get(f, True))
+  changed = [f for f in FREEZING_FIELDS if freezes(saved_flat, f) != freezes(current_flat, f)]
+  return [f"{', '.join(changed) or 'the freezing options'} changes the frozen parameters: "
+          f"{names(was)} (checkpoints) != {names(now)} (this run); to train other parameters, "
+          f"start a new workdir with init.from_workdir"]
+
+
+def _frozen(paths: tuple[tuple[str, ...], ...], shared_towers: bool) -> tuple:
+  """The sub-trees `paths` freeze in a model: no block tower where the towers are shared, and
+  no path inside another."""
+  paths = [p for p in paths if not (shared_towers and p == ("retriever", "block_tower"))]
+  return tuple(p for p in paths if not any(q != p and p[:len(q)] == q for q in paths))
 
 
 def _norm(v):
