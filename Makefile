@@ -27,17 +27,15 @@ PYTHON ?= python3
 # 1.3 s with them, on the AVX-512 Xeon).
 unexport PYTHONDONTWRITEBYTECODE
 # glibc's malloc where JAX computes on the host CPU (no NVIDIA GPU or TPU device here): XLA's CPU
-# executables allocate their temporaries afresh on every call, and by default glibc maps each
-# one over 32 MB anew (and gives freed memory back), so every train step faults its
-# temporaries in again: 236K page faults and 0.7 s of kernel time per step of the real
-# recipe's REALM step (13% of its CPU time; docs/performance.md). One arena that keeps what it
-# freed and maps nothing apart: no faults after the first steps, ~0.8 GB more resident memory.
-# The environment's own values win.
+# executables allocate their temporaries afresh on every call, and glibc maps each one over
+# 32 MB anew in 4 KB pages, so every train step faults its temporaries in again: 235K page
+# faults and 0.7 s of kernel time per step of the real recipe's REALM step (the demo-real
+# warm-up: 100K faults/s, 18% of the CPU in the kernel). Transparent huge pages for malloc's
+# memory (where the kernel offers them on request, as here) take 2 MB a fault: ~2K faults a
+# step, the same resident memory, the same loss bit for bit (docs/performance.md,
+# bench/host_malloc.py). The environment's own value wins.
 ifeq ($(wildcard /dev/nvidia0 /dev/accel0),)
-export MALLOC_ARENA_MAX ?= 1
-export MALLOC_MMAP_MAX_ ?= 0
-export MALLOC_TRIM_THRESHOLD_ ?= 2147483647
-export MALLOC_TOP_PAD_ ?= 268435456
+export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 endif
 VENV ?= .venv
 VENV_PYTHON := $(VENV)/bin/python

@@ -1,5 +1,6 @@
 """The host CPU's train step under glibc's default malloc and under the Makefile's settings
-(`MALLOC_*`, exported by `make` where no NVIDIA GPU or TPU device is): per step the wall
+(`GLIBC_TUNABLES`, `MALLOC_*`, exported by `make` where no NVIDIA GPU or TPU device is): per
+step the wall
 seconds, the CPU seconds in user and kernel mode, the minor page faults and the resident
 memory, and whether the two give the same loss bit for bit.
 
@@ -25,10 +26,13 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+SETTINGS = r"GLIBC_TUNABLES|MALLOC_\w+"   # the environment variables glibc's malloc reads
+
+
 def makefile_settings() -> dict[str, str]:
-  """The `export MALLOC_X ?= V` lines of the Makefile (their one owner)."""
+  """The `export GLIBC_TUNABLES ?= V` (or MALLOC_X) lines of the Makefile (their one owner)."""
   with open(os.path.join(REPO, "Makefile")) as f:
-    return dict(re.findall(r"^export (MALLOC_\w+) \?= (\S+)$", f.read(), re.M))
+    return dict(re.findall(rf"^export ({SETTINGS}) \?= (\S+)$", f.read(), re.M))
 
 
 def child(case: str, batch: int, steps: int) -> None:
@@ -50,7 +54,7 @@ def child(case: str, batch: int, steps: int) -> None:
   data = partitioning.global_batch(ts.random_batch(config, np.random.default_rng(0)), mesh)
   with partitioning.mesh_rules(mesh, partitioning.logical_rules(config.mesh.rules)):
     compiled = step.jitted.lower(state, data, rng).compile()
-  for _ in range(2):                     # untimed: the allocator reaches its steady state
+  for _ in range(2):                     # untimed: compiled, the allocator at its steady state
     state, metrics = compiled(state, data, rng)
     jax.block_until_ready(state)
   before, t0, walls = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), []
@@ -80,8 +84,8 @@ def main() -> None:
     return child(args.case, args.batch, args.steps)
   settings = makefile_settings()
   if not settings:
-    raise SystemExit(f"bench: no `export MALLOC_... ?= ...` line in {REPO}/Makefile")
-  base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    raise SystemExit(f"bench: no `export GLIBC_TUNABLES ?= ...` line in {REPO}/Makefile")
+  base = {k: v for k, v in os.environ.items() if not re.fullmatch(SETTINGS, k)}
   base.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
   rows = {}
   for name, env in (("glibc default", base), ("Makefile", {**base, **settings})):
