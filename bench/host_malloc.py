@@ -1,8 +1,8 @@
-"""The host CPU's train step under glibc's default malloc and under the Makefile's settings
-(`GLIBC_TUNABLES`, `MALLOC_*`, exported by `make` where no NVIDIA GPU or TPU device is): per
-step the wall
+"""The host CPU's train step under glibc's default malloc and under the Makefile's setting
+(`GLIBC_TUNABLES`, exported by `make` where no NVIDIA GPU or TPU device is): per step the wall
 seconds, the CPU seconds in user and kernel mode, the minor page faults and the resident
-memory, and whether the two give the same loss bit for bit.
+memory, and whether the two give the same loss bit for bit. Every variable glibc's malloc
+reads (`GLIBC_TUNABLES`, `MALLOC_*`) is removed from the default's environment.
 
 Each setting runs in a process of its own (glibc reads them at start-up): bench/train_step.py's
 case (`real`: configs/real_realm.py:realm with its reader scoring every candidate, the

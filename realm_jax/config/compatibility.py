@@ -5,7 +5,7 @@ checkpoints were written under)."""
 from __future__ import annotations
 
 from realm_jax.config.defaults import TOWER_FIELDS
-from realm_jax.config.reading import FREEZING_FIELDS, flat_options, frozen_paths
+from realm_jax.config.reading import flat_options, freezing_options, frozen_paths
 
 # Fields that fix parameter shapes or the meaning of a checkpoint: a workdir whose
 # checkpoints were written under other values cannot be resumed.
@@ -32,11 +32,10 @@ def incompatible_fields(saved: dict, current: dict) -> list[str]:
               current_flat.get(name, ADDED_FIELDS.get(name)))
       if _norm(a) != _norm(b):
         diffs.append(f"{name}: {a!r} (checkpoints) != {b!r} (this run)")
-  return diffs + _frozen_differs(saved, current, saved_flat, current_flat)
+  return diffs + _frozen_differs(saved, current, current_flat)
 
 
-def _frozen_differs(saved: dict, current: dict, saved_flat: dict, current_flat: dict
-                    ) -> list[str]:
+def _frozen_differs(saved: dict, current: dict, current_flat: dict) -> list[str]:
   """The freezing options that changed, where they change what the run trains: the optimiser
   keeps no state for a frozen sub-tree (`frozen_paths`), so the checkpoints' optimiser state
   has another shape. A learning-rate scale changed between two non-zero values is no diff,
@@ -46,9 +45,8 @@ def _frozen_differs(saved: dict, current: dict, saved_flat: dict, current_flat: 
   if was == now or saved.get("task") != current.get("task"):   # a new task is named above
     return []
   names = lambda paths: "+".join("/".join(p) for p in paths) or "nothing"
-  freezes = lambda flat, f: (flat.get(f, 1.0) == 0 if f.endswith("lr_scale")
-                             else not flat.get(f, True))
-  changed = [f for f in FREEZING_FIELDS if freezes(saved_flat, f) != freezes(current_flat, f)]
+  before, after = freezing_options(saved), freezing_options(current)
+  changed = [f for f in before if before[f] != after[f]]
   return [f"{', '.join(changed) or 'the freezing options'} changes the frozen parameters: "
           f"{names(was)} (checkpoints) != {names(now)} (this run); to train other parameters, "
           f"start a new workdir with init.from_workdir"]

@@ -68,11 +68,15 @@ def uses_index_builder(config) -> bool:
   return config.task == "realm" and r.candidates == "index" and r.refresh != "in_process"
 
 
-# The options beside `task` that decide `frozen_paths`: the optimiser keeps no state for a
-# frozen sub-tree, so a checkpoint restores only under the same frozen sub-trees
-# (`compatibility`).
-FREEZING_FIELDS = ("train.retriever_lr_scale", "train.reader_lr_scale",
-                   "retrieval.block_gradients")
+def freezing_options(config) -> dict[str, bool]:
+  """For each option beside `task` that decides `frozen_paths`, whether its value freezes
+  something (`config` a ConfigDict or its JSON record; an option missing from an old record
+  reads as its default). The optimiser keeps no state for a frozen sub-tree, so a checkpoint
+  restores only under the same frozen sub-trees (`compatibility`)."""
+  t, r = config["train"], config.get("retrieval") or {}
+  return {"train.retriever_lr_scale": t.get("retriever_lr_scale", 1.0) == 0,
+          "train.reader_lr_scale": t.get("reader_lr_scale", 1.0) == 0,
+          "retrieval.block_gradients": not r.get("block_gradients", True)}
 
 
 def frozen_paths(config) -> tuple[tuple[str, ...], ...]:
@@ -85,10 +89,10 @@ def frozen_paths(config) -> tuple[tuple[str, ...], ...]:
   computes, stays fixed with it). The one owner of freezing: the optimiser
   (`runtime.state.make_optimizer`) neither updates nor decays these, and the steps
   (`runtime.state.stop_frozen_gradients`) compute no gradient for them. `config` is a
-  ConfigDict or its JSON record (options missing from an old record read as their defaults)."""
-  t, r = config["train"], config.get("retrieval") or {}
+  ConfigDict or its JSON record, as in `freezing_options`."""
+  freezes = freezing_options(config)
   halves = tuple((part,) for part in ("retriever", "reader")
-                 if t.get(f"{part}_lr_scale", 1.0) == 0)
+                 if freezes[f"train.{part}_lr_scale"])
   fixed_blocks = config["task"] == "openqa" or (
-      config["task"] == "realm" and not r.get("block_gradients", True))
+      config["task"] == "realm" and freezes["retrieval.block_gradients"])
   return halves + ((("retriever", "block_tower"),) if fixed_blocks else ())
