@@ -17,7 +17,7 @@ import os
 
 from realm_jax import log, workdir as workdir_lib
 from realm_jax.stages import (HOST_DEVICES, devices, repo_config, run_demo_cli, run_stages,
-                              split_host, stage_seconds)
+                              split_host, stage_seconds, trained_nothing)
 
 
 def demo_stages() -> list:
@@ -94,6 +94,7 @@ def run_demo(workdir: str, seed: int, entities: int, host_devices: int = HOST_DE
 def _run_demo(workdir: str, seed: int, entities: int, host_devices: int,
               wall: workdir_lib.RunWall) -> dict:
   from realm_jax.data.world_corpus import prepare_world
+  previous = workdir_lib.read_summary(workdir)   # a finished demo run again reports it
   data_dir = os.path.join(workdir, "data")
   if not os.path.exists(os.path.join(data_dir, "stats.json")):
     print(f"[demo] generating the world ({entities} entities, seed {seed}) -> {data_dir}",
@@ -105,6 +106,8 @@ def _run_demo(workdir: str, seed: int, entities: int, host_devices: int,
           f"queries, {stats['examples']['eval']:,} held-out eval queries, vocab "
           f"{stats['vocab_size']:,}", flush=True)
   results = run_stages(demo_stages(), data_dir, workdir, seed, host_devices)
+  if trained_nothing(previous, results):
+    wall.keep(previous)
   _, stage_devices = split_host(dict(os.environ), host_devices)
   summary = {
       "seed": seed, "entities": entities, "devices": devices(stage_devices),

@@ -28,7 +28,8 @@ import os
 import platform
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.stages import devices, repo_config, run_demo_cli, run_stage, stage_seconds
+from realm_jax.stages import (devices, repo_config, run_demo_cli, run_stage, stage_seconds,
+                              trained_nothing)
 from realm_jax.config.overrides import with_overrides
 from realm_jax.packages import MINILM
 
@@ -225,6 +226,7 @@ def run_demo_real(workdir: str, squad: str = "", seed: int = 0, scale: str = "cp
 
 def _run_demo_real(workdir: str, squad: str, seed: int, scale: str, max_paragraphs: int,
                    wall: workdir_lib.RunWall) -> dict:
+  previous = workdir_lib.read_summary(workdir)   # a finished recipe run again reports it
   data_dir, source, stats = prepare_data(workdir, squad, max_paragraphs)
   check_questions(workdir, data_dir, source, seed, scale)
   results = {}
@@ -235,6 +237,8 @@ def _run_demo_real(workdir: str, squad: str, seed: int, scale: str, max_paragrap
   table = retrieval_table(workdir, data_dir, source, seed, scale)
   qa_table, qa_results = open_qa(workdir, data_dir, source, seed, scale)
   results.update(qa_results)
+  if trained_nothing(previous, results):
+    wall.keep(previous)
   realm_eval = results["realm"]
   summary = {
       "source": source, "squad": squad_file(squad), "seed": seed,

@@ -267,6 +267,12 @@ def stage_seconds(results: dict[str, dict]) -> dict[str, float]:
   return {name: workdir_lib.wall_all_runs(summary) for name, summary in results.items()}
 
 
+def trained_nothing(previous: dict | None, results: dict[str, dict]) -> bool:
+  """Whether this run of a demo reused every stage of the summary `previous` wrote (None: no
+  summary yet): a finished demo run again, which adds no run to its wall record."""
+  return previous is not None and previous.get("stage_seconds") == stage_seconds(results)
+
+
 def run_demo_cli(prog: str, job) -> object:
   """`run_cli(prog, job)` for a demo driver: SIGTERM stops it with every running stage saved
   (exit 143), Ctrl-C with every stage stopped (exit 130), a failed stage (exit 1), each with

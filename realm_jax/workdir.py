@@ -183,6 +183,9 @@ def wall_all_runs(fields: dict) -> float | None:
   return fields.get("wall_seconds_all_runs", fields.get("wall_seconds"))
 
 
+WALL_FIELDS = ("wall_seconds", "wall_seconds_all_runs", "runs")   # `add_wall`'s
+
+
 class RunWall:
   """Times one run of a job in `workdir`, from its creation: `record()` adds its seconds to
   W/wall.json and returns `add_wall`'s fields; a `with` block that ends by an exception first
@@ -190,6 +193,11 @@ class RunWall:
 
   def __init__(self, workdir: str):
     self.workdir, self.start, self.fields = workdir, time.time(), None
+
+  def keep(self, previous: dict) -> None:
+    """This run trained nothing (a finished job run again): `record()` gives `previous`'s wall
+    fields (the summary it reproduces) and W/wall.json is left as it is."""
+    self.fields = {key: previous[key] for key in WALL_FIELDS if key in previous}
 
   def record(self) -> dict:
     if self.fields is None:

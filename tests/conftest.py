@@ -89,6 +89,10 @@ def gcs(server):
 def pytest_configure(config):
   config.addinivalue_line("markers", "slow: the slow tier (multi-process runs, builder kills, "
                           "end-to-end training); `make test-fast` leaves it out")
+  # ml_collections' config_flags loads a --config file with the deprecated
+  # SourceFileLoader.load_module (its code, not ours): the one warning every run printed
+  config.addinivalue_line("filterwarnings",
+                          r"ignore:the load_module\(\) method is deprecated:DeprecationWarning")
 
 
 # The test files that take longest (seconds of the whole suite in one worker, AVX-512 Xeon,

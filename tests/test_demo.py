@@ -279,6 +279,14 @@ def test_a_resumed_demo_reports_the_wall_of_every_run_and_stage(monkeypatch, tmp
   assert [line.split()[-1] for line in capsys.readouterr().out.splitlines()
           if "wall seconds" in line] == ["20.000"]
 
+  again = demo.run_demo(str(workdir), seed=0, entities=10)   # finished: every stage reused
+  assert again == summary and json.loads((workdir / "wall.json").read_text()) == \
+      {"seconds": 20.0, "runs": 2}
+  monkeypatch.setattr(demo, "run_stages", lambda *args: {    # a stage trained again
+      "ict": {"wall_seconds": 3.0}, "no_retrieval": {"wall_seconds": 4.0},
+      "warmup": {"wall_seconds": 5.0}, "realm": {**resumed, "wall_seconds_all_runs": 9.0}})
+  assert demo.run_demo(str(workdir), seed=0, entities=10)["runs"] == 3
+
 
 def test_the_wall_record_starts_again_from_scratch_and_never_fails_a_run(tmp_path, caplog,
                                                                            capsys):
@@ -331,6 +339,7 @@ def test_demo_real_runs_every_stage_at_the_scale_asked(monkeypatch, tmp_path, ca
                     {"openqa": 6}, {"openqa": 6}]
   assert summary["scale"] == "gpu" and "gpu scale" in capsys.readouterr().out
   assert summary["runs"] == 1 and summary["wall_seconds_all_runs"] == summary["wall_seconds"]
+  assert demo_real.run_demo_real(str(tmp_path / "W"), seed=1, scale="gpu") == summary  # again
   assert demo_real._arg("realm", "cpu") == "realm"
 
 

@@ -60,7 +60,7 @@ def prepare_config() -> ml_collections.ConfigDict:
   c.num_workers = 2                # worker processes (0: all in this process)
   c.shard_documents = 2000         # documents per shard: unit of parallel work and of resume
   c.strict = False                 # stop at the first bad record (file:line), not skip it
-  c.max_doc_bytes = 10 * 2**20     # a larger document is skipped (10 MB)
+  c.max_doc_bytes = sources.MAX_DOC_BYTES   # a larger document is skipped (10 MB)
   c.progress_every = 10.0          # seconds between progress lines
   return c
 

@@ -23,11 +23,11 @@ import numpy as np
 
 from realm_jax import paths
 from realm_jax.data.answers import compile_answer_regex
-from realm_jax.data.sources import (DUPLICATE, DUPLICATE_ID, EMPTY, INVALID_UTF8,
-                                    MALFORMED_JSON, MISSING_QUESTION, MISSING_TEXT,
-                                    MISSING_TITLE, NO_ANSWERS, NON_STRING_ANSWERS, NOT_AN_OBJECT,
-                                    UNANSWERABLE, Deduplicator, Skips, question_id,
-                                    read_squad_articles, squad_answers)
+from realm_jax.data.sources import (DUPLICATE_ID, INVALID_UTF8, MALFORMED_JSON,
+                                    MISSING_QUESTION, NO_ANSWERS, NON_STRING_ANSWERS,
+                                    NOT_AN_OBJECT, UNANSWERABLE, Deduplicator, Skips,
+                                    question_id, read_squad_articles, squad_answers,
+                                    squad_paragraph_skipped)
 from realm_jax.errors import ConfigError, DataError
 
 KINDS = ("nq_open", "webq", "curated_trec", "squad", "tfds", "prepared")
@@ -302,9 +302,10 @@ def _read_webq(path: str, collect: _Collector) -> None:
 
 
 def _read_squad(path: str, collect: _Collector) -> None:
-  """The questions of a SQuAD file whose paragraph `realm-prepare` keeps in the corpus: one
-  without a title or a context, empty, or a repeat of an earlier one loses its questions,
-  counted by the paragraph's reason, so Open-QA and the zero-shot table ask the same ones."""
+  """The questions of a SQuAD file whose paragraph `realm-prepare` keeps in the corpus
+  (`sources.squad_paragraph_skipped`, at prepare's default `max_doc_bytes`): a skipped
+  paragraph's questions are counted by its reason, so Open-QA and the zero-shot table ask the
+  same ones."""
   skip, dedup = collect.skips.skip, Deduplicator()
   for a, article in enumerate(read_squad_articles(path)):
     if not isinstance(article, dict) or not isinstance(article.get("paragraphs", []), list):
@@ -316,7 +317,7 @@ def _read_squad(path: str, collect: _Collector) -> None:
       if not isinstance(qas, list):
         skip(NOT_AN_OBJECT, f"{path}: data[{a}].paragraphs[{p}]")
         continue
-      lost = _paragraph_skipped(title, paragraph.get("context"), dedup)
+      lost = squad_paragraph_skipped(title, paragraph.get("context"), dedup)
       for q, qa in enumerate(qas):
         where = f"{path}: data[{a}].paragraphs[{p}].qas[{q}]"
         if lost or (isinstance(qa, dict) and qa.get("is_impossible")):
@@ -331,17 +332,6 @@ def _read_squad(path: str, collect: _Collector) -> None:
           record = {**qa, "answers": [text for text, _ in answers]}
         collect.add(record, where, default_id=f"{os.path.basename(path)}:{a}.{p}.{q}",
                     answers_key="answers", title=title)
-
-
-def _paragraph_skipped(title, context, dedup: Deduplicator) -> str | None:
-  """Why `realm-prepare` skips this paragraph (its title and context), or None."""
-  if not isinstance(title, str):
-    return MISSING_TITLE
-  if not isinstance(context, str):
-    return MISSING_TEXT
-  if not context.strip():
-    return EMPTY
-  return None if dedup.is_new(title, context) else DUPLICATE
 
 
 def _read_tfds(arg: str, collect: _Collector, option: str, data_dir: str | None) -> None:

@@ -9,7 +9,6 @@ read is either a document or a skip, so `read == documents + sum(skipped)`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import glob
 import gzip
@@ -32,6 +31,7 @@ INVALID_UTF8 = "invalid UTF-8"
 EMPTY = "empty or whitespace-only document"
 TOO_LARGE = "document over max_doc_bytes"
 DUPLICATE = "duplicate document"
+MAX_DOC_BYTES = 10 * 2**20   # prepare's default `max_doc_bytes`, and the Open-QA reader's
 # Skip reasons of a SQuAD file's questions (here and in `realm_jax.data.qa`).
 MISSING_QUESTION = "missing question"
 NO_ANSWERS = "no answers"
@@ -79,6 +79,22 @@ class Deduplicator:
       return False
     self.seen.add(key)
     return True
+
+
+def squad_paragraph_skipped(title, context, dedup: Deduplicator,
+                            max_doc_bytes: int = MAX_DOC_BYTES) -> str | None:
+  """Why a SQuAD paragraph (its article's title, its context) is no document, or None (`dedup`
+  then holds it): the one rule of `realm-prepare`'s `squad:` source and of the Open-QA reader
+  (`realm_jax.data.qa`), so that Open-QA asks only questions whose paragraph is a block."""
+  if not isinstance(title, str):
+    return MISSING_TITLE
+  if not isinstance(context, str):
+    return MISSING_TEXT
+  if len(context.encode("utf-8", "surrogatepass")) > max_doc_bytes:
+    return TOO_LARGE
+  if not context.strip():
+    return EMPTY
+  return None if dedup.is_new(title, context) else DUPLICATE
 
 
 def parse_source(spec: str) -> tuple[str, str]:
@@ -214,17 +230,18 @@ def _squad(path: str, config, skips: Skips) -> Iterator[SourceDocument]:
       continue
     for p, paragraph in enumerate(paragraphs):
       where = f"{path}: data[{a}].paragraphs[{p}]"
-      record = ({**paragraph, "title": article.get("title")} if isinstance(paragraph, dict)
-                else paragraph)
-      doc = _document(record, "title", "context", config, where, skips)
-      lost = doc is None or not doc.text.strip() or not dedup.is_new(doc.title, doc.text)
-      if lost:
-        skips.drop_questions(paragraph.get("qas") if isinstance(paragraph, dict) else None)
-        if doc is not None:
-          yield doc     # read_documents skips it, empty or a repeat, and counts it
+      if not isinstance(paragraph, dict):
+        skips.skip(NOT_AN_OBJECT, where)
+        continue
+      title, text = article.get("title"), paragraph.get("context")
+      why = squad_paragraph_skipped(title, text, dedup, config.max_doc_bytes)
+      if why is not None:
+        skips.skip(why, where)
+        skips.drop_questions(paragraph.get("qas"))
         continue
       qas = squad_questions(paragraph, where, skips, seen_ids, f"{name}:{a}.{p}")
-      yield dataclasses.replace(doc, qas=tuple(qas))
+      yield SourceDocument(title, text, split=_split_of(title, text, config.eval_fraction),
+                           where=where, qas=tuple(qas))
 
 
 def squad_questions(paragraph: dict, where: str, skips: Skips, seen_ids: set[str],
