@@ -16,8 +16,8 @@ import argparse
 import os
 
 from realm_jax import log, workdir as workdir_lib
-from realm_jax.stages import (HOST_DEVICES, devices, repo_config, run_demo_cli, run_stages,
-                              split_host, stage_seconds, trained_nothing)
+from realm_jax.stages import (HOST_DEVICES, check_arguments, devices, repo_config, run_demo_cli,
+                              run_stages, split_host, stage_seconds, trained_nothing)
 
 
 def demo_stages() -> list:
@@ -87,6 +87,7 @@ def print_report(summary: dict, examples: list[dict]) -> None:
 
 def run_demo(workdir: str, seed: int, entities: int, host_devices: int = HOST_DEVICES) -> dict:
   """The whole demo; returns the summary written to `workdir/summary.json`."""
+  check_arguments(workdir, {"seed": seed, "entities": entities}, "WORKDIR")
   with workdir_lib.RunWall(workdir) as wall:   # a resumed demo adds its earlier runs
     return _run_demo(workdir, seed, entities, host_devices, wall)
 

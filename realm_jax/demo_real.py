@@ -28,8 +28,8 @@ import os
 import platform
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.stages import (devices, repo_config, run_demo_cli, run_stage, stage_seconds,
-                              trained_nothing)
+from realm_jax.stages import (check_arguments, devices, repo_config, run_demo_cli, run_stage,
+                              stage_seconds, trained_nothing)
 from realm_jax.config.overrides import with_overrides
 from realm_jax.packages import MINILM
 
@@ -220,6 +220,8 @@ def print_report(summary: dict) -> None:
 
 def run_demo_real(workdir: str, squad: str = "", seed: int = 0, scale: str = "cpu",
                   max_paragraphs: int = MAX_PARAGRAPHS) -> dict:
+  # (another file or --max-paragraphs: W/data's own check refuses it, `fit_to_the_hour`)
+  check_arguments(workdir, {"seed": seed, "scale": scale}, "REAL_WORKDIR")
   with workdir_lib.RunWall(workdir) as wall:   # a resumed recipe adds its earlier runs
     return _run_demo_real(workdir, squad, seed, scale, max_paragraphs, wall)
 

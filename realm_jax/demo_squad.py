@@ -19,7 +19,8 @@ import os
 import time
 
 from realm_jax import log, workdir as workdir_lib
-from realm_jax.stages import repo_config, run_demo_cli, run_stage, run_stages, stage_seconds
+from realm_jax.stages import (check_arguments, repo_config, run_demo_cli, run_stage, run_stages,
+                              stage_seconds)
 
 STAGES = (("ict", ""), ("warmup", "ict"), ("realm", "warmup"))
 OPENQA_STAGES = (("openqa_realm", "realm"), ("openqa_ict", "ict"))   # (stage, starts from)
@@ -30,6 +31,7 @@ def pretrain(workdir: str, squad: str, seed: int,
   """prepare -> ICT -> warm-up -> REALM (for Open-QA, once its questions are checked). Returns
   (data dir, source, prepare stats, stage summaries)."""
   from realm_jax.data.prepare import prepare
+  check_arguments(workdir, {"seed": seed}, "SQUAD_WORKDIR")   # the file: prepare's own check
   data_dir = os.path.join(workdir, "data")
   prep = repo_config("squad_realm", "prepare")
   if squad:

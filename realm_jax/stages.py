@@ -15,9 +15,9 @@ import subprocess
 import sys
 import time
 
-from realm_jax import log, workdir as workdir_lib
+from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.config.overrides import with_overrides
-from realm_jax.errors import run_cli
+from realm_jax.errors import ConfigError, run_cli
 from realm_jax.processes import (Preempted, on_sigterm, shared_memory_env, start_child,
                                  signals_deferred, stop_after)
 from realm_jax.runtime.preemption import EXIT_CODE
@@ -31,6 +31,7 @@ HOST_DEVICES = 2   # the REALM stage's trainer and builder see the CPU as two JA
                    # none) run faster on one. A fixed count gives the same figures on any
                    # number of cores.
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+DEMO_ARGUMENTS = "demo_arguments.json"   # what a demo's workdir was begun with
 STAGE_LOG = "stage.log"  # the output of a stage run beside another (`start_stage`)
 ROUND_POLL_SECONDS = 1.0   # how often a round's stage processes are looked at (`run_round`)
 
@@ -265,6 +266,26 @@ def stage_seconds(results: dict[str, dict]) -> dict[str, float]:
   """Each stage's wall seconds over all its runs (a stage resumed after a stop counts the
   runs before it: W/wall.json, realm_jax/workdir.py)."""
   return {name: workdir_lib.wall_all_runs(summary) for name, summary in results.items()}
+
+
+def check_arguments(workdir: str, arguments: dict, make_variable: str) -> None:
+  """Refuses to go on with a demo in `workdir` begun under other `arguments` (flag -> value,
+  e.g. the seed), naming the first that differs and the Makefile's `make_variable` for another
+  workdir: the demo would reuse its data and finished stages as they are and report them
+  under the new values. The first run records them in W/demo_arguments.json (a workdir from
+  before that record is taken as it is)."""
+  path = os.path.join(workdir, DEMO_ARGUMENTS)
+  recorded = paths.read_json(path) if os.path.exists(path) else None
+  if recorded is None:
+    os.makedirs(workdir, exist_ok=True)
+    paths.write_json(path, arguments)
+    return
+  for flag, value in arguments.items():
+    if flag in recorded and recorded[flag] != value:
+      raise ConfigError("", f"--{flag} {value}: {workdir} holds a demo begun with --{flag} "
+                        f"{recorded[flag]}, whose data and stages it would reuse; give it "
+                        f"another workdir (--workdir, or make {make_variable}=...) or remove "
+                        f"{workdir}")
 
 
 def trained_nothing(previous: dict | None, results: dict[str, dict]) -> bool:

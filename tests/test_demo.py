@@ -288,6 +288,31 @@ def test_a_resumed_demo_reports_the_wall_of_every_run_and_stage(monkeypatch, tmp
   assert demo.run_demo(str(workdir), seed=0, entities=10)["runs"] == 3
 
 
+def test_a_demo_workdir_refuses_other_arguments_than_it_was_begun_with(monkeypatch, tmp_path):
+  """`make demo SEED=1` in the workdir of seed 0 would reuse seed 0's world and stages and
+  report them as seed 1's: it is refused, naming the flag and the Makefile's variable, and the
+  refused run adds nothing to the wall record. The same arguments go on."""
+  from realm_jax import demo_real
+  from realm_jax.errors import ConfigError
+  monkeypatch.setattr(demo, "plot_curves", lambda *args: None)
+  monkeypatch.setattr(demo, "run_stages", lambda *args: {
+      name: {"wall_seconds": 1.0} for name in ("ict", "no_retrieval", "warmup", "realm")})
+  workdir = tmp_path / "W"
+  (workdir / "data").mkdir(parents=True)
+  (workdir / "data" / "stats.json").write_text("{}")
+  demo.run_demo(str(workdir), seed=0, entities=10)
+  wall = (workdir / "wall.json").read_text()
+  for seed, entities, flag in ((1, 10, "--seed 1"), (0, 20, "--entities 20")):
+    with pytest.raises(ConfigError, match=f"{flag}: .*W holds a demo begun with "
+                       f"{flag.split()[0]} .*make WORKDIR="):
+      demo.run_demo(str(workdir), seed=seed, entities=entities)
+  assert (workdir / "wall.json").read_text() == wall
+  assert demo.run_demo(str(workdir), seed=0, entities=10)["seed"] == 0
+  with pytest.raises(ConfigError, match="--scale gpu: .* begun with --scale cpu.*REAL_WORKDIR"):
+    stages.check_arguments(str(tmp_path / "R"), {"seed": 0, "scale": "cpu"}, "REAL_WORKDIR")
+    demo_real.run_demo_real(str(tmp_path / "R"), seed=0, scale="gpu")
+
+
 def test_the_wall_record_starts_again_from_scratch_and_never_fails_a_run(tmp_path, caplog,
                                                                            capsys):
   import logging
@@ -407,7 +432,8 @@ def test_a_resumed_demo_real_does_not_evaluate_again_what_it_evaluated(monkeypat
   (workdir / "realm" / "summary.json").unlink()                      # REALM trained again
   demo_real.run_demo_real(str(workdir), seed=1)
   assert calls[3:] == ["table"]
-  demo_real.run_demo_real(str(workdir), seed=2)                      # another seed: all again
+  (workdir / stages.DEMO_ARGUMENTS).unlink()    # (a workdir from before that record takes
+  demo_real.run_demo_real(str(workdir), seed=2)  # another seed): the seed evaluates all again
   assert calls[4:] == ["table", "openqa_realm", "openqa_ict"]
   (workdir / "evaluations.json").write_text('{"retrieval": {"ke')    # cut short
   demo_real.run_demo_real(str(workdir), seed=2)
