@@ -60,13 +60,24 @@ def job_config(task: str, world_dir: str):
   return helpers.tiny_config(task, data_dir=world_dir, **overrides)
 
 
-def test_two_processes_train_like_one(world_dir, tmp_path):
+# A mean-pooled query tower whose queries each process packs two a row (its 8 of 16 into its 4
+# of 8 rows; the world's queries are at most 16 wordpieces).
+PACKED = dict(model__retriever__pooling="mean", retrieval__packed_query_rows=8,
+              data__query_len=32)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one_query_a_row", "packed"])
+def test_two_processes_train_like_one(world_dir, tmp_path, packed):
   """REALM with its index rebuilt in process: each process's share of the batches, the global
   arrays made of them, the collectives of the jitted step, the blocks embedded and searched on
-  every host, the checkpoint both write and the evaluation. (ICT runs the same machinery with
-  another loss: its in-batch softmax over a batch split across `data` is test_sharding's.)"""
+  every host, the checkpoint both write and the evaluation; packed, each process's queries in
+  its rows, numbered in the global batch. (ICT runs the same machinery with another loss: its
+  in-batch softmax over a batch split across `data` is test_sharding's.)"""
   task = "realm"
   config = job_config(task, world_dir)
+  if packed:
+    config = helpers.tiny_config(task, data_dir=world_dir, train__steps=5,
+                                 train__checkpoint_every=5, retrieval__backend="exact", **PACKED)
   procs = launch(helpers.config_flags(config, "demo_realm"), str(tmp_path / "two"), 2,
                  free_port())
   single = train(config, str(tmp_path / "one"))    # this process: 8 devices
@@ -99,6 +110,8 @@ def test_two_processes_train_like_one(world_dir, tmp_path):
     summary = json.load(f)
   for key in ("eval_recall_at_1", "eval_recall_at_5"):
     assert summary[key] == single[key]
+  assert summary.get("query_batches_packed", 0) == single.get("query_batches_packed", 0) == \
+      (5 if packed else 0)
 
 
 def test_a_lost_process_stops_the_others_naming_it(world_dir, tmp_path):

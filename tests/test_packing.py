@@ -56,6 +56,39 @@ def test_every_query_is_packed_whole_into_its_own_shards_rows():
     pipeline.pack_queries(ids, 6, shards=4)
 
 
+def test_each_process_packs_its_share_as_one_process_packs_its_shards(world_data):
+  """Two processes of 2 data devices each pack their halves of the batch into their halves of
+  the rows, numbered in the global batch: together, what one process of 4 packs. All pack or
+  none, from the global batch's query lengths, which each process computes alone."""
+  ids, _ = random_queries(np.random.default_rng(1), 32, 24, longest=16)
+  one = pipeline.pack_queries(ids, 24, shards=4)
+  config = ConfigDict({"retrieval": {"packed_query_rows": 24}})
+  shares = [{"query_ids": ids[p * 16:(p + 1) * 16]} for p in range(2)]
+  for p, share in enumerate(shares):
+    assert batches.pack_queries(config, share, 4, (ids > 0).sum(1), p, 2)
+  for key in PACKED:
+    np.testing.assert_array_equal(np.concatenate([share[key] for share in shares]), one[key])
+  # process 1's queries (16 wordpieces) cannot share its 4 rows of 24, process 0's (3) can
+  ids = np.zeros((16, 24), np.int32)
+  ids[:8, :3], ids[8:, :16] = 7, 7
+  config = ConfigDict({"retrieval": {"packed_query_rows": 8}})
+  assert pipeline.pack_queries(ids[:8], 4, shards=2) is not None
+  for p in range(2):
+    share = {"query_ids": ids[p * 8:(p + 1) * 8]}
+    assert not batches.pack_queries(config, share, 4, (ids > 0).sum(1), p, 2)
+    assert set(share) == {"query_ids"}
+  with pytest.raises(RuntimeError, match="disagree"):
+    batches.pack_queries(config, {"query_ids": ids[:8]}, 4, (ids[::-1] > 0).sum(1), 0, 2)
+  # each process finds the global batch's lengths from the seed and the step alone
+  realm = tiny_config("realm")
+  examples = world_data.examples("train")
+  halves = [batches.QueryBatches(realm, world_data, examples, p, 2) for p in range(2)]
+  for step in (0, 7):
+    whole = np.concatenate([(half(step)["query_ids"] > 0).sum(1) for half in halves])
+    for half in halves:
+      np.testing.assert_array_equal(half.query_lengths(step), whole)
+
+
 def packed_start(world_dir, world_data):
   """A tiny REALM config whose 16 queries pack two a row (8 rows, one a device), its model,
   mesh and state, and one host batch with and without the packed queries."""
@@ -134,3 +167,8 @@ def test_rows_that_do_not_divide_the_data_axis_are_refused_at_start(world_dir, t
   with pytest.raises(ConfigError) as e:
     train(config, str(tmp_path / "run"))
   assert e.value.option == "retrieval.packed_query_rows" and "data axis (8)" in str(e.value)
+  from realm_jax.config.validation import validate_against_mesh
+  config.retrieval.packed_query_rows = 8
+  validate_against_mesh(config, 8, 2)                  # 2 processes of 4 data devices: served
+  with pytest.raises(ConfigError, match="among the 3 processes"):
+    validate_against_mesh(config, 8, 3)

@@ -147,9 +147,10 @@ def _retrieval(c) -> None:
   c.retrieval.packed_query_rows = 0  # > 0: REALM's training step reads its queries packed
                                    # into this many rows of query_len wordpieces (several a
                                    # row, each attending to itself, positions restarting), so
-                                   # the query tower computes on few [PAD]s; mean pooling, one
-                                   # process; a batch that does not fit goes one query a row.
-                                   # 0: one query a row
+                                   # the query tower computes on few [PAD]s; mean pooling;
+                                   # each process packs its share into its R / processes
+                                   # rows; a batch that does not fit (in any process) goes
+                                   # one query a row. 0: one query a row
   c.retrieval.own_block_share = 0.5  # candidates "mixed": the share of training queries that
                                    # read their own block (the rest read a distractor)
   c.retrieval.own_context = False  # candidates "index", training only: the query's own

@@ -225,15 +225,16 @@ def _validate_packing(config) -> None:
 
 def validate_against_mesh(config, data_axis: int, processes: int) -> None:
   """The checks that need the run's mesh: the batch, and packed query rows, split over the
-  `data_axis` devices; packing within one process (`processes`)."""
+  `data_axis` devices, each of the `processes` packing its share of both."""
   if config.train.batch_size % data_axis:
     raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
                       f"the data axis ({data_axis})")
   rows = config.retrieval.get("packed_query_rows", 0)
-  if rows and (rows % data_axis or processes > 1):
-    raise ConfigError("retrieval.packed_query_rows", f"{rows} rows: one process's batch is "
-                      f"packed, in rows divisible by the data axis ({data_axis}); this run "
-                      f"has {processes} processes")
+  if rows and (rows % data_axis or data_axis % processes):
+    raise ConfigError("retrieval.packed_query_rows", f"{rows} rows: each data shard packs "
+                      f"its queries into its own rows, so they must divide by the data axis "
+                      f"({data_axis}), whose devices must divide among the {processes} "
+                      "processes")
 
 
 def _validate_openqa(config) -> None:

@@ -122,8 +122,8 @@ def mask_salient_spans(ids: np.ndarray, spans: np.ndarray, max_masks: int,
 PACKED_QUERIES = ("packed_ids", "packed_positions", "packed_owner", "query_packed_row")
 
 
-def pack_queries(query_ids: np.ndarray, rows: int, shards: int = 1
-                 ) -> dict[str, np.ndarray] | None:
+def pack_queries(query_ids: np.ndarray, rows: int, shards: int = 1, first_query: int = 0,
+                 first_row: int = 0) -> dict[str, np.ndarray] | None:
   """The queries [B, L] (each `[CLS] x [SEP]`, padding after it) packed into `rows` rows of L
   wordpieces, so that the query tower computes on few padding wordpieces: first-fit by
   decreasing length within each of `shards` equal slices of the batch and of the rows (a
@@ -131,16 +131,39 @@ def pack_queries(query_ids: np.ndarray, rows: int, shards: int = 1
 
   Returns packed_ids [rows, L]; packed_positions [rows, L], each wordpiece's position in its
   own query; packed_owner [rows, L], the query (batch index) a wordpiece belongs to, -1 on
-  padding; query_packed_row [B], the row holding each query.
+  padding; query_packed_row [B], the row holding each query. Queries and rows are numbered
+  from `first_query` and `first_row`: a process's share of a global batch numbers its own in
+  the global batch's rows.
   """
   b, length = query_ids.shape
-  if b % shards or rows % shards:
-    raise ValueError(f"{b} queries into {rows} rows: both must divide by the {shards} shards")
-  lengths = (query_ids > 0).sum(1)
+  placed = _first_fit((query_ids > 0).sum(1), rows, shards, length)
+  if placed is None:
+    return None
   ids = np.zeros((rows, length), np.int32)
   positions = np.zeros((rows, length), np.int32)
   owner = np.full((rows, length), -1, np.int32)
-  row_of = np.zeros(b, np.int32)
+  for q, (row, start, n) in enumerate(placed):
+    ids[row, start:start + n] = query_ids[q, :n]
+    positions[row, start:start + n] = np.arange(n)
+    owner[row, start:start + n] = first_query + q
+  row_of = (placed[:, 0] + first_row).astype(np.int32)
+  return dict(zip(PACKED_QUERIES, (ids, positions, owner, row_of)))
+
+
+def queries_fit(lengths: np.ndarray, rows: int, shards: int, length: int) -> bool:
+  """Whether queries of `lengths` wordpieces pack into `rows` rows of `length` (as
+  `pack_queries` packs them)."""
+  return _first_fit(np.asarray(lengths), rows, shards, length) is not None
+
+
+def _first_fit(lengths: np.ndarray, rows: int, shards: int, length: int) -> np.ndarray | None:
+  """[B, 3]: each query's (row, first position, wordpieces) by first-fit in decreasing length
+  within each of `shards` equal slices of the queries and of the rows; None if one does not
+  fit."""
+  b = len(lengths)
+  if b % shards or rows % shards:
+    raise ValueError(f"{b} queries into {rows} rows: both must divide by the {shards} shards")
+  placed = np.zeros((b, 3), np.int64)
   per_slice, rows_per_slice = b // shards, rows // shards
   for s in range(shards):
     used = np.zeros(rows_per_slice, np.int64)        # wordpieces taken in each of its rows
@@ -149,12 +172,9 @@ def pack_queries(query_ids: np.ndarray, rows: int, shards: int = 1
       free = np.flatnonzero(used + n <= length)
       if not len(free):
         return None
-      row, start = s * rows_per_slice + free[0], int(used[free[0]])
-      ids[row, start:start + n] = query_ids[q, :n]
-      positions[row, start:start + n] = np.arange(n)
-      owner[row, start:start + n] = q
-      row_of[q], used[free[0]] = row, start + n
-  return dict(zip(PACKED_QUERIES, (ids, positions, owner, row_of)))
+      placed[q] = (s * rows_per_slice + free[0], used[free[0]], n)
+      used[free[0]] += n
+  return placed
 
 
 def candidate_rows(retrieved: np.ndarray, query_block: np.ndarray, uids: np.ndarray,

@@ -68,13 +68,27 @@ class QueryBatches(BatchStream):
                process_count: int = 1):
     self.local_batch = local_batch_size(config, process_count)
     self.config, self.data, self.examples = config, data, examples
-    self.process_count = process_count
+    self.process_index, self.process_count = process_index, process_count
     tok = data.tokenizer
     self.cls_id, self.sep_id, self.mask_id = tok.cls_id, tok.sep_id, tok.mask_id
     self.rows = pipeline.example_stream(len(examples), config.seed)
     self.dataset = pipeline.process_batches(self.rows.random_map(self._draw),
                                             config.train.batch_size, process_index,
                                             process_count, self._assemble)
+
+  def query_lengths(self, step: int) -> np.ndarray:
+    """[B]: the wordpieces of each query (`[CLS] x [SEP]`) of global batch `step`, every
+    process's share: like the batch, a function of the seed and the step alone."""
+    size = self.config.train.batch_size
+    rows = np.fromiter((self.rows[step * size + j] for j in range(size)), np.int64, size)
+    return self.examples.lengths[rows] + 2
+
+  def pack(self, step: int, batch: dict[str, np.ndarray], shards: int) -> bool:
+    """`pack_queries` for this process's batch of `step` (`shards`: the data axis)."""
+    if self.process_count == 1:
+      return pack_queries(self.config, batch, shards)
+    return pack_queries(self.config, batch, shards, self.query_lengths(step),
+                        self.process_index, self.process_count)
 
   def _draw(self, row: int, rng: np.random.Generator) -> tuple[int, int, int]:
     """(row, choice, own): the salient span to mask (REALM), or whether to cut the sentence
@@ -137,13 +151,31 @@ def realm_batch(config, data: PreparedData, queries: dict[str, np.ndarray],
   return batch
 
 
-def pack_queries(config, batch: dict[str, np.ndarray], shards: int) -> bool:
-  """With `retrieval.packed_query_rows`, adds a training `batch`'s queries packed into that
-  many rows (`pipeline.pack_queries`, each of the `shards` data shards' queries in its own
-  rows); whether it did (not when off, nor when the queries do not fit: the step then reads
-  them one a row)."""
+def pack_queries(config, batch: dict[str, np.ndarray], shards: int,
+                 global_lengths: np.ndarray | None = None, process_index: int = 0,
+                 process_count: int = 1) -> bool:
+  """With `retrieval.packed_query_rows` R, adds a training `batch`'s queries packed into this
+  process's R / P rows (`pipeline.pack_queries`, each of its data shards' queries in that
+  shard's rows; `shards`: the data axis's devices in all P processes), numbered in the global
+  batch; whether it did (not when off, nor when the queries do not fit: the step then reads
+  them one a row). In a job of several processes every one must take the same step:
+  `global_lengths` [B], the wordpieces of every query of the global batch
+  (`QueryBatches.query_lengths`), says whether all processes' shares fit, and all pack or none."""
   rows = config.retrieval.get("packed_query_rows", 0)
-  packed = pipeline.pack_queries(batch["query_ids"], rows, shards) if rows else None
+  if not rows:
+    return False
+  ids = batch["query_ids"]
+  local_rows, local_shards = rows // process_count, shards // process_count
+  if process_count > 1:
+    shares = np.asarray(global_lengths).reshape(process_count, -1)
+    if not np.array_equal(shares[process_index], (ids > 0).sum(1)):
+      raise RuntimeError("the global batch's query lengths disagree with this process's "
+                         "queries: the processes would pack differently")
+    if not all(pipeline.queries_fit(share, local_rows, local_shards, ids.shape[1])
+               for share in shares):
+      return False
+  packed = pipeline.pack_queries(ids, local_rows, local_shards, process_index * len(ids),
+                                 process_index * local_rows)
   if packed is not None:
     batch.update(packed)
   return packed is not None

@@ -92,7 +92,7 @@ class Trainer(Run):
                              self.inputs.local_batch) \
         if self.config.retrieval.get("score_cache", False) else None
     return QueryStepBatches(self.config, self.data, self.mesh, self.candidates, score_cache,
-                            data_iter, start, depth)
+                            data_iter, start, depth, self.inputs.pack)
 
   def evaluates_at_start(self) -> bool:
     return self.candidates.measures   # the starting point of the curves
@@ -148,8 +148,8 @@ class QueryStepBatches(StepBatches):
   batch feed's thread."""
 
   def __init__(self, config, data, mesh, candidates, score_cache: ScoreCache | None,
-               data_iter, start: int, depth: int):
-    self.config, self.data, self.mesh = config, data, mesh
+               data_iter, start: int, depth: int, pack):
+    self.config, self.data, self.mesh, self.pack = config, data, mesh, pack
     self.candidates, self.score_cache = candidates, score_cache
     self.rows = candidate_rows.of(config)
     self.data_iter, self.start, self.depth = data_iter, start, depth
@@ -178,7 +178,7 @@ class QueryStepBatches(StepBatches):
       used = {"index": loaded, "wait_seconds": waited}
     cand = self.rows.rows(self.data, queries, retrieved, training=True)
     batch = batches.realm_batch(cfg, self.data, queries, cand)
-    used["packed"] = batches.pack_queries(cfg, batch, self.mesh.shape["data"])
+    used["packed"] = self.pack(step, batch, self.mesh.shape["data"])
     if not cfg.retrieval.get("block_gradients", True) and loaded is not None:
       batch["candidate_emb"] = batches.index_embeddings(loaded, cand)
     if self.score_cache is not None:
