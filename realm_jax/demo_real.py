@@ -229,6 +229,7 @@ def run_demo_real(workdir: str, squad: str = "", seed: int = 0, scale: str = "cp
 def _run_demo_real(workdir: str, squad: str, seed: int, scale: str, max_paragraphs: int,
                    wall: workdir_lib.RunWall) -> dict:
   previous = workdir_lib.read_summary(workdir)   # a finished recipe run again reports it
+  evaluations = paths.read_text(os.path.join(workdir, EVALUATIONS))   # ... unless it evaluates
   data_dir, source, stats = prepare_data(workdir, squad, max_paragraphs)
   check_questions(workdir, data_dir, source, seed, scale)
   results = {}
@@ -239,7 +240,8 @@ def _run_demo_real(workdir: str, squad: str, seed: int, scale: str, max_paragrap
   table = retrieval_table(workdir, data_dir, source, seed, scale)
   qa_table, qa_results = open_qa(workdir, data_dir, source, seed, scale)
   results.update(qa_results)
-  if trained_nothing(previous, results):
+  if trained_nothing(previous, results) and \
+      paths.read_text(os.path.join(workdir, EVALUATIONS)) == evaluations:
     wall.keep(previous)
   realm_eval = results["realm"]
   summary = {

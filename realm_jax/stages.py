@@ -273,10 +273,16 @@ def check_arguments(workdir: str, arguments: dict, make_variable: str) -> None:
   e.g. the seed), naming the first that differs and the Makefile's `make_variable` for another
   workdir: the demo would reuse its data and finished stages as they are and report them
   under the new values. The first run records them in W/demo_arguments.json (a workdir from
-  before that record is taken as it is)."""
+  before that record is taken as it is; one with nothing else in it yet takes the new ones)."""
   path = os.path.join(workdir, DEMO_ARGUMENTS)
-  recorded = paths.read_json(path) if os.path.exists(path) else None
-  if recorded is None:
+  try:
+    recorded = paths.read_json(path)
+  except ValueError as e:
+    raise ConfigError("", f"{path}: not the JSON a demo writes ({e}); remove it, or "
+                      f"{workdir}") from None
+  begun = os.path.isdir(workdir) and \
+      set(os.listdir(workdir)) - {DEMO_ARGUMENTS, workdir_lib.WALL}
+  if recorded is None or not begun:   # nothing made yet (a demo that stopped at once)
     os.makedirs(workdir, exist_ok=True)
     paths.write_json(path, arguments)
     return

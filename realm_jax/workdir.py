@@ -188,8 +188,8 @@ WALL_FIELDS = ("wall_seconds", "wall_seconds_all_runs", "runs")   # `add_wall`'s
 
 class RunWall:
   """Times one run of a job in `workdir`, from its creation: `record()` adds its seconds to
-  W/wall.json and returns `add_wall`'s fields; a `with` block that ends by an exception first
-  (a preempted or failed run) adds them then."""
+  W/wall.json and returns `add_wall`'s fields (after `keep`, a summary's own, adding nothing);
+  a `with` block that ends by an exception first (a preempted or failed run) adds them then."""
 
   def __init__(self, workdir: str):
     self.workdir, self.start, self.fields = workdir, time.time(), None

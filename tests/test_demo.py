@@ -292,6 +292,7 @@ def test_a_demo_workdir_refuses_other_arguments_than_it_was_begun_with(monkeypat
   """`make demo SEED=1` in the workdir of seed 0 would reuse seed 0's world and stages and
   report them as seed 1's: it is refused, naming the flag and the Makefile's variable, and the
   refused run adds nothing to the wall record. The same arguments go on."""
+  import json
   from realm_jax import demo_real
   from realm_jax.errors import ConfigError
   monkeypatch.setattr(demo, "plot_curves", lambda *args: None)
@@ -308,9 +309,25 @@ def test_a_demo_workdir_refuses_other_arguments_than_it_was_begun_with(monkeypat
       demo.run_demo(str(workdir), seed=seed, entities=entities)
   assert (workdir / "wall.json").read_text() == wall
   assert demo.run_demo(str(workdir), seed=0, entities=10)["seed"] == 0
-  with pytest.raises(ConfigError, match="--scale gpu: .* begun with --scale cpu.*REAL_WORKDIR"):
-    stages.check_arguments(str(tmp_path / "R"), {"seed": 0, "scale": "cpu"}, "REAL_WORKDIR")
-    demo_real.run_demo_real(str(tmp_path / "R"), seed=0, scale="gpu")
+  # demo-real and demo-squad check before they prepare anything
+  from realm_jax import demo_squad
+  from realm_jax.data import prepare as prepare_lib
+  monkeypatch.setattr(demo_real, "prepare_data", lambda *a: pytest.fail("prepared first"))
+  monkeypatch.setattr(prepare_lib, "prepare", lambda *a: pytest.fail("prepared first"))
+  for name, flag, run in (
+      ("R", "--scale gpu", lambda w: demo_real.run_demo_real(w, seed=0, scale="gpu")),
+      ("S", "--seed 1", lambda w: demo_squad.pretrain(w, "", seed=1))):
+    stages.check_arguments(str(tmp_path / name), {"seed": 0, "scale": "cpu"}, "")
+    (tmp_path / name / "data").mkdir()
+    with pytest.raises(ConfigError, match=f"{flag}: .* begun with {flag.split()[0]} "):
+      run(str(tmp_path / name))
+  # a workdir holding nothing but the record (a demo that stopped at once) takes new ones
+  stages.check_arguments(str(tmp_path / "N"), {"seed": 0}, "WORKDIR")
+  stages.check_arguments(str(tmp_path / "N"), {"seed": 1}, "WORKDIR")
+  assert json.loads((tmp_path / "N" / stages.DEMO_ARGUMENTS).read_text()) == {"seed": 1}
+  (tmp_path / "N" / stages.DEMO_ARGUMENTS).write_text("{cut")
+  with pytest.raises(ConfigError, match=r"N/demo_arguments.json: not the JSON a demo writes"):
+    stages.check_arguments(str(tmp_path / "N"), {"seed": 1}, "WORKDIR")
 
 
 def test_the_wall_record_starts_again_from_scratch_and_never_fails_a_run(tmp_path, caplog,
@@ -429,8 +446,9 @@ def test_a_resumed_demo_real_does_not_evaluate_again_what_it_evaluated(monkeypat
   again = demo_real.run_demo_real(str(workdir), seed=1)
   assert calls == ["table", "openqa_realm", "openqa_ict"]            # nothing evaluated again
   assert again["recall"] == first["recall"] and again["exact_match_realm"] == 0.25
+  assert again["runs"] == 1                                          # nor a run added
   (workdir / "realm" / "summary.json").unlink()                      # REALM trained again
-  demo_real.run_demo_real(str(workdir), seed=1)
+  assert demo_real.run_demo_real(str(workdir), seed=1)["runs"] == 2   # (evaluated: a run)
   assert calls[3:] == ["table"]
   (workdir / stages.DEMO_ARGUMENTS).unlink()    # (a workdir from before that record takes
   demo_real.run_demo_real(str(workdir), seed=2)  # another seed): the seed evaluates all again

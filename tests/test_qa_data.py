@@ -152,6 +152,9 @@ def test_the_corpus_and_open_qa_read_the_same_squad_questions(tmp_path):
   data = messy_squad()
   data["data"][3]["paragraphs"].append({"context": "x" * (sources.MAX_DOC_BYTES + 1), "qas": [
       {"id": "big0", "question": "q?", "answers": ["x"]}]})    # over max_doc_bytes: both skip
+  data["data"][3]["paragraphs"] += [{"context": "Once.", "qas": "none"},   # a paragraph with
+      {"context": "Once.", "qas": [{"id": "r0", "question": "q?", "answers": ["x"]}]}]  # no
+  # question list is a block, so its repeat is a repeat for both
   text = json.dumps(data)
   files = [write(tmp_path / "squad.json", text),
            write(tmp_path / "bom.json", b"\xef\xbb\xbf" + text.encode()),
@@ -162,18 +165,19 @@ def test_the_corpus_and_open_qa_read_the_same_squad_questions(tmp_path):
     assert examples[0].answers == ("Ans",)
     assert skipped == {qa.UNANSWERABLE: 1, qa.NO_ANSWERS: 1, qa.NON_STRING_ANSWERS: 1,
                        qa.MISSING_QUESTION: 1, sources.MISSING_TITLE: 3, sources.EMPTY: 1,
-                       sources.DUPLICATE: 1, sources.TOO_LARGE: 1, qa.DUPLICATE_ID: 1}
+                       sources.DUPLICATE: 2, sources.TOO_LARGE: 1, qa.DUPLICATE_ID: 1,
+                       sources.NOT_AN_OBJECT: 1}
     config = prepare_lib.prepare_config()
     config.source = f"squad:{path}"
     skips = sources.Skips(strict=False)
     docs = list(sources.read_documents(config, skips))
     assert [q["id"] for doc in docs for q in doc.qas] == [ex.qid for ex in examples]
     assert [q["answer_start"] for q in docs[1].qas] == [[None], [None]]
-    assert skips.counts == {sources.MISSING_TITLE: 1, sources.EMPTY: 1, sources.DUPLICATE: 1,
+    assert skips.counts == {sources.MISSING_TITLE: 1, sources.EMPTY: 1, sources.DUPLICATE: 2,
                             sources.TOO_LARGE: 1}
     assert skips.questions == {qa.UNANSWERABLE: 1, qa.NO_ANSWERS: 1, qa.NON_STRING_ANSWERS: 1,
                                qa.MISSING_QUESTION: 1, qa.DUPLICATE_ID: 1,
-                               sources.PARAGRAPH_SKIPPED: 6}
+                               sources.NOT_AN_OBJECT: 1, sources.PARAGRAPH_SKIPPED: 7}
   for body, found in ((json.dumps(messy_squad()["data"]), "found an array"),
                       (json.dumps({"data": None}), "'data' is null"),
                       (text + "\n" + text, "JSONDecodeError: Extra data")):

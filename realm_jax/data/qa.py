@@ -313,11 +313,13 @@ def _read_squad(path: str, collect: _Collector) -> None:
       continue
     title = article.get("title")
     for p, paragraph in enumerate(article.get("paragraphs", [])):
+      # every paragraph realm-prepare reads passes the rule (and `dedup`), questions or not
+      lost = squad_paragraph_skipped(title, paragraph.get("context"), dedup) \
+          if isinstance(paragraph, dict) else NOT_AN_OBJECT
       qas = (paragraph.get("qas") or []) if isinstance(paragraph, dict) else None
       if not isinstance(qas, list):
         skip(NOT_AN_OBJECT, f"{path}: data[{a}].paragraphs[{p}]")
         continue
-      lost = squad_paragraph_skipped(title, paragraph.get("context"), dedup)
       for q, qa in enumerate(qas):
         where = f"{path}: data[{a}].paragraphs[{p}].qas[{q}]"
         if lost or (isinstance(qa, dict) and qa.get("is_impossible")):
