@@ -65,7 +65,7 @@ def test_each_process_packs_its_share_as_one_process_packs_its_shards(world_data
   config = ConfigDict({"retrieval": {"packed_query_rows": 24}})
   shares = [{"query_ids": ids[p * 16:(p + 1) * 16]} for p in range(2)]
   for p, share in enumerate(shares):
-    assert batches.pack_queries(config, share, 4, (ids > 0).sum(1), p, 2)
+    assert batches.pack_queries(config, share, 4, lambda: (ids > 0).sum(1), p, 2)
   for key in PACKED:
     np.testing.assert_array_equal(np.concatenate([share[key] for share in shares]), one[key])
   # process 1's queries (16 wordpieces) cannot share its 4 rows of 24, process 0's (3) can
@@ -75,10 +75,11 @@ def test_each_process_packs_its_share_as_one_process_packs_its_shards(world_data
   assert pipeline.pack_queries(ids[:8], 4, shards=2) is not None
   for p in range(2):
     share = {"query_ids": ids[p * 8:(p + 1) * 8]}
-    assert not batches.pack_queries(config, share, 4, (ids > 0).sum(1), p, 2)
+    assert not batches.pack_queries(config, share, 4, lambda: (ids > 0).sum(1), p, 2)
     assert set(share) == {"query_ids"}
   with pytest.raises(RuntimeError, match="disagree"):
-    batches.pack_queries(config, {"query_ids": ids[:8]}, 4, (ids[::-1] > 0).sum(1), 0, 2)
+    batches.pack_queries(config, {"query_ids": ids[:8]}, 4, lambda: (ids[::-1] > 0).sum(1),
+                         0, 2)
   # each process finds the global batch's lengths from the seed and the step alone
   realm = tiny_config("realm")
   examples = world_data.examples("train")
@@ -169,6 +170,8 @@ def test_rows_that_do_not_divide_the_data_axis_are_refused_at_start(world_dir, t
   assert e.value.option == "retrieval.packed_query_rows" and "data axis (8)" in str(e.value)
   from realm_jax.config.validation import validate_against_mesh
   config.retrieval.packed_query_rows = 8
-  validate_against_mesh(config, 8, 2)                  # 2 processes of 4 data devices: served
+  validate_against_mesh(config, 8, 2, (0,) * 4 + (1,) * 4)   # 2 processes of 4 data devices
   with pytest.raises(ConfigError, match="among the 3 processes"):
     validate_against_mesh(config, 8, 3)
+  with pytest.raises(ConfigError, match=r"holds processes \[0, 1, 0, 1"):   # interleaved
+    validate_against_mesh(config, 8, 2, (0, 1) * 4)

@@ -91,7 +91,8 @@ class Run:
                inputs):
     self.config, self.workdir, self.data, self.inputs = config, workdir, data, inputs
     self.mesh = partitioning.make_mesh(config.mesh.shape)
-    validate_against_mesh(config, self.mesh.shape["data"], jax.process_count())
+    validate_against_mesh(config, self.mesh.shape["data"], jax.process_count(),
+                          tuple(d.process_index for d in self.mesh.devices[:, 0]))
     workdir_lib.record_config(config, workdir, primary=jax.process_index() == 0)
     multihost.barrier("workdir")   # no process goes on before the workdir exists
     self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
