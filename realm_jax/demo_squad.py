@@ -14,16 +14,15 @@ the test articles (EM, F1, recall@k).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
 
-from realm_jax import log, workdir as workdir_lib
+from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.stages import (check_arguments, repo_config, run_demo_cli, run_stage, run_stages,
                               stage_seconds)
 
 STAGES = (("ict", ""), ("warmup", "ict"), ("realm", "warmup"))
 OPENQA_STAGES = (("openqa_realm", "realm"), ("openqa_ict", "ict"))   # (stage, starts from)
+OPENQA_WALL = "wall_openqa.json"   # demo-openqa's runs (W/wall.json: demo-squad's)
 
 
 def pretrain(workdir: str, squad: str, seed: int,
@@ -31,7 +30,6 @@ def pretrain(workdir: str, squad: str, seed: int,
   """prepare -> ICT -> warm-up -> REALM (for Open-QA, once its questions are checked). Returns
   (data dir, source, prepare stats, stage summaries)."""
   from realm_jax.data.prepare import prepare
-  check_arguments(workdir, {"seed": seed}, "SQUAD_WORKDIR")   # the file: prepare's own check
   data_dir = os.path.join(workdir, "data")
   prep = repo_config("squad_realm", "prepare")
   if squad:
@@ -62,8 +60,13 @@ def check_openqa_questions(source: str) -> None:
 
 
 def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
+  check_arguments(workdir, {"seed": seed}, "SQUAD_WORKDIR")   # the file: prepare's own check
+  with workdir_lib.RunWall(workdir) as wall:   # a resumed demo adds its earlier runs
+    return _run_demo_squad(workdir, squad, seed, wall)
+
+
+def _run_demo_squad(workdir: str, squad: str, seed: int, wall: workdir_lib.RunWall) -> dict:
   from realm_jax.retrieval.zero_shot import format_table, recall_table
-  t0 = time.time()
   data_dir, source, stats, results = pretrain(workdir, squad, seed)
   configs = {name: repo_config("squad_realm", name) for name, _ in STAGES}
   print("[demo-squad] zero-shot question retrieval", flush=True)
@@ -74,19 +77,25 @@ def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
       "blocks": stats["blocks"], "questions": table["bm25"]["questions"], "recall": table,
       "realm_eval": {k: v for k, v in results["realm"].items() if k.startswith("eval_")},
       "stage_seconds": stage_seconds(results),
-      "wall_seconds": round(time.time() - t0, 1),
+      **wall.record(),
   }
   workdir_lib.write_summary(workdir, summary)
   print(f"\n== zero-shot retrieval: {summary['questions']:,} questions, "
         f"{stats['documents']:,} paragraphs in {stats['blocks']:,} blocks ==")
   print(format_table(table))
-  print(f"\n[demo-squad] wrote {workdir}/summary.json ({summary['wall_seconds'] / 60:.1f} min)")
+  print(f"\n[demo-squad] wrote {workdir}/summary.json "
+        f"({workdir_lib.wall_all_runs(summary) / 60:.1f} min, all runs)")
   return summary
 
 
 def run_demo_openqa(workdir: str, squad: str = "", seed: int = 0) -> dict:
+  check_arguments(workdir, {"seed": seed}, "SQUAD_WORKDIR")
+  with workdir_lib.RunWall(workdir, OPENQA_WALL) as wall:   # its own record: the workdir is
+    return _run_demo_openqa(workdir, squad, seed, wall)     # demo-squad's too
+
+
+def _run_demo_openqa(workdir: str, squad: str, seed: int, wall: workdir_lib.RunWall) -> dict:
   from realm_jax.openqa_eval import evaluate_run
-  t0 = time.time()
   data_dir, source, stats, results = pretrain(workdir, squad, seed, openqa=True)
   table = {}
   for name, start in OPENQA_STAGES:
@@ -110,10 +119,8 @@ def run_demo_openqa(workdir: str, squad: str = "", seed: int = 0) -> dict:
     table[start]["before"] = {k: v for k, v in before.items() if k.startswith("recall_at_")}
   summary = {"source": source, "seed": seed, "blocks": stats["blocks"], "test": table,
              "train_questions": results["openqa_realm"].get("train_questions"),
-             "stage_seconds": stage_seconds(results),
-             "wall_seconds": round(time.time() - t0, 1)}
-  with open(os.path.join(workdir, "summary_openqa.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+             "stage_seconds": stage_seconds(results), **wall.record()}
+  paths.write_json(os.path.join(workdir, "summary_openqa.json"), summary)
   n = table["realm"]["num_questions"]
   print(f"\n== Open-QA on the test articles: {n:,} questions, {stats['blocks']:,} blocks, "
         f"top {table['realm']['reader_beam']} read ==")
@@ -128,7 +135,7 @@ def run_demo_openqa(workdir: str, squad: str = "", seed: int = 0) -> dict:
   print("(R@k: a top-k block contains an answer; 'before': the pre-trained retriever, "
         "zero-shot)")
   print(f"\n[demo-openqa] wrote {workdir}/summary_openqa.json "
-        f"({summary['wall_seconds'] / 60:.1f} min)")
+        f"({workdir_lib.wall_all_runs(summary) / 60:.1f} min, all runs)")
   return summary
 
 

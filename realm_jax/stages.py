@@ -280,8 +280,8 @@ def check_arguments(workdir: str, arguments: dict, make_variable: str) -> None:
   except ValueError as e:
     raise ConfigError("", f"{path}: not the JSON a demo writes ({e}); remove it, or "
                       f"{workdir}") from None
-  begun = os.path.isdir(workdir) and \
-      set(os.listdir(workdir)) - {DEMO_ARGUMENTS, workdir_lib.WALL}
+  begun = os.path.isdir(workdir) and any(   # its data or a stage (files are its records)
+      os.path.isdir(os.path.join(workdir, entry)) for entry in os.listdir(workdir))
   if recorded is None or not begun:   # nothing made yet (a demo that stopped at once)
     os.makedirs(workdir, exist_ok=True)
     paths.write_json(path, arguments)

@@ -157,13 +157,13 @@ def read_summary(workdir: str) -> dict | None:
 
 
 # -- W/wall.json -------------------------------------------------------------------------------
-def add_wall(workdir: str, seconds: float, fresh: bool = False) -> dict:
+def add_wall(workdir: str, seconds: float, fresh: bool = False, record: str = WALL) -> dict:
   """Adds one run's `seconds` to W/wall.json (one writer: the job's first process; `fresh`: a
   run that started from scratch, which starts the record again). Returns the summary fields:
   this run's `wall_seconds`, `wall_seconds_all_runs` and `runs` (the runs added so far; a run
   killed outright adds nothing). A record that cannot be read or written is only warned about:
-  the fields are then this run's alone."""
-  path = paths.join(workdir, WALL)
+  the fields are then this run's alone. (`record`: another job's own file in the workdir.)"""
+  path = paths.join(workdir, record)
   this = {"wall_seconds": round(seconds, 1)}
   try:
     before = (None if fresh else paths.read_json(path)) or {"seconds": 0.0, "runs": 0}
@@ -191,8 +191,9 @@ class RunWall:
   W/wall.json and returns `add_wall`'s fields (after `keep`, a summary's own, adding nothing);
   a `with` block that ends by an exception first (a preempted or failed run) adds them then."""
 
-  def __init__(self, workdir: str):
-    self.workdir, self.start, self.fields = workdir, time.time(), None
+  def __init__(self, workdir: str, record: str = WALL):
+    self.workdir, self.record_name = workdir, record
+    self.start, self.fields = time.time(), None
 
   def keep(self, previous: dict) -> None:
     """This run trained nothing (a finished job run again): `record()` gives `previous`'s wall
@@ -201,7 +202,7 @@ class RunWall:
 
   def record(self) -> dict:
     if self.fields is None:
-      self.fields = add_wall(self.workdir, time.time() - self.start)
+      self.fields = add_wall(self.workdir, time.time() - self.start, record=self.record_name)
     return self.fields
 
   def __enter__(self) -> RunWall:

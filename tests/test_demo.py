@@ -316,7 +316,7 @@ def test_a_demo_workdir_refuses_other_arguments_than_it_was_begun_with(monkeypat
   monkeypatch.setattr(prepare_lib, "prepare", lambda *a: pytest.fail("prepared first"))
   for name, flag, run in (
       ("R", "--scale gpu", lambda w: demo_real.run_demo_real(w, seed=0, scale="gpu")),
-      ("S", "--seed 1", lambda w: demo_squad.pretrain(w, "", seed=1))):
+      ("S", "--seed 1", lambda w: demo_squad.run_demo_squad(w, "", seed=1))):
     stages.check_arguments(str(tmp_path / name), {"seed": 0, "scale": "cpu"}, "")
     (tmp_path / name / "data").mkdir()
     with pytest.raises(ConfigError, match=f"{flag}: .* begun with {flag.split()[0]} "):
@@ -328,6 +328,28 @@ def test_a_demo_workdir_refuses_other_arguments_than_it_was_begun_with(monkeypat
   (tmp_path / "N" / stages.DEMO_ARGUMENTS).write_text("{cut")
   with pytest.raises(ConfigError, match=r"N/demo_arguments.json: not the JSON a demo writes"):
     stages.check_arguments(str(tmp_path / "N"), {"seed": 1}, "WORKDIR")
+
+
+def test_demo_squad_and_demo_openqa_keep_a_wall_record_each(monkeypatch, tmp_path):
+  """They share a workdir: demo-squad's runs go to W/wall.json, demo-openqa's to their own
+  file, and each summary reports all of its job's runs. Stages and evaluations are stand-ins."""
+  import json
+  from realm_jax import demo_squad, openqa_eval
+  from realm_jax.retrieval import zero_shot
+  monkeypatch.setattr(demo_squad, "pretrain", lambda workdir, squad, seed, openqa=False: (
+      "D", "squad:F", {"documents": 2, "blocks": 3}, {"realm": {"wall_seconds": 1.0}}))
+  monkeypatch.setattr(zero_shot, "recall_table", lambda *a: {"bm25": {"questions": 1}})
+  monkeypatch.setattr(zero_shot, "format_table", lambda table: "")
+  monkeypatch.setattr(demo_squad, "run_stage", lambda *a: {"wall_seconds": 1.0})
+  monkeypatch.setattr(openqa_eval, "evaluate_run", lambda *a, **k: (
+      {"num_questions": 1, "reader_beam": 5, "recall_at_5": 0.5}, []))
+  workdir = str(tmp_path / "W")
+  for run in (1, 2):
+    assert demo_squad.run_demo_squad(workdir)["runs"] == run
+  assert demo_squad.run_demo_openqa(workdir)["runs"] == 1
+  assert json.loads((tmp_path / "W" / "wall.json").read_text())["runs"] == 2
+  assert json.loads((tmp_path / "W" / demo_squad.OPENQA_WALL).read_text())["runs"] == 1
+  assert json.loads((tmp_path / "W" / "summary_openqa.json").read_text())["runs"] == 1
 
 
 def test_the_wall_record_starts_again_from_scratch_and_never_fails_a_run(tmp_path, caplog,
