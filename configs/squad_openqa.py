@@ -12,7 +12,7 @@ init.from_workdir to runs/squad/realm or runs/squad/ict).
 
   realm-train --config configs/squad_openqa.py:realm --workdir runs/squad/openqa_realm \
       --config.data.dir runs/squad/data --config.init.from_workdir runs/squad/realm
-  realm-eval --config configs/squad_openqa.py:realm --workdir runs/squad/openqa_realm
+  realm-eval --workdir runs/squad/openqa_realm
 """
 
 import os

@@ -44,7 +44,7 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   from realm_jax.errors import ConfigError
   from realm_jax.retrieval import published
   from realm_jax.runtime.checkpoints import restore_run, saved_param_paths
-  from realm_jax.config.validation import validate
+  from realm_jax.config.validation import validate, validate_against_data
   from realm_jax.train.openqa_inputs import FrozenIndex
   validate(config)
   saved, step = saved_param_paths(workdir, step)
@@ -59,6 +59,8 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   with config.unlocked():
     config.task = "openqa" if reader else ("realm" if config.task == "openqa" else config.task)
   data = workdir_lib.open_data(config)
+  validate_against_data(config, store_block_len=data.blocks.block_len,
+                        vocab_size=data.tokenizer.vocab_size)
   run = restore_run(workdir, step, config=config, vocab_size=data.tokenizer.vocab_size,
                     block_len=data.blocks.block_len, partial=True)
   mesh, model, params, step, missing = run.mesh, run.model, run.params, run.step, run.missing

@@ -220,6 +220,14 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path)
     evaluate_run(config, workdir, split="test")
   metrics, _ = evaluate_run(config, workdir, split="test", retrieval_only=True)
   assert "exact_match" not in metrics and 0 <= metrics["recall_at_5"] <= 1
+  # another config's shapes, or a data dir prepared with other blocks: one error naming them
+  other = openqa_config(world_dir, model__retrieval_dim=pretraining.model.retrieval_dim + 8)
+  with pytest.raises(ConfigError, match=r"parameters do not fit this config and data dir "
+                     r"\(retriever/.*in the checkpoint"):
+    evaluate_run(other, workdir, split="test", retrieval_only=True)
+  other = openqa_config(world_dir, data__block_len=world_data.blocks.block_len + 8)
+  with pytest.raises(ConfigError, match=r"config\.data\.block_len: .* prepared with blocks"):
+    evaluate_run(other, workdir, split="test", retrieval_only=True)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from etils import epath
 from flax import traverse_util
 
 from realm_jax import paths
-from realm_jax.errors import CheckpointError
+from realm_jax.errors import CheckpointError, ConfigError
 
 ITEMS = ("params", "opt", "data", "retrieval")
 # How long a save may take, its cross-host barriers included, before it is an error.
@@ -274,6 +274,20 @@ def run_config(workdir: str, config=None):
   return config if config is not None else workdir_lib.saved_config(workdir)
 
 
+def _check_shapes(workdir: str, step: int | None, abstract_params) -> None:
+  """A ConfigError naming the parameters whose shape in the checkpoint differs from the
+  model's (a config or data dir other than the run's), before Orbax fails on them."""
+  saved, step = saved_param_shapes(workdir, step)
+  ours = {p: tuple(a.shape) for p, a in traverse_util.flatten_dict(abstract_params).items()}
+  wrong = [p for p in ours if p in saved and tuple(saved[p]) != ours[p]]
+  if wrong:
+    shown = "; ".join(f"{'/'.join(p)}: {tuple(saved[p])} in the checkpoint, {ours[p]} here"
+                      for p in wrong[:3])
+    raise ConfigError("", f"{workdir} step {step}: {len(wrong)} parameters do not fit this "
+                      f"config and data dir ({shown}); the run's own are its W/config.json "
+                      "(leave out --config)")
+
+
 @dataclasses.dataclass
 class RestoredRun:
   """A run's checkpoint loaded for evaluation: its model and params on `mesh`."""
@@ -315,6 +329,7 @@ def restore_run(workdir: str, step: int | None = None, *, config=None,
   """
   config = run_config(workdir, config)
   model, mesh, abstract = abstract_run(config, vocab_size, block_len, mesh_shape)
+  _check_shapes(workdir, step, abstract.params)
   missing = []
   if partial:
     params, step, missing = restore_params(workdir, abstract.params, step, partial=True)
