@@ -241,21 +241,30 @@ def _step_or_latest(manager, workdir: str, step: int | None) -> int:
   return step
 
 
+def shape_mismatches(saved: dict, ours: dict) -> list[str]:
+  """`path: (saved) in the checkpoint, (ours) in this run` for every parameter path of `ours`
+  (path -> shape) that `saved` (`saved_param_shapes`) holds with another shape."""
+  return [f"{'/'.join(p)}: {tuple(saved[p])} in the checkpoint, {tuple(shape)} in this run"
+          for p, shape in ours.items() if p in saved and tuple(saved[p]) != tuple(shape)]
+
+
 def restore_params(workdir: str, abstract_params, step: int | None = None,
-                   partial: bool = False):
+                   partial: bool = False, saved: dict | None = None):
   """Params of another run's checkpoint (latest unless `step`), onto sharded targets.
 
   Used to start one stage from the previous one (ICT -> reader warm-up -> REALM -> Open-QA)
   and by downstream jobs that need no optimizer state. With `partial`, parameters the
   checkpoint lacks (Open-QA's span scorer after pre-training) are left out of the result:
-  returns (params restored, step, paths missing) and the caller keeps its own values for them.
+  returns (params restored, step, paths missing) and the caller keeps its own values for them
+  (`saved`: the checkpoint's `saved_param_shapes`, where the caller has read them already).
   Without it returns (params, step) and a missing parameter is an error.
   """
   manager = read_only_manager(workdir, item_names=ITEMS)
   step = _step_or_latest(manager, workdir, step)
   missing: list[tuple[str, ...]] = []
   if partial:
-    saved, _ = saved_param_paths(workdir, step)
+    if saved is None:
+      saved, _ = saved_param_shapes(workdir, step)
     flat = traverse_util.flatten_dict(abstract_params)
     missing = sorted(p for p in flat if p not in saved)
     abstract_params = traverse_util.unflatten_dict({p: v for p, v in flat.items()
@@ -274,18 +283,18 @@ def run_config(workdir: str, config=None):
   return config if config is not None else workdir_lib.saved_config(workdir)
 
 
-def _check_shapes(workdir: str, step: int | None, abstract_params) -> None:
-  """A ConfigError naming the parameters whose shape in the checkpoint differs from the
-  model's (a config or data dir other than the run's), before Orbax fails on them."""
+def _checked_shapes(workdir: str, step: int | None, abstract_params) -> tuple[dict, int]:
+  """The checkpoint's `saved_param_shapes`, or a ConfigError naming the parameters whose
+  shape there differs from the model's (a config or data dir other than the run's), before
+  Orbax fails on them."""
   saved, step = saved_param_shapes(workdir, step)
-  ours = {p: tuple(a.shape) for p, a in traverse_util.flatten_dict(abstract_params).items()}
-  wrong = [p for p in ours if p in saved and tuple(saved[p]) != ours[p]]
+  ours = {p: a.shape for p, a in traverse_util.flatten_dict(abstract_params).items()}
+  wrong = shape_mismatches(saved, ours)
   if wrong:
-    shown = "; ".join(f"{'/'.join(p)}: {tuple(saved[p])} in the checkpoint, {ours[p]} here"
-                      for p in wrong[:3])
     raise ConfigError("", f"{workdir} step {step}: {len(wrong)} parameters do not fit this "
-                      f"config and data dir ({shown}); the run's own are its W/config.json "
-                      "(leave out --config)")
+                      f"config and data dir ({'; '.join(wrong[:3])}); the run's own are its "
+                      "W/config.json (leave out --config)")
+  return saved, step
 
 
 @dataclasses.dataclass
@@ -329,10 +338,11 @@ def restore_run(workdir: str, step: int | None = None, *, config=None,
   """
   config = run_config(workdir, config)
   model, mesh, abstract = abstract_run(config, vocab_size, block_len, mesh_shape)
-  _check_shapes(workdir, step, abstract.params)
+  saved, step = _checked_shapes(workdir, step, abstract.params)
   missing = []
   if partial:
-    params, step, missing = restore_params(workdir, abstract.params, step, partial=True)
+    params, step, missing = restore_params(workdir, abstract.params, step, partial=True,
+                                           saved=saved)
   else:
     params, step = restore_params(workdir, abstract.params, step)
   return RestoredRun(config, model, mesh, abstract, params, step, missing)

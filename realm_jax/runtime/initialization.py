@@ -175,7 +175,7 @@ def initial_params(config, model, mesh, data):
 
 # -- a run's workdir ------------------------------------------------------------------------
 def _from_workdir(config, src: Source, initial: Callable[[], Any], abstract, data_vocab: str):
-  from realm_jax.runtime.checkpoints import restore_params, saved_param_shapes
+  from realm_jax.runtime.checkpoints import restore_params, saved_param_shapes, shape_mismatches
   part, option = src.part, src.option
   try:
     saved, step = saved_param_shapes(src.path, None if src.step < 0 else src.step)
@@ -183,18 +183,18 @@ def _from_workdir(config, src: Source, initial: Callable[[], Any], abstract, dat
     raise ConfigError(option, str(e)) from None
   ours = {(part, *p): a.shape for p, a in traverse_util.flatten_dict(abstract).items()}
   missing = [p for p in ours if p not in saved]
-  wrong = [p for p in ours if p in saved and tuple(saved[p]) != tuple(ours[p])]
+  wrong = shape_mismatches(saved, ours)
   fatal = [p for p in missing if not any(p[:len(m)] == m for m in MAY_BE_MISSING)]
   if wrong or fatal:
-    lines = _field_differences(config, src.path, part) + [
-        f"{'/'.join(p)}: {tuple(saved[p])} in the checkpoint, {tuple(ours[p])} in this run"
-        for p in wrong[:4]] + [f"{'/'.join(p)}: not in the checkpoint" for p in fatal[:4]]
+    lines = _field_differences(config, src.path, part) + wrong[:4] + [
+        f"{'/'.join(p)}: not in the checkpoint" for p in fatal[:4]]
     more = len(wrong) + len(fatal) - min(len(wrong), 4) - min(len(fatal), 4)
     raise ConfigError(option, f"{src.path} step {step}: its {part} parameters do not fit "
                       f"this run's config:\n  " + "\n  ".join(lines) +
                       (f"\n  ... and {more} more" if more > 0 else ""))
   _check_workdir_vocab(src, data_vocab)
-  restored, step, _ = restore_params(src.path, {part: abstract}, step, partial=True)
+  restored, step, _ = restore_params(src.path, {part: abstract}, step, partial=True,
+                                     saved=saved)
   value = restored[part]
   if missing:   # keep our initial values for what the checkpoint lacks
     flat = traverse_util.flatten_dict(initial())

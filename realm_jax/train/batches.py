@@ -86,8 +86,6 @@ class QueryBatches(BatchStream):
 
   def pack(self, step: int, batch: dict[str, np.ndarray], shards: int) -> bool:
     """`pack_queries` for this process's batch of `step` (`shards`: the data axis)."""
-    if self.process_count == 1:
-      return pack_queries(self.config, batch, shards)
     return pack_queries(self.config, batch, shards, lambda: self.query_lengths(step),
                         self.process_index, self.process_count)
 
@@ -168,21 +166,20 @@ def pack_queries(config, batch: dict[str, np.ndarray], shards: int,
     return False
   ids = batch["query_ids"]
   local_rows, local_shards = rows // process_count, shards // process_count
+  packed = pipeline.pack_queries(ids, local_rows, local_shards, process_index * len(ids),
+                                 process_index * local_rows)
+  if packed is None:
+    return False   # (then no process packs: each checks every share)
   if process_count > 1:
-    if not pipeline.queries_fit((ids > 0).sum(1), local_rows, local_shards, ids.shape[1]):
-      return False   # (no process packs: each checks every share)
     shares = np.asarray(global_lengths()).reshape(process_count, -1)
     if not np.array_equal(shares[process_index], (ids > 0).sum(1)):
       raise RuntimeError("the global batch's query lengths disagree with this process's "
                          "queries: the processes would pack differently")
     if not all(pipeline.queries_fit(share, local_rows, local_shards, ids.shape[1])
-               for share in shares):
+               for p, share in enumerate(shares) if p != process_index):
       return False
-  packed = pipeline.pack_queries(ids, local_rows, local_shards, process_index * len(ids),
-                                 process_index * local_rows)
-  if packed is not None:
-    batch.update(packed)
-  return packed is not None
+  batch.update(packed)
+  return True
 
 
 def span_in_candidates(mask_labels: np.ndarray, mask_weights: np.ndarray,
