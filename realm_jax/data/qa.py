@@ -313,10 +313,12 @@ def _read_squad(path: str, collect: _Collector) -> None:
       continue
     title = article.get("title")
     for p, paragraph in enumerate(article.get("paragraphs", [])):
+      if not isinstance(paragraph, dict):
+        skip(NOT_AN_OBJECT, f"{path}: data[{a}].paragraphs[{p}]")
+        continue
       # every paragraph realm-prepare reads passes the rule (and `dedup`), questions or not
-      lost = squad_paragraph_skipped(title, paragraph.get("context"), dedup) \
-          if isinstance(paragraph, dict) else NOT_AN_OBJECT
-      qas = (paragraph.get("qas") or []) if isinstance(paragraph, dict) else None
+      lost = squad_paragraph_skipped(title, paragraph.get("context"), dedup)
+      qas = paragraph.get("qas") or []
       if not isinstance(qas, list):
         skip(NOT_AN_OBJECT, f"{path}: data[{a}].paragraphs[{p}]")
         continue
