@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
+import glob
 import hashlib
 import itertools
 import json
@@ -133,16 +135,29 @@ def check_questions(workdir: str, data_dir: str, source: str, seed: int, scale: 
         f"table, Open-QA {len(train):,} to fine-tune on and {len(test):,} to test", flush=True)
 
 
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+  """sha256 of realm_jax's Python sources (names and bytes): what an evaluation was computed
+  by, so that a recipe resumed under other code evaluates again."""
+  root = os.path.dirname(os.path.abspath(__file__))
+  digest = hashlib.sha256()
+  for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+    with open(path, "rb") as f:
+      digest.update(os.path.relpath(path, root).encode() + b"\0" + f.read() + b"\0")
+  return digest.hexdigest()
+
+
 def evaluated(workdir: str, name: str, stages: tuple[str, ...], configs: dict, evaluate):
   """`evaluate()`, or the value an earlier run of the recipe recorded under `name` in
-  W/evaluations.json from the same evaluation `configs` (name: ConfigDict) and the same
-  summaries of the `stages` it reads (a stage trained again has another summary): a resumed
-  recipe does not evaluate again. (A change of the evaluating code itself is not seen.)"""
+  W/evaluations.json from the same evaluation `configs` (name: ConfigDict), the same
+  summaries of the `stages` it reads (a stage trained again has another summary) and the same
+  code (`code_digest`): a resumed recipe does not evaluate again."""
   path = os.path.join(workdir, EVALUATIONS)
   key = hashlib.sha256(json.dumps(
       {"configs": {n: json.loads(c.to_json_best_effort()) for n, c in configs.items()},
        "summaries": {stage: workdir_lib.read_summary(os.path.join(workdir, stage))
-                     for stage in stages}}, sort_keys=True).encode()).hexdigest()
+                     for stage in stages},
+       "code": code_digest()}, sort_keys=True).encode()).hexdigest()
   try:
     record = paths.read_json(path) or {}
   except ValueError:       # a record cut short: evaluate again, and write it whole

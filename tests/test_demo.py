@@ -438,7 +438,8 @@ def test_the_demos_outside_a_checkout_say_so(monkeypatch, tmp_path):
 def test_a_resumed_demo_real_does_not_evaluate_again_what_it_evaluated(monkeypatch, tmp_path):
   """W/evaluations.json keeps the zero-shot table and each Open-QA run's scores with the
   summaries of the stages they read: a rerun reuses them, a stage trained again (another
-  summary) is evaluated again, and a record cut short is rewritten. Stand-ins as above."""
+  summary) or other code is evaluated again, and a record cut short is rewritten. Stand-ins
+  as above."""
   import json
   from realm_jax import demo_real, openqa_eval
   from realm_jax.retrieval import zero_shot
@@ -478,5 +479,8 @@ def test_a_resumed_demo_real_does_not_evaluate_again_what_it_evaluated(monkeypat
   (workdir / "evaluations.json").write_text('{"retrieval": {"ke')    # cut short
   demo_real.run_demo_real(str(workdir), seed=2)
   assert calls[7:] == ["table", "openqa_realm", "openqa_ict"]
+  monkeypatch.setattr(demo_real, "code_digest", lambda: "other code")   # realm_jax changed
+  demo_real.run_demo_real(str(workdir), seed=2)
+  assert calls[10:] == ["table", "openqa_realm", "openqa_ict"]
   assert set(json.loads((workdir / "evaluations.json").read_text())) == {
       "retrieval", "openqa_realm", "openqa_ict"}
