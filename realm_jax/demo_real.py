@@ -141,7 +141,7 @@ def code_digest() -> str:
   by, so that a recipe resumed under other code evaluates again."""
   root = os.path.dirname(os.path.abspath(__file__))
   digest = hashlib.sha256()
-  for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+  for path in sorted(glob.glob(os.path.join(glob.escape(root), "**", "*.py"), recursive=True)):
     with open(path, "rb") as f:
       digest.update(os.path.relpath(path, root).encode() + b"\0" + f.read() + b"\0")
   return digest.hexdigest()

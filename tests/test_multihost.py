@@ -1,12 +1,14 @@
 """Several processes: 2 processes x 4 CPU devices (gloo collectives) train like 1 process x 8
 devices; a lost process stops the others with its id named; bad topologies fail clearly."""
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -14,10 +16,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from realm_jax.data import pipeline
 from realm_jax.errors import ConfigError
 from realm_jax.retrieval import index as index_lib
 from realm_jax.runtime import multihost, state as state_lib
 from realm_jax.runtime.checkpoints import restore_run
+from realm_jax.train import batches
 from realm_jax.train.loop import train
 from tests import helpers
 
@@ -47,19 +51,29 @@ def launch(flags: list[str], workdir: str, count: int, port: int, devices: int =
       for i in range(count)]
 
 
-def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[str]:
-  """The processes' outputs once all have exited; past `timeout` seconds (the job takes ~45 s
-  on the 2-core EPYC beside the other test worker), they are killed and the test fails: a
-  process waiting in a collective that another process never joins (say, a step of another
-  shape) waits without end."""
-  deadline = time.time() + timeout
-  try:
-    return [p.communicate(timeout=max(1.0, deadline - time.time()))[0] for p in procs]
-  except subprocess.TimeoutExpired:
+@contextlib.contextmanager
+def deadline(procs: list[subprocess.Popen], seconds: float = 300):
+  """The processes of a job, killed -9 if still running `seconds` from now (a process waiting
+  in a collective that another process never joins, say a step of another shape, waits
+  without end; the job takes ~45 s alone on the 2-core EPYC) and on the way out (a test that
+  failed first leaves none behind). Yields a list that holds `seconds` once they were killed
+  for it."""
+  expired = []
+
+  def kill():
+    expired.append(seconds)
     for p in procs:
       p.kill()
-    tails = [p.communicate()[0][-1500:] for p in procs]
-    pytest.fail(f"the job did not end within {timeout:.0f} s:\n" + "\n---\n".join(tails))
+  timer = threading.Timer(seconds, kill)
+  timer.start()
+  try:
+    yield expired
+  finally:
+    timer.cancel()
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
 
 
 def losses(workdir: str) -> np.ndarray:
@@ -67,7 +81,7 @@ def losses(workdir: str) -> np.ndarray:
     return np.array([json.loads(line)["loss"] for line in f])
 
 
-# The world's queries are 3-13 wordpieces. Packed two a row (each process's 8 of 16 into its 4
+# The world's queries are 7-14 wordpieces ([CLS] and [SEP] counted). Packed two a row (each process's 8 of 16 into its 4
 # of 8 rows, one a device) in rows of 23, a pair fits where its lengths sum to <= 23: with the
 # tiny config's seed, every pair of steps 1, 4 and 5 does and some pair of steps 2 and 3 does
 # not, so the job trains on both step shapes, packed and one query a row.
@@ -84,7 +98,7 @@ def job_config(task: str, world_dir: str):
   return helpers.tiny_config(task, data_dir=world_dir, **overrides)
 
 
-def test_two_processes_train_like_one(world_dir, tmp_path):
+def test_two_processes_train_like_one(world_dir, world_data, tmp_path):
   """REALM with its index rebuilt in process: each process's share of the batches, the global
   arrays made of them, the collectives of the jitted step, the blocks embedded and searched on
   every host, the checkpoint both write and the evaluation; each process's queries packed in
@@ -93,10 +107,18 @@ def test_two_processes_train_like_one(world_dir, tmp_path):
   batch split across `data` is test_sharding's.)"""
   task = "realm"
   config = job_config(task, world_dir)
+  # Which steps pack: all or none, though in steps 2 and 3 process 0's share fits and 1's not.
+  stream = batches.QueryBatches(config, world_data, world_data.examples("train"))
+  fits = [[pipeline.queries_fit(share, 4, 4, config.data.query_len)
+           for share in stream.query_lengths(t).reshape(2, -1)] for t in range(5)]
+  assert fits == [[True, True], [True, False], [True, False], [True, True], [True, True]]
   procs = launch(helpers.config_flags(config, "demo_realm"), str(tmp_path / "two"), 2,
                  free_port())
-  single = train(config, str(tmp_path / "one"))    # this process: 8 devices
-  outputs = finish(procs)
+  with deadline(procs) as expired:
+    single = train(config, str(tmp_path / "one"))    # this process: 8 devices
+    outputs = [p.communicate()[0] for p in procs]
+  assert not expired, f"the job did not end within {expired[0]} s:\n" + "\n---\n".join(
+      out[-1500:] for out in outputs)
   for i, (p, out) in enumerate(zip(procs, outputs)):
     assert p.returncode == 0, f"process {i}:\n{out[-3000:]}"
     assert f"[multihost] process {i} of 2: 4 local / 8 global devices" in out
@@ -135,19 +157,20 @@ def test_a_lost_process_stops_the_others_naming_it(world_dir, tmp_path):
   procs = launch(helpers.config_flags(config, "demo_realm"), str(tmp_path / "w"), 2,
                  free_port())
   survivor, lost = procs
-  # Kill process 1 once it is training.
-  lines = []
-  for line in lost.stdout:
-    lines.append(line)
-    if line.startswith("[realm] step 3/"):
-      break
-  else:
-    pytest.fail("process 1 never trained:\n" + "".join(lines[-40:]))
-  lost.send_signal(signal.SIGKILL)
-  lost.wait()
-  t0 = time.time()
-  out = survivor.communicate(timeout=120)[0]
-  seconds = time.time() - t0
+  with deadline(procs):
+    # Kill process 1 once it is training.
+    lines = []
+    for line in lost.stdout:
+      lines.append(line)
+      if line.startswith("[realm] step 3/"):
+        break
+    else:
+      pytest.fail("process 1 never trained:\n" + "".join(lines[-40:]))
+    lost.send_signal(signal.SIGKILL)
+    lost.wait()
+    t0 = time.time()
+    out = survivor.communicate()[0]
+    seconds = time.time() - t0
   assert survivor.returncode != 0
   assert seconds < 120
   # JAX's coordination service names the process that stopped sending heartbeats.
