@@ -1,6 +1,7 @@
 """Several processes: 2 processes x 4 CPU devices (gloo collectives) train like 1 process x 8
 devices; a lost process stops the others with its id named; bad topologies fail clearly."""
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -49,6 +50,13 @@ def launch(flags: list[str], workdir: str, count: int, port: int, devices: int =
        f"--process_id={i}", "--init_timeout=60", "--heartbeat_timeout=8", *extra],
       cwd=helpers.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i in range(count)]
+
+
+def read_to_end(procs: list[subprocess.Popen]) -> list[str]:
+  """Each process's whole output once it has exited, read side by side: one reader at a time
+  would leave a process whose pipe filled blocked until the one read before it exits."""
+  with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
+    return list(pool.map(lambda p: p.communicate()[0], procs))
 
 
 @contextlib.contextmanager
@@ -116,7 +124,7 @@ def test_two_processes_train_like_one(world_dir, world_data, tmp_path):
                  free_port())
   with deadline(procs) as expired:
     single = train(config, str(tmp_path / "one"))    # this process: 8 devices
-    outputs = [p.communicate()[0] for p in procs]
+    outputs = read_to_end(procs)
   assert not expired, f"the job did not end within {expired[0]} s:\n" + "\n---\n".join(
       out[-1500:] for out in outputs)
   for i, (p, out) in enumerate(zip(procs, outputs)):
