@@ -43,11 +43,11 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   from realm_jax import workdir as workdir_lib
   from realm_jax.errors import ConfigError
   from realm_jax.retrieval import published
-  from realm_jax.runtime.checkpoints import restore_run, saved_param_paths
+  from realm_jax.runtime.checkpoints import restore_run, saved_param_shapes
   from realm_jax.config.validation import validate, validate_against_data
   from realm_jax.train.openqa_inputs import FrozenIndex
   validate(config)
-  saved, step = saved_param_paths(workdir, step)
+  saved, step = saved_param_shapes(workdir, step)   # read once: restore_run takes them
   has_reader = any(p[:2] == ("reader", "qa_outputs") for p in saved)
   if config.task == "openqa" and not has_reader and not retrieval_only:
     raise ConfigError("task", f"'openqa', but {workdir}/checkpoints/{step} has no span reader "
@@ -62,7 +62,7 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   validate_against_data(config, store_block_len=data.blocks.block_len,
                         vocab_size=data.tokenizer.vocab_size)
   run = restore_run(workdir, step, config=config, vocab_size=data.tokenizer.vocab_size,
-                    block_len=data.blocks.block_len, partial=True)
+                    block_len=data.blocks.block_len, partial=True, saved=saved)
   mesh, model, params, step, missing = run.mesh, run.model, run.params, run.step, run.missing
   if missing:
     shown = sorted({"/".join(p[:3]) for p in missing})

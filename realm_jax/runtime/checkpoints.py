@@ -224,12 +224,6 @@ def saved_param_shapes(workdir: str, step: int | None = None
           for path, leaf in leaves}, step
 
 
-def saved_param_paths(workdir: str, step: int | None = None) -> tuple[set[tuple[str, ...]], int]:
-  """The parameter paths a checkpoint holds (from its metadata; nothing is read) and its step."""
-  shapes, step = saved_param_shapes(workdir, step)
-  return set(shapes), step
-
-
 def _step_or_latest(manager, workdir: str, step: int | None) -> int:
   if step is None:
     step = manager.latest_step()
@@ -283,11 +277,13 @@ def run_config(workdir: str, config=None):
   return config if config is not None else workdir_lib.saved_config(workdir)
 
 
-def _checked_shapes(workdir: str, step: int | None, abstract_params) -> tuple[dict, int]:
-  """The checkpoint's `saved_param_shapes`, or a ConfigError naming the parameters whose
-  shape there differs from the model's (a config or data dir other than the run's), before
-  Orbax fails on them."""
-  saved, step = saved_param_shapes(workdir, step)
+def _checked_shapes(workdir: str, step: int | None, abstract_params,
+                    saved: dict | None = None) -> tuple[dict, int]:
+  """The checkpoint's `saved_param_shapes` (read here unless given, at `step`), or a
+  ConfigError naming the parameters whose shape there differs from the model's (a config or
+  data dir other than the run's), before Orbax fails on them."""
+  if saved is None:
+    saved, step = saved_param_shapes(workdir, step)
   ours = {p: a.shape for p, a in traverse_util.flatten_dict(abstract_params).items()}
   wrong = shape_mismatches(saved, ours)
   if wrong:
@@ -328,17 +324,19 @@ def abstract_run(config, vocab_size: int | None = None, block_len: int | None = 
 
 def restore_run(workdir: str, step: int | None = None, *, config=None,
                 vocab_size: int | None = None, block_len: int | None = None,
-                mesh_shape=None, partial: bool = False) -> RestoredRun:
+                mesh_shape=None, partial: bool = False,
+                saved: dict | None = None) -> RestoredRun:
   """The one way to load a run for evaluation (realm-eval, realm-predict, zero-shot recall,
   the HF import's parity check, benches, tests): the model of `config` (default: the run's
   own `W/config.json`), its abstract state on a `mesh_shape` mesh (default `config.mesh.shape`)
   and the params of a checkpoint, the latest unless `step`. `vocab_size` / `block_len` default
   to the config's (the vocab size read from its data dir when the config leaves it to the
   data). With `partial`, parameters the checkpoint lacks are left out (see restore_params).
+  `saved`: the checkpoint's `saved_param_shapes` at `step`, where the caller has read them.
   """
   config = run_config(workdir, config)
   model, mesh, abstract = abstract_run(config, vocab_size, block_len, mesh_shape)
-  saved, step = _checked_shapes(workdir, step, abstract.params)
+  saved, step = _checked_shapes(workdir, step, abstract.params, saved)
   missing = []
   if partial:
     params, step, missing = restore_params(workdir, abstract.params, step, partial=True,
