@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -244,8 +245,12 @@ def test_held_out_documents_become_the_eval_split(tmp_path):
     assert any((ev.target_span[i] == s).all() for s in ev.spans[i, :ev.num_spans[i]])
 
 
-def test_tfds_source_reads_a_mocked_dataset_and_explains_unprepared_ones(tmp_path):
+def test_tfds_source_reads_a_mocked_dataset_and_explains_unprepared_ones(tmp_path,
+                                                                         monkeypatch):
   tfds = pytest.importorskip("tensorflow_datasets")
+  temp = tmp_path / "temp"            # TFDS's temp folders go here: none may be left
+  temp.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(temp))
   import tensorflow_datasets.text.wikipedia  # noqa: F401  (registers the builder)
   name = "wikipedia/20230601.en"
   config = config_for(f"tfds:{name}", str(tmp_path / "missing"),
@@ -259,6 +264,7 @@ def test_tfds_source_reads_a_mocked_dataset_and_explains_unprepared_ones(tmp_pat
   assert stats["documents"] + sum(stats["skipped"].values()) == 12
   assert stats["blocks"] >= stats["documents"] > 0
   assert load_tokenizer(str(tmp_path / "mock" / "vocab.txt")).vocab_size > 5
+  assert not os.listdir(temp)
 
 
 def test_hf_ner_tagger_runs_inside_prepare(tmp_path, capsys):

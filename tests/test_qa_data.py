@@ -4,6 +4,7 @@ counts, the held-out-articles split, TFDS through mock data, and query-tower inp
 
 import json
 import os
+import tempfile
 
 import ml_collections
 import numpy as np
@@ -257,8 +258,11 @@ def test_real_question_files_are_read_whole():
       "Assembly", "two delegates")
 
 
-def test_tfds_question_sets_through_mock_data(tmp_path):
+def test_tfds_question_sets_through_mock_data(tmp_path, monkeypatch):
   tfds = pytest.importorskip("tensorflow_datasets")
+  temp = tmp_path / "temp"            # TFDS's temp folders go here: none may be left
+  temp.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(temp))
   spec = "tfds:natural_questions_open:validation"
   with pytest.raises(ConfigError, match="config.qa.dev: .*not prepared.*tfds build "
                      "natural_questions_open"):
@@ -271,6 +275,7 @@ def test_tfds_question_sets_through_mock_data(tmp_path):
     assert all(isinstance(ex.question, str) and ex.answers and
                all(isinstance(a, str) for a in ex.answers) for ex in examples)
     assert len({ex.qid for ex in examples}) == len(examples)
+  assert not os.listdir(temp)
 
 
 def test_question_inputs_pad_and_flag_truncation(tmp_path):

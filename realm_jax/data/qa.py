@@ -14,7 +14,6 @@ import ast
 import dataclasses
 import glob
 import hashlib
-import importlib
 import json
 import os
 from typing import Iterator, Sequence
@@ -26,8 +25,8 @@ from realm_jax.data.answers import compile_answer_regex
 from realm_jax.data.sources import (DUPLICATE_ID, INVALID_UTF8, MALFORMED_JSON,
                                     MISSING_QUESTION, NO_ANSWERS, NON_STRING_ANSWERS,
                                     NOT_AN_OBJECT, UNANSWERABLE, Deduplicator, Skips,
-                                    question_id, read_squad_articles, squad_answers,
-                                    squad_paragraph_skipped)
+                                    open_tfds, question_id, read_squad_articles,
+                                    squad_answers, squad_paragraph_skipped)
 from realm_jax.errors import ConfigError, DataError
 
 KINDS = ("nq_open", "webq", "curated_trec", "squad", "tfds", "prepared")
@@ -340,33 +339,10 @@ def _read_squad(path: str, collect: _Collector) -> None:
 
 def _read_tfds(arg: str, collect: _Collector, option: str, data_dir: str | None) -> None:
   """A TFDS question set that the user has prepared locally (read by random access)."""
-  try:
-    import tensorflow_datasets as tfds
-  except ImportError:
-    raise ConfigError(option, f"tfds:{arg} needs tensorflow-datasets: "
-                      "pip install 'realm_jax[tfds]'") from None
   name, _, split = arg.partition(":")
   split = split or "train"
   question_key, answers_key = TFDS_FEATURES[name]
-  build = f"tfds build {name}" + (f" --data_dir={data_dir}" if data_dir else "")
-  how = (f"Prepare it once with `{build} --file_format=array_record` (or "
-         f"tfds.builder({name!r}).download_and_prepare()), then re-run")
-  try:
-    if name in _TFDS_MODULES:
-      importlib.import_module(_TFDS_MODULES[name])
-    builder = tfds.builder(name, data_dir=data_dir)
-  except Exception as e:  # unknown name, or its code is not importable here
-    raise ConfigError(option, f"TFDS dataset {name!r} is not available ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0]}). {how}") from None
-  try:
-    dataset = builder.as_data_source(split=split)
-  except Exception as e:
-    if not builder.is_prepared():
-      raise ConfigError(option, f"TFDS dataset {name!r} is not prepared under "
-                        f"{builder.data_dir}. {how}") from None
-    raise ConfigError(option, f"tfds:{name}:{split}: {type(e).__name__}: "
-                      f"{str(e).splitlines()[0]} (questions are read by random access: "
-                      "prepare with --file_format=array_record)") from None
+  dataset = open_tfds(name, split, data_dir, option, register=_TFDS_MODULES.get(name))
   for i in range(len(dataset)):
     where = f"tfds:{name}:{split}[{i}]"
     example = dataset[i]

@@ -9,12 +9,15 @@ read is either a document or a skip, so `read == documents + sum(skipped)`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import gzip
 import hashlib
+import importlib
 import json
 import os
+import tempfile
 from collections import Counter
 from typing import Iterator
 
@@ -296,32 +299,10 @@ def squad_answers(qa: dict) -> list[tuple[str, int | None]] | None:
 
 def _tfds(arg: str, config, skips: Skips) -> Iterator[SourceDocument]:
   """A TFDS text dataset (e.g. `wikipedia/20230601.en`) that the user has prepared locally."""
-  try:
-    import tensorflow_datasets as tfds
-  except ImportError:
-    raise ConfigError("source", f"tfds:{arg} needs tensorflow-datasets: "
-                      "pip install 'realm_jax[tfds]'") from None
   name, _, split = arg.partition(":")
   split = split or "train"
-  data_dir = config.tfds_data_dir or None
-  build = f"tfds build {name}" + (f" --data_dir={data_dir}" if data_dir else "")
-  how = (f"Prepare it once with `{build} --file_format=array_record` (or "
-         f"tfds.builder({name!r}).download_and_prepare()), then re-run; "
-         "--config.tfds_data_dir picks another TFDS data dir")
-  try:
-    builder = tfds.builder(name, data_dir=data_dir)
-  except Exception as e:  # unknown name, or its code is not importable here
-    raise ConfigError("source", f"TFDS dataset {name!r} is not available ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0]}). {how}") from None
-  try:
-    dataset = builder.as_data_source(split=split)
-  except Exception as e:
-    if not builder.is_prepared():
-      raise ConfigError("source", f"TFDS dataset {name!r} is not prepared under "
-                        f"{builder.data_dir}. {how}") from None
-    raise ConfigError("source", f"tfds:{name}:{split}: {type(e).__name__}: "
-                      f"{str(e).splitlines()[0]} (realm-prepare reads TFDS by random access: "
-                      "prepare with --file_format=array_record)") from None
+  dataset = open_tfds(name, split, config.tfds_data_dir or None, "source",
+                      "--config.tfds_data_dir picks another TFDS data dir")
   for i in range(len(dataset)):
     where = f"tfds:{name}:{split}[{i}]"
     example = dataset[i]
@@ -367,3 +348,49 @@ def world_qa(config) -> dict[str, list[dict]]:
 def _generate_world(entities: int, seed: int):
   from realm_jax.data.world import generate_world
   return generate_world(entities, seed)
+
+
+def open_tfds(name: str, split: str, data_dir: str | None, option: str, hint: str = "",
+              register: str | None = None):
+  """The locally prepared TFDS split `name:split`, opened for random access
+  (`as_data_source`); otherwise a ConfigError naming `option` that says how to prepare it.
+  `register`: a module to import first (TFDS registers some builders only then)."""
+  try:
+    import tensorflow_datasets as tfds
+  except ImportError:
+    raise ConfigError(option, f"tfds:{name} needs tensorflow-datasets: "
+                      "pip install 'realm_jax[tfds]'") from None
+  build = f"tfds build {name}" + (f" --data_dir={data_dir}" if data_dir else "")
+  how = (f"Prepare it once with `{build} --file_format=array_record` (or "
+         f"tfds.builder({name!r}).download_and_prepare()), then re-run" +
+         (f"; {hint}" if hint else ""))
+  try:
+    if register:
+      importlib.import_module(register)
+    builder = _tfds_builder(tfds, name, data_dir)
+  except Exception as e:  # unknown name, or its code is not importable here
+    raise ConfigError(option, f"TFDS dataset {name!r} is not available ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0]}). {how}") from None
+  try:
+    return builder.as_data_source(split=split)
+  except Exception as e:
+    if not builder.is_prepared():
+      raise ConfigError(option, f"TFDS dataset {name!r} is not prepared under "
+                        f"{builder.data_dir}. {how}") from None
+    raise ConfigError(option, f"tfds:{name}:{split}: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0]} (read by random access: prepare with "
+                      "--file_format=array_record)") from None
+
+
+def _tfds_builder(tfds, name: str, data_dir: str | None):
+  """`tfds.builder`, without the empty `tmp*tfds` folder it leaves in the temp dir for a
+  dataset that has no local metadata (it makes one for metadata from GCS, then finds none)."""
+  tmp = tempfile.gettempdir()
+  before = set(os.listdir(tmp))
+  try:
+    return tfds.builder(name, data_dir=data_dir)
+  finally:
+    for entry in set(os.listdir(tmp)) - before:
+      if entry.startswith("tmp") and entry.endswith("tfds"):
+        with contextlib.suppress(OSError):   # rmdir: only ever an empty folder
+          os.rmdir(os.path.join(tmp, entry))
