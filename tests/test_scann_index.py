@@ -114,6 +114,16 @@ def test_exact_top_n_matches_a_full_argsort(clustered):
                                            kind="stable"))
   with pytest.raises(ValueError):
     scann_index.exact_top_n(queries, blocks[:5], 6)
+  # equal scores (duplicate blocks; small integers, so every product is exact): the lower
+  # row first, whatever the chunks
+  rng = np.random.default_rng(0)
+  small = rng.integers(-2, 3, (300, 4)).astype(np.float32)
+  duplicated, asked = np.concatenate([small, small]), rng.integers(-2, 3, (50, 4))
+  reference = np.argsort(-(asked @ duplicated.T.astype(np.int64)), axis=1, kind="stable")
+  for chunk in (8192, 100, 7):
+    np.testing.assert_array_equal(
+        scann_index.exact_top_n(asked.astype(np.float32), duplicated, 15, chunk=chunk),
+        reference[:, :15])
 
 
 def test_recall_at():

@@ -233,6 +233,8 @@ def exact_top_n(queries: np.ndarray, embeddings: np.ndarray, n: int,
   queries = np.asarray(queries, np.float32)
   best_scores = np.zeros((len(queries), 0), np.float32)
   best_rows = np.zeros((len(queries), 0), np.int64)
+  # best_rows stays ascending along each row, so a lower column is a lower block row and the
+  # lowest column among equal scores (`_top_columns`) is the lowest row, across chunks too
   for start in range(0, num_blocks, chunk):
     scores = queries @ np.asarray(embeddings[start:start + chunk], np.float32).T
     top = _top_columns(scores, n)
@@ -246,10 +248,18 @@ def exact_top_n(queries: np.ndarray, embeddings: np.ndarray, n: int,
 
 
 def _top_columns(scores: np.ndarray, n: int) -> np.ndarray:
-  """Column indices of each row's n highest scores, unordered (all columns if <= n)."""
+  """Column indices of each row's n highest scores, ascending (all columns if <= n); of the
+  scores equal to the n-th highest, the lowest columns."""
   if scores.shape[1] <= n:
     return np.broadcast_to(np.arange(scores.shape[1]), scores.shape)
-  return np.argpartition(-scores, n - 1, axis=1)[:, :n]
+  top = np.argpartition(-scores, n - 1, axis=1)[:, :n]
+  picked = np.take_along_axis(scores, top, axis=1)
+  cut = picked.min(axis=1, keepdims=True)
+  # argpartition picks any of the columns tied at the cut: redo the rows where it left one out
+  for i in np.flatnonzero((scores == cut).sum(1) > (picked == cut).sum(1)):
+    above = np.flatnonzero(scores[i] > cut[i])
+    top[i] = np.concatenate([above, np.flatnonzero(scores[i] == cut[i])[:n - len(above)]])
+  return np.sort(top, axis=1)
 
 
 def recall_at(approx: np.ndarray, exact: np.ndarray) -> float:
