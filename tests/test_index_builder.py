@@ -1,6 +1,7 @@
 """The separate index builder (`realm-index`) and the trainer's subscriber: what gets published,
 what gets refused, and what survives a kill -9 at random points."""
 
+import errno
 import json
 import os
 import random
@@ -14,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from realm_jax import paths
 from realm_jax.data import pipeline
 from realm_jax.data.prepared import PreparedData
 from realm_jax.errors import ConfigError
@@ -146,6 +148,32 @@ def test_checkpoint_deleted_while_restoring_moves_to_the_newest(world_dir, tmp_p
   manifest = published.read_manifest(published.index_root(workdir), 1)
   assert manifest["step"] == 10
   assert "checkpoint 20 was deleted while being restored" in capsys.readouterr().out
+
+
+def test_no_space_for_latest_finishes_the_committed_version(world_dir, tmp_path, capsys,
+                                                             monkeypatch):
+  """A full disk once the version's manifest is in (readers may already use it): the builder
+  points LATEST at that version when it can, and never publishes the step again."""
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (10,))
+  write, failures = paths.write_text_atomic, []
+
+  def full_for_latest(path, *args, **kwargs):
+    if os.path.basename(str(path)) == published.LATEST and len(failures) < 2:
+      failures.append(path)
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return write(path, *args, **kwargs)
+
+  monkeypatch.setattr(paths, "write_text_atomic", full_for_latest)
+  assert build_once(config, workdir) == 1
+  root = published.index_root(workdir)
+  assert len(failures) == 2
+  assert published.complete_versions(root) == [1] and published.read_latest(root) == 1
+  out = capsys.readouterr().out
+  assert out.count("v1 is committed; finishing it") == 2 and "nothing of v" not in out, out
+  with open(os.path.join(workdir, "metrics", "index.jsonl")) as f:
+    assert [json.loads(line)["version"] for line in f] == [1]
 
 
 def test_builder_without_checkpoints_waits_then_fails_clearly(world_dir, tmp_path):

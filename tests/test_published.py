@@ -133,6 +133,47 @@ def test_version_dir_without_manifest_is_not_there(tmp_path):
   assert published.read_latest(root) is None
 
 
+@pytest.mark.parametrize("change, expected", [
+    ({"step": None}, "step is None, not an integer"),
+    ({"dim": 16.0}, "dim is 16.0, not an integer"),
+    ({"files": []}, "files is a list, not an object"),
+    ({"files": {"embeddings.npy": 5}}, r"files\['embeddings.npy'\] is 5"),
+    ({"files": {"embeddings.npy": {"bytes": "300", "sha256": "ab"}}}, "embeddings.npy"),
+    ({"backend": "scann"}, "ScaNN version without its settings"),
+])
+def test_manifest_of_wrong_types_is_rejected_naming_the_field(tmp_path, change, expected):
+  """JSON of the right keys and wrong types is a rejected version, not a reader's crash."""
+  root = published.index_root(tmp_path)
+  publish_one(root, step=100)
+  path = published.version_dir(root, 1) / published.MANIFEST
+  path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+  with pytest.raises(published.RejectedVersion, match=expected) as e:
+    published.verify(root, 1)
+  assert str(path.parent) in e.value.reason
+
+
+def test_subscriber_skips_a_version_pruned_while_it_looks(tmp_path, monkeypatch):
+  """Deterministic refresh reads every complete version's manifest: one that the builder
+  prunes between the listing and the read is passed over, not the subscriber's death."""
+  from realm_jax.retrieval.subscriber import IndexSubscriber
+  root = published.index_root(tmp_path)
+  sub = IndexSubscriber(str(tmp_path), loader=None, poll_seconds=3600)
+  sub.close()        # its one poll found nothing; this test looks by hand
+  publish_one(root, step=0)
+  sub.want_steps([10])
+  read_text, pruned = type(root).read_text, []
+
+  def prune_first(path, *args, **kwargs):
+    if path.name == published.MANIFEST and path.parent.name == "00000001" and not pruned:
+      pruned.append(publish_one(root, step=10, keep=1))    # the builder's next version
+    return read_text(path, *args, **kwargs)
+
+  monkeypatch.setattr(type(root), "read_text", prune_first)
+  assert sub._candidates() == [] and pruned       # v1 vanished; v2 was not listed yet
+  monkeypatch.undo()
+  assert sub._candidates() == [2] and sub.rejected == {}
+
+
 @pytest.mark.parametrize("damage, expected", [
     ("flip", r"embeddings\.npy has sha256"),
     ("truncate", r"embeddings\.npy has size 299 bytes != 300 bytes"),

@@ -146,13 +146,18 @@ class IndexBuilder:
     timings["blocks_per_second"] = round(len(embeddings) / max(seconds, 1e-9), 1)
     query_params = partitioning.host_copy(embedders.query_tower_params(params))
     unreachable_since = None
-    while True:   # a full disk or an unreachable bucket: nothing of the version is visible
+    while True:   # a full disk or an unreachable bucket: written again, or finished
       try:
         return self._publish(step, version, staging, embeddings, query_params, timings)
       except Exception as e:  # noqa: BLE001  (anything but those two is raised again)
         unreachable = paths.unreachable(e)
         unreachable_since = (unreachable_since or time.time()) if unreachable else None
         why = self._unpublished(e, staging, version, prefix, unreachable_since)
+        if self._committed(version):   # LATEST, the prune or the metrics failed: finish it
+          logger.warning(f"{prefix}{why}: v{version} is committed; finishing it in "
+                         f"{cfg.builder.poll_seconds:g}s")
+          time.sleep(cfg.builder.poll_seconds)
+          continue
         logger.warning(f"{prefix}{why}: nothing of v{version} is visible; writing it again in "
                        f"{cfg.builder.poll_seconds:g}s")
         time.sleep(cfg.builder.poll_seconds)
@@ -183,18 +188,33 @@ class IndexBuilder:
     return (f"the bucket did not answer writing {staging} ({type(error).__name__}: {error}; "
             f"{waited:.0f}s of ${paths.PATIENCE_ENV}={paths.patience():g}s)")
 
+  def _committed(self, version: int) -> bool:
+    """Whether `version` has its manifest (readers may use it); False if that is unknown."""
+    try:
+      return (self.published.version_dir(self.root, version) / self.published.MANIFEST).exists()
+    except Exception:  # noqa: BLE001  (the bucket is not answering: written again then)
+      return False
+
   def _publish(self, step: int, version: int, staging, embeddings: np.ndarray,
                query_params: dict, timings: dict) -> dict:
-    """Writes version `version`'s files into `staging` and publishes it; its manifest."""
+    """Writes version `version`'s files into `staging` and publishes it, or finishes its
+    publishing if an earlier try committed it; its manifest."""
     cfg, prefix = self.config, f"[index] v{version} (step {step}): "
-    extra = self._write_index(staging, embeddings, query_params, timings, prefix)
-    logger.info(f"{prefix}publishing")
     t0 = time.time()
-    manifest = self.published.publish(
-        self.root, version, staging, dict(
-            step=step, num_blocks=int(len(embeddings)), dim=int(embeddings.shape[1]),
-            backend=cfg.retrieval.backend, block_store_fingerprint=self.fingerprint,
-            timings=timings, **extra), keep=cfg.builder.keep_versions)
+    if self._committed(version):
+      manifest = self.published.read_manifest(self.root, version)
+      self.published.point_latest(self.root, version, cfg.builder.keep_versions)
+      extra = {k: v for k, v in manifest.items()
+               if k not in (*self.published.REQUIRED_KEYS, "created")}
+    else:
+      extra = self._write_index(staging, embeddings, query_params, timings, prefix)
+      logger.info(f"{prefix}publishing")
+      t0 = time.time()
+      manifest = self.published.publish(
+          self.root, version, staging, dict(
+              step=step, num_blocks=int(len(embeddings)), dim=int(embeddings.shape[1]),
+              backend=cfg.retrieval.backend, block_store_fingerprint=self.fingerprint,
+              timings=timings, **extra), keep=cfg.builder.keep_versions)
     publish_seconds = time.time() - t0
     size = sum(f["bytes"] for f in manifest["files"].values())
     logger.info(f"{prefix}published {self.published.version_dir(self.root, version)} "

@@ -149,12 +149,23 @@ def publish(root, version: int, staging, fields: dict, keep: int) -> dict:
     paths.write_text_atomic(staging / MANIFEST, text, durable=True)
     os.rename(str(staging), str(target))
     paths.fsync(root)
-    paths.write_text_atomic(root / LATEST, f"{version:08d}\n", durable=True)
   else:
     (target / MANIFEST).write_text(text)
-    (root / LATEST).write_text(f"{version:08d}\n")
-  _prune(root, keep)
+  point_latest(root, version, keep)
   return manifest
+
+
+def point_latest(root, version: int, keep: int) -> None:
+  """Points LATEST at the complete `version` (unless it names a newer one) and prunes: the
+  last part of `publish`, which a publisher whose LATEST write failed calls again."""
+  root = epath.Path(root)
+  latest = read_latest(root)
+  if latest is None or latest < version:
+    if paths.is_remote(root):
+      (root / LATEST).write_text(f"{version:08d}\n")
+    else:
+      paths.write_text_atomic(root / LATEST, f"{version:08d}\n", durable=True)
+  _prune(root, keep)
 
 
 def _prune(root: epath.Path, keep: int) -> None:
@@ -185,9 +196,29 @@ def read_manifest(root, version: int) -> dict:
   missing = [k for k in REQUIRED_KEYS if k not in manifest]
   if missing:
     raise RejectedVersion(version, f"{MANIFEST} of {path.parent} lacks keys {missing}")
+  wrong = _wrong_types(manifest)
+  if wrong:
+    raise RejectedVersion(version, f"{MANIFEST} of {path.parent}: {wrong}")
   if manifest["version"] != version:
     raise RejectedVersion(version, f"{MANIFEST} says version {manifest['version']} != {version}")
   return manifest
+
+
+def _wrong_types(manifest: dict) -> str:
+  """What in a manifest has the wrong type ("" if nothing): a reader indexes every field."""
+  for key in ("version", "step", "num_blocks", "dim"):
+    if type(manifest[key]) is not int:
+      return f"{key} is {manifest[key]!r}, not an integer"
+  files = manifest["files"]
+  if not isinstance(files, dict):
+    return f"files is a {type(files).__name__}, not an object"
+  for rel, entry in files.items():
+    if not (isinstance(entry, dict) and type(entry.get("bytes")) is int
+            and isinstance(entry.get("sha256"), str)):
+      return f"files[{rel!r}] is {entry!r}, not {{\"bytes\": int, \"sha256\": str}}"
+  if manifest["backend"] == "scann" and not isinstance(manifest.get("scann"), dict):
+    return "a ScaNN version without its settings (\"scann\": {...})"
+  return ""
 
 
 def verify(root, version: int, *, fingerprint: str | None = None,

@@ -124,6 +124,8 @@ class IndexSubscriber:
       except published.RejectedVersion as e:
         self._reject(version, e.reason)
         continue
+      except OSError:   # pruned since it was listed, or the bucket did not answer: next poll
+        continue
       if step in wanted:
         found.append(version)
     return found
