@@ -29,6 +29,7 @@ offline stand-in needs no model:
 
 from __future__ import annotations
 
+import bisect
 import re
 
 _MONTH_NAMES = ("january", "february", "march", "april", "may", "june", "july", "august",
@@ -191,7 +192,10 @@ def _kept_length(word: str) -> int:
 
 
 def _capitalised_words(text: str, blocked: list[tuple[int, int]]) -> list[tuple[int, int]]:
-  """Spans of the capitalised words of ``text`` outside the ``blocked`` spans."""
+  """Spans of the capitalised words of ``text`` outside the ``blocked`` spans (sorted and
+  disjoint: each word looks at the one blocked span that can overlap it, so a long text of
+  many numbers and names costs linear time, not their product)."""
+  ends = [e for _, e in blocked]
   words = []
   for m in _WORD.finditer(text):
     word = m.group()
@@ -200,7 +204,8 @@ def _capitalised_words(text: str, blocked: list[tuple[int, int]]) -> list[tuple[
     start, end = m.span()
     if "-" in word or "–" in word:
       end = start + _kept_length(word)
-    if not any(s < end and start < e for s, e in blocked):
+    after = bisect.bisect_right(ends, start)   # the first blocked span ending after start
+    if after == len(blocked) or blocked[after][0] >= end:
       words.append((start, end))
   return words
 
