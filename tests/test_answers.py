@@ -70,6 +70,9 @@ def test_regex_answers_match_like_orqa():
   assert not exact_match("1978", [year], is_regex=True)
   assert not regex_match("anything", "(unclosed") and not regex_match("anything", "")
   assert not regex_match("anything", "(the )?")      # matches "": it would accept everything
+  for empty_at_start in (r"\b", r"(?=\w)", r"\s*", r"(?:jimmy)?"):
+    assert not regex_match("anything", empty_at_start), empty_at_start
+  assert regex_match("jimmy", r"\bjimmy\b")
   assert f1_score("1977", [year], is_regex=True) == 1.0
   assert f1_score("1978", [year], is_regex=True) == 0.0
 
@@ -112,6 +115,11 @@ def test_regex_answers_map_to_token_spans(tok):
   across = block(tok, "jimmy", "carter")                # [SEP] splits the text
   assert not AnswerMatcher(tok, [r"jimmy\s*carter"], is_regex=True).contains(across)
   assert AnswerMatcher(tok, [r"^carter$"], is_regex=True).contains(across)
+  # an alternative that ends on a word boundary behind one that does not
+  carters = block(tok, "x", "jimmy carters")
+  either = AnswerMatcher(tok, [r"jimmy carter|jimmy"], is_regex=True)
+  assert [text_of(tok, carters, s) for s in either.spans(carters)] == ["jimmy"]
+  assert either.contains_rows(carters[None]).tolist() == [True]
 
 
 def reference_contains(tok, row, answers) -> bool:
@@ -163,6 +171,10 @@ def test_regex_rows_are_searched_without_matches_across_rows(tok):
   matcher = AnswerMatcher(tok, [r"carter\W*art|art is"], is_regex=True)
   assert matcher.contains_rows(rows).tolist() == [False, True, False]
   assert matcher.contains_rows(rows, lengths=[6, 1, 6]).tolist() == [False, False, False]
+  # a greedy match running past a row's end still flags the row it holds a match in, as
+  # `spans` finds it
+  greedy, last = AnswerMatcher(tok, [r"carter\W*"], is_regex=True), block(tok, "jimmy", "carter")
+  assert greedy.spans(last) and greedy.contains_rows(last[None]).tolist() == [True]
 
 
 def test_contains_rows_is_fast_on_5000_blocks(tok, capsys):

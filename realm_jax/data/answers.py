@@ -39,14 +39,30 @@ def normalize_answer(s: str) -> str:
   return " ".join(s.split())
 
 
+# Starts of predictions on which a pattern must not match nothing (`compile_answer_regex`).
+_EMPTY_PROBES = ("", "a", "A", "1", " ", ".", "a b")
+
+
 def compile_answer_regex(pattern: str) -> re.Pattern | None:
-  """A CuratedTrec answer pattern compiled with ORQA's flags; None if invalid or if it matches
-  the empty string (it would accept every prediction)."""
+  """A CuratedTrec answer pattern compiled with ORQA's flags; None if invalid or if it can
+  match an empty string at the start of a prediction (`x*`, a word boundary, a lookahead),
+  since it would accept nearly every prediction."""
   try:
     compiled = re.compile(pattern, REGEX_FLAGS)
   except re.error:
     return None
-  return None if compiled.match("") else compiled
+  empty = any((m := compiled.match(probe)) is not None and m.end() == 0
+              for probe in _EMPTY_PROBES)
+  return None if empty else compiled
+
+
+def _whole_words(pattern: re.Pattern) -> re.Pattern | None:
+  """`pattern` matching only from a word's start to a word's end in space-separated words
+  (None if it cannot be wrapped, e.g. a global flag inside it)."""
+  try:
+    return re.compile(rf"(?<!\S)(?:{pattern.pattern})(?!\S)", pattern.flags)
+  except re.error:
+    return None
 
 
 def regex_match(prediction: str, pattern: str) -> bool:
@@ -151,9 +167,13 @@ class AnswerMatcher:
     self.is_regex = is_regex
     self.pad_id = tokenizer.pad_id
     self.patterns: list[re.Pattern] = []
+    self.word_patterns: list[re.Pattern] = []
     self.answer_ids: list[np.ndarray] = []
     if is_regex:
       self.patterns = [p for p in map(compile_answer_regex, dict.fromkeys(answers)) if p]
+      # the same patterns held to whole words, so that the engine backtracks to an alternative
+      # that ends on a word boundary ("jimmy carter|jimmy" in "jimmy carters")
+      self.word_patterns = list(filter(None, map(_whole_words, self.patterns)))
     else:
       texts = [a for a in dict.fromkeys(answers) if normalize_answer(a)]
       seen = set()
@@ -255,7 +275,9 @@ class AnswerMatcher:
         row = int(np.searchsorted(row_ends, match.start()))
         if row >= len(ids):
           break
-        if match.start() < match.end() <= row_ends[row]:
+        # a match running past the row's end may hide one inside it ("carter\W*")
+        if (match.start() < match.end() <= row_ends[row]
+            or pattern.search(text, match.start(), row_ends[row]) is not None):
           rows.add(row)
           pos = row_ends[row] + 1
         else:
@@ -293,7 +315,7 @@ class AnswerMatcher:
       pos += len(parts[-1])
       end_at[pos] = k
     text = "".join(parts)
-    for pattern in self.patterns:
+    for pattern in self.patterns + self.word_patterns:
       at = 0
       while at <= len(text) and (match := pattern.search(text, at)):
         c0, c1 = match.span()

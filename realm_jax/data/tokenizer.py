@@ -88,7 +88,8 @@ def wordpiece_vocab(texts: Iterable[str], vocab_size: int) -> list[str]:
   """A WordPiece vocab learnt as BERT's is (BPE merges over words, "##" marking a piece that
   continues a word), deterministically: the most frequent pair is merged first, ties going
   to the lexicographically smallest pair. Returns the special tokens, the alphabet (sorted),
-  then the merged pieces in merge order, at most `vocab_size` entries."""
+  then the merged pieces in merge order up to `vocab_size` entries; the special tokens and the
+  whole alphabet are always there, so a `vocab_size` below their count is exceeded."""
   counts = word_counts(texts)
   ordered = sorted(counts)
   words = [[w[0]] + [CONTINUE + c for c in w[1:]] for w in ordered]
