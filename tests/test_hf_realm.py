@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 
 from realm_jax.data.prepared import PreparedData
 from realm_jax.data.tokenizer import load_tokenizer
+from realm_jax.errors import DataError
 from realm_jax.interop import hf_bert, hf_realm, hf_realm_weights, torch_pickle
 from realm_jax.retrieval import published, subscriber
 from realm_jax.runtime import state as state_lib, embedders
@@ -423,8 +424,58 @@ def test_torch_zip_refuses_legacy_files_and_foreign_globals(tmp_path, monkeypatc
   os.makedirs(tmp_path / "hf")
   os.replace(legacy, tmp_path / "hf" / "pytorch_model.bin")
   monkeypatch.setitem(sys.modules, "torch", None)
-  with pytest.raises(FileNotFoundError, match="legacy torch.save file"):
+  with pytest.raises(DataError, match="legacy torch.save file"):
     hf_bert.read_weights(str(tmp_path / "hf"))
+
+
+def _zip_with_pickle(path, data_pkl: bytes, storages=()):
+  with zipfile.ZipFile(path, "w") as z:
+    z.writestr("archive/data.pkl", data_pkl)
+    for key, data in storages:
+      z.writestr(f"archive/data/{key}", data)
+  return str(path)
+
+
+def test_torch_zip_damaged_or_crafted_files_name_the_file_and_change_nothing(tmp_path,
+                                                                             monkeypatch):
+  # a BUILD on the shared torch.FloatStorage would give every later file another dtype
+  text = lambda t: pickle.BINUNICODE + len(t).to_bytes(4, "little") + t.encode()
+  poison = (pickle.PROTO + b"\x02" + pickle.EMPTY_DICT + text("junk")
+            + pickle.GLOBAL + b"torch\nFloatStorage\n" + pickle.EMPTY_DICT + text("dtype")
+            + text("u1") + pickle.SETITEM + pickle.BUILD + pickle.SETITEM + pickle.STOP)
+  evil = _zip_with_pickle(tmp_path / "evil.bin", poison)
+  with pytest.raises(pickle.UnpicklingError, match=f"{evil}: torch.FloatStorage cannot be"):
+    torch_pickle.load_state_dict(evil)
+  floats = _Storage("0", "FloatStorage", np.arange(6, dtype=np.float32) + 0.5)
+  honest = str(tmp_path / "honest.bin")
+  write_torch_zip(honest, collections.OrderedDict(w=_Tensor(floats, 0, (6,), (1,))), [floats])
+  got = torch_pickle.load_state_dict(honest)["w"]
+  assert got.dtype == np.float32 and got.tolist() == floats.data.tolist()
+
+  buffer = __import__("io").BytesIO()
+  _TorchLikePickler(buffer, protocol=2).dump(
+      collections.OrderedDict(w=_Tensor(floats, 0, (7,), (1,))))
+  for name, storages, expected in (
+      ("past_end.bin", [("0", floats.data.tobytes())], "lies outside its storage"),
+      ("missing.bin", [], "no item named 'archive/data/0'"),
+      ("truncated.bin", [("0", floats.data.tobytes()[:5])], "storage 0 holds 5 bytes")):
+    path = _zip_with_pickle(tmp_path / name, buffer.getvalue(), storages)
+    with pytest.raises((ValueError, pickle.UnpicklingError), match=f"^{path}: .*{expected}"):
+      torch_pickle.load_state_dict(path)
+    os.makedirs(tmp_path / name[:-4])
+    os.replace(path, tmp_path / name[:-4] / "pytorch_model.bin")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(DataError, match=expected):     # realm-import-hf: one line
+      hf_bert.read_weights(str(tmp_path / name[:-4]))
+
+
+def test_safetensors_floats_are_read_as_float32_like_torch_files(tmp_path):
+  """bfloat16 is no np.floating: read as such, the import report left such tensors out."""
+  save_file({"w": np.ones((2, 3), ml_dtypes.bfloat16), "h": np.ones(4, np.float16),
+             "ids": np.arange(3, dtype=np.int64)}, str(tmp_path / "model.safetensors"))
+  tensors, _ = hf_bert.read_weights(str(tmp_path))
+  assert {k: str(v.dtype) for k, v in tensors.items()} == {
+      "w": "float32", "h": "float32", "ids": "int64"}
 
 
 def test_an_imported_open_qa_checkpoint_answers_with_evidence(imported):
@@ -436,3 +487,48 @@ def test_an_imported_open_qa_checkpoint_answers_with_evidence(imported):
   assert isinstance(item["answer"], str) and np.isfinite(item["score"])
   assert len(item["evidence"]) == SIZES["reader_beam_size"]
   assert all({"retrieval_score", "span_score", "text"} <= set(e) for e in item["evidence"])
+
+
+def _forged_records(path, dtype_args, dtype_state, data) -> str:
+  """A block_records.npy whose pickle asks NumPy to rebuild an array from `data` under a
+  dtype of the file's making (what a crafted file could use to forge object pointers)."""
+  try:
+    from numpy._core.multiarray import _reconstruct
+  except ImportError:      # NumPy 1.x
+    from numpy.core.multiarray import _reconstruct
+
+  class Dtype:
+    def __reduce__(self):
+      return (np.dtype, dtype_args, dtype_state)
+
+  class Array:
+    def __reduce__(self):
+      return (_reconstruct, (np.ndarray, (0,), b"b"), (1, (1,), Dtype(), False, data))
+
+  with open(path, "wb") as f:
+    np.lib.format.write_array_header_1_0(f, {"descr": "|O", "fortran_order": False,
+                                             "shape": (1,)})
+    pickle.dump(Array(), f, protocol=3)
+  return str(path)
+
+
+def test_block_records_are_rebuilt_from_bytes_only(tmp_path):
+  records = np.array([[b"first block", "second"], [b"", b"fourth \xc3\xa9"]], dtype=object)
+  np.save(tmp_path / "good.npy", records)
+  loaded = hf_realm.load_block_records(str(tmp_path / "good.npy"))
+  assert loaded.dtype == object and loaded.shape == (2, 2) and loaded.tolist() == records.tolist()
+  pointer = (0x4141414141).to_bytes(8, "little")
+  forged = [  # an object field over raw bytes; object flags denied; not a list of items
+      _forged_records(tmp_path / "a.npy", ("V8", False, True),
+                      (3, "|", None, ("a", "b"), {"a": (np.dtype("<i8"), 0),
+                                                  "b": (np.dtype("O"), 0)}, 8, 1, 0), pointer),
+      _forged_records(tmp_path / "b.npy", ("O8", False, True),
+                      (3, "|", None, None, None, -1, -1, 0), pointer),
+      _forged_records(tmp_path / "c.npy", ("O8", False, True),
+                      (3, "|", None, None, None, -1, -1, 63), [b"ok", 7])]
+  for path, reason in zip(forged, ("dtype 'V8'", "not all bytes or str", "not all bytes")):
+    with pytest.raises(DataError, match=f"{path}: not block records .*{reason}"):
+      hf_realm.load_block_records(path)
+  np.save(tmp_path / "d.npy", np.array([collections.OrderedDict()], dtype=object))
+  with pytest.raises(DataError, match="refusing to load global collections.OrderedDict"):
+    hf_realm.load_block_records(str(tmp_path / "d.npy"))

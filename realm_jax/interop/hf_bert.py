@@ -16,13 +16,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
-from realm_jax.errors import ConfigError
+from realm_jax.errors import ConfigError, DataError
 from realm_jax.models.bert import HIDDEN_ACTS, hf_parameter_names
 
 OPTION = "init.hf_bert"
@@ -76,10 +78,13 @@ def read_weights(path: str) -> tuple[dict[str, np.ndarray], str]:
 def _load_safetensors(file: str) -> dict[str, np.ndarray]:
   from safetensors.numpy import load_file
   try:
-    return load_file(file)
-  except (TypeError, ValueError):   # dtypes numpy lacks (bfloat16): read through JAX
+    tensors = load_file(file)
+  except (TypeError, ValueError):   # dtypes numpy lacks: read through JAX
     from safetensors.flax import load_file as load_jax
-    return {k: np.asarray(v, np.float32) for k, v in load_jax(file).items()}
+    tensors = {k: np.asarray(v) for k, v in load_jax(file).items()}
+  # floats as float32, as from pytorch_model.bin (a bfloat16 tensor is no np.floating)
+  return {k: v.astype(np.float32) if np.issubdtype(v.dtype, np.floating)
+          or v.dtype == ml_dtypes.bfloat16 else v for k, v in tensors.items()}
 
 
 def _load_torch(file: str) -> dict[str, np.ndarray]:
@@ -89,8 +94,8 @@ def _load_torch(file: str) -> dict[str, np.ndarray]:
     from realm_jax.interop import torch_pickle
     try:
       return torch_pickle.load_state_dict(file, floats_as=np.float32)
-    except ValueError as e:
-      raise FileNotFoundError(str(e)) from None
+    except (ValueError, pickle.UnpicklingError) as e:   # each names the file
+      raise DataError(str(e)) from None
   state = torch.load(file, map_location="cpu", weights_only=True)
   return {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in state.items()}
 

@@ -38,6 +38,7 @@ import argparse
 import json
 import logging
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -47,7 +48,7 @@ import numpy as np
 
 from realm_jax import log, paths
 from realm_jax.errors import ConfigError, DataError, run_cli
-from realm_jax.interop import hf_bert
+from realm_jax.interop import hf_bert, torch_pickle
 from realm_jax.interop.hf_realm_weights import (ImportReport, bert_report, convert,
                                                 read_hf_config, unsupported)
 
@@ -143,8 +144,8 @@ def initialise_rest(config, model, params: Mapping) -> dict:
 # -- Open-QA evidence: block records -> block store + published index ---------------------
 def load_block_records(path: str) -> np.ndarray:
   """HF's block_records.npy (an object array of UTF-8 bytes, i.e. a pickle) read with a
-  restricted unpickler (NumPy arrays and bytes only); plain bytes/str arrays load directly."""
-  from realm_jax.interop import torch_pickle
+  restricted unpickler that rebuilds the array itself from a list of bytes or str (`_Records`);
+  plain bytes/str arrays load directly."""
   with open(path, "rb") as f:
     version = np.lib.format.read_magic(f)
     if version not in ((1, 0), (2, 0)):
@@ -158,19 +159,56 @@ def load_block_records(path: str) -> np.ndarray:
     data = f.read()
 
   try:
-    from numpy._core.multiarray import _reconstruct
-  except ImportError:      # NumPy 1.x
-    from numpy.core.multiarray import _reconstruct
+    records = _Records(data, path).load()
+  except (pickle.UnpicklingError, EOFError, TypeError, ValueError) as e:
+    raise DataError(f"{path}: not block records ({e})") from None
+  if not isinstance(records, _RecordsArray) or records.items is None:
+    raise DataError(f"{path}: expected a pickled object array, got {type(records).__name__}")
+  if len(records.items) != int(np.prod(shape)) or records.shape != shape:
+    raise DataError(f"{path}: {len(records.items)} records for an array of shape {shape}")
+  out = np.empty(len(records.items), dtype=object)
+  out[:] = records.items
+  return out.reshape(shape)
 
-  class _Records(torch_pickle.RestrictedUnpickler):
-    allowed = {(module, "_reconstruct"): _reconstruct
-               for module in ("numpy.core.multiarray", "numpy._core.multiarray")}
-    allowed.update({("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype})
 
-  records = _Records(data, path).load()
-  if not isinstance(records, np.ndarray) or records.shape != shape:
-    raise DataError(f"{path}: expected an array of shape {shape}, got {type(records).__name__}")
-  return records
+# What NumPy pickles an object array as, rebuilt without NumPy: its own `__setstate__` would
+# take the pickle's dtype flags and raw bytes as object pointers (a crafted file could point
+# them anywhere). `_reconstruct(ndarray, (0,), b"b")` -> _RecordsArray, `dtype("O8", False,
+# True)` -> _ObjectDtype, and the array's state must hold a list of bytes or str.
+class _ObjectDtype:
+  def __setstate__(self, state) -> None:
+    pass   # byte order, flags...: nothing of it is used
+
+
+def _object_dtype(name, align=False, copy=True) -> _ObjectDtype:
+  if name != "O8":
+    raise pickle.UnpicklingError(f"block records of dtype {name!r}, not objects")
+  return _ObjectDtype()
+
+
+class _RecordsArray:
+  shape, items = None, None
+
+  def __setstate__(self, state) -> None:
+    if not (isinstance(state, tuple) and len(state) == 5):
+      raise pickle.UnpicklingError("not an object array's state")
+    _, shape, dtype, _, items = state
+    if not isinstance(dtype, _ObjectDtype) or not isinstance(items, list) or not all(
+        isinstance(x, (bytes, str)) for x in items):
+      raise pickle.UnpicklingError("an object array whose items are not all bytes or str")
+    if not (isinstance(shape, tuple) and all(type(d) is int and d >= 0 for d in shape)):
+      raise pickle.UnpicklingError(f"an array shape of {shape!r}")
+    self.shape, self.items = shape, items
+
+
+def _reconstruct(cls, shape, typecode) -> _RecordsArray:
+  return _RecordsArray()
+
+
+class _Records(torch_pickle.RestrictedUnpickler):
+  allowed = {(module, "_reconstruct"): _reconstruct
+             for module in ("numpy.core.multiarray", "numpy._core.multiarray")}
+  allowed.update({("numpy", "ndarray"): _RecordsArray, ("numpy", "dtype"): _object_dtype})
 
 
 def write_block_store(records: np.ndarray, tokenizer, out_dir: str, max_block_len: int,

@@ -53,10 +53,20 @@ class RestrictedUnpickler(pickle.Unpickler):
 
 
 class _StorageType:
-  """Stands for `torch.<X>Storage` in the pickle: only its dtype matters here."""
+  """Stands for `torch.<X>Storage` in the pickle: only its dtype matters here. One instance
+  per storage type serves every file, so a file must not change it (a BUILD on it would
+  otherwise give every later load in the process another dtype)."""
+  __slots__ = ("name", "dtype")
 
   def __init__(self, name: str):
-    self.name, self.dtype = name, STORAGE_DTYPES[name]
+    object.__setattr__(self, "name", name)
+    object.__setattr__(self, "dtype", STORAGE_DTYPES[name])
+
+  def __setattr__(self, name, value):
+    raise pickle.UnpicklingError(f"torch.{self.name} cannot be changed by a checkpoint")
+
+  def __setstate__(self, state):
+    raise pickle.UnpicklingError(f"torch.{self.name} cannot be changed by a checkpoint")
 
 
 def _rebuild_tensor(storage: np.ndarray, offset: int, size, stride, *_unused) -> np.ndarray:
@@ -119,28 +129,37 @@ def load_state_dict(file: str, floats_as: np.dtype | None = None) -> dict[str, n
     floats_as: convert every floating tensor (float16, bfloat16, float64, ...) to this dtype;
       None keeps the stored dtype (bfloat16 as ml_dtypes.bfloat16).
   Raises:
-    ValueError for a legacy (non-zip) torch file or one without `data.pkl`;
-    pickle.UnpicklingError for a global other than the torch tensor machinery.
+    ValueError for a legacy (non-zip) torch file, one without `data.pkl` or a damaged one;
+    pickle.UnpicklingError for a global other than the torch tensor machinery (each naming
+    the file).
   """
   if not zipfile.is_zipfile(file):
     raise ValueError(f"{file} is not a zip-format torch checkpoint (a legacy torch.save file, "
                      "torch < 1.6 or _use_new_zipfile_serialization=False): install torch to "
                      "read it, or re-save it with a current torch or as model.safetensors")
-  with zipfile.ZipFile(file) as archive:
-    pickles = [n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
-    if len(pickles) != 1:
-      raise ValueError(f"{file}: expected one data.pkl in the zip, found {len(pickles)}")
-    prefix = pickles[0][:-len("data.pkl")]
-    names = set(archive.namelist())
-    big_endian = (prefix + "byteorder" in names
-                  and archive.read(prefix + "byteorder").strip() == b"big")
+  try:
+    with zipfile.ZipFile(file) as archive:
+      pickles = [n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+      if len(pickles) != 1:
+        raise ValueError(f"{file}: expected one data.pkl in the zip, found {len(pickles)}")
+      prefix = pickles[0][:-len("data.pkl")]
+      names = set(archive.namelist())
+      big_endian = (prefix + "byteorder" in names
+                    and archive.read(prefix + "byteorder").strip() == b"big")
 
-    def read_storage(key: str, dtype: np.dtype) -> np.ndarray:
-      raw = archive.read(f"{prefix}data/{key}")
-      flat = np.frombuffer(raw, dtype.newbyteorder(">") if big_endian else dtype)
-      return flat.astype(dtype) if big_endian else flat
+      def read_storage(key: str, dtype: np.dtype) -> np.ndarray:
+        raw = archive.read(f"{prefix}data/{key}")
+        if len(raw) % dtype.itemsize:
+          raise ValueError(f"storage {key} holds {len(raw)} bytes, not whole {dtype} elements")
+        flat = np.frombuffer(raw, dtype.newbyteorder(">") if big_endian else dtype)
+        return flat.astype(dtype) if big_endian else flat
 
-    state = _TorchUnpickler(archive.read(pickles[0]), file, read_storage).load()
+      state = _TorchUnpickler(archive.read(pickles[0]), file, read_storage).load()
+  except pickle.UnpicklingError as e:
+    raise pickle.UnpicklingError(_naming(file, e)) from None
+  except (KeyError, EOFError, zipfile.BadZipFile, ValueError, TypeError, IndexError,
+          AttributeError) as e:   # a damaged or crafted file
+    raise ValueError(_naming(file, e)) from None
   if not isinstance(state, dict):
     raise ValueError(f"{file} holds a {type(state).__name__}, not a state dict")
   out = {}
@@ -152,3 +171,9 @@ def load_state_dict(file: str, floats_as: np.dtype | None = None) -> dict[str, n
       value = value.astype(floats_as)
     out[name] = value
   return out
+
+
+def _naming(file: str, error: Exception) -> str:
+  """`error`'s message, starting with the file it is about."""
+  message = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+  return message if message.startswith(file) else f"{file}: {message}"
