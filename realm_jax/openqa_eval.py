@@ -69,15 +69,21 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
     raise ConfigError("model", f"{workdir}/checkpoints/{step} lacks parameters this config "
                       f"needs: {', '.join(shown)} (is config.model the run's?)")
   fingerprint, dim = data.blocks.fingerprint, config.model.retrieval_dim
-  frozen, root = None, published.index_root(workdir)
-  latest = published.read_latest(root) if paths.isdir(root) else None
-  if latest is not None:
-    manifest = published.read_manifest(root, latest)
-    # Open-QA runs keep one frozen index; other runs' must come from this very checkpoint.
-    if reader or manifest["step"] == step:
-      frozen = FrozenIndex.load(workdir, fingerprint, dim, latest)
-      logger.info(f"[eval] index {root}/{latest} (blocks embedded at step {frozen.step})")
-  if frozen is None:
+  root = published.index_root(workdir)
+  if reader:   # an Open-QA run keeps one frozen index: its reader learnt with it
+    latest = published.read_latest(root) if paths.isdir(root) else None
+    theirs = None if latest is None else (
+        published.read_manifest(root, latest)["block_store_fingerprint"])
+    if theirs not in (None, fingerprint):
+      raise ConfigError("data.dir", f"{root} v{latest}, the Open-QA run's frozen index, "
+                        f"embedded block store {theirs}; {data.dir} holds {fingerprint}: "
+                        "evaluate the run on the blocks it was trained with (its data.dir)")
+    frozen = None if latest is None else FrozenIndex.load(workdir, fingerprint, dim, latest)
+  else:        # a pre-training run's: only one embedded by this very checkpoint
+    frozen = FrozenIndex.of_step(workdir, step, fingerprint, dim)
+  if frozen is not None:
+    logger.info(f"[eval] index {root}/{frozen.version} (blocks embedded at step {frozen.step})")
+  else:
     frozen = FrozenIndex.embed(model, mesh, config, data, params["retriever"], step,
                                   f"[eval] index of checkpoint {step}: ")
   return config, data, mesh, model, params, frozen, reader, step

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -176,7 +177,7 @@ def test_openqa_resume_matches_the_uninterrupted_run(openqa_run, world_dir, tmp_
 
 
 @pytest.mark.slow
-def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir):
+def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tmp_path):
   from realm_jax.openqa_eval import evaluate_run
   workdir, _ = openqa_run
   metrics, out = evaluate_run(openqa_config(world_dir), workdir, split="test")
@@ -199,6 +200,12 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir):
   assert len(first["evidence"]) == 3
   assert {"title", "text", "retrieval_score", "span_score"} <= set(first["evidence"][0])
   assert saved["no_answer_in_top_k"] == sum(not p["answer_in_top_k"] for p in predictions)
+  # evaluated with another data dir's blocks: one line naming the option
+  copy = shutil.copytree(workdir, tmp_path / "copy")
+  _publish_other_blocks(str(copy), 6, openqa_config(world_dir))
+  with pytest.raises(ConfigError, match=r"config\.data\.dir: .* frozen index, embedded block "
+                     r"store another-block-store; .* evaluate the run on the blocks"):
+    evaluate_run(openqa_config(world_dir), str(copy), split="test")
 
 
 def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path):
@@ -220,6 +227,10 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path)
     evaluate_run(config, workdir, split="test")
   metrics, _ = evaluate_run(config, workdir, split="test", retrieval_only=True)
   assert "exact_match" not in metrics and 0 <= metrics["recall_at_5"] <= 1
+  # an index of this step over other blocks (another data dir) is passed over, not fatal
+  _publish_other_blocks(workdir, 0, pretraining, state)
+  again, _ = evaluate_run(config, workdir, split="test", retrieval_only=True)
+  assert again["recall_at_5"] == metrics["recall_at_5"]
   # another config's shapes, or a data dir prepared with other blocks: one error naming them
   other = openqa_config(world_dir, model__retrieval_dim=pretraining.model.retrieval_dim + 8)
   with pytest.raises(ConfigError, match=r"parameters do not fit this config and data dir "
@@ -228,6 +239,45 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path)
   other = openqa_config(world_dir, data__block_len=world_data.blocks.block_len + 8)
   with pytest.raises(ConfigError, match=r"config\.data\.block_len: .* prepared with blocks"):
     evaluate_run(other, workdir, split="test", retrieval_only=True)
+
+
+def _publish_other_blocks(workdir, step, config, state=None):
+  """An index of `workdir` at `step` that embedded another block store (random rows)."""
+  from realm_jax.retrieval import published
+  from realm_jax.runtime import embedders, partitioning
+  rows = np.random.default_rng(0).normal(size=(50, config.model.retrieval_dim))
+  query = {} if state is None else partitioning.host_copy(
+      embedders.query_tower_params(state.params["retriever"]))
+  published.publish_arrays(published.index_root(workdir), rows.astype(np.float32), query,
+                           step=step, fingerprint="another-block-store", keep=2)
+
+
+@pytest.mark.slow
+def test_openqa_from_a_run_whose_index_covers_other_blocks_embeds_its_own(
+    world_dir, world_data, tmp_path, capsys):
+  """Fine-tuning on a data dir other than pre-training's: the starting run's index (the same
+  step, other blocks) is not the frozen index; the blocks are embedded again."""
+  from realm_jax.retrieval import published
+  from realm_jax.runtime import partitioning, state as state_lib
+  from realm_jax.runtime.checkpoints import Checkpointer
+  from realm_jax.train.loop import train
+  pretraining = helpers.tiny_config("realm", data_dir=world_dir)
+  mesh = partitioning.make_mesh(pretraining.mesh.shape)
+  model = state_lib.build_model(pretraining, world_data.tokenizer.vocab_size)
+  state, _, _ = helpers.drawn_state(pretraining, model, mesh, world_data.blocks.block_len)
+  origin = str(tmp_path / "pretrained")
+  checkpointer = Checkpointer(origin, keep=1, async_saves=False)
+  checkpointer.save(0, state, {"next_step": 0}, {"step": np.asarray(-1, np.int32)})
+  checkpointer.close()
+  _publish_other_blocks(origin, 0, pretraining, state)
+  workdir = str(tmp_path / "openqa")
+  summary = train(openqa_config(world_dir, train__steps=1, init__from_workdir=origin), workdir)
+  assert summary["steps"] == 1
+  root = published.index_root(workdir)
+  manifest = published.read_manifest(root, published.read_latest(root))
+  assert manifest["block_store_fingerprint"] == world_data.blocks.fingerprint
+  assert manifest["num_blocks"] == world_data.blocks.num_blocks
+  assert f"the block embeddings of {origin}/index" not in capsys.readouterr().out
 
 
 @pytest.mark.slow

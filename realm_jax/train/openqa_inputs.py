@@ -16,6 +16,7 @@ import dataclasses
 
 import numpy as np
 
+from realm_jax import paths
 from realm_jax.data import pipeline
 from realm_jax.data.answers import AnswerMatcher, vocab_pieces
 from realm_jax.data.qa import QAExample, question_inputs
@@ -49,6 +50,24 @@ class FrozenIndex:
     embeddings = published.read_embeddings(root, version, manifest)
     return cls(version=version, step=int(manifest["step"]), embeddings=embeddings,
                index=ExactIndex.from_embeddings(embeddings))
+
+  @classmethod
+  def of_step(cls, workdir: str, step: int, fingerprint: str, dim: int) -> FrozenIndex | None:
+    """`workdir`'s latest version if its block tower of `step` embedded these blocks
+    (`fingerprint`, `dim`); None otherwise (another step, other blocks, none, or a damaged
+    manifest: the caller embeds the blocks itself)."""
+    root = published.index_root(workdir)
+    latest = published.read_latest(root) if paths.isdir(root) else None
+    if latest is None:
+      return None
+    try:
+      manifest = published.read_manifest(root, latest)
+    except published.RejectedVersion:
+      return None
+    if (manifest["step"], manifest["block_store_fingerprint"], manifest["dim"]) != (
+        step, fingerprint, dim):
+      return None
+    return cls.load(workdir, fingerprint, dim, latest)
 
   @classmethod
   def embed(cls, model, mesh, config, data: PreparedData, retriever_params, step: int,

@@ -12,7 +12,6 @@ blocks embedded with the starting block tower. Resuming reuses it, so every step
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 import ml_collections
@@ -71,13 +70,11 @@ class OpenQATrainer(Run):
       retriever = init.sources["retriever"]
       origin = retriever.path if retriever.kind == "workdir" else ""
       init_step = init.steps.get("retriever", -1)
-    if origin and init_step >= 0:
-      root = published.index_root(origin)
-      latest = published.read_latest(root) if os.path.isdir(str(root)) else None
-      if latest is not None and published.read_manifest(root, latest)["step"] == init_step:
-        source = FrozenIndex.load(origin, fingerprint, dim, latest)
+    if origin and init_step >= 0:   # its index, if it embedded these blocks at that step
+      source = FrozenIndex.of_step(origin, init_step, fingerprint, dim)
+      if source is not None:
         logger.info(f"[{task}] frozen index: the block embeddings of {origin}/index "
-                    f"v{latest} (step {init_step})")
+                    f"v{source.version} (step {init_step})")
     if source is None:
       source = FrozenIndex.embed(self.model, self.mesh, cfg, self.data,
                                  self.state.params["retriever"], max(init_step, 0),
