@@ -45,8 +45,13 @@ def realm_flags(world_dir):
     ({"task": "bogus"}, "task"),
     ({"retrieval__candidates": "bogus"}, "retrieval.candidates"),
     ({"train__batch_size": 100000}, "train.batch_size"),
+    ({"train__keep_checkpoints": 0}, "train.keep_checkpoints"),   # Orbax would delete each
+    ({"train__checkpoint_every": 0}, "train.checkpoint_every"),
+    ({"train__log_every": 0}, "train.log_every"),
+    ({"retrieval__refresh": "deterministic", "retrieval__refresh_every": 0},
+     "retrieval.refresh_every"),
 ], ids=["k=1", "k>blocks", "block_len=4", "block_len!=data", "mesh=3x1", "task", "candidates",
-        "batch>examples"])
+        "batch>examples", "keep=0", "checkpoint_every=0", "log_every=0", "refresh_every=0"])
 def test_bad_option_is_named(world_dir, tmp_path, overrides, option):
   """In process: the trainer refuses the option by name before it writes anything."""
   from realm_jax.train.loop import train

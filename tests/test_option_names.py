@@ -151,3 +151,19 @@ def test_the_retriever_is_the_reader_unless_it_says_otherwise(tmp_path):
   negative = tiny_config("realm", model__retriever__num_layers=-2)
   with pytest.raises(ConfigError, match="model.retriever.num_layers: must be >= 1, got -2"):
     validate(negative)
+
+
+def test_a_flag_wins_over_a_config_file_setting_the_old_leaf():
+  """The file ran first (old leaf, the defaults' new leaf); the flag set the new leaf after."""
+  config = tiny_config("realm")
+  with config.unlocked():
+    config.retrieval.mode = "own_block"              # the file, under the old name
+    config.retrieval.first_index_timeout = 60.0
+  config.retrieval.candidates = "null_only"          # --config.retrieval.candidates (or .mode)
+  with pytest.warns(RenamedOptionWarning) as warned:
+    validate(config)
+  assert config.retrieval.candidates == "null_only"  # the flag's
+  assert config.retrieval.index_timeout == 60.0      # the file's: no flag for it
+  assert "mode" not in config.retrieval and "first_index_timeout" not in config.retrieval
+  assert any("are both given: config.retrieval.candidates is kept" in str(w.message)
+             for w in warned)

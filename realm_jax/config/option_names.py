@@ -89,18 +89,36 @@ def _copy_path(root: dict, keys: list[str], create: bool = False) -> dict:
 
 def upgrade_config(config) -> None:
   """Moves options a ConfigDict sets under an old leaf name to the new one, and reads the
-  retriever's old "same as the reader's" values as unset (in place, each with a warning)."""
+  retriever's old "same as the reader's" values as unset (in place, each with a warning).
+
+  A config file that sets the old leaf also has the new one (the defaults'); a `--config`
+  flag, under either name, sets the new one after the file ran. So a new leaf that differs
+  from the defaults was given explicitly and is kept over the old leaf's value."""
   _unset_old_same_as_reader(config)
   for old, new in RENAMED_OPTIONS.items():
     parent, old_leaf = option_parent(config, old)
     if parent is None or old_leaf not in parent.keys():
       continue
-    _warn(old, new, "")
     target, new_leaf = option_parent(config, new)
+    value = parent[old_leaf]
+    if new_leaf in target.keys() and target[new_leaf] != _default(new) \
+        and target[new_leaf] != value:
+      warnings.warn(f"config.{old}={value!r} and config.{new}={target[new_leaf]!r} are both "
+                    f"given: config.{new} is kept (a --config flag comes after the config "
+                    "file)", RenamedOptionWarning, stacklevel=2)
+      value = target[new_leaf]
+    else:
+      _warn(old, new, "")
     with parent.unlocked(), target.unlocked():
-      value = parent[old_leaf]
       del parent[old_leaf]
       target[new_leaf] = value
+
+
+def _default(name: str):
+  """The defaults' value of dotted option `name` (None if it has none)."""
+  from realm_jax.config.defaults import base_config
+  parent, leaf = option_parent(base_config(), name)
+  return None if parent is None or leaf not in parent.keys() else parent[leaf]
 
 
 def _unset_old_same_as_reader(config) -> None:

@@ -83,9 +83,11 @@ def _validate_retrieval(config) -> None:
                       "REALM with retrieval.candidates='index' only; use 'in_process'")
   if r.swap_lag < 0:
     raise ConfigError("retrieval.swap_lag", f"must be >= 0, got {r.swap_lag}")
+  if r.refresh_every < 1:
+    raise ConfigError("retrieval.refresh_every", f"must be >= 1, got {r.refresh_every}")
   # deterministic: the version a step needs is up to swap_lag / refresh_every + 1 versions
   # older than the newest (and the trainer may still be loading the previous one)
-  needed = 2 + (-(-r.swap_lag // max(r.refresh_every, 1)) if r.refresh == "deterministic" else 0)
+  needed = 2 + (-(-r.swap_lag // r.refresh_every) if r.refresh == "deterministic" else 0)
   if config.builder.keep_versions < needed:
     raise ConfigError("builder.keep_versions", f"must be >= {needed} with retrieval.refresh "
                       f"{r.refresh!r} and swap_lag {r.swap_lag}, got "
@@ -102,8 +104,6 @@ def _validate_retrieval(config) -> None:
     raise ConfigError("retrieval.k", f"k={r.k} with retrieval.train_null_document False: a "
                       "training step would read one block, and the retriever learn nothing "
                       "(k >= 3: the null document + >= 2 blocks)")
-  if r.refresh_every < 1:
-    raise ConfigError("retrieval.refresh_every", f"must be >= 1, got {r.refresh_every}")
 
 
 def validate(config, *, num_blocks: int | None = None, store_block_len: int | None = None,
@@ -123,8 +123,9 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
     raise ConfigError("data.max_masks", f"must be in [1, query_len - 2], got {d.max_masks}")
   _validate_towers(config)
   _validate_execution(config.model)
-  if t.batch_size < 1 or t.steps < 1:
-    raise ConfigError("train.batch_size" if t.batch_size < 1 else "train.steps", "must be >= 1")
+  for name in ("batch_size", "steps", "log_every", "checkpoint_every", "keep_checkpoints"):
+    if t[name] < 1:   # (0 checkpoints kept: Orbax deletes each one as it is written)
+      raise ConfigError(f"train.{name}", f"must be >= 1, got {t[name]}")
   if config.init.get("hf_bert") and config.init.from_workdir:
     raise ConfigError("init.hf_bert", "and init.from_workdir are both set: start from one")
   for part in PARTS:
