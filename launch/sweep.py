@@ -41,6 +41,7 @@ import time
 from realm_jax import log, paths, processes, workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.loading import config_module
+from realm_jax.config.option_names import upgrade_config
 from realm_jax.config.reading import flat_options, uses_index_builder
 from realm_jax.config.overrides import check_key, field_value, parse_assignment
 
@@ -61,6 +62,9 @@ def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list
     for flag in grid_flags:
       key, values = parse_assignment(flag, "--grid")
       check_key(key, fields, "--grid")
+      if any(axis[0][0] == key for axis in axes):
+        raise ConfigError("", f"--grid {flag!r}: {key} has a --grid already (give all its "
+                          "values in one: --grid KEY=V1,V2,...)")
       axes.append([(key, field_value(config, fields, key, v.strip()))
                    for v in values.split(",")])
     runs = [dict(combo) for combo in itertools.product(*axes)]
@@ -263,9 +267,13 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     raise ConfigError("", f"--launcher {args.launcher!r}: one of {LAUNCHERS}")
   check_tpu_pod_flags(args)
   path, _, arg = args.config.partition(":")
-  module = config_module(path)
-  config = module.get_config(arg) if arg else module.get_config()
-  hyper = module.get_hyper(arg or None) if hasattr(module, "get_hyper") else None
+  try:
+    module = config_module(path)
+    config = module.get_config(arg) if arg else module.get_config()
+    hyper = module.get_hyper(arg or None) if hasattr(module, "get_hyper") else None
+  except Exception as e:     # the config module's own error, named with the flag that chose it
+    raise ConfigError("", f"--config {args.config!r}: {type(e).__name__}: {e}") from None
+  upgrade_config(config)     # a file's old option names, as the runs will read them
   fields = flat_options(config)
   fixed = {}
   for text in args.set:
@@ -274,6 +282,12 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     fixed[key] = field_value(config, fields, key, value)
   grid = expand_grid(config, args.grid, hyper)
   runs = [(run_name(overrides), overrides) for overrides in grid]
+  named = {}
+  for name, overrides in runs:   # one workdir per run: a second would be skipped as done
+    if name in named:
+      raise ConfigError("", f"two runs would share the workdir {name!r}: {named[name]} and "
+                        f"{overrides}; give values that differ in more than '/' or spaces")
+    named[name] = overrides
   print(f"[sweep] {len(runs)} runs of {args.config} under {args.root} ({args.launcher})",
         flush=True)
   if args.launcher == "tpu_pod":

@@ -41,7 +41,8 @@ from realm_jax.config.loading import load_config
 from realm_jax.config.reading import flat_options, uses_index_builder
 from realm_jax.config.validation import validate
 from realm_jax.config.option_names import upgrade_flags
-from realm_jax.config.overrides import apply_assignments
+from realm_jax.config.defaults import RANDOM_START
+from realm_jax.config.overrides import apply_assignments, flag_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -160,21 +161,29 @@ def plan_run(config_spec: str, workdir: str, sets: list[str], storage: str = "gc
   buckets, overrides = [bucket], []
   final = flat_options(config)
   for key in [*given, *(k for k in final if k not in given)]:
-    value = given.get(key, final[key])
+    value = final[key]   # as typed: written back in the form the workers' flag parser reads
     if isinstance(value, str) and value.startswith("gs://"):
       where, value = gcs_bucket(value, f"config.{key}", storage)
       buckets += [where] if where not in buckets else []
-    elif key in PATH_FIELDS and (value or key == "data.dir") and \
-        not str(value).startswith("pkg:"):    # pkg:MODULE/DIR: in a package the machines install
+    elif _local_path(key, value):
       where = f"{value!r} is not in a bucket, so the machines cannot read it" if value else \
           "is empty (the prepared data dir)"
       raise ConfigError(key, f"{where}: give --set {key}=gs://BUCKET/PATH")
     elif key not in given:
       continue
-    overrides.append(f"--config.{key}={value}")
+    overrides.append(f"--config.{key}={flag_text(value)}")
   builder = uses_index_builder(config)
   remote = "configs/" + os.path.basename(path) + (f":{arg}" if arg else "")
   return Plan(remote, workdir_path, tuple(overrides), tuple(buckets), builder, storage)
+
+
+def _local_path(key: str, value) -> bool:
+  """Whether field `key` = `value` is a path outside a bucket that the machines would read."""
+  if key not in PATH_FIELDS or str(value).startswith("pkg:"):   # pkg:MODULE/DIR: in a
+    return False                                                 # package they install
+  if key.startswith("init.") and value == RANDOM_START:         # no path at all
+    return False
+  return bool(value) or key == "data.dir"
 
 
 def check_builder(plan: Plan, builder_type: str) -> None:

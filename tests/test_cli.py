@@ -117,6 +117,15 @@ def test_ctrl_c_ends_a_cli_with_one_line_and_by_sigint():
   assert err.strip() == "realm-train: interrupted"
 
 
+def _broken_config(tmp_path):
+  """A config file whose get_config misspells a field of its own (line 5)."""
+  path = tmp_path / "broken.py"
+  path.write_text("from realm_jax.config.defaults import base_config\n\n"
+                  "def get_config(arg=None):\n  c = base_config()\n"
+                  "  c.train.checkpoint_every = c.train.stepz // 10\n  return c\n")
+  return path
+
+
 CLI_MODULES = {"realm-train": ["-m", "realm_jax.train.main", "--workdir", "W"],
                "realm-index": ["-m", "realm_jax.retrieval.builder", "--workdir", "W"],
                "realm-eval": ["-m", "realm_jax.openqa_eval", "--workdir", "W"],
@@ -139,7 +148,10 @@ def test_every_cli_names_a_misspelt_option_and_a_missing_config_file_in_one_line
   cases = [(["--config", config, f"--config.{leaf}z=1"],
             f"--config.{leaf}z: no such option; did you mean '{leaf.split('.')[-1]}'?"),
            (["--config", "configs/nowhere.py"], "--config configs/nowhere.py: no such file"),
-           ([f"--config={config}:bogus"], "unknown variant 'bogus'")]
+           ([f"--config={config}:bogus"], "unknown variant 'bogus'"),
+           (["--config", str(_broken_config(tmp_path))],   # its own error: file and line
+            f"{tmp_path}/broken.py, line 5: the config has no field 'stepz'; did you mean "
+            "'steps'?")]
   for args, expected in cases:
     result = run_entry(prog, args, tmp_path)
     assert result.returncode == 2, (args, result.returncode, result.stderr[-2000:])

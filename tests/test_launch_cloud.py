@@ -199,6 +199,8 @@ def test_start_and_stop_scripts_run_the_job_in_the_background_and_sigterm_it(tmp
     ({"--set": "train.lrr=1e-3"}, "'train.lrr' is not a field of the config; the closest is "
                                   "'train.lr'"),
     ({"--set": "train.steps=1.5"}, "config.train.steps: '1.5' is not an integer"),
+    ({"--set": "train.steps=nan"}, "config.train.steps: 'nan' is not an integer"),
+    ({"--set": "mesh.shape=8"}, "config.mesh.shape: '8' is not a tuple literal"),
     ({"--set": "data.dir=/data/realm"}, "config.data.dir: '/data/realm' is not in a bucket, so "
                                         "the machines cannot read it: give --set data.dir=gs://"),
     ({"--set": "retrieval.refresh=in_process"}, "--builder_type v4-8: the config does not use "
@@ -216,6 +218,26 @@ def test_bad_inputs_name_the_flag(change, message, capsys):
   assert exit_.value.code == 2
   err = capsys.readouterr().err
   assert err.startswith("tpu_pod.py: error: ") and message in err, err
+
+
+def test_set_values_reach_the_workers_in_the_form_their_flag_parser_reads():
+  """--set is typed as the field (1e3 for an int, yes for a bool); the jobs get the canonical
+  spelling, which ml_collections' flags parse back to the same config; init.<part>=random
+  needs no bucket."""
+  from realm_jax.config.overrides import config_from_flags
+  plan = tpu_pod.plan_run(REALM_BASE, "gs://my-bucket/realm/realm", [
+      "data.dir=gs://my-bucket/realm/data", "retrieval.refresh=async",
+      "init.retriever=gs://my-bucket/realm/ict", "init.reader=random", "train.steps=1e3",
+      "train.async_checkpoints=no", "train.lr=1e-4", "mesh.shape=[16, 1]"], "gcs")
+  given = [o for o in plan.overrides if o.split("=")[0] in (
+      "--config.init.reader", "--config.train.steps", "--config.train.async_checkpoints",
+      "--config.train.lr", "--config.mesh.shape")]
+  assert given == ["--config.init.reader=random", "--config.train.steps=1000",
+                   "--config.train.async_checkpoints=false", "--config.train.lr=0.0001",
+                   "--config.mesh.shape=(16, 1)"]
+  config = config_from_flags("realm-train", REALM_BASE, list(plan.overrides))
+  assert (config.train.steps, config.train.async_checkpoints, config.train.lr,
+          config.mesh.shape, config.init.reader) == (1000, False, 1e-4, (16, 1), "random")
 
 
 def test_missing_data_dir_and_a_config_outside_configs_are_refused(capsys, tmp_path):

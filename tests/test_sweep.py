@@ -41,6 +41,24 @@ def test_a_key_not_in_the_config_names_the_closest(capsys):
       capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--grid", "train.lr=1e-3,3e-3", "--grid", "train.lr=1e-2"],
+     "train.lr has a --grid already"),
+    (["--grid", "init.from_workdir=runs/a_b,runs_a/b"],
+     "two runs would share the workdir 'init.from_workdir-runs_a_b'"),
+    (["--config", os.path.join(helpers.CONFIGS, "realm_base.py:huge")],
+     "realm_base.py:huge': ValueError: configs/realm_base.py: unknown variant 'huge'"),
+], ids=["key twice", "same workdir", "config error"])
+def test_grids_that_would_lose_runs_and_broken_configs_are_one_line(argv, message, capsys,
+                                                                    tmp_path):
+  args = ["--config", ICT, "--root", str(tmp_path), "--launcher", "print"]
+  with pytest.raises(SystemExit) as exit_:
+    sweep_module().main([*args, *argv])
+  err = capsys.readouterr().err
+  assert exit_.value.code == 2 and "Traceback" not in err
+  assert err.startswith("sweep.py: error: ") and message in err, err
+
+
 def test_print_launcher_expands_the_grid_with_typed_values(capsys, tmp_path):
   sweep = sweep_module()
   sweep.main(["--config", ICT, "--root", str(tmp_path), "--launcher", "print",

@@ -26,6 +26,7 @@ def same_as_reader(kind: type):
   command-line or `--set` value is parsed as one)."""
   return config_dict.placeholder(kind)
 PARTS = ("retriever", "reader")  # the two halves of the parameter tree, each with its own start
+RANDOM_START = "random"          # init.<part>: that part from the initialiser, not from a source
 
 
 def base_config() -> ml_collections.ConfigDict:

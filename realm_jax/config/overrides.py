@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import math
 import os
 import re
 import sys
@@ -51,6 +52,16 @@ def flag_error(error: Exception, argv: list[str]) -> str:
   root = error
   while (root.__cause__ or root.__context__) is not None:
     root = root.__cause__ or root.__context__
+  config_file = _config_file(argv)
+  inside, raised = _line_in(error, config_file)
+  if inside:   # raised by the config file's own code (a misspelt field there, say)
+    if isinstance(root, KeyError) and root.args:   # ConfigDict: a field it does not have
+      what = f"the config has no field {str(root.args[0])!r}"
+      suggestion = re.search(r'Did you mean "([^"]+)"', repr(raised.args))
+      what += f"; did you mean {suggestion.group(1)!r}?" if suggestion else ""
+    else:
+      what = f"{type(raised).__name__}: {_first_line(raised)}"
+    return f"--config {config_file}, line {inside}: {what}"
   if isinstance(root, (KeyError, AttributeError)):   # a misspelt --config.* key
     wrong = str(root.args[0]).strip("'") if root.args else ""
     option = next((a.split("=")[0] for a in argv[1:] if re.match(
@@ -58,13 +69,29 @@ def flag_error(error: Exception, argv: list[str]) -> str:
     suggestion = re.search(r'Did you mean "([^"]+)"', str(error))
     return f"{option}: no such option" + (f"; did you mean {suggestion.group(1)!r}?"
                                           if suggestion else "")
-  config_file = _config_file(argv)
   if config_file is not None and "config file" in str(error):
     path = config_file.partition(":")[0]
     if not os.path.exists(path):
       return f"--config {config_file}: no such file"
     return f"--config {config_file}: {_first_line(root)}"
   return _first_line(error)
+
+
+def _line_in(error: BaseException, config_file: str | None) -> tuple[str, BaseException]:
+  """(the line of the config file's last frame, the exception that passed through it) in the
+  chain of `error` (the innermost such exception); ("", error) if the file raised none."""
+  found = ("", error)
+  if config_file is None:
+    return found
+  path = os.path.abspath(config_file.partition(":")[0])
+  while error is not None:
+    frame = error.__traceback__
+    while frame is not None:
+      if os.path.abspath(frame.tb_frame.f_code.co_filename) == path:
+        found = (str(frame.tb_lineno), error)
+      frame = frame.tb_next
+    error = error.__cause__ or error.__context__
+  return found
 
 
 def _config_file(argv: list[str]) -> str | None:
@@ -114,15 +141,28 @@ def typed_value(text: str, current, key: str):
       raise ConfigError(key, f"{text!r} is not a number") from None
     if isinstance(current, float):
       return number
-    if number != int(number):
+    if not math.isfinite(number) or number != int(number):
       raise ConfigError(key, f"{text!r} is not an integer")
     return int(number)
   if isinstance(current, (tuple, list)):
     try:
-      return tuple(ast.literal_eval(text))
+      value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
-      raise ConfigError(key, f"{text!r} is not a tuple literal") from None
+      value = None
+    if not isinstance(value, (tuple, list)):
+      raise ConfigError(key, f"{text!r} is not a tuple literal, e.g. (8, 1)")
+    return tuple(value)
   return text
+
+
+def flag_text(value) -> str:
+  """`value` written as the text of a `--config.KEY=TEXT` flag that ml_collections parses
+  back to it (`typed_value` takes more spellings: 1e3 for an int, yes for a bool)."""
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  if isinstance(value, (tuple, list)):
+    return repr(tuple(value))
+  return str(value)
 
 
 def check_key(key: str, fields: dict, where: str) -> None:
@@ -134,7 +174,7 @@ def check_key(key: str, fields: dict, where: str) -> None:
 
 def parse_assignment(text: str, flag: str) -> tuple[str, str]:
   key, sep, value = text.partition("=")
-  if not sep or not key or not value:
+  if not sep or not key.strip():   # an empty VALUE sets "" (a path field: unset)
     raise ConfigError("", f"{flag} {text!r}: expected KEY=VALUE")
   return current_name(key.strip()), value.strip()   # an old name: read as the new, warned
 

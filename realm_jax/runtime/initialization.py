@@ -28,7 +28,7 @@ from flax import traverse_util
 
 from realm_jax import packages, paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError
-from realm_jax.config.defaults import PARTS
+from realm_jax.config.defaults import PARTS, RANDOM_START
 from realm_jax.config.reading import part_model, part_options
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class Start:
 
 def resolve(spec: str, option: str, part: str, step: int = -1) -> Source:
   """One init option's value -> its Source; ConfigError if it is none of the accepted forms."""
-  if spec in ("", "random"):
+  if spec in ("", RANDOM_START):
     return Source(part, option, "random")
   path, url = packages.resolve(spec, option), ""
   if paths.is_remote(path):   # a run's workdir (read there) or an HF dir (copied here)
