@@ -126,6 +126,7 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
       sources.NOT_AN_OBJECT: 1}
   assert stats["read"] == len(lines)
   assert stats["sentences"] == 9              # three sentences per document (sentencex)
+  assert stats["documents_without_blocks"] == 0
   assert stats["examples"]["train"] + stats["examples"]["eval"] > 0
 
 
@@ -134,6 +135,8 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
     (json.dumps({"text": "x"}).encode(), sources.MISSING_TITLE),
     (json.dumps({"title": "Blank", "text": "   "}).encode(), sources.EMPTY),
     (b'{"title": "x", "text": "\xff\xfe"}', sources.INVALID_UTF8),
+    (b'{"title": "Lone", "text": "A surrogate \\ud800 in Paris in 1900."}',
+     sources.INVALID_UTF8),                     # valid JSON, no UTF-8 text
     (good_lines()[1], sources.DUPLICATE),
 ])
 def test_strict_mode_fails_naming_file_and_line(tmp_path, line, reason):
@@ -209,6 +212,55 @@ def test_rerun_skips_finished_shards_and_gives_the_same_output(tmp_path, monkeyp
   crashed.block_len = 64
   with pytest.raises(ConfigError, match="block_len: 288"):
     prepare_lib.prepare(crashed)
+
+
+def test_a_source_edited_after_a_crash_is_packed_again_where_it_changed(tmp_path,
+                                                                         monkeypatch):
+  """The natural workflow: the job died, the user fixed the file, re-runs. A finished shard
+  whose documents changed is packed again, never mixed in."""
+  lines = good_lines(n_copies=5)                                       # 15 documents
+  vocab_from = config_for(f"jsonl:{write_jsonl(tmp_path / 'v.jsonl', lines)}",
+                          str(tmp_path / "vocab"), shard_documents=4)
+  prepare_lib.prepare(vocab_from)
+  vocab = os.path.join(vocab_from.out_dir, "vocab.txt")
+  path = write_jsonl(tmp_path / "docs.jsonl", lines)
+  build, calls = corpus.build_shard, []
+
+  def crashing(docs, *args, **kwargs):
+    calls.append(len(docs))
+    if len(calls) == 4:
+      raise RuntimeError("worker died")
+    return build(docs, *args, **kwargs)
+  monkeypatch.setattr(corpus, "build_shard", crashing)
+  edited = config_for(f"jsonl:{path}", str(tmp_path / "edited"), shard_documents=4,
+                      vocab=vocab)
+  with pytest.raises(RuntimeError, match="worker died"):
+    prepare_lib.prepare(edited)
+  monkeypatch.setattr(corpus, "build_shard", build)
+  fixed = [json.dumps({"title": "Apollo 11", "text": "Apollo 11 landed in 1969."}).encode()]
+  write_jsonl(tmp_path / "docs.jsonl", fixed + lines[1:])   # line 1 edited
+  stats = prepare_lib.prepare(edited)
+  clean = config_for(f"jsonl:{path}", str(tmp_path / "clean"), shard_documents=4, vocab=vocab)
+  assert stats["blocks"] == prepare_lib.prepare(clean)["blocks"]
+  assert stats["shards_reused"] == 2          # shards 1 and 2; shard 0 holds the edit
+  _assert_same(_arrays(clean.out_dir), _arrays(edited.out_dir))
+
+
+def test_jsonl_files_as_they_come(tmp_path):
+  """A byte-order mark, a glob that also matches a folder, a text measured as text (not as its
+  escaped JSON), and a line far over the limit read past without holding it."""
+  folder = tmp_path / "dump"
+  (folder / "_temporary").mkdir(parents=True)
+  cjk = "东京是日本的首都。" * 24                      # 648 bytes of text, ~1.3 KB escaped
+  lines = good_lines() + [json.dumps({"title": "Tokyo", "text": cjk}).encode(),
+                          json.dumps({"title": "Long", "text": "word " * 300}).encode(),
+                          b'{"title": "Huge", "text": "' + b"x" * 80_000 + b'"}']
+  with open(folder / "part-0.jsonl", "wb") as f:
+    f.write(b"\xef\xbb\xbf" + b"\r\n".join(lines) + b"\r\n")
+  stats = prepare_lib.prepare(config_for(f"jsonl:{folder}/*", str(tmp_path / "out"),
+                                         max_doc_bytes=1000))
+  assert stats["read"] == len(lines) and stats["documents"] == len(PROSE) + 1
+  assert stats["skipped"] == {sources.TOO_LARGE: 2}   # 1,500 bytes of text; the 80 KB line
 
 
 def test_worker_processes_give_the_in_process_output(tmp_path):

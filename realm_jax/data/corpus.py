@@ -148,6 +148,15 @@ class _Blocks:
                     self.settings, self.dropped)
 
 
+def shard_input(documents: list[tuple[int, SourceDocument]]) -> str:
+  """A digest of what a shard packs (each document's id, title, text, sentences and split):
+  a re-run reuses a finished shard only for the same input (`done.json`'s "input")."""
+  digest = hashlib.blake2b(digest_size=16)
+  for doc_id, doc in documents:
+    digest.update(repr((doc_id, doc.title, doc.text, doc.split, doc.sentences)).encode())
+  return digest.hexdigest()
+
+
 def build_shard(documents: list[tuple[int, SourceDocument]], tokenizer: Tokenizer, tagger,
                 settings: PackSettings, out_dir: str) -> dict:
   """Packs one shard's documents (with their global doc ids) and writes `out_dir`.
@@ -172,7 +181,8 @@ def build_shard(documents: list[tuple[int, SourceDocument]], tokenizer: Tokenize
     head = [tokenizer.cls_id] + title_ids + [tokenizer.sep_id]
     _pack_document(blocks, doc_id, head, title_ids, sentences, sent_enc, stats)
   return _write_shard(out_dir, settings, blocks.rows, blocks.body_starts, blocks.uids,
-                      blocks.docs, blocks.facts, blocks.splits, stats, blocks.dropped, len(docs))
+                      blocks.docs, blocks.facts, blocks.splits, stats, blocks.dropped, len(docs),
+                      shard_input(documents))
 
 
 def _pack_document(blocks: _Blocks, doc_id: int, head: list[int], title_ids: list[int],
@@ -209,7 +219,7 @@ def _pack_document(blocks: _Blocks, doc_id: int, head: list[int], title_ids: lis
 
 
 def _write_shard(out_dir, settings, blocks, body_starts, uids, block_docs, block_facts, splits,
-                 stats, dropped, num_documents) -> dict:
+                 stats, dropped, num_documents, input_digest: str) -> dict:
   """The packed shard's arrays, then `done.json` (its stats) as the commit marker."""
   os.makedirs(out_dir, exist_ok=True)
   tokens = np.zeros((len(blocks), settings.block_len), np.int32)
@@ -226,7 +236,10 @@ def _write_shard(out_dir, settings, blocks, body_starts, uids, block_docs, block
       arrays[f"{split}.{key}"] = value
   for key, value in arrays.items():
     np.save(os.path.join(out_dir, f"{key}.npy"), value)
-  result = {"documents": num_documents, "blocks": len(blocks), "sentences": stats["sentences"],
+  result = {"documents": num_documents, "input": input_digest,
+            # e.g. only zero-width or control characters: no wordpiece, so no block
+            "documents_without_blocks": num_documents - len(set(block_docs)),
+            "blocks": len(blocks), "sentences": stats["sentences"],
             "sentences_cut": stats["sentences_cut"],
             "titles_truncated": stats["titles_truncated"],
             "salient_spans": sum(sum(rows.rows["num_spans"]) for rows in splits.values()),

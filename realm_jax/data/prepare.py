@@ -33,8 +33,9 @@ from realm_jax.errors import ConfigError, DataError
 logger = logging.getLogger("realm_jax.data.prepare")   # (__name__ is __main__ under python -m)
 
 # Settings that change the output: a re-run must agree on all of them to reuse anything.
-FINGERPRINT_FIELDS = ("source", "title_field", "text_field", "world_seed", "vocab",
-                      "vocab_size", "vocab_documents", "block_len", "max_sentence_len",
+# (A field a prepare.json written before it was added lacks reads as its default.)
+FINGERPRINT_FIELDS = ("source", "title_field", "text_field", "tfds_data_dir", "world_seed",
+                      "vocab", "vocab_size", "vocab_documents", "block_len", "max_sentence_len",
                       "max_masks", "tagger", "eval_fraction", "shard_documents", "max_doc_bytes")
 
 
@@ -103,8 +104,10 @@ def _check_out_dir(config) -> dict | None:
   if os.path.exists(path):
     with open(path) as f:
       saved = json.load(f)
-    diffs = [f"{k}: {saved.get(k)!r} (in {out}) != {current[k]!r} (this run)"
-             for k in FINGERPRINT_FIELDS if saved.get(k) != current[k]]
+    defaults = prepare_config()
+    saved = {k: saved.get(k, defaults[k]) for k in FINGERPRINT_FIELDS}
+    diffs = [f"{k}: {saved[k]!r} (in {out}) != {current[k]!r} (this run)"
+             for k in FINGERPRINT_FIELDS if saved[k] != current[k]]
     if diffs:
       raise ConfigError("out_dir", f"{out} holds a preparation with other settings ("
                         + "; ".join(diffs) + "); use another out_dir or delete this one")
@@ -135,13 +138,19 @@ def _vocab(config):
     shutil.copyfile(src, path + ".tmp")
     os.replace(path + ".tmp", path)
     return load_tokenizer(path)
-  t0 = time.time()
+  t0 = last = time.time()
   titles, texts = [], []
   for doc in sources.read_documents(config, sources.Skips(strict=False)):
     titles.append(doc.title)
     texts.extend([doc.text] if doc.text else [s.text for s in doc.sentences])
     if len(titles) >= config.vocab_documents:
       break
+    if time.time() - last >= config.progress_every:
+      last = time.time()
+      logger.info(f"[prepare] vocab: {len(titles):,} of at most {config.vocab_documents:,} "
+                  f"documents read ({len(titles) / (last - t0):,.0f} docs/s)")
+  logger.info(f"[prepare] vocab: training WordPiece ({config.vocab_size:,} entries) on "
+              f"{len(titles):,} documents")
   tmp = os.path.join(config.out_dir, "vocab.tmp")
   tokenizer = train_tokenizer(titles + texts, tmp, config.vocab_size)
   os.replace(os.path.join(tmp, "vocab.txt"), path)
@@ -243,7 +252,7 @@ class _ShardPacker:
     shard_dir = os.path.join(self.root, f"{index:05d}")
     self.shard_dirs.append(shard_dir)
     done = corpus.shard_done(shard_dir)
-    if done is not None and done["documents"] == len(docs):
+    if done is not None and done.get("input") == corpus.shard_input(docs):   # same documents
       self.reused += 1
       self._done(index, done)
       return
@@ -347,14 +356,15 @@ def _stats(config, tokenizer, skips, titles, results, merged, qas, reused, t0, t
   total = Counter()
   dropped = Counter()
   for r in results.values():
-    total.update({k: r[k] for k in ("sentences", "sentences_cut", "titles_truncated",
-                                    "salient_spans")})
+    total.update({k: r.get(k, 0) for k in ("sentences", "sentences_cut", "titles_truncated",
+                                           "salient_spans", "documents_without_blocks")})
     dropped.update(r["examples_skipped"])
   lengths = np.load(os.path.join(config.out_dir, "blocks", "lengths.npy"), mmap_mode="r")
   seconds = time.time() - t0
   return {
       "source": config.source, "read": len(titles) + sum(skips.counts.values()),
       "documents": len(titles), "skipped": dict(skips.counts),
+      "documents_without_blocks": total["documents_without_blocks"],
       "blocks": merged["blocks"], "max_block_wordpieces": int(lengths.max(initial=0)),
       "block_len": config.block_len, "max_sentence_len": config.max_sentence_len,
       "sentences": total["sentences"], "sentences_cut": total["sentences_cut"],

@@ -93,7 +93,9 @@ def squad_paragraph_skipped(title, context, dedup: Deduplicator,
     return MISSING_TITLE
   if not isinstance(context, str):
     return MISSING_TEXT
-  if len(context.encode("utf-8", "surrogatepass")) > max_doc_bytes:
+  if not utf8_text(title, context):
+    return INVALID_UTF8
+  if len(context.encode("utf-8")) > max_doc_bytes:
     return TOO_LARGE
   if not context.strip():
     return EMPTY
@@ -130,9 +132,35 @@ def read_documents(config, skips: Skips) -> Iterator[SourceDocument]:
       yield doc
 
 
+def utf8_text(*texts: str) -> bool:
+  """Whether every text is UTF-8 text: JSON can escape a lone surrogate ("\\ud800"), which
+  decodes to a str that no encoder, tokenizer or sentence splitter takes."""
+  try:
+    for text in texts:
+      text.encode("utf-8")
+  except UnicodeEncodeError:
+    return False
+  return True
+
+
 def _jsonl_files(pattern: str) -> list[str]:
-  return sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else \
-      ([pattern] if os.path.isfile(pattern) else [])
+  """The files a `jsonl:` pattern names (a glob's directories left out)."""
+  if any(c in pattern for c in "*?["):
+    return sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
+  return [pattern] if os.path.isfile(pattern) else []
+
+
+def _lines(f, limit: int) -> Iterator[tuple[int, bytes | None]]:
+  """(number, line) of a binary file; a line of more than `limit` bytes as None, read past
+  in chunks (never held whole)."""
+  lineno = 0
+  while line := f.readline(limit + 1):
+    lineno += 1
+    if len(line) > limit and not line.endswith(b"\n"):
+      while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+        pass
+      line = None
+    yield lineno, line
 
 
 def _document(obj, title_key: str, text_key: str, config, where: str, skips: Skips,
@@ -148,7 +176,10 @@ def _document(obj, title_key: str, text_key: str, config, where: str, skips: Ski
   if not isinstance(text, str):
     skips.skip(MISSING_TEXT, where)
     return None
-  if len(text.encode("utf-8", "surrogatepass")) > config.max_doc_bytes:
+  if not utf8_text(title, text):
+    skips.skip(INVALID_UTF8, where)
+    return None
+  if len(text.encode("utf-8")) > config.max_doc_bytes:
     skips.skip(TOO_LARGE, where)
     return None
   return SourceDocument(title, text, split=_split_of(title, text, config.eval_fraction),
@@ -165,17 +196,19 @@ def _split_of(title: str, text: str, eval_fraction: float) -> str:
 
 
 def _jsonl(pattern: str, config, skips: Skips) -> Iterator[SourceDocument]:
+  # a record's line: its text JSON-escaped (up to 6 bytes a character, "\\u0001") and fields
+  limit = 6 * config.max_doc_bytes + (1 << 16)
   for path in _jsonl_files(pattern):
     with open(path, "rb") as f:
-      for lineno, line in enumerate(f, 1):
+      for lineno, line in _lines(f, limit):
         where = f"{path}:{lineno}"
-        if not line.strip():
-          continue                         # a blank line is not a record
-        if len(line) > config.max_doc_bytes:
+        if line is None:
           skips.skip(TOO_LARGE, where)
           continue
+        if not line.strip():
+          continue                         # a blank line is not a record
         try:
-          decoded = line.decode("utf-8")
+          decoded = line.decode("utf-8-sig" if lineno == 1 else "utf-8")   # a BOM'd file
         except UnicodeDecodeError:
           skips.skip(INVALID_UTF8, where)
           continue
