@@ -97,6 +97,7 @@ def test_unknown_marginalization_is_rejected():
 @pytest.mark.parametrize("marginalization", ["joint", "per_mask"])
 def test_realm_loss_and_retrieval_utility(marginalization):
   logits, mask_lp, weights = random_case(6)
+  weights[0], weights[1] = [1, 0, 0], [1, 1, 1]      # spans of 1, 3 and 2 wordpieces
   p_z, p_y_given_z, p_y = np_reference(logits, mask_lp, weights)
   if marginalization == "joint":
     log_lik = np.log(p_y)
@@ -105,10 +106,15 @@ def test_realm_loss_and_retrieval_utility(marginalization):
     per_mask = np.log((p_z[:, :, None] * np.exp(mask_lp)).sum(1))
     log_lik = (per_mask * weights).sum(-1) / weights.sum(-1)
     null_lik = (mask_lp[:, 0] * weights).sum(-1) / weights.sum(-1)
+  # joint: the mean over queries; per_mask: over every real mask of the batch, as the released
+  # code and HF's RealmForMaskedLM (-sum_{b,j} marginal_bj w_bj / sum w)
+  share = np.full(len(logits), 1 / len(logits)) if marginalization == "joint" else \
+      weights.sum(-1) / weights.sum()
+  assert marginalization == "joint" or len(set(weights.sum(-1))) > 1   # the cases differ
   loss, metrics = losses.realm_loss(*f32(logits, mask_lp, weights), marginalization)
-  np.testing.assert_allclose(float(loss), -log_lik.mean(), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(float(metrics["retrieval_utility"]), (log_lik - null_lik).mean(),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(float(loss), -(share * log_lik).sum(), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(float(metrics["retrieval_utility"]),
+                             (share * (log_lik - null_lik)).sum(), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(float(metrics["null_doc_prob"]), p_z[:, 0].mean(), atol=1e-6)
   entropy = -(p_z * np.log(p_z)).sum(-1).mean()
   np.testing.assert_allclose(float(metrics["retrieval_entropy"]), entropy, rtol=1e-5)

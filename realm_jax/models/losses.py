@@ -73,7 +73,9 @@ def null_log_likelihood(mask_log_probs: Array, mask_weights: Array,
 
 def realm_loss(retrieval_logits: Array, mask_log_probs: Array, mask_weights: Array,
                marginalization: str = "joint") -> tuple[Array, dict[str, Array]]:
-  """Mean negative log-likelihood plus metrics (retrieval utility, p(z|x) entropy).
+  """Mean negative log-likelihood plus metrics (retrieval utility, p(z|x) entropy): the mean
+  over queries ("joint"), or over every real mask of the batch ("per_mask", as the released
+  code and HF's RealmForMaskedLM average their per-mask marginals).
 
   Log retrieval utility = log p(y|x) - log p(y|null,x) (REALM sec. 4); positive means the
   retrieved documents helped.
@@ -81,12 +83,16 @@ def realm_loss(retrieval_logits: Array, mask_log_probs: Array, mask_weights: Arr
   log_lik = realm_log_likelihood(retrieval_logits, mask_log_probs, mask_weights, marginalization)
   null_lik = null_log_likelihood(mask_log_probs, mask_weights, marginalization)
   p_z = jax.nn.softmax(retrieval_logits, axis=-1)
+  mean = jnp.mean                     # over queries
+  if marginalization == "per_mask":   # over every real mask of the batch (released code, HF)
+    share = mask_weights.sum(-1) / jnp.maximum(mask_weights.sum(), 1.0)
+    mean = lambda per_query: jnp.sum(share * per_query)
   metrics = {
-      "retrieval_utility": jnp.mean(log_lik - null_lik),
+      "retrieval_utility": mean(log_lik - null_lik),
       "null_doc_prob": jnp.mean(p_z[:, 0]),
       "retrieval_entropy": jnp.mean(-(p_z * jax.nn.log_softmax(retrieval_logits, -1)).sum(-1)),
   }
-  return -jnp.mean(log_lik), metrics
+  return -mean(log_lik), metrics
 
 
 RETRIEVER_LOSSES = ("marginal", "distill")
