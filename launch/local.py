@@ -40,6 +40,7 @@ SHARED = "shared"      # config.builder.devices: trainer and builder on the same
 DEFAULT_GRACE = 30.0
 POLL_SECONDS = 0.1
 _OVERRIDE = re.compile(r"^--?(no)?config\.")     # the override forms absl's config_flags takes
+_FLAG = re.compile(r"^--?[A-Za-z]")               # a flag, not a value such as -1 or -1e-3
 _LINE_END = re.compile(rb"\r\n|\r|\n")           # a lone \r: each progress-bar update is a line
 
 
@@ -57,8 +58,9 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     arg = argv[i]
     if _OVERRIDE.match(arg):
       overrides.append(arg)
-      # `--config.a.b v`: the value is the next token (a bare boolean flag has none)
-      if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+      # `--config.a.b v`: the value is the next token, a negative number too (a bare boolean
+      # flag has none; a word after one is refused by config_from_flags, as absl leaves it)
+      if "=" not in arg and i + 1 < len(argv) and not _FLAG.match(argv[i + 1]):
         i += 1
         overrides.append(argv[i])
     else:

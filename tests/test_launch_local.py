@@ -356,6 +356,21 @@ def test_command_line_passes_overrides_to_both():
   assert all(c == commands[name] + ["--verbosity=-1"] for name, c in loud.items())
 
 
+def test_negative_values_and_a_word_after_a_boolean_read_as_absl_reads_them(capsys):
+  args = local.parse_args(["--config", "configs/demo_realm.py:realm", "--workdir", "W",
+                           "--config.train.warmup_steps", "-1", "--config.train.lr", "-1e-3"])
+  assert args.overrides == ["--config.train.warmup_steps", "-1", "--config.train.lr", "-1e-3"]
+  config = local.config_from_flags("local.py", args.config, args.overrides)
+  assert (config.train.warmup_steps, config.train.lr) == (-1, -1e-3)   # (validation aside)
+  # absl gives a boolean flag no word: `false` would be left over, and the flag read as True
+  flags = local.parse_args(["--config", "configs/demo_realm.py:realm", "--workdir", "W",
+                            "--config.train.async_checkpoints", "false"]).overrides
+  with pytest.raises(SystemExit) as exit_:
+    local.config_from_flags("local.py", "configs/demo_realm.py:realm", flags)
+  assert exit_.value.code == 2
+  assert "unexpected argument(s) ['false']" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("cuda_visible, flags, words", [
     ("", ["--config.builder.devices=0"], "no GPU is visible"),
     ("0,1", [], "disjoint"),                           # the config's default index.devices ""

@@ -120,7 +120,11 @@ def config_from_flags(prog: str, config_spec: str, overrides: list[str]):
   argv = [prog, "--config", config_spec, *overrides]
   saved, sys.argv = sys.argv, argv     # ml_collections reads the overrides from sys.argv
   try:
-    _parse_or_exit(prog, flag_values, argv)
+    rest = _parse_or_exit(prog, flag_values, argv)
+    if rest[1:]:   # e.g. `--config.flag false`: absl takes a boolean flag without the word
+      print(f"{prog}: error: unexpected argument(s) {rest[1:]} among the --config overrides "
+            "(a boolean takes --config.KEY=true|false)", file=sys.stderr)
+      raise SystemExit(2)
     return flag_values["config"].value
   finally:
     sys.argv = saved
