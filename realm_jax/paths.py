@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 
 import fsspec
@@ -54,6 +55,12 @@ def check(path: str, what: str = "path") -> str:
   if not is_remote(text) and _BROKEN_URL.match(text):
     raise ConfigError("", f"{what} {text!r}: not a URL (gs://BUCKET/PATH) and not a local "
                       "path")
+  if not is_remote(text) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
+    raise ConfigError("", f"{what} {text!r}: a URL's scheme is written in lowercase "
+                      f"({text.split(':', 1)[0].lower()}://...)")
+  if is_remote(text) and ("#" in text or "?" in text):   # TensorStore: a fragment or query
+    raise ConfigError("", f"{what} {text!r}: '#' and '?' cannot be in a bucket path (the "
+                      "checkpoint arrays would go to the path before them)")
   return text
 
 
@@ -197,6 +204,22 @@ def makedirs(path) -> None:
   """A local dir and its parents; nothing in a bucket (an object's name is its dir there)."""
   if not is_remote(path):
     os.makedirs(path, exist_ok=True)
+
+
+def move_tree(source, target) -> None:
+  """Moves a folder (replacing `target`): a rename on local disk; in a bucket, where a folder
+  is only its objects' names, each object copied under the new name, then the old deleted."""
+  if not is_remote(source):
+    if os.path.exists(target):
+      shutil.rmtree(target)
+    os.makedirs(os.path.dirname(str(target)), exist_ok=True)
+    os.rename(source, target)
+    return
+  fs, name = fsspec.core.url_to_fs(str(source))
+  _, new = fsspec.core.url_to_fs(str(target))
+  if retried("checking", target, lambda: fs.exists(new)):
+    retried("deleting", target, lambda: fs.rm(new, recursive=True))
+  retried("moving", source, lambda: fs.mv(name, new, recursive=True))
 
 
 def remove(path) -> None:

@@ -66,7 +66,7 @@ def record_config(config, workdir: str, primary: bool = True) -> None:
   from realm_jax.config.option_names import upgrade_record
   path = paths.join(workdir, CONFIG)
   current = json.loads(config.to_json_best_effort())
-  if paths.exists(path) and paths.isdir(paths.join(workdir, CHECKPOINTS)):
+  if paths.exists(path) and _holds_checkpoints(workdir):
     diffs = incompatible_fields(upgrade_record(paths.read_json(path), f"{path}: "), current)
     if diffs:
       raise ConfigError("", f"workdir {workdir} holds checkpoints of an incompatible config; "
@@ -74,6 +74,20 @@ def record_config(config, workdir: str, primary: bool = True) -> None:
   if primary:
     paths.makedirs(workdir)
     paths.write_json(path, current)
+
+
+def _holds_checkpoints(workdir: str) -> bool:
+  """Whether `W/checkpoints` holds a finished step (a run that died before its first save
+  left the folder empty: its config may change)."""
+  from realm_jax.runtime.checkpoints import read_only_manager
+  try:
+    manager = read_only_manager(workdir)
+  except FileNotFoundError:
+    return False
+  try:
+    return bool(manager.all_steps())
+  finally:
+    manager.close()
 
 
 def write_config(workdir: str, config) -> None:

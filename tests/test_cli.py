@@ -93,6 +93,20 @@ def test_workdir_of_an_incompatible_config_is_refused(world_dir, tmp_path):
     assert f.read() == saved
 
 
+def test_a_workdir_without_a_finished_checkpoint_takes_another_config(tmp_path):
+  """A run that died before its first save (say, out of memory in step 1) left config.json
+  and an empty checkpoints/: the usual fix, a smaller batch, is no incompatible config."""
+  from realm_jax import workdir as workdir_lib
+  workdir = str(tmp_path / "w")
+  workdir_lib.record_config(tiny_config("ict", train__batch_size=16), workdir)
+  os.makedirs(os.path.join(workdir, "checkpoints"))
+  smaller = tiny_config("ict", train__batch_size=8)
+  workdir_lib.record_config(smaller, workdir)
+  os.makedirs(os.path.join(workdir, "checkpoints", "3"))      # a finished step of batch 8
+  with pytest.raises(ConfigError, match="train.batch_size: 8 .checkpoints. != 16"):
+    workdir_lib.record_config(tiny_config("ict", train__batch_size=16), workdir)
+
+
 def test_ctrl_c_ends_a_cli_with_one_line_and_by_sigint():
   """Ctrl-C in any CLI (`errors.run_cli`): one line naming the program, no traceback, and the
   process still ends by SIGINT, so that a shell stops a script there (the demo's stage

@@ -6,6 +6,7 @@ becomes a local path."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -175,6 +176,29 @@ def _evaluate_in_the_bucket(config, workdir: str, step: int) -> None:
   assert not os.path.exists("gs:")
 
 
+@pytest.mark.slow
+def test_an_unreadable_checkpoint_in_the_bucket_is_moved_aside_and_the_run_resumes(
+    gcs, world_dir, capsys):
+  """A bucket has no folders to rename: the damaged latest checkpoint's objects are moved
+  under unreadable_checkpoints/ and the run resumes from the one before it."""
+  import fsspec
+  workdir = f"{gcs}/damaged"
+  config = tiny_config("ict", None, world_dir, train__steps=4, train__checkpoint_every=2)
+  assert train(config, workdir)["steps"] == 4
+  fs, _ = fsspec.core.url_to_fs(workdir)
+  arrays = [o for o in fs.find(f"{workdir}/checkpoints/4/params") if "ocdbt.process" in o]
+  assert arrays
+  for name in arrays:                 # an upload that stopped half way
+    fs.rm(name)
+  epath.Path(f"{workdir}/summary.json").unlink()
+  capsys.readouterr()
+  assert train(config, workdir)["steps"] == 4
+  out = capsys.readouterr().out
+  assert "checkpoints/4 cannot be restored" in out and "moved the unreadable checkpoint 4" in out
+  assert fs.exists(f"{workdir}/{workdir_lib.UNREADABLE_CHECKPOINTS}/4/params")
+  assert paths.isdir(f"{workdir}/checkpoints/4")   # trained and saved again
+
+
 def test_the_slow_link_holds_only_uploads_of_the_named_objects(server):
   """The fault layer of the test above: through the relay, an upload naming a held object
   takes the hold; another passes at once; both land in the server."""
@@ -254,6 +278,20 @@ def test_a_sweep_rooted_in_the_bucket_reads_summaries_and_writes_its_tables_ther
   assert bucket_text(csv_path).splitlines()[1].startswith("lr-0.003,0.003,done,4,0.5")
   assert "| lr-0.003 |" in bucket_text(md_path)
   assert not os.path.exists("gs:")
+
+
+@pytest.mark.parametrize("url, message", [
+    ("GS://bucket/run", "a URL's scheme is written in lowercase (gs://...)"),
+    ("gs://bucket/run#2", "'#' and '?' cannot be in a bucket path"),     # TensorStore would
+    ("gs://bucket/run?a", "'#' and '?' cannot be in a bucket path"),     # write under run/
+])
+def test_urls_that_would_go_elsewhere_are_refused_naming_the_flag(world_dir, tmp_path, url,
+                                                                 message, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ConfigError, match=re.escape(f"--workdir '{url}': {message}")):
+    train(tiny_config("ict", None, world_dir), url)
+  assert os.listdir(tmp_path) == []
+  assert paths.check("gs://bucket/a b%20c", "x") == "gs://bucket/a b%20c"   # these are fine
 
 
 @pytest.mark.parametrize("field", ["workdir", "data.dir", "out_dir"])

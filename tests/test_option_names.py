@@ -68,7 +68,7 @@ def test_a_saved_config_under_old_names_reads_as_the_new_ones():
 def test_a_workdir_recorded_under_old_names_resumes(tmp_path):
   config = tiny_config("realm", "warmup")
   workdir = str(tmp_path)
-  os.makedirs(os.path.join(workdir, workdir_lib.CHECKPOINTS))
+  os.makedirs(os.path.join(workdir, workdir_lib.CHECKPOINTS, "0"))   # a finished step
   with open(os.path.join(workdir, workdir_lib.CONFIG), "w") as f:
     json.dump(old_style(json.loads(config.to_json_best_effort())), f)
   with pytest.warns(RenamedOptionWarning):
@@ -129,7 +129,7 @@ def test_the_retriever_is_the_reader_unless_it_says_otherwise(tmp_path):
   assert reading.part_options(resolved, "retriever")["num_heads"] == "model.retriever.num_heads"
   # A record from before: the retriever's shape fields said "the reader's" with 0 / -1 / "".
   workdir = str(tmp_path)
-  os.makedirs(os.path.join(workdir, workdir_lib.CHECKPOINTS))
+  os.makedirs(os.path.join(workdir, workdir_lib.CHECKPOINTS, "0"))   # a finished step
   record = json.loads(config.to_json_best_effort())
   record["model"]["retriever"].update(hidden_size=0, num_layers=0, num_heads=0,
                                       intermediate_size=0, max_position=0, dropout_rate=-1.0,

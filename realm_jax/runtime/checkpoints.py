@@ -149,10 +149,13 @@ class Checkpointer:
     from realm_jax.runtime import multihost
     target = epath.Path(self.directory).parent / UNREADABLE_CHECKPOINTS / str(step)
     if jax.process_index() == 0:
-      target.parent.mkdir(parents=True, exist_ok=True)
-      if target.exists():
-        target.rmtree()
-      (epath.Path(self.directory) / str(step)).rename(target)
+      source = epath.Path(self.directory) / str(step)
+      try:
+        paths.move_tree(str(source), str(target))
+      except Exception as e:  # noqa: BLE001  (named, with what to do)
+        raise CheckpointError(f"checkpoint {step} cannot be restored and could not be moved "
+                              f"from {source} to {target} ({type(e).__name__}: {e}); move or "
+                              "delete it, then resume") from e
       log(f"moved the unreadable checkpoint {step} to {target}")
     multihost.barrier(f"checkpoint-{step}-moved-aside")
     self.manager.reload()
