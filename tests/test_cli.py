@@ -50,8 +50,13 @@ def realm_flags(world_dir):
     ({"train__log_every": 0}, "train.log_every"),
     ({"retrieval__refresh": "deterministic", "retrieval__refresh_every": 0},
      "retrieval.refresh_every"),
+    # checkpoint 3 (its index serves steps 5-7) would be deleted by the save of step 4
+    ({"retrieval__refresh": "deterministic", "retrieval__refresh_every": 3,
+      "retrieval__swap_lag": 2, "train__checkpoint_every": 1, "train__keep_checkpoints": 1},
+     "train.keep_checkpoints"),
 ], ids=["k=1", "k>blocks", "block_len=4", "block_len!=data", "mesh=3x1", "task", "candidates",
-        "batch>examples", "keep=0", "checkpoint_every=0", "log_every=0", "refresh_every=0"])
+        "batch>examples", "keep=0", "checkpoint_every=0", "log_every=0", "refresh_every=0",
+        "keep<swap_lag"])
 def test_bad_option_is_named(world_dir, tmp_path, overrides, option):
   """In process: the trainer refuses the option by name before it writes anything."""
   from realm_jax.train.loop import train

@@ -88,6 +88,16 @@ def _validate_retrieval(config) -> None:
   # deterministic: the version a step needs is up to swap_lag / refresh_every + 1 versions
   # older than the newest (and the trainer may still be loading the previous one)
   needed = 2 + (-(-r.swap_lag // r.refresh_every) if r.refresh == "deterministic" else 0)
+  if r.refresh == "deterministic" and r.swap_lag > 1:
+    # the trainer saves at every refresh step and every checkpoint_every; the checkpoint of
+    # refresh step S must outlive the saves before step S + swap_lag, which needs its index
+    t = config.train
+    newer = -(-(r.swap_lag - 1) // t.checkpoint_every) + (r.swap_lag - 1) // r.refresh_every
+    if t.keep_checkpoints <= newer:
+      raise ConfigError("train.keep_checkpoints", f"must be > {newer} with deterministic "
+                        f"refresh, swap_lag {r.swap_lag} and checkpoint_every "
+                        f"{t.checkpoint_every} (else the checkpoint a refresh step's index is "
+                        f"built from may be deleted first), got {t.keep_checkpoints}")
   if config.builder.keep_versions < needed:
     raise ConfigError("builder.keep_versions", f"must be >= {needed} with retrieval.refresh "
                       f"{r.refresh!r} and swap_lag {r.swap_lag}, got "
