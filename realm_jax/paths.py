@@ -206,6 +206,12 @@ def makedirs(path) -> None:
     os.makedirs(path, exist_ok=True)
 
 
+def names(directory) -> list[str]:
+  """The names of the entries of a folder (local or in a bucket)."""
+  return retried("listing", directory,
+                 lambda: [p.name for p in epath.Path(directory).iterdir()])
+
+
 def move_tree(source, target) -> None:
   """Moves a folder (replacing `target`): a rename on local disk; in a bucket, where a folder
   is only its objects' names, each object copied under the new name, then the old deleted."""

@@ -77,17 +77,11 @@ def record_config(config, workdir: str, primary: bool = True) -> None:
 
 
 def _holds_checkpoints(workdir: str) -> bool:
-  """Whether `W/checkpoints` holds a finished step (a run that died before its first save
-  left the folder empty: its config may change)."""
-  from realm_jax.runtime.checkpoints import read_only_manager
-  try:
-    manager = read_only_manager(workdir)
-  except FileNotFoundError:
-    return False
-  try:
-    return bool(manager.all_steps())
-  finally:
-    manager.close()
+  """Whether `W/checkpoints` holds a step (Orbax names a step's folder by its number once it
+  is finished; a run that died before its first save left the folder empty, and its config
+  may change)."""
+  directory = paths.join(workdir, CHECKPOINTS)
+  return paths.isdir(directory) and any(name.isdigit() for name in paths.names(directory))
 
 
 def write_config(workdir: str, config) -> None:

@@ -212,16 +212,8 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path)
   """Open-QA eval of a checkpoint without the span reader: a clear error; --retrieval_only:
   the zero-shot retrieval evaluation."""
   from realm_jax.openqa_eval import evaluate_run
-  from realm_jax.runtime import partitioning, state as state_lib
-  from realm_jax.runtime.checkpoints import Checkpointer
-  pretraining = helpers.tiny_config("realm", data_dir=world_dir)
-  mesh = partitioning.make_mesh(pretraining.mesh.shape)
-  model = state_lib.build_model(pretraining, world_data.tokenizer.vocab_size)
-  state, _, _ = helpers.drawn_state(pretraining, model, mesh, world_data.blocks.block_len)
   workdir = str(tmp_path / "pretrained")
-  checkpointer = Checkpointer(workdir, keep=1, async_saves=False)
-  checkpointer.save(0, state, {"next_step": 0}, {"step": np.asarray(-1, np.int32)})
-  checkpointer.close()
+  pretraining, state = _pretraining_checkpoint(world_dir, world_data, workdir)
   config = openqa_config(world_dir)
   with pytest.raises(ConfigError, match="no span reader .*retrieval_only"):
     evaluate_run(config, workdir, split="test")
@@ -241,6 +233,20 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path)
     evaluate_run(other, workdir, split="test", retrieval_only=True)
 
 
+def _pretraining_checkpoint(world_dir, world_data, workdir):
+  """A REALM pre-training run's step-0 checkpoint of drawn parameters: (config, state)."""
+  from realm_jax.runtime import partitioning, state as state_lib
+  from realm_jax.runtime.checkpoints import Checkpointer
+  pretraining = helpers.tiny_config("realm", data_dir=world_dir)
+  mesh = partitioning.make_mesh(pretraining.mesh.shape)
+  model = state_lib.build_model(pretraining, world_data.tokenizer.vocab_size)
+  state, _, _ = helpers.drawn_state(pretraining, model, mesh, world_data.blocks.block_len)
+  checkpointer = Checkpointer(workdir, keep=1, async_saves=False)
+  checkpointer.save(0, state, {"next_step": 0}, {"step": np.asarray(-1, np.int32)})
+  checkpointer.close()
+  return pretraining, state
+
+
 def _publish_other_blocks(workdir, step, config, state=None):
   """An index of `workdir` at `step` that embedded another block store (random rows)."""
   from realm_jax.retrieval import published
@@ -258,17 +264,9 @@ def test_openqa_from_a_run_whose_index_covers_other_blocks_embeds_its_own(
   """Fine-tuning on a data dir other than pre-training's: the starting run's index (the same
   step, other blocks) is not the frozen index; the blocks are embedded again."""
   from realm_jax.retrieval import published
-  from realm_jax.runtime import partitioning, state as state_lib
-  from realm_jax.runtime.checkpoints import Checkpointer
   from realm_jax.train.loop import train
-  pretraining = helpers.tiny_config("realm", data_dir=world_dir)
-  mesh = partitioning.make_mesh(pretraining.mesh.shape)
-  model = state_lib.build_model(pretraining, world_data.tokenizer.vocab_size)
-  state, _, _ = helpers.drawn_state(pretraining, model, mesh, world_data.blocks.block_len)
   origin = str(tmp_path / "pretrained")
-  checkpointer = Checkpointer(origin, keep=1, async_saves=False)
-  checkpointer.save(0, state, {"next_step": 0}, {"step": np.asarray(-1, np.int32)})
-  checkpointer.close()
+  pretraining, state = _pretraining_checkpoint(world_dir, world_data, origin)
   _publish_other_blocks(origin, 0, pretraining, state)
   workdir = str(tmp_path / "openqa")
   summary = train(openqa_config(world_dir, train__steps=1, init__from_workdir=origin), workdir)

@@ -183,20 +183,25 @@ def _assert_same(a: dict, b: dict):
     assert same, key
 
 
+def _crash_at_shard(monkeypatch, n: int):
+  """Packing the `n`-th shard raises (a worker that died); returns the real build_shard."""
+  build, calls = corpus.build_shard, []
+
+  def crashing(docs, *args, **kwargs):
+    calls.append(len(docs))
+    if len(calls) == n:
+      raise RuntimeError("worker died")
+    return build(docs, *args, **kwargs)
+  monkeypatch.setattr(corpus, "build_shard", crashing)
+  return build
+
+
 def test_rerun_skips_finished_shards_and_gives_the_same_output(tmp_path, monkeypatch):
   path = write_jsonl(tmp_path / "docs.jsonl", good_lines(n_copies=5))   # 15 documents
   clean = config_for(f"jsonl:{path}", str(tmp_path / "clean"), shard_documents=4)
   prepare_lib.prepare(clean)
   # A crash while packing the third shard: the first two are finished on disk.
-  build = corpus.build_shard
-  calls = []
-
-  def crashing(docs, *args, **kwargs):
-    calls.append(len(docs))
-    if len(calls) == 3:
-      raise RuntimeError("worker died")
-    return build(docs, *args, **kwargs)
-  monkeypatch.setattr(corpus, "build_shard", crashing)
+  build = _crash_at_shard(monkeypatch, 3)
   # The same vocab for both (HF's WordPiece trainer breaks ties differently run to run).
   crashed = config_for(f"jsonl:{path}", str(tmp_path / "crashed"), shard_documents=4,
                        vocab=os.path.join(clean.out_dir, "vocab.txt"))
@@ -224,14 +229,7 @@ def test_a_source_edited_after_a_crash_is_packed_again_where_it_changed(tmp_path
   prepare_lib.prepare(vocab_from)
   vocab = os.path.join(vocab_from.out_dir, "vocab.txt")
   path = write_jsonl(tmp_path / "docs.jsonl", lines)
-  build, calls = corpus.build_shard, []
-
-  def crashing(docs, *args, **kwargs):
-    calls.append(len(docs))
-    if len(calls) == 4:
-      raise RuntimeError("worker died")
-    return build(docs, *args, **kwargs)
-  monkeypatch.setattr(corpus, "build_shard", crashing)
+  build = _crash_at_shard(monkeypatch, 4)
   edited = config_for(f"jsonl:{path}", str(tmp_path / "edited"), shard_documents=4,
                       vocab=vocab)
   with pytest.raises(RuntimeError, match="worker died"):
