@@ -145,15 +145,17 @@ class IndexBuilder:
     timings["embed_seconds"] = round(seconds, 3)
     timings["blocks_per_second"] = round(len(embeddings) / max(seconds, 1e-9), 1)
     query_params = partitioning.host_copy(embedders.query_tower_params(params))
-    unreachable_since = None
+    unreachable_since, committed = None, False
     while True:   # a full disk or an unreachable bucket: written again, or finished
       try:
-        return self._publish(step, version, staging, embeddings, query_params, timings)
+        return self._publish(step, version, staging, embeddings, query_params, timings,
+                             committed)
       except Exception as e:  # noqa: BLE001  (anything but those two is raised again)
         unreachable = paths.unreachable(e)
         unreachable_since = (unreachable_since or time.time()) if unreachable else None
         why = self._unpublished(e, staging, version, prefix, unreachable_since)
-        if self._committed(version):   # LATEST, the prune or the metrics failed: finish it
+        committed = self._committed(version)
+        if committed:   # LATEST, the prune or the metrics failed: finish it
           logger.warning(f"{prefix}{why}: v{version} is committed; finishing it in "
                          f"{cfg.builder.poll_seconds:g}s")
           time.sleep(cfg.builder.poll_seconds)
@@ -196,12 +198,12 @@ class IndexBuilder:
       return False
 
   def _publish(self, step: int, version: int, staging, embeddings: np.ndarray,
-               query_params: dict, timings: dict) -> dict:
+               query_params: dict, timings: dict, committed: bool) -> dict:
     """Writes version `version`'s files into `staging` and publishes it, or finishes its
-    publishing if an earlier try committed it; its manifest."""
+    publishing if an earlier try `committed` it; its manifest."""
     cfg, prefix = self.config, f"[index] v{version} (step {step}): "
     t0 = time.time()
-    if self._committed(version):
+    if committed:
       manifest = self.published.read_manifest(self.root, version)
       self.published.point_latest(self.root, version, cfg.builder.keep_versions)
       extra = {k: v for k, v in manifest.items()
