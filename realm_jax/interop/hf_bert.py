@@ -21,10 +21,10 @@ import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from realm_jax.errors import ConfigError, DataError
+from realm_jax.interop import torch_pickle
 from realm_jax.models.bert import HIDDEN_ACTS, hf_parameter_names
 
 OPTION = "init.hf_bert"
@@ -83,15 +83,14 @@ def _load_safetensors(file: str) -> dict[str, np.ndarray]:
     from safetensors.flax import load_file as load_jax
     tensors = {k: np.asarray(v) for k, v in load_jax(file).items()}
   # floats as float32, as from pytorch_model.bin (a bfloat16 tensor is no np.floating)
-  return {k: v.astype(np.float32) if np.issubdtype(v.dtype, np.floating)
-          or v.dtype == ml_dtypes.bfloat16 else v for k, v in tensors.items()}
+  return {k: v.astype(np.float32) if torch_pickle.is_float(v.dtype) else v
+          for k, v in tensors.items()}
 
 
 def _load_torch(file: str) -> dict[str, np.ndarray]:
   try:
     import torch
   except ImportError:   # torch-free: the zip format read with a restricted unpickler
-    from realm_jax.interop import torch_pickle
     try:
       return torch_pickle.load_state_dict(file, floats_as=np.float32)
     except (ValueError, pickle.UnpicklingError) as e:   # each names the file

@@ -166,11 +166,16 @@ def load_state_dict(file: str, floats_as: np.dtype | None = None) -> dict[str, n
   for name, value in state.items():
     if not isinstance(value, np.ndarray):
       continue                     # e.g. metadata entries; a state dict holds tensors
-    if floats_as is not None and (np.issubdtype(value.dtype, np.floating)
-                                  or value.dtype == ml_dtypes.bfloat16):
+    if floats_as is not None and is_float(value.dtype):
       value = value.astype(floats_as)
     out[name] = value
   return out
+
+
+def is_float(dtype) -> bool:
+  """Whether `dtype` is a floating-point type, bfloat16 included (ml_dtypes' is no
+  np.floating)."""
+  return np.issubdtype(dtype, np.floating) or dtype == ml_dtypes.bfloat16
 
 
 def _naming(file: str, error: Exception) -> str:
