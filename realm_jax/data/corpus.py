@@ -158,8 +158,10 @@ def shard_input(documents: list[tuple[int, SourceDocument]]) -> str:
 
 
 def build_shard(documents: list[tuple[int, SourceDocument]], tokenizer: Tokenizer, tagger,
-                settings: PackSettings, out_dir: str) -> dict:
-  """Packs one shard's documents (with their global doc ids) and writes `out_dir`.
+                settings: PackSettings, out_dir: str, input_digest: str) -> dict:
+  """Packs one shard's documents (with their global doc ids) and writes `out_dir`, its
+  `done.json` holding `input_digest` (`shard_input(documents)`, which the caller computed to
+  look for a finished shard).
 
   A block holds `[CLS] title [SEP] body [SEP]` with 3 + len(title) + len(body) <= block_len;
   titles are cut to half a block, a sentence longer than the body budget is cut into pieces.
@@ -182,7 +184,7 @@ def build_shard(documents: list[tuple[int, SourceDocument]], tokenizer: Tokenize
     _pack_document(blocks, doc_id, head, title_ids, sentences, sent_enc, stats)
   return _write_shard(out_dir, settings, blocks.rows, blocks.body_starts, blocks.uids,
                       blocks.docs, blocks.facts, blocks.splits, stats, blocks.dropped, len(docs),
-                      shard_input(documents))
+                      input_digest)
 
 
 def _pack_document(blocks: _Blocks, doc_id: int, head: list[int], title_ids: list[int],

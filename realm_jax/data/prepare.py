@@ -177,9 +177,9 @@ def _worker_tools(vocab_path: str, tagger_spec: str, single_threaded: bool):
 
 
 def _run_shard(args) -> tuple[int, dict]:
-  index, docs, settings, shard_dir, tools = args
+  index, docs, settings, shard_dir, tools, digest = args
   tokenizer, tagger = _worker_tools(*tools)
-  return index, corpus.build_shard(docs, tokenizer, tagger, settings, shard_dir)
+  return index, corpus.build_shard(docs, tokenizer, tagger, settings, shard_dir, digest)
 
 
 class _Progress:
@@ -251,12 +251,12 @@ class _ShardPacker:
     index = len(self.shard_dirs)
     shard_dir = os.path.join(self.root, f"{index:05d}")
     self.shard_dirs.append(shard_dir)
-    done = corpus.shard_done(shard_dir)
-    if done is not None and done.get("input") == corpus.shard_input(docs):   # same documents
+    done, digest = corpus.shard_done(shard_dir), corpus.shard_input(docs)
+    if done is not None and done.get("input") == digest:   # the same documents
       self.reused += 1
       self._done(index, done)
       return
-    job = (index, docs, self.settings, shard_dir, self.tools)
+    job = (index, docs, self.settings, shard_dir, self.tools, digest)
     if self.pool is None:
       self._done(index, _run_shard(job)[1])
       return

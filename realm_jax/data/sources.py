@@ -93,9 +93,10 @@ def squad_paragraph_skipped(title, context, dedup: Deduplicator,
     return MISSING_TITLE
   if not isinstance(context, str):
     return MISSING_TEXT
-  if not utf8_text(title, context):
+  size = utf8_size(title, context)
+  if size is None:
     return INVALID_UTF8
-  if len(context.encode("utf-8")) > max_doc_bytes:
+  if size > max_doc_bytes:
     return TOO_LARGE
   if not context.strip():
     return EMPTY
@@ -132,15 +133,15 @@ def read_documents(config, skips: Skips) -> Iterator[SourceDocument]:
       yield doc
 
 
-def utf8_text(*texts: str) -> bool:
-  """Whether every text is UTF-8 text: JSON can escape a lone surrogate ("\\ud800"), which
-  decodes to a str that no encoder, tokenizer or sentence splitter takes."""
+def utf8_size(title: str, text: str) -> int | None:
+  """The bytes of `text` in UTF-8; None if `title` or `text` is no UTF-8 text: JSON can escape
+  a lone surrogate ("\\ud800"), which decodes to a str that no encoder, tokenizer or sentence
+  splitter takes."""
   try:
-    for text in texts:
-      text.encode("utf-8")
+    title.encode("utf-8")
+    return len(text.encode("utf-8"))
   except UnicodeEncodeError:
-    return False
-  return True
+    return None
 
 
 def _jsonl_files(pattern: str) -> list[str]:
@@ -176,10 +177,11 @@ def _document(obj, title_key: str, text_key: str, config, where: str, skips: Ski
   if not isinstance(text, str):
     skips.skip(MISSING_TEXT, where)
     return None
-  if not utf8_text(title, text):
+  size = utf8_size(title, text)
+  if size is None:
     skips.skip(INVALID_UTF8, where)
     return None
-  if len(text.encode("utf-8")) > config.max_doc_bytes:
+  if size > config.max_doc_bytes:
     skips.skip(TOO_LARGE, where)
     return None
   return SourceDocument(title, text, split=_split_of(title, text, config.eval_fraction),
