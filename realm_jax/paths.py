@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import time
+from typing import Callable
 
 import fsspec
 from etils import epath
@@ -282,12 +283,23 @@ def write_json(path, record: dict) -> None:
 class AppendLog:
   """Lines appended to a file: a local file in append mode; a bucket object (no append in an
   object store) rewritten whole after each append, from what it held at open plus the new
-  lines, so a reader always sees complete lines."""
+  lines, so a reader always sees complete lines.
 
-  def __init__(self, path):
+  `keep(line)`: which of the lines already there stay (None: all); the file is rewritten
+  without the others at open, readers seeing the old or the new text. A last line without
+  its newline (a write cut short) never stays: a line appended after it would join it."""
+
+  def __init__(self, path, keep: Callable[[str], bool] | None = None):
     self.path, self.remote = str(path), is_remote(path)
+    before = read_text(self.path) if (self.remote or keep is not None) else None
+    if before is not None and keep is not None:
+      lines = before.splitlines(keepends=True)
+      kept = "".join(line for line in lines if line.endswith("\n") and keep(line))
+      if kept != before:
+        write_text_atomic(self.path, kept)
+      before = kept
     if self.remote:
-      self._lines = read_text(self.path) or ""
+      self._lines = before or ""
       self._file = None
     else:
       self._file = open(self.path, "a")

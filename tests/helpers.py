@@ -120,3 +120,23 @@ def config_flags(config, config_file: str, arg: str | None = None) -> list[str]:
     if base.get(key) != value:
       flags.append(f"--config.{key}={value}")
   return flags
+
+
+def purge_step(events_file: str) -> int | None:
+  """The step of the session start a TensorBoard event file records (tensorboardX writes one
+  where its writer was given a purge step: TensorBoard hides the earlier files' events from
+  that step on), None without one. The file is TFRecord: length (8 bytes), its CRC (4), the
+  Event, its CRC (4)."""
+  import struct
+  from tensorboardX.proto import event_pb2
+  with open(events_file, "rb") as f:
+    data = f.read()
+  at = 0
+  while at < len(data):
+    (length,) = struct.unpack("<Q", data[at:at + 8])
+    event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+    at += 12 + length + 4
+    if event.HasField("session_log") and \
+        event.session_log.status == event_pb2.SessionLog.START:
+      return event.step
+  return None

@@ -187,6 +187,14 @@ def test_sigterm_saves_exits_and_the_resumed_run_matches_the_uninterrupted_one(
   with open(os.path.join(resumed, "wall.json")) as f:
     first = json.load(f)
   assert first["runs"] == 1 and first["seconds"] > 0
+  # What a run killed -9 after its checkpoint leaves as well: lines of the steps after it
+  # (taken again by the rerun), the last one cut short.
+  stale = {"train": {"loss": 99.0, "retrieval_entropy": 99.0, "grad_norm": 99.0,
+                     "index_staleness": 99},
+           "eval": {"span_accuracy": 2.0}, "retrieval": {"index_step": 99}}
+  for name, record in stale.items():
+    with open(os.path.join(resumed, "metrics", f"{name}.jsonl"), "a") as f:
+      f.write(json.dumps({"step": stopped + 1, **record}) + '\n{"step": ')
 
   summary = train(config, resumed)
   assert summary["runs"] == 2   # the summary counts the preempted run's wall as well
@@ -195,7 +203,18 @@ def test_sigterm_saves_exits_and_the_resumed_run_matches_the_uninterrupted_one(
   assert checkpoint_steps(resumed)[-1] == REALM_STEPS
   straight = read_jsonl(os.path.join(dirs["realm"], "metrics", "train.jsonl"))
   again = read_jsonl(os.path.join(resumed, "metrics", "train.jsonl"))
-  assert [r["step"] for r in again] == list(range(1, REALM_STEPS + 1))   # no step lost
+  assert [r["step"] for r in again] == list(range(1, REALM_STEPS + 1))   # each step once
+  served = read_jsonl(os.path.join(resumed, "metrics", "retrieval.jsonl"))
+  assert [r["step"] for r in served] == list(range(1, REALM_STEPS + 1))
+  assert [r["index_step"] for r in served] == [s - (s - 1) % REFRESH_EVERY - 1
+                                               for s in range(1, REALM_STEPS + 1)]
+  evals = read_jsonl(os.path.join(resumed, "metrics", "eval.jsonl"))
+  assert [e["step"] for e in evals] == [REALM_STEPS]
+  # TensorBoard hides what the killed run logged after the checkpoint: the rerun's event
+  # file starts with a purge at the first step it takes again.
+  events = sorted(glob.glob(os.path.join(resumed, "tb", "train", "events.out.tfevents.*")),
+                  key=os.path.getmtime)
+  assert helpers.purge_step(events[-1]) == stopped + 1
   for a, b in zip(straight, again):
     for key in ("loss", "retrieval_entropy", "grad_norm", "index_staleness"):
       np.testing.assert_allclose(b[key], a[key], rtol=0, atol=1e-6,
@@ -215,6 +234,13 @@ def test_sigterm_saves_exits_and_the_resumed_run_matches_the_uninterrupted_one(
   b_flat = flat(b_params)
   for key, value in flat(a_params).items():
     np.testing.assert_allclose(b_flat[key], value, rtol=0, atol=1e-6, err_msg=key)
+  # The finished run run again: its summary, nothing trained, evaluated or logged again.
+  logged = {name: open(os.path.join(resumed, "metrics", f"{name}.jsonl")).read()
+            for name in ("train", "eval", "retrieval")}
+  assert train(config, resumed) == json.load(open(os.path.join(resumed, "summary.json")))
+  assert logged == {name: open(os.path.join(resumed, "metrics", f"{name}.jsonl")).read()
+                    for name in logged}
+  assert json.load(open(os.path.join(resumed, "wall.json")))["runs"] == 2
 
 
 class _Finalised:

@@ -26,16 +26,22 @@ class MetricWriter:
   """Writes scalars as JSONL lines (`{"step", "time", ...}`) and TensorBoard scalars.
 
   Only process 0 writes (every process computes the same replicated metrics).
+
+  `from_step`: the first step this run may log (a fresh start: 0; a run resumed from the
+  checkpoint of step s: s + 1). What an earlier run logged from that step on (the steps after
+  its last checkpoint, which this run takes again) is dropped from the JSONL and hidden in
+  TensorBoard (its purge step), so that each step is there once. None: everything stays.
   """
 
-  def __init__(self, workdir: str, name: str):
+  def __init__(self, workdir: str, name: str, from_step: int | None = None):
     self.enabled = jax.process_index() == 0
     self.name = name
     if not self.enabled:
       return
     paths.makedirs(paths.join(workdir, "metrics"))
-    self._jsonl = paths.AppendLog(paths.join(workdir, "metrics", f"{name}.jsonl"))
-    self._tb = _tensorboard_writer(_tensorboard_dir(workdir, name))
+    keep = None if from_step is None else (lambda line: _logged_before(line, from_step))
+    self._jsonl = paths.AppendLog(paths.join(workdir, "metrics", f"{name}.jsonl"), keep)
+    self._tb = _tensorboard_writer(_tensorboard_dir(workdir, name), from_step)
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self.enabled:
@@ -69,14 +75,23 @@ def _tensorboard_dir(workdir: str, name: str) -> str:
   return paths.join(local, name)
 
 
-def _tensorboard_writer(directory: str):
+def _logged_before(line: str, step: int) -> bool:
+  """Whether a JSONL line records a step before `step` (a line that cannot be read: no)."""
+  try:
+    return int(json.loads(line)["step"]) < step
+  except (ValueError, KeyError, TypeError):
+    return False
+
+
+def _tensorboard_writer(directory: str, purge_step: int | None = None):
   """tensorboardX's writer for `directory`; None without tensorboardX (the JSONL is always
-  written)."""
+  written). `purge_step`: TensorBoard hides the events of that step and later that the
+  directory held before."""
   try:
     from tensorboardX import SummaryWriter
   except ImportError:
     return None
-  return SummaryWriter(directory, flush_secs=10)
+  return SummaryWriter(directory, flush_secs=10, purge_step=purge_step)
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -77,7 +77,7 @@ class NoRetrieval:
     `should_stop` says a SIGTERM came (a rebuild yields to it)."""
     self.should_stop = should_stop
     if self.retrieves:
-      self._log = MetricWriter(self.workdir, "retrieval")
+      self._log = MetricWriter(self.workdir, "retrieval", start + 1)
 
   def before_step(self, step: int, start: int, depth: int) -> None:
     """On the main thread, before step `step` runs."""

@@ -76,6 +76,14 @@ class StepBatches:
     return {}
 
 
+def first_evaluated_step(start: int, total: int) -> int:
+  """The first step whose evaluation a run that starts at step `start` logs: step 0's on a
+  start from there (a fresh start, or a resume from step 0's checkpoint, the builder's first
+  snapshot), the final one again on a resume from the last step's checkpoint (a run stopped
+  before its summary), else the first after `start` (the train lines: always)."""
+  return start if start in (0, total) else start + 1
+
+
 class Run:
   """One training run in `workdir`; `run()` trains to `config.train.steps` and evaluates.
 
@@ -178,10 +186,14 @@ class Run:
   def run(self) -> dict:
     cfg = self.config
     start, init = self.restore_or_init()
+    if (finished := self._finished_before(start, init)) is not None:
+      return finished
     self.fresh = init is not None   # started from scratch: W/wall.json starts again
     self.begin(start, init)
     t_start = time.time()
-    logs = {name: MetricWriter(self.workdir, name) for name in ("train", "eval")}
+    logs = {"train": MetricWriter(self.workdir, "train", start + 1),
+            "eval": MetricWriter(self.workdir, "eval",
+                                 first_evaluated_step(start, cfg.train.steps))}
     data_iter = self.inputs.iterator(cfg.data.prefetch, self.saved_data)
     preemption = Preemption(cfg.train.preemption_grace_seconds, self.prefix)
     batches, eval_metrics, details, preempted, ran = None, {}, [], None, False
@@ -202,6 +214,25 @@ class Run:
     if preempted is not None:   # no summary.json, no DONE: the run is not over
       return {"task": cfg.task, "preempted_at_step": preempted, **wall}
     return self._summarise(wall, eval_metrics, details, batches.summary())
+
+  def _finished_before(self, start: int, init) -> dict | None:
+    """The summary of this run finished before (resumed from its last step's checkpoint, its
+    summary written): a run of a finished job trains and evaluates nothing again (realm-eval
+    evaluates a checkpoint anew) and leaves its metrics and wall time as they are."""
+    total = self.config.train.steps
+    previous = (workdir_lib.read_summary(self.workdir)
+                if init is None and start >= total else None)
+    if previous is None or previous.get("steps") != total:
+      return None
+    logger.info(f"{self.prefix}finished before at step {total}: its summary is "
+                f"{paths.join(self.workdir, workdir_lib.SUMMARY)}, nothing is run again (a "
+                f"larger train.steps trains on; realm-eval evaluates its checkpoints)")
+    try:
+      self.close()
+      self.checkpointer.close()
+    finally:
+      self.finished(previous)
+    return previous
 
   def _wall(self, seconds: float) -> dict:
     """This run's wall time and, from the first process (W/wall.json's one writer), that of
