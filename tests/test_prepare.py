@@ -295,6 +295,25 @@ def test_held_out_documents_become_the_eval_split(tmp_path):
     assert any((ev.target_span[i] == s).all() for s in ev.spans[i, :ev.num_spans[i]])
 
 
+def test_one_text_under_two_titles_stays_in_one_split(tmp_path):
+  """A text held out under one title is not trained on under another (a redirect's copy, a
+  page saved twice): each document with the text takes the split of the first one. Titles
+  are drawn until the content hash alone would put the copies in different splits."""
+  text = "Kelmar is a town on the river Selva. It was founded in 1843."
+  titles = [f"Kelmar {i}" for i in range(64)]
+  by_hash = {t: sources._split_of(t, text, 0.5) for t in titles}
+  first = titles[0]
+  other = next(t for t in titles if by_hash[t] != by_hash[first])
+  lines = [{"title": first, "text": text}, {"title": other, "text": "  " + text.replace(" ", "\n")},
+           {"title": "Selva", "text": "The Selva flows into the sea."}]
+  path = write_jsonl(tmp_path / "docs.jsonl", [json.dumps(x).encode() for x in lines])
+  docs = list(sources.read_documents(config_for(f"jsonl:{path}", str(tmp_path / "out"),
+                                                eval_fraction=0.5), sources.Skips(False)))
+  assert [d.title for d in docs] == [first, other, "Selva"]
+  assert [d.split for d in docs] == [by_hash[first], by_hash[first],
+                                     sources._split_of("Selva", lines[2]["text"], 0.5)]
+
+
 def test_tfds_source_reads_a_mocked_dataset_and_explains_unprepared_ones(tmp_path,
                                                                          monkeypatch):
   tfds = pytest.importorskip("tensorflow_datasets")

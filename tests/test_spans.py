@@ -1,5 +1,7 @@
 """The regex salient-span tagger, on hand-written cases and on the generated world."""
 
+import unicodedata
+
 import pytest
 
 from realm_jax.data.spans import span_covering, tag_dates, tag_salient_spans
@@ -81,6 +83,20 @@ def test_tagged_spans(text, expected):
     ("Historically, Kelmar was poor.", ["Kelmar"]),
 ])
 def test_tagged_spans_on_real_prose(text, expected):
+  assert tagged(text) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Beyoncé Knowles was born in Houston in 1981.", ["Beyoncé Knowles", "Houston", "1981"]),
+    ("Émile Zola lived in Médan from 1878.", ["Émile Zola", "Médan", "1878"]),
+    ("The river Nguyễn Trãi named flows past Hà Nội.", ["Nguyễn Trãi", "Hà Nội"]),
+])
+def test_decomposed_accents_tag_as_their_composed_form(text, expected):
+  """A text in NFD (an accent as its own combining character) gives the spans of its NFC
+  form, at the same offsets of its own characters."""
+  decomposed = unicodedata.normalize("NFD", text)
+  assert decomposed != text
+  assert [unicodedata.normalize("NFC", span) for span in tagged(decomposed)] == expected
   assert tagged(text) == expected
 
 

@@ -10,6 +10,7 @@ read is either a document or a skip, so `read == documents + sum(skipped)`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import glob
 import gzip
@@ -70,10 +71,12 @@ class Skips:
 
 
 class Deduplicator:
-  """Drops a document whose title + text (whitespace-normalised) was already seen."""
+  """Drops a document whose title + text (whitespace-normalised) was already seen, and keeps
+  one text in one split (`split_of_text`)."""
 
   def __init__(self):
     self.seen: set[bytes] = set()
+    self.text_splits: dict[bytes, str] = {}   # `split_of_text`'s
 
   def is_new(self, title: str, text: str) -> bool:
     key = hashlib.blake2b((" ".join(title.split()) + "\x00" + " ".join(text.split()))
@@ -82,6 +85,14 @@ class Deduplicator:
       return False
     self.seen.add(key)
     return True
+
+  def split_of_text(self, text: str, split: str) -> str:
+    """The split of the first document with this text (whitespace-normalised), whatever its
+    title; `split` for a text not seen before. A text under two titles (a redirect's copy)
+    is then never held out and trained on at once."""
+    key = hashlib.blake2b(" ".join(text.split()).encode("utf-8", "surrogatepass"),
+                          digest_size=12).digest()
+    return self.text_splits.setdefault(key, split)
 
 
 def squad_paragraph_skipped(title, context, dedup: Deduplicator,
@@ -129,6 +140,9 @@ def read_documents(config, skips: Skips) -> Iterator[SourceDocument]:
     elif not dedup.is_new(doc.title, doc.text or " ".join(s.text for s in doc.sentences)):
       skips.skip(DUPLICATE, doc.where)
       skips.drop_questions(doc.qas)
+    elif doc.text and doc.split is not None and \
+        (split := dedup.split_of_text(doc.text, doc.split)) != doc.split:
+      yield dataclasses.replace(doc, split=split)
     else:
       yield doc
 

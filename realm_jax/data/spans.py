@@ -30,7 +30,10 @@ offline stand-in needs no model:
 from __future__ import annotations
 
 import bisect
+import functools
 import re
+import sys
+import unicodedata
 
 _MONTH_NAMES = ("january", "february", "march", "april", "may", "june", "july", "august",
                 "september", "october", "november", "december")
@@ -263,9 +266,23 @@ def _named_entity_spans(text: str, blocked: list[tuple[int, int]]) -> list[tuple
   return spans
 
 
+@functools.cache
+def _marks_to_letter() -> dict[int, str]:
+  """A `str.translate` table: every Unicode mark (categories Mn, Mc, Me: the accent of a
+  decomposed "é", a vowel sign) to "a"; built on first use."""
+  return {c: "a" for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c))[0] == "M"}
+
+
+def _marks_as_letters(text: str) -> str:
+  """`text` with each combining mark read as a lowercase letter, at the same offsets: `re`'s
+  word characters leave marks out, which cut a decomposed (NFD) "Beyonce\u0301 Knowles" into
+  "Beyonce" and "Knowles"; as a letter, the mark stays inside its word."""
+  return text if text.isascii() else text.translate(_marks_to_letter())
+
+
 def tag_dates(text: str) -> list[tuple[int, int]]:
   """Sorted, non-overlapping char spans of the dates and numbers alone (no names)."""
-  return [m.span() for m in _DATE_OR_NUMBER.finditer(text)]
+  return [m.span() for m in _DATE_OR_NUMBER.finditer(_marks_as_letters(text))]
 
 
 def tag_salient_spans(text: str) -> list[tuple[int, int]]:
@@ -278,6 +295,7 @@ def tag_salient_spans(text: str) -> list[tuple[int, int]]:
     Sorted, non-overlapping ``(start, end)`` character spans: dates, numbers (without their
     unit) and runs of capitalised words that are not explained by a sentence start.
   """
+  text = _marks_as_letters(text)
   dates = tag_dates(text)
   return sorted(dates + _named_entity_spans(text, dates))
 
