@@ -45,12 +45,13 @@ def write_vocab(path):
     f.write("\n".join(VOCAB) + "\n")
 
 
-def random_params(architecture, seed):
-  """Our params for the layout's import config, every leaf random (so that no two leaves are
-  alike and a misplaced tensor cannot go unnoticed)."""
+def random_params(architecture, seed, **model_fields):
+  """Our params for the layout's import config (`model_fields` set on its `model`), every
+  leaf random (so that no two leaves are alike and a misplaced tensor cannot go unnoticed)."""
   hf = {**hf_realm_weights.REALM_DEFAULTS, **SIZES}
   block_len = 40 if architecture == "RealmForOpenQA" else None
   config = hf_realm.make_config(architecture, hf, block_len=block_len)
+  config.model.update(model_fields)
   model = state_lib.build_model(config, 0)
   inputs = state_lib.dummy_inputs(config, config.data.block_len)
   shapes = jax.eval_shape(lambda r: nn.meta.unbox(model.init(r, **inputs)["params"]),
@@ -252,6 +253,25 @@ def test_open_qa_evidence_becomes_a_block_store_and_a_published_index(imported):
 
 
 @pytest.mark.slow
+def test_an_embedder_starts_both_towers_of_a_retriever_with_two(tmp_path):
+  """REALM's embedder is one BERT for queries and blocks (HF's RealmScorer embeds both with
+  it): given to a retriever with a tower of each (`model.share_towers` False, as
+  `init.retriever` may), it starts both, as a BERT checkpoint does."""
+  source = random_params("RealmEmbedder", seed=3)
+  tensors = to_hf(source, "RealmEmbedder")
+  params = random_params("RealmEmbedder", seed=4, share_towers=False)
+  new, report = hf_realm_weights.convert(params, tensors, "RealmEmbedder", "model.safetensors",
+                                         str(tmp_path), only="retriever")
+  embedder = traverse_util.flatten_dict(source["retriever"]["tower"], sep="/")
+  for tower in ("query_tower", "block_tower"):
+    loaded = traverse_util.flatten_dict(new["retriever"][tower], sep="/")
+    assert loaded.keys() == embedder.keys()
+    for name, value in embedder.items():
+      np.testing.assert_array_equal(loaded[name], value, err_msg=f"{tower}/{name}")
+  assert not [p for p in report.initialised if p.startswith("retriever/")]
+  assert not report.unused
+
+
 def test_plain_bert_loads_every_tower(tmp_path):
   from tests.test_hf_bert import hf_config, random_bert, write_checkpoint
   config = hf_config(len(VOCAB))

@@ -4,7 +4,9 @@ Layouts, told apart by D/config.json (`model_type`, `architectures`); HF key -> 
 
   RealmEmbedder             realm.*            -> retriever/tower/bert (one tower serves query
                             cls.dense/LayerNorm -> retriever/tower/projection(_norm)  and block,
-                                                   as HF's RealmScorer uses it: share_towers)
+                                                   as HF's RealmScorer uses it: share_towers;
+                                                   `init.retriever` into a retriever with a
+                                                   tower of each starts both from it)
   RealmKnowledgeAugEncoder  realm.*            -> reader/bert;  cls.predictions.* -> reader/cls
   RealmReader               realm.*, cls.predictions.* as above; qa_outputs.* -> reader/qa_outputs
   RealmForOpenQA            embedder.{realm,cls}.* -> retriever/query_tower/...

@@ -120,8 +120,9 @@ def realm_key_map(params: Mapping, layout: str) -> dict[str, str]:
       names.update(_head_names(params, "reader/qa_outputs", hf_prefix + "qa_outputs."))
 
   retriever = params["retriever"]
-  if layout == "RealmEmbedder":
-    embedder("retriever/tower" if "tower" in retriever else "retriever/query_tower", "")
+  if layout == "RealmEmbedder":   # one BERT embeds queries and blocks: every tower from it
+    for tower in ("tower",) if "tower" in retriever else ("query_tower", "block_tower"):
+      embedder(f"retriever/{tower}", "")
   elif layout == "RealmKnowledgeAugEncoder":
     reader("", span_head=False)
   elif layout == "RealmReader":
