@@ -291,10 +291,10 @@ class AppendLog:
 
   def __init__(self, path, keep: Callable[[str], bool] | None = None):
     self.path, self.remote = str(path), is_remote(path)
-    before = read_text(self.path) if (self.remote or keep is not None) else None
-    if before is not None and keep is not None:
-      lines = before.splitlines(keepends=True)
-      kept = "".join(line for line in lines if line.endswith("\n") and keep(line))
+    before = read_text(self.path)
+    if before is not None:
+      complete = before.split("\n")[:-1]   # the last piece: "" or a line cut short
+      kept = "".join(line + "\n" for line in complete if keep is None or keep(line))
       if kept != before:
         write_text_atomic(self.path, kept)
       before = kept

@@ -252,7 +252,6 @@ def test_open_qa_evidence_becomes_a_block_store_and_a_published_index(imported):
       restored["retriever"]["query_tower"]["projection"]["kernel"])
 
 
-@pytest.mark.slow
 def test_an_embedder_starts_both_towers_of_a_retriever_with_two(tmp_path):
   """REALM's embedder is one BERT for queries and blocks (HF's RealmScorer embeds both with
   it): given to a retriever with a tower of each (`model.share_towers` False, as
@@ -272,6 +271,7 @@ def test_an_embedder_starts_both_towers_of_a_retriever_with_two(tmp_path):
   assert not report.unused
 
 
+@pytest.mark.slow
 def test_plain_bert_loads_every_tower(tmp_path):
   from tests.test_hf_bert import hf_config, random_bert, write_checkpoint
   config = hf_config(len(VOCAB))

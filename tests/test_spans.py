@@ -100,6 +100,10 @@ def test_decomposed_accents_tag_as_their_composed_form(text, expected):
   assert tagged(text) == expected
 
 
+def test_a_mark_after_a_digit_leaves_the_number_as_it_was():
+  assert tagged("It has 10\ufe0f\u20e3 parts and 37 more.") == ["10", "37"]   # a keycap
+
+
 def test_tag_dates_leaves_names_out():
   text = "Alice Borin moved to Kelmar on 12 March 1843 with 3,400 others."
   assert [text[s:e] for s, e in tag_dates(text)] == ["12 March 1843", "3,400"]

@@ -202,7 +202,7 @@ def test_sigterm_saves_exits_and_the_resumed_run_matches_the_uninterrupted_one(
       first["seconds"] + summary["wall_seconds"], abs=0.1)
   assert checkpoint_steps(resumed)[-1] == REALM_STEPS
   straight = read_jsonl(os.path.join(dirs["realm"], "metrics", "train.jsonl"))
-  again = read_jsonl(os.path.join(resumed, "metrics", "train.jsonl"))
+  again = again_lines = read_jsonl(os.path.join(resumed, "metrics", "train.jsonl"))
   assert [r["step"] for r in again] == list(range(1, REALM_STEPS + 1))   # each step once
   served = read_jsonl(os.path.join(resumed, "metrics", "retrieval.jsonl"))
   assert [r["step"] for r in served] == list(range(1, REALM_STEPS + 1))
@@ -241,6 +241,15 @@ def test_sigterm_saves_exits_and_the_resumed_run_matches_the_uninterrupted_one(
   assert logged == {name: open(os.path.join(resumed, "metrics", f"{name}.jsonl")).read()
                     for name in logged}
   assert json.load(open(os.path.join(resumed, "wall.json")))["runs"] == 2
+  # Stopped after its final checkpoint, before its summary: the rerun evaluates the last step
+  # again, and that evaluation replaces the earlier one.
+  os.remove(os.path.join(resumed, "summary.json"))
+  rerun = train(config, resumed)
+  evals = read_jsonl(os.path.join(resumed, "metrics", "eval.jsonl"))
+  assert [e["step"] for e in evals] == [REALM_STEPS]
+  assert rerun["eval_retrieval_utility"] == evals[0]["retrieval_utility"] == \
+      summary["eval_retrieval_utility"]
+  assert read_jsonl(os.path.join(resumed, "metrics", "train.jsonl")) == again_lines
 
 
 class _Finalised:

@@ -274,15 +274,30 @@ def _marks_to_letter() -> dict[int, str]:
 
 
 def _marks_as_letters(text: str) -> str:
-  """`text` with each combining mark read as a lowercase letter, at the same offsets: `re`'s
-  word characters leave marks out, which cut a decomposed (NFD) "Beyonce\u0301 Knowles" into
-  "Beyonce" and "Knowles"; as a letter, the mark stays inside its word."""
-  return text if text.isascii() else text.translate(_marks_to_letter())
+  """`text` with each combining mark that follows a letter (or such a mark) read as a
+  lowercase letter, at the same offsets: `re`'s word characters leave marks out, which cut a
+  decomposed (NFD) "Beyonce\u0301 Knowles" into "Beyonce" and "Knowles"; as a letter, the
+  mark stays inside its word. Marks after anything else (a keycap's after a digit) stay."""
+  if text.isascii():
+    return text
+  read = text.translate(_marks_to_letter())
+  if read == text:
+    return text
+  chars = list(read)
+  for i, (was, now) in enumerate(zip(text, read)):
+    if was != now and not (i and (chars[i - 1] == "a" and text[i - 1] != "a" or
+                                  text[i - 1].isalpha())):
+      chars[i] = was
+  return "".join(chars)
 
 
 def tag_dates(text: str) -> list[tuple[int, int]]:
   """Sorted, non-overlapping char spans of the dates and numbers alone (no names)."""
-  return [m.span() for m in _DATE_OR_NUMBER.finditer(_marks_as_letters(text))]
+  return _dates(_marks_as_letters(text))
+
+
+def _dates(text: str) -> list[tuple[int, int]]:
+  return [m.span() for m in _DATE_OR_NUMBER.finditer(text)]
 
 
 def tag_salient_spans(text: str) -> list[tuple[int, int]]:
@@ -296,7 +311,7 @@ def tag_salient_spans(text: str) -> list[tuple[int, int]]:
     unit) and runs of capitalised words that are not explained by a sentence start.
   """
   text = _marks_as_letters(text)
-  dates = tag_dates(text)
+  dates = _dates(text)
   return sorted(dates + _named_entity_spans(text, dates))
 
 

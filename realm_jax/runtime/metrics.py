@@ -79,7 +79,7 @@ def _logged_before(line: str, step: int) -> bool:
   """Whether a JSONL line records a step before `step` (a line that cannot be read: no)."""
   try:
     return int(json.loads(line)["step"]) < step
-  except (ValueError, KeyError, TypeError):
+  except (ValueError, KeyError, TypeError, OverflowError):
     return False
 
 

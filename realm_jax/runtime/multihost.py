@@ -208,3 +208,14 @@ def barrier(name: str, timeout: float | None = None) -> None:
   except Exception as e:  # noqa: BLE001  (re-raised with the barrier's name)
     raise RuntimeError(f"process {jax.process_index()} of {jax.process_count()}: barrier "
                        f"{name!r} not reached by every process within {timeout:g}s: {e}") from e
+
+
+def on_every_process(flag: bool) -> bool:
+  """Whether `flag` holds on every process of the job: each process asks with its own, and
+  all get the one answer (a collective: every process calls it at the same point)."""
+  import jax
+  if jax.process_count() == 1:
+    return bool(flag)
+  import numpy as np
+  from jax.experimental import multihost_utils
+  return bool(np.asarray(multihost_utils.process_allgather(np.asarray(flag, np.int32))).all())

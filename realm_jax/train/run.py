@@ -81,7 +81,7 @@ def first_evaluated_step(start: int, total: int) -> int:
   start from there (a fresh start, or a resume from step 0's checkpoint, the builder's first
   snapshot), the final one again on a resume from the last step's checkpoint (a run stopped
   before its summary), else the first after `start` (the train lines: always)."""
-  return start if start in (0, total) else start + 1
+  return 0 if start == 0 else total if start >= total else start + 1
 
 
 class Run:
@@ -185,9 +185,9 @@ class Run:
 
   def run(self) -> dict:
     cfg = self.config
-    start, init = self.restore_or_init()
-    if (finished := self._finished_before(start, init)) is not None:
+    if (finished := self._finished_before()) is not None:
       return finished
+    start, init = self.restore_or_init()
     self.fresh = init is not None   # started from scratch: W/wall.json starts again
     self.begin(start, init)
     t_start = time.time()
@@ -215,14 +215,15 @@ class Run:
       return {"task": cfg.task, "preempted_at_step": preempted, **wall}
     return self._summarise(wall, eval_metrics, details, batches.summary())
 
-  def _finished_before(self, start: int, init) -> dict | None:
-    """The summary of this run finished before (resumed from its last step's checkpoint, its
-    summary written): a run of a finished job trains and evaluates nothing again (realm-eval
-    evaluates a checkpoint anew) and leaves its metrics and wall time as they are."""
+  def _finished_before(self) -> dict | None:
+    """The summary of this run finished before (its checkpoint of the last step and its
+    summary for this train.steps in the workdir, seen by every process): a run of a finished
+    job restores, trains and evaluates nothing again (realm-eval evaluates a checkpoint) and
+    leaves its metrics and wall time as they are."""
     total = self.config.train.steps
     previous = (workdir_lib.read_summary(self.workdir)
-                if init is None and start >= total else None)
-    if previous is None or previous.get("steps") != total:
+                if self.checkpointer.latest_step() == total else None)
+    if not multihost.on_every_process(previous is not None and previous.get("steps") == total):
       return None
     logger.info(f"{self.prefix}finished before at step {total}: its summary is "
                 f"{paths.join(self.workdir, workdir_lib.SUMMARY)}, nothing is run again (a "
