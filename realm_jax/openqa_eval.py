@@ -4,7 +4,7 @@ themselves: train/qa_eval.py). A checkpoint without the span reader (REALM pre-t
 retrieval recall only: the zero-shot retrieval evaluation.
 
   realm-eval --config configs/X.py --workdir W [--step N] [--split test] [--retrieval_only]
-writes W/eval/<step>/metrics.json and W/eval/<step>/predictions.jsonl.
+writes W/eval/<step>/<split>[-retrieval]/metrics.json and predictions.jsonl.
 """
 
 from __future__ import annotations
@@ -20,10 +20,15 @@ from realm_jax.config.option_names import upgrade_flags
 
 logger = logging.getLogger("realm_jax.openqa_eval")   # (__name__ is __main__ under python -m)
 
-def write_results(workdir: str, step: int, metrics: dict, predictions: list[dict]) -> str:
-  """W/eval/<step>/{metrics.json, predictions.jsonl}, each seen whole or not at all (a local
-  file is written then renamed, a bucket object written in one request)."""
-  out = paths.join(workdir, "eval", str(step))
+def results_dir(workdir: str, step: int, split: str, reader: bool) -> str:
+  """W/eval/<step>/<split> (reader + retrieval) or W/eval/<step>/<split>-retrieval (retrieval
+  only): each evaluation of a checkpoint keeps its own results."""
+  return paths.join(workdir, "eval", str(step), split if reader else f"{split}-retrieval")
+
+
+def write_results(out: str, metrics: dict, predictions: list[dict]) -> str:
+  """out/{metrics.json, predictions.jsonl}, each seen whole or not at all (a local file is
+  written then renamed, a bucket object written in one request)."""
   paths.makedirs(out)
   paths.write_text_atomic(paths.join(out, "metrics.json"), json.dumps(metrics, indent=2))
   paths.write_text_atomic(paths.join(out, "predictions.jsonl"),
@@ -70,7 +75,8 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
                       f"needs: {', '.join(shown)} (is config.model the run's?)")
   fingerprint, dim = data.blocks.fingerprint, config.model.retrieval_dim
   root = published.index_root(workdir)
-  if reader:   # an Open-QA run keeps one frozen index: its reader learnt with it
+  if has_reader:   # an Open-QA run keeps one frozen index: its reader learnt with it (and
+    # its block tower may have moved since: the index is what its retrieval is measured on)
     latest = published.read_latest(root) if paths.isdir(root) else None
     theirs = None if latest is None else (
         published.read_manifest(root, latest)["block_store_fingerprint"])
@@ -92,7 +98,7 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
 def evaluate_run(config, workdir: str, step: int | None = None, split: str = "test",
                  retrieval_only: bool = False) -> tuple[dict, str]:
   """realm-eval: metrics + predictions of one checkpoint on one QA split, written under
-  W/eval/<step>/. Returns (metrics, that directory)."""
+  under `results_dir`. Returns (metrics, that directory)."""
   from realm_jax.data.qa import qa_split
   from realm_jax.train.qa_eval import QAEvaluator, format_metrics
   examples, counts = qa_split(config.qa, split, config.data.dir)   # bad specs fail first
@@ -104,7 +110,7 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
   evaluator = QAEvaluator(config, data, mesh, model, examples, frozen, reader, counts)
   metrics, predictions = evaluator.run(params)
   metrics.update(step=step, split=split, source=config.qa.get(split), reader=reader)
-  out = write_results(workdir, step, metrics, predictions)
+  out = write_results(results_dir(workdir, step, split, reader), metrics, predictions)
   logger.info(f"[eval] step {step} {split}: {format_metrics(metrics)} | {metrics['num_questions']} "
               f"questions, answer in no top-{metrics['reader_beam']} block: "
               f"{metrics['no_answer_in_top_k']}, truncated: {metrics['truncated_questions']}, "

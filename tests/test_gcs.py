@@ -168,7 +168,7 @@ def _evaluate_in_the_bucket(config, workdir: str, step: int) -> None:
   """realm-eval of a bucket run: metrics and predictions written back to the bucket."""
   config.qa.test = "prepared:eval"
   metrics, out_dir = evaluate_run(config, workdir, split="test")
-  assert out_dir == f"{workdir}/eval/{step}"
+  assert out_dir == f"{workdir}/eval/{step}/test-retrieval"
   saved = json.loads(bucket_text(f"{out_dir}/metrics.json"))
   assert saved["step"] == step and saved["recall_at_5"] == metrics["recall_at_5"]
   predictions = bucket_text(f"{out_dir}/predictions.jsonl").splitlines()

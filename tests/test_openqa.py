@@ -181,7 +181,7 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
   from realm_jax.openqa_eval import evaluate_run
   workdir, _ = openqa_run
   metrics, out = evaluate_run(openqa_config(world_dir), workdir, split="test")
-  assert out == os.path.join(workdir, "eval", "6")
+  assert out == os.path.join(workdir, "eval", "6", "test")
   saved = json.load(open(os.path.join(out, "metrics.json")))
   assert saved["step"] == 6 and saved["reader"] is True
   for key in ("exact_match", "f1", "recall_at_1", "recall_at_5", "recall_at_20",
@@ -200,6 +200,14 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
   assert len(first["evidence"]) == 3
   assert {"title", "text", "retrieval_score", "span_score"} <= set(first["evidence"][0])
   assert saved["no_answer_in_top_k"] == sum(not p["answer_in_top_k"] for p in predictions)
+  # --retrieval_only on the fine-tuned run: the same frozen index (its block tower trained on
+  # since), the same recall; both results kept
+  retrieved, out_retrieval = evaluate_run(openqa_config(world_dir), workdir, split="test",
+                                          retrieval_only=True)
+  assert out_retrieval == os.path.join(workdir, "eval", "6", "test-retrieval")
+  for key in ("index_version", "index_step", "recall_at_1", "recall_at_5", "recall_at_20"):
+    assert retrieved[key] == saved[key], key
+  assert json.load(open(os.path.join(out, "metrics.json"))) == saved
   # evaluated with another data dir's blocks: one line naming the option
   copy = shutil.copytree(workdir, tmp_path / "copy")
   _publish_other_blocks(str(copy), 6, openqa_config(world_dir))

@@ -66,6 +66,20 @@ def test_nq_open_counts_bad_lines_and_strict_names_the_line(tmp_path):
   assert [ex.qid for ex in both] == ["more.jsonl:1", "nq.jsonl:1", "q7"]
 
 
+@pytest.mark.parametrize("kind", ["nq_open", "curated_trec"])
+def test_a_glob_over_files_of_one_name_keeps_every_question(tmp_path, kind):
+  """Questions without ids are named `<file>:<line>`; files of one name in several folders are
+  named by their path below the common folder, so none is dropped as a repeated id."""
+  for folder in ("a", "b"):
+    os.makedirs(tmp_path / folder)
+    with open(tmp_path / folder / "test.jsonl", "w") as f:
+      f.write(json.dumps({"question": f"where is {folder}?", "answer": ["here"]}) + "\n")
+  examples, skipped = read_qa(f"{kind}:{tmp_path}/*/test.jsonl")
+  assert [e.qid for e in examples] == ["a/test.jsonl:1", "b/test.jsonl:1"] and not skipped
+  examples, _ = read_qa(f"{kind}:{tmp_path}/a/test.jsonl")
+  assert [e.qid for e in examples] == ["test.jsonl:1"]
+
+
 def test_webquestions_skips_duplicates_and_empty_answers(tmp_path):
   rows = [{"qId": "wq1", "qText": "what is it?", "answers": ["It"]},
           {"qId": "wq2", "answers": ["x"]},

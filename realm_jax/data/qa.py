@@ -143,11 +143,11 @@ def read_qa(spec: str, *, strict: bool = False, data_dir: str = "", option: str 
                         "sets of squad: and world: sources there)")
     _read_jsonl(path, collect)
   elif kind == "nq_open":
-    for path in _files(arg):
-      _read_jsonl(path, collect)
+    for path, name in _files(arg).items():
+      _read_jsonl(path, collect, name)
   elif kind == "curated_trec":
-    for path in _files(arg):
-      _read_curated_trec(path, collect)
+    for path, name in _files(arg).items():
+      _read_curated_trec(path, collect, name)
   elif kind == "webq":
     _read_webq(arg, collect)
   elif kind == "squad":
@@ -217,9 +217,17 @@ def question_inputs(tokenizer, examples: Sequence[QAExample | str], query_len: i
   return ids, truncated
 
 
-def _files(pattern: str) -> list[str]:
-  return sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else \
+def _files(pattern: str) -> dict[str, str]:
+  """The files a pattern names, each with the name its questions' default ids start with:
+  the file's own name, or its path below the files' common folder where two share a name
+  (a glob over folders of `test.jsonl`), so that no two questions get one id."""
+  found = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else \
       ([pattern] if os.path.isfile(pattern) else [])
+  names = [os.path.basename(path) for path in found]
+  if len(set(names)) < len(names):
+    common = os.path.commonpath([os.path.abspath(path) for path in found])
+    names = [os.path.relpath(os.path.abspath(path), common) for path in found]
+  return dict(zip(found, names))
 
 
 def _lines(path: str, skips: QASkips) -> Iterator[tuple[str, str]]:
@@ -235,8 +243,8 @@ def _lines(path: str, skips: QASkips) -> Iterator[tuple[str, str]]:
         skips.skip(INVALID_UTF8, where)
 
 
-def _read_jsonl(path: str, collect: _Collector) -> None:
-  name = os.path.basename(path)
+def _read_jsonl(path: str, collect: _Collector, name: str | None = None) -> None:
+  name = name or os.path.basename(path)
   for where, line in _lines(path, collect.skips):
     try:
       obj = json.loads(line)
@@ -246,8 +254,8 @@ def _read_jsonl(path: str, collect: _Collector) -> None:
     collect.add(obj, where, default_id=f"{name}:{where.rsplit(':', 1)[1]}")
 
 
-def _read_curated_trec(path: str, collect: _Collector) -> None:
-  name = os.path.basename(path)
+def _read_curated_trec(path: str, collect: _Collector, name: str | None = None) -> None:
+  name = name or os.path.basename(path)
   for where, line in _lines(path, collect.skips):
     default_id = f"{name}:{where.rsplit(':', 1)[1]}"
     if line.lstrip().startswith("{"):
