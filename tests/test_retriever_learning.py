@@ -5,6 +5,7 @@ the null document; a cached run resumes exactly and reports its hit rate), scori
 index's block embeddings, the best evaluation's export, the "mixed" warm-up's candidates, and
 the bad settings refused naming the option. The losses themselves: tests/test_losses.py."""
 
+import json
 import os
 import shutil
 
@@ -20,6 +21,7 @@ from realm_jax.config.reading import null_in_training
 from realm_jax.config.validation import validate
 from realm_jax.train.loop import train
 from realm_jax.runtime.metrics import read_jsonl
+from realm_jax.train.best_export import BestExport
 from realm_jax.train.score_cache import ScoreCache, cache_keys, read_chunk
 from tests.helpers import drawn_state, tiny_config
 
@@ -244,6 +246,25 @@ def test_the_best_evaluation_is_exported_as_a_workdir(world_dir, world_data, tmp
     saved = restore_run(workdir, step=best["step"], vocab_size=world_data.tokenizer.vocab_size)
     for a, b in zip(jax.tree.leaves(saved.params), jax.tree.leaves(exported.params)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_resumed_run_exports_a_step_of_the_run_before_again(tmp_path):
+  """A run exported step 300, then stopped before a checkpoint after it; resumed, it evaluates
+  step 300 again with a higher utility (an async index is not bitwise repeatable): the export
+  is replaced, not a crash on the step Orbax already has."""
+  from realm_jax.runtime.checkpoints import restore_params
+  config = tiny_config("realm")
+  params = lambda value: {"w": np.full((4,), value, np.float32)}
+  BestExport(str(tmp_path), config).consider(300, {"retrieval_utility": 3.0}, params(1.0))
+  resumed = BestExport(str(tmp_path), config)
+  assert resumed.best == {"step": 300, "retrieval_utility": 3.0}
+  assert not resumed.consider(300, {"retrieval_utility": 2.0}, params(2.0))
+  assert resumed.consider(300, {"retrieval_utility": 3.5}, params(3.0))
+  assert json.load(open(tmp_path / "best" / "best.json"))["retrieval_utility"] == 3.5
+  saved, step = restore_params(str(tmp_path / "best"),
+                               {"w": jax.ShapeDtypeStruct((4,), np.float32)})
+  assert step == 300
+  np.testing.assert_array_equal(np.asarray(saved["w"]), params(3.0)["w"])
 
 
 @pytest.mark.slow   # end-to-end runs: the slow tier

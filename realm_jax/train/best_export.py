@@ -43,6 +43,8 @@ class BestExport:
         options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
                                              enable_async_checkpointing=False),
         item_names=("params",))
+    if step in manager.all_steps():   # a resumed run evaluating a step of the run before
+      manager.delete(step)            # it again, better this time (an async index)
     manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
                  force=True)
     manager.wait_until_finished()
