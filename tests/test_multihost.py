@@ -186,6 +186,58 @@ def test_a_lost_process_stops_the_others_naming_it(world_dir, tmp_path):
   print(f"the survivor exited {seconds:.1f}s after process 1 was killed")
 
 
+# Two processes adopting index versions in async mode, with stand-in subscribers: process 0
+# loads v2 before step 0, process 1 only before step 1. Each step ends in a collective (as the
+# train step does).
+_ASYNC_PROBE = """
+import os, sys, types
+pid, port = int(sys.argv[1]), sys.argv[2]
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"localhost:{port}", 2, pid)
+import numpy as np
+from jax.experimental import multihost_utils
+from realm_jax.train.candidates import _all_hosts_have
+from realm_jax.train.feed import VersionSchedule
+version = lambda v: types.SimpleNamespace(version=v, step=10 * v)
+class Subscriber:
+  have = {1: version(1)}
+  def newest(self): return self.have[max(self.have)]
+  def wait(self, pick, timeout, what): return pick(self.have)
+  def release(self, **kw): pass
+subscriber = Subscriber()
+config = types.SimpleNamespace(retrieval=types.SimpleNamespace(refresh="async",
+                                                                index_timeout=5))
+schedule = VersionSchedule(config, subscriber, _all_hosts_have)
+schedule.start_async(0, 2)
+for step in range(4):
+  if step == pid:
+    subscriber.have[2] = version(2)
+  schedule.advance_async(step, 2)
+  multihost_utils.process_allgather(np.ones(3, np.float32) * step)
+print("serving", [schedule.for_step(t)[0].version for t in range(6)], flush=True)
+"""
+
+
+def test_async_hosts_switch_index_versions_together(tmp_path):
+  """Every host asks the others at every step whether they have its newest version, so that
+  they call the same collectives: a host that loaded v2 first waits for the others, and all
+  serve v2 from the same step (`depth` after the step where the last of them had it)."""
+  script = tmp_path / "probe.py"
+  script.write_text(_ASYNC_PROBE)
+  env = {**os.environ, "XLA_FLAGS": helpers.xla_flags(2)}
+  port = free_port()
+  procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port)], cwd=helpers.REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  with deadline(procs, 120) as expired:
+    outputs = read_to_end(procs)
+  assert not expired, "\n---\n".join(out[-1500:] for out in outputs)
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out[-3000:]
+    assert "serving [1, 1, 1, 2, 2, 2]" in out, out[-3000:]
+
+
 def test_a_coordinator_that_never_answers_is_named(world_dir, tmp_path):
   config = helpers.tiny_config("ict", data_dir=world_dir)
   port = free_port()   # nobody listens there

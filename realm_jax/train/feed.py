@@ -76,12 +76,16 @@ class VersionSchedule:
     return loaded
 
   def advance_async(self, step: int, depth: int) -> None:
-    """Before running `step`: adopt the newest loaded version from step + depth on."""
+    """Before running `step`: adopt the newest loaded version from step + depth on, once
+    every host has it. Every host asks at every step (a collective with several processes:
+    a host that asked only when it had a newer version would wait in it while the others
+    went on to the train step's collectives)."""
     newest = self.subscriber.newest()
     with self._cond:
       current = self._entries[-1][1]
     horizon = step + depth
-    if newest is not None and newest.version > current.version and self.agree(newest.version):
+    everywhere = self.agree(-1 if newest is None else newest.version)
+    if newest is not None and newest.version > current.version and everywhere:
       self.announce(horizon, newest, horizon)
       return
     self.announce_horizon(horizon)
