@@ -280,21 +280,55 @@ def test_an_unsaved_sigterm_reaches_the_callers_handler_and_no_watchdog_outlives
       time.sleep(0.01)
     return watcher
   try:
-    signalled(2.0).close()
+    finished = signalled(2.0)
+    finished.close()
     for thread in threading.enumerate():   # a watchdog still waiting would exit after 2 s
       if thread.name == "preemption-watchdog":
         thread.join(5)
-    assert exits == [] and handled == [signal.SIGTERM]
+    assert exits == [] and handled == []   # passed on once the run's summary is written
+    finished.pass_on_signal()
+    assert handled == [signal.SIGTERM]
     out = capsys.readouterr().out
     assert "[t] SIGTERM: after the last step: finishing the run (grace 2s)" in out
     assert "[t] SIGTERM after the last step: the run has finished; passing the signal on" in out
-    signalled(2.0).close(pass_on=False)    # the run failed: its error says more
+    failed = signalled(2.0)
+    failed.close(pass_on=False)            # the run failed: its error says more
+    failed.pass_on_signal()
     answered = signalled(2.0)              # a SIGTERM the run saved a step for
     answered.saved(3, _Finalised())
     answered.close()
+    answered.pass_on_signal()
     assert handled == [signal.SIGTERM] and exits == []
   finally:
     signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.slow
+def test_a_sigterm_in_the_final_evaluation_reaches_the_caller_after_the_summary(
+    world_dir, tmp_path, monkeypatch):
+  """An in-process stage (the demos' ICT, warm-up, Open-QA) stopped during its final
+  evaluation: the run writes its summary and wall time first, then the caller's handler
+  (the demo's raises) gets the signal; the stage is finished, not to be run again."""
+  from realm_jax import processes
+  from realm_jax.train.loop import Trainer
+  evaluate = Trainer.evaluate
+
+  def stopped_in_final(self, writer, step, final):
+    if final:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return evaluate(self, writer, step, final)
+  monkeypatch.setattr(Trainer, "evaluate", stopped_in_final)
+  previous = signal.signal(signal.SIGTERM, processes.on_sigterm)
+  workdir = str(tmp_path / "warmup")
+  try:
+    with pytest.raises(processes.Preempted):
+      train(tiny_config("realm", "warmup", world_dir, train__steps=2), workdir)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  with open(os.path.join(workdir, "summary.json")) as f:
+    assert json.load(f)["steps"] == 2
+  with open(os.path.join(workdir, "wall.json")) as f:
+    assert json.load(f)["runs"] == 1
 
 
 def test_no_retrieval_baseline_reads_only_the_null_document(world_dir, world_data, tmp_path):

@@ -31,6 +31,7 @@ class Preemption:
     self.multihost = jax.process_count() > 1
     self._saved = threading.Event()
     self._previous = None
+    self._pass_to = None    # the caller's handler a SIGTERM after the last step goes on to
     self._phase = "steps"   # "steps" -> "after" (the last step ran) -> "closing" (close())
     if not self.multihost and threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGTERM, self._on_signal)
@@ -97,9 +98,9 @@ class Preemption:
     """Ends the bookkeeping once the run has closed (its checkpointer too: a SIGTERM while a
     save finalises is still the run's): the watchdog stops (it would end a caller's process
     later), the previous handler is back. A SIGTERM the run did not answer with a saved step
-    (it came after the last step) leaves the run as it finished and, if `pass_on` (the run and
-    its closing succeeded; else their error says more), goes on to a handler its caller
-    installed: the demo's stops the demo."""
+    (it came after the last step) leaves the run to finish, and `pass_on_signal()` then hands
+    it to a handler its caller installed (the demo's stops the demo), if `pass_on` (the run
+    and its closing succeeded; else their error says more)."""
     self._phase = "closing"
     answered = self._saved.is_set()
     self._saved.set()
@@ -107,9 +108,16 @@ class Preemption:
     if previous is None:
       return
     signal.signal(signal.SIGTERM, previous)
-    if self.received_at is None or answered or not pass_on:
+    if self.received_at is not None and not answered and pass_on:
+      self._pass_to = previous
+
+  def pass_on_signal(self) -> None:
+    """After the run's summary is written: the SIGTERM `close()` kept goes on to the caller's
+    handler (a caller's exception, such as the demo's, then leaves a finished run behind)."""
+    handler, self._pass_to = self._pass_to, None
+    if handler is None:
       return
     logger.warning(f"{self.prefix}SIGTERM after the last step: the run has finished"
-                   f"{'; passing the signal on' if callable(previous) else ''}")
-    if callable(previous):
-      previous(signal.SIGTERM, None)
+                   f"{'; passing the signal on' if callable(handler) else ''}")
+    if callable(handler):
+      handler(signal.SIGTERM, None)

@@ -213,7 +213,9 @@ class Run:
     wall = self._wall(time.time() - t_start)
     if preempted is not None:   # no summary.json, no DONE: the run is not over
       return {"task": cfg.task, "preempted_at_step": preempted, **wall}
-    return self._summarise(wall, eval_metrics, details, batches.summary())
+    summary = self._summarise(wall, eval_metrics, details, batches.summary())
+    preemption.pass_on_signal()   # a SIGTERM after the last step, once the run is recorded
+    return summary
 
   def _finished_before(self) -> dict | None:
     """The summary of this run finished before (its checkpoint of the last step and its
