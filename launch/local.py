@@ -11,8 +11,9 @@ rest, or is `shared`: both on every GPU (a one-GPU machine), each allocating dev
 it needs; on CPU both inherit the environment. Output is streamed line by line with a
 `[trainer] ` / `[builder] ` prefix and appended to `W/logs/<name>.log`. Ctrl-C stops both
 (SIGINT to each process group, SIGKILL after the grace period, exit 130); SIGTERM (preemption)
-is passed on as SIGTERM, so the trainer saves a checkpoint of its step first (exit 143; 137 if
-it had to be SIGKILLed); when one fails the other is stopped and its exit code is ours; after
+is passed on as SIGTERM, so the trainer saves a checkpoint of its step first, within its
+`train.preemption_grace_seconds` (SIGKILL only 15 s past that, or past `--grace` if longer;
+exit 143; 137 if it had to be SIGKILLed, the trainer's own code if it failed while saving); when one fails the other is stopped and its exit code is ours; after
 the trainer succeeds the builder gets the grace period to see `W/DONE` and exit on its own.
 """
 
@@ -38,6 +39,7 @@ PROG = "local.py"
 NAMES = ("trainer", "builder")
 SHARED = "shared"      # config.builder.devices: trainer and builder on the same GPUs
 DEFAULT_GRACE = 30.0
+SAVE_MARGIN = 15.0   # seconds past the trainer's train.preemption_grace_seconds before SIGKILL
 POLL_SECONDS = 0.1
 _OVERRIDE = re.compile(r"^--?(no)?config\.")     # the override forms absl's config_flags takes
 _FLAG = re.compile(r"^--?[A-Za-z]")               # a flag, not a value such as -1 or -1e-3
@@ -275,10 +277,12 @@ def _log_dir(workdir: str, say) -> str:
 class _Supervisor:
   """Watches the two children and applies the stopping rules of `supervise`."""
 
-  def __init__(self, workdir: str, grace: float, say):
+  def __init__(self, workdir: str, grace: float, say, save_grace: float | None = None):
     self.workdir = workdir
     self.done_path = workdir_lib.done_path(workdir)
     self.grace = grace
+    # after SIGTERM: the seconds the trainer gets to save its step before SIGKILL
+    self.save_grace = grace if save_grace is None else max(grace, save_grace)
     self.say = say
     self.signals: list[str] = []    # names of the signals received, appended by the handler
     self.children: dict[str, _Child] = {}
@@ -288,14 +292,16 @@ class _Supervisor:
     self.signals.append(signal.Signals(signum).name)
 
   def stop(self, children: list[_Child], why: str, sig: int = signal.SIGINT,
-           signals_seen: int | None = None) -> None:
-    """`sig` to each running child's group, SIGKILL after the grace period, or at once on
-    a signal to us after the first `signals_seen` (default: those already received)."""
+           signals_seen: int | None = None, grace: float | None = None) -> None:
+    """`sig` to each running child's group, SIGKILL after `grace` (default: the grace
+    period), or at once on a signal to us after the first `signals_seen` (default: those
+    already received)."""
     running = [c for c in children if c.running]
     for c in running:
       c.note = why
       c.signal_group(sig)
-    deadline = time.monotonic() + self.grace
+    grace = self.grace if grace is None else grace
+    deadline = time.monotonic() + grace
     if signals_seen is None:
       signals_seen = len(self.signals)
     while any(c.running for c in running) and time.monotonic() < deadline \
@@ -304,7 +310,7 @@ class _Supervisor:
     late = [c for c in running if c.running]
     if late:
       when = ("on a second signal" if len(self.signals) > signals_seen
-              else f"after {self.grace:g} s")
+              else f"after {grace:g} s")
       self.say(f"{' and '.join(c.name for c in late)} still running {when}; sending SIGKILL")
     for c in late:
       c.note = f"{why}; SIGKILL {when}"
@@ -320,12 +326,18 @@ class _Supervisor:
       if self.signals:
         # SIGTERM is a preemption: passed on, the trainer saves its step before exiting.
         sig = signal.SIGTERM if self.signals[0] == "SIGTERM" else signal.SIGINT
+        grace = self.save_grace if sig == signal.SIGTERM else self.grace
         self.say(f"got {self.signals[0]}; stopping trainer and builder ({sig.name}, then "
-                 f"SIGKILL after {self.grace:g} s)")
+                 f"SIGKILL after {grace:g} s)")
         # counted from the first signal: a second one that came before this poll is one too
-        self.stop([trainer, builder], f"stopped on {self.signals[0]}", sig, signals_seen=1)
-        if sig == signal.SIGTERM and trainer.returncode == -signal.SIGKILL:
+        self.stop([trainer, builder], f"stopped on {self.signals[0]}", sig, signals_seen=1,
+                  grace=grace)
+        code = trainer.returncode
+        if sig == signal.SIGTERM and code == -signal.SIGKILL:
           return 128 + signal.SIGKILL   # not 143: the trainer did not save its step
+        if sig == signal.SIGTERM and code not in (0, 128 + signal.SIGTERM, -signal.SIGTERM):
+          self.say(f"trainer failed while stopping: {describe(code)}")
+          return _exit_code(code)       # not 143: no saved step to resume from
         return 128 + sig
       for child, other in ((trainer, builder), (builder, trainer)):
         code = child.poll()
@@ -356,10 +368,12 @@ class _Supervisor:
 
 def supervise(commands: dict[str, list[str]], workdir: str,
               env_for: dict[str, dict[str, str]] | None = None,
-              grace: float = DEFAULT_GRACE) -> int:
+              grace: float = DEFAULT_GRACE, save_grace: float | None = None) -> int:
   """Runs the trainer and the builder until the run is decided, streaming their output.
 
-  Rules: SIGINT/SIGTERM to us -> both stopped, 130. A process failing -> the other stopped, its
+  Rules: SIGINT to us -> both stopped, 130. SIGTERM -> passed on as SIGTERM, the trainer given
+  `save_grace` seconds to save its step; 143, or the trainer's own code where it failed
+  while stopping (137: SIGKILLed). A process failing -> the other stopped, its
   exit code (128 + N for signal N). The trainer exiting 0 -> the builder has `grace` seconds to
   exit on its own (it watches W/DONE), else is stopped; 0. The builder exiting 0 while the
   trainer runs and W/DONE is absent -> the trainer is stopped; 1. "Stopped" is SIGINT to the
@@ -370,6 +384,7 @@ def supervise(commands: dict[str, list[str]], workdir: str,
     workdir: the run directory; output is appended to `workdir/logs/<name>.log`.
     env_for: per name, variables set on top of our environment (CUDA_VISIBLE_DEVICES).
     grace: seconds between SIGINT and SIGKILL, and given to the builder after the trainer.
+    save_grace: seconds between SIGTERM and SIGKILL (at least `grace`; default `grace`).
   Returns:
     The launcher's exit code.
   """
@@ -384,7 +399,7 @@ def supervise(commands: dict[str, list[str]], workdir: str,
 
   log_dir = _log_dir(workdir, say)
   os.makedirs(log_dir, exist_ok=True)
-  supervisor = _Supervisor(workdir, grace, say)
+  supervisor = _Supervisor(workdir, grace, say, save_grace)
   handlers = {}
   if threading.current_thread() is threading.main_thread():
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -449,7 +464,9 @@ def _launch(args: argparse.Namespace) -> int:
           "(config.builder.devices)" + "".join(f"; both with {k}={v}" for k, v in memory.items()),
           flush=True)
   commands = default_commands(args.config, args.workdir, args.overrides, args.verbosity)
-  return supervise(commands, args.workdir, env_for, args.grace)
+  # on SIGTERM the trainer saves within its own grace period: not SIGKILLed before it ends
+  save_grace = config.train.preemption_grace_seconds + SAVE_MARGIN
+  return supervise(commands, args.workdir, env_for, args.grace, save_grace)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -299,6 +299,43 @@ def test_a_trainer_sigkilled_on_sigterm_makes_the_launcher_exit_137_not_143(tmp_
   assert supervisor.watch() == 128 + signal.SIGKILL
 
 
+class _Saving(_Stubborn):
+  """A trainer that, on SIGTERM, saves for `seconds` and then exits with `code`."""
+
+  def __init__(self, name, seconds, code):
+    super().__init__(name)
+    self.seconds, self.code, self.at = seconds, code, None
+
+  @property
+  def running(self):
+    return super().running and (self.at is None or time.monotonic() < self.at + self.seconds)
+
+  @property
+  def returncode(self):
+    return super().returncode or (None if self.running else self.code)
+
+  def signal_group(self, sig):
+    super().signal_group(sig)
+    if sig == signal.SIGTERM and self.at is None:
+      self.at = time.monotonic()
+
+
+@pytest.mark.parametrize("code, expected", [(143, 143), (1, 1)])
+def test_on_sigterm_the_trainer_gets_its_save_grace_and_its_failure_is_ours(tmp_path, code,
+                                                                          expected):
+  """The trainer saving for longer than the launcher's --grace but within its own
+  train.preemption_grace_seconds is not killed; a trainer that failed while saving (exit 1)
+  makes the launcher exit 1, not 143 (143 says a saved step to resume from)."""
+  said = []
+  supervisor = local._Supervisor(str(tmp_path), grace=0.2, say=said.append, save_grace=5.0)
+  supervisor.children = {"trainer": _Saving("trainer", 1.0, code),
+                         "builder": _Saving("builder", 0.0, 0)}
+  supervisor.signals = ["SIGTERM"]
+  assert supervisor.watch() == expected, said
+  assert signal.SIGKILL not in supervisor.children["trainer"].got, said
+  assert "got SIGTERM; stopping trainer and builder (SIGTERM, then SIGKILL after 5 s)" in said
+
+
 @pytest.mark.parametrize("visible, builder_ids, expected", [
     (["0", "1", "2", "3", "4", "5", "6", "7"], "6,7", ("0,1,2,3,4,5", "6,7")),
     (["0", "1", "2", "3"], " 0, 2 ", ("1,3", "0,2")),
