@@ -168,3 +168,40 @@ def test_errors_while_building_a_batch_reach_the_consumer():
     with pytest.raises(RuntimeError, match="broken example 30"):
       next(it)
     it.close()
+
+
+def test_the_batch_feed_builds_no_step_past_the_runs_end_and_gives_way_to_a_stop():
+  """A batch past the last step may wait for an index that is never written (deterministic
+  refresh, swap lag below the prefetch depth): none is built, so closing the feed does not
+  wait on it. A consumer told to stop while its batch waits gets a FeedStopped."""
+  import threading
+  import time
+  from realm_jax.train.feed import BatchFeed, FeedStopped
+  never = threading.Event()
+
+  class Queries:                       # the grain iterator's part: next() and get_state()
+    def __init__(self):
+      self.taken = 0
+
+    def __next__(self):
+      self.taken += 1
+      return {}
+
+    def get_state(self):
+      return {"taken": self.taken}
+
+  def assemble(step, queries):
+    if step >= 3:
+      never.wait(60)                   # an index that never comes
+    return {"step": step}, {}
+  feed = BatchFeed(Queries(), assemble, 0, depth=2, end=3)
+  assert [feed.next()[0]["step"] for _ in range(3)] == [0, 1, 2]
+  t0 = time.time()
+  feed.close()
+  assert time.time() - t0 < 5
+  stuck = BatchFeed(Queries(), assemble, 3, depth=2, end=5)
+  t0 = time.time()
+  with pytest.raises(FeedStopped, match="the batch of step 4 waited"):
+    stuck.next(should_stop=lambda: time.time() - t0 > 1)
+  never.set()
+  stuck.close()

@@ -132,8 +132,19 @@ class VersionSchedule:
       self._cond.notify_all()
 
 
+class FeedStopped(Exception):
+  """`BatchFeed.next` gave up waiting for a batch because `should_stop()` said so (a SIGTERM
+  while the batch waits for its index)."""
+
+  def __init__(self, step: int, waited: float):
+    super().__init__(f"the batch of step {step + 1} waited {waited:.1f}s for its index")
+    self.step = step
+
+
 class BatchFeed:
-  """Step t's host batch, built in a thread `depth` steps ahead of the train step.
+  """Step t's host batch, built in a thread `depth` steps ahead of the train step (up to
+  `end`, the run's last step: none is built for a step the run will not take, whose index
+  may never come).
 
   `assemble(t, queries)` turns the query batch of step t into the step's batch plus a dict of
   what it used (index version, ...). Each item also carries the grain iterator's state after
@@ -141,8 +152,8 @@ class BatchFeed:
   """
 
   def __init__(self, iterator, assemble: Callable[[int, dict], tuple[dict, dict]],
-               start_step: int, depth: int):
-    self._iterator, self._assemble = iterator, assemble
+               start_step: int, depth: int, end: int | None = None):
+    self._iterator, self._assemble, self._end = iterator, assemble, end
     self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
     self._stop = threading.Event()
     self._next = start_step
@@ -152,7 +163,7 @@ class BatchFeed:
 
   def _run(self, step: int) -> None:
     try:
-      while not self._stop.is_set():
+      while not self._stop.is_set() and (self._end is None or step < self._end):
         queries = next(self._iterator)
         state = self._iterator.get_state()
         batch, used = self._assemble(step, queries)
@@ -169,9 +180,18 @@ class BatchFeed:
       except queue.Full:
         continue
 
-  def next(self) -> tuple[dict[str, np.ndarray], dict, dict]:
-    """(batch, what it used, iterator state after it) of the next step, in order."""
-    item = self._queue.get()
+  def next(self, should_stop: Callable[[], bool] | None = None
+           ) -> tuple[dict[str, np.ndarray], dict, dict]:
+    """(batch, what it used, iterator state after it) of the next step, in order; a
+    FeedStopped once `should_stop()` says so while it waits."""
+    t0 = time.time()
+    while True:
+      try:
+        item = self._queue.get(timeout=0.5)
+        break
+      except queue.Empty:
+        if should_stop is not None and should_stop():
+          raise FeedStopped(self._next, time.time() - t0) from None
     if isinstance(item, BaseException):
       raise RuntimeError(f"building the batch of step {self._next} failed: {item!r}") from item
     _, batch, used, state = item

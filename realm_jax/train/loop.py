@@ -160,9 +160,10 @@ class QueryStepBatches(StepBatches):
   def next(self, step: int) -> StepBatch:
     self.candidates.before_step(step, self.start, self.depth)
     if self.feed is None:
-      self.feed = BatchFeed(self.data_iter, self._assemble, self.start, self.depth)
+      self.feed = BatchFeed(self.data_iter, self._assemble, self.start, self.depth,
+                            end=self.config.train.steps)
     t_feed = time.time()
-    host, used, data_state = self.feed.next()
+    host, used, data_state = self.feed.next(self.candidates.should_stop)
     used["feed_wait"] = time.time() - t_feed
     return StepBatch(partitioning.global_batch(host, self.mesh), data_state, used)
 

@@ -23,6 +23,7 @@ from realm_jax import paths, workdir as workdir_lib
 from realm_jax.data.prepared import PreparedData
 from realm_jax.errors import NonFiniteError
 from realm_jax.retrieval.index import EmbeddingStopped
+from realm_jax.train.feed import FeedStopped
 from realm_jax.runtime import initialization, multihost, partitioning, state as state_lib
 from realm_jax.train import steps
 from realm_jax.runtime.checkpoints import Checkpointer
@@ -273,9 +274,11 @@ class Run:
     for step in range(start, total):
       try:
         fed = batches.next(step)
-      except EmbeddingStopped as e:   # SIGTERM during an index rebuild: save step `step`
-        logger.warning(f"{self.prefix}SIGTERM during the index rebuild before step {step + 1}: "
-                       f"{e}; saving step {step}")
+      except (EmbeddingStopped, FeedStopped) as e:   # SIGTERM while the next batch waited
+        # for an index (rebuilt here, or from the builder): save step `step`
+        what = " during the index rebuild" if isinstance(e, EmbeddingStopped) else ""
+        logger.warning(f"{self.prefix}SIGTERM{what} before step {step + 1}: {e}; saving "
+                       f"step {step}")
         if step > start and not self.checkpoint_due(step):
           self.save(step, data_state)
         preemption.saved(step, self.checkpointer)
