@@ -205,3 +205,40 @@ def test_the_batch_feed_builds_no_step_past_the_runs_end_and_gives_way_to_a_stop
     stuck.next(should_stop=lambda: time.time() - t0 > 1)
   never.set()
   stuck.close()
+
+
+def test_async_versions_first_step_is_decided_once():
+  """After the first version, the steps up to `depth` - 1 ahead are final; step `depth` is
+  decided by the first advance, which may give it a newer version: a feed asking for it
+  earlier waits instead of taking the first version (another host would not)."""
+  import threading
+  import types
+  from realm_jax.train.feed import VersionSchedule
+  version = lambda v: types.SimpleNamespace(version=v, step=10 * v)
+
+  class Subscriber:
+    have = {1: version(1)}
+
+    def newest(self):
+      return self.have[max(self.have)]
+
+    def wait(self, pick, timeout, what):
+      return pick(self.have)
+
+    def release(self, **kwargs):
+      pass
+  subscriber = Subscriber()
+  config = types.SimpleNamespace(retrieval=types.SimpleNamespace(refresh="async",
+                                                                 index_timeout=5))
+  schedule = VersionSchedule(config, subscriber)
+  schedule.start_async(0, 2)
+  assert [schedule.for_step(t)[0].version for t in (0, 1)] == [1, 1]
+  served = []
+  feed = threading.Thread(target=lambda: served.append(schedule.for_step(2)[0].version))
+  feed.start()
+  feed.join(0.5)
+  assert feed.is_alive() and not served       # step 2 is not decided yet
+  subscriber.have[2] = version(2)
+  schedule.advance_async(0, 2)
+  feed.join(5)
+  assert served == [2]

@@ -72,7 +72,10 @@ class VersionSchedule:
       loaded = self.subscriber.newest()
     logger.info(f"[realm] first index v{loaded.version} (step {loaded.step}) after "
                 f"{time.time() - t0:.1f}s")
-    self.announce(start, loaded, start + depth)
+    # steps up to start + depth - 1 are final: advance_async(start) decides start + depth (on
+    # every host alike; a horizon one further would let a feed build that step with this
+    # version while advance_async gives it the next one)
+    self.announce(start, loaded, start + depth - 1)
     return loaded
 
   def advance_async(self, step: int, depth: int) -> None:
