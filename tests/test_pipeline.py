@@ -218,3 +218,16 @@ def test_ict_inputs_cut_the_query_sentence_out_of_its_block(world_data):
     seg[blocks.body_start[b]:len(expected)] = 1
     np.testing.assert_array_equal(out["block_segments"][i], seg)
   assert remove.any() and (~remove).any()
+
+
+def test_recall_counts_no_padding_as_a_hit():
+  """A query whose top blocks are its own block's copies keeps fewer blocks than it asked for
+  (the rest -1); its answer blocks are -1 padded too: the two paddings are no hit."""
+  from realm_jax.train.masked_eval import answer_in_top
+  uids = np.array([7, 7, 7, 9, 5])              # blocks 0-2: one text three times
+  top = np.array([[0, 1, 2, 3], [3, 0, 4, 1]])
+  ranked = pipeline.candidate_rows(top, np.array([0, 0]), uids, 4)[:, 1:]
+  assert ranked.tolist() == [[3, -1, -1], [3, 4, -1]]
+  answers = np.array([[4, -1], [4, -1]])
+  assert answer_in_top(ranked, answers, 1).tolist() == [False, False]
+  assert answer_in_top(ranked, answers, 5).tolist() == [False, True]

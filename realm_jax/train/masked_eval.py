@@ -23,6 +23,14 @@ from realm_jax.runtime import partitioning
 RECALL_AT = (1, 5)
 
 
+
+def answer_in_top(ranked: np.ndarray, answers: np.ndarray, at: int) -> np.ndarray:
+  """Per row, whether one of its `answers` (block rows, -1 padded) is among the first `at`
+  of `ranked` (block rows; -1 where fewer blocks were left after the own block's copies were
+  dropped): a padding entry is no block, and never a hit."""
+  found = ranked[:, :at, None] == answers[:, None, :]
+  return (found & (answers[:, None, :] >= 0)).any(axis=(1, 2))
+
 class Evaluator:
   """Fixed eval queries (the target span masked) and the metrics computed on them."""
 
@@ -75,8 +83,7 @@ class Evaluator:
         if self.has_answers:
           answers = self.examples.answer_blocks[self.rows[idx]]
           for at in RECALL_AT:
-            hit = (ranked[:, :at, None] == answers[:, None, :]).any(axis=(1, 2))
-            hits[at].extend(hit[:real])
+            hits[at].extend(answer_in_top(ranked, answers, at)[:real])
         retrieved = top
       if self.realm_eval is None:
         continue
