@@ -390,12 +390,17 @@ def supervise(commands: dict[str, list[str]], workdir: str,
   """
   if sorted(commands) != sorted(NAMES):
     raise ValueError(f"commands must name exactly {NAMES}, got {sorted(commands)}")
-  out, lock = sys.stdout, threading.Lock()
+  out, lock, closed = sys.stdout, threading.Lock(), []
 
   def say(message: str, prefix: str = f"{PROG}: ") -> None:
     with lock:
-      out.write(prefix + message + "\n")
-      out.flush()
+      if closed:
+        return
+      try:
+        out.write(prefix + message + "\n")
+        out.flush()
+      except (OSError, ValueError):   # our reader is gone (`| head`): the logs have it all
+        closed.append(True)
 
   log_dir = _log_dir(workdir, say)
   os.makedirs(log_dir, exist_ok=True)

@@ -193,6 +193,40 @@ def test_builder_quitting_after_done_is_fine(tmp_path, capsys):
   assert not (tmp_path / "trainer.sigint").exists()
 
 
+def test_a_closed_stdout_does_not_stop_the_run(tmp_path, monkeypatch):
+  """`local.py ... | head`: once the reader of our output is gone, writing to it fails; the
+  children's output still goes to their logs and the run goes on to its end (the copier
+  dying there left the trainer blocked on a full pipe and the launcher waiting for good)."""
+  import threading
+
+  class Closed:
+    def write(self, text):
+      raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+      raise BrokenPipeError(32, "Broken pipe")
+  trainer = child(tmp_path, "trainer", """\
+      for i in range(5000):
+        print('line', i, 'x' * 60)
+      touch('DONE')
+      """)
+  builder = child(tmp_path, "builder", """\
+      wait_for('DONE')
+      """)
+  monkeypatch.setattr(sys, "stdout", Closed())
+  result = []
+  run = threading.Thread(target=lambda: result.append(local.supervise(
+      {"trainer": trainer, "builder": builder}, str(tmp_path), grace=5.0)), daemon=True)
+  run.start()
+  run.join(60)
+  if run.is_alive():
+    for name in ("trainer", "builder"):
+      os.kill(read_pid(tmp_path, name), signal.SIGKILL)
+  assert result == [0]
+  with open(tmp_path / "logs" / "trainer.log") as f:
+    assert "line 4999 " in f.read()
+
+
 def test_builder_still_running_after_trainer_is_stopped_and_run_succeeds(tmp_path, capsys):
   trainer = child(tmp_path, "trainer", "wait_for('builder.ready')\n")
   builder = child(tmp_path, "builder", """\
