@@ -98,7 +98,7 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
 def evaluate_run(config, workdir: str, step: int | None = None, split: str = "test",
                  retrieval_only: bool = False) -> tuple[dict, str]:
   """realm-eval: metrics + predictions of one checkpoint on one QA split, written under
-  under `results_dir`. Returns (metrics, that directory)."""
+  `results_dir`. Returns (metrics, that directory)."""
   from realm_jax.data.qa import qa_split
   from realm_jax.train.qa_eval import QAEvaluator, format_metrics
   examples, counts = qa_split(config.qa, split, config.data.dir)   # bad specs fail first

@@ -201,7 +201,7 @@ def test_the_batch_feed_builds_no_step_past_the_runs_end_and_gives_way_to_a_stop
   assert time.time() - t0 < 5
   stuck = BatchFeed(Queries(), assemble, 3, depth=2, end=5)
   t0 = time.time()
-  with pytest.raises(FeedStopped, match="the batch of step 4 waited"):
+  with pytest.raises(FeedStopped, match="the batch of step 4 was not ready after"):
     stuck.next(should_stop=lambda: time.time() - t0 > 1)
   never.set()
   stuck.close()

@@ -248,23 +248,26 @@ def test_the_best_evaluation_is_exported_as_a_workdir(world_dir, world_data, tmp
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_a_resumed_run_exports_a_step_of_the_run_before_again(tmp_path):
+def test_a_resumed_run_keeps_the_export_of_a_step_it_evaluates_again(tmp_path):
   """A run exported step 300, then stopped before a checkpoint after it; resumed, it evaluates
-  step 300 again with a higher utility (an async index is not bitwise repeatable): the export
-  is replaced, not a crash on the step Orbax already has."""
+  step 300 again with a higher utility (an async index is not bitwise repeatable): the
+  export of that step stands (Orbax has the step already; replacing it in place would leave
+  a moment without one), and a later, better step is exported as before."""
   from realm_jax.runtime.checkpoints import restore_params
   config = tiny_config("realm")
   params = lambda value: {"w": np.full((4,), value, np.float32)}
+  abstract = {"w": jax.ShapeDtypeStruct((4,), np.float32)}
   BestExport(str(tmp_path), config).consider(300, {"retrieval_utility": 3.0}, params(1.0))
   resumed = BestExport(str(tmp_path), config)
   assert resumed.best == {"step": 300, "retrieval_utility": 3.0}
-  assert not resumed.consider(300, {"retrieval_utility": 2.0}, params(2.0))
-  assert resumed.consider(300, {"retrieval_utility": 3.5}, params(3.0))
-  assert json.load(open(tmp_path / "best" / "best.json"))["retrieval_utility"] == 3.5
-  saved, step = restore_params(str(tmp_path / "best"),
-                               {"w": jax.ShapeDtypeStruct((4,), np.float32)})
-  assert step == 300
-  np.testing.assert_array_equal(np.asarray(saved["w"]), params(3.0)["w"])
+  assert not resumed.consider(300, {"retrieval_utility": 3.5}, params(3.0))
+  saved, step = restore_params(str(tmp_path / "best"), abstract)
+  assert step == 300 and json.load(open(tmp_path / "best" / "best.json")) == resumed.best
+  np.testing.assert_array_equal(np.asarray(saved["w"]), params(1.0)["w"])
+  assert resumed.consider(400, {"retrieval_utility": 3.6}, params(4.0))
+  saved, step = restore_params(str(tmp_path / "best"), abstract)
+  assert step == 400 and json.load(open(tmp_path / "best" / "best.json"))["step"] == 400
+  np.testing.assert_array_equal(np.asarray(saved["w"]), params(4.0)["w"])
 
 
 @pytest.mark.slow   # end-to-end runs: the slow tier

@@ -285,19 +285,24 @@ def test_an_unsaved_sigterm_reaches_the_callers_handler_and_no_watchdog_outlives
     for thread in threading.enumerate():   # a watchdog still waiting would exit after 2 s
       if thread.name == "preemption-watchdog":
         thread.join(5)
+    os.kill(os.getpid(), signal.SIGTERM)   # while the summary is written: still the run's
+    time.sleep(0.1)
     assert exits == [] and handled == []   # passed on once the run's summary is written
-    finished.pass_on_signal()
+    finished.release()
     assert handled == [signal.SIGTERM]
     out = capsys.readouterr().out
     assert "[t] SIGTERM: after the last step: finishing the run (grace 2s)" in out
     assert "[t] SIGTERM after the last step: the run has finished; passing the signal on" in out
     failed = signalled(2.0)
     failed.close(pass_on=False)            # the run failed: its error says more
-    failed.pass_on_signal()
+    failed.release()
+    unrecorded = signalled(2.0)
+    unrecorded.close()
+    unrecorded.release(pass_on=False)      # writing its summary failed
     answered = signalled(2.0)              # a SIGTERM the run saved a step for
     answered.saved(3, _Finalised())
     answered.close()
-    answered.pass_on_signal()
+    answered.release()
     assert handled == [signal.SIGTERM] and exits == []
   finally:
     signal.signal(signal.SIGTERM, previous)

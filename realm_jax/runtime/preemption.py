@@ -31,7 +31,8 @@ class Preemption:
     self.multihost = jax.process_count() > 1
     self._saved = threading.Event()
     self._previous = None
-    self._pass_to = None    # the caller's handler a SIGTERM after the last step goes on to
+    self._answered = False  # close(): the run answered a SIGTERM with a saved step
+    self._pass_on = True    # close(): the run and its closing succeeded
     self._phase = "steps"   # "steps" -> "after" (the last step ran) -> "closing" (close())
     if not self.multihost and threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGTERM, self._on_signal)
@@ -40,7 +41,7 @@ class Preemption:
     if self.received_at is not None:
       return
     if self._phase == "closing":
-      self.received_at = time.time()   # close() passes it on
+      self.received_at = time.time()   # release() passes it on
     else:
       self._start(time.time())
 
@@ -95,29 +96,28 @@ class Preemption:
                    "signal; exiting (rerun the same command to resume)")
 
   def close(self, pass_on: bool = True) -> None:
-    """Ends the bookkeeping once the run has closed (its checkpointer too: a SIGTERM while a
-    save finalises is still the run's): the watchdog stops (it would end a caller's process
-    later), the previous handler is back. A SIGTERM the run did not answer with a saved step
-    (it came after the last step) leaves the run to finish, and `pass_on_signal()` then hands
-    it to a handler its caller installed (the demo's stops the demo), if `pass_on` (the run
-    and its closing succeeded; else their error says more)."""
+    """Ends the bookkeeping of the steps once the run has closed (its checkpointer too: a
+    SIGTERM while a save finalises is still the run's): the watchdog stops (it would end a
+    caller's process later). The handler stays until `release()`, after the run's records:
+    a SIGTERM until then is noted, not acted on. `pass_on`: the run and its closing
+    succeeded (else their error says more than a passed-on signal)."""
     self._phase = "closing"
-    answered = self._saved.is_set()
+    self._answered = self._saved.is_set()
     self._saved.set()
+    self._pass_on = pass_on
+
+  def release(self, pass_on: bool = True) -> None:
+    """After the run's summary and wall time are written (`pass_on`: they were): the previous
+    SIGTERM handler is back, and a SIGTERM the run did not answer with a saved step (it came
+    after the last step) goes on to it, if `close` said so too: a caller that trains in its
+    own process (the demo's handler stops the demo) finds the run finished."""
     previous, self._previous = self._previous, None
     if previous is None:
       return
     signal.signal(signal.SIGTERM, previous)
-    if self.received_at is not None and not answered and pass_on:
-      self._pass_to = previous
-
-  def pass_on_signal(self) -> None:
-    """After the run's summary is written: the SIGTERM `close()` kept goes on to the caller's
-    handler (a caller's exception, such as the demo's, then leaves a finished run behind)."""
-    handler, self._pass_to = self._pass_to, None
-    if handler is None:
+    if self.received_at is None or self._answered or not (self._pass_on and pass_on):
       return
     logger.warning(f"{self.prefix}SIGTERM after the last step: the run has finished"
-                   f"{'; passing the signal on' if callable(handler) else ''}")
-    if callable(handler):
-      handler(signal.SIGTERM, None)
+                   f"{'; passing the signal on' if callable(previous) else ''}")
+    if callable(previous):
+      previous(signal.SIGTERM, None)

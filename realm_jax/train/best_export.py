@@ -38,13 +38,16 @@ class BestExport:
     value = metrics.get(METRIC)
     if value is None or (self.best is not None and value <= self.best[METRIC]):
       return False
+    if self.best is not None and step == self.best["step"]:
+      # a resumed run evaluating the exported step again, better this time (an async index
+      # is not bitwise repeatable): the export of that step stands (replacing it in place
+      # would leave no export for a moment, and a kill then none at all)
+      return False
     manager = ocp.CheckpointManager(
         checkpoint_dir(self.directory),
         options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
                                              enable_async_checkpointing=False),
         item_names=("params",))
-    if step in manager.all_steps():   # a resumed run evaluating a step of the run before
-      manager.delete(step)            # it again, better this time (an async index)
     manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
                  force=True)
     manager.wait_until_finished()

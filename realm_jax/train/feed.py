@@ -137,10 +137,11 @@ class VersionSchedule:
 
 class FeedStopped(Exception):
   """`BatchFeed.next` gave up waiting for a batch because `should_stop()` said so (a SIGTERM
-  while the batch waits for its index)."""
+  while the batch waits for its index, say a deterministic version the builder is late with)."""
 
   def __init__(self, step: int, waited: float):
-    super().__init__(f"the batch of step {step + 1} waited {waited:.1f}s for its index")
+    super().__init__(f"the batch of step {step + 1} was not ready after {waited:.1f}s "
+                     "(its index, or its data)")
     self.step = step
 
 

@@ -23,13 +23,13 @@ from realm_jax.runtime import partitioning
 RECALL_AT = (1, 5)
 
 
-
 def answer_in_top(ranked: np.ndarray, answers: np.ndarray, at: int) -> np.ndarray:
   """Per row, whether one of its `answers` (block rows, -1 padded) is among the first `at`
   of `ranked` (block rows; -1 where fewer blocks were left after the own block's copies were
   dropped): a padding entry is no block, and never a hit."""
   found = ranked[:, :at, None] == answers[:, None, :]
   return (found & (answers[:, None, :] >= 0)).any(axis=(1, 2))
+
 
 class Evaluator:
   """Fixed eval queries (the target span masked) and the metrics computed on them."""

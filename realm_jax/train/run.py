@@ -198,25 +198,29 @@ class Run:
     data_iter = self.inputs.iterator(cfg.data.prefetch, self.saved_data)
     preemption = Preemption(cfg.train.preemption_grace_seconds, self.prefix)
     batches, eval_metrics, details, preempted, ran = None, {}, [], None, False
+    recorded = False   # the run's summary written: a SIGTERM after the last step goes on then
     try:
-      batches = self.open_batches(start, data_iter, preemption)
-      if cfg.eval.every and start == 0 and self.evaluates_at_start():
-        eval_metrics = self.evaluate(logs["eval"], 0, final=False)[0]
-      preempted, eval_metrics = self._steps(start, batches, logs, preemption, eval_metrics)
-      if preempted is None:
-        preemption.steps_done()
-      batches.stop(preempted is not None)
-      if preempted is None and self.evaluates():
-        eval_metrics, details = self.evaluate(logs["eval"], cfg.train.steps, final=True)
-      ran = True
+      try:
+        batches = self.open_batches(start, data_iter, preemption)
+        if cfg.eval.every and start == 0 and self.evaluates_at_start():
+          eval_metrics = self.evaluate(logs["eval"], 0, final=False)[0]
+        preempted, eval_metrics = self._steps(start, batches, logs, preemption, eval_metrics)
+        if preempted is None:
+          preemption.steps_done()
+        batches.stop(preempted is not None)
+        if preempted is None and self.evaluates():
+          eval_metrics, details = self.evaluate(logs["eval"], cfg.train.steps, final=True)
+        ran = True
+      finally:
+        self._close_run(batches, data_iter, logs, preemption, ran)
+      wall = self._wall(time.time() - t_start)
+      if preempted is not None:   # no summary.json, no DONE: the run is not over
+        return {"task": cfg.task, "preempted_at_step": preempted, **wall}
+      summary = self._summarise(wall, eval_metrics, details, batches.summary())
+      recorded = True
+      return summary
     finally:
-      self._close_run(batches, data_iter, logs, preemption, ran)
-    wall = self._wall(time.time() - t_start)
-    if preempted is not None:   # no summary.json, no DONE: the run is not over
-      return {"task": cfg.task, "preempted_at_step": preempted, **wall}
-    summary = self._summarise(wall, eval_metrics, details, batches.summary())
-    preemption.pass_on_signal()   # a SIGTERM after the last step, once the run is recorded
-    return summary
+      preemption.release(pass_on=recorded)
 
   def _finished_before(self) -> dict | None:
     """The summary of this run finished before (its checkpoint of the last step and its
