@@ -13,8 +13,9 @@ it needs; on CPU both inherit the environment. Output is streamed line by line w
 (SIGINT to each process group, SIGKILL after the grace period, exit 130); SIGTERM (preemption)
 is passed on as SIGTERM, so the trainer saves a checkpoint of its step first, within its
 `train.preemption_grace_seconds` (SIGKILL only 15 s past that, or past `--grace` if longer;
-exit 143; 137 if it had to be SIGKILLed, the trainer's own code if it failed while saving); when one fails the other is stopped and its exit code is ours; after
-the trainer succeeds the builder gets the grace period to see `W/DONE` and exit on its own.
+exit 143; 137 if it had to be SIGKILLed, the trainer's own code if it failed while saving);
+when one fails the other is stopped and its exit code is ours; after the trainer succeeds
+the builder gets the grace period to see `W/DONE` and exit on its own.
 """
 
 from __future__ import annotations

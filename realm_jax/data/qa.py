@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import glob
 import hashlib
 import json
 import os
@@ -25,8 +24,9 @@ from realm_jax.data.answers import compile_answer_regex
 from realm_jax.data.sources import (DUPLICATE_ID, INVALID_UTF8, MALFORMED_JSON,
                                     MISSING_QUESTION, NO_ANSWERS, NON_STRING_ANSWERS,
                                     NOT_AN_OBJECT, UNANSWERABLE, Deduplicator, Skips,
-                                    open_tfds, question_id, read_squad_articles,
-                                    squad_answers, squad_paragraph_skipped)
+                                    matching_files, open_tfds, question_id,
+                                    read_squad_articles, squad_answers,
+                                    squad_paragraph_skipped)
 from realm_jax.errors import ConfigError, DataError
 
 KINDS = ("nq_open", "webq", "curated_trec", "squad", "tfds", "prepared")
@@ -221,8 +221,7 @@ def _files(pattern: str) -> dict[str, str]:
   """The files a pattern names, each with the name its questions' default ids start with:
   the file's own name, or its path below the files' common folder where two share a name
   (a glob over folders of `test.jsonl`), so that no two questions get one id."""
-  found = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else \
-      ([pattern] if os.path.isfile(pattern) else [])
+  found = matching_files(pattern)
   names = [os.path.basename(path) for path in found]
   if len(set(names)) < len(names):
     common = os.path.commonpath([os.path.abspath(path) for path in found])

@@ -78,21 +78,28 @@ class Deduplicator:
     self.seen: set[bytes] = set()
     self.text_splits: dict[bytes, str] = {}   # `split_of_text`'s
 
-  def is_new(self, title: str, text: str) -> bool:
-    key = hashlib.blake2b((" ".join(title.split()) + "\x00" + " ".join(text.split()))
-                          .encode("utf-8", "surrogatepass"), digest_size=12).digest()
+  @staticmethod
+  def text_key(text: str) -> bytes:
+    """A digest of the whitespace-normalised text (what `is_new` and `split_of_text` take:
+    a long document's text is normalised and hashed once)."""
+    return hashlib.blake2b(" ".join(text.split()).encode("utf-8", "surrogatepass"),
+                           digest_size=12).digest()
+
+  def is_new(self, title: str, text_key: bytes) -> bool:
+    """Whether no document of this title (whitespace-normalised) and text (`text_key`) was
+    seen before."""
+    key = hashlib.blake2b(" ".join(title.split()).encode("utf-8", "surrogatepass") + b"\x00" +
+                          text_key, digest_size=12).digest()
     if key in self.seen:
       return False
     self.seen.add(key)
     return True
 
-  def split_of_text(self, text: str, split: str) -> str:
-    """The split of the first document with this text (whitespace-normalised), whatever its
-    title; `split` for a text not seen before. A text under two titles (a redirect's copy)
-    is then never held out and trained on at once."""
-    key = hashlib.blake2b(" ".join(text.split()).encode("utf-8", "surrogatepass"),
-                          digest_size=12).digest()
-    return self.text_splits.setdefault(key, split)
+  def split_of_text(self, text_key: bytes, split: str) -> str:
+    """The split of the first document with this text (`text_key`), whatever its title;
+    `split` for a text not seen before. A text under two titles (a redirect's copy) is then
+    never held out and trained on at once."""
+    return self.text_splits.setdefault(text_key, split)
 
 
 def squad_paragraph_skipped(title, context, dedup: Deduplicator,
@@ -111,7 +118,7 @@ def squad_paragraph_skipped(title, context, dedup: Deduplicator,
     return TOO_LARGE
   if not context.strip():
     return EMPTY
-  return None if dedup.is_new(title, context) else DUPLICATE
+  return None if dedup.is_new(title, Deduplicator.text_key(context)) else DUPLICATE
 
 
 def parse_source(spec: str) -> tuple[str, str]:
@@ -122,7 +129,7 @@ def parse_source(spec: str) -> tuple[str, str]:
                       "tfds:NAME[:SPLIT], world:ENTITIES")
   if kind == "world" and not (arg.isdigit() and int(arg) > 0):
     raise ConfigError("source", f"{spec!r}: world:ENTITIES takes a positive entity count")
-  if kind in ("jsonl", "squad") and not _jsonl_files(arg):
+  if kind in ("jsonl", "squad") and not matching_files(arg):
     raise ConfigError("source", f"{spec!r}: no such file {arg!r}")
   return kind, arg
 
@@ -137,11 +144,13 @@ def read_documents(config, skips: Skips) -> Iterator[SourceDocument]:
     if not doc.sentences and not doc.text.strip():
       skips.skip(EMPTY, doc.where)
       skips.drop_questions(doc.qas)
-    elif not dedup.is_new(doc.title, doc.text or " ".join(s.text for s in doc.sentences)):
+      continue
+    key = dedup.text_key(doc.text or " ".join(s.text for s in doc.sentences))
+    if not dedup.is_new(doc.title, key):
       skips.skip(DUPLICATE, doc.where)
       skips.drop_questions(doc.qas)
     elif doc.text and doc.split is not None and \
-        (split := dedup.split_of_text(doc.text, doc.split)) != doc.split:
+        (split := dedup.split_of_text(key, doc.split)) != doc.split:
       yield dataclasses.replace(doc, split=split)
     else:
       yield doc
@@ -158,8 +167,9 @@ def utf8_size(title: str, text: str) -> int | None:
     return None
 
 
-def _jsonl_files(pattern: str) -> list[str]:
-  """The files a `jsonl:` pattern names (a glob's directories left out)."""
+def matching_files(pattern: str) -> list[str]:
+  """The files a pattern names, a file or a glob (its directories left out): a `jsonl:` or
+  `squad:` source's, and a question set's (`realm_jax.data.qa`)."""
   if any(c in pattern for c in "*?["):
     return sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
   return [pattern] if os.path.isfile(pattern) else []
@@ -214,7 +224,7 @@ def _split_of(title: str, text: str, eval_fraction: float) -> str:
 def _jsonl(pattern: str, config, skips: Skips) -> Iterator[SourceDocument]:
   # a record's line: its text JSON-escaped (up to 6 bytes a character, "\\u0001") and fields
   limit = 6 * config.max_doc_bytes + (1 << 16)
-  for path in _jsonl_files(pattern):
+  for path in matching_files(pattern):
     with open(path, "rb") as f:
       for lineno, line in _lines(f, limit):
         where = f"{path}:{lineno}"

@@ -284,9 +284,8 @@ def _marks_as_letters(text: str) -> str:
   if read == text:
     return text
   chars = list(read)
-  for i, (was, now) in enumerate(zip(text, read)):
-    if was != now and not (i and (chars[i - 1] == "a" and text[i - 1] != "a" or
-                                  text[i - 1].isalpha())):
+  for i, (was, now) in enumerate(zip(text, read)):   # chars[i - 1] != text[i - 1]: a mark read
+    if was != now and not (i and (text[i - 1].isalpha() or chars[i - 1] != text[i - 1])):
       chars[i] = was
   return "".join(chars)
 

@@ -32,7 +32,6 @@ class Preemption:
     self._saved = threading.Event()
     self._previous = None
     self._answered = False  # close(): the run answered a SIGTERM with a saved step
-    self._pass_on = True    # close(): the run and its closing succeeded
     self._phase = "steps"   # "steps" -> "after" (the last step ran) -> "closing" (close())
     if not self.multihost and threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGTERM, self._on_signal)
@@ -95,27 +94,25 @@ class Preemption:
     logger.warning(f"{self.prefix}SIGTERM: {what} {time.time() - self.received_at:.1f}s after the "
                    "signal; exiting (rerun the same command to resume)")
 
-  def close(self, pass_on: bool = True) -> None:
+  def close(self) -> None:
     """Ends the bookkeeping of the steps once the run has closed (its checkpointer too: a
     SIGTERM while a save finalises is still the run's): the watchdog stops (it would end a
     caller's process later). The handler stays until `release()`, after the run's records:
-    a SIGTERM until then is noted, not acted on. `pass_on`: the run and its closing
-    succeeded (else their error says more than a passed-on signal)."""
+    a SIGTERM until then is noted, not acted on."""
     self._phase = "closing"
     self._answered = self._saved.is_set()
     self._saved.set()
-    self._pass_on = pass_on
 
   def release(self, pass_on: bool = True) -> None:
-    """After the run's summary and wall time are written (`pass_on`: they were): the previous
-    SIGTERM handler is back, and a SIGTERM the run did not answer with a saved step (it came
-    after the last step) goes on to it, if `close` said so too: a caller that trains in its
-    own process (the demo's handler stops the demo) finds the run finished."""
+    """After the run: the previous SIGTERM handler is back, and a SIGTERM the run did not
+    answer with a saved step (it came after the last step) goes on to it if `pass_on` (the
+    run, its closing and its summary succeeded; else their error says more): a caller that
+    trains in its own process (the demo's handler stops the demo) finds the run finished."""
     previous, self._previous = self._previous, None
     if previous is None:
       return
     signal.signal(signal.SIGTERM, previous)
-    if self.received_at is None or self._answered or not (self._pass_on and pass_on):
+    if self.received_at is None or self._answered or not pass_on:
       return
     logger.warning(f"{self.prefix}SIGTERM after the last step: the run has finished"
                    f"{'; passing the signal on' if callable(previous) else ''}")

@@ -197,7 +197,7 @@ class Run:
                                  first_evaluated_step(start, cfg.train.steps))}
     data_iter = self.inputs.iterator(cfg.data.prefetch, self.saved_data)
     preemption = Preemption(cfg.train.preemption_grace_seconds, self.prefix)
-    batches, eval_metrics, details, preempted, ran = None, {}, [], None, False
+    batches, eval_metrics, details, preempted = None, {}, [], None
     recorded = False   # the run's summary written: a SIGTERM after the last step goes on then
     try:
       try:
@@ -210,9 +210,8 @@ class Run:
         batches.stop(preempted is not None)
         if preempted is None and self.evaluates():
           eval_metrics, details = self.evaluate(logs["eval"], cfg.train.steps, final=True)
-        ran = True
       finally:
-        self._close_run(batches, data_iter, logs, preemption, ran)
+        self._close_run(batches, data_iter, logs, preemption)
       wall = self._wall(time.time() - t_start)
       if preempted is not None:   # no summary.json, no DONE: the run is not over
         return {"task": cfg.task, "preempted_at_step": preempted, **wall}
@@ -250,11 +249,9 @@ class Run:
     return {"wall_seconds": round(seconds, 1)}
 
   def _close_run(self, batches: StepBatches | None, data_iter, logs: dict,
-                 preemption: Preemption, ran: bool) -> None:
-    """Closes the run's parts, the SIGTERM handler last (a SIGTERM while the checkpointer
-    finalises is still the run's); one the run saved no step for goes on to its caller's
-    handler only if the run (`ran`) and the closing succeeded."""
-    closed = False
+                 preemption: Preemption) -> None:
+    """Closes the run's parts, the steps' SIGTERM bookkeeping last (a SIGTERM while the
+    checkpointer finalises is still the run's)."""
     try:
       if batches is not None:
         batches.close()
@@ -263,9 +260,8 @@ class Run:
       self.checkpointer.close()
       for log in logs.values():
         log.close()
-      closed = True
     finally:
-      preemption.close(pass_on=ran and closed)
+      preemption.close()
 
   def close(self) -> None:
     """What the task holds beyond its batches, closed at the end (also on an error)."""
