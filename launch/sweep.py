@@ -14,6 +14,7 @@ gets the name `key-value_key-value` and the workdir `ROOT/<name>`; `--set` overr
 every run. `local` runs them one after another on this machine, each as its own process
 (`realm-train`, or `launch/local.py` when the config uses the separate index builder), and
 skips runs whose `summary.json` already covers their steps, so an interrupted sweep resumes
+(a run there that started under other values stops the sweep: `check_started_runs`)
 (Ctrl-C or SIGTERM to the sweep stops the running run first: `run_locally`); `print` prints
 the commands instead. Then every run's `summary.json` is collected into
 `ROOT/results.csv` and `ROOT/results.md`, sorted by `--metric` (best first: descending unless
@@ -110,12 +111,35 @@ def tpu_pod_command(config_spec: str, workdir: str, overrides: dict, builder: bo
           *sets, *tpu_pod_args]
 
 
+def run_config(config, overrides: dict):
+  """The config one run trains under: the sweep's config with the run's overrides."""
+  run = config.copy_and_resolve_references()
+  run.update_from_flattened_dict(overrides)
+  return run
+
+
 def needs_builder(config, overrides: dict) -> bool:
   """Whether the run with `overrides` uses the separate index builder (the trainer's rule,
   `reading.uses_index_builder`)."""
-  run = config.copy_and_resolve_references()
-  run.update_from_flattened_dict(overrides)
-  return uses_index_builder(run)
+  return uses_index_builder(run_config(config, overrides))
+
+
+def check_started_runs(root: str, runs: list[tuple[str, dict]], config, fixed: dict) -> None:
+  """Refuses a sweep whose runs started under other values (a `--set` or the config file
+  changed since): a finished one would be skipped and its old figures tabled as this sweep's,
+  a stopped one resumed under a mix of both. More `train.steps` is allowed: the runs go on."""
+  stale = []
+  for name, overrides in runs:
+    diffs = workdir_lib.recorded_differences(paths.join(root, name),
+                                             run_config(config, {**fixed, **overrides}),
+                                             allowed=("train.steps",))
+    if diffs:
+      more = f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else ""
+      stale.append(f"{name}: {'; '.join(diffs[:3])}{more}")
+  if stale:
+    raise ConfigError("", f"--root {root}: {len(stale)} of the runs there started under other "
+                      "values than this sweep gives them; use another --root, or remove those "
+                      "runs to train them again: " + " | ".join(stale))
 
 
 def _summary(workdir: str) -> dict | None:
@@ -229,6 +253,7 @@ def run_locally(args: argparse.Namespace, runs: list[tuple[str, dict]], config, 
   returns {run: status}. Ctrl-C or SIGTERM stops the running one (`processes.run_to_end`: on
   SIGTERM it saves its step, within its `train.preemption_grace_seconds`), then the sweep,
   saying that a rerun resumes."""
+  check_started_runs(args.root, runs, config, fixed)
   status = {}
   previous = signal.signal(signal.SIGTERM, processes.on_sigterm)
   try:

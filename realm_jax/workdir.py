@@ -76,6 +76,25 @@ def record_config(config, workdir: str, primary: bool = True) -> None:
     paths.write_json(path, current)
 
 
+def recorded_differences(workdir: str, config, allowed: tuple[str, ...] = ()) -> list[str]:
+  """`field: recorded != now` for every option but `allowed` whose value in W/config.json
+  differs from `config`'s, where W holds a run's work (a checkpoint or a summary): [] for a
+  fresh W or the same values. Options that only one side has (added or removed since) are not
+  compared."""
+  from realm_jax.config.option_names import upgrade_record
+  from realm_jax.config.reading import flat_options
+  path = paths.join(workdir, CONFIG)
+  record = paths.read_json(path)
+  if record is None or not (_holds_checkpoints(workdir) or read_summary(workdir) is not None):
+    return []
+  saved = flat_options(upgrade_record(record, f"{path}: "))
+  current = flat_options(json.loads(config.to_json_best_effort()))
+  same = lambda a, b: json.dumps(a) == json.dumps(b)   # a tuple is its record's list
+  return [f"{name}: {saved[name]!r} (recorded) != {current[name]!r} (now)"
+          for name in sorted(saved.keys() & current.keys())
+          if name not in allowed and not same(saved[name], current[name])]
+
+
 def _holds_checkpoints(workdir: str) -> bool:
   """Whether `W/checkpoints` holds a step (Orbax names a step's folder by its number once it
   is finished; a run that died before its first save left the folder empty, and its config

@@ -126,6 +126,15 @@ def test_local_sweep_runs_every_point_and_sorts_the_table(world_dir, tmp_path, c
   with open(tmp_path / "results.csv") as f:
     assert [(r["seed"], r["eval_recall_at_5"]) for r in csv.DictReader(f)] == [
         ("2", "0.75"), ("1", "0.25")]
+  # The same grid with a changed --set: its runs finished under other values, and their old
+  # figures are not tabled as the new sweep's (nor is any run started).
+  changed = [a.replace("eval.num_examples=32", "eval.num_examples=16") for a in argv]
+  with pytest.raises(SystemExit) as exit_:
+    sweep.main(changed)
+  err = capsys.readouterr().err
+  assert exit_.value.code == 2 and "Traceback" not in err
+  assert "2 of the runs there started under other values" in err
+  assert "seed-1: eval.num_examples: 32 (recorded) != 16 (now)" in err, err
 
 
 def test_sigterm_to_a_local_sweep_makes_the_running_run_save_its_step(world_dir, tmp_path):
