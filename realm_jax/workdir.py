@@ -8,7 +8,8 @@
                          aside (kept for a post-mortem; that step is saved again)
   W/index/<version>/     published index versions (retrieval/published.py)
   W/metrics/<kind>.jsonl, W/tb/<kind>/   metrics (runtime/metrics.py)
-  W/summary.json         the run's summary, written when it finishes (absent: not finished)
+  W/summary.json         the run's summary, written when it finishes (absent: not finished; a
+                         run resumed with more steps finds the shorter run's, its `steps` less)
   W/wall.json            the seconds of every run of W that finished or stopped on SIGTERM (a
                          demo's: also one that failed), so a resumed job reports them all
   W/DONE                 the trainer's last step: tells realm-index to exit
@@ -179,7 +180,8 @@ def write_summary(workdir: str, summary: dict) -> None:
 
 
 def read_summary(workdir: str) -> dict | None:
-  """The finished run's summary, None while it has not finished."""
+  """The summary of the last run of W that finished (its `steps`: a run resumed with a larger
+  train.steps has not finished until it holds that), None while none has."""
   return paths.read_json(paths.join(workdir, SUMMARY))
 
 
