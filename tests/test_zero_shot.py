@@ -201,3 +201,17 @@ def test_bm25_logs_at_the_projects_verbosity(squad_data, caplog):
   finally:
     log.set_verbosity(before)
     logging.getLogger("bm25s").setLevel(bm25_level)
+
+
+def test_bm25_ranks_no_block_for_a_question_with_no_term_in_the_corpus(squad_data):
+  """Every block scores 0 for it: BM25's first rows (0, 1, ...) are no ranking, and the first
+  paragraph's question must not count as found there."""
+  from realm_jax.data.prepared import PreparedData
+  data = PreparedData(squad_data)
+  questions = [{"question": "Where is zzyzx?", "doc_id": 0},
+               {"question": QUESTIONS[1], "doc_id": 1}]
+  rows = zero_shot.bm25_ranking(data, questions, n=3)
+  assert rows[0].tolist() == [-1, -1, -1] and rows[1, 0] >= 0
+  recall = zero_shot.paragraph_recall(rows, np.asarray(data.blocks.doc_ids),
+                                      np.array([0, 1]), ks=(1, 3))
+  assert recall == {"recall_at_1": 0.5, "recall_at_3": 0.5}

@@ -40,10 +40,10 @@ def load_questions(data_dir: str) -> list[dict]:
 
 def paragraph_recall(ranked_blocks: np.ndarray, block_docs: np.ndarray, gold_docs: np.ndarray,
                      ks=RECALL_AT) -> dict[str, float]:
-  """recall@k over paragraphs from block rankings [Q, N] (best first)."""
+  """recall@k over paragraphs from block rankings [Q, N] (best first; -1: no block there)."""
   hits = {k: 0 for k in ks}
   for ranking, gold in zip(ranked_blocks, gold_docs):
-    docs = list(dict.fromkeys(block_docs[ranking].tolist()))
+    docs = list(dict.fromkeys(block_docs[ranking[ranking >= 0]].tolist()))
     rank = docs.index(int(gold)) if int(gold) in docs else len(block_docs)
     for k in ks:
       hits[k] += rank < k
@@ -80,7 +80,9 @@ def dense_ranking(config, workdir: str, data: PreparedData, questions: list[dict
 
 def bm25_ranking(data: PreparedData, questions: list[dict],
                  n: int = CANDIDATE_BLOCKS) -> np.ndarray:
-  """Top-n block rows per question by BM25 over each block's title + body text."""
+  """Top-n block rows per question by BM25 over each block's title + body text; -1 past a
+  question's last block with a positive score (a question with no term in the corpus ranks
+  nothing, not blocks 0..n-1)."""
   import bm25s
   log.follow_verbosity("bm25s")   # it sets its logger to DEBUG when imported
   blocks, tok = data.blocks, data.tokenizer
@@ -91,8 +93,9 @@ def bm25_ranking(data: PreparedData, questions: list[dict],
                   show_progress=False)
   query_tokens = bm25s.tokenize([q["question"] for q in questions], stopwords="en",
                                 show_progress=False)
-  rows, _ = retriever.retrieve(query_tokens, k=min(n, blocks.num_blocks), show_progress=False)
-  return np.asarray(rows)
+  rows, scores = retriever.retrieve(query_tokens, k=min(n, blocks.num_blocks),
+                                   show_progress=False)
+  return np.where(np.asarray(scores) > 0, np.asarray(rows), -1)
 
 
 def heldout_questions(data: PreparedData, questions: list[dict], fraction: float) -> list[dict]:
