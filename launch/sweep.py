@@ -50,9 +50,6 @@ PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCHERS = ("local", "print", "tpu_pod")
 TPU_POD_OWN = ("--name", "--config", "--workdir", "--set")   # set by the sweep for each run
-STOP_MARGIN_SECONDS = 30.0  # a local run stopped by Ctrl-C / SIGTERM gets its preemption grace
-                            # + this (start-up of the save, launch/local.py's own stop) to end,
-                            # at least processes.GRACE_SECONDS
 
 
 def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list[dict]:
@@ -268,12 +265,11 @@ def run_locally(args: argparse.Namespace, runs: list[tuple[str, dict]], config, 
       print(f"[sweep] {i}/{len(runs)} {name}: {shlex.join(cmd)}", flush=True)
       log_path = paths.local_side(workdir, "sweep.log")   # W/sweep.log; local for a bucket W
       paths.makedirs(os.path.dirname(log_path))
-      grace = float(run.get("train.preemption_grace_seconds",
-                            fields["train.preemption_grace_seconds"])) + STOP_MARGIN_SECONDS
+      grace = processes.stop_grace(run.get("train.preemption_grace_seconds",
+                                           fields["train.preemption_grace_seconds"]))
       t0 = time.time()
       with open(log_path, "ab") as log:
-        code = processes.run_to_end(f"run {name}", cmd, log,
-                                     max(grace, processes.GRACE_SECONDS))
+        code = processes.run_to_end(f"run {name}", cmd, log, grace)
       status[name] = "done" if code == 0 else f"failed ({code})"
       print(f"[sweep] {i}/{len(runs)} {name}: {status[name]} in {time.time() - t0:.0f}s "
             f"(log: {log_path})", flush=True)

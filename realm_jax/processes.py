@@ -26,6 +26,8 @@ import warnings
 from realm_jax.runtime.preemption import EXIT_CODE
 
 GRACE_SECONDS = 60.0   # from the first signal until the second (`stop_processes`)
+STOP_MARGIN_SECONDS = 30.0  # a trainer stopped by SIGTERM gets its preemption grace + this
+                            # (start-up of the save, launch/local.py's own stop): `stop_grace`
 KILL_SECONDS = 5.0   # after a process's second signal, until SIGKILL (`stop_processes`)
 SIGNAL_GAP_SECONDS = 0.5   # at least between a process's two signals: the OS merges a signal
                            # sent while the same one is still pending into it
@@ -209,6 +211,12 @@ def _wait_all(processes: list, seconds: float) -> None:
       process.wait(max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
       pass
+
+
+def stop_grace(preemption_grace_seconds: float) -> float:
+  """How long a driver waits for a trainer it sent SIGTERM before the second signal: its
+  `train.preemption_grace_seconds` + STOP_MARGIN_SECONDS, at least GRACE_SECONDS."""
+  return max(float(preemption_grace_seconds) + STOP_MARGIN_SECONDS, GRACE_SECONDS)
 
 
 def stop_after(error: BaseException, children: dict, grace_seconds: float = GRACE_SECONDS

@@ -19,7 +19,7 @@ from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.config.overrides import with_overrides
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.processes import (Preempted, on_sigterm, shared_memory_env, start_child,
-                                 signals_deferred, stop_after)
+                                 signals_deferred, stop_after, stop_grace)
 from realm_jax.runtime.preemption import EXIT_CODE
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,10 +95,12 @@ def run_round(specs: list, host_devices: int = 0) -> dict[str, dict]:
   own: the first that is not already done with its output here, the others with theirs in
   `workdir/logs/stage.log`. The first to fail stops the others as soon as it ends (stages
   failing in the same poll are named together), as do SIGTERM (each running stage saves its
-  step) and Ctrl-C (each keeps its last checkpoint); an interrupt while they stop ends them at
-  once (`processes.stop_after`), and the demo as on Ctrl-C unless a stage had failed. Returns their
-  summaries, in the order they finished."""
+  step, given the largest of their `stop_grace`) and Ctrl-C (each keeps its last checkpoint); an
+  interrupt while they stop ends them at once (`processes.stop_after`), and the demo as on
+  Ctrl-C unless a stage had failed. Returns their summaries, in the order they finished."""
   processes, besides, results, here = {}, {}, {}, ""
+  grace = max(stop_grace(with_overrides(repo_config(*spec), overrides)
+                         .train.preemption_grace_seconds) for _, spec, overrides, _ in specs)
   try:
     for spec in specs:
       besides[spec[0]] = here
@@ -120,7 +122,8 @@ def run_round(specs: list, host_devices: int = 0) -> dict[str, dict]:
         return results
       time.sleep(ROUND_POLL_SECONDS)
   except BaseException as e:   # a stage failed, SIGTERM, Ctrl-C: stop the rest of the round
-    error = stop_after(e, {f"stage {name}": process for name, process in processes.items()})
+    error = stop_after(e, {f"stage {name}": process for name, process in processes.items()},
+                       grace)
     if error is e:
       raise
     raise error from None

@@ -89,6 +89,7 @@ class _Calls:
 
   def stop(self, processes, grace_seconds=None, sig=signal.SIGTERM):
     self.log.append(("stop", [p and p.name for p in processes], signal.Signals(sig).name))
+    self.grace_seconds = grace_seconds
     return [p for p in processes if p is not None and p.name in self.forced]
 
 
@@ -168,6 +169,18 @@ def test_an_interrupt_while_the_stages_stop_ends_the_demo_as_ctrl_c(monkeypatch,
   with pytest.raises(raised, match="c failed" if raised is stages.StageFailed else None):
     stages.run_stages(STAGES, "D", "W", 0)
   assert calls.log[-1][0] == "stop"
+
+
+def test_a_round_gives_its_stages_the_largest_preemption_grace_to_save(monkeypatch):
+  """A stage whose trainer may take 200 s to save on SIGTERM is not sent the second signal
+  after the default 60 s."""
+  calls = _runners(monkeypatch, _Calls(error=stages.Preempted, fail={"b"}, polls={"c": 100}))
+  with pytest.raises(stages.Preempted):
+    stages.run_round([("b", ("demo_realm", "warmup"), {"data.dir": "D"}, "W/b"),
+                      ("c", ("demo_realm", "no_retrieval"),
+                       {"data.dir": "D", "train.preemption_grace_seconds": 200}, "W/c")])
+  assert calls.log[-1] == ("stop", ["b", "c"], "SIGTERM")
+  assert calls.grace_seconds == 200 + processes.STOP_MARGIN_SECONDS
 
 
 def test_a_signal_as_a_stage_starts_still_stops_that_stage(monkeypatch, tmp_path):
