@@ -342,6 +342,10 @@ class _Supervisor:
         return 128 + sig
       for child, other in ((trainer, builder), (builder, trainer)):
         code = child.poll()
+        if code not in (None, 0) and child is builder and trainer.returncode == 0:
+          self.say(f"builder failed with {describe(code)} after the trainer finished; the run "
+                   "succeeded (its summary is written; the builder's output is above)")
+          return 0
         if code not in (None, 0):
           stopping = f"; stopping {other.name}" if other.running else ""
           self.say(f"{child.name} failed with {describe(code)}{stopping}")
@@ -376,7 +380,8 @@ def supervise(commands: dict[str, list[str]], workdir: str,
   `save_grace` seconds to save its step; 143, or the trainer's own code where it failed
   while stopping (137: SIGKILLed). A process failing -> the other stopped, its
   exit code (128 + N for signal N). The trainer exiting 0 -> the builder has `grace` seconds to
-  exit on its own (it watches W/DONE), else is stopped; 0. The builder exiting 0 while the
+  exit on its own (it watches W/DONE), else is stopped; 0 (also when the builder then fails:
+  the trainer's summary is complete). The builder exiting 0 while the
   trainer runs and W/DONE is absent -> the trainer is stopped; 1. "Stopped" is SIGINT to the
   process group, then SIGKILL after `grace` seconds.
 

@@ -227,6 +227,19 @@ def test_a_closed_stdout_does_not_stop_the_run(tmp_path, monkeypatch):
     assert "line 4999 " in f.read()
 
 
+def test_builder_failing_after_the_trainer_finished_leaves_the_run_a_success(tmp_path, capsys):
+  trainer = child(tmp_path, "trainer", "touch('DONE')\n")
+  builder = child(tmp_path, "builder", """\
+      wait_for('DONE')
+      time.sleep(0.5)      # the launcher sees the trainer's exit first
+      sys.exit(4)
+      """)
+  code, out, _ = run_supervise(capsys, {"trainer": trainer, "builder": builder}, tmp_path)
+  assert code == 0, out
+  assert "local.py: builder failed with exit code 4 after the trainer finished; the run " \
+      "succeeded (its summary is written; the builder's output is above)" in out.splitlines(), out
+
+
 def test_builder_still_running_after_trainer_is_stopped_and_run_succeeds(tmp_path, capsys):
   trainer = child(tmp_path, "trainer", "wait_for('builder.ready')\n")
   builder = child(tmp_path, "builder", """\
