@@ -13,7 +13,8 @@ it needs; on CPU both inherit the environment. Output is streamed line by line w
 (SIGINT to each process group, SIGKILL after the grace period, exit 130); SIGTERM (preemption)
 is passed on as SIGTERM, so the trainer saves a checkpoint of its step first, within its
 `train.preemption_grace_seconds` (SIGKILL only 15 s past that, or past `--grace` if longer;
-exit 143; 137 if it had to be SIGKILLed, the trainer's own code if it failed while saving);
+exit 143; 137 if it had to be SIGKILLed or its save ran past that grace, the trainer's own
+code if it failed while saving);
 when one fails the other is stopped and its exit code is ours; after the trainer succeeds
 the builder gets the grace period to see `W/DONE` and exit on its own.
 """
@@ -334,7 +335,10 @@ class _Supervisor:
         self.stop([trainer, builder], f"stopped on {self.signals[0]}", sig, signals_seen=1,
                   grace=grace)
         code = trainer.returncode
-        if sig == signal.SIGTERM and code == -signal.SIGKILL:
+        if sig == signal.SIGTERM and code in (-signal.SIGKILL, 128 + signal.SIGKILL):
+          if code > 0:
+            self.say("trainer did not save its step within its grace; a rerun resumes from "
+                     "its latest finalised checkpoint")
           return 128 + signal.SIGKILL   # not 143: the trainer did not save its step
         if sig == signal.SIGTERM and code not in (0, 128 + signal.SIGTERM, -signal.SIGTERM):
           self.say(f"trainer failed while stopping: {describe(code)}")

@@ -20,7 +20,7 @@ from realm_jax.config.overrides import with_overrides
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.processes import (Preempted, on_sigterm, shared_memory_env, start_child,
                                  signals_deferred, stop_after, stop_grace)
-from realm_jax.runtime.preemption import EXIT_CODE
+from realm_jax.runtime.preemption import EXIT_CODE, EXIT_UNSAVED
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO_DIR, "configs")
@@ -246,6 +246,8 @@ def _wait_stage(name: str, process: subprocess.Popen, workdir: str, what: str,
   code = process.wait()
   if code == EXIT_CODE:
     raise Preempted(f"stage {name} saved its step ({see})")
+  if code == EXIT_UNSAVED:
+    raise Preempted(f"stage {name} did not save its step within its grace ({see})", saved=False)
   if code != 0:
     raise StageFailed(f"stage {name}: {what} exited with code {code}; see {see}")
   summary = workdir_lib.read_summary(workdir)

@@ -231,7 +231,11 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
   preempted = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({stages.EXIT_CODE})"])
   with pytest.raises(stages.Preempted) as stopped:       # SIGTERM reached it: the demo stops
     stages.finish_stage("no_retrieval", preempted, workdir, beside="realm")
-  assert stopped.value.code == stages.EXIT_CODE
+  assert stopped.value.code == stages.EXIT_CODE and stopped.value.saved
+  unsaved = subprocess.Popen([sys.executable, "-c", "raise SystemExit(137)"])
+  with pytest.raises(stages.Preempted) as late:
+    stages.finish_stage("no_retrieval", unsaved, workdir, beside="realm")
+  assert not late.value.saved and "did not save its step within its grace" in late.value.why
 def test_a_failed_stage_ends_the_demo_with_one_line(capsys):
   """The stage's own output says why it failed; the demo names it and where that output is,
   without a traceback of its own code."""

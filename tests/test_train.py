@@ -305,6 +305,28 @@ def test_an_unsaved_sigterm_reaches_the_callers_handler_and_no_watchdog_outlives
     signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_save_not_finalised_within_the_grace_exits_137_not_143(monkeypatch, capsys):
+  """143 says the step was saved (local.py, the demos and the sweep report a saved step);
+  a save still running when the grace ends leaves the latest finalised checkpoint as it was."""
+  exits = []
+  monkeypatch.setattr(preemption.os, "_exit", exits.append)
+  previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+  try:
+    watcher = preemption.Preemption(grace_seconds=0.2, prefix="[t] ")
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert watcher.reached(4)
+    deadline = time.monotonic() + 10
+    while not exits and time.monotonic() < deadline:
+      time.sleep(0.02)
+    assert exits == [preemption.EXIT_UNSAVED] == [137]
+    assert "[t] SIGTERM: the checkpoint was not finalised within the grace period" in \
+        capsys.readouterr().out
+    watcher.close()
+    watcher.release()
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.slow
 def test_a_sigterm_in_the_final_evaluation_reaches_the_caller_after_the_summary(
     world_dir, tmp_path, monkeypatch):

@@ -4,8 +4,9 @@ One process: a SIGTERM handler notes the signal; the loop asks `reached(step)` a
 Several processes: JAX's preemption sync manager (started by `jax.distributed.initialize`, it
 owns SIGTERM there) makes every process answer True at the same step, so all of them save the
 same checkpoint. Either way a watchdog gives the save `grace_seconds` from the moment it is
-known: if the checkpoint is not finalised by then, the process exits without it (the previous
-finalised checkpoint stays the latest) rather than be killed mid-write by the scheduler.
+known: if the checkpoint is not finalised by then, the process exits without it (code 137, not
+143: the previous finalised checkpoint stays the latest) rather than be killed mid-write by
+the scheduler.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import time
 logger = logging.getLogger(__name__)
 
 EXIT_CODE = 143   # 128 + SIGTERM: schedulers restart the job; the rerun resumes
+EXIT_UNSAVED = 137   # the step's save did not finish within the grace: as a trainer SIGKILLed
+                     # mid-save (not 143, which says the step was saved); the rerun resumes
+                     # from the latest finalised checkpoint
 
 
 class Preemption:
@@ -60,7 +64,7 @@ class Preemption:
         f"{self.prefix}SIGTERM: {what} within the grace period ({self.grace:g}s, "
         "config.train.preemption_grace_seconds); exiting (a rerun resumes from the latest "
         "finalised checkpoint)")
-    os._exit(EXIT_CODE)
+    os._exit(EXIT_UNSAVED if self._phase == "steps" else EXIT_CODE)
 
   def steps_done(self) -> None:
     """The last step ran and its checkpoint was issued: a SIGTERM from now on finds the run
