@@ -68,14 +68,16 @@ def test_nq_open_counts_bad_lines_and_strict_names_the_line(tmp_path):
 
 @pytest.mark.parametrize("kind", ["nq_open", "curated_trec"])
 def test_a_glob_over_files_of_one_name_keeps_every_question(tmp_path, kind):
-  """Questions without ids are named `<file>:<line>`; files of one name in several folders are
-  named by their path below the common folder, so none is dropped as a repeated id."""
+  """Questions without ids are named `<file>:<line>`, the file by its path below the glob's
+  last folder without a wildcard: files of one name in several folders are not dropped as
+  repeated ids, and a question keeps its id when the glob matches another folder."""
   for folder in ("a", "b"):
     os.makedirs(tmp_path / folder)
     with open(tmp_path / folder / "test.jsonl", "w") as f:
       f.write(json.dumps({"question": f"where is {folder}?", "answer": ["here"]}) + "\n")
-  examples, skipped = read_qa(f"{kind}:{tmp_path}/*/test.jsonl")
-  assert [e.qid for e in examples] == ["a/test.jsonl:1", "b/test.jsonl:1"] and not skipped
+    examples, skipped = read_qa(f"{kind}:{tmp_path}/*/test.jsonl")
+    assert [e.qid for e in examples][0] == "a/test.jsonl:1" and not skipped
+  assert [e.qid for e in examples] == ["a/test.jsonl:1", "b/test.jsonl:1"]
   examples, _ = read_qa(f"{kind}:{tmp_path}/a/test.jsonl")
   assert [e.qid for e in examples] == ["test.jsonl:1"]
 

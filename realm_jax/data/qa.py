@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 from typing import Iterator, Sequence
@@ -219,14 +220,14 @@ def question_inputs(tokenizer, examples: Sequence[QAExample | str], query_len: i
 
 def _files(pattern: str) -> dict[str, str]:
   """The files a pattern names, each with the name its questions' default ids start with:
-  the file's own name, or its path below the files' common folder where two share a name
-  (a glob over folders of `test.jsonl`), so that no two questions get one id."""
-  found = matching_files(pattern)
-  names = [os.path.basename(path) for path in found]
-  if len(set(names)) < len(names):
-    common = os.path.commonpath([os.path.abspath(path) for path in found])
-    names = [os.path.relpath(os.path.abspath(path), common) for path in found]
-  return dict(zip(found, names))
+  its path below the pattern's last folder without a wildcard (a file's own name; `a/test.jsonl`
+  for `D/*/test.jsonl`), so that no two questions get one id and a question keeps its id when
+  the glob matches more files."""
+  parts = pattern.split(os.sep)
+  fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts[:-1]))
+  root = os.path.abspath(os.sep.join(fixed) if fixed else ".")
+  return {path: os.path.relpath(os.path.abspath(path), root)
+          for path in matching_files(pattern)}
 
 
 def _lines(path: str, skips: QASkips) -> Iterator[tuple[str, str]]:
