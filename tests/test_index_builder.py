@@ -133,7 +133,7 @@ def test_checkpoint_deleted_while_restoring_moves_to_the_newest(world_dir, tmp_p
   make_checkpoints(config, workdir)
   builder = IndexBuilder(config, workdir)
   builder.checkpoint_steps()
-  real_restore = builder.manager.restore
+  real_restore = builder._reader().restore
   deleted = []
 
   def restore_after_deletion(step, *args, **kwargs):
@@ -141,7 +141,7 @@ def test_checkpoint_deleted_while_restoring_moves_to_the_newest(world_dir, tmp_p
       shutil.rmtree(os.path.join(workdir, "checkpoints", str(step)))
       deleted.append(step)
     return real_restore(step, *args, **kwargs)
-  builder.manager.restore = restore_after_deletion
+  builder._reader().restore = restore_after_deletion
   assert builder.run(once=True) == 1
   builder.close()
   assert deleted == [20]
@@ -174,6 +174,33 @@ def test_no_space_for_latest_finishes_the_committed_version(world_dir, tmp_path,
   assert out.count("v1 is committed; finishing it") == 2 and "nothing of v" not in out, out
   with open(os.path.join(workdir, "metrics", "index.jsonl")) as f:
     assert [json.loads(line)["version"] for line in f] == [1]
+
+
+def test_a_builder_stopped_before_latest_points_it_when_it_starts_again(world_dir, tmp_path,
+                                                                       capsys, monkeypatch):
+  """SIGTERM (or kill -9) between the rename of v1 and the write of LATEST: v1 is complete and
+  its step counts as built, so no build repeats it; the next builder points LATEST at it (an
+  async trainer reads LATEST alone)."""
+  from realm_jax.retrieval import builder as builder_lib
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (0,))
+
+  def stopped(*args, **kwargs):          # where the builder's SIGTERM handler raises
+    raise builder_lib.Stopped()
+  monkeypatch.setattr(published, "point_latest", stopped)
+  with pytest.raises(builder_lib.Stopped):
+    build_once(config, workdir)
+  monkeypatch.undo()
+  root = published.index_root(workdir)
+  assert published.complete_versions(root) == [1] and published.read_latest(root) is None
+  builder = IndexBuilder(config, workdir)
+  try:
+    assert published.read_latest(root) == 1 and builder.next_step([0]) is None
+  finally:
+    builder.close()
+  assert "LATEST now names v1: a builder was stopped after publishing it and before LATEST " \
+      "(was None)" in capsys.readouterr().out
 
 
 def test_builder_without_checkpoints_waits_then_fails_clearly(world_dir, tmp_path):

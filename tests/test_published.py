@@ -174,6 +174,45 @@ def test_subscriber_skips_a_version_pruned_while_it_looks(tmp_path, monkeypatch)
   assert sub._candidates() == [2] and sub.rejected == {}
 
 
+def test_a_deterministic_feed_has_the_next_version_loaded_before_its_swap(tmp_path):
+  """Once the feed reads checkpoint S's version, S + refresh_every's is loaded as soon as it is
+  published, so the swap to it does not wait (only a late version makes a deterministic run
+  wait); nothing is loaded before the first ask (LATEST here is a version no step reads)."""
+  import time
+  import ml_collections
+  from realm_jax.retrieval.index import IndexVersion
+  from realm_jax.retrieval.subscriber import IndexSubscriber
+  from realm_jax.train.feed import VersionSchedule
+  root, loads = published.index_root(tmp_path), []
+
+  def loader(version):
+    manifest = published.verify(root, version)
+    loads.append(manifest["step"])
+    time.sleep(0.5)                      # reading and hashing the files of a version
+    return IndexVersion(version=version, step=manifest["step"], index=None,
+                        encode_queries=None)
+  publish_one(root, step=0)
+  publish_one(root, step=500)
+  config = ml_collections.ConfigDict({
+      "retrieval": {"refresh": "deterministic", "refresh_every": 100, "swap_lag": 25,
+                    "index_timeout": 30.0}, "train": {"steps": 400}})
+  subscriber = IndexSubscriber(str(tmp_path), loader, poll_seconds=0.1, by_step=True)
+  schedule = VersionSchedule(config, subscriber)
+  try:
+    assert schedule.for_step(0)[0].step == 0 and loads == [0]
+    publish_one(root, step=100)          # while steps 100..124 still read step 0's version
+    deadline = time.monotonic() + 20
+    while subscriber.newest().step != 100 and time.monotonic() < deadline:
+      time.sleep(0.05)
+    for step in range(1, 125):
+      assert schedule.for_step(step)[0].step == (0 if step < 125 else 100)
+    loaded, waited = schedule.for_step(125)
+    assert loaded.step == 100 and waited < 0.05 and schedule.waits == []
+    assert loads == [0, 100]
+  finally:
+    subscriber.close()
+
+
 @pytest.mark.parametrize("damage, expected", [
     ("flip", r"embeddings\.npy has sha256"),
     ("truncate", r"embeddings\.npy has size 299 bytes != 300 bytes"),

@@ -128,7 +128,8 @@ def test_index_of_another_dim_is_refused_by_the_trainer(world_dir, tmp_path, bad
   from realm_jax.train.loop import Trainer
   trainer = Trainer(config, str(tmp_path / "trainer"))
   os.symlink(os.path.join(workdir, "index"), os.path.join(str(tmp_path / "trainer"), "index"))
-  with pytest.raises(TimeoutError):
+  with pytest.raises(TimeoutError, match=r"index_timeout\); 1 published version\(s\) "
+                     r"rejected \(v1: dim 16 \(index\) != 32 \(trainer\)\)"):
     trainer.candidates.schedule.start_async(0, 2)
   assert "dim 16 (index) != 32 (trainer)" in trainer.candidates.subscriber.rejected[1]
   trainer.candidates.close()

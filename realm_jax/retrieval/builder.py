@@ -11,6 +11,10 @@ It runs beside the trainer on its own devices and shares only the workdir with i
      params of the same snapshot;
   4. repeats for newer checkpoints until the trainer writes `W/DONE` (`--once`: one build).
 
+With several processes (`--multihost`) process 0 decides each build and the others follow it
+(`multihost.from_first_process`): every process restores and embeds (the mesh spans them all);
+process 0 alone writes, publishes and points LATEST.
+
 Which checkpoints: `retrieval.refresh = async` builds the newest one whenever it is newer than
 the last published; `deterministic` builds every refresh step (multiples of
 `retrieval.refresh_every`, and the final step) in order, since the trainer will ask for each.
@@ -39,6 +43,7 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)   # a full disk or quota: retried at the
 
 WAIT_MESSAGE_SECONDS = 30.0      # one "still waiting" line per this many seconds
 LIST_ATTEMPTS = 5                # listings of the checkpoints tried while steps vanish under it
+FINISHED, FAILED = -1, -2        # process 0's decisions besides a step to build (`_decided`)
 
 
 class IndexBuilder:
@@ -58,13 +63,13 @@ class IndexBuilder:
     self.abstract_retriever = abstract.params["retriever"]
     self.checkpoints = checkpoints   # not at the top: jax only after the device choice
     self.checkpoint_dir = checkpoints.checkpoint_dir(workdir)
-    self.manager = None
+    self.lister = self.reader = None   # Orbax managers: this process's listing, the restores
     from realm_jax.retrieval import published
     self.published = published
     self.root = published.index_root(workdir)
-    removed = published.clean_staging(self.root) if paths.isdir(self.root) else []
-    for path in removed:
-      logger.info(f"[index] removed {path} (left by a builder that was stopped)")
+    self.primary = jax.process_index() == 0   # the one process that writes W/index
+    if self.primary and paths.isdir(self.root):
+      self._recover(config.builder.keep_versions)
     from realm_jax.runtime.metrics import MetricWriter
     self.metrics = MetricWriter(workdir, "index")
     self.built = 0   # versions published by this run
@@ -74,30 +79,57 @@ class IndexBuilder:
                 f"{config.retrieval.refresh}, mesh {dict(self.mesh.shape)} on "
                 f"{jax.devices()[0].platform}")
 
+  def _recover(self, keep: int) -> None:
+    """What a builder stopped mid-publish left: staging dirs removed, and LATEST pointed at the
+    newest complete version if it was stopped between the rename and LATEST (else an async
+    trainer, which reads LATEST, would never see that version, and no build would repeat it)."""
+    for path in self.published.clean_staging(self.root):
+      logger.info(f"[index] removed {path} (left by a builder that was stopped)")
+    versions, latest = self.published.complete_versions(self.root), \
+        self.published.read_latest(self.root)
+    if versions and (latest is None or latest < versions[-1]):
+      self.published.point_latest(self.root, versions[-1], keep)
+      logger.info(f"[index] LATEST now names v{versions[-1]}: a builder was stopped after "
+                  f"publishing it and before LATEST (was {latest})")
+
   # -- checkpoints -------------------------------------------------------------------------
   def checkpoint_steps(self) -> list[int]:
-    """Finalised checkpoint steps, from Orbax's listing (re-read every call)."""
+    """Finalised checkpoint steps, from Orbax's listing (re-read every call; this process's
+    own manager: process 0 lists while the others wait for its decision)."""
+    import jax
     if not paths.isdir(self.checkpoint_dir):
       return []
-    if self.manager is None:
-      self.manager = self.checkpoints.read_only_manager(self.workdir,
-                                                        item_names=self.checkpoints.ITEMS)
+    if self.lister is None:
+      self.lister = self.checkpoints.read_only_manager(
+          self.workdir, processes={jax.process_index()} if jax.process_count() > 1 else None,
+          item_names=self.checkpoints.ITEMS)
     for _ in range(LIST_ATTEMPTS - 1):
       try:
-        self.manager.reload()
-        return sorted(self.manager.all_steps())
+        self.lister.reload()
+        return sorted(self.lister.all_steps())
       except FileNotFoundError:   # a step deleted (keep-N) while Orbax listed it: list again
         time.sleep(0.05)
-    self.manager.reload()
-    return sorted(self.manager.all_steps())
+    self.lister.reload()
+    return sorted(self.lister.all_steps())
+
+  def _reader(self):
+    """The manager every process restores through (made by all of them at their first build;
+    with one process, the listing's)."""
+    import jax
+    if self.reader is None:
+      self.reader = self.checkpoints.read_only_manager(
+          self.workdir, item_names=self.checkpoints.ITEMS) if jax.process_count() > 1 else \
+          (self.lister or self.checkpoints.read_only_manager(self.workdir,
+                                                            item_names=self.checkpoints.ITEMS))
+    return self.reader
 
   def restore_retriever(self, step: int):
     """The retriever params of checkpoint `step` straight onto this job's mesh (nothing else
     of the state is read); None if the checkpoint vanished meanwhile (kept-N deletion)."""
     target = {"retriever": self.abstract_retriever}
     try:
-      restored = self.manager.restore(step,
-                                      args=self.checkpoints.partial_params_restore(target))
+      restored = self._reader().restore(step,
+                                        args=self.checkpoints.partial_params_restore(target))
     except Exception:  # noqa: BLE001  (re-raised below unless the checkpoint is gone)
       if step not in self.checkpoint_steps():
         return None
@@ -132,11 +164,15 @@ class IndexBuilder:
     cfg, timings = self.config, {}
     t0 = time.time()
     params = self.restore_retriever(step)
-    if params is None:
+    if not multihost.on_every_process(params is not None):
       logger.warning(f"[index] checkpoint {step} was deleted while being restored; moving to the "
                      "newest")
       return None
     timings["restore_seconds"] = round(time.time() - t0, 3)
+    if not self.primary:   # its share of the embedding; process 0 publishes
+      embed_blocks(embedders.block_embedder(self.model, self.mesh, cfg, params),
+                   self.data.blocks, self.mesh, cfg.retrieval.embed_batch_size)
+      return {"step": step}
     version, staging = self.published.start_version(self.root)
     prefix = f"[index] v{version} (step {step}): "
     embed_fn = embedders.block_embedder(self.model, self.mesh, cfg, params)
@@ -282,16 +318,43 @@ class IndexBuilder:
   # -- the job -----------------------------------------------------------------------------
   def run(self, once: bool = False) -> int:
     """Builds until the trainer is done (or once); returns the number of versions published."""
-    cfg = self.config
-    started, last_message = time.time(), 0.0
+    started = time.time()
     self.built = 0
+    while True:
+      step = self._decided(lambda: self._next_build(once, started))
+      if step == FINISHED:
+        return self.built
+      if self.build(step) is not None:
+        self.built += 1
+        if once:
+          return self.built
+      # else: look again at once: a deleted checkpoint means a newer one exists
+
+  def _decided(self, decide) -> int:
+    """`decide()` on process 0 (the one listing checkpoints and versions), its answer on every
+    process; a process 0 that failed deciding makes the others fail too."""
+    if not self.primary:
+      step = multihost.from_first_process("index-build", None)
+      if step == FAILED:
+        raise RuntimeError("[index] process 0 of the builder failed; its output says why")
+      return step
+    try:
+      step = decide()
+    except BaseException:
+      multihost.from_first_process("index-build", FAILED)
+      raise
+    return multihost.from_first_process("index-build", step)
+
+  def _next_build(self, once: bool, started: float) -> int:
+    """The checkpoint step to build next (waiting for one), or FINISHED: the trainer is done."""
+    cfg, last_message = self.config, 0.0
     while True:
       steps = self.checkpoint_steps()
       if not steps:
         waited = time.time() - started
         if self._trainer_done():
           logger.info("[index] the trainer is done and left no checkpoint; exiting")
-          return self.built
+          return FINISHED
         if waited > cfg.builder.wait_timeout:
           raise FileNotFoundError(
               f"no checkpoint under {self.checkpoint_dir} after {waited:.0f}s "
@@ -306,14 +369,10 @@ class IndexBuilder:
         continue
       step = steps[-1] if once else self.next_step(steps)
       if step is not None:
-        if self.build(step) is not None:
-          self.built += 1
-          if once:
-            return self.built
-        continue    # look again at once: a deleted checkpoint means a newer one exists
+        return step
       if self._trainer_done():
         logger.info(f"[index] the trainer is done; {self.built} versions published")
-        return self.built
+        return FINISHED
       time.sleep(cfg.builder.poll_seconds)
 
   def _trainer_done(self) -> bool:
@@ -332,8 +391,8 @@ class IndexBuilder:
     return False
 
   def close(self) -> None:
-    if self.manager is not None:
-      self.manager.close()
+    for manager in {id(m): m for m in (self.lister, self.reader) if m is not None}.values():
+      manager.close()
     self.metrics.close()
 
 

@@ -78,18 +78,19 @@ def _load_scann(directory, manifest):
 class IndexSubscriber:
   """Loads published versions as they appear; the trainer picks them up between steps.
 
-  `want_steps(steps)` (deterministic mode) asks for the versions built from those checkpoint
-  steps; without it, the version `LATEST` names is loaded (async mode).
+  `want_steps(steps)` (deterministic mode, which starts with `by_step=True`: nothing is loaded
+  before the first ask) asks for the versions built from those checkpoint steps; without it,
+  the version `LATEST` names is loaded (async mode).
   """
 
   def __init__(self, workdir: str, loader: Callable[[int], IndexVersion], poll_seconds: float,
-               log_prefix: str = "[realm] "):
+               log_prefix: str = "[realm] ", by_step: bool = False):
     self.workdir, self.root = workdir, published.index_root(workdir)
     self.loader, self.poll_seconds, self.log_prefix = loader, poll_seconds, log_prefix
     self._loaded: dict[int, IndexVersion] = {}
     self._rejected: dict[int, str] = {}
     self._failures: dict[int, int] = {}
-    self._wanted: set[int] | None = None
+    self._wanted: set[int] | None = set() if by_step else None
     self._cond = threading.Condition()
     self._stop = threading.Event()
     self._error: BaseException | None = None
@@ -190,18 +191,29 @@ class IndexSubscriber:
         now = time.time()
         if now >= deadline:
           raise TimeoutError(f"no published index {what} under {self.root} after "
-                             f"{timeout:g}s (config.retrieval.index_timeout); is "
-                             "realm-index running with this workdir?")
+                             f"{timeout:g}s (config.retrieval.index_timeout); "
+                             f"{self._rejections() or 'is realm-index running with this workdir?'}")
         if first or now >= notice:
           self._say_waiting(what, now - start, timeout)
           first, notice = False, now + WAIT_NOTICE_SECONDS
         self._cond.wait(min(deadline - now, notice - now, 1.0))
 
   def _say_waiting(self, what: str, waited: float, timeout: float) -> None:
+    rejected = self._rejections()
     logger.info(f"{self.log_prefix}waiting for a published index {what} under {self.root} "
                 f"({waited:.0f}s of {timeout:g}s, config.retrieval.index_timeout): it comes from "
                 f"`realm-index --config <this config> --workdir {self.workdir}` (launch/local.py "
-                "starts both)")
+                f"starts both){'; ' + rejected if rejected else ''}")
+
+  def _rejections(self) -> str:
+    """The versions rejected so far with their reasons (the newest 3), '' if none: a builder
+    run with another config publishes versions that are all rejected."""
+    with self._cond:
+      rejected = sorted(self._rejected.items())
+    if not rejected:
+      return ""
+    shown = "; ".join(f"v{v}: {reason}" for v, reason in rejected[-3:])
+    return f"{len(rejected)} published version(s) rejected ({shown})"
 
   def wait_for_step(self, step: int, timeout: float) -> IndexVersion:
     """The newest loaded version built from checkpoint `step` (waits for it)."""

@@ -181,13 +181,20 @@ def checkpoint_dir(workdir: str) -> str:
   return paths.join(paths.absolute(workdir), CHECKPOINTS)
 
 
-def read_only_manager(workdir: str, **kwargs) -> ocp.CheckpointManager:
-  """A manager that lists and reads `W/checkpoints` of a run another job writes."""
+def read_only_manager(workdir: str, processes: set[int] | None = None,
+                      **kwargs) -> ocp.CheckpointManager:
+  """A manager that lists and reads `W/checkpoints` of a run another job writes; with
+  `processes`, one that those processes of the job alone create and call (Orbax syncs them:
+  `{jax.process_index()}` for one process's own listing), else every process."""
   directory = checkpoint_dir(workdir)
   if not paths.isdir(directory):
     raise FileNotFoundError(f"no checkpoints under {directory}")
+  multiprocessing = ocp.options.MultiprocessingOptions() if processes is None else \
+      ocp.options.MultiprocessingOptions(primary_host=min(processes),
+                                         active_processes=set(processes))
   return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-      read_only=True, create=False, save_interval_steps=0), **kwargs)
+      read_only=True, create=False, save_interval_steps=0,
+      multiprocessing_options=multiprocessing), **kwargs)
 
 
 def partial_params_restore(abstract_params) -> ocp.args.Composite:

@@ -219,3 +219,31 @@ def on_every_process(flag: bool) -> bool:
   import numpy as np
   from jax.experimental import multihost_utils
   return bool(np.asarray(multihost_utils.process_allgather(np.asarray(flag, np.int32))).all())
+
+
+_shared = 0
+LONG_WAIT_SECONDS = 7 * 24 * 3600.0   # `from_first_process`'s default: as long as process 0
+                                      # lives (its death ends the job by heartbeat)
+
+
+def from_first_process(name: str, value: int | None,
+                       timeout: float = LONG_WAIT_SECONDS) -> int:
+  """Process 0's `value` on every process, the others passing None and waiting for it (each
+  call is a new one): a decision that all processes act on, through the coordination
+  service's key-value store, not a device collective, so the others may wait as long as
+  process 0 works alone (publishing an index version, say)."""
+  import jax
+  if jax.process_count() == 1:
+    return int(value)
+  from jax._src import distributed
+  global _shared
+  _shared += 1
+  key, client = f"realm-{name}-{_shared}", distributed.global_state.client
+  if jax.process_index() == 0:
+    client.key_value_set(key, str(int(value)))
+    return int(value)
+  try:
+    return int(client.blocking_key_value_get(key, int(timeout * 1000)))
+  except Exception as e:  # noqa: BLE001  (re-raised with the decision's name)
+    raise RuntimeError(f"process {jax.process_index()} of {jax.process_count()}: no {name!r} "
+                       f"from process 0 within {timeout:g}s: {e}") from e

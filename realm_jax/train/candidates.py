@@ -224,7 +224,8 @@ class PublishedIndex(NoRetrieval):
     if jax.process_index() == 0:
       workdir_lib.record_block_store(workdir, data)
     self.subscriber = IndexSubscriber(workdir, self._load_version, config.builder.poll_seconds,
-                                      f"[{config.task}] ")
+                                      f"[{config.task}] ",
+                                      by_step=config.retrieval.refresh == "deterministic")
     self.schedule = VersionSchedule(config, self.subscriber, _all_hosts_have)
 
   def describe(self) -> str:

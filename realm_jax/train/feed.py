@@ -113,6 +113,10 @@ class VersionSchedule:
       loaded = self.subscriber.wait_for_step(source, self.timeout)
       waited = time.time() - t0
       self.subscriber.release(before_step=source)
+      following = source + r.refresh_every   # loaded in the background once published, so the
+      if following <= deterministic_source_step(self.config.train.steps, r.refresh_every,
+                                                r.swap_lag):   # swap to it does not wait
+        self.subscriber.want_steps([following])
     else:
       with self._cond:
         while self._horizon < step and not self._closed:
