@@ -66,6 +66,21 @@ def test_nq_open_counts_bad_lines_and_strict_names_the_line(tmp_path):
   assert [ex.qid for ex in both] == ["more.jsonl:1", "nq.jsonl:1", "q7"]
 
 
+def test_a_bom_alone_on_the_first_line_is_a_blank_line(tmp_path):
+  """A BOM'd file whose first line is blank: no malformed record, also with strict (the
+  corpus's JSONL reader and the question reader alike)."""
+  from realm_jax.data import prepare as prepare_lib, sources
+  path = write(tmp_path / "q.jsonl", b"\xef\xbb\xbf\n" + json.dumps(
+      {"question": "who?", "answer": ["me"], "title": "T", "text": "Some text."}).encode() + b"\n")
+  examples, skipped = read_qa(f"nq_open:{path}", strict=True)
+  assert [ex.qid for ex in examples] == ["q.jsonl:2"] and not skipped
+  config = prepare_lib.prepare_config()
+  config.source = f"jsonl:{path}"
+  skips = sources.Skips(strict=True)
+  assert [doc.title for doc in sources.read_documents(config, skips)] == ["T"]
+  assert skips.counts == {}
+
+
 @pytest.mark.parametrize("kind", ["nq_open", "curated_trec"])
 def test_a_glob_over_files_of_one_name_keeps_every_question(tmp_path, kind):
   """Questions without ids are named `<file>:<line>`, the file by its path below the glob's
@@ -158,6 +173,7 @@ def messy_squad() -> dict:
       {"id": "q1-0", "question": "again?", "answers": ["x"]})          # one the repeat had)
   data["data"][3]["paragraphs"][0]["qas"].append(
       {"id": "d0", "question": "d?", "answers": ["y"]})
+  del data["data"][3]["paragraphs"][0]["qas"][0]["id"]                # a question without id
   return data
 
 
@@ -178,7 +194,8 @@ def test_the_corpus_and_open_qa_read_the_same_squad_questions(tmp_path):
            write(tmp_path / "squad.json.gz", gzip.compress(text.encode()))]
   for path in files:
     examples, skipped = read_qa(f"squad:{path}")
-    assert [ex.qid for ex in examples] == ["q1-0", "q1-1", "q3-0", "q3-1", "q3-2", "d0"]
+    assert [ex.qid for ex in examples] == ["q1-0", "q1-1", f"{os.path.basename(path)}:3.0.0",
+                                           "q3-1", "q3-2", "d0"]
     assert examples[0].answers == ("Ans",)
     assert skipped == {qa.UNANSWERABLE: 1, qa.NO_ANSWERS: 1, qa.NON_STRING_ANSWERS: 1,
                        qa.MISSING_QUESTION: 1, sources.MISSING_TITLE: 3, sources.EMPTY: 1,

@@ -234,11 +234,12 @@ def _lines(path: str, skips: QASkips) -> Iterator[tuple[str, str]]:
   """(where, text) of each non-blank line that is valid UTF-8."""
   with open(path, "rb") as f:
     for lineno, raw in enumerate(f, 1):
+      raw = raw.removeprefix(b"\xef\xbb\xbf")   # a BOM'd file
       if not raw.strip():
         continue                           # a blank line is not a record
       where = f"{path}:{lineno}"
       try:
-        yield where, raw.decode("utf-8-sig")
+        yield where, raw.decode("utf-8")
       except UnicodeDecodeError:
         skips.skip(INVALID_UTF8, where)
 

@@ -231,10 +231,12 @@ def _jsonl(pattern: str, config, skips: Skips) -> Iterator[SourceDocument]:
         if line is None:
           skips.skip(TOO_LARGE, where)
           continue
+        if lineno == 1:
+          line = line.removeprefix(b"\xef\xbb\xbf")   # a BOM'd file
         if not line.strip():
           continue                         # a blank line is not a record
         try:
-          decoded = line.decode("utf-8-sig" if lineno == 1 else "utf-8")   # a BOM'd file
+          decoded = line.decode("utf-8")
         except UnicodeDecodeError:
           skips.skip(INVALID_UTF8, where)
           continue
@@ -331,7 +333,7 @@ def squad_questions(paragraph: dict, where: str, skips: Skips, seen_ids: set[str
       skips.skip_question(DUPLICATE_ID, at)
     else:
       seen_ids.add(qid)
-      yield {"id": qa.get("id"), "question": qa["question"],
+      yield {"id": qid, "question": qa["question"],
              "answer": [text for text, _ in answers],
              "answer_start": [start for _, start in answers]}
 
