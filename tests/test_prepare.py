@@ -314,6 +314,24 @@ def test_one_text_under_two_titles_stays_in_one_split(tmp_path):
                                      sources._split_of("Selva", lines[2]["text"], 0.5)]
 
 
+def test_a_text_with_composed_and_with_decomposed_accents_is_one_document(tmp_path):
+  """NFC and NFD copies of one document read as the same wordpieces: the second is a repeat
+  (not trained on while the first is held out), and both forms take one split."""
+  import unicodedata
+  text = "Beyonc\u00e9 Knowles sang at the Caf\u00e9 Olympia in 1954."
+  nfd = lambda s: unicodedata.normalize("NFD", s)
+  assert all(sources._split_of("Beyonc\u00e9", t, f) == sources._split_of(nfd("Beyonc\u00e9"),
+                                                                        nfd(t), f)
+             for t in (text, text.replace("1954", "1955")) for f in (0.3, 0.5, 0.7))
+  lines = [{"title": "Beyonc\u00e9", "text": text},
+           {"title": nfd("Beyonc\u00e9"), "text": nfd(text)}]
+  path = write_jsonl(tmp_path / "docs.jsonl", [json.dumps(x).encode() for x in lines])
+  skips = sources.Skips(False)
+  docs = list(sources.read_documents(config_for(f"jsonl:{path}", str(tmp_path / "out"),
+                                                eval_fraction=0.5), skips))
+  assert [d.title for d in docs] == ["Beyonc\u00e9"] and skips.counts == {sources.DUPLICATE: 1}
+
+
 def test_tfds_source_reads_a_mocked_dataset_and_explains_unprepared_ones(tmp_path,
                                                                          monkeypatch):
   tfds = pytest.importorskip("tensorflow_datasets")

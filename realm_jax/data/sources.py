@@ -19,6 +19,7 @@ import importlib
 import json
 import os
 import tempfile
+import unicodedata
 from collections import Counter
 from typing import Iterator
 
@@ -70,9 +71,15 @@ class Skips:
       self.questions[PARAGRAPH_SKIPPED] += len(qas)
 
 
+def _nfc(text: str) -> str:
+  """`text` in Unicode NFC: one document written with composed and with decomposed accents
+  is one document (the tokenizer reads both as the same wordpieces)."""
+  return text if unicodedata.is_normalized("NFC", text) else unicodedata.normalize("NFC", text)
+
+
 class Deduplicator:
-  """Drops a document whose title + text (whitespace-normalised) was already seen, and keeps
-  one text in one split (`split_of_text`)."""
+  """Drops a document whose title + text (whitespace- and NFC-normalised) was already seen, and
+  keeps one text in one split (`split_of_text`)."""
 
   def __init__(self):
     self.seen: set[bytes] = set()
@@ -82,14 +89,14 @@ class Deduplicator:
   def text_key(text: str) -> bytes:
     """A digest of the whitespace-normalised text (what `is_new` and `split_of_text` take:
     a long document's text is normalised and hashed once)."""
-    return hashlib.blake2b(" ".join(text.split()).encode("utf-8", "surrogatepass"),
+    return hashlib.blake2b(" ".join(_nfc(text).split()).encode("utf-8", "surrogatepass"),
                            digest_size=12).digest()
 
   def is_new(self, title: str, text_key: bytes) -> bool:
     """Whether no document of this title (whitespace-normalised) and text (`text_key`) was
     seen before."""
-    key = hashlib.blake2b(" ".join(title.split()).encode("utf-8", "surrogatepass") + b"\x00" +
-                          text_key, digest_size=12).digest()
+    title_key = " ".join(_nfc(title).split()).encode("utf-8", "surrogatepass")
+    key = hashlib.blake2b(title_key + b"\x00" + text_key, digest_size=12).digest()
     if key in self.seen:
       return False
     self.seen.add(key)
@@ -216,8 +223,8 @@ def _split_of(title: str, text: str, eval_fraction: float) -> str:
   """Held-out documents for the eval split, chosen by a hash of their content."""
   if eval_fraction <= 0:
     return "train"
-  h = int.from_bytes(hashlib.blake2b((title + "\x00" + text).encode("utf-8", "surrogatepass"),
-                                     digest_size=4).digest(), "little")
+  content = _nfc(title + "\x00" + text).encode("utf-8", "surrogatepass")
+  h = int.from_bytes(hashlib.blake2b(content, digest_size=4).digest(), "little")
   return "eval" if h % 1_000_000 < eval_fraction * 1_000_000 else "train"
 
 
