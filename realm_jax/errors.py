@@ -29,6 +29,11 @@ class NonFiniteError(RuntimeError):
   names the step, the values and the last checkpoint. The CLI exits with code 1."""
 
 
+class WorkerDied(RuntimeError):
+  """A worker process of the job died (the OOM killer, say); the message names its work and
+  how to resume. The CLI exits with code 1."""
+
+
 class StorageUnreachable(ConnectionError):
   """The storage server (a gs:// bucket) did not answer for longer than the patience
   ($REALM_JAX_STORAGE_PATIENCE); the message names the path and the operation. Exit code 1."""
@@ -55,6 +60,6 @@ def run_cli(prog: str, main: Callable[[], object]) -> object:
   except (FileNotFoundError, DataError) as e:
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
-  except (ConnectionError, CheckpointError, NonFiniteError) as e:   # e.g. no coordinator
+  except (ConnectionError, CheckpointError, NonFiniteError, WorkerDied) as e:   # no coordinator
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(1) from None

@@ -3,6 +3,7 @@ mode, with file:line), restarts that reuse finished shards, parallel == in-proce
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -143,6 +144,46 @@ def test_strict_mode_fails_naming_file_and_line(tmp_path, line, reason):
   path = write_jsonl(tmp_path / "docs.jsonl", good_lines() + [line])
   with pytest.raises(DataError, match=f"{path}:{len(PROSE) + 1}: {reason}"):
     prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"), strict=True))
+
+
+_KILL_SECOND_SHARD = """\
+import os, signal
+if os.environ.get("REALM_TEST_KILL_SHARD"):   # a prepare worker: dies on its shard's first doc
+  from realm_jax.data import corpus
+  build_shard = corpus.build_shard
+
+  def dying(docs, *args, **kwargs):
+    if docs[0][0] == int(os.environ["REALM_TEST_KILL_SHARD"]):
+      os.kill(os.getpid(), signal.SIGKILL)   # as the OOM killer would
+    return build_shard(docs, *args, **kwargs)
+  corpus.build_shard = dying
+"""
+
+
+def test_a_worker_that_dies_fails_the_job_naming_its_shard(tmp_path):
+  """A worker process killed mid-shard (its result never comes): one line and exit 1, not a
+  job waiting for good; the rerun reuses the shards that finished."""
+  inject = tmp_path / "inject"
+  inject.mkdir()
+  (inject / "sitecustomize.py").write_text(_KILL_SECOND_SHARD)
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines(n_copies=4))   # 12 documents
+  command = [sys.executable, "-m", "realm_jax.data.prepare", f"--config={REPO}/configs/prepare.py",
+             f"--config.source=jsonl:{path}", f"--config.out_dir={tmp_path / 'out'}",
+             "--config.vocab_size=300", "--config.num_workers=2", "--config.shard_documents=3"]
+  env = {**os.environ, "REALM_TEST_KILL_SHARD": "3",
+         "PYTHONPATH": os.pathsep.join([str(inject), REPO])}
+  result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  errors = [l for l in result.stderr.splitlines() if l.startswith("realm-prepare: error:")]
+  shards = re.search(r"a worker process died while shards ([0-9, ]+) were being packed",
+                     errors[0] if len(errors) == 1 else "")
+  assert shards and "1" in shards.group(1).split(", "), result.stderr[-3000:]
+  env.pop("REALM_TEST_KILL_SHARD")
+  result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert len(PreparedData(str(tmp_path / "out")).blocks.titles) == 12
 
 
 def test_cli_reports_a_bad_record_in_one_line(tmp_path):

@@ -326,21 +326,40 @@ def merge_shards(shard_dirs: list[str], out_dir: str, block_len: int,
   for split in SPLITS:
     split_dir = os.path.join(out_dir, "examples", split)
     os.makedirs(split_dir, exist_ok=True)
-    parts = {key: [] for key in _EXAMPLE_KEYS + ("target_span", "fact")}
-    for d, a in zip(shard_dirs, offsets[:-1]):
-      for key in parts:
-        value = np.load(os.path.join(d, f"{split}.{key}.npy"))
-        parts[key].append(value + a if key == "block" else value)
-    merged = {k: np.concatenate(v) if v else np.zeros((0,), np.int32) for k, v in parts.items()}
-    sizes[split] = len(merged["tokens"])
-    keys = _EXAMPLE_KEYS + (("target_span",) if split == "eval" else ())
-    for key in keys:
-      np.save(os.path.join(split_dir, f"{key}.npy"), merged[key])
-    np.save(os.path.join(split_dir, "block_uid.npy"), uids[merged["block"]])
+    keys = _EXAMPLE_KEYS + (("target_span",) if split == "eval" else ()) + ("block_uid",)
+    sizes[split] = _merge_examples(shard_dirs, offsets, split, split_dir, keys, uids)
     if split == "eval":
+      fact = np.concatenate([np.load(os.path.join(d, "eval.fact.npy")) for d in shard_dirs])
       np.save(os.path.join(split_dir, "answer_blocks.npy"),
-              _answer_blocks(merged["fact"], merged["block"], facts))
+              _answer_blocks(fact, np.load(os.path.join(split_dir, "block.npy")), facts))
   return {"blocks": total, "examples": sizes}
+
+
+def _merge_examples(shard_dirs: list[str], offsets: np.ndarray, split: str, split_dir: str,
+                    keys: tuple[str, ...], uids: np.ndarray) -> int:
+  """Writes `split_dir/<key>.npy` for the shards' examples of `split`, one shard's array in
+  memory at a time: block rows shifted by the shard's first block, `block_uid` the uid of
+  each example's block. Returns the number of examples."""
+  counts = [np.load(os.path.join(d, f"{split}.lengths.npy"), mmap_mode="r").shape[0]
+            for d in shard_dirs]
+  starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+  for key in keys:
+    out = None
+    for d, first_block, a, b in zip(shard_dirs, offsets[:-1], starts[:-1], starts[1:]):
+      value = np.load(os.path.join(d, f"{split}.{'block' if key == 'block_uid' else key}.npy"))
+      if key in ("block", "block_uid"):
+        value = value + first_block
+      if key == "block_uid":
+        value = uids[value]
+      if out is None:
+        out = np.lib.format.open_memmap(os.path.join(split_dir, f"{key}.npy"), mode="w+",
+                                        dtype=value.dtype, shape=(int(starts[-1]),
+                                                                  *value.shape[1:]))
+      out[a:b] = value
+    if out is not None:
+      out.flush()
+      del out
+  return int(starts[-1])
 
 
 def _answer_blocks(example_facts: np.ndarray, example_blocks: np.ndarray,

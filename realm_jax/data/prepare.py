@@ -12,6 +12,7 @@ finished preparation (stats.json present) is returned as is.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import multiprocessing
@@ -28,7 +29,7 @@ from realm_jax import packages, paths
 from realm_jax.data import corpus, sources
 from realm_jax.data.prepared import write_stats, write_titles
 from realm_jax.data.tokenizer import load_tokenizer, train_tokenizer
-from realm_jax.errors import ConfigError, DataError
+from realm_jax.errors import ConfigError, DataError, WorkerDied
 
 logger = logging.getLogger("realm_jax.data.prepare")   # (__name__ is __main__ under python -m)
 
@@ -224,24 +225,38 @@ def prepare(config) -> dict:
 
 
 class _ShardPacker:
-  """Packs the documents shard by shard, in a worker pool or this process; a shard a previous
-  try finished is reused. `results[i]` is shard i's summary once it is done."""
+  """Packs the documents shard by shard, in worker processes or this one; a shard a previous
+  try finished is reused. `results[i]` is shard i's summary once it is done. A worker that
+  dies (the OOM killer, say) fails the job naming the shards in flight, instead of leaving it
+  waiting for good."""
 
   def __init__(self, config, tools: tuple, settings, in_process: bool):
     self.config, self.tools, self.settings = config, tools, settings
     self.root = os.path.join(config.out_dir, "shards")
-    self.pool = None if in_process else \
-        multiprocessing.get_context("spawn").Pool(config.num_workers)
+    self.pool = None if in_process else concurrent.futures.ProcessPoolExecutor(
+        config.num_workers, mp_context=multiprocessing.get_context("spawn"))
     self.shard_dirs: list[str] = []
     self.results: dict = {}
-    self.pending: deque = deque()
+    self.pending: deque = deque()   # (shard index, future), in order
     self.reused = self.blocks_done = 0
 
   def collect(self) -> None:
     """Takes in the shards finished so far, in order (without waiting)."""
-    while self.pending and self.pending[0].ready():
-      index, result = self.pending.popleft().get()
+    while self.pending and self.pending[0][1].done():
+      try:
+        index, result = self.pending[0][1].result()
+      except concurrent.futures.process.BrokenProcessPool as e:
+        shards = ", ".join(str(i) for i, _ in self.pending)
+        raise WorkerDied(f"a worker process died while shards {shards} were being packed ({e}; "
+                         "out of memory?): rerun the same command to resume (finished shards "
+                         "are reused)") from None
+      self.pending.popleft()
       self._done(index, result)
+
+  def wait_first(self) -> None:
+    """Waits until the oldest pending shard is finished, then takes in what is."""
+    concurrent.futures.wait([self.pending[0][1]])
+    self.collect()
 
   def _done(self, index: int, result: dict) -> None:
     self.results[index] = result
@@ -261,14 +276,17 @@ class _ShardPacker:
       self._done(index, _run_shard(job)[1])
       return
     while len(self.pending) >= 2 * self.config.num_workers:
-      self.pending[0].wait()
-      self.collect()
-    self.pending.append(self.pool.apply_async(_run_shard, (job,)))
+      self.wait_first()
+    self.pending.append((index, self.pool.submit(_run_shard, job)))
 
   def close(self) -> None:
-    if self.pool is not None:
-      self.pool.terminate()
-      self.pool.join()
+    """Ends the workers: at once while shards are still pending (an error, Ctrl-C)."""
+    if self.pool is None:
+      return
+    if self.pending:
+      for process in list((getattr(self.pool, "_processes", None) or {}).values()):
+        process.terminate()
+    self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _prepare_local(config) -> dict:
@@ -307,8 +325,7 @@ def _prepare_local(config) -> dict:
     if shard:
       packer.submit(shard)
     while packer.pending:
-      packer.pending[0].wait()
-      packer.collect()
+      packer.wait_first()
       show()
   finally:
     packer.close()
