@@ -186,6 +186,37 @@ def test_a_worker_that_dies_fails_the_job_naming_its_shard(tmp_path):
   assert len(PreparedData(str(tmp_path / "out")).blocks.titles) == 12
 
 
+def test_a_shard_rebuilt_from_other_input_drops_its_old_marker_first(tmp_path, monkeypatch):
+  """An unfinished preparation whose input changed rebuilds a shard in place; killed while
+  it rewrites the arrays, the shard must not keep the marker of the earlier input (a rerun
+  with that input would take the half-rewritten arrays for its own)."""
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines(n_copies=2))
+  out = str(tmp_path / "out")
+
+  def stopped(*args, **kwargs):                        # stopped once the shards are packed
+    raise KeyboardInterrupt
+  monkeypatch.setattr(corpus, "merge_shards", stopped)
+  with pytest.raises(KeyboardInterrupt):
+    prepare_lib.prepare(config_for(f"jsonl:{path}", out, shard_documents=3))
+  monkeypatch.undo()
+  shard = os.path.join(out, "shards", "00000")
+  assert corpus.shard_done(shard) is not None
+  lines = good_lines(n_copies=2)
+  write_jsonl(tmp_path / "docs.jsonl", [lines[1], lines[0]] + lines[2:])   # the input edited
+  save, saved = np.save, []
+
+  def killed_after_one_array(file, *args, **kwargs):
+    if str(file).startswith(shard):
+      if saved:
+        raise KeyboardInterrupt
+      saved.append(file)
+    return save(file, *args, **kwargs)
+  monkeypatch.setattr(np, "save", killed_after_one_array)
+  with pytest.raises(KeyboardInterrupt):
+    prepare_lib.prepare(config_for(f"jsonl:{path}", out, shard_documents=3))
+  assert corpus.shard_done(shard) is None
+
+
 def test_cli_reports_a_bad_record_in_one_line(tmp_path):
   path = write_jsonl(tmp_path / "docs.jsonl", good_lines() + [b"{oops"])
   result = subprocess.run(

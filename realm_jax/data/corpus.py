@@ -29,6 +29,7 @@ held-out entities: never a training query).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -222,8 +223,12 @@ def _pack_document(blocks: _Blocks, doc_id: int, head: list[int], title_ids: lis
 
 def _write_shard(out_dir, settings, blocks, body_starts, uids, block_docs, block_facts, splits,
                  stats, dropped, num_documents, input_digest: str) -> dict:
-  """The packed shard's arrays, then `done.json` (its stats) as the commit marker."""
+  """The packed shard's arrays, then `done.json` (its stats) as the commit marker. A marker of
+  an earlier build of the shard (other input) goes first: arrays half rewritten never sit
+  beside a marker that a rerun of that earlier input would take for finished."""
   os.makedirs(out_dir, exist_ok=True)
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(os.path.join(out_dir, "done.json"))
   tokens = np.zeros((len(blocks), settings.block_len), np.int32)
   for i, ids in enumerate(blocks):
     tokens[i, :len(ids)] = ids
