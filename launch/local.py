@@ -13,8 +13,8 @@ it needs; on CPU both inherit the environment. Output is streamed line by line w
 (SIGINT to each process group, SIGKILL after the grace period, exit 130); SIGTERM (preemption)
 is passed on as SIGTERM, so the trainer saves a checkpoint of its step first, within its
 `train.preemption_grace_seconds` (SIGKILL only 15 s past that, or past `--grace` if longer;
-exit 143; 137 if it had to be SIGKILLed or its save ran past that grace, the trainer's own
-code if it failed while saving);
+exit 143; 137 if it had to be SIGKILLed, 75 if its save ran past that grace, the trainer's
+own code if it failed while saving);
 when one fails the other is stopped and its exit code is ours; after the trainer succeeds
 the builder gets the grace period to see `W/DONE` and exit on its own.
 """
@@ -35,6 +35,7 @@ from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.overrides import config_from_flags
 from realm_jax.processes import shared_memory_env, start_child
+from realm_jax.runtime import preemption
 from realm_jax.config.option_names import upgrade_flags
 
 PROG = "local.py"
@@ -335,11 +336,12 @@ class _Supervisor:
         self.stop([trainer, builder], f"stopped on {self.signals[0]}", sig, signals_seen=1,
                   grace=grace)
         code = trainer.returncode
-        if sig == signal.SIGTERM and code in (-signal.SIGKILL, 128 + signal.SIGKILL):
-          if code > 0:
-            self.say("trainer did not save its step within its grace; a rerun resumes from "
-                     "its latest finalised checkpoint")
+        if sig == signal.SIGTERM and code == -signal.SIGKILL:
           return 128 + signal.SIGKILL   # not 143: the trainer did not save its step
+        if sig == signal.SIGTERM and code == preemption.EXIT_UNSAVED:
+          self.say("trainer did not save its step within its grace; a rerun resumes from its "
+                   "latest finalised checkpoint")
+          return code                   # not 143 either
         if sig == signal.SIGTERM and code not in (0, 128 + signal.SIGTERM, -signal.SIGTERM):
           self.say(f"trainer failed while stopping: {describe(code)}")
           return _exit_code(code)       # not 143: no saved step to resume from

@@ -127,9 +127,10 @@ def check_started_runs(root: str, runs: list[tuple[str, dict]], config, fixed: d
   a stopped one resumed under a mix of both. More `train.steps` is allowed: the runs go on."""
   stale = []
   for name, overrides in runs:
-    diffs = workdir_lib.recorded_differences(paths.join(root, name),
-                                             run_config(config, {**fixed, **overrides}),
-                                             allowed=("train.steps",))
+    diffs = [f"{option}: {recorded!r} (recorded) != {now!r} (now)" for option, recorded, now
+             in workdir_lib.recorded_differences(paths.join(root, name),
+                                                 run_config(config, {**fixed, **overrides}))
+             if not (option == "train.steps" and now > recorded)]
     if diffs:
       more = f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else ""
       stale.append(f"{name}: {'; '.join(diffs[:3])}{more}")

@@ -136,7 +136,7 @@ def _together(failures: list[BaseException]) -> BaseException:
     return failures[0]
   whys = "; ".join(e.why if isinstance(e, Preempted) else str(e) for e in failures)
   if all(isinstance(e, Preempted) for e in failures):
-    return Preempted(whys)
+    return Preempted(whys, saved=all(e.saved for e in failures))
   return StageFailed(whys)
 
 

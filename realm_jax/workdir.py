@@ -77,11 +77,10 @@ def record_config(config, workdir: str, primary: bool = True) -> None:
     paths.write_json(path, current)
 
 
-def recorded_differences(workdir: str, config, allowed: tuple[str, ...] = ()) -> list[str]:
-  """`field: recorded != now` for every option but `allowed` whose value in W/config.json
-  differs from `config`'s, where W holds a run's work (a checkpoint or a summary): [] for a
-  fresh W or the same values. Options that only one side has (added or removed since) are not
-  compared."""
+def recorded_differences(workdir: str, config) -> list[tuple[str, object, object]]:
+  """(option, value in W/config.json, value in `config`) for every option whose values differ,
+  where W holds a run's work (a checkpoint or a summary): [] for a fresh W or the same values.
+  Options that only one side has (added or removed since) are not compared."""
   from realm_jax.config.option_names import upgrade_record
   from realm_jax.config.reading import flat_options
   path = paths.join(workdir, CONFIG)
@@ -91,9 +90,8 @@ def recorded_differences(workdir: str, config, allowed: tuple[str, ...] = ()) ->
   saved = flat_options(upgrade_record(record, f"{path}: "))
   current = flat_options(json.loads(config.to_json_best_effort()))
   same = lambda a, b: json.dumps(a) == json.dumps(b)   # a tuple is its record's list
-  return [f"{name}: {saved[name]!r} (recorded) != {current[name]!r} (now)"
-          for name in sorted(saved.keys() & current.keys())
-          if name not in allowed and not same(saved[name], current[name])]
+  return [(name, saved[name], current[name]) for name in sorted(saved.keys() & current.keys())
+          if not same(saved[name], current[name])]
 
 
 def _holds_checkpoints(workdir: str) -> bool:

@@ -232,10 +232,15 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
   with pytest.raises(stages.Preempted) as stopped:       # SIGTERM reached it: the demo stops
     stages.finish_stage("no_retrieval", preempted, workdir, beside="realm")
   assert stopped.value.code == stages.EXIT_CODE and stopped.value.saved
-  unsaved = subprocess.Popen([sys.executable, "-c", "raise SystemExit(137)"])
+  unsaved = subprocess.Popen([sys.executable, "-c", "raise SystemExit(75)"])
   with pytest.raises(stages.Preempted) as late:
     stages.finish_stage("no_retrieval", unsaved, workdir, beside="realm")
   assert not late.value.saved and "did not save its step within its grace" in late.value.why
+  killed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(137)"])   # OOM, say
+  with pytest.raises(stages.StageFailed, match="exited with code 137"):
+    stages.finish_stage("no_retrieval", killed, workdir, beside="realm")
+  assert not stages._together([stages.Preempted("a saved"), late.value]).saved
+  assert stages._together([stages.Preempted("a saved"), stages.Preempted("b saved")]).saved
 def test_a_failed_stage_ends_the_demo_with_one_line(capsys):
   """The stage's own output says why it failed; the demo names it and where that output is,
   without a traceback of its own code."""

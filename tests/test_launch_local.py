@@ -367,13 +367,13 @@ class _Saving(_Stubborn):
       self.at = time.monotonic()
 
 
-@pytest.mark.parametrize("code, expected", [(143, 143), (1, 1), (137, 137)])
+@pytest.mark.parametrize("code, expected", [(143, 143), (1, 1), (75, 75)])
 def test_on_sigterm_the_trainer_gets_its_save_grace_and_its_failure_is_ours(tmp_path, code,
                                                                           expected):
   """The trainer saving for longer than the launcher's --grace but within its own
   train.preemption_grace_seconds is not killed; a trainer that failed while saving (exit 1)
   makes the launcher exit 1, not 143 (143 says a saved step to resume from), one whose save
-  did not finish within that grace (its watchdog's 137) 137."""
+  did not finish within that grace (its watchdog's 75) 75."""
   said = []
   supervisor = local._Supervisor(str(tmp_path), grace=0.2, say=said.append, save_grace=5.0)
   supervisor.children = {"trainer": _Saving("trainer", 1.0, code),
@@ -383,7 +383,7 @@ def test_on_sigterm_the_trainer_gets_its_save_grace_and_its_failure_is_ours(tmp_
   assert signal.SIGKILL not in supervisor.children["trainer"].got, said
   assert "got SIGTERM; stopping trainer and builder (SIGTERM, then SIGKILL after 5 s)" in said
   assert ("trainer did not save its step within its grace; a rerun resumes from its latest "
-          "finalised checkpoint" in said) == (code == 137), said
+          "finalised checkpoint" in said) == (code == 75), said
 
 
 @pytest.mark.parametrize("visible, builder_ids, expected", [

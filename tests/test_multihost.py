@@ -238,25 +238,32 @@ def test_async_hosts_switch_index_versions_together(tmp_path):
     assert "serving [1, 1, 1, 2, 2, 2]" in out, out[-3000:]
 
 
-def test_a_two_process_builder_publishes_each_version_once(world_dir, tmp_path):
-  """realm-index as one job of two processes (a builder slice of two hosts): both embed, the
-  first alone publishes, each version once, the embeddings those of one process x 8 devices;
-  both follow its decisions to the end (the trainer's DONE)."""
-  from realm_jax import workdir as workdir_lib
-  from realm_jax.retrieval import published
-  from tests.test_index_builder import builder_config, make_checkpoints, reference_embeddings
-  config = builder_config(world_dir)
-  workdir = str(tmp_path / "run")
-  states, model, mesh, data = make_checkpoints(config, workdir, (0, 10))
-  workdir_lib.mark_done(workdir, config.train.steps)   # the trainer has finished
+def launch_builders(config, workdir: str) -> list[subprocess.Popen]:
+  """realm-index as one job of two processes, 4 CPU devices each."""
   env, port = {**os.environ, "XLA_FLAGS": helpers.xla_flags(4)}, free_port()
-  procs = [subprocess.Popen(
+  return [subprocess.Popen(
       [sys.executable, "-u", "-m", "realm_jax.retrieval.builder",
        *helpers.config_flags(config, "demo_realm"), f"--workdir={workdir}", "--multihost=on",
        f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={i}",
        "--init_timeout=60", "--heartbeat_timeout=8"],
       cwd=helpers.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i in range(2)]
+
+
+@pytest.mark.parametrize("mesh_shape", [(-1, 1), (1, 8)], ids=["data", "model"])
+def test_a_two_process_builder_publishes_each_version_once(world_dir, tmp_path, mesh_shape):
+  """realm-index as one job of two processes (a builder slice of two hosts): both embed, the
+  first alone publishes, each version once, the embeddings those of one process x 8 devices;
+  both follow its decisions to the end (the trainer's DONE). With the `model` axis across the
+  two processes, the query tower's copy to the host is a collective both join."""
+  from realm_jax import workdir as workdir_lib
+  from realm_jax.retrieval import published
+  from tests.test_index_builder import builder_config, make_checkpoints, reference_embeddings
+  config = builder_config(world_dir, mesh__shape=mesh_shape)
+  workdir = str(tmp_path / "run")
+  states, model, mesh, data = make_checkpoints(config, workdir, (0, 10))
+  workdir_lib.mark_done(workdir, config.train.steps)   # the trainer has finished
+  procs = launch_builders(config, workdir)
   with deadline(procs, 240) as expired:
     outputs = read_to_end(procs)
   assert not expired, "\n---\n".join(out[-1500:] for out in outputs)
@@ -269,6 +276,29 @@ def test_a_two_process_builder_publishes_each_version_once(world_dir, tmp_path):
   np.testing.assert_allclose(published.read_embeddings(root, 1, manifest),
                              reference_embeddings(config, model, mesh, data, states[10]),
                              atol=1e-5)
+
+
+def test_sigterm_stops_a_two_process_builder_waiting_for_checkpoints(world_dir, tmp_path):
+  """SIGTERM to both processes while the first waits for a newer checkpoint and the second for
+  its decision: both stop as one process does (exit 0, `SIGTERM: stopped`)."""
+  from realm_jax.retrieval import published
+  from tests.test_index_builder import builder_config, make_checkpoints
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (0,))
+  procs = launch_builders(config, workdir)
+  with deadline(procs, 240) as expired:
+    latest = os.path.join(str(published.index_root(workdir)), published.LATEST)
+    while not os.path.exists(latest) and all(p.poll() is None for p in procs):
+      time.sleep(0.2)
+    time.sleep(1.0)                       # both wait: for a checkpoint, for the decision
+    for p in procs:
+      p.send_signal(signal.SIGTERM)
+    outputs = read_to_end(procs)
+  assert not expired, "\n---\n".join(out[-1500:] for out in outputs)
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0 and "[index] SIGTERM: stopped; 1 versions published" in out, \
+        out[-3000:]
 
 
 def test_a_coordinator_that_never_answers_is_named(world_dir, tmp_path):

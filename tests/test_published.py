@@ -213,6 +213,35 @@ def test_a_deterministic_feed_has_the_next_version_loaded_before_its_swap(tmp_pa
     subscriber.close()
 
 
+def test_a_deterministic_feed_asks_ahead_only_for_versions_a_step_reads():
+  """425 steps, a refresh every 100, swap lag 25: steps 0..424 read the versions of
+  checkpoints 0, 100, 200 and 300; the feed asks ahead for each of those, never for 400's
+  (a whole index loaded and held for no step; the final evaluation asks for its own)."""
+  import ml_collections
+  from realm_jax.retrieval.index import IndexVersion
+  from realm_jax.train.feed import VersionSchedule
+
+  class Subscriber:
+    def __init__(self):
+      self.asked = []
+
+    def wait_for_step(self, step, timeout):
+      return IndexVersion(version=step, step=step, index=None, encode_queries=None)
+
+    def release(self, **kwargs):
+      pass
+
+    def want_steps(self, steps):
+      self.asked.extend(steps)
+  config = ml_collections.ConfigDict({
+      "retrieval": {"refresh": "deterministic", "refresh_every": 100, "swap_lag": 25,
+                    "index_timeout": 30.0}, "train": {"steps": 425}})
+  subscriber = Subscriber()
+  schedule = VersionSchedule(config, subscriber)
+  assert sorted({schedule.for_step(step)[0].step for step in range(425)}) == [0, 100, 200, 300]
+  assert sorted(set(subscriber.asked)) == [100, 200, 300]
+
+
 @pytest.mark.parametrize("damage, expected", [
     ("flip", r"embeddings\.npy has sha256"),
     ("truncate", r"embeddings\.npy has size 299 bytes != 300 bytes"),

@@ -97,6 +97,11 @@ def test_a_glob_over_files_of_one_name_keeps_every_question(tmp_path, kind):
   assert [e.qid for e in examples] == ["test.jsonl:1"]
 
 
+def test_a_file_at_the_filesystem_root_is_named_by_its_name(monkeypatch):
+  monkeypatch.setattr(qa, "matching_files", lambda pattern: ["/test.jsonl"])
+  assert qa._files("/test.jsonl") == {"/test.jsonl": "test.jsonl"}
+
+
 def test_webquestions_skips_duplicates_and_empty_answers(tmp_path):
   rows = [{"qId": "wq1", "qText": "what is it?", "answers": ["It"]},
           {"qId": "wq2", "answers": ["x"]},

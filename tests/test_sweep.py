@@ -135,6 +135,11 @@ def test_local_sweep_runs_every_point_and_sorts_the_table(world_dir, tmp_path, c
   assert exit_.value.code == 2 and "Traceback" not in err
   assert "2 of the runs there started under other values" in err
   assert "seed-1: eval.num_examples: 32 (recorded) != 16 (now)" in err, err
+  # Fewer steps than the runs took is another value too (more would resume them).
+  fewer = [a.replace("train.steps=2", "train.steps=1") for a in argv]
+  with pytest.raises(SystemExit):
+    sweep.main(fewer)
+  assert "seed-2: train.steps: 2 (recorded) != 1 (now)" in capsys.readouterr().err
 
 
 def test_sigterm_to_a_local_sweep_makes_the_running_run_save_its_step(world_dir, tmp_path):

@@ -305,7 +305,7 @@ def test_an_unsaved_sigterm_reaches_the_callers_handler_and_no_watchdog_outlives
     signal.signal(signal.SIGTERM, previous)
 
 
-def test_a_save_not_finalised_within_the_grace_exits_137_not_143(monkeypatch, capsys):
+def test_a_save_not_finalised_within_the_grace_exits_75_not_143(monkeypatch, capsys):
   """143 says the step was saved (local.py, the demos and the sweep report a saved step);
   a save still running when the grace ends leaves the latest finalised checkpoint as it was."""
   exits = []
@@ -318,7 +318,7 @@ def test_a_save_not_finalised_within_the_grace_exits_137_not_143(monkeypatch, ca
     deadline = time.monotonic() + 10
     while not exits and time.monotonic() < deadline:
       time.sleep(0.02)
-    assert exits == [preemption.EXIT_UNSAVED] == [137]
+    assert exits == [preemption.EXIT_UNSAVED] == [75]
     assert "[t] SIGTERM: the checkpoint was not finalised within the grace period" in \
         capsys.readouterr().out
     watcher.close()

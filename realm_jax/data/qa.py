@@ -225,7 +225,7 @@ def _files(pattern: str) -> dict[str, str]:
   the glob matches more files."""
   parts = pattern.split(os.sep)
   fixed = list(itertools.takewhile(lambda part: not any(c in part for c in "*?["), parts[:-1]))
-  root = os.path.abspath(os.sep.join(fixed) if fixed else ".")
+  root = os.path.abspath(os.sep.join(fixed) or (os.sep if pattern.startswith(os.sep) else "."))
   return {path: os.path.relpath(os.path.abspath(path), root)
           for path in matching_files(pattern)}
 

@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.errors import StorageUnreachable, run_cli
+from realm_jax.errors import StorageUnreachable, WorkerDied, run_cli
 from realm_jax.config.overrides import flags_parser
 from realm_jax.runtime import multihost
 from realm_jax.config.option_names import upgrade_flags
@@ -125,13 +125,16 @@ class IndexBuilder:
 
   def restore_retriever(self, step: int):
     """The retriever params of checkpoint `step` straight onto this job's mesh (nothing else
-    of the state is read); None if the checkpoint vanished meanwhile (kept-N deletion)."""
+    of the state is read); None if the checkpoint vanished meanwhile (kept-N deletion). With
+    several processes such a restore fails the job instead (Orbax's restore ends in a barrier
+    the others would wait in); the builder started again builds the newest."""
+    import jax
     target = {"retriever": self.abstract_retriever}
     try:
       restored = self._reader().restore(step,
                                         args=self.checkpoints.partial_params_restore(target))
     except Exception:  # noqa: BLE001  (re-raised below unless the checkpoint is gone)
-      if step not in self.checkpoint_steps():
+      if jax.process_count() == 1 and step not in self.checkpoint_steps():
         return None
       raise
     return restored.params["retriever"]
@@ -164,22 +167,23 @@ class IndexBuilder:
     cfg, timings = self.config, {}
     t0 = time.time()
     params = self.restore_retriever(step)
-    if not multihost.on_every_process(params is not None):
+    if params is None:
       logger.warning(f"[index] checkpoint {step} was deleted while being restored; moving to the "
                      "newest")
       return None
     timings["restore_seconds"] = round(time.time() - t0, 3)
-    if not self.primary:   # its share of the embedding; process 0 publishes
-      embed_blocks(embedders.block_embedder(self.model, self.mesh, cfg, params),
-                   self.data.blocks, self.mesh, cfg.retrieval.embed_batch_size)
+    embed_fn = embedders.block_embedder(self.model, self.mesh, cfg, params)
+    if not self.primary:   # its share of the collectives; process 0 publishes
+      embed_blocks(embed_fn, self.data.blocks, self.mesh, cfg.retrieval.embed_batch_size)
+      partitioning.host_copy(embedders.query_tower_params(params))
       return {"step": step}
     version, staging = self.published.start_version(self.root)
     prefix = f"[index] v{version} (step {step}): "
-    embed_fn = embedders.block_embedder(self.model, self.mesh, cfg, params)
     embeddings, seconds = embed_blocks(embed_fn, self.data.blocks, self.mesh,
                                        cfg.retrieval.embed_batch_size, prefix)
     timings["embed_seconds"] = round(seconds, 3)
     timings["blocks_per_second"] = round(len(embeddings) / max(seconds, 1e-9), 1)
+    # (a collective where the `model` axis spans processes: every process calls it)
     query_params = partitioning.host_copy(embedders.query_tower_params(params))
     unreachable_since, committed = None, False
     while True:   # a full disk or an unreachable bucket: written again, or finished
@@ -324,7 +328,13 @@ class IndexBuilder:
       step = self._decided(lambda: self._next_build(once, started))
       if step == FINISHED:
         return self.built
-      if self.build(step) is not None:
+      try:
+        built = self.build(step)
+      except BaseException:   # the others wait for process 0's next decision: this failure
+        if self.primary:
+          multihost.from_first_process("index-build", FAILED)
+        raise
+      if built is not None:
         self.built += 1
         if once:
           return self.built
@@ -336,7 +346,7 @@ class IndexBuilder:
     if not self.primary:
       step = multihost.from_first_process("index-build", None)
       if step == FAILED:
-        raise RuntimeError("[index] process 0 of the builder failed; its output says why")
+        raise WorkerDied("process 0 of the builder failed or was stopped; its output says why")
       return step
     try:
       step = decide()

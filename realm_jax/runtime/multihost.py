@@ -244,6 +244,7 @@ def from_first_process(name: str, value: int | None,
     return int(value)
   try:
     return int(client.blocking_key_value_get(key, int(timeout * 1000)))
-  except Exception as e:  # noqa: BLE001  (re-raised with the decision's name)
+  except jax.errors.JaxRuntimeError as e:   # the wait's end, or the job's (process 0 gone)
     raise RuntimeError(f"process {jax.process_index()} of {jax.process_count()}: no {name!r} "
-                       f"from process 0 within {timeout:g}s: {e}") from e
+                       f"from process 0 (it may have ended; waited at most {timeout:g}s): "
+                       f"{e}") from e

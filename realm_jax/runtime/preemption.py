@@ -4,7 +4,7 @@ One process: a SIGTERM handler notes the signal; the loop asks `reached(step)` a
 Several processes: JAX's preemption sync manager (started by `jax.distributed.initialize`, it
 owns SIGTERM there) makes every process answer True at the same step, so all of them save the
 same checkpoint. Either way a watchdog gives the save `grace_seconds` from the moment it is
-known: if the checkpoint is not finalised by then, the process exits without it (code 137, not
+known: if the checkpoint is not finalised by then, the process exits without it (code 75, not
 143: the previous finalised checkpoint stays the latest) rather than be killed mid-write by
 the scheduler.
 """
@@ -20,9 +20,9 @@ import time
 logger = logging.getLogger(__name__)
 
 EXIT_CODE = 143   # 128 + SIGTERM: schedulers restart the job; the rerun resumes
-EXIT_UNSAVED = 137   # the step's save did not finish within the grace: as a trainer SIGKILLed
-                     # mid-save (not 143, which says the step was saved); the rerun resumes
-                     # from the latest finalised checkpoint
+EXIT_UNSAVED = 75    # EX_TEMPFAIL: stopped on SIGTERM, its step's save unfinished within the
+                     # grace (not 143, which says the step was saved, nor 137, a kill); the
+                     # rerun resumes from the latest finalised checkpoint
 
 
 class Preemption:

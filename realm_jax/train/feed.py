@@ -114,8 +114,8 @@ class VersionSchedule:
       waited = time.time() - t0
       self.subscriber.release(before_step=source)
       following = source + r.refresh_every   # loaded in the background once published, so the
-      if following <= deterministic_source_step(self.config.train.steps, r.refresh_every,
-                                                r.swap_lag):   # swap to it does not wait
+      last = self.config.train.steps - 1      # swap to it does not wait (if a step reads it)
+      if following <= deterministic_source_step(last, r.refresh_every, r.swap_lag):
         self.subscriber.want_steps([following])
     else:
       with self._cond:
