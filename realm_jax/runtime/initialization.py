@@ -255,6 +255,13 @@ def check_hf_source(config, src: Source, data_vocab: str, vocab_size: int) -> st
       int(hf["retriever_proj_size"]) != config.model.retrieval_dim:
     lines.append(f"model.retrieval_dim: {config.model.retrieval_dim} (config) != "
                  f"{hf['retriever_proj_size']} ({path}/config.json)")
+  if layout in ("RealmReader", "RealmForOpenQA") and part == "reader" and \
+      config.task == "openqa":   # the span scorer's settings (not shapes: no load would fail)
+    for ours, theirs, kind in (("max_span_width", "max_span_width", int),
+                               ("span_layer_norm_eps", "reader_layer_norm_eps", float)):
+      if kind(hf[theirs]) != kind(config.model[ours]):
+        lines.append(f"model.{ours}: {config.model[ours]} (config) != {theirs} {hf[theirs]} "
+                     f"({path}/config.json)")
   if lines:
     raise ConfigError(option, f"{path} does not fit the {part}'s config:\n  " +
                       "\n  ".join(lines))
