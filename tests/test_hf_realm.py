@@ -498,6 +498,24 @@ def test_safetensors_floats_are_read_as_float32_like_torch_files(tmp_path):
       "w": "float32", "h": "float32", "ids": "int64"}
 
 
+def test_a_realm_checkpoint_larger_than_the_model_gives_its_first_layers_and_positions():
+  """As from a plain BERT: a model with fewer positions and layers than a REALM checkpoint
+  takes the first rows and layers, and the report says so (realm.* names included)."""
+  layout = "RealmKnowledgeAugEncoder"
+  source = random_params(layout, seed=3, num_layers=3, max_position=128)
+  tensors = to_hf(source, layout)
+  smaller = jax.tree.map(np.zeros_like, random_params(layout, seed=4, num_layers=2,
+                                                      max_position=64))
+  new, report = hf_realm_weights.convert(smaller, tensors, layout, "ckpt/model.safetensors",
+                                         "ckpt", only="reader", option="init.reader")
+  positions = leaf(new, "reader/bert/embeddings/position_embeddings/embedding")
+  np.testing.assert_array_equal(
+      positions, leaf(source, "reader/bert/embeddings/position_embeddings/embedding")[:64])
+  assert "layers of realm.encoder: the first 2 of the checkpoint's 3" in report.notes
+  assert any("first 64 of the checkpoint's 128 rows" in note for note in report.notes)
+  assert report.unused and all(".layer.2." in name for name in report.unused)
+
+
 def test_a_damaged_safetensors_file_is_one_error_naming_it(tmp_path):
   """An interrupted download, or an error page saved under the name: a DataError naming the
   file (the CLIs print it in one line), not the library's own exception."""

@@ -231,8 +231,8 @@ class Conversion:
     tensor = self.tensors[hf_name]
     value = tensor.T if flax_leaf == "kernel" else tensor
     shape = tuple(ours.shape)
-    if hf_name == "embeddings.position_embeddings.weight" and value.shape[1:] == shape[1:] \
-        and value.shape[0] > shape[0]:
+    if hf_name.endswith("embeddings.position_embeddings.weight") \
+        and value.shape[1:] == shape[1:] and value.shape[0] > shape[0]:   # also realm.* names
       note = (f"position embeddings: the first {shape[0]} of the checkpoint's "
               f"{value.shape[0]} rows (model.max_position = {shape[0]})")
       if note not in self.notes:

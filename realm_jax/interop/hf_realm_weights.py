@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -227,6 +228,7 @@ def convert(params: Mapping, tensors: dict[str, np.ndarray], layout: str, source
   initialised = sorted(p for p in flat if p not in from_hf
                        and (not only or p.startswith(only + "/")))
   unused = conv.unused()
+  conv.notes.extend(_layers_left(tensors, set(from_hf.values())))
   embedder_head = {"RealmEmbedder": "cls.predictions.",
                    "RealmForOpenQA": "embedder.cls.predictions."}.get(layout)
   if embedder_head and any(n.startswith(embedder_head) for n in unused):
@@ -234,6 +236,21 @@ def convert(params: Mapping, tensors: dict[str, np.ndarray], layout: str, source
                       "part of the embedder's forward: not used")
   report = ImportReport(source, layout, from_hf, initialised, unused, conv.notes)
   return out, report
+
+
+def _layers_left(tensors: Mapping, used: set[str]) -> list[str]:
+  """A note per encoder whose checkpoint has more layers than our model read (the first N of
+  them are read, as from a plain BERT)."""
+  layers: dict[str, set[int]] = {}
+  read: dict[str, set[int]] = {}
+  for name in tensors:
+    if match := re.match(r"(.*encoder\.layer\.)(\d+)\.", name):
+      layers.setdefault(match.group(1), set()).add(int(match.group(2)))
+      if name in used:
+        read.setdefault(match.group(1), set()).add(int(match.group(2)))
+  return [f"layers of {prefix[:-len('.layer.')]}: the first {len(read[prefix])} of the "
+          f"checkpoint's {len(found)}" for prefix, found in sorted(layers.items())
+          if prefix in read and len(read[prefix]) < len(found)]
 
 
 def _check_tied_decoder(conv, prefix: str, words_key: str) -> None:

@@ -288,7 +288,10 @@ def _from_hf(config, src: Source, params, data_vocab: str, vocab_size: int):
   if not report.from_hf:
     raise ConfigError(option, f"{path} is a {layout}, which holds no {part} parameters")
   left = sorted({"/".join(p.split("/")[:3]) for p in report.initialised})
+  unused = [f"  not used: {len(report.unused)} arrays of the checkpoint ("
+            f"{', '.join(report.unused[:4])}{', ...' if len(report.unused) > 4 else ''})"] \
+      if report.unused else []
   return new[part], ([f"{part} <- {option}={src.shown} ({layout}, "
                       f"{len(report.from_hf)} arrays)"]
                      + [f"  left at init: {x}" for x in left]
-                     + [f"  note: {x}" for x in report.notes])
+                     + [f"  note: {x}" for x in report.notes] + unused)
