@@ -270,6 +270,34 @@ def test_a_resumed_run_keeps_the_export_of_a_step_it_evaluates_again(tmp_path):
   np.testing.assert_array_equal(np.asarray(saved["w"]), params(4.0)["w"])
 
 
+def test_an_export_killed_before_its_record_is_finished_by_the_resumed_run(tmp_path,
+                                                                           monkeypatch):
+  """Killed after saving step 400 in W/best and before best.json: best.json still names 300.
+  The resumed run evaluates 400 again: the record is written, not the step saved a second
+  time (Orbax refused it at every rerun). A NaN utility is never the best."""
+  from realm_jax import paths
+  from realm_jax.runtime.checkpoints import restore_params
+  config = tiny_config("realm")
+  params = lambda value: {"w": np.full((4,), value, np.float32)}
+  BestExport(str(tmp_path), config).consider(300, {"retrieval_utility": 1.0}, params(3.0))
+  write_json = paths.write_json
+
+  def killed(*args, **kwargs):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(paths, "write_json", killed)
+  with pytest.raises(KeyboardInterrupt):
+    BestExport(str(tmp_path), config).consider(400, {"retrieval_utility": 2.0}, params(4.0))
+  monkeypatch.setattr(paths, "write_json", write_json)
+  resumed = BestExport(str(tmp_path), config)
+  assert resumed.best == {"step": 300, "retrieval_utility": 1.0}
+  assert resumed.consider(400, {"retrieval_utility": 2.0}, params(4.0))
+  saved, step = restore_params(str(tmp_path / "best"), {"w": jax.ShapeDtypeStruct((4,),
+                                                                                 np.float32)})
+  assert step == 400 and json.load(open(tmp_path / "best" / "best.json"))["step"] == 400
+  np.testing.assert_array_equal(np.asarray(saved["w"]), params(4.0)["w"])
+  assert not resumed.consider(500, {"retrieval_utility": float("nan")}, params(5.0))
+
+
 @pytest.mark.slow   # end-to-end runs: the slow tier
 def test_a_mixed_warmup_reads_its_own_block_or_a_distractor_as_drawn(world_dir, world_data,
                                                                     tmp_path):

@@ -12,8 +12,10 @@ export survives preemption.
 
 from __future__ import annotations
 
-import jax
 import logging
+import math
+
+import jax
 import orbax.checkpoint as ocp
 
 from realm_jax import paths, workdir as workdir_lib
@@ -36,7 +38,8 @@ class BestExport:
   def consider(self, step: int, metrics: dict, params, prefix: str = "") -> bool:
     """Exports `params` if `metrics[METRIC]` is the best yet; returns whether it did."""
     value = metrics.get(METRIC)
-    if value is None or (self.best is not None and value <= self.best[METRIC]):
+    if value is None or not math.isfinite(value) or \
+        (self.best is not None and value <= self.best[METRIC]):
       return False
     if self.best is not None and step == self.best["step"]:
       # a resumed run evaluating the exported step again, better this time (an async index
@@ -48,9 +51,10 @@ class BestExport:
         options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
                                              enable_async_checkpointing=False),
         item_names=("params",))
-    manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
-                 force=True)
-    manager.wait_until_finished()
+    if step not in manager.all_steps():   # else a run killed after saving it, before best.json
+      manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
+                   force=True)
+      manager.wait_until_finished()
     manager.close()
     self.best = {"step": int(step), METRIC: float(value)}
     if jax.process_index() == 0:
