@@ -112,6 +112,28 @@ def test_a_workdir_without_a_finished_checkpoint_takes_another_config(tmp_path):
     workdir_lib.record_config(tiny_config("ict", train__batch_size=16), workdir)
 
 
+def test_a_realm_run_switching_between_in_process_and_builder_refresh_is_refused(tmp_path):
+  """In process, the checkpoints keep the snapshot the index was built from; with realm-index,
+  not: resumed under the other, every checkpoint would read as unreadable. async and
+  deterministic keep the same, and a run that retrieves nothing may switch."""
+  from realm_jax import workdir as workdir_lib
+  workdir = str(tmp_path / "w")
+  workdir_lib.record_config(tiny_config("realm", retrieval__refresh="in_process"), workdir)
+  os.makedirs(os.path.join(workdir, "checkpoints", "2"))
+  with pytest.raises(ConfigError, match=r"retrieval.refresh: 'in_process' \(checkpoints\) != "
+                     r"'async' \(this run\): in-process rebuilds and realm-index"):
+    workdir_lib.record_config(tiny_config("realm", retrieval__refresh="async"), workdir)
+  builder = str(tmp_path / "b")
+  workdir_lib.record_config(tiny_config("realm", retrieval__refresh="async"), builder)
+  os.makedirs(os.path.join(builder, "checkpoints", "2"))
+  workdir_lib.record_config(tiny_config("realm", retrieval__refresh="deterministic"), builder)
+  warmup = str(tmp_path / "warmup")                        # the own block: no index at all
+  workdir_lib.record_config(tiny_config("realm", "warmup", retrieval__refresh="in_process"),
+                            warmup)
+  os.makedirs(os.path.join(warmup, "checkpoints", "2"))
+  workdir_lib.record_config(tiny_config("realm", "warmup", retrieval__refresh="async"), warmup)
+
+
 def test_ctrl_c_ends_a_cli_with_one_line_and_by_sigint():
   """Ctrl-C in any CLI (`errors.run_cli`): one line naming the program, no traceback, and the
   process still ends by SIGINT, so that a shell stops a script there (the demo's stage
