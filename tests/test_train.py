@@ -18,7 +18,7 @@ import pytest
 
 from realm_jax.data import pipeline
 from realm_jax.train import batches, candidate_rows, steps
-from realm_jax.runtime import preemption
+from realm_jax.runtime import preemption, state as state_lib
 from realm_jax.runtime.checkpoints import Checkpointer, restore_run
 from realm_jax.train.loop import train
 from realm_jax.runtime.metrics import read_jsonl
@@ -87,6 +87,9 @@ def test_stage_outputs(stages, name, steps, checkpoints, eval_keys, train_keys):
   workdir = dirs[name]
   rows = read_jsonl(os.path.join(workdir, "metrics", "train.jsonl"))
   assert [r["step"] for r in rows] == list(range(1, steps + 1))
+  schedule = state_lib.learning_rate_schedule(configs[name].train)
+  assert [r["learning_rate"] for r in rows] == pytest.approx(   # the rate each update used
+      [float(schedule(s - 1)) for s in range(1, steps + 1)]) and rows[0]["learning_rate"] == 0
   for r in rows:
     assert train_keys <= set(r), set(r)
     assert np.isfinite(r["loss"]) and r["loss"] > 0
@@ -381,7 +384,6 @@ def test_the_null_document_embedded_once_and_read_short_changes_nothing(world_da
   """A training batch's candidate 0 is the null document in every row: embedding it once and
   reading it at the query's length gives the same retrieval logits, log-probs, loss and
   gradients as the block-length path (the padding takes no part in either)."""
-  from realm_jax.runtime import state as state_lib
   config = tiny_config("realm", None, world_dir, retrieval__k=4,
                        retrieval__train_null_document=True)
   candidates = candidate_rows.of(config)

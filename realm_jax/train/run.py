@@ -291,8 +291,10 @@ class Run:
       batches.served(done, fed, metrics)
       if (done % cfg.train.log_every == 0 or done == total) and window:
         now = time.time()
+        # the rate step `done`'s update applied: optax reads the schedule at the count of
+        # updates before it (0 for the first)
         scalars = window_scalars(window, now - t_last, float(
-            state_lib.learning_rate_schedule(cfg.train)(done)))
+            state_lib.learning_rate_schedule(cfg.train)(done - 1)))
         figures, note = batches.progress(scalars)   # may add figures to the scalars
         logs["train"].write(done, scalars)
         rate = scalars["steps_per_second"]
