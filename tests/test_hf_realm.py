@@ -516,6 +516,24 @@ def test_a_realm_checkpoint_larger_than_the_model_gives_its_first_layers_and_pos
   assert report.unused and all(".layer.2." in name for name in report.unused)
 
 
+def test_an_imported_workdir_keeps_the_vocab_a_run_started_from_it_is_checked_against(
+    tmp_path):
+  """init.from_workdir=W of an import: W has no data dir of its own, so the checkpoint's
+  vocab.txt is kept in W, and data with another vocab of the same size is refused."""
+  from realm_jax.errors import ConfigError
+  from realm_jax.runtime import initialization
+  hf_dir = _embedder_checkpoint(tmp_path / "hf")
+  hf_realm.import_checkpoint(hf_dir, str(tmp_path / "w"))
+  src = initialization.resolve(str(tmp_path / "w"), "init.from_workdir", "retriever")
+  initialization._check_workdir_vocab(src, os.path.join(hf_dir, "vocab.txt"))
+  other = tmp_path / "other_vocab.txt"
+  tokens = open(os.path.join(hf_dir, "vocab.txt")).read().splitlines()
+  other.write_text("\n".join(tokens[:-2] + tokens[-1:] + tokens[-2:-1]) + "\n")
+  with pytest.raises(ConfigError, match=r"config\.init\.from_workdir: the data's .*other_vocab"
+                     r"\.txt .* differs from .*/w/vocab\.txt"):
+    initialization._check_workdir_vocab(src, str(other))
+
+
 def test_a_damaged_safetensors_file_is_one_error_naming_it(tmp_path):
   """An interrupted download, or an error page saved under the name: a DataError naming the
   file (the CLIs print it in one line), not the library's own exception."""

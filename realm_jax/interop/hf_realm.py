@@ -359,6 +359,8 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
       report.notes.append("retriever/block_tower is not in a RealmForOpenQA checkpoint: its "
                           "block embeddings are block_emb, published as the index")
   workdir_lib.write_config(out, config)
+  if os.path.isfile(vocab):   # what init.* checks a run's data against
+    shutil.copyfile(vocab, os.path.join(out, "vocab.txt"))
   checkpoints.write_params(out, params)
   report.notes.append(f"written {out}/config.json and checkpoints/0 (task {config.task}) in "
                       f"{time.time() - t0:.1f}s")

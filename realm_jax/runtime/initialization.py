@@ -226,9 +226,13 @@ def _field_differences(config, workdir: str, part: str) -> list[str]:
 
 
 def _check_workdir_vocab(src: Source, data_vocab: str) -> None:
-  """The source run's token ids must mean what ours mean (its data dir's vocab.txt)."""
+  """The source run's token ids must mean what ours mean (its data dir's vocab.txt, or the
+  checkpoint's own that realm-import-hf keeps in the workdir it writes)."""
   from realm_jax.interop import hf_bert
   from realm_jax.runtime.checkpoints import run_config
+  if os.path.isfile(os.path.join(src.path, "vocab.txt")):
+    hf_bert.check_vocab(data_vocab, src.path, src.option)
+    return
   try:
     data_dir = run_config(src.path).data.dir
   except FileNotFoundError:
