@@ -217,6 +217,25 @@ def test_a_shard_rebuilt_from_other_input_drops_its_old_marker_first(tmp_path, m
   assert corpus.shard_done(shard) is None
 
 
+def test_a_cased_checkpoints_vocab_is_refused(tmp_path):
+  """The tokenizer here lowercases: a cased checkpoint's ids for 'Paris' would be those of
+  'paris'. Its tokenizer_config.json says so; an uncased one (or none) is taken."""
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines())
+  prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "first")))
+  checkpoint = tmp_path / "cased"
+  checkpoint.mkdir()
+  (checkpoint / "vocab.txt").write_text((tmp_path / "first" / "vocab.txt").read_text())
+  (checkpoint / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False}))
+  with pytest.raises(ConfigError, match=r"config\.vocab: .*cased is a cased checkpoint "
+                     r"\(.*tokenizer_config\.json: do_lower_case false\)"):
+    prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"),
+                                   vocab=str(checkpoint)))
+  (checkpoint / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
+  stats = prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"),
+                                         vocab=str(checkpoint)))
+  assert stats["documents"] == len(PROSE)
+
+
 def test_cli_reports_a_bad_record_in_one_line(tmp_path):
   path = write_jsonl(tmp_path / "docs.jsonl", good_lines() + [b"{oops"])
   result = subprocess.run(

@@ -125,6 +125,25 @@ def _check_out_dir(config) -> dict | None:
   return None
 
 
+def _check_uncased(src: str, option_value: str) -> None:
+  """Refuses a cased checkpoint's vocab (its tokenizer_config.json: do_lower_case false): the
+  tokenizer here lowercases and strips accents, so the data's ids would not be the ones the
+  checkpoint was trained on."""
+  directory = src if os.path.isdir(src) else os.path.dirname(src)
+  settings = os.path.join(directory, "tokenizer_config.json")
+  if not os.path.isfile(settings):
+    return
+  try:
+    with open(settings) as f:
+      lower = json.load(f).get("do_lower_case", True)
+  except (OSError, ValueError, AttributeError) as e:
+    raise ConfigError("vocab", f"{settings}: unreadable ({e})") from None
+  if lower is False:
+    raise ConfigError("vocab", f"{option_value} is a cased checkpoint ({settings}: "
+                      "do_lower_case false); realm-prepare's tokenizer lowercases and strips "
+                      "accents, so its ids would not be the checkpoint's: use an uncased one")
+
+
 def _vocab(config):
   """The tokenizer of the run: `DIR/vocab.txt` if an earlier attempt wrote it, else copied
   from `config.vocab`, else trained on the first `vocab_documents` documents."""
@@ -133,6 +152,7 @@ def _vocab(config):
     return load_tokenizer(path)
   if config.vocab:
     src = packages.resolve(config.vocab, "vocab")
+    _check_uncased(src, config.vocab)
     src = os.path.join(src, "vocab.txt") if os.path.isdir(src) else src
     if not os.path.exists(src):
       raise ConfigError("vocab", f"no vocab.txt in {config.vocab}")
