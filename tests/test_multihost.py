@@ -250,16 +250,16 @@ def launch_builders(config, workdir: str) -> list[subprocess.Popen]:
       for i in range(2)]
 
 
-@pytest.mark.parametrize("mesh_shape", [(-1, 1), (1, 8)], ids=["data", "model"])
-def test_a_two_process_builder_publishes_each_version_once(world_dir, tmp_path, mesh_shape):
+def test_a_two_process_builder_publishes_each_version_once(world_dir, tmp_path):
   """realm-index as one job of two processes (a builder slice of two hosts): both embed, the
   first alone publishes, each version once, the embeddings those of one process x 8 devices;
-  both follow its decisions to the end (the trainer's DONE). With the `model` axis across the
-  two processes, the query tower's copy to the host is a collective both join."""
+  both follow its decisions to the end (the trainer's DONE). The `model` axis spans the two
+  processes, so the query tower's copy to the host is a collective both must join (with the
+  mesh's `data` axis across them instead, each process would copy its own replica)."""
   from realm_jax import workdir as workdir_lib
   from realm_jax.retrieval import published
   from tests.test_index_builder import builder_config, make_checkpoints, reference_embeddings
-  config = builder_config(world_dir, mesh__shape=mesh_shape)
+  config = builder_config(world_dir, mesh__shape=(1, 8))
   workdir = str(tmp_path / "run")
   states, model, mesh, data = make_checkpoints(config, workdir, (0, 10))
   workdir_lib.mark_done(workdir, config.train.steps)   # the trainer has finished
