@@ -119,6 +119,12 @@ def test_bad_init_sources_name_the_option(world_dir, world_data, fresh, tmp_path
                      r"workdir nor a Hugging Face BERT / REALM dir: .*empty holds neither "
                      r"checkpoints/ nor config\.json"):
     start(config, fresh, world_data)
+  (empty / "config.json").write_text("{}")             # the shards of a large checkpoint
+  (empty / "model.safetensors.index.json").write_text("{}")
+  with pytest.raises(ConfigError, match=r"empty holds neither checkpoints/ nor config\.json "
+                     r"with .*, but a sharded checkpoint \(model\.safetensors\.index\.json\), "
+                     r"which is not read: save it as one file"):
+    start(config, fresh, world_data)
   config = towers_config(world_dir, init__retriever=str(tmp_path / "nowhere"))
   with pytest.raises(ConfigError, match=r"^config\.init\.retriever: .*nowhere does not exist"):
     start(config, fresh, world_data)

@@ -59,6 +59,16 @@ def normalise_name(name: str) -> str:
                 re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", name))
 
 
+def sharded(path: str) -> str:
+  """', a sharded checkpoint (X.index.json), which is not read: save it as one file' where
+  PATH holds one, else ''."""
+  index = next((f + ".index.json" for f in WEIGHT_FILES
+                if os.path.isfile(os.path.join(path, f + ".index.json"))), None)
+  return "" if index is None else (f", but a sharded checkpoint ({index}), which is not read: "
+                                   "save it as one file (save_pretrained with a larger "
+                                   "max_shard_size)")
+
+
 def read_weights(path: str) -> tuple[dict[str, np.ndarray], str]:
   """(tensors by normalised name, the file read): model.safetensors, else pytorch_model.bin."""
   safetensors_file, torch_file = (os.path.join(path, f) for f in WEIGHT_FILES)
@@ -68,7 +78,7 @@ def read_weights(path: str) -> tuple[dict[str, np.ndarray], str]:
     raw, file = _load_torch(torch_file), torch_file
   else:
     raise FileNotFoundError(f"no HF BERT weights in {path}: expected {WEIGHT_FILES[0]} or "
-                            f"{WEIGHT_FILES[1]}")
+                            f"{WEIGHT_FILES[1]}{sharded(path)}")
   tensors: dict[str, np.ndarray] = {}
   for name in sorted(raw, key=lambda n: not n.startswith("bert.")):  # `bert.` names win
     tensors.setdefault(normalise_name(name), raw[name])

@@ -102,9 +102,10 @@ def resolve(spec: str, option: str, part: str, step: int = -1) -> Source:
       raise ConfigError(f"init.{part}_step", f"{step}, but {option}={spec!r} is a Hugging Face "
                         "dir (no checkpoint steps): leave it at -1")
     return Source(part, option, "hf", path, url=url)
+  from realm_jax.interop.hf_bert import sharded
   why = "does not exist" if not os.path.exists(path) else "is not a directory" \
       if not os.path.isdir(path) else f"holds neither checkpoints/ nor config.json with " \
-      f"{' or '.join(WEIGHT_FILES)}"
+      f"{' or '.join(WEIGHT_FILES)}{sharded(path)}"
   raise ConfigError(option, f"{spec!r} is neither a run's workdir nor a Hugging Face BERT / "
                     f"REALM dir: {path} {why}")
 
