@@ -5,7 +5,8 @@ checkpoints were written under)."""
 from __future__ import annotations
 
 from realm_jax.config.defaults import TOWER_FIELDS
-from realm_jax.config.reading import flat_options, freezing_options, frozen_paths
+from realm_jax.config.reading import (flat_options, freezing_options, frozen_paths,
+                                      uses_index_builder)
 
 # Fields that fix parameter shapes or the meaning of a checkpoint: a workdir whose
 # checkpoints were written under other values cannot be resumed.
@@ -32,19 +33,17 @@ def incompatible_fields(saved: dict, current: dict) -> list[str]:
               current_flat.get(name, ADDED_FIELDS.get(name)))
       if _norm(a) != _norm(b):
         diffs.append(f"{name}: {a!r} (checkpoints) != {b!r} (this run)")
-  return diffs + _index_source_differs(saved_flat, current_flat) + \
+  return diffs + _index_source_differs(saved, current, saved_flat, current_flat) + \
       _frozen_differs(saved, current, current_flat)
 
 
-def _index_source_differs(saved_flat: dict, current_flat: dict) -> list[str]:
+def _index_source_differs(saved: dict, current: dict, saved_flat: dict,
+                          current_flat: dict) -> list[str]:
   """A REALM run retrieving from the index keeps the snapshot its index was built from in
   the checkpoints when it rebuilds in process, nothing when realm-index builds it: the
   `retrieval` item differs, so the switch is refused here rather than every checkpoint read
   as unreadable."""
-  builder = lambda flat: flat.get("task") == "realm" and \
-      flat.get("retrieval.candidates") == "index" and \
-      flat.get("retrieval.refresh", "in_process") != "in_process"
-  if builder(saved_flat) == builder(current_flat):
+  if uses_index_builder(saved) == uses_index_builder(current):
     return []
   was, now = saved_flat.get("retrieval.refresh"), current_flat.get("retrieval.refresh")
   return [f"retrieval.refresh: {was!r} (checkpoints) != {now!r} (this run): in-process "

@@ -63,9 +63,11 @@ def null_in_training(config) -> bool:
 
 def uses_index_builder(config) -> bool:
   """Whether the trainer takes its index versions from the separate realm-index job (REALM
-  retrieving from the index, refreshed async or deterministic), which then must run beside it."""
-  r = config.retrieval
-  return config.task == "realm" and r.candidates == "index" and r.refresh != "in_process"
+  retrieving from the index, refreshed async or deterministic), which then must run beside it
+  (`config` a ConfigDict or its JSON record)."""
+  r = config.get("retrieval") or {}
+  return config.get("task") == "realm" and r.get("candidates") == "index" and \
+      r.get("refresh", "in_process") != "in_process"
 
 
 def freezing_options(config) -> dict[str, bool]:

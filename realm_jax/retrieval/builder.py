@@ -68,6 +68,7 @@ class IndexBuilder:
     self.published = published
     self.root = published.index_root(workdir)
     self.primary = jax.process_index() == 0   # the one process that writes W/index
+    self.multiprocess = jax.process_count() > 1
     if self.primary and paths.isdir(self.root):
       self._recover(config.builder.keep_versions)
     from realm_jax.runtime.metrics import MetricWriter
@@ -96,12 +97,12 @@ class IndexBuilder:
   def checkpoint_steps(self) -> list[int]:
     """Finalised checkpoint steps, from Orbax's listing (re-read every call; this process's
     own manager: process 0 lists while the others wait for its decision)."""
-    import jax
     if not paths.isdir(self.checkpoint_dir):
       return []
     if self.lister is None:
+      import jax
       self.lister = self.checkpoints.read_only_manager(
-          self.workdir, processes={jax.process_index()} if jax.process_count() > 1 else None,
+          self.workdir, processes={jax.process_index()} if self.multiprocess else None,
           item_names=self.checkpoints.ITEMS)
     for _ in range(LIST_ATTEMPTS - 1):
       try:
@@ -115,12 +116,9 @@ class IndexBuilder:
   def _reader(self):
     """The manager every process restores through (made by all of them at their first build;
     with one process, the listing's)."""
-    import jax
     if self.reader is None:
-      self.reader = self.checkpoints.read_only_manager(
-          self.workdir, item_names=self.checkpoints.ITEMS) if jax.process_count() > 1 else \
-          (self.lister or self.checkpoints.read_only_manager(self.workdir,
-                                                            item_names=self.checkpoints.ITEMS))
+      self.reader = self.lister if self.lister is not None and not self.multiprocess else \
+          self.checkpoints.read_only_manager(self.workdir, item_names=self.checkpoints.ITEMS)
     return self.reader
 
   def restore_retriever(self, step: int):
@@ -128,13 +126,12 @@ class IndexBuilder:
     of the state is read); None if the checkpoint vanished meanwhile (kept-N deletion). With
     several processes such a restore fails the job instead (Orbax's restore ends in a barrier
     the others would wait in); the builder started again builds the newest."""
-    import jax
     target = {"retriever": self.abstract_retriever}
     try:
       restored = self._reader().restore(step,
                                         args=self.checkpoints.partial_params_restore(target))
     except Exception:  # noqa: BLE001  (re-raised below unless the checkpoint is gone)
-      if jax.process_count() == 1 and step not in self.checkpoint_steps():
+      if not self.multiprocess and step not in self.checkpoint_steps():
         return None
       raise
     return restored.params["retriever"]
@@ -325,35 +322,29 @@ class IndexBuilder:
     started = time.time()
     self.built = 0
     while True:
-      step = self._decided(lambda: self._next_build(once, started))
-      if step == FINISHED:
-        return self.built
       try:
-        built = self.build(step)
-      except BaseException:   # the others wait for process 0's next decision: this failure
+        step = self._decided(lambda: self._next_build(once, started))
+        if step == FINISHED:
+          return self.built
+        if self.build(step) is not None:
+          self.built += 1
+          if once:
+            return self.built
+        # else: look again at once: a deleted checkpoint means a newer one exists
+      except BaseException:   # the others wait for process 0's next decision: its failure
         if self.primary:
           multihost.from_first_process("index-build", FAILED)
         raise
-      if built is not None:
-        self.built += 1
-        if once:
-          return self.built
-      # else: look again at once: a deleted checkpoint means a newer one exists
 
   def _decided(self, decide) -> int:
     """`decide()` on process 0 (the one listing checkpoints and versions), its answer on every
-    process; a process 0 that failed deciding makes the others fail too."""
-    if not self.primary:
-      step = multihost.from_first_process("index-build", None)
-      if step == FAILED:
-        raise WorkerDied("process 0 of the builder failed or was stopped; its output says why")
-      return step
-    try:
-      step = decide()
-    except BaseException:
-      multihost.from_first_process("index-build", FAILED)
-      raise
-    return multihost.from_first_process("index-build", step)
+    process (FAILED: process 0 failed, and so do the others)."""
+    if self.primary:
+      return multihost.from_first_process("index-build", decide())
+    step = multihost.from_first_process("index-build", None)
+    if step == FAILED:
+      raise WorkerDied("process 0 of the builder failed or was stopped; its output says why")
+    return step
 
   def _next_build(self, once: bool, started: float) -> int:
     """The checkpoint step to build next (waiting for one), or FINISHED: the trainer is done."""
@@ -401,7 +392,7 @@ class IndexBuilder:
     return False
 
   def close(self) -> None:
-    for manager in {id(m): m for m in (self.lister, self.reader) if m is not None}.values():
+    for manager in {self.lister, self.reader} - {None}:
       manager.close()
     self.metrics.close()
 

@@ -33,7 +33,6 @@ from realm_jax.config.reading import part_model, part_options
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # Parameters a part may lack in a workdir source: Open-QA's span scorer after pre-training.
 MAY_BE_MISSING = (("reader", "qa_outputs"),)
 # The config.model fields that shape each part's parameters.
@@ -87,6 +86,7 @@ def resolve(spec: str, option: str, part: str, step: int = -1) -> Source:
   if spec in ("", RANDOM_START):
     return Source(part, option, "random")
   path, url = packages.resolve(spec, option), ""
+  from realm_jax.interop.hf_bert import WEIGHT_FILES, sharded
   if paths.is_remote(path):   # a run's workdir (read there) or an HF dir (copied here)
     if paths.isdir(paths.join(path, workdir_lib.CHECKPOINTS)):
       return Source(part, option, "workdir", path, step)
@@ -102,7 +102,6 @@ def resolve(spec: str, option: str, part: str, step: int = -1) -> Source:
       raise ConfigError(f"init.{part}_step", f"{step}, but {option}={spec!r} is a Hugging Face "
                         "dir (no checkpoint steps): leave it at -1")
     return Source(part, option, "hf", path, url=url)
-  from realm_jax.interop.hf_bert import sharded
   why = "does not exist" if not os.path.exists(path) else "is not a directory" \
       if not os.path.isdir(path) else f"holds neither checkpoints/ nor config.json with " \
       f"{' or '.join(WEIGHT_FILES)}{sharded(path)}"
