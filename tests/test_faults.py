@@ -114,6 +114,31 @@ def test_truncated_latest_checkpoint_is_named_and_the_previous_one_resumes(
 
 
 @pytest.mark.slow
+def test_a_latest_checkpoint_that_fails_once_is_tried_again_not_moved_aside(
+    finished_ict, tmp_path, capsys, monkeypatch):
+  """A read error that passes (a bucket's hiccup) on the newest checkpoint: the one before it
+  restores, then the newest is tried a second time and resumed from; nothing is moved aside."""
+  config, workdir = copy_of(finished_ict, tmp_path)
+  restore, calls = Checkpointer.restore, []
+
+  def fails_once(self, step, *args):
+    calls.append(step)
+    if step == STEPS and calls.count(STEPS) == 1:
+      raise OSError("Connection reset by peer")
+    return restore(self, step, *args)
+  monkeypatch.setattr(Checkpointer, "restore", fails_once)
+  summary = train(config, workdir)
+  out = capsys.readouterr().out
+  ckpt = os.path.join(os.path.abspath(workdir), "checkpoints")
+  assert f"checkpoint {ckpt}/{STEPS} cannot be restored (OSError: Connection reset" in out
+  assert f"checkpoint {ckpt}/{STEPS} restored on a second try" in out, out[-3000:]
+  assert f"resumed from {ckpt}/{STEPS} " in out, out[-3000:]
+  assert calls == [STEPS, 2, STEPS]
+  assert not os.path.exists(os.path.join(workdir, UNREADABLE_CHECKPOINTS))
+  assert summary["steps"] == STEPS and len(loss_records(workdir)[STEPS]) == 1
+
+
+@pytest.mark.slow
 def test_no_readable_checkpoint_stops_naming_each_instead_of_starting_over(
     finished_ict, tmp_path):
   config, workdir = copy_of(finished_ict, tmp_path)

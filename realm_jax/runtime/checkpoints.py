@@ -123,25 +123,43 @@ class Checkpointer:
   def restore_latest(self, abstract_state, abstract_retrieval, log=print):
     """(step, state, data item, retrieval item) of the newest checkpoint that restores, or
     None when there is none. A newer one that fails (a truncated or corrupt file) is named,
-    moved to `W/unreadable_checkpoints/<step>` (so that step can be saved again) and the one
-    before it tried; when none restores, CheckpointError names each: never step 0 silently."""
+    tried the one before it, and, once an older one has restored, tried a second time (an
+    error that passed, e.g. a bucket's hiccup, must not cost the steps since): failing again,
+    it is moved to `W/unreadable_checkpoints/<step>` (so that step can be saved again). When
+    none restores, CheckpointError names each: never step 0 silently."""
     failed: dict[int, str] = {}   # step -> why it did not restore
     for step in sorted(self.all_steps(), reverse=True):
-      try:
-        restored = self.restore(step, abstract_state, abstract_retrieval)
-      except Exception as e:   # Orbax / TensorStore raise bare Exceptions for a bad file
-        failed[step] = f"{type(e).__name__}: {_first_line(e, 400)}"
+      restored, failed[step] = self._try_restore(step, abstract_state, abstract_retrieval)
+      if restored is None:
         log(f"checkpoint {self.directory}/{step} cannot be restored ({failed[step]}); "
-            f"trying the one before it")
+            "trying the one before it")
         continue
-      for bad in failed:
-        self._move_aside(bad, log)
-      return (step, *restored)
-    if failed:
-      raise CheckpointError("no checkpoint of this run can be restored; not starting over "
-                            "from step 0. Tried (newest first): " + "; ".join(
-                                f"{self.directory}/{s} ({why})" for s, why in failed.items()))
-    return None
+      del failed[step]
+      if not failed:
+        return (step, *restored)
+      break
+    else:
+      if failed:
+        raise CheckpointError("no checkpoint of this run can be restored; not starting over "
+                              "from step 0. Tried (newest first): " + "; ".join(
+                                  f"{self.directory}/{s} ({why})" for s, why in failed.items()))
+      return None
+    del restored   # one restored state on the devices at a time
+    for bad in failed:   # newest first
+      again, why = self._try_restore(bad, abstract_state, abstract_retrieval)
+      if again is not None:
+        log(f"checkpoint {self.directory}/{bad} restored on a second try")
+        return (bad, *again)
+      log(f"checkpoint {self.directory}/{bad} failed again ({why})")
+      self._move_aside(bad, log)
+    return (step, *self.restore(step, abstract_state, abstract_retrieval))
+
+  def _try_restore(self, step: int, abstract_state, abstract_retrieval):
+    """(`restore(step)`, None), or (None, why it failed)."""
+    try:
+      return self.restore(step, abstract_state, abstract_retrieval), None
+    except Exception as e:   # Orbax / TensorStore raise bare Exceptions for a bad file
+      return None, f"{type(e).__name__}: {_first_line(e, 400)}"
 
   def _move_aside(self, step: int, log) -> None:
     """`W/checkpoints/<step>` -> `W/unreadable_checkpoints/<step>` (process 0; all wait)."""
