@@ -109,13 +109,17 @@ def write_config(workdir: str, config) -> None:
 
 
 def saved_config(workdir: str):
-  """The run's own resolved config (`W/config.json`) as a ConfigDict."""
+  """The run's own resolved config (`W/config.json`) as a ConfigDict; a FileNotFoundError
+  naming a missing W, or a W without one (not a run directory)."""
   import ml_collections
   from realm_jax.config.option_names import upgrade_record
+  if not paths.isdir(workdir):
+    raise FileNotFoundError(f"{workdir}: no such run directory")
   path = paths.join(workdir, CONFIG)
   record = paths.read_json(path)
   if record is None:
-    raise FileNotFoundError(f"{path}: no config of the run; pass --config")
+    raise FileNotFoundError(f"{path}: not found, so {workdir} is not a run directory (a run "
+                            f"writes its resolved config there)")
   return ml_collections.ConfigDict(upgrade_record(record, f"{path}: "))
 
 

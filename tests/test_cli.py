@@ -202,6 +202,28 @@ def test_every_cli_names_a_misspelt_option_and_a_missing_config_file_in_one_line
   assert not os.path.exists(tmp_path / "w")
 
 
+@pytest.mark.parametrize("module, prog", [("realm_jax.openqa_eval", "realm-eval"),
+                                          ("realm_jax.predict", "realm-predict")])
+def test_a_workdir_that_is_not_a_run_is_named_in_one_line(module, prog, tmp_path):
+  """A W that does not exist, or holds no run (no config.json), is named as such; a
+  misspelt --split of realm-eval names the splits."""
+  (tmp_path / "empty").mkdir()
+  cases = [([f"--workdir={tmp_path}/nowhere"], f"{tmp_path}/nowhere: no such run directory"),
+           ([f"--workdir={tmp_path}/empty"],
+            f"{tmp_path}/empty/config.json: not found, so {tmp_path}/empty is not a run "
+            "directory")]
+  if prog == "realm-eval":
+    cases.append(([f"--workdir={tmp_path}/empty", "--split=tset"],
+                  "flag --split=tset: value should be one of <train|dev|test>"))
+  for args, expected in cases:
+    result = subprocess.run([sys.executable, "-m", module, *args,
+                             *(["who?"] if prog == "realm-predict" else [])],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, (args, result.stderr[-2000:])
+    lines = [line for line in result.stderr.splitlines() if "Warning" not in line and line]
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {expected}"), lines
+
+
 def test_realm_predict_refuses_an_empty_question(tmp_path):
   result = subprocess.run([sys.executable, "-m", "realm_jax.predict", "--workdir",
                            str(tmp_path), "who?", "  "], cwd=REPO, capture_output=True,
