@@ -54,9 +54,18 @@ def realm_flags(world_dir):
     ({"retrieval__refresh": "deterministic", "retrieval__refresh_every": 3,
       "retrieval__swap_lag": 2, "train__checkpoint_every": 1, "train__keep_checkpoints": 1},
      "train.keep_checkpoints"),
+    # numbers outside their ranges: -1 would evaluate after every step, a dim of 0 fail at the
+    # first checkpoint, a NaN learning rate train nothing
+    ({"eval__every": -1}, "eval.every"),
+    ({"model__retrieval_dim": 0}, "model.retrieval_dim"),
+    ({"train__lr": float("nan")}, "train.lr"),
+    ({"train__b2": 1.5}, "train.b2"),
+    ({"data__ict_remove_prob": 2.0}, "data.ict_remove_prob"),
+    ({"train__warmup_steps": -5}, "train.warmup_steps"),
 ], ids=["k=1", "k>blocks", "block_len=4", "block_len!=data", "mesh=3x1", "task", "candidates",
         "batch>examples", "keep=0", "checkpoint_every=0", "log_every=0", "refresh_every=0",
-        "keep<swap_lag"])
+        "keep<swap_lag", "eval_every=-1", "retrieval_dim=0", "lr=nan", "b2=1.5",
+        "ict_remove_prob=2", "warmup=-5"])
 def test_bad_option_is_named(world_dir, tmp_path, overrides, option):
   """In process: the trainer refuses the option by name before it writes anything."""
   from realm_jax.train.loop import train
@@ -222,6 +231,34 @@ def test_a_workdir_that_is_not_a_run_is_named_in_one_line(module, prog, tmp_path
     assert result.returncode == 2, (args, result.stderr[-2000:])
     lines = [line for line in result.stderr.splitlines() if "Warning" not in line and line]
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {expected}"), lines
+
+
+def test_a_config_file_is_read_for_what_it_says(tmp_path):
+  """realm-train, one line each: a field the config file adds (a misspelt assignment, which
+  training would ignore), an error of the file's own code (not "no field"), and a realm-prepare
+  config; nothing written."""
+  make = "\n".join(["import os", "from realm_jax.config.defaults import base_config", "",
+                    "def get_config(arg=None):", "  c = base_config()", "  {}", "  return c", ""])
+  cases = {"typo": ("c.train.stesp = 100", "config.train.stesp: set by {}, but not an option; "
+                    "did you mean 'train.steps'?"),
+           "env": ('c.data.dir = os.environ["REALM_JAX_TEST_UNSET"]',
+                   "--config {}, line 6: KeyError: 'REALM_JAX_TEST_UNSET'")}
+  for name, (line, expected) in cases.items():
+    (tmp_path / f"{name}.py").write_text(make.format(line))
+    result = run_cli(["--config", str(tmp_path / f"{name}.py")], str(tmp_path / "w"))
+    assert_clear_error(result, expected.format(tmp_path / f"{name}.py"))
+  result = run_cli(["--config", "configs/squad_realm.py:prepare"], str(tmp_path / "w"))
+  assert_clear_error(result, "config.task: missing: not a training config")
+  assert not os.path.exists(tmp_path / "w")
+
+
+def test_integers_are_read_exactly_at_any_size():
+  from realm_jax.config.overrides import typed_value
+  assert typed_value("1732790000123456789", 0, "seed") == 1732790000123456789
+  assert typed_value("1e3", 0, "seed") == 1000 and typed_value("-3", 0, "seed") == -3
+  for text in ("1.5", "1e20", "nan", "x"):
+    with pytest.raises(ConfigError):
+      typed_value(text, 0, "seed")
 
 
 def test_realm_predict_refuses_an_empty_question(tmp_path):

@@ -40,11 +40,36 @@ def _parse_or_exit(prog: str, flag_values, argv: list[str]) -> list[str]:
   try:
     rest = flag_values(argv)
     if "config" in flag_values and flag_values["config"].value is not None:
-      flag_values["config"].value.keys()
+      check_known_options(flag_values["config"].value, _config_file(argv))
     return rest
   except Exception as e:   # noqa: BLE001 -- whatever parsing raises is a usage error
     print(f"{prog}: error: {flag_error(e, argv)}", file=sys.stderr)
     raise SystemExit(2) from None
+
+
+def check_known_options(config, config_file: str | None) -> None:
+  """A training config (one with a `task`) holds the defaults' options (config/defaults.py)
+  and no other: a field its file added, a misspelt assignment (`c.train.stesp = 4`, which
+  ConfigDict takes as a new field and training ignores), is a ConfigError naming it."""
+  if "task" not in config:   # a realm-prepare config: options of its own
+    return
+  from realm_jax.config.defaults import base_config
+  from realm_jax.config.option_names import new_name
+  known = flat_options(base_config())
+  for key in flat_options(config):
+    if key not in known and new_name(key) not in known:
+      close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.5)
+      raise ConfigError(key, f"set by {config_file}, but not an option" +
+                        (f"; did you mean {close[0]!r}?" if close else ""))
+
+
+def _raised_by_config_dict(error: BaseException) -> bool:
+  """Whether ml_collections raised `error` (a field a ConfigDict does not have), not the config
+  file's own code (`os.environ["X"]`, a dict of its variants)."""
+  frame = error.__traceback__
+  while frame is not None and frame.tb_next is not None:
+    frame = frame.tb_next
+  return frame is not None and "ml_collections" in frame.tb_frame.f_code.co_filename
 
 
 def flag_error(error: Exception, argv: list[str]) -> str:
@@ -55,7 +80,7 @@ def flag_error(error: Exception, argv: list[str]) -> str:
   config_file = _config_file(argv)
   inside, raised = _line_in(error, config_file)
   if inside:   # raised by the config file's own code (a misspelt field there, say)
-    if isinstance(root, KeyError) and root.args:   # ConfigDict: a field it does not have
+    if isinstance(root, KeyError) and root.args and _raised_by_config_dict(root):
       what = f"the config has no field {str(root.args[0])!r}"
       suggestion = re.search(r'Did you mean "([^"]+)"', repr(raised.args))
       what += f"; did you mean {suggestion.group(1)!r}?" if suggestion else ""
@@ -138,6 +163,11 @@ def typed_value(text: str, current, key: str):
     if text.lower() in ("false", "0", "no"):
       return False
     raise ConfigError(key, f"{text!r} is not a boolean")
+  if isinstance(current, int) and not isinstance(current, float):
+    try:
+      return int(text)   # exact at any size (a float holds 53 bits)
+    except ValueError:
+      pass
   if isinstance(current, (int, float)):
     try:
       number = float(text)
@@ -145,8 +175,9 @@ def typed_value(text: str, current, key: str):
       raise ConfigError(key, f"{text!r} is not a number") from None
     if isinstance(current, float):
       return number
-    if not math.isfinite(number) or number != int(number):
-      raise ConfigError(key, f"{text!r} is not an integer")
+    if not math.isfinite(number) or number != int(number) or abs(number) >= 2 ** 53:
+      raise ConfigError(key, f"{text!r} is not an integer" + (
+          " (write it out in digits)" if abs(number) >= 2 ** 53 else ""))
     return int(number)
   if isinstance(current, (tuple, list)):
     try:

@@ -120,6 +120,9 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
              max_sentence_len: int | None = None, vocab_size: int | None = None) -> None:
   """Raises ConfigError naming the first bad option; called before any JAX work. Options set
   under an old name are first moved to the new one (config/option_names.py)."""
+  if "task" not in config:
+    raise ConfigError("task", "missing: not a training config (a realm-prepare config, e.g. "
+                      "configs/X.py:prepare? It is read by realm-prepare)")
   upgrade_config(config)
   if config.task not in TASKS:
     raise ConfigError("task", f"unknown task {config.task!r}; choose one of {TASKS}")
@@ -149,8 +152,45 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
     raise ConfigError("train.preemption_grace_seconds", "must be > 0 seconds")
   if t.get("nonfinite", "stop") not in NONFINITE_ACTIONS:
     raise ConfigError("train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE_ACTIONS}")
+  _validate_ranges(config)
   validate_against_data(config, num_blocks=num_blocks, store_block_len=store_block_len,
                         max_sentence_len=max_sentence_len, vocab_size=vocab_size)
+
+
+# option -> (lowest, highest, whether each end is allowed), for numbers without a rule of
+# their own; a NaN is never inside.
+_RANGES = {
+    "train.lr": (0.0, float("inf"), False, False),
+    "train.warmup_steps": (-1, float("inf"), True, False),   # -1: BERT's rule
+    "train.b1": (0.0, 1.0, True, False),
+    "train.b2": (0.0, 1.0, True, False),
+    "train.weight_decay": (0.0, float("inf"), True, False),
+    "train.clip_norm": (0.0, float("inf"), False, False),
+    "eval.every": (0, float("inf"), True, False),            # 0: at the end only
+    "eval.num_examples": (1, float("inf"), True, False),
+    "eval.batch_size": (1, float("inf"), True, False),
+    "data.ict_remove_prob": (0.0, 1.0, True, True),
+    "model.retrieval_dim": (1, float("inf"), True, False),
+    "retrieval.index_timeout": (0.0, float("inf"), False, False),
+    "builder.poll_seconds": (0.0, float("inf"), False, False),
+    "builder.wait_timeout": (0.0, float("inf"), False, False),
+}
+
+
+def _validate_ranges(config) -> None:
+  """The numbers of `_RANGES` inside theirs (eval.every -1 would evaluate after every step, a
+  retrieval_dim of 0 fail at the first checkpoint, a NaN learning rate train nothing)."""
+  for option, (low, high, low_in, high_in) in _RANGES.items():
+    group, leaf = option.split(".")
+    value = config[group].get(leaf)
+    if value is None:
+      continue
+    inside = (low <= value if low_in else low < value) and \
+        (value <= high if high_in else value < high)
+    if not inside:
+      bounds = f"{'>=' if low_in else '>'} {low}" if high == float("inf") else \
+          f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+      raise ConfigError(option, f"must be {bounds}, got {value}")
 
 
 def validate_against_data(config, *, num_blocks: int | None = None,

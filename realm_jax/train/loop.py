@@ -255,7 +255,7 @@ class QueryStepBatches(StepBatches):
 
 def train(config, workdir: str) -> dict:
   """Runs one stage; returns its summary (also written to `workdir/summary.json`)."""
-  if config.task == "openqa":
+  if config.get("task") == "openqa":   # (a config without one is named by validate)
     from realm_jax.train.openqa_loop import OpenQATrainer
     return OpenQATrainer(config, workdir).run()
   return Trainer(config, workdir).run()
