@@ -9,7 +9,8 @@ from realm_jax.config.presets import demo_scale
 
 
 def get_config(arg=None):
-  del arg
+  if arg:   # as the other configs refuse a variant they do not have
+    raise ValueError(f"configs/demo_ict.py: unknown variant {arg!r}; it has none")
   c = demo_scale(base_config())
   c.task = "ict"
   c.train.batch_size = 64
