@@ -122,6 +122,50 @@ def test_regex_answers_map_to_token_spans(tok):
   assert either.contains_rows(carters[None]).tolist() == [True]
 
 
+PUNCTUATED = ["he lived in st. louis for years", "the u.s. army", "jean-paul sartre wrote",
+              "a town of 40,449 people", "pelé scored twice", "(born 1950) in paris, france"] * 3
+
+
+@pytest.fixture(scope="module")
+def punctuated_tok(tmp_path_factory):
+  return train_tokenizer(PUNCTUATED, str(tmp_path_factory.mktemp("vocab")), vocab_size=120)
+
+
+@pytest.mark.parametrize("pattern, body, span", [
+    (r"St\.? Louis", "he lived in St. Louis for years", "st . louis"),   # glued before
+    (r"U\.S\.", "the U.S. army", "u . s ."),                             # glued both sides
+    (r"Jean-Paul", "Jean-Paul Sartre wrote", "jean - paul"),
+    (r"40,?449", "a town of 40,449 people", "40 , 449"),
+    (r"Pelé", "Pelé scored twice", "pele"),                               # accents dropped
+    (r"\(born 1950\)", "(born 1950) in Paris, France", "( born 1950 )"),
+    (r"Paris, France", "(born 1950) in Paris, France", "paris , france"),
+])
+def test_regex_answers_match_the_text_however_its_punctuation_was_spaced(
+    punctuated_tok, pattern, body, span):
+  """The tokenizer spaces punctuation apart and drops accents ("U.S." is `u . s .`): a pattern
+  written against the text finds the block and the span, and the span as read back from
+  wordpieces (decoded) matches as a prediction."""
+  tok = punctuated_tok
+  ids = block(tok, "x", body)
+  matcher = AnswerMatcher(tok, [pattern], is_regex=True)
+  found = [" ".join(tok.tokens(ids[a:b + 1])).replace(" ##", "") for a, b in matcher.spans(ids)]
+  assert found == [span], found
+  assert matcher.contains_rows(ids[None]).tolist() == [True]
+  decoded = text_of(tok, ids, matcher.spans(ids)[0])
+  assert exact_match(decoded, [pattern], is_regex=True), decoded
+  assert not AnswerMatcher(tok, [pattern], is_regex=True).contains(block(tok, "x", "the army"))
+
+
+def test_a_span_read_back_from_wordpieces_scores_as_its_answer_and_nothing_else():
+  """EM / F1 compare the strings also glued around punctuation: a decoded span ("40, 449",
+  "a. i.") is its answer; a word that spacing made ("a" of "a. i.", an article) is not."""
+  for answer, decoded in [("40,449", "40, 449"), ("A.I.", "a. i."), ("The A-Team", "the a - team"),
+                          ("Sir Mix-a-Lot", "sir mix - a - lot"), ("St. Louis", "st. louis")]:
+    assert exact_match(decoded, [answer]) and f1_score(decoded, [answer]) == 1.0, answer
+  for answer, wrong in [("A.I.", "I"), ("A-ha", "ha"), ("The A-Team", "team"), ("a.m.", "m")]:
+    assert not exact_match(wrong, [answer]) and f1_score(wrong, [answer]) == 0.0, answer
+
+
 def reference_contains(tok, row, answers) -> bool:
   """The definition, position by position."""
   pieces = tok.tokens(row)

@@ -22,6 +22,29 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
 
+# A character that is neither a word character nor a space: what the uncased tokenizer splits
+# off as a word of its own ("U.S." -> "u . s ."), whatever spacing the text had around it.
+_LONE = re.compile(r"\s*([^\w\s])\s*", re.UNICODE)
+# The spacings a text read back from wordpieces may have had around those characters:
+# as split ("u . s ."), glued before ("st. louis", as a decoded span reads), glued on both
+# sides ("u.s.", "jean-paul", "40,449").
+SPACINGS = ("split", "before", "glued")
+
+
+def respaced(text: str, spacing: str) -> str:
+  """`text` with its non-word characters spaced as `spacing` says (`SPACINGS`)."""
+  if spacing == "split":
+    return " ".join(_LONE.sub(r" \1 ", text).split())
+  if spacing == "before":
+    return " ".join(_LONE.sub(r"\1 ", text).split())
+  return _LONE.sub(r"\1", text)
+
+
+def _strip_accents(s: str) -> str:
+  """NFD with the combining marks dropped, as BERT's uncased tokenizer does."""
+  return "".join(c for c in unicodedata.normalize("NFD", s) if unicodedata.category(c) != "Mn")
+
+
 def normalize_answer(s: str) -> str:
   """ORQA's `normalize_answer`: NFD, lowercase, ASCII punctuation and a/an/the dropped,
   whitespace squashed.
@@ -33,8 +56,7 @@ def normalize_answer(s: str) -> str:
   `_run_strip_accents`), so keeping the marks would fail every accented answer. SQuAD's
   script does no unicode normalisation at all.
   """
-  s = unicodedata.normalize("NFD", s)
-  s = "".join(c for c in s if unicodedata.category(c) != "Mn").lower()
+  s = _strip_accents(s).lower()
   s = _ARTICLES.sub(" ", s.translate(_PUNCTUATION))
   return " ".join(s.split())
 
@@ -46,9 +68,10 @@ _EMPTY_PROBES = ("", "a", "A", "1", " ", ".", "a b")
 def compile_answer_regex(pattern: str) -> re.Pattern | None:
   """A CuratedTrec answer pattern compiled with ORQA's flags; None if invalid or if it can
   match an empty string at the start of a prediction (`x*`, a word boundary, a lookahead),
-  since it would accept nearly every prediction."""
+  since it would accept nearly every prediction. Accents are dropped from the pattern, as the
+  uncased tokenizer drops them from the text it is matched against ("Pelé" finds "pele")."""
   try:
-    compiled = re.compile(pattern, REGEX_FLAGS)
+    compiled = re.compile(_strip_accents(pattern), REGEX_FLAGS)
   except re.error:
     return None
   empty = any((m := compiled.match(probe)) is not None and m.end() == 0
@@ -68,33 +91,49 @@ def _whole_words(pattern: re.Pattern) -> re.Pattern | None:
 def regex_match(prediction: str, pattern: str) -> bool:
   """ORQA's and DrQA's `regex_match_score`: `re.match` (anchored at the start of the
   prediction only, not a full match) with IGNORECASE | UNICODE | MULTILINE on the prediction
-  as given (not normalised); a pattern `compile_answer_regex` rejects matches nothing."""
+  (not normalised), as given or in any of the `SPACINGS` (a span read back from wordpieces has
+  lost how its punctuation was spaced: "u. s." for "U.S."); accents dropped from both. A
+  pattern `compile_answer_regex` rejects matches nothing."""
   compiled = compile_answer_regex(pattern)
-  return compiled is not None and compiled.match(prediction) is not None
+  prediction = _strip_accents(prediction)
+  return compiled is not None and any(
+      compiled.match(text) is not None
+      for text in dict.fromkeys([prediction] + [respaced(prediction, s) for s in SPACINGS]))
 
 
 def exact_match(prediction: str, answers: Sequence[str], is_regex: bool = False) -> bool:
   """EM: the normalised prediction equals a normalised answer (answers normalising to ""
-  never match), or for regex answers (CuratedTrec) `regex_match` with any pattern."""
+  never match), also with both glued (`respaced`: "40, 449", a span read back from wordpieces,
+  is "40,449"; "a. i." is "A.I.", where alone its "a" would go as an article); for regex
+  answers (CuratedTrec) `regex_match` with any pattern."""
   if is_regex:
     return any(regex_match(prediction, a) for a in answers)
-  pred = normalize_answer(prediction)
-  return any(pred == norm for norm in map(normalize_answer, answers) if norm)
+  return any(pred == norm for pred, norms in _normalised(prediction, answers)
+             for norm in norms if norm)
+
+
+def _normalised(prediction: str, answers: Sequence[str]):
+  """(normalised prediction, its answers normalised) as given, then with both glued."""
+  for glue in (False, True):
+    text = (lambda s: respaced(s, "glued")) if glue else (lambda s: s)
+    yield normalize_answer(text(prediction)), [normalize_answer(text(a)) for a in answers]
 
 
 def f1_score(prediction: str, answers: Sequence[str], is_regex: bool = False) -> float:
-  """SQuAD's token-overlap F1 of the normalised strings, the max over answers; for regex
+  """SQuAD's token-overlap F1 of the normalised strings, the max over answers (also glued,
+  as `exact_match` compares them); for regex
   answers F1 is EM as a float (a pattern has no tokens to overlap)."""
   if is_regex:
     return float(exact_match(prediction, answers, is_regex=True))
-  pred = normalize_answer(prediction).split()
   best = 0.0
-  for answer in answers:
-    gold = normalize_answer(answer).split()
-    same = sum((Counter(pred) & Counter(gold)).values())
-    if gold and same:
-      precision, recall = same / len(pred), same / len(gold)
-      best = max(best, 2 * precision * recall / (precision + recall))
+  for pred, golds in _normalised(prediction, answers):   # as given, then glued (`exact_match`)
+    pred = pred.split()
+    for gold in golds:
+      gold = gold.split()
+      same = sum((Counter(pred) & Counter(gold)).values())
+      if gold and same:
+        precision, recall = same / len(pred), same / len(gold)
+        best = max(best, 2 * precision * recall / (precision + recall))
   return best
 
 
@@ -106,6 +145,8 @@ class VocabPieces:
   continuation: np.ndarray   # bool [V]: a `##` piece (continues the word before it)
   boundary: np.ndarray       # bool [V]: [PAD] [UNK] [CLS] [SEP] [MASK]: never inside an answer
   text: tuple[str, ...]      # the piece's text, `##` stripped
+  lone: np.ndarray           # bool [V]: one character neither word nor space ("." "-" ","),
+                             # which `SPACINGS` glue to its neighbours
   forms: np.ndarray          # uint8: UTF-8 of each id's text as it extends a row's text, bare
                              # (2i) and after a word (2i + 1: " word"; "\n" at a boundary),
                              # then (2V, 2V + 1) the end of a row, "\n\0\n"
@@ -120,18 +161,21 @@ def vocab_pieces(tokenizer) -> VocabPieces:
   boundary[[tokenizer.pad_id, tokenizer.unk_id, tokenizer.cls_id, tokenizer.sep_id,
             tokenizer.mask_id]] = True
   text = tuple(t[2:] if c else t for t, c in zip(tokens, continuation))
+  lone = np.array([not c and not b and _LONE.fullmatch(t) is not None and len(t) == 1
+                   for t, c, b in zip(text, continuation.tolist(), boundary.tolist())], bool)
   forms = [f.encode("utf-8") for t, c, b in zip(text, continuation.tolist(), boundary.tolist())
            for f in (("\n", "\n") if b else (t, t) if c else (t, " " + t))]
   forms += [b"\n\x00\n"] * 2
   offsets = np.zeros(len(forms) + 1, np.int64)
   np.cumsum([len(f) for f in forms], out=offsets[1:])
-  return VocabPieces(continuation, boundary, text, np.frombuffer(b"".join(forms), np.uint8),
-                     offsets)
+  return VocabPieces(continuation, boundary, text, lone,
+                     np.frombuffer(b"".join(forms), np.uint8), offsets)
 
 
-def rows_text(vocab: VocabPieces, ids: np.ndarray) -> str:
+def rows_text(vocab: VocabPieces, ids: np.ndarray, spacing: str = "split") -> str:
   """The words of each row of `ids` [n, L] as the matcher sees them (single-spaced, `##`
-  pieces glued, "\n" for a boundary id), each row ended by "\n\0\n"; built with numpy."""
+  pieces glued, "\n" for a boundary id; punctuation spaced as `spacing` says, one of
+  `SPACINGS`), each row ended by "\n\0\n"; built with numpy."""
   n, L = ids.shape
   V = len(vocab.continuation)
   flat = np.concatenate([ids, np.full((n, 1), V, ids.dtype)], axis=1).ravel()
@@ -139,8 +183,13 @@ def rows_text(vocab: VocabPieces, ids: np.ndarray) -> str:
   spaced = np.ones(len(flat), bool)
   spaced[1:] = ~breaks[:-1]
   spaced[0] = False
-  form = 2 * flat.astype(np.int64) + (spaced & ~breaks & ~np.append(vocab.continuation,
-                                                                    False)[flat])
+  spaced &= ~breaks & ~np.append(vocab.continuation, False)[flat]
+  if spacing != "split":   # no space before a lone character, nor (glued) after one
+    lone = np.append(vocab.lone, False)[flat]
+    spaced &= ~lone
+    if spacing == "glued":
+      spaced[1:] &= ~lone[:-1]
+  form = 2 * flat.astype(np.int64) + spaced
   starts, lengths = vocab.form_offsets[form], np.diff(vocab.form_offsets)[form]
   out_starts = np.cumsum(lengths) - lengths
   src = np.repeat(starts - out_starts, lengths) + np.arange(lengths.sum())
@@ -155,8 +204,10 @@ class AnswerMatcher:
   normalise to "", tokenise to nothing or contain [UNK] are ignored (an [UNK] would match any
   other unknown character). Regex answers (CuratedTrec) are searched in the block's words as
   the uncased tokenizer split them, single-spaced with `##` pieces glued back (`u . s .`,
-  `jimmy carter`); special tokens split the text, and a match counts where it starts and ends
-  on word boundaries, as DrQA's `has_answer` searches a passage. Patterns that
+  `jimmy carter`), and again with punctuation glued to the word before it and to both sides
+  (`SPACINGS`: the text's own spacing is lost); special tokens split the text, and a match
+  counts where it starts and ends on word boundaries, as DrQA's `has_answer` searches a
+  passage. Patterns that
   `compile_answer_regex` rejects are ignored. `empty` says that no usable answer is left:
   nothing will ever match.
   """
@@ -210,8 +261,10 @@ class AnswerMatcher:
     then the boundary checks at the hits only. Regex answers: one search over the text of all
     rows at once, then the exact check of the rows it flags. 5,000 blocks x 128 ids of real
     prose (BERT's 30,522-piece vocab), 3 answers, one CPU core: about 4 ms for strings
-    (tests/test_answers.py prints the figure), about 100 ms for CuratedTrec-like regexes,
-    most of it Python's `re` searching 4 MB of text case-insensitively.
+    (tests/test_answers.py prints the figure), about 100 ms for CuratedTrec-like regexes in
+    one spacing, most of it Python's `re` searching 4 MB of text case-insensitively; the three
+    `SPACINGS` take ~2.5x that (1,581 SQuADShifts paragraphs, 3 patterns, AVX-512 Xeon: 45
+    -> 110 ms).
     """
     tokens = np.asarray(tokens)
     n = tokens.shape[0]
@@ -266,14 +319,19 @@ class AnswerMatcher:
     """Rows of `ids` [n, L] whose text a pattern matches somewhere (a superset of the rows with
     a word-boundary match), by searching the text of all rows at once: rows end in "\\0", a
     match that crosses one is retried a character later, and a flagged row is passed over."""
-    text = rows_text(self.vocab, ids)
-    row_ends = np.array([m.start() for m in re.finditer("\x00", text)])
     rows = set()
+    for spacing in SPACINGS:
+      self._search_rows(rows_text(self.vocab, ids, spacing), len(ids), rows)
+    return sorted(rows)
+
+  def _search_rows(self, text: str, n: int, rows: set) -> None:
+    """Adds to `rows` the rows of `text` (`rows_text` of n rows) a pattern matches inside."""
+    row_ends = np.array([m.start() for m in re.finditer("\x00", text)])
     for pattern in self.patterns:
       pos = 0
       while (match := pattern.search(text, pos)) is not None:
         row = int(np.searchsorted(row_ends, match.start()))
-        if row >= len(ids):
+        if row >= n:
           break
         # a match running past the row's end may hide one inside it ("carter\W*")
         if (match.start() < match.end() <= row_ends[row]
@@ -282,7 +340,6 @@ class AnswerMatcher:
           pos = row_ends[row] + 1
         else:
           pos = match.start() + 1
-    return sorted(rows)
 
   def _regex_spans(self, token_ids, valid) -> set[tuple[int, int]]:
     """The regex spans of one row, found run by run between boundary (or invalid) ids."""
@@ -301,32 +358,43 @@ class AnswerMatcher:
     return out
 
   def _segment_spans(self, ids, segment, out) -> None:
-    """Adds the pattern matches in one run of ordinary tokens (positions `segment`)."""
+    """Adds the pattern matches in one run of ordinary tokens (positions `segment`), its text
+    in each of the `SPACINGS`."""
     if not segment:
       return
-    cont, pieces = self.vocab.continuation, self.vocab.text
+    cont = self.vocab.continuation
+    for spacing in SPACINGS:
+      text, start_at, end_at = self._segment_text(ids, segment, spacing)
+      for pattern in self.patterns + self.word_patterns:
+        at = 0
+        while at <= len(text) and (match := pattern.search(text, at)):
+          c0, c1 = match.span()
+          while c0 < c1 and text[c0] == " ":
+            c0 += 1
+          while c1 > c0 and text[c1 - 1] == " ":
+            c1 -= 1
+          k0, k1 = start_at.get(c0), end_at.get(c1)
+          accepted = (c0 < c1 and k0 is not None and k1 is not None
+                      and not cont[ids[segment[k0]]]
+                      and (k1 + 1 == len(segment) or not cont[ids[segment[k1 + 1]]]))
+          if accepted:
+            out.add((segment[k0], segment[k1]))
+          # a rejected match may hide a valid one that starts inside it
+          at = match.end() if accepted else match.start() + 1
+
+  def _segment_text(self, ids, segment, spacing: str) -> tuple[str, dict, dict]:
+    """(the words of `segment` as `rows_text` spaces them, {char offset: k of the piece that
+    starts there}, {char offset: k of the piece that ends there})."""
+    cont, lone, pieces = self.vocab.continuation, self.vocab.lone, self.vocab.text
     parts, start_at, end_at, pos = [], {}, {}, 0
     for k, i in enumerate(segment):
-      if k and not cont[ids[i]]:
+      glued = spacing != "split" and (lone[ids[i]] or (
+          spacing == "glued" and lone[ids[segment[k - 1]]]))
+      if k and not cont[ids[i]] and not glued:
         parts.append(" ")
         pos += 1
       start_at[pos] = k
       parts.append(pieces[ids[i]])
       pos += len(parts[-1])
       end_at[pos] = k
-    text = "".join(parts)
-    for pattern in self.patterns + self.word_patterns:
-      at = 0
-      while at <= len(text) and (match := pattern.search(text, at)):
-        c0, c1 = match.span()
-        while c0 < c1 and text[c0] == " ":
-          c0 += 1
-        while c1 > c0 and text[c1 - 1] == " ":
-          c1 -= 1
-        k0, k1 = start_at.get(c0), end_at.get(c1)
-        accepted = (c0 < c1 and k0 is not None and k1 is not None and not cont[ids[segment[k0]]]
-                    and (k1 + 1 == len(segment) or not cont[ids[segment[k1 + 1]]]))
-        if accepted:
-          out.add((segment[k0], segment[k1]))
-        # a rejected match may hide a valid one that starts inside it
-        at = match.end() if accepted else match.start() + 1
+    return "".join(parts), start_at, end_at
