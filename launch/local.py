@@ -5,7 +5,8 @@
 
 Every `--config.*` override goes to both processes (`realm_jax.train.main` and
 `realm_jax.retrieval.builder`); they share only the workdir (realm_jax/workdir.py;
-docs/workdir.md).
+docs/workdir.md). A config without the separate builder (`uses_index_builder`: ICT, REALM's
+warm-up, retrieval.refresh=in_process) runs the trainer alone.
 With GPUs visible, `config.builder.devices` names the builder's GPUs and the trainer gets the
 rest, or is `shared`: both on every GPU (a one-GPU machine), each allocating device memory as
 it needs; on CPU both inherit the environment. Output is streamed line by line with a
@@ -34,6 +35,8 @@ import time
 from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.overrides import config_from_flags
+from realm_jax.config.reading import uses_index_builder
+from realm_jax.config.validation import validate
 from realm_jax.processes import shared_memory_env, start_child
 from realm_jax.runtime import preemption
 from realm_jax.config.option_names import upgrade_flags
@@ -321,31 +324,49 @@ class _Supervisor:
     while any(c.running for c in late):
       time.sleep(POLL_SECONDS / 10)
 
+  def stop_on_signal(self) -> int:
+    """Stops every child on the first signal received; returns the launcher's exit code."""
+    # SIGTERM is a preemption: passed on, the trainer saves its step before exiting.
+    sig = signal.SIGTERM if self.signals[0] == "SIGTERM" else signal.SIGINT
+    grace = self.save_grace if sig == signal.SIGTERM else self.grace
+    self.say(f"got {self.signals[0]}; stopping {' and '.join(self.children)} ({sig.name}, "
+             f"then SIGKILL after {grace:g} s)")
+    # counted from the first signal: a second one that came before this poll is one too
+    self.stop(list(self.children.values()), f"stopped on {self.signals[0]}", sig,
+              signals_seen=1, grace=grace)
+    code = self.children["trainer"].returncode
+    if sig == signal.SIGTERM and code == -signal.SIGKILL:
+      return 128 + signal.SIGKILL   # not 143: the trainer did not save its step
+    if sig == signal.SIGTERM and code == preemption.EXIT_UNSAVED:
+      self.say("trainer did not save its step within its grace; a rerun resumes from its "
+               "latest finalised checkpoint")
+      return code                   # not 143 either
+    if sig == signal.SIGTERM and code not in (0, 128 + signal.SIGTERM, -signal.SIGTERM):
+      self.say(f"trainer failed while stopping: {describe(code)}")
+      return _exit_code(code)       # not 143: no saved step to resume from
+    return 128 + sig
+
+  def watch_trainer(self) -> int:
+    """The trainer alone (no builder): its exit code, or `stop_on_signal`'s."""
+    trainer = self.children["trainer"]
+    while not self.signals:
+      code = trainer.poll()
+      if code is not None:
+        if code:
+          self.say(f"trainer failed with {describe(code)}")
+        return _exit_code(code)
+      time.sleep(POLL_SECONDS)
+    return self.stop_on_signal()
+
   def watch(self) -> int:
     """Polls until the run is decided; returns the launcher's exit code."""
+    if "builder" not in self.children:
+      return self.watch_trainer()
     trainer, builder = self.children["trainer"], self.children["builder"]
     trainer_done_at = None
     while True:
       if self.signals:
-        # SIGTERM is a preemption: passed on, the trainer saves its step before exiting.
-        sig = signal.SIGTERM if self.signals[0] == "SIGTERM" else signal.SIGINT
-        grace = self.save_grace if sig == signal.SIGTERM else self.grace
-        self.say(f"got {self.signals[0]}; stopping trainer and builder ({sig.name}, then "
-                 f"SIGKILL after {grace:g} s)")
-        # counted from the first signal: a second one that came before this poll is one too
-        self.stop([trainer, builder], f"stopped on {self.signals[0]}", sig, signals_seen=1,
-                  grace=grace)
-        code = trainer.returncode
-        if sig == signal.SIGTERM and code == -signal.SIGKILL:
-          return 128 + signal.SIGKILL   # not 143: the trainer did not save its step
-        if sig == signal.SIGTERM and code == preemption.EXIT_UNSAVED:
-          self.say("trainer did not save its step within its grace; a rerun resumes from its "
-                   "latest finalised checkpoint")
-          return code                   # not 143 either
-        if sig == signal.SIGTERM and code not in (0, 128 + signal.SIGTERM, -signal.SIGTERM):
-          self.say(f"trainer failed while stopping: {describe(code)}")
-          return _exit_code(code)       # not 143: no saved step to resume from
-        return 128 + sig
+        return self.stop_on_signal()
       for child, other in ((trainer, builder), (builder, trainer)):
         code = child.poll()
         if code not in (None, 0) and child is builder and trainer.returncode == 0:
@@ -380,7 +401,8 @@ class _Supervisor:
 def supervise(commands: dict[str, list[str]], workdir: str,
               env_for: dict[str, dict[str, str]] | None = None,
               grace: float = DEFAULT_GRACE, save_grace: float | None = None) -> int:
-  """Runs the trainer and the builder until the run is decided, streaming their output.
+  """Runs the trainer and the builder (or the trainer alone: `commands` without "builder")
+  until the run is decided, streaming their output.
 
   Rules: SIGINT to us -> both stopped, 130. SIGTERM -> passed on as SIGTERM, the trainer given
   `save_grace` seconds to save its step; 143, or the trainer's own code where it failed
@@ -392,7 +414,7 @@ def supervise(commands: dict[str, list[str]], workdir: str,
   process group, then SIGKILL after `grace` seconds.
 
   Args:
-    commands: argv of "trainer" and of "builder".
+    commands: argv of "trainer" and of "builder" (of the trainer alone: as ended by its exit).
     workdir: the run directory; output is appended to `workdir/logs/<name>.log`.
     env_for: per name, variables set on top of our environment (CUDA_VISIBLE_DEVICES).
     grace: seconds between SIGINT and SIGKILL, and given to the builder after the trainer.
@@ -400,8 +422,8 @@ def supervise(commands: dict[str, list[str]], workdir: str,
   Returns:
     The launcher's exit code.
   """
-  if sorted(commands) != sorted(NAMES):
-    raise ValueError(f"commands must name exactly {NAMES}, got {sorted(commands)}")
+  if sorted(commands) not in (sorted(NAMES), ["trainer"]):
+    raise ValueError(f"commands must name {NAMES} or the trainer, got {sorted(commands)}")
   out, lock, closed = sys.stdout, threading.Lock(), []
 
   def say(message: str, prefix: str = f"{PROG}: ") -> None:
@@ -442,9 +464,9 @@ def supervise(commands: dict[str, list[str]], workdir: str,
 
 def _start_children(supervisor: _Supervisor, commands: dict[str, list[str]],
                     env_for: dict[str, dict[str, str]], log_dir: str, say) -> bool:
-  """Starts the trainer and the builder (each command said, with its log), in that order;
-  False (said) when one cannot start."""
-  for name in NAMES:
+  """Starts the trainer and the builder, where there is one (each command said, with its
+  log), in that order; False (said) when one cannot start."""
+  for name in (n for n in NAMES if n in commands):
     extra = env_for.get(name, {})
     shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items())
     say(f"{name}: {shown + ' ' if shown else ''}{command_line(commands[name])}")
@@ -462,28 +484,40 @@ def _start_children(supervisor: _Supervisor, commands: dict[str, list[str]],
 
 def _launch(args: argparse.Namespace) -> int:
   config = config_from_flags(PROG, args.config, args.overrides)   # as the children will read it
-  builder_ids = config.builder.devices
+  validate(config)
+  commands = default_commands(args.config, args.workdir, args.overrides, args.verbosity)
+  if uses_index_builder(config):
+    env_for = _device_env(config.builder.devices)
+  else:   # the trainer retrieves without index versions from a builder (or needs none)
+    r = config.retrieval
+    print(f"{PROG}: the config does not use the separate index builder (task {config.task!r}, "
+          f"retrieval.candidates {r.candidates!r}, retrieval.refresh {r.refresh!r}): the "
+          "trainer runs alone", flush=True)
+    commands, env_for = {"trainer": commands["trainer"]}, {}
+  # on SIGTERM the trainer saves within its own grace period: not SIGKILLed before it ends
+  save_grace = config.train.preemption_grace_seconds + SAVE_MARGIN
+  return supervise(commands, args.workdir, env_for, args.grace, save_grace)
+
+
+def _device_env(builder_ids: str) -> dict[str, dict[str, str]]:
+  """Each process's CUDA_VISIBLE_DEVICES (`assign_devices`; {} on CPU), said in one line."""
   visible = visible_gpus(dict(os.environ))
   split = assign_devices(visible, builder_ids)
   if split is None:
     print(f"{PROG}: no GPU visible: both processes run with this environment "
           f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}, "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})", flush=True)
-    env_for = {}
-  else:
-    env_for = {"trainer": {"CUDA_VISIBLE_DEVICES": split[0]},
-               "builder": {"CUDA_VISIBLE_DEVICES": split[1]}}
-    # the same GPUs for both (builder.devices=shared): neither may take most of their memory
-    memory = shared_memory_env(dict(os.environ)) if split[0] == split[1] else {}
-    for env in env_for.values():
-      env.update(memory)
-    print(f"{PROG}: GPUs {','.join(visible)}: trainer {split[0]}, builder {split[1]} "
-          "(config.builder.devices)" + "".join(f"; both with {k}={v}" for k, v in memory.items()),
-          flush=True)
-  commands = default_commands(args.config, args.workdir, args.overrides, args.verbosity)
-  # on SIGTERM the trainer saves within its own grace period: not SIGKILLed before it ends
-  save_grace = config.train.preemption_grace_seconds + SAVE_MARGIN
-  return supervise(commands, args.workdir, env_for, args.grace, save_grace)
+    return {}
+  env_for = {"trainer": {"CUDA_VISIBLE_DEVICES": split[0]},
+             "builder": {"CUDA_VISIBLE_DEVICES": split[1]}}
+  # the same GPUs for both (builder.devices=shared): neither may take most of their memory
+  memory = shared_memory_env(dict(os.environ)) if split[0] == split[1] else {}
+  for env in env_for.values():
+    env.update(memory)
+  print(f"{PROG}: GPUs {','.join(visible)}: trainer {split[0]}, builder {split[1]} "
+        "(config.builder.devices)" + "".join(f"; both with {k}={v}" for k, v in memory.items()),
+        flush=True)
+  return env_for
 
 
 def main(argv: list[str] | None = None) -> int:

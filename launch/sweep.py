@@ -3,9 +3,11 @@
   python launch/sweep.py --config configs/demo_realm.py:realm --root runs/sweep \
       --grid train.lr=1e-3,3e-3 --grid retrieval.k=4,8 [--set data.dir=runs/demo/data ...] \
       [--launcher local|print] [--metric eval_recall_at_5] [--ascending] [--dry-run]
-  python launch/sweep.py --config configs/realm_base.py --root gs://BUCKET/sweep \
-      --grid train.lr=1e-5,3e-5 --set data.dir=gs://BUCKET/data --set retrieval.refresh=async \
-      --launcher tpu_pod --name realm-lr [--dry-run] -- --zone us-central2-b --project P
+  python launch/sweep.py --config configs/realm_base.py --root gs://my-bucket/sweep \
+      --grid train.lr=1e-5,3e-5 --set data.dir=gs://my-bucket/realm/data \
+      --set retrieval.refresh=async --set init.retriever=gs://my-bucket/realm/ict \
+      --set init.reader=gs://my-bucket/bert-base-uncased --launcher tpu_pod --name realm-lr \
+      [--dry-run] -- --zone us-central2-b --project my-project
 
 The grid is the product of the `--grid KEY=V1,V2,...` flags, or, without any, the config
 module's `get_hyper(arg)` (a list of override dicts). Every key must be a field of the config
@@ -109,9 +111,11 @@ def tpu_pod_command(config_spec: str, workdir: str, overrides: dict, builder: bo
 
 
 def run_config(config, overrides: dict):
-  """The config one run trains under: the sweep's config with the run's overrides."""
+  """The config one run trains under: the sweep's config with the run's overrides, read as
+  the trainer reads them (`upgrade_config`: the retriever's 0 for "the reader's" is None)."""
   run = config.copy_and_resolve_references()
   run.update_from_flattened_dict(overrides)
+  upgrade_config(run)
   return run
 
 

@@ -2,7 +2,9 @@
 
   python launch/tpu_pod.py up --name realm --zone us-central2-b --project my-project \
       --config configs/realm_base.py --workdir gs://my-bucket/realm/realm \
-      --set data.dir=gs://my-bucket/realm/data --set retrieval.refresh=async [--dry-run]
+      --set data.dir=gs://my-bucket/realm/data --set retrieval.refresh=async \
+      --set init.retriever=gs://my-bucket/realm/ict \
+      --set init.reader=gs://my-bucket/bert-base-uncased [--dry-run]
 
 Slices `NAME-trainer` (--trainer_type, default v4-32) and `NAME-builder` (--builder_type,
 default v4-8; `none` for a config without the separate index builder). Actions:
@@ -16,7 +18,8 @@ default v4-8; `none` for a config without the separate index builder). Actions:
   stop     SIGTERM both jobs on every worker (the trainer saves a checkpoint), wait --grace s
   delete   delete both slices
   up       create, install, start
-Both jobs get the same config, `--set KEY=VALUE` overrides (as `--config.KEY=VALUE`) and workdir.
+Both jobs get the same config, `--set KEY=VALUE` overrides (as `--config.KEY=VALUE`) and workdir;
+its `mesh.shape` must fit each slice's devices (-1 for the data axis takes them all).
 --storage gcs (default): the jobs read and write the gs:// paths themselves (Orbax/TensorStore
 for checkpoints, gcsfs for the rest; the index published with its manifest as the commit
 marker); --storage gcsfuse: every gs://BUCKET/PATH becomes /gcs/BUCKET/PATH, where gcsfuse
@@ -35,14 +38,15 @@ import shutil
 import subprocess
 import sys
 
-from realm_jax import log
+from realm_jax import log, processes
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.loading import load_config
 from realm_jax.config.reading import flat_options, uses_index_builder
-from realm_jax.config.validation import validate
+from realm_jax.config.validation import validate, validate_against_mesh
 from realm_jax.config.option_names import upgrade_flags
 from realm_jax.config.defaults import RANDOM_START
 from realm_jax.config.overrides import apply_assignments, flag_text
+from realm_jax.runtime.partitioning import resolve_mesh_shape
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -81,6 +85,11 @@ class Slice:
   gke_accelerator: str      # node label cloud.google.com/gke-tpu-accelerator
   topology: str             # node label cloud.google.com/gke-tpu-topology
 
+  @property
+  def devices(self) -> int:
+    """JAX devices: one per chip (a v4 or v5p chip's two TensorCores are one device)."""
+    return self.hosts * self.chips_per_host
+
 
 def tpu_slice(accelerator_type: str, flag: str) -> Slice:
   """`v4-32` -> Slice(hosts=4, chips_per_host=4, ...); a ConfigError naming `flag` otherwise."""
@@ -96,6 +105,12 @@ def tpu_slice(accelerator_type: str, flag: str) -> Slice:
            for c in (_TOPOLOGY_3D if n == 2 else _TOPOLOGY_2D)]
   raise ConfigError("", f"{flag} {accelerator_type!r}: not a TPU slice type; one of "
                     f"{', '.join(known)} (v4/v5p count TensorCores, v5litepod/v6e chips)")
+
+
+def job_slices(args: argparse.Namespace) -> dict[str, Slice]:
+  """{job: its slice} from --trainer_type and --builder_type (none: no builder)."""
+  return {job: tpu_slice(getattr(args, f"{job}_type"), f"--{job}_type")
+          for job in JOBS if getattr(args, f"{job}_type") != "none"}
 
 
 def check_name(name: str, flag: str, max_len: int) -> None:
@@ -125,6 +140,8 @@ class Plan:
   buckets: tuple            # every bucket the jobs read or write, the workdir's first
   builder: bool             # the config needs the separate index builder (realm-index)
   storage: str = "gcs"      # STORAGES
+  stop_grace: float = processes.GRACE_SECONDS   # after SIGTERM, until SIGKILL: the trainer's
+                                                # save (`processes.stop_grace`)
 
   @property
   def mounts(self) -> tuple:
@@ -132,7 +149,8 @@ class Plan:
     return self.buckets if self.storage == "gcsfuse" else ()
 
 
-def plan_run(config_spec: str, workdir: str, sets: list[str], storage: str = "gcs") -> Plan:
+def plan_run(config_spec: str, workdir: str, sets: list[str], storage: str = "gcs",
+             slices: dict[str, Slice] | None = None) -> Plan:
   """Checks the config, its overrides and the workdir before any machine is touched.
 
   Args:
@@ -140,6 +158,7 @@ def plan_run(config_spec: str, workdir: str, sets: list[str], storage: str = "gc
     workdir: gs://BUCKET/PATH, the run directory both jobs share.
     sets: `KEY=VALUE` config overrides, applied to both jobs.
     storage: "gcs" (the jobs use the gs:// paths) or "gcsfuse" (mounted at /gcs/BUCKET).
+    slices: {job: its Slice}, to check `mesh.shape` against (`check_mesh`); None: unchecked.
   Returns:
     The Plan. Raises ConfigError naming the bad flag or config field.
   """
@@ -158,6 +177,7 @@ def plan_run(config_spec: str, workdir: str, sets: list[str], storage: str = "gc
     raise ConfigError("", f"--config {config_spec!r}: {type(e).__name__}: {e}") from None
   given = apply_assignments(config, sets, "--set")
   validate(config)
+  check_mesh(config, slices or {})
   buckets, overrides = [bucket], []
   final = flat_options(config)
   for key in [*given, *(k for k in final if k not in given)]:
@@ -171,10 +191,31 @@ def plan_run(config_spec: str, workdir: str, sets: list[str], storage: str = "gc
       raise ConfigError(key, f"{where}: give --set {key}=gs://BUCKET/PATH")
     elif key not in given:
       continue
-    overrides.append(f"--config.{key}={flag_text(value)}")
+    # None: a value validate() reads as unset (the retriever's 0, -1 or "" for "the same as
+    # the reader's"), which no flag spells: the jobs get the text given, and read it alike
+    overrides.append(f"--config.{key}={given[key] if value is None else flag_text(value)}")
   builder = uses_index_builder(config)
   remote = "configs/" + os.path.basename(path) + (f":{arg}" if arg else "")
-  return Plan(remote, workdir_path, tuple(overrides), tuple(buckets), builder, storage)
+  grace = processes.stop_grace(config.train.preemption_grace_seconds)
+  return Plan(remote, workdir_path, tuple(overrides), tuple(buckets), builder, storage, grace)
+
+
+def check_mesh(config, slices: dict[str, Slice]) -> None:
+  """`mesh.shape` against the devices of each job's slice (the builder's where the config
+  uses one), and the trainer's batch against its data axis. Both jobs get the same shape:
+  where their slices' device counts differ, only -1 for the data axis fits both."""
+  for job, tpu in slices.items():
+    if job == "builder" and not uses_index_builder(config):
+      continue
+    try:
+      shape = resolve_mesh_shape(config.mesh.shape, tpu.devices)
+      if job == "trainer":
+        validate_against_mesh(config, shape[0], tpu.hosts)
+    except ConfigError as e:
+      hint = ("; both jobs get this one shape, and -1 as its data axis takes each slice's "
+              "devices") if e.option == "mesh.shape" else ""
+      raise ConfigError(e.option, f"{e.message} on the {job}'s slice (--{job}_type "
+                        f"{tpu.accelerator_type}){hint}") from None
 
 
 def _local_path(key: str, value) -> bool:
@@ -275,14 +316,13 @@ class Pod:
   def __init__(self, args: argparse.Namespace):
     self.args = args
     check_name(args.name, "--name", 40)
-    self.slices = {job: tpu_slice(getattr(args, f"{job}_type"), f"--{job}_type")
-                   for job in JOBS if getattr(args, f"{job}_type") != "none"}
+    self.slices = job_slices(args)
     self.names = {job: f"{args.name}-{job}" for job in self.slices}
     self.plan = None
     if args.action in ("create", "install", "start", "up"):
       if not args.config or not args.workdir:
         raise ConfigError("", f"{args.action}: --config and --workdir are required")
-      self.plan = plan_run(args.config, args.workdir, args.set, args.storage)
+      self.plan = plan_run(args.config, args.workdir, args.set, args.storage, self.slices)
       check_builder(self.plan, args.builder_type)
 
   def gcloud(self, verb: str, targets: list[str], *flags: str) -> list[str]:

@@ -8,6 +8,7 @@ records what the real runs call.
 import importlib.util
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -205,6 +206,11 @@ def test_start_and_stop_scripts_run_the_job_in_the_background_and_sigterm_it(tmp
                                         "the machines cannot read it: give --set data.dir=gs://"),
     ({"--set": "retrieval.refresh=in_process"}, "--builder_type v4-8: the config does not use "
                                                 "the separate index builder"),
+    # both jobs get one mesh.shape: it must fit the builder's 4 devices as well as the trainer's
+    ({"--set": "mesh.shape=(16, 1)"}, "config.mesh.shape: (16, 1) needs 16 devices, but 4 are "
+                                      "available on the builder's slice (--builder_type v4-8)"),
+    ({"--set": "train.batch_size=12"}, "config.train.batch_size: 12 is not divisible by the data "
+                                       "axis (16) on the trainer's slice (--trainer_type v4-32)"),
 ])
 def test_bad_inputs_name_the_flag(change, message, capsys):
   argv = ["start", *SLICES, *RUN]
@@ -238,6 +244,38 @@ def test_set_values_reach_the_workers_in_the_form_their_flag_parser_reads():
   config = config_from_flags("realm-train", REALM_BASE, list(plan.overrides))
   assert (config.train.steps, config.train.async_checkpoints, config.train.lr,
           config.mesh.shape, config.init.reader) == (1000, False, 1e-4, (16, 1), "random")
+
+
+def test_a_retriever_field_given_as_the_readers_reaches_the_jobs_as_given(tmp_path):
+  """`--set model.retriever.num_layers=0` (-1, empty: "the same as the reader's") is read as
+  None; the jobs get the text given, which their flag parser reads alike (it cannot read
+  `=None`)."""
+  from realm_jax.config.overrides import config_from_flags
+  from realm_jax.config.validation import validate
+  same = ["model.retriever.num_layers=0", "model.retriever.dropout_rate=-1"]
+  plan = tpu_pod.plan_run(REALM_BASE, "gs://my-bucket/realm/realm", [*RUN[5::2], *same])
+  assert [o for o in plan.overrides if "retriever." in o and "init." not in o] == [
+      "--config.model.retriever.num_layers=0", "--config.model.retriever.dropout_rate=-1"]
+  config = config_from_flags("realm-train", REALM_BASE, list(plan.overrides))
+  validate(config)
+  assert (config.model.retriever.num_layers, config.model.retriever.dropout_rate) == (None, None)
+  manifest = _render(tmp_path, *GKE_RUN, *(t for s in same for t in ("--set", s)))
+  for job in manifest["spec"]["replicatedJobs"]:
+    (container,) = job["template"]["spec"]["template"]["spec"]["containers"]
+    assert not any(a.endswith("=None") for a in container["command"]), container["command"]
+
+
+def test_a_mesh_shape_with_minus_one_fits_both_slices_and_a_run_without_builder_is_not_checked(
+    capsys):
+  assert len(_dry_run(capsys, "start", *SLICES, *RUN, "--set", "mesh.shape=(-1, 2)")) == 2
+  alone = ["start", *SLICES, *RUN, "--set", "retrieval.refresh=in_process", "--set",
+           "mesh.shape=(16, 1)", "--builder_type", "none"]
+  assert len(_dry_run(capsys, *alone)) == 1
+  with pytest.raises(SystemExit) as exit_:                 # a trainer slice of 8 devices
+    render.main([*GKE_RUN, "--set", "mesh.shape=(16, 1)", "--trainer_type", "v4-16"])
+  assert exit_.value.code == 2
+  assert "(16, 1) needs 16 devices, but 8 are available on the trainer's slice (--trainer_type "\
+      "v4-16)" in capsys.readouterr().err
 
 
 def test_missing_data_dir_and_a_config_outside_configs_are_refused(capsys, tmp_path):
@@ -371,6 +409,53 @@ def test_gke_slice_sizes_and_a_trainer_only_run(tmp_path):
   only = _render(tmp_path, *RUN[:6], "--set", "retrieval.refresh=in_process", *INIT,
                  *GKE_RUN[-2:], "--builder_type", "none")
   assert [j["name"] for j in only["spec"]["replicatedJobs"]] == ["trainer"]
+
+
+def test_gke_pods_get_the_trainers_save_grace_before_sigkill(tmp_path):
+  """SIGKILL comes --grace s after SIGTERM, or the trainer's preemption grace + the margin of
+  every launcher (processes.stop_grace) where that is longer: its save is not cut short."""
+  def grace(*argv):
+    manifest = _render(tmp_path, *GKE_RUN, *argv)
+    return {job["name"]: job["template"]["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"] for job in manifest["spec"]["replicatedJobs"]}
+
+  assert grace() == {"trainer": 120, "builder": 120}
+  assert grace("--set", "train.preemption_grace_seconds=300") == {"trainer": 330, "builder": 330}
+  assert grace("--set", "train.preemption_grace_seconds=300", "--grace", "600") == {
+      "trainer": 600, "builder": 600}
+
+
+def _documented_commands(text: str, script: str) -> list[list[str]]:
+  """The argv of each `python launch/SCRIPT ...` command in `text` that names a bucket, its
+  optional `[...]` parts left out."""
+  found = []
+  for match in re.finditer(rf"python launch/{re.escape(script)} ((?:.*\\\n)*.*)", text):
+    line = match.group(1).replace("\\\n", " ")
+    if "gs://" in line:
+      found.append(shlex.split(re.sub(r"\[[^]]*\]", "", line)))
+  return found
+
+
+def test_the_documented_cloud_commands_run_as_written(tmp_path, capsys, monkeypatch):
+  """The commands of the launchers' docstrings and docs/launch.md, as written (--dry-run; the
+  manifest to a temp file), and the tpu_pod.py commands the sweep's prints."""
+  monkeypatch.chdir(REPO)
+  with open(os.path.join(REPO, "docs", "launch.md")) as f:
+    docs = f.read()
+  counts = {}
+  for module, script in ((tpu_pod, "tpu_pod.py"), (render, "gke/render.py"), (sweep, "sweep.py")):
+    commands = _documented_commands(module.__doc__ + docs, script)
+    counts[script] = len(commands)
+    for argv in commands:
+      if module is render:
+        argv[argv.index("--out") + 1] = str(tmp_path / "jobset.yaml")
+      assert module.main(argv if module is render else ["--dry-run", *argv]) == 0, argv
+      printed = capsys.readouterr().out.splitlines()
+      for line in printed if module is sweep else ():
+        if not line.startswith("[sweep]"):
+          assert tpu_pod.main(["--dry-run", *shlex.split(line)[2:]]) == 0, line
+          capsys.readouterr()
+  assert counts == {"tpu_pod.py": 2, "gke/render.py": 2, "sweep.py": 2}
 
 
 def test_gke_bad_inputs_name_the_flag(capsys):

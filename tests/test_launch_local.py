@@ -458,6 +458,36 @@ def test_negative_values_and_a_word_after_a_boolean_read_as_absl_reads_them(caps
   assert "unexpected argument(s) ['false']" in capsys.readouterr().err
 
 
+def test_a_config_without_the_builder_runs_the_trainer_alone(tmp_path, capsys, monkeypatch):
+  """ICT has no separate builder: none starts (it would embed for no trainer, never see W/DONE,
+  and fail the run after builder.wait_timeout), the trainer's exit ends the run, and the
+  config is checked before anything starts."""
+  trainer = child(tmp_path, "trainer", "print('step 1 loss 2.5')\n")
+  builder = child(tmp_path, "builder", "time.sleep(60)\n")
+  monkeypatch.setattr(local, "default_commands",
+                      lambda *args: {"trainer": trainer, "builder": builder})
+  argv = ["--config", os.path.join(REPO, "configs", "demo_ict.py"), "--workdir", str(tmp_path),
+          "--grace", "1"]
+  assert local.main(argv) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0] == ("local.py: the config does not use the separate index builder (task "
+                      "'ict', retrieval.candidates 'index', retrieval.refresh 'in_process'): "
+                      "the trainer runs alone")
+  assert "[trainer] step 1 loss 2.5" in lines
+  assert lines[-1].startswith("local.py: exit 0: trainer exit code 0 after "), lines[-1]
+  assert "builder" not in lines[-1] and not (tmp_path / "builder.pid").exists()
+  assert os.listdir(tmp_path / "logs") == ["trainer.log"]
+  failing = child(tmp_path, "trainer", "sys.exit(3)\n")
+  assert local.supervise({"trainer": failing}, str(tmp_path), grace=1) == 3
+  (tmp_path / "logs" / "trainer.log").unlink()
+  with pytest.raises(SystemExit) as exit_:              # refused as the trainer would refuse it
+    local.main([*argv, "--config.train.batch_size=0"])
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err == \
+      "local.py: error: config.train.batch_size: must be >= 1, got 0\n"
+  assert not (tmp_path / "logs" / "trainer.log").exists()
+
+
 @pytest.mark.parametrize("cuda_visible, flags, words", [
     ("", ["--config.builder.devices=0"], "no GPU is visible"),
     ("0,1", [], "disjoint"),                           # the config's default index.devices ""

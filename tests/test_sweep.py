@@ -80,6 +80,28 @@ def test_print_launcher_expands_the_grid_with_typed_values(capsys, tmp_path):
                 "print"])
 
 
+def test_a_run_given_the_readers_retriever_field_is_compared_as_the_trainer_recorded_it(
+    tmp_path):
+  """`--set model.retriever.num_layers=0` ("the same as the reader's") is recorded by the
+  trainer as None: a rerun of the sweep compares the value as read, and does not refuse its
+  own run; another value still differs."""
+  from realm_jax import workdir as workdir_lib
+  from realm_jax.config.validation import validate
+  from realm_jax.errors import ConfigError
+  sweep = sweep_module()
+  config = helpers.load_config_module("demo_ict").get_config()
+  fixed = {"model.retriever.num_layers": 0, "model.retriever.dropout_rate": -1.0}
+  recorded = config.copy_and_resolve_references()
+  recorded.update_from_flattened_dict(fixed)
+  validate(recorded)                                   # as the trainer reads it, then saves it
+  workdir_lib.write_config(str(tmp_path / "a"), recorded)
+  (tmp_path / "a" / "checkpoints" / "2").mkdir(parents=True)
+  sweep.check_started_runs(str(tmp_path), [("a", {})], config, fixed)
+  with pytest.raises(ConfigError, match="model.retriever.num_layers: None .recorded. != 1"):
+    sweep.check_started_runs(str(tmp_path), [("a", {})], config,
+                             {**fixed, "model.retriever.num_layers": 1})
+
+
 def test_the_table_shows_a_resumed_runs_wall_over_all_its_runs(tmp_path):
   rows = [{"run": "a", "status": "done", "wall_seconds": 4.0, "wall_seconds_all_runs": 10.0,
            "runs": 2, "eval_recall_at_5": 0.5}]

@@ -2,7 +2,9 @@
 
   python launch/gke/render.py --config configs/realm_base.py \
       --workdir gs://my-bucket/realm/realm --set data.dir=gs://my-bucket/realm/data \
-      --set retrieval.refresh=async --image us-docker.pkg.dev/my-project/realm/realm-jax:latest \
+      --set retrieval.refresh=async --set init.retriever=gs://my-bucket/realm/ict \
+      --set init.reader=gs://my-bucket/bert-base-uncased \
+      --image us-docker.pkg.dev/my-project/realm/realm-jax:latest \
       --out launch/gke/realm_base.yaml
   kubectl apply -f launch/gke/realm_base.yaml
 
@@ -14,7 +16,8 @@ default v4-32: 4 pods of 4 chips; --builder_type, default v4-8: 1 pod; `none`: n
 the buckets); --storage gcsfuse: every bucket the run names is mounted with the GCS FUSE CSI
 driver at /gcs/BUCKET and gs:// paths become those paths. A pod that fails fails its Job (backoffLimit 0) and the JobSet restarts both Jobs (up
 to --max_restarts): the trainer resumes from its last checkpoint. Pods get SIGTERM first and
---grace seconds before SIGKILL (the trainer saves a checkpoint); the JobSet succeeds when the
+--grace seconds before SIGKILL, at least the trainer's train.preemption_grace_seconds + 30
+(the trainer saves a checkpoint: `processes.stop_grace`); the JobSet succeeds when the
 trainer does. The image has the package installed with its [tpu] extra and configs/ in its
 working directory (docs/launch.md, "GKE").
 """
@@ -22,6 +25,7 @@ working directory (docs/launch.md, "GKE").
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -34,7 +38,7 @@ from realm_jax.errors import ConfigError, run_cli
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))   # launch/ holds scripts: import tpu_pod by name
 from tpu_pod import (GRACE_SECONDS, MOUNT_ROOT, STORAGES, Plan, check_builder,  # noqa: E402
-                     check_name, job_argv, plan_run, tpu_slice)
+                     check_name, job_argv, job_slices, plan_run)
 
 PROG = "render.py"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -44,12 +48,14 @@ PORTS = (8471, 8482)
 
 
 def pod_template(job: str, argv: list[str], tpu, args: argparse.Namespace,
-                 buckets: tuple) -> dict:
+                 plan: Plan) -> dict:
   """The pod of one host of `job`: its slice's node labels, all its chips, the buckets
-  (`buckets`: those gcsfuse mounts, none with --storage gcs)."""
+  gcsfuse mounts (none with --storage gcs), and --grace s after SIGTERM (more where the
+  trainer's save needs more: `plan.stop_grace`)."""
+  buckets = plan.mounts
   spec = {
       "restartPolicy": "Never",
-      "terminationGracePeriodSeconds": args.grace,
+      "terminationGracePeriodSeconds": max(args.grace, math.ceil(plan.stop_grace)),
       "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": tpu.gke_accelerator,
                        "cloud.google.com/gke-tpu-topology": tpu.topology},
       "containers": [{
@@ -77,17 +83,14 @@ def pod_template(job: str, argv: list[str], tpu, args: argparse.Namespace,
 
 def jobset(args: argparse.Namespace, plan: Plan) -> dict:
   """The JobSet manifest as a dict (yaml.safe_dump writes it)."""
-  jobs = [("trainer", args.trainer_type)]
-  jobs += [("builder", args.builder_type)] if args.builder_type != "none" else []
   replicated = []
-  for job, accelerator_type in jobs:
-    tpu = tpu_slice(accelerator_type, f"--{job}_type")
+  for job, tpu in job_slices(args).items():
     replicated.append({"name": job, "replicas": 1, "template": {"spec": {
         "parallelism": tpu.hosts,
         "completions": tpu.hosts,
         "completionMode": "Indexed",
         "backoffLimit": 0,
-        "template": pod_template(job, job_argv(plan, job), tpu, args, plan.mounts)}}})
+        "template": pod_template(job, job_argv(plan, job), tpu, args, plan)}}})
   return {
       "apiVersion": JOBSET_API,
       "kind": "JobSet",
@@ -122,7 +125,7 @@ def render(args: argparse.Namespace) -> str:
   if not args.image:
     raise ConfigError("", "--image is required: the container image with realm_jax[tpu] and "
                       "configs/ in its working directory (docs/launch.md, GKE)")
-  plan = plan_run(args.config, args.workdir, args.set, args.storage)
+  plan = plan_run(args.config, args.workdir, args.set, args.storage, job_slices(args))
   check_builder(plan, args.builder_type)
   body = yaml.safe_dump(jobset(args, plan), sort_keys=False, default_flow_style=False,
                         width=1000)
@@ -150,7 +153,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--max_restarts", type=int, default=3,
                       help="JobSet restarts after a failed pod (the trainer resumes)")
   parser.add_argument("--grace", type=int, default=GRACE_SECONDS,
-                      help="seconds between SIGTERM and SIGKILL")
+                      help="seconds between SIGTERM and SIGKILL (at least the trainer's "
+                      "train.preemption_grace_seconds + 30)")
   parser.add_argument("--out", default="", help="write here (default: stdout)")
   log.add_verbosity_argument(parser)
   return parser.parse_args(argv)
