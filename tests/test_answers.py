@@ -123,7 +123,8 @@ def test_regex_answers_map_to_token_spans(tok):
 
 
 PUNCTUATED = ["he lived in st. louis for years", "the u.s. army", "jean-paul sartre wrote",
-              "a town of 40,449 people", "pelé scored twice", "(born 1950) in paris, france"] * 3
+              "a town of 40,449 people", "pelé scored twice", "(born 1950) in paris, france",
+              "he lived in 東京", "foo_bar was read", "the u.s.) army"] * 3
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +140,10 @@ def punctuated_tok(tmp_path_factory):
     (r"Pelé", "Pelé scored twice", "pele"),                               # accents dropped
     (r"\(born 1950\)", "(born 1950) in Paris, France", "( born 1950 )"),
     (r"Paris, France", "(born 1950) in Paris, France", "paris , france"),
+    (r"東京", "he lived in 東京", "東 京"),                                # CJK: split too
+    (r"foo_bar", "foo_bar was read", "foo _ bar"),                         # "_" is punctuation
+    (r"U\.?S\.?A?", "the U.S. army", "u . s ."),   # glued "u.s.army": greedy "u.s.a" backs off
+    (r"U\. S\.\) army", "the U.S.) army", "u . s . ) army"),            # marks in a row
 ])
 def test_regex_answers_match_the_text_however_its_punctuation_was_spaced(
     punctuated_tok, pattern, body, span):
@@ -160,7 +165,8 @@ def test_a_span_read_back_from_wordpieces_scores_as_its_answer_and_nothing_else(
   """EM / F1 compare the strings also glued around punctuation: a decoded span ("40, 449",
   "a. i.") is its answer; a word that spacing made ("a" of "a. i.", an article) is not."""
   for answer, decoded in [("40,449", "40, 449"), ("A.I.", "a. i."), ("The A-Team", "the a - team"),
-                          ("Sir Mix-a-Lot", "sir mix - a - lot"), ("St. Louis", "st. louis")]:
+                          ("Sir Mix-a-Lot", "sir mix - a - lot"), ("St. Louis", "st. louis"),
+                          ("東京", "東 京"), ("foo_bar", "foo _ bar")]:
     assert exact_match(decoded, [answer]) and f1_score(decoded, [answer]) == 1.0, answer
   for answer, wrong in [("A.I.", "I"), ("A-ha", "ha"), ("The A-Team", "team"), ("a.m.", "m")]:
     assert not exact_match(wrong, [answer]) and f1_score(wrong, [answer]) == 0.0, answer

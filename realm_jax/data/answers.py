@@ -22,22 +22,44 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
 
-# A character that is neither a word character nor a space: what the uncased tokenizer splits
-# off as a word of its own ("U.S." -> "u . s ."), whatever spacing the text had around it.
-_LONE = re.compile(r"\s*([^\w\s])\s*", re.UNICODE)
-# The spacings a text read back from wordpieces may have had around those characters:
-# as split ("u . s ."), glued before ("st. louis", as a decoded span reads), glued on both
-# sides ("u.s.", "jean-paul", "40,449").
+# The spacings a text read back from wordpieces may have had around the characters BERT's
+# tokenizer splits off as words of their own (`lone`: "U.S." -> "u . s ."): as split, glued to
+# the word before ("st. louis", as a decoded span reads), glued on both sides ("u.s.",
+# "jean-paul", "40,449", "東京").
 SPACINGS = ("split", "before", "glued")
 
 
+def lone(c: str) -> bool:
+  """Whether BERT's basic tokenizer splits character `c` off as a word of its own: its
+  punctuation (every non-alphanumeric ASCII character, "_" too, and Unicode's P* categories)
+  or a CJK ideograph."""
+  cp = ord(c)
+  return (33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126
+          or unicodedata.category(c).startswith("P") or 0x4E00 <= cp <= 0x9FFF
+          or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF or 0x2A700 <= cp <= 0x2CEAF
+          or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
+
+
 def respaced(text: str, spacing: str) -> str:
-  """`text` with its non-word characters spaced as `spacing` says (`SPACINGS`)."""
-  if spacing == "split":
-    return " ".join(_LONE.sub(r" \1 ", text).split())
-  if spacing == "before":
-    return " ".join(_LONE.sub(r"\1 ", text).split())
-  return _LONE.sub(r"\1", text)
+  """`text` with its `lone` characters spaced as `spacing` says (`SPACINGS`), as `rows_text`
+  spaces wordpieces."""
+  words: list[tuple[str, bool]] = []   # (word, lone)
+  for part in text.split():
+    word = ""
+    for c in part:
+      if lone(c):
+        words += [(word, False)] * bool(word) + [(c, True)]
+        word = ""
+      else:
+        word += c
+    words += [(word, False)] * bool(word)
+  out = []
+  for i, (word, alone) in enumerate(words):
+    if i and not (spacing != "split" and alone) and \
+        not (spacing == "glued" and words[i - 1][1]):
+      out.append(" ")
+    out.append(word)
+  return "".join(out)
 
 
 def _strip_accents(s: str) -> str:
@@ -102,33 +124,33 @@ def regex_match(prediction: str, pattern: str) -> bool:
 
 
 def exact_match(prediction: str, answers: Sequence[str], is_regex: bool = False) -> bool:
-  """EM: the normalised prediction equals a normalised answer (answers normalising to ""
-  never match), also with both glued (`respaced`: "40, 449", a span read back from wordpieces,
-  is "40,449"; "a. i." is "A.I.", where alone its "a" would go as an article); for regex
-  answers (CuratedTrec) `regex_match` with any pattern."""
+  """EM: the normalised prediction, as given or in any of the `SPACINGS` (a span read back
+  from wordpieces has lost how its text spaced punctuation: "40, 449" may be "40,449", "a. i."
+  "A.I.", where alone its "a" would go as an article), equals a normalised answer (answers
+  normalising to "" never match); for regex answers (CuratedTrec) `regex_match` with any
+  pattern."""
   if is_regex:
     return any(regex_match(prediction, a) for a in answers)
-  return any(pred == norm for pred, norms in _normalised(prediction, answers)
-             for norm in norms if norm)
+  golds = [norm for norm in map(normalize_answer, answers) if norm]
+  return any(pred in golds for pred in _normalised(prediction))
 
 
-def _normalised(prediction: str, answers: Sequence[str]):
-  """(normalised prediction, its answers normalised) as given, then with both glued."""
-  for glue in (False, True):
-    text = (lambda s: respaced(s, "glued")) if glue else (lambda s: s)
-    yield normalize_answer(text(prediction)), [normalize_answer(text(a)) for a in answers]
+def _normalised(prediction: str) -> list[str]:
+  """The normalised prediction as given and in each of the `SPACINGS`, once each."""
+  return list(dict.fromkeys(normalize_answer(text) for text in
+                            [prediction] + [respaced(prediction, s) for s in SPACINGS]))
 
 
 def f1_score(prediction: str, answers: Sequence[str], is_regex: bool = False) -> float:
-  """SQuAD's token-overlap F1 of the normalised strings, the max over answers (also glued,
-  as `exact_match` compares them); for regex
+  """SQuAD's token-overlap F1 of the normalised strings, the max over answers and over the
+  prediction's spacings (as `exact_match` compares them); for regex
   answers F1 is EM as a float (a pattern has no tokens to overlap)."""
   if is_regex:
     return float(exact_match(prediction, answers, is_regex=True))
   best = 0.0
-  for pred, golds in _normalised(prediction, answers):   # as given, then glued (`exact_match`)
+  for pred in _normalised(prediction):   # as given and in each spacing (`exact_match`)
     pred = pred.split()
-    for gold in golds:
+    for gold in map(normalize_answer, answers):
       gold = gold.split()
       same = sum((Counter(pred) & Counter(gold)).values())
       if gold and same:
@@ -145,8 +167,8 @@ class VocabPieces:
   continuation: np.ndarray   # bool [V]: a `##` piece (continues the word before it)
   boundary: np.ndarray       # bool [V]: [PAD] [UNK] [CLS] [SEP] [MASK]: never inside an answer
   text: tuple[str, ...]      # the piece's text, `##` stripped
-  lone: np.ndarray           # bool [V]: one character neither word nor space ("." "-" ","),
-                             # which `SPACINGS` glue to its neighbours
+  lone: np.ndarray           # bool [V]: one character the tokenizer splits off (`lone`: "."
+                             # "-" "," "東"), which `SPACINGS` glue to its neighbours
   forms: np.ndarray          # uint8: UTF-8 of each id's text as it extends a row's text, bare
                              # (2i) and after a word (2i + 1: " word"; "\n" at a boundary),
                              # then (2V, 2V + 1) the end of a row, "\n\0\n"
@@ -161,14 +183,14 @@ def vocab_pieces(tokenizer) -> VocabPieces:
   boundary[[tokenizer.pad_id, tokenizer.unk_id, tokenizer.cls_id, tokenizer.sep_id,
             tokenizer.mask_id]] = True
   text = tuple(t[2:] if c else t for t, c in zip(tokens, continuation))
-  lone = np.array([not c and not b and _LONE.fullmatch(t) is not None and len(t) == 1
-                   for t, c, b in zip(text, continuation.tolist(), boundary.tolist())], bool)
+  alone = np.array([not c and not b and len(t) == 1 and lone(t)
+                    for t, c, b in zip(text, continuation.tolist(), boundary.tolist())], bool)
   forms = [f.encode("utf-8") for t, c, b in zip(text, continuation.tolist(), boundary.tolist())
            for f in (("\n", "\n") if b else (t, t) if c else (t, " " + t))]
   forms += [b"\n\x00\n"] * 2
   offsets = np.zeros(len(forms) + 1, np.int64)
   np.cumsum([len(f) for f in forms], out=offsets[1:])
-  return VocabPieces(continuation, boundary, text, lone,
+  return VocabPieces(continuation, boundary, text, alone,
                      np.frombuffer(b"".join(forms), np.uint8), offsets)
 
 
@@ -185,10 +207,10 @@ def rows_text(vocab: VocabPieces, ids: np.ndarray, spacing: str = "split") -> st
   spaced[0] = False
   spaced &= ~breaks & ~np.append(vocab.continuation, False)[flat]
   if spacing != "split":   # no space before a lone character, nor (glued) after one
-    lone = np.append(vocab.lone, False)[flat]
-    spaced &= ~lone
+    alone = np.append(vocab.lone, False)[flat]
+    spaced &= ~alone
     if spacing == "glued":
-      spaced[1:] &= ~lone[:-1]
+      spaced[1:] &= ~alone[:-1]
   form = 2 * flat.astype(np.int64) + spaced
   starts, lengths = vocab.form_offsets[form], np.diff(vocab.form_offsets)[form]
   out_starts = np.cumsum(lengths) - lengths
@@ -362,34 +384,45 @@ class AnswerMatcher:
     in each of the `SPACINGS`."""
     if not segment:
       return
-    cont = self.vocab.continuation
     for spacing in SPACINGS:
       text, start_at, end_at = self._segment_text(ids, segment, spacing)
+      words = lambda c0, c1: self._word_span(ids, segment, text, start_at, end_at, c0, c1)
       for pattern in self.patterns + self.word_patterns:
         at = 0
         while at <= len(text) and (match := pattern.search(text, at)):
-          c0, c1 = match.span()
-          while c0 < c1 and text[c0] == " ":
-            c0 += 1
-          while c1 > c0 and text[c1 - 1] == " ":
-            c1 -= 1
-          k0, k1 = start_at.get(c0), end_at.get(c1)
-          accepted = (c0 < c1 and k0 is not None and k1 is not None
-                      and not cont[ids[segment[k0]]]
-                      and (k1 + 1 == len(segment) or not cont[ids[segment[k1 + 1]]]))
-          if accepted:
-            out.add((segment[k0], segment[k1]))
+          start, end = match.span()
+          span = words(start, end)
+          if span is None:   # glued text: a greedy match may run into the next word
+            end = next((e for e in sorted(end_at, reverse=True) if start < e < match.end()
+                        and pattern.fullmatch(text, start, e) and words(start, e)), None)
+            span = None if end is None else words(start, end)
+          if span is not None:
+            out.add(span)
           # a rejected match may hide a valid one that starts inside it
-          at = match.end() if accepted else match.start() + 1
+          at = end if span is not None else start + 1
+
+  def _word_span(self, ids, segment, text, start_at, end_at, c0, c1):
+    """(first, last) position of the pieces text[c0:c1] covers (its spaces trimmed) where it
+    starts and ends on word boundaries, else None."""
+    cont = self.vocab.continuation
+    while c0 < c1 and text[c0] == " ":
+      c0 += 1
+    while c1 > c0 and text[c1 - 1] == " ":
+      c1 -= 1
+    k0, k1 = start_at.get(c0), end_at.get(c1)
+    if (c0 < c1 and k0 is not None and k1 is not None and not cont[ids[segment[k0]]]
+        and (k1 + 1 == len(segment) or not cont[ids[segment[k1 + 1]]])):
+      return segment[k0], segment[k1]
+    return None
 
   def _segment_text(self, ids, segment, spacing: str) -> tuple[str, dict, dict]:
     """(the words of `segment` as `rows_text` spaces them, {char offset: k of the piece that
     starts there}, {char offset: k of the piece that ends there})."""
-    cont, lone, pieces = self.vocab.continuation, self.vocab.lone, self.vocab.text
+    cont, alone, pieces = self.vocab.continuation, self.vocab.lone, self.vocab.text
     parts, start_at, end_at, pos = [], {}, {}, 0
     for k, i in enumerate(segment):
-      glued = spacing != "split" and (lone[ids[i]] or (
-          spacing == "glued" and lone[ids[segment[k - 1]]]))
+      glued = spacing != "split" and (alone[ids[i]] or (
+          spacing == "glued" and alone[ids[segment[k - 1]]]))
       if k and not cont[ids[i]] and not glued:
         parts.append(" ")
         pos += 1
