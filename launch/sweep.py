@@ -46,7 +46,8 @@ from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.loading import config_module
 from realm_jax.config.option_names import upgrade_config
 from realm_jax.config.reading import flat_options, uses_index_builder
-from realm_jax.config.overrides import check_key, field_value, parse_assignment
+from realm_jax.config.overrides import (check_key, check_known_options, field_value,
+                                        parse_assignment)
 
 PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -299,6 +300,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     hyper = module.get_hyper(arg or None) if hasattr(module, "get_hyper") else None
   except Exception as e:     # the config module's own error, named with the flag that chose it
     raise ConfigError("", f"--config {args.config!r}: {type(e).__name__}: {e}") from None
+  check_known_options(config, args.config)   # as every run's realm-train will
   upgrade_config(config)     # a file's old option names, as the runs will read them
   fields = flat_options(config)
   fixed = {}

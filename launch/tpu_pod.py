@@ -45,7 +45,7 @@ from realm_jax.config.reading import flat_options, uses_index_builder
 from realm_jax.config.validation import validate, validate_against_mesh
 from realm_jax.config.option_names import upgrade_flags
 from realm_jax.config.defaults import RANDOM_START
-from realm_jax.config.overrides import apply_assignments, flag_text
+from realm_jax.config.overrides import apply_assignments, check_known_options, flag_text
 from realm_jax.runtime.partitioning import resolve_mesh_shape
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -175,6 +175,7 @@ def plan_run(config_spec: str, workdir: str, sets: list[str], storage: str = "gc
     config = load_config(config_spec)
   except Exception as e:     # a config module's own error, named with the flag that chose it
     raise ConfigError("", f"--config {config_spec!r}: {type(e).__name__}: {e}") from None
+  check_known_options(config, config_spec)   # as the workers' realm-train will
   given = apply_assignments(config, sets, "--set")
   validate(config)
   check_mesh(config, slices or {})

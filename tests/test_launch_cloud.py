@@ -18,6 +18,7 @@ import textwrap
 import pytest
 import yaml
 
+from realm_jax.errors import ConfigError
 from tests.helpers import CONFIGS, REPO
 
 LAUNCH = os.path.join(REPO, "launch")
@@ -508,3 +509,25 @@ def test_sweep_tpu_pod_launcher_prints_one_tpu_pod_command_per_run(capsys):
     with pytest.raises(SystemExit) as exit_:
       sweep.main(bad)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_config_file_with_a_field_of_its_own_is_refused_before_any_machine(tmp_path,
+                                                                           monkeypatch):
+  """A misspelt assignment in the config file (`c.train.stesp`), which the workers'
+  realm-train refuses, stops tpu_pod.py / render.py's plan and sweep.py before anything runs."""
+  configs = tmp_path / "configs"
+  configs.mkdir()
+  (configs / "typo.py").write_text(
+      "from realm_jax.config.defaults import base_config\n\n"
+      "def get_config(arg=None):\n  c = base_config()\n  c.train.stesp = 100\n  return c\n")
+  monkeypatch.setattr(tpu_pod, "REPO", str(tmp_path))
+  expected = "config.train.stesp: set by {}, but not an option; did you mean 'train.steps'?"
+  with pytest.raises(ConfigError) as refused:
+    tpu_pod.plan_run(str(configs / "typo.py"), "gs://my-bucket/realm/realm",
+                     ["data.dir=gs://my-bucket/realm/data"])
+  assert str(refused.value) == expected.format(configs / "typo.py")
+  args = sweep.parse_args(["--config", str(configs / "typo.py"), "--root", str(tmp_path / "s"),
+                           "--grid", "seed=0,1", "--launcher", "print"])
+  with pytest.raises(ConfigError) as refused:
+    sweep.sweep(args)
+  assert str(refused.value) == expected.format(configs / "typo.py")
