@@ -114,19 +114,20 @@ def test_truncated_latest_checkpoint_is_named_and_the_previous_one_resumes(
 
 
 @pytest.mark.slow
-def test_a_latest_checkpoint_that_fails_once_is_tried_again_not_moved_aside(
+def test_a_checkpoint_that_fails_once_is_tried_again_before_it_is_moved_aside(
     finished_ict, tmp_path, capsys, monkeypatch):
-  """A read error that passes (a bucket's hiccup) on the newest checkpoint: the one before it
-  restores, then the newest is tried a second time and resumed from; nothing is moved aside."""
+  """A read error that passes (a bucket's hiccup): once checkpoint 2 has restored, the walk
+  starts again from 4, which restores and is resumed from; nothing moved aside. A storage
+  that fails 2 as well on its second read stops naming both, nothing moved either."""
   config, workdir = copy_of(finished_ict, tmp_path)
-  restore, calls = Checkpointer.restore, []
+  restore, calls, failing = Checkpointer.restore, [], {(STEPS, 1)}   # (step, its nth read)
 
-  def fails_once(self, step, *args):
+  def flaky(self, step, *args):
     calls.append(step)
-    if step == STEPS and calls.count(STEPS) == 1:
-      raise OSError("Connection reset by peer")
+    if (step, calls.count(step)) in failing:
+      raise OSError(f"Connection reset by peer (read {len(calls)})")
     return restore(self, step, *args)
-  monkeypatch.setattr(Checkpointer, "restore", fails_once)
+  monkeypatch.setattr(Checkpointer, "restore", flaky)
   summary = train(config, workdir)
   out = capsys.readouterr().out
   ckpt = os.path.join(os.path.abspath(workdir), "checkpoints")
@@ -136,6 +137,15 @@ def test_a_latest_checkpoint_that_fails_once_is_tried_again_not_moved_aside(
   assert calls == [STEPS, 2, STEPS]
   assert not os.path.exists(os.path.join(workdir, UNREADABLE_CHECKPOINTS))
   assert summary["steps"] == STEPS and len(loss_records(workdir)[STEPS]) == 1
+
+  calls.clear()
+  failing.update({(STEPS, 2), (2, 2)})   # 4 fails twice, 2 on its second read
+  os.remove(os.path.join(workdir, "summary.json"))
+  with pytest.raises(CheckpointError) as error:
+    train(config, workdir)
+  assert calls == [STEPS, 2, STEPS, 2]
+  assert f"{ckpt}/{STEPS} (OSError" in str(error.value) and f"{ckpt}/2 (OSError" in str(error.value)
+  assert not os.path.exists(os.path.join(workdir, UNREADABLE_CHECKPOINTS))
 
 
 @pytest.mark.slow

@@ -122,37 +122,41 @@ class Checkpointer:
 
   def restore_latest(self, abstract_state, abstract_retrieval, log=print):
     """(step, state, data item, retrieval item) of the newest checkpoint that restores, or
-    None when there is none. A newer one that fails (a truncated or corrupt file) is named,
-    tried the one before it, and, once an older one has restored, tried a second time (an
-    error that passed, e.g. a bucket's hiccup, must not cost the steps since): failing again,
-    it is moved to `W/unreadable_checkpoints/<step>` (so that step can be saved again). When
-    none restores, CheckpointError names each: never step 0 silently."""
-    failed: dict[int, str] = {}   # step -> why it did not restore
-    for step in sorted(self.all_steps(), reverse=True):
-      restored, failed[step] = self._try_restore(step, abstract_state, abstract_retrieval)
-      if restored is None:
-        log(f"checkpoint {self.directory}/{step} cannot be restored ({failed[step]}); "
-            "trying the one before it")
-        continue
-      del failed[step]
-      if not failed:
-        return (step, *restored)
-      break
-    else:
-      if failed:
-        raise CheckpointError("no checkpoint of this run can be restored; not starting over "
-                              "from step 0. Tried (newest first): " + "; ".join(
-                                  f"{self.directory}/{s} ({why})" for s, why in failed.items()))
-      return None
-    del restored   # one restored state on the devices at a time
-    for bad in failed:   # newest first
-      again, why = self._try_restore(bad, abstract_state, abstract_retrieval)
-      if again is not None:
-        log(f"checkpoint {self.directory}/{bad} restored on a second try")
-        return (bad, *again)
-      log(f"checkpoint {self.directory}/{bad} failed again ({why})")
-      self._move_aside(bad, log)
-    return (step, *self.restore(step, abstract_state, abstract_retrieval))
+    None when there is none. A newer one that fails (a truncated or corrupt file) is named and
+    the one before it tried. Once an older one has restored (the storage reads), the walk
+    starts again from the newest: a checkpoint that failed once is tried a second time (an
+    error that passed, e.g. a bucket's hiccup, must not cost the steps since), and one that
+    fails twice is moved to `W/unreadable_checkpoints/<step>` (so that step can be saved
+    again). The older one is then read twice, one state on the devices at a time. When none
+    restores, CheckpointError names each: never step 0 silently."""
+    steps = sorted(self.all_steps(), reverse=True)
+    failed: dict[int, str] = {}   # step -> why it did not restore (its latest try)
+    for second_walk in (False, True):
+      twice = []
+      for step in steps:
+        restored, why = self._try_restore(step, abstract_state, abstract_retrieval)
+        if restored is None:
+          if step in failed:
+            twice.append(step)
+          failed[step] = why
+          log(f"checkpoint {self.directory}/{step} cannot be restored ({why})"
+              + (", a second time" if step in twice else "") + "; trying the one before it")
+          continue
+        if second_walk and step in failed:
+          log(f"checkpoint {self.directory}/{step} restored on a second try")
+        if not failed or second_walk:
+          for bad in twice:
+            self._move_aside(bad, log)
+          return (step, *restored)
+        del restored   # read again in the second walk
+        break
+      else:
+        break
+    if failed:
+      raise CheckpointError("no checkpoint of this run can be restored; not starting over "
+                            "from step 0. Tried (newest first): " + "; ".join(
+                                f"{self.directory}/{s} ({why})" for s, why in failed.items()))
+    return None
 
   def _try_restore(self, step: int, abstract_state, abstract_retrieval):
     """(`restore(step)`, None), or (None, why it failed)."""
