@@ -62,10 +62,14 @@ def realm_flags(world_dir):
     ({"train__b2": 1.5}, "train.b2"),
     ({"data__ict_remove_prob": 2.0}, "data.ict_remove_prob"),
     ({"train__warmup_steps": -5}, "train.warmup_steps"),
+    ({"train__reader_lr_scale": float("nan")}, "train.reader_lr_scale"),
+    ({"train__preemption_grace_seconds": float("inf")}, "train.preemption_grace_seconds"),
+    ({"retrieval__embed_batch_size": -1}, "retrieval.embed_batch_size"),
 ], ids=["k=1", "k>blocks", "block_len=4", "block_len!=data", "mesh=3x1", "task", "candidates",
         "batch>examples", "keep=0", "checkpoint_every=0", "log_every=0", "refresh_every=0",
         "keep<swap_lag", "eval_every=-1", "retrieval_dim=0", "lr=nan", "b2=1.5",
-        "ict_remove_prob=2", "warmup=-5"])
+        "ict_remove_prob=2", "warmup=-5", "reader_lr_scale=nan", "grace=inf",
+        "embed_batch=-1"])
 def test_bad_option_is_named(world_dir, tmp_path, overrides, option):
   """In process: the trainer refuses the option by name before it writes anything."""
   from realm_jax.train.loop import train

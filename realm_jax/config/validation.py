@@ -146,10 +146,6 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
       raise ConfigError(f"init.{part}_step", "must be a checkpoint step or -1 (the latest)")
   if config.task == "openqa":
     _validate_openqa(config)
-  if t.retriever_lr_scale < 0 or t.reader_lr_scale < 0:
-    raise ConfigError("train.retriever_lr_scale", "learning-rate scales must be >= 0")
-  if t.get("preemption_grace_seconds", 30.0) <= 0:
-    raise ConfigError("train.preemption_grace_seconds", "must be > 0 seconds")
   if t.get("nonfinite", "stop") not in NONFINITE_ACTIONS:
     raise ConfigError("train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE_ACTIONS}")
   _validate_ranges(config)
@@ -161,6 +157,10 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
 # their own; a NaN is never inside.
 _RANGES = {
     "train.lr": (0.0, float("inf"), False, False),
+    "train.retriever_lr_scale": (0.0, float("inf"), True, False),   # 0 freezes the retriever
+    "train.reader_lr_scale": (0.0, float("inf"), True, False),      # 0 freezes the reader
+    "train.eps": (0.0, float("inf"), False, False),
+    "train.preemption_grace_seconds": (0.0, float("inf"), False, False),
     "train.warmup_steps": (-1, float("inf"), True, False),   # -1: BERT's rule
     "train.b1": (0.0, 1.0, True, False),
     "train.b2": (0.0, 1.0, True, False),
@@ -171,9 +171,17 @@ _RANGES = {
     "eval.batch_size": (1, float("inf"), True, False),
     "data.ict_remove_prob": (0.0, 1.0, True, True),
     "model.retrieval_dim": (1, float("inf"), True, False),
+    "model.initializer_range": (0.0, float("inf"), False, False),
+    "model.span_layer_norm_eps": (0.0, float("inf"), False, False),
+    "data.prefetch": (0, float("inf"), True, False),                # 0: on demand
+    "retrieval.embed_batch_size": (1, float("inf"), True, False),
     "retrieval.index_timeout": (0.0, float("inf"), False, False),
     "builder.poll_seconds": (0.0, float("inf"), False, False),
     "builder.wait_timeout": (0.0, float("inf"), False, False),
+    **{f"builder.{n}": (0, float("inf"), True, False)   # 0: derived
+       for n in ("num_leaves", "leaves_to_search", "training_sample", "reorder")},
+    "builder.dims_per_block": (1, float("inf"), True, False),
+    "builder.recall_queries": (1, float("inf"), True, False),
 }
 
 
