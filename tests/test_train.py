@@ -420,23 +420,16 @@ def test_the_null_document_embedded_once_and_read_short_changes_nothing(world_da
                                atol=1e-5 * float(np.abs(b).max()) + 1e-8,
                                err_msg=jax.tree_util.keystr(path))
 
-  def loss_and_grads(first):
-    """The train step's loss and gradients with the null-first path on or off."""
+  def loss(first):
+    """The train step's loss with the null-first path on or off. (Its gradient is the
+    pullback above through the loss's own function of the scores; compared directly, its
+    retriever part at drawn parameters is p(z|x,y) - p(z|x) ~ 0 times the score gradients, a
+    cancellation whose float32 rounding was ~25% of those leaves on the AVX-512 Xeon: 1.7e-6
+    of 6.3e-6, 8.5e-10 with the parameters in float64.)"""
     monkeypatch.setattr(candidate_rows.Retrieved, "null_first", lambda self, training: first)
-    loss = lambda p: steps.realm_loss_fn(p, model, batch, config, jax.random.PRNGKey(0))[0]
-    return jax.jit(jax.value_and_grad(loss))(params)
-  (loss_a, grads_a), (loss_b, grads_b) = loss_and_grads(True), loss_and_grads(False)
-  assert float(loss_a) == pytest.approx(float(loss_b), rel=1e-6)
-  # The loss's retriever gradient at drawn parameters is p(z|x,y) - p(z|x) ~ 0 (the untrained
-  # reader reads every candidate alike) times the score gradients: a cancellation, whose float32
-  # rounding is up to ~25% of those leaves (1.7e-6 of 6.3e-6 on the AVX-512 Xeon; 8.5e-10 with
-  # the parameters in float64), so it is compared on the scale of the whole gradient; the
-  # pullback above compares the towers' gradients entry by entry.
-  scale = max(float(np.abs(b).max()) for b in jax.tree_util.tree_leaves(grads_b))
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_a),
-                          jax.tree_util.tree_leaves(grads_b)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * scale,
-                               err_msg=jax.tree_util.keystr(path))
+    return jax.jit(lambda p: steps.realm_loss_fn(p, model, batch, config,
+                                                 jax.random.PRNGKey(0))[0])(params)
+  assert float(loss(True)) == pytest.approx(float(loss(False)), rel=1e-6)
 
 
 @pytest.mark.slow
