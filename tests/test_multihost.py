@@ -384,3 +384,45 @@ def test_exact_index_scores_do_not_depend_on_the_device_count(monkeypatch):
   np.testing.assert_array_equal(found[0], expected)
   for other in found[1:]:
     np.testing.assert_array_equal(other, found[0])
+
+
+# Two processes resuming, checkpoint 4 unreadable on process 1 alone (its shard, say): both
+# must take the same step. Stand-ins for the reads and the move aside.
+_RESTORE_PROBE = """
+import sys
+pid, port = int(sys.argv[1]), sys.argv[2]
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"localhost:{port}", 2, pid)
+from realm_jax.runtime.checkpoints import Checkpointer
+def restore(self, step, *args):
+  if step == 4 and pid == 1:
+    raise OSError("a shard of checkpoint 4 is truncated")
+  return ("state", {}, {})
+moved = []
+Checkpointer.all_steps = lambda self: [2, 4]
+Checkpointer.restore = restore
+Checkpointer._move_aside = lambda self, step, log: moved.append(step)
+checkpointer = Checkpointer.__new__(Checkpointer)
+checkpointer.directory = "W/checkpoints"
+step = checkpointer.restore_latest(None, None, log=lambda line: None)[0]
+print("restored", step, "moved", moved, flush=True)
+"""
+
+
+def test_hosts_resume_from_the_same_checkpoint_when_one_cannot_read_it(tmp_path):
+  """A checkpoint one host cannot restore is one no host resumes from: both take step 2
+  (each moving 4 aside: the stand-in of process 0's move), none step 4."""
+  script = tmp_path / "probe.py"
+  script.write_text(_RESTORE_PROBE)
+  env = {**os.environ, "XLA_FLAGS": helpers.xla_flags(1)}
+  port = free_port()
+  procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port)], cwd=helpers.REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  with deadline(procs, 120) as expired:
+    outputs = read_to_end(procs)
+  assert not expired, "\n---\n".join(out[-1500:] for out in outputs)
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out[-3000:]
+    assert "restored 2 moved [4]" in out, out[-3000:]
