@@ -256,6 +256,18 @@ def test_a_config_file_is_read_for_what_it_says(tmp_path):
   assert not os.path.exists(tmp_path / "w")
 
 
+def test_versions_kept_are_a_builders_concern():
+  """builder.keep_versions bounds what the separate builder keeps: 1 is refused with one
+  (the trainer may still read the version before the newest), taken without."""
+  from realm_jax.config.validation import validate
+  validate(apply_overrides(tiny_config("realm"), {"builder__keep_versions": 1}))   # in_process
+  for overrides in ({"retrieval__refresh": "async", "builder__keep_versions": 1},
+                    {"builder__keep_versions": 0}):
+    with pytest.raises(ConfigError) as refused:
+      validate(apply_overrides(tiny_config("realm"), overrides))
+    assert refused.value.option == "builder.keep_versions"
+
+
 def test_integers_are_read_exactly_at_any_size():
   from realm_jax.config.overrides import typed_value
   assert typed_value("1732790000123456789", 0, "seed") == 1732790000123456789

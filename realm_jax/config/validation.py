@@ -98,7 +98,7 @@ def _validate_retrieval(config) -> None:
                         f"refresh, swap_lag {r.swap_lag} and checkpoint_every "
                         f"{t.checkpoint_every} (else the checkpoint a refresh step's index is "
                         f"built from may be deleted first), got {t.keep_checkpoints}")
-  if config.builder.keep_versions < needed:
+  if uses_index_builder(config) and config.builder.keep_versions < needed:
     raise ConfigError("builder.keep_versions", f"must be >= {needed} with retrieval.refresh "
                       f"{r.refresh!r} and swap_lag {r.swap_lag}, got "
                       f"{config.builder.keep_versions}")
@@ -181,6 +181,7 @@ _RANGES = {
     **{f"builder.{n}": (0, float("inf"), True, False)   # 0: derived
        for n in ("num_leaves", "leaves_to_search", "training_sample", "reorder")},
     "builder.dims_per_block": (1, float("inf"), True, False),
+    "builder.keep_versions": (1, float("inf"), True, False),        # more with a builder
     "builder.recall_queries": (1, float("inf"), True, False),
 }
 
