@@ -228,6 +228,8 @@ def test_a_workdir_that_is_not_a_run_is_named_in_one_line(module, prog, tmp_path
   if prog == "realm-eval":
     cases.append(([f"--workdir={tmp_path}/empty", "--split=tset"],
                   "flag --split=tset: value should be one of <train|dev|test>"))
+    cases.append(([f"--workdir={tmp_path}/nowhere", "--config=configs/squad_openqa.py"],
+                  f"{tmp_path}/nowhere: no such run directory"))
   for args, expected in cases:
     result = subprocess.run([sys.executable, "-m", module, *args,
                              *(["who?"] if prog == "realm-predict" else [])],
