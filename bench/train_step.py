@@ -304,7 +304,10 @@ def case_record(name: str, config, mesh, compiled, n_params: int, compile_s: flo
       "xla_flops": flops, "analytic_flops": analytic_flops(config),
       "flops_per_s": rate_flops * devices / step_s, "flops_per_s_per_device": rate_flops / step_s,
       "matmul_dtype": compute_dtype, "matmul_flops_per_s": matmul_ref,
-      "ratio_to_matmul": rate_flops / step_s / matmul_ref,
+      # the matmul runs on one device: on an accelerator a device of its own, on XLA:CPU every
+      # core (host devices share them), so there the step's rate is all devices' together
+      "ratio_to_matmul": rate_flops * (devices if jax.default_backend() == "cpu" else 1)
+                         / step_s / matmul_ref,
   }
   stats = device.memory_stats() if jax.default_backend() != "cpu" else None
   if stats and "peak_bytes_in_use" in stats:   # what the allocator really held at its peak
