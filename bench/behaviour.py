@@ -18,7 +18,9 @@ working tree. The data dir, the ICT start and the base's stage runs are made onc
 and reused by later calls with the same WORK (a WORK made for another base or world size is
 refused; a base run of other arguments, or unfinished, is made again); this tree's runs are
 made again on every call. Prints the largest difference of each logged figure over the steps
-and whether every parameter array is bitwise equal; exits 1 when they are not.
+and whether every parameter array is bitwise equal; exits 1 unless every figure is equal at
+every step (NaN where both are NaN; one logged on one side only is a difference) and every
+array bitwise equal.
 """
 
 from __future__ import annotations
@@ -134,10 +136,20 @@ def final_params(workdir: str, step: int) -> dict[str, np.ndarray]:
 def compare(base: str, head: str) -> bool:
   a, b = trace(base), trace(head)
   print(f"steps logged: base {len(a)}, this tree {len(b)}; same steps: {sorted(a) == sorted(b)}")
+  figures_same = True
   for key in FIGURES:
-    diffs = [abs(a[s][key] - b[s][key]) for s in a if s in b and key in a[s] and key in b[s]]
-    if diffs:
-      print(f"  {key:<18} max |difference| over {len(diffs)} steps: {max(diffs):.3g}")
+    pairs = [(a[s].get(key), b[s].get(key)) for s in a if s in b]
+    pairs = [(x, y) for x, y in pairs if x is not None or y is not None]
+    if not pairs:
+      continue
+    one_side = sum((x is None) != (y is None) for x, y in pairs)
+    diffs = [abs(x - y) for x, y in pairs
+             if x is not None and y is not None and not (x != x and y != y)]   # NaN == NaN
+    same = not one_side and all(d == 0 for d in diffs)
+    figures_same &= same
+    print(f"  {key:<18} max |difference| over {len(diffs)} steps: {max(diffs, default=0):.3g}"
+          + (f"; logged on one side only at {one_side} steps" if one_side else "")
+          + ("" if same else "  DIFFERS"))
   last = max(a)
   pa, pb = final_params(base, last), final_params(head, last)
   equal = pa.keys() == pb.keys() and all(np.array_equal(pa[k], pb[k]) for k in pa)
@@ -146,7 +158,7 @@ def compare(base: str, head: str) -> bool:
   print(f"final parameters (step {last}): {len(pa)} arrays, "
         f"{sum(v.size for v in pa.values()):,} values; bitwise equal: {equal}; "
         f"max |difference| {worst:.3g}")
-  return sorted(a) == sorted(b) and equal
+  return sorted(a) == sorted(b) and figures_same and equal
 
 
 def git_commit(cwd: str, rev: str, what: str) -> str:

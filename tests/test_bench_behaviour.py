@@ -1,0 +1,43 @@
+"""bench/behaviour.py's verdict: a refactor keeps behaviour only if every logged figure and
+every final parameter array are the same (the figures alone can change while the parameters
+have not yet, e.g. a logged loss or a staleness)."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from tests.helpers import REPO
+
+spec = importlib.util.spec_from_file_location("_test_bench_behaviour",
+                                              os.path.join(REPO, "bench", "behaviour.py"))
+behaviour = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(behaviour)
+
+
+def run_dir(root, name: str, rows: list[dict], params: dict) -> str:
+  """A stage run as the bench reads one: metrics/train.jsonl and the last step's params."""
+  workdir = os.path.join(root, name)
+  os.makedirs(os.path.join(workdir, "metrics"))
+  with open(os.path.join(workdir, "metrics", "train.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(os.path.join(workdir, "checkpoints", str(rows[-1]["step"]), "params"),
+                    params)
+  checkpointer.wait_until_finished()
+  return workdir
+
+
+def test_the_verdict_holds_the_logged_figures_as_well_as_the_parameters(tmp_path):
+  params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+  rows = [{"step": s, "loss": 1.0 / s, "grad_norm": float("nan")} for s in (1, 2, 3)]
+  base = run_dir(tmp_path, "base", rows, params)
+  assert behaviour.compare(base, run_dir(tmp_path, "same", rows, params))   # NaN == NaN
+  other_loss = [{**r, "loss": r["loss"] * 1.5} for r in rows]
+  assert not behaviour.compare(base, run_dir(tmp_path, "loss", other_loss, params))
+  one_side = [{**r, "index_staleness": 0} for r in rows]
+  assert not behaviour.compare(base, run_dir(tmp_path, "extra", one_side, params))
+  moved = {"w": params["w"] + np.float32(1e-7)}
+  assert not behaviour.compare(base, run_dir(tmp_path, "params", rows, moved))
