@@ -148,11 +148,14 @@ def block_queries(data: PreparedData, config, model, mesh, params, rows: np.ndar
 
 
 def queries_per_s(search, queries: np.ndarray, batch: int, budget_s: float) -> float:
-  """Queries/s of `search(q [batch, dim])` over `queries` in batches (one untimed warm-up),
-  stopping early once `budget_s` seconds are spent."""
+  """Queries/s of `search(q [batch, dim])` over `queries` in full batches only (a shorter last
+  one would compile another shape for the jitted search inside the timing; one untimed
+  warm-up), stopping early once `budget_s` seconds are spent."""
+  if batch > len(queries):
+    raise SystemExit(f"bench/index.py: --batch {batch} > {len(queries)} queries")
   search(queries[:batch])
   done, t0 = 0, time.perf_counter()
-  for start in range(0, len(queries), batch):
+  for start in range(0, len(queries) - batch + 1, batch):
     done += len(search(queries[start:start + batch]))
     if time.perf_counter() - t0 > budget_s:
       break
