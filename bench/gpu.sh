@@ -25,7 +25,8 @@
 # demo's time (2026-11-27): in one 600 s call that is DEADLINE=590.
 #
 # Every part has a time limit and the whole run a deadline ($DEADLINE seconds, default 560), so
-# that it ends inside a 10-minute lease; a part cut short says so in its log. Processes allocate
+# that it ends inside a 10-minute lease; a part cut short says so in its log. The script exits
+# 1, naming them, when a part did not exit 0 (a time limit included), else 0. Processes allocate
 # device memory as they need it (XLA_PYTHON_CLIENT_PREALLOCATE=false), so that they can share
 # the device.
 set -u
@@ -38,6 +39,7 @@ deadline=${DEADLINE:-560}
 cache=runs/bench_index_scale
 parts=" ${2:-step memory index} "
 want() { [[ "$parts" == *" $1 "* ]]; }
+failed=""   # the parts that exited non-zero (a time limit included): the script's exit 1
 
 quiet() { grep -v -e "^\*\*\*" -e "slow_operation_alarm" -e "Very slow compile" -e "^$"; }
 
@@ -52,6 +54,7 @@ part() {   # part NAME LIMIT_S COMMAND...: runs COMMAND, its output to the conso
   timeout --signal=TERM --kill-after="$grace" "$limit" "$@" 2>&1 | tee "$out/$name.log" | quiet
   local rc=${PIPESTATUS[0]}
   echo "== $name: exit $rc after $((SECONDS - t0))s$([ "$rc" = 124 ] && echo ' (time limit)')"
+  [ "$rc" = 0 ] || failed="$failed $name"
 }
 
 background() {   # background NAME LIMIT_S COMMAND...: as part, in the background, log only
@@ -110,4 +113,8 @@ if want real; then
   [ -f "$real/summary.json" ] && cp "$real/summary.json" "$out/real_summary.json"
 fi
 wait
-want memory && for log in "$out"/memory_*.log; do echo "== $log"; quiet < "$log" | tail -9; done
+if want memory; then
+  for log in "$out"/memory_*.log; do echo "== $log"; quiet < "$log" | tail -9; done
+fi
+if [ -n "$failed" ]; then echo "== parts that did not exit 0:$failed"; exit 1; fi
+echo "== every part exited 0"
