@@ -217,7 +217,6 @@ def refresh_rate(args) -> dict:
   block tower embeds here (a few batches of random 288-wordpiece blocks)."""
   from realm_jax.runtime import partitioning, state as state_lib
   from realm_jax.runtime import embedders
-  from train_step import random_state
   config = repo_config("realm_base")
   if jax.default_backend() != "cpu":
     config.model.dtype = "bfloat16"   # as the builder runs on an accelerator
@@ -230,9 +229,14 @@ def refresh_rate(args) -> dict:
   needed = args.blocks / (args.refresh_every * step_s)
   mesh = partitioning.make_mesh(config.mesh.shape)
   model = state_lib.build_model(config, config.model.vocab_size)
-  state = random_state(*state_lib.abstract_train_state(config, model, mesh,
-                                                       config.data.block_len))
-  embed = embedders.block_embedder(model, mesh, config, state.params["retriever"])
+  abstract, shardings = state_lib.abstract_train_state(config, model, mesh,
+                                                       config.data.block_len)
+  rng = np.random.default_rng(0)   # the retriever's parameters alone (not the reader's, nor
+  retriever = jax.tree.map(        # the optimizer's moments: ~5 GB a device at realm_base)
+      lambda a, s: jax.device_put((0.02 * rng.standard_normal(a.shape, np.float32))
+                                  .astype(a.dtype), s),
+      abstract.params["retriever"], shardings.params["retriever"])
+  embed = embedders.block_embedder(model, mesh, config, retriever)
   batch = max(jax.device_count(), args.embed_batch // jax.device_count() * jax.device_count())
   rng = np.random.default_rng(0)
   ids = rng.integers(1, config.model.vocab_size, (batch, config.data.block_len)).astype(np.int32)
@@ -360,6 +364,7 @@ def main(argv=None) -> dict:
     print(f"[scale] queries/s at batch {b}: ScaNN {record['qps'].get(f'scann_b{b}', '-')}, "
           f"exact {record['qps'][f'exact_numpy_b{b}']:,}", flush=True)
   record.update(bench_exact_device(table, queries, exact, args))
+  print(json.dumps(record), flush=True)   # what is measured so far, should the last part fail
   record["refresh"] = refresh_rate(args)
   print_table(record)
   print(json.dumps(record))
