@@ -159,16 +159,11 @@ class Checkpointer:
     return None
 
   def _try_restore(self, step: int, abstract_state, abstract_retrieval):
-    """(`restore(step)`, None), or (None, why it failed) on every process where it failed on
-    one (each host reads its own shards: all must take the same step)."""
-    from realm_jax.runtime import multihost
+    """(`restore(step)`, None), or (None, why it failed)."""
     try:
-      restored, why = self.restore(step, abstract_state, abstract_retrieval), None
+      return self.restore(step, abstract_state, abstract_retrieval), None
     except Exception as e:   # Orbax / TensorStore raise bare Exceptions for a bad file
-      restored, why = None, f"{type(e).__name__}: {_first_line(e, 400)}"
-    if not multihost.on_every_process(restored is not None) and restored is not None:
-      restored, why = None, "restored here, but not on every process"
-    return restored, why
+      return None, f"{type(e).__name__}: {_first_line(e, 400)}"
 
   def _move_aside(self, step: int, log) -> None:
     """`W/checkpoints/<step>` -> `W/unreadable_checkpoints/<step>` (process 0; all wait)."""
