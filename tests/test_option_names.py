@@ -167,20 +167,3 @@ def test_a_flag_wins_over_a_config_file_setting_the_old_leaf():
   assert "mode" not in config.retrieval and "first_index_timeout" not in config.retrieval
   assert any("are both given: config.retrieval.candidates is kept" in str(w.message)
              for w in warned)
-
-
-def test_a_flag_giving_the_default_wins_over_the_old_leaf_of_the_file(tmp_path, monkeypatch):
-  """The file sets retrieval.first_index_timeout = 600; `--config.retrieval.index_timeout=1800`
-  (the default) is still the flag's: kept, not taken for the defaults' own value."""
-  from realm_jax.config import option_names
-  from realm_jax.config.overrides import config_from_flags
-  monkeypatch.setattr(option_names, "_FLAGGED", set())
-  path = tmp_path / "old.py"
-  path.write_text("from realm_jax.config.defaults import base_config\n\n"
-                  "def get_config(arg=None):\n  c = base_config()\n"
-                  "  c.retrieval.first_index_timeout = 600.0\n  return c\n")
-  flags = option_names.upgrade_flags(["--config.retrieval.index_timeout=1800"])
-  config = config_from_flags("realm-train", str(path), flags)
-  with pytest.warns(RenamedOptionWarning, match="are both given"):
-    validate(config)
-  assert config.retrieval.index_timeout == 1800.0

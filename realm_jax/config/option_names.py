@@ -23,11 +23,6 @@ RENAMED_OPTIONS = {
 }
 
 
-# The current names of the `--config.*` flags of this process's command line
-# (`upgrade_flags`): a flag beats a config file's old leaf even where it gives the default.
-_FLAGGED: set[str] = set()
-
-
 class RenamedOptionWarning(UserWarning):
   """An option was given under its old name."""
 
@@ -97,9 +92,8 @@ def upgrade_config(config) -> None:
   retriever's old "same as the reader's" values as unset (in place, each with a warning).
 
   A config file that sets the old leaf also has the new one (the defaults'); a `--config`
-  flag, under either name, sets the new one after the file ran. So a new leaf given by a flag
-  (`upgrade_flags` saw it), or that differs from the defaults, was given explicitly and is
-  kept over the old leaf's value."""
+  flag, under either name, sets the new one after the file ran. So a new leaf that differs
+  from the defaults was given explicitly and is kept over the old leaf's value."""
   _unset_old_same_as_reader(config)
   for old, new in RENAMED_OPTIONS.items():
     parent, old_leaf = option_parent(config, old)
@@ -107,8 +101,8 @@ def upgrade_config(config) -> None:
       continue
     target, new_leaf = option_parent(config, new)
     value = parent[old_leaf]
-    if new_leaf in target.keys() and target[new_leaf] != value \
-        and (new in _FLAGGED or target[new_leaf] != _default(new)):
+    if new_leaf in target.keys() and target[new_leaf] != _default(new) \
+        and target[new_leaf] != value:
       warnings.warn(f"config.{old}={value!r} and config.{new}={target[new_leaf]!r} are both "
                     f"given: config.{new} is kept (a --config flag comes after the config "
                     "file)", RenamedOptionWarning, stacklevel=2)
@@ -157,8 +151,6 @@ def upgrade_flags(args: list[str]) -> list[str]:
   for arg in args:
     if arg.startswith("--config."):
       name, sep, value = arg[len("--config."):].partition("=")
-      name = current_name(name, "--")
-      _FLAGGED.add(name)
-      arg = f"--config.{name}{sep}{value}"
+      arg = f"--config.{current_name(name, '--')}{sep}{value}"
     out.append(arg)
   return out
