@@ -255,10 +255,10 @@ def test_a_config_file_is_read_for_what_it_says(tmp_path):
     assert_clear_error(result, expected.format(tmp_path / f"{name}.py"))
   result = run_cli(["--config", "configs/squad_realm.py:prepare"], str(tmp_path / "w"))
   assert_clear_error(result, "config.task: missing: not a training config")
-  result = run_cli(["--config", "configs/demo_ict.py", "--config.train.lr.x=1"],
+  result = run_cli(["--config", "configs/demo_ict.py", "--config.train.lr.x.y=1"],
                    str(tmp_path / "w"))
-  assert_clear_error(result, "--config.train.lr.x: no such option (config.train.lr is a float, "
-                     "not a group)")
+  assert_clear_error(result, "--config.train.lr.x.y: no such option (config.train.lr is a "
+                     "float, not a group)")
   assert not os.path.exists(tmp_path / "w")
 
 

@@ -89,12 +89,14 @@ def flag_error(error: Exception, argv: list[str]) -> str:
     return f"--config {config_file}, line {inside}: {what}"
   if isinstance(root, (KeyError, AttributeError)):   # a misspelt --config.* key
     wrong = str(root.args[0]).strip("'") if root.args else ""
-    below_a_leaf = re.search(r"Attribute <class '(\w+)'>\.\w+ does not exist.* Attempting to "
-                             r"lookup: (\S+)", wrong)
+    below_a_leaf = re.search(r"Attribute <class '(\w+)'>\.(\w+) does not exist.* Attempting "
+                             r"to lookup: (\S+)", wrong)
     if below_a_leaf:   # --config.train.lr.x: a field under a value
-      kind, key = below_a_leaf.groups()
-      return (f"--config.{key}: no such option (config.{key.rsplit('.', 1)[0]} is a {kind}, "
-              "not a group)")
+      kind, attribute, key = below_a_leaf.groups()
+      parts = key.split(".")
+      leaf = ".".join(parts[:parts.index(attribute, 1)])   # the value looked into
+      article = "an" if kind[0] in "aeiou" else "a"
+      return f"--config.{key}: no such option (config.{leaf} is {article} {kind}, not a group)"
     option = next((a.split("=")[0] for a in argv[1:] if re.match(
         r"^--?(no)?config\.(.*\.)?" + re.escape(wrong) + r"(\.|=|$)", a)), f"config.*.{wrong}")
     suggestion = re.search(r'Did you mean "([^"]+)"', str(error))
