@@ -26,7 +26,8 @@
 #
 # Every part has a time limit and the whole run a deadline ($DEADLINE seconds, default 560), so
 # that it ends inside a 10-minute lease; a part cut short says so in its log. The script exits
-# 1, naming them, when a part did not exit 0 (a time limit included), else 0. Processes allocate
+# 1, naming them, when a part did not exit 0 (a time limit included; background parts too) or
+# was skipped for the deadline, else 0. Processes allocate
 # device memory as they need it (XLA_PYTHON_CLIENT_PREALLOCATE=false), so that they can share
 # the device.
 set -u
@@ -39,7 +40,8 @@ deadline=${DEADLINE:-560}
 cache=runs/bench_index_scale
 parts=" ${2:-step memory index} "
 want() { [[ "$parts" == *" $1 "* ]]; }
-failed=""   # the parts that exited non-zero (a time limit included): the script's exit 1
+failed=""   # the parts that exited non-zero (a time limit included) or were skipped: exit 1
+declare -A background_pids   # name -> pid of a part run in the background
 
 quiet() { grep -v -e "^\*\*\*" -e "slow_operation_alarm" -e "Very slow compile" -e "^$"; }
 
@@ -47,7 +49,9 @@ part() {   # part NAME LIMIT_S COMMAND...: runs COMMAND, its output to the conso
            # (SIGTERM at the limit, SIGKILL $GRACE seconds later, default 10)
   local name=$1 limit=$2 grace=${GRACE:-10}; shift 2
   local left=$((deadline - SECONDS))
-  if [ "$left" -lt 30 ]; then echo "== $name: skipped (${left}s to the deadline)"; return; fi
+  if [ "$left" -lt 30 ]; then
+    echo "== $name: skipped (${left}s to the deadline)"; failed="$failed $name(skipped)"; return
+  fi
   [ "$limit" -gt "$left" ] && limit=$left
   echo "== $name (limit ${limit}s): $*"
   local t0=$SECONDS
@@ -60,6 +64,14 @@ part() {   # part NAME LIMIT_S COMMAND...: runs COMMAND, its output to the conso
 background() {   # background NAME LIMIT_S COMMAND...: as part, in the background, log only
   local name=$1 limit=$2; shift 2
   timeout --signal=TERM --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1 &
+  background_pids[$name]=$!
+}
+
+waited() {   # waited NAME: waits for background part NAME; its failure recorded, said
+  local rc=0
+  wait "${background_pids[$1]}" || rc=$?
+  [ "$rc" = 0 ] || { echo "== $1 (background): exit $rc"; failed="$failed $1"; }
+  unset "background_pids[$1]"
 }
 
 {
@@ -73,7 +85,6 @@ print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib
 # The index bench's table, on the host (index_scale reuses its cache).
 want index && background table $((deadline - 60)) $python bench/index_scale.py --table_only \
   --cache "$cache"
-table_pid=${!:-}
 # Memory: compile only, without GEMM autotuning (it times kernels; the plan's sizes hardly move).
 want memory && for cases in "realm_base --dtype bfloat16" "realm_base --dtype float32" \
     "ict_base"; do
@@ -89,7 +100,7 @@ if want step; then
   part trace_summary 60 $python bench/trace_summary.py "$out/trace/base" --top 25
 fi
 if want index; then
-  wait "$table_pid"; tr '\r' '\n' < "$out/table.log" | tail -1
+  waited table; tr '\r' '\n' < "$out/table.log" | tail -1
   part index_scale 220 $python bench/index_scale.py --skip_scann --qps_seconds 5 \
     --embed_batch 256 --embed_batches 4 --cache "$cache" --out "$out/index_scale.jsonl"
 fi
@@ -104,6 +115,7 @@ if want real; then
   limit=$((deadline - SECONDS - 45))   # SIGTERM then: 40 s to save before the deadline
   if [ "$limit" -lt 60 ]; then
     echo "== demo_real: skipped ($((deadline - SECONDS))s to the deadline)"
+    failed="$failed demo_real(skipped)"
   else
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
       JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$real/jax_cache}" \
@@ -112,7 +124,7 @@ if want real; then
   fi
   [ -f "$real/summary.json" ] && cp "$real/summary.json" "$out/real_summary.json"
 fi
-wait
+for name in "${!background_pids[@]}"; do waited "$name"; done
 if want memory; then
   for log in "$out"/memory_*.log; do echo "== $log"; quiet < "$log" | tail -9; done
 fi
