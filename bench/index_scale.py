@@ -364,8 +364,12 @@ def main(argv=None) -> dict:
     print(f"[scale] queries/s at batch {b}: ScaNN {record['qps'].get(f'scann_b{b}', '-')}, "
           f"exact {record['qps'][f'exact_numpy_b{b}']:,}", flush=True)
   record.update(bench_exact_device(table, queries, exact, args))
-  print(json.dumps(record), flush=True)   # what is measured so far, should the last part fail
-  record["refresh"] = refresh_rate(args)
+  try:
+    record["refresh"] = refresh_rate(args)
+  except Exception as e:   # what is measured so far is kept, the failure named in it
+    record["refresh_failed"] = f"{type(e).__name__}: {e}"
+    append_jsonl(args.out, record)
+    raise
   print_table(record)
   print(json.dumps(record))
   append_jsonl(args.out, record)
