@@ -40,6 +40,13 @@ def lone(c: str) -> bool:
           or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
 
 
+def _spaced(spacing: str, lone_before: bool, lone_here: bool) -> bool:
+  """Whether a space parts a word from the word before it (neither of them a `##` piece),
+  as `spacing` places lone characters: `respaced`'s and `_segment_text`'s rule (`rows_text`
+  applies it to whole arrays)."""
+  return not ((spacing != "split" and lone_here) or (spacing == "glued" and lone_before))
+
+
 def respaced(text: str, spacing: str) -> str:
   """`text` with its `lone` characters spaced as `spacing` says (`SPACINGS`), as `rows_text`
   spaces wordpieces."""
@@ -55,8 +62,7 @@ def respaced(text: str, spacing: str) -> str:
     words += [(word, False)] * bool(word)
   out = []
   for i, (word, alone) in enumerate(words):
-    if i and not (spacing != "split" and alone) and \
-        not (spacing == "glued" and words[i - 1][1]):
+    if i and _spaced(spacing, words[i - 1][1], alone):
       out.append(" ")
     out.append(word)
   return "".join(out)
@@ -147,11 +153,10 @@ def f1_score(prediction: str, answers: Sequence[str], is_regex: bool = False) ->
   answers F1 is EM as a float (a pattern has no tokens to overlap)."""
   if is_regex:
     return float(exact_match(prediction, answers, is_regex=True))
-  best = 0.0
+  best, golds = 0.0, [normalize_answer(answer).split() for answer in answers]
   for pred in _normalised(prediction):   # as given and in each spacing (`exact_match`)
     pred = pred.split()
-    for gold in map(normalize_answer, answers):
-      gold = gold.split()
+    for gold in golds:
       same = sum((Counter(pred) & Counter(gold)).values())
       if gold and same:
         precision, recall = same / len(pred), same / len(gold)
@@ -206,7 +211,7 @@ def rows_text(vocab: VocabPieces, ids: np.ndarray, spacing: str = "split") -> st
   spaced[1:] = ~breaks[:-1]
   spaced[0] = False
   spaced &= ~breaks & ~np.append(vocab.continuation, False)[flat]
-  if spacing != "split":   # no space before a lone character, nor (glued) after one
+  if spacing != "split":   # `_spaced`: no space before a lone character, nor (glued) after one
     alone = np.append(vocab.lone, False)[flat]
     spaced &= ~alone
     if spacing == "glued":
@@ -387,15 +392,14 @@ class AnswerMatcher:
     for spacing in SPACINGS:
       text, start_at, end_at = self._segment_text(ids, segment, spacing)
       words = lambda c0, c1: self._word_span(ids, segment, text, start_at, end_at, c0, c1)
+      ends = sorted(end_at, reverse=True)
       for pattern in self.patterns + self.word_patterns:
         at = 0
         while at <= len(text) and (match := pattern.search(text, at)):
           start, end = match.span()
           span = words(start, end)
           if span is None:   # glued text: a greedy match may run into the next word
-            end = next((e for e in sorted(end_at, reverse=True) if start < e < match.end()
-                        and pattern.fullmatch(text, start, e) and words(start, e)), None)
-            span = None if end is None else words(start, end)
+            span, end = _backed_off(pattern, text, start, end, ends, words)
           if span is not None:
             out.add(span)
           # a rejected match may hide a valid one that starts inside it
@@ -421,9 +425,7 @@ class AnswerMatcher:
     cont, alone, pieces = self.vocab.continuation, self.vocab.lone, self.vocab.text
     parts, start_at, end_at, pos = [], {}, {}, 0
     for k, i in enumerate(segment):
-      glued = spacing != "split" and (alone[ids[i]] or (
-          spacing == "glued" and alone[ids[segment[k - 1]]]))
-      if k and not cont[ids[i]] and not glued:
+      if k and not cont[ids[i]] and _spaced(spacing, alone[ids[segment[k - 1]]], alone[ids[i]]):
         parts.append(" ")
         pos += 1
       start_at[pos] = k
@@ -431,3 +433,16 @@ class AnswerMatcher:
       pos += len(parts[-1])
       end_at[pos] = k
     return "".join(parts), start_at, end_at
+
+
+def _backed_off(pattern: re.Pattern, text: str, start: int, stop: int, ends: list[int],
+                words) -> tuple[tuple[int, int] | None, int]:
+  """(span, its end) of the longest match of `pattern` from `start` that ends at a piece's end
+  (`ends`, longest first) before `stop` on a word boundary (`words(start, end)`), else (None,
+  stop)."""
+  for end in ends:
+    if start < end < stop and pattern.fullmatch(text, start, end):
+      span = words(start, end)
+      if span is not None:
+        return span, end
+  return None, stop
