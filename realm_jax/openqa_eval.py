@@ -99,11 +99,10 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
                  retrieval_only: bool = False) -> tuple[dict, str]:
   """realm-eval: metrics + predictions of one checkpoint on one QA split, written under
   `results_dir`. Returns (metrics, that directory)."""
-  from realm_jax import paths
+  from realm_jax import workdir as workdir_lib
   from realm_jax.data.qa import qa_split
   from realm_jax.train.qa_eval import QAEvaluator, format_metrics
-  if not paths.isdir(workdir):   # (with --config, not found by reading W/config.json)
-    raise FileNotFoundError(f"{workdir}: no such run directory")
+  workdir_lib.check_run_dir(workdir)   # (with --config, W/config.json was not read)
   examples, counts = qa_split(config.qa, split, config.data.dir)   # bad specs fail first
   config, data, mesh, model, params, frozen, reader, step = load_run(
       config, workdir, step, retrieval_only)

@@ -108,13 +108,18 @@ def write_config(workdir: str, config) -> None:
   paths.write_json(paths.join(workdir, CONFIG), json.loads(config.to_json_best_effort()))
 
 
+def check_run_dir(workdir: str) -> None:
+  """A FileNotFoundError naming `workdir` where it does not exist."""
+  if not paths.isdir(workdir):
+    raise FileNotFoundError(f"{workdir}: no such run directory")
+
+
 def saved_config(workdir: str):
   """The run's own resolved config (`W/config.json`) as a ConfigDict; a FileNotFoundError
   naming a missing W, or a W without one (not a run directory)."""
   import ml_collections
   from realm_jax.config.option_names import upgrade_record
-  if not paths.isdir(workdir):
-    raise FileNotFoundError(f"{workdir}: no such run directory")
+  check_run_dir(workdir)
   path = paths.join(workdir, CONFIG)
   record = paths.read_json(path)
   if record is None:

@@ -171,7 +171,7 @@ def typed_value(text: str, current, key: str):
     if text.lower() in ("false", "0", "no"):
       return False
     raise ConfigError(key, f"{text!r} is not a boolean")
-  if isinstance(current, int) and not isinstance(current, float):
+  if isinstance(current, int):   # (a bool was read above)
     try:
       return int(text)   # exact at any size (a float holds 53 bits)
     except ValueError:
