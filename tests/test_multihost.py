@@ -41,11 +41,12 @@ def free_port() -> int:
 
 
 def launch(flags: list[str], workdir: str, count: int, port: int, devices: int = 4,
-           extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+           extra: tuple[str, ...] = (),
+           program: tuple[str, ...] = ("-m", "realm_jax.train.main")) -> list[subprocess.Popen]:
   """`count` realm-train processes of one job, `devices` CPU devices each."""
   env = {**os.environ, "XLA_FLAGS": helpers.xla_flags(devices)}
   return [subprocess.Popen(
-      [sys.executable, "-u", "-m", "realm_jax.train.main", *flags, f"--workdir={workdir}",
+      [sys.executable, "-u", *program, *flags, f"--workdir={workdir}",
        "--multihost=on", f"--coordinator_address=localhost:{port}", f"--num_processes={count}",
        f"--process_id={i}", "--init_timeout=60", "--heartbeat_timeout=8", *extra],
       cwd=helpers.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -184,6 +185,57 @@ def test_a_lost_process_stops_the_others_naming_it(world_dir, tmp_path):
   # JAX's coordination service names the process that stopped sending heartbeats.
   assert "The following tasks are unhealthy (stopped sending heartbeats):\n1" in out, out[-3000:]
   print(f"the survivor exited {seconds:.1f}s after process 1 was killed")
+
+
+# realm-train whose process 1 cannot read checkpoint 4: Orbax's read fails inside its
+# Checkpointer, before the cross-process barrier that ends a restore (as a shard unreadable
+# from one host would).
+_FAILING_READ = """
+import runpy, sys
+from etils import epath
+from orbax.checkpoint._src.checkpointers import checkpointer
+read = checkpointer.Checkpointer._restore
+def failing(self, directory, args):
+  if "--process_id=1" in sys.argv and epath.Path(directory).name == "4":
+    raise OSError("injected: process 1 cannot read checkpoint 4")
+  return read(self, directory, args)
+checkpointer.Checkpointer._restore = failing
+runpy.run_module("realm_jax.train.main", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_checkpoint_one_process_cannot_read_sends_every_process_to_the_one_before(
+    world_dir, tmp_path):
+  """Checkpoints 2 and 4 of an ICT run; the job resuming it in two processes, process 1
+  unable to read 4. Each process reads its own shards, so only 1 fails: all must still resume
+  from the same step (2), 4 moved aside once it failed twice, and steps 3 and 4 train again
+  with the first run's losses. Each process deciding alone, 0 resumed from 4 and 1 from 2."""
+  workdir = str(tmp_path / "w")
+  first = helpers.tiny_config("ict", data_dir=world_dir, train__steps=4,
+                              train__checkpoint_every=2)
+  train(first, workdir)    # this process, 8 devices
+  before = losses(workdir)
+  script = tmp_path / "failing_read.py"
+  script.write_text(_FAILING_READ)
+  config = helpers.tiny_config("ict", data_dir=world_dir, train__steps=6,
+                               train__checkpoint_every=2)
+  procs = launch(helpers.config_flags(config, "demo_ict"), workdir, 2, free_port(),
+                 program=(str(script),))
+  with deadline(procs) as expired:
+    outputs = read_to_end(procs)
+  assert not expired, f"the job did not end within {expired[0]} s:\n" + "\n---\n".join(
+      out[-1500:] for out in outputs)
+  ckpt = os.path.join(workdir, "checkpoints")
+  for i, (p, out) in enumerate(zip(procs, outputs)):
+    assert p.returncode == 0, f"process {i}:\n{out[-3000:]}"
+    why = "read here, failed on process 1" if i == 0 else "OSError: injected"
+    assert f"checkpoint {ckpt}/4 cannot be restored ({why}" in out, out[-3000:]
+    assert f"resumed from {ckpt}/2 " in out, out[-3000:]
+  assert "moved the unreadable checkpoint 4" in outputs[0]
+  assert os.listdir(os.path.join(workdir, "unreadable_checkpoints")) == ["4"]
+  after = losses(workdir)
+  assert len(after) == 6
+  np.testing.assert_allclose(after[:4], before, rtol=LOSS_RTOL, atol=0)
 
 
 # Two processes adopting index versions in async mode, with stand-in subscribers: process 0

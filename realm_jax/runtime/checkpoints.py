@@ -15,6 +15,7 @@ from flax import traverse_util
 
 from realm_jax import paths
 from realm_jax.errors import CheckpointError, ConfigError
+from realm_jax.runtime import multihost
 
 ITEMS = ("params", "opt", "data", "retrieval")
 # How long a save may take, its cross-host barriers included, before it is an error.
@@ -74,6 +75,7 @@ class Checkpointer:
             cleanup_tmp_directories=True,
             async_options=ocp.AsyncOptions(timeout_secs=SAVE_TIMEOUT_SECONDS)),
         item_names=ITEMS)
+    self._own_reader = None   # several processes: this process's manager for restores
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -109,8 +111,11 @@ class Checkpointer:
            else "none (a rerun starts over)"))
 
   def restore(self, step: int, abstract_state, abstract_retrieval) -> tuple[Any, dict, dict]:
-    """Restores straight into the shardings of the abstract targets (no host copy first)."""
-    restored = self.manager.restore(step, args=ocp.args.Composite(
+    """Restores straight into the shardings of the abstract targets (no host copy first).
+    Each process reads its own shards; with several, through a manager of this process
+    alone (`_reader`), so a read that fails here leaves no other process waiting in Orbax's
+    cross-process barrier: `restore_latest` agrees on the outcome afterwards."""
+    restored = self._reader().restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(abstract_state.params),
         opt=ocp.args.StandardRestore({"step": abstract_state.step,
                                       "opt_state": abstract_state.opt_state}),
@@ -120,6 +125,20 @@ class Checkpointer:
                                    opt_state=restored.opt["opt_state"])
     return state, restored.data, restored.retrieval
 
+  def _reader(self) -> ocp.CheckpointManager:
+    """The manager restores go through: the run's own in one process, else one of this
+    process alone, read-only (Orbax then syncs no other process)."""
+    if jax.process_count() == 1:
+      return self.manager
+    if self._own_reader is None:
+      me = jax.process_index()
+      self._own_reader = ocp.CheckpointManager(self.directory, options=(
+          ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
+                                       multiprocessing_options=ocp.options.MultiprocessingOptions(
+                                           primary_host=me, active_processes={me}))),
+          item_names=ITEMS)
+    return self._own_reader
+
   def restore_latest(self, abstract_state, abstract_retrieval, log=print):
     """(step, state, data item, retrieval item) of the newest checkpoint that restores, or
     None when there is none. A newer one that fails (a truncated or corrupt file) is named and
@@ -128,8 +147,10 @@ class Checkpointer:
     error that passed, e.g. a bucket's hiccup, must not cost the steps since), and one that
     fails twice is moved to `W/unreadable_checkpoints/<step>` (so that step can be saved
     again). The older one is then read twice, one state on the devices at a time. When none
-    restores, CheckpointError names each: never step 0 silently."""
-    steps = sorted(self.all_steps(), reverse=True)
+    restores, CheckpointError names each: never step 0 silently. With several processes,
+    every one walks process 0's list of steps and each try counts only where it restored on
+    every process (a shard one host cannot read sends all to the one before, together)."""
+    steps = multihost.first_process_list(sorted(self.all_steps(), reverse=True))
     failed: dict[int, str] = {}   # step -> why it did not restore (its latest try)
     for second_walk in (False, True):
       twice = []
@@ -159,16 +180,22 @@ class Checkpointer:
     return None
 
   def _try_restore(self, step: int, abstract_state, abstract_retrieval):
-    """(`restore(step)`, None), or (None, why it failed)."""
+    """(`restore(step)`, None), or (None, why it failed): failed on any process, on all."""
     try:
-      return self.restore(step, abstract_state, abstract_retrieval), None
+      restored, why = self.restore(step, abstract_state, abstract_retrieval), None
     except Exception as e:   # Orbax / TensorStore raise bare Exceptions for a bad file
-      return None, f"{type(e).__name__}: {_first_line(e, 400)}"
+      restored, why = None, f"{type(e).__name__}: {_first_line(e, 400)}"
+    others = [p for p in multihost.processes_where_not(restored is not None)
+              if p != jax.process_index()]
+    if others:
+      where = f"process{'es' if len(others) > 1 else ''} " + ", ".join(map(str, others))
+      restored, why = None, (f"{why}; it failed on {where} too" if why
+                             else f"read here, failed on {where}")
+    return restored, why
 
   def _move_aside(self, step: int, log) -> None:
     """`W/checkpoints/<step>` -> `W/unreadable_checkpoints/<step>` (process 0; all wait)."""
     from realm_jax.workdir import UNREADABLE_CHECKPOINTS
-    from realm_jax.runtime import multihost
     target = epath.Path(self.directory).parent / UNREADABLE_CHECKPOINTS / str(step)
     if jax.process_index() == 0:
       source = epath.Path(self.directory) / str(step)
@@ -181,6 +208,8 @@ class Checkpointer:
       log(f"moved the unreadable checkpoint {step} to {target}")
     multihost.barrier(f"checkpoint-{step}-moved-aside")
     self.manager.reload()
+    if self._own_reader is not None:
+      self._own_reader.reload()
 
   def wait(self) -> None:
     """Until every started save is finalised (its error as a CheckpointError)."""
@@ -195,6 +224,8 @@ class Checkpointer:
       self.wait()
     finally:
       self.manager.close()
+      if self._own_reader is not None:
+        self._own_reader.close()
 
 
 def checkpoint_dir(workdir: str) -> str:

@@ -213,12 +213,32 @@ def barrier(name: str, timeout: float | None = None) -> None:
 def on_every_process(flag: bool) -> bool:
   """Whether `flag` holds on every process of the job: each process asks with its own, and
   all get the one answer (a collective: every process calls it at the same point)."""
+  return not processes_where_not(flag)
+
+
+def processes_where_not(flag: bool) -> list[int]:
+  """The processes on which `flag` does not hold (every process gets the one list; a
+  collective: every process calls it at the same point)."""
   import jax
   if jax.process_count() == 1:
-    return bool(flag)
+    return [] if flag else [0]
   import numpy as np
   from jax.experimental import multihost_utils
-  return bool(np.asarray(multihost_utils.process_allgather(np.asarray(flag, np.int32))).all())
+  flags = np.asarray(multihost_utils.process_allgather(np.asarray(flag, np.int32))).reshape(-1)
+  return [i for i, f in enumerate(flags) if not f]
+
+
+def first_process_list(values: list[int]) -> list[int]:
+  """Process 0's list of ints on every process (each passes its own; a collective)."""
+  import jax
+  if jax.process_count() == 1:
+    return [int(v) for v in values]
+  import numpy as np
+  from jax.experimental import multihost_utils
+  count = int(multihost_utils.broadcast_one_to_all(np.asarray(len(values), np.int32)))
+  padded = np.full(count, -1, np.int32)
+  padded[:min(count, len(values))] = np.asarray(values[:count], np.int32)
+  return [int(v) for v in multihost_utils.broadcast_one_to_all(padded)]
 
 
 _shared = 0
