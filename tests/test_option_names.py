@@ -167,3 +167,26 @@ def test_a_flag_wins_over_a_config_file_setting_the_old_leaf():
   assert "mode" not in config.retrieval and "first_index_timeout" not in config.retrieval
   assert any("are both given: config.retrieval.candidates is kept" in str(w.message)
              for w in warned)
+
+
+def test_a_flag_giving_the_default_still_wins_over_the_old_leaf_of_a_config_file(tmp_path):
+  """`--config.retrieval.index_timeout=1800` (the defaults' value) after a file that sets the
+  old `first_index_timeout = 600`: the flag's, though the new leaf then looks untouched."""
+  from realm_jax.config.overrides import config_from_flags
+  default = base_config().retrieval.index_timeout
+  path = tmp_path / "old_leaf.py"
+  path.write_text(
+      "import importlib.util\n"
+      f"spec = importlib.util.spec_from_file_location('d', {REPO + '/configs/demo_realm.py'!r})\n"
+      "base = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(base)\n"
+      "def get_config():\n  c = base.get_config()\n"
+      "  c.retrieval.first_index_timeout = 600.0\n  return c\n")
+  with pytest.warns(RenamedOptionWarning, match="the flag is kept"):
+    flagged = config_from_flags("realm-train", str(path),
+                                [f"--config.retrieval.index_timeout={default}"])
+  validate(flagged)
+  assert flagged.retrieval.index_timeout == default
+  plain = config_from_flags("realm-train", str(path), ["--config.retrieval.k=4"])
+  with pytest.warns(RenamedOptionWarning, match="first_index_timeout is now"):
+    validate(plain)
+  assert plain.retrieval.index_timeout == 600.0       # no flag for it: the file's

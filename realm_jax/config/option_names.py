@@ -114,6 +114,24 @@ def upgrade_config(config) -> None:
       target[new_leaf] = value
 
 
+def flags_win(config, args: list[str]) -> None:
+  """Drops a config file's old leaf where the command line flags its new name (`args`, the
+  flags as given): the flag comes after the file, whatever its value. `upgrade_config` alone
+  cannot tell a flag giving the default from no flag, and would keep the old leaf."""
+  flagged = {arg[len("--config."):].partition("=")[0] for arg in args
+             if arg.startswith("--config.")}   # a flag under the old name set the old leaf
+  for old, new in RENAMED_OPTIONS.items():
+    parent, old_leaf = option_parent(config, old)
+    if new not in flagged or parent is None or old_leaf not in parent.keys():
+      continue
+    target, new_leaf = option_parent(config, new)
+    warnings.warn(f"config.{old}={parent[old_leaf]!r} (the config file) and --config.{new}="
+                  f"{target[new_leaf]!r} are both given: the flag is kept",
+                  RenamedOptionWarning, stacklevel=2)
+    with parent.unlocked():
+      del parent[old_leaf]
+
+
 def _default(name: str):
   """The defaults' value of dotted option `name` (None if it has none)."""
   from realm_jax.config.defaults import base_config

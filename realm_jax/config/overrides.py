@@ -19,7 +19,7 @@ import re
 import sys
 from typing import Callable
 
-from realm_jax.config.option_names import current_name
+from realm_jax.config.option_names import current_name, flags_win
 from realm_jax.config.reading import flat_options, option_parent
 from realm_jax.errors import ConfigError
 
@@ -40,6 +40,7 @@ def _parse_or_exit(prog: str, flag_values, argv: list[str]) -> list[str]:
   try:
     rest = flag_values(argv)
     if "config" in flag_values and flag_values["config"].value is not None:
+      flags_win(flag_values["config"].value, argv)
       check_known_options(flag_values["config"].value, _config_file(argv))
     return rest
   except Exception as e:   # noqa: BLE001 -- whatever parsing raises is a usage error
