@@ -44,7 +44,11 @@ def launch(flags: list[str], workdir: str, count: int, port: int, devices: int =
            extra: tuple[str, ...] = (),
            program: tuple[str, ...] = ("-m", "realm_jax.train.main")) -> list[subprocess.Popen]:
   """`count` realm-train processes of one job, `devices` CPU devices each."""
-  env = {**os.environ, "XLA_FLAGS": helpers.xla_flags(devices)}
+  # PYTHONPATH: a `program` that is a script puts its own folder first, not the cwd; this
+  # checkout's package must still be the one imported (not an installed copy elsewhere)
+  env = {**os.environ, "XLA_FLAGS": helpers.xla_flags(devices),
+         "PYTHONPATH": os.pathsep.join([helpers.REPO, *filter(None, [os.environ.get(
+             "PYTHONPATH")])])}
   return [subprocess.Popen(
       [sys.executable, "-u", *program, *flags, f"--workdir={workdir}",
        "--multihost=on", f"--coordinator_address=localhost:{port}", f"--num_processes={count}",
@@ -206,35 +210,36 @@ runpy.run_module("realm_jax.train.main", run_name="__main__", alter_sys=True)
 
 def test_a_checkpoint_one_process_cannot_read_sends_every_process_to_the_one_before(
     world_dir, tmp_path):
-  """Checkpoints 2 and 4 of an ICT run; the job resuming it in two processes, process 1
-  unable to read 4. Each process reads its own shards, so only 1 fails: all must still resume
-  from the same step (2), 4 moved aside once it failed twice, and steps 3 and 4 train again
-  with the first run's losses. Each process deciding alone, 0 resumed from 4 and 1 from 2."""
+  """Checkpoints 2 and 4 of a two-process ICT job whose model axis spans both processes (no
+  process holds a whole array), resumed in two processes, process 1 unable to read 4. Each
+  process reads its own shards, so only 1 fails: all must still resume from the same step
+  (2), 4 moved aside once it failed twice, and steps 3 and 4 train again with the first
+  job's losses. Each process deciding alone, 0 resumed from 4 and 1 from 2."""
   workdir = str(tmp_path / "w")
-  first = helpers.tiny_config("ict", data_dir=world_dir, train__steps=4,
-                              train__checkpoint_every=2)
-  train(first, workdir)    # this process, 8 devices
-  before = losses(workdir)
-  script = tmp_path / "failing_read.py"
-  script.write_text(_FAILING_READ)
-  config = helpers.tiny_config("ict", data_dir=world_dir, train__steps=6,
-                               train__checkpoint_every=2)
-  procs = launch(helpers.config_flags(config, "demo_ict"), workdir, 2, free_port(),
-                 program=(str(script),))
-  with deadline(procs) as expired:
-    outputs = read_to_end(procs)
-  assert not expired, f"the job did not end within {expired[0]} s:\n" + "\n---\n".join(
-      out[-1500:] for out in outputs)
+  options = dict(data_dir=world_dir, train__checkpoint_every=2, mesh__shape=(1, 8))
+  outputs = []
+  for steps, program in ((4, ("-m", "realm_jax.train.main")), (6, (str(tmp_path / "r.py"),))):
+    (tmp_path / "r.py").write_text(_FAILING_READ)
+    config = helpers.tiny_config("ict", train__steps=steps, **options)
+    procs = launch(helpers.config_flags(config, "demo_ict"), workdir, 2, free_port(),
+                   program=program)
+    with deadline(procs) as expired:
+      outputs = read_to_end(procs)
+    assert not expired, f"the job did not end within {expired[0]} s:\n" + "\n---\n".join(
+        out[-1500:] for out in outputs)
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+      assert p.returncode == 0, f"process {i}:\n{out[-3000:]}"
+    if steps == 4:
+      before = losses(workdir)
   ckpt = os.path.join(workdir, "checkpoints")
-  for i, (p, out) in enumerate(zip(procs, outputs)):
-    assert p.returncode == 0, f"process {i}:\n{out[-3000:]}"
+  for i, out in enumerate(outputs):
     why = "read here, failed on process 1" if i == 0 else "OSError: injected"
     assert f"checkpoint {ckpt}/4 cannot be restored ({why}" in out, out[-3000:]
     assert f"resumed from {ckpt}/2 " in out, out[-3000:]
   assert "moved the unreadable checkpoint 4" in outputs[0]
   assert os.listdir(os.path.join(workdir, "unreadable_checkpoints")) == ["4"]
   after = losses(workdir)
-  assert len(after) == 6
+  assert len(before) == 4 and len(after) == 6
   np.testing.assert_allclose(after[:4], before, rtol=LOSS_RTOL, atol=0)
 
 

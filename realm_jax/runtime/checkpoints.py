@@ -127,13 +127,16 @@ class Checkpointer:
 
   def _reader(self) -> ocp.CheckpointManager:
     """The manager restores go through: the run's own in one process, else one of this
-    process alone, read-only (Orbax then syncs no other process)."""
+    process alone, read-only: its Checkpointer's barriers then sync this process only, and
+    (Orbax 0.12) the item handlers' restores and the arrays' reads of local shards sync none
+    (tests/test_multihost.py fails if a read makes another process wait)."""
     if jax.process_count() == 1:
       return self.manager
     if self._own_reader is None:
       me = jax.process_index()
       self._own_reader = ocp.CheckpointManager(self.directory, options=(
           ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
+                                       enable_async_checkpointing=False,
                                        multiprocessing_options=ocp.options.MultiprocessingOptions(
                                            primary_host=me, active_processes={me}))),
           item_names=ITEMS)
@@ -150,7 +153,16 @@ class Checkpointer:
     restores, CheckpointError names each: never step 0 silently. With several processes,
     every one walks process 0's list of steps and each try counts only where it restored on
     every process (a shard one host cannot read sends all to the one before, together)."""
-    steps = multihost.first_process_list(sorted(self.all_steps(), reverse=True))
+    try:
+      return self._walk(multihost.first_process_list(sorted(self.all_steps(), reverse=True)),
+                        abstract_state, abstract_retrieval, log)
+    finally:
+      if self._own_reader is not None:
+        self._own_reader.close()
+        self._own_reader = None
+
+  def _walk(self, steps: list[int], abstract_state, abstract_retrieval, log):
+    """`restore_latest` over `steps` (newest first)."""
     failed: dict[int, str] = {}   # step -> why it did not restore (its latest try)
     for second_walk in (False, True):
       twice = []
@@ -208,8 +220,6 @@ class Checkpointer:
       log(f"moved the unreadable checkpoint {step} to {target}")
     multihost.barrier(f"checkpoint-{step}-moved-aside")
     self.manager.reload()
-    if self._own_reader is not None:
-      self._own_reader.reload()
 
   def wait(self) -> None:
     """Until every started save is finalised (its error as a CheckpointError)."""
@@ -224,8 +234,6 @@ class Checkpointer:
       self.wait()
     finally:
       self.manager.close()
-      if self._own_reader is not None:
-        self._own_reader.close()
 
 
 def checkpoint_dir(workdir: str) -> str:
