@@ -16,6 +16,8 @@ default v4-8; `none` for a config without the separate index builder). Actions:
            every builder worker, nohup'd, output to ~/realm_logs/{trainer,builder}.log
   tail     follow worker 0's log of --job (trainer or builder)
   stop     SIGTERM both jobs on every worker (the trainer saves a checkpoint), wait --grace s
+           (with the run's --config [--set ...]: at least its train.preemption_grace_seconds +
+           30, the save's own grace)
   delete   delete both slices
   up       create, install, start
 Both jobs get the same config, `--set KEY=VALUE` overrides (as `--config.KEY=VALUE`) and workdir;
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import shlex
@@ -307,6 +310,18 @@ def stop_script(job: str, grace: int) -> str:
           f'else echo "{job}: not running"; fi')
 
 
+def save_grace(config_spec: str, sets: list[str]) -> float:
+  """How long a trainer of `config_spec` with `sets` may take to save after SIGTERM
+  (`processes.stop_grace` of its train.preemption_grace_seconds)."""
+  try:
+    config = load_config(config_spec)
+  except Exception as e:     # a config module's own error, named with the flag that chose it
+    raise ConfigError("", f"--config {config_spec!r}: {type(e).__name__}: {e}") from None
+  apply_assignments(config, sets, "--set")
+  validate(config)
+  return processes.stop_grace(config.train.preemption_grace_seconds)
+
+
 class CommandFailed(RuntimeError):
   """A command this script ran exited non-zero."""
 
@@ -325,6 +340,9 @@ class Pod:
         raise ConfigError("", f"{args.action}: --config and --workdir are required")
       self.plan = plan_run(args.config, args.workdir, args.set, args.storage, self.slices)
       check_builder(self.plan, args.builder_type)
+    self.stop_wait = args.grace
+    if args.action == "stop" and args.config:
+      self.stop_wait = max(args.grace, math.ceil(save_grace(args.config, args.set)))
 
   def gcloud(self, verb: str, targets: list[str], *flags: str) -> list[str]:
     return ["gcloud", "compute", "tpus", "tpu-vm", verb, *targets, "--zone", self.args.zone,
@@ -378,7 +396,7 @@ class Pod:
 
   def stop(self) -> None:
     for job in self.slices:
-      self._call(self.ssh(job, stop_script(job, self.args.grace)))
+      self._call(self.ssh(job, stop_script(job, self.stop_wait)))
 
   def delete(self) -> None:
     for job in self.slices:
@@ -428,7 +446,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       "/gcs/BUCKET and pass those paths")
   parser.add_argument("--job", choices=JOBS, default="trainer", help="tail: whose log")
   parser.add_argument("--grace", type=int, default=GRACE_SECONDS,
-                      help="stop: seconds a job gets to exit after SIGTERM")
+                      help="stop: seconds a job gets to exit after SIGTERM (more where the "
+                      "trainer's save needs more: give stop the run's --config and --set)")
   parser.add_argument("--dry-run", action="store_true", help="print the commands, run none")
   log.add_verbosity_argument(parser)
   return parser.parse_args(argv)

@@ -144,6 +144,24 @@ def test_stop_sends_sigterm_tail_follows_worker_0_and_delete_is_quiet(capsys):
       f"{G} delete realm-trainer {Z} --quiet"]
 
 
+def test_stop_given_the_runs_config_waits_for_the_trainers_save(capsys):
+  """--grace s after SIGTERM, or the trainer's preemption grace + the launchers' margin
+  (processes.stop_grace) where the run's --config and --set make that longer."""
+  def waits(*argv):
+    return {int(re.search(r"\$\(seq (\d+)\)", _remote_script(line, f"realm-{job}")).group(1))
+            for line, job in zip(_dry_run(capsys, "stop", *SLICES, *argv), ("trainer", "builder"))}
+
+  assert waits() == {120}
+  assert waits("--config", REALM_BASE) == {120}      # its grace (30) + 30 is shorter
+  assert waits("--config", REALM_BASE, "--set", "train.preemption_grace_seconds=300") == {330}
+  assert waits("--config", REALM_BASE, "--set", "train.preemption_grace_seconds=300",
+               "--grace", "600") == {600}
+  with pytest.raises(SystemExit) as exit_:
+    tpu_pod.main(["stop", *SLICES, "--config", REALM_BASE, "--set", "train.gracee=1",
+                  "--dry-run"])
+  assert exit_.value.code == 2 and "train.gracee" in capsys.readouterr().err
+
+
 def test_start_and_stop_scripts_run_the_job_in_the_background_and_sigterm_it(tmp_path):
   """The remote scripts in a local bash: a stand-in job records its argv and its SIGTERM."""
   plan = tpu_pod.plan_run(REALM_BASE, "gs://my-bucket/realm/realm",
