@@ -152,6 +152,19 @@ class Plan:
     return self.buckets if self.storage == "gcsfuse" else ()
 
 
+def run_config(config_spec: str, sets: list[str]):
+  """(the config the jobs run: `config_spec` with the `--set` assignments, validated as the
+  workers' realm-train will; {key: value text} of the assignments)."""
+  try:
+    config = load_config(config_spec)
+  except Exception as e:     # a config module's own error, named with the flag that chose it
+    raise ConfigError("", f"--config {config_spec!r}: {type(e).__name__}: {e}") from None
+  check_known_options(config, config_spec)
+  given = apply_assignments(config, sets, "--set")
+  validate(config)
+  return config, given
+
+
 def plan_run(config_spec: str, workdir: str, sets: list[str], storage: str = "gcs",
              slices: dict[str, Slice] | None = None) -> Plan:
   """Checks the config, its overrides and the workdir before any machine is touched.
@@ -174,13 +187,7 @@ def plan_run(config_spec: str, workdir: str, sets: list[str], storage: str = "gc
   if os.path.dirname(os.path.abspath(path)) != os.path.join(REPO, "configs"):
     raise ConfigError("", f"--config {config_spec!r}: the machines get this repository's "
                       f"configs/ directory; put the file in {os.path.join(REPO, 'configs')}")
-  try:
-    config = load_config(config_spec)
-  except Exception as e:     # a config module's own error, named with the flag that chose it
-    raise ConfigError("", f"--config {config_spec!r}: {type(e).__name__}: {e}") from None
-  check_known_options(config, config_spec)   # as the workers' realm-train will
-  given = apply_assignments(config, sets, "--set")
-  validate(config)
+  config, given = run_config(config_spec, sets)
   check_mesh(config, slices or {})
   buckets, overrides = [bucket], []
   final = flat_options(config)
@@ -310,18 +317,6 @@ def stop_script(job: str, grace: int) -> str:
           f'else echo "{job}: not running"; fi')
 
 
-def save_grace(config_spec: str, sets: list[str]) -> float:
-  """How long a trainer of `config_spec` with `sets` may take to save after SIGTERM
-  (`processes.stop_grace` of its train.preemption_grace_seconds)."""
-  try:
-    config = load_config(config_spec)
-  except Exception as e:     # a config module's own error, named with the flag that chose it
-    raise ConfigError("", f"--config {config_spec!r}: {type(e).__name__}: {e}") from None
-  apply_assignments(config, sets, "--set")
-  validate(config)
-  return processes.stop_grace(config.train.preemption_grace_seconds)
-
-
 class CommandFailed(RuntimeError):
   """A command this script ran exited non-zero."""
 
@@ -341,8 +336,13 @@ class Pod:
       self.plan = plan_run(args.config, args.workdir, args.set, args.storage, self.slices)
       check_builder(self.plan, args.builder_type)
     self.stop_wait = args.grace
-    if args.action == "stop" and args.config:
-      self.stop_wait = max(args.grace, math.ceil(save_grace(args.config, args.set)))
+    if args.action == "stop" and (args.config or args.set):
+      if not args.config:
+        raise ConfigError("", "stop: --set needs the run's --config (it sets the trainer's "
+                          "save grace, train.preemption_grace_seconds)")
+      config = run_config(args.config, args.set)[0]
+      self.stop_wait = max(args.grace, math.ceil(
+          processes.stop_grace(config.train.preemption_grace_seconds)))
 
   def gcloud(self, verb: str, targets: list[str], *flags: str) -> list[str]:
     return ["gcloud", "compute", "tpus", "tpu-vm", verb, *targets, "--zone", self.args.zone,

@@ -160,6 +160,9 @@ def test_stop_given_the_runs_config_waits_for_the_trainers_save(capsys):
     tpu_pod.main(["stop", *SLICES, "--config", REALM_BASE, "--set", "train.gracee=1",
                   "--dry-run"])
   assert exit_.value.code == 2 and "train.gracee" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as exit_:   # not silently waiting 120 s
+    tpu_pod.main(["stop", *SLICES, "--set", "train.preemption_grace_seconds=300", "--dry-run"])
+  assert exit_.value.code == 2 and "--set needs the run's --config" in capsys.readouterr().err
 
 
 def test_start_and_stop_scripts_run_the_job_in_the_background_and_sigterm_it(tmp_path):

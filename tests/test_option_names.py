@@ -181,11 +181,15 @@ def test_a_flag_giving_the_default_still_wins_over_the_old_leaf_of_a_config_file
       "base = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(base)\n"
       "def get_config():\n  c = base.get_config()\n"
       "  c.retrieval.first_index_timeout = 600.0\n  return c\n")
-  with pytest.warns(RenamedOptionWarning, match="the flag is kept"):
-    flagged = config_from_flags("realm-train", str(path),
-                                [f"--config.retrieval.index_timeout={default}"])
-  validate(flagged)
-  assert flagged.retrieval.index_timeout == default
+  flagfile = tmp_path / "flags"
+  flagfile.write_text(f"--config.retrieval.index_timeout={default}\n")
+  for spelt in ([f"--config.retrieval.index_timeout={default}"],
+                ["--config.retrieval.index_timeout", str(default)],
+                [f"-config.retrieval.index_timeout={default}"], [f"--flagfile={flagfile}"]):
+    with pytest.warns(RenamedOptionWarning, match="the flag is kept"):
+      flagged = config_from_flags("realm-train", str(path), spelt)
+    validate(flagged)
+    assert flagged.retrieval.index_timeout == default, spelt
   plain = config_from_flags("realm-train", str(path), ["--config.retrieval.k=4"])
   with pytest.warns(RenamedOptionWarning, match="first_index_timeout is now"):
     validate(plain)

@@ -114,12 +114,12 @@ def upgrade_config(config) -> None:
       target[new_leaf] = value
 
 
-def flags_win(config, args: list[str]) -> None:
-  """Drops a config file's old leaf where the command line flags its new name (`args`, the
-  flags as given): the flag comes after the file, whatever its value. `upgrade_config` alone
-  cannot tell a flag giving the default from no flag, and would keep the old leaf."""
-  flagged = {arg[len("--config."):].partition("=")[0] for arg in args
-             if arg.startswith("--config.")}   # a flag under the old name set the old leaf
+def flags_win(config, flagged) -> None:
+  """Drops a config file's old leaf where the command line set its new name (`flagged`: the
+  dotted names ml_collections applied as overrides, however spelt, from a flagfile too): the
+  flag comes after the file, whatever its value. `upgrade_config` alone cannot tell a flag
+  giving the default from no flag, and would keep the old leaf. (A flag under the old name
+  set the old leaf itself: kept.)"""
   for old, new in RENAMED_OPTIONS.items():
     parent, old_leaf = option_parent(config, old)
     if new not in flagged or parent is None or old_leaf not in parent.keys():

@@ -40,7 +40,9 @@ def _parse_or_exit(prog: str, flag_values, argv: list[str]) -> list[str]:
   try:
     rest = flag_values(argv)
     if "config" in flag_values and flag_values["config"].value is not None:
-      flags_win(flag_values["config"].value, argv)
+      from ml_collections import config_flags
+      flags_win(flag_values["config"].value,
+                config_flags.get_override_values(flag_values["config"]))
       check_known_options(flag_values["config"].value, _config_file(argv))
     return rest
   except Exception as e:   # noqa: BLE001 -- whatever parsing raises is a usage error
