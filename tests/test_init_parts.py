@@ -204,6 +204,32 @@ def test_legacy_options_still_start_both_parts(world_dir, world_data, fresh, tmp
   assert initialization.sources(old)["reader"].path == run
 
 
+@pytest.mark.slow
+def test_both_parts_of_one_workdir_start_from_the_same_latest_step(
+    world_dir, world_data, fresh, tmp_path, monkeypatch):
+  """init.from_workdir's "latest", read once per part: a source run that saves a new step
+  between the two reads must not give the reader another step than the retriever."""
+  vocab_size = world_data.tokenizer.vocab_size
+  run = str(tmp_path / "run")
+  saved = source_run(towers_config(world_dir), run, vocab_size)
+  read = initialization._from_workdir
+
+  def then_a_new_step(*args):
+    got = read(*args)
+    if not os.path.isdir(os.path.join(run, "checkpoints", "5")):
+      source_run(towers_config(world_dir), run, vocab_size, steps=(5,))
+    return got
+  monkeypatch.setattr(initialization, "_from_workdir", then_a_new_step)
+  got = start(towers_config(world_dir, init__from_workdir=run), fresh, world_data)
+  assert os.path.isdir(os.path.join(run, "checkpoints", "5"))
+  assert got.steps == {"retriever": 0, "reader": 0}
+  for part in ("retriever", "reader"):
+    for key, value in flat(saved[0][part]).items():
+      np.testing.assert_array_equal(flat(got.params[part])[key], value, err_msg=key)
+  later = start(towers_config(world_dir, init__from_workdir=run), fresh, world_data)
+  assert later.steps == {"retriever": 5, "reader": 5}   # a new start reads the new latest
+
+
 def test_a_start_restored_whole_runs_no_random_init(world_dir, world_data, tmp_path):
   """Every part from a workdir: the state is built around the restored params, the random
   init neither compiled nor run, and holds what the random init's state with those params

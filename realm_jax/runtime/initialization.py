@@ -146,14 +146,20 @@ def start_params(config, initial: Callable[[], dict], abstract_params, shardings
   """
   srcs = sources(config)
   out, lines, steps = {}, [], {}
+  latest = {}   # a workdir -> the step its "latest" was for the first part read from it: the
+                # parts of one source agree, though its run may save another step meanwhile
   for part, src in srcs.items():
     if src.kind == "random":
       out[part] = initial()[part]
       lines.append(f"{part} <- random init (seed {config.seed})")
       continue
     if src.kind == "workdir":
+      if src.step < 0 and src.path in latest:
+        src = dataclasses.replace(src, step=latest[src.path])
       out[part], line, steps[part] = _from_workdir(config, src, lambda: initial()[part],
                                                    abstract_params[part], data_vocab)
+      if srcs[part].step < 0:
+        latest.setdefault(src.path, steps[part])
     else:
       host, line = _from_hf(config, src, initial(), data_vocab, vocab_size)
       out[part] = jax.device_put(host, shardings[part])
