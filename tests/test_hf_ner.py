@@ -142,6 +142,18 @@ def test_cased_vocab_from_tokenizer_config(tmp_path):
   assert NerTagger(path, batch_size=8).tokenizer.tokens(ids) == ["john", "smith"]
 
 
+def test_strip_accents_from_tokenizer_config(tmp_path):
+  """HF's BertTokenizer: strip_accents unset follows do_lower_case; set, it decides."""
+  vocab = VOCAB + ["cafe", "café"]
+  pieces = {}
+  for name, settings in (("default", {}), ("kept", {"strip_accents": False}),
+                         ("cased_stripped", {"do_lower_case": False, "strip_accents": True})):
+    path, _, _ = ner_checkpoint(tmp_path / name, tokenizer_config=settings, vocab=vocab)
+    tokenizer = NerTagger(path, batch_size=8).tokenizer
+    pieces[name] = tokenizer.tokens(tokenizer.encode_batch(["Café"])[0][0])
+  assert pieces == {"default": ["cafe"], "kept": ["café"], "cased_stripped": ["[UNK]"]}
+
+
 def test_bad_checkpoints_are_named(tmp_path):
   path, weights, config = ner_checkpoint(tmp_path / "ner")
   assert NerTagger(path, max_len=100).max_len == 64     # the checkpoint's positions

@@ -48,13 +48,16 @@ class Tokenizer:
     return [self.wordpiece.id_to_token(int(i)) for i in ids]
 
 
-def load_tokenizer(path: str, lowercase: bool = True) -> Tokenizer:
-  """Loads `path` = a vocab.txt or a directory holding one (an HF tokenizer dir); a cased
-  vocab (`lowercase=False`) also keeps accents, as HF's BertTokenizer does."""
+def load_tokenizer(path: str, lowercase: bool = True,
+                   strip_accents: bool | None = None) -> Tokenizer:
+  """Loads `path` = a vocab.txt or a directory holding one (an HF tokenizer dir); accents
+  are stripped where `strip_accents` says, by default (None) where the vocab is lowercased,
+  as HF's BertTokenizer does."""
   vocab = os.path.join(path, "vocab.txt") if os.path.isdir(path) else path
   if not os.path.exists(vocab):
     raise FileNotFoundError(f"no WordPiece vocabulary at {vocab}")
-  return Tokenizer(BertWordPieceTokenizer(vocab, lowercase=lowercase, strip_accents=lowercase),
+  strip = lowercase if strip_accents is None else bool(strip_accents)
+  return Tokenizer(BertWordPieceTokenizer(vocab, lowercase=lowercase, strip_accents=strip),
                    vocab)
 
 

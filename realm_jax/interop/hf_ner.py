@@ -140,8 +140,9 @@ class NerTagger:
       problems.append(f"max_len {max_len} < 3 (room for [CLS], a piece and [SEP])")
     if problems:
       raise ConfigError(OPTION, f"{path} cannot be run by our BERT: " + "; ".join(problems))
-    lowercase = _read_json(os.path.join(path, "tokenizer_config.json")).get("do_lower_case", True)
-    self.tokenizer = load_tokenizer(path, lowercase=bool(lowercase))
+    settings = _read_json(os.path.join(path, "tokenizer_config.json"))
+    self.tokenizer = load_tokenizer(path, lowercase=bool(settings.get("do_lower_case", True)),
+                                    strip_accents=settings.get("strip_accents"))
     if self.tokenizer.vocab_size > hf["vocab_size"]:
       raise ConfigError(OPTION, f"{path}/vocab.txt has {self.tokenizer.vocab_size} entries, "
                         f"more than the model's vocab_size {hf['vocab_size']}")
