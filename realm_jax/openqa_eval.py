@@ -49,6 +49,7 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   from realm_jax.errors import ConfigError
   from realm_jax.retrieval import published
   from realm_jax.runtime.checkpoints import restore_run, saved_param_shapes
+  from realm_jax.runtime.initialization import check_run_vocab
   from realm_jax.config.validation import validate, validate_against_data
   from realm_jax.train.openqa_inputs import FrozenIndex
   validate(config)
@@ -66,6 +67,7 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   data = workdir_lib.open_data(config)
   validate_against_data(config, store_block_len=data.blocks.block_len,
                         vocab_size=data.tokenizer.vocab_size)
+  check_run_vocab(workdir, "data.dir", data.tokenizer.vocab_path)   # ids of the run's meaning
   run = restore_run(workdir, step, config=config, vocab_size=data.tokenizer.vocab_size,
                     block_len=data.blocks.block_len, partial=True, saved=saved)
   mesh, model, params, step, missing = run.mesh, run.model, run.params, run.step, run.missing

@@ -525,13 +525,13 @@ def test_an_imported_workdir_keeps_the_vocab_a_run_started_from_it_is_checked_ag
   hf_dir = _embedder_checkpoint(tmp_path / "hf")
   hf_realm.import_checkpoint(hf_dir, str(tmp_path / "w"))
   src = initialization.resolve(str(tmp_path / "w"), "init.from_workdir", "retriever")
-  initialization._check_workdir_vocab(src, os.path.join(hf_dir, "vocab.txt"))
+  initialization.check_run_vocab(src.path, src.option, os.path.join(hf_dir, "vocab.txt"))
   other = tmp_path / "other_vocab.txt"
   tokens = open(os.path.join(hf_dir, "vocab.txt")).read().splitlines()
   other.write_text("\n".join(tokens[:-2] + tokens[-1:] + tokens[-2:-1]) + "\n")
   with pytest.raises(ConfigError, match=r"config\.init\.from_workdir: the data's .*other_vocab"
                      r"\.txt .* differs from .*/w/vocab\.txt"):
-    initialization._check_workdir_vocab(src, str(other))
+    initialization.check_run_vocab(src.path, src.option, str(other))
 
 
 def test_a_damaged_safetensors_file_is_one_error_naming_it(tmp_path):

@@ -239,6 +239,15 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path)
   other = openqa_config(world_dir, data__block_len=world_data.blocks.block_len + 8)
   with pytest.raises(ConfigError, match=r"config\.data\.block_len: .* prepared with blocks"):
     evaluate_run(other, workdir, split="test", retrieval_only=True)
+  # a data dir whose vocab lists other tokens, as many: the ids would mean other words
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(pretraining.to_json_best_effort())
+  swapped = shutil.copytree(world_dir, tmp_path / "swapped_vocab")
+  tokens = (swapped / "vocab.txt").read_text().splitlines()
+  (swapped / "vocab.txt").write_text("\n".join(tokens[:-2] + tokens[:-3:-1]) + "\n")
+  with pytest.raises(ConfigError, match=r"config\.data\.dir: the data's .*swapped_vocab/"
+                     r"vocab\.txt .* differs from"):
+    evaluate_run(openqa_config(str(swapped)), workdir, split="test", retrieval_only=True)
 
 
 def _pretraining_checkpoint(world_dir, world_data, workdir):

@@ -198,7 +198,7 @@ def _from_workdir(config, src: Source, initial: Callable[[], Any], abstract, dat
     raise ConfigError(option, f"{src.path} step {step}: its {part} parameters do not fit "
                       f"this run's config:\n  " + "\n  ".join(lines) +
                       (f"\n  ... and {more} more" if more > 0 else ""))
-  _check_workdir_vocab(src, data_vocab)
+  check_run_vocab(src.path, src.option, data_vocab)
   restored, step, _ = restore_params(src.path, {part: abstract}, step, partial=True,
                                      saved=saved)
   value = restored[part]
@@ -231,21 +231,22 @@ def _field_differences(config, workdir: str, part: str) -> list[str]:
   return lines
 
 
-def _check_workdir_vocab(src: Source, data_vocab: str) -> None:
-  """The source run's token ids must mean what ours mean (its data dir's vocab.txt, or the
-  checkpoint's own that realm-import-hf keeps in the workdir it writes)."""
+def check_run_vocab(workdir: str, option: str, data_vocab: str) -> None:
+  """A run's token ids must mean what `data_vocab`'s mean (its data dir's vocab.txt, or the
+  checkpoint's own that realm-import-hf keeps in the workdir it writes): else a ConfigError
+  naming `option` and the first line that differs."""
   from realm_jax.interop import hf_bert
   from realm_jax.runtime.checkpoints import run_config
-  if os.path.isfile(os.path.join(src.path, "vocab.txt")):
-    hf_bert.check_vocab(data_vocab, src.path, src.option)
+  if os.path.isfile(os.path.join(workdir, "vocab.txt")):
+    hf_bert.check_vocab(data_vocab, workdir, option)
     return
   try:
-    data_dir = run_config(src.path).data.dir
+    data_dir = run_config(workdir).data.dir
   except FileNotFoundError:
     return
   if data_dir and os.path.isfile(os.path.join(data_dir, "vocab.txt")) and \
       os.path.abspath(os.path.join(data_dir, "vocab.txt")) != os.path.abspath(data_vocab):
-    hf_bert.check_vocab(data_vocab, data_dir, src.option)
+    hf_bert.check_vocab(data_vocab, data_dir, option)
 
 
 # -- a Hugging Face dir ---------------------------------------------------------------------
