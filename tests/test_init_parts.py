@@ -217,7 +217,7 @@ def test_both_parts_of_one_workdir_start_from_the_same_latest_step(
   def then_a_new_step(*args):
     got = read(*args)
     if not os.path.isdir(os.path.join(run, "checkpoints", "5")):
-      source_run(towers_config(world_dir), run, vocab_size, steps=(5,))
+      source_run(towers_config(world_dir), run, vocab_size, steps=(5,))   # each scenario's run
     return got
   monkeypatch.setattr(initialization, "_from_workdir", then_a_new_step)
   got = start(towers_config(world_dir, init__from_workdir=run), fresh, world_data)
@@ -228,6 +228,12 @@ def test_both_parts_of_one_workdir_start_from_the_same_latest_step(
       np.testing.assert_array_equal(flat(got.params[part])[key], value, err_msg=key)
   later = start(towers_config(world_dir, init__from_workdir=run), fresh, world_data)
   assert later.steps == {"retriever": 5, "reader": 5}   # a new start reads the new latest
+  # one workdir named per part, spelt two ways: still one source
+  run = str(tmp_path / "run2")
+  source_run(towers_config(world_dir), run, vocab_size)
+  got = start(towers_config(world_dir, init__retriever=run, init__reader=run + "/"), fresh,
+              world_data)
+  assert got.steps == {"retriever": 0, "reader": 0}
 
 
 def test_a_start_restored_whole_runs_no_random_init(world_dir, world_data, tmp_path):

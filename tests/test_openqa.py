@@ -216,7 +216,7 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
     evaluate_run(openqa_config(world_dir), str(copy), split="test")
 
 
-def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path):
+def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path, monkeypatch):
   """Open-QA eval of a checkpoint without the span reader: a clear error; --retrieval_only:
   the zero-shot retrieval evaluation."""
   from realm_jax.openqa_eval import evaluate_run
@@ -248,6 +248,15 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path)
   with pytest.raises(ConfigError, match=r"config\.data\.dir: the data's .*swapped_vocab/"
                      r"vocab\.txt .* differs from"):
     evaluate_run(openqa_config(str(swapped)), workdir, split="test", retrieval_only=True)
+  # recorded relative (to where the run ran, unknown here): not read against this cwd's
+  relative = json.loads(pretraining.to_json_best_effort())
+  relative["data"]["dir"] = "data"
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(relative, f)
+  shutil.copytree(swapped, tmp_path / "data")
+  monkeypatch.chdir(tmp_path)
+  assert evaluate_run(config, workdir, split="test", retrieval_only=True)[0][
+      "recall_at_5"] == metrics["recall_at_5"]
 
 
 def _pretraining_checkpoint(world_dir, world_data, workdir):

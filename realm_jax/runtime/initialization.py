@@ -154,12 +154,13 @@ def start_params(config, initial: Callable[[], dict], abstract_params, shardings
       lines.append(f"{part} <- random init (seed {config.seed})")
       continue
     if src.kind == "workdir":
-      if src.step < 0 and src.path in latest:
-        src = dataclasses.replace(src, step=latest[src.path])
+      where = paths.absolute(src.path).rstrip("/")   # one workdir, however spelt
+      if src.step < 0 and where in latest:
+        src = dataclasses.replace(src, step=latest[where])
       out[part], line, steps[part] = _from_workdir(config, src, lambda: initial()[part],
                                                    abstract_params[part], data_vocab)
       if srcs[part].step < 0:
-        latest.setdefault(src.path, steps[part])
+        latest.setdefault(where, steps[part])
     else:
       host, line = _from_hf(config, src, initial(), data_vocab, vocab_size)
       out[part] = jax.device_put(host, shardings[part])
@@ -234,7 +235,9 @@ def _field_differences(config, workdir: str, part: str) -> list[str]:
 def check_run_vocab(workdir: str, option: str, data_vocab: str) -> None:
   """A run's token ids must mean what `data_vocab`'s mean (its data dir's vocab.txt, or the
   checkpoint's own that realm-import-hf keeps in the workdir it writes): else a ConfigError
-  naming `option` and the first line that differs."""
+  naming `option` and the first line that differs. Not checked: a run without a readable
+  config.json, or whose recorded data dir is relative (to where it ran, unknown here) or
+  not on this machine's disk."""
   from realm_jax.interop import hf_bert
   from realm_jax.runtime.checkpoints import run_config
   if os.path.isfile(os.path.join(workdir, "vocab.txt")):
@@ -242,9 +245,9 @@ def check_run_vocab(workdir: str, option: str, data_vocab: str) -> None:
     return
   try:
     data_dir = run_config(workdir).data.dir
-  except FileNotFoundError:
+  except (FileNotFoundError, ValueError):   # none, or not JSON: the caller's config rules
     return
-  if data_dir and os.path.isfile(os.path.join(data_dir, "vocab.txt")) and \
+  if data_dir and os.path.isabs(data_dir) and os.path.isfile(os.path.join(data_dir, "vocab.txt")) and \
       os.path.abspath(os.path.join(data_dir, "vocab.txt")) != os.path.abspath(data_vocab):
     hf_bert.check_vocab(data_vocab, data_dir, option)
 
