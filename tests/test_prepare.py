@@ -219,7 +219,8 @@ def test_a_shard_rebuilt_from_other_input_drops_its_old_marker_first(tmp_path, m
 
 def test_a_cased_checkpoints_vocab_is_refused(tmp_path):
   """The tokenizer here lowercases: a cased checkpoint's ids for 'Paris' would be those of
-  'paris'. Its tokenizer_config.json says so; an uncased one (or none) is taken."""
+  'paris' (and one that keeps accents would see 'cafe' for 'café'). Its tokenizer_config.json
+  says so; an uncased, accent-stripping one (or none) is taken."""
   path = write_jsonl(tmp_path / "docs.jsonl", good_lines())
   prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "first")))
   checkpoint = tmp_path / "cased"
@@ -230,7 +231,15 @@ def test_a_cased_checkpoints_vocab_is_refused(tmp_path):
                      r"\(.*tokenizer_config\.json: do_lower_case false\)"):
     prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"),
                                    vocab=str(checkpoint)))
-  (checkpoint / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True}))
+  # uncased but keeping accents: 'café' would be read as 'cafe'
+  (checkpoint / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True,
+                                                                "strip_accents": False}))
+  with pytest.raises(ConfigError, match=r"config\.vocab: .*cased keeps accents "
+                     r"\(.*tokenizer_config\.json: strip_accents false\)"):
+    prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"),
+                                   vocab=str(checkpoint)))
+  (checkpoint / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True,
+                                                                "strip_accents": None}))
   stats = prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"),
                                          vocab=str(checkpoint)))
   assert stats["documents"] == len(PROSE)

@@ -135,13 +135,18 @@ def _check_uncased(src: str, option_value: str) -> None:
     return
   try:
     with open(settings) as f:
-      lower = json.load(f).get("do_lower_case", True)
+      read = json.load(f)
+    lower, strip = read.get("do_lower_case", True), read.get("strip_accents")
   except (OSError, ValueError, AttributeError) as e:
     raise ConfigError("vocab", f"{settings}: unreadable ({e})") from None
   if lower is False:
     raise ConfigError("vocab", f"{option_value} is a cased checkpoint ({settings}: "
                       "do_lower_case false); realm-prepare's tokenizer lowercases and strips "
                       "accents, so its ids would not be the checkpoint's: use an uncased one")
+  if strip is False:
+    raise ConfigError("vocab", f"{option_value} keeps accents ({settings}: strip_accents "
+                      "false); realm-prepare's tokenizer strips them, so its ids would not be "
+                      "the checkpoint's: use a checkpoint whose tokenizer strips them")
 
 
 def _vocab(config):
