@@ -330,6 +330,33 @@ def test_a_save_not_finalised_within_the_grace_exits_75_not_143(monkeypatch, cap
     signal.signal(signal.SIGTERM, previous)
 
 
+def test_after_the_last_step_the_watchdog_exits_75_while_its_save_is_unfinished(
+    monkeypatch, capsys):
+  """SIGTERM in the final evaluation, the run not done within the grace: 143 only where the
+  last step's checkpoint is finalised; while it is still being written the step is not saved
+  (75), as in the steps' phase."""
+  exits = []
+  monkeypatch.setattr(preemption.os, "_exit", exits.append)
+  previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+  try:
+    for saving, code in ((True, preemption.EXIT_UNSAVED), (False, preemption.EXIT_CODE)):
+      watcher = preemption.Preemption(grace_seconds=0.2, prefix="[t] ")
+      watcher.steps_done(lambda: saving)
+      os.kill(os.getpid(), signal.SIGTERM)
+      deadline = time.monotonic() + 10
+      while not exits and time.monotonic() < deadline:
+        time.sleep(0.02)
+      assert exits == [code], saving
+      out = capsys.readouterr().out
+      assert "[t] SIGTERM: the run did not finish" in out
+      assert ("its last step's checkpoint not finalised" in out) == saving
+      exits.clear()
+      watcher.close()
+      watcher.release()
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.slow
 def test_a_sigterm_in_the_final_evaluation_reaches_the_caller_after_the_summary(
     world_dir, tmp_path, monkeypatch):

@@ -221,6 +221,10 @@ class Checkpointer:
     multihost.barrier(f"checkpoint-{step}-moved-aside")
     self.manager.reload()
 
+  def saving(self) -> bool:
+    """Whether a save is still being written (safe from another thread: the watchdog's)."""
+    return bool(self.manager.is_saving_in_progress())
+
   def wait(self) -> None:
     """Until every started save is finalised (its error as a CheckpointError)."""
     try:

@@ -37,6 +37,7 @@ class Preemption:
     self._previous = None
     self._answered = False  # close(): the run answered a SIGTERM with a saved step
     self._phase = "steps"   # "steps" -> "after" (the last step ran) -> "closing" (close())
+    self._saving = None     # "after": whether the last step's save is still being written
     if not self.multihost and threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGTERM, self._on_signal)
 
@@ -58,17 +59,21 @@ class Preemption:
   def _watchdog(self) -> None:
     if self._saved.wait(max(0.0, self.received_at + self.grace - time.time())):
       return
+    unsaved = self._phase == "steps" or (self._saving is not None and self._saving())
     what = "the checkpoint was not finalised" if self._phase == "steps" else \
-        "the run did not finish"
+        "the run did not finish" + (" (its last step's checkpoint not finalised)"
+                                    if unsaved else "")
     logger.warning(
         f"{self.prefix}SIGTERM: {what} within the grace period ({self.grace:g}s, "
         "config.train.preemption_grace_seconds); exiting (a rerun resumes from the latest "
         "finalised checkpoint)")
-    os._exit(EXIT_UNSAVED if self._phase == "steps" else EXIT_CODE)
+    os._exit(EXIT_UNSAVED if unsaved else EXIT_CODE)
 
-  def steps_done(self) -> None:
+  def steps_done(self, saving=None) -> None:
     """The last step ran and its checkpoint was issued: a SIGTERM from now on finds the run
-    finishing (final evaluation, closing), not stepping."""
+    finishing (final evaluation, closing), not stepping. `saving()`: whether that checkpoint
+    is still being written (then the watchdog's exit is 75, not 143: the step is not saved)."""
+    self._saving = saving
     self._phase = "after"
 
   def requested(self) -> bool:

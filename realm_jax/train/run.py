@@ -206,7 +206,7 @@ class Run:
           eval_metrics = self.evaluate(logs["eval"], 0, final=False)[0]
         preempted, eval_metrics = self._steps(start, batches, logs, preemption, eval_metrics)
         if preempted is None:
-          preemption.steps_done()
+          preemption.steps_done(self.checkpointer.saving)
         batches.stop(preempted is not None)
         if preempted is None and self.evaluates():
           eval_metrics, details = self.evaluate(logs["eval"], cfg.train.steps, final=True)
