@@ -222,7 +222,10 @@ class Checkpointer:
     self.manager.reload()
 
   def saving(self) -> bool:
-    """Whether a save is still being written (safe from another thread: the watchdog's)."""
+    """Whether a save is still being written (Orbax's tracker: also while older checkpoints
+    are deleted after it, and False once a failed save ended). Read from the one-process
+    watchdog's thread: a lock held only for an assignment there (with several processes the
+    tracker's update waits on a barrier under that lock)."""
     return bool(self.manager.is_saving_in_progress())
 
   def wait(self) -> None:

@@ -59,7 +59,10 @@ class Preemption:
   def _watchdog(self) -> None:
     if self._saved.wait(max(0.0, self.received_at + self.grace - time.time())):
       return
-    unsaved = self._phase == "steps" or (self._saving is not None and self._saving())
+    try:
+      unsaved = self._phase == "steps" or (self._saving is not None and self._saving())
+    except Exception:  # noqa: BLE001  (exit regardless; not known to be saved)
+      unsaved = True
     what = "the checkpoint was not finalised" if self._phase == "steps" else \
         "the run did not finish" + (" (its last step's checkpoint not finalised)"
                                     if unsaved else "")
