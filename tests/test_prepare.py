@@ -226,18 +226,16 @@ def test_a_cased_checkpoints_vocab_is_refused(tmp_path):
   checkpoint = tmp_path / "cased"
   checkpoint.mkdir()
   (checkpoint / "vocab.txt").write_text((tmp_path / "first" / "vocab.txt").read_text())
-  (checkpoint / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": False}))
-  with pytest.raises(ConfigError, match=r"config\.vocab: .*cased is a cased checkpoint "
-                     r"\(.*tokenizer_config\.json: do_lower_case false\)"):
-    prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"),
-                                   vocab=str(checkpoint)))
-  # uncased but keeping accents: 'café' would be read as 'cafe'
-  (checkpoint / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True,
-                                                                "strip_accents": False}))
-  with pytest.raises(ConfigError, match=r"config\.vocab: .*cased keeps accents "
-                     r"\(.*tokenizer_config\.json: strip_accents false\)"):
-    prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"),
-                                   vocab=str(checkpoint)))
+  for settings, refusal in (
+      ({"do_lower_case": False}, r"cased is a cased checkpoint \(.*tokenizer_config\.json: "
+                                 r"do_lower_case false\)"),
+      # uncased but keeping accents: 'café' would be read as 'cafe'
+      ({"do_lower_case": True, "strip_accents": False},
+       r"cased keeps accents \(.*tokenizer_config\.json: strip_accents false\)")):
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ConfigError, match=r"config\.vocab: .*" + refusal):
+      prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"),
+                                     vocab=str(checkpoint)))
   (checkpoint / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True,
                                                                 "strip_accents": None}))
   stats = prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"),

@@ -66,7 +66,7 @@ class Checkpointer:
 
   def __init__(self, workdir: str, keep: int, async_saves: bool = True):
     _replica_parallel_writes_across_processes_only()
-    self.directory = checkpoint_dir(workdir)
+    self.workdir, self.directory = workdir, checkpoint_dir(workdir)
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -133,13 +133,8 @@ class Checkpointer:
     if jax.process_count() == 1:
       return self.manager
     if self._own_reader is None:
-      me = jax.process_index()
-      self._own_reader = ocp.CheckpointManager(self.directory, options=(
-          ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
-                                       enable_async_checkpointing=False,
-                                       multiprocessing_options=ocp.options.MultiprocessingOptions(
-                                           primary_host=me, active_processes={me}))),
-          item_names=ITEMS)
+      self._own_reader = read_only_manager(self.workdir, {jax.process_index()},
+                                           item_names=ITEMS)
     return self._own_reader
 
   def restore_latest(self, abstract_state, abstract_retrieval, log=print):

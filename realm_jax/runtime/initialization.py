@@ -155,11 +155,10 @@ def start_params(config, initial: Callable[[], dict], abstract_params, shardings
       continue
     if src.kind == "workdir":
       where = paths.absolute(src.path).rstrip("/")   # one workdir, however spelt
-      if src.step < 0 and where in latest:
-        src = dataclasses.replace(src, step=latest[where])
-      out[part], line, steps[part] = _from_workdir(config, src, lambda: initial()[part],
+      pinned = src if src.step >= 0 else dataclasses.replace(src, step=latest.get(where, -1))
+      out[part], line, steps[part] = _from_workdir(config, pinned, lambda: initial()[part],
                                                    abstract_params[part], data_vocab)
-      if srcs[part].step < 0:
+      if src.step < 0:
         latest.setdefault(where, steps[part])
     else:
       host, line = _from_hf(config, src, initial(), data_vocab, vocab_size)
@@ -247,8 +246,9 @@ def check_run_vocab(workdir: str, option: str, data_vocab: str) -> None:
     data_dir = run_config(workdir).data.dir
   except (FileNotFoundError, ValueError):   # none, or not JSON: the caller's config rules
     return
-  if data_dir and os.path.isabs(data_dir) and os.path.isfile(os.path.join(data_dir, "vocab.txt")) and \
-      os.path.abspath(os.path.join(data_dir, "vocab.txt")) != os.path.abspath(data_vocab):
+  theirs = os.path.join(data_dir, "vocab.txt") if data_dir else ""
+  if os.path.isabs(theirs) and os.path.isfile(theirs) and \
+      os.path.abspath(theirs) != os.path.abspath(data_vocab):
     hf_bert.check_vocab(data_vocab, data_dir, option)
 
 
