@@ -14,7 +14,7 @@
 # on the device, the compile-only memory bench beside them. `real` (on its own: it wants the
 # device and the deadline to itself) runs `make demo-real`'s recipe at its accelerator scale
 # (`python -m realm_jax.demo_real --scale gpu`, workdir $REAL_WORKDIR, default runs/real_gpu;
-# the SQuAD-format file $SQUAD; all-MiniLM-L6-v2 installed), with XLA's GEMM autotuning off
+# the SQuAD-format file $SQUAD, the seed $SEED (default 0); all-MiniLM-L6-v2 installed), with XLA's GEMM autotuning off
 # (the recipe compiles ~20 programs of a small model) and JAX's compilation cache in the
 # workdir (programs that took over a second to compile are read back by a resumed run and by
 # later stages of the same shapes). It gets SIGTERM 45 s before the deadline and 40 s to stop
@@ -120,7 +120,7 @@ if want real; then
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
       JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$real/jax_cache}" \
       GRACE=40 part demo_real "$limit" $python -m realm_jax.demo_real --workdir "$real" \
-      --scale gpu ${SQUAD:+--squad "$SQUAD"}
+      --scale gpu ${SQUAD:+--squad "$SQUAD"} ${SEED:+--seed "$SEED"}
   fi
   [ -f "$real/summary.json" ] && cp "$real/summary.json" "$out/real_summary.json"
 fi
