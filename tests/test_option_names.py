@@ -109,6 +109,25 @@ def test_old_flags_are_spelt_the_new_way():
         "--config.retrieval.candidates", "own_block"]
 
 
+def test_old_flags_with_one_dash_or_in_a_flagfile_are_spelt_the_new_way(tmp_path):
+  """absl reads `-config.X` as `--config.X` and a `--flagfile`'s lines in its place: an old
+  name there is renamed too (the flagfile read in place); a flagfile without one, or one that
+  cannot be read, stays as given."""
+  with pytest.warns(RenamedOptionWarning, match="index.devices"):
+    assert upgrade_flags(["-config.index.devices=6,7", "-config.retrieval.k", "4"]) == [
+        "-config.builder.devices=6,7", "-config.retrieval.k", "4"]
+  old = tmp_path / "old.flags"
+  old.write_text("--config.retrieval.mode=own_block\n--config.train.steps=3\n")
+  with pytest.warns(RenamedOptionWarning, match="retrieval.mode"):
+    args = upgrade_flags(["prog", "--config=c.py", f"--flagfile={old}", "--config.seed=2"])
+  assert args == ["prog", "--config=c.py", "--config.retrieval.candidates=own_block",
+                  "--config.train.steps=3", "--config.seed=2"]
+  new = tmp_path / "new.flags"
+  new.write_text("--config.retrieval.candidates=own_block\n")
+  for given in (["prog", f"--flagfile={new}"], ["prog", f"--flagfile={tmp_path}/missing"]):
+    assert upgrade_flags(given) == given
+
+
 def test_the_retriever_is_the_reader_unless_it_says_otherwise(tmp_path):
   """`model.retriever.*` unset (None) is the reader's shape, said as such; a value set on the
   command line or with --set is parsed as the field's type; a workdir recorded when "the

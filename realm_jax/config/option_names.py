@@ -163,12 +163,42 @@ def current_name(name: str, where: str = "") -> str:
   return current
 
 
+CONFIG_PREFIXES = ("--config.", "-config.")   # absl takes a flag with one dash or two
+
+
 def upgrade_flags(args: list[str]) -> list[str]:
-  """Command-line arguments with `--config.<old name>` flags spelt the new way."""
-  out = []
-  for arg in args:
-    if arg.startswith("--config."):
-      name, sep, value = arg[len("--config."):].partition("=")
-      arg = f"--config.{current_name(name, '--')}{sep}{value}"
-    out.append(arg)
-  return out
+  """Command-line arguments with old option names spelt the new way: `--config.<old>` and
+  `-config.<old>` tokens, and those inside a `--flagfile` (then read in place, as absl
+  would: the file's flags take its place in the arguments; without an old name inside, the
+  arguments come back as given). An unreadable flagfile is left to the parser to refuse."""
+  expanded = _flagfiles_read(args)
+  if expanded is not None and any(_option(arg) and new_name(_option(arg)) for arg in expanded):
+    args = expanded
+  return [_upgraded(arg) for arg in args]
+
+
+def _flagfiles_read(args: list[str]) -> list[str] | None:
+  """`args` with every `--flagfile` read in place (None: none given, or one unreadable)."""
+  if not any(arg.lstrip("-").startswith("flagfile") for arg in args if arg.startswith("-")):
+    return None
+  from absl import flags
+  try:
+    return flags.FLAGS.read_flags_from_files(list(args), force_gnu=True)
+  except (flags.Error, OSError):
+    return None
+
+
+def _option(arg: str) -> str:
+  """The dotted option a `--config.X[=v]` / `-config.X[=v]` token sets ("" for another)."""
+  for prefix in CONFIG_PREFIXES:
+    if arg.startswith(prefix):
+      return arg[len(prefix):].partition("=")[0]
+  return ""
+
+
+def _upgraded(arg: str) -> str:
+  name = _option(arg)
+  if not name:
+    return arg
+  prefix = arg[:arg.index("config.") + len("config.")]
+  return f"{prefix}{current_name(name, '--')}{arg[len(prefix) + len(name):]}"
