@@ -4,12 +4,14 @@ retriever and for BM25 on a small SQuAD-format file the test writes."""
 import json
 import logging
 import os
+import shutil
 
 import numpy as np
 import pytest
 
 from realm_jax.data import prepare as prepare_lib
 from realm_jax.data.qa import is_heldout_article
+from realm_jax.errors import ConfigError
 from realm_jax.retrieval import zero_shot
 from tests.helpers import load_config_module
 
@@ -172,6 +174,13 @@ def test_bm25_and_a_trained_retriever_side_by_side(squad_data, tmp_path):
     assert row["questions"] == 4
     assert 0 <= row["recall_at_1"] <= row["recall_at_2"] <= row["recall_at_4"] == 1.0
   assert "R@1" in zero_shot.format_table(table, ks=(1, 2, 4))
+  # Data whose vocab lists other tokens (as many): the run's ids would mean other words.
+  swapped = shutil.copytree(squad_data, tmp_path / "swapped_vocab")
+  tokens = (swapped / "vocab.txt").read_text().splitlines()
+  (swapped / "vocab.txt").write_text("\n".join(tokens[:-2] + tokens[:-3:-1]) + "\n")
+  with pytest.raises(ConfigError, match=r"config\.data\.dir: the data's .*swapped_vocab/"
+                     r"vocab\.txt .* differs from"):
+    zero_shot.recall_table(str(swapped), {"ict": (config, workdir)}, ks=(1, 2, 4))
   # The held-out articles' questions only (by title hash: here the fourth article), and the
   # retriever as the config starts it (no workdir: the untrained reference).
   assert [is_heldout_article(t, 0.2) for t, _ in TOPICS] == [False, False, False, True]

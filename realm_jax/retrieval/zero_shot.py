@@ -56,6 +56,8 @@ def dense_ranking(config, workdir: str, data: PreparedData, questions: list[dict
   """Top-n block rows per question with the retriever of `workdir`'s latest checkpoint (or,
   with workdir "", the retriever as `config.init` starts it: the untrained reference)."""
   if workdir:
+    from realm_jax.runtime.initialization import check_run_vocab
+    check_run_vocab(workdir, "data.dir", data.tokenizer.vocab_path)   # ids of the run's meaning
     run = restore_run(workdir, config=config, vocab_size=data.tokenizer.vocab_size,
                       block_len=data.blocks.block_len)
     mesh, model, params, step = run.mesh, run.model, run.params, run.step
