@@ -113,7 +113,7 @@ def _recipe(variant):
                                    # reader's scores cached, the step is the query tower
   c.retrieval.refresh_every = 40
   c.retrieval.refresh = "deterministic"  # the version of step S serves steps S + swap_lag on:
-                                   # the same seed gives the same REALM stage on any machine
+                                   # the same seed, machine and code repeat the REALM stage
                                    # (async: which version a step read followed the speed)
   c.retrieval.swap_lag = 20        # half a refresh: the builder beside the trainer published
                                    # a version ~10 steps after its checkpoint (2-core Xeon)
@@ -183,8 +183,8 @@ def _gpu_scale(c, variant):
                                    # the data axis of a mesh of several devices)
     c.retrieval.refresh_every = 50  # a checkpoint every 50 steps for the builder (the CPU
     c.train.checkpoint_every = 50   # recipe's 40 as well made 34 versions in 1,000 steps)
-    c.retrieval.swap_lag = 25      # half a refresh (the H200's builder: a version ~2 s after
-                                   # its checkpoint, ~25 steps at async's rates)
+    c.retrieval.swap_lag = 25      # half a refresh (the H200's builder published 25-40 steps,
+                                   # ~3 s, after a checkpoint: a step may wait a few seconds)
     c.train.batch_size = 32
     c.train.steps = 400            # ~2.4 epochs through the score cache (1,000: hit rate 0.46)
     c.train.warmup_steps = 50

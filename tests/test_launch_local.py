@@ -443,6 +443,20 @@ def test_command_line_passes_overrides_to_both():
   assert all(c == commands[name] + ["--verbosity=-1"] for name, c in loud.items())
 
 
+def test_a_flagfile_is_read_in_place_and_its_overrides_go_to_both(tmp_path):
+  """The launcher's parser knows no `--flagfile`: `main` reads it in place first
+  (`upgrade_flags`, as absl would), whatever names it holds."""
+  flagfile = tmp_path / "run.flags"
+  flagfile.write_text("--config.train.steps=5\n--config.retrieval.k=4\n")
+  args = local.parse_args(local.upgrade_flags([
+      "--config", "configs/demo_realm.py:realm", "--workdir", "W", "--flagfile",
+      str(flagfile), "--config.seed=2"]))
+  assert args.overrides == ["--config.train.steps=5", "--config.retrieval.k=4",
+                            "--config.seed=2"]
+  config = local.config_from_flags("local.py", args.config, args.overrides)
+  assert (config.train.steps, config.retrieval.k, config.seed) == (5, 4, 2)
+
+
 def test_negative_values_and_a_word_after_a_boolean_read_as_absl_reads_them(capsys):
   args = local.parse_args(["--config", "configs/demo_realm.py:realm", "--workdir", "W",
                            "--config.train.warmup_steps", "-1", "--config.train.lr", "-1e-3"])

@@ -167,25 +167,17 @@ CONFIG_PREFIXES = ("--config.", "-config.")   # absl takes a flag with one dash 
 
 
 def upgrade_flags(args: list[str]) -> list[str]:
-  """Command-line arguments with old option names spelt the new way: `--config.<old>` and
-  `-config.<old>` tokens, and those inside a `--flagfile` (then read in place, as absl
-  would: the file's flags take its place in the arguments; without an old name inside, the
-  arguments come back as given). An unreadable flagfile is left to the parser to refuse."""
-  expanded = _flagfiles_read(args)
-  if expanded is not None and any(_option(arg) and new_name(_option(arg)) for arg in expanded):
-    args = expanded
+  """Command-line arguments with every `--flagfile` read in place (as absl would: the file's
+  flags take its place; the launchers' own parsers know no flagfile) and old option names
+  spelt the new way in `--config.<old>` and `-config.<old>` tokens. An unreadable flagfile
+  exits naming it."""
+  if any(arg.lstrip("-").startswith("flagfile") for arg in args if arg.startswith("-")):
+    from absl import flags
+    try:
+      args = flags.FLAGS.read_flags_from_files(list(args), force_gnu=True)
+    except flags.Error as e:
+      raise SystemExit(f"--flagfile: {str(e).removeprefix('ERROR:: ')}") from None
   return [_upgraded(arg) for arg in args]
-
-
-def _flagfiles_read(args: list[str]) -> list[str] | None:
-  """`args` with every `--flagfile` read in place (None: none given, or one unreadable)."""
-  if not any(arg.lstrip("-").startswith("flagfile") for arg in args if arg.startswith("-")):
-    return None
-  from absl import flags
-  try:
-    return flags.FLAGS.read_flags_from_files(list(args), force_gnu=True)
-  except (flags.Error, OSError):
-    return None
 
 
 def _option(arg: str) -> str:
