@@ -180,17 +180,10 @@ def upgrade_flags(args: list[str]) -> list[str]:
   return [_upgraded(arg) for arg in args]
 
 
-def _option(arg: str) -> str:
-  """The dotted option a `--config.X[=v]` / `-config.X[=v]` token sets ("" for another)."""
+def _upgraded(arg: str) -> str:
+  """A `--config.X[=v]` / `-config.X[=v]` token with X's current name; any other as it is."""
   for prefix in CONFIG_PREFIXES:
     if arg.startswith(prefix):
-      return arg[len(prefix):].partition("=")[0]
-  return ""
-
-
-def _upgraded(arg: str) -> str:
-  name = _option(arg)
-  if not name:
-    return arg
-  prefix = arg[:arg.index("config.") + len("config.")]
-  return f"{prefix}{current_name(name, '--')}{arg[len(prefix) + len(name):]}"
+      name, sep, value = arg[len(prefix):].partition("=")
+      return f"{prefix}{current_name(name, '--')}{sep}{value}"
+  return arg
