@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import re
+import shutil
 
 from realm_jax.config.reading import flat_options
 
@@ -140,3 +142,12 @@ def purge_step(events_file: str) -> int | None:
         event.session_log.status == event_pb2.SessionLog.START:
       return event.step
   return None
+
+
+def swapped_vocab_copy(data_dir, out) -> pathlib.Path:
+  """A copy of prepared `data_dir` at `out` whose vocab.txt lists as many tokens, its last two
+  swapped: the same size, ids that mean other words (what a vocab check must refuse)."""
+  copy = pathlib.Path(shutil.copytree(data_dir, out))
+  tokens = (copy / "vocab.txt").read_text().splitlines()
+  (copy / "vocab.txt").write_text("\n".join(tokens[:-2] + tokens[:-3:-1]) + "\n")
+  return copy

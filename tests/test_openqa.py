@@ -242,9 +242,7 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path,
   # a data dir whose vocab lists other tokens, as many: the ids would mean other words
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(pretraining.to_json_best_effort())
-  swapped = shutil.copytree(world_dir, tmp_path / "swapped_vocab")
-  tokens = (swapped / "vocab.txt").read_text().splitlines()
-  (swapped / "vocab.txt").write_text("\n".join(tokens[:-2] + tokens[:-3:-1]) + "\n")
+  swapped = helpers.swapped_vocab_copy(world_dir, tmp_path / "swapped_vocab")
   with pytest.raises(ConfigError, match=r"config\.data\.dir: the data's .*swapped_vocab/"
                      r"vocab\.txt .* differs from"):
     evaluate_run(openqa_config(str(swapped)), workdir, split="test", retrieval_only=True)

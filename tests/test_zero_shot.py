@@ -4,7 +4,6 @@ retriever and for BM25 on a small SQuAD-format file the test writes."""
 import json
 import logging
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from realm_jax.data import prepare as prepare_lib
 from realm_jax.data.qa import is_heldout_article
 from realm_jax.errors import ConfigError
 from realm_jax.retrieval import zero_shot
-from tests.helpers import load_config_module
+from tests.helpers import load_config_module, swapped_vocab_copy
 
 TOPICS = [
     ("Kelmar Observatory", "The Kelmar Observatory was founded by Ada Brisk in 1843. Its great "
@@ -175,9 +174,7 @@ def test_bm25_and_a_trained_retriever_side_by_side(squad_data, tmp_path):
     assert 0 <= row["recall_at_1"] <= row["recall_at_2"] <= row["recall_at_4"] == 1.0
   assert "R@1" in zero_shot.format_table(table, ks=(1, 2, 4))
   # Data whose vocab lists other tokens (as many): the run's ids would mean other words.
-  swapped = shutil.copytree(squad_data, tmp_path / "swapped_vocab")
-  tokens = (swapped / "vocab.txt").read_text().splitlines()
-  (swapped / "vocab.txt").write_text("\n".join(tokens[:-2] + tokens[:-3:-1]) + "\n")
+  swapped = swapped_vocab_copy(squad_data, tmp_path / "swapped_vocab")
   with pytest.raises(ConfigError, match=r"config\.data\.dir: the data's .*swapped_vocab/"
                      r"vocab\.txt .* differs from"):
     zero_shot.recall_table(str(swapped), {"ict": (config, workdir)}, ks=(1, 2, 4))
