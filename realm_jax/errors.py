@@ -34,6 +34,11 @@ class WorkerDied(RuntimeError):
   how to resume. The CLI exits with code 1."""
 
 
+class IndexNeverPublished(RuntimeError):
+  """The trainer waits for an index version (deterministic refresh) that the builder will never
+  publish; the message names the step and the options. The CLI exits with code 1."""
+
+
 class StorageUnreachable(ConnectionError):
   """The storage server (a gs:// bucket) did not answer for longer than the patience
   ($REALM_JAX_STORAGE_PATIENCE); the message names the path and the operation. Exit code 1."""
@@ -60,6 +65,7 @@ def run_cli(prog: str, main: Callable[[], object]) -> object:
   except (FileNotFoundError, DataError) as e:
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
-  except (ConnectionError, CheckpointError, NonFiniteError, WorkerDied) as e:   # no coordinator
+  except (ConnectionError, CheckpointError, NonFiniteError, WorkerDied,
+          IndexNeverPublished) as e:   # no coordinator
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(1) from None

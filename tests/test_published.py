@@ -213,6 +213,58 @@ def test_a_deterministic_feed_has_the_next_version_loaded_before_its_swap(tmp_pa
     subscriber.close()
 
 
+def test_a_wait_for_a_version_the_builder_will_never_build_fails_at_once(tmp_path):
+  """Deterministic refresh: checkpoint 40's version missing while 80's is published (pruned,
+  or a workdir that ran with async refresh) is never built (realm-index builds only above the
+  newest it published): the wait says so at once, naming the options, instead of running out
+  `retrieval.index_timeout`. A step above the newest still waits."""
+  import time
+  import ml_collections
+  from realm_jax.errors import IndexNeverPublished
+  from realm_jax.retrieval.index import IndexVersion
+  from realm_jax.retrieval.subscriber import IndexSubscriber
+  from realm_jax.train.feed import BatchFeed, VersionSchedule
+  root = published.index_root(tmp_path)
+
+  def loader(version):
+    manifest = published.verify(root, version)
+    return IndexVersion(version=version, step=manifest["step"], index=None,
+                        encode_queries=None)
+  publish_one(root, step=0)
+  publish_one(root, step=80)
+  subscriber = IndexSubscriber(str(tmp_path), loader, poll_seconds=0.05, by_step=True)
+  try:
+    assert subscriber.wait_for_step(0, timeout=30).step == 0
+    t0 = time.monotonic()
+    with pytest.raises(IndexNeverPublished, match=r"checkpoint step 40 .* newest it published "
+                       r"\(step 80\).*retrieval\.keep_versions.*retrieval\.refresh"):
+      subscriber.wait_for_step(40, timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert subscriber.wait_for_step(80, timeout=30).step == 80
+    with pytest.raises(TimeoutError, match="built from step 120"):
+      subscriber.wait_for_step(120, timeout=0.5)
+    # The batch feed of a run resumed at step 75 (read by checkpoint 40's version) hands the
+    # error to the train loop as it is, for the CLI to print in one line.
+    config = ml_collections.ConfigDict({
+        "retrieval": {"refresh": "deterministic", "refresh_every": 40, "swap_lag": 20,
+                      "index_timeout": 30.0}, "train": {"steps": 160}})
+    schedule = VersionSchedule(config, subscriber)
+
+    class Queries:
+      def __next__(self):
+        return {}
+
+      def get_state(self):
+        return {}
+    feed = BatchFeed(Queries(), lambda step, q: ({}, {"index": schedule.for_step(step)}), 75,
+                     depth=2, end=160)
+    with pytest.raises(IndexNeverPublished, match="checkpoint step 40"):
+      feed.next()
+    feed.close()
+  finally:
+    subscriber.close()
+
+
 def test_a_deterministic_feed_asks_ahead_only_for_versions_a_step_reads():
   """425 steps, a refresh every 100, swap lag 25: steps 0..424 read the versions of
   checkpoints 0, 100, 200 and 300; the feed asks ahead for each of those, never for 400's

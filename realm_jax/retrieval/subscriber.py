@@ -19,6 +19,7 @@ from typing import Callable
 
 
 from realm_jax import paths
+from realm_jax.errors import IndexNeverPublished
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, IndexVersion
 
@@ -91,6 +92,8 @@ class IndexSubscriber:
     self._rejected: dict[int, str] = {}
     self._failures: dict[int, int] = {}
     self._wanted: set[int] | None = set() if by_step else None
+    # (by step) the checkpoint steps of the usable versions the last full listing found
+    self._published_steps: set[int] = set()
     self._cond = threading.Condition()
     self._stop = threading.Event()
     self._error: BaseException | None = None
@@ -116,7 +119,9 @@ class IndexSubscriber:
       latest = published.read_latest(self.root)
       newest = max(self._loaded, default=0)
       return [latest] if latest is not None and latest > newest and latest not in skip else []
-    found = []
+    found, steps, listed_all = [], set(), True
+    with self._cond:
+      steps.update(x.step for x in self._loaded.values())
     for version in published.complete_versions(self.root):
       if version in skip:
         continue
@@ -126,9 +131,14 @@ class IndexSubscriber:
         self._reject(version, e.reason)
         continue
       except OSError:   # pruned since it was listed, or the bucket did not answer: next poll
+        listed_all = False
         continue
+      steps.add(step)
       if step in wanted:
         found.append(version)
+    if listed_all:
+      with self._cond:
+        self._published_steps = steps
     return found
 
   def poll(self) -> None:
@@ -221,8 +231,26 @@ class IndexSubscriber:
 
     def pick(loaded):
       matches = [v for v, x in loaded.items() if x.step == step]
-      return loaded[max(matches)] if matches else None
+      if matches:
+        return loaded[max(matches)]
+      self._never_published(step)
+      return None
     return self.wait(pick, timeout, f"built from step {step}")
+
+  def _never_published(self, step: int) -> None:
+    """Raises IndexNeverPublished if no usable version of checkpoint `step` is published and one
+    of a later step is: `realm-index` builds only steps above the newest it published, so the
+    wait could only end in `retrieval.index_timeout`. (Called with the lock held.)"""
+    newest = max(self._published_steps, default=-1)
+    if step in self._published_steps or newest <= step:
+      return
+    rejected = self._rejections()
+    raise IndexNeverPublished(
+        f"the index built from checkpoint step {step} is not published under {self.root} and "
+        f"will not be: realm-index builds only steps above the newest it published (step "
+        f"{newest}). It was pruned (config.retrieval.keep_versions), rejected, or this workdir "
+        f"ran with another config.retrieval.refresh before; resume with the refresh mode it ran "
+        f"with, or train in a new workdir{'; ' + rejected if rejected else ''}")
 
   def release(self, before_version: int = -1, before_step: int = -1) -> None:
     """Drops loaded versions older than `before_version` or built from a step before

@@ -24,6 +24,7 @@ from typing import Callable
 
 import numpy as np
 
+from realm_jax.errors import IndexNeverPublished
 from realm_jax.retrieval.index import IndexVersion
 
 logger = logging.getLogger(__name__)
@@ -200,6 +201,8 @@ class BatchFeed:
       except queue.Empty:
         if should_stop is not None and should_stop():
           raise FeedStopped(self._next, time.time() - t0) from None
+    if isinstance(item, IndexNeverPublished):   # its message names the step: one line at the CLI
+      raise item
     if isinstance(item, BaseException):
       raise RuntimeError(f"building the batch of step {self._next} failed: {item!r}") from item
     _, batch, used, state = item
