@@ -517,3 +517,32 @@ def test_every_candidates_mode_is_one_object_with_its_spec():
   assert spec == {"index": (True, True, True, 288), "mixed": (True, False, True, 288),
                   "own_block": (False, False, True, 288),
                   "null_only": (False, False, False, pipeline.NULL_DOCUMENT_LENGTH)}
+
+
+@pytest.mark.slow
+def test_a_corpus_smaller_than_the_evaluation_asks_for_is_read_whole(tmp_path):
+  """Four blocks, k = 3 (the most training allows: k + 1 rows of the index): the masked
+  evaluation asked the index for max(recall@5, k) + 1 = 6 rows and failed after training
+  ("asked for 6 blocks from an index of 4"); it now reads the whole corpus."""
+  from realm_jax.data import prepare as prepare_lib
+  from tests.test_zero_shot import write_squad
+  towns = ["Carrow", "Dunmore", "Hollin", "Varn"]
+  topics = [(t, " ".join(f"The {w} of {t} opened in {1800 + 7 * i + j}." for j, w in
+                          enumerate(["mill", "school", "bridge", "library", "chapel", "market"])))
+            for i, t in enumerate(towns)]
+  prep = prepare_lib.prepare_config()
+  prep.source = f"squad:{write_squad(tmp_path / 'squad.json', topics)}"
+  prep.out_dir = str(tmp_path / "data")
+  prep.block_len, prep.max_sentence_len, prep.vocab_size = 64, 30, 300
+  prep.num_workers, prep.eval_fraction, prep.progress_every = 0, 0.3, 1e9
+  prepare_lib.prepare(prep)
+  config = tiny_config("realm", None, prep.out_dir, retrieval__k=3, train__steps=2,
+                       train__batch_size=8, train__checkpoint_every=2, eval__num_examples=6,
+                       eval__batch_size=8, data__block_len=64, data__query_len=32)
+  summary = train(config, str(tmp_path / "realm"))
+  assert summary["eval_num_examples"] == 6 and 0 <= summary["eval_span_accuracy"] <= 1
+  assert summary["examples"]
+  for example in summary["examples"]:   # the reader read the other blocks, never the query's
+    own = next(t for t in towns if t.lower() in f"{example['query']} {example['answer']}")
+    titles = {e["title"] for e in example["evidence"]}
+    assert own not in titles and titles <= set(towns) | {"(null document)"}, (own, titles)

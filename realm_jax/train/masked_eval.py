@@ -53,6 +53,11 @@ class Evaluator:
     # Real text has no fact ground truth: no other block is known to state the masked span.
     answers = self.examples.answer_blocks
     self.has_answers = answers is not None and bool((answers[:n] >= 0).any())
+    # The query's own block is dropped from what the index returns: a corpus of fewer blocks
+    # than recall@5 and k ask for is read whole, and recall@k is kept where k blocks remain.
+    num_blocks = data.blocks.num_blocks
+    self.recall_at = tuple(at for at in RECALL_AT if at < num_blocks)
+    self.depth = min(max(max(RECALL_AT), config.retrieval.k) + 1, num_blocks)
 
   def run(self, params, index: IndexVersion | None, keep_examples: int = 0
           ) -> tuple[dict[str, float], list[dict]]:
@@ -66,7 +71,7 @@ class Evaluator:
     cfg = self.config
     bs = max(cfg.eval.batch_size // self.mesh.devices.size, 1) * self.mesh.devices.size
     n = len(self.rows)
-    hits = {at: [] for at in RECALL_AT}
+    hits = {at: [] for at in self.recall_at}
     correct, null_correct, utility, details, distracted = [], [], [], [], []
     # Examples to show in detail, spread over the set (neighbours are about one entity).
     show = set(np.linspace(0, n - 1, keep_examples).astype(int).tolist()) \
@@ -77,12 +82,12 @@ class Evaluator:
       q = {key: v[idx] for key, v in self.queries.items()}
       retrieved = None
       if index is not None and (self.has_answers or self.realm_eval is not None):
-        top = index.retrieve(q["query_ids"], max(max(RECALL_AT), cfg.retrieval.k) + 1)
+        top = index.retrieve(q["query_ids"], self.depth)
         ranked = pipeline.candidate_rows(top, q["source_block"], self.data.blocks.uids,
                                          top.shape[1])[:, 1:]   # drop the null column
         if self.has_answers:
           answers = self.examples.answer_blocks[self.rows[idx]]
-          for at in RECALL_AT:
+          for at in self.recall_at:
             hits[at].extend(answer_in_top(ranked, answers, at)[:real])
         retrieved = top
       if self.realm_eval is None:
