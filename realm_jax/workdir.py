@@ -3,6 +3,9 @@
 
   W/config.json          the run's resolved config: recorded at start, checked on resume
   W/blocks.json          the block store the trainer's block rows refer to (realm-index checks)
+  W/vocab.txt            the tokens the run's ids mean: its data's vocab, copied by its first
+                         run (a workdir realm-import-hf writes: the checkpoint's own); a resume
+                         and every reader of the run's checkpoints check their data's against it
   W/checkpoints/<step>/  Orbax checkpoints (runtime/checkpoints.py)
   W/unreadable_checkpoints/<step>/   a checkpoint that failed to restore on resume, moved
                          aside (kept for a post-mortem; that step is saved again)
@@ -36,6 +39,7 @@ CONFIG = "config.json"
 BLOCKS_RECORD = "blocks.json"
 CHECKPOINTS = "checkpoints"
 UNREADABLE_CHECKPOINTS = "unreadable_checkpoints"
+VOCAB = "vocab.txt"
 SUMMARY = "summary.json"
 WALL = "wall.json"
 DONE = "DONE"
@@ -126,6 +130,26 @@ def saved_config(workdir: str):
     raise FileNotFoundError(f"{path}: not found, so {workdir} is not a run directory (a run "
                             f"writes its resolved config there)")
   return ml_collections.ConfigDict(upgrade_record(record, f"{path}: "))
+
+
+# -- W/vocab.txt ------------------------------------------------------------------------------
+def check_vocab(workdir: str, data_vocab: str) -> None:
+  """A run in W whose data (`data_vocab`, its vocab.txt) lists other tokens than W/vocab.txt
+  is refused before it writes anything (a ConfigError naming data.dir and the first line that
+  differs): its ids would mean other words to the restored embeddings. (A bucket workdir's
+  record is not checked.)"""
+  from realm_jax.interop import hf_bert
+  if not paths.is_remote(workdir) and paths.exists(paths.join(workdir, VOCAB)):
+    hf_bert.check_vocab(data_vocab, workdir, "data.dir")
+
+
+def record_vocab(workdir: str, data_vocab: str) -> None:
+  """W/vocab.txt, a copy of the data's, unless W has one (the first run's, or the checkpoint's
+  own in a workdir realm-import-hf wrote)."""
+  path = paths.join(workdir, VOCAB)
+  if not paths.exists(path):
+    with open(data_vocab, encoding="utf-8") as f:
+      paths.write_text_atomic(path, f.read())
 
 
 # -- W/blocks.json -----------------------------------------------------------------------------

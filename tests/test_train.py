@@ -6,6 +6,7 @@ state)."""
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,6 +119,9 @@ def test_stage_outputs(stages, name, steps, checkpoints, eval_keys, train_keys):
   assert checkpoint_steps(workdir) == checkpoints
   with open(os.path.join(workdir, "config.json")) as f:
     assert json.load(f)["task"] == configs[name].task
+  with open(os.path.join(workdir, "vocab.txt")) as ours, \
+      open(os.path.join(configs[name].data.dir, "vocab.txt")) as data:
+    assert ours.read() == data.read()   # the tokens the run's ids mean
 
 
 @pytest.mark.slow
@@ -546,3 +550,35 @@ def test_a_corpus_smaller_than_the_evaluation_asks_for_is_read_whole(tmp_path):
     own = next(t for t in towns if t.lower() in f"{example['query']} {example['answer']}")
     titles = {e["title"] for e in example["evidence"]}
     assert own not in titles and titles <= set(towns) | {"(null document)"}, (own, titles)
+
+
+@pytest.mark.slow
+def test_a_run_resumed_on_data_of_another_vocab_is_refused_before_it_writes(stages, tmp_path):
+  """The ICT run's data copied with two vocab tokens swapped (the same size, other words):
+  resuming the run on it is refused naming data.dir and W/vocab.txt, and W is left as it was;
+  a reader of the run's checkpoints checks against W/vocab.txt too, whatever data dir (here
+  a relative one) the run recorded."""
+  from realm_jax.errors import ConfigError
+  from realm_jax.runtime import initialization
+  dirs, configs, _ = stages
+  workdir = dirs["ict"]
+  swapped = helpers.swapped_vocab_copy(configs["ict"].data.dir, tmp_path / "swapped_vocab")
+  config = configs["ict"].copy_and_resolve_references()
+  config.data.dir, config.train.steps = str(swapped), 5
+  before = {name: os.path.getmtime(os.path.join(workdir, name))
+            for name in ("config.json", "vocab.txt")}
+  with pytest.raises(ConfigError, match=r"config\.data\.dir: the data's .*swapped_vocab/vocab"
+                     r"\.txt .* differs from .*/ict/vocab\.txt"):
+    train(config, workdir)
+  assert checkpoint_steps(workdir) == [2, 3]
+  assert {name: os.path.getmtime(os.path.join(workdir, name)) for name in before} == before
+  copy = tmp_path / "ict_copy"   # the run as recorded where it ran: a relative data dir
+  shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("checkpoints"))
+  record = json.loads((copy / "config.json").read_text())
+  record["data"]["dir"] = "runs/elsewhere/data"
+  (copy / "config.json").write_text(json.dumps(record))
+  with pytest.raises(ConfigError, match=r"config\.init\.from_workdir: the data's .*swapped"):
+    initialization.check_run_vocab(str(copy), "init.from_workdir",
+                                   str(swapped / "vocab.txt"))
+  initialization.check_run_vocab(str(copy), "init.from_workdir",
+                                 os.path.join(configs["ict"].data.dir, "vocab.txt"))

@@ -102,7 +102,10 @@ class Run:
     self.mesh = partitioning.make_mesh(config.mesh.shape)
     validate_against_mesh(config, self.mesh.shape["data"], jax.process_count(),
                           tuple(d.process_index for d in self.mesh.devices[:, 0]))
+    workdir_lib.check_vocab(workdir, data.tokenizer.vocab_path)
     workdir_lib.record_config(config, workdir, primary=jax.process_index() == 0)
+    if jax.process_index() == 0:
+      workdir_lib.record_vocab(workdir, data.tokenizer.vocab_path)
     multihost.barrier("workdir")   # no process goes on before the workdir exists
     self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
     init_rng, self.step_rng = jax.random.split(jax.random.PRNGKey(config.seed))
