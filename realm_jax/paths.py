@@ -238,7 +238,7 @@ def read_text(path) -> str | None:
   """The file's text, None if it is absent."""
   def read():
     try:
-      return epath.Path(path).read_text()
+      return epath.Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
       return None
   return retried("reading", path, read)
@@ -258,10 +258,10 @@ def write_text_atomic(path, text: str, durable: bool = False) -> None:
   (`<name>.tmp-<pid>`) and a rename, a bucket object in one request. `durable`: the local
   file and its directory are fsynced too, so the new content survives a machine crash."""
   if is_remote(path):
-    retried("writing", path, lambda: epath.Path(path).write_text(text))
+    retried("writing", path, lambda: epath.Path(path).write_text(text, encoding="utf-8"))
     return
   tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w") as f:
+  with open(tmp, "w", encoding="utf-8") as f:
     f.write(text)
     if durable:
       f.flush()

@@ -3,9 +3,10 @@
 
   W/config.json          the run's resolved config: recorded at start, checked on resume
   W/blocks.json          the block store the trainer's block rows refer to (realm-index checks)
-  W/vocab.txt            the tokens the run's ids mean: its data's vocab, copied by its first
-                         run (a workdir realm-import-hf writes: the checkpoint's own); a resume
-                         and every reader of the run's checkpoints check their data's against it
+  W/vocab.txt            the tokens the run's ids mean: its data's vocab, copied by a run that
+                         starts without checkpoints (a workdir realm-import-hf writes: the
+                         checkpoint's own); a resume and every reader of the run's checkpoints
+                         check their data's against it
   W/checkpoints/<step>/  Orbax checkpoints (runtime/checkpoints.py)
   W/unreadable_checkpoints/<step>/   a checkpoint that failed to restore on resume, moved
                          aside (kept for a post-mortem; that step is saved again)
@@ -71,7 +72,7 @@ def record_config(config, workdir: str, primary: bool = True) -> None:
   from realm_jax.config.option_names import upgrade_record
   path = paths.join(workdir, CONFIG)
   current = json.loads(config.to_json_best_effort())
-  if paths.exists(path) and _holds_checkpoints(workdir):
+  if paths.exists(path) and holds_checkpoints(workdir):
     diffs = incompatible_fields(upgrade_record(paths.read_json(path), f"{path}: "), current)
     if diffs:
       raise ConfigError("", f"workdir {workdir} holds checkpoints of an incompatible config; "
@@ -89,7 +90,7 @@ def recorded_differences(workdir: str, config) -> list[tuple[str, object, object
   from realm_jax.config.reading import flat_options
   path = paths.join(workdir, CONFIG)
   record = paths.read_json(path)
-  if record is None or not (_holds_checkpoints(workdir) or read_summary(workdir) is not None):
+  if record is None or not (holds_checkpoints(workdir) or read_summary(workdir) is not None):
     return []
   saved = flat_options(upgrade_record(record, f"{path}: "))
   current = flat_options(json.loads(config.to_json_best_effort()))
@@ -98,7 +99,7 @@ def recorded_differences(workdir: str, config) -> list[tuple[str, object, object
           if not same(saved[name], current[name])]
 
 
-def _holds_checkpoints(workdir: str) -> bool:
+def holds_checkpoints(workdir: str) -> bool:
   """Whether `W/checkpoints` holds a step (Orbax names a step's folder by its number once it
   is finished; a run that died before its first save left the folder empty, and its config
   may change)."""
@@ -133,23 +134,12 @@ def saved_config(workdir: str):
 
 
 # -- W/vocab.txt ------------------------------------------------------------------------------
-def check_vocab(workdir: str, data_vocab: str) -> None:
-  """A run in W whose data (`data_vocab`, its vocab.txt) lists other tokens than W/vocab.txt
-  is refused before it writes anything (a ConfigError naming data.dir and the first line that
-  differs): its ids would mean other words to the restored embeddings. (A bucket workdir's
-  record is not checked.)"""
-  from realm_jax.interop import hf_bert
-  if not paths.is_remote(workdir) and paths.exists(paths.join(workdir, VOCAB)):
-    hf_bert.check_vocab(data_vocab, workdir, "data.dir")
-
-
 def record_vocab(workdir: str, data_vocab: str) -> None:
-  """W/vocab.txt, a copy of the data's, unless W has one (the first run's, or the checkpoint's
-  own in a workdir realm-import-hf wrote)."""
-  path = paths.join(workdir, VOCAB)
-  if not paths.exists(path):
-    with open(data_vocab, encoding="utf-8") as f:
-      paths.write_text_atomic(path, f.read())
+  """W/vocab.txt := a copy of `data_vocab` (the data's vocab.txt). Train/run.py writes it
+  where the run starts without checkpoints (or W has none from before this record existed),
+  after checking a resumed run's data against it."""
+  with open(data_vocab, encoding="utf-8") as f:
+    paths.write_text_atomic(paths.join(workdir, VOCAB), f.read())
 
 
 # -- W/blocks.json -----------------------------------------------------------------------------

@@ -237,7 +237,7 @@ def test_a_wait_for_a_version_the_builder_will_never_build_fails_at_once(tmp_pat
     assert subscriber.wait_for_step(0, timeout=30).step == 0
     t0 = time.monotonic()
     with pytest.raises(IndexNeverPublished, match=r"checkpoint step 40 .* newest it published "
-                       r"\(step 80\).*retrieval\.keep_versions.*retrieval\.refresh"):
+                       r"\(step 80\).*builder\.keep_versions.*retrieval\.refresh"):
       subscriber.wait_for_step(40, timeout=30)
     assert time.monotonic() - t0 < 10
     assert subscriber.wait_for_step(80, timeout=30).step == 80

@@ -557,9 +557,11 @@ def test_a_run_resumed_on_data_of_another_vocab_is_refused_before_it_writes(stag
   """The ICT run's data copied with two vocab tokens swapped (the same size, other words):
   resuming the run on it is refused naming data.dir and W/vocab.txt, and W is left as it was;
   a reader of the run's checkpoints checks against W/vocab.txt too, whatever data dir (here
-  a relative one) the run recorded."""
+  a relative one) the run recorded; a workdir without checkpoints may change its data, one
+  from before W/vocab.txt is checked against the data dir it recorded."""
   from realm_jax.errors import ConfigError
   from realm_jax.runtime import initialization
+  from realm_jax.train.run import Run
   dirs, configs, _ = stages
   workdir = dirs["ict"]
   swapped = helpers.swapped_vocab_copy(configs["ict"].data.dir, tmp_path / "swapped_vocab")
@@ -568,7 +570,7 @@ def test_a_run_resumed_on_data_of_another_vocab_is_refused_before_it_writes(stag
   before = {name: os.path.getmtime(os.path.join(workdir, name))
             for name in ("config.json", "vocab.txt")}
   with pytest.raises(ConfigError, match=r"config\.data\.dir: the data's .*swapped_vocab/vocab"
-                     r"\.txt .* differs from .*/ict/vocab\.txt"):
+                     r"\.txt .* differs from .*/ict/vocab\.txt.* or train in a new workdir"):
     train(config, workdir)
   assert checkpoint_steps(workdir) == [2, 3]
   assert {name: os.path.getmtime(os.path.join(workdir, name)) for name in before} == before
@@ -582,3 +584,12 @@ def test_a_run_resumed_on_data_of_another_vocab_is_refused_before_it_writes(stag
                                    str(swapped / "vocab.txt"))
   initialization.check_run_vocab(str(copy), "init.from_workdir",
                                  os.path.join(configs["ict"].data.dir, "vocab.txt"))
+  # Without checkpoints (a run that died before its first save) the data may change; a
+  # workdir from before W/vocab.txt is checked against the data dir it recorded.
+  Run._check_vocab(str(copy), str(swapped / "vocab.txt"))
+  old = tmp_path / "ict_old"
+  shutil.copytree(workdir, old)
+  (old / "vocab.txt").unlink()
+  with pytest.raises(ConfigError, match=r"config\.data\.dir: .*swapped.* or resume .*ict_old "
+                     "on the data it trained on"):
+    Run._check_vocab(str(old), str(swapped / "vocab.txt"))

@@ -112,16 +112,15 @@ class IndexSubscriber:
         self._cond.notify_all()
 
   def _candidates(self) -> list[int]:
-    with self._cond:
+    with self._cond:   # one look, so a version released meanwhile is in neither
       wanted = None if self._wanted is None else set(self._wanted)
       skip = set(self._loaded) | set(self._rejected)
+      loaded_steps = {x.step for x in self._loaded.values()}
     if wanted is None:
       latest = published.read_latest(self.root)
       newest = max(self._loaded, default=0)
       return [latest] if latest is not None and latest > newest and latest not in skip else []
-    found, steps, listed_all = [], set(), True
-    with self._cond:
-      steps.update(x.step for x in self._loaded.values())
+    found, steps, listed_all = [], loaded_steps, True
     for version in published.complete_versions(self.root):
       if version in skip:
         continue
@@ -248,7 +247,7 @@ class IndexSubscriber:
     raise IndexNeverPublished(
         f"the index built from checkpoint step {step} is not published under {self.root} and "
         f"will not be: realm-index builds only steps above the newest it published (step "
-        f"{newest}). It was pruned (config.retrieval.keep_versions), rejected, or this workdir "
+        f"{newest}). It was pruned (config.builder.keep_versions), rejected, or this workdir "
         f"ran with another config.retrieval.refresh before; resume with the refresh mode it ran "
         f"with, or train in a new workdir{'; ' + rejected if rejected else ''}")
 
