@@ -528,19 +528,13 @@ def test_a_corpus_smaller_than_the_evaluation_asks_for_is_read_whole(tmp_path):
   """Four blocks, k = 3 (the most training allows: k + 1 rows of the index): the masked
   evaluation asked the index for max(recall@5, k) + 1 = 6 rows and failed after training
   ("asked for 6 blocks from an index of 4"); it now reads the whole corpus."""
-  from realm_jax.data import prepare as prepare_lib
-  from tests.test_zero_shot import write_squad
+  from tests.test_zero_shot import prepare_squad
   towns = ["Carrow", "Dunmore", "Hollin", "Varn"]
   topics = [(t, " ".join(f"The {w} of {t} opened in {1800 + 7 * i + j}." for j, w in
                           enumerate(["mill", "school", "bridge", "library", "chapel", "market"])))
             for i, t in enumerate(towns)]
-  prep = prepare_lib.prepare_config()
-  prep.source = f"squad:{write_squad(tmp_path / 'squad.json', topics)}"
-  prep.out_dir = str(tmp_path / "data")
-  prep.block_len, prep.max_sentence_len, prep.vocab_size = 64, 30, 300
-  prep.num_workers, prep.eval_fraction, prep.progress_every = 0, 0.3, 1e9
-  prepare_lib.prepare(prep)
-  config = tiny_config("realm", None, prep.out_dir, retrieval__k=3, train__steps=2,
+  data_dir = prepare_squad(tmp_path, topics, block_len=64, eval_fraction=0.3)
+  config = tiny_config("realm", None, data_dir, retrieval__k=3, train__steps=2,
                        train__batch_size=8, train__checkpoint_every=2, eval__num_examples=6,
                        eval__batch_size=8, data__block_len=64, data__query_len=32)
   summary = train(config, str(tmp_path / "realm"))

@@ -46,16 +46,20 @@ def test_paragraph_recall_collapses_blocks_to_paragraphs():
   assert recall == {"recall_at_1": pytest.approx(1 / 3), "recall_at_2": pytest.approx(2 / 3)}
 
 
-@pytest.fixture(scope="module")
-def squad_data(tmp_path_factory):
-  tmp = tmp_path_factory.mktemp("qa")
+def prepare_squad(tmp, topics=TOPICS, block_len: int = 32, eval_fraction: float = 0.0) -> str:
+  """`topics` as a SQuAD file in `tmp`, prepared into tmp/data (a 300-entry vocab)."""
   config = prepare_lib.prepare_config()
-  config.source = f"squad:{write_squad(tmp / 'squad.json')}"
+  config.source = f"squad:{write_squad(tmp / 'squad.json', topics)}"
   config.out_dir = str(tmp / "data")
-  config.block_len, config.max_sentence_len, config.vocab_size = 32, 30, 300
-  config.num_workers, config.eval_fraction, config.progress_every = 0, 0.0, 1e9
+  config.block_len, config.max_sentence_len, config.vocab_size = block_len, 30, 300
+  config.num_workers, config.eval_fraction, config.progress_every = 0, eval_fraction, 1e9
   prepare_lib.prepare(config)
   return config.out_dir
+
+
+@pytest.fixture(scope="module")
+def squad_data(tmp_path_factory):
+  return prepare_squad(tmp_path_factory.mktemp("qa"))
 
 
 def test_questions_point_at_their_paragraph(squad_data):
