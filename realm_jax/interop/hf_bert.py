@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from realm_jax import paths
 from realm_jax.errors import ConfigError, DataError
 from realm_jax.interop import torch_pickle
 from realm_jax.models.bert import HIDDEN_ACTS, hf_parameter_names
@@ -197,9 +198,10 @@ def model_overrides(path: str) -> dict[str, Any]:
 
 
 def check_vocab(data_vocab: str, path: str, option: str = OPTION) -> None:
-  """ConfigError unless `data_vocab` (a vocab.txt) lists the same tokens as PATH/vocab.txt."""
-  theirs_file = os.path.join(path, "vocab.txt")
-  if not os.path.isfile(theirs_file):
+  """ConfigError unless `data_vocab` (a vocab.txt) lists the same tokens as PATH/vocab.txt
+  (PATH local or in a bucket)."""
+  theirs_file = paths.join(path, "vocab.txt")
+  if not paths.exists(theirs_file):
     raise ConfigError(option, f"{path} has no vocab.txt, so the data's token ids cannot be "
                       "checked against the checkpoint's embeddings")
   ours, theirs = _vocab_tokens(data_vocab), _vocab_tokens(theirs_file)
@@ -215,8 +217,7 @@ def check_vocab(data_vocab: str, path: str, option: str = OPTION) -> None:
 
 
 def _vocab_tokens(file: str) -> list[str]:
-  with open(file, encoding="utf-8") as f:
-    tokens = [line.rstrip("\r\n") for line in f]
+  tokens = [line.rstrip("\r") for line in (paths.read_text(file) or "").split("\n")]
   while tokens and not tokens[-1]:
     tokens.pop()
   return tokens
