@@ -111,17 +111,6 @@ def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(se
   assert "[data] copied" in out and "verified" in out   # the arrays are read locally
   assert "TensorBoard events of gs://" in out
   assert json.loads(bucket_text(f"{ict_dir}/config.json"))["data"]["dir"] == data
-  # The run keeps its vocab in the bucket, and readers of the run check against it there.
-  vocab = bucket_text(f"{data}/vocab.txt")
-  assert bucket_text(f"{ict_dir}/vocab.txt") == vocab
-  tokens = vocab.splitlines()
-  swapped = tmp_path / "swapped" / "vocab.txt"
-  swapped.parent.mkdir()
-  swapped.write_text("\n".join(tokens[:-2] + tokens[:-3:-1]) + "\n")
-  from realm_jax.runtime.initialization import check_run_vocab
-  with pytest.raises(ConfigError, match=rf"config\.init\.from_workdir: the data's .*swapped/vocab"
-                     rf"\.txt .* differs from {re.escape(ict_dir)}/vocab\.txt"):
-    check_run_vocab(ict_dir, "init.from_workdir", str(swapped))
 
   # The builder is killed -9 in the middle of publishing the final version. A second builder,
   # reaching the bucket directly, with the config of the longer run that will resume this
@@ -160,6 +149,18 @@ def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(se
   assert logged == list(range(1, 7))   # appended across the restart, in the bucket
 
   _evaluate_in_the_bucket(resumed, workdir, step=6)
+  # (last: a failure before the builders finished would leave them running)
+  # The run keeps its vocab in the bucket, and readers of the run check against it there.
+  vocab = bucket_text(f"{data}/vocab.txt")
+  assert bucket_text(f"{ict_dir}/vocab.txt") == vocab
+  tokens = vocab.splitlines()
+  swapped = tmp_path / "swapped" / "vocab.txt"
+  swapped.parent.mkdir()
+  swapped.write_text("\n".join(tokens[:-2] + tokens[:-3:-1]) + "\n")
+  from realm_jax.runtime.initialization import check_run_vocab
+  with pytest.raises(ConfigError, match=rf"config\.init\.from_workdir: the data's .*swapped/vocab"
+                     rf"\.txt .* differs from {re.escape(ict_dir)}/vocab\.txt"):
+    check_run_vocab(ict_dir, "init.from_workdir", str(swapped))
 
 
 def _killed_version_unseen(workdir: str, log: str, version: int, step: int,
