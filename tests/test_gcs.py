@@ -4,6 +4,7 @@ and the workdirs on `gs://`, against a server speaking the GCS JSON API on 127.0
 (tests/gcs_server.py; skipped with the reason where it cannot start). A malformed URL never
 becomes a local path."""
 
+import contextlib
 import json
 import os
 import re
@@ -33,15 +34,33 @@ def bucket_text(url: str) -> str:
   return epath.Path(url).read_text()
 
 
+_BUILDERS: list[subprocess.Popen] = []   # started by the current test
+
+
+@pytest.fixture(autouse=True)
+def _no_builder_outlives_its_test():
+  """A test that fails between starting a builder and stopping it would leave the builder
+  polling the bucket: whatever is still running at the test's end is killed with its group."""
+  yield
+  while _BUILDERS:
+    builder = _BUILDERS.pop()
+    if builder.poll() is None:
+      with contextlib.suppress(ProcessLookupError):
+        os.killpg(builder.pid, signal.SIGKILL)
+      builder.wait(timeout=30)
+
+
 def _builder(config, workdir: str, log: str, env: dict | None = None) -> subprocess.Popen:
   """realm-index on `workdir`, in its own process (the environment points it at the server,
   or `env` at another address), its output to the file `log`."""
   with open(log, "w") as out:
-    return subprocess.Popen(
+    builder = subprocess.Popen(
         [sys.executable, "-u", "-m", "realm_jax.retrieval.builder",
          *helpers.config_flags(config, "demo_realm"), f"--workdir={workdir}"],
         cwd=helpers.REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, **(env or {})})
+  _BUILDERS.append(builder)
+  return builder
 
 
 def _finished(builder: subprocess.Popen, log: str) -> str:
@@ -149,7 +168,6 @@ def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(se
   assert logged == list(range(1, 7))   # appended across the restart, in the bucket
 
   _evaluate_in_the_bucket(resumed, workdir, step=6)
-  # (last: a failure before the builders finished would leave them running)
   # The run keeps its vocab in the bucket, and readers of the run check against it there.
   vocab = bucket_text(f"{data}/vocab.txt")
   assert bucket_text(f"{ict_dir}/vocab.txt") == vocab
