@@ -45,7 +45,7 @@ from realm_jax.data.prepared import PreparedData
 from realm_jax.stages import repo_config
 from realm_jax.errors import run_cli
 from realm_jax.retrieval import scann_index
-from realm_jax.retrieval.index import embed_blocks
+from realm_jax.retrieval.index import device_batch, embed_blocks
 from realm_jax.runtime import partitioning, state as state_lib, embedders
 from realm_jax.runtime.checkpoints import restore_run
 from report import append_jsonl, print_rows, verdict   # bench/: this script's sys.path[0]
@@ -114,8 +114,7 @@ def block_embeddings(cache: pathlib.Path, world: pathlib.Path, data: PreparedDat
   embed_fn = embedders.block_embedder(model, mesh, config, params)
   # One untimed batch of the shape embed_blocks uses (every batch is padded to it): the rate
   # below is the embedding's, the compile is reported beside it.
-  devices = mesh.devices.size
-  rows = np.arange(max(devices, args.embed_batch // devices * devices)) % data.blocks.num_blocks
+  rows = np.arange(device_batch(args.embed_batch, mesh.devices.size)) % data.blocks.num_blocks
   t0 = time.perf_counter()
   jax.block_until_ready(embed_fn(np.asarray(data.blocks.tokens[rows]),
                                  data.blocks.segments(rows)))
@@ -142,8 +141,7 @@ def block_queries(data: PreparedData, config, model, mesh, params, rows: np.ndar
   for i, row in enumerate(rows):
     body = blocks.tokens[row][blocks.body_start[row]:blocks.lengths[row] - 1][:q - 2]
     ids[i, :len(body) + 2] = [tok.cls_id, *body, tok.sep_id]
-  devices = mesh.devices.size
-  batch_size = max(devices, batch_size // devices * devices)
+  batch_size = device_batch(batch_size, mesh.devices.size)
   sharding = partitioning.batch_sharding(mesh)
   out = []
   for start in range(0, len(ids), batch_size):

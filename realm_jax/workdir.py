@@ -135,7 +135,7 @@ def saved_config(workdir: str):
 
 # -- W/vocab.txt ------------------------------------------------------------------------------
 def record_vocab(workdir: str, data_vocab: str) -> None:
-  """W/vocab.txt := a copy of `data_vocab` (the data's vocab.txt). Train/run.py writes it
+  """W/vocab.txt := a copy of `data_vocab` (the data's vocab.txt). train/run.py writes it
   where the run starts without checkpoints (or W has none from before this record existed),
   after checking a resumed run's data against it."""
   with open(data_vocab, encoding="utf-8") as f:

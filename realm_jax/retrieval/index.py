@@ -116,6 +116,12 @@ class EmbeddingStopped(Exception):
     self.done, self.total = done, total
 
 
+def device_batch(batch_size: int, devices: int) -> int:
+  """`batch_size` rounded down to a multiple of `devices` (at least one row each): every device
+  embeds an equal share of each batch."""
+  return max(devices, batch_size // devices * devices)
+
+
 def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
                  log_prefix: str = "", should_stop: Callable[[], bool] | None = None
                  ) -> tuple[np.ndarray, float]:
@@ -127,8 +133,7 @@ def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
   after every batch; True raises EmbeddingStopped (a SIGTERM: the trainer saves its step).
   """
   t0 = last = time.time()
-  devices = mesh.devices.size
-  batch_size = max(devices, batch_size // devices * devices)
+  batch_size = device_batch(batch_size, mesh.devices.size)
   n = store.num_blocks
   if log_prefix:
     logger.info(f"{log_prefix}embedding {n:,} blocks in batches of {batch_size}")

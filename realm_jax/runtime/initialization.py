@@ -236,8 +236,9 @@ def check_run_vocab(workdir: str, option: str, data_vocab: str) -> None:
   checkpoint's own that realm-import-hf keeps in the workdir it writes, or the copy of its
   data's every training run keeps there since 2026-12-06; W local or in a bucket): else a
   ConfigError naming `option` and the first line that differs. A run without W/vocab.txt is
-  checked against its recorded data dir's; not checked then: one without a readable config.json, or whose recorded data
-  dir is relative (to where it ran, unknown here) or not on this machine's disk."""
+  checked against its recorded data dir's; not checked then: one without a readable
+  config.json, or whose recorded data dir is relative (to where it ran, unknown here) or not
+  on this machine's disk."""
   from realm_jax.interop import hf_bert
   from realm_jax.runtime.checkpoints import run_config
   if paths.exists(paths.join(workdir, workdir_lib.VOCAB)):   # (in a bucket too)

@@ -102,10 +102,10 @@ class Run:
     self.mesh = partitioning.make_mesh(config.mesh.shape)
     validate_against_mesh(config, self.mesh.shape["data"], jax.process_count(),
                           tuple(d.process_index for d in self.mesh.devices[:, 0]))
-    self._check_vocab(workdir, data.tokenizer.vocab_path)
+    resumes = self._check_vocab(workdir, data.tokenizer.vocab_path)
     workdir_lib.record_config(config, workdir, primary=jax.process_index() == 0)
-    if jax.process_index() == 0 and not (workdir_lib.holds_checkpoints(workdir) and
-                                         paths.exists(paths.join(workdir, workdir_lib.VOCAB))):
+    if jax.process_index() == 0 and not (
+        resumes and paths.exists(paths.join(workdir, workdir_lib.VOCAB))):
       workdir_lib.record_vocab(workdir, data.tokenizer.vocab_path)
     multihost.barrier("workdir")   # no process goes on before the workdir exists
     self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
@@ -122,16 +122,18 @@ class Run:
     self.prefix = f"[{config.task}] "
 
   @staticmethod
-  def _check_vocab(workdir: str, data_vocab: str) -> None:
+  def _check_vocab(workdir: str, data_vocab: str) -> bool:
     """A run resumed on data of another vocab is refused before it writes anything: the ids
-    would mean other words to its checkpoints (W/vocab.txt, else the data dir it recorded)."""
+    would mean other words to its checkpoints (W/vocab.txt, else the data dir it recorded).
+    Returns whether W holds checkpoints (the run resumes)."""
     if not workdir_lib.holds_checkpoints(workdir):
-      return    # a fresh start, or a run that died before its first save: its data may change
+      return False   # a fresh start, or a run that died before its first save: data may change
     try:
       initialization.check_run_vocab(workdir, "data.dir", data_vocab)
     except ConfigError as e:
       raise ConfigError("data.dir", f"{e.message}; or resume {workdir} on the data it trained "
                         "on, or train in a new workdir") from None
+    return True
 
   # -- what a task fills in ----------------------------------------------------------------
   def abstract_item(self) -> dict:
