@@ -8,9 +8,9 @@ import os
 import numpy as np
 import pytest
 
+from realm_jax.data.tokenizer import windows
 from realm_jax.errors import ConfigError
-from realm_jax.interop.hf_ner import (Entity, NerTagger, decode_entities, windows,
-                                      word_labels)
+from realm_jax.interop.hf_ner import Entity, NerTagger, decode_entities, word_labels
 from tests.test_hf_bert import VOCAB, hf_config, numpy_bert, random_bert, write_checkpoint
 
 LABELS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG"]

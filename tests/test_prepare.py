@@ -373,11 +373,21 @@ def test_long_sentences_are_cut_and_long_titles_truncated(tmp_path):
   words = " ".join(f"w{i}" for i in range(120))
   path = write_jsonl(tmp_path / "docs.jsonl", [json.dumps({
       "title": "A very long title " * 10, "text": f"{words}. Short one in 1999."}).encode()])
-  stats = prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"), block_len=32))
+  stats = prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"), block_len=32,
+                                         vocab_size=60))    # too small for whole "w57"s
   data = PreparedData(str(tmp_path / "out"))
   assert stats["titles_truncated"] == 1 and stats["sentences_cut"] == 1
   assert data.blocks.lengths.max() <= 32 and stats["blocks"] > 3
   assert (data.blocks.body_start <= 1 + (32 - 3) // 2 + 1).all()
+  # The cut falls between words ("w57" is "w5 ##7" here): no block's body opens mid-word,
+  # and the long sentence's pieces, read block after block, are the sentence's own.
+  tokenizer = load_tokenizer(os.path.join(str(tmp_path / "out"), "vocab.txt"))
+  bodies = [tokenizer.tokens(data.blocks.tokens[b, start:length - 1])
+            for b, (start, length) in enumerate(zip(data.blocks.body_start, data.blocks.lengths))]
+  sentence = tokenizer.tokens(tokenizer.encode_batch([words + "."])[0][0])
+  assert any(t.startswith("##") for t in sentence)
+  assert not any(body[0].startswith("##") for body in bodies)
+  assert [t for body in bodies[:-1] for t in body] == sentence
 
 
 def test_held_out_documents_become_the_eval_split(tmp_path):

@@ -42,7 +42,7 @@ import numpy as np
 from realm_jax.data.prepared import open_block_arrays
 from realm_jax.data.sentences import split_sentences
 from realm_jax.data.spans import span_covering
-from realm_jax.data.tokenizer import Tokenizer
+from realm_jax.data.tokenizer import Tokenizer, windows, word_starts
 
 MAX_SPANS = 8
 SPLITS = ("train", "eval")
@@ -182,16 +182,17 @@ def build_shard(documents: list[tuple[int, SourceDocument]], tokenizer: Tokenize
       title_ids = title_ids[:head_max]
       stats["titles_truncated"] += 1
     head = [tokenizer.cls_id] + title_ids + [tokenizer.sep_id]
-    _pack_document(blocks, doc_id, head, title_ids, sentences, sent_enc, stats)
+    _pack_document(blocks, doc_id, head, title_ids, sentences, sent_enc, stats, tokenizer)
   return _write_shard(out_dir, settings, blocks.rows, blocks.body_starts, blocks.uids,
                       blocks.docs, blocks.facts, blocks.splits, stats, blocks.dropped, len(docs),
                       input_digest)
 
 
 def _pack_document(blocks: _Blocks, doc_id: int, head: list[int], title_ids: list[int],
-                   sentences, sent_enc, stats: Counter) -> None:
+                   sentences, sent_enc, stats: Counter, tokenizer: Tokenizer) -> None:
   """A document's sentences (their encodings and spans drawn from `sent_enc`) into blocks:
-  whole sentences while they fit, a sentence longer than a block cut into blocks of its own."""
+  whole sentences while they fit, a sentence longer than a block cut into blocks of its own
+  at word starts (mid-word only where one word alone is longer than a block)."""
   budget = blocks.settings.block_len - 1 - len(head)
   body, members = [], []        # members: (sentence, ids, offsets, char spans, body pos)
 
@@ -210,8 +211,8 @@ def _pack_document(blocks: _Blocks, doc_id: int, head: list[int], title_ids: lis
       stats["sentences_cut"] += 1
       blocks.dropped["sentence longer than a block"] += sentence.split is not None
       flush()
-      for start in range(0, len(ids), budget):
-        body.extend(ids[start:start + budget])
+      for begin, end in windows(word_starts(tokenizer.tokens(ids)), budget):
+        body.extend(ids[begin:end])
         flush()
       continue
     if len(body) + len(ids) > budget:

@@ -6,7 +6,7 @@ import collections
 import dataclasses
 import heapq
 import os
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from tokenizers import BertWordPieceTokenizer, normalizers, pre_tokenizers
 
@@ -46,6 +46,25 @@ class Tokenizer:
 
   def tokens(self, ids: Iterable[int]) -> list[str]:
     return [self.wordpiece.id_to_token(int(i)) for i in ids]
+
+
+def word_starts(tokens: Sequence[str]) -> list[bool]:
+  """Whether each wordpiece begins a word (continuations carry the `##` prefix)."""
+  return [not t.startswith(CONTINUE) for t in tokens]
+
+
+def windows(starts: Sequence[bool], size: int) -> list[tuple[int, int]]:
+  """Consecutive [begin, end) piece ranges of at most `size` pieces, cut at word starts
+  (mid-word only when one word alone is longer than `size`)."""
+  out, begin, n = [], 0, len(starts)
+  while begin < n:
+    end = min(begin + size, n)
+    if end < n:
+      cut = next((i for i in range(end, begin, -1) if starts[i]), end)
+      end = cut
+    out.append((begin, end))
+    begin = end
+  return out
 
 
 def load_tokenizer(path: str, lowercase: bool = True,

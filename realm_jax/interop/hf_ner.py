@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from realm_jax.data.tokenizer import load_tokenizer
+from realm_jax.data.tokenizer import load_tokenizer, windows, word_starts
 from realm_jax.errors import ConfigError
 from realm_jax.interop import hf_bert
 from realm_jax.models.bert import BertConfig, BertEncoder
@@ -67,11 +67,6 @@ def decode_entities(labels: Sequence[str], words: Sequence[tuple[int, int]]) -> 
   return entities
 
 
-def word_starts(tokens: Sequence[str]) -> list[bool]:
-  """Whether each wordpiece begins a word (continuations carry the `##` prefix)."""
-  return [not t.startswith("##") for t in tokens]
-
-
 def word_labels(tokens: Sequence[str], offsets: Sequence[tuple[int, int]],
                 piece_labels: Sequence[str]) -> tuple[list[tuple[int, int]], list[str]]:
   """Words ([start, end) characters) of a text's wordpieces, each with its first piece's label."""
@@ -83,20 +78,6 @@ def word_labels(tokens: Sequence[str], offsets: Sequence[tuple[int, int]],
       words.append((start, end))
       labels.append(label)
   return words, labels
-
-
-def windows(starts: Sequence[bool], size: int) -> list[tuple[int, int]]:
-  """Consecutive [begin, end) piece ranges of at most `size` pieces, cut at word starts
-  (mid-word only when one word alone is longer than `size`)."""
-  out, begin, n = [], 0, len(starts)
-  while begin < n:
-    end = min(begin + size, n)
-    if end < n:
-      cut = next((i for i in range(end, begin, -1) if starts[i]), end)
-      end = cut
-    out.append((begin, end))
-    begin = end
-  return out
 
 
 class TokenClassifier(nn.Module):
