@@ -265,6 +265,42 @@ def test_a_wait_for_a_version_the_builder_will_never_build_fails_at_once(tmp_pat
     subscriber.close()
 
 
+def test_a_version_the_trainer_rejects_still_counts_as_built(tmp_path):
+  """realm-index counts every version with a readable manifest as built, one the trainer
+  rejects too (here: step 80's, left by an earlier block store). So checkpoint 40's version
+  and a new one of 80 will never come: both waits fail at once, the second naming the
+  rejection (it used to run out `retrieval.index_timeout`). A version whose manifest cannot
+  be read is counted by neither side (step 200's here), so step 120 still waits."""
+  import time
+  from realm_jax.errors import IndexNeverPublished
+  from realm_jax.retrieval.index import IndexVersion
+  from realm_jax.retrieval.subscriber import IndexSubscriber
+  root = published.index_root(tmp_path)
+
+  def loader(version):
+    manifest = published.verify(root, version, fingerprint=FINGERPRINT)
+    return IndexVersion(version=version, step=manifest["step"], index=None,
+                        encode_queries=None)
+  publish_one(root, step=0)
+  publish_one(root, step=80, block_store_fingerprint="an earlier block store")
+  damaged, _ = publish_one(root, step=200)
+  (published.version_dir(root, damaged) / published.MANIFEST).write_text("{not json")
+  subscriber = IndexSubscriber(str(tmp_path), loader, poll_seconds=0.05, by_step=True)
+  try:
+    assert subscriber.wait_for_step(0, timeout=30).step == 0
+    t0 = time.monotonic()
+    with pytest.raises(IndexNeverPublished, match=r"checkpoint step 40 .*\(step 80\)"):
+      subscriber.wait_for_step(40, timeout=30)
+    with pytest.raises(IndexNeverPublished, match=r"checkpoint step 80 .*\(step 80\)"
+                       r".*v2: block store fingerprint an earlier block store"):
+      subscriber.wait_for_step(80, timeout=30)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(TimeoutError, match="built from step 120"):
+      subscriber.wait_for_step(120, timeout=1.0)
+  finally:
+    subscriber.close()
+
+
 def test_a_deterministic_feed_asks_ahead_only_for_versions_a_step_reads():
   """425 steps, a refresh every 100, swap lag 25: steps 0..424 read the versions of
   checkpoints 0, 100, 200 and 300; the feed asks ahead for each of those, never for 400's

@@ -92,8 +92,12 @@ class IndexSubscriber:
     self._rejected: dict[int, str] = {}
     self._failures: dict[int, int] = {}
     self._wanted: set[int] | None = set() if by_step else None
-    # (by step) the checkpoint steps of the usable versions the last full listing found
+    # (by step) the checkpoint steps of the usable versions the last full listing found, and
+    # the newest step of any version with a readable manifest (rejected ones too), which is
+    # what realm-index counts as built
     self._published_steps: set[int] = set()
+    self._newest_built = -1
+    self._step_of: dict[int, int] = {}   # version -> step of each readable manifest
     self._cond = threading.Condition()
     self._stop = threading.Event()
     self._error: BaseException | None = None
@@ -114,30 +118,36 @@ class IndexSubscriber:
   def _candidates(self) -> list[int]:
     with self._cond:   # one look, so a version released meanwhile is in neither
       wanted = None if self._wanted is None else set(self._wanted)
-      skip = set(self._loaded) | set(self._rejected)
+      loaded, rejected = set(self._loaded), set(self._rejected)
       loaded_steps = {x.step for x in self._loaded.values()}
     if wanted is None:
       latest = published.read_latest(self.root)
-      newest = max(self._loaded, default=0)
-      return [latest] if latest is not None and latest > newest and latest not in skip else []
-    found, steps, listed_all = [], loaded_steps, True
-    for version in published.complete_versions(self.root):
-      if version in skip:
+      newest = max(loaded, default=0)
+      return ([latest] if latest is not None and latest > newest
+              and latest not in loaded | rejected else [])
+    found, usable, built, listed_all = [], set(loaded_steps), set(loaded_steps), True
+    listed = published.complete_versions(self.root)
+    for version in listed:
+      step = self._step_of.get(version)
+      if step is None and version not in loaded | rejected:
+        try:
+          step = self._step_of[version] = int(published.read_manifest(self.root, version)["step"])
+        except published.RejectedVersion as e:
+          self._reject(version, e.reason)
+        except OSError:   # pruned since it was listed, or the bucket did not answer: next poll
+          listed_all = False
+      if step is None:    # no readable manifest: realm-index does not count it either
         continue
-      try:
-        step = int(published.read_manifest(self.root, version)["step"])
-      except published.RejectedVersion as e:
-        self._reject(version, e.reason)
+      built.add(step)
+      if version in rejected:   # by the loader (another block store, damaged files): never used
         continue
-      except OSError:   # pruned since it was listed, or the bucket did not answer: next poll
-        listed_all = False
-        continue
-      steps.add(step)
-      if step in wanted:
+      usable.add(step)
+      if step in wanted and version not in loaded:
         found.append(version)
     if listed_all:
+      self._step_of = {v: self._step_of[v] for v in listed if v in self._step_of}
       with self._cond:
-        self._published_steps = steps
+        self._published_steps, self._newest_built = usable, max(built, default=-1)
     return found
 
   def poll(self) -> None:
@@ -238,10 +248,11 @@ class IndexSubscriber:
 
   def _never_published(self, step: int) -> None:
     """Raises IndexNeverPublished if no usable version of checkpoint `step` is published and one
-    of a later step is: `realm-index` builds only steps above the newest it published, so the
-    wait could only end in `retrieval.index_timeout`. (Called with the lock held.)"""
-    newest = max(self._published_steps, default=-1)
-    if step in self._published_steps or newest <= step:
+    of that step or a later one is (rejected versions count: `realm-index` builds only steps
+    above the newest it published, whatever the trainer made of it), so the wait could only
+    end in `retrieval.index_timeout`. (Called with the lock held.)"""
+    newest = self._newest_built
+    if step in self._published_steps or newest < step:
       return
     rejected = self._rejections()
     raise IndexNeverPublished(
