@@ -39,9 +39,20 @@ class IndexNeverPublished(RuntimeError):
   publish; the message names the step and the options. The CLI exits with code 1."""
 
 
+class IndexWaitTimeout(TimeoutError):
+  """No usable index version came within `retrieval.index_timeout`; the message names the wait,
+  the index dir, the option and any rejected versions. The CLI exits with code 1."""
+
+
 class StorageUnreachable(ConnectionError):
   """The storage server (a gs:// bucket) did not answer for longer than the patience
   ($REALM_JAX_STORAGE_PATIENCE); the message names the path and the operation. Exit code 1."""
+
+
+# The errors whose message says all a user needs: `run_cli` prints each in one line, and a
+# worker thread (the batch feed) hands them on as they are rather than wrapped.
+ONE_LINE_ERRORS = (ConfigError, FileNotFoundError, DataError, ConnectionError, CheckpointError,
+                   NonFiniteError, WorkerDied, IndexNeverPublished, IndexWaitTimeout)
 
 
 def run_cli(prog: str, main: Callable[[], object]) -> object:
@@ -65,7 +76,7 @@ def run_cli(prog: str, main: Callable[[], object]) -> object:
   except (FileNotFoundError, DataError) as e:
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
-  except (ConnectionError, CheckpointError, NonFiniteError, WorkerDied,
-          IndexNeverPublished) as e:   # no coordinator
+  except (ConnectionError, CheckpointError, NonFiniteError, WorkerDied, IndexNeverPublished,
+          IndexWaitTimeout) as e:   # no coordinator, no index, ...
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(1) from None

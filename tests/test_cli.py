@@ -93,6 +93,20 @@ def test_missing_data_dir_is_named(realm_flags, tmp_path):
   assert "nowhere" in result.stderr
 
 
+def test_a_realm_run_whose_index_never_comes_ends_in_one_line(realm_flags, tmp_path):
+  """Builder refresh and no realm-index: the wait for the first version runs out
+  `retrieval.index_timeout` and the CLI says so in one line, naming the option and what to
+  start (exit code 1), where it printed the timeout inside a traceback."""
+  result = run_cli(realm_flags + ["--config.retrieval.refresh=async",
+                                  "--config.retrieval.index_timeout=2"], str(tmp_path / "w"))
+  assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
+  assert "Traceback" not in result.stderr, result.stderr[-3000:]
+  errors = [line for line in result.stderr.splitlines() if line.startswith("realm-train: error:")]
+  assert len(errors) == 1, result.stderr[-3000:]
+  assert "no published index" in errors[0], errors[0]
+  assert "config.retrieval.index_timeout" in errors[0] and "realm-index" in errors[0]
+
+
 @pytest.mark.slow
 def test_workdir_of_an_incompatible_config_is_refused(world_dir, tmp_path):
   workdir = str(tmp_path / "w")

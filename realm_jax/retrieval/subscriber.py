@@ -19,7 +19,7 @@ from typing import Callable
 
 
 from realm_jax import paths
-from realm_jax.errors import IndexNeverPublished
+from realm_jax.errors import IndexNeverPublished, IndexWaitTimeout
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, IndexVersion
 
@@ -194,8 +194,8 @@ class IndexSubscriber:
 
   def wait(self, pick: Callable[[dict[int, IndexVersion]], IndexVersion | None], timeout: float,
            what: str) -> IndexVersion:
-    """Blocks until `pick(loaded versions)` returns one; TimeoutError after `timeout` s. A wait
-    for the first index says so at once, any wait every WAIT_NOTICE_SECONDS after."""
+    """Blocks until `pick(loaded versions)` returns one; IndexWaitTimeout after `timeout` s. A
+    wait for the first index says so at once, any wait every WAIT_NOTICE_SECONDS after."""
     start = time.time()
     deadline, notice = start + timeout, start + WAIT_NOTICE_SECONDS
     with self._cond:
@@ -209,9 +209,10 @@ class IndexSubscriber:
           return found
         now = time.time()
         if now >= deadline:
-          raise TimeoutError(f"no published index {what} under {self.root} after "
-                             f"{timeout:g}s (config.retrieval.index_timeout); "
-                             f"{self._rejections() or 'is realm-index running with this workdir?'}")
+          raise IndexWaitTimeout(
+              f"no published index {what} under {self.root} after {timeout:g}s "
+              f"(config.retrieval.index_timeout); "
+              f"{self._rejections() or 'is realm-index running with this workdir?'}")
         if first or now >= notice:
           self._say_waiting(what, now - start, timeout)
           first, notice = False, now + WAIT_NOTICE_SECONDS

@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from realm_jax.errors import IndexNeverPublished
+from realm_jax.errors import ONE_LINE_ERRORS
 from realm_jax.retrieval.index import IndexVersion
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,8 @@ class BatchFeed:
       except queue.Empty:
         if should_stop is not None and should_stop():
           raise FeedStopped(self._next, time.time() - t0) from None
-    if isinstance(item, IndexNeverPublished):   # its message names the step: one line at the CLI
+    if isinstance(item, ONE_LINE_ERRORS):   # its message says it all: one line at the CLI
+      logger.error(f"[realm] the batch of step {self._next} could not be built:")
       raise item
     if isinstance(item, BaseException):
       raise RuntimeError(f"building the batch of step {self._next} failed: {item!r}") from item
