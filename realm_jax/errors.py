@@ -49,10 +49,12 @@ class StorageUnreachable(ConnectionError):
   ($REALM_JAX_STORAGE_PATIENCE); the message names the path and the operation. Exit code 1."""
 
 
-# The errors whose message says all a user needs: `run_cli` prints each in one line, and a
-# worker thread (the batch feed) hands them on as they are rather than wrapped.
-ONE_LINE_ERRORS = (ConfigError, FileNotFoundError, DataError, ConnectionError, CheckpointError,
-                   NonFiniteError, WorkerDied, IndexNeverPublished, IndexWaitTimeout)
+# The project's own errors, whose message says what went wrong and what to do: `run_cli`
+# prints each in one line, and a worker thread (the batch feed) hands them on as they are. An
+# OS error from anywhere (a FileNotFoundError, a broken pipe) stays wrapped there, with its
+# traceback: it says neither which batch nor what to do.
+SELF_EXPLAINING = (ConfigError, DataError, CheckpointError, NonFiniteError, WorkerDied,
+                   IndexNeverPublished, IndexWaitTimeout, StorageUnreachable)
 
 
 def run_cli(prog: str, main: Callable[[], object]) -> object:

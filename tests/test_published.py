@@ -301,6 +301,43 @@ def test_a_version_the_trainer_rejects_still_counts_as_built(tmp_path):
     subscriber.close()
 
 
+def test_the_batch_feed_hands_on_the_projects_errors_and_wraps_the_others(tmp_path):
+  """A late version's timeout in the feed thread reaches the train loop as IndexWaitTimeout
+  (one line at the CLI); an OS error there stays wrapped, naming the step, traceback kept."""
+  from realm_jax.errors import IndexWaitTimeout
+  from realm_jax.retrieval.subscriber import IndexSubscriber
+  from realm_jax.train.feed import BatchFeed
+
+  class Queries:
+    def __next__(self):
+      return {}
+
+    def get_state(self):
+      return {}
+  subscriber = IndexSubscriber(str(tmp_path), loader=None, poll_seconds=0.05, by_step=True)
+  try:
+    late = BatchFeed(Queries(), lambda step, q: (
+        {}, {"index": subscriber.wait_for_step(40, timeout=0.5)}), 0, depth=2, end=10)
+    with pytest.raises(IndexWaitTimeout, match="built from step 40.*index_timeout"):
+      late.next()
+    late.close()
+  finally:
+    subscriber.close()
+
+  def broken(step, queries):
+    if step == 2:
+      open(tmp_path / "gone" / "shard.npy")
+    return {}, {}
+  feed = BatchFeed(Queries(), broken, 0, depth=2, end=10)
+  feed.next()
+  feed.next()
+  with pytest.raises(RuntimeError, match="building the batch of step 3 failed: "
+                     "FileNotFoundError") as wrapped:
+    feed.next()
+  assert isinstance(wrapped.value.__cause__, FileNotFoundError)
+  feed.close()
+
+
 def test_a_deterministic_feed_asks_ahead_only_for_versions_a_step_reads():
   """425 steps, a refresh every 100, swap lag 25: steps 0..424 read the versions of
   checkpoints 0, 100, 200 and 300; the feed asks ahead for each of those, never for 400's

@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from realm_jax.errors import ONE_LINE_ERRORS
+from realm_jax.errors import SELF_EXPLAINING
 from realm_jax.retrieval.index import IndexVersion
 
 logger = logging.getLogger(__name__)
@@ -201,11 +201,12 @@ class BatchFeed:
       except queue.Empty:
         if should_stop is not None and should_stop():
           raise FeedStopped(self._next, time.time() - t0) from None
-    if isinstance(item, ONE_LINE_ERRORS):   # its message says it all: one line at the CLI
-      logger.error(f"[realm] the batch of step {self._next} could not be built:")
+    if isinstance(item, SELF_EXPLAINING):   # its message says it all: one line at the CLI
+      logger.error(f"the batch of step {self._next + 1} could not be built:")
       raise item
     if isinstance(item, BaseException):
-      raise RuntimeError(f"building the batch of step {self._next} failed: {item!r}") from item
+      raise RuntimeError(
+          f"building the batch of step {self._next + 1} failed: {item!r}") from item
     _, batch, used, state = item
     self._next += 1
     return batch, used, state
