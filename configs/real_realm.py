@@ -43,6 +43,8 @@ SQUAD = os.path.join(REPO, "..", "shared", "data", "squadshifts_new_wiki_v1.0.js
 BLOCK_LEN = 128                    # SQuAD paragraphs average ~170 wordpieces: ~2 blocks each
 QUERY_LEN = 64                     # ICT's query length; longer sentences are not queries
 HELDOUT_ARTICLES = 0.2             # share of articles whose questions are only evaluated
+                                   # (of paragraphs where a file's articles cannot give it:
+                                   # the demo sets qa.heldout_unit, realm_jax/demo_real.py)
 
 
 def get_config(arg=None):

@@ -110,9 +110,26 @@ def fit_to_the_hour(path: str, workdir: str, max_paragraphs: int) -> str:
 
 
 def stage_overrides(data_dir: str, source: str, seed: int, workdir: str, inits: dict) -> dict:
-  overrides = {"data.dir": data_dir, "seed": seed, "qa.train": source, "qa.test": source}
+  overrides = {"data.dir": data_dir, "seed": seed, "qa.train": source, "qa.test": source,
+               "qa.heldout_unit": heldout_unit(data_dir)}
   overrides.update({key: os.path.join(workdir, stage) for key, stage in inits.items()})
   return overrides
+
+
+def heldout_unit(data_dir: str) -> str:
+  """What the recipe holds out (`qa.heldout_unit`): articles by title hash, unless the file's
+  articles cannot be split near the recipe's share (`qa.heldout_articles`): where the held-out
+  articles would hold under half or over twice that share of the questions (a file of one
+  article, say), paragraphs by text hash instead."""
+  from realm_jax.data.qa import is_heldout_article
+  from realm_jax.retrieval.zero_shot import load_questions
+  fraction = repo_config(CONFIG, "openqa").qa.heldout_articles
+  with open(os.path.join(data_dir, "blocks", "titles.json")) as f:
+    titles = json.load(f)
+  questions = load_questions(data_dir)
+  held = sum(is_heldout_article(titles[int(q["doc_id"])], fraction) for q in questions)
+  return ("article" if fraction / 2 <= held / max(1, len(questions)) <= 2 * fraction
+          else "paragraph")
 
 
 def check_questions(workdir: str, data_dir: str, source: str, seed: int, scale: str) -> None:
@@ -124,14 +141,20 @@ def check_questions(workdir: str, data_dir: str, source: str, seed: int, scale: 
   from realm_jax.retrieval.zero_shot import table_questions
   from realm_jax.errors import ConfigError
   config = _config("openqa", stage_overrides(data_dir, source, seed, workdir, {}), scale)
+  unit = config.qa.heldout_unit
+  if unit == "paragraph":
+    print(f"[demo-real] the file's articles cannot hold out ~{config.qa.heldout_articles:.0%} "
+          "of its questions: paragraphs are held out instead (qa.heldout_unit=paragraph)",
+          flush=True)
   try:
-    scored = table_questions(PreparedData(data_dir), data_dir, config.qa.heldout_articles)
+    scored = table_questions(PreparedData(data_dir), data_dir, config.qa.heldout_articles,
+                             unit)
     train, _ = qa_split(config.qa, "train", data_dir)
     test, _ = qa_split(config.qa, "test", data_dir)
   except ConfigError as e:   # qa.heldout_articles is the recipe's (configs/real_realm.py)
     raise ConfigError(e.option, f"{e.message} (demo-real: give a file of more "
                       "articles, or a larger --max-paragraphs)") from None
-  print(f"[demo-real] questions: {len(scored):,} of the held-out articles for the zero-shot "
+  print(f"[demo-real] questions: {len(scored):,} of the held-out {unit}s for the zero-shot "
         f"table, Open-QA {len(train):,} to fine-tune on and {len(test):,} to test", flush=True)
 
 
@@ -184,9 +207,10 @@ def retrieval_table(workdir: str, data_dir: str, source: str, seed: int, scale: 
                     lambda: recall_table(data_dir, {
                         "untrained": (ict, ""), "ict": (ict, os.path.join(workdir, "ict")),
                         "realm": (realm, os.path.join(workdir, "realm")),
-                        "minilm_6": (minilm, "")}, heldout_articles=ict.qa.heldout_articles))
+                        "minilm_6": (minilm, "")}, heldout_articles=ict.qa.heldout_articles,
+                        heldout_unit=ict.qa.heldout_unit))
   print(f"\n== zero-shot retrieval: {table['bm25']['questions']:,} questions of the held-out "
-        "articles ==")
+        f"{ict.qa.heldout_unit}s ==")
   print(format_table(table))
   return table
 
@@ -200,7 +224,8 @@ def open_qa(workdir: str, data_dir: str, source: str, seed: int,
     overrides = {**stage_overrides(data_dir, source, seed, workdir, inits), **extra}
     stage_dir = os.path.join(workdir, name)
     summaries[name] = run_stage(name, (CONFIG, _arg("openqa", scale)), overrides, stage_dir)
-    print(f"[demo-real] realm-eval {stage_dir} on the held-out articles", flush=True)
+    print(f"[demo-real] realm-eval {stage_dir} on the held-out {overrides['qa.heldout_unit']}s",
+          flush=True)
     config = _config("openqa", overrides, scale)
     table[name] = evaluated(workdir, name, (name,), {name: config}, lambda: (
         evaluate_run(config, stage_dir, split="test")[0]))
@@ -228,7 +253,8 @@ def print_report(summary: dict) -> None:
     value = summary.get(key)
     print(f"  {label:<40} {value:>8.3f}" if isinstance(value, float) else
           f"  {label:<40} {value!s:>8}")
-  print("  (recall: the answer paragraph among the top k on the held-out articles' questions; "
+  print(f"  (recall: the answer paragraph among the top k on the held-out "
+        f"{summary.get('heldout_unit', 'article')}s' questions; "
         "every retriever starts from all-MiniLM-L6-v2's first 2 layers, mean-pooled: "
         "untrained, then ICT, then REALM)")
 
@@ -264,6 +290,7 @@ def _run_demo_real(workdir: str, squad: str, seed: int, scale: str, max_paragrap
       "scale": scale, "paragraphs": stats["documents"], "blocks": stats["blocks"],
       "machine": f"{platform.machine()}, {os.cpu_count()} cores, {devices(0)}",
       "heldout_questions": table["bm25"]["questions"],
+      "heldout_unit": heldout_unit(data_dir),
       **{f"recall_at_{k}_{name}": table[name][f"recall_at_{k}"]
          for name in table for k in (1, 5, 20)},
       "span_accuracy_realm": realm_eval.get("eval_span_accuracy"),

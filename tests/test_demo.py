@@ -401,11 +401,12 @@ def test_demo_real_runs_every_stage_at_the_scale_asked(monkeypatch, tmp_path, ca
   specs, tables = [], []
   monkeypatch.setattr(demo_real, "prepare_data", lambda workdir, squad, max_paragraphs: (
       str(tmp_path / "data"), "squad:F", {"blocks": 3, "documents": 2}))
+  monkeypatch.setattr(demo_real, "heldout_unit", lambda data_dir: "article")   # no data here
   monkeypatch.setattr(demo_real, "check_questions",     # before any stage
                       lambda *args: specs.append(("questions checked", args[-1])))
   monkeypatch.setattr(demo_real, "run_stage",
                       lambda name, spec, overrides, workdir: specs.append((name, spec)) or {})
-  def recall_table(data_dir, retrievers, heldout_articles):
+  def recall_table(data_dir, retrievers, heldout_articles, heldout_unit):
     tables.append({name: (config.model.num_layers, config.model.retriever.num_layers)
                    for name, (config, _) in retrievers.items()})
     return {name: {"recall_at_1": 0.0, "recall_at_5": 0.0, "recall_at_20": 0.0,
@@ -468,6 +469,7 @@ def test_a_resumed_demo_real_does_not_evaluate_again_what_it_evaluated(monkeypat
   workdir, calls = tmp_path / "W", []
   monkeypatch.setattr(demo_real, "prepare_data", lambda workdir, squad, max_paragraphs: (
       str(tmp_path / "data"), "squad:F", {"blocks": 3, "documents": 2}))
+  monkeypatch.setattr(demo_real, "heldout_unit", lambda data_dir: "article")   # no data here
   monkeypatch.setattr(demo_real, "check_questions", lambda *args: None)
 
   def run_stage(name, spec, overrides, stage_dir):
@@ -479,7 +481,7 @@ def test_a_resumed_demo_real_does_not_evaluate_again_what_it_evaluated(monkeypat
     return {}
   monkeypatch.setattr(demo_real, "run_stage", run_stage)
 
-  def recall_table(data_dir, retrievers, heldout_articles):
+  def recall_table(data_dir, retrievers, heldout_articles, heldout_unit):
     calls.append("table")
     return {name: {"recall_at_1": 0.5, "recall_at_5": 0.5, "recall_at_20": 0.5,
                    "questions": 1} for name in (*retrievers, "bm25")}

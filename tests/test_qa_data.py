@@ -279,6 +279,42 @@ def test_heldout_articles_split_is_disjoint_and_stable(tmp_path):
   assert len(qa_split(qa_config(train=f"nq_open:{nq}"), "train")[0]) == 1
 
 
+def test_one_article_is_split_by_paragraph(tmp_path):
+  """A file of one article (comments under one title): by title its questions are all held
+  out or all trained on; qa.heldout_unit = "paragraph" splits it by a hash of each
+  paragraph's text, disjoint and stable, a paragraph's questions on one side."""
+  from realm_jax.data.sources import paragraph_key
+  contexts = [f"Comment number {p} says the  ferry is late." for p in range(40)]
+  path = write(tmp_path / "one.json", json.dumps({"data": [{"title": "Comments", "paragraphs": [
+      {"context": c, "qas": [{"id": f"q{p}-{k}", "question": f"question {k} of {p}?",
+                              "answers": [{"text": "Comment", "answer_start": 0}]}
+                             for k in range(2)]} for p, c in enumerate(contexts)]}]}))
+  spec = f"squad:{path}"
+  by_title = qa_config(train=spec, test=spec, heldout_articles=0.25)
+  side = "test" if qa.is_heldout_article("Comments", 0.25) else "train"
+  other = "train" if side == "test" else "test"
+  assert len(qa_split(by_title, side)[0]) == 80
+  with pytest.raises(ConfigError, match=rf"gives no questions for the {other} split .*holds "
+                     r"out [01] of its 1 articles by title hash"):
+    qa_split(by_title, other)
+  config = qa_config(train=spec, test=spec, heldout_articles=0.25, heldout_unit="paragraph")
+  train, test = qa_split(config, "train")[0], qa_split(config, "test")[0]
+  of = lambda examples: {ex.qid.split("-")[0] for ex in examples}
+  assert not of(train) & of(test) and len(of(train) | of(test)) == 40
+  assert 4 <= len(of(test)) <= 16 and len(train) + len(test) == 80
+  assert sorted(of(test), key=lambda q: int(q[1:])) == [      # whitespace-normalised text
+      f"q{p}" for p, c in enumerate(contexts)
+      if qa.is_heldout_article(paragraph_key(" ".join(c.split())), 0.25)]
+  assert qa_split(config, "test")[0] == test
+  with pytest.raises(ConfigError, match="config.qa.heldout_unit: 'title' is not one of"):
+    qa_split(qa_config(train=spec, heldout_articles=0.25, heldout_unit="title"), "train")
+  nq = write(tmp_path / "nq.jsonl", '{"question": "q", "answer": ["a"]}\n')
+  with pytest.raises(ConfigError, match=r"config.qa.heldout_articles: 0.1 splits by paragraph "
+                     r"\(qa.heldout_unit\), but 1 of the 1 questions .* have none"):
+    qa_split(qa_config(train=f"nq_open:{nq}", heldout_articles=0.1, heldout_unit="paragraph"),
+             "train")
+
+
 def test_real_question_files_are_read_whole():
   if not os.path.isdir(SHARED):
     pytest.skip(f"{SHARED} is absent (real data of ../shared/data)")

@@ -4,11 +4,13 @@ retriever and for BM25 on a small SQuAD-format file the test writes."""
 import json
 import logging
 import os
+import shutil
 
 import numpy as np
 import pytest
 
 from realm_jax.data import prepare as prepare_lib
+from realm_jax.data.prepared import PreparedData
 from realm_jax.data.qa import is_heldout_article
 from realm_jax.errors import ConfigError
 from realm_jax.retrieval import zero_shot
@@ -70,7 +72,6 @@ def test_questions_point_at_their_paragraph(squad_data):
 
 def test_the_table_refuses_a_share_that_holds_out_no_article(squad_data):
   """Checked before any retriever embeds the corpus (the demos call it right after prepare)."""
-  from realm_jax.data.prepared import PreparedData
   from realm_jax.errors import ConfigError
   data = PreparedData(squad_data)
   assert len(zero_shot.table_questions(data, squad_data, 0.0)) == len(QUESTIONS)
@@ -87,24 +88,67 @@ def test_the_table_refuses_a_share_that_holds_out_no_article(squad_data):
 
 
 def test_demo_real_checks_its_questions_before_training(squad_data, tmp_path, capsys):
-  """`make demo-real` on a file whose articles all stay in training stops right after
-  preparing it, naming the option; on one that holds some out it says what it will ask."""
+  """`make demo-real` holds out articles where they split near its share, else paragraphs
+  (saying so), and on a file that holds out nothing either way stops right after preparing
+  it, naming the option; otherwise it says what it will ask."""
   from realm_jax import demo_real
-  from realm_jax.errors import ConfigError
+  from realm_jax.data.sources import paragraph_key
   source = f"squad:{os.path.join(os.path.dirname(squad_data), 'squad.json')}"
+  assert demo_real.heldout_unit(squad_data) == "article"          # 1 of 4: 25% against 20%
   demo_real.check_questions(str(tmp_path), squad_data, source, 0, "cpu")
   assert [is_heldout_article(title, 0.2) for title, _ in TOPICS] == [False] * 3 + [True]
   assert ("1 of the held-out articles for the zero-shot table, Open-QA 3 to fine-tune on and 1 "
           "to test") in capsys.readouterr().out
-  config = prepare_lib.prepare_config()                 # the first three articles only
-  config.source = f"squad:{write_squad(tmp_path / 'three.json', TOPICS[:3])}"
-  config.out_dir = str(tmp_path / "three")
-  config.block_len, config.max_sentence_len, config.vocab_size = 32, 30, 300
-  config.num_workers, config.eval_fraction, config.progress_every = 0, 0.0, 1e9
-  prepare_lib.prepare(config)
+
+  def prepared(name, topics):
+    config = prepare_lib.prepare_config()
+    config.source = f"squad:{write_squad(tmp_path / f'{name}.json', topics)}"
+    config.out_dir = str(tmp_path / name)
+    config.block_len, config.max_sentence_len, config.vocab_size = 32, 30, 300
+    config.num_workers, config.eval_fraction, config.progress_every = 0, 0.0, 1e9
+    prepare_lib.prepare(config)
+    return config
+  three = prepared("three", TOPICS[:3])          # no article held out: paragraphs instead
+  held = [is_heldout_article(paragraph_key(c), 0.2) for _, c in TOPICS[:3]]
+  assert demo_real.heldout_unit(three.out_dir) == "paragraph" and 0 < sum(held) < 3
+  demo_real.check_questions(str(tmp_path), three.out_dir, three.source, 0, "cpu")
+  out = capsys.readouterr().out
+  assert "paragraphs are held out instead (qa.heldout_unit=paragraph)" in out
+  assert (f"{sum(held)} of the held-out paragraphs for the zero-shot table, Open-QA "
+          f"{3 - sum(held)} to fine-tune on and {sum(held)} to test") in out
+  kept = next(t for t in TOPICS if not is_heldout_article(paragraph_key(t[1]), 0.2))
+  one = prepared("one", [kept])                  # one paragraph, trained on either way
   with pytest.raises(ConfigError, match=r"config\.qa\.heldout_articles: 0\.2 holds out none of "
-                     r"the 3 articles.*\(demo-real: give a file of more articles"):
-    demo_real.check_questions(str(tmp_path), config.out_dir, config.source, 0, "cpu")
+                     r"the 1 paragraphs.*\(demo-real: give a file of more articles"):
+    demo_real.check_questions(str(tmp_path), one.out_dir, one.source, 0, "cpu")
+
+
+def test_a_paragraph_split_holds_out_the_same_questions_for_both_tables(squad_data, tmp_path):
+  """By paragraph, the zero-shot table (the prepared questions) and Open-QA (the file read
+  again) hold out the same questions; data prepared before paragraph keys is named."""
+  import ml_collections
+  from realm_jax.data.qa import qa_split
+  from realm_jax.data.sources import paragraph_key
+  from realm_jax.errors import DataError
+  source = f"squad:{os.path.join(os.path.dirname(squad_data), 'squad.json')}"
+  keys = [paragraph_key(c) for _, c in TOPICS]
+  share = next(f for f in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+               if 0 < sum(is_heldout_article(k, f) for k in keys) < len(keys))
+  config = ml_collections.ConfigDict({"train": source, "test": source, "heldout_articles": share,
+                                      "heldout_unit": "paragraph"})
+  held = zero_shot.table_questions(PreparedData(squad_data), squad_data, share, "paragraph")
+  test, train = qa_split(config, "test")[0], qa_split(config, "train")[0]
+  assert sorted(q["id"] for q in held) == sorted(ex.qid for ex in test)
+  assert len(test) + len(train) == len(QUESTIONS) and test and train
+  old = tmp_path / "old"
+  shutil.copytree(squad_data, old)
+  rows = [json.loads(line) for line in open(old / "qa" / "eval.jsonl")]
+  with open(old / "qa" / "eval.jsonl", "w") as f:
+    f.writelines(json.dumps({k: v for k, v in r.items() if k != "paragraph"}) + "\n"
+                 for r in rows)
+  with pytest.raises(DataError, match=r"old/qa/eval.jsonl: its questions carry no paragraph "
+                     r"key .*prepare again"):
+    zero_shot.table_questions(PreparedData(str(old)), str(old), share, "paragraph")
 
 
 def test_demo_openqa_checks_its_questions_before_training(tmp_path, capsys, monkeypatch):
@@ -196,7 +240,6 @@ def test_bm25_logs_at_the_projects_verbosity(squad_data, caplog):
   the demos' console); its records follow the project's verbosity: none below warnings at 0,
   its debug lines at 1."""
   from realm_jax import log
-  from realm_jax.data.prepared import PreparedData
   data, questions = PreparedData(squad_data), zero_shot.load_questions(squad_data)
   caplog.set_level(logging.DEBUG)
   before, bm25_level = log.verbosity(), logging.getLogger("bm25s").level
@@ -216,7 +259,6 @@ def test_bm25_logs_at_the_projects_verbosity(squad_data, caplog):
 def test_bm25_ranks_no_block_for_a_question_with_no_term_in_the_corpus(squad_data):
   """Every block scores 0 for it: BM25's first rows (0, 1, ...) are no ranking, and the first
   paragraph's question must not count as found there."""
-  from realm_jax.data.prepared import PreparedData
   data = PreparedData(squad_data)
   questions = [{"question": "Where is zzyzx?", "doc_id": 0},
                {"question": QUESTIONS[1], "doc_id": 1}]

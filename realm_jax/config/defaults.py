@@ -13,6 +13,7 @@ REFRESH_MODES = ("in_process", "async", "deterministic")
 BACKENDS = ("exact", "scann")
 NONFINITE_ACTIONS = ("stop", "skip")   # train.nonfinite
 DISTILL_QUERIES = ("all", "evidence")   # retrieval.distill_queries
+HELDOUT_UNITS = ("article", "paragraph")   # qa.heldout_unit
 # The shape fields the retriever towers may set apart from the reader's (`model.retriever.*`;
 # unset, None, the default: the same as the reader's `model.*`).
 TOWER_FIELDS = ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position",
@@ -209,6 +210,8 @@ def _jobs(c) -> None:
   c.qa.test = ""                   # questions realm-eval scores by default (same forms)
   c.qa.heldout_articles = 0.0      # squad: share of articles (by title hash) held out: train
                                    # keeps the rest, dev/test only those (0: no split)
+  c.qa.heldout_unit = "article"    # what heldout_articles holds out: "article" (by title) |
+                                   # "paragraph" (by text: a file of one or few articles)
   c.qa.searcher_beam = 5000        # N: top blocks the retriever loss marginalises over
                                    # (capped at the corpus size)
   c.qa.reader_beam = 5             # top blocks the reader reads and answers from

@@ -4,8 +4,8 @@ found before any JAX work."""
 from __future__ import annotations
 
 from realm_jax.config.defaults import (BACKENDS, CANDIDATE_SOURCES, COMPUTE_DTYPES,
-                                      DISTILL_QUERIES, NONFINITE_ACTIONS, PARTS, REFRESH_MODES,
-                                      TASKS)
+                                      DISTILL_QUERIES, HELDOUT_UNITS, NONFINITE_ACTIONS, PARTS,
+                                      REFRESH_MODES, TASKS)
 from realm_jax.config.option_names import upgrade_config
 from realm_jax.config.reading import null_in_training, part_model, part_options, uses_index_builder
 from realm_jax.errors import ConfigError
@@ -315,3 +315,5 @@ def _validate_openqa(config) -> None:
                       else "model.max_span_width", "must be >= 1 for task 'openqa'")
   if not 0 <= q.heldout_articles < 1:
     raise ConfigError("qa.heldout_articles", f"must be in [0, 1), got {q.heldout_articles}")
+  if q.heldout_unit not in HELDOUT_UNITS:
+    raise ConfigError("qa.heldout_unit", f"{q.heldout_unit!r} is not one of {HELDOUT_UNITS}")

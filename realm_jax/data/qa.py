@@ -21,11 +21,12 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from realm_jax import paths
+from realm_jax.config.defaults import HELDOUT_UNITS
 from realm_jax.data.answers import compile_answer_regex
 from realm_jax.data.sources import (DUPLICATE_ID, INVALID_UTF8, MALFORMED_JSON,
                                     MISSING_QUESTION, NO_ANSWERS, NON_STRING_ANSWERS,
                                     NOT_AN_OBJECT, UNANSWERABLE, Deduplicator, Skips,
-                                    matching_files, open_tfds, question_id,
+                                    matching_files, open_tfds, paragraph_key, question_id,
                                     read_squad_articles, squad_answers,
                                     squad_paragraph_skipped)
 from realm_jax.errors import ConfigError, DataError
@@ -51,6 +52,8 @@ class QAExample:
   answers: tuple[str, ...]
   is_regex: bool
   title: str = ""          # SQuAD article title: the unit of the held-out-articles split
+  paragraph: str = ""      # SQuAD paragraph key (`sources.paragraph_key`): the unit instead
+                           # with qa.heldout_unit = "paragraph"
 
 
 class QASkips(Skips):
@@ -72,7 +75,8 @@ class _Collector:
     self.seen: set[str] = set()
 
   def add(self, obj, where: str, default_id: str, question_key: str = "question",
-          answers_key: str = "answer", id_key: str = "id", title: str | None = None) -> None:
+          answers_key: str = "answer", id_key: str = "id", title: str | None = None,
+          paragraph: str | None = None) -> None:
     if not isinstance(obj, dict):
       return self.skips.skip(NOT_AN_OBJECT, where)
     question = obj.get(question_key)
@@ -94,8 +98,10 @@ class _Collector:
     self.seen.add(qid)
     if title is None:
       title = obj.get("title") if isinstance(obj.get("title"), str) else ""
+    if paragraph is None:
+      paragraph = obj.get("paragraph") if isinstance(obj.get("paragraph"), str) else ""
     self.examples.append(QAExample(qid, " ".join(question.split()), answers, self.is_regex,
-                                   title))
+                                   title, paragraph))
 
 
 def parse_qa_spec(spec: str, option: str = "qa") -> tuple[str, str]:
@@ -162,8 +168,9 @@ def qa_split(config_qa, split: str, data_dir: str = "", *, strict: bool = False
              ) -> tuple[list[QAExample], dict[str, int]]:
   """The questions of `config.qa.<split>` ("train" | "dev" | "test") and the skip counts.
 
-  With `qa.heldout_articles` = f > 0, articles are assigned by a stable hash of their title:
-  a share f is held out; train keeps the other articles, dev and test keep the held-out ones.
+  With `qa.heldout_articles` = f > 0, articles are assigned by a stable hash of their title
+  (paragraphs by one of their text with `qa.heldout_unit` = "paragraph"): a share f is held
+  out; train keeps the other articles, dev and test keep the held-out ones.
   """
   if split not in SPLITS:
     raise ValueError(f"split {split!r} is not one of {SPLITS}")
@@ -175,28 +182,42 @@ def qa_split(config_qa, split: str, data_dir: str = "", *, strict: bool = False
   heldout = config_qa.get("heldout_articles", 0.0)
   if not 0.0 <= heldout < 1.0:
     raise ConfigError("qa.heldout_articles", f"must be in [0, 1), got {heldout}")
+  unit = heldout_unit(config_qa)
   examples, counts = read_qa(spec, strict=strict, data_dir=data_dir, option=option,
                              tfds_data_dir=config_qa.get("tfds_data_dir") or None)
   articles = ""
   if heldout > 0:
-    untitled = sum(not ex.title for ex in examples)
-    if untitled and not spec.startswith("squad:"):
-      raise ConfigError("qa.heldout_articles", f"{heldout} splits by article title, but "
-                        f"{untitled} of the {len(examples)} questions of {option}={spec!r} have "
-                        "none (only squad: questions carry titles); set it to 0")
-    titles = {ex.title for ex in examples}
-    held = sum(is_heldout_article(title, heldout) for title in titles)
-    articles = f", which holds out {held} of its {len(titles)} articles by title hash"
+    keys = [ex.title if unit == "article" else ex.paragraph for ex in examples]
+    without = sum(not key for key in keys)
+    if without and (unit == "paragraph" or not spec.startswith("squad:")):
+      by = "article title" if unit == "article" else "paragraph (qa.heldout_unit)"
+      raise ConfigError("qa.heldout_articles", f"{heldout} splits by {by}, but {without} of "
+                        f"the {len(examples)} questions of {option}={spec!r} have none (only "
+                        "squad: questions, and prepared: ones prepared since 2026-12-06, "
+                        "carry them); set it to 0")
+    held = sum(is_heldout_article(key, heldout) for key in set(keys))
+    articles = (f", which holds out {held} of its {len(set(keys))} {unit}s by "
+                f"{'title' if unit == 'article' else 'text'} hash")
     keep_heldout = split != "train"
-    examples = [ex for ex in examples if is_heldout_article(ex.title, heldout) == keep_heldout]
+    examples = [ex for ex, key in zip(examples, keys)
+                if is_heldout_article(key, heldout) == keep_heldout]
   if not examples:
     raise ConfigError(option, f"{spec!r} gives no questions for the {split} split "
                       f"(skipped: {counts or 'none'}; qa.heldout_articles={heldout}{articles})")
   return examples, counts
 
 
+def heldout_unit(config_qa) -> str:
+  """`qa.heldout_unit` ("article" if unset), checked."""
+  unit = config_qa.get("heldout_unit", "article")
+  if unit not in HELDOUT_UNITS:
+    raise ConfigError("qa.heldout_unit", f"{unit!r} is not one of {HELDOUT_UNITS}")
+  return unit
+
+
 def is_heldout_article(title: str, fraction: float) -> bool:
-  """Whether the article `title` is held out, by a hash stable across runs and machines."""
+  """Whether the article `title` (or the paragraph of that key) is held out, by a hash stable
+  across runs and machines."""
   h = int.from_bytes(hashlib.blake2b(title.encode("utf-8", "surrogatepass"),
                                      digest_size=4).digest(), "little")
   return h % 1_000_000 < fraction * 1_000_000
@@ -343,7 +364,8 @@ def _read_squad(path: str, collect: _Collector) -> None:
             continue
           record = {**qa, "answers": [text for text, _ in answers]}
         collect.add(record, where, default_id=f"{os.path.basename(path)}:{a}.{p}.{q}",
-                    answers_key="answers", title=title)
+                    answers_key="answers", title=title,
+                    paragraph=paragraph_key(paragraph.get("context")))
 
 
 def _read_tfds(arg: str, collect: _Collector, option: str, data_dir: str | None) -> None:

@@ -109,6 +109,12 @@ class Deduplicator:
     return self.text_splits.setdefault(text_key, split)
 
 
+def paragraph_key(context: str) -> str:
+  """A SQuAD paragraph's key for the held-out split by paragraph (`qa.heldout_unit`): a digest
+  of its whitespace-normalised text, so one text under two titles is one paragraph."""
+  return Deduplicator.text_key(context).hex()
+
+
 def squad_paragraph_skipped(title, context, dedup: Deduplicator,
                             max_doc_bytes: int = MAX_DOC_BYTES) -> str | None:
   """Why a SQuAD paragraph (its article's title, its context) is no document, or None (`dedup`
@@ -310,7 +316,9 @@ def _squad(path: str, config, skips: Skips) -> Iterator[SourceDocument]:
         skips.skip(why, where)
         skips.drop_questions(paragraph.get("qas"))
         continue
-      qas = squad_questions(paragraph, where, skips, seen_ids, f"{name}:{a}.{p}")
+      key = paragraph_key(text)
+      qas = ({**qa, "paragraph": key}
+             for qa in squad_questions(paragraph, where, skips, seen_ids, f"{name}:{a}.{p}"))
       yield SourceDocument(title, text, split=_split_of(title, text, config.eval_fraction),
                            where=where, qas=tuple(qas))
 

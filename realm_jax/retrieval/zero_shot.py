@@ -100,37 +100,50 @@ def bm25_ranking(data: PreparedData, questions: list[dict],
   return np.where(np.asarray(scores) > 0, np.asarray(rows), -1)
 
 
-def heldout_questions(data: PreparedData, questions: list[dict], fraction: float) -> list[dict]:
-  """The questions of the held-out articles (`qa.heldout_articles`: by title hash, as Open-QA
-  fine-tuning splits them); all of them if `fraction` is 0."""
+def heldout_questions(data: PreparedData, questions: list[dict], fraction: float,
+                      unit: str = "article") -> list[dict]:
+  """The questions of the held-out articles (`qa.heldout_articles`: by title hash, or by
+  paragraph with `unit` "paragraph", as Open-QA fine-tuning splits them); all of them if
+  `fraction` is 0."""
   if fraction <= 0:
     return questions
-  titles = data.blocks.titles
-  return [q for q in questions if is_heldout_article(titles[int(q["doc_id"])], fraction)]
+  if unit == "article":
+    titles = data.blocks.titles
+    return [q for q in questions if is_heldout_article(titles[int(q["doc_id"])], fraction)]
+  if not all(isinstance(q.get("paragraph"), str) for q in questions):
+    raise DataError(f"{paths.join(data.dir, 'qa', 'eval.jsonl')}: its questions carry no "
+                    "paragraph key for qa.heldout_unit='paragraph' (prepared before "
+                    "2026-12-06): prepare again")
+  return [q for q in questions if is_heldout_article(q["paragraph"], fraction)]
 
 
-def table_questions(data: PreparedData, data_dir: str, heldout_articles: float) -> list[dict]:
+def table_questions(data: PreparedData, data_dir: str, heldout_articles: float,
+                    unit: str = "article") -> list[dict]:
   """The questions `recall_table` scores; an error naming the file or the option when there
   are none (checked before any retriever embeds the corpus)."""
   questions = load_questions(data_dir)
   if not questions:
     raise DataError(f"{paths.join(data_dir, 'qa', 'eval.jsonl')}: no answerable question "
                     "points at a kept paragraph (stats.json's questions_skipped says why)")
-  heldout = heldout_questions(data, questions, heldout_articles)
+  heldout = heldout_questions(data, questions, heldout_articles, unit)
   if not heldout:
-    titles = {data.blocks.titles[int(q["doc_id"])] for q in questions}
+    units = ({data.blocks.titles[int(q["doc_id"])] for q in questions} if unit == "article"
+             else {q["paragraph"] for q in questions})
     raise ConfigError("qa.heldout_articles", f"{heldout_articles} holds out none of the "
-                      f"{len(titles)} articles with questions in {data_dir} (by title hash): "
-                      "no question to score; a file of more articles, or a larger share")
+                      f"{len(units)} {unit}s with questions in {data_dir} (by "
+                      f"{'title' if unit == 'article' else 'text'} hash): no question to score; "
+                      "a file of more articles, or a larger share")
   return heldout
 
 
 def recall_table(data_dir: str, retrievers: dict[str, tuple[object, str]],
-                 ks=RECALL_AT, heldout_articles: float = 0.0) -> dict[str, dict[str, float]]:
+                 ks=RECALL_AT, heldout_articles: float = 0.0,
+                 heldout_unit: str = "article") -> dict[str, dict[str, float]]:
   """{name: recall@k} for each (config, workdir) retriever and for BM25, on the questions of
-  the held-out articles when `heldout_articles` > 0 (else on every question)."""
+  the held-out articles (or paragraphs: `heldout_unit`) when `heldout_articles` > 0 (else on
+  every question)."""
   data = PreparedData(data_dir)
-  questions = table_questions(data, data_dir, heldout_articles)
+  questions = table_questions(data, data_dir, heldout_articles, heldout_unit)
   gold = np.asarray([q["doc_id"] for q in questions])
   block_docs = np.asarray(data.blocks.doc_ids)
   table = {}
