@@ -30,8 +30,9 @@ import os
 import platform
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.stages import (check_arguments, devices, repo_config, run_demo_cli, run_stage,
-                              stage_seconds, trained_nothing)
+from realm_jax.errors import ConfigError
+from realm_jax.stages import (DEMO_ARGUMENTS, check_arguments, devices, repo_config,
+                              run_demo_cli, run_stage, stage_seconds, trained_nothing)
 from realm_jax.config.overrides import with_overrides
 from realm_jax.packages import MINILM
 
@@ -117,19 +118,47 @@ def stage_overrides(data_dir: str, source: str, seed: int, workdir: str, inits: 
 
 
 def heldout_unit(data_dir: str) -> str:
-  """What the recipe holds out (`qa.heldout_unit`): articles by title hash, unless the file's
-  articles cannot be split near the recipe's share (`qa.heldout_articles`): where the held-out
-  articles would hold under half or over twice that share of the questions (a file of one
-  article, say), paragraphs by text hash instead."""
-  from realm_jax.data.qa import is_heldout_article
-  from realm_jax.retrieval.zero_shot import load_questions
+  """What the recipe holds out (`qa.heldout_unit`): articles by title hash where the held-out
+  articles hold between half and twice the recipe's share (`qa.heldout_articles`) of the
+  questions; otherwise paragraphs by text hash where they hold out some questions, not all,
+  and a share nearer it (a file of one article: paragraphs). Decided once per prepared
+  question file (every stage's overrides name it)."""
+  questions = os.stat(os.path.join(data_dir, "qa", "eval.jsonl"))
+  return _heldout_unit(data_dir, questions.st_mtime_ns, questions.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _heldout_unit(data_dir: str, *version) -> str:
+  from realm_jax.data.prepared import PreparedData
+  from realm_jax.retrieval.zero_shot import heldout_questions, load_questions
   fraction = repo_config(CONFIG, "openqa").qa.heldout_articles
-  with open(os.path.join(data_dir, "blocks", "titles.json")) as f:
-    titles = json.load(f)
-  questions = load_questions(data_dir)
-  held = sum(is_heldout_article(titles[int(q["doc_id"])], fraction) for q in questions)
-  return ("article" if fraction / 2 <= held / max(1, len(questions)) <= 2 * fraction
-          else "paragraph")
+  data, questions = PreparedData(data_dir), load_questions(data_dir)
+
+  def share(unit: str) -> float:
+    return len(heldout_questions(data, questions, fraction, unit)) / max(1, len(questions))
+  article = share("article")
+  if fraction / 2 <= article <= 2 * fraction:
+    return "article"
+  paragraph = share("paragraph")     # (data prepared without paragraph keys is named here)
+  nearer = abs(paragraph - fraction) < abs(article - fraction) or not 0 < article < 1
+  return "paragraph" if 0 < paragraph < 1 and nearer else "article"
+
+
+def check_heldout_unit(workdir: str, unit: str) -> None:
+  """Refuses a workdir whose Open-QA stages were begun under the other held-out unit (every
+  one before 2026-12-06: articles): reused, they would be scored on questions they trained
+  on. The unit is recorded in W/demo_arguments.json beside the seed."""
+  path = os.path.join(workdir, DEMO_ARGUMENTS)
+  recorded = paths.read_json(path) or {}
+  begun = any(os.path.isdir(os.path.join(workdir, name)) for name, _, _ in OPENQA_STAGES)
+  before = recorded.get("heldout_unit", "article" if begun else None)
+  if before is not None and before != unit:
+    raise ConfigError("qa.heldout_unit", f"{workdir} was begun with {before}s held out, and "
+                      f"its data now holds out {unit}s: its Open-QA stages, reused, would be "
+                      "scored on questions they trained on; give it another workdir "
+                      f"(make REAL_WORKDIR=...) or remove {workdir}")
+  if recorded.get("heldout_unit") != unit:
+    paths.write_json(path, {**recorded, "heldout_unit": unit})
 
 
 def check_questions(workdir: str, data_dir: str, source: str, seed: int, scale: str) -> None:
@@ -139,7 +168,6 @@ def check_questions(workdir: str, data_dir: str, source: str, seed: int, scale: 
   from realm_jax.data.prepared import PreparedData
   from realm_jax.data.qa import qa_split
   from realm_jax.retrieval.zero_shot import table_questions
-  from realm_jax.errors import ConfigError
   config = _config("openqa", stage_overrides(data_dir, source, seed, workdir, {}), scale)
   unit = config.qa.heldout_unit
   if unit == "paragraph":
@@ -272,6 +300,7 @@ def _run_demo_real(workdir: str, squad: str, seed: int, scale: str, max_paragrap
   previous = workdir_lib.read_summary(workdir)   # a finished recipe run again reports it
   evaluations = paths.read_text(os.path.join(workdir, EVALUATIONS))   # ... unless it evaluates
   data_dir, source, stats = prepare_data(workdir, squad, max_paragraphs)
+  check_heldout_unit(workdir, heldout_unit(data_dir))
   check_questions(workdir, data_dir, source, seed, scale)
   results = {}
   for name, variant, inits in STAGES:

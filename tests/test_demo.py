@@ -458,6 +458,28 @@ def test_the_demos_outside_a_checkout_say_so(monkeypatch, tmp_path):
     stages.repo_config("demo_realm")
 
 
+def test_demo_real_keeps_its_heldout_unit_and_refuses_another(tmp_path):
+  """Open-QA stages begun under one held-out unit (a workdir from before the record: articles)
+  are not reused under the other, where they would be scored on questions they trained on."""
+  import json
+  from realm_jax import demo_real
+  from realm_jax.errors import ConfigError
+  old = tmp_path / "old"
+  (old / "openqa_realm").mkdir(parents=True)
+  (old / "demo_arguments.json").write_text(json.dumps({"seed": 0, "scale": "cpu"}))
+  with pytest.raises(ConfigError, match=r"config.qa.heldout_unit: .*old was begun with "
+                     r"articles held out, and its data now holds out paragraphs"):
+    demo_real.check_heldout_unit(str(old), "paragraph")
+  demo_real.check_heldout_unit(str(old), "article")
+  assert json.loads((old / "demo_arguments.json").read_text()) == {
+      "seed": 0, "scale": "cpu", "heldout_unit": "article"}
+  new = tmp_path / "new"                # nothing trained yet: it takes the unit and keeps it
+  new.mkdir()
+  demo_real.check_heldout_unit(str(new), "paragraph")
+  with pytest.raises(ConfigError, match="was begun with paragraphs held out"):
+    demo_real.check_heldout_unit(str(new), "article")
+
+
 def test_a_resumed_demo_real_does_not_evaluate_again_what_it_evaluated(monkeypatch, tmp_path):
   """W/evaluations.json keeps the zero-shot table and each Open-QA run's scores with the
   summaries of the stages they read: a rerun reuses them, a stage trained again (another

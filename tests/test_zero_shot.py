@@ -89,8 +89,8 @@ def test_the_table_refuses_a_share_that_holds_out_no_article(squad_data):
 
 def test_demo_real_checks_its_questions_before_training(squad_data, tmp_path, capsys):
   """`make demo-real` holds out articles where they split near its share, else paragraphs
-  (saying so), and on a file that holds out nothing either way stops right after preparing
-  it, naming the option; otherwise it says what it will ask."""
+  where those split nearer it (saying so), and on a file that holds out nothing either way
+  stops right after preparing it, naming the option; otherwise it says what it will ask."""
   from realm_jax import demo_real
   from realm_jax.data.sources import paragraph_key
   source = f"squad:{os.path.join(os.path.dirname(squad_data), 'squad.json')}"
@@ -116,10 +116,13 @@ def test_demo_real_checks_its_questions_before_training(squad_data, tmp_path, ca
   assert "paragraphs are held out instead (qa.heldout_unit=paragraph)" in out
   assert (f"{sum(held)} of the held-out paragraphs for the zero-shot table, Open-QA "
           f"{3 - sum(held)} to fine-tune on and {sum(held)} to test") in out
+  two = prepared("two", [TOPICS[0], TOPICS[3]])  # 1 of 2 articles: 50%, paragraphs no nearer
+  assert demo_real.heldout_unit(two.out_dir) == "article"
   kept = next(t for t in TOPICS if not is_heldout_article(paragraph_key(t[1]), 0.2))
   one = prepared("one", [kept])                  # one paragraph, trained on either way
+  assert demo_real.heldout_unit(one.out_dir) == "article"
   with pytest.raises(ConfigError, match=r"config\.qa\.heldout_articles: 0\.2 holds out none of "
-                     r"the 1 paragraphs.*\(demo-real: give a file of more articles"):
+                     r"the 1 articles.*\(demo-real: give a file of more articles"):
     demo_real.check_questions(str(tmp_path), one.out_dir, one.source, 0, "cpu")
 
 
@@ -147,7 +150,7 @@ def test_a_paragraph_split_holds_out_the_same_questions_for_both_tables(squad_da
     f.writelines(json.dumps({k: v for k, v in r.items() if k != "paragraph"}) + "\n"
                  for r in rows)
   with pytest.raises(DataError, match=r"old/qa/eval.jsonl: its questions carry no paragraph "
-                     r"key .*prepare again"):
+                     r"key .*remove .*/old and prepare it again"):
     zero_shot.table_questions(PreparedData(str(old)), str(old), share, "paragraph")
 
 

@@ -190,11 +190,12 @@ def qa_split(config_qa, split: str, data_dir: str = "", *, strict: bool = False
     keys = [ex.title if unit == "article" else ex.paragraph for ex in examples]
     without = sum(not key for key in keys)
     if without and (unit == "paragraph" or not spec.startswith("squad:")):
-      by = "article title" if unit == "article" else "paragraph (qa.heldout_unit)"
+      by, carry = (("article title", "only squad: questions carry titles") if unit == "article"
+                   else ("paragraph (qa.heldout_unit)", "only squad: questions, and prepared: "
+                         "ones prepared since 2026-12-06, carry them"))
       raise ConfigError("qa.heldout_articles", f"{heldout} splits by {by}, but {without} of "
-                        f"the {len(examples)} questions of {option}={spec!r} have none (only "
-                        "squad: questions, and prepared: ones prepared since 2026-12-06, "
-                        "carry them); set it to 0")
+                        f"the {len(examples)} questions of {option}={spec!r} have none "
+                        f"({carry}); set it to 0")
     held = sum(is_heldout_article(key, heldout) for key in set(keys))
     articles = (f", which holds out {held} of its {len(set(keys))} {unit}s by "
                 f"{'title' if unit == 'article' else 'text'} hash")

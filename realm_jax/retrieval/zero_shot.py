@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from realm_jax import log, paths
+from realm_jax.config.defaults import HELDOUT_UNITS
 from realm_jax.data.qa import is_heldout_article, question_inputs
 from realm_jax.data.prepared import PreparedData
 from realm_jax.errors import ConfigError, DataError
@@ -105,6 +106,8 @@ def heldout_questions(data: PreparedData, questions: list[dict], fraction: float
   """The questions of the held-out articles (`qa.heldout_articles`: by title hash, or by
   paragraph with `unit` "paragraph", as Open-QA fine-tuning splits them); all of them if
   `fraction` is 0."""
+  if unit not in HELDOUT_UNITS:
+    raise ConfigError("qa.heldout_unit", f"{unit!r} is not one of {HELDOUT_UNITS}")
   if fraction <= 0:
     return questions
   if unit == "article":
@@ -113,7 +116,8 @@ def heldout_questions(data: PreparedData, questions: list[dict], fraction: float
   if not all(isinstance(q.get("paragraph"), str) for q in questions):
     raise DataError(f"{paths.join(data.dir, 'qa', 'eval.jsonl')}: its questions carry no "
                     "paragraph key for qa.heldout_unit='paragraph' (prepared before "
-                    "2026-12-06): prepare again")
+                    f"2026-12-06): remove {data.dir} and prepare it again (a finished data dir "
+                    "is reused as it is)")
   return [q for q in questions if is_heldout_article(q["paragraph"], fraction)]
 
 
