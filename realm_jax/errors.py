@@ -59,7 +59,8 @@ SELF_EXPLAINING = (ConfigError, DataError, CheckpointError, NonFiniteError, Work
 
 def run_cli(prog: str, main: Callable[[], object]) -> object:
   """Runs `main`; ConfigError / missing files -> one clear line on stderr and exit code 2; an
-  unreachable coordinator -> one line and exit code 1; Ctrl-C -> one line instead of a
+  unreachable coordinator and the project's other errors (SELF_EXPLAINING) -> one line and
+  exit code 1; Ctrl-C -> one line instead of a
   traceback, and the process ends by SIGINT at once, as Python would after its traceback (a
   shell stops its script there), without the interpreter's shutdown, which XLA threads cut
   short mid-compile can crash. What was finalised before it (a checkpoint, a published
@@ -78,7 +79,6 @@ def run_cli(prog: str, main: Callable[[], object]) -> object:
   except (FileNotFoundError, DataError) as e:
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
-  except (ConnectionError, CheckpointError, NonFiniteError, WorkerDied, IndexNeverPublished,
-          IndexWaitTimeout) as e:   # no coordinator, no index, ...
+  except (ConnectionError, *SELF_EXPLAINING) as e:   # no coordinator, no index, ...
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(1) from None

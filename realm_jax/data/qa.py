@@ -210,7 +210,11 @@ def qa_split(config_qa, split: str, data_dir: str = "", *, strict: bool = False
 
 def heldout_unit(config_qa) -> str:
   """`qa.heldout_unit` ("article" if unset), checked."""
-  unit = config_qa.get("heldout_unit", "article")
+  return checked_unit(config_qa.get("heldout_unit", "article"))
+
+
+def checked_unit(unit: str) -> str:
+  """`unit` if it is one of HELDOUT_UNITS, else a ConfigError naming qa.heldout_unit."""
   if unit not in HELDOUT_UNITS:
     raise ConfigError("qa.heldout_unit", f"{unit!r} is not one of {HELDOUT_UNITS}")
   return unit

@@ -126,10 +126,10 @@ class IndexSubscriber:
       return ([latest] if latest is not None and latest > newest
               and latest not in loaded | rejected else [])
     found, usable, built, listed_all = [], set(loaded_steps), set(loaded_steps), True
-    listed = published.complete_versions(self.root)
+    listed, skip = published.complete_versions(self.root), loaded | rejected
     for version in listed:
       step = self._step_of.get(version)
-      if step is None and version not in loaded | rejected:
+      if step is None and version not in skip:
         try:
           step = self._step_of[version] = int(published.read_manifest(self.root, version)["step"])
         except published.RejectedVersion as e:

@@ -17,8 +17,7 @@ import time
 import numpy as np
 
 from realm_jax import log, paths
-from realm_jax.config.defaults import HELDOUT_UNITS
-from realm_jax.data.qa import is_heldout_article, question_inputs
+from realm_jax.data.qa import checked_unit, is_heldout_article, question_inputs
 from realm_jax.data.prepared import PreparedData
 from realm_jax.errors import ConfigError, DataError
 from realm_jax.retrieval.index import ExactIndex, IndexVersion, embed_blocks
@@ -106,19 +105,24 @@ def heldout_questions(data: PreparedData, questions: list[dict], fraction: float
   """The questions of the held-out articles (`qa.heldout_articles`: by title hash, or by
   paragraph with `unit` "paragraph", as Open-QA fine-tuning splits them); all of them if
   `fraction` is 0."""
-  if unit not in HELDOUT_UNITS:
-    raise ConfigError("qa.heldout_unit", f"{unit!r} is not one of {HELDOUT_UNITS}")
+  checked_unit(unit)
   if fraction <= 0:
     return questions
+  keys = _unit_keys(data, questions, unit)
+  return [q for q, key in zip(questions, keys) if is_heldout_article(key, fraction)]
+
+
+def _unit_keys(data: PreparedData, questions: list[dict], unit: str) -> list[str]:
+  """What each question is held out by: its article's title, or its paragraph's key."""
   if unit == "article":
     titles = data.blocks.titles
-    return [q for q in questions if is_heldout_article(titles[int(q["doc_id"])], fraction)]
+    return [titles[int(q["doc_id"])] for q in questions]
   if not all(isinstance(q.get("paragraph"), str) for q in questions):
     raise DataError(f"{paths.join(data.dir, 'qa', 'eval.jsonl')}: its questions carry no "
                     "paragraph key for qa.heldout_unit='paragraph' (prepared before "
                     f"2026-12-06): remove {data.dir} and prepare it again (a finished data dir "
                     "is reused as it is)")
-  return [q for q in questions if is_heldout_article(q["paragraph"], fraction)]
+  return [q["paragraph"] for q in questions]
 
 
 def table_questions(data: PreparedData, data_dir: str, heldout_articles: float,
@@ -131,8 +135,7 @@ def table_questions(data: PreparedData, data_dir: str, heldout_articles: float,
                     "points at a kept paragraph (stats.json's questions_skipped says why)")
   heldout = heldout_questions(data, questions, heldout_articles, unit)
   if not heldout:
-    units = ({data.blocks.titles[int(q["doc_id"])] for q in questions} if unit == "article"
-             else {q["paragraph"] for q in questions})
+    units = set(_unit_keys(data, questions, unit))
     raise ConfigError("qa.heldout_articles", f"{heldout_articles} holds out none of the "
                       f"{len(units)} {unit}s with questions in {data_dir} (by "
                       f"{'title' if unit == 'article' else 'text'} hash): no question to score; "
