@@ -301,6 +301,45 @@ def test_a_version_the_trainer_rejects_still_counts_as_built(tmp_path):
     subscriber.close()
 
 
+def test_a_version_rejected_before_any_step_was_wanted_counts_as_built(tmp_path):
+  """Under async refresh the subscriber loads what LATEST names and wants no step until the
+  final evaluation asks for the last one's version. A version it rejected before (step 80's,
+  from an earlier block store) still counts as built then: the wait fails at once, naming it
+  (it used to run out `retrieval.index_timeout`), and the rejection is logged once."""
+  import logging
+  import time
+  from realm_jax.errors import IndexNeverPublished
+  from realm_jax.retrieval.index import IndexVersion
+  from realm_jax.retrieval.subscriber import IndexSubscriber
+  root = published.index_root(tmp_path)
+
+  def loader(version):
+    manifest = published.verify(root, version, fingerprint=FINGERPRINT)
+    return IndexVersion(version=version, step=manifest["step"], index=None,
+                        encode_queries=None)
+  publish_one(root, step=0)
+  publish_one(root, step=80, block_store_fingerprint="an earlier block store")
+  records = []
+  handler = logging.Handler()
+  handler.emit = records.append
+  logging.getLogger("realm_jax.retrieval.subscriber").addHandler(handler)
+  subscriber = IndexSubscriber(str(tmp_path), loader, poll_seconds=0.05)
+  try:
+    deadline = time.monotonic() + 10
+    while 2 not in subscriber.rejected and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert list(subscriber.rejected) == [2] and subscriber.newest() is None
+    t0 = time.monotonic()
+    with pytest.raises(IndexNeverPublished, match=r"checkpoint step 80 .*\(step 80\)"
+                       r".*v2: block store fingerprint an earlier block store"):
+      subscriber.wait_for_step(80, timeout=30)
+    assert time.monotonic() - t0 < 10
+  finally:
+    subscriber.close()
+    logging.getLogger("realm_jax.retrieval.subscriber").removeHandler(handler)
+  assert sum("v2 rejected" in r.getMessage() for r in records) == 1
+
+
 def test_the_batch_feed_hands_on_the_projects_errors_and_wraps_the_others(tmp_path):
   """A late version's timeout in the feed thread reaches the train loop as IndexWaitTimeout
   (one line at the CLI); an OS error there stays wrapped, naming the step, traceback kept."""

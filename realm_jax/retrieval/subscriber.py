@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 WAIT_NOTICE_SECONDS = 60.0   # a trainer waiting for an index says so this often
 MAX_LOAD_ATTEMPTS = 3   # a version that fails to load for other reasons (pruned under us) this
                         # many times is given up
+NO_MANIFEST = -1   # the step of a version whose manifest cannot be read (counted by no side)
 
 
 def load_version(root, version: int, *, config, fingerprint: str, query_template: dict,
@@ -97,7 +98,9 @@ class IndexSubscriber:
     # what realm-index counts as built
     self._published_steps: set[int] = set()
     self._newest_built = -1
-    self._step_of: dict[int, int] = {}   # version -> step of each readable manifest
+    # version -> step of its manifest (NO_MANIFEST where it could not be read), rejected
+    # versions too, including those the async mode rejected before any step was wanted
+    self._step_of: dict[int, int] = {}
     self._cond = threading.Condition()
     self._stop = threading.Event()
     self._error: BaseException | None = None
@@ -126,17 +129,19 @@ class IndexSubscriber:
       return ([latest] if latest is not None and latest > newest
               and latest not in loaded | rejected else [])
     found, usable, built, listed_all = [], set(loaded_steps), set(loaded_steps), True
-    listed, skip = published.complete_versions(self.root), loaded | rejected
+    listed = published.complete_versions(self.root)
     for version in listed:
       step = self._step_of.get(version)
-      if step is None and version not in skip:
+      if step is None and version not in loaded:
         try:
           step = self._step_of[version] = int(published.read_manifest(self.root, version)["step"])
         except published.RejectedVersion as e:
-          self._reject(version, e.reason)
+          step = self._step_of[version] = NO_MANIFEST
+          if version not in rejected:
+            self._reject(version, e.reason)
         except OSError:   # pruned since it was listed, or the bucket did not answer: next poll
           listed_all = False
-      if step is None:    # no readable manifest: realm-index does not count it either
+      if step is None or step == NO_MANIFEST:   # realm-index does not count it either
         continue
       built.add(step)
       if version in rejected:   # by the loader (another block store, damaged files): never used
