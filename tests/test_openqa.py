@@ -176,6 +176,34 @@ def test_openqa_resume_matches_the_uninterrupted_run(openqa_run, world_dir, tmp_
   assert losses_of(resumed) == losses_of(workdir)
 
 
+def test_an_openqa_workdir_resumes_only_under_its_held_out_split(tmp_path):
+  """The split decides which questions an Open-QA run trained on: a resume under another
+  `qa.heldout_articles` or `qa.heldout_unit` would test on some of them, and is refused naming
+  the field. A record from before `qa.heldout_unit` reads as "article"; a REALM run, which
+  trains on no question, resumes under any split."""
+  from realm_jax.config.defaults import base_config
+  from realm_jax.workdir import CHECKPOINTS, CONFIG, record_config
+  config = base_config()
+  config.task, config.qa.heldout_articles = "openqa", 0.2
+  record_config(config, str(tmp_path))
+  os.makedirs(tmp_path / CHECKPOINTS / "40")
+  for field, value in (("heldout_articles", 0.3), ("heldout_unit", "paragraph")):
+    other = config.copy_and_resolve_references()
+    other.qa[field] = value
+    with pytest.raises(ConfigError, match=rf"qa\.{field}: .* \(checkpoints\) != "
+                       rf"{value!r} \(this run\)"):
+      record_config(other, str(tmp_path))
+  saved = json.loads((tmp_path / CONFIG).read_text())
+  del saved["qa"]["heldout_unit"]
+  (tmp_path / CONFIG).write_text(json.dumps(saved))
+  record_config(config, str(tmp_path))                     # an old record: "article"
+  config.task = "realm"
+  record_config(config, str(tmp_path / "realm"))
+  os.makedirs(tmp_path / "realm" / CHECKPOINTS / "40")
+  config.qa.heldout_unit = "paragraph"
+  record_config(config, str(tmp_path / "realm"))
+
+
 @pytest.mark.slow
 def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tmp_path):
   from realm_jax.openqa_eval import evaluate_run

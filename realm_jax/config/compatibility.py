@@ -12,23 +12,29 @@ from realm_jax.config.reading import (flat_options, freezing_options, frozen_pat
 # checkpoints were written under other values cannot be resumed.
 COMPATIBILITY_FIELDS = ("task", "model", "data.query_len", "data.block_len", "retrieval.k",
                         "retrieval.candidates", "train.batch_size")
+# Fields a task's checkpoints fix besides: an Open-QA run trained on the questions its split
+# leaves for training, so resuming under another split would test on questions it trained on.
+TASK_FIELDS = {"openqa": ("qa.heldout_articles", "qa.heldout_unit")}
 # Fields under `model` that decide how the step computes, not what the parameters mean: a run
 # may resume with other values (e.g. in bfloat16, or with remat to fit a smaller device).
 EXECUTION_FIELDS = ("model.dtype", "model.attention", "model.remat")
 # Compatibility fields added later -> the value checkpoints saved without them were written under.
 ADDED_FIELDS = {"model.hidden_act": "gelu", "model.attention_dropout_rate": -1.0,
-                "model.retriever.pooling": "cls",
+                "model.retriever.pooling": "cls", "qa.heldout_articles": 0.0,
+                "qa.heldout_unit": "article",
                 **{f"model.retriever.{f}": None for f in TOWER_FIELDS}}
 
 
 def incompatible_fields(saved: dict, current: dict) -> list[str]:
   """`field: saved -> current` for every compatibility field whose value changed."""
   saved_flat, current_flat = flat_options(saved), flat_options(current)
+  fields = COMPATIBILITY_FIELDS + (TASK_FIELDS.get(saved.get("task"), ())
+                                   if saved.get("task") == current.get("task") else ())
   diffs = []
   for name in sorted(set(saved_flat) | set(current_flat)):
     if name in EXECUTION_FIELDS:
       continue
-    if any(name == f or name.startswith(f + ".") for f in COMPATIBILITY_FIELDS):
+    if any(name == f or name.startswith(f + ".") for f in fields):
       a, b = (saved_flat.get(name, ADDED_FIELDS.get(name)),
               current_flat.get(name, ADDED_FIELDS.get(name)))
       if _norm(a) != _norm(b):
