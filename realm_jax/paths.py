@@ -30,7 +30,7 @@ from typing import Callable
 import fsspec
 from etils import epath
 
-from realm_jax.errors import ConfigError, StorageUnreachable
+from realm_jax.errors import ConfigError, IndexWaitTimeout, StorageUnreachable
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +98,9 @@ def unreachable(error: BaseException) -> bool:
   import aiohttp
   import requests
   for e in (error, error.__cause__):
-    if e is None or isinstance(e, (StorageUnreachable, FileNotFoundError, PermissionError)):
-      continue   # StorageUnreachable: already retried until the patience ran out
+    if e is None or isinstance(e, (StorageUnreachable, IndexWaitTimeout, FileNotFoundError,
+                                   PermissionError)):
+      continue   # StorageUnreachable, IndexWaitTimeout: each already waited out its patience
     if isinstance(e, (aiohttp.ClientSSLError, requests.exceptions.SSLError)):
       continue   # a bad certificate does not heal by waiting
     if isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError,

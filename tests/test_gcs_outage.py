@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from realm_jax import paths
-from realm_jax.errors import StorageUnreachable
+from realm_jax.errors import IndexWaitTimeout, StorageUnreachable
 
 
 class _TenthOfTheBackoff:
@@ -53,3 +53,24 @@ def test_an_unreachable_bucket_is_retried_then_a_clear_failure_with_nothing_part
     server.come_back()
   assert "[storage] gcsfs gave up on a request" in capsys.readouterr().out
   assert paths.read_json(record) == {"try": 2}
+
+
+def test_only_a_server_that_did_not_answer_is_worth_retrying():
+  """A timeout or a refused connection is retried; a wait that already ran out its own
+  patience (StorageUnreachable, IndexWaitTimeout: both OS errors) or an absent file is not."""
+  assert paths.unreachable(TimeoutError("read timed out"))
+  assert paths.unreachable(ConnectionRefusedError("refused"))
+  wrapped = RuntimeError("reading failed")
+  wrapped.__cause__ = TimeoutError("read timed out")
+  assert paths.unreachable(wrapped)
+  assert not paths.unreachable(IndexWaitTimeout("no published index after 1800s"))
+  assert not paths.unreachable(StorageUnreachable("gave up after 600s"))
+  assert not paths.unreachable(FileNotFoundError("gs://b/x"))
+  calls = []
+
+  def wait():
+    calls.append(1)
+    raise IndexWaitTimeout("no published index after 1800s")
+  with pytest.raises(IndexWaitTimeout):
+    paths.retried("waiting", "gs://bucket/run/index", wait)
+  assert len(calls) == 1
