@@ -197,6 +197,12 @@ def test_an_openqa_workdir_resumes_only_under_its_held_out_split(tmp_path):
   del saved["qa"]["heldout_unit"]
   (tmp_path / CONFIG).write_text(json.dumps(saved))
   record_config(config, str(tmp_path))                     # an old record: "article"
+  unsplit = config.copy_and_resolve_references()
+  unsplit.qa.heldout_articles = 0.0                        # nothing held out: any unit
+  record_config(unsplit, str(tmp_path / "unsplit"))
+  os.makedirs(tmp_path / "unsplit" / CHECKPOINTS / "40")
+  unsplit.qa.heldout_unit = "paragraph"
+  record_config(unsplit, str(tmp_path / "unsplit"))
   config.task = "realm"
   record_config(config, str(tmp_path / "realm"))
   os.makedirs(tmp_path / "realm" / CHECKPOINTS / "40")

@@ -305,7 +305,8 @@ def test_a_version_rejected_before_any_step_was_wanted_counts_as_built(tmp_path)
   """Under async refresh the subscriber loads what LATEST names and wants no step until the
   final evaluation asks for the last one's version. A version it rejected before (step 80's,
   from an earlier block store) still counts as built then: the wait fails at once, naming it
-  (it used to run out `retrieval.index_timeout`), and the rejection is logged once."""
+  (it used to run out `retrieval.index_timeout`). One whose manifest cannot be read (v3,
+  step 200's) is counted by neither side, and each rejection is logged once."""
   import logging
   import time
   from realm_jax.errors import IndexNeverPublished
@@ -328,7 +329,11 @@ def test_a_version_rejected_before_any_step_was_wanted_counts_as_built(tmp_path)
     deadline = time.monotonic() + 10
     while 2 not in subscriber.rejected and time.monotonic() < deadline:
       time.sleep(0.05)
-    assert list(subscriber.rejected) == [2] and subscriber.newest() is None
+    damaged, _ = publish_one(root, step=200)
+    (published.version_dir(root, damaged) / published.MANIFEST).write_text("{not json")
+    while damaged not in subscriber.rejected and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert list(subscriber.rejected) == [2, 3] and subscriber.newest() is None
     t0 = time.monotonic()
     with pytest.raises(IndexNeverPublished, match=r"checkpoint step 80 .*\(step 80\)"
                        r".*v2: block store fingerprint an earlier block store"):
@@ -337,7 +342,7 @@ def test_a_version_rejected_before_any_step_was_wanted_counts_as_built(tmp_path)
   finally:
     subscriber.close()
     logging.getLogger("realm_jax.retrieval.subscriber").removeHandler(handler)
-  assert sum("v2 rejected" in r.getMessage() for r in records) == 1
+  assert [sum(f"v{v} rejected" in r.getMessage() for r in records) for v in (2, 3)] == [1, 1]
 
 
 def test_the_batch_feed_hands_on_the_projects_errors_and_wraps_the_others(tmp_path):

@@ -15,6 +15,9 @@ COMPATIBILITY_FIELDS = ("task", "model", "data.query_len", "data.block_len", "re
 # Fields a task's checkpoints fix besides: an Open-QA run trained on the questions its split
 # leaves for training, so resuming under another split would test on questions it trained on.
 TASK_FIELDS = {"openqa": ("qa.heldout_articles", "qa.heldout_unit")}
+# A field -> the field without which it has no effect (compared only where that one is set on
+# either side): the unit of a split that holds out nothing fixes nothing.
+INERT_WITHOUT = {"qa.heldout_unit": "qa.heldout_articles"}
 # Fields under `model` that decide how the step computes, not what the parameters mean: a run
 # may resume with other values (e.g. in bfloat16, or with remat to fit a smaller device).
 EXECUTION_FIELDS = ("model.dtype", "model.attention", "model.remat")
@@ -31,12 +34,15 @@ def incompatible_fields(saved: dict, current: dict) -> list[str]:
   fields = COMPATIBILITY_FIELDS + (TASK_FIELDS.get(saved.get("task"), ())
                                    if saved.get("task") == current.get("task") else ())
   diffs = []
+  value = lambda flat, name: flat.get(name, ADDED_FIELDS.get(name))
   for name in sorted(set(saved_flat) | set(current_flat)):
     if name in EXECUTION_FIELDS:
       continue
+    if name in INERT_WITHOUT and not (value(saved_flat, INERT_WITHOUT[name]) or
+                                      value(current_flat, INERT_WITHOUT[name])):
+      continue
     if any(name == f or name.startswith(f + ".") for f in fields):
-      a, b = (saved_flat.get(name, ADDED_FIELDS.get(name)),
-              current_flat.get(name, ADDED_FIELDS.get(name)))
+      a, b = value(saved_flat, name), value(current_flat, name)
       if _norm(a) != _norm(b):
         diffs.append(f"{name}: {a!r} (checkpoints) != {b!r} (this run)")
   return diffs + _index_source_differs(saved, current, saved_flat, current_flat) + \

@@ -139,8 +139,8 @@ class IndexSubscriber:
           step = self._step_of[version] = NO_MANIFEST
           if version not in rejected:
             self._reject(version, e.reason)
-        except OSError:   # pruned since it was listed, or the bucket did not answer: next poll
-          listed_all = False
+        except OSError:   # pruned since it was listed, or the bucket did not answer: next
+          listed_all = listed_all and version in rejected   # poll (a rejected one: skipped)
       if step is None or step == NO_MANIFEST:   # realm-index does not count it either
         continue
       built.add(step)
