@@ -265,16 +265,10 @@ def test_a_wait_for_a_version_the_builder_will_never_build_fails_at_once(tmp_pat
     subscriber.close()
 
 
-def test_a_version_the_trainer_rejects_still_counts_as_built(tmp_path):
-  """realm-index counts every version with a readable manifest as built, one the trainer
-  rejects too (here: step 80's, left by an earlier block store). So checkpoint 40's version
-  and a new one of 80 will never come: both waits fail at once, the second naming the
-  rejection (it used to run out `retrieval.index_timeout`). A version whose manifest cannot
-  be read is counted by neither side (step 200's here), so step 120 still waits."""
-  import time
-  from realm_jax.errors import IndexNeverPublished
+def step_80_from_an_earlier_block_store(tmp_path):
+  """W/index with step 0's version and step 80's from another block store (v1, v2), and a
+  subscriber's loader that verifies as the trainer does: (root, loader)."""
   from realm_jax.retrieval.index import IndexVersion
-  from realm_jax.retrieval.subscriber import IndexSubscriber
   root = published.index_root(tmp_path)
 
   def loader(version):
@@ -283,6 +277,19 @@ def test_a_version_the_trainer_rejects_still_counts_as_built(tmp_path):
                         encode_queries=None)
   publish_one(root, step=0)
   publish_one(root, step=80, block_store_fingerprint="an earlier block store")
+  return root, loader
+
+
+def test_a_version_the_trainer_rejects_still_counts_as_built(tmp_path):
+  """realm-index counts every version with a readable manifest as built, one the trainer
+  rejects too (here: step 80's, left by an earlier block store). So checkpoint 40's version
+  and a new one of 80 will never come: both waits fail at once, the second naming the
+  rejection (it used to run out `retrieval.index_timeout`). A version whose manifest cannot
+  be read is counted by neither side (step 200's here), so step 120 still waits."""
+  import time
+  from realm_jax.errors import IndexNeverPublished
+  from realm_jax.retrieval.subscriber import IndexSubscriber
+  root, loader = step_80_from_an_earlier_block_store(tmp_path)
   damaged, _ = publish_one(root, step=200)
   (published.version_dir(root, damaged) / published.MANIFEST).write_text("{not json")
   subscriber = IndexSubscriber(str(tmp_path), loader, poll_seconds=0.05, by_step=True)
@@ -310,16 +317,8 @@ def test_a_version_rejected_before_any_step_was_wanted_counts_as_built(tmp_path)
   import logging
   import time
   from realm_jax.errors import IndexNeverPublished
-  from realm_jax.retrieval.index import IndexVersion
   from realm_jax.retrieval.subscriber import IndexSubscriber
-  root = published.index_root(tmp_path)
-
-  def loader(version):
-    manifest = published.verify(root, version, fingerprint=FINGERPRINT)
-    return IndexVersion(version=version, step=manifest["step"], index=None,
-                        encode_queries=None)
-  publish_one(root, step=0)
-  publish_one(root, step=80, block_store_fingerprint="an earlier block store")
+  root, loader = step_80_from_an_earlier_block_store(tmp_path)
   records = []
   handler = logging.Handler()
   handler.emit = records.append
