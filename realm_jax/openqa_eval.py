@@ -105,6 +105,10 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
   from realm_jax.data.qa import qa_split
   from realm_jax.train.qa_eval import QAEvaluator, format_metrics
   workdir_lib.check_run_dir(workdir)   # (with --config, W/config.json was not read)
+  if differs := workdir_lib.other_split(workdir, config):   # evaluating elsewhere is allowed
+    logger.warning(f"[eval] {workdir} was fine-tuned under another held-out split: "
+                   f"{'; '.join(differs)}: some of its {split} questions may be ones it "
+                   "trained on")
   examples, counts = qa_split(config.qa, split, config.data.dir)   # bad specs fail first
   config, data, mesh, model, params, frozen, reader, step = load_run(
       config, workdir, step, retrieval_only)

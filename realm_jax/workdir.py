@@ -82,6 +82,22 @@ def record_config(config, workdir: str, primary: bool = True) -> None:
     paths.write_json(path, current)
 
 
+def other_split(workdir: str, config) -> list[str]:
+  """The held-out split options (`qa.*` compatibility fields of the run's task: Open-QA's)
+  whose value in `config` differs from the one the run in `workdir` trained under, as
+  `field: run -> config` lines; [] where W has no record or the same split."""
+  from realm_jax.config.compatibility import incompatible_fields
+  from realm_jax.config.option_names import upgrade_record
+  path = paths.join(workdir, CONFIG)
+  record = paths.read_json(path)
+  if record is None:
+    return []
+  diffs = incompatible_fields(upgrade_record(record, f"{path}: "),
+                              json.loads(config.to_json_best_effort()))
+  return [d.replace("(checkpoints)", "(the run)").replace("(this run)", "(this config)")
+          for d in diffs if d.startswith("qa.")]
+
+
 def recorded_differences(workdir: str, config) -> list[tuple[str, object, object]]:
   """(option, value in W/config.json, value in `config`) for every option whose values differ,
   where W holds a run's work (a checkpoint or a summary): [] for a fresh W or the same values.

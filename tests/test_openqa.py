@@ -4,6 +4,7 @@ and realm-predict on a tiny world."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -182,17 +183,20 @@ def test_an_openqa_workdir_resumes_only_under_its_held_out_split(tmp_path):
   the field. A record from before `qa.heldout_unit` reads as "article"; a REALM run, which
   trains on no question, resumes under any split."""
   from realm_jax.config.defaults import base_config
-  from realm_jax.workdir import CHECKPOINTS, CONFIG, record_config
+  from realm_jax.workdir import CHECKPOINTS, CONFIG, other_split, record_config
   config = base_config()
   config.task, config.qa.heldout_articles = "openqa", 0.2
   record_config(config, str(tmp_path))
   os.makedirs(tmp_path / CHECKPOINTS / "40")
+  assert other_split(str(tmp_path), config) == []
   for field, value in (("heldout_articles", 0.3), ("heldout_unit", "paragraph")):
     other = config.copy_and_resolve_references()
     other.qa[field] = value
     with pytest.raises(ConfigError, match=rf"qa\.{field}: .* \(checkpoints\) != "
                        rf"{value!r} \(this run\)"):
       record_config(other, str(tmp_path))
+    assert other_split(str(tmp_path), other) == [   # what realm-eval warns of
+        f"qa.{field}: {config.qa[field]!r} (the run) != {value!r} (this config)"]
   saved = json.loads((tmp_path / CONFIG).read_text())
   del saved["qa"]["heldout_unit"]
   (tmp_path / CONFIG).write_text(json.dumps(saved))
@@ -211,7 +215,8 @@ def test_an_openqa_workdir_resumes_only_under_its_held_out_split(tmp_path):
 
 
 @pytest.mark.slow
-def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tmp_path):
+def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tmp_path,
+                                                       caplog):
   from realm_jax.openqa_eval import evaluate_run
   workdir, _ = openqa_run
   metrics, out = evaluate_run(openqa_config(world_dir), workdir, split="test")
@@ -242,6 +247,13 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
   for key in ("index_version", "index_step", "recall_at_1", "recall_at_5", "recall_at_20"):
     assert retrieved[key] == saved[key], key
   assert json.load(open(os.path.join(out, "metrics.json"))) == saved
+  # evaluated under another held-out split: said before anything else (the world's questions
+  # carry no article titles, so this split is then refused)
+  with caplog.at_level(logging.WARNING, logger="realm_jax.openqa_eval"):
+    with pytest.raises(ConfigError, match="qa.heldout_articles: 0.5 splits by article title"):
+      evaluate_run(openqa_config(world_dir, qa__heldout_articles=0.5), workdir, split="test")
+  assert "fine-tuned under another held-out split: qa.heldout_articles: 0.0 (the run) != 0.5 " \
+      "(this config): some of its test questions may be ones it trained on" in caplog.text
   # evaluated with another data dir's blocks: one line naming the option
   copy = shutil.copytree(workdir, tmp_path / "copy")
   _publish_other_blocks(str(copy), 6, openqa_config(world_dir))
