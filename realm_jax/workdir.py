@@ -65,50 +65,56 @@ def open_data(config):
 
 
 # -- W/config.json -----------------------------------------------------------------------------
+def recorded_config(workdir: str) -> dict | None:
+  """`W/config.json` with options renamed since moved to their names (`upgrade_record`);
+  None where W has none."""
+  from realm_jax.config.option_names import upgrade_record
+  path = paths.join(workdir, CONFIG)
+  record = paths.read_json(path)
+  return None if record is None else upgrade_record(record, f"{path}: ")
+
+
 def record_config(config, workdir: str, primary: bool = True) -> None:
   """Refuses a workdir whose checkpoints come from an incompatible config; records ours (the
   `primary` process of a job writes it; every process checks)."""
   from realm_jax.config.compatibility import incompatible_fields
-  from realm_jax.config.option_names import upgrade_record
-  path = paths.join(workdir, CONFIG)
   current = json.loads(config.to_json_best_effort())
-  if paths.exists(path) and holds_checkpoints(workdir):
-    diffs = incompatible_fields(upgrade_record(paths.read_json(path), f"{path}: "), current)
+  saved = recorded_config(workdir) if holds_checkpoints(workdir) else None
+  if saved is not None:
+    diffs = incompatible_fields(saved, current)
     if diffs:
       raise ConfigError("", f"workdir {workdir} holds checkpoints of an incompatible config; "
                         "fields that differ: " + "; ".join(diffs))
   if primary:
     paths.makedirs(workdir)
-    paths.write_json(path, current)
+    paths.write_json(paths.join(workdir, CONFIG), current)
 
 
 def other_split(workdir: str, config) -> list[str]:
-  """The held-out split options (`qa.*` compatibility fields of the run's task: Open-QA's)
-  whose value in `config` differs from the one the run in `workdir` trained under, as
-  `field: run -> config` lines; [] where W has no record or the same split."""
-  from realm_jax.config.compatibility import incompatible_fields
-  from realm_jax.config.option_names import upgrade_record
-  path = paths.join(workdir, CONFIG)
-  record = paths.read_json(path)
-  if record is None:
+  """The held-out split options (the TASK_FIELDS of the run's task: Open-QA's) whose value in
+  `config` differs from the one the run in `workdir` trained under, as `field: run != config`
+  lines; [] where W has no record or the same split."""
+  from realm_jax.config.compatibility import changed_fields, task_fields
+  from realm_jax.config.reading import flat_options
+  saved = recorded_config(workdir)
+  if saved is None:
     return []
-  diffs = incompatible_fields(upgrade_record(record, f"{path}: "),
-                              json.loads(config.to_json_best_effort()))
-  return [d.replace("(checkpoints)", "(the run)").replace("(this run)", "(this config)")
-          for d in diffs if d.startswith("qa.")]
+  current = json.loads(config.to_json_best_effort())
+  return [f"{name}: {a!r} (the run) != {b!r} (this config)" for name, a, b in changed_fields(
+      flat_options(saved), flat_options(current), task_fields(saved, current))]
 
 
 def recorded_differences(workdir: str, config) -> list[tuple[str, object, object]]:
   """(option, value in W/config.json, value in `config`) for every option whose values differ,
   where W holds a run's work (a checkpoint or a summary): [] for a fresh W or the same values.
   Options that only one side has (added or removed since) are not compared."""
-  from realm_jax.config.option_names import upgrade_record
   from realm_jax.config.reading import flat_options
-  path = paths.join(workdir, CONFIG)
-  record = paths.read_json(path)
-  if record is None or not (holds_checkpoints(workdir) or read_summary(workdir) is not None):
+  if not (holds_checkpoints(workdir) or read_summary(workdir) is not None):
     return []
-  saved = flat_options(upgrade_record(record, f"{path}: "))
+  record = recorded_config(workdir)
+  if record is None:
+    return []
+  saved = flat_options(record)
   current = flat_options(json.loads(config.to_json_best_effort()))
   same = lambda a, b: json.dumps(a) == json.dumps(b)   # a tuple is its record's list
   return [(name, saved[name], current[name]) for name in sorted(saved.keys() & current.keys())
@@ -139,14 +145,12 @@ def saved_config(workdir: str):
   """The run's own resolved config (`W/config.json`) as a ConfigDict; a FileNotFoundError
   naming a missing W, or a W without one (not a run directory)."""
   import ml_collections
-  from realm_jax.config.option_names import upgrade_record
   check_run_dir(workdir)
-  path = paths.join(workdir, CONFIG)
-  record = paths.read_json(path)
+  record = recorded_config(workdir)
   if record is None:
-    raise FileNotFoundError(f"{path}: not found, so {workdir} is not a run directory (a run "
-                            f"writes its resolved config there)")
-  return ml_collections.ConfigDict(upgrade_record(record, f"{path}: "))
+    raise FileNotFoundError(f"{paths.join(workdir, CONFIG)}: not found, so {workdir} is not a "
+                            f"run directory (a run writes its resolved config there)")
+  return ml_collections.ConfigDict(record)
 
 
 # -- W/vocab.txt ------------------------------------------------------------------------------

@@ -31,10 +31,25 @@ ADDED_FIELDS = {"model.hidden_act": "gelu", "model.attention_dropout_rate": -1.0
 def incompatible_fields(saved: dict, current: dict) -> list[str]:
   """`field: saved -> current` for every compatibility field whose value changed."""
   saved_flat, current_flat = flat_options(saved), flat_options(current)
-  fields = COMPATIBILITY_FIELDS + (TASK_FIELDS.get(saved.get("task"), ())
-                                   if saved.get("task") == current.get("task") else ())
-  diffs = []
+  diffs = [f"{name}: {a!r} (checkpoints) != {b!r} (this run)" for name, a, b in changed_fields(
+      saved_flat, current_flat, COMPATIBILITY_FIELDS + task_fields(saved, current))]
+  return diffs + _index_source_differs(saved, current, saved_flat, current_flat) + \
+      _frozen_differs(saved, current, current_flat)
+
+
+def task_fields(saved: dict, current: dict) -> tuple[str, ...]:
+  """The TASK_FIELDS of the saved run's task, where both configs have that task."""
+  same = saved.get("task") == current.get("task")
+  return TASK_FIELDS.get(saved.get("task"), ()) if same else ()
+
+
+def changed_fields(saved_flat: dict, current_flat: dict,
+                   fields: tuple[str, ...]) -> list[tuple[str, object, object]]:
+  """(option, saved value, current value) for each option in or under `fields` whose value
+  changed: an option absent from a side reads as its ADDED_FIELDS value; EXECUTION_FIELDS and
+  an option inert without its INERT_WITHOUT field on both sides are not compared."""
   value = lambda flat, name: flat.get(name, ADDED_FIELDS.get(name))
+  changed = []
   for name in sorted(set(saved_flat) | set(current_flat)):
     if name in EXECUTION_FIELDS:
       continue
@@ -44,9 +59,8 @@ def incompatible_fields(saved: dict, current: dict) -> list[str]:
     if any(name == f or name.startswith(f + ".") for f in fields):
       a, b = value(saved_flat, name), value(current_flat, name)
       if _norm(a) != _norm(b):
-        diffs.append(f"{name}: {a!r} (checkpoints) != {b!r} (this run)")
-  return diffs + _index_source_differs(saved, current, saved_flat, current_flat) + \
-      _frozen_differs(saved, current, current_flat)
+        changed.append((name, a, b))
+  return changed
 
 
 def _index_source_differs(saved: dict, current: dict, saved_flat: dict,
