@@ -308,7 +308,7 @@ def test_a_version_the_trainer_rejects_still_counts_as_built(tmp_path):
     subscriber.close()
 
 
-def test_a_version_rejected_before_any_step_was_wanted_counts_as_built(tmp_path):
+def test_a_version_rejected_before_any_step_was_wanted_counts_as_built(tmp_path, caplog):
   """Under async refresh the subscriber loads what LATEST names and wants no step until the
   final evaluation asks for the last one's version. A version it rejected before (step 80's,
   from an earlier block store) still counts as built then: the wait fails at once, naming it
@@ -319,10 +319,7 @@ def test_a_version_rejected_before_any_step_was_wanted_counts_as_built(tmp_path)
   from realm_jax.errors import IndexNeverPublished
   from realm_jax.retrieval.subscriber import IndexSubscriber
   root, loader = step_80_from_an_earlier_block_store(tmp_path)
-  records = []
-  handler = logging.Handler()
-  handler.emit = records.append
-  logging.getLogger("realm_jax.retrieval.subscriber").addHandler(handler)
+  caplog.set_level(logging.WARNING, logger="realm_jax.retrieval.subscriber")
   subscriber = IndexSubscriber(str(tmp_path), loader, poll_seconds=0.05)
   try:
     deadline = time.monotonic() + 10
@@ -340,8 +337,8 @@ def test_a_version_rejected_before_any_step_was_wanted_counts_as_built(tmp_path)
     assert time.monotonic() - t0 < 10
   finally:
     subscriber.close()
-    logging.getLogger("realm_jax.retrieval.subscriber").removeHandler(handler)
-  assert [sum(f"v{v} rejected" in r.getMessage() for r in records) for v in (2, 3)] == [1, 1]
+  assert [sum(f"v{v} rejected" in r.getMessage() for r in caplog.records)
+          for v in (2, 3)] == [1, 1]
 
 
 def test_the_batch_feed_hands_on_the_projects_errors_and_wraps_the_others(tmp_path):
