@@ -198,7 +198,7 @@ def open_work(work: str, base_rev: str, entities: int) -> str:
 
 
 def main() -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--base", required=True, help="the commit to compare against")
   parser.add_argument("--work", default=os.path.join(REPO, "runs", "behaviour"))
   parser.add_argument("--steps", type=int, default=150, help="steps of each stage (REALM: 3 "

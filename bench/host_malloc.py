@@ -74,7 +74,7 @@ def child(case: str, batch: int, steps: int) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--case", choices=("real", "demo"), default="real")
   parser.add_argument("--batch", type=int, default=8, help="queries per step")
   parser.add_argument("--steps", type=int, default=5, help="timed steps per setting")

@@ -101,7 +101,7 @@ def warm_parts(config, model, params, found: list[dict], rng) -> dict[str, float
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--data", required=True, help="a prepared data dir (runs/real/data)")
   parser.add_argument("--steps", type=int, default=20, help="timed steps per case")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

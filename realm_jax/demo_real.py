@@ -345,7 +345,7 @@ def _run_demo_real(workdir: str, squad: str, seed: int, scale: str, max_paragrap
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--workdir", default="", help="where everything is written (default: "
                       f"{WORKDIRS['cpu']}, or {WORKDIRS['gpu']} with --scale gpu)")
   parser.add_argument("--squad", default="", help="SQuAD v1.1-format JSON file (default: the "

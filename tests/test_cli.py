@@ -253,6 +253,33 @@ def test_a_workdir_that_is_not_a_run_is_named_in_one_line(module, prog, tmp_path
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {expected}"), lines
 
 
+def _argparse_descriptions():
+  """(file, the description its ArgumentParser shows) for every script whose description
+  is cut from its docstring (`description=__doc__...`)."""
+  import ast
+  import glob
+  for path in sorted(glob.glob(os.path.join(REPO, "**", "*.py"), recursive=True)):
+    rel = os.path.relpath(path, REPO)
+    if not rel.startswith(("realm_jax/", "launch/", "bench/")):
+      continue
+    with open(path) as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      if isinstance(node, ast.keyword) and node.arg == "description" and any(
+          isinstance(n, ast.Name) and n.id == "__doc__" for n in ast.walk(node.value)):
+        shown = eval(compile(ast.Expression(node.value), rel, "eval"),
+                     {"__doc__": ast.get_docstring(tree, clean=False)})
+        yield rel, " ".join(shown.split())
+
+
+def test_every_scripts_help_shows_its_first_sentence_whole():
+  """`--help` shows the docstring's first sentence, not its first line cut mid-sentence."""
+  found = dict(_argparse_descriptions())
+  assert "realm_jax/demo_real.py" in found and len(found) >= 10, sorted(found)
+  cut = {rel: text for rel, text in found.items() if not text.rstrip(")").endswith(".")}
+  assert not cut, cut
+
+
 def test_a_config_file_is_read_for_what_it_says(tmp_path):
   """realm-train, one line each: a field the config file adds (a misspelt assignment, which
   training would ignore), an error of the file's own code (not "no field"), and a realm-prepare

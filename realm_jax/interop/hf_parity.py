@@ -399,7 +399,7 @@ def make_random_checkpoint(out_dir: str, architecture: str, safe_serialization: 
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="hf_parity", description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="hf_parity", description=__doc__.split("\n\n")[0])
   parser.add_argument("--hf-dir", action="append", default=[], help="checkpoint dir (repeat)")
   parser.add_argument("--tol", type=float, default=TOLERANCE, help="max abs difference allowed")
   parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
