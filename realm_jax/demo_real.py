@@ -30,7 +30,7 @@ import os
 import platform
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.errors import ConfigError
+from realm_jax.errors import ConfigError, DataError
 from realm_jax.stages import (DEMO_ARGUMENTS, check_arguments, devices, repo_config,
                               run_demo_cli, run_stage, stage_seconds, trained_nothing)
 from realm_jax.config.overrides import with_overrides
@@ -42,6 +42,8 @@ MAX_PARAGRAPHS = 2_500   # a larger SQuAD file is read up to this many paragraph
                          # the corpus embeddings, the zero-shot table and the two Open-QA
                          # evaluations grow with it (~10 min of the hour at 1,581)
 WORKDIRS = {"cpu": "runs/real", "gpu": "runs/real_gpu"}   # default workdir per scale
+UNFOUND_WARNING = 0.1    # the share of questions whose answer is in no block of their paragraph
+                         # (stats.json's questions_unfound) over which the recipe warns
 # (stage, config variant, init options set to the workdir of the stage they name)
 STAGES = (("ict", "ict", {}),
           ("warmup", "warmup", {"init.retriever": "ict"}),
@@ -75,7 +77,7 @@ def prepare_data(workdir: str, squad: str,
   config = repo_config(CONFIG, "prepare")
   path = squad_file(squad)
   if not os.path.exists(path):
-    raise FileNotFoundError(f"{path}: no SQuAD-format file (pass SQUAD=PATH / --squad PATH)")
+    raise FileNotFoundError(f"{path}: no such file (pass SQUAD=PATH / --squad PATH)")
   config.source = f"squad:{fit_to_the_hour(path, workdir, max_paragraphs)}"
   config.out_dir = os.path.join(workdir, "data")
   print(f"[demo-real] preparing {config.source.partition(':')[2]} -> {config.out_dir}",
@@ -168,22 +170,34 @@ def check_questions(workdir: str, data_dir: str, source: str, seed: int, scale: 
   from realm_jax.data.prepared import PreparedData
   from realm_jax.data.qa import qa_split
   from realm_jax.retrieval.zero_shot import table_questions
+  from realm_jax.data.prepare import by_reason
   config = _config("openqa", stage_overrides(data_dir, source, seed, workdir, {}), scale)
-  unit = config.qa.heldout_unit
-  if unit == "paragraph":
-    print(f"[demo-real] the file's articles cannot hold out ~{config.qa.heldout_articles:.0%} "
-          "of its questions: paragraphs are held out instead (qa.heldout_unit=paragraph)",
-          flush=True)
+  unit, fraction = config.qa.heldout_unit, config.qa.heldout_articles
+  data = PreparedData(data_dir)
   try:
-    scored = table_questions(PreparedData(data_dir), data_dir, config.qa.heldout_articles,
-                             unit)
+    scored = table_questions(data, data_dir, fraction, unit)
     train, _ = qa_split(config.qa, "train", data_dir)
     test, _ = qa_split(config.qa, "test", data_dir)
   except ConfigError as e:   # qa.heldout_articles is the recipe's (configs/real_realm.py)
     raise ConfigError(e.option, f"{e.message} (demo-real: give a file of more "
                       "articles, or a larger --max-paragraphs)") from None
+  held = len(test) / max(1, len(train) + len(test))
+  if unit == "paragraph":
+    print(f"[demo-real] the file's articles cannot hold out ~{fraction:.0%} of its questions: "
+          f"paragraphs are held out instead (qa.heldout_unit=paragraph), {held:.0%} of them",
+          flush=True)
+  if not fraction / 2 <= held <= 2 * fraction:
+    print(f"[demo-real] warning: the held-out {unit}s hold {held:.0%} of the questions, far "
+          f"from the recipe's ~{fraction:.0%} (qa.heldout_articles): few to "
+          f"{'fine-tune on' if held > fraction else 'test'}", flush=True)
   print(f"[demo-real] questions: {len(scored):,} of the held-out {unit}s for the zero-shot "
         f"table, Open-QA {len(train):,} to fine-tune on and {len(test):,} to test", flush=True)
+  unfound = data.stats.get("questions_unfound") or {}
+  kept = data.stats.get("questions", 0)
+  if sum(unfound.values()) > UNFOUND_WARNING * kept:
+    print(f"[demo-real] warning: {sum(unfound.values()):,} of the file's {kept:,} questions "
+          f"have no answer a reader can find in their paragraph's blocks ({by_reason(unfound)}"
+          "): Open-QA has no answer span to train on or to score for them", flush=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -299,9 +313,13 @@ def _run_demo_real(workdir: str, squad: str, seed: int, scale: str, max_paragrap
                    wall: workdir_lib.RunWall) -> dict:
   previous = workdir_lib.read_summary(workdir)   # a finished recipe run again reports it
   evaluations = paths.read_text(os.path.join(workdir, EVALUATIONS))   # ... unless it evaluates
-  data_dir, source, stats = prepare_data(workdir, squad, max_paragraphs)
-  check_heldout_unit(workdir, heldout_unit(data_dir))
-  check_questions(workdir, data_dir, source, seed, scale)
+  try:
+    data_dir, source, stats = prepare_data(workdir, squad, max_paragraphs)
+    check_heldout_unit(workdir, heldout_unit(data_dir))
+    check_questions(workdir, data_dir, source, seed, scale)
+  except (ConfigError, DataError, FileNotFoundError):
+    wall.refused()
+    raise
   results = {}
   for name, variant, inits in STAGES:
     overrides = stage_overrides(data_dir, source, seed, workdir, inits)

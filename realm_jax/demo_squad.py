@@ -37,7 +37,7 @@ def pretrain(workdir: str, squad: str, seed: int,
   prep.out_dir = data_dir
   path = prep.source.partition(":")[2]
   if not os.path.exists(path):
-    raise FileNotFoundError(f"{path}: no SQuAD-format file (pass --squad PATH)")
+    raise FileNotFoundError(f"{path}: no such file (pass --squad PATH)")
   print(f"[demo-squad] preparing {path} -> {data_dir}", flush=True)
   stats = prepare(prep)
   if openqa:

@@ -270,6 +270,11 @@ class RunWall:
     fields (the summary it reproduces) and W/wall.json is left as it is."""
     self.fields = {key: previous[key] for key in WALL_FIELDS if key in previous}
 
+  def refused(self) -> None:
+    """This run stopped on its input before any stage ran (a bad file, a split that holds out
+    nothing): it adds no run to W/wall.json."""
+    self.fields = {}
+
   def record(self) -> dict:
     if self.fields is None:
       self.fields = add_wall(self.workdir, time.time() - self.start, record=self.record_name)

@@ -219,6 +219,7 @@ def test_the_corpus_and_open_qa_read_the_same_squad_questions(tmp_path):
                                sources.NOT_AN_OBJECT: 1, sources.PARAGRAPH_SKIPPED: 7}
   for body, found in ((json.dumps(messy_squad()["data"]), "found an array"),
                       (json.dumps({"data": None}), "'data' is null"),
+                      (json.dumps({"foo": 1}), "an object without 'data' \\(keys: 'foo'\\)"),
                       (text + "\n" + text, "JSONDecodeError: Extra data")):
     bad = write(tmp_path / "bad.json", body)
     for read in (lambda: read_qa(f"squad:{bad}"), lambda: sources.read_squad_articles(bad)):

@@ -116,14 +116,85 @@ def test_demo_real_checks_its_questions_before_training(squad_data, tmp_path, ca
   assert "paragraphs are held out instead (qa.heldout_unit=paragraph)" in out
   assert (f"{sum(held)} of the held-out paragraphs for the zero-shot table, Open-QA "
           f"{3 - sum(held)} to fine-tune on and {sum(held)} to test") in out
+  assert f"paragraphs are held out instead (qa.heldout_unit=paragraph), {sum(held) / 3:.0%}" in out
+  assert ("warning" in out) == (not 0.1 <= sum(held) / 3 <= 0.4)
   two = prepared("two", [TOPICS[0], TOPICS[3]])  # 1 of 2 articles: 50%, paragraphs no nearer
   assert demo_real.heldout_unit(two.out_dir) == "article"
+  demo_real.check_questions(str(tmp_path), two.out_dir, two.source, 0, "cpu")
+  assert ("[demo-real] warning: the held-out articles hold 50% of the questions, far from the "
+          "recipe's ~20% (qa.heldout_articles): few to fine-tune on") in capsys.readouterr().out
   kept = next(t for t in TOPICS if not is_heldout_article(paragraph_key(t[1]), 0.2))
   one = prepared("one", [kept])                  # one paragraph, trained on either way
   assert demo_real.heldout_unit(one.out_dir) == "article"
   with pytest.raises(ConfigError, match=r"config\.qa\.heldout_articles: 0\.2 holds out none of "
                      r"the 1 articles.*\(demo-real: give a file of more articles"):
     demo_real.check_questions(str(tmp_path), one.out_dir, one.source, 0, "cpu")
+
+
+def test_a_recipe_run_refused_by_its_checks_adds_no_run_to_its_wall_record(
+    squad_data, tmp_path, monkeypatch):
+  """`W/wall.json` counts the runs that did work ("N min in R runs"): a run stopped by a
+  missing file or by its questions' check adds none; a run that got as far as a stage does."""
+  from realm_jax import demo_real, stages
+  from realm_jax.data.sources import paragraph_key
+  kept = next(t for t in TOPICS if not is_heldout_article(paragraph_key(t[1]), 0.2))
+  (tmp_path / "one").mkdir()
+  one = prepare_squad(tmp_path / "one", [kept])       # holds out nothing either way
+  source = f"squad:{tmp_path}/one/squad.json"
+  work = tmp_path / "w"
+  with pytest.raises(FileNotFoundError, match="nowhere.json: no such file"):
+    demo_real.run_demo_real(str(work), squad=str(tmp_path / "nowhere.json"))
+  monkeypatch.setattr(demo_real, "prepare_data", lambda *a: (one, source, {}))
+  with pytest.raises(ConfigError, match="holds out none"):
+    demo_real.run_demo_real(str(work))
+  assert not (work / "wall.json").exists()
+
+  def failed_stage(*args, **kwargs):
+    raise stages.StageFailed("ict: exit 1")
+  good = f"squad:{os.path.dirname(squad_data)}/squad.json"
+  monkeypatch.setattr(demo_real, "prepare_data", lambda *a: (squad_data, good, {}))
+  monkeypatch.setattr(demo_real, "run_stage", failed_stage)
+  with pytest.raises(stages.StageFailed):
+    demo_real.run_demo_real(str(work))
+  assert json.loads((work / "wall.json").read_text())["runs"] == 1
+
+
+def test_questions_no_reader_can_answer_are_counted_and_warned_about(tmp_path, capsys):
+  """A kept question whose answers the vocab spells only with [UNK], or whose answer is in
+  no block of its paragraph, is counted by reason (stats.json, the `[prepare]` line); an
+  unanswerable one is skipped and counted. `make demo-real` warns where they are many."""
+  from realm_jax import demo_real
+  path = write_squad(tmp_path / "squad.json")
+  data = json.loads(open(path).read())
+  qas = [article["paragraphs"][0]["qas"] for article in data["data"]]
+  qas[1][0]["answers"] = [{"text": "東京", "answer_start": 0}]          # [UNK] in this vocab
+  qas[2][0]["answers"] = [{"text": "Marta Voss", "answer_start": 0}]    # another paragraph's
+  qas[3].append({"id": "v2", "question": "who?", "answers": [], "is_impossible": True})
+  with open(path, "w") as f:
+    json.dump(data, f)
+  config = prepare_lib.prepare_config()
+  config.source, config.out_dir = f"squad:{path}", str(tmp_path / "data")
+  config.block_len, config.max_sentence_len, config.vocab_size = 32, 30, 300
+  config.num_workers, config.eval_fraction, config.progress_every = 0, 0.0, 1e9
+  stats = prepare_lib.prepare(config)
+  assert stats["questions"] == 4
+  assert stats["questions_skipped"] == {"unanswerable (SQuAD v2)": 1}
+  assert stats["questions_unfound"] == {prepare_lib.ANSWER_UNSPELT: 1,
+                                        prepare_lib.ANSWER_NOT_IN_BLOCKS: 1}
+  assert PreparedData(config.out_dir).stats["questions_unfound"] == stats["questions_unfound"]
+  out = capsys.readouterr().out
+  assert ("[prepare] 4 questions kept, 2 of them (50%) with no answer a reader can find in "
+          "their paragraph's blocks (") in out
+  assert "; 1 skipped (unanswerable (SQuAD v2): 1)" in out
+  demo_real.check_questions(str(tmp_path), config.out_dir, config.source, 0, "cpu")
+  assert ("[demo-real] warning: 2 of the file's 4 questions have no answer a reader can find "
+          "in their paragraph's blocks (") in capsys.readouterr().out
+  (tmp_path / "clean").mkdir()
+  clean = prepare_squad(tmp_path / "clean")          # every answer in its paragraph
+  assert PreparedData(clean).stats["questions_unfound"] == {}
+  demo_real.check_questions(str(tmp_path / "clean"), clean, f"squad:{tmp_path}/clean/squad.json",
+                            0, "cpu")
+  assert "warning" not in capsys.readouterr().out
 
 
 def test_a_paragraph_split_holds_out_the_same_questions_for_both_tables(squad_data, tmp_path):

@@ -33,6 +33,10 @@ from realm_jax.errors import ConfigError, DataError, WorkerDied
 
 logger = logging.getLogger("realm_jax.data.prepare")   # (__name__ is __main__ under python -m)
 
+# Why a kept question's answer is in no block of its paragraph (stats.json: questions_unfound).
+ANSWER_UNSPELT = "no answer the vocab can spell ([UNK], or nothing left normalised)"
+ANSWER_NOT_IN_BLOCKS = "answer not in its paragraph's blocks"   # not in its context at all,
+                                                                # or across a block boundary
 # Settings that change the output: a re-run must agree on all of them to reuse anything.
 # (A field a prepare.json written before it was added lacks reads as its default.)
 FINGERPRINT_FIELDS = ("source", "title_field", "text_field", "tfds_data_dir", "world_seed",
@@ -370,6 +374,7 @@ def _finish(config, tokenizer, skips, titles, qas, shard_dirs, results, reused, 
   write_titles(config.out_dir, titles)
   _write_qa(config, qas)
   stats = _stats(config, tokenizer, skips, titles, results, merged, qas, reused, t0, t_merge)
+  stats["questions_unfound"] = unfound_questions(config.out_dir, tokenizer, qas)
   write_stats(config.out_dir, stats)
   corpus.remove_shards(shards_root)
   logger.info(
@@ -377,7 +382,54 @@ def _finish(config, tokenizer, skips, titles, qas, shard_dirs, results, reused, 
       f"{stats['examples']['train']:,} train / {stats['examples']['eval']:,} eval examples, "
       f"{sum(stats['skipped'].values()):,} skipped, in {stats['seconds']:.1f}s "
       f"({stats['blocks_per_second']:,.0f} blocks/s)")
+  if qas or stats["questions_skipped"]:
+    logger.info(f"[prepare] {questions_line(stats)}")
   return stats
+
+
+def unfound_questions(out_dir: str, tokenizer, qas: list[dict]) -> dict[str, int]:
+  """The kept questions whose answer no reader can point at in a block of their own
+  paragraph, by reason (`ANSWER_UNSPELT`, `ANSWER_NOT_IN_BLOCKS`). They stay in the question
+  set (the zero-shot table scores paragraphs, not answers), but Open-QA can find no span for
+  them: a file in a script the vocab does not spell, or whose answers are not in their
+  contexts, shows here before any training."""
+  from realm_jax.data.answers import AnswerMatcher, vocab_pieces
+  from realm_jax.data.prepared import BlockStore
+  if not qas:
+    return {}
+  blocks, vocab, unfound = BlockStore(out_dir), vocab_pieces(tokenizer), Counter()
+  doc_ids = np.asarray(blocks.doc_ids)
+  order = np.argsort(doc_ids, kind="stable")            # block rows, document by document
+  first = np.searchsorted(doc_ids[order], np.arange(len(blocks.titles) + 1))
+  for qa in qas:
+    matcher = AnswerMatcher(tokenizer, qa["answer"], vocab=vocab)
+    rows = order[first[qa["doc_id"]]:first[qa["doc_id"] + 1]]
+    if matcher.empty:
+      unfound[ANSWER_UNSPELT] += 1
+    elif not matcher.contains_rows(np.asarray(blocks.tokens[rows]),
+                                   mask=blocks.segments(rows).astype(bool)).any():
+      unfound[ANSWER_NOT_IN_BLOCKS] += 1
+  return dict(unfound)
+
+
+def questions_line(stats: dict) -> str:
+  """What became of a source's questions, for the console: kept, skipped and unfound."""
+  kept, unfound = stats.get("questions", 0), stats.get("questions_unfound") or {}
+  skipped = stats.get("questions_skipped") or {}
+  line = f"{kept:,} questions kept"
+  if unfound:
+    n = sum(unfound.values())
+    line += (f", {n:,} of them ({n / max(kept, 1):.0%}) with no answer a reader can find in "
+             f"their paragraph's blocks ({by_reason(unfound)})")
+  if skipped:
+    line += f"; {sum(skipped.values()):,} skipped ({by_reason(skipped)})"
+  return line
+
+
+def by_reason(counts: dict[str, int]) -> str:
+  """Counts by reason for a line, the largest first: "reason: n, ..."."""
+  return ", ".join(f"{reason}: {n:,}" for reason, n in
+                   sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
 def _write_qa(config, qas: list[dict]) -> None:

@@ -280,8 +280,12 @@ def read_squad_articles(path: str) -> list:
     raise DataError(f"{path}: not a SQuAD-format JSON file ({type(e).__name__}: {e})") from None
   articles = data.get("data") if isinstance(data, dict) else None
   if not isinstance(articles, list):
-    found = (f"an object whose 'data' is {_json_kind(articles)}" if isinstance(data, dict)
-             else _json_kind(data))
+    if not isinstance(data, dict):
+      found = _json_kind(data)
+    elif "data" in data:
+      found = f"an object whose 'data' is {_json_kind(articles)}"
+    else:
+      found = f"an object without 'data' (keys: {', '.join(map(repr, list(data)[:5])) or 'none'})"
     raise DataError(f"{path}: not a SQuAD-format JSON file: expected an object "
                     f"{{\"data\": [article, ...]}}, found {found}")
   return articles
