@@ -42,8 +42,8 @@ MAX_PARAGRAPHS = 2_500   # a larger SQuAD file is read up to this many paragraph
                          # the corpus embeddings, the zero-shot table and the two Open-QA
                          # evaluations grow with it (~10 min of the hour at 1,581)
 WORKDIRS = {"cpu": "runs/real", "gpu": "runs/real_gpu"}   # default workdir per scale
-UNFOUND_WARNING = 0.1    # the share of questions whose answer is in no block of their paragraph
-                         # (stats.json's questions_unfound) over which the recipe warns
+UNFOUND_WARNING = 0.1    # the share of questions without an answer span in their paragraph's
+                         # blocks (prepare.unfound_questions) over which the recipe warns
 # (stage, config variant, init options set to the workdir of the stage they name)
 STAGES = (("ict", "ict", {}),
           ("warmup", "warmup", {"init.retriever": "ict"}),
@@ -166,11 +166,13 @@ def check_heldout_unit(workdir: str, unit: str) -> None:
 def check_questions(workdir: str, data_dir: str, source: str, seed: int, scale: str) -> None:
   """Before any training: the held-out articles' questions (the zero-shot table, Open-QA's
   test) and the training articles' (Open-QA's fine-tuning) exist. A file whose articles all
-  fall on one side of `qa.heldout_articles` fails here, naming it, not after the hour."""
+  fall on one side of `qa.heldout_articles` fails here, naming it, not after the hour; a
+  held-out share far from it, or many questions whose own paragraph gives the reader no
+  answer span (`prepare.unfound_questions`), are warned about."""
   from realm_jax.data.prepared import PreparedData
   from realm_jax.data.qa import qa_split
-  from realm_jax.retrieval.zero_shot import table_questions
-  from realm_jax.data.prepare import by_reason
+  from realm_jax.data.prepare import by_reason, unfound_questions
+  from realm_jax.retrieval.zero_shot import load_questions, table_questions
   config = _config("openqa", stage_overrides(data_dir, source, seed, workdir, {}), scale)
   unit, fraction = config.qa.heldout_unit, config.qa.heldout_articles
   data = PreparedData(data_dir)
@@ -192,12 +194,15 @@ def check_questions(workdir: str, data_dir: str, source: str, seed: int, scale: 
           f"{'fine-tune on' if held > fraction else 'test'}", flush=True)
   print(f"[demo-real] questions: {len(scored):,} of the held-out {unit}s for the zero-shot "
         f"table, Open-QA {len(train):,} to fine-tune on and {len(test):,} to test", flush=True)
-  unfound = data.stats.get("questions_unfound") or {}
-  kept = data.stats.get("questions", 0)
-  if sum(unfound.values()) > UNFOUND_WARNING * kept:
-    print(f"[demo-real] warning: {sum(unfound.values()):,} of the file's {kept:,} questions "
-          f"have no answer a reader can find in their paragraph's blocks ({by_reason(unfound)}"
-          "): Open-QA has no answer span to train on or to score for them", flush=True)
+  # counted here with the reader's span width (and for data prepared before the count)
+  questions = load_questions(data_dir)
+  unfound = unfound_questions(data_dir, data.tokenizer, questions, config.model.max_span_width)
+  if unfound:
+    many = sum(unfound.values()) > UNFOUND_WARNING * len(questions)
+    print(f"[demo-real] {'warning: ' if many else ''}{sum(unfound.values()):,} of the file's "
+          f"{len(questions):,} questions have no answer span in their own paragraph's blocks "
+          f"({by_reason(unfound)}): Open-QA's reader has no span to learn from there, and "
+          "never predicts an answer spelt with [UNK]", flush=True)
 
 
 @functools.lru_cache(maxsize=1)

@@ -167,6 +167,8 @@ def test_questions_no_reader_can_answer_are_counted_and_warned_about(tmp_path, c
   path = write_squad(tmp_path / "squad.json")
   data = json.loads(open(path).read())
   qas = [article["paragraphs"][0]["qas"] for article in data["data"]]
+  qas[0][0]["answers"] = [{"text": "Ada Brisk in 1843. Its great refractor telescope was "
+                                     "built", "answer_start": 0}]      # 12 wordpieces: wide
   qas[1][0]["answers"] = [{"text": "東京", "answer_start": 0}]          # [UNK] in this vocab
   qas[2][0]["answers"] = [{"text": "Marta Voss", "answer_start": 0}]    # another paragraph's
   qas[3].append({"id": "v2", "question": "who?", "answers": [], "is_impossible": True})
@@ -183,12 +185,17 @@ def test_questions_no_reader_can_answer_are_counted_and_warned_about(tmp_path, c
                                         prepare_lib.ANSWER_NOT_IN_BLOCKS: 1}
   assert PreparedData(config.out_dir).stats["questions_unfound"] == stats["questions_unfound"]
   out = capsys.readouterr().out
-  assert ("[prepare] 4 questions kept, 2 of them (50%) with no answer a reader can find in "
-          "their paragraph's blocks (") in out
+  assert ("[prepare] 4 questions kept, 2 of them (50%) with no answer span in their "
+          "paragraph's blocks (") in out
   assert "; 1 skipped (unanswerable (SQuAD v2): 1)" in out
   demo_real.check_questions(str(tmp_path), config.out_dir, config.source, 0, "cpu")
-  assert ("[demo-real] warning: 2 of the file's 4 questions have no answer a reader can find "
-          "in their paragraph's blocks (") in capsys.readouterr().out
+  assert ("[demo-real] warning: 3 of the file's 4 questions have no answer span in their own "
+          "paragraph's blocks (") in capsys.readouterr().out      # the reader's width: 10
+  questions = zero_shot.load_questions(config.out_dir)
+  tokenizer = PreparedData(config.out_dir).tokenizer
+  assert prepare_lib.unfound_questions(config.out_dir, tokenizer, questions[:1], 12) == {}
+  assert prepare_lib.unfound_questions(config.out_dir, tokenizer, questions[:1], 11) == {
+      prepare_lib.ANSWER_TOO_WIDE: 1}
   (tmp_path / "clean").mkdir()
   clean = prepare_squad(tmp_path / "clean")          # every answer in its paragraph
   assert PreparedData(clean).stats["questions_unfound"] == {}

@@ -37,6 +37,7 @@ logger = logging.getLogger("realm_jax.data.prepare")   # (__name__ is __main__ u
 ANSWER_UNSPELT = "no answer the vocab can spell ([UNK], or nothing left normalised)"
 ANSWER_NOT_IN_BLOCKS = "answer not in its paragraph's blocks"   # not in its context at all,
                                                                 # or across a block boundary
+ANSWER_TOO_WIDE = "answer wider than the reader's spans (model.max_span_width)"
 # Settings that change the output: a re-run must agree on all of them to reuse anything.
 # (A field a prepare.json written before it was added lacks reads as its default.)
 FINGERPRINT_FIELDS = ("source", "title_field", "text_field", "tfds_data_dir", "world_seed",
@@ -373,8 +374,9 @@ def _finish(config, tokenizer, skips, titles, qas, shard_dirs, results, reused, 
                                config.max_sentence_len)
   write_titles(config.out_dir, titles)
   _write_qa(config, qas)
+  unfound = unfound_questions(config.out_dir, tokenizer, qas)
   stats = _stats(config, tokenizer, skips, titles, results, merged, qas, reused, t0, t_merge)
-  stats["questions_unfound"] = unfound_questions(config.out_dir, tokenizer, qas)
+  stats["questions_unfound"] = unfound
   write_stats(config.out_dir, stats)
   corpus.remove_shards(shards_root)
   logger.info(
@@ -387,12 +389,15 @@ def _finish(config, tokenizer, skips, titles, qas, shard_dirs, results, reused, 
   return stats
 
 
-def unfound_questions(out_dir: str, tokenizer, qas: list[dict]) -> dict[str, int]:
-  """The kept questions whose answer no reader can point at in a block of their own
-  paragraph, by reason (`ANSWER_UNSPELT`, `ANSWER_NOT_IN_BLOCKS`). They stay in the question
-  set (the zero-shot table scores paragraphs, not answers), but Open-QA can find no span for
-  them: a file in a script the vocab does not spell, or whose answers are not in their
-  contexts, shows here before any training."""
+def unfound_questions(out_dir: str, tokenizer, qas: list[dict],
+                      max_width: int = 0) -> dict[str, int]:
+  """The questions of `qas` whose own paragraph gives a reader no answer span, by reason:
+  `ANSWER_UNSPELT`, `ANSWER_NOT_IN_BLOCKS` and, given a reader's `max_width` (its
+  `model.max_span_width`), `ANSWER_TOO_WIDE`. They stay in the question set (the zero-shot
+  table scores paragraphs, not answers); an answer spelt with [UNK] can never be predicted,
+  the others may still be found in another paragraph's block. A file in a script the vocab
+  does not spell, or whose answers are not in their contexts, shows here before any
+  training."""
   from realm_jax.data.answers import AnswerMatcher, vocab_pieces
   from realm_jax.data.prepared import BlockStore
   if not qas:
@@ -404,11 +409,14 @@ def unfound_questions(out_dir: str, tokenizer, qas: list[dict]) -> dict[str, int
   for qa in qas:
     matcher = AnswerMatcher(tokenizer, qa["answer"], vocab=vocab)
     rows = order[first[qa["doc_id"]]:first[qa["doc_id"] + 1]]
+    tokens, body = np.asarray(blocks.tokens[rows]), blocks.segments(rows).astype(bool)
     if matcher.empty:
       unfound[ANSWER_UNSPELT] += 1
-    elif not matcher.contains_rows(np.asarray(blocks.tokens[rows]),
-                                   mask=blocks.segments(rows).astype(bool)).any():
+    elif not matcher.contains_rows(tokens, mask=body).any():
       unfound[ANSWER_NOT_IN_BLOCKS] += 1
+    elif max_width and not any(end - start < max_width for row, valid in zip(tokens, body)
+                               for start, end in matcher.spans(row, valid)):
+      unfound[ANSWER_TOO_WIDE] += 1
   return dict(unfound)
 
 
@@ -419,8 +427,8 @@ def questions_line(stats: dict) -> str:
   line = f"{kept:,} questions kept"
   if unfound:
     n = sum(unfound.values())
-    line += (f", {n:,} of them ({n / max(kept, 1):.0%}) with no answer a reader can find in "
-             f"their paragraph's blocks ({by_reason(unfound)})")
+    line += (f", {n:,} of them ({n / max(kept, 1):.0%}) with no answer span in their "
+             f"paragraph's blocks ({by_reason(unfound)})")
   if skipped:
     line += f"; {sum(skipped.values()):,} skipped ({by_reason(skipped)})"
   return line
