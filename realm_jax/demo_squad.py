@@ -17,6 +17,7 @@ import argparse
 import os
 
 from realm_jax import log, paths, workdir as workdir_lib
+from realm_jax.errors import ConfigError, DataError
 from realm_jax.stages import (check_arguments, repo_config, run_demo_cli, run_stage, run_stages,
                               stage_seconds)
 
@@ -25,10 +26,11 @@ OPENQA_STAGES = (("openqa_realm", "realm"), ("openqa_ict", "ict"))   # (stage, s
 OPENQA_WALL = "wall_openqa.json"   # demo-openqa's runs (W/wall.json: demo-squad's)
 
 
-def pretrain(workdir: str, squad: str, seed: int,
+def pretrain(workdir: str, squad: str, seed: int, wall: workdir_lib.RunWall,
              openqa: bool = False) -> tuple[str, str, dict, dict]:
-  """prepare -> ICT -> warm-up -> REALM (for Open-QA, once its questions are checked). Returns
-  (data dir, source, prepare stats, stage summaries)."""
+  """prepare -> ICT -> warm-up -> REALM (for Open-QA, once its questions are checked; a run
+  refused there adds no run to `wall`). Returns (data dir, source, prepare stats, stage
+  summaries)."""
   from realm_jax.data.prepare import prepare
   data_dir = os.path.join(workdir, "data")
   prep = repo_config("squad_realm", "prepare")
@@ -36,12 +38,16 @@ def pretrain(workdir: str, squad: str, seed: int,
     prep.source = f"squad:{squad}"
   prep.out_dir = data_dir
   path = prep.source.partition(":")[2]
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path}: no such file (pass --squad PATH)")
-  print(f"[demo-squad] preparing {path} -> {data_dir}", flush=True)
-  stats = prepare(prep)
-  if openqa:
-    check_openqa_questions(prep.source)
+  try:
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"{path}: no such file (pass --squad PATH)")
+    print(f"[demo-squad] preparing {path} -> {data_dir}", flush=True)
+    stats = prepare(prep)
+    if openqa:
+      check_openqa_questions(prep.source)
+  except (ConfigError, DataError, FileNotFoundError):
+    wall.refused()
+    raise
   results = run_stages([(name, "squad_realm", name, init_from) for name, init_from in STAGES],
                        data_dir, workdir, seed)
   return data_dir, prep.source, stats, results
@@ -67,7 +73,7 @@ def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
 
 def _run_demo_squad(workdir: str, squad: str, seed: int, wall: workdir_lib.RunWall) -> dict:
   from realm_jax.retrieval.zero_shot import format_table, recall_table
-  data_dir, source, stats, results = pretrain(workdir, squad, seed)
+  data_dir, source, stats, results = pretrain(workdir, squad, seed, wall)
   configs = {name: repo_config("squad_realm", name) for name, _ in STAGES}
   print("[demo-squad] zero-shot question retrieval", flush=True)
   table = recall_table(data_dir, {"ict": (configs["ict"], os.path.join(workdir, "ict")),
@@ -96,7 +102,7 @@ def run_demo_openqa(workdir: str, squad: str = "", seed: int = 0) -> dict:
 
 def _run_demo_openqa(workdir: str, squad: str, seed: int, wall: workdir_lib.RunWall) -> dict:
   from realm_jax.openqa_eval import evaluate_run
-  data_dir, source, stats, results = pretrain(workdir, squad, seed, openqa=True)
+  data_dir, source, stats, results = pretrain(workdir, squad, seed, wall, openqa=True)
   table = {}
   for name, start in OPENQA_STAGES:
     overrides = {"data.dir": data_dir, "seed": seed,

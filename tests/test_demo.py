@@ -358,7 +358,7 @@ def test_demo_squad_and_demo_openqa_keep_a_wall_record_each(monkeypatch, tmp_pat
   import json
   from realm_jax import demo_squad, openqa_eval
   from realm_jax.retrieval import zero_shot
-  monkeypatch.setattr(demo_squad, "pretrain", lambda workdir, squad, seed, openqa=False: (
+  monkeypatch.setattr(demo_squad, "pretrain", lambda workdir, squad, seed, wall, openqa=False: (
       "D", "squad:F", {"documents": 2, "blocks": 3}, {"realm": {"wall_seconds": 1.0}}))
   monkeypatch.setattr(zero_shot, "recall_table", lambda *a: {"bm25": {"questions": 1}})
   monkeypatch.setattr(zero_shot, "format_table", lambda table: "")

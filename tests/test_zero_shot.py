@@ -247,6 +247,7 @@ def test_demo_openqa_checks_its_questions_before_training(tmp_path, capsys, monk
   monkeypatch.setattr(demo_squad, "run_stages", lambda *a: pytest.fail("pre-trained first"))
   with pytest.raises(ConfigError, match="holds out 0 of its 3 articles"):
     demo_squad.run_demo_openqa(str(tmp_path / "w"), three)
+  assert not (tmp_path / "w" / demo_squad.OPENQA_WALL).exists()   # a refused run adds none
 
 
 def test_demo_real_reads_a_larger_file_up_to_its_paragraph_limit(tmp_path, capsys):
