@@ -46,6 +46,7 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   an Open-QA run (config.task 'openqa') is an error unless `retrieval_only`.
   """
   from realm_jax import workdir as workdir_lib
+  from realm_jax.config.compatibility import inference_differences
   from realm_jax.errors import ConfigError
   from realm_jax.retrieval import published
   from realm_jax.runtime.checkpoints import restore_run, saved_param_shapes
@@ -55,6 +56,14 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   validate(config)
   saved, step = saved_param_shapes(workdir, step)   # read once: restore_run takes them
   has_reader = any(p[:2] == ("reader", "qa_outputs") for p in saved)
+  record = workdir_lib.recorded_config(workdir)
+  differs = [] if record is None else inference_differences(
+      record, json.loads(config.to_json_best_effort()), has_reader and not retrieval_only)
+  if differs:
+    raise ConfigError("model", f"{workdir} was trained under other model options than this "
+                      f"config's: {'; '.join(differs)}: its parameters would compute another "
+                      "model; set them as the run had them (its W/config.json), or leave out "
+                      "--config")
   if config.task == "openqa" and not has_reader and not retrieval_only:
     raise ConfigError("task", f"'openqa', but {workdir}/checkpoints/{step} has no span reader "
                       "(reader/qa_outputs): it is a pre-training checkpoint. Fine-tune it with "

@@ -328,6 +328,36 @@ def test_execution_options_are_checked_and_do_not_block_resume():
   assert incompatible_fields(saved, step_config(attention_dropout_rate=0.2).to_dict())
 
 
+def test_an_evaluation_names_the_options_that_change_what_the_parameters_compute():
+  """`inference_differences`: a retriever option unset reads as the reader's (the same model
+  spelt two ways is no difference), execution options and dropout are none, the span
+  scorer's only count with a reader, and a record from before an option reads as the value
+  it was written under."""
+  from realm_jax.config.compatibility import inference_differences
+  saved = step_config().to_dict()
+  spelt = step_config()
+  spelt.model.retriever.num_layers = spelt.model.num_layers
+  spelt.model.retriever.hidden_act = spelt.model.hidden_act
+  same = [spelt, step_config(dtype="bfloat16", remat="full", dropout_rate=0.3)]
+  assert [inference_differences(saved, c.to_dict(), True) for c in same] == [[], []]
+  heads = step_config()
+  heads.model.retriever.num_heads = heads.model.num_heads * 2
+  assert inference_differences(saved, heads.to_dict(), False) == [
+      f"model.retriever.num_heads: {heads.model.num_heads} (the run) != "
+      f"{heads.model.num_heads * 2} (this config)"]
+  eps = step_config()
+  eps.model.span_layer_norm_eps = 0.5
+  assert inference_differences(saved, eps.to_dict(), False) == []
+  assert [d.split(":")[0] for d in inference_differences(saved, eps.to_dict(), True)] == [
+      "model.span_layer_norm_eps"]
+  old = step_config().to_dict()
+  del old["model"]["retriever"]["pooling"]          # before pooling: [CLS]
+  assert inference_differences(old, saved, False) == []
+  mean = step_config()
+  mean.model.retriever.pooling = "mean"
+  assert len(inference_differences(old, mean.to_dict(), False)) == 1
+
+
 def test_dropout_anywhere_makes_the_step_stochastic():
   """The step draws dropout when any tower drops anything: the shared rate, the retriever's
   own, or the attention weights' alone."""

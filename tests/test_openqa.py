@@ -292,6 +292,15 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path,
   with pytest.raises(ConfigError, match=r"config\.data\.dir: the data's .*swapped_vocab/"
                      r"vocab\.txt .* differs from"):
     evaluate_run(openqa_config(str(swapped)), workdir, split="test", retrieval_only=True)
+  # options that keep the shapes and change what the parameters compute: refused, named
+  act = pretraining.model.hidden_act
+  other_act = {"gelu": "gelu_new", "gelu_new": "gelu"}[act]
+  other = openqa_config(world_dir, model__hidden_act=other_act, model__retriever__pooling="mean")
+  with pytest.raises(ConfigError, match=rf"config\.model: .* other model options than this "
+                     rf"config's: model\.hidden_act: '{act}' \(the run\) != '{other_act}' "
+                     r"\(this config\); model\.retriever\.hidden_act: .*model\.retriever\."
+                     r"pooling: 'cls' \(the run\) != 'mean'"):
+    evaluate_run(other, workdir, split="test", retrieval_only=True)
   # recorded relative (to where the run ran, unknown here): not read against this cwd's
   relative = json.loads(pretraining.to_json_best_effort())
   relative["data"]["dir"] = "data"

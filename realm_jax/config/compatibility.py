@@ -4,7 +4,7 @@ checkpoints were written under)."""
 
 from __future__ import annotations
 
-from realm_jax.config.defaults import TOWER_FIELDS
+from realm_jax.config.defaults import OLD_SAME_AS_READER, TOWER_FIELDS
 from realm_jax.config.reading import (flat_options, freezing_options, frozen_paths,
                                       uses_index_builder)
 
@@ -21,6 +21,14 @@ INERT_WITHOUT = {"qa.heldout_unit": "qa.heldout_articles"}
 # Fields under `model` that decide how the step computes, not what the parameters mean: a run
 # may resume with other values (e.g. in bfloat16, or with remat to fit a smaller device).
 EXECUTION_FIELDS = ("model.dtype", "model.attention", "model.remat")
+# Fields under `model` that change what restored parameters compute without changing their
+# shapes (a checkpoint of other shapes is refused by them): an evaluation under other values
+# would score another model. `model.retriever.*` ones unset read as the reader's; the span
+# scorer's only matter where the checkpoint has one.
+INFERENCE_FIELDS = ("model.hidden_act", "model.num_heads", "model.num_layers",
+                    "model.retriever.hidden_act", "model.retriever.num_heads",
+                    "model.retriever.num_layers", "model.retriever.pooling")
+READER_INFERENCE_FIELDS = ("model.span_layer_norm_eps",)
 # Compatibility fields added later -> the value checkpoints saved without them were written under.
 ADDED_FIELDS = {"model.hidden_act": "gelu", "model.attention_dropout_rate": -1.0,
                 "model.retriever.pooling": "cls", "qa.heldout_articles": 0.0,
@@ -35,6 +43,27 @@ def incompatible_fields(saved: dict, current: dict) -> list[str]:
       saved_flat, current_flat, COMPATIBILITY_FIELDS + task_fields(saved, current))]
   return diffs + _index_source_differs(saved, current, saved_flat, current_flat) + \
       _frozen_differs(saved, current, current_flat)
+
+
+def inference_differences(saved: dict, current: dict, reader: bool) -> list[str]:
+  """`field: run != config` for every INFERENCE_FIELDS option (and, with the span `reader`,
+  READER_INFERENCE_FIELDS) whose effective value differs between the run's record `saved`
+  and `current`."""
+  fields = INFERENCE_FIELDS + (READER_INFERENCE_FIELDS if reader else ())
+  effective = [_tower_resolved(flat_options(c)) for c in (saved, current)]
+  return [f"{name}: {a!r} (the run) != {b!r} (this config)"
+          for name, a, b in changed_fields(*effective, fields)]
+
+
+def _tower_resolved(flat: dict) -> dict:
+  """`flat` with each unset `model.retriever.<field>` (None, or its old spelling) read as the
+  reader's `model.<field>`, as the model builds it."""
+  out = dict(flat)
+  for field in TOWER_FIELDS:
+    name = f"model.retriever.{field}"
+    if out.get(name) in (None, OLD_SAME_AS_READER.get(field, 0)):
+      out[name] = out.get(f"model.{field}", ADDED_FIELDS.get(f"model.{field}"))
+  return out
 
 
 def task_fields(saved: dict, current: dict) -> tuple[str, ...]:
