@@ -89,8 +89,11 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   if has_reader:   # an Open-QA run keeps one frozen index: its reader learnt with it (and
     # its block tower may have moved since: the index is what its retrieval is measured on)
     latest = published.read_latest(root) if paths.isdir(root) else None
-    theirs = None if latest is None else (
-        published.read_manifest(root, latest)["block_store_fingerprint"])
+    try:
+      theirs = None if latest is None else (
+          published.read_manifest(root, latest)["block_store_fingerprint"])
+    except published.RejectedVersion:   # no manifest: FrozenIndex.load below says so
+      theirs = None
     if theirs not in (None, fingerprint):
       raise ConfigError("data.dir", f"{root} v{latest}, the Open-QA run's frozen index, "
                         f"embedded block store {theirs}; {data.dir} holds {fingerprint}: "

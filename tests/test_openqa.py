@@ -260,9 +260,25 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
   with pytest.raises(ConfigError, match=r"config\.data\.dir: .* frozen index, embedded block "
                      r"store another-block-store; .* evaluate the run on the blocks"):
     evaluate_run(openqa_config(world_dir), str(copy), split="test")
+  # its frozen index gone or damaged: one line naming the version, not a traceback
+  from realm_jax.errors import CheckpointError
+  from realm_jax.retrieval import published
+  for damage in ("manifest.json", "embeddings.npy"):
+    broken = shutil.copytree(workdir, tmp_path / f"broken-{damage}")
+    root = published.index_root(str(broken))
+    version = published.read_latest(root)
+    target = published.version_dir(root, version) / damage
+    if damage == "manifest.json":
+      target.unlink()
+    else:
+      target.write_bytes(target.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(CheckpointError, match=rf"{version:08d}, the Open-QA run's frozen index, "
+                       r"is unusable: .*fine-tune again"):
+      evaluate_run(openqa_config(world_dir), str(broken), split="test")
 
 
-def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path, monkeypatch):
+def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path, monkeypatch,
+                                                caplog):
   """Open-QA eval of a checkpoint without the span reader: a clear error; --retrieval_only:
   the zero-shot retrieval evaluation."""
   from realm_jax.openqa_eval import evaluate_run
@@ -277,6 +293,17 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path,
   _publish_other_blocks(workdir, 0, pretraining, state)
   again, _ = evaluate_run(config, workdir, split="test", retrieval_only=True)
   assert again["recall_at_5"] == metrics["recall_at_5"]
+  # one of this very step and these blocks whose arrays are damaged: embedded again, warned
+  from realm_jax.retrieval import published
+  root = published.index_root(workdir)
+  rows = np.zeros((world_data.blocks.num_blocks, pretraining.model.retrieval_dim), np.float32)
+  published.publish_arrays(root, rows, {}, step=0, fingerprint=world_data.blocks.fingerprint,
+                           keep=3)
+  target = published.version_dir(root, published.read_latest(root)) / "embeddings.npy"
+  target.write_bytes(target.read_bytes()[:-8] + b"\1" * 8)
+  with caplog.at_level(logging.WARNING):
+    again, _ = evaluate_run(config, workdir, split="test", retrieval_only=True)
+  assert again["recall_at_5"] == metrics["recall_at_5"] and "not used: " in caplog.text
   # another config's shapes, or a data dir prepared with other blocks: one error naming them
   other = openqa_config(world_dir, model__retrieval_dim=pretraining.model.retrieval_dim + 8)
   with pytest.raises(ConfigError, match=r"parameters do not fit this config and data dir "

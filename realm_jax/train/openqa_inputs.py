@@ -13,6 +13,7 @@ it) against their frozen embeddings, carried in the batch.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 
@@ -21,11 +22,14 @@ from realm_jax.data import pipeline
 from realm_jax.data.answers import AnswerMatcher, vocab_pieces
 from realm_jax.data.qa import QAExample, question_inputs
 from realm_jax.data.prepared import PreparedData
+from realm_jax.errors import CheckpointError
 from realm_jax.models.realm import span_candidates
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, embed_blocks
 from realm_jax.train import batches
 from realm_jax.runtime import embedders
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -41,11 +45,24 @@ class FrozenIndex:
   @classmethod
   def load(cls, workdir: str, fingerprint: str, dim: int,
            version: int | None = None) -> FrozenIndex | None:
-    """The published version (latest if None) of `workdir`, verified; None if there is none."""
+    """The published version (latest if None) of `workdir`, verified; None if there is none.
+    A version that fails its checks (gone, damaged, other blocks) is a CheckpointError: an
+    Open-QA run's reader learnt with this index, so nothing else stands in for it."""
     root = published.index_root(workdir)
     version = published.read_latest(root) if version is None else version
     if version is None:
       return None
+    try:
+      return cls._read(root, version, fingerprint, dim)
+    except published.RejectedVersion as e:
+      raise CheckpointError(f"{published.version_dir(root, version)}, the Open-QA run's "
+                            f"frozen index, is unusable: {e}. Its reader learnt with that "
+                            "index: restore the version from a copy of the workdir, or "
+                            "fine-tune again in a new one") from None
+
+  @classmethod
+  def _read(cls, root, version: int, fingerprint: str, dim: int) -> FrozenIndex:
+    """Version `version` of the index at `root`, verified (RejectedVersion otherwise)."""
     manifest = published.verify(root, version, fingerprint=fingerprint, dim=dim)
     embeddings = published.read_embeddings(root, version, manifest)
     return cls(version=version, step=int(manifest["step"]), embeddings=embeddings,
@@ -67,7 +84,11 @@ class FrozenIndex:
     if (manifest["step"], manifest["block_store_fingerprint"], manifest["dim"]) != (
         step, fingerprint, dim):
       return None
-    return cls.load(workdir, fingerprint, dim, latest)
+    try:
+      return cls._read(root, latest, fingerprint, dim)
+    except published.RejectedVersion as e:     # damaged arrays: the caller embeds the blocks
+      logger.warning(f"{published.version_dir(root, latest)} not used: {e}")
+      return None
 
   @classmethod
   def embed(cls, model, mesh, config, data: PreparedData, retriever_params, step: int,
