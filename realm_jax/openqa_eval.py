@@ -141,14 +141,14 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
 def main(argv) -> None:
   from absl import flags
   from realm_jax.errors import run_cli
-  from realm_jax.runtime.checkpoints import run_config
+  from realm_jax.runtime.checkpoints import fitted_mesh, run_config
   flags_ = flags.FLAGS
   if len(argv) > 1:
     raise SystemExit(f"realm-eval: unexpected arguments {argv[1:]}")
   log.use_absl_verbosity()   # -v N; Orbax's and TFDS's INFO lines off the console
   step = flags_.step if flags_.step >= 0 else None
-  run_cli("realm-eval", lambda: evaluate_run(run_config(flags_.workdir, flags_.config),
-                                             flags_.workdir, step, flags_.split,
+  config = lambda: flags_.config or fitted_mesh(run_config(flags_.workdir))
+  run_cli("realm-eval", lambda: evaluate_run(config(), flags_.workdir, step, flags_.split,
                                              flags_.retrieval_only))
 
 

@@ -23,9 +23,9 @@ def predict(workdir: str, questions: list[str], step: int | None = None) -> list
   from realm_jax.data.qa import QAExample
   from realm_jax.openqa_eval import load_run
   from realm_jax.train.qa_eval import QAEvaluator
-  from realm_jax.runtime.checkpoints import run_config
+  from realm_jax.runtime.checkpoints import fitted_mesh, run_config
   config, data, mesh, model, params, frozen, reader, step = load_run(
-      run_config(workdir), workdir, step)
+      fitted_mesh(run_config(workdir)), workdir, step)
   examples = [QAExample(qid=f"q{i}", question=q, answers=(), is_regex=False)
               for i, q in enumerate(questions)]
   evaluator = QAEvaluator(config, data, mesh, model, examples, frozen, reader)

@@ -385,7 +385,7 @@ def test_openqa_from_a_run_whose_index_covers_other_blocks_embeds_its_own(
 
 
 @pytest.mark.slow
-def test_realm_predict_prints_the_answer_and_its_evidence(openqa_run, world_dir):
+def test_realm_predict_prints_the_answer_and_its_evidence(openqa_run, world_dir, tmp_path):
   from realm_jax.predict import _show, predict
   workdir, _ = openqa_run
   with open(os.path.join(world_dir, "qa", "eval.jsonl")) as f:
@@ -395,3 +395,10 @@ def test_realm_predict_prints_the_answer_and_its_evidence(openqa_run, world_dir)
   assert len(item["evidence"]) == 3 and item["evidence"][0]["title"]
   shown = _show(item)
   assert shown.startswith(f"Q: {question}\nA: {item['answer']}") and "[3]" in shown
+  # a run recorded with a mesh this machine cannot make (a pod's): restored on (-1, 1)
+  pod = shutil.copytree(workdir, tmp_path / "pod")
+  record = json.loads((pod / "config.json").read_text())
+  record["mesh"]["shape"] = [-1, 16]
+  (pod / "config.json").write_text(json.dumps(record))
+  again, = predict(str(pod), [question])
+  assert (again["answer"], again["evidence"]) == (item["answer"], item["evidence"])

@@ -33,6 +33,7 @@ class _ExpectedWarnings(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_ExpectedWarnings())
+logger = logging.getLogger(__name__)
 
 
 def _first_line(error: Exception, limit: int) -> str:
@@ -348,6 +349,22 @@ def run_config(workdir: str, config=None):
   """`config` if given, else the run's own resolved config (`W/config.json`)."""
   from realm_jax import workdir as workdir_lib
   return config if config is not None else workdir_lib.saved_config(workdir)
+
+
+def fitted_mesh(config):
+  """`config`, with `mesh.shape` (-1, 1) where its own does not fit this machine's devices (a
+  run trained on a pod, evaluated on one host): a checkpoint restores onto any mesh, and
+  evaluating with no `--config` (realm-eval, realm-predict) leaves no other way to say so.
+  Logged."""
+  import jax
+  from realm_jax.runtime.partitioning import resolve_mesh_shape
+  try:
+    resolve_mesh_shape(config.mesh.shape, jax.device_count())
+  except ConfigError as e:
+    logger.info(f"[restore] the run's mesh.shape does not fit here ({e.message}): "
+                f"(-1, 1) over {jax.device_count()} devices instead")
+    config.mesh.shape = (-1, 1)
+  return config
 
 
 def _checked_shapes(workdir: str, step: int | None, abstract_params,
