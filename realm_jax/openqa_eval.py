@@ -115,12 +115,17 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
   `results_dir`. Returns (metrics, that directory)."""
   from realm_jax import workdir as workdir_lib
   from realm_jax.data.qa import qa_split
+  from realm_jax.errors import ConfigError
   from realm_jax.train.qa_eval import QAEvaluator, format_metrics
   workdir_lib.check_run_dir(workdir)   # (with --config, W/config.json was not read)
   if differs := workdir_lib.other_split(workdir, config):   # evaluating elsewhere is allowed
     logger.warning(f"[eval] {workdir} was fine-tuned under another held-out split: "
                    f"{'; '.join(differs)}: some of its {split} questions may be ones it "
                    "trained on")
+  if not config.qa.get(split):   # (a pre-training run's own W/config.json names none)
+    raise ConfigError(f"qa.{split}", f"is empty: name the questions to evaluate {workdir} on "
+                      f"with --config C --config.qa.{split}=SPEC (nq_open:PATH, webq:PATH, "
+                      "curated_trec:PATH, squad:PATH, tfds:NAME[:SPLIT], prepared:SPLIT)")
   examples, counts = qa_split(config.qa, split, config.data.dir)   # bad specs fail first
   config, data, mesh, model, params, frozen, reader, step = load_run(
       config, workdir, step, retrieval_only)

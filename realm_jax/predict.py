@@ -31,8 +31,9 @@ def predict(workdir: str, questions: list[str], step: int | None = None) -> list
   evaluator = QAEvaluator(config, data, mesh, model, examples, frozen, reader)
   _, predictions = evaluator.run(params)
   out = []
-  for pred in predictions:
-    item = {"question": pred["question"], "step": step}
+  for pred, truncated in zip(predictions, evaluator.builder.truncated):
+    item = {"question": pred["question"], "step": step,
+            "truncated": bool(truncated)}    # cut to data.query_len wordpieces
     if reader:
       item.update(answer=pred["prediction"], score=pred["score"])
     item["evidence"] = [{k: e[k] for k in ("title", "text", "retrieval_score", "span_score",
@@ -42,7 +43,8 @@ def predict(workdir: str, questions: list[str], step: int | None = None) -> list
 
 
 def _show(item: dict) -> str:
-  lines = [f"Q: {item['question']}"]
+  lines = [f"Q: {item['question']}" + ("   (cut to data.query_len wordpieces)"
+                                         if item.get("truncated") else "")]
   if "answer" in item:
     lines.append(f"A: {item['answer']}   (score {item['score']:.2f}, checkpoint {item['step']})")
   for rank, e in enumerate(item["evidence"], 1):

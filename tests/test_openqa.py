@@ -287,6 +287,10 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path,
   config = openqa_config(world_dir)
   with pytest.raises(ConfigError, match="no span reader .*retrieval_only"):
     evaluate_run(config, workdir, split="test")
+  assert not pretraining.qa.test     # its own config names no questions: say how to
+  with pytest.raises(ConfigError, match=r"config\.qa\.test: is empty: .* with --config C "
+                     r"--config\.qa\.test=SPEC"):
+    evaluate_run(pretraining, workdir, split="test", retrieval_only=True)
   metrics, _ = evaluate_run(config, workdir, split="test", retrieval_only=True)
   assert "exact_match" not in metrics and 0 <= metrics["recall_at_5"] <= 1
   # an index of this step over other blocks (another data dir) is passed over, not fatal
@@ -402,3 +406,7 @@ def test_realm_predict_prints_the_answer_and_its_evidence(openqa_run, world_dir,
   (pod / "config.json").write_text(json.dumps(record))
   again, = predict(str(pod), [question])
   assert (again["answer"], again["evidence"]) == (item["answer"], item["evidence"])
+  # a question over data.query_len is cut, and says so
+  assert item["truncated"] is False
+  long, = predict(workdir, [" ".join([question] * 40)])
+  assert long["truncated"] is True and "(cut to data.query_len wordpieces)" in _show(long)
