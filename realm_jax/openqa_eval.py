@@ -9,6 +9,7 @@ writes W/eval/<step>/<split>[-retrieval]/metrics.json and predictions.jsonl.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import sys
@@ -20,6 +21,10 @@ from realm_jax.config.option_names import upgrade_flags
 
 logger = logging.getLogger("realm_jax.openqa_eval")   # (__name__ is __main__ under python -m)
 
+# What metrics.json records of the evaluation that wrote it, beside step and split.
+EVALUATED_BY = ("source", "data_dir", "config_sha256")
+
+
 def results_dir(workdir: str, step: int, split: str, reader: bool) -> str:
   """W/eval/<step>/<split> (reader + retrieval) or W/eval/<step>/<split>-retrieval (retrieval
   only): each evaluation of a checkpoint keeps its own results."""
@@ -27,12 +32,23 @@ def results_dir(workdir: str, step: int, split: str, reader: bool) -> str:
 
 
 def write_results(out: str, metrics: dict, predictions: list[dict]) -> str:
-  """out/{metrics.json, predictions.jsonl}, each seen whole or not at all (a local file is
-  written then renamed, a bucket object written in one request)."""
+  """out/{predictions.jsonl, metrics.json}, each seen whole or not at all (a local file is
+  written then renamed, a bucket object written in one request); metrics last, so that the
+  predictions beside a metrics.json are its own. An earlier evaluation there of other
+  questions, data or settings (`EVALUATED_BY`) is replaced with a warning naming them."""
   paths.makedirs(out)
-  paths.write_text_atomic(paths.join(out, "metrics.json"), json.dumps(metrics, indent=2))
+  try:
+    before = paths.read_json(paths.join(out, "metrics.json")) or {}
+  except ValueError:    # cut short: replaced
+    before = {}
+  changed = [f"{key}: {before.get(key)!r} -> {metrics.get(key)!r}" for key in EVALUATED_BY
+             if before and before.get(key) != metrics.get(key)]
+  if changed:
+    logger.warning(f"[eval] {out} held an evaluation of another kind ({'; '.join(changed)}): "
+                   "replaced")
   paths.write_text_atomic(paths.join(out, "predictions.jsonl"),
                           "".join(json.dumps(p) + "\n" for p in predictions))
+  paths.write_text_atomic(paths.join(out, "metrics.json"), json.dumps(metrics, indent=2))
   return out
 
 
@@ -134,7 +150,9 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
               f"{'reader + retrieval' if reader else 'retrieval only'}")
   evaluator = QAEvaluator(config, data, mesh, model, examples, frozen, reader, counts)
   metrics, predictions = evaluator.run(params)
-  metrics.update(step=step, split=split, source=config.qa.get(split), reader=reader)
+  metrics.update(step=step, split=split, source=config.qa.get(split), reader=reader,
+                 data_dir=config.data.dir, config_sha256=hashlib.sha256(
+                     config.to_json_best_effort(sort_keys=True).encode()).hexdigest())
   out = write_results(results_dir(workdir, step, split, reader), metrics, predictions)
   logger.info(f"[eval] step {step} {split}: {format_metrics(metrics)} | {metrics['num_questions']} "
               f"questions, answer in no top-{metrics['reader_beam']} block: "

@@ -260,6 +260,14 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
   with pytest.raises(ConfigError, match=r"config\.data\.dir: .* frozen index, embedded block "
                      r"store another-block-store; .* evaluate the run on the blocks"):
     evaluate_run(openqa_config(world_dir), str(copy), split="test")
+  # another evaluation of the same step and split replaces it, saying what differed
+  assert {"source", "data_dir", "config_sha256"} <= set(saved)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="realm_jax.openqa_eval"):
+    evaluate_run(openqa_config(world_dir, qa__reader_beam=2), workdir, split="test")
+  assert f"{out} held an evaluation of another kind (config_sha256: " in caplog.text
+  assert len(json.loads(open(os.path.join(out, "predictions.jsonl")).readline())[
+      "evidence"]) == 2
   # its frozen index gone or damaged: one line naming the version, not a traceback
   from realm_jax.errors import CheckpointError
   from realm_jax.retrieval import published
