@@ -169,6 +169,10 @@ def main(argv) -> None:
   if len(argv) > 1:
     raise SystemExit(f"realm-eval: unexpected arguments {argv[1:]}")
   log.use_absl_verbosity()   # -v N; Orbax's and TFDS's INFO lines off the console
+  if flags_.step < -1:
+    print(f"realm-eval: error: --step {flags_.step}: a checkpoint's step, or -1 for the "
+          "latest", file=sys.stderr)
+    raise SystemExit(2)
   step = flags_.step if flags_.step >= 0 else None
   config = lambda: flags_.config or fitted_mesh(run_config(flags_.workdir))
   run_cli("realm-eval", lambda: evaluate_run(config(), flags_.workdir, step, flags_.split,

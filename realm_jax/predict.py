@@ -66,6 +66,10 @@ def main(argv) -> None:
   if empty:
     print(f"realm-predict: error: question {empty[0]} is empty: ask something", file=sys.stderr)
     raise SystemExit(2)
+  if _STEP.value < -1:
+    print(f"realm-predict: error: --step {_STEP.value}: a checkpoint's step, or -1 for the "
+          "latest", file=sys.stderr)
+    raise SystemExit(2)
   log.use_absl_verbosity()   # -v N; Orbax's and TFDS's INFO lines off the console
   step = _STEP.value if _STEP.value >= 0 else None
   results = run_cli("realm-predict", lambda: predict(_WORKDIR.value, questions, step))

@@ -32,7 +32,7 @@ import sys
 import time
 
 from realm_jax import paths
-from realm_jax.errors import ConfigError
+from realm_jax.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,13 @@ def recorded_config(workdir: str) -> dict | None:
   None where W has none."""
   from realm_jax.config.option_names import upgrade_record
   path = paths.join(workdir, CONFIG)
-  record = paths.read_json(path)
+  try:
+    record = paths.read_json(path)
+  except ValueError as e:   # edited by hand, or cut short
+    raise DataError(f"{path}: not the JSON a run writes ({e}); restore it from a copy of "
+                    "the run (an evaluation may give --config instead)") from None
+  if record is not None and not isinstance(record, dict):
+    raise DataError(f"{path}: not the JSON object a run writes")
   return None if record is None else upgrade_record(record, f"{path}: ")
 
 

@@ -232,13 +232,20 @@ def test_every_cli_names_a_misspelt_option_and_a_missing_config_file_in_one_line
 @pytest.mark.parametrize("module, prog", [("realm_jax.openqa_eval", "realm-eval"),
                                           ("realm_jax.predict", "realm-predict")])
 def test_a_workdir_that_is_not_a_run_is_named_in_one_line(module, prog, tmp_path):
-  """A W that does not exist, or holds no run (no config.json), is named as such; a
-  misspelt --split of realm-eval names the splits."""
+  """A W that does not exist, or holds no run (no config.json) or a broken record of one, is
+  named as such, as is a negative --step but -1; a misspelt --split of realm-eval names the
+  splits."""
   (tmp_path / "empty").mkdir()
+  (tmp_path / "broken").mkdir()
+  (tmp_path / "broken" / "config.json").write_text('{"model": {')     # cut short
   cases = [([f"--workdir={tmp_path}/nowhere"], f"{tmp_path}/nowhere: no such run directory"),
            ([f"--workdir={tmp_path}/empty"],
             f"{tmp_path}/empty/config.json: not found, so {tmp_path}/empty is not a run "
-            "directory")]
+            "directory"),
+           ([f"--workdir={tmp_path}/broken"],
+            f"{tmp_path}/broken/config.json: not the JSON a run writes"),
+           ([f"--workdir={tmp_path}/empty", "--step=-3"],
+            "--step -3: a checkpoint's step, or -1 for the latest")]
   if prog == "realm-eval":
     cases.append(([f"--workdir={tmp_path}/empty", "--split=tset"],
                   "flag --split=tset: value should be one of <train|dev|test>"))

@@ -247,6 +247,12 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
   for key in ("index_version", "index_step", "recall_at_1", "recall_at_5", "recall_at_20"):
     assert retrieved[key] == saved[key], key
   assert json.load(open(os.path.join(out, "metrics.json"))) == saved
+  # its evidence scored as the reader's run scores it (query . block, the same index)
+  alone = [json.loads(line) for line in open(os.path.join(out_retrieval, "predictions.jsonl"))]
+  for p, q in zip(predictions, alone):
+    assert [e["block"] for e in p["evidence"]] == [e["block"] for e in q["evidence"]]
+    assert [e["retrieval_score"] for e in q["evidence"]] == pytest.approx(
+        [e["retrieval_score"] for e in p["evidence"]], rel=1e-4, abs=1e-4)
   # evaluated under another held-out split: said before anything else (the world's questions
   # carry no article titles, so this split is then refused)
   with caplog.at_level(logging.WARNING, logger="realm_jax.openqa_eval"):

@@ -378,8 +378,8 @@ def _checked_shapes(workdir: str, step: int | None, abstract_params,
   wrong = shape_mismatches(saved, ours)
   if wrong:
     raise ConfigError("", f"{workdir} step {step}: {len(wrong)} parameters do not fit this "
-                      f"config and data dir ({'; '.join(wrong[:3])}); the run's own are its "
-                      "W/config.json (leave out --config)")
+                      f"config and data dir ({'; '.join(wrong[:3])}); the run's own are "
+                      "in its W/config.json (realm-eval reads it without --config)")
   return saved, step
 
 

@@ -61,8 +61,11 @@ class QAEvaluator:
       for k in self.recall_at:
         hits[k][start:start + real] = has[:, :k].any(axis=1)
       in_top_k[start:start + real] = has[:, :b.k].any(axis=1)
-      out = None
-      if self.reader:
+      out, scores = None, None
+      if not self.reader:   # the reader's logits hold them otherwise
+        scores = np.einsum("bd,bkd->bk", np.asarray(q_emb[:real], np.float32),
+                           self.frozen.embeddings[ranked[:real, :b.k]])
+      else:
         batch = b.reader_batch(rows, ranked[:, :b.k], labels=False)
         batch["candidate_emb"] = self.frozen.embeddings[ranked[:, :b.k]]
         global_batch = partitioning.global_batch(batch, self.mesh)
@@ -71,7 +74,7 @@ class QAEvaluator:
       for i in range(real):
         row = start + i
         pred = self._prediction(row, ranked[i], has[i], batch if out is not None else None,
-                                out, i)
+                                out, i, None if scores is None else scores[i])
         if out is not None:
           em[row], f1[row] = pred["exact_match"], pred["f1"]
         if keep_predictions:
@@ -93,7 +96,8 @@ class QAEvaluator:
         skipped=self.counts, index_version=self.frozen.version, index_step=self.frozen.step)
     return metrics, predictions
 
-  def _prediction(self, row, ranked, has, batch, out, i) -> dict:
+  def _prediction(self, row, ranked, has, batch, out, i, scores=None) -> dict:
+    """One question's record; `scores` [k]: its blocks' retrieval scores without a reader."""
     ex, b, blocks = self.examples[row], self.builder, self.data.blocks
     pred = {"id": ex.qid, "question": ex.question, "answers": list(ex.answers),
             "answer_in_top_k": bool(has[:b.k].any())}
@@ -103,6 +107,8 @@ class QAEvaluator:
       body = blocks.tokens[block][blocks.body_start[block]:blocks.lengths[block] - 1]
       item = {"block": block, "title": blocks.title(block),
               "text": self.data.tokenizer.decode(body), "contains_answer": bool(has[j])}
+      if scores is not None:
+        item["retrieval_score"] = float(scores[j])
       if out is not None:
         item["retrieval_score"] = float(out["retrieval_logits"][i, j])
         item["span_score"] = float(out["block_span_scores"][i, j])
