@@ -34,6 +34,7 @@ import argparse
 import csv
 import io
 import itertools
+import math
 import os
 import shlex
 import signal
@@ -52,6 +53,7 @@ from realm_jax.config.overrides import (check_key, check_known_options, field_va
 PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCHERS = ("local", "print", "tpu_pod")
+MAX_NAME_BYTES = 255   # a directory entry (a bucket's object names allow more; local disks not)
 TPU_POD_OWN = ("--name", "--config", "--workdir", "--set")   # set by the sweep for each run
 
 
@@ -67,7 +69,7 @@ def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list
         raise ConfigError("", f"--grid {flag!r}: {key} has a --grid already (give all its "
                           "values in one: --grid KEY=V1,V2,...)")
       axes.append([(key, field_value(config, fields, key, v.strip()))
-                   for v in values.split(",")])
+                   for v in grid_values(values)])
     runs = [dict(combo) for combo in itertools.product(*axes)]
   elif hyper:
     runs = [dict(run) for run in hyper]
@@ -78,6 +80,26 @@ def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list
     raise ConfigError("", "no grid: give --grid KEY=V1,V2 flags or define get_hyper(arg) in "
                       "the config module")
   return runs
+
+
+def grid_values(text: str) -> list[str]:
+  """`V1,V2,...` split on the commas outside brackets and quotes: `(8,1),(4,2)` is two
+  tuples, `'6,7',8` two strings."""
+  values, depth, quote, start = [], 0, "", 0
+  for i, c in enumerate(text):
+    if quote:
+      quote = "" if c == quote else quote
+    elif c in "'\"":
+      quote = c
+    elif c in "([":
+      depth += 1
+    elif c in ")]":
+      depth -= 1
+    elif c == "," and depth == 0:
+      values.append(text[start:i])
+      start = i + 1
+  values.append(text[start:])
+  return [v.strip().strip("'\"") if v.strip()[:1] in "'\"" else v for v in values]
 
 
 def run_name(overrides: dict) -> str:
@@ -120,6 +142,20 @@ def run_config(config, overrides: dict):
   return run
 
 
+def check_runs(config, runs: list[tuple[str, dict]], fixed: dict) -> None:
+  """Before any run starts: every run's config passes the trainer's own checks (`validate`),
+  naming the run, and every workdir name fits a directory entry."""
+  from realm_jax.config.validation import validate
+  for name, overrides in runs:
+    if len(name.encode()) > MAX_NAME_BYTES:
+      raise ConfigError("", f"run {name[:60]}...: its workdir name is {len(name.encode())} "
+                        f"bytes, over {MAX_NAME_BYTES}: sweep fewer keys, or shorter values")
+    try:
+      validate(run_config(config, {**fixed, **overrides}))
+    except ConfigError as e:
+      raise ConfigError(e.option, f"{e.message} (run {name})") from None
+
+
 def needs_builder(config, overrides: dict) -> bool:
   """Whether the run with `overrides` uses the separate index builder (the trainer's rule,
   `reading.uses_index_builder`)."""
@@ -160,8 +196,14 @@ def collect(root: str, runs: list[tuple[str, dict]], metric: str, descending: bo
     row.update({k: v for k, v in summary.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool)})
     rows.append(row)
-  have = [r for r in rows if isinstance(r.get(metric), (int, float))]
+  have = [r for r in rows if isinstance(r.get(metric), (int, float))
+          and math.isfinite(r[metric])]    # a NaN sorts nowhere: with the rest
   rest = [r for r in rows if r not in have]
+  if rows and not have:
+    fields = sorted({k for r in rows for k in r if k.startswith("eval_")})
+    print(f"[sweep] warning: --metric {metric or '(none)'}: no run's summary has it as a "
+          f"number (their eval fields: {', '.join(fields) or 'none'}); the table is not "
+          "sorted", flush=True)
   have.sort(key=lambda r: r[metric], reverse=descending)
   return have + rest
 
@@ -187,7 +229,10 @@ def write_tables(root: str, rows: list[dict], metric: str) -> tuple[str, str]:
     r = {**r, wall: "" if seconds is None else seconds}   # "": a run with no summary
     cells = [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in shown]
     lines.append("| " + " | ".join(cells) + " |")
-  paths.write_text_atomic(md_path, f"Sorted by {metric}.\n\n" + "\n".join(lines) + "\n")
+  sorted_by = any(isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])
+                  for r in rows)
+  head = f"Sorted by {metric}." if sorted_by else f"Not sorted: no run has {metric or 'a metric'}."
+  paths.write_text_atomic(md_path, f"{head}\n\n" + "\n".join(lines) + "\n")
   return csv_path, md_path
 
 
@@ -316,6 +361,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
       raise ConfigError("", f"two runs would share the workdir {name!r}: {named[name]} and "
                         f"{overrides}; give values that differ in more than '/' or spaces")
     named[name] = overrides
+  check_runs(config, runs, fixed)
   print(f"[sweep] {len(runs)} runs of {args.config} under {args.root} ({args.launcher})",
         flush=True)
   if args.launcher == "tpu_pod":

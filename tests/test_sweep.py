@@ -48,7 +48,9 @@ def test_a_key_not_in_the_config_names_the_closest(capsys):
      "two runs would share the workdir 'init.from_workdir-runs_a_b'"),
     (["--config", os.path.join(helpers.CONFIGS, "realm_base.py:huge")],
      "realm_base.py:huge': ValueError: configs/realm_base.py: unknown variant 'huge'"),
-], ids=["key twice", "same workdir", "config error"])
+    (["--grid", "train.lr=1e-3,-1"], "config.train.lr: "),
+    (["--grid", "init.from_workdir=" + ",".join(["x" * 300, "y"])], "bytes, over 255"),
+], ids=["key twice", "same workdir", "config error", "a run validate refuses", "long name"])
 def test_grids_that_would_lose_runs_and_broken_configs_are_one_line(argv, message, capsys,
                                                                     tmp_path):
   args = ["--config", ICT, "--root", str(tmp_path), "--launcher", "print"]
@@ -78,6 +80,27 @@ def test_print_launcher_expands_the_grid_with_typed_values(capsys, tmp_path):
   with pytest.raises(SystemExit):
     sweep.main(["--config", ICT, "--grid", "model.retriever.num_layers=1,2.5", "--launcher",
                 "print"])
+  # Commas inside brackets or quotes belong to one value: tuples and strings with commas.
+  assert sweep.expand_grid(config, ["mesh.shape=(8,1),(4, 2)"], None) == [
+      {"mesh.shape": (8, 1)}, {"mesh.shape": (4, 2)}]
+  assert sweep.expand_grid(config, ["init.from_workdir='runs/a,b',runs/c"], None) == [
+      {"init.from_workdir": "runs/a,b"}, {"init.from_workdir": "runs/c"}]
+
+
+def test_a_metric_no_run_has_or_nan_leaves_the_table_unsorted_and_says_so(tmp_path, capsys):
+  sweep = sweep_module()
+  for name, value in (("a", 0.5), ("b", float("nan")), ("c", 0.7)):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "summary.json").write_text(json.dumps({"eval_recall_at_5": value}))
+  runs = [(name, {"train.lr": lr}) for name, lr in (("a", 1.0), ("b", 2.0), ("c", 3.0))]
+  rows = sweep.collect(str(tmp_path), runs, "eval_recall_at_5", True, {})
+  assert [r["run"] for r in rows] == ["c", "a", "b"]     # the NaN with the runs without it
+  rows = sweep.collect(str(tmp_path), runs, "eval_recall_at5", True, {})
+  assert [r["run"] for r in rows] == ["a", "b", "c"]
+  assert ("--metric eval_recall_at5: no run's summary has it as a number (their eval fields: "
+          "eval_recall_at_5)") in capsys.readouterr().out
+  _, md = sweep.write_tables(str(tmp_path), rows, "eval_recall_at5")
+  assert open(md).read().startswith("Not sorted: no run has eval_recall_at5.")
 
 
 def test_a_run_given_the_readers_retriever_field_is_compared_as_the_trainer_recorded_it(
