@@ -354,12 +354,18 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     check_key(key, fields, "--set")
     fixed[key] = field_value(config, fields, key, value)
   grid = expand_grid(config, args.grid, hyper)
+  both = sorted({key for overrides in grid for key in overrides} & set(fixed))
+  if both:
+    raise ConfigError("", f"--set {both[0]}: also swept (--grid or get_hyper()); give it in "
+                      "one of them")
   runs = [(run_name(overrides), overrides) for overrides in grid]
   named = {}
   for name, overrides in runs:   # one workdir per run: a second would be skipped as done
     if name in named:
-      raise ConfigError("", f"two runs would share the workdir {name!r}: {named[name]} and "
-                        f"{overrides}; give values that differ in more than '/' or spaces")
+      why = (f"{overrides} is given twice (one value spelt two ways?)"
+             if named[name] == overrides else f"{named[name]} and {overrides}; give values "
+             "that differ in more than '/' or spaces")
+      raise ConfigError("", f"two runs would share the workdir {name!r}: {why}")
     named[name] = overrides
   check_runs(config, runs, fixed)
   print(f"[sweep] {len(runs)} runs of {args.config} under {args.root} ({args.launcher})",

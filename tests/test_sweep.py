@@ -49,8 +49,11 @@ def test_a_key_not_in_the_config_names_the_closest(capsys):
     (["--config", os.path.join(helpers.CONFIGS, "realm_base.py:huge")],
      "realm_base.py:huge': ValueError: configs/realm_base.py: unknown variant 'huge'"),
     (["--grid", "train.lr=1e-3,-1"], "config.train.lr: "),
+    (["--grid", "train.lr=1e-3,0.001"], "{'train.lr': 0.001} is given twice"),
+    (["--grid", "train.lr=1e-3,3e-3", "--set", "train.lr=1e-2"], "--set train.lr: also swept"),
     (["--grid", "init.from_workdir=" + ",".join(["x" * 300, "y"])], "bytes, over 255"),
-], ids=["key twice", "same workdir", "config error", "a run validate refuses", "long name"])
+], ids=["key twice", "same workdir", "config error", "a run validate refuses", "long name",
+        "one value twice", "set and swept"])
 def test_grids_that_would_lose_runs_and_broken_configs_are_one_line(argv, message, capsys,
                                                                     tmp_path):
   args = ["--config", ICT, "--root", str(tmp_path), "--launcher", "print"]
