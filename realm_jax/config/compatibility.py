@@ -4,9 +4,9 @@ checkpoints were written under)."""
 
 from __future__ import annotations
 
-from realm_jax.config.defaults import OLD_SAME_AS_READER, TOWER_FIELDS
+from realm_jax.config.defaults import TOWER_FIELDS
 from realm_jax.config.reading import (flat_options, freezing_options, frozen_paths,
-                                      uses_index_builder)
+                                      part_model, uses_index_builder)
 
 # Fields that fix parameter shapes or the meaning of a checkpoint: a workdir whose
 # checkpoints were written under other values cannot be resumed.
@@ -50,20 +50,20 @@ def inference_differences(saved: dict, current: dict, reader: bool) -> list[str]
   READER_INFERENCE_FIELDS) whose effective value differs between the run's record `saved`
   and `current`."""
   fields = INFERENCE_FIELDS + (READER_INFERENCE_FIELDS if reader else ())
-  effective = [_tower_resolved(flat_options(c)) for c in (saved, current)]
+  effective = [_tower_resolved(c) for c in (saved, current)]
   return [f"{name}: {a!r} (the run) != {b!r} (this config)"
           for name, a, b in changed_fields(*effective, fields)]
 
 
-def _tower_resolved(flat: dict) -> dict:
-  """`flat` with each unset `model.retriever.<field>` (None, or its old spelling) read as the
-  reader's `model.<field>`, as the model builds it."""
-  out = dict(flat)
-  for field in TOWER_FIELDS:
-    name = f"model.retriever.{field}"
-    if out.get(name) in (None, OLD_SAME_AS_READER.get(field, 0)):
-      out[name] = out.get(f"model.{field}", ADDED_FIELDS.get(f"model.{field}"))
-  return out
+def _tower_resolved(config: dict) -> dict:
+  """The flat options of the record `config`, each `model.retriever.<field>` as the retriever
+  is built from it (`reading.part_model`: unset, the reader's `model.<field>`)."""
+  import ml_collections
+  flat = flat_options(config)
+  tower = part_model(ml_collections.ConfigDict(config), "retriever")
+  flat.update({f"model.retriever.{f}": tower.get(f, ADDED_FIELDS.get(f"model.{f}"))
+               for f in TOWER_FIELDS})
+  return flat
 
 
 def task_fields(saved: dict, current: dict) -> tuple[str, ...]:
