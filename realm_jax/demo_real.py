@@ -30,7 +30,7 @@ import os
 import platform
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.errors import ConfigError, DataError
+from realm_jax.errors import ConfigError
 from realm_jax.stages import (DEMO_ARGUMENTS, check_arguments, devices, repo_config,
                               run_demo_cli, run_stage, stage_seconds, trained_nothing)
 from realm_jax.config.overrides import with_overrides
@@ -318,13 +318,10 @@ def _run_demo_real(workdir: str, squad: str, seed: int, scale: str, max_paragrap
                    wall: workdir_lib.RunWall) -> dict:
   previous = workdir_lib.read_summary(workdir)   # a finished recipe run again reports it
   evaluations = paths.read_text(os.path.join(workdir, EVALUATIONS))   # ... unless it evaluates
-  try:
+  with wall.input_checks():
     data_dir, source, stats = prepare_data(workdir, squad, max_paragraphs)
     check_heldout_unit(workdir, heldout_unit(data_dir))
     check_questions(workdir, data_dir, source, seed, scale)
-  except (ConfigError, DataError, FileNotFoundError):
-    wall.refused()
-    raise
   results = {}
   for name, variant, inits in STAGES:
     overrides = stage_overrides(data_dir, source, seed, workdir, inits)

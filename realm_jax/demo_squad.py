@@ -17,7 +17,6 @@ import argparse
 import os
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.errors import ConfigError, DataError
 from realm_jax.stages import (check_arguments, repo_config, run_demo_cli, run_stage, run_stages,
                               stage_seconds)
 
@@ -38,16 +37,13 @@ def pretrain(workdir: str, squad: str, seed: int, wall: workdir_lib.RunWall,
     prep.source = f"squad:{squad}"
   prep.out_dir = data_dir
   path = prep.source.partition(":")[2]
-  try:
+  with wall.input_checks():
     if not os.path.exists(path):
       raise FileNotFoundError(f"{path}: no such file (pass --squad PATH)")
     print(f"[demo-squad] preparing {path} -> {data_dir}", flush=True)
     stats = prepare(prep)
     if openqa:
       check_openqa_questions(prep.source)
-  except (ConfigError, DataError, FileNotFoundError):
-    wall.refused()
-    raise
   results = run_stages([(name, "squad_realm", name, init_from) for name, init_from in STAGES],
                        data_dir, workdir, seed)
   return data_dir, prep.source, stats, results

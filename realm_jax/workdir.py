@@ -26,6 +26,7 @@ bucket), so a reader never sees half of one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -276,10 +277,16 @@ class RunWall:
     fields (the summary it reproduces) and W/wall.json is left as it is."""
     self.fields = {key: previous[key] for key in WALL_FIELDS if key in previous}
 
-  def refused(self) -> None:
-    """This run stopped on its input before any stage ran (a bad file, a split that holds out
-    nothing): it adds no run to W/wall.json."""
-    self.fields = {}
+  @contextlib.contextmanager
+  def input_checks(self):
+    """A block of checks of the run's input before any stage runs: a run it refuses (a
+    missing or bad file, a split that holds out nothing: ConfigError, DataError,
+    FileNotFoundError) adds no run to W/wall.json."""
+    try:
+      yield
+    except (ConfigError, DataError, FileNotFoundError):
+      self.fields = {}
+      raise
 
   def record(self) -> dict:
     if self.fields is None:
