@@ -23,8 +23,12 @@ the commands instead. Then every run's `summary.json` is collected into
 `--ascending`), and the table is printed.
 
 `tpu_pod` starts each run on TPU slices of its own, one after another, as `launch/tpu_pod.py up
---name NAME-<i> --workdir ROOT/<name> ...` (ROOT a gs:// path; the flags after `--` go to every
-tpu_pod.py call) and returns once all are started; their summaries land in the bucket.
+--name NAME-<run id> --workdir ROOT/<name> ...` (ROOT a gs:// path; the run id is 8 hex digits of
+the run's name, so a run keeps its slices when the grid grows or is reordered; the flags after
+`--` go to every tpu_pod.py call) and returns once all are started; their summaries land in the
+bucket. As with `local`, runs that finished are skipped and a sweep whose runs started under
+other values is refused; a run still training keeps its slices, where tpu_pod.py refuses a
+second start ("already running"), and a stopped one resumes on them.
 `--dry-run` prints each run's command and runs nothing (`--launcher print` is `local --dry-run`).
 """
 
@@ -32,10 +36,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import io
 import itertools
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -54,6 +60,7 @@ PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCHERS = ("local", "print", "tpu_pod")
 MAX_NAME_BYTES = 255   # a directory entry (a bucket's object names allow more; local disks not)
+MAX_SLICES_NAME = 31   # --name: NAME-<8 hex> fits tpu_pod.py's 40 characters
 TPU_POD_OWN = ("--name", "--config", "--workdir", "--set")   # set by the sweep for each run
 
 
@@ -133,6 +140,12 @@ def tpu_pod_command(config_spec: str, workdir: str, overrides: dict, builder: bo
           *sets, *tpu_pod_args]
 
 
+def slice_name(name: str, run: str) -> str:
+  """The tpu_pod.py --name of run `run` in sweep `name`: `name-<8 hex of sha256(run)>`, the
+  same whatever runs the grid holds besides it (a grown grid finds a running run's slices)."""
+  return f"{name}-{hashlib.sha256(run.encode()).hexdigest()[:8]}"
+
+
 def run_config(config, overrides: dict):
   """The config one run trains under: the sweep's config with the run's overrides, read as
   the trainer reads them (`upgrade_config`: the retriever's 0 for "the reader's" is None)."""
@@ -165,13 +178,16 @@ def needs_builder(config, overrides: dict) -> bool:
 def check_started_runs(root: str, runs: list[tuple[str, dict]], config, fixed: dict) -> None:
   """Refuses a sweep whose runs started under other values (a `--set` or the config file
   changed since): a finished one would be skipped and its old figures tabled as this sweep's,
-  a stopped one resumed under a mix of both. More `train.steps` is allowed: the runs go on."""
+  a stopped one resumed under a mix of both. More `train.steps` is allowed: the runs go on.
+  A path the run recorded as its gcsfuse mount (`/gcs/B/P`, tpu_pod.py --storage gcsfuse) is
+  the same as `gs://B/P`."""
   stale = []
   for name, overrides in runs:
     diffs = [f"{option}: {recorded!r} (recorded) != {now!r} (now)" for option, recorded, now
              in workdir_lib.recorded_differences(paths.join(root, name),
                                                  run_config(config, {**fixed, **overrides}))
-             if not (option == "train.steps" and now > recorded)]
+             if not (option == "train.steps" and now > recorded)
+             and not _same_bucket_path(recorded, now)]
     if diffs:
       more = f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else ""
       stale.append(f"{name}: {'; '.join(diffs[:3])}{more}")
@@ -179,6 +195,18 @@ def check_started_runs(root: str, runs: list[tuple[str, dict]], config, fixed: d
     raise ConfigError("", f"--root {root}: {len(stale)} of the runs there started under other "
                       "values than this sweep gives them; use another --root, or remove those "
                       "runs to train them again: " + " | ".join(stale))
+
+
+def _same_bucket_path(recorded, now) -> bool:
+  return (isinstance(recorded, str) and isinstance(now, str)
+          and paths.bucket_url(recorded) == paths.bucket_url(now))
+
+
+def finished(workdir: str, run: dict, fields: dict) -> bool:
+  """Whether the run's summary.json covers its `train.steps` (a rerun skips it)."""
+  done = _summary(workdir)
+  return done is not None and done.get("steps") == int(run.get("train.steps",
+                                                               fields["train.steps"]))
 
 
 def _summary(workdir: str) -> dict | None:
@@ -250,7 +278,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--metric", default="", help="sort key from summary.json (default: the "
                       "first eval_* field)")
   parser.add_argument("--ascending", action="store_true", help="smaller metric is better")
-  parser.add_argument("--name", default="", help="tpu_pod: runs on slices NAME-1, NAME-2, ...")
+  parser.add_argument("--name", default="", help="tpu_pod: each run on slices NAME-<run id> (8 hex digits)")
   parser.add_argument("--dry-run", action="store_true", help="print the commands, run none")
   log.add_verbosity_argument(parser)
   args = parser.parse_args(argv)
@@ -267,31 +295,46 @@ def check_tpu_pod_flags(args: argparse.Namespace) -> None:
     raise ConfigError("", f"--root {args.root!r}: --launcher tpu_pod needs gs://BUCKET/PATH "
                       "(each run's workdir is ROOT/<run>)")
   if not args.name:
-    raise ConfigError("", "--launcher tpu_pod needs --name (runs on slices NAME-1, NAME-2, ...)")
+    raise ConfigError("", "--launcher tpu_pod needs --name (each run on slices NAME-<run id>)")
+  if (not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", args.name)
+      or len(args.name) > MAX_SLICES_NAME):
+    raise ConfigError("", f"--name {args.name!r}: lowercase letters, digits and '-', starting "
+                      f"with a letter, at most {MAX_SLICES_NAME} characters (each run's slices "
+                      "are NAME-<8 hex digits>-trainer and -builder)")
   own = [t for t in args.tpu_pod_args if t.split("=")[0] in TPU_POD_OWN]
   if own:
     raise ConfigError("", f"after --: {own[0]!r} is set by the sweep for each run")
 
 
 def launch_on_tpu_pods(args: argparse.Namespace, runs: list[tuple[str, dict]], config,
-                       fixed: dict) -> list[dict]:
-  """`tpu_pod.py up` for each run, one after another; rows of the runs' launch status."""
+                       fields: dict, fixed: dict) -> list[dict]:
+  """`tpu_pod.py up` for each run not finished, one after another, on slices named after the
+  run (`slice_name`); rows of the runs' launch status. Refuses, before any machine, a sweep
+  whose runs in the bucket started under other values (`check_started_runs`)."""
+  if not args.dry_run:
+    check_started_runs(args.root, runs, config, fixed)
   rows = []
   for i, (name, overrides) in enumerate(runs, 1):
-    run = {**fixed, **overrides}
-    cmd = tpu_pod_command(args.config, f"{args.root.rstrip('/')}/{name}", run,
-                          needs_builder(config, run), f"{args.name}-{i}", args.tpu_pod_args)
+    run, slices = {**fixed, **overrides}, slice_name(args.name, name)
+    workdir = f"{args.root.rstrip('/')}/{name}"
+    cmd = tpu_pod_command(args.config, workdir, run, needs_builder(config, run), slices,
+                          args.tpu_pod_args)
     if args.dry_run:
       print(shlex.join(cmd), flush=True)
       continue
+    if finished(workdir, run, fields):
+      rows.append({"run": name, "status": "done", "slices": slices})
+      print(f"[sweep] {i}/{len(runs)} {name}: already done", flush=True)
+      continue
     print(f"[sweep] {i}/{len(runs)} {name}: {shlex.join(cmd)}", flush=True)
     code = subprocess.run(cmd, check=False).returncode
-    rows.append({"run": name, "status": "started" if code == 0 else f"failed ({code})"})
-    print(f"[sweep] {i}/{len(runs)} {name}: {rows[-1]['status']} on {args.name}-{i}-*",
-          flush=True)
+    rows.append({"run": name, "status": "started" if code == 0 else f"failed ({code})",
+                 "slices": slices})
+    print(f"[sweep] {i}/{len(runs)} {name}: {rows[-1]['status']} on {slices}-*", flush=True)
   if not args.dry_run:
-    print(f"[sweep] {sum(r['status'] == 'started' for r in rows)}/{len(runs)} runs started; "
-          f"each writes {args.root.rstrip('/')}/<run>/summary.json when it finishes", flush=True)
+    print(f"[sweep] {sum(r['status'] == 'started' for r in rows)}/{len(runs)} runs started, "
+          f"{sum(r['status'] == 'done' for r in rows)} done before; each writes "
+          f"{args.root.rstrip('/')}/<run>/summary.json when it finishes", flush=True)
   return rows
 
 
@@ -307,9 +350,7 @@ def run_locally(args: argparse.Namespace, runs: list[tuple[str, dict]], config, 
   try:
     for i, (name, overrides) in enumerate(runs, 1):
       workdir, run = paths.join(args.root, name), {**fixed, **overrides}
-      done = _summary(workdir)
-      if done is not None and done.get("steps") == int(run.get("train.steps",
-                                                               fields["train.steps"])):
+      if finished(workdir, run, fields):
         print(f"[sweep] {i}/{len(runs)} {name}: already done", flush=True)
         continue
       cmd = command(args.config, workdir, run, needs_builder(config, run))
@@ -371,7 +412,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
   print(f"[sweep] {len(runs)} runs of {args.config} under {args.root} ({args.launcher})",
         flush=True)
   if args.launcher == "tpu_pod":
-    return launch_on_tpu_pods(args, runs, config, fixed)
+    return launch_on_tpu_pods(args, runs, config, fields, fixed)
   paths.check(args.root, "--root")
   if args.launcher == "print" or args.dry_run:
     for name, overrides in runs:

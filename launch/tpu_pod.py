@@ -12,6 +12,7 @@ default v4-8; `none` for a config without the separate index builder). Actions:
   install  build this repository's wheel, copy it and configs/ to every worker, install it with
            its [tpu] extra into ~/realm_env (--storage gcsfuse: and mount every bucket the run
            names at /gcs/BUCKET)
+           (refused on a slice whose job is running: the package is not replaced under it)
   start    `realm-train ... --multihost=auto` on every trainer worker and `realm-index ...` on
            every builder worker, nohup'd, output to ~/realm_logs/{trainer,builder}.log
   tail     follow worker 0's log of --job (trainer or builder)
@@ -41,7 +42,7 @@ import shutil
 import subprocess
 import sys
 
-from realm_jax import log, processes
+from realm_jax import log, paths, processes
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.loading import load_config
 from realm_jax.config.reading import flat_options, uses_index_builder
@@ -58,7 +59,7 @@ REPO = os.path.dirname(HERE)
 ACTIONS = ("create", "install", "start", "tail", "stop", "delete", "up")
 JOBS = ("trainer", "builder")
 ENTRY = {"trainer": "realm-train", "builder": "realm-index"}
-MOUNT_ROOT = "/gcs"
+MOUNT_ROOT = paths.MOUNT_ROOT   # where gcsfuse mounts gs://B: /gcs/B
 STORAGES = ("gcs", "gcsfuse")   # the jobs on gs:// themselves | buckets mounted by gcsfuse
 PATH_FIELDS = ("data.dir", "init.from_workdir", "init.hf_bert", "init.retriever",
                "init.reader")     # paths read on the machines
@@ -277,8 +278,9 @@ def install_script(plan: Plan) -> str:
                   "| sudo tee /etc/apt/sources.list.d/gcsfuse.list > /dev/null")
   key = ("curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg "
          "| sudo tee /usr/share/keyrings/cloud.google.asc > /dev/null")
-  steps = [
-      "set -e", "sudo apt-get update -qq", f"sudo apt-get install -y -qq {PYTHON} {PYTHON}-venv"]
+  steps = ["set -e", *(_refuse_if_running(job, "its package is not replaced under it; stop it "
+                                          f"first ({PROG} stop)") for job in JOBS),
+           "sudo apt-get update -qq", f"sudo apt-get install -y -qq {PYTHON} {PYTHON}-venv"]
   if plan.mounts:
     steps.append(f"if ! command -v gcsfuse > /dev/null; then {gcsfuse_repo}; {key}; "
                  "sudo apt-get update -qq; sudo apt-get install -y -qq gcsfuse; fi")
@@ -293,14 +295,20 @@ def install_script(plan: Plan) -> str:
   return "; ".join(steps)
 
 
+def _refuse_if_running(job: str, why: str) -> str:
+  """A shell step that exits 1 while `job`'s process (~/realm_logs/JOB.pid) is alive."""
+  pid = f"{LOGS}/{job}.pid"
+  return (f'if [ -f {pid} ] && kill -0 "$(cat {pid})" 2> /dev/null; then echo "{job} is '
+          f'already running (pid $(cat {pid})){": " + why if why else ""}" >&2; exit 1; fi')
+
+
 def start_script(plan: Plan, job: str) -> str:
   """Starts `job` in the background unless it runs already; its pid in ~/realm_logs/JOB.pid."""
   log, pid = f"{LOGS}/{job}.log", f"{LOGS}/{job}.pid"
   steps = [f'mountpoint -q {MOUNT_ROOT}/{b} || {{ echo "{MOUNT_ROOT}/{b} is not mounted: run '
            f'{PROG} install" >&2; exit 1; }}' for b in plan.mounts]
   steps += ["cd $HOME", f"mkdir -p {LOGS}",
-            f'if [ -f {pid} ] && kill -0 "$(cat {pid})" 2> /dev/null; then echo "{job} is '
-            f'already running (pid $(cat {pid}))" >&2; exit 1; fi',
+            _refuse_if_running(job, ""),
             f'echo "# {PROG} start $(date -u +%FT%TZ)" >> {log}',
             f"nohup {ENV_BIN}/{shlex.join(job_argv(plan, job))} >> {log} 2>&1 < /dev/null & "
             f"echo $! > {pid}"]

@@ -71,6 +71,18 @@ def absolute(path) -> str:
   return text if is_remote(text) else os.path.abspath(text)
 
 
+# gcsfuse mounts bucket B at MOUNT_ROOT/B on every TPU VM worker (`launch/tpu_pod.py --storage
+# gcsfuse`), so a run there records /gcs/B/P for gs://B/P.
+MOUNT_ROOT = "/gcs"
+
+
+def bucket_url(path) -> str:
+  """`/gcs/B/P` (a gcsfuse mount of bucket B) as `gs://B/P`; any other path as it is."""
+  text = str(path)
+  prefix = MOUNT_ROOT + "/"
+  return "gs://" + text[len(prefix):] if text.startswith(prefix) else text
+
+
 def join(base, *parts) -> str:
   """`base/part/...` for local paths and URLs alike (a string)."""
   return str(epath.Path(check(str(base))).joinpath(*parts))

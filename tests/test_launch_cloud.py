@@ -516,20 +516,85 @@ def test_sweep_tpu_pod_launcher_prints_one_tpu_pod_command_per_run(capsys):
   assert len(lines) == 4
   tpu_pod_py = os.path.join(LAUNCH, "tpu_pod.py")
   assert all(l[:3] == [sys.executable, tpu_pod_py, "up"] and l[-4:] == WHERE for l in lines)
-  assert [l[l.index("--name") + 1] for l in lines] == [f"realm-lr-{i}" for i in range(1, 5)]
+  names = [l[l.index("--name") + 1] for l in lines]
+  assert all(re.fullmatch(r"realm-lr-[0-9a-f]{8}", n) for n in names) and len(set(names)) == 4
   assert lines[-1][lines[-1].index("--workdir") + 1] == \
       "gs://my-bucket/sweep/train.lr-3e-05_retrieval.k-8"
   # each printed command is a valid tpu_pod.py invocation: its start line has the run's values
   start = _dry_run(capsys, *lines[-1][2:])[-2]
   assert "--config.train.lr=3e-05 --config.retrieval.k=8 " in _remote_script(
-      start, "realm-lr-4-trainer")
+      start, f"{names[-1]}-trainer")
   head = argv[:argv.index("--")]
   for bad, message in (([*argv[:3], "runs/sweep", *argv[4:]], "--launcher tpu_pod needs gs://"),
                        ([*head, "--", "--set", "x=1"], "after --: '--set' is set by the sweep"),
-                       ([a for a in argv if a not in ("--name", "realm-lr")], "needs --name")):
+                       ([a for a in argv if a not in ("--name", "realm-lr")], "needs --name"),
+                       ([*head[:-3], "--name", "r" * 32, "--dry-run"], "at most 31 characters"),
+                       ([*head[:-3], "--name", "Realm", "--dry-run"], "--name 'Realm'")):
     with pytest.raises(SystemExit) as exit_:
       sweep.main(bad)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_tpu_pod_sweep_keeps_each_runs_slices_skips_finished_runs_and_refuses_changed_ones(
+    gcs, capsys, monkeypatch):
+  """Against the bucket stand-in, with tpu_pod.py recorded instead of run: a grown grid starts
+  its old runs on the slices they had (where tpu_pod.py refuses a running one: next test), skips a
+  finished one (whose paths were recorded through gcsfuse's /gcs/B mount), and a run in the
+  bucket that started under other values stops the sweep before any tpu_pod.py call."""
+  from realm_jax import workdir as workdir_lib
+  root, called = f"{gcs}/sweep", []
+  monkeypatch.setattr(sweep, "subprocess", type("Recorder", (), {"run": staticmethod(
+      lambda cmd, check: called.append(cmd[cmd.index("--name") + 1]) or
+      subprocess.CompletedProcess(cmd, 0))}))
+
+  def run_sweep(lrs: str) -> list[dict]:
+    return sweep.sweep(sweep.parse_args(
+        ["--config", REALM_BASE, "--root", root, "--grid", f"train.lr={lrs}",
+         "--set", f"data.dir={gcs}/realm/data", "--set", "retrieval.refresh=async", *INIT,
+         "--launcher", "tpu_pod", "--name", "realm-lr", "--", *WHERE, *FUSE]))
+
+  first = {r["run"]: r["slices"] for r in run_sweep("1e-5,3e-5")}
+  assert called == list(first.values())
+  config = sweep.run_config(tpu_pod.load_config(REALM_BASE), {
+      "data.dir": "/gcs/" + gcs.removeprefix("gs://") + "/realm/data", "train.lr": 3e-5,
+      "retrieval.refresh": "async", "init.retriever": "/gcs/my-bucket/realm/ict",
+      "init.reader": "/gcs/my-bucket/bert-base-uncased"})
+  done = f"{root}/train.lr-3e-05"
+  workdir_lib.write_config(done, config)
+  workdir_lib.write_summary(done, {"steps": config.train.steps})
+  called.clear()
+  rows = {r["run"]: r for r in run_sweep("1e-6,1e-5,3e-5")}
+  assert rows["train.lr-1e-05"]["slices"] == first["train.lr-1e-05"]   # not moved by the grid
+  assert rows["train.lr-3e-05"]["status"] == "done"
+  assert called == [rows["train.lr-1e-06"]["slices"], first["train.lr-1e-05"]]
+  config.retrieval.k = 4    # the run at 3e-5 started under another k than the sweep's
+  workdir_lib.write_config(done, config)
+  called.clear()
+  with pytest.raises(ConfigError, match=r"train.lr-3e-05: retrieval.k: 4 \(recorded\)"):
+    run_sweep("1e-5,3e-5")
+  assert called == []
+
+
+def test_install_is_refused_on_a_slice_whose_job_runs(tmp_path):
+  """`install` (and so `up` again) never replaces the package under a running job: its script
+  stops at the job's live pid, before anything is installed."""
+  plan = tpu_pod.plan_run(REALM_BASE, "gs://my-bucket/realm/realm",
+                          ["data.dir=gs://my-bucket/realm/data", "retrieval.refresh=async",
+                           *INIT[1::2]])
+  logs = tmp_path / "realm_logs"
+  logs.mkdir()
+  job = subprocess.Popen(["sleep", "30"])
+  try:
+    (logs / "builder.pid").write_text(str(job.pid))
+    env = dict(os.environ, HOME=str(tmp_path), PATH="/usr/bin:/bin")
+    refused = subprocess.run(["bash", "-c", tpu_pod.install_script(plan)], env=env,
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert (f"builder is already running (pid {job.pid}): its package is not replaced under "
+            "it" in refused.stderr)
+  finally:
+    job.kill()
+    job.wait()
 
 
 def test_a_config_file_with_a_field_of_its_own_is_refused_before_any_machine(tmp_path,
