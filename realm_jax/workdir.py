@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 CONFIG = "config.json"
 BLOCKS_RECORD = "blocks.json"
+QUESTIONS_RECORD = "questions.json"
 CHECKPOINTS = "checkpoints"
 UNREADABLE_CHECKPOINTS = "unreadable_checkpoints"
 VOCAB = "vocab.txt"
@@ -188,6 +189,31 @@ def check_block_store(workdir: str, fingerprint: str, data_dir: str) -> None:
                       f"differs from the trainer's in {workdir} ({trainer.get('data_dir')}, "
                       f"fingerprint {trainer.get('block_store_fingerprint')}): an index over "
                       "other blocks would retrieve the wrong rows")
+
+
+# -- W/questions.json --------------------------------------------------------------------------
+def record_questions(workdir: str, spec: str, count: int, fingerprint: str) -> None:
+  """The questions an Open-QA run trains on (`qa_lib.questions_fingerprint`), written on its
+  fresh start."""
+  paths.write_json(paths.join(workdir, QUESTIONS_RECORD),
+                   {"qa_train": spec, "questions": count, "fingerprint": fingerprint})
+
+
+def check_questions(workdir: str, spec: str, count: int, fingerprint: str) -> bool:
+  """Refuses to resume an Open-QA run on other training questions than its checkpoints
+  trained on (a changed file, another split): the steps' batches index into them. A moved
+  file with the same questions resumes. Returns False where W has no record (older runs)."""
+  record = paths.read_json(paths.join(workdir, QUESTIONS_RECORD))
+  if record is None:
+    return False
+  if record.get("fingerprint") != fingerprint:
+    raise ConfigError("qa.train", f"its {count:,} training questions ({spec!r}) are not the "
+                      f"{record.get('questions', '?')} that the checkpoints in {workdir} "
+                      f"trained on ({record.get('qa_train')!r}; {QUESTIONS_RECORD}: "
+                      f"fingerprint {str(record.get('fingerprint'))[:12]} != "
+                      f"{fingerprint[:12]}): resume on those questions and the same "
+                      "qa.heldout_* split, or train in a new workdir")
+  return True
 
 
 # -- W/DONE ------------------------------------------------------------------------------------

@@ -169,7 +169,18 @@ def test_openqa_resume_matches_the_uninterrupted_run(openqa_run, world_dir, tmp_
   workdir, _ = openqa_run
   resumed = str(tmp_path / "resumed")
   train(openqa_config(world_dir, train__steps=3, qa__dev="prepared:eval"), resumed)
-  summary = train(openqa_config(world_dir, qa__dev="prepared:eval"), resumed)
+  # the training questions moved elsewhere resume; one of them changed is refused (the
+  # batches index into them), naming qa.train
+  lines = open(os.path.join(world_dir, "qa", "train.jsonl")).read().splitlines(keepends=True)
+  for name, text in (("changed", lines[0].replace('?"', ' now?"', 1)), ("moved", lines[0])):
+    os.makedirs(tmp_path / name)
+    (tmp_path / name / "train.jsonl").write_text(text + "".join(lines[1:]))
+  with pytest.raises(ConfigError, match=r"^config.qa.train: its [0-9,]+ training questions "
+                     r".* are not the [0-9]+ that the checkpoints in .* trained on"):
+    train(openqa_config(world_dir, qa__dev="prepared:eval",
+                        qa__train=f"nq_open:{tmp_path}/changed/train.jsonl"), resumed)
+  summary = train(openqa_config(world_dir, qa__dev="prepared:eval",
+                                qa__train=f"nq_open:{tmp_path}/moved/train.jsonl"), resumed)
   assert summary["steps"] == 6
 
   def losses_of(w):

@@ -228,6 +228,16 @@ def is_heldout_article(title: str, fraction: float) -> bool:
   return h % 1_000_000 < fraction * 1_000_000
 
 
+def questions_fingerprint(examples: Sequence[QAExample]) -> str:
+  """sha256 of the questions in order (id, text, answers): what a run's batches index into,
+  the same wherever the file lives."""
+  digest = hashlib.sha256()
+  for e in examples:
+    digest.update(json.dumps([e.qid, e.question, list(e.answers), e.is_regex]).encode(
+        "utf-8", "surrogatepass") + b"\n")
+  return digest.hexdigest()
+
+
 def question_inputs(tokenizer, examples: Sequence[QAExample | str], query_len: int
                     ) -> tuple[np.ndarray, np.ndarray]:
   """Query-tower inputs `[CLS] question [SEP]`, 0-padded to `query_len`: ids [Q, query_len]

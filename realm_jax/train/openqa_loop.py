@@ -17,6 +17,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from realm_jax import workdir as workdir_lib
 from realm_jax.data import qa as qa_lib
 from realm_jax.errors import ConfigError
 from realm_jax.train.qa_eval import QAEvaluator, format_metrics
@@ -87,9 +88,21 @@ class OpenQATrainer(Run):
     multihost.barrier("frozen index published")   # every process loads the version just written
     return FrozenIndex.load(self.workdir, fingerprint, dim)
 
+  def check_questions(self, resumed: bool) -> None:
+    """W/questions.json: written on a fresh start; a resume on other training questions is
+    refused (`workdir.check_questions`)."""
+    record = (self.workdir, self.config.qa.train, len(self.train_qa),
+              qa_lib.questions_fingerprint(self.train_qa))
+    if resumed and workdir_lib.check_questions(*record):
+      return
+    if jax.process_index() == 0:
+      workdir_lib.record_questions(*record)
+    multihost.barrier("questions recorded")
+
   # -- the steps ---------------------------------------------------------------------------
   def begin(self, start: int, init) -> None:
     cfg = self.config
+    self.check_questions(resumed=init is None)
     self.frozen = self.frozen_index(init)
     self.builder = QABatchBuilder(cfg, self.data, self.train_qa, self.frozen)
     self.evaluator = QAEvaluator(cfg, self.data, self.mesh, self.model, self.dev_qa,
