@@ -24,11 +24,12 @@ the commands instead. Then every run's `summary.json` is collected into
 
 `tpu_pod` starts each run on TPU slices of its own, one after another, as `launch/tpu_pod.py up
 --name NAME-<run id> --workdir ROOT/<name> ...` (ROOT a gs:// path; the run id is 8 hex digits of
-the run's name, so a run keeps its slices when the grid grows or is reordered; the flags after
-`--` go to every tpu_pod.py call) and returns once all are started; their summaries land in the
-bucket. As with `local`, runs that finished are skipped and a sweep whose runs started under
-other values is refused; a run still training keeps its slices, where tpu_pod.py refuses a
-second start ("already running"), and a stopped one resumes on them.
+the run's workdir URL, so a run keeps its slices when the grid grows or is reordered; the flags
+after `--` go to every tpu_pod.py call) and returns once all are started; their summaries land
+in the bucket. As with `local`, runs that finished are skipped and a sweep whose runs started
+under other values is refused; a run still training keeps its slices, where tpu_pod.py's
+install refuses to touch a slice whose job is alive ("already running": the run's row says
+"failed (1)"), and a stopped one resumes on them.
 `--dry-run` prints each run's command and runs nothing (`--launcher print` is `local --dry-run`).
 """
 
@@ -140,10 +141,11 @@ def tpu_pod_command(config_spec: str, workdir: str, overrides: dict, builder: bo
           *sets, *tpu_pod_args]
 
 
-def slice_name(name: str, run: str) -> str:
-  """The tpu_pod.py --name of run `run` in sweep `name`: `name-<8 hex of sha256(run)>`, the
-  same whatever runs the grid holds besides it (a grown grid finds a running run's slices)."""
-  return f"{name}-{hashlib.sha256(run.encode()).hexdigest()[:8]}"
+def slice_name(name: str, workdir: str) -> str:
+  """The tpu_pod.py --name of the run in `workdir` (its gs:// URL) in sweep `name`:
+  `name-<8 hex of sha256(workdir)>`, the same whatever runs the grid holds besides it (a grown
+  grid finds a running run's slices), and another for a run of another --root."""
+  return f"{name}-{hashlib.sha256(paths.bucket_url(workdir).encode()).hexdigest()[:8]}"
 
 
 def run_config(config, overrides: dict):
@@ -315,8 +317,8 @@ def launch_on_tpu_pods(args: argparse.Namespace, runs: list[tuple[str, dict]], c
     check_started_runs(args.root, runs, config, fixed)
   rows = []
   for i, (name, overrides) in enumerate(runs, 1):
-    run, slices = {**fixed, **overrides}, slice_name(args.name, name)
-    workdir = f"{args.root.rstrip('/')}/{name}"
+    run, workdir = {**fixed, **overrides}, f"{args.root.rstrip('/')}/{name}"
+    slices = slice_name(args.name, workdir)
     cmd = tpu_pod_command(args.config, workdir, run, needs_builder(config, run), slices,
                           args.tpu_pod_args)
     if args.dry_run:

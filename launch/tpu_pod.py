@@ -12,7 +12,7 @@ default v4-8; `none` for a config without the separate index builder). Actions:
   install  build this repository's wheel, copy it and configs/ to every worker, install it with
            its [tpu] extra into ~/realm_env (--storage gcsfuse: and mount every bucket the run
            names at /gcs/BUCKET)
-           (refused on a slice whose job is running: the package is not replaced under it)
+           (first, refused on a slice whose job is running: nothing is replaced under it)
   start    `realm-train ... --multihost=auto` on every trainer worker and `realm-index ...` on
            every builder worker, nohup'd, output to ~/realm_logs/{trainer,builder}.log
   tail     follow worker 0's log of --job (trainer or builder)
@@ -278,9 +278,8 @@ def install_script(plan: Plan) -> str:
                   "| sudo tee /etc/apt/sources.list.d/gcsfuse.list > /dev/null")
   key = ("curl -fsSL https://packages.cloud.google.com/apt/doc/apt-key.gpg "
          "| sudo tee /usr/share/keyrings/cloud.google.asc > /dev/null")
-  steps = ["set -e", *(_refuse_if_running(job, "its package is not replaced under it; stop it "
-                                          f"first ({PROG} stop)") for job in JOBS),
-           "sudo apt-get update -qq", f"sudo apt-get install -y -qq {PYTHON} {PYTHON}-venv"]
+  steps = ["set -e", "sudo apt-get update -qq",
+           f"sudo apt-get install -y -qq {PYTHON} {PYTHON}-venv"]
   if plan.mounts:
     steps.append(f"if ! command -v gcsfuse > /dev/null; then {gcsfuse_repo}; {key}; "
                  "sudo apt-get update -qq; sudo apt-get install -y -qq gcsfuse; fi")
@@ -300,6 +299,13 @@ def _refuse_if_running(job: str, why: str) -> str:
   pid = f"{LOGS}/{job}.pid"
   return (f'if [ -f {pid} ] && kill -0 "$(cat {pid})" 2> /dev/null; then echo "{job} is '
           f'already running (pid $(cat {pid})){": " + why if why else ""}" >&2; exit 1; fi')
+
+
+def idle_script() -> str:
+  """`install`'s first step on a slice: exits 1, before anything is copied, while a job runs
+  there (its package and configs are not replaced under it)."""
+  return "; ".join(_refuse_if_running(job, "nothing is copied or installed under it; stop it "
+                                      f"first ({PROG} stop)") for job in JOBS)
 
 
 def start_script(plan: Plan, job: str) -> str:
@@ -384,6 +390,8 @@ class Pod:
                             f"{found.stderr.strip()}")
 
   def install(self) -> None:
+    for job in self.slices:   # no slice is touched while a job of the run still runs there
+      self._call(self.ssh(job, idle_script()))
     wheel_dir = local_path(os.path.join(REPO, "build", "tpu_pod"))
     self._call([local_path(sys.executable), "-m", "pip", "wheel", "--no-deps",
                 "--no-build-isolation", "-q", "-w", wheel_dir, local_path(REPO)])

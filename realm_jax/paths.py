@@ -77,10 +77,16 @@ MOUNT_ROOT = "/gcs"
 
 
 def bucket_url(path) -> str:
-  """`/gcs/B/P` (a gcsfuse mount of bucket B) as `gs://B/P`; any other path as it is."""
+  """`/gcs/B/P` (a gcsfuse mount of bucket B) as `gs://B/P`, and a `gs://` URL without doubled
+  or trailing slashes (as `launch/tpu_pod.py` passes it to the jobs); any other path as it
+  is."""
   text = str(path)
   prefix = MOUNT_ROOT + "/"
-  return "gs://" + text[len(prefix):] if text.startswith(prefix) else text
+  if text.startswith(prefix):
+    text = "gs://" + text[len(prefix):]
+  if not text.startswith("gs://"):
+    return text
+  return "gs://" + "/".join(part for part in text[len("gs://"):].split("/") if part)
 
 
 def join(base, *parts) -> str:

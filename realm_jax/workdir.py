@@ -193,27 +193,25 @@ def check_block_store(workdir: str, fingerprint: str, data_dir: str) -> None:
 
 # -- W/questions.json --------------------------------------------------------------------------
 def record_questions(workdir: str, spec: str, count: int, fingerprint: str) -> None:
-  """The questions an Open-QA run trains on (`qa_lib.questions_fingerprint`), written on its
-  fresh start."""
+  """The questions an Open-QA run trains on (`qa_lib.questions_fingerprint`), written by its
+  first process once its start or resume (`check_questions`) is settled."""
   paths.write_json(paths.join(workdir, QUESTIONS_RECORD),
                    {"qa_train": spec, "questions": count, "fingerprint": fingerprint})
 
 
-def check_questions(workdir: str, spec: str, count: int, fingerprint: str) -> bool:
+def check_questions(workdir: str, spec: str, count: int, fingerprint: str) -> None:
   """Refuses to resume an Open-QA run on other training questions than its checkpoints
-  trained on (a changed file, another split): the steps' batches index into them. A moved
-  file with the same questions resumes. Returns False where W has no record (older runs)."""
+  trained on (a changed file, questions read another way): the steps' batches index into
+  them. A moved file with the same questions resumes; W without the record (a run from
+  before it) is not checked. Reads only: every process of a job may call it."""
   record = paths.read_json(paths.join(workdir, QUESTIONS_RECORD))
-  if record is None:
-    return False
-  if record.get("fingerprint") != fingerprint:
-    raise ConfigError("qa.train", f"its {count:,} training questions ({spec!r}) are not the "
+  if record is not None and record.get("fingerprint") != fingerprint:
+    raise ConfigError("qa.train", f"its {count} training questions ({spec!r}) are not the "
                       f"{record.get('questions', '?')} that the checkpoints in {workdir} "
                       f"trained on ({record.get('qa_train')!r}; {QUESTIONS_RECORD}: "
                       f"fingerprint {str(record.get('fingerprint'))[:12]} != "
                       f"{fingerprint[:12]}): resume on those questions and the same "
                       "qa.heldout_* split, or train in a new workdir")
-  return True
 
 
 # -- W/DONE ------------------------------------------------------------------------------------

@@ -81,24 +81,26 @@ def test_up_dry_run_prints_create_install_and_start_for_both_slices(capsys):
       f"{G} create realm-trainer {Z} --accelerator-type=v4-32 {create}",
       f"{G} describe realm-builder {Z} --format 'value(state)'",
       f"{G} create realm-builder {Z} --accelerator-type=v4-8 {create}"]
+  for i, name in ((4, "realm-trainer"), (5, "realm-builder")):   # before anything is copied
+    assert _remote_script(lines[i], name) == tpu_pod.idle_script()
   here = tpu_pod.local_path
-  assert lines[4] == shlex.join([here(sys.executable), "-m", "pip", "wheel", "--no-deps",
+  assert lines[6] == shlex.join([here(sys.executable), "-m", "pip", "wheel", "--no-deps",
                                  "--no-build-isolation", "-q", "-w", here(os.path.dirname(WHEEL)),
                                  here(REPO)])
-  for i, name in ((5, "realm-trainer"), (7, "realm-builder")):
+  for i, name in ((7, "realm-trainer"), (9, "realm-builder")):
     assert lines[i] == (f"{G} scp {here(WHEEL)} {here(CONFIGS)} '{name}:~/' {Z} --worker=all "
                         "--recurse")
     install = _remote_script(lines[i + 1], name)
     assert "python3.11 -m venv $HOME/realm_env" in install
     assert '"$HOME/realm_jax-0.1.0-py3-none-any.whl[tpu]"' in install
     assert "gcsfuse --implicit-dirs my-bucket /gcs/my-bucket" in install
-  trainer = _remote_script(lines[9], "realm-trainer")
-  builder = _remote_script(lines[10], "realm-builder")
+  trainer = _remote_script(lines[11], "realm-trainer")
+  builder = _remote_script(lines[12], "realm-builder")
   assert (f"nohup $HOME/realm_env/bin/realm-train {JOB_FLAGS} >> $HOME/realm_logs/trainer.log "
           "2>&1 < /dev/null & echo $! > $HOME/realm_logs/trainer.pid") in trainer
   assert (f"nohup $HOME/realm_env/bin/realm-index {JOB_FLAGS} >> $HOME/realm_logs/builder.log "
           "2>&1 < /dev/null & echo $! > $HOME/realm_logs/builder.pid") in builder
-  assert len(lines) == 11
+  assert len(lines) == 13
   for line in lines:       # every line is one shell command, and every remote script parses
     argv = shlex.split(line, comments=True)
     if "--command" in argv:
@@ -108,12 +110,12 @@ def test_up_dry_run_prints_create_install_and_start_for_both_slices(capsys):
 
 def test_with_native_gcs_the_jobs_get_the_urls_and_nothing_is_mounted(capsys, tmp_path):
   lines = _dry_run(capsys, "up", *SLICES, *RUN)
-  assert len(lines) == 11
-  for i, name in ((6, "realm-trainer"), (8, "realm-builder")):
+  assert len(lines) == 13
+  for i, name in ((8, "realm-trainer"), (10, "realm-builder")):
     install = _remote_script(lines[i], name)
     assert '"$HOME/realm_jax-0.1.0-py3-none-any.whl[tpu]"' in install
     assert "gcsfuse" not in install and "mountpoint" not in install
-  for line, (name, entry) in zip(lines[9:], (("realm-trainer", "realm-train"),
+  for line, (name, entry) in zip(lines[11:], (("realm-trainer", "realm-train"),
                                              ("realm-builder", "realm-index"))):
     start = _remote_script(line, name)
     assert f"nohup $HOME/realm_env/bin/{entry} {GCS_FLAGS} >>" in start
@@ -539,7 +541,8 @@ def test_a_tpu_pod_sweep_keeps_each_runs_slices_skips_finished_runs_and_refuses_
     gcs, capsys, monkeypatch):
   """Against the bucket stand-in, with tpu_pod.py recorded instead of run: a grown grid starts
   its old runs on the slices they had (where tpu_pod.py refuses a running one: next test), skips a
-  finished one (whose paths were recorded through gcsfuse's /gcs/B mount), and a run in the
+  finished one (whose paths were recorded through gcsfuse's /gcs/B mount, and as tpu_pod.py
+  passes them, without the doubled and trailing slashes given here), and a run in the
   bucket that started under other values stops the sweep before any tpu_pod.py call."""
   from realm_jax import workdir as workdir_lib
   root, called = f"{gcs}/sweep", []
@@ -550,7 +553,7 @@ def test_a_tpu_pod_sweep_keeps_each_runs_slices_skips_finished_runs_and_refuses_
   def run_sweep(lrs: str) -> list[dict]:
     return sweep.sweep(sweep.parse_args(
         ["--config", REALM_BASE, "--root", root, "--grid", f"train.lr={lrs}",
-         "--set", f"data.dir={gcs}/realm/data", "--set", "retrieval.refresh=async", *INIT,
+         "--set", f"data.dir={gcs}/realm//data/", "--set", "retrieval.refresh=async", *INIT,
          "--launcher", "tpu_pod", "--name", "realm-lr", "--", *WHERE, *FUSE]))
 
   first = {r["run"]: r["slices"] for r in run_sweep("1e-5,3e-5")}
@@ -576,25 +579,28 @@ def test_a_tpu_pod_sweep_keeps_each_runs_slices_skips_finished_runs_and_refuses_
 
 
 def test_install_is_refused_on_a_slice_whose_job_runs(tmp_path):
-  """`install` (and so `up` again) never replaces the package under a running job: its script
-  stops at the job's live pid, before anything is installed."""
-  plan = tpu_pod.plan_run(REALM_BASE, "gs://my-bucket/realm/realm",
-                          ["data.dir=gs://my-bucket/realm/data", "retrieval.refresh=async",
-                           *INIT[1::2]])
+  """`install` (and so `up` again) never copies or installs anything on a slice while a job
+  runs there: its first step stops at either job's live pid."""
   logs = tmp_path / "realm_logs"
   logs.mkdir()
-  job = subprocess.Popen(["sleep", "30"])
-  try:
-    (logs / "builder.pid").write_text(str(job.pid))
-    env = dict(os.environ, HOME=str(tmp_path), PATH="/usr/bin:/bin")
-    refused = subprocess.run(["bash", "-c", tpu_pod.install_script(plan)], env=env,
-                             capture_output=True, text=True, timeout=30)
-    assert refused.returncode == 1 and refused.stdout == ""
-    assert (f"builder is already running (pid {job.pid}): its package is not replaced under "
-            "it" in refused.stderr)
-  finally:
-    job.kill()
-    job.wait()
+  env = dict(os.environ, HOME=str(tmp_path), PATH="/usr/bin:/bin")
+
+  def idle_check():
+    return subprocess.run(["bash", "-c", tpu_pod.idle_script()], env=env, capture_output=True,
+                          text=True, timeout=30)
+  assert idle_check().returncode == 0                                # no job ever started
+  for job in ("trainer", "builder"):
+    running = subprocess.Popen(["sleep", "30"])
+    try:
+      (logs / f"{job}.pid").write_text(str(running.pid))
+      refused = idle_check()
+      assert refused.returncode == 1 and refused.stdout == ""
+      assert (f"{job} is already running (pid {running.pid}): nothing is copied or installed "
+              "under it" in refused.stderr)
+    finally:
+      running.kill()
+      running.wait()
+    assert idle_check().returncode == 0                              # its pid is gone
 
 
 def test_a_config_file_with_a_field_of_its_own_is_refused_before_any_machine(tmp_path,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pathlib
 import shutil
 
 import jax
@@ -175,13 +176,19 @@ def test_openqa_resume_matches_the_uninterrupted_run(openqa_run, world_dir, tmp_
   for name, text in (("changed", lines[0].replace('?"', ' now?"', 1)), ("moved", lines[0])):
     os.makedirs(tmp_path / name)
     (tmp_path / name / "train.jsonl").write_text(text + "".join(lines[1:]))
-  with pytest.raises(ConfigError, match=r"^config.qa.train: its [0-9,]+ training questions "
-                     r".* are not the [0-9]+ that the checkpoints in .* trained on"):
-    train(openqa_config(world_dir, qa__dev="prepared:eval",
+  recorded = (pathlib.Path(resumed) / "config.json").read_text()
+  with pytest.raises(ConfigError, match=rf"^config.qa.train: its {len(lines)} training "
+                     rf"questions .* are not the {len(lines)} that the checkpoints in .* "
+                     "trained on"):
+    train(openqa_config(world_dir, qa__dev="prepared:eval", train__lr=1e-3,
                         qa__train=f"nq_open:{tmp_path}/changed/train.jsonl"), resumed)
+  assert (pathlib.Path(resumed) / "config.json").read_text() == recorded   # nothing written
+  record = pathlib.Path(resumed) / "questions.json"
+  fingerprint = json.loads(record.read_text())["fingerprint"]
+  record.unlink()                        # a run from before the record: resumes, writes it
   summary = train(openqa_config(world_dir, qa__dev="prepared:eval",
                                 qa__train=f"nq_open:{tmp_path}/moved/train.jsonl"), resumed)
-  assert summary["steps"] == 6
+  assert summary["steps"] == 6 and json.loads(record.read_text())["fingerprint"] == fingerprint
 
   def losses_of(w):
     return [json.loads(line)["loss"] for line in open(os.path.join(w, "metrics", "train.jsonl"))]

@@ -45,6 +45,10 @@ class OpenQATrainer(Run):
                         f"{len(self.train_qa)} training questions of {config.qa.train!r}")
     self.dev_qa, self.dev_counts = (qa_lib.qa_split(config.qa, "dev", config.data.dir)
                                     if config.qa.dev else ([], {}))
+    self.questions = (config.qa.train, len(self.train_qa),
+                      qa_lib.questions_fingerprint(self.train_qa))
+    if workdir_lib.holds_checkpoints(workdir):   # before the run writes anything (config.json)
+      workdir_lib.check_questions(workdir, *self.questions)
     super().__init__(config, workdir, data, QuestionBatches(
         config, len(self.train_qa), jax.process_index(), jax.process_count()))
     self.frozen: FrozenIndex | None = None   # from `begin`
@@ -88,21 +92,12 @@ class OpenQATrainer(Run):
     multihost.barrier("frozen index published")   # every process loads the version just written
     return FrozenIndex.load(self.workdir, fingerprint, dim)
 
-  def check_questions(self, resumed: bool) -> None:
-    """W/questions.json: written on a fresh start; a resume on other training questions is
-    refused (`workdir.check_questions`)."""
-    record = (self.workdir, self.config.qa.train, len(self.train_qa),
-              qa_lib.questions_fingerprint(self.train_qa))
-    if resumed and workdir_lib.check_questions(*record):
-      return
-    if jax.process_index() == 0:
-      workdir_lib.record_questions(*record)
-    multihost.barrier("questions recorded")
-
   # -- the steps ---------------------------------------------------------------------------
   def begin(self, start: int, init) -> None:
     cfg = self.config
-    self.check_questions(resumed=init is None)
+    if jax.process_index() == 0:   # checked in __init__ where the run resumes
+      workdir_lib.record_questions(self.workdir, *self.questions)
+    multihost.barrier("questions recorded")
     self.frozen = self.frozen_index(init)
     self.builder = QABatchBuilder(cfg, self.data, self.train_qa, self.frozen)
     self.evaluator = QAEvaluator(cfg, self.data, self.mesh, self.model, self.dev_qa,
