@@ -85,17 +85,22 @@ def recorded_config(workdir: str) -> dict | None:
 def record_config(config, workdir: str, primary: bool = True) -> None:
   """Refuses a workdir whose checkpoints come from an incompatible config; records ours (the
   `primary` process of a job writes it; every process checks)."""
+  check_compatible(workdir, config)
+  if primary:
+    paths.makedirs(workdir)
+    paths.write_json(paths.join(workdir, CONFIG), json.loads(config.to_json_best_effort()))
+
+
+def check_compatible(workdir: str, config) -> None:
+  """ConfigError naming the fields that differ where W's checkpoints come from a config
+  incompatible with `config` (config/compatibility.py); reads only."""
   from realm_jax.config.compatibility import incompatible_fields
-  current = json.loads(config.to_json_best_effort())
   saved = recorded_config(workdir) if holds_checkpoints(workdir) else None
   if saved is not None:
-    diffs = incompatible_fields(saved, current)
+    diffs = incompatible_fields(saved, json.loads(config.to_json_best_effort()))
     if diffs:
       raise ConfigError("", f"workdir {workdir} holds checkpoints of an incompatible config; "
                         "fields that differ: " + "; ".join(diffs))
-  if primary:
-    paths.makedirs(workdir)
-    paths.write_json(paths.join(workdir, CONFIG), current)
 
 
 def other_split(workdir: str, config) -> list[str]:
@@ -133,8 +138,15 @@ def holds_checkpoints(workdir: str) -> bool:
   """Whether `W/checkpoints` holds a step (Orbax names a step's folder by its number once it
   is finished; a run that died before its first save left the folder empty, and its config
   may change)."""
+  return latest_checkpoint_step(workdir) is not None
+
+
+def latest_checkpoint_step(workdir: str) -> int | None:
+  """The largest step in `W/checkpoints` (its folders named by number), None without one."""
   directory = paths.join(workdir, CHECKPOINTS)
-  return paths.isdir(directory) and any(name.isdigit() for name in paths.names(directory))
+  if not paths.isdir(directory):
+    return None
+  return max((int(name) for name in paths.names(directory) if name.isdigit()), default=None)
 
 
 def write_config(workdir: str, config) -> None:

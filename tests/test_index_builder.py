@@ -233,6 +233,21 @@ def test_builder_refuses_another_block_store(world_dir, tmp_path):
   assert not os.path.exists(os.path.join(workdir, "index"))
 
 
+def test_builder_refuses_a_config_other_than_the_runs(world_dir, tmp_path):
+  """realm-index under a model other than the trainer's checkpoints were written under is
+  refused naming the fields, as realm-train is (it was an Orbax shape traceback)."""
+  from realm_jax.workdir import CHECKPOINTS, record_config
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  record_config(config, workdir)
+  os.makedirs(os.path.join(workdir, CHECKPOINTS, "2"))
+  other = builder_config(world_dir, model__retrieval_dim=config.model.retrieval_dim * 2)
+  with pytest.raises(ConfigError, match=r"holds checkpoints of an incompatible config; fields "
+                     r"that differ: model\.retrieval_dim"):
+    IndexBuilder(other, workdir)
+  assert not os.path.exists(os.path.join(workdir, "index"))
+
+
 def _publish_fake(workdir, step, embeddings, query_params, fingerprint, backend="exact"):
   return published.publish_arrays(published.index_root(workdir), embeddings, query_params,
                                   step=step, fingerprint=fingerprint, keep=5,

@@ -568,6 +568,12 @@ def test_a_run_resumed_on_data_of_another_vocab_is_refused_before_it_writes(stag
     train(config, workdir)
   assert checkpoint_steps(workdir) == [2, 3]
   assert {name: os.path.getmtime(os.path.join(workdir, name)) for name in before} == before
+  back = configs["ict"].copy_and_resolve_references()
+  back.train.steps = 2           # below the step-3 checkpoint: it would be recorded as step 2
+  with pytest.raises(ConfigError, match=r"config\.train\.steps: 2 is below 3, the step of the "
+                     "latest checkpoint in .*: a run does not go back"):
+    train(back, workdir)
+  assert {name: os.path.getmtime(os.path.join(workdir, name)) for name in before} == before
   copy = tmp_path / "ict_copy"   # the run as recorded where it ran: a relative data dir
   shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("checkpoints"))
   record = json.loads((copy / "config.json").read_text())

@@ -58,6 +58,7 @@ class IndexBuilder:
     self.data = workdir_lib.open_data(config)
     self.fingerprint = self.data.blocks.fingerprint
     workdir_lib.check_block_store(workdir, self.fingerprint, self.data.dir)
+    workdir_lib.check_compatible(workdir, config)   # the trainer's checkpoints, as it reads them
     self.model, self.mesh, abstract = checkpoints.abstract_run(
         config, self.data.tokenizer.vocab_size, self.data.blocks.block_len)
     self.abstract_retriever = abstract.params["retriever"]

@@ -102,6 +102,7 @@ class Run:
     self.mesh = partitioning.make_mesh(config.mesh.shape)
     validate_against_mesh(config, self.mesh.shape["data"], jax.process_count(),
                           tuple(d.process_index for d in self.mesh.devices[:, 0]))
+    self._check_steps(workdir, config.train.steps)
     resumes = self._check_vocab(workdir, data.tokenizer.vocab_path)
     workdir_lib.record_config(config, workdir, primary=jax.process_index() == 0)
     if jax.process_index() == 0 and not (
@@ -120,6 +121,17 @@ class Run:
     self.saved_data = None
     self.skipped_updates = 0   # non-finite steps not applied (train.nonfinite=skip), this run
     self.prefix = f"[{config.task}] "
+
+  @staticmethod
+  def _check_steps(workdir: str, steps: int) -> None:
+    """A run does not go back: train.steps below W's latest checkpoint is refused before
+    anything is written (its model would be evaluated and recorded as that earlier step)."""
+    latest = workdir_lib.latest_checkpoint_step(workdir)
+    if latest is not None and latest > steps:
+      raise ConfigError("train.steps", f"{steps} is below {latest}, the step of the latest "
+                        f"checkpoint in {workdir}: a run does not go back; give train.steps "
+                        f">= {latest}, evaluate an earlier step with realm-eval --step, or "
+                        "train in a new workdir")
 
   @staticmethod
   def _check_vocab(workdir: str, data_vocab: str) -> bool:
