@@ -41,6 +41,7 @@ for _protocol in ("gs", "gcs"):
   fsspec.config.conf.setdefault(_protocol, {}).setdefault("use_listings_cache", False)
 
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
+_BUCKET = re.compile(r"[a-z0-9][-a-z0-9_.]{1,220}[a-z0-9]")   # Cloud Storage's bucket names
 _BROKEN_URL = re.compile(r"^(gs|s3|gcs|hf|https?):/?(?!/)", re.IGNORECASE)
 
 
@@ -59,6 +60,10 @@ def check(path: str, what: str = "path") -> str:
   if not is_remote(text) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
     raise ConfigError("", f"{what} {text!r}: a URL's scheme is written in lowercase "
                       f"({text.split(':', 1)[0].lower()}://...)")
+  if text.startswith("gs://") and not _BUCKET.fullmatch(text[len("gs://"):].split("/")[0]):
+    raise ConfigError("", f"{what} {text!r}: not a bucket name after gs:// (3-222 lowercase "
+                      "letters, digits, '-', '_' and '.', starting and ending with a letter or "
+                      "digit): gs://BUCKET/PATH")
   if is_remote(text) and ("#" in text or "?" in text):   # TensorStore: a fragment or query
     raise ConfigError("", f"{what} {text!r}: '#' and '?' cannot be in a bucket path (the "
                       "checkpoint arrays would go to the path before them)")

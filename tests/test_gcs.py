@@ -314,6 +314,9 @@ def test_a_sweep_rooted_in_the_bucket_reads_summaries_and_writes_its_tables_ther
     ("GS://bucket/run", "a URL's scheme is written in lowercase (gs://...)"),
     ("gs://bucket/run#2", "'#' and '?' cannot be in a bucket path"),     # TensorStore would
     ("gs://bucket/run?a", "'#' and '?' cannot be in a bucket path"),     # write under run/
+    ("gs://", "not a bucket name after gs://"),           # was the bucket "checkpoints"
+    ("gs:///run", "not a bucket name after gs://"),       # was the bucket "run"
+    ("gs://Bad_Bucket!/run", "not a bucket name after gs://"),
 ])
 def test_urls_that_would_go_elsewhere_are_refused_naming_the_flag(world_dir, tmp_path, url,
                                                                  message, monkeypatch):
