@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -82,3 +83,26 @@ def run_cli(prog: str, main: Callable[[], object]) -> object:
   except (ConnectionError, *SELF_EXPLAINING) as e:   # no coordinator, no index, ...
     print(f"{prog}: error: {e}", file=sys.stderr)
     raise SystemExit(1) from None
+  except OSError as e:
+    if not unusable_path(e):
+      raise                         # anything else keeps its traceback
+    print(f"{prog}: error: {path_error(e)}", file=sys.stderr)
+    raise SystemExit(1 if e.errno in FULL else 2) from None
+
+
+# Path errors a user gives (a workdir that is a file, a read-only or full disk): one line.
+UNUSABLE_PATH = (errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR, errno.EISDIR,
+                 errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def unusable_path(e: OSError) -> bool:
+  return e.errno in UNUSABLE_PATH and e.filename is not None
+
+
+def path_error(e: OSError) -> str:
+  """`PATH: what is wrong` for an OSError of UNUSABLE_PATH."""
+  what = {errno.EEXIST: "exists and is not a directory",
+          errno.ENOTDIR: "a part of this path is a file, not a directory",
+          errno.EISDIR: "is a directory, not a file"}.get(e.errno, e.strerror)
+  return f"{e.filename}: {what}"

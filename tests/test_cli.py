@@ -65,11 +65,14 @@ def realm_flags(world_dir):
     ({"train__reader_lr_scale": float("nan")}, "train.reader_lr_scale"),
     ({"train__preemption_grace_seconds": float("inf")}, "train.preemption_grace_seconds"),
     ({"retrieval__embed_batch_size": -1}, "retrieval.embed_batch_size"),
+    ({"seed": -1}, "seed"),                            # the data order's seed: a traceback
+    ({"mesh__rules": (("batch", "foo"),)}, "mesh.rules"),
+    ({"mesh__shape": (4, 2), "model__intermediate_size": 63}, "mesh.shape"),  # 63 / 2 rows
 ], ids=["k=1", "k>blocks", "block_len=4", "block_len!=data", "mesh=3x1", "task", "candidates",
         "batch>examples", "keep=0", "checkpoint_every=0", "log_every=0", "refresh_every=0",
         "keep<swap_lag", "eval_every=-1", "retrieval_dim=0", "lr=nan", "b2=1.5",
         "ict_remove_prob=2", "warmup=-5", "reader_lr_scale=nan", "grace=inf",
-        "embed_batch=-1"])
+        "embed_batch=-1", "seed=-1", "rules_axis", "model_axis!|mlp"])
 def test_bad_option_is_named(world_dir, tmp_path, overrides, option):
   """In process: the trainer refuses the option by name before it writes anything."""
   from realm_jax.train.loop import train
@@ -84,6 +87,13 @@ def test_the_cli_prints_a_bad_option_in_one_line(realm_flags, tmp_path):
   result = run_cli(realm_flags + ["--config.retrieval.k=1"], str(tmp_path / "w"))
   assert_clear_error(result, "retrieval.k")
   assert not os.path.exists(tmp_path / "w" / "checkpoints")
+
+
+def test_a_workdir_that_cannot_be_one_is_one_line(realm_flags, tmp_path):
+  """A workdir that is a file (or under one): the OSError as `PATH: what is wrong`, exit 2."""
+  (tmp_path / "afile").write_text("")
+  result = run_cli(realm_flags, str(tmp_path / "afile"))
+  assert_clear_error(result, f"{tmp_path / 'afile'}: exists and is not a directory")
 
 
 def test_missing_data_dir_is_named(realm_flags, tmp_path):

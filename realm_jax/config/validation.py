@@ -52,6 +52,27 @@ def check_cudnn_dtype(m) -> None:
                       "set model.dtype too, or use 'xla'")
 
 
+def _validate_mesh(config) -> None:
+  """seed a non-negative integer (it seeds the data order too); mesh.shape integers;
+  mesh.rules pairs of a logical axis and a mesh axis (or None)."""
+  from realm_jax.runtime.partitioning import MESH_AXES
+  if isinstance(config.seed, bool) or not isinstance(config.seed, int) or \
+      not 0 <= config.seed < 2**32:
+    raise ConfigError("seed", f"must be an integer in [0, 2**32), got {config.seed!r}")
+  shape = config.mesh.shape
+  if not isinstance(shape, (tuple, list)) or not all(
+      isinstance(s, int) and not isinstance(s, bool) for s in shape):
+    raise ConfigError("mesh.shape", f"must be {len(MESH_AXES)} integers {MESH_AXES} (-1: "
+                      f"the remaining devices), e.g. (-1, 1); got {shape!r}")
+  for rule in config.mesh.rules:
+    axes = rule[1] if len(rule) == 2 and isinstance(rule[1], (tuple, list)) else \
+        rule[1:] if len(rule) == 2 else None
+    if axes is None or not isinstance(rule[0], str) or \
+        any(a is not None and a not in MESH_AXES for a in axes):
+      raise ConfigError("mesh.rules", f"{tuple(rule)!r}: each rule is (logical axis, mesh axis) "
+                        f"with the mesh axis one of {MESH_AXES} or None")
+
+
 def _validate_execution(m) -> None:
   """model.dtype / attention / remat: how the step computes."""
   from realm_jax.models.bert import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
@@ -149,6 +170,7 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
   if t.get("nonfinite", "stop") not in NONFINITE_ACTIONS:
     raise ConfigError("train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE_ACTIONS}")
   _validate_ranges(config)
+  _validate_mesh(config)
   validate_against_data(config, num_blocks=num_blocks, store_block_len=store_block_len,
                         max_sentence_len=max_sentence_len, vocab_size=vocab_size)
 

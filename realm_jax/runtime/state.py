@@ -7,6 +7,7 @@ import warnings
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.training import train_state
 
@@ -15,6 +16,7 @@ from realm_jax.models.realm import REALM
 from realm_jax.runtime import partitioning
 from realm_jax.config.reading import frozen_paths, part_model
 from realm_jax.config.validation import check_cudnn_dtype
+from realm_jax.errors import ConfigError
 
 TrainState = train_state.TrainState
 
@@ -157,6 +159,7 @@ def _state_setup(config, model: REALM, mesh, block_len: int, rng):
 
   boxed = jax.eval_shape(lambda r: model.init(r, **inputs)["params"], rng)
   param_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+  check_divisible(nn.meta.unbox(boxed), param_shardings, mesh)
   # the state's shapes around the params' (the model is traced once here, not again)
   abstract = jax.eval_shape(around, nn.meta.unbox(boxed))
   shardings = _state_shardings(abstract, param_shardings, partitioning.replicated(mesh))
@@ -200,6 +203,21 @@ def deferred_train_state(config, model: REALM, mesh, block_len: int, rng):
         return jax.jit(init, out_shardings=shardings)(rng)
       return jax.jit(around, out_shardings=shardings, donate_argnums=0)(params)
   return make, abstract, shardings
+
+
+def check_divisible(abstract_params, param_shardings, mesh) -> None:
+  """ConfigError naming mesh.shape where a mesh axis splits a parameter's dimension into
+  unequal parts (e.g. a model axis of 2 over a vocab of 30,523 rows): before any JAX work."""
+  for (path, sharding), leaf in zip(jax.tree_util.tree_flatten_with_path(param_shardings)[0],
+                                    jax.tree_util.tree_leaves(abstract_params)):
+    for dim, (size, axes) in enumerate(zip(leaf.shape, sharding.spec)):
+      axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+      ways = int(np.prod([mesh.shape[a] for a in axes]))
+      if size % ways:
+        raise ConfigError("mesh.shape", f"{dict(mesh.shape)} splits dimension {dim} (size "
+                          f"{size}) of the parameter {'/'.join(_path_names(path))} {ways} "
+                          f"ways over mesh axis {'+'.join(axes)} (config.mesh.rules), which "
+                          f"does not divide it: give that axis a size dividing {size}")
 
 
 def _state_shardings(abstract_state, param_shardings, replicated):
