@@ -68,11 +68,12 @@ def realm_flags(world_dir):
     ({"seed": -1}, "seed"),                            # the data order's seed: a traceback
     ({"mesh__rules": (("batch", "foo"),)}, "mesh.rules"),
     ({"mesh__shape": (4, 2), "model__intermediate_size": 63}, "mesh.shape"),  # 63 / 2 rows
+    ({"eval__split": "bogus"}, "eval.split"),          # was found at the final evaluation
 ], ids=["k=1", "k>blocks", "block_len=4", "block_len!=data", "mesh=3x1", "task", "candidates",
         "batch>examples", "keep=0", "checkpoint_every=0", "log_every=0", "refresh_every=0",
         "keep<swap_lag", "eval_every=-1", "retrieval_dim=0", "lr=nan", "b2=1.5",
         "ict_remove_prob=2", "warmup=-5", "reader_lr_scale=nan", "grace=inf",
-        "embed_batch=-1", "seed=-1", "rules_axis", "model_axis!|mlp"])
+        "embed_batch=-1", "seed=-1", "rules_axis", "model_axis!|mlp", "eval_split"])
 def test_bad_option_is_named(world_dir, tmp_path, overrides, option):
   """In process: the trainer refuses the option by name before it writes anything."""
   from realm_jax.train.loop import train
@@ -87,6 +88,11 @@ def test_the_cli_prints_a_bad_option_in_one_line(realm_flags, tmp_path):
   result = run_cli(realm_flags + ["--config.retrieval.k=1"], str(tmp_path / "w"))
   assert_clear_error(result, "retrieval.k")
   assert not os.path.exists(tmp_path / "w" / "checkpoints")
+  # absl gives a boolean flag no word: the usage text and "unexpected arguments" before
+  result = run_cli(realm_flags + ["--config.train.async_checkpoints", "false"],
+                   str(tmp_path / "w"))
+  assert_clear_error(result, "unexpected argument(s) ['false'] among the flags (a boolean "
+                     "takes --config.KEY=true|false)")
 
 
 def test_a_workdir_that_cannot_be_one_is_one_line(realm_flags, tmp_path):
@@ -101,6 +107,10 @@ def test_missing_data_dir_is_named(realm_flags, tmp_path):
                    str(tmp_path / "w"))
   assert_clear_error(result, "data.dir")
   assert "nowhere" in result.stderr
+  (tmp_path / "afile").write_text("")
+  result = run_cli(realm_flags + [f"--config.data.dir={tmp_path / 'afile'}"],
+                   str(tmp_path / "w"))
+  assert_clear_error(result, "afile' is a file, not a prepared data dir")
 
 
 def test_a_realm_run_whose_index_never_comes_ends_in_one_line(realm_flags, tmp_path):
@@ -347,3 +357,18 @@ def test_realm_predict_refuses_an_empty_question(tmp_path):
                           text=True, timeout=120)
   assert result.returncode == 2, result.stderr[-2000:]
   assert result.stderr.strip() == "realm-predict: error: question 2 is empty: ask something"
+
+
+def test_help_succeeds_and_a_get_config_without_a_configdict_is_one_line(tmp_path):
+  """`realm-train --help && ...` goes on (absl's --help exits 1); a config file whose
+  get_config returns a dict or None is named, not an AttributeError traceback later."""
+  helped = subprocess.run([sys.executable, "-m", "realm_jax.train.main", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+  assert helped.returncode == 0 and "--workdir" in helped.stdout, helped.stderr[-2000:]
+  for returned in ("{'task': 'ict'}", "None"):
+    path = tmp_path / "returns.py"
+    path.write_text(f"def get_config(arg=None):\n  return {returned}\n")
+    result = run_cli(["--config", str(path)], str(tmp_path / "w"))
+    assert_clear_error(result, f"--config {path}: get_config() returned "
+                       f"{'dict' if returned != 'None' else 'NoneType'}, not an "
+                       "ml_collections.ConfigDict")

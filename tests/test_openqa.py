@@ -165,7 +165,7 @@ def test_openqa_fine_tuning_writes_its_frozen_index_and_metrics(openqa_run, worl
 
 
 @pytest.mark.slow
-def test_openqa_resume_matches_the_uninterrupted_run(openqa_run, world_dir, tmp_path):
+def test_openqa_resume_matches_the_uninterrupted_run(openqa_run, world_dir, tmp_path, caplog):
   from realm_jax.train.loop import train
   workdir, _ = openqa_run
   resumed = str(tmp_path / "resumed")
@@ -189,6 +189,9 @@ def test_openqa_resume_matches_the_uninterrupted_run(openqa_run, world_dir, tmp_
   summary = train(openqa_config(world_dir, qa__dev="prepared:eval",
                                 qa__train=f"nq_open:{tmp_path}/moved/train.jsonl"), resumed)
   assert summary["steps"] == 6 and json.loads(record.read_text())["fingerprint"] == fingerprint
+  assert "resuming %s under other values than it recorded (config.json now holds these): " \
+      "qa.train: 'prepared:train' -> 'nq_open:%s/moved/train.jsonl'" % (resumed, tmp_path) \
+      in caplog.text
 
   def losses_of(w):
     return [json.loads(line)["loss"] for line in open(os.path.join(w, "metrics", "train.jsonl"))]

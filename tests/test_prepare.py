@@ -263,6 +263,25 @@ def test_bad_options_name_the_option(tmp_path, source, option):
     prepare_lib.prepare(config_for(source, str(tmp_path / "out")))
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("tagger", "bogus", "config.tagger: unknown tagger 'bogus'"),   # was: after WordPiece
+    ("max_doc_bytes", 0, "config.max_doc_bytes: must be >= 1"),      # skipped every document
+    ("progress_every", -1.0, "config.progress_every: must be > 0"),
+])
+def test_bad_settings_are_refused_before_any_work(tmp_path, field, value, message):
+  config = config_for("world:10", str(tmp_path / "out"))
+  config[field] = value
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    prepare_lib.prepare(config)
+  assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_training_config_is_named_as_one():
+  from tests.helpers import tiny_config
+  with pytest.raises(ConfigError, match="--config is a training config .* read by realm-train"):
+    prepare_lib.validate_prepare(tiny_config("ict"))
+
+
 def _arrays(out_dir: str) -> dict:
   found = {}
   for root, _, files in os.walk(out_dir):

@@ -24,6 +24,9 @@ from realm_jax.config.reading import flat_options, option_parent
 from realm_jax.errors import ConfigError
 
 
+HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
 def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
   """absl `app.run(main, flags_parser=flags_parser(prog))`: the command line parsed, and the
   config file of a `--config` flag loaded; a misspelt option, a bad value, a config file that
@@ -38,12 +41,23 @@ def _parse_or_exit(prog: str, flag_values, argv: list[str]) -> list[str]:
   """`flag_values(argv)` with its `--config` file loaded (a file that failed to load raises
   only when the config is read); whatever that raises -> one line and exit code 2."""
   try:
-    rest = flag_values(argv)
+    try:
+      rest = flag_values(argv)
+    except SystemExit as e:   # absl's --help prints the usage, then exits 1: a success here
+      if e.code == 1 and any(a in HELP_FLAGS for a in argv[1:]):
+        raise SystemExit(0) from None
+      raise
     if "config" in flag_values and flag_values["config"].value is not None:
       from ml_collections import config_flags
-      flags_win(flag_values["config"].value,
+      flags_win(flag_values["config"].value,   # (a file that failed to load raises here)
                 config_flags.get_override_values(flag_values["config"]))
       check_known_options(flag_values["config"].value, _config_file(argv))
+    if "config" in flag_values and _config_file(argv) is not None:
+      import ml_collections
+      value = flag_values["config"].value
+      if not isinstance(value, ml_collections.ConfigDict):
+        raise ConfigError("", f"--config {_config_file(argv)}: get_config() returned "
+                          f"{type(value).__name__}, not an ml_collections.ConfigDict")
     return rest
   except Exception as e:   # noqa: BLE001 -- whatever parsing raises is a usage error
     print(f"{prog}: error: {flag_error(e, argv)}", file=sys.stderr)
@@ -156,14 +170,19 @@ def config_from_flags(prog: str, config_spec: str, overrides: list[str]):
   argv = [prog, "--config", config_spec, *overrides]
   saved, sys.argv = sys.argv, argv     # ml_collections reads the overrides from sys.argv
   try:
-    rest = _parse_or_exit(prog, flag_values, argv)
-    if rest[1:]:   # e.g. `--config.flag false`: absl takes a boolean flag without the word
-      print(f"{prog}: error: unexpected argument(s) {rest[1:]} among the --config overrides "
-            "(a boolean takes --config.KEY=true|false)", file=sys.stderr)
-      raise SystemExit(2)
+    refuse_arguments(prog, _parse_or_exit(prog, flag_values, argv))
     return flag_values["config"].value
   finally:
     sys.argv = saved
+
+
+def refuse_arguments(prog: str, argv: list[str]) -> None:
+  """A command that takes flags only: what absl left over (`argv[1:]`) is one line and exit
+  code 2 (e.g. `--config.flag false`: absl gives a boolean flag no word)."""
+  if argv[1:]:
+    print(f"{prog}: error: unexpected argument(s) {argv[1:]} among the flags (a boolean takes "
+          "--config.KEY=true|false)", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def typed_value(text: str, current, key: str):

@@ -74,6 +74,9 @@ def prepare_config() -> ml_collections.ConfigDict:
 
 def validate_prepare(config) -> None:
   """ConfigError naming the first bad option, before any work."""
+  if "task" in config:
+    raise ConfigError("", "--config is a training config (it has a task), read by realm-train; "
+                      "realm-prepare takes configs/prepare.py[:variant] or X.py:prepare")
   if not config.out_dir:
     raise ConfigError("out_dir", "is empty: name the data dir to write")
   try:
@@ -92,6 +95,13 @@ def validate_prepare(config) -> None:
   if config.num_workers < 0 or config.shard_documents < 1:
     raise ConfigError("num_workers" if config.num_workers < 0 else "shard_documents",
                       "must be >= 0 / >= 1")
+  if config.max_doc_bytes < 1:
+    raise ConfigError("max_doc_bytes", f"must be >= 1, got {config.max_doc_bytes} (every "
+                      "document would be skipped)")
+  if not config.progress_every > 0:
+    raise ConfigError("progress_every", f"must be > 0 seconds, got {config.progress_every}")
+  from realm_jax.data.taggers import check_tagger
+  check_tagger(config.tagger)    # an unknown one failed after the WordPiece training
   if config.vocab and not os.path.exists(packages.resolve(config.vocab, "vocab")):
     raise ConfigError("vocab", f"{config.vocab!r} does not exist")
   if not config.vocab and config.vocab_size < 10:
@@ -486,13 +496,12 @@ def main() -> None:
   from absl import app, flags
   from ml_collections import config_flags
   from realm_jax.errors import run_cli
-  from realm_jax.config.overrides import flags_parser
+  from realm_jax.config.overrides import flags_parser, refuse_arguments
   config = config_flags.DEFINE_config_file("config", None, "configs/prepare.py[:variant]",
                                            lock_config=True)
 
   def _main(argv):
-    if len(argv) > 1:
-      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    refuse_arguments("realm-prepare", argv)
     from realm_jax import log
     log.use_absl_verbosity()   # -v N; Orbax's and TFDS's INFO lines off the console
     if config.value is None:

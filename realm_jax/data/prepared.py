@@ -122,7 +122,9 @@ class PreparedData:
 
   def __init__(self, data_dir: str):
     if not os.path.isdir(data_dir):
-      raise FileNotFoundError(f"data dir {data_dir!r} does not exist")
+      raise FileNotFoundError(f"data dir {data_dir!r} " + (
+          "is a file, not a prepared data dir" if os.path.exists(data_dir) else
+          "does not exist"))
     for needed in ("vocab.txt", "stats.json", "blocks/tokens.npy"):
       if not os.path.exists(os.path.join(data_dir, needed)):
         raise FileNotFoundError(f"data dir {data_dir!r} lacks {needed} (not a prepared dir)")

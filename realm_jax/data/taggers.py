@@ -82,16 +82,21 @@ def make_tagger(spec: str = "regex") -> Tagger:
     ConfigError: (option "tagger") for an unknown spec, an hf_ner spec without a path or
       one whose path does not exist.
   """
+  spec = check_tagger(spec)
+  return RegexTagger() if spec == "regex" else HfNerTagger(spec.partition(":")[2])
+
+
+def check_tagger(spec: str) -> str:
+  """``spec`` stripped, if it names a tagger `make_tagger` can load (checked before any work,
+  nothing loaded); else the ConfigError `make_tagger` documents."""
   spec = (spec or "").strip()
   if spec == "regex":
-    return RegexTagger()
+    return spec
   kind, sep, path = spec.partition(":")
-  if kind == "hf_ner" and sep:
-    if not path:
-      raise ConfigError("tagger", f"{spec!r} names no model path; use hf_ner:PATH")
+  if kind == "hf_ner" and sep and path:
     if not os.path.exists(path):
       raise ConfigError("tagger", f"hf_ner model path {path!r} does not exist")
-    return HfNerTagger(path)
+    return spec
   if kind == "hf_ner":
     raise ConfigError("tagger", f"{spec!r} names no model path; use hf_ner:PATH")
   raise ConfigError("tagger", f"unknown tagger {spec!r}; {_CHOICES}")

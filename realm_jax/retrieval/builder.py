@@ -33,7 +33,7 @@ import numpy as np
 
 from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import StorageUnreachable, WorkerDied, run_cli
-from realm_jax.config.overrides import flags_parser
+from realm_jax.config.overrides import flags_parser, refuse_arguments
 from realm_jax.runtime import multihost
 from realm_jax.config.option_names import upgrade_flags
 
@@ -408,8 +408,7 @@ def _stop(signum, frame):
 
 def main(argv) -> None:
   from absl import flags
-  if len(argv) > 1:
-    raise SystemExit(f"realm-index: error: unexpected arguments {argv[1:]}")
+  refuse_arguments("realm-index", argv)
   config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
   if config is None or not workdir:
     print("realm-index: error: --config and --workdir are required", file=sys.stderr)

@@ -13,7 +13,7 @@ from ml_collections import config_flags
 
 from realm_jax import log
 from realm_jax.errors import run_cli
-from realm_jax.config.overrides import flags_parser
+from realm_jax.config.overrides import flags_parser, refuse_arguments
 from realm_jax.runtime import multihost, preemption
 from realm_jax.config.option_names import upgrade_flags
 
@@ -23,8 +23,7 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, met
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  refuse_arguments("realm-train", argv)
   if _CONFIG.value is None or not _WORKDIR.value:
     print("realm-train: error: --config and --workdir are required", file=sys.stderr)
     raise SystemExit(2)

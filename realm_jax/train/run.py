@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 
 import jax
@@ -39,7 +40,16 @@ def checked_data(config: ml_collections.ConfigDict, workdir: str) -> PreparedDat
   a one-line error before anything is built)."""
   paths.check(workdir, "--workdir")
   validate(config)
-  return workdir_lib.open_data(config)
+  data = workdir_lib.open_data(config)
+  if config.task in ("ict", "realm"):   # evaluated on eval.split (at the end at the latest)
+    examples = os.path.join(data.dir, "examples")
+    if not os.path.exists(os.path.join(examples, config.eval.split, "tokens.npy")):
+      there = sorted(n for n in os.listdir(examples)
+                     if os.path.exists(os.path.join(examples, n, "tokens.npy"))) \
+          if os.path.isdir(examples) else []
+      raise ConfigError("eval.split", f"{config.eval.split!r}: no such split of examples in "
+                        f"{examples} (there: {', '.join(there) or 'none'})")
+  return data
 
 
 @dataclasses.dataclass
@@ -104,7 +114,12 @@ class Run:
                           tuple(d.process_index for d in self.mesh.devices[:, 0]))
     self._check_steps(workdir, config.train.steps)
     resumes = self._check_vocab(workdir, data.tokenizer.vocab_path)
+    changed = workdir_lib.recorded_differences(workdir, config) if resumes else []
     workdir_lib.record_config(config, workdir, primary=jax.process_index() == 0)
+    if changed and jax.process_index() == 0:   # allowed (not compatibility fields), and said
+      logger.warning(f"[{config.task}] resuming {workdir} under other values than it recorded "
+                     "(config.json now holds these): " + "; ".join(
+                         f"{name}: {was!r} -> {now!r}" for name, was, now in changed))
     if jax.process_index() == 0 and not (
         resumes and paths.exists(paths.join(workdir, workdir_lib.VOCAB))):
       workdir_lib.record_vocab(workdir, data.tokenizer.vocab_path)
