@@ -7,6 +7,7 @@ import ml_collections
 from ml_collections import config_dict
 
 TASKS = ("ict", "realm", "openqa")
+MESH_AXES = ("data", "model")     # mesh.shape's axes, in order (runtime/partitioning.py)
 COMPUTE_DTYPES = ("float32", "bfloat16")
 CANDIDATE_SOURCES = ("index", "own_block", "mixed", "null_only")
 REFRESH_MODES = ("in_process", "async", "deterministic")

@@ -3,7 +3,7 @@ found before any JAX work."""
 
 from __future__ import annotations
 
-from realm_jax.config.defaults import (BACKENDS, CANDIDATE_SOURCES, COMPUTE_DTYPES,
+from realm_jax.config.defaults import (BACKENDS, CANDIDATE_SOURCES, COMPUTE_DTYPES, MESH_AXES,
                                       DISTILL_QUERIES, HELDOUT_UNITS, NONFINITE_ACTIONS, PARTS,
                                       REFRESH_MODES, TASKS)
 from realm_jax.config.option_names import upgrade_config
@@ -55,7 +55,6 @@ def check_cudnn_dtype(m) -> None:
 def _validate_mesh(config) -> None:
   """seed a non-negative integer (it seeds the data order too); mesh.shape integers;
   mesh.rules pairs of a logical axis and a mesh axis (or None)."""
-  from realm_jax.runtime.partitioning import MESH_AXES
   if isinstance(config.seed, bool) or not isinstance(config.seed, int) or \
       not 0 <= config.seed < 2**32:
     raise ConfigError("seed", f"must be an integer in [0, 2**32), got {config.seed!r}")

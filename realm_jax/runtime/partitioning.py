@@ -17,9 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from realm_jax.config.defaults import MESH_AXES
 from realm_jax.errors import ConfigError
-
-MESH_AXES = ("data", "model")
 
 
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
