@@ -321,6 +321,28 @@ def test_missing_layers_are_reported(tmp_path):
   with pytest.raises(ConfigError, match=r"16 weights our BERT needs are not in .* lower "
                      r"model\.num_layers.*encoder\.layer\.1\."):
     hf_bert.load_bert_towers(params, path)
+  # one tensor gone from a layer the checkpoint has is its fault, not the config's
+  config = hf_config(len(VOCAB))
+  weights = random_bert(config)
+  del weights["encoder.layer.1.attention.self.key.bias"]
+  path = write_checkpoint(tmp_path / "damaged", weights, config, VOCAB)
+  with pytest.raises(ConfigError, match=r"1 weights our BERT needs are not in .* \(it has BERT "
+                     r"layers but not these: an incomplete or damaged file\?\): "
+                     r"encoder\.layer\.1\.attention\.self\.key\.bias"):
+    hf_bert.load_bert_towers(params, path)
+
+
+def test_integer_tensors_are_refused_not_cast(tmp_path):
+  """A quantised (int8) tensor was cast to float32 without a word."""
+  config = hf_config(len(VOCAB))
+  weights = random_bert(config)
+  weights["encoder.layer.0.output.dense.weight"] = (
+      weights["encoder.layer.0.output.dense.weight"] * 100).astype(np.int8)
+  path = write_checkpoint(tmp_path / "hf", weights, config, VOCAB)
+  params = realm_params(True, config, len(VOCAB))
+  with pytest.raises(ConfigError, match=r"encoder\.layer\.0\.output\.dense\.weight: int8 in "
+                     "the checkpoint, a float parameter in our model"):
+    hf_bert.load_bert_towers(params, path)
 
 
 def test_fewer_layers_than_the_checkpoint_take_its_first_ones(tmp_path):
@@ -524,6 +546,12 @@ def test_trainer_refuses_a_checkpoint_that_does_not_fit(world_dir, tmp_path):
   config = tiny_config("realm", None, world_dir, init__hf_bert=path)
   with pytest.raises(ConfigError, match=f"first at line 6: .*prepare the data with that "
                      f"vocab: realm-prepare --config.vocab={path}"):
+    check_hf_bert(config, data_vocab, n)
+  path, _ = world_checkpoint(world_dir, tmp_path / "cased")   # its vocab, but cased
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump({"do_lower_case": False}, f)
+  config = tiny_config("realm", None, world_dir, init__hf_bert=path)
+  with pytest.raises(ConfigError, match=r"config\.init\.hf_bert: .*cased is a cased checkpoint"):
     check_hf_bert(config, data_vocab, n)
   config = tiny_config("realm", None, world_dir, init__hf_bert=path,
                        init__from_workdir=str(tmp_path))

@@ -8,6 +8,7 @@ import collections
 import json
 import os
 import pickle
+import shutil
 import sys
 import types
 import zipfile
@@ -532,6 +533,40 @@ def test_an_imported_workdir_keeps_the_vocab_a_run_started_from_it_is_checked_ag
   with pytest.raises(ConfigError, match=r"config\.init\.from_workdir: the data's .*other_vocab"
                      r"\.txt .* differs from .*/w/vocab\.txt"):
     initialization.check_run_vocab(src.path, src.option, str(other))
+
+
+def test_an_import_whose_vocab_or_config_cannot_be_trusted_is_refused(tmp_path):
+  """Refused before anything is written, in one line naming the file: no vocab.txt (later
+  runs from the workdir could not be checked), a vocab.txt of another size than config.json's
+  vocab_size, a cased checkpoint, a config.json that is not JSON or holds a field of another
+  type."""
+  from realm_jax.errors import ConfigError
+  from tests.test_hf_bert import hf_config, random_bert, write_checkpoint
+  config = hf_config(len(VOCAB))
+  source = write_checkpoint(tmp_path / "hf", random_bert(config), config, VOCAB)
+
+  def variant(name, change):
+    path = tmp_path / name
+    shutil.copytree(source, path)
+    change(path)
+    return str(path)
+
+  def refused(hf_dir, error, message):
+    with pytest.raises(error, match=message):
+      hf_realm.import_checkpoint(hf_dir, str(tmp_path / "w" / os.path.basename(hf_dir)))
+    assert not os.path.exists(tmp_path / "w" / os.path.basename(hf_dir))
+  refused(variant("novocab", lambda p: (p / "vocab.txt").unlink()), ConfigError,
+          r"novocab/vocab\.txt: no such file; the workdir keeps the checkpoint's vocab\.txt")
+  refused(variant("longer", lambda p: (p / "vocab.txt").write_text(
+      (p / "vocab.txt").read_text() + "extra\n")), ConfigError,
+      rf"has {len(VOCAB) + 1} tokens but .*config\.json says vocab_size {len(VOCAB)}")
+  refused(variant("cased", lambda p: (p / "tokenizer_config.json").write_text(
+      '{"do_lower_case": false}')), ConfigError, r"cased is a cased checkpoint")
+  refused(variant("badjson", lambda p: (p / "config.json").write_text('{"model_type": bert}')),
+          DataError, r"badjson/config\.json: not valid JSON")
+  refused(variant("badtype", lambda p: (p / "config.json").write_text(json.dumps(
+      {**json.loads((p / "config.json").read_text()), "hidden_size": "32"}))),
+      DataError, r"badtype/config\.json: hidden_size is '32', not an int")
 
 
 def test_a_damaged_safetensors_file_is_one_error_naming_it(tmp_path):

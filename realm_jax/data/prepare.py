@@ -28,7 +28,7 @@ import numpy as np
 from realm_jax import packages, paths
 from realm_jax.data import corpus, sources
 from realm_jax.data.prepared import write_stats, write_titles
-from realm_jax.data.tokenizer import load_tokenizer, train_tokenizer
+from realm_jax.data.tokenizer import check_uncased, load_tokenizer, train_tokenizer
 from realm_jax.errors import ConfigError, DataError, WorkerDied
 
 logger = logging.getLogger("realm_jax.data.prepare")   # (__name__ is __main__ under python -m)
@@ -140,30 +140,6 @@ def _check_out_dir(config) -> dict | None:
   return None
 
 
-def _check_uncased(src: str, option_value: str) -> None:
-  """Refuses a cased checkpoint's vocab (its tokenizer_config.json: do_lower_case false): the
-  tokenizer here lowercases and strips accents, so the data's ids would not be the ones the
-  checkpoint was trained on."""
-  directory = src if os.path.isdir(src) else os.path.dirname(src)
-  settings = os.path.join(directory, "tokenizer_config.json")
-  if not os.path.isfile(settings):
-    return
-  try:
-    with open(settings) as f:
-      read = json.load(f)
-    lower, strip = read.get("do_lower_case", True), read.get("strip_accents")
-  except (OSError, ValueError, AttributeError) as e:
-    raise ConfigError("vocab", f"{settings}: unreadable ({e})") from None
-  if lower is False:
-    raise ConfigError("vocab", f"{option_value} is a cased checkpoint ({settings}: "
-                      "do_lower_case false); realm-prepare's tokenizer lowercases and strips "
-                      "accents, so its ids would not be the checkpoint's: use an uncased one")
-  if strip is False:
-    raise ConfigError("vocab", f"{option_value} keeps accents ({settings}: strip_accents "
-                      "false); realm-prepare's tokenizer strips them, so its ids would not be "
-                      "the checkpoint's: use a checkpoint whose tokenizer strips them")
-
-
 def _vocab(config):
   """The tokenizer of the run: `DIR/vocab.txt` if an earlier attempt wrote it, else copied
   from `config.vocab`, else trained on the first `vocab_documents` documents."""
@@ -172,7 +148,7 @@ def _vocab(config):
     return load_tokenizer(path)
   if config.vocab:
     src = packages.resolve(config.vocab, "vocab")
-    _check_uncased(src, config.vocab)
+    check_uncased(src, "vocab", config.vocab)
     src = os.path.join(src, "vocab.txt") if os.path.isdir(src) else src
     if not os.path.exists(src):
       raise ConfigError("vocab", f"no vocab.txt in {config.vocab}")

@@ -10,6 +10,8 @@ from typing import Iterable, Sequence
 
 from tokenizers import BertWordPieceTokenizer, normalizers, pre_tokenizers
 
+from realm_jax.errors import ConfigError
+
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 CONTINUE = "##"   # marks a wordpiece that continues a word
 
@@ -168,3 +170,29 @@ def _merge_in_word(words, i, pair, merged, freq, pair_count, pair_words) -> set:
     changed.add(p)
   words[i] = new
   return changed
+
+
+def check_uncased(src: str, option: str, shown: str) -> None:
+  """Refuses a cased checkpoint's vocab (`src`, a checkpoint dir or its vocab.txt, whose
+  tokenizer_config.json says do_lower_case false, or strip_accents false), naming `option`
+  (= `shown`): the tokenizer here lowercases and strips accents, so the data's ids would not
+  be the ones the checkpoint was trained on."""
+  import json
+  directory = src if os.path.isdir(src) else os.path.dirname(src)
+  settings = os.path.join(directory, "tokenizer_config.json")
+  if not os.path.isfile(settings):
+    return
+  try:
+    with open(settings) as f:
+      read = json.load(f)
+    lower, strip = read.get("do_lower_case", True), read.get("strip_accents")
+  except (OSError, ValueError, AttributeError) as e:
+    raise ConfigError(option, f"{settings}: unreadable ({e})") from None
+  if lower is False:
+    raise ConfigError(option, f"{shown} is a cased checkpoint ({settings}: do_lower_case "
+                      "false); the tokenizer here lowercases and strips accents, so the data's "
+                      "ids would not be the checkpoint's: use an uncased one")
+  if strip is False:
+    raise ConfigError(option, f"{shown} keeps accents ({settings}: strip_accents false); the "
+                      "tokenizer here strips them, so the data's ids would not be the "
+                      "checkpoint's: use a checkpoint whose tokenizer strips them")

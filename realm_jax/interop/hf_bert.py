@@ -49,8 +49,40 @@ def read_config(path: str) -> dict:
   file = os.path.join(path, "config.json")
   if not os.path.isfile(file):
     raise FileNotFoundError(f"no HF BERT config at {file}")
-  with open(file) as f:
-    return {**HF_DEFAULTS, **json.load(f)}
+  return checked_config({**HF_DEFAULTS, **read_config_json(file)}, file)
+
+
+def read_config_json(file: str) -> dict:
+  """A checkpoint's config.json as a dict; broken JSON or another value is a DataError
+  naming the file (it was a JSONDecodeError traceback)."""
+  try:
+    with open(file, encoding="utf-8") as f:
+      raw = json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise DataError(f"{file}: not valid JSON ({e})") from None
+  if not isinstance(raw, dict):
+    raise DataError(f"{file}: not a JSON object (a checkpoint's config)")
+  return raw
+
+
+# config.json keys this code reads as numbers or names, and their types.
+_TYPED_KEYS = {**{key: int for key in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                       "num_attention_heads", "intermediate_size",
+                                       "max_position_embeddings", "type_vocab_size")},
+               "layer_norm_eps": float, "hidden_act": str, "position_embedding_type": str}
+
+
+def checked_config(hf: dict, file: str) -> dict:
+  """`hf` if every _TYPED_KEYS value has its type (an int counts as a float), else a DataError
+  naming the key and the file."""
+  for key, kind in _TYPED_KEYS.items():
+    value = hf.get(key)
+    fits = isinstance(value, (int, float) if kind is float else kind) and \
+        not isinstance(value, bool)
+    if key in hf and not fits:
+      raise DataError(f"{file}: {key} is {value!r}, not {'a' if kind is not int else 'an'} "
+                      f"{kind.__name__}")
+  return hf
 
 
 def normalise_name(name: str) -> str:
@@ -249,6 +281,11 @@ class Conversion:
       if note not in self.notes:
         self.notes.append(note)
       value = value[:shape[0]]
+    if not np.issubdtype(tensor.dtype, np.floating):   # a quantised or wrong file
+      self.mismatches.setdefault(hf_name, (
+          f"{hf_name}: {tensor.dtype} in the checkpoint, a float parameter in our model "
+          f"({where}); a quantised checkpoint is not read: give its float weights"))
+      return None
     if value.shape != shape:
       ours_hf = shape[::-1] if flax_leaf == "kernel" else shape
       self.mismatches.setdefault(hf_name, (
@@ -257,6 +294,18 @@ class Conversion:
       return None
     self.used.add(hf_name)
     return np.asarray(value, dtype=ours.dtype)
+
+  def layers(self) -> set[int]:
+    """The encoder layers the checkpoint has a tensor of."""
+    return {int(m.group(1)) for n in self.tensors
+            if (m := re.match(r"(?:bert\.)?encoder\.layer\.(\d+)\.", n))}
+
+  def missing_whole_layers(self, missing: list[str]) -> bool:
+    """Whether every missing weight is of a layer at or above the checkpoint's layer count
+    (our model is deeper), not a tensor absent from a layer the checkpoint has."""
+    count = max(self.layers(), default=-1) + 1
+    found = [re.match(r"encoder\.layer\.(\d+)\.", n) for n in missing]
+    return all(m is not None and int(m.group(1)) >= count for m in found)
 
   def advice(self, hf_name: str, theirs: tuple, ours: tuple) -> str:
     """What to change so that `hf_name` fits: the config option deciding its shape."""
@@ -304,7 +353,9 @@ class Conversion:
     lines = list(self.mismatches.values())
     if missing:
       hint = (" (our model has more layers than the checkpoint: lower model.num_layers)"
-              if all(n.startswith("encoder.layer.") for n in missing) else
+              if self.missing_whole_layers(missing) else
+              " (it has BERT layers but not these: an incomplete or damaged file?)"
+              if self.layers() else
               " (is it a BERT? names are read with or without the `bert.` prefix)")
       lines.append(f"{len(missing)} weights our BERT needs are not in {self.source}{hint}: "
                    + ", ".join(missing[:8]) + (", ..." if len(missing) > 8 else ""))

@@ -278,10 +278,7 @@ def _import_block_records(hf_dir: str, hf: dict, tensors: dict, source: str, voc
                             "RealmForOpenQA)")
   if "block_emb" not in tensors:
     raise ConfigError("", f"{source} has no block_emb (RealmForOpenQA's block embeddings)")
-  tokenizer = load_tokenizer(vocab)
-  if tokenizer.vocab_size != hf["vocab_size"]:
-    raise ConfigError("", f"{vocab} has {tokenizer.vocab_size} tokens but {hf_dir}/config.json "
-                      f"says vocab_size {hf['vocab_size']}: pass the checkpoint's vocab")
+  tokenizer = load_tokenizer(vocab)   # its size checked against config.json: _checked_vocab
   records = load_block_records(records_file)
   if len(records) != tensors["block_emb"].shape[0]:
     raise ConfigError("", f"{records_file} has {len(records)} records but block_emb has "
@@ -306,6 +303,26 @@ def _checked_source(hf_dir: str, out: str, task: str | None) -> tuple[str, dict]
   return layout, hf
 
 
+def _checked_vocab(hf_dir: str, hf: dict, vocab: str | None) -> str:
+  """The checkpoint's vocab.txt (`vocab`, default HF_DIR/vocab.txt), after refusing one that
+  is missing (a run's data could never be checked against the workdir), lists another number
+  of tokens than config.json's vocab_size, or is cased (`tokenizer.check_uncased`)."""
+  from realm_jax.data.tokenizer import check_uncased, load_tokenizer
+  given = vocab is not None
+  vocab = vocab or os.path.join(hf_dir, "vocab.txt")
+  if not os.path.isfile(vocab):
+    raise ConfigError("", f"{vocab}: no such file; the workdir keeps the checkpoint's vocab.txt "
+                      "so that a run's data is checked against it (a tokenizer.json alone is "
+                      "not read): " + ("give the checkpoint's vocab" if given else
+                                       "give it with --vocab PATH"))
+  check_uncased(hf_dir, "", hf_dir)
+  size = load_tokenizer(vocab).vocab_size
+  if size != int(hf["vocab_size"]):
+    raise ConfigError("", f"{vocab} has {size} tokens but {hf_dir}/config.json says vocab_size "
+                      f"{hf['vocab_size']}: pass the checkpoint's vocab")
+  return vocab
+
+
 def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
                       task: str | None = None) -> ImportReport:
   """Converts the checkpoint in `hf_dir` into the workdir `out` (see the module docstring).
@@ -327,10 +344,10 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
     return _import_into_bucket(hf_dir, out, vocab, task)
   t0 = time.time()
   layout, hf = _checked_source(hf_dir, out, task)
+  vocab = _checked_vocab(hf_dir, hf, vocab)
   os.makedirs(out, exist_ok=True)
   out = os.path.abspath(out)
   tensors, source = hf_bert.read_weights(hf_dir)
-  vocab = vocab or os.path.join(hf_dir, "vocab.txt")
 
   data_dir, block_len, block_stats = "", None, None
   if layout == "RealmForOpenQA":
@@ -359,8 +376,7 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
       report.notes.append("retriever/block_tower is not in a RealmForOpenQA checkpoint: its "
                           "block embeddings are block_emb, published as the index")
   workdir_lib.write_config(out, config)
-  if os.path.isfile(vocab):   # what init.* checks a run's data against
-    shutil.copyfile(vocab, os.path.join(out, "vocab.txt"))
+  shutil.copyfile(vocab, os.path.join(out, "vocab.txt"))   # what init.* checks data against
   checkpoints.write_params(out, params)
   report.notes.append(f"written {out}/config.json and checkpoints/0 (task {config.task}) in "
                       f"{time.time() - t0:.1f}s")

@@ -7,7 +7,6 @@ the report of what came from where). No workdir, no model built: `realm-import-h
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -39,14 +38,14 @@ def read_hf_config(hf_dir: str) -> tuple[str, dict]:
   file = os.path.join(hf_dir, "config.json")
   if not os.path.isfile(file):
     raise FileNotFoundError(f"{hf_dir} has no config.json (not a Hugging Face checkpoint dir)")
-  with open(file) as f:
-    raw = json.load(f)
+  raw = hf_bert.read_config_json(file)
   model_type = raw.get("model_type")
   if model_type == "bert":
-    return "bert", {**hf_bert.HF_DEFAULTS, **raw}
+    return "bert", hf_bert.checked_config({**hf_bert.HF_DEFAULTS, **raw}, file)
   if model_type != "realm":
     raise ConfigError("", f"{hf_dir}: model_type {model_type!r} in config.json is not supported "
-                      "(expected 'realm' or 'bert')")
+                      "(expected 'realm' or 'bert'" + ("; an older BERT dir may lack it: "
+                      "add \"model_type\": \"bert\")" if model_type is None else ")"))
   architectures = raw.get("architectures") or []
   found = [a for a in architectures if a in REALM_ARCHITECTURES]
   if len(found) != 1:
@@ -54,7 +53,7 @@ def read_hf_config(hf_dir: str) -> tuple[str, dict]:
                       f"{'none' if not found else 'more than one'} of "
                       f"{', '.join(REALM_ARCHITECTURES)}; cannot tell which REALM model "
                       "the weights are")
-  return found[0], {**REALM_DEFAULTS, **raw}
+  return found[0], hf_bert.checked_config({**REALM_DEFAULTS, **raw}, file)
 
 
 def unsupported(hf: Mapping, source: str) -> list[str]:

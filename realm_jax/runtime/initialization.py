@@ -282,6 +282,8 @@ def check_hf_source(config, src: Source, data_vocab: str, vocab_size: int) -> st
     raise ConfigError(option, f"{path} does not fit the {part}'s config:\n  " +
                       "\n  ".join(lines))
   hf_bert.check_vocab(data_vocab, path, option)
+  from realm_jax.data.tokenizer import check_uncased
+  check_uncased(path, option, path)
   return layout
 
 
