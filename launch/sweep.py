@@ -189,7 +189,7 @@ def check_started_runs(root: str, runs: list[tuple[str, dict]], config, fixed: d
              in workdir_lib.recorded_differences(paths.join(root, name),
                                                  run_config(config, {**fixed, **overrides}))
              if not (option == "train.steps" and now > recorded)
-             and not _same_bucket_path(recorded, now)]
+             and not paths.same_place(recorded, now)]
     if diffs:
       more = f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else ""
       stale.append(f"{name}: {'; '.join(diffs[:3])}{more}")
@@ -197,11 +197,6 @@ def check_started_runs(root: str, runs: list[tuple[str, dict]], config, fixed: d
     raise ConfigError("", f"--root {root}: {len(stale)} of the runs there started under other "
                       "values than this sweep gives them; use another --root, or remove those "
                       "runs to train them again: " + " | ".join(stale))
-
-
-def _same_bucket_path(recorded, now) -> bool:
-  return (isinstance(recorded, str) and isinstance(now, str)
-          and paths.bucket_url(recorded) == paths.bucket_url(now))
 
 
 def finished(workdir: str, run: dict, fields: dict) -> bool:

@@ -97,12 +97,17 @@ FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def unusable_path(e: OSError) -> bool:
-  return e.errno in UNUSABLE_PATH and e.filename is not None
+  return e.errno in UNUSABLE_PATH and (e.filename is not None or e.errno in FULL)
 
 
 def path_error(e: OSError) -> str:
-  """`PATH: what is wrong` for an OSError of UNUSABLE_PATH."""
-  what = {errno.EEXIST: "exists and is not a directory",
+  """`PATH: what is wrong` for an OSError of UNUSABLE_PATH (both paths of a rename; a full
+  disk written through an open file names none)."""
+  if e.filename is None:
+    return f"{e.strerror}: free space (or quota) where the run writes, then run it again"
+  exists_as_dir = e.errno == errno.EEXIST and os.path.isdir(e.filename)
+  what = {errno.EEXIST: "exists" + ("" if exists_as_dir else " and is not a directory"),
           errno.ENOTDIR: "a part of this path is a file, not a directory",
           errno.EISDIR: "is a directory, not a file"}.get(e.errno, e.strerror)
-  return f"{e.filename}: {what}"
+  target = f" -> {e.filename2}" if e.filename2 is not None else ""
+  return f"{e.filename}{target}: {what}"

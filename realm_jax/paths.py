@@ -60,8 +60,9 @@ def check(path: str, what: str = "path") -> str:
   if not is_remote(text) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
     raise ConfigError("", f"{what} {text!r}: a URL's scheme is written in lowercase "
                       f"({text.split(':', 1)[0].lower()}://...)")
-  if text.startswith("gs://") and not _BUCKET.fullmatch(text[len("gs://"):].split("/")[0]):
-    raise ConfigError("", f"{what} {text!r}: not a bucket name after gs:// (3-222 lowercase "
+  scheme = next((s for s in ("gs://", "gcs://") if text.startswith(s)), "")
+  if scheme and not _BUCKET.fullmatch(text[len(scheme):].split("/")[0]):
+    raise ConfigError("", f"{what} {text!r}: not a bucket name after {scheme} (3-222 lowercase "
                       "letters, digits, '-', '_' and '.', starting and ending with a letter or "
                       "digit): gs://BUCKET/PATH")
   if is_remote(text) and ("#" in text or "?" in text):   # TensorStore: a fragment or query
@@ -92,6 +93,12 @@ def bucket_url(path) -> str:
   if not text.startswith("gs://"):
     return text
   return "gs://" + "/".join(part for part in text[len("gs://"):].split("/") if part)
+
+
+def same_place(a, b) -> bool:
+  """Whether two option values name one bucket path (`bucket_url` of both; `/gcs/B/P` and
+  `gs://B/P/` alike); False for values that are not both strings."""
+  return isinstance(a, str) and isinstance(b, str) and bucket_url(a) == bucket_url(b)
 
 
 def join(base, *parts) -> str:

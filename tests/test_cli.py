@@ -69,11 +69,12 @@ def realm_flags(world_dir):
     ({"mesh__rules": (("batch", "foo"),)}, "mesh.rules"),
     ({"mesh__shape": (4, 2), "model__intermediate_size": 63}, "mesh.shape"),  # 63 / 2 rows
     ({"eval__split": "bogus"}, "eval.split"),          # was found at the final evaluation
+    ({"eval__split": "train"}, "eval.split"),          # examples, but no target spans
 ], ids=["k=1", "k>blocks", "block_len=4", "block_len!=data", "mesh=3x1", "task", "candidates",
         "batch>examples", "keep=0", "checkpoint_every=0", "log_every=0", "refresh_every=0",
         "keep<swap_lag", "eval_every=-1", "retrieval_dim=0", "lr=nan", "b2=1.5",
         "ict_remove_prob=2", "warmup=-5", "reader_lr_scale=nan", "grace=inf",
-        "embed_batch=-1", "seed=-1", "rules_axis", "model_axis!|mlp", "eval_split"])
+        "embed_batch=-1", "seed=-1", "rules_axis", "model_axis!|mlp", "eval_split", "eval_split_unscored"])
 def test_bad_option_is_named(world_dir, tmp_path, overrides, option):
   """In process: the trainer refuses the option by name before it writes anything."""
   from realm_jax.train.loop import train
@@ -82,6 +83,16 @@ def test_bad_option_is_named(world_dir, tmp_path, overrides, option):
     train(config, str(tmp_path / "w"))
   assert refused.value.option == option, str(refused.value)
   assert not os.path.exists(tmp_path / "w" / "checkpoints")
+
+
+def test_a_mesh_axis_that_does_not_divide_a_parameter_names_it(world_dir, tmp_path):
+  from realm_jax.train.loop import train
+  config = apply_overrides(tiny_config("realm", None, world_dir),
+                           {"mesh__shape": (4, 2), "model__intermediate_size": 63})
+  with pytest.raises(ConfigError, match=r"config\.mesh\.shape: \{'data': 4, 'model': 2\} "
+                     r"splits dimension \d \(size 63\) of the parameter .*intermediate.* 2 "
+                     r"ways over mesh axis model"):
+    train(config, str(tmp_path / "w"))
 
 
 def test_the_cli_prints_a_bad_option_in_one_line(realm_flags, tmp_path):
@@ -372,3 +383,23 @@ def test_help_succeeds_and_a_get_config_without_a_configdict_is_one_line(tmp_pat
     assert_clear_error(result, f"--config {path}: get_config() returned "
                        f"{'dict' if returned != 'None' else 'NoneType'}, not an "
                        "ml_collections.ConfigDict")
+
+
+def test_path_errors_name_both_paths_and_a_full_disk_is_one_line(tmp_path):
+  """What run_cli prints for an OSError: a rename names both paths, EEXIST says whether the
+  path is a directory, and a full disk written through an open file (no filename) is still
+  one line; another OSError is not one of these (it keeps its traceback)."""
+  import errno
+  from realm_jax.errors import path_error, unusable_path
+  (tmp_path / "afile").write_text("")
+  cases = [(OSError(errno.EACCES, "Permission denied", "/a", None, "/b"),
+            "/a -> /b: Permission denied"),
+           (FileExistsError(errno.EEXIST, "File exists", str(tmp_path / "afile")),
+            f"{tmp_path / 'afile'}: exists and is not a directory"),
+           (FileExistsError(errno.EEXIST, "File exists", str(tmp_path)), f"{tmp_path}: exists"),
+           (OSError(errno.ENOSPC, "No space left on device"),
+            "No space left on device: free space (or quota) where the run writes")]
+  for error, line in cases:
+    assert unusable_path(error) and path_error(error).startswith(line), path_error(error)
+  assert not unusable_path(OSError(errno.EPIPE, "Broken pipe"))
+  assert not unusable_path(OSError(errno.EACCES, "Permission denied"))   # no path to name

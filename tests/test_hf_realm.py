@@ -562,6 +562,12 @@ def test_an_import_whose_vocab_or_config_cannot_be_trusted_is_refused(tmp_path):
       rf"has {len(VOCAB) + 1} tokens but .*config\.json says vocab_size {len(VOCAB)}")
   refused(variant("cased", lambda p: (p / "tokenizer_config.json").write_text(
       '{"do_lower_case": false}')), ConfigError, r"cased is a cased checkpoint")
+  cased = variant("cased_tokenizer", lambda p: (p / "tokenizer_config.json").write_text(
+      '{"do_lower_case": false}'))
+  with pytest.raises(ConfigError, match=r"^--vocab .*cased_tokenizer/vocab\.txt is a "
+                     "cased checkpoint"):      # a --vocab from a cased tokenizer's dir
+    hf_realm.import_checkpoint(source, str(tmp_path / "w" / "given"),
+                               vocab=os.path.join(cased, "vocab.txt"))
   refused(variant("badjson", lambda p: (p / "config.json").write_text('{"model_type": bert}')),
           DataError, r"badjson/config\.json: not valid JSON")
   refused(variant("badtype", lambda p: (p / "config.json").write_text(json.dumps(

@@ -316,6 +316,8 @@ def _checked_vocab(hf_dir: str, hf: dict, vocab: str | None) -> str:
                       "not read): " + ("give the checkpoint's vocab" if given else
                                        "give it with --vocab PATH"))
   check_uncased(hf_dir, "", hf_dir)
+  if given:
+    check_uncased(vocab, "", f"--vocab {vocab}")
   size = load_tokenizer(vocab).vocab_size
   if size != int(hf["vocab_size"]):
     raise ConfigError("", f"{vocab} has {size} tokens but {hf_dir}/config.json says vocab_size "

@@ -283,7 +283,7 @@ def check_hf_source(config, src: Source, data_vocab: str, vocab_size: int) -> st
                       "\n  ".join(lines))
   hf_bert.check_vocab(data_vocab, path, option)
   from realm_jax.data.tokenizer import check_uncased
-  check_uncased(path, option, path)
+  check_uncased(path, option, src.shown)
   return layout
 
 

@@ -43,12 +43,12 @@ def checked_data(config: ml_collections.ConfigDict, workdir: str) -> PreparedDat
   data = workdir_lib.open_data(config)
   if config.task in ("ict", "realm"):   # evaluated on eval.split (at the end at the latest)
     examples = os.path.join(data.dir, "examples")
-    if not os.path.exists(os.path.join(examples, config.eval.split, "tokens.npy")):
-      there = sorted(n for n in os.listdir(examples)
-                     if os.path.exists(os.path.join(examples, n, "tokens.npy"))) \
-          if os.path.isdir(examples) else []
-      raise ConfigError("eval.split", f"{config.eval.split!r}: no such split of examples in "
-                        f"{examples} (there: {', '.join(there) or 'none'})")
+    evaluable = lambda split: os.path.exists(os.path.join(examples, split, "target_span.npy"))
+    if not evaluable(config.eval.split):
+      there = sorted(filter(evaluable, os.listdir(examples))) if os.path.isdir(examples) else []
+      raise ConfigError("eval.split", f"{config.eval.split!r}: no split of examples with target "
+                        f"spans to evaluate in {paths.join(config.data.dir, 'examples')} "
+                        f"(there: {', '.join(there) or 'none'})")
   return data
 
 
@@ -114,7 +114,9 @@ class Run:
                           tuple(d.process_index for d in self.mesh.devices[:, 0]))
     self._check_steps(workdir, config.train.steps)
     resumes = self._check_vocab(workdir, data.tokenizer.vocab_path)
-    changed = workdir_lib.recorded_differences(workdir, config) if resumes else []
+    changed = [(name, was, now) for name, was, now in workdir_lib.recorded_differences(
+        workdir, config) if not paths.same_place(was, now)] if resumes and \
+        jax.process_index() == 0 else []
     workdir_lib.record_config(config, workdir, primary=jax.process_index() == 0)
     if changed and jax.process_index() == 0:   # allowed (not compatibility fields), and said
       logger.warning(f"[{config.task}] resuming {workdir} under other values than it recorded "
