@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 
@@ -58,10 +59,16 @@ def open_data(config):
     paths.check(config.data.dir, "data.dir")
   except ValueError as e:
     raise ConfigError("data.dir", str(e)) from None
+  data_dir = config.data.dir
+  if not paths.is_remote(data_dir) and not os.path.exists(data_dir) and \
+      paths.bucket_url(data_dir) != data_dir:   # a TPU VM's gcsfuse path, read elsewhere
+    data_dir = paths.bucket_url(data_dir)
+    logger.info(f"[data] {config.data.dir} is not mounted here: reading {data_dir}, the "
+                "bucket path it mounts")
   try:
     # Memory-mapped arrays: a data dir in a bucket is read from a verified local copy.
     return PreparedData(paths.local_dir(
-        config.data.dir, log=lambda line: logger.info(f"[data] {line}")))
+        data_dir, log=lambda line: logger.info(f"[data] {line}")))
   except FileNotFoundError as e:
     raise ConfigError("data.dir", str(e)) from None
 

@@ -17,6 +17,7 @@ import time
 import urllib.parse
 import urllib.request
 
+import ml_collections
 import numpy as np
 import pytest
 from etils import epath
@@ -109,7 +110,8 @@ def _prepare_in_the_bucket(data: str, capsys) -> dict:
 
 @pytest.mark.slow
 def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(server, gcs,
-                                                                              capsys, tmp_path):
+                                                                              capsys, tmp_path,
+                                                                              caplog):
   data, ict_dir, workdir = f"{gcs}/world/data", f"{gcs}/world/ict", f"{gcs}/world/realm"
   _prepare_in_the_bucket(data, capsys)
 
@@ -168,6 +170,12 @@ def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(se
   assert logged == list(range(1, 7))   # appended across the restart, in the bucket
 
   _evaluate_in_the_bucket(resumed, workdir, step=6)
+  # A run recorded on a TPU VM through gcsfuse (data.dir /gcs/B/P), read where nothing is
+  # mounted (realm-eval on a laptop): its data comes from gs://B/P
+  mounted = ml_collections.ConfigDict({"data": {"dir": paths.MOUNT_ROOT + data[len("gs:/"):]}})
+  assert workdir_lib.open_data(mounted).blocks.fingerprint == \
+      workdir_lib.open_data(resumed).blocks.fingerprint
+  assert f"{mounted.data.dir} is not mounted here: reading {data}" in caplog.text
   # The run keeps its vocab in the bucket, and readers of the run check against it there.
   vocab = bucket_text(f"{data}/vocab.txt")
   assert bucket_text(f"{ict_dir}/vocab.txt") == vocab
