@@ -42,7 +42,6 @@ import io
 import itertools
 import math
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -293,11 +292,10 @@ def check_tpu_pod_flags(args: argparse.Namespace) -> None:
                       "(each run's workdir is ROOT/<run>)")
   if not args.name:
     raise ConfigError("", "--launcher tpu_pod needs --name (each run on slices NAME-<run id>)")
-  if (not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", args.name)
-      or len(args.name) > MAX_SLICES_NAME):
-    raise ConfigError("", f"--name {args.name!r}: lowercase letters, digits and '-', starting "
-                      f"with a letter, at most {MAX_SLICES_NAME} characters (each run's slices "
-                      "are NAME-<8 hex digits>-trainer and -builder)")
+  if HERE not in sys.path:   # launch/ holds scripts: tpu_pod.py is imported by name (it
+    sys.path.insert(0, HERE)  # imports jax, so only for this launcher)
+  from tpu_pod import check_name
+  check_name(args.name, "--name", MAX_SLICES_NAME)   # NAME-<8 hex>-builder: a TPU's name
   own = [t for t in args.tpu_pod_args if t.split("=")[0] in TPU_POD_OWN]
   if own:
     raise ConfigError("", f"after --: {own[0]!r} is set by the sweep for each run")

@@ -126,7 +126,7 @@ def check_name(name: str, flag: str, max_len: int) -> None:
 def gcs_bucket(url: str, flag: str, storage: str = "gcs") -> tuple[str, str]:
   """`gs://B/p/q` -> ("B", the path the jobs get): "gs://B/p/q" itself (--storage gcs), or
   "/gcs/B/p/q", where gcsfuse mounts the bucket on every machine (--storage gcsfuse)."""
-  m = re.fullmatch(r"gs://([a-z0-9][-a-z0-9_.]{1,220}[a-z0-9])/+(.*[^/])/*", url)
+  m = re.fullmatch(rf"gs://({paths.BUCKET_NAME})/+(.*[^/])/*", url)
   if not m:
     raise ConfigError("", f"{flag} {url!r}: must be gs://BUCKET/PATH")
   if storage == "gcsfuse":

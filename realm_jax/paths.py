@@ -41,7 +41,7 @@ for _protocol in ("gs", "gcs"):
   fsspec.config.conf.setdefault(_protocol, {}).setdefault("use_listings_cache", False)
 
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
-_BUCKET = re.compile(r"[a-z0-9][-a-z0-9_.]{1,220}[a-z0-9]")   # Cloud Storage's bucket names
+BUCKET_NAME = r"[a-z0-9][-a-z0-9_.]{1,220}[a-z0-9]"   # Cloud Storage's bucket names
 _BROKEN_URL = re.compile(r"^(gs|s3|gcs|hf|https?):/?(?!/)", re.IGNORECASE)
 
 
@@ -61,7 +61,7 @@ def check(path: str, what: str = "path") -> str:
     raise ConfigError("", f"{what} {text!r}: a URL's scheme is written in lowercase "
                       f"({text.split(':', 1)[0].lower()}://...)")
   scheme = next((s for s in ("gs://", "gcs://") if text.startswith(s)), "")
-  if scheme and not _BUCKET.fullmatch(text[len(scheme):].split("/")[0]):
+  if scheme and not re.fullmatch(BUCKET_NAME, text[len(scheme):].split("/")[0]):
     raise ConfigError("", f"{what} {text!r}: not a bucket name after {scheme} (3-222 lowercase "
                       "letters, digits, '-', '_' and '.', starting and ending with a letter or "
                       "digit): gs://BUCKET/PATH")

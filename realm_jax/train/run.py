@@ -118,7 +118,7 @@ class Run:
         workdir, config) if not paths.same_place(was, now)] if resumes and \
         jax.process_index() == 0 else []
     workdir_lib.record_config(config, workdir, primary=jax.process_index() == 0)
-    if changed and jax.process_index() == 0:   # allowed (not compatibility fields), and said
+    if changed:   # allowed (not compatibility fields), and said (by the first process)
       logger.warning(f"[{config.task}] resuming {workdir} under other values than it recorded "
                      "(config.json now holds these): " + "; ".join(
                          f"{name}: {was!r} -> {now!r}" for name, was, now in changed))
