@@ -148,12 +148,22 @@ def holds_checkpoints(workdir: str) -> bool:
   return latest_checkpoint_step(workdir) is not None
 
 
+# Orbax's marker of a finished checkpoint in a bucket, which has no atomic rename: a step's
+# folder there exists from its first upload (on a file system a step is renamed into place).
+FINISHED_IN_A_BUCKET = "commit_success.txt"
+
+
 def latest_checkpoint_step(workdir: str) -> int | None:
-  """The largest step in `W/checkpoints` (its folders named by number), None without one."""
+  """The largest finished step in `W/checkpoints` (its folders named by number; in a bucket,
+  holding Orbax's commit marker, as Orbax itself counts them), None without one."""
   directory = paths.join(workdir, CHECKPOINTS)
   if not paths.isdir(directory):
     return None
-  return max((int(name) for name in paths.names(directory) if name.isdigit()), default=None)
+  steps = sorted((int(name) for name in paths.names(directory) if name.isdigit()), reverse=True)
+  if not paths.is_remote(directory):
+    return steps[0] if steps else None
+  return next((step for step in steps
+               if paths.exists(paths.join(directory, str(step), FINISHED_IN_A_BUCKET))), None)
 
 
 def write_config(workdir: str, config) -> None:

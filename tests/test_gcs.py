@@ -229,6 +229,11 @@ def test_an_unreadable_checkpoint_in_the_bucket_is_moved_aside_and_the_run_resum
   for name in arrays:                 # an upload that stopped half way
     fs.rm(name)
   epath.Path(f"{workdir}/summary.json").unlink()
+  # and a later save cut off before Orbax's commit marker: not a checkpoint (it used to be
+  # counted as step 6, so the resume with train.steps=4 was refused as going back)
+  epath.Path(f"{workdir}/checkpoints/6/params").mkdir(parents=True, exist_ok=True)
+  (epath.Path(f"{workdir}/checkpoints/6/params") / "cut_off").write_text("x")
+  assert workdir_lib.latest_checkpoint_step(workdir) == 4
   capsys.readouterr()
   assert train(config, workdir)["steps"] == 4
   out = capsys.readouterr().out
