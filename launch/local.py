@@ -522,7 +522,7 @@ def _device_env(builder_ids: str) -> dict[str, dict[str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
   """`python launch/local.py --config C[:arg] --workdir W [--grace S] [--config.a.b=v ...]`."""
-  args = parse_args(upgrade_flags(sys.argv[1:] if argv is None else argv))
+  args = parse_args(upgrade_flags(sys.argv[1:] if argv is None else argv, PROG))
   log.set_verbosity(args.verbosity)
   return run_cli(PROG, lambda: _launch(args))
 

@@ -471,7 +471,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
   """`python launch/tpu_pod.py ACTION --name N --zone Z --project P [...] [--dry-run]`."""
-  args = parse_args(upgrade_flags(sys.argv[1:] if argv is None else argv))
+  args = parse_args(upgrade_flags(sys.argv[1:] if argv is None else argv, PROG))
   log.set_verbosity(args.verbosity)
   try:
     run_cli(PROG, lambda: getattr(Pod(args), args.action)())

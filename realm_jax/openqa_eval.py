@@ -184,13 +184,13 @@ def run() -> None:
   from ml_collections import config_flags
   from realm_jax.config.overrides import flags_parser
   from realm_jax.data.qa import SPLITS
+  sys.argv = upgrade_flags(sys.argv, "realm-eval")   # flagfiles and old option names, before the config flag
   config_flags.DEFINE_config_file("config", None, "Config file (default: W/config.json).",
                                   lock_config=True)
   flags.DEFINE_string("workdir", None, "Run directory with checkpoints.", required=True)
   flags.DEFINE_integer("step", -1, "Checkpoint step (default: the latest).")
   flags.DEFINE_enum("split", "test", list(SPLITS), "QA split: config.qa.<split>.")
   flags.DEFINE_bool("retrieval_only", False, "Retrieval recall only (no reader).")
-  sys.argv = upgrade_flags(sys.argv)   # old option names, with a warning
   app.run(main, flags_parser=flags_parser("realm-eval"))
 
 

@@ -78,6 +78,8 @@ def main(argv) -> None:
 
 
 def run() -> None:
+  from realm_jax.config.option_names import upgrade_flags
+  sys.argv = upgrade_flags(sys.argv, "realm-predict")   # an unreadable --flagfile: one line
   app.run(main, flags_parser=flags_parser("realm-predict"))
 
 

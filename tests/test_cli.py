@@ -260,6 +260,26 @@ def test_every_cli_names_a_misspelt_option_and_a_missing_config_file_in_one_line
   assert not os.path.exists(tmp_path / "w")
 
 
+@pytest.mark.parametrize("prog", sorted(CLI_MODULES))
+def test_every_cli_names_an_unloadable_config_or_flagfile_in_one_line(prog, tmp_path):
+  """A `--config` that is a directory or defines no get_config, and a `--flagfile` that
+  cannot be read (ml_collections read it while the module was imported, a traceback), are
+  one line naming them, exit code 2; nothing is written."""
+  (tmp_path / "noget.py").write_text("x = 1\n")
+  cases = [(["--config", "configs"], "--config configs: a directory; give a config file"),
+           (["--config", f"{tmp_path}/noget.py"],
+            f"--config {tmp_path}/noget.py: defines no get_config()"),
+           ([f"--flagfile={tmp_path}/missing.flags"],
+            f"--flagfile: Unable to open flagfile: [Errno 2] No such file or directory: "
+            f"'{tmp_path}/missing.flags'")]
+  for args, expected in cases:
+    result = run_entry(prog, args, tmp_path)
+    lines = [line for line in result.stderr.splitlines() if "Warning" not in line and line]
+    assert result.returncode == 2 and len(lines) == 1, (args, result.stderr[-2000:])
+    assert lines[0].startswith(f"{prog}: error: {expected}"), lines[0]
+  assert not os.path.exists(tmp_path / "w")
+
+
 @pytest.mark.parametrize("module, prog", [("realm_jax.openqa_eval", "realm-eval"),
                                           ("realm_jax.predict", "realm-predict")])
 def test_a_workdir_that_is_not_a_run_is_named_in_one_line(module, prog, tmp_path):

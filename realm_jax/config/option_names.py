@@ -10,6 +10,7 @@ in `model.retriever.*` (0, -1.0, "") as that meaning's spelling now, None.
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 from realm_jax.config.defaults import OLD_SAME_AS_READER, TOWER_FIELDS
@@ -166,17 +167,21 @@ def current_name(name: str, where: str = "") -> str:
 CONFIG_PREFIXES = ("--config.", "-config.")   # absl takes a flag with one dash or two
 
 
-def upgrade_flags(args: list[str]) -> list[str]:
+def upgrade_flags(args: list[str], prog: str = "") -> list[str]:
   """Command-line arguments with every `--flagfile` read in place (as absl would: the file's
   flags take its place; the launchers' own parsers know no flagfile) and old option names
   spelt the new way in `--config.<old>` and `-config.<old>` tokens. An unreadable flagfile
-  exits naming it."""
+  exits naming it (given `prog`, as `PROG: error: ...` with exit code 2)."""
   if any(arg.lstrip("-").startswith("flagfile") for arg in args if arg.startswith("-")):
     from absl import flags
     try:
       args = flags.FLAGS.read_flags_from_files(list(args), force_gnu=True)
     except flags.Error as e:
-      raise SystemExit(f"--flagfile: {str(e).removeprefix('ERROR:: ')}") from None
+      message = f"--flagfile: {str(e).removeprefix('ERROR:: ')}"
+      if not prog:
+        raise SystemExit(message) from None
+      print(f"{prog}: error: {message}", file=sys.stderr)
+      raise SystemExit(2) from None
   return [_upgraded(arg) for arg in args]
 
 

@@ -96,6 +96,9 @@ def flag_error(error: Exception, argv: list[str]) -> str:
     root = root.__cause__ or root.__context__
   config_file = _config_file(argv)
   inside, raised = _line_in(error, config_file)
+  unloadable = "" if inside else _unloadable_config_file(config_file, root)
+  if unloadable:
+    return unloadable
   if inside:   # raised by the config file's own code (a misspelt field there, say)
     if isinstance(root, KeyError) and root.args and _raised_by_config_dict(root):
       what = f"the config has no field {str(root.args[0])!r}"
@@ -125,6 +128,18 @@ def flag_error(error: Exception, argv: list[str]) -> str:
       return f"--config {config_file}: no such file"
     return f"--config {config_file}: {_first_line(root)}"
   return _first_line(error)
+
+
+def _unloadable_config_file(config_file: str | None, root: BaseException) -> str:
+  """The line for a `--config` that is a directory or a module without get_config; ""."""
+  if config_file is None:
+    return ""
+  path = config_file.partition(":")[0]
+  if os.path.isdir(path):
+    return f"--config {config_file}: a directory; give a config file (configs/NAME.py)"
+  if isinstance(root, AttributeError) and "get_config" in str(root):
+    return f"--config {config_file}: defines no get_config()"
+  return ""
 
 
 def _line_in(error: BaseException, config_file: str | None) -> tuple[str, BaseException]:

@@ -473,6 +473,8 @@ def main() -> None:
   from ml_collections import config_flags
   from realm_jax.errors import run_cli
   from realm_jax.config.overrides import flags_parser, refuse_arguments
+  from realm_jax.config.option_names import upgrade_flags
+  sys.argv = upgrade_flags(sys.argv, "realm-prepare")   # flagfiles and old option names, before the config flag
   config = config_flags.DEFINE_config_file("config", None, "configs/prepare.py[:variant]",
                                            lock_config=True)
 

@@ -436,11 +436,11 @@ def main(argv) -> None:
 def run() -> None:
   from absl import app, flags
   from ml_collections import config_flags
+  sys.argv = upgrade_flags(sys.argv, "realm-index")   # flagfiles and old option names, before the config flag
   config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)); the same "
                                   "as the trainer's.", lock_config=True)
   flags.DEFINE_string("workdir", None, "The trainer's run directory.")
   flags.DEFINE_bool("once", False, "Build for the newest checkpoint, publish, and exit.")
-  sys.argv = upgrade_flags(sys.argv)   # old option names, with a warning
   app.run(main, flags_parser=flags_parser("realm-index"))
 
 

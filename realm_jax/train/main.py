@@ -17,14 +17,12 @@ from realm_jax.config.overrides import flags_parser, refuse_arguments
 from realm_jax.runtime import multihost, preemption
 from realm_jax.config.option_names import upgrade_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, summary).")
 
 
 def main(argv) -> None:
   refuse_arguments("realm-train", argv)
-  if _CONFIG.value is None or not _WORKDIR.value:
+  config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
+  if config is None or not workdir:
     print("realm-train: error: --config and --workdir are required", file=sys.stderr)
     raise SystemExit(2)
   log.use_absl_verbosity()   # -v N; Orbax's and TFDS's INFO lines off the console
@@ -32,7 +30,7 @@ def main(argv) -> None:
   def job():
     multihost.initialize_from_flags()
     from realm_jax.train.loop import train  # jax is imported only once flags are good
-    return train(_CONFIG.value, _WORKDIR.value)
+    return train(config, workdir)
   summary = run_cli("realm-train", job)
   if "preempted_at_step" in summary:
     print(f"realm-train: preempted after step {summary['preempted_at_step']} (checkpoint "
@@ -43,7 +41,12 @@ def main(argv) -> None:
 
 
 def run() -> None:
-  sys.argv = upgrade_flags(sys.argv)   # old option names, with a warning
+  # flagfiles read and old option names upgraded before the config flag is defined (it reads
+  # sys.argv then): an unreadable --flagfile is one line, not a traceback
+  sys.argv = upgrade_flags(sys.argv, "realm-train")
+  config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).",
+                                  lock_config=True)
+  flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, summary).")
   app.run(main, flags_parser=flags_parser("realm-train"))
 
 
