@@ -267,6 +267,11 @@ def test_bad_options_name_the_option(tmp_path, source, option):
     ("tagger", "bogus", "config.tagger: unknown tagger 'bogus'"),   # was: after WordPiece
     ("max_doc_bytes", 0, "config.max_doc_bytes: must be >= 1"),      # skipped every document
     ("progress_every", -1.0, "config.progress_every: must be > 0"),
+    # options the world never reads (it holds out no documents; it has no fields)
+    ("eval_fraction", 0.2, "config.eval_fraction: 0.2 is not read by a world: source (only by "
+                           "jsonl:, squad:, tfds:)"),
+    ("title_field", "name", "config.title_field: 'name' is not read by a world: source"),
+    ("tfds_data_dir", "/tmp/tfds", "config.tfds_data_dir: '/tmp/tfds' is not read by a world:"),
 ])
 def test_bad_settings_are_refused_before_any_work(tmp_path, field, value, message):
   config = config_for("world:10", str(tmp_path / "out"))
@@ -274,6 +279,15 @@ def test_bad_settings_are_refused_before_any_work(tmp_path, field, value, messag
   with pytest.raises(ConfigError, match=re.escape(message)):
     prepare_lib.prepare(config)
   assert not os.path.exists(tmp_path / "out")
+
+
+def test_the_world_seed_is_refused_for_a_source_that_is_not_the_world(tmp_path):
+  config = config_for(f"squad:{tmp_path}/s.json", str(tmp_path / "out"))
+  (tmp_path / "s.json").write_text('{"data": []}')
+  config.world_seed = 3
+  with pytest.raises(ConfigError, match=r"config\.world_seed: 3 is not read by a squad: source "
+                     r"\(only by world:\)"):
+    prepare_lib.prepare(config)
 
 
 def test_a_training_config_is_named_as_one():

@@ -204,3 +204,15 @@ def test_default_rules_shard_parameters_over_model(realm_results, world_data):
   shape = (config.model.vocab_size, config.model.hidden_size)
   assert word["embedding"].shard_shape(shape) == (config.model.vocab_size // 4,
                                                   config.model.hidden_size)
+
+
+def test_a_mesh_shape_that_leaves_devices_idle_says_every_device_is_used():
+  """(3, 1) on 8 devices: not "needs 3 devices" (it has them) but that all 8 must be used."""
+  from realm_jax.errors import ConfigError
+  resolve_mesh_shape = partitioning.resolve_mesh_shape
+  assert resolve_mesh_shape((-1, 2), 8) == (4, 2)
+  with pytest.raises(ConfigError, match=r"config\.mesh\.shape: \(3, 1\) uses 3 devices, but a "
+                     r"mesh must use all 8 available"):
+    resolve_mesh_shape((3, 1), 8)
+  with pytest.raises(ConfigError, match=r"\(16, 1\) needs 16 devices, but 8 are available"):
+    resolve_mesh_shape((16, 1), 8)

@@ -83,7 +83,8 @@ def validate_prepare(config) -> None:
     paths.check(config.out_dir, "out_dir")
   except ValueError as e:
     raise ConfigError("out_dir", str(e)) from None
-  sources.parse_source(config.source)
+  kind, _ = sources.parse_source(config.source)
+  _refuse_unread_options(config, kind)
   if config.block_len < 8:
     raise ConfigError("block_len", f"{config.block_len} < 8 wordpieces")
   if not 1 <= config.max_sentence_len:
@@ -106,6 +107,22 @@ def validate_prepare(config) -> None:
     raise ConfigError("vocab", f"{config.vocab!r} does not exist")
   if not config.vocab and config.vocab_size < 10:
     raise ConfigError("vocab_size", f"{config.vocab_size} is too small")
+
+
+# Options that only some sources read (source kind -> reads it)
+SOURCE_OPTIONS = {"title_field": ("jsonl", "tfds"), "text_field": ("jsonl", "tfds"),
+                  "tfds_data_dir": ("tfds",), "world_seed": ("world",),
+                  "eval_fraction": ("jsonl", "squad", "tfds")}
+
+
+def _refuse_unread_options(config, kind: str) -> None:
+  """A ConfigError for an option set (away from its default) that `kind`'s source never reads:
+  it would change nothing but the data's fingerprint, silently."""
+  defaults = prepare_config()
+  for option, readers in SOURCE_OPTIONS.items():
+    if kind not in readers and config[option] != defaults[option]:
+      raise ConfigError(option, f"{config[option]!r} is not read by a {kind}: source (only by "
+                        + ", ".join(f"{r}:" for r in readers) + "); leave it unset")
 
 
 def _fingerprint(config) -> dict:

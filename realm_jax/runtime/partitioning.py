@@ -33,9 +33,12 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...
     if num_devices % known:
       raise ConfigError("mesh.shape", f"{shape} does not divide {num_devices} devices")
     shape = tuple(num_devices // known if s == -1 else s for s in shape)
-  if int(np.prod(shape)) != num_devices:
+  if int(np.prod(shape)) > num_devices:
     raise ConfigError("mesh.shape", f"{shape} needs {int(np.prod(shape))} devices, "
                       f"but {num_devices} are available")
+  if int(np.prod(shape)) < num_devices:
+    raise ConfigError("mesh.shape", f"{shape} uses {int(np.prod(shape))} devices, but a mesh "
+                      f"must use all {num_devices} available")
   return shape
 
 
