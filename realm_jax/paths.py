@@ -61,6 +61,9 @@ def check(path: str, what: str = "path") -> str:
     raise ConfigError("", f"{what} {text!r}: a URL's scheme is written in lowercase "
                       f"({text.split(':', 1)[0].lower()}://...)")
   scheme = next((s for s in ("gs://", "gcs://") if text.startswith(s)), "")
+  if is_remote(text) and not scheme:   # fsspec would name a package to install, or fail later
+    raise ConfigError("", f"{what} {text!r}: {text.split('://')[0]}:// is not supported (a "
+                      "Cloud Storage bucket, gs://BUCKET/PATH, or a local path)")
   if scheme and not re.fullmatch(BUCKET_NAME, text[len(scheme):].split("/")[0]):
     raise ConfigError("", f"{what} {text!r}: not a bucket name after {scheme} (3-222 lowercase "
                       "letters, digits, '-', '_' and '.', starting and ending with a letter or "

@@ -331,6 +331,8 @@ def test_a_sweep_rooted_in_the_bucket_reads_summaries_and_writes_its_tables_ther
     ("gs:///run", "not a bucket name after gs://"),       # was the bucket "run"
     ("gs://Bad_Bucket!/run", "not a bucket name after gs://"),
     ("gcs:///run", "not a bucket name after gcs://"),     # gcsfs's other spelling
+    ("s3://bucket/run", "s3:// is not supported"),        # was "Install s3fs"
+    ("memory://run", "memory:// is not supported"),       # a workdir gone with the process
 ])
 def test_urls_that_would_go_elsewhere_are_refused_naming_the_flag(world_dir, tmp_path, url,
                                                                  message, monkeypatch):
