@@ -664,3 +664,16 @@ def test_block_records_are_rebuilt_from_bytes_only(tmp_path):
   np.save(tmp_path / "d.npy", np.array([collections.OrderedDict()], dtype=object))
   with pytest.raises(DataError, match="refusing to load global collections.OrderedDict"):
     hf_realm.load_block_records(str(tmp_path / "d.npy"))
+
+
+def test_the_import_report_names_whole_dotted_keys():
+  """A group whose HF keys share no dotted name is `<- *`, not cut inside a word (`<- e*`);
+  one key is named whole."""
+  report = hf_realm_weights.ImportReport(
+      source="S", layout="L", notes=[], unused=[], initialised=[],
+      from_hf={"reader/encoder/a": "encoder.layer.0.w", "reader/encoder/b": "embeddings.w",
+               "reader/head/c": "cls.predictions.dense.w", "reader/head/d": "cls.predictions.b",
+               "reader/pool/e": "pooler.dense.weight"})
+  assert report.lines()[1:] == ["  reader/encoder: 2 params <- *",
+                                "  reader/head: 2 params <- cls.predictions.*",
+                                "  reader/pool: 1 params <- pooler.dense.weight"]

@@ -160,9 +160,9 @@ class ImportReport:
     for ours, hf in self.from_hf.items():
       groups.setdefault(self._group(ours), []).append(hf)
     for group, keys in sorted(groups.items()):
-      prefix = os.path.commonprefix(keys)
-      prefix = prefix[:prefix.rfind(".") + 1] if "." in prefix else prefix
-      out.append(f"  {group}: {len(keys)} params <- {prefix}*")
+      prefix = os.path.commonprefix(keys)   # cut back to a whole dotted name
+      named = keys[0] if len(keys) == 1 else prefix[:prefix.rfind(".") + 1] + "*"
+      out.append(f"  {group}: {len(keys)} params <- {named}")
     init: dict[str, int] = {}
     for path in self.initialised:
       init[self._group(path)] = init.get(self._group(path), 0) + 1
