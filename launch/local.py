@@ -494,6 +494,7 @@ def _launch(args: argparse.Namespace) -> int:
           f"retrieval.candidates {r.candidates!r}, retrieval.refresh {r.refresh!r}): the "
           "trainer runs alone", flush=True)
     commands, env_for = {"trainer": commands["trainer"]}, {}
+  workdir_lib.check_data_dir(config)   # else both processes start, then fail on it
   # on SIGTERM the trainer saves within its own grace period: not SIGKILLed before it ends
   save_grace = config.train.preemption_grace_seconds + SAVE_MARGIN
   return supervise(commands, args.workdir, env_for, args.grace, save_grace)

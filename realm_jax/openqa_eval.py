@@ -118,7 +118,8 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   else:        # a pre-training run's: only one embedded by this very checkpoint
     frozen = FrozenIndex.of_step(workdir, step, fingerprint, dim)
   if frozen is not None:
-    logger.info(f"[eval] index {root}/{frozen.version} (blocks embedded at step {frozen.step})")
+    logger.info(f"[eval] index {published.version_dir(root, frozen.version)} (blocks embedded "
+                f"at step {frozen.step})")
   else:
     frozen = FrozenIndex.embed(model, mesh, config, data, params["retriever"], step,
                                   f"[eval] index of checkpoint {step}: ")

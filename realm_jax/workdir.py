@@ -50,15 +50,26 @@ DONE = "DONE"
 
 
 # -- the prepared data a run reads -------------------------------------------------------------
+def check_data_dir(config) -> None:
+  """A ConfigError for a `config.data.dir` that is empty, malformed, or a local dir that does
+  not exist (a gcsfuse path is read from its bucket where it is not mounted); reads nothing
+  else (launchers check it before starting a process)."""
+  data_dir = config.data.dir
+  if not data_dir:
+    raise ConfigError("data.dir", "is empty: point it at a prepared data dir")
+  try:
+    paths.check(data_dir, "data.dir")
+  except ValueError as e:
+    raise ConfigError("data.dir", str(e)) from None
+  if not (paths.is_remote(data_dir) or os.path.exists(data_dir)
+          or paths.bucket_url(data_dir) != data_dir):
+    raise ConfigError("data.dir", f"data dir {data_dir!r} does not exist")
+
+
 def open_data(config):
   """Opens `config.data.dir` (a PreparedData), a missing or partial dir as a ConfigError."""
   from realm_jax.data.prepared import PreparedData
-  if not config.data.dir:
-    raise ConfigError("data.dir", "is empty: point it at a prepared data dir")
-  try:
-    paths.check(config.data.dir, "data.dir")
-  except ValueError as e:
-    raise ConfigError("data.dir", str(e)) from None
+  check_data_dir(config)
   data_dir = config.data.dir
   if not paths.is_remote(data_dir) and not os.path.exists(data_dir) and \
       paths.bucket_url(data_dir) != data_dir:   # a TPU VM's gcsfuse path, read elsewhere

@@ -481,7 +481,7 @@ def test_a_config_without_the_builder_runs_the_trainer_alone(tmp_path, capsys, m
   monkeypatch.setattr(local, "default_commands",
                       lambda *args: {"trainer": trainer, "builder": builder})
   argv = ["--config", os.path.join(REPO, "configs", "demo_ict.py"), "--workdir", str(tmp_path),
-          "--grace", "1"]
+          f"--config.data.dir={tmp_path}", "--grace", "1"]
   assert local.main(argv) == 0
   lines = capsys.readouterr().out.splitlines()
   assert lines[0] == ("local.py: the config does not use the separate index builder (task "
@@ -521,6 +521,22 @@ def test_cli_device_errors_name_the_option(tmp_path, cuda_visible, flags, words)
       result.stderr
   assert words in errors[0], errors[0]
   assert not (tmp_path / "run").exists()               # nothing started
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "config.data.dir: is empty: point it at a prepared data dir"),
+    (["--config.data.dir=nowhere"], "config.data.dir: data dir 'nowhere' does not exist"),
+])
+def test_a_data_dir_that_cannot_be_read_is_refused_before_either_process_starts(
+    tmp_path, flags, message):
+  """Both processes used to start, then each failed on it."""
+  result = subprocess.run(
+      [sys.executable, LOCAL_PY, "--config", "configs/demo_realm.py:realm",
+       "--config.retrieval.refresh=async", "--workdir", str(tmp_path / "run"), *flags],
+      cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert result.returncode == 2, result.stdout + result.stderr
+  assert result.stderr == f"local.py: error: {message}\n"
+  assert "started" not in result.stdout and not (tmp_path / "run").exists()
 
 
 def test_the_launchers_children_stop_when_it_is_sigkilled(tmp_path):

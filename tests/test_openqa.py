@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 
 import jax
@@ -262,8 +263,12 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
   assert saved["no_answer_in_top_k"] == sum(not p["answer_in_top_k"] for p in predictions)
   # --retrieval_only on the fine-tuned run: the same frozen index (its block tower trained on
   # since), the same recall; both results kept
-  retrieved, out_retrieval = evaluate_run(openqa_config(world_dir), workdir, split="test",
-                                          retrieval_only=True)
+  with caplog.at_level(logging.INFO, logger="realm_jax.openqa_eval"):
+    retrieved, out_retrieval = evaluate_run(openqa_config(world_dir), workdir, split="test",
+                                            retrieval_only=True)
+  said = re.search(r"\[eval\] index (\S+) \(blocks embedded at step \d+\)", caplog.text)
+  assert said and os.path.isdir(said.group(1)), caplog.text   # the version's folder itself
+  caplog.clear()
   assert out_retrieval == os.path.join(workdir, "eval", "6", "test-retrieval")
   for key in ("index_version", "index_step", "recall_at_1", "recall_at_5", "recall_at_20"):
     assert retrieved[key] == saved[key], key

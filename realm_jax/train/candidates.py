@@ -308,8 +308,8 @@ def candidate_source(config, workdir: str, *, model, mesh, data, abstract_retrie
 
 def _staleness_summary(staleness: list[int], versions_used: set[int],
                        waits: list[tuple[int, float]], rejected: int) -> dict:
-  return {"index_staleness_p50": float(np.percentile(staleness, 50)),
-          "index_staleness_p95": float(np.percentile(staleness, 95)),
+  return {"index_staleness_p50": round(float(np.percentile(staleness, 50)), 2),
+          "index_staleness_p95": round(float(np.percentile(staleness, 95)), 2),
           "index_staleness_max": int(max(staleness)),
           "index_versions_used": len(versions_used),
           "index_blocking_waits": len(waits),
