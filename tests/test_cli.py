@@ -423,3 +423,14 @@ def test_path_errors_name_both_paths_and_a_full_disk_is_one_line(tmp_path):
     assert unusable_path(error) and path_error(error).startswith(line), path_error(error)
   assert not unusable_path(OSError(errno.EPIPE, "Broken pipe"))
   assert not unusable_path(OSError(errno.EACCES, "Permission denied"))   # no path to name
+
+
+def test_an_old_option_name_is_one_warning_line(tmp_path):
+  """Not Python's `FILE:LINE: RenamedOptionWarning: ...` and the source line under it."""
+  result = run_entry("realm-train", ["--config", "configs/demo_ict.py",
+                                     "--config.retrieval.mode=index", "--config.train.stepz=1"],
+                     tmp_path)
+  assert result.stderr.splitlines() == [
+      "warning: --config.retrieval.mode is now config.retrieval.candidates; read as "
+      "config.retrieval.candidates",
+      "realm-train: error: --config.train.stepz: no such option; did you mean 'steps'?"]

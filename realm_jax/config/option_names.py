@@ -28,6 +28,20 @@ class RenamedOptionWarning(UserWarning):
   """An option was given under its old name."""
 
 
+_FORMAT_WARNING = warnings.formatwarning
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+  """A renamed option's warning as one line, `warning: ...` (Python's own format adds the
+  file and line of this module and its source line, which say nothing to a user)."""
+  if issubclass(category, RenamedOptionWarning):
+    return f"warning: {message}\n"
+  return _FORMAT_WARNING(message, category, filename, lineno, line)
+
+
+warnings.formatwarning = _format_warning
+
+
 def new_name(name: str) -> str | None:
   """The current name of dotted option `name` (maybe inside a renamed group); None when it was
   not renamed."""
