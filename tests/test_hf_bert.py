@@ -279,7 +279,7 @@ def test_report_names_what_the_checkpoint_lacks(tmp_path):
   new, report = hf_bert.load_bert_towers(params, path)
   text = str(report)
   assert "retriever/tower/bert/pooler (the checkpoint has no pooler)" in text
-  assert "reader/cls (MLM head: the checkpoint has no complete cls.predictions)" in text
+  assert "reader/cls (MLM head: the checkpoint has no cls.predictions)" in text
   assert "1 checkpoint tensors not used: classifier.weight" in text
   np.testing.assert_array_equal(get(new, "retriever/tower/bert/pooler/dense/kernel"),
                                 get(params, "retriever/tower/bert/pooler/dense/kernel"))
@@ -329,6 +329,14 @@ def test_missing_layers_are_reported(tmp_path):
   with pytest.raises(ConfigError, match=r"1 weights our BERT needs are not in .* \(it has BERT "
                      r"layers but not these: an incomplete or damaged file\?\): "
                      r"encoder\.layer\.1\.attention\.self\.key\.bias"):
+    hf_bert.load_bert_towers(params, path)
+  # so is a tensor gone from its MLM head (that head used to be left at init, with a note)
+  weights = random_bert(config, mlm_head=True)
+  del weights["cls.predictions.transform.LayerNorm.bias"]
+  path = write_checkpoint(tmp_path / "headless", weights, config, VOCAB)
+  with pytest.raises(ConfigError, match=r"cls\.predictions: 4 of the MLM head's 5 tensors are "
+                     r"in the checkpoint, not cls\.predictions\.transform\.LayerNorm\.bias "
+                     r"\(an incomplete or damaged file\?"):
     hf_bert.load_bert_towers(params, path)
 
 

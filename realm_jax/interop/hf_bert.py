@@ -471,7 +471,7 @@ def load_bert_towers(params: Mapping, path: str, option: str = OPTION) -> tuple[
     if _load_mlm_head(conv, new, head_path, _get(params, where), where):
       loaded.append(where)
     else:
-      left.append(f"{where} (MLM head: the checkpoint has no complete cls.predictions)")
+      left.append(f"{where} (MLM head: the checkpoint has no cls.predictions)")
   conv.raise_errors(option, path)
   return new, LoadReport(file, sorted(loaded), left + projections, conv.notes, conv.unused(),
                          option or OPTION)
@@ -480,7 +480,14 @@ def load_bert_towers(params: Mapping, path: str, option: str = OPTION) -> tuple[
 def _load_mlm_head(conv: Conversion, new: dict, path: tuple, cls_params: Mapping,
                    where: str) -> bool:
   names = _mlm_head_names(cls_params)
-  if not all(hf in conv.tensors for hf in names.values()):
+  absent = sorted(hf for hf in names.values() if hf not in conv.tensors)
+  if len(absent) == len(names):     # no head: left at init, said in the report
+    return False
+  if absent:                        # part of one: a damaged file, refused with the rest
+    conv.mismatches.setdefault("cls.predictions", (
+        f"cls.predictions: {len(names) - len(absent)} of the MLM head's {len(names)} tensors "
+        f"are in the checkpoint, not {', '.join(absent)} (an incomplete or damaged file? a "
+        "checkpoint gives the whole head or none of it)"))
     return False
   flat = {}
   for flax_name, hf_name in names.items():
