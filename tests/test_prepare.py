@@ -1,12 +1,15 @@
 """`realm-prepare`: blocks on real prose, bad records skipped and counted (or fatal in strict
 mode, with file:line), restarts that reuse finished shards, parallel == in-process, TFDS."""
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -184,6 +187,77 @@ def test_a_worker_that_dies_fails_the_job_naming_its_shard(tmp_path):
                           timeout=120)
   assert result.returncode == 0, result.stderr[-3000:]
   assert len(PreparedData(str(tmp_path / "out")).blocks.titles) == 12
+
+
+_SLOW_SHARDS = """\
+import os, time
+if os.environ.get("REALM_TEST_SLOW_SHARD"):   # a prepare worker: one shard takes a minute
+  from realm_jax.data import corpus
+  build_shard = corpus.build_shard
+
+  def slow(docs, *args, **kwargs):
+    print("packing", flush=True)
+    time.sleep(60)
+    return build_shard(docs, *args, **kwargs)
+  corpus.build_shard = slow
+"""
+
+
+def _children(pid: int) -> set[int]:
+  """The child processes of `pid`, whichever of its threads started them."""
+  found = set()
+  for task in os.listdir(f"/proc/{pid}/task"):
+    with open(f"/proc/{pid}/task/{task}/children") as f:
+      found |= {int(p) for p in f.read().split()}
+  return found
+
+
+def _gone(pids: set[int], seconds: float) -> bool:
+  deadline = time.time() + seconds
+  while time.time() < deadline:
+    if not any(os.path.exists(f"/proc/{p}") and
+               open(f"/proc/{p}/stat").read().split(")")[-1].split()[0] != "Z" for p in pids):
+      return True
+    time.sleep(0.2)
+  return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_workers_end_with_the_job_on_sigterm_or_sigkill(tmp_path, sig):
+  """A scheduler's SIGTERM stops the job as Ctrl-C does; after a SIGKILL (the OOM killer) its
+  workers exit by themselves. Both used to stay, orphaned, waiting on the task queue."""
+  inject = tmp_path / "inject"
+  inject.mkdir()
+  (inject / "sitecustomize.py").write_text(_SLOW_SHARDS)
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines(n_copies=4))
+  job = subprocess.Popen(
+      [sys.executable, "-m", "realm_jax.data.prepare", f"--config={REPO}/configs/prepare.py",
+       f"--config.source=jsonl:{path}", f"--config.out_dir={tmp_path / 'out'}",
+       "--config.vocab_size=300", "--config.num_workers=2", "--config.shard_documents=3"],
+      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      env={**os.environ, "REALM_TEST_SLOW_SHARD": "1",
+           "PYTHONPATH": os.pathsep.join([str(inject), REPO])})
+  workers: set[int] = set()
+  try:
+    for line in iter(job.stdout.readline, ""):            # until a worker is in a shard
+      if line.strip() == "packing":
+        break
+    workers = _children(job.pid)
+    assert len(workers) >= 2, workers
+    job.send_signal(sig)
+    job.wait(timeout=60)
+    assert _gone(workers, 20), f"workers {workers} outlived the job"
+  finally:
+    if job.poll() is None:
+      job.kill()
+    for pid in workers:                                   # none is left behind by a failure
+      with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+  if sig == signal.SIGTERM:
+    assert job.returncode == -signal.SIGINT   # the Ctrl-C path: "interrupted"
+    assert "realm-prepare: interrupted" in job.stdout.read()
 
 
 def test_a_shard_rebuilt_from_other_input_drops_its_old_marker_first(tmp_path, monkeypatch):
@@ -373,6 +447,95 @@ def test_a_source_edited_after_a_crash_is_packed_again_where_it_changed(tmp_path
   assert stats["blocks"] == prepare_lib.prepare(clean)["blocks"]
   assert stats["shards_reused"] == 2          # shards 1 and 2; shard 0 holds the edit
   _assert_same(_arrays(clean.out_dir), _arrays(edited.out_dir))
+
+
+def test_a_vocab_is_made_again_when_its_documents_changed_after_a_crash(tmp_path,
+                                                                        monkeypatch):
+  """A crash after the vocab was trained, the source edited, a rerun: the vocab is trained
+  again on the edited documents (it used to be reused, trained on the old ones); the same
+  rerun without an edit reuses it."""
+  lines = good_lines(n_copies=5)
+  path = write_jsonl(tmp_path / "docs.jsonl", lines)
+  config = config_for(f"jsonl:{path}", str(tmp_path / "out"), shard_documents=4)
+  build = _crash_at_shard(monkeypatch, 3)
+  with pytest.raises(RuntimeError, match="worker died"):
+    prepare_lib.prepare(config)
+  monkeypatch.setattr(corpus, "build_shard", build)
+  trained = []
+  train = prepare_lib.train_tokenizer
+  monkeypatch.setattr(prepare_lib, "train_tokenizer",
+                      lambda *args: trained.append(1) or train(*args))
+  record = os.path.join(config.out_dir, prepare_lib.VOCAB_RECORD)
+  before = json.load(open(record))
+  edited = [json.dumps({"title": "Zyxomorphic", "text": "Zyxomorphic ouagadougou."}).encode()]
+  write_jsonl(tmp_path / "docs.jsonl", edited + lines[1:])
+  prepare_lib.prepare(config)
+  assert trained == [1] and json.load(open(record)) != before
+  fresh = config_for(f"jsonl:{path}", str(tmp_path / "fresh"), shard_documents=4)
+  prepare_lib.prepare(fresh)
+  assert json.load(open(record)) == json.load(open(os.path.join(fresh.out_dir,
+                                                                prepare_lib.VOCAB_RECORD)))
+  # unedited: reused, not trained again
+  again = config_for(f"jsonl:{path}", str(tmp_path / "again"), shard_documents=4)
+  trained.clear()
+  build = _crash_at_shard(monkeypatch, 2)
+  with pytest.raises(RuntimeError, match="worker died"):
+    prepare_lib.prepare(again)
+  monkeypatch.setattr(corpus, "build_shard", build)
+  assert prepare_lib.prepare(again)["shards_reused"] == 1 and trained == [1]
+
+
+def test_shards_packed_with_another_vocab_are_packed_again(tmp_path, monkeypatch):
+  """The vocab file a crashed run copied was replaced before the rerun: every shard is packed
+  again with the new vocab (the finished ones used to be reused: token ids of two vocabs)."""
+  lines = good_lines(n_copies=5)
+  vocab_from = config_for(f"jsonl:{write_jsonl(tmp_path / 'v.jsonl', lines)}",
+                          str(tmp_path / "vocab"))
+  prepare_lib.prepare(vocab_from)
+  vocab = str(tmp_path / "vocab.txt")
+  entries = open(os.path.join(vocab_from.out_dir, "vocab.txt")).read().splitlines()
+  open(vocab, "w").write("\n".join(entries) + "\n")
+  path = write_jsonl(tmp_path / "docs.jsonl", lines)
+  config = config_for(f"jsonl:{path}", str(tmp_path / "out"), shard_documents=4, vocab=vocab)
+  build = _crash_at_shard(monkeypatch, 3)
+  with pytest.raises(RuntimeError, match="worker died"):
+    prepare_lib.prepare(config)
+  monkeypatch.setattr(corpus, "build_shard", build)
+  entries[200], entries[201] = entries[201], entries[200]   # another vocab at the same path
+  open(vocab, "w").write("\n".join(entries) + "\n")
+  stats = prepare_lib.prepare(config)
+  assert stats["shards_reused"] == 0
+  clean = config_for(f"jsonl:{path}", str(tmp_path / "clean"), shard_documents=4, vocab=vocab)
+  prepare_lib.prepare(clean)
+  _assert_same(_arrays(clean.out_dir), _arrays(config.out_dir))
+
+
+def test_a_source_with_no_usable_document_leaves_nothing_that_binds_the_rerun(tmp_path):
+  """No document under a wrong text_field: refused before a vocab is made of nothing (a
+  5-entry vocab used to stay, and lock the dir to the wrong field); the corrected command
+  then prepares the dir."""
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines())
+  config = config_for(f"jsonl:{path}", str(tmp_path / "out"), text_field="body")
+  with pytest.raises(DataError, match=r"no usable document \(skipped: \{'missing text field"):
+    prepare_lib.prepare(config)
+  assert os.listdir(config.out_dir) == ["prepare.json"]
+  config.text_field = "text"
+  stats = prepare_lib.prepare(config)
+  assert stats["documents"] == len(PROSE) and stats["vocab_size"] > 100
+
+
+def test_gzipped_jsonl_is_read_and_a_truncated_one_is_named(tmp_path):
+  import gzip
+  (tmp_path / "dump").mkdir()
+  write_jsonl(tmp_path / "dump" / "a.jsonl", good_lines()[:1])
+  with gzip.open(tmp_path / "dump" / "b.jsonl.gz", "wb") as f:
+    f.write(b"\n".join(good_lines()[1:]) + b"\n")
+  stats = prepare_lib.prepare(config_for(f"jsonl:{tmp_path}/dump/*", str(tmp_path / "out")))
+  assert stats["documents"] == len(PROSE) and stats["skipped"] == {}   # was invalid UTF-8
+  whole = gzip.compress(b"\n".join(good_lines(n_copies=40)) + b"\n")
+  (tmp_path / "cut.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+  with pytest.raises(DataError, match=r"cut\.jsonl\.gz: a corrupt or truncated gzip file"):
+    prepare_lib.prepare(config_for(f"jsonl:{tmp_path}/cut.jsonl.gz", str(tmp_path / "o2")))
 
 
 def test_jsonl_files_as_they_come(tmp_path):

@@ -149,10 +149,11 @@ class _Blocks:
                     self.settings, self.dropped)
 
 
-def shard_input(documents: list[tuple[int, SourceDocument]]) -> str:
-  """A digest of what a shard packs (each document's id, title, text, sentences and split):
-  a re-run reuses a finished shard only for the same input (`done.json`'s "input")."""
-  digest = hashlib.blake2b(digest_size=16)
+def shard_input(documents: list[tuple[int, SourceDocument]], vocab_sha256: str) -> str:
+  """A digest of what a shard packs (each document's id, title, text, sentences and split)
+  and of the vocab it is encoded with: a re-run reuses a finished shard only for the same
+  input (`done.json`'s "input")."""
+  digest = hashlib.blake2b(vocab_sha256.encode(), digest_size=16)
   for doc_id, doc in documents:
     digest.update(repr((doc_id, doc.title, doc.text, doc.split, doc.sentences)).encode())
   return digest.hexdigest()

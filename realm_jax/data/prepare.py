@@ -13,12 +13,15 @@ finished preparation (stats.json present) is returned as is.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections import Counter, deque
 
@@ -141,7 +144,10 @@ def _check_out_dir(config) -> dict | None:
     saved = {k: saved.get(k, defaults[k]) for k in FINGERPRINT_FIELDS}
     diffs = [f"{k}: {saved[k]!r} (in {out}) != {current[k]!r} (this run)"
              for k in FINGERPRINT_FIELDS if saved[k] != current[k]]
-    if diffs:
+    if diffs and os.listdir(out) == ["prepare.json"]:   # a run that stopped before any work
+      logger.info(f"[prepare] {out} holds nothing prepared yet: preparing it with this run's "
+                  "settings")
+    elif diffs:
       raise ConfigError("out_dir", f"{out} holds a preparation with other settings ("
                         + "; ".join(diffs) + "); use another out_dir or delete this one")
     if os.path.exists(os.path.join(out, "stats.json")):
@@ -157,41 +163,84 @@ def _check_out_dir(config) -> dict | None:
   return None
 
 
+# What DIR/vocab.txt was made from (the copied file's sha256, or a digest of the documents it
+# was trained on): a rerun reuses the vocab only when that is unchanged.
+VOCAB_RECORD = "vocab.json"
+
+
 def _vocab(config):
-  """The tokenizer of the run: `DIR/vocab.txt` if an earlier attempt wrote it, else copied
-  from `config.vocab`, else trained on the first `vocab_documents` documents."""
+  """The tokenizer of the run: copied from `config.vocab`, else trained on the first
+  `vocab_documents` documents; `DIR/vocab.txt` of an earlier attempt is reused when it was
+  made from the same file or documents (VOCAB_RECORD), else made again (the shards packed
+  with it are then packed again: their reuse key holds the vocab's sha256)."""
   path = os.path.join(config.out_dir, "vocab.txt")
-  if os.path.exists(path):
-    return load_tokenizer(path)
   if config.vocab:
     src = packages.resolve(config.vocab, "vocab")
     check_uncased(src, "vocab", config.vocab)
     src = os.path.join(src, "vocab.txt") if os.path.isdir(src) else src
     if not os.path.exists(src):
       raise ConfigError("vocab", f"no vocab.txt in {config.vocab}")
-    shutil.copyfile(src, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    made_from = {"copied": paths.sha256_file(src)}
+    if not _reusable_vocab(config.out_dir, made_from):
+      shutil.copyfile(src, path + ".tmp")
+      _keep_vocab(config.out_dir, path + ".tmp", made_from)
     return load_tokenizer(path)
+  t0 = time.time()
+  titles, texts, made_from = _vocab_documents(config)
+  if _reusable_vocab(config.out_dir, made_from):
+    return load_tokenizer(path)
+  logger.info(f"[prepare] vocab: training WordPiece ({config.vocab_size:,} entries) on "
+              f"{len(titles):,} documents")
+  tmp = os.path.join(config.out_dir, "vocab.tmp")
+  tokenizer = train_tokenizer(titles + texts, tmp, config.vocab_size)
+  _keep_vocab(config.out_dir, os.path.join(tmp, "vocab.txt"), made_from)
+  shutil.rmtree(tmp, ignore_errors=True)
+  logger.info(f"[prepare] trained a {tokenizer.vocab_size:,}-entry WordPiece vocab on "
+              f"{len(titles):,} documents ({time.time() - t0:.1f}s)")
+  return load_tokenizer(path)
+
+
+def _vocab_documents(config) -> tuple[list[str], list[str], dict]:
+  """(titles, texts, their digest) of the first `vocab_documents` documents, read as the run
+  reads them (`strict` stops at the first bad record here, before any training); a source
+  without one usable document is a DataError before a vocab is made of nothing."""
   t0 = last = time.time()
-  titles, texts = [], []
-  for doc in sources.read_documents(config, sources.Skips(strict=False)):
+  titles, texts, skips = [], [], sources.Skips(config.strict)
+  digest = hashlib.blake2b(str(config.vocab_size).encode(), digest_size=16)
+  for doc in sources.read_documents(config, skips):
     titles.append(doc.title)
     texts.extend([doc.text] if doc.text else [s.text for s in doc.sentences])
+    digest.update(repr((doc.title, doc.text, [s.text for s in doc.sentences])).encode())
     if len(titles) >= config.vocab_documents:
       break
     if time.time() - last >= config.progress_every:
       last = time.time()
       logger.info(f"[prepare] vocab: {len(titles):,} of at most {config.vocab_documents:,} "
                   f"documents read ({len(titles) / (last - t0):,.0f} docs/s)")
-  logger.info(f"[prepare] vocab: training WordPiece ({config.vocab_size:,} entries) on "
-              f"{len(titles):,} documents")
-  tmp = os.path.join(config.out_dir, "vocab.tmp")
-  tokenizer = train_tokenizer(titles + texts, tmp, config.vocab_size)
-  os.replace(os.path.join(tmp, "vocab.txt"), path)
-  shutil.rmtree(tmp, ignore_errors=True)
-  logger.info(f"[prepare] trained a {tokenizer.vocab_size:,}-entry WordPiece vocab on "
-              f"{len(titles):,} documents ({time.time() - t0:.1f}s)")
-  return load_tokenizer(path)
+  if not titles:
+    raise DataError(f"{config.source}: no usable document (skipped: {dict(skips.counts)})")
+  return titles, texts, {"documents": len(titles), "digest": digest.hexdigest()}
+
+
+def _reusable_vocab(out_dir: str, made_from: dict) -> bool:
+  """Whether `out_dir/vocab.txt` exists and was made from `made_from` (said when it was not)."""
+  if not os.path.exists(os.path.join(out_dir, "vocab.txt")):
+    return False
+  if paths.read_json(os.path.join(out_dir, VOCAB_RECORD)) == made_from:
+    return True
+  logger.info(f"[prepare] {out_dir}/vocab.txt was made from another vocab file or other "
+              "documents (the source changed since): making it again")
+  return False
+
+
+def _keep_vocab(out_dir: str, made: str, made_from: dict) -> None:
+  """Moves the vocab file `made` to `out_dir/vocab.txt`, then records what it was made from
+  (a crash between the two leaves no record: the next run makes it again)."""
+  record = os.path.join(out_dir, VOCAB_RECORD)
+  if os.path.exists(record):
+    os.remove(record)
+  os.replace(made, os.path.join(out_dir, "vocab.txt"))
+  paths.write_text_atomic(record, json.dumps(made_from, indent=1))
 
 
 # -- workers -------------------------------------------------------------------------------
@@ -208,6 +257,16 @@ def _worker_tools(vocab_path: str, tagger_spec: str, single_threaded: bool):
     from realm_jax.data.taggers import make_tagger
     _WORKER.update(key=key, tokenizer=load_tokenizer(vocab_path), tagger=make_tagger(tagger_spec))
   return _WORKER["tokenizer"], _WORKER["tagger"]
+
+
+def _exit_with_parent(parent: int) -> None:
+  """A worker's watch: it exits once `parent` is gone (killed -9, or by the OOM killer), as
+  it would otherwise wait on the task queue for good, holding memory."""
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(1.0)
+    os._exit(1)
+  threading.Thread(target=watch, daemon=True).start()
 
 
 def _run_shard(args) -> tuple[int, dict]:
@@ -267,7 +326,9 @@ class _ShardPacker:
     self.config, self.tools, self.settings = config, tools, settings
     self.root = os.path.join(config.out_dir, "shards")
     self.pool = None if in_process else concurrent.futures.ProcessPoolExecutor(
-        config.num_workers, mp_context=multiprocessing.get_context("spawn"))
+        config.num_workers, mp_context=multiprocessing.get_context("spawn"),
+        initializer=_exit_with_parent, initargs=(os.getpid(),))
+    self.vocab_sha256 = paths.sha256_file(tools[0])   # a shard packed with another is redone
     self.shard_dirs: list[str] = []
     self.results: dict = {}
     self.pending: deque = deque()   # (shard index, future), in order
@@ -299,7 +360,7 @@ class _ShardPacker:
     index = len(self.shard_dirs)
     shard_dir = os.path.join(self.root, f"{index:05d}")
     self.shard_dirs.append(shard_dir)
-    done, digest = corpus.shard_done(shard_dir), corpus.shard_input(docs)
+    done, digest = corpus.shard_done(shard_dir), corpus.shard_input(docs, self.vocab_sha256)
     if done is not None and done.get("input") == digest:   # the same documents
       self.reused += 1
       self._done(index, done)
@@ -485,6 +546,10 @@ def _stats(config, tokenizer, skips, titles, results, merged, qas, reused, t0, t
   }
 
 
+def _interrupt(signum, frame):
+  raise KeyboardInterrupt
+
+
 def main() -> None:
   from absl import app, flags
   from ml_collections import config_flags
@@ -497,6 +562,7 @@ def main() -> None:
 
   def _main(argv):
     refuse_arguments("realm-prepare", argv)
+    signal.signal(signal.SIGTERM, _interrupt)   # a scheduler's stop: as Ctrl-C, workers too
     from realm_jax import log
     log.use_absl_verbosity()   # -v N; Orbax's and TFDS's INFO lines off the console
     if config.value is None:

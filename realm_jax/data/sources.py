@@ -188,6 +188,28 @@ def matching_files(pattern: str) -> list[str]:
   return [pattern] if os.path.isfile(pattern) else []
 
 
+def _open_maybe_gzip(path: str):
+  """`path` opened for reading bytes, decompressed when it is gzip'd (by its magic bytes, as
+  a SQuAD file is read); a truncated one fails naming the file when its end is reached."""
+  with open(path, "rb") as f:
+    gzipped = f.read(2) == b"\x1f\x8b"
+  return _GzipNamed(path) if gzipped else open(path, "rb")
+
+
+class _GzipNamed(gzip.GzipFile):
+  """A gzip file whose corrupt or truncated data is a DataError naming it."""
+
+  def __init__(self, path: str):
+    super().__init__(path, "rb")
+    self.path = path
+
+  def readline(self, size=-1):
+    try:
+      return super().readline(size)
+    except (OSError, EOFError) as e:
+      raise DataError(f"{self.path}: a corrupt or truncated gzip file ({e})") from None
+
+
 def _lines(f, limit: int) -> Iterator[tuple[int, bytes | None]]:
   """(number, line) of a binary file; a line of more than `limit` bytes as None, read past
   in chunks (never held whole)."""
@@ -238,7 +260,7 @@ def _jsonl(pattern: str, config, skips: Skips) -> Iterator[SourceDocument]:
   # a record's line: its text JSON-escaped (up to 6 bytes a character, "\\u0001") and fields
   limit = 6 * config.max_doc_bytes + (1 << 16)
   for path in matching_files(pattern):
-    with open(path, "rb") as f:
+    with _open_maybe_gzip(path) as f:
       for lineno, line in _lines(f, limit):
         where = f"{path}:{lineno}"
         if line is None:
