@@ -52,6 +52,16 @@ _FLAG = re.compile(r"^--?[A-Za-z]")               # a flag, not a value such as 
 _LINE_END = re.compile(rb"\r\n|\r|\n")           # a lone \r: each progress-bar update is a line
 
 
+# Signals that came before `supervise` took over (while the config was read and checked, JAX's
+# import included): a Ctrl-C then used to be lost inside an import, and the run started anyway.
+_EARLY_SIGNALS: list[str] = []
+
+
+def _record_early_signal(signum, frame) -> None:
+  del frame
+  _EARLY_SIGNALS.append(signal.Signals(signum).name)
+
+
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
   """Separates `--config.a.b=v` / `--config.a.b v` overrides from the launcher's own flags.
 
@@ -91,6 +101,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                            "(and the builder after the trainer finished)")
   log.add_verbosity_argument(parser)
   args = parser.parse_args(own)
+  if not args.grace >= 0:
+    parser.error(f"--grace: must be >= 0 seconds, got {args.grace:g}")
   args.overrides = overrides
   return args
 
@@ -202,11 +214,16 @@ class _Child:
     self._say = say
     self.start = time.monotonic()
     self.end: float | None = None
+    # the log first: a log that cannot be opened starts nothing (the process was left untracked)
+    self._log = open(log_path, "a", encoding="utf-8")
     # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it (and can
     # then SIGKILL everything the job started, grandchildren included).
-    self.proc = start_child(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    self._log = open(log_path, "a", encoding="utf-8")
+    try:
+      self.proc = start_child(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+    except BaseException:
+      self._log.close()
+      raise
     self._log.write(f"# {PROG} {time.strftime('%Y-%m-%d %H:%M:%S')}: {command_line(argv)}\n")
     self._log.flush()
     self._reader = threading.Thread(target=self._copy_output, name=f"{name}-output", daemon=True)
@@ -324,6 +341,15 @@ class _Supervisor:
     while any(c.running for c in late):
       time.sleep(POLL_SECONDS / 10)
 
+  def stop_other(self, other: _Child, why: str) -> None:
+    """Stops the child that outlived the other: the trainer by SIGTERM, its preemption path,
+    so that it saves its step within the save grace (SIGINT would lose every step since its
+    last checkpoint); the builder by SIGINT."""
+    if other.name == "trainer":
+      self.stop([other], why, signal.SIGTERM, grace=self.save_grace)
+    else:
+      self.stop([other], why)
+
   def stop_on_signal(self) -> int:
     """Stops every child on the first signal received; returns the launcher's exit code."""
     # SIGTERM is a preemption: passed on, the trainer saves its step before exiting.
@@ -353,7 +379,7 @@ class _Supervisor:
       code = trainer.poll()
       if code is not None:
         if code:
-          self.say(f"trainer failed with {describe(code)}")
+          self.say(f"trainer failed ({describe(code)})")
         return _exit_code(code)
       time.sleep(POLL_SECONDS)
     return self.stop_on_signal()
@@ -370,13 +396,14 @@ class _Supervisor:
       for child, other in ((trainer, builder), (builder, trainer)):
         code = child.poll()
         if code not in (None, 0) and child is builder and trainer.returncode == 0:
-          self.say(f"builder failed with {describe(code)} after the trainer finished; the run "
+          self.say(f"builder failed ({describe(code)}) after the trainer finished; the run "
                    "succeeded (its summary is written; the builder's output is above)")
           return 0
         if code not in (None, 0):
           stopping = f"; stopping {other.name}" if other.running else ""
-          self.say(f"{child.name} failed with {describe(code)}{stopping}")
-          self.stop([other], f"stopped after the {child.name} failed")
+          self.say(f"{child.name} failed ({describe(code)}){stopping}"
+                   + (" (SIGTERM: it saves its step)" if stopping and other is trainer else ""))
+          self.stop_other(other, f"stopped after the {child.name} failed")
           return _exit_code(code)
       if trainer.returncode == 0:
         if builder.returncode is not None:
@@ -392,8 +419,9 @@ class _Supervisor:
           return 0
       elif builder.returncode == 0 and not workdir_lib.is_done(self.workdir):
         self.say(f"builder exited 0 while the trainer still runs and {self.done_path} does not "
-                 "exist (the trainer may wait forever for index versions); stopping trainer")
-        self.stop([trainer], "stopped after the builder quit early")
+                 "exist (the trainer may wait forever for index versions); stopping trainer "
+                 "(SIGTERM: it saves its step)")
+        self.stop_other(trainer, "stopped after the builder quit early")
         return 1
       time.sleep(POLL_SECONDS)
 
@@ -443,6 +471,13 @@ def supervise(commands: dict[str, list[str]], workdir: str,
   if threading.current_thread() is threading.main_thread():
     for sig in (signal.SIGINT, signal.SIGTERM):
       handlers[sig] = signal.signal(sig, supervisor.on_signal)
+  supervisor.signals += _EARLY_SIGNALS    # come while the config was read: nothing starts
+  _EARLY_SIGNALS.clear()
+  if supervisor.signals:
+    say(f"got {supervisor.signals[0]} before starting anything; nothing started")
+    for sig, handler in handlers.items():
+      signal.signal(sig, handler)
+    return 128 + signal.Signals[supervisor.signals[0]]
   if workdir_lib.is_done(workdir):   # an earlier run's: the new builder must not obey it
     workdir_lib.clear_done(workdir)
     say(f"removed {supervisor.done_path} left by an earlier run")
@@ -495,6 +530,11 @@ def _launch(args: argparse.Namespace) -> int:
           "trainer runs alone", flush=True)
     commands, env_for = {"trainer": commands["trainer"]}, {}
   workdir_lib.check_data_dir(config)   # else both processes start, then fail on it
+  for job in workdir_lib.JOBS:         # W in use: its DONE is not ours to remove
+    holder = workdir_lib.job_holding(args.workdir, job)
+    if holder is not None:
+      raise ConfigError("", f"{args.workdir} is in use: a {job} (pid {holder}) runs on it; "
+                        "stop it first, or use another workdir")
   # on SIGTERM the trainer saves within its own grace period: not SIGKILLed before it ends
   save_grace = config.train.preemption_grace_seconds + SAVE_MARGIN
   return supervise(commands, args.workdir, env_for, args.grace, save_grace)
@@ -523,6 +563,9 @@ def _device_env(builder_ids: str) -> dict[str, dict[str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
   """`python launch/local.py --config C[:arg] --workdir W [--grace S] [--config.a.b=v ...]`."""
+  if threading.current_thread() is threading.main_thread():
+    for sig in (signal.SIGINT, signal.SIGTERM):   # held until supervise: nothing is lost
+      signal.signal(sig, _record_early_signal)
   args = parse_args(upgrade_flags(sys.argv[1:] if argv is None else argv, PROG))
   log.set_verbosity(args.verbosity)
   return run_cli(PROG, lambda: _launch(args))

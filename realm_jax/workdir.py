@@ -17,6 +17,8 @@
   W/wall.json            the seconds of every run of W that finished or stopped on SIGTERM (a
                          demo's: also one that failed), so a resumed job reports them all
   W/DONE                 the trainer's last step: tells realm-index to exit
+  W/trainer.lock, W/builder.lock   held (flock) by the trainer's and realm-index's first
+                         process while they run on a local W: a second one is refused
   W/logs/                launch/local.py: the trainer's and the builder's output
 
 W may be a local dir or a bucket URL (`gs://B/P`): every file goes through realm_jax/paths.py.
@@ -283,6 +285,76 @@ def done_step(workdir: str) -> int | None:
     return int(text.strip())
   except ValueError:
     return sys.maxsize
+
+
+# -- W/trainer.lock, W/builder.lock -------------------------------------------------------------
+JOBS = ("trainer", "builder")
+
+
+class JobLock:
+  """The one trainer, or the one `realm-index`, of a local workdir: an exclusive flock on
+  `W/<job>.lock` (holding the pid), taken by `acquire()` just before the job first writes to
+  W and given up by `release()` or when the process ends, however it ends (no stale lock
+  after a crash). A second job of the kind is refused naming the holder's pid: it would
+  delete the first one's checkpoint or index version in the making. A bucket has no locks:
+  there the launchers keep one job of each kind (tpu_pod.py refuses a live one)."""
+
+  def __init__(self, workdir: str, job: str):
+    assert job in JOBS, job
+    self.workdir, self.job, self._file = workdir, job, None
+
+  @property
+  def path(self) -> str:
+    return os.path.join(self.workdir, f"{self.job}.lock")
+
+  def acquire(self) -> None:
+    """Takes the lock (a ConfigError naming the holder when another process has it)."""
+    if paths.is_remote(self.workdir) or self._file is not None:
+      return
+    import fcntl
+    paths.makedirs(self.workdir)
+    lock = open(self.path, "a+")
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      lock.seek(0)
+      holder = lock.read().strip() or "?"
+      lock.close()
+      raise ConfigError("", f"{self.workdir} is in use: a {self.job} (pid {holder}) runs on it "
+                        f"and holds {self.path}; stop it first, or use another workdir") from None
+    except OSError:   # a file system without flock (a FUSE mount may refuse it): as a bucket
+      lock.close()
+      return
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    self._file = lock
+
+  def release(self) -> None:
+    if self._file is not None:
+      self._file.close()    # closing gives up the flock
+      self._file = None
+
+  def __enter__(self) -> "JobLock":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+def job_holding(workdir: str, job: str) -> str | None:
+  """The pid (as written) of the live `job` holding W's lock, None when none does (a
+  launcher's check before it starts anything)."""
+  lock = JobLock(workdir, job)
+  if paths.is_remote(workdir) or not os.path.exists(lock.path):
+    return None
+  try:
+    lock.acquire()
+  except ConfigError:
+    with open(lock.path) as f:
+      return f.read().strip() or "?"
+  lock.release()
+  return None
 
 
 # -- W/summary.json ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from realm_jax import workdir as workdir_lib
 from realm_jax.errors import ConfigError
 from tests.helpers import REPO, apply_overrides, config_flags, tiny_config
 
@@ -434,3 +435,40 @@ def test_an_old_option_name_is_one_warning_line(tmp_path):
       "warning: --config.retrieval.mode is now config.retrieval.candidates; read as "
       "config.retrieval.candidates",
       "realm-train: error: --config.train.stepz: no such option; did you mean 'steps'?"]
+
+
+def test_a_second_trainer_or_builder_on_a_workdir_is_refused_naming_the_first(world_dir,
+                                                                             tmp_path):
+  """A second trainer resumed the first one's workdir and deleted its checkpoint in the
+  making; a second realm-index deleted the first one's staging dir. Each is now refused
+  before it writes anything, naming the pid that holds W/<job>.lock; the lock is given up
+  when the job ends, however it ends."""
+  from realm_jax.retrieval.builder import IndexBuilder
+  from realm_jax.train.loop import train
+  workdir = str(tmp_path / "w")
+  first = workdir_lib.JobLock(workdir, "trainer")
+  first.acquire()                           # a live trainer (flock: even in this process)
+  config = tiny_config("ict", None, world_dir, train__steps=2)
+  with pytest.raises(ConfigError, match=rf"{workdir} is in use: a trainer \(pid {os.getpid()}\) "
+                     r"runs on it and holds .*trainer\.lock; stop it first"):
+    train(config, workdir)
+  assert not os.path.exists(os.path.join(workdir, "config.json"))
+  assert workdir_lib.job_holding(workdir, "trainer") == str(os.getpid())
+  first.release()
+  assert workdir_lib.job_holding(workdir, "trainer") is None
+  assert train(config, workdir)["steps"] == 2
+  with pytest.raises(ConfigError, match="train.steps"):   # nor after a refused run
+    train(tiny_config("ict", None, world_dir, train__steps=1), workdir)
+  assert workdir_lib.job_holding(workdir, "trainer") is None
+  realm = tiny_config("realm", None, world_dir, retrieval__refresh="async")
+  other = str(tmp_path / "realm")
+  with workdir_lib.JobLock(other, "builder") as held:
+    held.acquire()
+    with pytest.raises(ConfigError, match=r"is in use: a builder \(pid \d+\)"):
+      IndexBuilder(realm, other)
+  builder = IndexBuilder(realm, other)
+  try:
+    assert workdir_lib.job_holding(other, "builder") == str(os.getpid())
+  finally:
+    builder.close()
+  assert workdir_lib.job_holding(other, "builder") is None

@@ -125,11 +125,17 @@ def test_output_is_prefixed_and_logged(tmp_path, capsys):
   assert builder_log[1:] == ["published version 1", "the trainer is done"]
 
 
+SAVES_ON_SIGTERM = """\
+    signal.signal(signal.SIGTERM, lambda *_: (touch(NAME + '.sigterm'), sys.exit(143)))
+    touch('trainer.ready')
+    time.sleep(60)
+    """
+
+
 def test_failure_stops_the_other_and_returns_its_code(tmp_path, capsys):
-  trainer = child(tmp_path, "trainer", """\
-      touch('trainer.ready')
-      time.sleep(60)
-      """)
+  """The builder failing: the trainer is stopped by SIGTERM, its preemption path, so that it
+  saves its step (SIGINT lost the steps since its last checkpoint)."""
+  trainer = child(tmp_path, "trainer", SAVES_ON_SIGTERM)
   builder = child(tmp_path, "builder", """\
       wait_for('trainer.ready')
       print('cannot restore checkpoint')
@@ -137,17 +143,19 @@ def test_failure_stops_the_other_and_returns_its_code(tmp_path, capsys):
       """)
   code, out, elapsed = run_supervise(capsys, {"trainer": trainer, "builder": builder}, tmp_path)
   assert code == 3, out
-  assert "local.py: builder failed with exit code 3; stopping trainer" in out.splitlines(), out
-  assert (tmp_path / "trainer.sigint").exists()          # stopped by the forwarded SIGINT
+  assert "local.py: builder failed (exit code 3); stopping trainer (SIGTERM: it saves its " \
+      "step)" in out.splitlines(), out
+  assert (tmp_path / "trainer.sigterm").exists() and not (tmp_path / "trainer.sigint").exists()
   assert gone(read_pid(tmp_path, "trainer"))
   assert elapsed < 5, elapsed                             # well before the grace period ended
-  assert "trainer exit code 0" in out.splitlines()[-1] and "stopped after the builder failed" \
-      in out.splitlines()[-1], out
+  assert "trainer exit code 143" in out.splitlines()[-1] and "stopped after the builder " \
+      "failed" in out.splitlines()[-1], out
 
 
 def test_child_ignoring_sigint_is_killed_after_grace(tmp_path, capsys):
   trainer = child(tmp_path, "trainer", """\
       signal.signal(signal.SIGINT, signal.SIG_IGN)
+      signal.signal(signal.SIGTERM, signal.SIG_IGN)   # the trainer is stopped by SIGTERM
       touch('trainer.ready')
       time.sleep(60)
       """)
@@ -166,16 +174,13 @@ def test_child_ignoring_sigint_is_killed_after_grace(tmp_path, capsys):
 
 
 def test_builder_quitting_before_done_stops_the_trainer(tmp_path, capsys):
-  trainer = child(tmp_path, "trainer", """\
-      touch('trainer.ready')
-      time.sleep(60)
-      """)
+  trainer = child(tmp_path, "trainer", SAVES_ON_SIGTERM)
   builder = child(tmp_path, "builder", "wait_for('trainer.ready')\n")
   code, out, _ = run_supervise(capsys, {"trainer": trainer, "builder": builder}, tmp_path)
   assert code == 1, out
   assert any(line.startswith("local.py: builder exited 0 while the trainer still runs")
              and "DONE does not exist" in line for line in out.splitlines()), out
-  assert (tmp_path / "trainer.sigint").exists()
+  assert (tmp_path / "trainer.sigterm").exists()
 
 
 def test_builder_quitting_after_done_is_fine(tmp_path, capsys):
@@ -236,7 +241,7 @@ def test_builder_failing_after_the_trainer_finished_leaves_the_run_a_success(tmp
       """)
   code, out, _ = run_supervise(capsys, {"trainer": trainer, "builder": builder}, tmp_path)
   assert code == 0, out
-  assert "local.py: builder failed with exit code 4 after the trainer finished; the run " \
+  assert "local.py: builder failed (exit code 4) after the trainer finished; the run " \
       "succeeded (its summary is written; the builder's output is above)" in out.splitlines(), out
 
 
@@ -537,6 +542,45 @@ def test_a_data_dir_that_cannot_be_read_is_refused_before_either_process_starts(
   assert result.returncode == 2, result.stdout + result.stderr
   assert result.stderr == f"local.py: error: {message}\n"
   assert "started" not in result.stdout and not (tmp_path / "run").exists()
+
+
+def test_a_signal_while_the_config_is_read_starts_nothing(tmp_path, capsys):
+  """A Ctrl-C that came before supervise (the launcher reads the config, importing JAX for
+  a second or two) used to be lost in an import, and the run started anyway."""
+  trainer = child(tmp_path, "trainer", "touch('started')\n")
+  local._EARLY_SIGNALS.append("SIGINT")
+  code, out, _ = run_supervise(capsys, {"trainer": trainer}, tmp_path)
+  assert code == 130 and not local._EARLY_SIGNALS
+  assert "local.py: got SIGINT before starting anything; nothing started" in out.splitlines()
+  assert not (tmp_path / "started").exists() and "trainer:" not in out
+
+
+def test_a_negative_grace_is_refused(capsys):
+  with pytest.raises(SystemExit) as exit_:
+    local.parse_args(["--config", "c.py", "--workdir", "w", "--grace", "-5"])
+  assert exit_.value.code == 2
+  assert "local.py: error: --grace: must be >= 0 seconds, got -5" in capsys.readouterr().err
+
+
+def test_a_workdir_in_use_is_refused_before_anything_starts(tmp_path):
+  """A second launcher on W used to start a second trainer and builder there (and remove
+  the live run's W/DONE); the live job's lock now refuses it, naming the pid."""
+  from realm_jax import workdir as workdir_lib
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "DONE").write_text("4\n")
+  for job in workdir_lib.JOBS:
+    with workdir_lib.JobLock(str(workdir), job) as live:
+      live.acquire()
+      result = subprocess.run(
+          [sys.executable, LOCAL_PY, "--config", "configs/demo_realm.py:realm",
+           "--config.retrieval.refresh=async", f"--config.data.dir={tmp_path}",
+           "--workdir", str(workdir)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == (f"local.py: error: {workdir} is in use: a {job} (pid "
+                             f"{os.getpid()}) runs on it; stop it first, or use another "
+                             "workdir\n")
+    assert "started" not in result.stdout and (workdir / "DONE").exists()
 
 
 def test_the_launchers_children_stop_when_it_is_sigkilled(tmp_path):

@@ -44,6 +44,7 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)   # a full disk or quota: retried at the
 WAIT_MESSAGE_SECONDS = 30.0      # one "still waiting" line per this many seconds
 LIST_ATTEMPTS = 5                # listings of the checkpoints tried while steps vanish under it
 FINISHED, FAILED = -1, -2        # process 0's decisions besides a step to build (`_decided`)
+STOPPED_EXIT_CODE = 128 + signal.SIGTERM   # stopped on SIGTERM (preempted): as the trainer
 
 
 class IndexBuilder:
@@ -70,6 +71,9 @@ class IndexBuilder:
     self.root = published.index_root(workdir)
     self.primary = jax.process_index() == 0   # the one process that writes W/index
     self.multiprocess = jax.process_count() > 1
+    self.lock = workdir_lib.JobLock(workdir, "builder")
+    if self.primary:   # the one builder of W: a second would delete this one's staging dir
+      self.lock.acquire()
     if self.primary and paths.isdir(self.root):
       self._recover(config.builder.keep_versions)
     from realm_jax.runtime.metrics import MetricWriter
@@ -396,6 +400,7 @@ class IndexBuilder:
     for manager in {self.lister, self.reader} - {None}:
       manager.close()
     self.metrics.close()
+    self.lock.release()
 
 
 class Stopped(Exception):
@@ -415,6 +420,8 @@ def main(argv) -> None:
     raise SystemExit(2)
   log.use_absl_verbosity()   # -v N; Orbax's and TFDS's INFO lines off the console
 
+  stopped = []
+
   def job():
     multihost.initialize_from_flags()
     builder = IndexBuilder(config, workdir)
@@ -425,11 +432,16 @@ def main(argv) -> None:
       # Publishing is atomic: a version cut short is an unpublished staging dir, which the
       # next start removes; every published version stays valid.
       logger.warning(f"[index] SIGTERM: stopped; {builder.built} versions published by this run")
+      stopped.append(True)
       return builder.built
     finally:
       signal.signal(signal.SIGTERM, previous)
       builder.close()
   built = run_cli("realm-index", job)
+  if stopped:   # not 0: a scheduler must not take a preempted builder for a finished one
+    print(f"realm-index: stopped by SIGTERM, {built} versions published; rerun the same "
+          "command to go on", flush=True)
+    raise SystemExit(STOPPED_EXIT_CODE)
   print(f"realm-index: done, {built} versions published", flush=True)
 
 

@@ -11,6 +11,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from realm_jax import workdir as workdir_lib
 from realm_jax.errors import ConfigError
 from realm_jax.train.masked_eval import Evaluator
 from realm_jax.train import batches, candidate_rows, steps
@@ -36,11 +37,12 @@ class Trainer(Run):
 
   keep_examples = 5
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
+               lock: workdir_lib.JobLock | None = None):
     data = checked_data(config, workdir)
     self.examples = query_examples(config, data)
     super().__init__(config, workdir, data, batches.QueryBatches(
-        config, data, self.examples, jax.process_index(), jax.process_count()))
+        config, data, self.examples, jax.process_index(), jax.process_count()), lock)
     realm_eval = steps.make_realm_eval(config, self.model, self.mesh) \
         if config.task == "realm" else None
     self.evaluator = Evaluator(config, self.data, self.mesh, realm_eval)
@@ -255,7 +257,8 @@ class QueryStepBatches(StepBatches):
 
 def train(config, workdir: str) -> dict:
   """Runs one stage; returns its summary (also written to `workdir/summary.json`)."""
-  if config.get("task") == "openqa":   # (a config without one is named by validate)
-    from realm_jax.train.openqa_loop import OpenQATrainer
-    return OpenQATrainer(config, workdir).run()
-  return Trainer(config, workdir).run()
+  with workdir_lib.JobLock(workdir, "trainer") as lock:   # given up however the run ends
+    if config.get("task") == "openqa":   # (a config without one is named by validate)
+      from realm_jax.train.openqa_loop import OpenQATrainer
+      return OpenQATrainer(config, workdir, lock).run()
+    return Trainer(config, workdir, lock).run()

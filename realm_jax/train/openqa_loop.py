@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 class OpenQATrainer(Run):
   """One Open-QA fine-tuning run in `workdir`; `run()` trains and evaluates on `qa.dev`."""
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str):
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
+               lock: workdir_lib.JobLock | None = None):
     data = checked_data(config, workdir)
     validate_against_data(config, num_blocks=data.blocks.num_blocks,
                           store_block_len=data.blocks.block_len,
@@ -50,7 +51,7 @@ class OpenQATrainer(Run):
     if workdir_lib.holds_checkpoints(workdir):   # before the run writes anything (config.json)
       workdir_lib.check_questions(workdir, *self.questions)
     super().__init__(config, workdir, data, QuestionBatches(
-        config, len(self.train_qa), jax.process_index(), jax.process_count()))
+        config, len(self.train_qa), jax.process_index(), jax.process_count()), lock)
     self.frozen: FrozenIndex | None = None   # from `begin`
 
   # -- checkpoints -------------------------------------------------------------------------

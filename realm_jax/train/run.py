@@ -107,7 +107,7 @@ class Run:
   keep_examples = 0   # examples with their evidence the final evaluation keeps for the summary
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: str, data: PreparedData,
-               inputs):
+               inputs, lock: workdir_lib.JobLock | None = None):
     self.config, self.workdir, self.data, self.inputs = config, workdir, data, inputs
     self.mesh = partitioning.make_mesh(config.mesh.shape)
     validate_against_mesh(config, self.mesh.shape["data"], jax.process_count(),
@@ -117,6 +117,8 @@ class Run:
     changed = [(name, was, now) for name, was, now in workdir_lib.recorded_differences(
         workdir, config) if not paths.same_place(was, now)] if resumes and \
         jax.process_index() == 0 else []
+    if lock is not None and jax.process_index() == 0:
+      lock.acquire()   # the one trainer of W, from its first write on (train() gives it up)
     workdir_lib.record_config(config, workdir, primary=jax.process_index() == 0)
     if changed:   # allowed (not compatibility fields), and said (by the first process)
       logger.warning(f"[{config.task}] resuming {workdir} under other values than it recorded "
