@@ -288,7 +288,7 @@ def done_step(workdir: str) -> int | None:
 
 
 # -- W/trainer.lock, W/builder.lock -------------------------------------------------------------
-JOBS = ("trainer", "builder")
+JOBS = ("trainer", "builder")   # a workdir's; realm-prepare locks its out_dir as "prepare"
 
 
 class JobLock:
@@ -300,7 +300,6 @@ class JobLock:
   there the launchers keep one job of each kind (tpu_pod.py refuses a live one)."""
 
   def __init__(self, workdir: str, job: str):
-    assert job in JOBS, job
     self.workdir, self.job, self._file = workdir, job, None
 
   @property
@@ -320,8 +319,9 @@ class JobLock:
       lock.seek(0)
       holder = lock.read().strip() or "?"
       lock.close()
-      raise ConfigError("", f"{self.workdir} is in use: a {self.job} (pid {holder}) runs on it "
-                        f"and holds {self.path}; stop it first, or use another workdir") from None
+      who = "realm-prepare" if self.job == "prepare" else self.job
+      raise ConfigError("", f"{self.workdir} is in use: a {who} (pid {holder}) runs on it "
+                        f"and holds {self.path}; stop it first, or use another dir") from None
     except OSError:   # a file system without flock (a FUSE mount may refuse it): as a bucket
       lock.close()
       return

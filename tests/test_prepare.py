@@ -128,6 +128,9 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
       sources.MALFORMED_JSON: 1, sources.MISSING_TITLE: 1, sources.MISSING_TEXT: 1,
       sources.EMPTY: 2, sources.INVALID_UTF8: 1, sources.TOO_LARGE: 1, sources.DUPLICATE: 1,
       sources.NOT_AN_OBJECT: 1}
+  first = stats["skipped_first_at"]    # where to look, for each reason
+  assert (first[sources.MALFORMED_JSON], first[sources.EMPTY], first[sources.DUPLICATE]) == (
+      f"{path}:4", f"{path}:7", f"{path}:11")
   assert stats["read"] == len(lines)
   assert stats["sentences"] == 9              # three sentences per document (sentencex)
   assert stats["documents_without_blocks"] == 0
@@ -337,6 +340,20 @@ def test_bad_options_name_the_option(tmp_path, source, option):
     prepare_lib.prepare(config_for(source, str(tmp_path / "out")))
 
 
+def test_a_source_dir_is_named_as_one_and_a_second_run_on_a_dir_is_refused(tmp_path):
+  with pytest.raises(ConfigError, match=rf"'{tmp_path}' is a directory; give a file or a glob "
+                     rf"\(jsonl:{tmp_path}/\*\.jsonl\)"):   # was "no such file"
+    prepare_lib.prepare(config_for(f"jsonl:{tmp_path}", str(tmp_path / "out")))
+  from realm_jax.workdir import JobLock
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines())
+  config = config_for(f"jsonl:{path}", str(tmp_path / "out2"))
+  with JobLock(config.out_dir, "prepare") as running:   # another realm-prepare on the dir
+    running.acquire()
+    with pytest.raises(ConfigError, match=r"out2 is in use: a realm-prepare \(pid \d+\)"):
+      prepare_lib.prepare(config)
+  assert prepare_lib.prepare(config)["documents"] == len(PROSE)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("tagger", "bogus", "config.tagger: unknown tagger 'bogus'"),   # was: after WordPiece
     ("max_doc_bytes", 0, "config.max_doc_bytes: must be >= 1"),      # skipped every document
@@ -518,7 +535,7 @@ def test_a_source_with_no_usable_document_leaves_nothing_that_binds_the_rerun(tm
   config = config_for(f"jsonl:{path}", str(tmp_path / "out"), text_field="body")
   with pytest.raises(DataError, match=r"no usable document \(skipped: \{'missing text field"):
     prepare_lib.prepare(config)
-  assert os.listdir(config.out_dir) == ["prepare.json"]
+  assert set(os.listdir(config.out_dir)) == {"prepare.json", prepare_lib.LOCK}
   config.text_field = "text"
   stats = prepare_lib.prepare(config)
   assert stats["documents"] == len(PROSE) and stats["vocab_size"] > 100

@@ -144,7 +144,7 @@ def _check_out_dir(config) -> dict | None:
     saved = {k: saved.get(k, defaults[k]) for k in FINGERPRINT_FIELDS}
     diffs = [f"{k}: {saved[k]!r} (in {out}) != {current[k]!r} (this run)"
              for k in FINGERPRINT_FIELDS if saved[k] != current[k]]
-    if diffs and os.listdir(out) == ["prepare.json"]:   # a run that stopped before any work
+    if diffs and set(os.listdir(out)) <= {"prepare.json", LOCK}:   # stopped before any work
       logger.info(f"[prepare] {out} holds nothing prepared yet: preparing it with this run's "
                   "settings")
     elif diffs:
@@ -153,7 +153,7 @@ def _check_out_dir(config) -> dict | None:
     if os.path.exists(os.path.join(out, "stats.json")):
       with open(os.path.join(out, "stats.json")) as f:
         return json.load(f)
-  elif os.path.isdir(out) and os.listdir(out):
+  elif os.path.isdir(out) and set(os.listdir(out)) - {LOCK}:
     raise ConfigError("out_dir", f"{out} exists, is not empty and was not written by "
                       "realm-prepare (no prepare.json); use another out_dir")
   os.makedirs(out, exist_ok=True)
@@ -163,6 +163,7 @@ def _check_out_dir(config) -> dict | None:
   return None
 
 
+LOCK = "prepare.lock"   # held (flock) by the run preparing the dir (workdir.JobLock)
 # What DIR/vocab.txt was made from (the copied file's sha256, or a digest of the documents it
 # was trained on): a rerun reuses the vocab only when that is unchanged.
 VOCAB_RECORD = "vocab.json"
@@ -388,6 +389,13 @@ def _prepare_local(config) -> dict:
   if finished is not None:
     logger.info(f"[prepare] {config.out_dir} is already prepared ({finished['blocks']:,} blocks)")
     return finished
+  from realm_jax.workdir import JobLock
+  with JobLock(config.out_dir, "prepare") as lock:   # a second run there would race this one
+    lock.acquire()
+    return _prepare_locked(config)
+
+
+def _prepare_locked(config) -> dict:
   t0 = time.time()
   tokenizer = _vocab(config)
   settings = corpus.PackSettings(config.block_len, config.max_sentence_len, config.max_masks)
@@ -448,6 +456,10 @@ def _finish(config, tokenizer, skips, titles, qas, shard_dirs, results, reused, 
       f"{stats['examples']['train']:,} train / {stats['examples']['eval']:,} eval examples, "
       f"{sum(stats['skipped'].values()):,} skipped, in {stats['seconds']:.1f}s "
       f"({stats['blocks_per_second']:,.0f} blocks/s)")
+  if stats["skipped"]:
+    logger.info("[prepare] skipped: " + ", ".join(
+        f"{reason}: {n:,} (first at {stats['skipped_first_at'][reason]})"
+        for reason, n in sorted(stats["skipped"].items(), key=lambda item: -item[1])))
   if qas or stats["questions_skipped"]:
     logger.info(f"[prepare] {questions_line(stats)}")
   return stats
@@ -530,6 +542,7 @@ def _stats(config, tokenizer, skips, titles, results, merged, qas, reused, t0, t
   return {
       "source": config.source, "read": len(titles) + sum(skips.counts.values()),
       "documents": len(titles), "skipped": dict(skips.counts),
+      "skipped_first_at": dict(skips.first),   # where each reason's first record is
       "documents_without_blocks": total["documents_without_blocks"],
       "blocks": merged["blocks"], "max_block_wordpieces": int(lengths.max(initial=0)),
       "block_len": config.block_len, "max_sentence_len": config.max_sentence_len,

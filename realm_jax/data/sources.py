@@ -52,12 +52,14 @@ class Skips:
 
   def __init__(self, strict: bool):
     self.strict, self.counts, self.questions = strict, Counter(), Counter()
+    self.first: dict[str, str] = {}   # reason -> where its first record was (stats.json)
 
   def skip(self, reason: str, where: str) -> None:
     if self.strict:
       raise DataError(f"{where}: {reason} (strict=True stops here; without it the record "
                       "is skipped and counted in stats.json)")
     self.counts[reason] += 1
+    self.first.setdefault(reason, where)
 
   def skip_question(self, reason: str, where: str) -> None:
     if self.strict:
@@ -143,6 +145,9 @@ def parse_source(spec: str) -> tuple[str, str]:
   if kind == "world" and not (arg.isdigit() and int(arg) > 0):
     raise ConfigError("source", f"{spec!r}: world:ENTITIES takes a positive entity count")
   if kind in ("jsonl", "squad") and not matching_files(arg):
+    if os.path.isdir(arg):
+      raise ConfigError("source", f"{spec!r}: {arg!r} is a directory; give a file or a glob "
+                        f"({kind}:{os.path.join(arg, '*.' + ('jsonl' if kind == 'jsonl' else 'json'))})")
     raise ConfigError("source", f"{spec!r}: no such file {arg!r}")
   return kind, arg
 
