@@ -58,8 +58,11 @@ _EARLY_SIGNALS: list[str] = []
 
 
 def _record_early_signal(signum, frame) -> None:
+  """Kept for `supervise` (an interrupt raised inside an import's callback can be swallowed),
+  and raised, so that a launcher stuck before it (a hung mount) still stops."""
   del frame
   _EARLY_SIGNALS.append(signal.Signals(signum).name)
+  raise KeyboardInterrupt
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -563,12 +566,18 @@ def _device_env(builder_ids: str) -> dict[str, dict[str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
   """`python launch/local.py --config C[:arg] --workdir W [--grace S] [--config.a.b=v ...]`."""
+  previous = {}
   if threading.current_thread() is threading.main_thread():
-    for sig in (signal.SIGINT, signal.SIGTERM):   # held until supervise: nothing is lost
-      signal.signal(sig, _record_early_signal)
-  args = parse_args(upgrade_flags(sys.argv[1:] if argv is None else argv, PROG))
-  log.set_verbosity(args.verbosity)
-  return run_cli(PROG, lambda: _launch(args))
+    for sig in (signal.SIGINT, signal.SIGTERM):   # kept until supervise: nothing is lost
+      previous[sig] = signal.signal(sig, _record_early_signal)
+  try:
+    args = parse_args(upgrade_flags(sys.argv[1:] if argv is None else argv, PROG))
+    log.set_verbosity(args.verbosity)
+    return run_cli(PROG, lambda: _launch(args))
+  finally:   # an in-process caller (a test) gets its own handlers back
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+    _EARLY_SIGNALS.clear()
 
 
 if __name__ == "__main__":

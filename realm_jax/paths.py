@@ -60,7 +60,10 @@ def check(path: str, what: str = "path") -> str:
   if not is_remote(text) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
     raise ConfigError("", f"{what} {text!r}: a URL's scheme is written in lowercase "
                       f"({text.split(':', 1)[0].lower()}://...)")
-  scheme = next((s for s in ("gs://", "gcs://") if text.startswith(s)), "")
+  if text.startswith("gcs://"):   # gcsfs reads it; Orbax's commit marker and TensorStore not
+    raise ConfigError("", f"{what} {text!r}: write the bucket as gs://{text[len('gcs://'):]} "
+                      "(checkpoints and their commit markers are read through gs:// only)")
+  scheme = "gs://" if text.startswith("gs://") else ""
   if is_remote(text) and not scheme:   # fsspec would name a package to install, or fail later
     raise ConfigError("", f"{what} {text!r}: {text.split('://')[0]}:// is not supported (a "
                       "Cloud Storage bucket, gs://BUCKET/PATH, or a local path)")

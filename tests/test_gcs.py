@@ -330,7 +330,8 @@ def test_a_sweep_rooted_in_the_bucket_reads_summaries_and_writes_its_tables_ther
     ("gs://", "not a bucket name after gs://"),           # was the bucket "checkpoints"
     ("gs:///run", "not a bucket name after gs://"),       # was the bucket "run"
     ("gs://Bad_Bucket!/run", "not a bucket name after gs://"),
-    ("gcs:///run", "not a bucket name after gcs://"),     # gcsfs's other spelling
+    ("gcs://bucket/run", "write the bucket as gs://bucket/run"),   # gcsfs's other spelling:
+                                                          # Orbax's markers, TensorStore: gs://
     ("s3://bucket/run", "s3:// is not supported"),        # was "Install s3fs"
     ("memory://run", "memory:// is not supported"),       # a workdir gone with the process
 ])

@@ -555,6 +555,16 @@ def test_a_signal_while_the_config_is_read_starts_nothing(tmp_path, capsys):
   assert not (tmp_path / "started").exists() and "trainer:" not in out
 
 
+def test_main_gives_the_callers_signal_handlers_back(tmp_path, capsys):
+  """main() holds SIGINT and SIGTERM from its first line (for supervise); an in-process
+  caller gets its own handlers back, however main ends."""
+  before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+  with pytest.raises(SystemExit):
+    local.main(["--config", "configs/nowhere.py", "--workdir", str(tmp_path)])
+  assert {sig: signal.getsignal(sig) for sig in before} == before and not local._EARLY_SIGNALS
+  assert "--config configs/nowhere.py: no such file" in capsys.readouterr().err
+
+
 def test_a_negative_grace_is_refused(capsys):
   with pytest.raises(SystemExit) as exit_:
     local.parse_args(["--config", "c.py", "--workdir", "w", "--grace", "-5"])

@@ -351,6 +351,10 @@ def test_a_source_dir_is_named_as_one_and_a_second_run_on_a_dir_is_refused(tmp_p
     running.acquire()
     with pytest.raises(ConfigError, match=r"out2 is in use: a realm-prepare \(pid \d+\)"):
       prepare_lib.prepare(config)
+    other = config_for(f"jsonl:{path}", config.out_dir, block_len=64)
+    with pytest.raises(ConfigError, match="is in use"):   # not: its settings written first
+      prepare_lib.prepare(other)
+    assert not os.path.exists(os.path.join(config.out_dir, "prepare.json"))
   assert prepare_lib.prepare(config)["documents"] == len(PROSE)
 
 

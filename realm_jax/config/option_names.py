@@ -39,7 +39,10 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
   return _FORMAT_WARNING(message, category, filename, lineno, line)
 
 
-warnings.formatwarning = _format_warning
+def one_line_warnings() -> None:
+  """A command-line program's renamed-option warnings as one line each (`upgrade_flags`
+  installs it: the CLIs and launchers, not a library importing this module)."""
+  warnings.formatwarning = _format_warning
 
 
 def new_name(name: str) -> str | None:
@@ -186,6 +189,7 @@ def upgrade_flags(args: list[str], prog: str = "") -> list[str]:
   flags take its place; the launchers' own parsers know no flagfile) and old option names
   spelt the new way in `--config.<old>` and `-config.<old>` tokens. An unreadable flagfile
   exits naming it (given `prog`, as `PROG: error: ...` with exit code 2)."""
+  one_line_warnings()
   if any(arg.lstrip("-").startswith("flagfile") for arg in args if arg.startswith("-")):
     from absl import flags
     try:

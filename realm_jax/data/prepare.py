@@ -227,10 +227,13 @@ def _reusable_vocab(out_dir: str, made_from: dict) -> bool:
   """Whether `out_dir/vocab.txt` exists and was made from `made_from` (said when it was not)."""
   if not os.path.exists(os.path.join(out_dir, "vocab.txt")):
     return False
-  if paths.read_json(os.path.join(out_dir, VOCAB_RECORD)) == made_from:
+  record = paths.read_json(os.path.join(out_dir, VOCAB_RECORD))
+  if record == made_from:
     return True
-  logger.info(f"[prepare] {out_dir}/vocab.txt was made from another vocab file or other "
-              "documents (the source changed since): making it again")
+  logger.info(f"[prepare] {out_dir}/vocab.txt " + (
+      "has no record of what it was made from (an earlier version wrote it)" if record is None
+      else "was made from another vocab file or other documents (the source changed since)")
+      + ": making it again")
   return False
 
 
@@ -385,13 +388,16 @@ class _ShardPacker:
 
 
 def _prepare_local(config) -> dict:
-  finished = _check_out_dir(config)
-  if finished is not None:
-    logger.info(f"[prepare] {config.out_dir} is already prepared ({finished['blocks']:,} blocks)")
-    return finished
   from realm_jax.workdir import JobLock
-  with JobLock(config.out_dir, "prepare") as lock:   # a second run there would race this one
+  # one run per dir, from before its settings are read or written (prepare.json): a second
+  # one would rewrite them under the first, or race it on the same files
+  with JobLock(config.out_dir, "prepare") as lock:
     lock.acquire()
+    finished = _check_out_dir(config)
+    if finished is not None:
+      logger.info(f"[prepare] {config.out_dir} is already prepared ({finished['blocks']:,} "
+                  "blocks)")
+      return finished
     return _prepare_locked(config)
 
 

@@ -74,10 +74,14 @@ class IndexBuilder:
     self.lock = workdir_lib.JobLock(workdir, "builder")
     if self.primary:   # the one builder of W: a second would delete this one's staging dir
       self.lock.acquire()
-    if self.primary and paths.isdir(self.root):
-      self._recover(config.builder.keep_versions)
-    from realm_jax.runtime.metrics import MetricWriter
-    self.metrics = MetricWriter(workdir, "index")
+    try:
+      if self.primary and paths.isdir(self.root):
+        self._recover(config.builder.keep_versions)
+      from realm_jax.runtime.metrics import MetricWriter
+      self.metrics = MetricWriter(workdir, "index")
+    except BaseException:
+      self.lock.release()   # close() is never reached on a builder that did not start
+      raise
     self.built = 0   # versions published by this run
     self._said_done = False
     logger.info(f"[index] {self.data.blocks.num_blocks:,} blocks of {self.data.dir} (fingerprint "
