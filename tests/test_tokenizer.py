@@ -53,3 +53,13 @@ def test_the_vocab_splits_text_as_the_tokenizers_trainer_does(tmp_path):
   n_hf = sum(len(e.ids) for e in hf.encode_batch(TEXTS, add_special_tokens=False))
   assert abs(n_ours - n_hf) <= 0.03 * n_hf, (n_ours, n_hf)
   assert ours.unk_id not in {i for ids, _ in ours.encode_batch(TEXTS) for i in ids}
+
+
+def test_wordpiece_training_says_how_it_goes():
+  """A vocab trained on 100,000 documents takes tens of minutes: its progress is said."""
+  said = []
+  quiet = wordpiece_vocab(["the cat sat on the mat"] * 3, 40)
+  loud = wordpiece_vocab(["the cat sat on the mat"] * 3, 40, said.append, 0.0)
+  assert loud == quiet                                  # the same vocab, only said
+  assert said[0].startswith("5 distinct words counted") and said[0].endswith("; merging")
+  assert any(" of 40 entries (" in line for line in said[1:]), said

@@ -193,7 +193,9 @@ def _vocab(config):
   logger.info(f"[prepare] vocab: training WordPiece ({config.vocab_size:,} entries) on "
               f"{len(titles):,} documents")
   tmp = os.path.join(config.out_dir, "vocab.tmp")
-  tokenizer = train_tokenizer(titles + texts, tmp, config.vocab_size)
+  tokenizer = train_tokenizer(titles + texts, tmp, config.vocab_size,
+                              lambda line: logger.info(f"[prepare] vocab: {line}"),
+                              config.progress_every)
   _keep_vocab(config.out_dir, os.path.join(tmp, "vocab.txt"), made_from)
   shutil.rmtree(tmp, ignore_errors=True)
   logger.info(f"[prepare] trained a {tokenizer.vocab_size:,}-entry WordPiece vocab on "
@@ -448,6 +450,7 @@ def _finish(config, tokenizer, skips, titles, qas, shard_dirs, results, reused, 
   """Merges the packed shards into the block store and writes titles, questions, stats."""
   shards_root = os.path.join(config.out_dir, "shards")
   t_merge = time.time()
+  logger.info(f"[prepare] merging {len(shard_dirs):,} shards into the block store and examples")
   merged = corpus.merge_shards(shard_dirs, config.out_dir, config.block_len,
                                config.max_sentence_len)
   write_titles(config.out_dir, titles)

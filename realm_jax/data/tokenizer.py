@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import heapq
 import os
+import time
 from typing import Iterable, Sequence
 
 from tokenizers import BertWordPieceTokenizer, normalizers, pre_tokenizers
@@ -82,13 +83,15 @@ def load_tokenizer(path: str, lowercase: bool = True,
                    vocab)
 
 
-def train_tokenizer(texts: Iterable[str], out_dir: str, vocab_size: int) -> Tokenizer:
+def train_tokenizer(texts: Iterable[str], out_dir: str, vocab_size: int,
+                    progress=None, every: float = 10.0) -> Tokenizer:
   """Trains an uncased WordPiece vocab on `texts` and saves `out_dir/vocab.txt`.
 
   The same texts always give the same vocab (`wordpiece_vocab`): the `tokenizers` trainer
   breaks ties between equally frequent merges in hash order, which differs run to run.
+  `progress(line)`, if given, hears how the training goes every `every` seconds.
   """
-  vocab = wordpiece_vocab(texts, vocab_size)
+  vocab = wordpiece_vocab(texts, vocab_size, progress, every)
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, "vocab.txt")
   with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -108,13 +111,18 @@ def word_counts(texts: Iterable[str]) -> collections.Counter:
   return counts
 
 
-def wordpiece_vocab(texts: Iterable[str], vocab_size: int) -> list[str]:
+def wordpiece_vocab(texts: Iterable[str], vocab_size: int, progress=None,
+                    every: float = 10.0) -> list[str]:
   """A WordPiece vocab learnt as BERT's is (BPE merges over words, "##" marking a piece that
   continues a word), deterministically: the most frequent pair is merged first, ties going
   to the lexicographically smallest pair. Returns the special tokens, the alphabet (sorted),
   then the merged pieces in merge order up to `vocab_size` entries; the special tokens and the
-  whole alphabet are always there, so a `vocab_size` below their count is exceeded."""
+  whole alphabet are always there, so a `vocab_size` below their count is exceeded.
+  `progress(line)`: the word count, then the entries made every `every` seconds."""
+  t0 = last = time.time()
   counts = word_counts(texts)
+  if progress is not None:
+    progress(f"{len(counts):,} distinct words counted ({time.time() - t0:.1f}s); merging")
   ordered = sorted(counts)
   words = [[w[0]] + [CONTINUE + c for c in w[1:]] for w in ordered]
   freqs = [counts[w] for w in ordered]
@@ -129,6 +137,9 @@ def wordpiece_vocab(texts: Iterable[str], vocab_size: int) -> list[str]:
   heap = [(-n, pair) for pair, n in pair_count.items()]
   heapq.heapify(heap)
   while len(vocab) < vocab_size and heap:
+    if progress is not None and time.time() - last >= every:
+      last = time.time()
+      progress(f"{len(vocab):,} of {vocab_size:,} entries ({last - t0:.0f}s)")
     negative, pair = heapq.heappop(heap)
     if pair_count.get(pair, 0) != -negative or negative == 0:
       continue   # a stale entry: the pair's count changed since it was pushed
