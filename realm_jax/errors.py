@@ -6,6 +6,7 @@ import errno
 import os
 import signal
 import sys
+import threading
 from typing import Callable
 
 
@@ -58,6 +59,23 @@ SELF_EXPLAINING = (ConfigError, DataError, CheckpointError, NonFiniteError, Work
                    IndexNeverPublished, IndexWaitTimeout, StorageUnreachable)
 
 
+_INTERRUPTS: list[int] = []   # Ctrl-Cs this process received (the handler `run_cli` installs)
+
+
+def _on_sigint(signum, frame) -> None:
+  _INTERRUPTS.append(signum)
+  raise KeyboardInterrupt
+
+
+def raise_if_interrupted() -> None:
+  """KeyboardInterrupt again for a Ctrl-C whose own was swallowed: Python ignores an exception
+  raised inside a garbage collector's callback ("Exception ignored in: _xla_gc_callback"; JAX
+  installs one), so a Ctrl-C landing there was lost and the run went on. Called where a run
+  can stop: between training steps, while a demo watches its stages, between index builds."""
+  if _INTERRUPTS:
+    raise KeyboardInterrupt
+
+
 def run_cli(prog: str, main: Callable[[], object]) -> object:
   """Runs `main`; ConfigError / missing files -> one clear line on stderr and exit code 2; an
   unreachable coordinator and the project's other errors (SELF_EXPLAINING) -> one line and
@@ -65,7 +83,21 @@ def run_cli(prog: str, main: Callable[[], object]) -> object:
   traceback, and the process ends by SIGINT at once, as Python would after its traceback (a
   shell stops its script there), without the interpreter's shutdown, which XLA threads cut
   short mid-compile can crash. What was finalised before it (a checkpoint, a published
-  version) stays."""
+  version) stays. A Ctrl-C is also recorded (`raise_if_interrupted`), where Python's own
+  handler is in place."""
+  previous = None
+  if threading.current_thread() is threading.main_thread() and \
+      signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+  try:
+    return _run(prog, main)
+  finally:   # an in-process caller (a test) gets Python's handler back
+    if previous is not None:
+      signal.signal(signal.SIGINT, previous)
+
+
+def _run(prog: str, main: Callable[[], object]) -> object:
+  """`run_cli`'s body: `main()`, its errors as one line each."""
   try:
     return main()
   except KeyboardInterrupt:

@@ -17,7 +17,7 @@ import time
 
 from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.config.overrides import with_overrides
-from realm_jax.errors import ConfigError, run_cli
+from realm_jax.errors import ConfigError, raise_if_interrupted, run_cli
 from realm_jax.processes import (Preempted, on_sigterm, shared_memory_env, start_child,
                                  signals_deferred, stop_after, stop_grace)
 from realm_jax.runtime.preemption import EXIT_CODE, EXIT_UNSAVED
@@ -120,6 +120,7 @@ def run_round(specs: list, host_devices: int = 0) -> dict[str, dict]:
         raise _together(failures)
       if len(results) == len(specs):
         return results
+      raise_if_interrupted()   # a Ctrl-C swallowed in a gc callback: the round stops here
       time.sleep(ROUND_POLL_SECONDS)
   except BaseException as e:   # a stage failed, SIGTERM, Ctrl-C: stop the rest of the round
     error = stop_after(e, {f"stage {name}": process for name, process in processes.items()},

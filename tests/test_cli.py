@@ -472,3 +472,23 @@ def test_a_second_trainer_or_builder_on_a_workdir_is_refused_naming_the_first(wo
   finally:
     builder.close()
   assert workdir_lib.job_holding(other, "builder") is None
+
+
+def test_a_ctrl_c_swallowed_in_a_gc_callback_stops_the_run_at_the_next_step(world_dir, tmp_path,
+                                                                            monkeypatch):
+  """Python ignores a KeyboardInterrupt raised inside a garbage collector's callback (JAX
+  installs one): the Ctrl-C recorded by run_cli's handler is raised again before the next
+  step, and run_cli gives the caller its SIGINT handler back."""
+  import signal
+  from realm_jax import errors
+  from realm_jax.train.loop import train
+  before = signal.signal(signal.SIGINT, signal.default_int_handler)   # as in a CLI
+  try:
+    assert errors.run_cli("prog", lambda: signal.getsignal(signal.SIGINT)) is errors._on_sigint
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  finally:
+    signal.signal(signal.SIGINT, before)
+  monkeypatch.setattr(errors, "_INTERRUPTS", [signal.SIGINT])   # one was swallowed
+  with pytest.raises(KeyboardInterrupt):
+    train(tiny_config("ict", None, world_dir, train__steps=2), str(tmp_path / "w"))
+  assert not os.path.exists(tmp_path / "w" / "summary.json")

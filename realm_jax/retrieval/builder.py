@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.errors import StorageUnreachable, WorkerDied, run_cli
+from realm_jax.errors import StorageUnreachable, WorkerDied, raise_if_interrupted, run_cli
 from realm_jax.config.overrides import flags_parser, refuse_arguments
 from realm_jax.runtime import multihost
 from realm_jax.config.option_names import upgrade_flags
@@ -331,6 +331,7 @@ class IndexBuilder:
     started = time.time()
     self.built = 0
     while True:
+      raise_if_interrupted()   # a Ctrl-C swallowed in a gc callback
       try:
         step = self._decided(lambda: self._next_build(once, started))
         if step == FINISHED:

@@ -22,7 +22,7 @@ import ml_collections
 
 from realm_jax import paths, workdir as workdir_lib
 from realm_jax.data.prepared import PreparedData
-from realm_jax.errors import ConfigError, NonFiniteError
+from realm_jax.errors import ConfigError, NonFiniteError, raise_if_interrupted
 from realm_jax.retrieval.index import EmbeddingStopped
 from realm_jax.train.feed import FeedStopped
 from realm_jax.runtime import initialization, multihost, partitioning, state as state_lib
@@ -321,6 +321,7 @@ class Run:
     cfg, total = self.config, self.config.train.steps
     window, t_last, data_state = [], time.time(), None
     for step in range(start, total):
+      raise_if_interrupted()   # a Ctrl-C swallowed in a gc callback: the run stops here
       try:
         fed = batches.next(step)
       except (EmbeddingStopped, FeedStopped) as e:   # SIGTERM while the next batch waited
