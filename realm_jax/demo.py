@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 
 from realm_jax import log, workdir as workdir_lib
-from realm_jax.stages import (HOST_DEVICES, check_arguments, devices, repo_config, run_demo_cli,
-                              run_stages, split_host, stage_seconds, trained_nothing)
+from realm_jax.errors import ConfigError
+from realm_jax.stages import (HOST_DEVICES, check_arguments, check_demo_flags, devices,
+                              repo_config, run_demo_cli, run_stages, split_host, stage_seconds,
+                              trained_nothing)
 
 
 def demo_stages() -> list:
@@ -33,6 +36,18 @@ def demo_stages() -> list:
   return [[("warmup", "demo_realm", "warmup", ""), ("ict", "demo_ict", None, "")],
           [("realm", "demo_realm", "realm", after),
            ("no_retrieval", "demo_realm", "no_retrieval", after)]]
+
+
+def _check_world_size(data_dir: str, entities: int, queries: int) -> None:
+  """A world with fewer training queries than a stage's batch is removed (the workdir then
+  takes other flags) and refused naming --entities: every stage would fail on it."""
+  batch = max(repo_config(name, arg).train.batch_size
+              for round_ in demo_stages() for _, name, arg, _ in round_)
+  if queries < batch:
+    shutil.rmtree(data_dir, ignore_errors=True)
+    raise ConfigError("", f"--entities {entities}: the world holds {queries} training queries, "
+                      f"fewer than a stage's batch ({batch}); give more entities (about "
+                      f"{-(-batch * entities // max(queries, 1))} or more)")
 
 
 def plot_curves(realm_dir: str, out_path: str) -> None:
@@ -106,6 +121,7 @@ def _run_demo(workdir: str, seed: int, entities: int, host_devices: int,
     print(f"[demo] {stats['blocks']:,} blocks, {stats['examples']['train']:,} training "
           f"queries, {stats['examples']['eval']:,} held-out eval queries, vocab "
           f"{stats['vocab_size']:,}", flush=True)
+    _check_world_size(data_dir, entities, stats["examples"]["train"])
   results = run_stages(demo_stages(), data_dir, workdir, seed, host_devices)
   if trained_nothing(previous, results):
     wall.keep(previous)
@@ -141,6 +157,7 @@ def main() -> None:
                       "JAX's default; a count in $XLA_FLAGS wins); the batch must divide by it")
   log.add_verbosity_argument(parser)
   args = parser.parse_args()
+  check_demo_flags(parser, args)
   log.set_verbosity(args.verbosity)
   run_demo_cli("demo", lambda: run_demo(args.workdir, args.seed, args.entities,
                                         args.host_devices))

@@ -31,8 +31,9 @@ import platform
 
 from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError
-from realm_jax.stages import (DEMO_ARGUMENTS, check_arguments, devices, repo_config,
-                              run_demo_cli, run_stage, stage_seconds, trained_nothing)
+from realm_jax.stages import (DEMO_ARGUMENTS, check_arguments, check_demo_flags, devices,
+                              repo_config, run_demo_cli, run_stage, stage_seconds,
+                              trained_nothing)
 from realm_jax.config.overrides import with_overrides
 from realm_jax.packages import MINILM
 
@@ -384,6 +385,7 @@ def main() -> None:
   workdir = args.workdir or WORKDIRS[args.scale]
   if args.max_paragraphs < 0:
     parser.error(f"--max-paragraphs must be >= 0, got {args.max_paragraphs}")
+  check_demo_flags(parser, args)
   run_demo_cli("realm-demo-real", lambda: run_demo_real(workdir, squad, args.seed, args.scale,
                                                         args.max_paragraphs))
 

@@ -17,8 +17,8 @@ import argparse
 import os
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.stages import (check_arguments, repo_config, run_demo_cli, run_stage, run_stages,
-                              stage_seconds)
+from realm_jax.stages import (check_arguments, check_demo_flags, repo_config, run_demo_cli,
+                              run_stage, run_stages, stage_seconds)
 
 STAGES = (("ict", ""), ("warmup", "ict"), ("realm", "warmup"))
 OPENQA_STAGES = (("openqa_realm", "realm"), ("openqa_ict", "ict"))   # (stage, starts from)
@@ -151,6 +151,7 @@ def main() -> None:
                       "REALM and ICT checkpoints, scored on the test articles")
   log.add_verbosity_argument(parser)
   args = parser.parse_args()
+  check_demo_flags(parser, args)
   log.set_verbosity(args.verbosity)
   demo = run_demo_openqa if args.openqa else run_demo_squad
   run_demo_cli("realm-demo-squad", lambda: demo(args.workdir, args.squad, args.seed))

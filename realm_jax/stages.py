@@ -41,6 +41,22 @@ class StageFailed(RuntimeError):
   prints it as one line: the stage's own output says why)."""
 
 
+def check_demo_flags(parser, args) -> None:
+  """The demo flags every stage would refuse, refused before anything is written (they used
+  to fail each stage after the data was made, and bind the workdir to the bad value):
+  `--seed` outside [0, 2**32), and, where the demo has them, `--host_devices` below 0 or not
+  dividing the REALM stage's batch, `--entities` below 1."""
+  if not 0 <= args.seed < 2**32:
+    parser.error(f"--seed must be in [0, 2**32) (the data order's seed), got {args.seed}")
+  if getattr(args, "entities", 1) < 1:
+    parser.error(f"--entities must be >= 1, got {args.entities}")
+  devices = getattr(args, "host_devices", 0)
+  batch = repo_config("demo_realm", "realm").train.batch_size if devices else 0
+  if devices < 0 or (devices and batch % devices):
+    parser.error(f"--host_devices must be 0 (JAX's default) or divide the REALM stage's batch "
+                 f"({batch}), got {devices}")
+
+
 def split_host(env: dict[str, str], devices: int) -> tuple[dict[str, str], int]:
   """(`env` for a process that should see the host CPU as `devices` JAX devices, the count
   it will see): a count already in its $XLA_FLAGS is kept, and 0 leaves JAX's default (one

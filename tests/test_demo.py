@@ -9,6 +9,7 @@ import time
 import pytest
 
 from realm_jax import demo, processes, stages
+from tests.helpers import REPO
 
 
 def test_split_host_applies_keeps_or_leaves_the_device_count():
@@ -530,3 +531,34 @@ def test_a_resumed_demo_real_does_not_evaluate_again_what_it_evaluated(monkeypat
   assert calls[10:] == ["table", "openqa_realm", "openqa_ict"]
   assert set(json.loads((workdir / "evaluations.json").read_text())) == {
       "retrieval", "openqa_realm", "openqa_ict"}
+
+
+@pytest.mark.parametrize("module, flags, message", [
+    ("realm_jax.demo", ["--seed", "-1"], "--seed must be in [0, 2**32) (the data order's seed), "
+                                         "got -1"),
+    ("realm_jax.demo", ["--host_devices", "3"], "--host_devices must be 0 (JAX's default) or "
+                                                "divide the REALM stage's batch (32), got 3"),
+    ("realm_jax.demo", ["--entities", "0"], "--entities must be >= 1, got 0"),
+    ("realm_jax.demo_real", ["--seed", str(2**32)], "--seed must be in [0, 2**32)"),
+    ("realm_jax.demo_squad", ["--seed", "-2"], "--seed must be in [0, 2**32)"),
+])
+def test_demo_flags_every_stage_would_refuse_are_refused_first(tmp_path, module, flags, message):
+  """They used to be found by each stage after the data was made, exit 1, and the workdir
+  then held a demo begun with the bad value."""
+  result = subprocess.run([sys.executable, "-m", module, "--workdir", str(tmp_path / "W"),
+                           *flags], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2 and message in result.stderr.splitlines()[-1], result.stderr
+  assert not (tmp_path / "W").exists()
+
+
+def test_a_world_smaller_than_a_batch_is_refused_and_leaves_the_workdir_free(tmp_path,
+                                                                           monkeypatch):
+  from realm_jax.errors import ConfigError
+  monkeypatch.setattr(demo, "run_stages", lambda *args: pytest.fail("a stage started"))
+  workdir = tmp_path / "W"
+  with pytest.raises(ConfigError, match=r"--entities 3: the world holds 24 training queries, "
+                     r"fewer than a stage's batch \(64\); give more entities"):
+    demo.run_demo(str(workdir), seed=0, entities=3)
+  assert not (workdir / "data").exists()
+  with pytest.raises(ConfigError, match="--entities 4: "):   # not: begun with --entities 3
+    demo.run_demo(str(workdir), seed=0, entities=4)
