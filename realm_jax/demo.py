@@ -102,7 +102,9 @@ def print_report(summary: dict, examples: list[dict]) -> None:
 
 def run_demo(workdir: str, seed: int, entities: int, host_devices: int = HOST_DEVICES) -> dict:
   """The whole demo; returns the summary written to `workdir/summary.json`."""
-  check_arguments(workdir, {"seed": seed, "entities": entities}, "WORKDIR")
+  # the device count too: the summary's `devices` says what the REALM stage ran on
+  check_arguments(workdir, {"seed": seed, "entities": entities, "host_devices": host_devices},
+                  "WORKDIR")
   with workdir_lib.RunWall(workdir) as wall:   # a resumed demo adds its earlier runs
     return _run_demo(workdir, seed, entities, host_devices, wall)
 

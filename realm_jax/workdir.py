@@ -14,8 +14,9 @@
   W/metrics/<kind>.jsonl, W/tb/<kind>/   metrics (runtime/metrics.py)
   W/summary.json         the run's summary, written when it finishes (absent: not finished; a
                          run resumed with more steps finds the shorter run's, its `steps` less)
-  W/wall.json            the seconds of every run of W that finished or stopped on SIGTERM (a
-                         demo's: also one that failed), so a resumed job reports them all
+  W/wall.json            the seconds of every run of W that finished or stopped on SIGTERM or
+                         Ctrl-C (a demo's: also one that failed), so a resumed job reports
+                         them all
   W/DONE                 the trainer's last step: tells realm-index to exit
   W/trainer.lock, W/builder.lock   held (flock) by the trainer's and realm-index's first
                          process while they run on a local W: a second one is refused

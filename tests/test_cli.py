@@ -492,3 +492,5 @@ def test_a_ctrl_c_swallowed_in_a_gc_callback_stops_the_run_at_the_next_step(worl
   with pytest.raises(KeyboardInterrupt):
     train(tiny_config("ict", None, world_dir, train__steps=2), str(tmp_path / "w"))
   assert not os.path.exists(tmp_path / "w" / "summary.json")
+  import json                               # its seconds are counted (a demo's stage_seconds)
+  assert json.load(open(tmp_path / "w" / "wall.json"))["runs"] == 1

@@ -326,10 +326,11 @@ def test_a_demo_workdir_refuses_other_arguments_than_it_was_begun_with(monkeypat
   (workdir / "data" / "stats.json").write_text("{}")
   demo.run_demo(str(workdir), seed=0, entities=10)
   wall = (workdir / "wall.json").read_text()
-  for seed, entities, flag in ((1, 10, "--seed 1"), (0, 20, "--entities 20")):
+  for seed, entities, devices, flag in ((1, 10, 2, "--seed 1"), (0, 20, 2, "--entities 20"),
+                                        (0, 10, 1, "--host_devices 1")):
     with pytest.raises(ConfigError, match=f"{flag}: .*W holds a demo begun with "
                        f"{flag.split()[0]} .*make WORKDIR="):
-      demo.run_demo(str(workdir), seed=seed, entities=entities)
+      demo.run_demo(str(workdir), seed=seed, entities=entities, host_devices=devices)
   assert (workdir / "wall.json").read_text() == wall
   assert demo.run_demo(str(workdir), seed=0, entities=10)["seed"] == 0
   # demo-real and demo-squad check before they prepare anything

@@ -248,6 +248,7 @@ class Run:
     preemption = Preemption(cfg.train.preemption_grace_seconds, self.prefix)
     batches, eval_metrics, details, preempted = None, {}, [], None
     recorded = False   # the run's summary written: a SIGTERM after the last step goes on then
+    wall = None
     try:
       try:
         batches = self.open_batches(start, data_iter, preemption)
@@ -267,6 +268,10 @@ class Run:
       summary = self._summarise(wall, eval_metrics, details, batches.summary())
       recorded = True
       return summary
+    except KeyboardInterrupt:   # a Ctrl-C'd run's seconds count too (a demo's stage_seconds)
+      if wall is None:
+        self._wall(time.time() - t_start)
+      raise
     finally:
       preemption.release(pass_on=recorded)
 
