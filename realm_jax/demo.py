@@ -16,7 +16,7 @@ import argparse
 import os
 import shutil
 
-from realm_jax import log, workdir as workdir_lib
+from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError
 from realm_jax.stages import (HOST_DEVICES, check_arguments, check_demo_flags, devices,
                               repo_config, run_demo_cli, run_stages, split_host, stage_seconds,
@@ -38,12 +38,14 @@ def demo_stages() -> list:
            ("no_retrieval", "demo_realm", "no_retrieval", after)]]
 
 
-def _check_world_size(data_dir: str, entities: int, queries: int) -> None:
+def _check_world_size(data_dir: str, entities: int) -> None:
   """A world with fewer training queries than a stage's batch is removed (the workdir then
   takes other flags) and refused naming --entities: every stage would fail on it."""
+  queries = (paths.read_json(os.path.join(data_dir, "stats.json")) or {}).get(
+      "examples", {}).get("train")
   batch = max(repo_config(name, arg).train.batch_size
               for round_ in demo_stages() for _, name, arg, _ in round_)
-  if queries < batch:
+  if queries is not None and queries < batch:
     shutil.rmtree(data_dir, ignore_errors=True)
     raise ConfigError("", f"--entities {entities}: the world holds {queries} training queries, "
                       f"fewer than a stage's batch ({batch}); give more entities (about "
@@ -102,8 +104,9 @@ def print_report(summary: dict, examples: list[dict]) -> None:
 
 def run_demo(workdir: str, seed: int, entities: int, host_devices: int = HOST_DEVICES) -> dict:
   """The whole demo; returns the summary written to `workdir/summary.json`."""
-  # the device count too: the summary's `devices` says what the REALM stage ran on
-  check_arguments(workdir, {"seed": seed, "entities": entities, "host_devices": host_devices},
+  # the device count the REALM stage sees too ($XLA_FLAGS' wins): the summary's `devices`
+  check_arguments(workdir, {"seed": seed, "entities": entities,
+                            "host_devices": split_host(dict(os.environ), host_devices)[1]},
                   "WORKDIR")
   with workdir_lib.RunWall(workdir) as wall:   # a resumed demo adds its earlier runs
     return _run_demo(workdir, seed, entities, host_devices, wall)
@@ -114,16 +117,17 @@ def _run_demo(workdir: str, seed: int, entities: int, host_devices: int,
   from realm_jax.data.world_corpus import prepare_world
   previous = workdir_lib.read_summary(workdir)   # a finished demo run again reports it
   data_dir = os.path.join(workdir, "data")
-  if not os.path.exists(os.path.join(data_dir, "stats.json")):
-    print(f"[demo] generating the world ({entities} entities, seed {seed}) -> {data_dir}",
-          flush=True)
-    shapes = repo_config("demo_realm").data  # the world is cut to the demo's shapes
-    stats = prepare_world(data_dir, entities, seed, block_len=shapes.block_len,
-                          max_sentence_len=shapes.query_len - 2)
-    print(f"[demo] {stats['blocks']:,} blocks, {stats['examples']['train']:,} training "
-          f"queries, {stats['examples']['eval']:,} held-out eval queries, vocab "
-          f"{stats['vocab_size']:,}", flush=True)
-    _check_world_size(data_dir, entities, stats["examples"]["train"])
+  with wall.input_checks():   # a world refused for its size adds no run to W/wall.json
+    if not os.path.exists(os.path.join(data_dir, "stats.json")):
+      print(f"[demo] generating the world ({entities} entities, seed {seed}) -> {data_dir}",
+            flush=True)
+      shapes = repo_config("demo_realm").data  # the world is cut to the demo's shapes
+      stats = prepare_world(data_dir, entities, seed, block_len=shapes.block_len,
+                            max_sentence_len=shapes.query_len - 2)
+      print(f"[demo] {stats['blocks']:,} blocks, {stats['examples']['train']:,} training "
+            f"queries, {stats['examples']['eval']:,} held-out eval queries, vocab "
+            f"{stats['vocab_size']:,}", flush=True)
+    _check_world_size(data_dir, entities)
   results = run_stages(demo_stages(), data_dir, workdir, seed, host_devices)
   if trained_nothing(previous, results):
     wall.keep(previous)

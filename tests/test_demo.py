@@ -316,6 +316,7 @@ def test_a_demo_workdir_refuses_other_arguments_than_it_was_begun_with(monkeypat
   report them as seed 1's: it is refused, naming the flag and the Makefile's variable, and the
   refused run adds nothing to the wall record. The same arguments go on."""
   import json
+  monkeypatch.setenv("XLA_FLAGS", "")   # the device count is --host_devices' (no count here)
   from realm_jax import demo_real
   from realm_jax.errors import ConfigError
   monkeypatch.setattr(demo, "plot_curves", lambda *args: None)
@@ -561,5 +562,6 @@ def test_a_world_smaller_than_a_batch_is_refused_and_leaves_the_workdir_free(tmp
                      r"fewer than a stage's batch \(64\); give more entities"):
     demo.run_demo(str(workdir), seed=0, entities=3)
   assert not (workdir / "data").exists()
-  with pytest.raises(ConfigError, match="--entities 4: "):   # not: begun with --entities 3
-    demo.run_demo(str(workdir), seed=0, entities=4)
+  with pytest.raises(ConfigError, match="--entities 4: the world holds"):   # not: "W holds a
+    demo.run_demo(str(workdir), seed=0, entities=4)                        # demo begun with 3"
+  assert not (workdir / "wall.json").exists()   # a refused run adds no run

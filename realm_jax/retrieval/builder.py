@@ -331,8 +331,8 @@ class IndexBuilder:
     started = time.time()
     self.built = 0
     while True:
-      raise_if_interrupted()   # a Ctrl-C swallowed in a gc callback
       try:
+        raise_if_interrupted()   # a Ctrl-C swallowed in a gc callback (the others told)
         step = self._decided(lambda: self._next_build(once, started))
         if step == FINISHED:
           return self.built
@@ -360,6 +360,7 @@ class IndexBuilder:
     """The checkpoint step to build next (waiting for one), or FINISHED: the trainer is done."""
     cfg, last_message = self.config, 0.0
     while True:
+      raise_if_interrupted()   # while it waits too
       steps = self.checkpoint_steps()
       if not steps:
         waited = time.time() - started
