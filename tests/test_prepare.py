@@ -543,6 +543,19 @@ def test_a_source_with_no_usable_document_leaves_nothing_that_binds_the_rerun(tm
   config.text_field = "text"
   stats = prepare_lib.prepare(config)
   assert stats["documents"] == len(PROSE) and stats["vocab_size"] > 100
+  # a copied vocab is written before the source is read: a SQuAD file that is not one leaves
+  # it, and the corrected file (another source) still takes the dir
+  vocab = os.path.join(config.out_dir, "vocab.txt")
+  (tmp_path / "bad.json").write_text("not json")
+  squad = config_for(f"squad:{tmp_path}/bad.json", str(tmp_path / "squad"), vocab=vocab)
+  with pytest.raises(DataError, match="bad.json"):
+    prepare_lib.prepare(squad)
+  assert "vocab.txt" in os.listdir(squad.out_dir)
+  good = tmp_path / "good.json"
+  good.write_text(json.dumps({"data": [{"title": t, "paragraphs": [{"context": x, "qas": []}]}
+                                       for t, x in PROSE]}))
+  squad.source = f"squad:{good}"
+  assert prepare_lib.prepare(squad)["documents"] == len(PROSE)
 
 
 def test_gzipped_jsonl_is_read_and_a_truncated_one_is_named(tmp_path):

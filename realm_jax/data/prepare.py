@@ -144,9 +144,10 @@ def _check_out_dir(config) -> dict | None:
     saved = {k: saved.get(k, defaults[k]) for k in FINGERPRINT_FIELDS}
     diffs = [f"{k}: {saved[k]!r} (in {out}) != {current[k]!r} (this run)"
              for k in FINGERPRINT_FIELDS if saved[k] != current[k]]
-    if diffs and set(os.listdir(out)) <= {"prepare.json", LOCK}:   # stopped before any work
-      logger.info(f"[prepare] {out} holds nothing prepared yet: preparing it with this run's "
-                  "settings")
+    if diffs and set(os.listdir(out)) <= UNPACKED:   # stopped before packing any shard
+      logger.info(f"[prepare] {out} holds no packed document yet: preparing it with this "
+                  "run's settings (a vocab there is reused only if made from the same file or "
+                  "documents)")
     elif diffs:
       raise ConfigError("out_dir", f"{out} holds a preparation with other settings ("
                         + "; ".join(diffs) + "); use another out_dir or delete this one")
@@ -167,6 +168,9 @@ LOCK = "prepare.lock"   # held (flock) by the run preparing the dir (workdir.Job
 # What DIR/vocab.txt was made from (the copied file's sha256, or a digest of the documents it
 # was trained on): a rerun reuses the vocab only when that is unchanged.
 VOCAB_RECORD = "vocab.json"
+# A dir holding no more than these packed nothing yet: it takes other settings (a run that
+# stopped on a bad or empty source, whose vocab checks itself against its record)
+UNPACKED = {"prepare.json", LOCK, "vocab.txt", VOCAB_RECORD, "vocab.tmp"}
 
 
 def _vocab(config):
