@@ -321,23 +321,21 @@ def test_missing_layers_are_reported(tmp_path):
   with pytest.raises(ConfigError, match=r"16 weights our BERT needs are not in .* lower "
                      r"model\.num_layers.*encoder\.layer\.1\."):
     hf_bert.load_bert_towers(params, path)
-  # one tensor gone from a layer the checkpoint has is its fault, not the config's
+  # one tensor gone from a layer the checkpoint has is its fault, not the config's; so is one
+  # gone from its MLM head (that head used to be left at init, with a note)
   config = hf_config(len(VOCAB))
-  weights = random_bert(config)
-  del weights["encoder.layer.1.attention.self.key.bias"]
-  path = write_checkpoint(tmp_path / "damaged", weights, config, VOCAB)
-  with pytest.raises(ConfigError, match=r"1 weights our BERT needs are not in .* \(it has BERT "
-                     r"layers but not these: an incomplete or damaged file\?\): "
-                     r"encoder\.layer\.1\.attention\.self\.key\.bias"):
-    hf_bert.load_bert_towers(params, path)
-  # so is a tensor gone from its MLM head (that head used to be left at init, with a note)
-  weights = random_bert(config, mlm_head=True)
-  del weights["cls.predictions.transform.LayerNorm.bias"]
-  path = write_checkpoint(tmp_path / "headless", weights, config, VOCAB)
-  with pytest.raises(ConfigError, match=r"cls\.predictions: 4 of the MLM head's 5 tensors are "
-                     r"in the checkpoint, not cls\.predictions\.transform\.LayerNorm\.bias "
-                     r"\(an incomplete or damaged file\?"):
-    hf_bert.load_bert_towers(params, path)
+  for gone, head, message in (
+      ("encoder.layer.1.attention.self.key.bias", False,
+       r"1 weights our BERT needs are not in .* \(it has BERT layers but not these: an "
+       r"incomplete or damaged file\?\): encoder\.layer\.1\.attention\.self\.key\.bias"),
+      ("cls.predictions.transform.LayerNorm.bias", True,
+       r"cls\.predictions: 4 of the MLM head's 5 tensors are in the checkpoint, not "
+       r"cls\.predictions\.transform\.LayerNorm\.bias \(an incomplete or damaged file\?")):
+    weights = random_bert(config, mlm_head=head)
+    del weights[gone]
+    path = write_checkpoint(tmp_path / gone, weights, config, VOCAB)
+    with pytest.raises(ConfigError, match=message):
+      hf_bert.load_bert_towers(params, path)
 
 
 def test_integer_tensors_are_refused_not_cast(tmp_path):
