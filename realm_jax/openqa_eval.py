@@ -185,7 +185,8 @@ def run() -> None:
   from ml_collections import config_flags
   from realm_jax.config.overrides import flags_parser
   from realm_jax.data.qa import SPLITS
-  sys.argv = upgrade_flags(sys.argv, "realm-eval")   # flagfiles and old option names, before the config flag
+  # flagfiles read and old option names upgraded before the config flag reads sys.argv
+  sys.argv = upgrade_flags(sys.argv, "realm-eval")
   config_flags.DEFINE_config_file("config", None, "Config file (default: W/config.json).",
                                   lock_config=True)
   flags.DEFINE_string("workdir", None, "Run directory with checkpoints.", required=True)

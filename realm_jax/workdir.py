@@ -53,10 +53,11 @@ DONE = "DONE"
 
 
 # -- the prepared data a run reads -------------------------------------------------------------
-def check_data_dir(config) -> None:
-  """A ConfigError for a `config.data.dir` that is empty, malformed, or a local dir that does
-  not exist (a gcsfuse path is read from its bucket where it is not mounted); reads nothing
-  else (launchers check it before starting a process)."""
+def check_data_dir(config) -> str:
+  """Where `config.data.dir` is read from: itself, or for a TPU VM's gcsfuse path that is not
+  mounted here, the bucket path it mounts. A ConfigError for one that is empty, malformed, or
+  a local dir that does not exist; reads nothing else (launchers check it before starting a
+  process)."""
   data_dir = config.data.dir
   if not data_dir:
     raise ConfigError("data.dir", "is empty: point it at a prepared data dir")
@@ -64,19 +65,18 @@ def check_data_dir(config) -> None:
     paths.check(data_dir, "data.dir")
   except ValueError as e:
     raise ConfigError("data.dir", str(e)) from None
-  if not (paths.is_remote(data_dir) or os.path.exists(data_dir)
-          or paths.bucket_url(data_dir) != data_dir):
+  if paths.is_remote(data_dir) or os.path.exists(data_dir):
+    return data_dir
+  if paths.bucket_url(data_dir) == data_dir:
     raise ConfigError("data.dir", f"data dir {data_dir!r} does not exist")
+  return paths.bucket_url(data_dir)
 
 
 def open_data(config):
   """Opens `config.data.dir` (a PreparedData), a missing or partial dir as a ConfigError."""
   from realm_jax.data.prepared import PreparedData
-  check_data_dir(config)
-  data_dir = config.data.dir
-  if not paths.is_remote(data_dir) and not os.path.exists(data_dir) and \
-      paths.bucket_url(data_dir) != data_dir:   # a TPU VM's gcsfuse path, read elsewhere
-    data_dir = paths.bucket_url(data_dir)
+  data_dir = check_data_dir(config)
+  if data_dir != config.data.dir:
     logger.info(f"[data] {config.data.dir} is not mounted here: reading {data_dir}, the "
                 "bucket path it mounts")
   try:

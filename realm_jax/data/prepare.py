@@ -582,7 +582,8 @@ def main() -> None:
   from realm_jax.errors import run_cli
   from realm_jax.config.overrides import flags_parser, refuse_arguments
   from realm_jax.config.option_names import upgrade_flags
-  sys.argv = upgrade_flags(sys.argv, "realm-prepare")   # flagfiles and old option names, before the config flag
+  # flagfiles read and old option names upgraded before the config flag reads sys.argv
+  sys.argv = upgrade_flags(sys.argv, "realm-prepare")
   config = config_flags.DEFINE_config_file("config", None, "configs/prepare.py[:variant]",
                                            lock_config=True)
 

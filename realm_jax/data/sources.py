@@ -146,8 +146,9 @@ def parse_source(spec: str) -> tuple[str, str]:
     raise ConfigError("source", f"{spec!r}: world:ENTITIES takes a positive entity count")
   if kind in ("jsonl", "squad") and not matching_files(arg):
     if os.path.isdir(arg):
+      files = os.path.join(arg, "*.jsonl" if kind == "jsonl" else "*.json")
       raise ConfigError("source", f"{spec!r}: {arg!r} is a directory; give a file or a glob "
-                        f"({kind}:{os.path.join(arg, '*.' + ('jsonl' if kind == 'jsonl' else 'json'))})")
+                        f"({kind}:{files})")
     raise ConfigError("source", f"{spec!r}: no such file {arg!r}")
   return kind, arg
 

@@ -454,7 +454,8 @@ def main(argv) -> None:
 def run() -> None:
   from absl import app, flags
   from ml_collections import config_flags
-  sys.argv = upgrade_flags(sys.argv, "realm-index")   # flagfiles and old option names, before the config flag
+  # flagfiles read and old option names upgraded before the config flag reads sys.argv
+  sys.argv = upgrade_flags(sys.argv, "realm-index")
   config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)); the same "
                                   "as the trainer's.", lock_config=True)
   flags.DEFINE_string("workdir", None, "The trainer's run directory.")
