@@ -329,8 +329,7 @@ class Conversion:
     """Our BertEncoder params (`ours`) with every leaf the checkpoint has replaced."""
     names = hf_parameter_names(ours)
     self.our_hidden = ours["embeddings"]["word_embeddings"]["embedding"].shape[-1]
-    layers = {int(m.group(1)) for n in self.tensors
-              if (m := re.match(r"encoder\.layer\.(\d+)\.", n))}
+    layers = self.layers()
     if len(ours["encoder"]) < len(layers):
       note = f"layers: the first {len(ours['encoder'])} of the checkpoint's {len(layers)}"
       if note not in self.notes:
