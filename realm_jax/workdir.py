@@ -343,6 +343,21 @@ class JobLock:
     self.release()
 
 
+def job_gone(workdir: str, job: str) -> str | None:
+  """The pid in W's `job` lock file when no process of that pid runs any more (the job died
+  or was stopped without finishing), else None; None for a bucket. A look at the file and the
+  pid alone, never at the lock: a job starting now is not refused for it."""
+  if paths.is_remote(workdir):
+    return None
+  try:
+    with open(JobLock(workdir, job).path) as f:
+      pid = int(f.read().strip())
+    os.kill(pid, 0)
+  except (OSError, ValueError) as e:
+    return str(pid) if isinstance(e, ProcessLookupError) else None
+  return None
+
+
 def job_holding(workdir: str, job: str) -> str | None:
   """The pid (as written) of the live `job` holding W's lock, None when none does (a
   launcher's check before it starts anything)."""

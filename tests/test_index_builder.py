@@ -220,6 +220,36 @@ def test_builder_without_checkpoints_waits_then_fails_clearly(world_dir, tmp_pat
   assert time.time() - t0 < 120
 
 
+def test_a_builder_whose_trainer_died_says_so_and_ends_at_done(world_dir, tmp_path, capsys):
+  """Everything built, W/trainer.lock names a pid that no longer runs and W/DONE is absent: the
+  builder says the trainer is not running (not a silent wait), and ends when DONE comes."""
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (0,))
+  gone = subprocess.Popen(["true"])
+  gone.wait()
+  with open(os.path.join(workdir, "trainer.lock"), "w") as f:
+    f.write(f"{gone.pid}\n")
+  builder = IndexBuilder(config, workdir)
+  ended = []
+  thread = threading.Thread(target=lambda: ended.append(builder.run()), daemon=True)
+  try:
+    thread.start()
+    deadline, out = time.time() + 120, ""
+    while "is not running" not in out and time.time() < deadline:
+      time.sleep(0.2)
+      out += capsys.readouterr().out
+    assert f"the trainer (pid {gone.pid}, {workdir}/trainer.lock) is not running and W/DONE " \
+        "is absent: waiting for a checkpoint after step 0" in out, out[-2000:]
+    assert not ended
+    from realm_jax import workdir as workdir_lib
+    workdir_lib.mark_done(workdir, config.train.steps)
+    thread.join(timeout=60)
+    assert ended == [1]
+  finally:
+    builder.close()
+
+
 def test_builder_refuses_another_block_store(world_dir, tmp_path):
   config = builder_config(world_dir)
   workdir = str(tmp_path / "run")

@@ -174,3 +174,36 @@ def test_a_sigterm_while_a_batch_waits_for_its_index_saves_the_last_step(
   assert "checkpoint 5 finalised" in out and exits == []
   assert sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints"))
                 if d.isdigit()) == [0, 3, 5]
+
+
+def test_an_async_run_whose_builder_is_gone_says_so(world_dir, tmp_path, capsys):
+  """Async, one version (of checkpoint 0) and no builder after it: the trainer warns when the
+  staleness passes STALE_REFRESHES refreshes and at each doubling, then the final evaluation
+  fails after `index_timeout`, naming it."""
+  import threading
+  import time
+  from realm_jax.train.candidates import STALE_REFRESHES
+  from realm_jax.train.loop import train
+  from tests.test_index_builder import build_once
+  config = helpers.tiny_config(
+      "realm", data_dir=world_dir, retrieval__refresh="async", retrieval__refresh_every=1,
+      retrieval__index_timeout=120.0, builder__poll_seconds=0.1,
+      train__steps=2 * STALE_REFRESHES + 1, train__checkpoint_every=100, train__log_every=1)
+  workdir = str(tmp_path / "run")
+
+  def index_of_step_0_only():
+    while not os.path.isdir(os.path.join(workdir, "checkpoints", "0")):
+      time.sleep(0.1)
+    build_once(config, workdir)
+    config.retrieval.index_timeout = 1.0   # the run's config: the final wait is short
+  helper = threading.Thread(target=index_of_step_0_only, daemon=True)
+  helper.start()
+  with pytest.raises(TimeoutError, match="index_timeout"):
+    train(config, workdir)
+  helper.join(timeout=10)
+  out = capsys.readouterr().out
+  said = [line for line in out.splitlines() if "warning: index staleness" in line]
+  assert [line.split("staleness ")[1].split(" ")[0] for line in said] == [
+      str(STALE_REFRESHES), str(2 * STALE_REFRESHES)], out[-3000:]
+  assert "newest version is v1 (step 0)" in said[0]
+  assert "retrieval.refresh_every=1 steps; it is behind or not running" in said[0]

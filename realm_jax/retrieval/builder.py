@@ -42,6 +42,7 @@ logger = logging.getLogger("realm_jax.retrieval.builder")   # (__name__ is __mai
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)   # a full disk or quota: retried at the next poll
 
 WAIT_MESSAGE_SECONDS = 30.0      # one "still waiting" line per this many seconds
+TRAINER_GONE_SECONDS = 600.0     # one "the trainer is not running" line per this many seconds
 LIST_ATTEMPTS = 5                # listings of the checkpoints tried while steps vanish under it
 FINISHED, FAILED = -1, -2        # process 0's decisions besides a step to build (`_decided`)
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM   # stopped on SIGTERM (preempted): as the trainer
@@ -385,7 +386,23 @@ class IndexBuilder:
       if self._trainer_done():
         logger.info(f"[index] the trainer is done; {self.built} versions published")
         return FINISHED
+      last_message = self._say_if_trainer_gone(steps[-1], last_message)
       time.sleep(cfg.builder.poll_seconds)
+
+  def _say_if_trainer_gone(self, newest: int, last_message: float) -> float:
+    """A line (then one per TRAINER_GONE_SECONDS) while nothing is new to build and the
+    trainer that held W/trainer.lock is no longer running: a realm-index started on its own
+    waits for the trainer's next checkpoint, or W/DONE, until it is stopped."""
+    if time.time() - last_message < TRAINER_GONE_SECONDS:
+      return last_message
+    pid = workdir_lib.job_gone(self.workdir, "trainer")
+    if pid is None:
+      return last_message
+    logger.warning(
+        f"[index] the trainer (pid {pid}, {workdir_lib.JobLock(self.workdir, 'trainer').path}) "
+        f"is not running and W/DONE is absent: waiting for a checkpoint after step {newest} "
+        "from the trainer started again on this workdir (Ctrl-C stops this job)")
+    return time.time()
 
   def _trainer_done(self) -> bool:
     """W/DONE records a step >= this config's train.steps. A DONE of a run that ended before

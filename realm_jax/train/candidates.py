@@ -18,6 +18,7 @@ shutdown. The main thread calls `begin`, `before_step`, `served`, `eval_index`, 
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -35,6 +36,10 @@ from realm_jax.train.feed import VersionSchedule
 from realm_jax.runtime.metrics import MetricWriter
 
 _NO_STEP = np.zeros((), np.int32)
+# An async run whose staleness passes this many `refresh_every` intervals has a builder that is
+# behind or gone: the trainer says so (again at each doubling) instead of training on, silent.
+STALE_REFRESHES = 10
+logger = logging.getLogger(__name__)
 
 
 class NoRetrieval:
@@ -227,6 +232,7 @@ class PublishedIndex(NoRetrieval):
                                       f"[{config.task}] ",
                                       by_step=config.retrieval.refresh == "deterministic")
     self.schedule = VersionSchedule(config, self.subscriber, _all_hosts_have)
+    self._stale_said = 0   # the staleness of the last warning (async)
 
   def describe(self) -> str:
     r = self.config.retrieval
@@ -263,6 +269,23 @@ class PublishedIndex(NoRetrieval):
   def served(self, done, loaded, waited, feed_wait, metrics) -> None:
     jax.block_until_ready(metrics)   # per-step wall time, to see what the builder costs us
     super().served(done, loaded, waited, feed_wait, metrics)
+    self._say_if_stale(done, loaded)
+
+  def _say_if_stale(self, done: int, loaded: IndexVersion) -> None:
+    """Async: a warning when staleness passes STALE_REFRESHES refreshes, then each doubling
+    (a deterministic run waits for its versions instead)."""
+    refresh_every, staleness = self.config.retrieval.refresh_every, self.staleness[-1]
+    due = max(STALE_REFRESHES * refresh_every, 2 * self._stale_said)
+    if self.config.retrieval.refresh != "async" or staleness < due:
+      return
+    self._stale_said = staleness
+    if jax.process_index() == 0:
+      logger.warning(
+          f"[{self.config.task}] warning: index staleness {staleness} steps at step {done}: the "
+          f"newest version is v{loaded.version} (step {loaded.step}), but realm-index publishes "
+          f"one every retrieval.refresh_every={refresh_every} steps; it is behind or not "
+          f"running on {self.workdir} (without it the final evaluation waits "
+          f"retrieval.index_timeout={self.config.retrieval.index_timeout:g}s, then fails)")
 
   def eval_index(self, step: int, final: bool) -> IndexVersion | None:
     """The final evaluation retrieves from the index of the final params (as a rebuilt index
