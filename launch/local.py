@@ -33,7 +33,7 @@ import threading
 import time
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.errors import ConfigError, run_cli
+from realm_jax.errors import ConfigError, interrupt_lands_badly, run_cli
 from realm_jax.config.overrides import config_from_flags
 from realm_jax.config.reading import uses_index_builder
 from realm_jax.config.validation import validate
@@ -59,10 +59,11 @@ _EARLY_SIGNALS: list[str] = []
 
 def _record_early_signal(signum, frame) -> None:
   """Kept for `supervise` (an interrupt raised inside an import's callback can be swallowed),
-  and raised, so that a launcher stuck before it (a hung mount) still stops."""
-  del frame
+  and raised, so that a launcher stuck before it (a hung mount) still stops; not inside an
+  import, where it would break it with a traceback (`supervise` then starts nothing)."""
   _EARLY_SIGNALS.append(signal.Signals(signum).name)
-  raise KeyboardInterrupt
+  if not interrupt_lands_badly(frame):
+    raise KeyboardInterrupt
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:

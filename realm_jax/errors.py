@@ -63,16 +63,41 @@ _INTERRUPTS: list[int] = []   # Ctrl-Cs this process received (the handler `run_
 
 
 def _on_sigint(signum, frame) -> None:
+  """Records the Ctrl-C, and raises it where that is safe (see `interrupt_lands_badly`)."""
   _INTERRUPTS.append(signum)
-  raise KeyboardInterrupt
+  if not interrupt_lands_badly(frame):
+    raise KeyboardInterrupt
+
+
+def interrupt_lands_badly(frame) -> bool:
+  """Whether a KeyboardInterrupt raised in `frame` would be lost or turned into another
+  error: inside a garbage collector's callback Python ignores it, printing a traceback
+  ("Exception ignored in: _xla_gc_callback"; JAX installs one), and inside an import it can
+  break a C extension's initialisation ("ImportError: numpy._core.multiarray failed to
+  import", a 60-line traceback and exit code 1). There it is only recorded, for the next
+  `raise_if_interrupted`."""
+  while frame is not None:
+    code = frame.f_code
+    if code.co_name == "_xla_gc_callback" or code.co_filename.startswith("<frozen importlib"):
+      return True
+    frame = frame.f_back
+  return False
+
+
+def take_interrupts() -> None:
+  """The `_on_sigint` handler from a `python -m` entry module's first line (where Python's
+  own handler is in place), so that a Ctrl-C during its imports is one line too."""
+  if threading.current_thread() is threading.main_thread() and \
+      signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _on_sigint)
 
 
 def raise_if_interrupted() -> None:
-  """KeyboardInterrupt again for a Ctrl-C whose own was swallowed: Python ignores an exception
-  raised inside a garbage collector's callback ("Exception ignored in: _xla_gc_callback"; JAX
-  installs one), so a Ctrl-C landing there was lost and the run went on. Called where a run
-  can stop: between training steps, while a demo watches its stages, between index builds."""
-  if _INTERRUPTS:
+  """KeyboardInterrupt again for a recorded Ctrl-C that was not raised or whose own was
+  swallowed (`interrupt_lands_badly`). Called on the main thread where a run can stop: after
+  the imports of a job, between training steps, in a wait for an index, while a demo watches
+  its stages, between index builds."""
+  if _INTERRUPTS and threading.current_thread() is threading.main_thread():
     raise KeyboardInterrupt
 
 
@@ -99,6 +124,7 @@ def run_cli(prog: str, main: Callable[[], object]) -> object:
 def _run(prog: str, main: Callable[[], object]) -> object:
   """`run_cli`'s body: `main()`, its errors as one line each."""
   try:
+    raise_if_interrupted()   # a Ctrl-C recorded during the imports (take_interrupts)
     return main()
   except KeyboardInterrupt:
     print(f"\n{prog}: interrupted", file=sys.stderr, flush=True)

@@ -494,3 +494,46 @@ def test_a_ctrl_c_swallowed_in_a_gc_callback_stops_the_run_at_the_next_step(worl
   assert not os.path.exists(tmp_path / "w" / "summary.json")
   import json                               # its seconds are counted (a demo's stage_seconds)
   assert json.load(open(tmp_path / "w" / "wall.json"))["runs"] == 1
+
+
+INTERRUPTED_IMPORT = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from realm_jax import errors
+errors.take_interrupts()                 # as `python -m realm_jax.train.main` does
+import interrupts_itself                 # a Ctrl-C lands inside this import
+print("imported", flush=True)
+errors.run_cli("prog", lambda: print("main ran", flush=True))
+"""
+
+
+def test_a_ctrl_c_inside_an_import_is_one_line_and_ends_the_job(tmp_path):
+  """A Ctrl-C raised inside an import could break a C extension's initialisation (a 60-line
+  ImportError traceback, exit code 1) or be lost in a gc callback: it is recorded there and
+  raised by run_cli before the job's work, as one line, the process ending by SIGINT."""
+  import signal
+  (tmp_path / "interrupts_itself.py").write_text(
+      "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nx = [1] * 10\n")
+  result = subprocess.run([sys.executable, "-c", INTERRUPTED_IMPORT, str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+  assert result.returncode == -signal.SIGINT, result.stderr
+  assert result.stdout == "imported\n" and result.stderr == "\nprog: interrupted\n"
+
+
+def test_a_ctrl_c_in_a_gc_callback_is_recorded_without_a_traceback(monkeypatch, capsys):
+  import gc
+  import signal
+  from realm_jax import errors
+  monkeypatch.setattr(errors, "_INTERRUPTS", [])
+
+  def _xla_gc_callback(*args):   # JAX's callback's name
+    errors._on_sigint(signal.SIGINT, sys._getframe())
+  gc.callbacks.append(_xla_gc_callback)
+  try:
+    gc.collect()
+  finally:
+    gc.callbacks.remove(_xla_gc_callback)
+  assert errors._INTERRUPTS and "Exception ignored" not in capsys.readouterr().err
+  with pytest.raises(KeyboardInterrupt):
+    errors.raise_if_interrupted()
+  assert errors.interrupt_lands_badly(sys._getframe()) is False   # elsewhere: raised at once

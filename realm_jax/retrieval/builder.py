@@ -22,6 +22,10 @@ the last published; `deterministic` builds every refresh step (multiples of
 
 from __future__ import annotations
 
+from realm_jax import errors as _errors
+if __name__ == "__main__":   # python -m (launch/local.py's children): a Ctrl-C in the imports
+  _errors.take_interrupts()  # below is recorded, then one line (run_cli), not a traceback
+
 import errno
 import logging
 import os
@@ -450,6 +454,7 @@ def main(argv) -> None:
     builder = IndexBuilder(config, workdir)
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
+      raise_if_interrupted()   # a Ctrl-C recorded in the imports so far
       return builder.run(once=flags.FLAGS.once)
     except Stopped:
       # Publishing is atomic: a version cut short is an unpublished staging dir, which the

@@ -19,7 +19,7 @@ from typing import Callable
 
 
 from realm_jax import paths
-from realm_jax.errors import IndexNeverPublished, IndexWaitTimeout
+from realm_jax.errors import IndexNeverPublished, IndexWaitTimeout, raise_if_interrupted
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, IndexVersion
 
@@ -207,6 +207,7 @@ class IndexSubscriber:
       first = not self._loaded
       while True:
         self._raise()
+        raise_if_interrupted()   # a recorded Ctrl-C (main thread): the wait may be long
         if self._stop.is_set():
           raise RuntimeError("the index subscriber was closed")
         found = pick(self._loaded)

@@ -6,13 +6,17 @@ On a pod every process runs the same command; see `realm_jax.runtime.multihost` 
 
 from __future__ import annotations
 
+from realm_jax import errors as _errors
+if __name__ == "__main__":   # python -m (launch/local.py's children): a Ctrl-C in the imports
+  _errors.take_interrupts()  # below is recorded, then one line (run_cli), not a traceback
+
 import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
 from realm_jax import log
-from realm_jax.errors import run_cli
+from realm_jax.errors import raise_if_interrupted, run_cli
 from realm_jax.config.overrides import flags_parser, refuse_arguments
 from realm_jax.runtime import multihost, preemption
 from realm_jax.config.option_names import upgrade_flags
@@ -30,6 +34,7 @@ def main(argv) -> None:
   def job():
     multihost.initialize_from_flags()
     from realm_jax.train.loop import train  # jax is imported only once flags are good
+    raise_if_interrupted()   # a Ctrl-C recorded in those imports
     return train(config, workdir)
   summary = run_cli("realm-train", job)
   if "preempted_at_step" in summary:
