@@ -48,7 +48,7 @@ def write_results(out: str, metrics: dict, predictions: list[dict]) -> str:
                    "replaced")
   paths.write_text_atomic(paths.join(out, "predictions.jsonl"),
                           "".join(json.dumps(p) + "\n" for p in predictions))
-  paths.write_text_atomic(paths.join(out, "metrics.json"), json.dumps(metrics, indent=2))
+  paths.write_json(paths.join(out, "metrics.json"), metrics)
   return out
 
 

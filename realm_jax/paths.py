@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -314,7 +315,19 @@ def read_json(path) -> dict | None:
 
 
 def write_json(path, record: dict) -> None:
-  write_text_atomic(path, json.dumps(record, indent=2))
+  write_text_atomic(path, json.dumps(json_ready(record), indent=2))
+
+
+def json_ready(value):
+  """`value` with every NaN and infinity (at any depth) as None, JSON's null: `json.dumps`
+  would write the literals NaN / Infinity, which strict JSON readers refuse."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, dict):
+    return {k: json_ready(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [json_ready(v) for v in value]
+  return value
 
 
 class AppendLog:

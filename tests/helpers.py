@@ -129,19 +129,27 @@ def purge_step(events_file: str) -> int | None:
   where its writer was given a purge step: TensorBoard hides the earlier files' events from
   that step on), None without one. The file is TFRecord: length (8 bytes), its CRC (4), the
   Event, its CRC (4)."""
-  import struct
   from tensorboardX.proto import event_pb2
-  with open(events_file, "rb") as f:
-    data = f.read()
-  at = 0
-  while at < len(data):
-    (length,) = struct.unpack("<Q", data[at:at + 8])
-    event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
-    at += 12 + length + 4
+  for event in tb_events(events_file):
     if event.HasField("session_log") and \
         event.session_log.status == event_pb2.SessionLog.START:
       return event.step
   return None
+
+
+def tb_events(events_file: str) -> list:
+  """The Events a TensorBoard event file holds on disk now (TFRecord: length (8 bytes), its
+  CRC (4), the Event, its CRC (4))."""
+  import struct
+  from tensorboardX.proto import event_pb2
+  with open(events_file, "rb") as f:
+    data = f.read()
+  events, at = [], 0
+  while at < len(data):
+    (length,) = struct.unpack("<Q", data[at:at + 8])
+    events.append(event_pb2.Event.FromString(data[at + 12:at + 12 + length]))
+    at += 12 + length + 4
+  return events
 
 
 def swapped_vocab_copy(data_dir, out) -> pathlib.Path:

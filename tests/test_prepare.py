@@ -707,3 +707,13 @@ def test_hf_ner_tagger_runs_inside_prepare(tmp_path, capsys):
             for s, e in ex.spans[i, :ex.num_spans[i]]}
   assert "20 july 1969" in masked and "1867" in masked
   assert all(any(c.isdigit() for c in m) for m in masked), masked   # no names: dates only
+
+
+def test_the_world_stats_count_the_questions_it_writes(world_dir):
+  """stats.json said 0 questions for a world, whose questions come from the world itself."""
+  with open(os.path.join(world_dir, "stats.json")) as f:
+    stats = json.load(f)
+  lines = {split: sum(1 for _ in open(os.path.join(world_dir, "qa", f"{split}.jsonl")))
+           for split in ("train", "eval")}
+  assert stats["questions_by_split"] == lines and min(lines.values()) > 0
+  assert stats["questions"] == sum(lines.values())

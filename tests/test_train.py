@@ -205,6 +205,7 @@ def test_sigterm_saves_exits_and_the_resumed_run_matches_the_uninterrupted_one(
 
   summary = train(config, resumed)
   assert summary["runs"] == 2   # the summary counts the preempted run's wall as well
+  assert summary["index_steps_counted"] == REALM_STEPS - stopped   # since the resume
   assert summary["wall_seconds_all_runs"] == pytest.approx(
       first["seconds"] + summary["wall_seconds"], abs=0.1)
   assert checkpoint_steps(resumed)[-1] == REALM_STEPS
@@ -215,6 +216,13 @@ def test_sigterm_saves_exits_and_the_resumed_run_matches_the_uninterrupted_one(
   assert [r["step"] for r in served] == list(range(1, REALM_STEPS + 1))
   assert [r["index_step"] for r in served] == [s - (s - 1) % REFRESH_EVERY - 1
                                                for s in range(1, REALM_STEPS + 1)]
+  # The index versions are numbered as in the uninterrupted run (not from 0 again), and a
+  # run's first step has no step time (nothing before it to time from).
+  served_straight = read_jsonl(os.path.join(dirs["realm"], "metrics", "retrieval.jsonl"))
+  assert [r["index_version"] for r in served] == \
+      [r["index_version"] for r in served_straight] == \
+      [(s - 1) // REFRESH_EVERY for s in range(1, REALM_STEPS + 1)]
+  assert [r["step"] for r in served if "step_seconds" not in r] == [1, stopped + 1]
   evals = read_jsonl(os.path.join(resumed, "metrics", "eval.jsonl"))
   assert [e["step"] for e in evals] == [REALM_STEPS]
   # TensorBoard hides what the killed run logged after the checkpoint: the rerun's event

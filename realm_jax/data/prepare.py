@@ -458,22 +458,25 @@ def _finish(config, tokenizer, skips, titles, qas, shard_dirs, results, reused, 
   merged = corpus.merge_shards(shard_dirs, config.out_dir, config.block_len,
                                config.max_sentence_len)
   write_titles(config.out_dir, titles)
-  _write_qa(config, qas)
+  written = _write_qa(config, qas)
   unfound = unfound_questions(config.out_dir, tokenizer, qas)
   stats = _stats(config, tokenizer, skips, titles, results, merged, qas, reused, t0, t_merge)
+  stats["questions"] = sum(written.values())   # a world's own questions too
+  stats["questions_by_split"] = written
   stats["questions_unfound"] = unfound
   write_stats(config.out_dir, stats)
   corpus.remove_shards(shards_root)
   logger.info(
       f"[prepare] {stats['documents']:,} documents -> {stats['blocks']:,} blocks, "
       f"{stats['examples']['train']:,} train / {stats['examples']['eval']:,} eval examples, "
-      f"{sum(stats['skipped'].values()):,} skipped, in {stats['seconds']:.1f}s "
+      f"{sum(stats['examples_skipped'].values()):,} sentences without an example, "
+      f"{sum(stats['skipped'].values()):,} documents skipped, in {stats['seconds']:.1f}s "
       f"({stats['blocks_per_second']:,.0f} blocks/s)")
   if stats["skipped"]:
     logger.info("[prepare] skipped: " + ", ".join(
         f"{reason}: {n:,} (first at {stats['skipped_first_at'][reason]})"
         for reason, n in sorted(stats["skipped"].items(), key=lambda item: -item[1])))
-  if qas or stats["questions_skipped"]:
+  if stats["questions"] or stats["questions_skipped"]:
     logger.info(f"[prepare] {questions_line(stats)}")
   return stats
 
@@ -529,18 +532,21 @@ def by_reason(counts: dict[str, int]) -> str:
                    sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
-def _write_qa(config, qas: list[dict]) -> None:
+def _write_qa(config, qas: list[dict]) -> dict[str, int]:
+  """Writes `D/qa/<split>.jsonl` (a world's own questions, or the source's); returns how many
+  questions each split holds."""
   kind, _ = sources.parse_source(config.source)
   # a squad: source always writes its (possibly empty) questions: the zero-shot table says why
   sets = sources.world_qa(config) if kind == "world" else (
       {"eval": qas} if qas or kind == "squad" else {})
   if not sets:
-    return
+    return {}
   os.makedirs(os.path.join(config.out_dir, "qa"), exist_ok=True)
   for split, rows in sets.items():
     with open(os.path.join(config.out_dir, "qa", f"{split}.jsonl"), "w") as f:
       for row in rows:
         f.write(json.dumps(row) + "\n")
+  return {split: len(rows) for split, rows in sets.items()}
 
 
 def _stats(config, tokenizer, skips, titles, results, merged, qas, reused, t0, t_merge):

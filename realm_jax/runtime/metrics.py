@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 
 import jax
@@ -46,18 +47,23 @@ class MetricWriter:
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self.enabled:
       return
-    clean = {k: float(np.asarray(v)) for k, v in scalars.items()}
-    self._jsonl.write(json.dumps({"step": int(step), "time": round(time.time(), 3), **clean})
-                      + "\n")
+    clean = {k: _number(v) for k, v in scalars.items()}
+    record = {"step": int(step), "time": round(time.time(), 3), **clean}
+    self._jsonl.write(json.dumps(paths.json_ready(record)) + "\n")
     if self._tb is not None:
-      for key, value in clean.items():
-        self._tb.add_scalar(f"{self.name}/{key}", value, step)
+      self._tb.write(step, {f"{self.name}/{k}": v for k, v in clean.items()})
 
   def close(self) -> None:
     if self.enabled:
       self._jsonl.close()
       if self._tb is not None:
         self._tb.close()
+
+
+def _number(value) -> float | int:
+  """A scalar as a Python number: integers (counts, versions, steps) stay integers."""
+  value = np.asarray(value)
+  return int(value) if value.dtype.kind in "iub" else float(value)
 
 
 _TB_NOTED: set[str] = set()
@@ -84,14 +90,42 @@ def _logged_before(line: str, step: int) -> bool:
 
 
 def _tensorboard_writer(directory: str, purge_step: int | None = None):
-  """tensorboardX's writer for `directory`; None without tensorboardX (the JSONL is always
-  written). `purge_step`: TensorBoard hides the events of that step and later that the
-  directory held before."""
-  try:
-    from tensorboardX import SummaryWriter
-  except ImportError:
+  """An `_EventFile` in `directory`; None without tensorboardX (the JSONL is always written).
+  `purge_step`: TensorBoard hides the events of that step and later that the directory held
+  before."""
+  import importlib.util
+  if importlib.util.find_spec("tensorboardX") is None:
     return None
-  return SummaryWriter(directory, flush_secs=10, purge_step=purge_step)
+  return _EventFile(directory, purge_step)
+
+
+class _EventFile:
+  """A new TensorBoard event file, each event on disk when `write` returns. (tensorboardX's
+  SummaryWriter queues events for a thread that flushes every few seconds: those still queued
+  when a run is killed -9 were lost for good, as the resumed run logs only the steps after its
+  checkpoint.)"""
+
+  def __init__(self, directory: str, purge_step: int | None):
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    os.makedirs(directory, exist_ok=True)
+    self._file = EventsWriter(os.path.join(directory, "events"))
+    if purge_step is not None:   # what SummaryWriter(purge_step=) writes first
+      self._file.write_event(Event(step=purge_step, file_version="brain.Event:2"))
+      self._file.write_event(Event(step=purge_step,
+                                   session_log=SessionLog(status=SessionLog.START)))
+    self._file.flush()
+
+  def write(self, step: int, scalars: dict[str, float]) -> None:
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.proto.summary_pb2 import Summary
+    values = [Summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()]
+    self._file.write_event(Event(wall_time=time.time(), step=int(step),
+                                 summary=Summary(value=values)))
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -98,13 +98,13 @@ class NoRetrieval:
     self.last = loaded
     self.staleness.append(done - 1 - loaded.step)
     self.versions_used.add(loaded.version)
-    if self._t_step is None:
-      self._t_step = time.time()
     now = time.time()
-    self._log.write(done, {"index_version": loaded.version, "index_step": loaded.step,
-                           "index_staleness": self.staleness[-1], "index_wait_seconds": waited,
-                           "batch_wait_seconds": feed_wait,
-                           "step_seconds": now - self._t_step})
+    record = {"index_version": loaded.version, "index_step": loaded.step,
+              "index_staleness": self.staleness[-1], "index_wait_seconds": waited,
+              "batch_wait_seconds": feed_wait}
+    if self._t_step is not None:   # the first step of a run has no previous one to time from
+      record["step_seconds"] = now - self._t_step
+    self._log.write(done, record)
     self._t_step = now
 
   def progress_note(self) -> str:
@@ -151,7 +151,7 @@ class RebuiltIndex(NoRetrieval):
   def rebuild(self, retriever_params, step: int, should_stop=None) -> None:
     """Embeds every block with `retriever_params` (a snapshot at `step`). `should_stop`: see
     `embed_blocks` (the index and the snapshot it records stay the previous ones)."""
-    version = 0 if self.index is None else self.index.version + 1
+    version = self._version_at(step)
     embed_fn = embedders.block_embedder(self.model, self.mesh, self.config, retriever_params)
     embeddings, _ = embed_blocks(embed_fn, self.data.blocks, self.mesh,
                                  self.config.retrieval.embed_batch_size,
@@ -163,6 +163,14 @@ class RebuiltIndex(NoRetrieval):
     self.index = IndexVersion(version=version, step=step,
                               index=ExactIndex.from_embeddings(embeddings),
                               encode_queries=encoder, embeddings=embeddings)
+
+  def _version_at(self, step: int) -> int:
+    """REALM: the version number of the rebuild at `step`, the same in a resumed run as in an
+    uninterrupted one: one per `refresh_every` steps, the final evaluation's the next. ICT
+    (rebuilt for each evaluation): counted."""
+    if self.retrieves:
+      return -(-step // self.config.retrieval.refresh_every)
+    return 0 if self.index is None else self.index.version + 1
 
   def abstract_item(self) -> dict:
     item = {"step": _NO_STEP}
@@ -331,7 +339,8 @@ def candidate_source(config, workdir: str, *, model, mesh, data, abstract_retrie
 
 def _staleness_summary(staleness: list[int], versions_used: set[int],
                        waits: list[tuple[int, float]], rejected: int) -> dict:
-  return {"index_staleness_p50": round(float(np.percentile(staleness, 50)), 2),
+  return {"index_steps_counted": len(staleness),   # a resumed run: the steps since its start
+          "index_staleness_p50": round(float(np.percentile(staleness, 50)), 2),
           "index_staleness_p95": round(float(np.percentile(staleness, 95)), 2),
           "index_staleness_max": int(max(staleness)),
           "index_versions_used": len(versions_used),
