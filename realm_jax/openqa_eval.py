@@ -104,16 +104,8 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   root = published.index_root(workdir)
   if has_reader:   # an Open-QA run keeps one frozen index: its reader learnt with it (and
     # its block tower may have moved since: the index is what its retrieval is measured on)
+    FrozenIndex.check_blocks(workdir, fingerprint, data.dir)
     latest = published.read_latest(root) if paths.isdir(root) else None
-    try:
-      theirs = None if latest is None else (
-          published.read_manifest(root, latest)["block_store_fingerprint"])
-    except published.RejectedVersion:   # no manifest: FrozenIndex.load below says so
-      theirs = None
-    if theirs not in (None, fingerprint):
-      raise ConfigError("data.dir", f"{root} v{latest}, the Open-QA run's frozen index, "
-                        f"embedded block store {theirs}; {data.dir} holds {fingerprint}: "
-                        "evaluate the run on the blocks it was trained with (its data.dir)")
     frozen = None if latest is None else FrozenIndex.load(workdir, fingerprint, dim, latest)
   else:        # a pre-training run's: only one embedded by this very checkpoint
     frozen = FrozenIndex.of_step(workdir, step, fingerprint, dim)

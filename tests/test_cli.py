@@ -537,3 +537,29 @@ def test_a_ctrl_c_in_a_gc_callback_is_recorded_without_a_traceback(monkeypatch, 
   with pytest.raises(KeyboardInterrupt):
     errors.raise_if_interrupted()
   assert errors.interrupt_lands_badly(sys._getframe()) is False   # elsewhere: raised at once
+
+
+def test_a_start_refused_after_the_checkpointer_opened_closes_it(world_dir, tmp_path,
+                                                                  monkeypatch):
+  """A bad init source is found once the run holds Orbax's checkpoint manager: it is closed
+  before the error goes up (its cleanup thread printed a 40-line traceback at exit)."""
+  from realm_jax.train import run as run_lib
+  from realm_jax.train.loop import train
+  closed, close = [], run_lib.Checkpointer.close
+  monkeypatch.setattr(run_lib.Checkpointer, "close",
+                      lambda self: (closed.append(self.directory), close(self)))
+  config = tiny_config("realm", None, world_dir, init__from_workdir=str(tmp_path / "nowhere"))
+  with pytest.raises(ConfigError, match="init.from_workdir"):
+    train(config, str(tmp_path / "w"))
+  assert len(closed) == 1, closed
+
+
+@pytest.mark.parametrize("task", ["ict", "openqa"])
+def test_export_best_outside_realm_is_refused(task):
+  """It chose by REALM's retrieval utility; ICT and Open-QA ignored it without a word."""
+  from realm_jax.config.validation import validate
+  config = tiny_config("ict" if task == "ict" else "realm", eval__export_best=True)
+  config.task = task
+  with pytest.raises(ConfigError, match=rf"^config\.eval\.export_best: REALM's only .* task "
+                     rf"'{task}' would ignore it"):
+    validate(config)

@@ -184,6 +184,18 @@ def test_openqa_resume_matches_the_uninterrupted_run(openqa_run, world_dir, tmp_
     train(openqa_config(world_dir, qa__dev="prepared:eval", train__lr=1e-3,
                         qa__train=f"nq_open:{tmp_path}/changed/train.jsonl"), resumed)
   assert (pathlib.Path(resumed) / "config.json").read_text() == recorded   # nothing written
+  # its frozen index over other blocks (another data.dir): refused naming data.dir, before
+  # anything is written; its frozen index gone: refused, not embedded by the fine-tuned tower
+  from realm_jax.errors import CheckpointError
+  other, gone = (shutil.copytree(resumed, tmp_path / name) for name in ("other", "gone"))
+  _publish_other_blocks(str(other), 3, openqa_config(world_dir))
+  with pytest.raises(ConfigError, match=r"^config\.data\.dir: .* embedded block store "
+                     "another-block-store"):
+    train(openqa_config(world_dir, qa__dev="prepared:eval", train__lr=1e-3), str(other))
+  assert (other / "config.json").read_text() == recorded
+  shutil.rmtree(gone / "index")
+  with pytest.raises(CheckpointError, match="holds no published version, but the run resumes"):
+    train(openqa_config(world_dir, qa__dev="prepared:eval"), str(gone))
   record = pathlib.Path(resumed) / "questions.json"
   fingerprint = json.loads(record.read_text())["fingerprint"]
   record.unlink()                        # a run from before the record: resumes, writes it
@@ -290,7 +302,7 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
   copy = shutil.copytree(workdir, tmp_path / "copy")
   _publish_other_blocks(str(copy), 6, openqa_config(world_dir))
   with pytest.raises(ConfigError, match=r"config\.data\.dir: .* frozen index, embedded block "
-                     r"store another-block-store; .* evaluate the run on the blocks"):
+                     r"store another-block-store; .* use the run's blocks \(the data\.dir"):
     evaluate_run(openqa_config(world_dir), str(copy), split="test")
   # another evaluation of the same step and split replaces it, saying what differed
   assert {"source", "data_dir", "config_sha256"} <= set(saved)
@@ -419,13 +431,19 @@ def test_openqa_from_a_run_whose_index_covers_other_blocks_embeds_its_own(
   pretraining, state = _pretraining_checkpoint(world_dir, world_data, origin)
   _publish_other_blocks(origin, 0, pretraining, state)
   workdir = str(tmp_path / "openqa")
+  # an earlier start's index, with no checkpoint saved after it, is not this start's
+  _publish_other_blocks(workdir, 0, pretraining, state)
   summary = train(openqa_config(world_dir, train__steps=1, init__from_workdir=origin), workdir)
   assert summary["steps"] == 1
   root = published.index_root(workdir)
-  manifest = published.read_manifest(root, published.read_latest(root))
+  assert published.read_latest(root) == 2
+  manifest = published.read_manifest(root, 2)
   assert manifest["block_store_fingerprint"] == world_data.blocks.fingerprint
   assert manifest["num_blocks"] == world_data.blocks.num_blocks
-  assert f"the block embeddings of {origin}/index" not in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert f"the block embeddings of {origin}/index" not in out
+  assert f"a fresh start: {root} v1, of an earlier start that saved no checkpoint, is not " \
+      "reused" in out
 
 
 @pytest.mark.slow

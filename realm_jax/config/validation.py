@@ -165,6 +165,9 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
       raise ConfigError(f"init.{part}_step", "must be a checkpoint step or -1 (the latest)")
   if config.task == "openqa":
     _validate_openqa(config)
+  if config.eval.get("export_best", False) and config.task != "realm":
+    raise ConfigError("eval.export_best", f"REALM's only (by retrieval utility on the masked "
+                      f"sentences); task {config.task!r} would ignore it")
   if t.get("nonfinite", "stop") not in NONFINITE_ACTIONS:
     raise ConfigError("train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE_ACTIONS}")
   _validate_ranges(config)

@@ -22,7 +22,7 @@ from realm_jax.data import pipeline
 from realm_jax.data.answers import AnswerMatcher, vocab_pieces
 from realm_jax.data.qa import QAExample, question_inputs
 from realm_jax.data.prepared import PreparedData
-from realm_jax.errors import CheckpointError
+from realm_jax.errors import CheckpointError, ConfigError
 from realm_jax.models.realm import span_candidates
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, embed_blocks
@@ -59,6 +59,23 @@ class FrozenIndex:
                             f"frozen index, is unusable: {e}. Its reader learnt with that "
                             "index: restore the version from a copy of the workdir, or "
                             "fine-tune again in a new one") from None
+
+  @staticmethod
+  def check_blocks(workdir: str, fingerprint: str, data_dir: str) -> None:
+    """A ConfigError naming `data.dir` when W's latest version embedded another block store
+    than `data_dir`'s (`fingerprint`): checked before a resume or an evaluation writes
+    anything. No version, or one without a readable manifest: `load` says so."""
+    root = published.index_root(workdir)
+    latest = published.read_latest(root) if paths.isdir(root) else None
+    try:
+      theirs = None if latest is None else (
+          published.read_manifest(root, latest)["block_store_fingerprint"])
+    except published.RejectedVersion:
+      theirs = None
+    if theirs not in (None, fingerprint):
+      raise ConfigError("data.dir", f"{root} v{latest}, the Open-QA run's frozen index, "
+                        f"embedded block store {theirs}; {data_dir} holds {fingerprint}: "
+                        "use the run's blocks (the data.dir it was trained with)")
 
   @classmethod
   def _read(cls, root, version: int, fingerprint: str, dim: int) -> FrozenIndex:

@@ -5,7 +5,8 @@ The frozen index is `W/index`'s latest version. A fresh run publishes it first: 
 the run the retriever starts from (`init.retriever` or `init.from_workdir`) when that index was
 built from the very checkpoint the retriever comes from
 (an imported RealmForOpenQA, a REALM run whose builder indexed its final step), else the
-blocks embedded with the starting block tower. Resuming reuses it, so every step of a run and
+blocks embedded with the starting block tower (an earlier start's index without a checkpoint is
+not reused). Resuming reuses it, and refuses to go on without it, so every step of a run and
 `realm-eval` afterwards retrieve from the same embeddings.
 """
 
@@ -17,9 +18,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from realm_jax import workdir as workdir_lib
+from realm_jax import paths, workdir as workdir_lib
 from realm_jax.data import qa as qa_lib
-from realm_jax.errors import ConfigError
+from realm_jax.errors import CheckpointError, ConfigError
 from realm_jax.train.qa_eval import QAEvaluator, format_metrics
 from realm_jax.retrieval import published
 from realm_jax.runtime import multihost, partitioning, state as state_lib, embedders
@@ -50,6 +51,7 @@ class OpenQATrainer(Run):
                       qa_lib.questions_fingerprint(self.train_qa))
     if workdir_lib.holds_checkpoints(workdir):   # before the run writes anything (config.json)
       workdir_lib.check_questions(workdir, *self.questions)
+      FrozenIndex.check_blocks(workdir, data.blocks.fingerprint, data.dir)
     super().__init__(config, workdir, data, QuestionBatches(
         config, len(self.train_qa), jax.process_index(), jax.process_count()), lock)
     self.frozen: FrozenIndex | None = None   # from `begin`
@@ -66,16 +68,25 @@ class OpenQATrainer(Run):
     published first (see the module doc)."""
     cfg, task = self.config, self.config.task
     fingerprint, dim = self.data.blocks.fingerprint, cfg.model.retrieval_dim
-    frozen = FrozenIndex.load(self.workdir, fingerprint, dim)
-    if frozen is not None:
+    root = published.index_root(self.workdir)
+    if init is None:   # resumed: the index its steps so far retrieved from, nothing else
+      frozen = FrozenIndex.load(self.workdir, fingerprint, dim)
+      if frozen is None:
+        raise CheckpointError(
+            f"{root} holds no published version, but the run resumes from a checkpoint: its "
+            "reader learnt with the frozen index published there at its start (blocks "
+            "embedded now would come from the fine-tuned tower). Restore the index from a "
+            "copy of the workdir, or fine-tune again in a new one")
       logger.info(f"[{task}] frozen index: {self.workdir}/index v{frozen.version} (blocks embedded "
                   f"at step {frozen.step})")
       return frozen
-    source, origin, init_step = None, "", -1   # the run the retriever started from, its step
-    if init is not None:
-      retriever = init.sources["retriever"]
-      origin = retriever.path if retriever.kind == "workdir" else ""
-      init_step = init.steps.get("retriever", -1)
+    if paths.isdir(root) and published.read_latest(root) is not None:
+      logger.info(f"[{task}] a fresh start: {root} v{published.read_latest(root)}, of an "
+                  "earlier start that saved no checkpoint, is not reused (its retriever may "
+                  "have come from elsewhere); the index of this start is published after it")
+    retriever = init.sources["retriever"]   # the run the retriever started from, its step
+    origin = retriever.path if retriever.kind == "workdir" else ""
+    init_step, source = init.steps.get("retriever", -1), None
     if origin and init_step >= 0:   # its index, if it embedded these blocks at that step
       source = FrozenIndex.of_step(origin, init_step, fingerprint, dim)
       if source is not None:

@@ -237,9 +237,16 @@ class Run:
     cfg = self.config
     if (finished := self._finished_before()) is not None:
       return finished
-    start, init = self.restore_or_init()
-    self.fresh = init is not None   # started from scratch: W/wall.json starts again
-    self.begin(start, init)
+    try:
+      start, init = self.restore_or_init()
+      self.fresh = init is not None   # started from scratch: W/wall.json starts again
+      self.begin(start, init)
+    except BaseException:   # a bad init source, an index that never comes: Orbax's threads
+      try:                  # stop before the process ends (they printed a traceback then)
+        self.close()
+      finally:
+        self.checkpointer.close()
+      raise
     t_start = time.time()
     logs = {"train": MetricWriter(self.workdir, "train", start + 1),
             "eval": MetricWriter(self.workdir, "eval",
