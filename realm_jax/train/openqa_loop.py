@@ -115,6 +115,9 @@ class OpenQATrainer(Run):
     self.evaluator = QAEvaluator(cfg, self.data, self.mesh, self.model, self.dev_qa,
                                  self.frozen, reader=True, counts=self.dev_counts,
                                  prefix=f"{self.prefix}eval ") if self.dev_qa else None
+    if self.evaluator is None:
+      logger.info(f"{self.prefix}qa.dev is empty: nothing is evaluated during training (eval.every "
+                  "unused); realm-eval scores the run's checkpoints on qa.test afterwards")
     logger.info(
         f"{self.prefix}{state_lib.count_params(self.state.params) / 1e6:.2f}M params, mesh "
         f"{dict(self.mesh.shape)}, {cfg.train.batch_size} questions per step, steps "
