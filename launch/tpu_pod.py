@@ -269,6 +269,14 @@ def wheel_name() -> str:
   return f"realm_jax-{version}-py3-none-any.whl"
 
 
+def wheel_command(wheel_dir: str) -> list[str]:
+  """`pip wheel` of this checkout into `wheel_dir`. With build isolation: pip fetches the
+  backend setup.py needs (setuptools with `wheel`), which a venv's own setuptools may lack
+  ("invalid command 'bdist_wheel'")."""
+  return [local_path(sys.executable), "-m", "pip", "wheel", "--no-deps", "-q", "-w", wheel_dir,
+          local_path(REPO)]
+
+
 def install_script(plan: Plan) -> str:
   """Python 3.11, ~/realm_env with the wheel's [tpu] extra; with gcsfuse, every bucket
   mounted."""
@@ -393,8 +401,7 @@ class Pod:
     for job in self.slices:   # no slice is touched while a job of the run still runs there
       self._call(self.ssh(job, idle_script()))
     wheel_dir = local_path(os.path.join(REPO, "build", "tpu_pod"))
-    self._call([local_path(sys.executable), "-m", "pip", "wheel", "--no-deps",
-                "--no-build-isolation", "-q", "-w", wheel_dir, local_path(REPO)])
+    self._call(wheel_command(wheel_dir))
     for job in self.slices:
       files = [os.path.join(wheel_dir, wheel_name()), local_path(os.path.join(REPO, "configs"))]
       self._call(self.gcloud("scp", [*files, f"{self.names[job]}:~/"], "--worker=all",
