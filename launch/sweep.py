@@ -28,8 +28,8 @@ the run's workdir URL, so a run keeps its slices when the grid grows or is reord
 after `--` go to every tpu_pod.py call) and returns once all are started; their summaries land
 in the bucket. As with `local`, runs that finished are skipped and a sweep whose runs started
 under other values is refused; a run still training keeps its slices, where tpu_pod.py's
-install refuses to touch a slice whose job is alive ("already running": the run's row says
-"failed (1)"), and a stopped one resumes on them.
+install refuses to touch a slice whose job is alive (the run's row says "running", which
+does not count as a failure in the sweep's exit code), and a stopped one resumes on them.
 `--dry-run` prints each run's command and runs nothing (`--launcher print` is `local --dry-run`).
 """
 
@@ -301,6 +301,13 @@ def check_tpu_pod_flags(args: argparse.Namespace) -> None:
     raise ConfigError("", f"after --: {own[0]!r} is set by the sweep for each run")
 
 
+def launch_status(code: int) -> str:
+  """A run's row after its `tpu_pod.py up` exited with `code`: tpu_pod.py's own exit code for
+  a run whose job is alive on its slices (left as it is) is "running", not a failure."""
+  from tpu_pod import RUNNING_EXIT
+  return {0: "started", RUNNING_EXIT: "running"}.get(code, f"failed ({code})")
+
+
 def launch_on_tpu_pods(args: argparse.Namespace, runs: list[tuple[str, dict]], config,
                        fields: dict, fixed: dict) -> list[dict]:
   """`tpu_pod.py up` for each run not finished, one after another, on slices named after the
@@ -323,12 +330,13 @@ def launch_on_tpu_pods(args: argparse.Namespace, runs: list[tuple[str, dict]], c
       continue
     print(f"[sweep] {i}/{len(runs)} {name}: {shlex.join(cmd)}", flush=True)
     code = subprocess.run(cmd, check=False).returncode
-    rows.append({"run": name, "status": "started" if code == 0 else f"failed ({code})",
-                 "slices": slices})
+    rows.append({"run": name, "status": launch_status(code), "slices": slices})
     print(f"[sweep] {i}/{len(runs)} {name}: {rows[-1]['status']} on {slices}-*", flush=True)
   if not args.dry_run:
-    print(f"[sweep] {sum(r['status'] == 'started' for r in rows)}/{len(runs)} runs started, "
-          f"{sum(r['status'] == 'done' for r in rows)} done before; each writes "
+    count = {status: sum(r["status"] == status for r in rows) for status in
+             ("started", "running", "done")}
+    print(f"[sweep] {count['started']}/{len(runs)} runs started, {count['running']} still "
+          f"running, {count['done']} done before; each writes "
           f"{args.root.rstrip('/')}/<run>/summary.json when it finishes", flush=True)
   return rows
 

@@ -28,6 +28,8 @@ for checkpoints, gcsfs for the rest; the index published with its manifest as th
 marker); --storage gcsfuse: every gs://BUCKET/PATH becomes /gcs/BUCKET/PATH, where gcsfuse
 mounts the bucket on each worker.
 `--dry-run` prints each command, shell-quoted, one per line, and runs nothing.
+Exit codes: 0 done, 1 a command failed, 2 a bad flag, 3 (RUNNING_EXIT) refused because a job
+of the run is already running on its slice (install, start, up: nothing was changed there).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ MOUNT_ROOT = paths.MOUNT_ROOT   # where gcsfuse mounts gs://B: /gcs/B
 STORAGES = ("gcs", "gcsfuse")   # the jobs on gs:// themselves | buckets mounted by gcsfuse
 PATH_FIELDS = ("data.dir", "init.from_workdir", "init.hf_bert", "init.retriever",
                "init.reader")     # paths read on the machines
+RUNNING_EXIT = 3            # refused: a job of the run is alive on its slice (sweep: "running")
+RUNNING = "is already running"   # what the slice's refusal says (`_refuse_if_running`)
 GRACE_SECONDS = 120         # after SIGTERM: the trainer saves a checkpoint before it exits
 PYTHON = "python3.11"       # the package needs 3.11+; Ubuntu 22.04's python3 is 3.10
 ENV_BIN = "$HOME/realm_env/bin"
@@ -305,8 +309,8 @@ def install_script(plan: Plan) -> str:
 def _refuse_if_running(job: str, why: str) -> str:
   """A shell step that exits 1 while `job`'s process (~/realm_logs/JOB.pid) is alive."""
   pid = f"{LOGS}/{job}.pid"
-  return (f'if [ -f {pid} ] && kill -0 "$(cat {pid})" 2> /dev/null; then echo "{job} is '
-          f'already running (pid $(cat {pid})){": " + why if why else ""}" >&2; exit 1; fi')
+  return (f'if [ -f {pid} ] && kill -0 "$(cat {pid})" 2> /dev/null; then echo "{job} {RUNNING} '
+          f'(pid $(cat {pid})){": " + why if why else ""}" >&2; exit 1; fi')
 
 
 def idle_script() -> str:
@@ -341,6 +345,10 @@ def stop_script(job: str, grace: int) -> str:
 
 class CommandFailed(RuntimeError):
   """A command this script ran exited non-zero."""
+
+
+class JobRunning(CommandFailed):
+  """A slice refused install or start: a job of the run is alive there (exit RUNNING_EXIT)."""
 
 
 class Pod:
@@ -399,7 +407,7 @@ class Pod:
 
   def install(self) -> None:
     for job in self.slices:   # no slice is touched while a job of the run still runs there
-      self._call(self.ssh(job, idle_script()))
+      self._refusable(self.ssh(job, idle_script()))
     wheel_dir = local_path(os.path.join(REPO, "build", "tpu_pod"))
     self._call(wheel_command(wheel_dir))
     for job in self.slices:
@@ -410,7 +418,7 @@ class Pod:
 
   def start(self) -> None:
     for job in self.slices:
-      self._call(self.ssh(job, start_script(self.plan, job)))
+      self._refusable(self.ssh(job, start_script(self.plan, job)))
 
   def tail(self) -> None:
     if self.args.job not in self.slices:
@@ -429,6 +437,19 @@ class Pod:
     self.create()
     self.install()
     self.start()
+
+  def _refusable(self, argv: list[str]) -> None:
+    """Runs a remote step that a live job refuses: that refusal raises JobRunning (told by
+    its text, which survives gcloud whatever exit code it passes on), other failures
+    CommandFailed. The step's output is short: captured, then shown."""
+    result = self._call(argv, capture=True)
+    if result is None:
+      return
+    sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    if result.returncode != 0:
+      kind = JobRunning if RUNNING in result.stderr else CommandFailed
+      raise kind(f"exit code {result.returncode}: {shlex.join(argv)}")
 
   def _call(self, argv: list[str], capture: bool = False) -> subprocess.CompletedProcess | None:
     """Prints `argv` (--dry-run) or runs it; a non-zero exit raises CommandFailed naming it."""
@@ -484,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     run_cli(PROG, lambda: getattr(Pod(args), args.action)())
   except CommandFailed as e:
     print(f"{PROG}: error: {e}", file=sys.stderr)
-    return 1
+    return RUNNING_EXIT if isinstance(e, JobRunning) else 1
   return 0
 
 

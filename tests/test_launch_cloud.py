@@ -357,6 +357,8 @@ def _fake_gcloud(tmp_path, monkeypatch, mode: str):
         print(mode)
       if verb == "ssh" and mode == "ssh_fails":
         sys.exit(3)
+      if verb == "ssh" and mode == "READY running":   # a job of the run is alive there
+        sys.exit("trainer is already running (pid 42): nothing is copied or installed under it")
       """))
   fake.chmod(0o755)
   log = tmp_path / f"gcloud_{mode}.jsonl"
@@ -383,6 +385,29 @@ def test_real_runs_call_gcloud_as_the_dry_run_prints(tmp_path, monkeypatch, caps
   assert len(calls()) == 1                                   # stops at the first failure
   assert capsys.readouterr().err.startswith(
       f"tpu_pod.py: error: exit code 3: {G} ssh realm-trainer {Z} --worker=all --command ")
+
+
+def test_a_slice_whose_job_runs_exits_with_its_own_code(tmp_path, monkeypatch, capsys):
+  """install / up refused by a live job: exit code 3 (RUNNING_EXIT), not a failure's 1."""
+  monkeypatch.setenv("GCLOUD_MODE", "READY running")
+  calls = _fake_gcloud(tmp_path, monkeypatch, "READY running")
+  assert tpu_pod.main(["up", *SLICES, *RUN]) == tpu_pod.RUNNING_EXIT == 3
+  assert [c[3] for c in calls()] == ["describe", "describe", "ssh"]   # nothing copied
+  err = capsys.readouterr().err
+  assert "trainer is already running (pid 42)" in err and "tpu_pod.py: error: exit code 1" in err
+
+
+def test_a_sweep_shows_a_run_still_training_as_running_not_failed(gcs, monkeypatch, capsys):
+  codes = iter([3, 0])
+  monkeypatch.setattr(sweep, "subprocess", type("Recorder", (), {"run": staticmethod(
+      lambda cmd, check: subprocess.CompletedProcess(cmd, next(codes)))}))
+  argv = ["--config", REALM_BASE, "--root", f"{gcs}/sweep", "--grid", "train.lr=1e-5,3e-5",
+          "--set", f"data.dir={gcs}/realm/data", "--set", "retrieval.refresh=async", *INIT,
+          "--launcher", "tpu_pod", "--name", "realm-lr", "--", *WHERE]
+  assert sweep.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "train.lr-1e-05: running on realm-lr-" in out
+  assert "1/2 runs started, 1 still running, 0 done before" in out
 
 
 def test_without_gcloud_the_error_says_so(tmp_path, monkeypatch, capsys):
