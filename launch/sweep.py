@@ -26,7 +26,9 @@ the commands instead. Then every run's `summary.json` is collected into
 --name NAME-<run id> --workdir ROOT/<name> ...` (ROOT a gs:// path; the run id is 8 hex digits of
 the run's workdir URL, so a run keeps its slices when the grid grows or is reordered; the flags
 after `--` go to every tpu_pod.py call) and returns once all are started; their summaries land
-in the bucket. As with `local`, runs that finished are skipped and a sweep whose runs started
+in the bucket; the tables are written as for `local`, from what the bucket holds then (a run
+just started reads "started", with no figures yet: run the sweep again once they finish to
+table them). As with `local`, runs that finished are skipped and a sweep whose runs started
 under other values is refused; a run still training keeps its slices, where tpu_pod.py's
 install refuses to touch a slice whose job is alive (the run's row says "running", which
 does not count as a failure in the sweep's exit code), and a stopped one resumes on them.
@@ -415,7 +417,13 @@ def sweep(args: argparse.Namespace) -> list[dict]:
   print(f"[sweep] {len(runs)} runs of {args.config} under {args.root} ({args.launcher})",
         flush=True)
   if args.launcher == "tpu_pod":
-    return launch_on_tpu_pods(args, runs, config, fields, fixed)
+    launched = launch_on_tpu_pods(args, runs, config, fields, fixed)
+    if args.dry_run:
+      return launched
+    # the tables of what the bucket holds now: the runs just started have no summary yet
+    # the csv names each run's slices: which to stop, tail or delete
+    return results(args, runs, {r["run"]: r["status"] for r in launched},
+                   {r["run"]: {"slices": r["slices"]} for r in launched})
   paths.check(args.root, "--root")
   if args.launcher == "print" or args.dry_run:
     for name, overrides in runs:
@@ -423,7 +431,13 @@ def sweep(args: argparse.Namespace) -> list[dict]:
       print(shlex.join(command(args.config, paths.join(args.root, name), run,
                                needs_builder(config, run))))
     return []
-  status = run_locally(args, runs, config, fields, fixed)
+  return results(args, runs, run_locally(args, runs, config, fields, fixed))
+
+
+def results(args: argparse.Namespace, runs: list[tuple[str, dict]], status: dict[str, str],
+            extra: dict[str, dict] | None = None) -> list[dict]:
+  """Every run's summary.json under --root (a local dir or a bucket) as ROOT/results.csv and
+  ROOT/results.md, with its `status` and `extra` columns; prints the table. The rows."""
   metric = args.metric
   for name, _ in runs if not metric else ():
     found = [k for k, v in (_summary(paths.join(args.root, name)) or {}).items()
@@ -432,6 +446,8 @@ def sweep(args: argparse.Namespace) -> list[dict]:
       metric = found[0]
       break
   rows = collect(args.root, runs, metric, not args.ascending, status)
+  for row in rows:
+    row.update((extra or {}).get(row["run"], {}))
   csv_path, md_path = write_tables(args.root, rows, metric)
   print(paths.read_text(md_path))
   print(f"[sweep] wrote {csv_path} and {md_path}", flush=True)

@@ -5,7 +5,9 @@ start/stop scripts run in a local bash against a stand-in job, and a stand-in `g
 records what the real runs call.
 """
 
+import csv
 import importlib.util
+import io
 import json
 import os
 import re
@@ -408,6 +410,27 @@ def test_a_sweep_shows_a_run_still_training_as_running_not_failed(gcs, monkeypat
   out = capsys.readouterr().out
   assert "train.lr-1e-05: running on realm-lr-" in out
   assert "1/2 runs started, 1 still running, 0 done before" in out
+
+
+def test_a_tpu_sweep_writes_the_tables_in_the_bucket(gcs, monkeypatch, capsys):
+  """results.csv / results.md from the summaries in the bucket: a finished run with its
+  figures, the one just started as such."""
+  from realm_jax import paths, workdir as workdir_lib
+  monkeypatch.setattr(sweep, "subprocess", type("Recorder", (), {"run": staticmethod(
+      lambda cmd, check: subprocess.CompletedProcess(cmd, 0))}))
+  root = f"{gcs}/tables"
+  argv = ["--config", REALM_BASE, "--root", root, "--grid", "train.lr=1e-5,3e-5",
+          "--set", f"data.dir={gcs}/realm/data", "--set", "retrieval.refresh=async", *INIT,
+          "--launcher", "tpu_pod", "--name", "realm-lr", "--", *WHERE]
+  steps = tpu_pod.load_config(REALM_BASE).train.steps
+  workdir_lib.write_summary(f"{root}/train.lr-3e-05", {"steps": steps, "eval_em": 0.25})
+  assert sweep.main(argv) == 0
+  table = paths.read_text(f"{root}/results.md")
+  assert "| train.lr-3e-05 | 3e-05 | done | 0.25 |" in table
+  assert "| train.lr-1e-05 | 1e-05 | started |" in table
+  rows = list(csv.DictReader(io.StringIO(paths.read_text(f"{root}/results.csv"))))
+  assert [(r["run"], r["status"], r["slices"][:9]) for r in rows] == [
+      ("train.lr-3e-05", "done", "realm-lr-"), ("train.lr-1e-05", "started", "realm-lr-")]
 
 
 def test_without_gcloud_the_error_says_so(tmp_path, monkeypatch, capsys):
