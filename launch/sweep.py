@@ -25,7 +25,8 @@ the commands instead. Then every run's `summary.json` is collected into
 `tpu_pod` starts each run on TPU slices of its own, one after another, as `launch/tpu_pod.py up
 --name NAME-<run id> --workdir ROOT/<name> ...` (ROOT a gs:// path; the run id is 8 hex digits of
 the run's workdir URL, so a run keeps its slices when the grid grows or is reordered; the flags
-after `--` go to every tpu_pod.py call) and returns once all are started; their summaries land
+after `--` go to every tpu_pod.py call; every run's call is checked as tpu_pod.py checks it
+before the first starts) and returns once all are started; their summaries land
 in the bucket; the tables are written as for `local`, from what the bucket holds then (a run
 just started reads "started", with no figures yet: run the sweep again once they finish to
 table them). As with `local`, runs that finished are skipped and a sweep whose runs started
@@ -64,6 +65,8 @@ LAUNCHERS = ("local", "print", "tpu_pod")
 MAX_NAME_BYTES = 255   # a directory entry (a bucket's object names allow more; local disks not)
 MAX_SLICES_NAME = 31   # --name: NAME-<8 hex> fits tpu_pod.py's 40 characters
 TPU_POD_OWN = ("--name", "--config", "--workdir", "--set")   # set by the sweep for each run
+# the sweep's own --dry-run: after --, tpu_pod.py would print and exit 0 ("started")
+TPU_POD_REFUSED = ("--dry-run",)
 
 
 def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list[dict]:
@@ -297,10 +300,31 @@ def check_tpu_pod_flags(args: argparse.Namespace) -> None:
   if HERE not in sys.path:   # launch/ holds scripts: tpu_pod.py is imported by name (it
     sys.path.insert(0, HERE)  # imports jax, so only for this launcher)
   from tpu_pod import check_name
+  # a bucket name as tpu_pod.py's --workdir check takes it (each run's, `check_tpu_pod_call`)
+  paths.check(args.root, "--root")
   check_name(args.name, "--name", MAX_SLICES_NAME)   # NAME-<8 hex>-builder: a TPU's name
   own = [t for t in args.tpu_pod_args if t.split("=")[0] in TPU_POD_OWN]
   if own:
     raise ConfigError("", f"after --: {own[0]!r} is set by the sweep for each run")
+  refused = [t for t in args.tpu_pod_args if t.split("=")[0] in TPU_POD_REFUSED]
+  if refused:
+    raise ConfigError("", f"after --: {refused[0]!r} is the sweep's own flag: give it before --")
+
+
+def check_tpu_pod_call(cmd: list[str], name: str) -> None:
+  """What tpu_pod.py would refuse in run `name`'s call `cmd` (its flags, config, overrides,
+  slice types, mesh), refused before any run starts: one line naming the run."""
+  import tpu_pod
+  parser = tpu_pod.make_parser()
+
+  def error(message: str):
+    raise ConfigError("", f"after --: {message} (tpu_pod.py, run {name})")
+  parser.error = error
+  pod_args = parser.parse_args(cmd[2:])
+  try:
+    tpu_pod.Pod(pod_args)   # checks only: it calls no gcloud
+  except ConfigError as e:
+    raise ConfigError(e.option, f"{e.message} (tpu_pod.py, run {name})") from None
 
 
 def launch_status(code: int) -> str:
@@ -314,15 +338,20 @@ def launch_on_tpu_pods(args: argparse.Namespace, runs: list[tuple[str, dict]], c
                        fields: dict, fixed: dict) -> list[dict]:
   """`tpu_pod.py up` for each run not finished, one after another, on slices named after the
   run (`slice_name`); rows of the runs' launch status. Refuses, before any machine, a sweep
-  whose runs in the bucket started under other values (`check_started_runs`)."""
-  if not args.dry_run:
-    check_started_runs(args.root, runs, config, fixed)
-  rows = []
-  for i, (name, overrides) in enumerate(runs, 1):
+  whose runs in the bucket started under other values (`check_started_runs`), and one whose
+  tpu_pod.py call any run would refuse (`check_tpu_pod_call`)."""
+  calls = []
+  for name, overrides in runs:
     run, workdir = {**fixed, **overrides}, f"{args.root.rstrip('/')}/{name}"
     slices = slice_name(args.name, workdir)
     cmd = tpu_pod_command(args.config, workdir, run, needs_builder(config, run), slices,
                           args.tpu_pod_args)
+    check_tpu_pod_call(cmd, name)
+    calls.append((name, run, workdir, slices, cmd))
+  if not args.dry_run:
+    check_started_runs(args.root, runs, config, fixed)
+  rows = []
+  for i, (name, run, workdir, slices, cmd) in enumerate(calls, 1):
     if args.dry_run:
       print(shlex.join(cmd), flush=True)
       continue

@@ -468,6 +468,11 @@ class Pod:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+  return make_parser().parse_args(argv)
+
+
+def make_parser() -> argparse.ArgumentParser:
+  """The flags of every action (sweep.py checks each run's call with it before any starts)."""
   parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog="\n".join(__doc__.splitlines()[1:]),
@@ -494,7 +499,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       "trainer's save needs more: give stop the run's --config and --set)")
   parser.add_argument("--dry-run", action="store_true", help="print the commands, run none")
   log.add_verbosity_argument(parser)
-  return parser.parse_args(argv)
+  return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -597,6 +597,38 @@ def test_sweep_tpu_pod_launcher_prints_one_tpu_pod_command_per_run(capsys):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"--root": "gs://"}, "--root 'gs://': not a bucket name after gs://"),
+    ({"--root": "gs://Bad_Bucket/x"}, "--root 'gs://Bad_Bucket/x': not a bucket name"),
+    ({"after": [*WHERE, "--trainer_type", "v4-30"]}, "--trainer_type 'v4-30': not a TPU slice type"),
+    ({"after": ["--zone", "us-central2-b"]}, "after --: the following arguments are required: "
+                                            "--project (tpu_pod.py, run train.lr-1e-05)"),
+    ({"after": [*WHERE, "--bogus"]}, "after --: unrecognized arguments: --bogus"),
+    ({"after": [*WHERE, "--dry-run"]}, "after --: '--dry-run' is the sweep's own flag"),
+    ({"set": "data.dir=/local/data"}, "config.data.dir: '/local/data' is not in a bucket"),
+    # the second run's mesh does not fit the trainer's slice: refused before the first starts
+    ({"grid": "mesh.shape=(-1, 1),(32, 1)"}, "(32, 1) needs 32 devices, but 16 are available "
+                                              "on the trainer's slice"),
+])
+def test_a_tpu_sweep_refuses_before_any_run_what_tpu_pod_would_refuse(change, message, capsys,
+                                                                     monkeypatch):
+  called = []
+  monkeypatch.setattr(sweep, "subprocess", type("Recorder", (), {"run": staticmethod(
+      lambda cmd, check: called.append(cmd) or subprocess.CompletedProcess(cmd, 0))}))
+  monkeypatch.setattr(sweep, "check_started_runs", lambda *a: None)   # no bucket here
+  argv = ["--config", REALM_BASE, "--root", change.get("--root", "gs://my-bucket/sweep"),
+          "--grid", change.get("grid", "train.lr=1e-5,3e-5"),
+          "--set", change.get("set", "data.dir=gs://my-bucket/realm/data"),
+          "--set", "retrieval.refresh=async", *INIT, "--launcher", "tpu_pod", "--name",
+          "realm-lr", "--", *change.get("after", WHERE)]
+  for dry_run in ([], ["--dry-run"]):
+    with pytest.raises(SystemExit) as exit_:
+      sweep.main([*dry_run, *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+  assert called == []
+
+
 def test_a_tpu_pod_sweep_keeps_each_runs_slices_skips_finished_runs_and_refuses_changed_ones(
     gcs, capsys, monkeypatch):
   """Against the bucket stand-in, with tpu_pod.py recorded instead of run: a grown grid starts
