@@ -8,7 +8,8 @@
 
 Slices `NAME-trainer` (--trainer_type, default v4-32) and `NAME-builder` (--builder_type,
 default v4-8; `none` for a config without the separate index builder). Actions:
-  create   describe each slice; create it only if there is none (a slice is reused)
+  create   describe each slice; create it only if there is none (a READY slice of the same
+           type is reused; another type or state is refused, saying what to do)
   install  build this repository's wheel, copy it and configs/ to every worker, install it with
            its [tpu] extra into ~/realm_env (--storage gcsfuse: and mount every bucket the run
            names at /gcs/BUCKET)
@@ -383,7 +384,8 @@ class Pod:
 
   def create(self) -> None:
     for job, tpu in self.slices.items():
-      describe = self.gcloud("describe", [self.names[job]], "--format", "value(state)")
+      describe = self.gcloud("describe", [self.names[job]], "--format",
+                             "value(state,acceleratorType)")
       create = self.gcloud("create", [self.names[job]],
                            f"--accelerator-type={tpu.accelerator_type}",
                            f"--version={self.args.runtime_version}", f"--scopes={SCOPES}",
@@ -394,16 +396,34 @@ class Pod:
         continue
       found = self._call(describe, capture=True)
       if found.returncode == 0:
-        state = found.stdout.strip()
-        if state in ("PREEMPTED", "TERMINATED"):
-          raise CommandFailed(f"{self.names[job]} is {state}: run `{PROG} delete` and create "
-                              "it again (a spot or preempted TPU cannot be restarted)")
-        print(f"{PROG}: {self.names[job]} exists ({state}): reusing it", flush=True)
+        state, found_type = (found.stdout.split() + ["", ""])[:2]   # value(): tab-separated
+        self.check_existing(job, tpu.accelerator_type, state, found_type)
+        print(f"{PROG}: {self.names[job]} exists ({state}, {found_type}): reusing it",
+              flush=True)
       elif "NOT_FOUND" in found.stderr or "not found" in found.stderr.lower():
         self._call(create)
       else:
         raise CommandFailed(f"exit code {found.returncode}: {shlex.join(describe)}\n"
                             f"{found.stderr.strip()}")
+
+  def check_existing(self, job: str, wanted: str, state: str, found_type: str) -> None:
+    """An existing slice is reused only as the slice this run asks for, and READY."""
+    name = self.names[job]
+    delete = shlex.join(self.gcloud("delete", [name], "--quiet"))
+    if found_type != wanted:
+      raise CommandFailed(f"{name} exists as a {found_type or '(type unknown)'}, but --{job}_type "
+                          f"is {wanted}: delete it first ({delete}), or give --{job}_type "
+                          f"{found_type}")
+    if state in ("PREEMPTED", "TERMINATED"):
+      raise CommandFailed(f"{name} is {state}: run `{PROG} delete` and create it again (a "
+                          "spot or preempted TPU cannot be restarted)")
+    if state in ("STOPPED", "STOPPING"):
+      start = shlex.join(self.gcloud("start", [name]))
+      raise CommandFailed(f"{name} is {state}: start it ({start}) or delete it ({delete}), "
+                          "then run this again")
+    if state != "READY":   # CREATING, STARTING, REPAIRING, ...: no ssh reaches it yet
+      raise CommandFailed(f"{name} is {state}, not READY: wait until it is READY (gcloud "
+                          f"compute tpus tpu-vm describe {name}), then run this again")
 
   def install(self) -> None:
     for job in self.slices:   # no slice is touched while a job of the run still runs there

@@ -79,9 +79,9 @@ def test_up_dry_run_prints_create_install_and_start_for_both_slices(capsys):
   create = ("--version=tpu-ubuntu2204-base --scopes=https://www.googleapis.com/auth/cloud-platform"
             "  # only if the describe finds no such TPU")
   assert lines[:4] == [
-      f"{G} describe realm-trainer {Z} --format 'value(state)'",
+      f"{G} describe realm-trainer {Z} --format 'value(state,acceleratorType)'",
       f"{G} create realm-trainer {Z} --accelerator-type=v4-32 {create}",
-      f"{G} describe realm-builder {Z} --format 'value(state)'",
+      f"{G} describe realm-builder {Z} --format 'value(state,acceleratorType)'",
       f"{G} create realm-builder {Z} --accelerator-type=v4-8 {create}"]
   for i, name in ((4, "realm-trainer"), (5, "realm-builder")):   # before anything is copied
     assert _remote_script(lines[i], name) == tpu_pod.idle_script()
@@ -355,8 +355,9 @@ def _fake_gcloud(tmp_path, monkeypatch, mode: str):
       verb, mode = sys.argv[4], os.environ["GCLOUD_MODE"]
       if verb == "describe" and mode == "missing":
         sys.exit("ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: Resource not found")
-      if verb == "describe":
-        print(mode)
+      if verb == "describe":   # state, type as value(state,acceleratorType) prints them
+        kind = os.environ.get("GCLOUD_TYPE") or ("v4-32" if "trainer" in sys.argv[5] else "v4-8")
+        print(f"{mode.split()[0]}\t{kind}")
       if verb == "ssh" and mode == "ssh_fails":
         sys.exit(3)
       if verb == "ssh" and mode == "READY running":   # a job of the run is alive there
@@ -378,10 +379,24 @@ def test_real_runs_call_gcloud_as_the_dry_run_prints(tmp_path, monkeypatch, caps
   calls = _fake_gcloud(tmp_path, monkeypatch, "READY")
   assert tpu_pod.main(["create", *SLICES, *RUN]) == 0
   assert [c[3] for c in calls()] == ["describe", "describe"]   # both exist: reused
-  assert "realm-trainer exists (READY): reusing it" in capsys.readouterr().out
-  _fake_gcloud(tmp_path, monkeypatch, "PREEMPTED")
-  assert tpu_pod.main(["create", *SLICES, *RUN]) == 1
-  assert "realm-trainer is PREEMPTED: run `tpu_pod.py delete`" in capsys.readouterr().err
+  assert "realm-trainer exists (READY, v4-32): reusing it" in capsys.readouterr().out
+  for state, message in (
+      ("PREEMPTED", "realm-trainer is PREEMPTED: run `tpu_pod.py delete`"),
+      ("CREATING", "realm-trainer is CREATING, not READY: wait until it is READY"),
+      ("STOPPED", f"realm-trainer is STOPPED: start it ({G} start realm-trainer {Z}) or delete "
+                  f"it ({G} delete realm-trainer {Z} --quiet)")):
+    calls = _fake_gcloud(tmp_path, monkeypatch, state)
+    assert tpu_pod.main(["create", *SLICES, *RUN]) == 1
+    assert message in capsys.readouterr().err
+    assert [c[3] for c in calls()][-1] == "describe"          # nothing created or started
+  monkeypatch.setenv("GCLOUD_TYPE", "v4-16")
+  calls = _fake_gcloud(tmp_path, monkeypatch, "READY")
+  assert tpu_pod.main(["up", *SLICES, *RUN]) == 1
+  assert ("realm-trainer exists as a v4-16, but --trainer_type is v4-32: delete it first "
+          f"({G} delete realm-trainer {Z} --quiet), or give --trainer_type v4-16"
+          ) in capsys.readouterr().err
+  assert [c[3] for c in calls()][-1] == "describe"
+  monkeypatch.delenv("GCLOUD_TYPE")
   calls = _fake_gcloud(tmp_path, monkeypatch, "ssh_fails")
   assert tpu_pod.main(["stop", *SLICES]) == 1
   assert len(calls()) == 1                                   # stops at the first failure
