@@ -82,6 +82,9 @@ _TOPOLOGY_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 1
 # family -> (GKE accelerator, number in the name counts TensorCores (2 per chip) or chips)
 _FAMILIES = {"v4": ("tpu-v4-podslice", 2), "v5p": ("tpu-v5p-slice", 2),
              "v5litepod": ("tpu-v5-lite-podslice", 1), "v6e": ("tpu-v6e-slice", 1)}
+# family -> the TPU VM image (software version) Cloud TPU names for JAX on it
+RUNTIME_VERSIONS = {"v4": "tpu-ubuntu2204-base", "v5p": "v2-alpha-tpuv5",
+                    "v5litepod": "v2-alpha-tpuv5-lite", "v6e": "v2-alpha-tpuv6e"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +96,11 @@ class Slice:
   chips_per_host: int       # google.com/tpu of each pod
   gke_accelerator: str      # node label cloud.google.com/gke-tpu-accelerator
   topology: str             # node label cloud.google.com/gke-tpu-topology
+
+  @property
+  def runtime_version(self) -> str:
+    """The TPU VM image for its family (`--runtime_version` overrides it)."""
+    return RUNTIME_VERSIONS[self.accelerator_type.rsplit("-", 1)[0]]
 
   @property
   def devices(self) -> int:
@@ -388,7 +396,8 @@ class Pod:
                              "value(state,acceleratorType)")
       create = self.gcloud("create", [self.names[job]],
                            f"--accelerator-type={tpu.accelerator_type}",
-                           f"--version={self.args.runtime_version}", f"--scopes={SCOPES}",
+                           f"--version={self.args.runtime_version or tpu.runtime_version}",
+                           f"--scopes={SCOPES}",
                            *(["--spot"] if self.args.spot else []))
       if self.args.dry_run:
         print(shlex.join(describe))
@@ -504,7 +513,9 @@ def make_parser() -> argparse.ArgumentParser:
   parser.add_argument("--trainer_type", default="v4-32", help="the trainer's slice")
   parser.add_argument("--builder_type", default="v4-8",
                       help="the index builder's slice; none: no builder (in_process refresh)")
-  parser.add_argument("--runtime_version", default="tpu-ubuntu2204-base", help="TPU VM image")
+  parser.add_argument("--runtime_version", default=None, help="TPU VM image of both slices "
+                      "(default: each slice's own: tpu-ubuntu2204-base for v4, v2-alpha-tpuv5 "
+                      "for v5p, v2-alpha-tpuv5-lite for v5litepod, v2-alpha-tpuv6e for v6e)")
   parser.add_argument("--spot", action="store_true", help="create spot slices")
   parser.add_argument("--config", default="", help="configs/X.py[:arg]")
   parser.add_argument("--workdir", default="", help="gs://BUCKET/PATH shared by both jobs")

@@ -143,6 +143,19 @@ def test_with_native_gcs_the_jobs_get_the_urls_and_nothing_is_mounted(capsys, tm
     assert shlex.join(container["command"]).endswith(GCS_FLAGS)
 
 
+def test_each_slice_gets_the_image_of_its_family_unless_one_is_given(capsys):
+  def versions(*argv):
+    lines = _dry_run(capsys, "create", *SLICES, *RUN, *argv)
+    return [re.search(r"--version=(\S+)", l).group(1) for l in lines if " create " in l]
+
+  assert versions() == ["tpu-ubuntu2204-base", "tpu-ubuntu2204-base"]
+  assert versions("--trainer_type", "v5litepod-16", "--builder_type", "v6e-4",
+                  "--set", "mesh.shape=(-1, 1)") == ["v2-alpha-tpuv5-lite", "v2-alpha-tpuv6e"]
+  assert versions("--trainer_type", "v5p-32", "--set", "mesh.shape=(-1, 1)") == [
+      "v2-alpha-tpuv5", "tpu-ubuntu2204-base"]
+  assert versions("--runtime_version", "my-image") == ["my-image", "my-image"]
+
+
 def test_stop_sends_sigterm_tail_follows_worker_0_and_delete_is_quiet(capsys):
   stop = _dry_run(capsys, "stop", *SLICES)
   assert len(stop) == 2
