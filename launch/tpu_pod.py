@@ -125,9 +125,10 @@ def tpu_slice(accelerator_type: str, flag: str) -> Slice:
 
 
 def job_slices(args: argparse.Namespace) -> dict[str, Slice]:
-  """{job: its slice} from --trainer_type and --builder_type (none: no builder)."""
-  return {job: tpu_slice(getattr(args, f"{job}_type"), f"--{job}_type")
-          for job in JOBS if getattr(args, f"{job}_type") != "none"}
+  """{job: its slice} from --trainer_type and --builder_type (none: no builder; every run has
+  a trainer)."""
+  return {job: tpu_slice(getattr(args, f"{job}_type"), f"--{job}_type") for job in JOBS
+          if not (job == "builder" and args.builder_type == "none")}
 
 
 def check_name(name: str, flag: str, max_len: int) -> None:

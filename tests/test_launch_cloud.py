@@ -277,6 +277,14 @@ def test_bad_inputs_name_the_flag(change, message, capsys):
   assert err.startswith("tpu_pod.py: error: ") and message in err, err
 
 
+def test_only_the_builder_can_be_none(capsys):
+  for action in ("up", "tail", "stop", "delete"):
+    with pytest.raises(SystemExit) as exit_:
+      tpu_pod.main([action, *SLICES, *RUN, "--trainer_type", "none", "--dry-run"])
+    assert exit_.value.code == 2
+    assert "--trainer_type 'none': not a TPU slice type" in capsys.readouterr().err
+
+
 def test_set_values_reach_the_workers_in_the_form_their_flag_parser_reads():
   """--set is typed as the field (1e3 for an int, yes for a bool); the jobs get the canonical
   spelling, which ml_collections' flags parse back to the same config; init.<part>=random
@@ -572,6 +580,7 @@ def test_the_documented_cloud_commands_run_as_written(tmp_path, capsys, monkeypa
 
 def test_gke_bad_inputs_name_the_flag(capsys):
   for argv, message in ((RUN, "--image is required"),
+                        ([*GKE_RUN, "--trainer_type", "none"], "--trainer_type 'none': not a "),
                         ([*GKE_RUN, "--trainer_type", "v4-33"], "--trainer_type 'v4-33'"),
                         ([*GKE_RUN, "--name", "REALM"], "--name 'REALM'")):
     with pytest.raises(SystemExit) as exit_:
