@@ -582,11 +582,15 @@ def test_gke_bad_inputs_name_the_flag(capsys):
   for argv, message in ((RUN, "--image is required"),
                         ([*GKE_RUN, "--trainer_type", "none"], "--trainer_type 'none': not a "),
                         ([*GKE_RUN, "--trainer_type", "v4-33"], "--trainer_type 'v4-33'"),
-                        ([*GKE_RUN, "--name", "REALM"], "--name 'REALM'")):
+                        ([*GKE_RUN, "--name", "REALM"], "--name 'REALM'"),
+                        ([*GKE_RUN, "--out", "/nonexistent/dir/x.yaml"],
+                         "render.py: error: --out '/nonexistent/dir/x.yaml': No such file or "
+                         "directory\n")):
     with pytest.raises(SystemExit) as exit_:
       render.main(list(argv))
     assert exit_.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.splitlines()) == 1, err
 
 
 def test_committed_gke_example_is_what_its_header_command_renders(tmp_path):

@@ -166,12 +166,20 @@ def main(argv: list[str] | None = None) -> int:
   log.set_verbosity(args.verbosity)
   text = run_cli(PROG, lambda: render(args))
   if args.out:
-    with open(args.out, "w") as f:
-      f.write(text)
+    run_cli(PROG, lambda: write(args.out, text))
     print(f"{PROG}: wrote {args.out}", file=sys.stderr)
   else:
     sys.stdout.write(text)
   return 0
+
+
+def write(path: str, text: str) -> None:
+  """The manifest to --out; a path that cannot be written is a bad flag (one line)."""
+  try:
+    with open(path, "w") as f:
+      f.write(text)
+  except OSError as e:
+    raise ConfigError("", f"--out {path!r}: {e.strerror or e}") from None
 
 
 if __name__ == "__main__":
