@@ -353,6 +353,22 @@ def stop_script(job: str, grace: int) -> str:
           f'else echo "{job}: not running"; fi')
 
 
+def check_flags(args: argparse.Namespace) -> None:
+  """What gcloud or the remote scripts would take without a word: an empty --zone, --project
+  or --runtime_version (an empty value passes to gcloud as none), a negative --grace."""
+  for flag in ("zone", "project", "runtime_version"):
+    value = getattr(args, flag)
+    if value is not None and not value.strip():
+      raise ConfigError("", f"--{flag} is empty: give a value, or leave the flag out"
+                        if flag == "runtime_version" else f"--{flag} is empty: give a value")
+  check_seconds(args.grace, "--grace")
+
+
+def check_seconds(value: int, flag: str) -> None:
+  if value < 0:
+    raise ConfigError("", f"{flag} {value}: must be 0 or more")
+
+
 class CommandFailed(RuntimeError):
   """A command this script ran exited non-zero."""
 
@@ -367,6 +383,7 @@ class Pod:
   def __init__(self, args: argparse.Namespace):
     self.args = args
     check_name(args.name, "--name", 40)
+    check_flags(args)
     self.slices = job_slices(args)
     self.names = {job: f"{args.name}-{job}" for job in self.slices}
     self.plan = None

@@ -277,6 +277,20 @@ def test_bad_inputs_name_the_flag(change, message, capsys):
   assert err.startswith("tpu_pod.py: error: ") and message in err, err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["stop", "--grace", "-5"], "--grace -5: must be 0 or more"),
+    (["delete", "--zone", ""], "--zone is empty"),
+    (["delete", "--project", " "], "--project is empty"),
+    (["create", *RUN, "--runtime_version", ""], "--runtime_version is empty"),
+])
+def test_negative_seconds_and_empty_flags_are_refused(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    tpu_pod.main([argv[0], *SLICES, *argv[1:], "--dry-run"])
+  err = capsys.readouterr().err
+  assert exit_.value.code == 2 and err.startswith(f"tpu_pod.py: error: {message}"), err
+  assert len(err.splitlines()) == 1, err
+
+
 def test_only_the_builder_can_be_none(capsys):
   for action in ("up", "tail", "stop", "delete"):
     with pytest.raises(SystemExit) as exit_:
@@ -583,6 +597,8 @@ def test_gke_bad_inputs_name_the_flag(capsys):
                         ([*GKE_RUN, "--trainer_type", "none"], "--trainer_type 'none': not a "),
                         ([*GKE_RUN, "--trainer_type", "v4-33"], "--trainer_type 'v4-33'"),
                         ([*GKE_RUN, "--name", "REALM"], "--name 'REALM'"),
+                        ([*GKE_RUN, "--max_restarts", "-1"], "--max_restarts -1: must be 0 "),
+                        ([*GKE_RUN, "--grace", "-5"], "--grace -5: must be 0 or more"),
                         ([*GKE_RUN, "--out", "/nonexistent/dir/x.yaml"],
                          "render.py: error: --out '/nonexistent/dir/x.yaml': No such file or "
                          "directory\n")):

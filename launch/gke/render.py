@@ -38,7 +38,7 @@ from realm_jax.errors import ConfigError, run_cli
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))   # launch/ holds scripts: import tpu_pod by name
 from tpu_pod import (GRACE_SECONDS, MOUNT_ROOT, STORAGES, Plan, check_builder,  # noqa: E402
-                     check_name, job_argv, job_slices, plan_run)
+                     check_name, check_seconds, job_argv, job_slices, plan_run)
 
 PROG = "render.py"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
@@ -122,6 +122,9 @@ def command_line(args: argparse.Namespace, plan: Plan) -> str:
 def render(args: argparse.Namespace) -> str:
   """Checks every flag, then the manifest's text: a header naming its command, the JobSet."""
   check_name(args.name, "--name", 40)
+  check_seconds(args.grace, "--grace")
+  if args.max_restarts < 0:
+    raise ConfigError("", f"--max_restarts {args.max_restarts}: must be 0 or more")
   if not args.image:
     raise ConfigError("", "--image is required: the container image with realm_jax[tpu] and "
                       "configs/ in its working directory (docs/launch.md, GKE)")
