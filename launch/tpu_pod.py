@@ -66,6 +66,8 @@ MOUNT_ROOT = paths.MOUNT_ROOT   # where gcsfuse mounts gs://B: /gcs/B
 STORAGES = ("gcs", "gcsfuse")   # the jobs on gs:// themselves | buckets mounted by gcsfuse
 PATH_FIELDS = ("data.dir", "init.from_workdir", "init.hf_bert", "init.retriever",
                "init.reader")     # paths read on the machines
+QA_FIELDS = ("qa.train", "qa.dev", "qa.test")     # question sets: KIND:ARG
+QA_FILE_KINDS = ("nq_open", "webq", "curated_trec", "squad")   # KIND:PATH, opened by the job
 RUNNING_EXIT = 3            # refused: a job of the run is alive on its slice (sweep: "running")
 RUNNING = "is already running"   # what the slice's refusal says (`_refuse_if_running`)
 GRACE_SECONDS = 120         # after SIGTERM: the trainer saves a checkpoint before it exits
@@ -208,7 +210,10 @@ def plan_run(config_spec: str, workdir: str, sets: list[str], storage: str = "gc
   final = flat_options(config)
   for key in [*given, *(k for k in final if k not in given)]:
     value = final[key]   # as typed: written back in the form the workers' flag parser reads
-    if isinstance(value, str) and value.startswith("gs://"):
+    if key in QA_FIELDS and str(value).partition(":")[0] in QA_FILE_KINDS:
+      where, value = qa_file(key, value, storage)
+      buckets += [where] if where not in buckets else []
+    elif isinstance(value, str) and value.startswith("gs://"):
       where, value = gcs_bucket(value, f"config.{key}", storage)
       buckets += [where] if where not in buckets else []
     elif _local_path(key, value):
@@ -224,6 +229,23 @@ def plan_run(config_spec: str, workdir: str, sets: list[str], storage: str = "gc
   remote = "configs/" + os.path.basename(path) + (f":{arg}" if arg else "")
   grace = processes.stop_grace(config.train.preemption_grace_seconds)
   return Plan(remote, workdir_path, tuple(overrides), tuple(buckets), builder, storage, grace)
+
+
+def qa_file(key: str, spec: str, storage: str) -> tuple[str, str]:
+  """A question file `KIND:PATH` of field `key` as the jobs read it: (its bucket, the spec
+  they get). The question readers open PATH as a file of the machine (no gs://), so only a
+  bucket mounted by gcsfuse reaches them; anything else is a ConfigError saying what to give."""
+  kind, _, path = spec.partition(":")
+  if path.startswith("gs://") and storage == "gcsfuse":
+    bucket, mounted = gcs_bucket(path, f"config.{key}", storage)
+    return bucket, f"{kind}:{mounted}"
+  other = f"or {key}=prepared:SPLIT (realm-prepare's DATA/qa/) or tfds:NAME"
+  if path.startswith("gs://"):
+    raise ConfigError(key, f"{spec!r}: the question readers open local files, not gs://: give "
+                      f"--storage gcsfuse (the bucket mounted at {MOUNT_ROOT}/BUCKET), {other}")
+  raise ConfigError(key, f"{spec!r} is a file of this machine, which the machines cannot "
+                    f"read: give {key}={kind}:gs://BUCKET/PATH with --storage gcsfuse (the "
+                    f"question readers open local files, not gs://), {other}")
 
 
 def check_mesh(config, slices: dict[str, Slice]) -> None:

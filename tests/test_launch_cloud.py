@@ -299,6 +299,28 @@ def test_only_the_builder_can_be_none(capsys):
     assert "--trainer_type 'none': not a TPU slice type" in capsys.readouterr().err
 
 
+def test_question_files_reach_the_jobs_only_through_a_gcsfuse_mount():
+  """The question readers open local files: a path of this machine is refused as data.dir's
+  is, a gs:// one needs --storage gcsfuse (the jobs get its mount), tfds: and prepared: pass."""
+  sets = [*RUN[5::2]]
+  for spec, storage, message in (
+      ("nq_open:/data/nq/train.jsonl", "gcsfuse", "config.qa.train: 'nq_open:/data/nq/train."
+       "jsonl' is a file of this machine, which the machines cannot read: give qa.train=nq_open:"
+       "gs://BUCKET/PATH with --storage gcsfuse"),
+      ("squad:gs://my-bucket/squad.json", "gcs", "config.qa.train: 'squad:gs://my-bucket/squad"
+       ".json': the question readers open local files, not gs://: give --storage gcsfuse")):
+    with pytest.raises(ConfigError) as refused:
+      tpu_pod.plan_run(REALM_BASE, "gs://my-bucket/realm/realm", [*sets, f"qa.train={spec}"],
+                       storage)
+    assert str(refused.value).startswith(message), str(refused.value)
+  plan = tpu_pod.plan_run(REALM_BASE, "gs://my-bucket/realm/realm", [
+      *sets, "qa.train=nq_open:gs://qa-bucket/nq/*.jsonl", "qa.dev=tfds:natural_questions_open",
+      "qa.test=prepared:test"], "gcsfuse")
+  assert "--config.qa.train=nq_open:/gcs/qa-bucket/nq/*.jsonl" in plan.overrides
+  assert "--config.qa.dev=tfds:natural_questions_open" in plan.overrides
+  assert "qa-bucket" in plan.mounts
+
+
 def test_set_values_reach_the_workers_in_the_form_their_flag_parser_reads():
   """--set is typed as the field (1e3 for an int, yes for a bool); the jobs get the canonical
   spelling, which ml_collections' flags parse back to the same config; init.<part>=random
