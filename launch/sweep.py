@@ -54,7 +54,7 @@ import time
 from realm_jax import log, paths, processes, workdir as workdir_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.loading import config_module
-from realm_jax.config.option_names import upgrade_config
+from realm_jax.config.option_names import upgrade_config, upgrade_flags
 from realm_jax.config.reading import flat_options, uses_index_builder
 from realm_jax.config.overrides import (check_key, check_known_options, field_value,
                                         parse_assignment)
@@ -86,8 +86,10 @@ def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list
   elif hyper:
     runs = [dict(run) for run in hyper]
     for run in runs:
-      for key in run:
+      for key, value in run.items():
         check_key(key, fields, "get_hyper()")
+        if isinstance(value, str):   # "1e-3" for a float: typed as a --grid value would be
+          run[key] = field_value(config, fields, key, value)
   else:
     raise ConfigError("", "no grid: give --grid KEY=V1,V2 flags or define get_hyper(arg) in "
                       "the config module")
@@ -379,6 +381,11 @@ def run_locally(args: argparse.Namespace, runs: list[tuple[str, dict]], config, 
   SIGTERM it saves its step, within its `train.preemption_grace_seconds`), then the sweep,
   saying that a rerun resumes."""
   check_started_runs(args.root, runs, config, fixed)
+  for name, overrides in runs:   # as launch/local.py does: else each run fails on it alone
+    try:
+      workdir_lib.check_data_dir(run_config(config, {**fixed, **overrides}))
+    except ConfigError as e:
+      raise ConfigError(e.option, f"{e.message} (run {name})") from None
   status = {}
   previous = signal.signal(signal.SIGTERM, processes.on_sigterm)
   try:
@@ -395,7 +402,7 @@ def run_locally(args: argparse.Namespace, runs: list[tuple[str, dict]], config, 
                                            fields["train.preemption_grace_seconds"]))
       t0 = time.time()
       with open(log_path, "ab") as log:
-        code = processes.run_to_end(f"run {name}", cmd, log, grace)
+        code = run_to_end(name, cmd, log, grace, lambda: finished(workdir, run, fields))
       status[name] = "done" if code == 0 else f"failed ({code})"
       print(f"[sweep] {i}/{len(runs)} {name}: {status[name]} in {time.time() - t0:.0f}s "
             f"(log: {log_path})", flush=True)
@@ -407,6 +414,19 @@ def run_locally(args: argparse.Namespace, runs: list[tuple[str, dict]], config, 
   finally:
     signal.signal(signal.SIGTERM, previous)
   return status
+
+
+def run_to_end(name: str, cmd: list[str], log, grace: float, done) -> int:
+  """`processes.run_to_end` of run `name`; where a signal stops the sweep after the run wrote
+  its summary (`done()`: during its last eval, say), the reason says it finished rather than
+  that it stopped at a checkpoint."""
+  try:
+    return processes.run_to_end(f"run {name}", cmd, log, grace)
+  except processes.Preempted as e:
+    if not done():
+      raise
+    raise processes.Preempted(f"{e.why.split(';')[0]}; run {name} had finished (its "
+                              "summary.json is written)") from None
 
 
 def sweep(args: argparse.Namespace) -> list[dict]:
@@ -484,7 +504,7 @@ def results(args: argparse.Namespace, runs: list[tuple[str, dict]], status: dict
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = parse_args(sys.argv[1:] if argv is None else argv)
+  args = parse_args(upgrade_flags(sys.argv[1:] if argv is None else argv, PROG))
   log.set_verbosity(args.verbosity)
   rows = run_cli(PROG, lambda: sweep(args))
   return 1 if any(str(r.get("status", "")).startswith("failed") for r in rows) else 0

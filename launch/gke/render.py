@@ -33,6 +33,7 @@ import sys
 import yaml
 
 from realm_jax import log
+from realm_jax.config.option_names import upgrade_flags
 from realm_jax.errors import ConfigError, run_cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -165,7 +166,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
   """`python launch/gke/render.py --config C --workdir gs://B/P --image I [--out F]`."""
-  args = parse_args(sys.argv[1:] if argv is None else argv)
+  args = parse_args(upgrade_flags(sys.argv[1:] if argv is None else argv, PROG))
   log.set_verbosity(args.verbosity)
   text = run_cli(PROG, lambda: render(args))
   if args.out:

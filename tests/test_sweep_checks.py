@@ -1,0 +1,86 @@
+"""launch/sweep.py and launch/gke/render.py: what they check before any run starts (no
+training: the runs are stood in for)."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from realm_jax import processes, workdir as workdir_lib
+from tests import helpers
+
+ICT = os.path.join(helpers.CONFIGS, "demo_ict.py")
+
+
+def _load(name: str, path: str):
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+sweep = _load("_test_sweep_checks", os.path.join(helpers.REPO, "launch", "sweep.py"))
+
+
+def test_get_hyper_values_given_as_text_take_the_fields_type(tmp_path, capsys):
+  config = tmp_path / "hyper.py"
+  config.write_text(
+      "import importlib.util\n"
+      f"spec = importlib.util.spec_from_file_location('ict', {ICT!r})\n"
+      "ict = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(ict)\n"
+      "get_config = ict.get_config\n\n"
+      "def get_hyper(arg=None):\n  return [{'train.lr': '1e-3'}, {'train.lr': '3e-3'}]\n")
+  assert sweep.main(["--config", str(config), "--root", str(tmp_path / "s"),
+                     "--launcher", "print"]) == 0
+  out = capsys.readouterr().out
+  assert "--config.train.lr=0.001" in out and "--config.train.lr=0.003" in out
+
+
+def test_a_local_sweep_without_its_data_dir_starts_no_run(tmp_path, capsys, monkeypatch):
+  started = []
+  monkeypatch.setattr(processes, "run_to_end", lambda *a: started.append(a) or 0)
+  with pytest.raises(SystemExit) as exit_:
+    sweep.main(["--config", ICT, "--root", str(tmp_path / "s"), "--grid", "seed=0,1",
+                "--set", f"data.dir={tmp_path / 'missing'}"])
+  err = capsys.readouterr().err
+  assert exit_.value.code == 2 and started == []
+  assert err.startswith("sweep.py: error: config.data.dir: data dir ") and \
+      "does not exist (run seed-0)" in err, err
+
+
+def test_a_signal_after_the_last_runs_summary_says_it_finished(tmp_path, capsys, monkeypatch):
+  """SIGTERM during a run's final eval, after it wrote its summary: the run is not reported
+  as stopped at a checkpoint."""
+  (tmp_path / "data").mkdir()
+  root = tmp_path / "s"
+
+  def stopped_after_its_summary(name, cmd, out, grace):
+    workdir = next(a.split("=", 1)[1] for a in cmd if a.startswith("--workdir="))
+    steps = int(next(a.split("=", 1)[1] for a in cmd if a.startswith("--config.train.steps=")))
+    workdir_lib.write_summary(workdir, {"steps": steps})
+    raise processes.Preempted(f"SIGTERM; {name} stopped at a saved checkpoint")
+  monkeypatch.setattr(processes, "run_to_end", stopped_after_its_summary)
+  with pytest.raises(SystemExit) as exit_:
+    sweep.main(["--config", ICT, "--root", str(root), "--grid", "seed=0",
+                "--set", f"data.dir={tmp_path / 'data'}", "--set", "train.steps=7"])
+  assert exit_.value.code == processes.EXIT_CODE
+  out = capsys.readouterr().out
+  assert "preempted (SIGTERM; run seed-0 had finished (its summary.json is written))" in out, out
+
+
+def test_sweep_and_render_read_a_flagfile(tmp_path, capsys):
+  flags = tmp_path / "sweep.flags"
+  flags.write_text(f"--config={ICT}\n--root={tmp_path / 's'}\n--grid=seed=0,1\n")
+  assert sweep.main([f"--flagfile={flags}", "--launcher", "print"]) == 0
+  assert len([l for l in capsys.readouterr().out.splitlines() if "--config.seed=" in l]) == 2
+  render = _load("_test_render_checks", os.path.join(helpers.REPO, "launch", "gke", "render.py"))
+  flags.write_text("--image=us-docker.pkg.dev/p/realm/realm-jax:latest\n")
+  argv = ["--config", os.path.join(helpers.CONFIGS, "realm_base.py"), "--workdir",
+          "gs://my-bucket/realm/realm", "--set", "data.dir=gs://my-bucket/realm/data",
+          "--set", "init.retriever=gs://my-bucket/realm/ict", "--set",
+          "init.reader=gs://my-bucket/bert-base-uncased", f"--flagfile={flags}",
+          "--out", str(tmp_path / "jobset.yaml")]
+  assert render.main(argv) == 0
+  assert "realm-jax:latest" in (tmp_path / "jobset.yaml").read_text()
