@@ -45,7 +45,9 @@ def check_demo_flags(parser, args) -> None:
   """The demo flags every stage would refuse, refused before anything is written (they used
   to fail each stage after the data was made, and bind the workdir to the bad value):
   `--seed` outside [0, 2**32), and, where the demo has them, `--host_devices` below 0 or not
-  dividing the REALM stage's batch, `--entities` below 1."""
+  dividing the REALM stage's batch, `--entities` below 1; an empty `--workdir`."""
+  if not getattr(args, "workdir", "W").strip():
+    parser.error("--workdir must name a directory, got an empty string")
   if not 0 <= args.seed < 2**32:
     parser.error(f"--seed must be in [0, 2**32) (the data order's seed), got {args.seed}")
   if getattr(args, "entities", 1) < 1:

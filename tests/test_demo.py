@@ -543,6 +543,8 @@ def test_a_resumed_demo_real_does_not_evaluate_again_what_it_evaluated(monkeypat
     ("realm_jax.demo", ["--entities", "0"], "--entities must be >= 1, got 0"),
     ("realm_jax.demo_real", ["--seed", str(2**32)], "--seed must be in [0, 2**32)"),
     ("realm_jax.demo_squad", ["--seed", "-2"], "--seed must be in [0, 2**32)"),
+    ("realm_jax.demo", ["--workdir", ""], "--workdir must name a directory, got an empty "
+                                          "string"),   # was an OS error line
 ])
 def test_demo_flags_every_stage_would_refuse_are_refused_first(tmp_path, module, flags, message):
   """They used to be found by each stage after the data was made, exit 1, and the workdir
