@@ -62,9 +62,10 @@ def _die_with(parent: int, death_signal: int) -> None:
 
 class Preempted(SystemExit):
   """SIGTERM reached the driver: the running children saved their step (`saved`; else `why`
-  names those that did not); a rerun resumes."""
+  names those that did not; None: no child was running, as between two stages); a rerun
+  resumes."""
 
-  def __init__(self, why: str, saved: bool = True):
+  def __init__(self, why: str, saved: bool | None = True):
     super().__init__(EXIT_CODE)
     self.why, self.saved = why, saved
 
@@ -74,7 +75,7 @@ def on_sigterm(signum, frame) -> None:
   here, and the driver passes SIGTERM on to its children. One-shot: a second SIGTERM must not
   cut short the stopping of the children."""
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
-  raise Preempted("SIGTERM")
+  raise Preempted("SIGTERM", saved=None)   # `stop_after` says whether children saved theirs
 
 
 def stop_signal(error: BaseException) -> int:
@@ -237,6 +238,9 @@ def stop_after(error: BaseException, children: dict, grace_seconds: float = GRAC
     return Preempted(f"{error.why}; {' and '.join(unsaved)} did not end as asked (still "
                      f"running {grace_seconds:g} s after the signal, or failing as it saved)",
                      saved=False)
+  if isinstance(error, Preempted) and error.saved is None and \
+      any(process is not None for process in children.values()):
+    return Preempted(error.why)   # the children ran, and each saved its step
   return error
 
 

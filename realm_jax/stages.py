@@ -350,8 +350,9 @@ def run_demo_cli(prog: str, job) -> object:
   try:
     return run_cli(prog, stoppable_job)
   except Preempted as e:
-    saved = "the stages stopped at a saved checkpoint" if e.saved else \
-        "each stage keeps its last checkpoint"
+    saved = {True: "the stages stopped at a saved checkpoint",
+             False: "each stage keeps its last checkpoint",
+             None: "no stage was running; the finished ones are kept"}[e.saved]
     print(f"\n[{prog}] preempted ({e.why}); {saved}: rerun the same command to resume",
           flush=True)
     raise

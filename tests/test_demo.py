@@ -242,6 +242,35 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
     stages.finish_stage("no_retrieval", killed, workdir, beside="realm")
   assert not stages._together([stages.Preempted("a saved"), late.value]).saved
   assert stages._together([stages.Preempted("a saved"), stages.Preempted("b saved")]).saved
+
+
+def test_a_sigterm_while_no_stage_runs_says_so(capsys):
+  """SIGTERM to the driver between stages (the world being made, the tables written) said
+  "the stages stopped at a saved checkpoint"; with a stage running, that stage saved."""
+  import time
+  from realm_jax import processes
+
+  def job():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+  previous = signal.getsignal(signal.SIGTERM)
+  try:
+    with pytest.raises(stages.Preempted) as stopped:
+      stages.run_demo_cli("realm-demo", job)
+  finally:
+    signal.signal(signal.SIGTERM, previous)      # run_demo_cli installs the demo's handler
+  assert stopped.value.saved is None
+  assert "[realm-demo] preempted (SIGTERM); no stage was running; the finished ones are kept: " \
+      "rerun the same command to resume" in capsys.readouterr().out
+  child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
+                            "print('ready', flush=True); time.sleep(60)"],
+                           stdout=subprocess.PIPE, text=True)
+  assert child.stdout.readline() == "ready\n"   # a stage that saves its step on SIGTERM
+  after = processes.stop_after(stages.Preempted("SIGTERM", saved=None), {"stage a": child}, 30)
+  assert isinstance(after, stages.Preempted) and after.saved is True
+
+
 def test_a_failed_stage_ends_the_demo_with_one_line(capsys):
   """The stage's own output says why it failed; the demo names it and where that output is,
   without a traceback of its own code."""
