@@ -10,10 +10,11 @@
 #
 #   bash bench/gpu.sh [OUT_DIR [PARTS]]   (default runs/gpu; logs and JSONL land there)
 #
-# PARTS (default "step memory index"): which figures to take; the train steps run first, alone
-# on the device, the compile-only memory bench beside them. `real` (on its own: it wants the
-# device and the deadline to itself) runs `make demo-real`'s recipe at its accelerator scale
-# (`python -m realm_jax.demo_real --scale gpu`, workdir $REAL_WORKDIR, default runs/real_gpu;
+# PARTS (default "step memory index"; of the words step, memory, index and real): which figures
+# to take; the train steps run first, alone on the device, the compile-only memory bench beside
+# them. `real` (on its own: it wants the device and the deadline to itself) runs `make
+# demo-real`'s recipe at its accelerator scale (`python -m realm_jax.demo_real --scale gpu`,
+# workdir $REAL_WORKDIR, default runs/real_gpu;
 # the SQuAD-format file $SQUAD, the seed $SEED (default 0); all-MiniLM-L6-v2 installed), with XLA's GEMM autotuning off
 # (the recipe compiles ~20 programs of a small model) and JAX's compilation cache in the
 # workdir (programs that took over a second to compile are read back by a resumed run and by
@@ -27,18 +28,32 @@
 # Every part has a time limit and the whole run a deadline ($DEADLINE seconds, default 560), so
 # that it ends inside a 10-minute lease; a part cut short says so in its log. The script exits
 # 1, naming them, when a part did not exit 0 (a time limit included; background parts too) or
-# was skipped for the deadline, else 0. Processes allocate
-# device memory as they need it (XLA_PYTHON_CLIENT_PREALLOCATE=false), so that they can share
-# the device.
+# was skipped for the deadline, else 0 (trace_summary, which reads train_step_cudnn's trace, is
+# skipped without a failure of its own when that part failed). It exits 2 at once, before any
+# part, on an unknown PARTS word or where `nvidia-smi -L` finds no GPU (PYTHON and DEADLINE
+# are read from the environment; a fake nvidia-smi first on PATH lets it run for a test).
+# Processes allocate device memory as they need it (XLA_PYTHON_CLIENT_PREALLOCATE=false), so
+# that they can share the device.
 set -u
 out=${1:-runs/gpu}
+parts=" ${2:-step memory index} "
+for word in $parts; do
+  case $word in
+    step|memory|index|real) ;;
+    *) echo "bench/gpu.sh: unknown part '$word' in PARTS (one or more of: step memory index" \
+         "real)" >&2; exit 2 ;;
+  esac
+done
+if ! nvidia-smi -L > /dev/null 2>&1; then   # else it would compile realm_base on the CPU
+  echo "bench/gpu.sh: no NVIDIA GPU here (\`nvidia-smi -L\` failed): run it on a CUDA machine" >&2
+  exit 2
+fi
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python=${PYTHON:-python3}
 deadline=${DEADLINE:-560}
 cache=runs/bench_index_scale
-parts=" ${2:-step memory index} "
 want() { [[ "$parts" == *" $1 "* ]]; }
 failed=""   # the parts that exited non-zero (a time limit included) or were skipped: exit 1
 declare -A background_pids   # name -> pid of a part run in the background
@@ -50,7 +65,7 @@ part() {   # part NAME LIMIT_S COMMAND...: runs COMMAND, its output to the conso
   local name=$1 limit=$2 grace=${GRACE:-10}; shift 2
   local left=$((deadline - SECONDS))
   if [ "$left" -lt 30 ]; then
-    echo "== $name: skipped (${left}s to the deadline)"; failed="$failed $name(skipped)"; return
+    echo "== $name: skipped (${left}s to the deadline)"; failed="$failed $name(skipped)"; return 1
   fi
   [ "$limit" -gt "$left" ] && limit=$left
   echo "== $name (limit ${limit}s): $*"
@@ -59,15 +74,25 @@ part() {   # part NAME LIMIT_S COMMAND...: runs COMMAND, its output to the conso
   local rc=${PIPESTATUS[0]}
   echo "== $name: exit $rc after $((SECONDS - t0))s$([ "$rc" = 124 ] && echo ' (time limit)')"
   [ "$rc" = 0 ] || failed="$failed $name"
+  return "$rc"
 }
 
-background() {   # background NAME LIMIT_S COMMAND...: as part, in the background, log only
+background() {   # background NAME LIMIT_S COMMAND...: as part, in the background, log only;
+                 # skipped as part skips, its limit cut to the deadline as part's
   local name=$1 limit=$2; shift 2
+  local left=$((deadline - SECONDS))
+  [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -lt 30 ]; then
+    echo "== $name: skipped (a limit of ${limit}s, ${left}s to the deadline)"
+    failed="$failed $name(skipped)"; return 1
+  fi
   timeout --signal=TERM --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1 &
   background_pids[$name]=$!
 }
 
-waited() {   # waited NAME: waits for background part NAME; its failure recorded, said
+waited() {   # waited NAME: waits for background part NAME (none if it was skipped); its
+             # failure recorded, said
+  [ -n "${background_pids[$1]:-}" ] || return 0
   local rc=0
   wait "${background_pids[$1]}" || rc=$?
   [ "$rc" = 0 ] || { echo "== $1 (background): exit $rc"; failed="$failed $1"; }
@@ -75,6 +100,7 @@ waited() {   # waited NAME: waits for background part NAME; its failure recorded
 }
 
 {
+  grep -m1 "^model name" /proc/cpuinfo
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   $python -c "import jax, jaxlib, flax, optax, orbax.checkpoint as o, numpy, sys; \
 print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, \
@@ -95,12 +121,17 @@ done
 
 cudnn=(--set model.attention=cudnn --set model.attention_dropout_rate=0)
 if want step; then
-  part train_step_cudnn 270 $python bench/train_step.py --only base --batch 8 --steps 10 \
-    "${cudnn[@]}" --profile "$out/trace" --out "$out/train_step.jsonl"
-  part trace_summary 60 $python bench/trace_summary.py "$out/trace/base" --top 25
+  if part train_step_cudnn 270 $python bench/train_step.py --only base --batch 8 --steps 10 \
+      "${cudnn[@]}" --profile "$out/trace" --out "$out/train_step.jsonl"; then
+    part trace_summary 60 $python bench/trace_summary.py "$out/trace/base" --top 25
+  else   # no trace to read: its failure is train_step_cudnn's, counted once
+    echo "== trace_summary: skipped (train_step_cudnn did not exit 0)"
+  fi
 fi
 if want index; then
-  waited table; tr '\r' '\n' < "$out/table.log" | tail -1
+  if [ -n "${background_pids[table]:-}" ]; then   # (not where it was skipped: an old log)
+    waited table; tr '\r' '\n' < "$out/table.log" | tail -1
+  fi
   part index_scale 220 $python bench/index_scale.py --skip_scann --qps_seconds 5 \
     --embed_batch 256 --embed_batches 4 --cache "$cache" --out "$out/index_scale.jsonl"
 fi
@@ -126,7 +157,9 @@ if want real; then
 fi
 for name in "${!background_pids[@]}"; do waited "$name"; done
 if want memory; then
-  for log in "$out"/memory_*.log; do echo "== $log"; quiet < "$log" | tail -9; done
+  for log in "$out"/memory_*.log; do
+    [ -f "$log" ] && { echo "== $log"; quiet < "$log" | tail -9; }
+  done
 fi
 if [ -n "$failed" ]; then echo "== parts that did not exit 0:$failed"; exit 1; fi
 echo "== every part exited 0"
