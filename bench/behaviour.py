@@ -20,7 +20,8 @@ refused; a base run of other arguments, or unfinished, is made again); this tree
 made again on every call. Prints the largest difference of each logged figure over the steps
 and whether every parameter array is bitwise equal; exits 1 unless every figure is equal at
 every step (NaN where both are NaN; one logged on one side only is a difference) and every
-array bitwise equal.
+array bitwise equal. Each run's output is also written to WORK/<run>.log (the data dir's to
+WORK/prepare.log); a run that fails ends the bench with one line naming it and its log.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import numpy as np
 from realm_jax import paths
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ("realm", "ict", "mixed", "distill")
+MIN_STEPS = 3   # a checkpoint (and an index version) every steps // 3 steps: at least one
 FIGURES = ("loss", "grad_norm", "retrieval_utility", "null_doc_prob", "index_staleness")
 # One stage of the demo, run by the code on PYTHONPATH: argv = config, variant, workdir, data,
 # then key=value overrides.
@@ -73,16 +76,33 @@ if __name__ == "__main__":
 """
 
 
-def run_code(src: str, script: str, *args: str) -> None:
+class RunFailed(RuntimeError):
+  """A run of the base's or this tree's code exited non-zero; the message names its log."""
+
+
+def run_code(src: str, script: str, *args: str, log: str, what: str) -> None:
   """Runs `script` (written to a file: worker processes re-import their main module) with the
-  code of `src` on the path."""
+  code of `src` on the path, its output to the console and to `log`.
+
+  Raises:
+    RunFailed naming `what` and `log` when it exits non-zero.
+  """
   with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
     f.write(script)
   env = dict(os.environ, PYTHONPATH=src)
+  os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
   try:
-    subprocess.run([sys.executable, f.name, *args], cwd=src, env=env, check=True)
+    with open(log, "w") as out:
+      proc = subprocess.Popen([sys.executable, f.name, *args], cwd=src, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for line in proc.stdout:
+        sys.stdout.write(line)
+        out.write(line)
+      code = proc.wait()
   finally:
     os.remove(f.name)
+  if code:
+    raise RunFailed(f"{what} exited with code {code}; its output is in {log}")
 
 
 def stage_args(name: str, ict: str, steps: int) -> list[str]:
@@ -114,7 +134,8 @@ def run_stage_of(src: str, name: str, workdir: str, data: str, ict: str, steps: 
     return
   shutil.rmtree(workdir, ignore_errors=True)
   config, variant, *overrides = stage
-  run_code(src, STAGE, config, variant, workdir, data, *overrides)
+  run_code(src, STAGE, config, variant, workdir, data, *overrides, log=f"{workdir}.log",
+           what=f"stage {name} ({os.path.basename(workdir)}, the code at {src})")
   paths.write_json(record, {"args": stage})
 
 
@@ -207,6 +228,25 @@ def main() -> int:
                       "distill (see the module doc)")
   parser.add_argument("--entities", type=int, default=600, help="size of the world")
   args = parser.parse_args()
+  stages = args.stages.split(",")
+  unknown = [name for name in stages if name not in STAGES]
+  if unknown:   # before the data, the ICT start and the other stages are made
+    parser.error(f"--stages: unknown {', '.join(map(repr, unknown))}; one or more of "
+                 f"{', '.join(STAGES)}, comma-separated")
+  if args.steps < MIN_STEPS:
+    parser.error(f"--steps {args.steps} must be >= {MIN_STEPS}: the stages checkpoint (and "
+                 "refresh the index) every steps // 3 steps")
+  if args.entities < 1:
+    parser.error(f"--entities {args.entities} must be >= 1")
+  try:
+    return compare_stages(args, stages)
+  except RunFailed as e:
+    print(f"bench/behaviour.py: error: {e}", file=sys.stderr)
+    return 1
+
+
+def compare_stages(args, stages: list[str]) -> int:
+  """Makes what the stages share, runs each on both sides, compares; the exit code."""
   work = os.path.abspath(args.work)
   base_src = open_work(work, args.base, args.entities)
   data, ict = os.path.join(work, "data"), os.path.join(work, "ict")
@@ -215,11 +255,13 @@ def main() -> int:
                                                           "run.py")) else "load_config"
     module = "realm_jax.stages" if os.path.exists(os.path.join(base_src, "realm_jax",
                                                                "stages.py")) else "realm_jax.demo"
-    run_code(base_src, PREPARE.format(module=module, loader=loader), data, str(args.entities))
+    run_code(base_src, PREPARE.format(module=module, loader=loader), data, str(args.entities),
+             log=os.path.join(work, "prepare.log"), what="the data dir (the base's code)")
   if not os.path.exists(os.path.join(ict, "summary.json")):
-    run_code(base_src, STAGE, "demo_ict", "-", ict, data, "train.steps=150", "eval.every=0")
+    run_code(base_src, STAGE, "demo_ict", "-", ict, data, "train.steps=150", "eval.every=0",
+             log=f"{ict}.log", what="the ICT start (the base's code)")
   verdicts = {}
-  for name in args.stages.split(","):
+  for name in stages:
     base_run, head_run = (os.path.join(work, f"{name}_{side}") for side in ("base", "head"))
     run_stage_of(base_src, name, base_run, data, ict, args.steps, keep=True)
     run_stage_of(REPO, name, head_run, data, ict, args.steps, keep=False)   # this tree changes

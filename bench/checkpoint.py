@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import tempfile
 import time
 
+from report import append_jsonl, host_cpu, host_cpu_text, print_rows   # bench/: sys.path[0]
+
+PROG = "bench/checkpoint.py"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = "configs/demo_realm.py:realm"
 VOCAB_SIZE = 1024   # the demo world's vocab is ~900 entries; the size barely matters here
 
@@ -35,7 +38,26 @@ def parse_args(argv=None):
   args = parser.parse_args(argv)
   if args.saves < 2 or args.devices < 1:
     parser.error("--saves must be >= 2 and --devices >= 1")
+  path = args.config.partition(":")[0]
+  if not os.path.isfile(path) and not os.path.isfile(os.path.join(REPO, path)):
+    parser.error(f"--config {args.config}: no such file {path}")
   return args
+
+
+def read_config(spec: str):
+  """`--config`'s config, its path relative to the working dir or else the repository. What
+  the file raises (an unknown variant, ...) is a usage error, as the launchers take it: one
+  line and exit code 2."""
+  from realm_jax.config.loading import load_config
+  path, _, arg = spec.partition(":")
+  if not os.path.exists(path):
+    path = os.path.join(REPO, path)
+  try:
+    return load_config(f"{path}:{arg}" if arg else path)
+  except Exception as e:   # noqa: BLE001 -- whatever the config file raises
+    message = (str(e).strip() or type(e).__name__).splitlines()[0]
+    print(f"{PROG}: error: --config {spec}: {message}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 def timed_saves(checkpointer, state, saves: int) -> list[tuple[float, float]]:
@@ -61,13 +83,7 @@ def main(argv=None) -> int:
   import orbax.checkpoint as ocp
   from realm_jax.runtime import partitioning, state as state_lib
   from realm_jax.runtime.checkpoints import Checkpointer
-  from realm_jax.config.loading import load_config
-  from report import append_jsonl, print_rows   # bench/ is this script's directory
-
-  path, _, arg = args.config.partition(":")
-  if not os.path.exists(path):   # relative to the repository rather than the working dir
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
-  config = load_config(f"{path}:{arg}" if arg else path)
+  config = read_config(args.config)
   config.model.vocab_size = config.model.vocab_size or VOCAB_SIZE
   model = state_lib.build_model(config, VOCAB_SIZE)
   mesh = partitioning.make_mesh(config.mesh.shape)
@@ -77,9 +93,10 @@ def main(argv=None) -> int:
   megabytes = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
   rows = [("config", args.config), ("devices", f"{args.devices} x cpu, mesh "
                                                 f"{dict(mesh.shape)}"),
-          ("state", f"{len(jax.tree.leaves(state))} arrays, {megabytes:.1f} MiB")]
+          ("state", f"{len(jax.tree.leaves(state))} arrays, {megabytes:.1f} MiB"),
+          ("host CPU", host_cpu_text())]
   record = {"config": args.config, "devices": args.devices, "state_mib": round(megabytes, 2),
-            "cpu": platform.processor() or platform.machine(), "time": time.time()}
+            **host_cpu(), "time": time.time()}
   for mode, replica_parallel in (("replica-parallel", True), ("whole arrays", False)):
     with tempfile.TemporaryDirectory() as workdir:
       checkpointer = Checkpointer(workdir, keep=2)
@@ -102,4 +119,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  from realm_jax.errors import run_cli
+  sys.exit(run_cli(PROG, main))

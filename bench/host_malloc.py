@@ -1,7 +1,8 @@
 """The host CPU's train step under glibc's default malloc and under the Makefile's setting
-(`GLIBC_TUNABLES`, exported by `make` where no NVIDIA GPU or TPU device is): per step the wall
-seconds, the CPU seconds in user and kernel mode, the minor page faults and the resident
-memory, and whether the two give the same loss bit for bit. Every variable glibc's malloc
+(`GLIBC_TUNABLES`, exported by `make` where no NVIDIA GPU or TPU device is): the median step's
+wall seconds; per step on average (the process's rusage over the timed steps) the CPU seconds
+in user and kernel mode and the minor page faults; the resident memory after them (GiB); and
+whether the two give the same loss bit for bit. Every variable glibc's malloc
 reads (`GLIBC_TUNABLES`, `MALLOC_*`) is removed from the default's environment.
 
 Each setting runs in a process of its own (glibc reads them at start-up): bench/train_step.py's
@@ -19,9 +20,12 @@ import json
 import os
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import time
+
+from report import host_cpu_text, positive_int   # bench/ is this script's directory: sys.path[0]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,17 +71,18 @@ def child(case: str, batch: int, steps: int) -> None:
   with open("/proc/self/statm") as f:
     rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
   print(json.dumps({
-      "wall_s": sorted(walls)[len(walls) // 2], "user_s": (after.ru_utime - before.ru_utime) / steps,
+      "wall_s": statistics.median(walls), "user_s": (after.ru_utime - before.ru_utime) / steps,
       "sys_s": (after.ru_stime - before.ru_stime) / steps,
-      "faults": (after.ru_minflt - before.ru_minflt) / steps, "rss_gb": rss / 2**30,
+      "faults": (after.ru_minflt - before.ru_minflt) / steps, "rss_gib": rss / 2**30,
       "loss": float(metrics["loss"]).hex(), "total_s": time.perf_counter() - t0}))
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--case", choices=("real", "demo"), default="real")
-  parser.add_argument("--batch", type=int, default=8, help="queries per step")
-  parser.add_argument("--steps", type=int, default=5, help="timed steps per setting")
+  parser.add_argument("--batch", type=positive_int, default=8, help="queries per step")
+  parser.add_argument("--steps", type=positive_int, default=5,
+                      help="timed steps per setting (>= 1)")
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
@@ -97,12 +102,13 @@ def main() -> None:
     if out.returncode:
       raise SystemExit(f"bench: the {name} run failed:\n{out.stderr[-3000:]}")
     rows[name] = json.loads(out.stdout.strip().splitlines()[-1])
-  print(f"\n{args.case} case, batch {args.batch}, median of {args.steps} steps, "
-        f"{os.cpu_count()} cores:")
-  print(f"  {'malloc':<14}{'wall s':>8}{'user s':>8}{'sys s':>8}{'faults':>10}{'RSS GB':>8}")
+  print(f"\n{args.case} case, batch {args.batch}, {args.steps} timed steps, {os.cpu_count()} "
+        f"cores of {host_cpu_text()}; wall: the median step, user, sys and faults: the mean "
+        "per step, RSS: after the steps:")
+  print(f"  {'malloc':<14}{'wall s':>8}{'user s':>8}{'sys s':>8}{'faults':>10}{'RSS GiB':>9}")
   for name, r in rows.items():
     print(f"  {name:<14}{r['wall_s']:>8.3f}{r['user_s']:>8.3f}{r['sys_s']:>8.3f}"
-          f"{r['faults']:>10,.0f}{r['rss_gb']:>8.2f}")
+          f"{r['faults']:>10,.0f}{r['rss_gib']:>9.2f}")
   a, b = rows.values()
   print(f"  Makefile / default wall: {b['wall_s'] / a['wall_s']:.3f}; same loss bit for bit: "
         f"{'yes' if a['loss'] == b['loss'] else 'NO'}")

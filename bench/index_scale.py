@@ -51,7 +51,7 @@ import numpy as np
 from realm_jax.stages import repo_config
 from realm_jax.retrieval import index as index_lib, scann_index
 from index import load, serialize        # bench/ is this script's directory: sys.path[0]
-from report import append_jsonl, print_rows, verdict
+from report import append_jsonl, host_cpu, host_cpu_text, positive_int, print_rows, verdict
 from train_step import analytic_flops, host_available_gb
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -262,6 +262,7 @@ def print_table(r: dict) -> None:
   f = r["refresh"]
   rows = [
       ("device", f"{r['devices']} x {r['device_kind']} ({r['backend']}), jax {r['jax']}"),
+      ("host CPU", host_cpu_text()),
       ("table", f"{r['blocks']:,} x {r['dim']} float32 SYNTHETIC ({r['clusters']:,} clusters), "
                 f"{r['table_gb']:.1f} GB"),
   ]
@@ -304,19 +305,22 @@ def scann_rows(r: dict) -> list[tuple[str, str]]:
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--blocks", type=int, default=13_350_000, help="rows of the table")
-  parser.add_argument("--dim", type=int, default=128, help="embedding size (REALM: 128)")
-  parser.add_argument("--clusters", type=int, default=16_384, help="mixture components")
+  parser.add_argument("--blocks", type=positive_int, default=13_350_000, help="rows of the table")
+  parser.add_argument("--dim", type=positive_int, default=128, help="embedding size (REALM: 128)")
+  parser.add_argument("--clusters", type=positive_int, default=16_384, help="mixture components")
   parser.add_argument("--seed", type=int, default=0, help="seed of the table and queries")
-  parser.add_argument("--queries", type=int, default=1000, help="queries for recall and qps")
-  parser.add_argument("--batch", type=int, default=512, help="the REALM batch (queries/step)")
+  parser.add_argument("--queries", type=positive_int, default=1000,
+                      help="queries for recall and qps")
+  parser.add_argument("--batch", type=positive_int, default=512,
+                      help="the REALM batch (queries/step)")
   parser.add_argument("--qps_seconds", type=float, default=20.0, help="budget per qps figure")
   parser.add_argument("--step_s", type=float, default=0.0,
                       help="seconds per train step (0: estimated from the paper's FLOPs)")
   parser.add_argument("--mfu", type=float, default=0.4, help="MFU assumed for --step_s 0")
-  parser.add_argument("--refresh_every", type=int, default=500, help="steps between rebuilds")
-  parser.add_argument("--embed_batch", type=int, default=16, help="blocks per embed batch")
-  parser.add_argument("--embed_batches", type=int, default=2, help="timed embed batches")
+  parser.add_argument("--refresh_every", type=positive_int, default=500,
+                      help="steps between rebuilds")
+  parser.add_argument("--embed_batch", type=positive_int, default=16, help="blocks per embed batch")
+  parser.add_argument("--embed_batches", type=positive_int, default=2, help="timed embed batches")
   parser.add_argument("--table_only", action="store_true",
                       help="generate (or find) the cached table and stop")
   parser.add_argument("--skip_scann", action="store_true",
@@ -326,7 +330,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="where the table and the index under test live")
   parser.add_argument("--out", default=str(REPO / "runs/bench_index_scale.jsonl"),
                       help="append the JSON record here ('' to skip)")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.queries < max(32, args.batch):   # batches of fewer queries would never be timed
+    parser.error(f"--queries {args.queries} must be >= --batch ({args.batch}) and >= 32: the "
+                 "queries/s figures search them in batches of 1, 32 and --batch")
+  return args
 
 
 def main(argv=None) -> dict:
@@ -334,7 +342,8 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   cache = pathlib.Path(args.cache)
   print(f"[scale] backend {jax.default_backend()}, {jax.device_count()} x "
-        f"{jax.devices()[0].device_kind}; {args.blocks:,} x {args.dim} synthetic", flush=True)
+        f"{jax.devices()[0].device_kind}, host CPU {host_cpu_text()}; {args.blocks:,} x "
+        f"{args.dim} synthetic", flush=True)
   name = f"table-{args.blocks}x{args.dim}-c{args.clusters}-s{args.seed}.npy"
   table, generate_s = synthetic_table(cache / name, args.blocks, args.dim, args.clusters,
                                       args.seed)
@@ -352,6 +361,7 @@ def main(argv=None) -> dict:
         f"{time.perf_counter() - t0:.0f} s", flush=True)
   record = {"bench": "index_scale", "backend": jax.default_backend(), "jax": jax.__version__,
             "device_kind": jax.devices()[0].device_kind, "devices": jax.device_count(),
+            **host_cpu(),
             "blocks": args.blocks, "dim": args.dim, "clusters": args.clusters,
             "synthetic": True, "table_gb": round(table.nbytes / 1e9, 2),
             "generate_s": round(generate_s, 1), "queries": len(queries), "batch": args.batch}
@@ -370,9 +380,9 @@ def main(argv=None) -> dict:
     record["refresh_failed"] = f"{type(e).__name__}: {e}"
     append_jsonl(args.out, record)
     raise
+  append_jsonl(args.out, record)   # first: the figures are kept should the table fail
   print_table(record)
   print(json.dumps(record))
-  append_jsonl(args.out, record)
   return record
 
 

@@ -11,8 +11,12 @@ Two parts, both printed as tables (and appended as one JSON line to `--out`):
            the real shapes) under `jax.profiler`: wall ms per step, and the device time of
            the compiled program's ops grouped by forward / backward, model part (the block
            and query towers of the retriever re-scoring the candidates, the reader's encoder,
-           its MLM head and log-softmax, the optimizer) and op kind (matmul, elementwise,
-           reduction, data movement)
+           its MLM head and log-softmax, and "loss, optimizer, glue": the rest) and op kind
+           (matmul, elementwise, reduction, data movement)
+
+The parts are read from the op names JAX gives the compiled ops, which carry the Flax modules'
+scopes; Adam's update and the gradient clipping carry none (optax adds no scope), so they are
+counted in "loss, optimizer, glue" with the loss and what joins the parts.
 
   python bench/profile_demo.py [--demo runs/demo] [--steps 10] [--out runs/profile_demo.jsonl]
 """
@@ -38,7 +42,7 @@ import numpy as np
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.train import steps
 from realm_jax.runtime.metrics import read_jsonl
-from report import append_jsonl                    # bench/ is sys.path[0]
+from report import append_jsonl, host_cpu, host_cpu_text, positive_int   # bench/: sys.path[0]
 from train_step import case_config, random_batch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -84,8 +88,7 @@ def op_kind(op_name: str) -> str:
 
 
 def model_part(op_name: str) -> str:
-  if "optax" in op_name or "apply_gradients" in op_name or "adam" in op_name:
-    return "optimizer"
+  """The part of the model an op belongs to, from the module scopes in its op_name."""
   if "embed_blocks" in op_name:
     return "block tower"
   if "embed_queries" in op_name:
@@ -95,7 +98,7 @@ def model_part(op_name: str) -> str:
     return "reader MLM head + log-softmax"
   if "reader" in op_name:
     return "reader encoder"
-  return "loss, glue"
+  return "loss, optimizer, glue"   # the optimizer's ops carry no scope to tell them apart
 
 
 def hlo_metadata(compiled) -> dict[str, str]:
@@ -177,10 +180,12 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--demo", default=str(REPO / "runs/demo"),
                       help="a finished `make demo` workdir ('' to skip the run part)")
-  parser.add_argument("--steps", type=int, default=10, help="profiled steps")
+  parser.add_argument("--steps", type=positive_int, default=10, help="profiled steps (>= 1)")
   parser.add_argument("--out", default="", help="append the JSON record here")
   args = parser.parse_args(argv)
-  record = {"bench": "profile_demo", "backend": jax.default_backend(), "jax": jax.__version__}
+  record = {"bench": "profile_demo", "backend": jax.default_backend(), "jax": jax.__version__,
+            **host_cpu()}
+  print(f"[profile] host CPU {host_cpu_text()}", flush=True)
   if args.demo and os.path.exists(os.path.join(args.demo, "summary.json")):
     record["run"] = run_breakdown(args.demo)
   elif args.demo:

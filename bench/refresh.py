@@ -3,7 +3,9 @@
 Runs the demo REALM stage (`configs/demo_realm.py:realm`) with `retrieval.refresh` = `--mode`
 (async by default; deterministic for comparison) through `launch/local.py`, i.e. the trainer
 and the index builder as two processes sharing one workdir, for `--steps` steps with an index
-version every `--refresh_every` steps and evaluation off, into `--workdir` (wiped first).
+version every `--refresh_every` steps and no evaluation during training (`eval.every=0`; the
+run's final evaluation after the last step still runs, and is left out of the steps' figures),
+into `--workdir` (wiped first).
 Then it reads what the run wrote:
 
   W/metrics/retrieval.jsonl  per train step: time, index version, staleness, seconds waited
@@ -51,7 +53,7 @@ import numpy as np
 
 from realm_jax import workdir as workdir_lib
 from realm_jax.errors import run_cli
-from report import append_jsonl, print_rows   # bench/ is this script's directory: sys.path[0]
+from report import append_jsonl, host_cpu, host_cpu_text, print_rows   # bench/: sys.path[0]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = "configs/demo_realm.py:realm"
@@ -216,7 +218,8 @@ def measure(args, workdir: pathlib.Path) -> dict:
 
 
 def print_table(r: dict) -> None:
-  fmt = lambda v, spec: "-" if v is None else format(v, spec)
+  # a class without steps has no figures: "-", padded to the column as a figure is
+  fmt = lambda v, spec: format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0]))
   print()
   print(f"steps after the first {COMPILE_STEPS} ({r['mode']}, {r['steps']} steps, refresh every "
         f"{r['refresh_every']}):")
@@ -240,6 +243,7 @@ def print_table(r: dict) -> None:
                         f"steps {r['steps_wall_s']} s)"),
       ("builder embed per version", f"{r['embed_s_mean']:.2f} s mean (build interval "
                                     f"{r['build_interval_s_mean']:.2f} s)"),
+      ("host CPU", f"{host_cpu_text()}, {r['cpus']} CPUs"),
   ]
   print_rows(rows)
 
@@ -284,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
             "refresh_every": args.refresh_every, "data_dir": os.path.abspath(args.data_dir),
             "init_from": os.path.abspath(args.init_from) if args.init_from else "",
             "workdir": str(workdir), "overrides": extra, "command": command,
-            "host": platform.node(), "cpus": os.cpu_count(),
+            "host": platform.node(), "cpus": os.cpu_count(), **host_cpu(),
             "jax_platforms": os.environ.get("JAX_PLATFORMS", ""),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "time": round(time.time(), 3), "wall_s": round(wall, 1)}

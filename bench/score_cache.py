@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
+import sys
 import time
 from types import SimpleNamespace
 
@@ -44,9 +44,10 @@ from realm_jax.stages import repo_config
 from realm_jax.config.overrides import apply_assignments, with_overrides
 from realm_jax.train import batches, candidate_rows, steps
 from realm_jax.runtime import partitioning, state as state_lib
-from realm_jax.errors import ConfigError
+from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.validation import validate, validate_against_mesh
 from realm_jax.train.score_cache import ScoreCache, cache_keys
+from report import host_cpu_text, positive_int   # bench/ is this script's directory: sys.path[0]
 
 
 def host_batches(config, data, n: int, first: int = 0, shards: int = 1):
@@ -103,7 +104,7 @@ def warm_parts(config, model, params, found: list[dict], rng) -> dict[str, float
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--data", required=True, help="a prepared data dir (runs/real/data)")
-  parser.add_argument("--steps", type=int, default=20, help="timed steps per case")
+  parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per case (>= 1)")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
   args = parser.parse_args()
   config = with_overrides(repo_config("real_realm", "realm"),
@@ -157,7 +158,7 @@ def main() -> None:
     rows_read.clear()
     figures[name] = statistics.median(timed(run, work[1:]))
     rows[name] = sum(rows_read) / args.steps
-  machine = f"{platform.machine()}, {os.cpu_count()} cores, {jax.device_count()} x " \
+  machine = f"{host_cpu_text()}, {os.cpu_count()} cores, {jax.device_count()} x " \
             f"{jax.devices()[0].platform}"
   print(f"score cache on configs/real_realm.py:realm shapes (batch {config.train.batch_size}, "
         f"{work[0][1].shape[1]} candidates read per query, reader {config.model.num_layers} "
@@ -182,4 +183,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(run_cli("bench/score_cache.py", main))

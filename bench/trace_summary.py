@@ -19,6 +19,8 @@ import sys
 
 from jax.profiler import ProfileData
 
+from report import positive_int   # bench/ is this script's directory: sys.path[0]
+
 # (kind, pattern on the lower-cased kernel name); the first match wins.
 KINDS = (
     ("attention (cuDNN)", r"cudnn|flash|fmha|sdpa"),
@@ -85,8 +87,9 @@ def summarise(path: pathlib.Path, steps: int, top: int) -> int:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("dir", help="the --profile DIR of bench/train_step.py (or any trace dir)")
-  parser.add_argument("--steps", type=int, default=3, help="steps the trace holds")
-  parser.add_argument("--top", type=int, default=15, help="kernels to list")
+  parser.add_argument("--steps", type=positive_int, default=3,
+                      help="steps the trace holds (>= 1)")
+  parser.add_argument("--top", type=positive_int, default=15, help="kernels to list (>= 1)")
   args = parser.parse_args(argv)
   return summarise(newest_trace(pathlib.Path(args.dir)), args.steps, args.top)
 

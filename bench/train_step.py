@@ -1,17 +1,21 @@
 """Throughput of the REALM train step: step time, tokens/s, FLOPs, FLOP/s and utilisation.
 
-Two cases, each one jitted `make_train_step` on a random batch of the real shapes and dtypes
+Three cases, each one jitted `make_train_step` on a random batch of the real shapes and dtypes
 (the keys `realm_jax.train.batches.realm_batch` produces), on a mesh of the config's shape
 over whatever devices exist:
 
   demo  configs/demo_realm.py (mode index): 2-layer d=128 shared tower and reader, batch 32, k 5
         (4 blocks read per query: no null document in training), query 16 + block 40, vocab 4000
+  real  configs/real_realm.py:realm (`make demo-real`'s REALM stage): MiniLM-shaped reader
+        (4 layers, d=384), 2-layer retriever, batch 32, k 5 (4 blocks read), query 64 +
+        block 128, vocab 30522; its queries unpacked (random full-length queries do not pack)
   base  configs/realm_base.py: three BERT-base encoders, k 8, query 96 + block 288,
         vocab 30522; batch 1 query on CPU (8 candidates, 8 reader sequences of 382: in fp32
         the step's temporaries are ~10 GB per query), 8 on an accelerator (the paper's 512
         on 64 devices; 32.4 GB at its peak on an H100 in bf16 without remat)
 
-For each it prints the compile time, the median of `--steps` timed steps after one warm-up
+It prints the host CPU (model, AVX-512 or not: XLA:CPU's figures depend on it), then for
+each case the compile time, the median of `--steps` timed steps after one warm-up
 step, tokens per second (reader tokens B*k*(query_len+block_len-2) plus retriever tokens
 B*query_len + B*k*block_len), the FLOPs of one step from XLA's cost analysis of the compiled
 program next to an analytic 3 x forward count, the achieved FLOP/s, and its ratio to a matmul
@@ -52,7 +56,7 @@ from realm_jax.errors import ConfigError
 from realm_jax.config.reading import part_model
 from realm_jax.config.overrides import apply_assignments
 from realm_jax.config.validation import validate
-from report import append_jsonl   # bench/ is this script's directory: sys.path[0]
+from report import append_jsonl, host_cpu, host_cpu_text, positive_int   # bench/: sys.path[0]
 
 
 
@@ -78,7 +82,7 @@ def case_config(case: str, accelerator: bool, batch_size: int | None, sets: list
   else:
     config = repo_config("realm_base")
     config.train.batch_size = 8 if accelerator else 1  # ~10 GB of fp32 temporaries a query
-  if batch_size:
+  if batch_size is not None:
     config.train.batch_size = batch_size
   if accelerator:
     config.model.dtype = "bfloat16"
@@ -286,7 +290,7 @@ def case_record(name: str, config, mesh, compiled, n_params: int, compile_s: flo
   rate_flops = step_flops_device(flops_device, config, devices)
   record = {
       "bench": "train_step", "config": name, "backend": jax.default_backend(),
-      "device_kind": device.device_kind, "devices": devices,
+      "device_kind": device.device_kind, "devices": devices, **host_cpu(),
       "mesh": dict(mesh.shape), "dtype": compute_dtype, "params": n_params,
       "attention": attention_used(config), "remat": config.model.remat,
       "attention_dropout": config.model.attention_dropout_rate,
@@ -399,17 +403,17 @@ def print_table(records: list[dict], matmul: dict[str, float]) -> None:
   for (name, _), row in zip(rows, cells):
     print(" | ".join([name.ljust(width)] + [c.ljust(w) for c, w in zip(row, col)]))
   shown = ", ".join(f"{k} {_si(v, 'FLOP/s')}" for k, v in matmul.items())
-  print(f"\n{matmul_size()}^3 matmul: {shown}")
+  print(f"\n{matmul_size()}^3 matmul: {shown}; host CPU {host_cpu_text()}")
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, default=None,
-                      help="timed steps per case (default: demo 10, base 3)")
+  parser.add_argument("--steps", type=positive_int, default=None,
+                      help="timed steps per case, >= 1 (default: demo 10, real 5, base 3)")
   parser.add_argument("--only", choices=("demo", "real", "base"), default=None,
                       help="run one case only")
-  parser.add_argument("--batch", type=int, default=None,
-                      help="override the batch (queries) of every case run")
+  parser.add_argument("--batch", type=positive_int, default=None,
+                      help="override the batch (queries, >= 1) of every case run")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="set a config field of every case (repeatable)")
   parser.add_argument("--profile", default="", metavar="DIR",
@@ -419,7 +423,8 @@ def main(argv=None) -> None:
 
   accelerator = jax.default_backend() != "cpu"
   print(f"[bench] backend {jax.default_backend()}, {jax.device_count()} x "
-        f"{jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}; host CPU {host_cpu_text()}",
+        flush=True)
   cases = [args.only] if args.only else ["demo", "real", "base"]
   configs = {case: case_config(case, accelerator, args.batch, args.set) for case in cases}
   n = matmul_size()
@@ -428,7 +433,7 @@ def main(argv=None) -> None:
     matmul["bfloat16"] = matmul_flops_per_s(jnp.bfloat16, n)
   records = []
   for case, config in configs.items():
-    num_steps = args.steps or {"demo": 10, "real": 5}.get(case, 3)
+    num_steps = args.steps if args.steps is not None else {"demo": 10, "real": 5}.get(case, 3)
     record = bench_case(case, config, num_steps, matmul,
                         os.path.join(args.profile, case) if args.profile else "")
     records.append(record)

@@ -1,13 +1,72 @@
-"""The bench scripts refuse what they cannot measure before they start: bench/gpu.sh an
-unknown part or a machine without a GPU, in one line and exit code 2; and it keeps its parts
-inside its deadline."""
+"""The bench scripts refuse what they cannot measure before they compile anything: bad counts,
+unknown words, a missing file or GPU, each one line and exit code 2; and bench/gpu.sh keeps
+its parts inside its deadline."""
 
+import importlib.util
 import os
 import subprocess
+import sys
+
+import pytest
 
 from tests.helpers import REPO
 
 BENCH = os.path.join(REPO, "bench")
+
+
+def bench_module(name: str):
+  """bench/NAME.py imported by path, bench/ on sys.path as when it runs as a script."""
+  if BENCH not in sys.path:
+    sys.path.insert(0, BENCH)
+  spec = importlib.util.spec_from_file_location(f"_test_bench_{name}",
+                                                os.path.join(BENCH, f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def error_lines(result) -> list[str]:
+  """stderr's lines but argparse's usage lines and the libraries' warnings."""
+  lines = [line for line in result.stderr.splitlines() if line.strip()]
+  lines = [line for line in lines if "Warning" not in line and not line.startswith("usage:")
+           and not line.startswith(" ")]
+  return lines
+
+
+@pytest.mark.parametrize("script, args, expected", [
+    ("train_step.py", ["--only", "demo", "--steps", "0"], "argument --steps: 0 is not >= 1"),
+    ("train_step.py", ["--only", "demo", "--steps", "-1"], "argument --steps: -1 is not >= 1"),
+    ("train_step.py", ["--only", "demo", "--batch", "0"], "argument --batch: 0 is not >= 1"),
+    ("profile_demo.py", ["--demo", "", "--steps", "0"], "argument --steps: 0 is not >= 1"),
+    ("score_cache.py", ["--data", "x", "--steps", "0"], "argument --steps: 0 is not >= 1"),
+    ("host_malloc.py", ["--case", "demo", "--steps", "0"], "argument --steps: 0 is not >= 1"),
+    ("trace_summary.py", [".", "--steps", "0"], "argument --steps: 0 is not >= 1"),
+    ("index_scale.py", ["--blocks", "1000", "--embed_batches", "0"],
+     "argument --embed_batches: 0 is not >= 1"),
+    ("index_scale.py", ["--blocks", "1000", "--queries", "10", "--batch", "32"],
+     "--queries 10 must be >= --batch (32) and >= 32"),
+    ("checkpoint.py", ["--config", "configs/nowhere.py"],
+     "--config configs/nowhere.py: no such file"),
+    ("checkpoint.py", ["--config", "configs/demo_realm.py:bogus"],
+     "--config configs/demo_realm.py:bogus: configs/demo_realm.py: unknown variant 'bogus'"),
+    ("score_cache.py", ["--data", "/nonexistent/data"], "data dir '/nonexistent/data'"),
+    # (no such --base: were the flags not checked first, it would stop there, not make a world)
+    ("behaviour.py", ["--base", "no-such-commit", "--stages", "realm,bogus"],
+     "--stages: unknown 'bogus'; one or more of realm, ict, mixed, distill"),
+    ("behaviour.py", ["--base", "no-such-commit", "--steps", "2"], "--steps 2 must be >= 3"),
+])
+def test_a_bench_refuses_what_it_cannot_measure_in_one_line(tmp_path, script, args, expected):
+  """Before the compile: a count below 1 (a median of no steps), queries fewer than a batch (no
+  batch would be timed), a missing config, variant or data dir, an unknown stage."""
+  where = {"behaviour.py": ["--work", str(tmp_path / "work")],   # nothing made in the repo
+           "index_scale.py": ["--cache", str(tmp_path / "cache"), "--out", ""],
+           "train_step.py": ["--out", ""]}.get(script, [])
+  result = subprocess.run([sys.executable, os.path.join(BENCH, script), *args, *where],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2, (result.stdout[-2000:], result.stderr[-2000:])
+  lines = error_lines(result)
+  assert len(lines) == 1 and expected in lines[0], result.stderr
+  assert not os.path.exists(tmp_path / "work") and not os.path.exists(tmp_path / "cache")
 
 
 def fake_tools(tmp_path, gpu: bool = True) -> dict:
@@ -55,3 +114,46 @@ def test_gpu_sh_keeps_its_background_parts_inside_the_deadline(tmp_path):
   failed = out.strip().splitlines()[-1]
   assert failed.startswith("== parts that did not exit 0:") and "table(skipped)" in failed
   assert "train_step_cudnn " in failed + " " and "trace_summary" not in failed
+
+
+def test_the_host_cpu_is_read_with_its_avx512_flag(tmp_path):
+  report = bench_module("report")
+  xeon = tmp_path / "xeon"
+  xeon.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) CPU @ 2.20GHz\n"
+                  "flags\t\t: fpu avx2 avx512f avx512dq\n\nprocessor\t: 1\n")
+  epyc = tmp_path / "epyc"
+  epyc.write_text("model name\t: AMD EPYC 7B12\nflags\t\t: fpu avx2 fma\n")
+  assert report.host_cpu(str(xeon)) == {"cpu_model": "Intel(R) Xeon(R) CPU @ 2.20GHz",
+                                        "avx512": True}
+  assert report.host_cpu(str(epyc)) == {"cpu_model": "AMD EPYC 7B12", "avx512": False}
+  assert report.host_cpu(str(tmp_path / "none"))["avx512"] is None
+  assert isinstance(report.host_cpu()["cpu_model"], str)
+
+
+def test_behaviour_names_a_failed_run_and_its_log(tmp_path):
+  behaviour = bench_module("behaviour")
+  log = tmp_path / "realm_head.log"
+  with pytest.raises(behaviour.RunFailed) as failed:
+    behaviour.run_code(REPO, "print('started'); raise SystemExit(3)\n", log=str(log),
+                       what="stage realm (realm_head)")
+  assert str(failed.value) == f"stage realm (realm_head) exited with code 3; its output is " \
+                              f"in {log}"
+  assert log.read_text() == "started\n"
+
+
+def test_refresh_pads_a_class_without_steps_to_its_column(capsys):
+  refresh = bench_module("refresh")
+  empty = {"steps": 0, "median_ms": None, "p90_ms": None, "ratio_to_idle": None}
+  full = {"steps": 40, "median_ms": 120.5, "p90_ms": 130.25, "ratio_to_idle": 1.0}
+  record = {"mode": "async", "steps": 60, "refresh_every": 10,
+            "classes": {"idle": full, "building": full, "swap": empty},
+            "blocking_waits_summary": 0, "blocking_wait_seconds_summary": 0.0,
+            "blocking_waits_counted": 0, "blocking_wait_seconds_counted": 0.0,
+            "staleness_p50": 1, "staleness_p95": 2, "staleness_max": 3, "versions_used": 5,
+            "versions_published": 6, "wall_s": 10.0, "trainer_wall_s": 9.0,
+            "steps_wall_s": 8.0, "embed_s_mean": 1.0, "build_interval_s_mean": 1.5, "cpus": 2}
+  refresh.print_table(record)
+  rows = [line for line in capsys.readouterr().out.splitlines()
+          if line.startswith(("class", "idle", "swap"))]
+  assert len({len(line) for line in rows}) == 1, rows
+  assert [cell.strip() for cell in rows[-1].split("|")] == ["swap", "0", "-", "-", "-"]
