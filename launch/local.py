@@ -59,10 +59,11 @@ _EARLY_SIGNALS: list[str] = []
 
 def _record_early_signal(signum, frame) -> None:
   """Kept for `supervise` (an interrupt raised inside an import's callback can be swallowed),
-  and raised, so that a launcher stuck before it (a hung mount) still stops; not inside an
-  import, where it would break it with a traceback (`supervise` then starts nothing)."""
+  and raised, so that a launcher stuck before it (a hung mount) still stops; inside an import,
+  where it would break it with a traceback, only a second one is raised (`supervise` starts
+  nothing after the first)."""
   _EARLY_SIGNALS.append(signal.Signals(signum).name)
-  if not interrupt_lands_badly(frame):
+  if len(_EARLY_SIGNALS) > 1 or not interrupt_lands_badly(frame):
     raise KeyboardInterrupt
 
 

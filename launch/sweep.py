@@ -52,7 +52,7 @@ import sys
 import time
 
 from realm_jax import log, paths, processes, workdir as workdir_lib
-from realm_jax.errors import ConfigError, run_cli
+from realm_jax.errors import ConfigError, raise_if_interrupted, run_cli
 from realm_jax.config.loading import config_module
 from realm_jax.config.option_names import upgrade_config, upgrade_flags
 from realm_jax.config.reading import flat_options, uses_index_builder
@@ -302,6 +302,7 @@ def check_tpu_pod_flags(args: argparse.Namespace) -> None:
   if HERE not in sys.path:   # launch/ holds scripts: tpu_pod.py is imported by name (it
     sys.path.insert(0, HERE)  # imports jax, so only for this launcher)
   from tpu_pod import check_name
+  raise_if_interrupted()   # a Ctrl-C in that import (jax's): no slice is made after it
   # a bucket name as tpu_pod.py's --workdir check takes it (each run's, `check_tpu_pod_call`)
   paths.check(args.root, "--root")
   check_name(args.name, "--name", MAX_SLICES_NAME)   # NAME-<8 hex>-builder: a TPU's name
@@ -348,16 +349,18 @@ def launch_on_tpu_pods(args: argparse.Namespace, runs: list[tuple[str, dict]], c
     slices = slice_name(args.name, workdir)
     cmd = tpu_pod_command(args.config, workdir, run, needs_builder(config, run), slices,
                           args.tpu_pod_args)
-    check_tpu_pod_call(cmd, name)
-    calls.append((name, run, workdir, slices, cmd))
+    done = not args.dry_run and finished(workdir, run, fields)
+    if not done:   # a finished run starts nothing: what it would refuse now does not matter
+      check_tpu_pod_call(cmd, name)
+    calls.append((name, run, workdir, slices, cmd, done))
   if not args.dry_run:
     check_started_runs(args.root, runs, config, fixed)
   rows = []
-  for i, (name, run, workdir, slices, cmd) in enumerate(calls, 1):
+  for i, (name, run, workdir, slices, cmd, done) in enumerate(calls, 1):
     if args.dry_run:
       print(shlex.join(cmd), flush=True)
       continue
-    if finished(workdir, run, fields):
+    if done:
       rows.append({"run": name, "status": "done", "slices": slices})
       print(f"[sweep] {i}/{len(runs)} {name}: already done", flush=True)
       continue
@@ -382,6 +385,8 @@ def run_locally(args: argparse.Namespace, runs: list[tuple[str, dict]], config, 
   saying that a rerun resumes."""
   check_started_runs(args.root, runs, config, fixed)
   for name, overrides in runs:   # as launch/local.py does: else each run fails on it alone
+    if finished(paths.join(args.root, name), {**fixed, **overrides}, fields):
+      continue                    # (it starts nothing: its data dir may be gone)
     try:
       workdir_lib.check_data_dir(run_config(config, {**fixed, **overrides}))
     except ConfigError as e:
@@ -426,7 +431,7 @@ def run_to_end(name: str, cmd: list[str], log, grace: float, done) -> int:
     if not done():
       raise
     raise processes.Preempted(f"{e.why.split(';')[0]}; run {name} had finished (its "
-                              "summary.json is written)") from None
+                              "summary.json is written)", saved=e.saved) from None
 
 
 def sweep(args: argparse.Namespace) -> list[dict]:

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable
 
 
@@ -62,11 +63,43 @@ SELF_EXPLAINING = (ConfigError, DataError, CheckpointError, NonFiniteError, Work
 _INTERRUPTS: list[int] = []   # Ctrl-Cs this process received (the handler `run_cli` installs)
 
 
+_SENT_AGAIN = threading.Event()   # a recorded Ctrl-C sent again (`_send_again_when_safe`)
+_UNRAISED = threading.Event()     # a Ctrl-C recorded, not raised yet (`run_cli` checks at the end)
+_IN_RUN_CLI = threading.Event()   # `run_cli` runs its job: a KeyboardInterrupt is one line there
+
+
 def _on_sigint(signum, frame) -> None:
-  """Records the Ctrl-C, and raises it where that is safe (see `interrupt_lands_badly`)."""
-  _INTERRUPTS.append(signum)
-  if not interrupt_lands_badly(frame):
+  """Records the Ctrl-C and raises it, unless it landed where raising would lose it or break
+  an import (`interrupt_lands_badly`): then it is sent again once the main thread is out of
+  there. A second Ctrl-C of the user's always raises (an import that hangs still stops)."""
+  again = _SENT_AGAIN.is_set()
+  _SENT_AGAIN.clear()
+  if not again:
+    _INTERRUPTS.append(signum)
+  if (len(_INTERRUPTS) > 1 and not again) or not interrupt_lands_badly(frame):
+    _UNRAISED.clear()
     raise KeyboardInterrupt
+  _UNRAISED.set()
+  _send_again_when_safe()
+
+
+def _send_again_when_safe() -> None:
+  """SIGINT to this process again, from a thread, once the main thread runs `run_cli`'s job
+  outside an import or gc callback (checked every 50 ms; before the job, `run_cli` raises it
+  itself); nothing if `_on_sigint` is no longer the handler."""
+  main = threading.main_thread().ident
+
+  def watch():
+    while True:
+      time.sleep(0.05)
+      frame = sys._current_frames().get(main)
+      if frame is None or signal.getsignal(signal.SIGINT) is not _on_sigint:
+        return
+      if _IN_RUN_CLI.is_set() and not interrupt_lands_badly(frame):
+        _SENT_AGAIN.set()
+        os.kill(os.getpid(), signal.SIGINT)
+        return
+  threading.Thread(target=watch, name="ctrl-c-after-import", daemon=True).start()
 
 
 def interrupt_lands_badly(frame) -> bool:
@@ -74,8 +107,7 @@ def interrupt_lands_badly(frame) -> bool:
   error: inside a garbage collector's callback Python ignores it, printing a traceback
   ("Exception ignored in: _xla_gc_callback"; JAX installs one), and inside an import it can
   break a C extension's initialisation ("ImportError: numpy._core.multiarray failed to
-  import", a 60-line traceback and exit code 1). There it is only recorded, for the next
-  `raise_if_interrupted`."""
+  import", a 60-line traceback and exit code 1). There it is recorded and raised after."""
   while frame is not None:
     code = frame.f_code
     if code.co_name == "_xla_gc_callback" or code.co_filename.startswith("<frozen importlib"):
@@ -125,7 +157,14 @@ def _run(prog: str, main: Callable[[], object]) -> object:
   """`run_cli`'s body: `main()`, its errors as one line each."""
   try:
     raise_if_interrupted()   # a Ctrl-C recorded during the imports (take_interrupts)
-    return main()
+    _IN_RUN_CLI.set()
+    try:
+      result = main()
+    finally:
+      _IN_RUN_CLI.clear()
+    if _UNRAISED.is_set():   # recorded in an import at the job's end, not sent again yet
+      raise KeyboardInterrupt
+    return result
   except KeyboardInterrupt:
     print(f"\n{prog}: interrupted", file=sys.stderr, flush=True)
     sys.stdout.flush()

@@ -496,6 +496,13 @@ def test_a_ctrl_c_swallowed_in_a_gc_callback_stops_the_run_at_the_next_step(worl
   assert json.load(open(tmp_path / "w" / "wall.json"))["runs"] == 1
 
 
+def sigint_default() -> None:
+  """In the child: SIGINT as a shell gives it (an xdist worker ignores it, and a process
+  started with it ignored keeps ignoring it: Python installs no handler then)."""
+  import signal
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 INTERRUPTED_IMPORT = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
@@ -515,7 +522,7 @@ def test_a_ctrl_c_inside_an_import_is_one_line_and_ends_the_job(tmp_path):
   (tmp_path / "interrupts_itself.py").write_text(
       "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nx = [1] * 10\n")
   result = subprocess.run([sys.executable, "-c", INTERRUPTED_IMPORT, str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, preexec_fn=sigint_default)
   assert result.returncode == -signal.SIGINT, result.stderr
   assert result.stdout == "imported\n" and result.stderr == "\nprog: interrupted\n"
 
@@ -523,11 +530,14 @@ def test_a_ctrl_c_inside_an_import_is_one_line_and_ends_the_job(tmp_path):
 def test_a_ctrl_c_in_a_gc_callback_is_recorded_without_a_traceback(monkeypatch, capsys):
   import gc
   import signal
+  import threading
   from realm_jax import errors
   monkeypatch.setattr(errors, "_INTERRUPTS", [])
+  monkeypatch.setattr(errors, "_UNRAISED", threading.Event())   # this process's run_cli calls
 
-  def _xla_gc_callback(*args):   # JAX's callback's name
-    errors._on_sigint(signal.SIGINT, sys._getframe())
+  def _xla_gc_callback(phase, info):   # JAX's callback's name; a Ctrl-C as a collection starts
+    if phase == "start":
+      errors._on_sigint(signal.SIGINT, sys._getframe())
   gc.callbacks.append(_xla_gc_callback)
   try:
     gc.collect()
@@ -563,3 +573,50 @@ def test_export_best_outside_realm_is_refused(task):
   with pytest.raises(ConfigError, match=rf"^config\.eval\.export_best: REALM's only .* task "
                      rf"'{task}' would ignore it"):
     validate(config)
+
+
+CTRL_C_IN_A_JOB_IMPORT = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from realm_jax import errors
+def job():
+  import interrupts_itself          # Ctrl-C lands inside this import (times: sys.argv[2])
+  print("imported", flush=True)
+  time.sleep(5)                     # what a launcher does next (starting machines, say)
+  print("launched", flush=True)
+errors.run_cli("prog", job)
+"""
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_a_ctrl_c_inside_a_jobs_import_stops_it_and_a_second_one_at_once(tmp_path, times):
+  """Recorded inside the import, the Ctrl-C is sent again once the job is out of it (it was
+  lost: the job went on and exited 0); a second Ctrl-C raises at once (an import that hangs
+  still stops)."""
+  import signal
+  (tmp_path / "interrupts_itself.py").write_text(
+      "import os, signal, time\nfor _ in range(%d):\n  os.kill(os.getpid(), signal.SIGINT)\n"
+      "  time.sleep(0.2)\n" % times)
+  result = subprocess.run([sys.executable, "-c", CTRL_C_IN_A_JOB_IMPORT, str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60,
+                          preexec_fn=sigint_default)
+  assert result.returncode == -signal.SIGINT, result.stderr
+  assert result.stdout == ("imported\n" if times == 1 else "")
+  assert result.stderr == "\nprog: interrupted\n"
+
+
+@pytest.mark.parametrize("overrides, option", [
+    ({"retrieval__candidates": "own_block", "train__retriever_lr_scale": 0.15},
+     "train.retriever_lr_scale"),   # only weight decay moved it
+    ({"retrieval__candidates": "mixed", "train__retriever_lr_scale": 0.0,
+      "retrieval__loss": "distill"}, "retrieval.loss"),   # a KL of 0
+    ({"retrieval__candidates": "null_only", "train__retriever_lr_scale": 0.0,
+      "eval__export_best": True}, "eval.export_best"),    # utility 0: W/best never moves
+    ({"retrieval__loss": "distill", "retrieval__distill_temperature": float("inf")},
+     "retrieval.distill_temperature"),                   # a flat target; NaN at -inf
+])
+def test_options_a_run_would_ignore_or_turn_to_nan_are_refused(overrides, option):
+  from realm_jax.config.validation import validate
+  with pytest.raises(ConfigError) as refused:
+    validate(tiny_config("realm", **overrides))
+  assert refused.value.option == option, str(refused.value)
