@@ -292,6 +292,26 @@ def test_plain_bert_loads_every_tower(tmp_path):
       "encoder.layer.0.attention.self.query.weight"
 
 
+def test_a_sentence_encoders_mean_pooling_is_imported(tmp_path):
+  """A sentence-transformers dir (all-MiniLM-L6-v2's layout) records mean pooling in
+  1_Pooling/config.json: the import's retriever pools so (it was [CLS], through an untrained
+  pooler: recall@5 0.010 against 0.869 for MiniLM)."""
+  import json
+  from tests.test_hf_bert import hf_config, random_bert, write_checkpoint
+  config = hf_config(len(VOCAB))
+  hf_dir = write_checkpoint(tmp_path / "hf", random_bert(config), config, VOCAB)
+  os.makedirs(os.path.join(hf_dir, "1_Pooling"))
+  with open(os.path.join(hf_dir, "1_Pooling", "config.json"), "w") as f:
+    json.dump({"word_embedding_dimension": config["hidden_size"],
+               "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True}, f)
+  out = str(tmp_path / "w")
+  report = hf_realm.import_checkpoint(hf_dir, out, task="ict")
+  with open(os.path.join(out, "config.json")) as f:
+    assert json.load(f)["model"]["retriever"]["pooling"] == "mean"
+  assert any("model.retriever.pooling 'mean'" in note for note in report.notes), report.notes
+  assert hf_realm.sentence_pooling(str(tmp_path)) is None   # a plain BERT dir: [CLS]
+
+
 def _embedder_checkpoint(path, **config_changes):
   """A RealmEmbedder checkpoint whose config.json has `config_changes` (None: key removed)."""
   source = random_params("RealmEmbedder", seed=5)

@@ -242,6 +242,9 @@ def test_the_best_evaluation_is_exported_as_a_workdir(world_dir, world_data, tmp
   assert summary["best_eval_retrieval_utility"] == pytest.approx(best["retrieval_utility"])
   exported = restore_run(os.path.join(workdir, "best"), vocab_size=world_data.tokenizer.vocab_size)
   assert exported.step == best["step"]
+  # with the run's vocab, as every workdir (init.retriever=W/best checks the data against it)
+  assert open(os.path.join(workdir, "best", "vocab.txt")).read() == \
+      open(os.path.join(workdir, "vocab.txt")).read()
   if best["step"] > 0:
     saved = restore_run(workdir, step=best["step"], vocab_size=world_data.tokenizer.vocab_size)
     for a, b in zip(jax.tree.leaves(saved.params), jax.tree.leaves(exported.params)):

@@ -92,7 +92,9 @@ def _model(c) -> None:
   c.model.retriever.pooling = "cls"        # "cls": [CLS] through BERT's pooler (REALM's);
                                            # "mean": the last layer averaged over non-padding
                                            # tokens (how sentence encoders such as
-                                           # all-MiniLM-L6-v2 are trained; no pooler)
+                                           # all-MiniLM-L6-v2 are trained; no pooler; a
+                                           # random tower with it favours the null
+                                           # document: docs/design.md)
 
 
 def _retrieval(c) -> None:

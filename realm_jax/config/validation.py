@@ -254,8 +254,8 @@ def _validate_retriever_learning(config) -> None:
   if r.get("loss", "marginal") not in RETRIEVER_LOSSES:
     raise ConfigError("retrieval.loss", f"{r.loss!r} is not one of {RETRIEVER_LOSSES}")
   for name in ("distill_temperature", "retriever_temperature"):
-    if not r.get(name, 1.0) > 0:
-      raise ConfigError(f"retrieval.{name}", f"must be > 0, got {r[name]}")
+    if not 0 < r.get(name, 1.0) < float("inf"):   # inf: a flat target, NaN at a -inf score
+      raise ConfigError(f"retrieval.{name}", f"must be > 0 and finite, got {r[name]}")
   if r.get("distill_queries", "all") not in DISTILL_QUERIES:
     raise ConfigError("retrieval.distill_queries", f"{r.distill_queries!r} is not one of "
                       f"{DISTILL_QUERIES}")
@@ -288,6 +288,27 @@ def _validate_retriever_learning(config) -> None:
         config.model.get("attention_dropout_rate", -1.0) > 0:
       raise ConfigError("retrieval.score_cache", "needs a reader without dropout "
                         "(model.dropout_rate 0): each read must give the same scores")
+  if config.task == "realm":
+    _validate_unscored_candidates(config)
+
+
+def _validate_unscored_candidates(config) -> None:
+  """REALM with candidates the retriever does not score (own_block, mixed, null_only: p(z|x)
+  is fixed): what would only touch a retriever that cannot learn is refused."""
+  from realm_jax.train import candidate_rows
+  r, mode = config.retrieval, config.retrieval.candidates
+  if candidate_rows.of(config).scored:
+    return
+  if config.train.retriever_lr_scale != 0:
+    raise ConfigError("train.retriever_lr_scale", f"retrieval.candidates {mode!r} gives the "
+                      "retriever no gradient (p(z|x) is fixed): it would only be weight-"
+                      f"decayed; set it to 0, got {config.train.retriever_lr_scale}")
+  if r.get("loss", "marginal") != "marginal":
+    raise ConfigError("retrieval.loss", f"{r.loss!r} trains the retriever, which "
+                      f"retrieval.candidates {mode!r} does not score: use 'marginal'")
+  if config.eval.get("export_best", False):
+    raise ConfigError("eval.export_best", f"keeps the best retriever; with retrieval."
+                      f"candidates {mode!r} the retriever does not train")
 
 
 def _validate_packing(config) -> None:

@@ -63,6 +63,22 @@ DEFAULT_TASK = {"bert": "realm", "RealmEmbedder": "realm", "RealmKnowledgeAugEnc
                 "RealmReader": "openqa", "RealmForOpenQA": "openqa"}
 
 
+POOLING_RECORD = os.path.join("1_Pooling", "config.json")   # a sentence-transformers dir's
+
+
+def sentence_pooling(hf_dir: str) -> str | None:
+  """"mean" or "cls" where `hf_dir` is a sentence-transformers model whose pooling record
+  names one of those; None without one (a plain BERT: the retriever's default, [CLS])."""
+  path = os.path.join(hf_dir, POOLING_RECORD)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    record = json.load(f)
+  if record.get("pooling_mode_mean_tokens"):
+    return "mean"
+  return "cls" if record.get("pooling_mode_cls_token") else None
+
+
 def make_config(layout: str, hf: Mapping, *, task: str | None = None, data_dir: str = "",
                 block_len: int | None = None):
   """The realm_jax config of an import: base_config with the checkpoint's model shape and
@@ -359,11 +375,17 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
 
   from realm_jax.runtime.state import build_model
   config = make_config(layout, hf, task=task, data_dir=data_dir, block_len=block_len)
+  pooling = sentence_pooling(hf_dir) if layout == "bert" else None
+  if pooling:   # a sentence encoder (all-MiniLM-L6-v2): retrieve as it was trained to embed
+    config.model.retriever.pooling = pooling
   model = build_model(config, config.model.vocab_size)
   params = abstract_params(config, model)    # the checkpoint's leaves, then the rest's init
   if layout == "bert":
     params, towers = hf_bert.load_bert_towers(params, hf_dir, option="")
     report = bert_report(params, towers, tensors)
+    if pooling:
+      report.notes.append(f"model.retriever.pooling {pooling!r}, as the checkpoint's "
+                          f"{POOLING_RECORD} says it was trained to embed")
   else:
     params, report = convert(params, tensors, layout, source, hf_dir)
   params = initialise_rest(config, model, params)

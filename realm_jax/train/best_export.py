@@ -31,7 +31,7 @@ class BestExport:
   """Keeps `W/best` at the params of the best evaluation so far by `METRIC`."""
 
   def __init__(self, workdir: str, config):
-    self.config, self.directory = config, paths.join(workdir, BEST)
+    self.config, self.workdir, self.directory = config, workdir, paths.join(workdir, BEST)
     self.record = paths.join(self.directory, "best.json")
     self.best: dict | None = paths.read_json(self.record)   # None: nothing exported yet
 
@@ -59,6 +59,9 @@ class BestExport:
     self.best = {"step": int(step), METRIC: float(value)}
     if jax.process_index() == 0:
       workdir_lib.write_config(self.directory, self.config)
+      vocab = paths.read_text(paths.join(self.workdir, workdir_lib.VOCAB))
+      if vocab is not None:   # what a run started from W/best checks its data against
+        paths.write_text_atomic(paths.join(self.directory, workdir_lib.VOCAB), vocab)
       paths.write_json(self.record, self.best)
     logger.info(f"{prefix}best {METRIC} so far ({value:.4f} at step {step}): exported to "
                 f"{self.directory}")
