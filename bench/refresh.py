@@ -149,7 +149,7 @@ def classify(steps: list[dict], builds: list[tuple[float, float]]) -> dict[str, 
     if row["step"] <= COMPILE_STEPS:
       continue
     end = row["time"]
-    begin = end - row["step_seconds"]
+    begin = end - row.get("step_seconds", 0.0)   # (a run's first step has none)
     if row["index_version"] != prev["index_version"]:
       kind = "swap"
     elif any(begin < b_end and b_start < end for b_start, b_end in builds):
@@ -206,7 +206,8 @@ def measure(args, workdir: pathlib.Path) -> dict:
       "trainer_wall_s": summary.get("wall_seconds"),
       # from the start of the first step to the end of the last: without start-up, compile
       # and the final evaluation (which waits for the last checkpoint's version)
-      "steps_wall_s": round(steps[-1]["time"] - steps[0]["time"] + steps[0]["step_seconds"], 1),
+      "steps_wall_s": round(steps[-1]["time"] - steps[0]["time"]
+                            + steps[0].get("step_seconds", 0.0), 1),   # none on step 1
       "embed_s_mean": round(float(np.mean([r["embed_seconds"] for r in index_rows])), 3),
       "build_interval_s_mean": round(float(np.mean(
           [end - start for start, end in build_intervals(index_rows)])), 3),

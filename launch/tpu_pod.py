@@ -459,10 +459,9 @@ class Pod:
     """An existing slice is reused only as the slice this run asks for, and READY."""
     name = self.names[job]
     delete = shlex.join(self.gcloud("delete", [name], "--quiet"))
-    if found_type != wanted:
-      raise CommandFailed(f"{name} exists as a {found_type or '(type unknown)'}, but --{job}_type "
-                          f"is {wanted}: delete it first ({delete}), or give --{job}_type "
-                          f"{found_type}")
+    if found_type and found_type != wanted:   # (none described: the state decides)
+      raise CommandFailed(f"{name} exists as a {found_type}, but --{job}_type is {wanted}: "
+                          f"delete it first ({delete}), or give --{job}_type {found_type}")
     if state in ("PREEMPTED", "TERMINATED"):
       raise CommandFailed(f"{name} is {state}: run `{PROG} delete` and create it again (a "
                           "spot or preempted TPU cannot be restarted)")

@@ -260,7 +260,7 @@ def run_to_end(name: str, command: list[str], out=None,
       raise
     error = stop_after(e, {name: process}, grace_seconds)
     if isinstance(error, Preempted) and error.saved:
-      error = Preempted(f"{error.why}; {name} stopped at a saved checkpoint")
+      error = Preempted(f"{error.why}; {name} stopped at a saved checkpoint", saved=True)
     if error is e:
       raise
     raise error from None

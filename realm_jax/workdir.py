@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import sys
 import time
 
@@ -318,7 +319,7 @@ class JobLock:
       fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       lock.seek(0)
-      holder = lock.read().strip() or "?"
+      holder = _holder(lock.read())
       lock.close()
       who = "realm-prepare" if self.job == "prepare" else self.job
       raise ConfigError("", f"{self.workdir} is in use: a {who} (pid {holder}) runs on it "
@@ -327,7 +328,7 @@ class JobLock:
       lock.close()
       return
     lock.truncate(0)
-    lock.write(f"{os.getpid()}\n")
+    lock.write(f"{os.getpid()} {socket.gethostname()}\n")   # (W may be shared by hosts)
     lock.flush()
     self._file = lock
 
@@ -343,18 +344,30 @@ class JobLock:
     self.release()
 
 
+def _holder(text: str) -> str:
+  """A lock file's `pid host` as a message names it: the pid, with its host where that is
+  not this one."""
+  pid, _, host = text.strip().partition(" ")
+  return (f"{pid} on {host}" if host and host != socket.gethostname() else pid) or "?"
+
+
 def job_gone(workdir: str, job: str) -> str | None:
-  """The pid in W's `job` lock file when no process of that pid runs any more (the job died
-  or was stopped without finishing), else None; None for a bucket. A look at the file and the
-  pid alone, never at the lock: a job starting now is not refused for it."""
+  """The pid in W's `job` lock file when no process of that pid runs any more on this host
+  (the job died or was stopped without finishing), else None; None for a bucket, and for a
+  job of another host (a shared file system). A look at the file and the pid alone, never at
+  the lock: a job starting now is not refused for it."""
   if paths.is_remote(workdir):
     return None
   try:
     with open(JobLock(workdir, job).path) as f:
-      pid = int(f.read().strip())
-    os.kill(pid, 0)
-  except (OSError, ValueError) as e:
-    return str(pid) if isinstance(e, ProcessLookupError) else None
+      pid_text, _, host = f.read().strip().partition(" ")
+    if host and host != socket.gethostname():
+      return None
+    os.kill(int(pid_text), 0)
+  except ProcessLookupError:
+    return pid_text
+  except (OSError, ValueError):
+    return None
   return None
 
 
@@ -368,7 +381,7 @@ def job_holding(workdir: str, job: str) -> str | None:
     lock.acquire()
   except ConfigError:
     with open(lock.path) as f:
-      return f.read().strip() or "?"
+      return _holder(f.read())
   lock.release()
   return None
 

@@ -239,8 +239,9 @@ def test_a_builder_whose_trainer_died_says_so_and_ends_at_done(world_dir, tmp_pa
     while "is not running" not in out and time.time() < deadline:
       time.sleep(0.2)
       out += capsys.readouterr().out
-    assert f"the trainer (pid {gone.pid}, {workdir}/trainer.lock) is not running and W/DONE " \
-        "is absent: waiting for a checkpoint after step 0" in out, out[-2000:]
+    assert f"the trainer (pid {gone.pid}, {workdir}/trainer.lock) is not running and no " \
+        f"W/DONE says this run's train.steps ({config.train.steps}) are done: waiting for a " \
+        "checkpoint after step 0" in out, out[-2000:]
     assert not ended
     from realm_jax import workdir as workdir_lib
     workdir_lib.mark_done(workdir, config.train.steps)
@@ -248,6 +249,11 @@ def test_a_builder_whose_trainer_died_says_so_and_ends_at_done(world_dir, tmp_pa
     assert ended == [1]
   finally:
     builder.close()
+  from realm_jax import workdir as workdir_lib
+  assert workdir_lib.job_gone(workdir, "trainer") == str(gone.pid)
+  with open(os.path.join(workdir, "trainer.lock"), "w") as f:   # a trainer of another host
+    f.write(f"{gone.pid} another-host\n")                       # (W on shared storage)
+  assert workdir_lib.job_gone(workdir, "trainer") is None
 
 
 def test_builder_refuses_another_block_store(world_dir, tmp_path):

@@ -404,7 +404,8 @@ class IndexBuilder:
       return last_message
     logger.warning(
         f"[index] the trainer (pid {pid}, {workdir_lib.JobLock(self.workdir, 'trainer').path}) "
-        f"is not running and W/DONE is absent: waiting for a checkpoint after step {newest} "
+        f"is not running and no W/DONE says this run's train.steps "
+        f"({self.config.train.steps}) are done: waiting for a checkpoint after step {newest} "
         "from the trainer started again on this workdir (Ctrl-C stops this job)")
     return time.time()
 

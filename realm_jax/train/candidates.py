@@ -283,6 +283,8 @@ class PublishedIndex(NoRetrieval):
     """Async: a warning when staleness passes STALE_REFRESHES refreshes, then each doubling
     (a deterministic run waits for its versions instead)."""
     refresh_every, staleness = self.config.retrieval.refresh_every, self.staleness[-1]
+    if staleness < STALE_REFRESHES * refresh_every:
+      self._stale_said = 0   # caught up: a later lag is said again from the first threshold
     due = max(STALE_REFRESHES * refresh_every, 2 * self._stale_said)
     if self.config.retrieval.refresh != "async" or staleness < due:
       return

@@ -80,10 +80,11 @@ class OpenQATrainer(Run):
       logger.info(f"[{task}] frozen index: {self.workdir}/index v{frozen.version} (blocks embedded "
                   f"at step {frozen.step})")
       return frozen
-    if paths.isdir(root) and published.read_latest(root) is not None:
-      logger.info(f"[{task}] a fresh start: {root} v{published.read_latest(root)}, of an "
-                  "earlier start that saved no checkpoint, is not reused (its retriever may "
-                  "have come from elsewhere); the index of this start is published after it")
+    earlier = published.read_latest(root) if paths.isdir(root) else None
+    if earlier is not None and jax.process_index() == 0:
+      logger.info(f"[{task}] a fresh start: {root} v{earlier}, of an earlier start that saved "
+                  "no checkpoint, is not reused (its retriever may have come from elsewhere); "
+                  "the index of this start is published after it")
     retriever = init.sources["retriever"]   # the run the retriever started from, its step
     origin = retriever.path if retriever.kind == "workdir" else ""
     init_step, source = init.steps.get("retriever", -1), None
