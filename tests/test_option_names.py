@@ -91,6 +91,7 @@ def test_a_config_file_setting_an_old_leaf_still_validates():
   with config.unlocked():
     del config.retrieval["candidates"]
     config.retrieval.mode = "null_only"          # as a config file written before the rename
+  config.train.retriever_lr_scale = 0.0          # (null_only trains no retriever)
   with pytest.warns(RenamedOptionWarning, match="retrieval.mode"):
     validate(config)
   assert config.retrieval.candidates == "null_only" and "mode" not in config.retrieval
@@ -177,6 +178,7 @@ def test_a_flag_wins_over_a_config_file_setting_the_old_leaf():
     config.retrieval.mode = "own_block"              # the file, under the old name
     config.retrieval.first_index_timeout = 60.0
   config.retrieval.candidates = "null_only"          # --config.retrieval.candidates (or .mode)
+  config.train.retriever_lr_scale = 0.0              # (null_only trains no retriever)
   with pytest.warns(RenamedOptionWarning) as warned:
     validate(config)
   assert config.retrieval.candidates == "null_only"  # the flag's

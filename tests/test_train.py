@@ -529,6 +529,9 @@ def test_every_candidates_mode_is_one_object_with_its_spec():
   assert spec == {"index": (True, True, True, 288), "mixed": (True, False, True, 288),
                   "own_block": (False, False, True, 288),
                   "null_only": (False, False, False, pipeline.NULL_DOCUMENT_LENGTH)}
+  from realm_jax.config.reading import retriever_scores_candidates   # what validation reads
+  assert all(retriever_scores_candidates(tiny_config("realm", None, "", retrieval__candidates=m))
+             == scored for m, (_, scored, _, _) in spec.items())
 
 
 @pytest.mark.slow

@@ -61,6 +61,13 @@ def null_in_training(config) -> bool:
   return r.candidates != "index" or r.get("train_null_document", True)
 
 
+def retriever_scores_candidates(config) -> bool:
+  """Whether the retriever scores a REALM batch's candidates (f(x, z) -> p(z|x)): the
+  `index` mode (`train.candidate_rows`' `scored`); the warm-ups and the no-retrieval baseline
+  fix p(z|x), so their retriever gets no gradient."""
+  return config.retrieval.candidates == "index"
+
+
 def uses_index_builder(config) -> bool:
   """Whether the trainer takes its index versions from the separate realm-index job (REALM
   retrieving from the index, refreshed async or deterministic), which then must run beside it

@@ -7,7 +7,8 @@ from realm_jax.config.defaults import (BACKENDS, CANDIDATE_SOURCES, COMPUTE_DTYP
                                       DISTILL_QUERIES, HELDOUT_UNITS, NONFINITE_ACTIONS, PARTS,
                                       REFRESH_MODES, TASKS)
 from realm_jax.config.option_names import upgrade_config
-from realm_jax.config.reading import null_in_training, part_model, part_options, uses_index_builder
+from realm_jax.config.reading import (null_in_training, part_model, part_options,
+                                      retriever_scores_candidates, uses_index_builder)
 from realm_jax.errors import ConfigError
 
 def _validate_towers(config) -> None:
@@ -295,9 +296,8 @@ def _validate_retriever_learning(config) -> None:
 def _validate_unscored_candidates(config) -> None:
   """REALM with candidates the retriever does not score (own_block, mixed, null_only: p(z|x)
   is fixed): what would only touch a retriever that cannot learn is refused."""
-  from realm_jax.train import candidate_rows
   r, mode = config.retrieval, config.retrieval.candidates
-  if candidate_rows.of(config).scored:
+  if retriever_scores_candidates(config):
     return
   if config.train.retriever_lr_scale != 0:
     raise ConfigError("train.retriever_lr_scale", f"retrieval.candidates {mode!r} gives the "
