@@ -178,8 +178,8 @@ def test_a_sigterm_while_a_batch_waits_for_its_index_saves_the_last_step(
 
 def test_an_async_run_whose_builder_is_gone_says_so(world_dir, tmp_path, capsys):
   """Async, one version (of checkpoint 0) and no builder after it: the trainer warns when the
-  staleness passes STALE_REFRESHES refreshes and at each doubling, then the final evaluation
-  fails after `index_timeout`, naming it."""
+  staleness passes STALE_REFRESHES refreshes, then the final evaluation fails after
+  `index_timeout`, naming it (the doublings: the next test)."""
   import threading
   import time
   from realm_jax.train.candidates import STALE_REFRESHES
@@ -188,7 +188,7 @@ def test_an_async_run_whose_builder_is_gone_says_so(world_dir, tmp_path, capsys)
   config = helpers.tiny_config(
       "realm", data_dir=world_dir, retrieval__refresh="async", retrieval__refresh_every=1,
       retrieval__index_timeout=120.0, builder__poll_seconds=0.1,
-      train__steps=2 * STALE_REFRESHES + 1, train__checkpoint_every=100, train__log_every=1)
+      train__steps=STALE_REFRESHES + 1, train__checkpoint_every=100, train__log_every=1)
   workdir = str(tmp_path / "run")
 
   def index_of_step_0_only():
@@ -204,6 +204,25 @@ def test_an_async_run_whose_builder_is_gone_says_so(world_dir, tmp_path, capsys)
   out = capsys.readouterr().out
   said = [line for line in out.splitlines() if "warning: index staleness" in line]
   assert [line.split("staleness ")[1].split(" ")[0] for line in said] == [
-      str(STALE_REFRESHES), str(2 * STALE_REFRESHES)], out[-3000:]
+      str(STALE_REFRESHES)], out[-3000:]
   assert "newest version is v1 (step 0)" in said[0]
   assert "retrieval.refresh_every=1 steps; it is behind or not running" in said[0]
+
+
+def test_the_staleness_warning_comes_again_at_each_doubling_and_after_a_catch_up(caplog):
+  import logging
+  import types
+  from realm_jax.train.candidates import STALE_REFRESHES, PublishedIndex
+  config = helpers.tiny_config("realm", retrieval__refresh="async", retrieval__refresh_every=2)
+  source = types.SimpleNamespace(config=config, workdir="W", staleness=[], _stale_said=0)
+  loaded = types.SimpleNamespace(version=1, step=0)
+  first = STALE_REFRESHES * 2
+  series = [first - 1, first, first + 1, 2 * first - 1, 2 * first, 3, first, 4 * first]
+  with caplog.at_level(logging.WARNING, logger="realm_jax.train.candidates"):
+    for staleness in series:
+      source.staleness.append(staleness)
+      PublishedIndex._say_if_stale(source, staleness + 1, loaded)
+  said = [int(r.getMessage().split("staleness ")[1].split(" ")[0]) for r in caplog.records]
+  assert said == [first, 2 * first, first, 4 * first]   # after the catch-up (3): from the start
+  assert "but realm-index publishes one every retrieval.refresh_every=2 steps" in \
+      caplog.records[0].getMessage()
