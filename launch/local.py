@@ -33,7 +33,7 @@ import threading
 import time
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.errors import ConfigError, interrupt_lands_badly, run_cli
+from realm_jax.errors import ConfigError, in_gc_callback, in_import, run_cli
 from realm_jax.config.overrides import config_from_flags
 from realm_jax.config.reading import uses_index_builder
 from realm_jax.config.validation import validate
@@ -60,11 +60,12 @@ _EARLY_SIGNALS: list[str] = []
 def _record_early_signal(signum, frame) -> None:
   """Kept for `supervise` (an interrupt raised inside an import's callback can be swallowed),
   and raised, so that a launcher stuck before it (a hung mount) still stops; inside an import,
-  where it would break it with a traceback, only a second one is raised (`supervise` starts
-  nothing after the first)."""
+  where it would break it with a traceback, only a second one is raised, and never inside a
+  gc callback, where it would be lost (`supervise` starts nothing after the first)."""
   _EARLY_SIGNALS.append(signal.Signals(signum).name)
-  if len(_EARLY_SIGNALS) > 1 or not interrupt_lands_badly(frame):
-    raise KeyboardInterrupt
+  if in_gc_callback(frame) or (in_import(frame) and len(_EARLY_SIGNALS) == 1):
+    return
+  raise KeyboardInterrupt
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import Callable
 
 
@@ -63,57 +62,40 @@ SELF_EXPLAINING = (ConfigError, DataError, CheckpointError, NonFiniteError, Work
 _INTERRUPTS: list[int] = []   # Ctrl-Cs this process received (the handler `run_cli` installs)
 
 
-_SENT_AGAIN = threading.Event()   # a recorded Ctrl-C sent again (`_send_again_when_safe`)
-_UNRAISED = threading.Event()     # a Ctrl-C recorded, not raised yet (`run_cli` checks at the end)
-_IN_RUN_CLI = threading.Event()   # `run_cli` runs its job: a KeyboardInterrupt is one line there
+_UNRAISED = threading.Event()   # a Ctrl-C recorded, not raised yet (`run_cli` checks at the end)
 
 
 def _on_sigint(signum, frame) -> None:
   """Records the Ctrl-C and raises it, unless it landed where raising would lose it or break
-  an import (`interrupt_lands_badly`): then it is sent again once the main thread is out of
-  there. A second Ctrl-C of the user's always raises (an import that hangs still stops)."""
-  again = _SENT_AGAIN.is_set()
-  _SENT_AGAIN.clear()
-  if not again:
-    _INTERRUPTS.append(signum)
-  if (len(_INTERRUPTS) > 1 and not again) or not interrupt_lands_badly(frame):
-    _UNRAISED.clear()
-    raise KeyboardInterrupt
-  _UNRAISED.set()
-  _send_again_when_safe()
+  an import (`in_gc_callback`, `in_import`): there it waits for the next
+  `raise_if_interrupted` (after a job's imports, between steps, in waits; `run_cli` at the
+  job's end at the latest). A second Ctrl-C inside an import raises (one that hangs still
+  stops); inside a gc callback raising would only lose it."""
+  _INTERRUPTS.append(signum)
+  if in_gc_callback(frame) or (in_import(frame) and len(_INTERRUPTS) == 1):
+    _UNRAISED.set()
+    return
+  _UNRAISED.clear()
+  raise KeyboardInterrupt
 
 
-def _send_again_when_safe() -> None:
-  """SIGINT to this process again, from a thread, once the main thread runs `run_cli`'s job
-  outside an import or gc callback (checked every 50 ms; before the job, `run_cli` raises it
-  itself); nothing if `_on_sigint` is no longer the handler."""
-  main = threading.main_thread().ident
-
-  def watch():
-    while True:
-      time.sleep(0.05)
-      frame = sys._current_frames().get(main)
-      if frame is None or signal.getsignal(signal.SIGINT) is not _on_sigint:
-        return
-      if _IN_RUN_CLI.is_set() and not interrupt_lands_badly(frame):
-        _SENT_AGAIN.set()
-        os.kill(os.getpid(), signal.SIGINT)
-        return
-  threading.Thread(target=watch, name="ctrl-c-after-import", daemon=True).start()
+def in_gc_callback(frame) -> bool:
+  """Whether `frame` runs inside JAX's garbage collector callback, where Python ignores an
+  exception, printing a traceback ("Exception ignored in: _xla_gc_callback")."""
+  return any(f.f_code.co_name == "_xla_gc_callback" for f in _frames(frame))
 
 
-def interrupt_lands_badly(frame) -> bool:
-  """Whether a KeyboardInterrupt raised in `frame` would be lost or turned into another
-  error: inside a garbage collector's callback Python ignores it, printing a traceback
-  ("Exception ignored in: _xla_gc_callback"; JAX installs one), and inside an import it can
-  break a C extension's initialisation ("ImportError: numpy._core.multiarray failed to
-  import", a 60-line traceback and exit code 1). There it is recorded and raised after."""
+def in_import(frame) -> bool:
+  """Whether `frame` runs inside an import, where a KeyboardInterrupt can break a C
+  extension's initialisation ("ImportError: numpy._core.multiarray failed to import", a
+  60-line traceback and exit code 1)."""
+  return any(f.f_code.co_filename.startswith("<frozen importlib") for f in _frames(frame))
+
+
+def _frames(frame):
   while frame is not None:
-    code = frame.f_code
-    if code.co_name == "_xla_gc_callback" or code.co_filename.startswith("<frozen importlib"):
-      return True
+    yield frame
     frame = frame.f_back
-  return False
 
 
 def take_interrupts() -> None:
@@ -126,10 +108,11 @@ def take_interrupts() -> None:
 
 def raise_if_interrupted() -> None:
   """KeyboardInterrupt again for a recorded Ctrl-C that was not raised or whose own was
-  swallowed (`interrupt_lands_badly`). Called on the main thread where a run can stop: after
+  swallowed (`_on_sigint`). Called on the main thread where a run can stop: after
   the imports of a job, between training steps, in a wait for an index, while a demo watches
   its stages, between index builds."""
   if _INTERRUPTS and threading.current_thread() is threading.main_thread():
+    _UNRAISED.clear()
     raise KeyboardInterrupt
 
 
@@ -157,12 +140,8 @@ def _run(prog: str, main: Callable[[], object]) -> object:
   """`run_cli`'s body: `main()`, its errors as one line each."""
   try:
     raise_if_interrupted()   # a Ctrl-C recorded during the imports (take_interrupts)
-    _IN_RUN_CLI.set()
-    try:
-      result = main()
-    finally:
-      _IN_RUN_CLI.clear()
-    if _UNRAISED.is_set():   # recorded in an import at the job's end, not sent again yet
+    result = main()
+    if _UNRAISED.is_set():   # recorded where it could not be raised, and polled for by none
       raise KeyboardInterrupt
     return result
   except KeyboardInterrupt:

@@ -244,7 +244,7 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
   assert stages._together([stages.Preempted("a saved"), stages.Preempted("b saved")]).saved
 
 
-def test_a_sigterm_while_no_stage_runs_says_so(capsys):
+def test_a_sigterm_while_no_stage_runs_says_so(capsys, monkeypatch):
   """SIGTERM to the driver between stages (the world being made, the tables written) said
   "the stages stopped at a saved checkpoint"; with a stage running, that stage saved."""
   import time
@@ -253,6 +253,7 @@ def test_a_sigterm_while_no_stage_runs_says_so(capsys):
   def job():
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(10)
+  monkeypatch.setattr(os, "environ", dict(os.environ))   # run_demo_cli sets the memory env
   previous = signal.getsignal(signal.SIGTERM)
   try:
     with pytest.raises(stages.Preempted) as stopped:
