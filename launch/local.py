@@ -33,7 +33,7 @@ import threading
 import time
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.errors import ConfigError, in_gc_callback, in_import, run_cli
+from realm_jax.errors import ConfigError, held_back, run_cli
 from realm_jax.config.overrides import config_from_flags
 from realm_jax.config.reading import uses_index_builder
 from realm_jax.config.validation import validate
@@ -63,9 +63,8 @@ def _record_early_signal(signum, frame) -> None:
   where it would break it with a traceback, only a second one is raised, and never inside a
   gc callback, where it would be lost (`supervise` starts nothing after the first)."""
   _EARLY_SIGNALS.append(signal.Signals(signum).name)
-  if in_gc_callback(frame) or (in_import(frame) and len(_EARLY_SIGNALS) == 1):
-    return
-  raise KeyboardInterrupt
+  if not held_back(frame, len(_EARLY_SIGNALS)):
+    raise KeyboardInterrupt
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:

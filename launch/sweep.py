@@ -384,9 +384,11 @@ def run_locally(args: argparse.Namespace, runs: list[tuple[str, dict]], config, 
   SIGTERM it saves its step, within its `train.preemption_grace_seconds`), then the sweep,
   saying that a rerun resumes."""
   check_started_runs(args.root, runs, config, fixed)
+  done = {name for name, overrides in runs
+          if finished(paths.join(args.root, name), {**fixed, **overrides}, fields)}
   for name, overrides in runs:   # as launch/local.py does: else each run fails on it alone
-    if finished(paths.join(args.root, name), {**fixed, **overrides}, fields):
-      continue                    # (it starts nothing: its data dir may be gone)
+    if name in done:              # (it starts nothing: its data dir may be gone)
+      continue
     try:
       workdir_lib.check_data_dir(run_config(config, {**fixed, **overrides}))
     except ConfigError as e:
@@ -396,7 +398,7 @@ def run_locally(args: argparse.Namespace, runs: list[tuple[str, dict]], config, 
   try:
     for i, (name, overrides) in enumerate(runs, 1):
       workdir, run = paths.join(args.root, name), {**fixed, **overrides}
-      if finished(workdir, run, fields):
+      if name in done:
         print(f"[sweep] {i}/{len(runs)} {name}: already done", flush=True)
         continue
       cmd = command(args.config, workdir, run, needs_builder(config, run))

@@ -72,11 +72,17 @@ def _on_sigint(signum, frame) -> None:
   job's end at the latest). A second Ctrl-C inside an import raises (one that hangs still
   stops); inside a gc callback raising would only lose it."""
   _INTERRUPTS.append(signum)
-  if in_gc_callback(frame) or (in_import(frame) and len(_INTERRUPTS) == 1):
+  if held_back(frame, len(_INTERRUPTS)):
     _UNRAISED.set()
     return
   _UNRAISED.clear()
   raise KeyboardInterrupt
+
+
+def held_back(frame, count: int) -> bool:
+  """Whether the `count`-th Ctrl-C, landing in `frame`, is recorded rather than raised: inside
+  a gc callback always, inside an import the first one only."""
+  return in_gc_callback(frame) or (in_import(frame) and count == 1)
 
 
 def in_gc_callback(frame) -> bool:
@@ -98,12 +104,14 @@ def _frames(frame):
     frame = frame.f_back
 
 
-def take_interrupts() -> None:
-  """The `_on_sigint` handler from a `python -m` entry module's first line (where Python's
-  own handler is in place), so that a Ctrl-C during its imports is one line too."""
+def take_interrupts():
+  """The `_on_sigint` handler, where Python's own is in place on the main thread (a `python -m`
+  entry module's first line, so that a Ctrl-C during its imports is one line too; `run_cli`);
+  returns the handler it replaced, or None."""
   if threading.current_thread() is threading.main_thread() and \
       signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _on_sigint)
+    return signal.signal(signal.SIGINT, _on_sigint)
+  return None
 
 
 def raise_if_interrupted() -> None:
@@ -125,10 +133,7 @@ def run_cli(prog: str, main: Callable[[], object]) -> object:
   short mid-compile can crash. What was finalised before it (a checkpoint, a published
   version) stays. A Ctrl-C is also recorded (`raise_if_interrupted`), where Python's own
   handler is in place."""
-  previous = None
-  if threading.current_thread() is threading.main_thread() and \
-      signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    previous = signal.signal(signal.SIGINT, _on_sigint)
+  previous = take_interrupts()
   try:
     return _run(prog, main)
   finally:   # an in-process caller (a test) gets Python's handler back

@@ -104,8 +104,7 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   root = published.index_root(workdir)
   if has_reader:   # an Open-QA run keeps one frozen index: its reader learnt with it (and
     # its block tower may have moved since: the index is what its retrieval is measured on)
-    FrozenIndex.check_blocks(workdir, fingerprint, data.dir)
-    latest = published.read_latest(root) if paths.isdir(root) else None
+    latest = FrozenIndex.check_blocks(workdir, fingerprint, data.dir)
     frozen = None if latest is None else FrozenIndex.load(workdir, fingerprint, dim, latest)
   else:        # a pre-training run's: only one embedded by this very checkpoint
     frozen = FrozenIndex.of_step(workdir, step, fingerprint, dim)

@@ -344,11 +344,18 @@ class JobLock:
     self.release()
 
 
-def _holder(text: str) -> str:
-  """A lock file's `pid host` as a message names it: the pid, with its host where that is
-  not this one."""
+def _pid_and_host(text: str) -> tuple[str, str | None]:
+  """A lock file's `pid host`: the pid as written, and its host where that is not this one
+  (None: this host, or a file from before the host was written)."""
   pid, _, host = text.strip().partition(" ")
-  return (f"{pid} on {host}" if host and host != socket.gethostname() else pid) or "?"
+  return pid, (host if host and host != socket.gethostname() else None)
+
+
+def _holder(text: str) -> str:
+  """A lock file's holder as a message names it: the pid, with its host where that is not
+  this one."""
+  pid, host = _pid_and_host(text)
+  return (f"{pid} on {host}" if host else pid) or "?"
 
 
 def job_gone(workdir: str, job: str) -> str | None:
@@ -360,8 +367,8 @@ def job_gone(workdir: str, job: str) -> str | None:
     return None
   try:
     with open(JobLock(workdir, job).path) as f:
-      pid_text, _, host = f.read().strip().partition(" ")
-    if host and host != socket.gethostname():
+      pid_text, host = _pid_and_host(f.read())
+    if host is not None:
       return None
     os.kill(int(pid_text), 0)
   except ProcessLookupError:

@@ -108,6 +108,8 @@ class _EventFile:
   def __init__(self, directory: str, purge_step: int | None):
     from tensorboardX.event_file_writer import EventsWriter
     from tensorboardX.proto.event_pb2 import Event, SessionLog
+    from tensorboardX.proto.summary_pb2 import Summary
+    self._event, self._summary = Event, Summary   # (written every step: imported once)
     os.makedirs(directory, exist_ok=True)
     self._file = EventsWriter(os.path.join(directory, "events"))
     if purge_step is not None:   # what SummaryWriter(purge_step=) writes first
@@ -117,11 +119,10 @@ class _EventFile:
     self._file.flush()
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
-    from tensorboardX.proto.event_pb2 import Event
-    from tensorboardX.proto.summary_pb2 import Summary
-    values = [Summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()]
-    self._file.write_event(Event(wall_time=time.time(), step=int(step),
-                                 summary=Summary(value=values)))
+    values = [self._summary.Value(tag=tag, simple_value=value)
+              for tag, value in scalars.items()]
+    self._file.write_event(self._event(wall_time=time.time(), step=int(step),
+                                       summary=self._summary(value=values)))
     self._file.flush()
 
   def close(self) -> None:

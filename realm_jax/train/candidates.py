@@ -282,11 +282,12 @@ class PublishedIndex(NoRetrieval):
   def _say_if_stale(self, done: int, loaded: IndexVersion) -> None:
     """Async: a warning when staleness passes STALE_REFRESHES refreshes, then each doubling
     (a deterministic run waits for its versions instead)."""
+    if self.config.retrieval.refresh != "async":
+      return
     refresh_every, staleness = self.config.retrieval.refresh_every, self.staleness[-1]
     if staleness < STALE_REFRESHES * refresh_every:
       self._stale_said = 0   # caught up: a later lag is said again from the first threshold
-    due = max(STALE_REFRESHES * refresh_every, 2 * self._stale_said)
-    if self.config.retrieval.refresh != "async" or staleness < due:
+    if staleness < max(STALE_REFRESHES * refresh_every, 2 * self._stale_said):
       return
     self._stale_said = staleness
     if jax.process_index() == 0:

@@ -61,12 +61,12 @@ class FrozenIndex:
                             "fine-tune again in a new one") from None
 
   @staticmethod
-  def check_blocks(workdir: str, fingerprint: str, data_dir: str) -> None:
-    """A ConfigError naming `data.dir` when W's latest version embedded another block store
-    than `data_dir`'s (`fingerprint`): checked before a resume or an evaluation writes
-    anything. No version, or one without a readable manifest: `load` says so."""
+  def check_blocks(workdir: str, fingerprint: str, data_dir: str) -> int | None:
+    """W's latest version (None: none); a ConfigError naming `data.dir` when it embedded
+    another block store than `data_dir`'s (`fingerprint`): checked before a resume or an
+    evaluation writes anything. One without a readable manifest: `load` says so."""
     root = published.index_root(workdir)
-    latest = published.read_latest(root) if paths.isdir(root) else None
+    latest = published.read_latest(root)
     try:
       theirs = None if latest is None else (
           published.read_manifest(root, latest)["block_store_fingerprint"])
@@ -76,6 +76,7 @@ class FrozenIndex:
       raise ConfigError("data.dir", f"{root} v{latest}, the Open-QA run's frozen index, "
                         f"embedded block store {theirs}; {data_dir} holds {fingerprint}: "
                         "use the run's blocks (the data.dir it was trained with)")
+    return latest
 
   @classmethod
   def _read(cls, root, version: int, fingerprint: str, dim: int) -> FrozenIndex:

@@ -18,7 +18,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from realm_jax import paths, workdir as workdir_lib
+from realm_jax import workdir as workdir_lib
 from realm_jax.data import qa as qa_lib
 from realm_jax.errors import CheckpointError, ConfigError
 from realm_jax.train.qa_eval import QAEvaluator, format_metrics
@@ -80,7 +80,7 @@ class OpenQATrainer(Run):
       logger.info(f"[{task}] frozen index: {self.workdir}/index v{frozen.version} (blocks embedded "
                   f"at step {frozen.step})")
       return frozen
-    earlier = published.read_latest(root) if paths.isdir(root) else None
+    earlier = published.read_latest(root)
     if earlier is not None and jax.process_index() == 0:
       logger.info(f"[{task}] a fresh start: {root} v{earlier}, of an earlier start that saved "
                   "no checkpoint, is not reused (its retriever may have come from elsewhere); "
