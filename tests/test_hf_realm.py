@@ -309,7 +309,24 @@ def test_a_sentence_encoders_mean_pooling_is_imported(tmp_path):
   with open(os.path.join(out, "config.json")) as f:
     assert json.load(f)["model"]["retriever"]["pooling"] == "mean"
   assert any("model.retriever.pooling 'mean'" in note for note in report.notes), report.notes
-  assert hf_realm.sentence_pooling(str(tmp_path)) is None   # a plain BERT dir: [CLS]
+  assert hf_realm.sentence_pooling(str(tmp_path)) == (None, [])   # a plain BERT dir: [CLS]
+
+
+@pytest.mark.parametrize("modes, expected", [
+    ({"pooling_mode_max_tokens": True}, (None, ["max_tokens"])),
+    ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True},
+     ("mean", ["max_tokens"])),
+    ({"pooling_mode_cls_token": True, "pooling_mode_mean_sqrt_len_tokens": False},
+     ("cls", [])),
+])
+def test_a_sentence_encoders_other_pooling_modes_are_named(tmp_path, modes, expected):
+  """Pooling modes the retriever does not have (max, ...) are returned to be named in the
+  import's report, not dropped unsaid."""
+  import json
+  os.makedirs(tmp_path / "1_Pooling")
+  with open(tmp_path / "1_Pooling" / "config.json", "w") as f:
+    json.dump({"word_embedding_dimension": 8, **modes}, f)
+  assert hf_realm.sentence_pooling(str(tmp_path)) == expected
 
 
 def _embedder_checkpoint(path, **config_changes):

@@ -66,17 +66,22 @@ DEFAULT_TASK = {"bert": "realm", "RealmEmbedder": "realm", "RealmKnowledgeAugEnc
 POOLING_RECORD = os.path.join("1_Pooling", "config.json")   # a sentence-transformers dir's
 
 
-def sentence_pooling(hf_dir: str) -> str | None:
-  """"mean" or "cls" where `hf_dir` is a sentence-transformers model whose pooling record
-  names one of those; None without one (a plain BERT: the retriever's default, [CLS])."""
+def sentence_pooling(hf_dir: str) -> tuple[str | None, list[str]]:
+  """The pooling of a sentence-transformers model in `hf_dir`: ("mean" or "cls" where its
+  pooling record names one of those, else None), and the modes it names that the retriever
+  does not have (max, weighted mean, ...). (None, []) without a record: a plain BERT, whose
+  retriever keeps the default, [CLS]."""
   path = os.path.join(hf_dir, POOLING_RECORD)
   if not os.path.exists(path):
-    return None
+    return None, []
   with open(path) as f:
     record = json.load(f)
-  if record.get("pooling_mode_mean_tokens"):
-    return "mean"
-  return "cls" if record.get("pooling_mode_cls_token") else None
+  named = [key[len("pooling_mode_"):] for key, on in record.items()
+           if key.startswith("pooling_mode_") and on is True]
+  other = [mode for mode in named if mode not in ("mean_tokens", "cls_token")]
+  if "mean_tokens" in named:
+    return "mean", other
+  return ("cls" if "cls_token" in named else None), other
 
 
 def make_config(layout: str, hf: Mapping, *, task: str | None = None, data_dir: str = "",
@@ -375,7 +380,7 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
 
   from realm_jax.runtime.state import build_model
   config = make_config(layout, hf, task=task, data_dir=data_dir, block_len=block_len)
-  pooling = sentence_pooling(hf_dir) if layout == "bert" else None
+  pooling, other_pooling = sentence_pooling(hf_dir) if layout == "bert" else (None, [])
   if pooling:   # a sentence encoder (all-MiniLM-L6-v2): retrieve as it was trained to embed
     config.model.retriever.pooling = pooling
   model = build_model(config, config.model.vocab_size)
@@ -386,6 +391,11 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
     if pooling:
       report.notes.append(f"model.retriever.pooling {pooling!r}, as the checkpoint's "
                           f"{POOLING_RECORD} says it was trained to embed")
+    if other_pooling:
+      report.notes.append(
+          f"the checkpoint's {POOLING_RECORD} also pools by {', '.join(other_pooling)}, which "
+          f"the retriever does not have (model.retriever.pooling: cls | mean): its embeddings "
+          f"are model.retriever.pooling {config.model.retriever.pooling!r} alone")
   else:
     params, report = convert(params, tensors, layout, source, hf_dir)
   params = initialise_rest(config, model, params)
