@@ -57,6 +57,7 @@ cache=runs/bench_index_scale
 want() { [[ "$parts" == *" $1 "* ]]; }
 failed=""   # the parts that exited non-zero (a time limit included) or were skipped: exit 1
 declare -A background_pids   # name -> pid of a part run in the background
+memory_logs=()   # the memory parts this run started, their logs printed at the end
 
 quiet() { grep -v -e "^\*\*\*" -e "slow_operation_alarm" -e "Very slow compile" -e "^$"; }
 
@@ -100,7 +101,9 @@ waited() {   # waited NAME: waits for background part NAME (none if it was skipp
 }
 
 {
-  grep -m1 "^model name" /proc/cpuinfo
+  # the host CPU: x86's /proc/cpuinfo names it; an aarch64 host (Grace) only through lscpu
+  grep -m1 "^model name" /proc/cpuinfo || lscpu 2>/dev/null | grep -m1 "^Model name" \
+    || echo "model name: unknown ($(uname -m))"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   $python -c "import jax, jaxlib, flax, optax, orbax.checkpoint as o, numpy, sys; \
 print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, \
@@ -116,7 +119,8 @@ want memory && for cases in "realm_base --dtype bfloat16" "realm_base --dtype fl
     "ict_base"; do
   set -- $cases
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" background "memory_$1_${3:-all}" \
-    $((deadline - 40)) $python bench/memory.py --only $cases --out "$out/memory.jsonl"
+    $((deadline - 40)) $python bench/memory.py --only $cases --out "$out/memory.jsonl" \
+    && memory_logs+=("$out/memory_$1_${3:-all}.log")
 done
 
 cudnn=(--set model.attention=cudnn --set model.attention_dropout_rate=0)
@@ -157,8 +161,8 @@ if want real; then
 fi
 for name in "${!background_pids[@]}"; do waited "$name"; done
 if want memory; then
-  for log in "$out"/memory_*.log; do
-    [ -f "$log" ] && { echo "== $log"; quiet < "$log" | tail -9; }
+  for log in "${memory_logs[@]}"; do   # this run's (not an earlier run's in the same OUT)
+    echo "== $log"; quiet < "$log" | tail -9
   done
 fi
 if [ -n "$failed" ]; then echo "== parts that did not exit 0:$failed"; exit 1; fi

@@ -103,9 +103,13 @@ def test_gpu_sh_refuses_an_unknown_part_and_a_machine_without_a_gpu(tmp_path):
 def test_gpu_sh_keeps_its_background_parts_inside_the_deadline(tmp_path):
   """DEADLINE=50: the table (deadline - 60) and the memory benches (deadline - 40) have no time
   left, so they are skipped as a part is, never given a negative limit; trace_summary does not
-  run after its train step failed, nor counts as a second failure."""
+  run after its train step failed, nor counts as a second failure. An earlier run's memory
+  log in the same OUT is not printed as this run's."""
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "memory_realm_base_float32.log").write_text("an earlier run's figures\n")
   result = gpu_sh(dict(fake_tools(tmp_path), DEADLINE="50"), str(tmp_path / "out"))
   out = result.stdout
+  assert "an earlier run's figures" not in out
   assert result.returncode == 1, out
   assert "invalid time interval" not in out + result.stderr
   for name in ("table", "memory_realm_base_bfloat16", "memory_ict_base_all"):
