@@ -53,6 +53,14 @@ def write_results(out: str, metrics: dict, predictions: list[dict]) -> str:
 
 
 # -- restoring a run for evaluation ---------------------------------------------------------
+def fine_tuned(workdir: str, step: int) -> bool:
+  """Whether checkpoint `step` of a run with a span reader was saved by Open-QA fine-tuning
+  (with the frozen index's step in its `retrieval` item), not written by an import (params
+  only): its reader learnt with W/index, which nothing else stands in for."""
+  from realm_jax.runtime.checkpoints import checkpoint_dir
+  return paths.isdir(paths.join(checkpoint_dir(workdir), str(step), "retrieval"))
+
+
 def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool = False):
   """Params of a checkpoint of `workdir` and the index to retrieve from, for evaluation.
 
@@ -105,7 +113,11 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   if has_reader:   # an Open-QA run keeps one frozen index: its reader learnt with it (and
     # its block tower may have moved since: the index is what its retrieval is measured on)
     latest = FrozenIndex.check_blocks(workdir, fingerprint, data.dir)
-    frozen = None if latest is None else FrozenIndex.load(workdir, fingerprint, dim, latest)
+    if fine_tuned(workdir, step):   # (an imported reader has none: its blocks are embedded)
+      frozen = FrozenIndex.load_required(workdir, fingerprint, dim, f"{workdir}/checkpoints/"
+                                         f"{step} was fine-tuned with it", latest)
+    else:
+      frozen = None if latest is None else FrozenIndex.load(workdir, fingerprint, dim, latest)
   else:        # a pre-training run's: only one embedded by this very checkpoint
     frozen = FrozenIndex.of_step(workdir, step, fingerprint, dim)
   if frozen is not None:

@@ -327,6 +327,12 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
     with pytest.raises(CheckpointError, match=rf"{version:08d}, the Open-QA run's frozen index, "
                        r"is unusable: .*fine-tune again"):
       evaluate_run(openqa_config(world_dir), str(broken), split="test")
+  # its frozen index gone altogether: refused as a resume is, not embedded anew
+  gone = shutil.copytree(workdir, tmp_path / "gone")
+  shutil.rmtree(published.index_root(str(gone)))
+  with pytest.raises(CheckpointError, match=r"/index holds no published version, but .*"
+                     r"checkpoints/6 was fine-tuned with it"):
+    evaluate_run(openqa_config(world_dir), str(gone), split="test")
 
 
 def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path, monkeypatch,

@@ -60,6 +60,21 @@ class FrozenIndex:
                             "index: restore the version from a copy of the workdir, or "
                             "fine-tune again in a new one") from None
 
+  @classmethod
+  def load_required(cls, workdir: str, fingerprint: str, dim: int, why: str,
+                    version: int | None = None) -> FrozenIndex:
+    """`load`, where the run's checkpoints were trained with W/index (a resumed Open-QA run,
+    `realm-eval` / `realm-predict` of its checkpoint): none published is a CheckpointError
+    naming the index dir (`why`: what makes it required), since nothing stands in for it."""
+    frozen = cls.load(workdir, fingerprint, dim, version)
+    if frozen is None:
+      raise CheckpointError(
+          f"{published.index_root(workdir)} holds no published version, but {why}: its reader "
+          "learnt with the frozen index published there at its start (blocks embedded now "
+          "would come from the fine-tuned tower). Restore the index from a copy of the "
+          "workdir, or fine-tune again in a new one")
+    return frozen
+
   @staticmethod
   def check_blocks(workdir: str, fingerprint: str, data_dir: str) -> int | None:
     """W's latest version (None: none); a ConfigError naming `data.dir` when it embedded

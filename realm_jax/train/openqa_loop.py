@@ -20,7 +20,7 @@ import numpy as np
 
 from realm_jax import workdir as workdir_lib
 from realm_jax.data import qa as qa_lib
-from realm_jax.errors import CheckpointError, ConfigError
+from realm_jax.errors import ConfigError
 from realm_jax.train.qa_eval import QAEvaluator, format_metrics
 from realm_jax.retrieval import published
 from realm_jax.runtime import multihost, partitioning, state as state_lib, embedders
@@ -70,13 +70,8 @@ class OpenQATrainer(Run):
     fingerprint, dim = self.data.blocks.fingerprint, cfg.model.retrieval_dim
     root = published.index_root(self.workdir)
     if init is None:   # resumed: the index its steps so far retrieved from, nothing else
-      frozen = FrozenIndex.load(self.workdir, fingerprint, dim)
-      if frozen is None:
-        raise CheckpointError(
-            f"{root} holds no published version, but the run resumes from a checkpoint: its "
-            "reader learnt with the frozen index published there at its start (blocks "
-            "embedded now would come from the fine-tuned tower). Restore the index from a "
-            "copy of the workdir, or fine-tune again in a new one")
+      frozen = FrozenIndex.load_required(self.workdir, fingerprint, dim,
+                                         "the run resumes from a checkpoint")
       logger.info(f"[{task}] frozen index: {self.workdir}/index v{frozen.version} (blocks embedded "
                   f"at step {frozen.step})")
       return frozen
