@@ -1,6 +1,7 @@
 """The project's log. Library modules log through Python `logging` (`logging.getLogger(__name__)`,
 under the `realm_jax` logger); what reaches the console is the message alone, on stdout, so
-progress lines and result tables read as they always have. A CLI sets the level from its
+progress lines and result tables read as they always have (on stderr in a command whose stdout
+is its result, as realm-predict's: `to_stderr`). A CLI sets the level from its
 verbosity flag (`set_verbosity`): absl's convention, 1 = debug, 0 = info (the default),
 -1 = warnings, -2 = errors only.
 """
@@ -16,11 +17,14 @@ LEVELS = {1: logging.DEBUG, 0: logging.INFO, -1: logging.WARNING, -2: logging.ER
 
 class _ConsoleHandler(logging.Handler):
   """Each record's message on the current sys.stdout (looked up at every line, so a test's
-  captured stdout and a CLI's redirected one both see it), flushed."""
+  captured stdout and a CLI's redirected one both see it), or sys.stderr after `to_stderr`,
+  flushed."""
+
+  stderr = False
 
   def emit(self, record: logging.LogRecord) -> None:
     try:
-      stream = sys.stdout
+      stream = sys.stderr if self.stderr else sys.stdout
       stream.write(self.format(record) + "\n")
       stream.flush()
     except Exception:   # noqa: BLE001 -- logging's own convention
@@ -35,6 +39,14 @@ def install() -> logging.Logger:
     logger.setLevel(logging.INFO)
     logger.propagate = False       # not through absl's handler on the root logger
   return logger
+
+
+def to_stderr() -> None:
+  """The log on stderr from now on: for a command whose stdout is its result alone
+  (realm-predict's answers, `--json` lines a pipe reads)."""
+  for handler in install().handlers:
+    if isinstance(handler, _ConsoleHandler):
+      handler.stderr = True
 
 
 def set_verbosity(verbosity: int) -> None:

@@ -3,7 +3,9 @@
 themselves: train/qa_eval.py). A checkpoint without the span reader (REALM pre-training) gets
 retrieval recall only: the zero-shot retrieval evaluation.
 
-  realm-eval --config configs/X.py --workdir W [--step N] [--split test] [--retrieval_only]
+  realm-eval --workdir W [--config configs/X.py] [--config.KEY=VALUE ...] [--step N]
+             [--split test] [--retrieval_only]
+(without --config: the run's own W/config.json, with the --config.KEY=VALUE options set)
 writes W/eval/<step>/<split>[-retrieval]/metrics.json and predictions.jsonl.
 """
 
@@ -145,7 +147,7 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
                    "trained on")
   if not config.qa.get(split):   # (a pre-training run's own W/config.json names none)
     raise ConfigError(f"qa.{split}", f"is empty: name the questions to evaluate {workdir} on "
-                      f"with --config C --config.qa.{split}=SPEC (nq_open:PATH, webq:PATH, "
+                      f"with --config.qa.{split}=SPEC (nq_open:PATH, webq:PATH, "
                       "curated_trec:PATH, squad:PATH, tfds:NAME[:SPLIT], prepared:SPLIT)")
   examples, counts = qa_split(config.qa, split, config.data.dir)   # bad specs fail first
   config, data, mesh, model, params, frozen, reader, step = load_run(
@@ -166,20 +168,23 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
   return metrics, out
 
 
+_RUN_OVERRIDES: list = []   # --config.KEY=VALUE without --config (`run`)
+
+
 def main(argv) -> None:
   from absl import flags
   from realm_jax.errors import run_cli
-  from realm_jax.runtime.checkpoints import fitted_mesh, run_config
+  from realm_jax.config.overrides import refuse_arguments
+  from realm_jax.runtime.checkpoints import evaluation_config
   flags_ = flags.FLAGS
-  if len(argv) > 1:
-    raise SystemExit(f"realm-eval: unexpected arguments {argv[1:]}")
+  refuse_arguments("realm-eval", argv)   # exit 2, as other bad usage
   log.use_absl_verbosity()   # -v N; Orbax's and TFDS's INFO lines off the console
   if flags_.step < -1:
     print(f"realm-eval: error: --step {flags_.step}: a checkpoint's step, or -1 for the "
           "latest", file=sys.stderr)
     raise SystemExit(2)
   step = flags_.step if flags_.step >= 0 else None
-  config = lambda: flags_.config or fitted_mesh(run_config(flags_.workdir))
+  config = lambda: flags_.config or evaluation_config(flags_.workdir, _RUN_OVERRIDES)
   run_cli("realm-eval", lambda: evaluate_run(config(), flags_.workdir, step, flags_.split,
                                              flags_.retrieval_only))
 
@@ -187,10 +192,11 @@ def main(argv) -> None:
 def run() -> None:
   from absl import app, flags
   from ml_collections import config_flags
-  from realm_jax.config.overrides import flags_parser
+  from realm_jax.config.overrides import flags_parser, split_run_overrides
   from realm_jax.data.qa import SPLITS
-  # flagfiles read and old option names upgraded before the config flag reads sys.argv
-  sys.argv = upgrade_flags(sys.argv, "realm-eval")
+  # flagfiles read and old option names upgraded before the config flag reads sys.argv;
+  # without --config, its --config.KEY=VALUE options set W/config.json's
+  sys.argv, _RUN_OVERRIDES[:] = split_run_overrides(upgrade_flags(sys.argv, "realm-eval"))
   config_flags.DEFINE_config_file("config", None, "Config file (default: W/config.json).",
                                   lock_config=True)
   flags.DEFINE_string("workdir", None, "Run directory with checkpoints.", required=True)

@@ -383,6 +383,41 @@ def test_integers_are_read_exactly_at_any_size():
       typed_value(text, 0, "seed")
 
 
+def test_options_of_a_runs_own_config_are_set_from_the_command_line(tmp_path):
+  """Without --config, realm-eval's and realm-predict's --config.KEY=VALUE options set the
+  run's W/config.json (typed as its fields); a misspelt one, a bare flag of a value, a JSON
+  --config file and a stray argument are one line each, exit 2."""
+  from realm_jax.config.overrides import apply_run_overrides, split_run_overrides
+  argv = ["p", "--workdir=W", "--config.qa.test=nq_open:x.jsonl", "q?",
+          "--noconfig.model.share_towers", "--", "--config.a=b"]
+  rest, found = split_run_overrides(argv)
+  assert rest == ["p", "--workdir=W", "q?", "--", "--config.a=b"]
+  assert found == [("--config.qa.test", "qa.test", "nq_open:x.jsonl"),
+                   ("--noconfig.model.share_towers", "model.share_towers", "false")]
+  assert split_run_overrides(argv + ["--config", "c.py"]) == (argv + ["--config", "c.py"], [])
+  config = apply_run_overrides(tiny_config("openqa"), [
+      ("--config.data.dir", "data.dir", "/moved"), ("--config.qa.reader_beam", "qa.reader_beam",
+                                                   "2")])
+  assert (config.data.dir, config.qa.reader_beam) == ("/moved", 2)
+  workdir_lib.write_config(str(tmp_path / "w"), tiny_config("openqa"))
+  cases = [(["--config.qa.tst=x"], "--config.qa.tst: 'qa.tst' is not a field of the config; "
+            "the closest is 'qa.test'"),
+           (["--config.qa.test"], "--config.qa.test takes a value: --config.qa.test=VALUE"),
+           (["--config.qa.reader_beam=two"], "config.qa.reader_beam: 'two' is not a number"),
+           (["--config", str(tmp_path / "w" / "config.json")],
+            f"--config {tmp_path}/w/config.json: a JSON file (a run's W/config.json?); "
+            "--config takes a Python config file")]
+  for module, prog, extra in (("realm_jax.openqa_eval", "realm-eval", []),
+                              ("realm_jax.predict", "realm-predict", ["who?"])):
+    for args, expected in cases + ([(["stray"], "unexpected argument(s) ['stray']")]
+                                   if prog == "realm-eval" else []):
+      result = subprocess.run([sys.executable, "-m", module, f"--workdir={tmp_path}/w", *args,
+                               *extra], cwd=REPO, capture_output=True, text=True, timeout=120)
+      assert result.returncode == 2, (args, result.stderr[-2000:])
+      lines = [line for line in result.stderr.splitlines() if "Warning" not in line and line]
+      assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {expected}"), lines
+
+
 def test_realm_predict_refuses_an_empty_question(tmp_path):
   result = subprocess.run([sys.executable, "-m", "realm_jax.predict", "--workdir",
                            str(tmp_path), "who?", "  "], cwd=REPO, capture_output=True,

@@ -346,7 +346,7 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path,
   with pytest.raises(ConfigError, match="no span reader .*retrieval_only"):
     evaluate_run(config, workdir, split="test")
   assert not pretraining.qa.test     # its own config names no questions: say how to
-  with pytest.raises(ConfigError, match=r"config\.qa\.test: is empty: .* with --config C "
+  with pytest.raises(ConfigError, match=r"config\.qa\.test: is empty: .* with "
                      r"--config\.qa\.test=SPEC"):
     evaluate_run(pretraining, workdir, split="test", retrieval_only=True)
   metrics, _ = evaluate_run(config, workdir, split="test", retrieval_only=True)
@@ -474,3 +474,35 @@ def test_realm_predict_prints_the_answer_and_its_evidence(openqa_run, world_dir,
   assert item["truncated"] is False
   long, = predict(workdir, [" ".join([question] * 40)])
   assert long["truncated"] is True and "(cut to data.query_len wordpieces)" in _show(long)
+  # the checkpoint and the index version it answered with are named
+  assert (item["step"], item["index_version"]) == (6, 1)
+  assert f"checkpoint 6, index v1 (blocks embedded at step {item['index_step']})" in shown
+  # a question of no wordpieces is refused as an empty one is
+  with pytest.raises(ConfigError, match="question 2 is empty: it has no wordpieces"):
+    predict(workdir, [question, "\u200b"])
+  # a run whose data dir moved (copied off a pod): pointed at it by --config.data.dir
+  record["mesh"]["shape"], record["data"]["dir"] = [-1, 1], str(tmp_path / "gone")
+  (pod / "config.json").write_text(json.dumps(record))
+  with pytest.raises(ConfigError, match="data.dir"):
+    predict(str(pod), [question])
+  moved, = predict(str(pod), [question], overrides=[("--config.data.dir", "data.dir", world_dir)])
+  assert (moved["answer"], moved["evidence"]) == (item["answer"], item["evidence"])
+
+
+def test_realm_predict_writes_its_results_alone_to_stdout(openqa_run, tmp_path):
+  """--json: JSON lines on stdout, the log on stderr; a reader that stops reading (`| head`)
+  ends it without a traceback."""
+  import subprocess
+  import sys
+  workdir, _ = openqa_run
+  command = [sys.executable, "-m", "realm_jax.predict", "--workdir", workdir, "--json",
+             "who founded it", "where was it"]
+  result = subprocess.run(command, cwd=helpers.REPO, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  lines = result.stdout.splitlines()
+  assert [json.loads(line)["question"] for line in lines] == command[-2:]
+  assert "[eval] index" in result.stderr
+  closed = subprocess.run(["bash", "-c", " ".join(f"'{a}'" for a in command) + " | true"],
+                          cwd=helpers.REPO, capture_output=True, text=True, timeout=300)
+  assert "Traceback" not in closed.stderr and "BrokenPipe" not in closed.stderr, closed.stderr

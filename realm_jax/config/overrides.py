@@ -7,6 +7,9 @@
 - `KEY=VALUE` text (`--set`, `--grid` of sweep.py and the pod launchers): `parse_assignment`,
   `check_key`, `typed_value` (the field's type), `apply_assignments`.
 - A dict of dotted names set in code (the demos' stages, benches, tests): `with_overrides`.
+- `--config.a.b=v` without `--config` (realm-eval, realm-predict: a run's own W/config.json
+  with options set): `split_run_overrides` takes them off the command line before absl reads
+  it, `apply_run_overrides` sets them, typed as `apply_assignments` types its own.
 """
 
 from __future__ import annotations
@@ -64,6 +67,45 @@ def _parse_or_exit(prog: str, flag_values, argv: list[str]) -> list[str]:
     raise SystemExit(2) from None
 
 
+_RUN_OVERRIDE = re.compile(r"^--?(no)?config\.([^=\s]+)(?:=(.*))?$", re.S)
+
+
+def split_run_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, str, str | None]]]:
+  """(`argv` less its `--config.KEY[=VALUE]` / `--noconfig.KEY` tokens, those as (flag, KEY,
+  VALUE or None: a boolean's bare flag, "false" for --no)) where `argv` names no `--config`
+  file: options of a run's own W/config.json to set (`apply_run_overrides`). With a --config
+  file, `argv` whole and none: ml_collections parses them. Tokens after `--` are arguments."""
+  if _config_file(argv) is not None:
+    return argv, []
+  rest, found = [], []
+  for i, arg in enumerate(argv):
+    if arg == "--":
+      return rest + argv[i:], found
+    match = _RUN_OVERRIDE.match(arg) if i else None
+    if match is None:
+      rest.append(arg)
+      continue
+    negated, key, value = match.groups()
+    found.append((arg.partition("=")[0], key, "false" if negated and value is None else value))
+  return rest, found
+
+
+def apply_run_overrides(config, overrides: list[tuple[str, str, str | None]]):
+  """`config` (a run's W/config.json) with each of `split_run_overrides`' options set, checked
+  against its fields and typed as the field; a bare flag sets a boolean true. Returns it."""
+  for flag, key, value in overrides:
+    fields = flat_options(config)
+    key = current_name(key)
+    check_key(key, fields, flag)
+    if value is None:
+      current = fields[key] if fields[key] is not None else _unset_example(config, key)
+      if not isinstance(current, bool):
+        raise ConfigError("", f"{flag} takes a value: {flag}=VALUE")
+      value = "true"
+    config.update_from_flattened_dict({key: field_value(config, fields, key, value)})
+  return config
+
+
 def check_known_options(config, config_file: str | None) -> None:
   """A training config (one with a `task`) holds the defaults' options (config/defaults.py)
   and no other: a field its file added, a misspelt assignment (`c.train.stesp = 4`, which
@@ -96,6 +138,9 @@ def flag_error(error: Exception, argv: list[str]) -> str:
     root = root.__cause__ or root.__context__
   config_file = _config_file(argv)
   inside, raised = _line_in(error, config_file)
+  if config_file is not None and config_file.partition(":")[0].endswith(".json"):
+    return (f"--config {config_file}: a JSON file (a run's W/config.json?); --config takes a "
+            "Python config file (configs/NAME.py)")   # read as Python, it fails oddly
   unloadable = "" if inside else _unloadable_config_file(config_file, root)
   if unloadable:
     return unloadable
