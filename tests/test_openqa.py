@@ -327,6 +327,18 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
     with pytest.raises(CheckpointError, match=rf"{version:08d}, the Open-QA run's frozen index, "
                        r"is unusable: .*fine-tune again"):
       evaluate_run(openqa_config(world_dir), str(broken), split="test")
+  # its checkpoint damaged (an item gone, files cut short): one line naming it
+  for damage in ("gone", "cut"):
+    hurt = shutil.copytree(workdir, tmp_path / f"params-{damage}")
+    params = hurt / "checkpoints" / "6" / "params"
+    if damage == "gone":
+      shutil.rmtree(params)
+    for file in [] if damage == "gone" else (params / "d").iterdir():
+      file.write_bytes(file.read_bytes()[:10])
+    with pytest.raises(CheckpointError, match=r"checkpoints/6 cannot be restored \(\w+: .*; "
+                       r"restore it from a copy of the run, or name another with --step "
+                       r"\(there are \[3\]\)$"):
+      evaluate_run(openqa_config(world_dir), str(hurt), split="test")
   # its frozen index gone altogether: refused as a resume is, not embedded anew
   gone = shutil.copytree(workdir, tmp_path / "gone")
   shutil.rmtree(published.index_root(str(gone)))

@@ -288,7 +288,10 @@ def saved_param_shapes(workdir: str, step: int | None = None
   manager = read_only_manager(workdir, item_handlers={"params": ocp.PyTreeCheckpointHandler()})
   try:
     step = _step_or_latest(manager, workdir, step)
-    tree = manager.item_metadata(step)["params"]
+    try:
+      tree = manager.item_metadata(step)["params"]
+    except Exception as e:   # noqa: BLE001 -- Orbax raises bare Exceptions for a bad file
+      raise _unreadable(manager, workdir, step, e) from None
   finally:
     manager.close()
   tree = getattr(tree, "tree", tree)   # orbax's TreeMetadata wraps the nested dict
@@ -307,6 +310,19 @@ def _step_or_latest(manager, workdir: str, step: int | None) -> int:
     raise FileNotFoundError(f"{workdir}/checkpoints has no step {step} (it has "
                             f"{sorted(manager.all_steps())})")
   return step
+
+
+def _unreadable(manager, workdir: str, step: int, error: Exception) -> CheckpointError:
+  """The error of a checkpoint that a reader of its params only (realm-eval, realm-predict,
+  `init.from_workdir`) cannot read, naming it, why, and the steps there are: none other is
+  read in its place (realm-train's resume walks back; an evaluation of another step would
+  not be the one asked for)."""
+  why = f"{type(error).__name__}: {_first_line(error, 400)}"
+  others = sorted(set(manager.all_steps()) - {step})
+  return CheckpointError(f"checkpoint {checkpoint_dir(workdir)}/{step} cannot be restored "
+                         f"({why}); restore it from a copy of the run" + (
+                             f", or name another with --step (there are {others})"
+                             if others else ""))
 
 
 def shape_mismatches(saved: dict, ours: dict) -> list[str]:
@@ -337,9 +353,14 @@ def restore_params(workdir: str, abstract_params, step: int | None = None,
     missing = sorted(p for p in flat if p not in saved)
     abstract_params = traverse_util.unflatten_dict({p: v for p, v in flat.items()
                                                     if p in saved})
-  restored = manager.restore(step, args=partial_params_restore(abstract_params) if partial else
-                             ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
-  manager.close()
+  try:
+    restored = manager.restore(
+        step, args=partial_params_restore(abstract_params) if partial else
+        ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
+  except Exception as e:   # noqa: BLE001 -- Orbax / TensorStore raise bare Exceptions
+    raise _unreadable(manager, workdir, step, e) from None
+  finally:
+    manager.close()
   if partial:
     return restored.params, step, missing
   return restored.params, step
