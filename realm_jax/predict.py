@@ -62,16 +62,20 @@ def _show(item: dict) -> str:
   lines = [f"Q: {item['question']}" + ("   (cut to data.query_len wordpieces)"
                                          if item.get("truncated") else "")]
   if "answer" in item:
-    lines.append(f"A: {item['answer']}   (score {item['score']:.2f})")
+    lines.append(f"A: {item['answer']}   (score {item['score']:.2f})" if item["score"] is not None
+                 else "A: (none: no block read has a span)")
   version = item.get("index_version", -1)
   index = (f"index v{version} (blocks embedded at step {item.get('index_step')})"
            if version >= 0 else "blocks embedded by it (no published index)")
   lines.append(f"   checkpoint {item['step']}, {index}")
   for rank, e in enumerate(item["evidence"], 1):
     scores = ", ".join(f"{k.replace('_', ' ')} {e[k]:.2f}" for k in ("retrieval_score",
-                                                                     "span_score") if k in e)
+                                                                     "span_score")
+                       if e.get(k) is not None)
+    span = "" if "span" not in e else " (no span)" if e["span"] is None else \
+        f" -> \"{e['span']}\""
     lines.append(f"  [{rank}] {e['title'] or '(untitled)'}" + (f" ({scores})" if scores else "")
-                 + (f" -> \"{e['span']}\"" if "span" in e else ""))
+                 + span)
     lines.append(textwrap.indent(textwrap.fill(e["text"], 96), "      "))
   return "\n".join(lines)
 

@@ -268,7 +268,7 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
     assert p["exact_match"] or not exact_match(p["prediction"], p["answers"])
   for p in predictions:    # spans keep to word boundaries
     assert not p["prediction"].startswith("##")
-    assert all(not e["span"].startswith("##") for e in p["evidence"])
+    assert all(not (e["span"] or "").startswith("##") for e in p["evidence"])
   first = predictions[0]
   assert len(first["evidence"]) == 3
   assert {"title", "text", "retrieval_score", "span_score"} <= set(first["evidence"][0])
@@ -499,6 +499,26 @@ def test_realm_predict_prints_the_answer_and_its_evidence(openqa_run, world_dir,
     predict(str(pod), [question])
   moved, = predict(str(pod), [question], overrides=[("--config.data.dir", "data.dir", world_dir)])
   assert (moved["answer"], moved["evidence"]) == (item["answer"], item["evidence"])
+
+
+def test_a_block_without_a_span_gives_none(openqa_run, monkeypatch):
+  """Blocks whose every span is masked (an empty body): no span and no span score (null),
+  and, where no block read has one, no answer; never the [CLS] of a masked span."""
+  from realm_jax.predict import _show, predict
+  from realm_jax.train import qa_eval
+  real = qa_eval.steps.make_openqa_eval
+
+  def masked(*args):
+    run = real(*args)
+    return lambda params, batch: {**run(params, batch), "block_span_scores": run(
+        params, batch)["block_span_scores"] * 0 - 1e9}
+  monkeypatch.setattr(qa_eval.steps, "make_openqa_eval", masked)
+  item, = predict(openqa_run[0], ["who founded it"])
+  assert (item["answer"], item["score"]) == ("", None)
+  assert all(e["span"] is None and e["span_score"] is None for e in item["evidence"])
+  shown = _show(item)
+  assert "A: (none: no block read has a span)" in shown and "(no span)" in shown
+  assert "[CLS]" not in shown
 
 
 def test_realm_predict_writes_its_results_alone_to_stdout(openqa_run, tmp_path):

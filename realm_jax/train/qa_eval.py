@@ -110,19 +110,30 @@ class QAEvaluator:
       if scores is not None:
         item["retrieval_score"] = float(scores[j])
       if out is not None:
+        spanned = has_span(out, i, j)   # (an empty body has none: no [CLS] as its span)
         item["retrieval_score"] = float(out["retrieval_logits"][i, j])
-        item["span_score"] = float(out["block_span_scores"][i, j])
-        item["span"] = b.span_text(batch["reader_ids"][i, j], int(out["block_best_span"][i, j]))[0]
+        item["span_score"] = float(out["block_span_scores"][i, j]) if spanned else None
+        item["span"] = b.span_text(batch["reader_ids"][i, j], int(
+            out["block_best_span"][i, j]))[0] if spanned else None
       evidence.append(item)
     if out is not None:
       k = int(out["best_block"][i])
-      answer, _, _ = b.span_text(batch["reader_ids"][i, k], int(out["best_span"][i]))
+      answered = has_span(out, i, k)   # none of the blocks read has one: no answer ("")
+      answer = b.span_text(batch["reader_ids"][i, k], int(out["best_span"][i]))[0] \
+          if answered else ""
       scored = b.scored_answers(row)
-      pred.update(prediction=answer, score=float(out["score"][i]), block_rank=k,
+      pred.update(prediction=answer, score=float(out["score"][i]) if answered else None,
+                  block_rank=k,
                   exact_match=bool(exact_match(answer, scored, ex.is_regex)),
                   f1=float(f1_score(answer, scored, ex.is_regex)))
     pred["evidence"] = evidence
     return pred
+
+
+def has_span(out: dict, i: int, j: int) -> bool:
+  """Whether block `j` of question `i` has a valid span (its best span's score is not the
+  mask's -1e9: a block whose body is empty has none)."""
+  return bool(out["block_span_scores"][i, j] > -1e8)
 
 
 def format_metrics(metrics: dict) -> str:
