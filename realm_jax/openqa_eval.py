@@ -11,9 +11,11 @@ writes W/eval/<step>/<split>[-retrieval]/metrics.json and predictions.jsonl.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import os
 import sys
 
 from realm_jax import log, paths
@@ -31,6 +33,15 @@ def results_dir(workdir: str, step: int, split: str, reader: bool) -> str:
   """W/eval/<step>/<split> (reader + retrieval) or W/eval/<step>/<split>-retrieval (retrieval
   only): each evaluation of a checkpoint keeps its own results."""
   return paths.join(workdir, "eval", str(step), split if reader else f"{split}-retrieval")
+
+
+def check_writable(out: str) -> str:
+  """`out`, made, or a PermissionError naming it where this process cannot write there
+  (run_cli: one line): checked before the evaluation, not after it. Returns `out`."""
+  paths.makedirs(out)
+  if not paths.is_remote(out) and not os.access(out, os.W_OK):
+    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), out)
+  return out
 
 
 def write_results(out: str, metrics: dict, predictions: list[dict]) -> str:
@@ -150,8 +161,10 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
                       f"with --config.qa.{split}=SPEC (nq_open:PATH, webq:PATH, "
                       "curated_trec:PATH, squad:PATH, tfds:NAME[:SPLIT], prepared:SPLIT)")
   examples, counts = qa_split(config.qa, split, config.data.dir)   # bad specs fail first
+  check_writable(paths.join(workdir, "eval"))   # before anything is computed
   config, data, mesh, model, params, frozen, reader, step = load_run(
       config, workdir, step, retrieval_only)
+  check_writable(results_dir(workdir, step, split, reader))
   logger.info(f"[eval] {workdir} step {step}: {len(examples):,} {split} questions "
               f"({config.qa.get(split)}), skipped {counts or 'none'}; "
               f"{'reader + retrieval' if reader else 'retrieval only'}")

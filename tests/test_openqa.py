@@ -347,6 +347,17 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
     evaluate_run(openqa_config(world_dir), str(gone), split="test")
 
 
+def test_realm_eval_checks_where_it_writes_before_it_evaluates(world_dir, tmp_path,
+                                                                monkeypatch):
+  """W/eval unusable (a file there): one OSError naming it before any checkpoint is read."""
+  import realm_jax.openqa_eval as openqa_eval
+  (tmp_path / "eval").write_text("")
+  monkeypatch.setattr(openqa_eval, "load_run", lambda *a: pytest.fail("evaluated first"))
+  with pytest.raises(OSError) as refused:
+    openqa_eval.evaluate_run(openqa_config(world_dir), str(tmp_path), split="test")
+  assert refused.value.filename == str(tmp_path / "eval")
+
+
 def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path, monkeypatch,
                                                 caplog):
   """Open-QA eval of a checkpoint without the span reader: a clear error; --retrieval_only:
