@@ -170,12 +170,17 @@ def load_block_records(path: str) -> np.ndarray:
   restricted unpickler that rebuilds the array itself from a list of bytes or str (`_Records`);
   plain bytes/str arrays load directly."""
   with open(path, "rb") as f:
-    version = np.lib.format.read_magic(f)
-    if version not in ((1, 0), (2, 0)):
-      raise DataError(f"{path}: .npy format version {version} is not read here")
-    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                   else np.lib.format.read_array_header_2_0)
-    shape, _, dtype = read_header(f)
+    try:
+      version = np.lib.format.read_magic(f)
+      if version not in ((1, 0), (2, 0)):
+        raise DataError(f"{path}: .npy format version {version} is not read here")
+      read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                     else np.lib.format.read_array_header_2_0)
+      shape, _, dtype = read_header(f)
+    except DataError:
+      raise
+    except ValueError as e:   # cut short, or not a .npy file at all
+      raise DataError(f"{path}: not a readable .npy file ({e})") from None
     if not dtype.hasobject:
       f.seek(0)
       return np.load(f)
