@@ -55,6 +55,15 @@ def test_the_vocab_splits_text_as_the_tokenizers_trainer_does(tmp_path):
   assert ours.unk_id not in {i for ids, _ in ours.encode_batch(TEXTS) for i in ids}
 
 
+def test_text_never_gives_padding(tmp_path):
+  """A literal [PAD] in a text (a question, a block) is [UNK], not id 0: padding marks where
+  a row ends; the other special tokens keep their ids, as HF's tokenizer gives them."""
+  ours = train_tokenizer(TEXTS, str(tmp_path), 150)
+  (ids, offsets), = ours.encode_batch(["the [PAD] river [SEP]"])
+  assert ours.pad_id not in ids and ours.unk_id in ids and ids[-1] == ours.sep_id
+  assert len(offsets) == len(ids)
+
+
 def test_wordpiece_training_says_how_it_goes():
   """A vocab trained on 100,000 documents takes tens of minutes: its progress is said."""
   said = []

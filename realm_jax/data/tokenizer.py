@@ -39,9 +39,14 @@ class Tokenizer:
     return self.wordpiece.get_vocab_size()
 
   def encode_batch(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-    """Wordpiece ids and char offsets of each text, without [CLS]/[SEP]."""
+    """Wordpiece ids and char offsets of each text, without [CLS]/[SEP]. A literal "[PAD]" in
+    a text is [UNK]: id 0 is padding throughout (a question's length counts its non-zero ids).
+    The other special tokens written out ("[SEP]", "[MASK]") keep their ids, as HF's
+    tokenizer gives them."""
     encodings = self.wordpiece.encode_batch(texts, add_special_tokens=False)
-    return [(e.ids, e.offsets) for e in encodings]
+    pad, unk = self.pad_id, self.unk_id
+    return [(e.ids if pad not in e.ids else [unk if i == pad else i for i in e.ids], e.offsets)
+            for e in encodings]
 
   def decode(self, ids: Iterable[int]) -> str:
     ids = [int(i) for i in ids if int(i) != self.pad_id]
