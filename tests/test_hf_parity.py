@@ -149,6 +149,21 @@ def _import_error(argv, capsys):
   return e.value.code, err
 
 
+def test_the_parity_check_without_transformers_says_how_to_get_it(tmp_path, capsys,
+                                                                   monkeypatch):
+  """Checked before anything is imported: one line naming `make interop-env`, exit 2."""
+  import importlib.util
+  from realm_jax.interop import hf_parity
+  found = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "transformers" else found(name, *a))
+  with pytest.raises(SystemExit) as stopped:
+    hf_parity.main(["--hf-dir", str(tmp_path)])
+  err = capsys.readouterr().err
+  assert stopped.value.code == 2 and len(err.splitlines()) == 1, err
+  assert "error: needs " in err and "transformers (not installed here): `make interop-env`" in err
+
+
 def test_unknown_model_type_is_one_clear_line(tmp_path, capsys):
   hf_dir = _write_config(tmp_path / "gpt", {"model_type": "gpt2",
                                             "architectures": ["GPT2LMHeadModel"]})

@@ -27,6 +27,7 @@ in both formats and bert (safetensors), what the tests use.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import tempfile
@@ -411,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--bin", action="store_true", help="with --make-random: save "
                       "pytorch_model.bin instead of model.safetensors")
   args = parser.parse_args(argv)
+  missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+  if missing:   # checked before the import runs, not after it
+    parser.exit(2, f"{parser.prog}: error: needs {' and '.join(missing)} (not installed here): "
+                "`make interop-env` makes .venv-interop with them (then `make interop-check "
+                "HF_DIR=D`)\n")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   if args.make_random:
     if args.make_random != "all":
