@@ -188,9 +188,10 @@ def write_config(workdir: str, config) -> None:
 
 
 def check_run_dir(workdir: str) -> None:
-  """A FileNotFoundError naming `workdir` where it does not exist."""
+  """A FileNotFoundError naming `workdir` where it does not exist or is a file."""
   if not paths.isdir(workdir):
-    raise FileNotFoundError(f"{workdir}: no such run directory")
+    what = "a file, not a run directory" if paths.exists(workdir) else "no such run directory"
+    raise FileNotFoundError(f"{workdir}: {what}")
 
 
 def saved_config(workdir: str):

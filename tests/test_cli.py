@@ -290,7 +290,9 @@ def test_a_workdir_that_is_not_a_run_is_named_in_one_line(module, prog, tmp_path
   (tmp_path / "empty").mkdir()
   (tmp_path / "broken").mkdir()
   (tmp_path / "broken" / "config.json").write_text('{"model": {')     # cut short
+  (tmp_path / "file").write_text("")
   cases = [([f"--workdir={tmp_path}/nowhere"], f"{tmp_path}/nowhere: no such run directory"),
+           ([f"--workdir={tmp_path}/file"], f"{tmp_path}/file: a file, not a run directory"),
            ([f"--workdir={tmp_path}/empty"],
             f"{tmp_path}/empty/config.json: not found, so {tmp_path}/empty is not a run "
             "directory"),
