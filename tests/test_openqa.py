@@ -358,6 +358,22 @@ def test_realm_eval_checks_where_it_writes_before_it_evaluates(world_dir, tmp_pa
   assert refused.value.filename == str(tmp_path / "eval")
 
 
+def test_the_index_of_a_step_is_found_among_later_versions(tmp_path):
+  """realm-eval / realm-predict --step N of a pre-training run: the version its checkpoint N
+  embedded, though later versions followed; none for a step that embedded none."""
+  from realm_jax.retrieval import published
+  from realm_jax.train.openqa_inputs import FrozenIndex
+  root = published.index_root(str(tmp_path))
+  for step in (2, 4, 6):
+    rows = np.full((5, 8), step, np.float32)
+    published.publish_arrays(root, rows, {}, step=step, fingerprint="blocks", keep=3)
+  found = FrozenIndex.of_step(str(tmp_path), 4, "blocks", 8)
+  assert (found.version, found.step, found.embeddings[0, 0]) == (2, 4, 4.0)
+  assert FrozenIndex.of_step(str(tmp_path), 6, "blocks", 8).version == 3
+  assert FrozenIndex.of_step(str(tmp_path), 3, "blocks", 8) is None
+  assert FrozenIndex.of_step(str(tmp_path), 4, "other blocks", 8) is None
+
+
 def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path, monkeypatch,
                                                 caplog):
   """Open-QA eval of a checkpoint without the span reader: a clear error; --retrieval_only:

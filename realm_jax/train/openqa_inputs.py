@@ -103,25 +103,29 @@ class FrozenIndex:
 
   @classmethod
   def of_step(cls, workdir: str, step: int, fingerprint: str, dim: int) -> FrozenIndex | None:
-    """`workdir`'s latest version if its block tower of `step` embedded these blocks
-    (`fingerprint`, `dim`); None otherwise (another step, other blocks, none, or a damaged
-    manifest: the caller embeds the blocks itself)."""
+    """The newest of `workdir`'s published versions (up to the latest) that its block tower
+    of `step` embedded over these blocks (`fingerprint`, `dim`): `realm-eval --step N` of a
+    pre-training run reads the version its checkpoint N built, though later ones followed.
+    None where there is none (other steps, other blocks, a damaged manifest: the caller embeds
+    the blocks itself)."""
     root = published.index_root(workdir)
     latest = published.read_latest(root) if paths.isdir(root) else None
     if latest is None:
       return None
-    try:
-      manifest = published.read_manifest(root, latest)
-    except published.RejectedVersion:
-      return None
-    if (manifest["step"], manifest["block_store_fingerprint"], manifest["dim"]) != (
-        step, fingerprint, dim):
-      return None
-    try:
-      return cls._read(root, latest, fingerprint, dim)
-    except published.RejectedVersion as e:     # damaged arrays: the caller embeds the blocks
-      logger.warning(f"{published.version_dir(root, latest)} not used: {e}")
-      return None
+    for version in sorted({latest, *published.complete_versions(root)}, reverse=True):
+      try:
+        manifest = published.read_manifest(root, version)
+      except published.RejectedVersion:
+        continue
+      if version > latest or (manifest["step"], manifest["block_store_fingerprint"],
+                              manifest["dim"]) != (step, fingerprint, dim):
+        continue
+      try:
+        return cls._read(root, version, fingerprint, dim)
+      except published.RejectedVersion as e:     # damaged arrays: the caller embeds the blocks
+        logger.warning(f"{published.version_dir(root, version)} not used: {e}")
+        return None
+    return None
 
   @classmethod
   def embed(cls, model, mesh, config, data: PreparedData, retriever_params, step: int,
