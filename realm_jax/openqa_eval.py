@@ -69,7 +69,8 @@ def write_results(out: str, metrics: dict, predictions: list[dict]) -> str:
 def fine_tuned(workdir: str, step: int) -> bool:
   """Whether checkpoint `step` of a run with a span reader was saved by Open-QA fine-tuning
   (with the frozen index's step in its `retrieval` item), not written by an import (params
-  only): its reader learnt with W/index, which nothing else stands in for."""
+  only; an imported RealmForOpenQA's W/index is used while it is there): its reader learnt
+  with W/index, which nothing else stands in for."""
   from realm_jax.runtime.checkpoints import checkpoint_dir
   return paths.isdir(paths.join(checkpoint_dir(workdir), str(step), "retrieval"))
 

@@ -109,9 +109,11 @@ def main(argv) -> None:
 
 def run() -> None:
   from realm_jax.config.option_names import upgrade_flags
-  from realm_jax.config.overrides import split_run_overrides
+  from realm_jax.config.overrides import refuse_config_file, split_run_overrides
   # an unreadable --flagfile: one line; --config.KEY=VALUE: options of W/config.json
-  sys.argv, _RUN_OVERRIDES[:] = split_run_overrides(upgrade_flags(sys.argv, "realm-predict"))
+  sys.argv, _RUN_OVERRIDES[:] = split_run_overrides(upgrade_flags(sys.argv, "realm-predict"),
+                                                    config_flag=False)
+  refuse_config_file("realm-predict", sys.argv)
   app.run(main, flags_parser=flags_parser("realm-predict"))
 
 

@@ -391,28 +391,39 @@ def test_options_of_a_runs_own_config_are_set_from_the_command_line(tmp_path):
   --config file and a stray argument are one line each, exit 2."""
   from realm_jax.config.overrides import apply_run_overrides, split_run_overrides
   argv = ["p", "--workdir=W", "--config.qa.test=nq_open:x.jsonl", "q?",
-          "--noconfig.model.share_towers", "--", "--config.a=b"]
-  rest, found = split_run_overrides(argv)
-  assert rest == ["p", "--workdir=W", "q?", "--", "--config.a=b"]
-  assert found == [("--config.qa.test", "qa.test", "nq_open:x.jsonl"),
-                   ("--noconfig.model.share_towers", "model.share_towers", "false")]
-  assert split_run_overrides(argv + ["--config", "c.py"]) == (argv + ["--config", "c.py"], [])
+          "--noconfig.model.share_towers", "--", "--config.a=b", "--config", "c.py"]
+  rest, found = split_run_overrides(argv)   # (a --config after -- is a question)
+  assert rest == ["p", "--workdir=W", "q?", "--", "--config.a=b", "--config", "c.py"]
+  assert found == [("--config.qa.test", "qa.test", "nq_open:x.jsonl", False),
+                   ("--noconfig.model.share_towers", "model.share_towers", None, True)]
+  assert split_run_overrides(["--config", "c.py"] + argv) == (["--config", "c.py"] + argv, [])
+  assert split_run_overrides(["p", "--config=c.py", "--config.a=b"], config_flag=False) == (
+      ["p", "--config=c.py"], [("--config.a", "a", "b", False)])
   config = apply_run_overrides(tiny_config("openqa"), [
-      ("--config.data.dir", "data.dir", "/moved"), ("--config.qa.reader_beam", "qa.reader_beam",
-                                                   "2")])
-  assert (config.data.dir, config.qa.reader_beam) == ("/moved", 2)
+      ("--config.data.dir", "data.dir", "/moved", False),
+      ("--config.qa.reader_beam", "qa.reader_beam", "2", False),
+      ("--noconfig.model.share_towers", "model.share_towers", None, True)])
+  assert (config.data.dir, config.qa.reader_beam, config.model.share_towers) == (
+      "/moved", 2, False)
+  for negated in ([("--noconfig.data.dir", "data.dir", None, True)],
+                  [("--noconfig.model.share_towers", "model.share_towers", "true", True)]):
+    with pytest.raises(ConfigError):   # --no of a string; --no with a value
+      apply_run_overrides(tiny_config("openqa"), negated)
   workdir_lib.write_config(str(tmp_path / "w"), tiny_config("openqa"))
   cases = [(["--config.qa.tst=x"], "--config.qa.tst: 'qa.tst' is not a field of the config; "
             "the closest is 'qa.test'"),
            (["--config.qa.test"], "--config.qa.test takes a value: --config.qa.test=VALUE"),
-           (["--config.qa.reader_beam=two"], "config.qa.reader_beam: 'two' is not a number"),
-           (["--config", str(tmp_path / "w" / "config.json")],
-            f"--config {tmp_path}/w/config.json: a JSON file (a run's W/config.json?); "
-            "--config takes a Python config file")]
-  for module, prog, extra in (("realm_jax.openqa_eval", "realm-eval", []),
-                              ("realm_jax.predict", "realm-predict", ["who?"])):
-    for args, expected in cases + ([(["stray"], "unexpected argument(s) ['stray']")]
-                                   if prog == "realm-eval" else []):
+           (["--config.qa.reader_beam=two"], "config.qa.reader_beam: 'two' is not a number")]
+  json_config = ["--config", str(tmp_path / "w" / "config.json")]
+  for module, prog, extra, more in (
+      ("realm_jax.openqa_eval", "realm-eval", [], [
+          (json_config, f"--config {tmp_path}/w/config.json: a JSON file (a run's "
+           "W/config.json?); --config takes a Python config file"),
+          (["stray"], "unexpected argument(s) ['stray']")]),
+      ("realm_jax.predict", "realm-predict", ["who?"], [
+          (json_config, f"--config {tmp_path}/w/config.json: realm-predict reads the run's "
+           "own W/config.json; set its options with --config.KEY=VALUE")])):
+    for args, expected in cases + more:
       result = subprocess.run([sys.executable, "-m", module, f"--workdir={tmp_path}/w", *args,
                                *extra], cwd=REPO, capture_output=True, text=True, timeout=120)
       assert result.returncode == 2, (args, result.stderr[-2000:])

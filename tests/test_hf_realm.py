@@ -701,10 +701,15 @@ def test_block_records_are_rebuilt_from_bytes_only(tmp_path):
   np.save(tmp_path / "d.npy", np.array([collections.OrderedDict()], dtype=object))
   with pytest.raises(DataError, match="refusing to load global collections.OrderedDict"):
     hf_realm.load_block_records(str(tmp_path / "d.npy"))
-  for size in (3, 20):   # cut short in its magic string, in its header
-    (tmp_path / "cut.npy").write_bytes((tmp_path / "good.npy").read_bytes()[:size])
+  np.save(tmp_path / "plain.npy", np.array([b"a block", b"another"]))   # not pickled
+  plain = (tmp_path / "plain.npy").read_bytes()
+  for source, size in (("good", 3), ("good", 20), ("plain", len(plain) - 4)):
+    # cut short in its magic string, in its header, in a plain array's data
+    (tmp_path / "cut.npy").write_bytes((tmp_path / f"{source}.npy").read_bytes()[:size])
     with pytest.raises(DataError, match=f"{tmp_path}/cut.npy: not a readable .npy file"):
       hf_realm.load_block_records(str(tmp_path / "cut.npy"))
+  assert list(hf_realm.load_block_records(str(tmp_path / "plain.npy"))) == [b"a block",
+                                                                             b"another"]
 
 
 def test_the_import_report_names_whole_dotted_keys():

@@ -336,8 +336,8 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
     for file in [] if damage == "gone" else (params / "d").iterdir():
       file.write_bytes(file.read_bytes()[:10])
     with pytest.raises(CheckpointError, match=r"checkpoints/6 cannot be restored \(\w+: .*; "
-                       r"restore it from a copy of the run, or name another with --step "
-                       r"\(there are \[3\]\)$"):
+                       r"restore it from a copy of the run, or read another of its steps "
+                       r"\(\[3\]\)$"):
       evaluate_run(openqa_config(world_dir), str(hurt), split="test")
   # its frozen index gone altogether: refused as a resume is, not embedded anew
   gone = shutil.copytree(workdir, tmp_path / "gone")

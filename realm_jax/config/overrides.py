@@ -70,12 +70,14 @@ def _parse_or_exit(prog: str, flag_values, argv: list[str]) -> list[str]:
 _RUN_OVERRIDE = re.compile(r"^--?(no)?config\.([^=\s]+)(?:=(.*))?$", re.S)
 
 
-def split_run_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, str, str | None]]]:
+def split_run_overrides(argv: list[str], config_flag: bool = True
+                        ) -> tuple[list[str], list[tuple[str, str, str | None, bool]]]:
   """(`argv` less its `--config.KEY[=VALUE]` / `--noconfig.KEY` tokens, those as (flag, KEY,
-  VALUE or None: a boolean's bare flag, "false" for --no)) where `argv` names no `--config`
-  file: options of a run's own W/config.json to set (`apply_run_overrides`). With a --config
-  file, `argv` whole and none: ml_collections parses them. Tokens after `--` are arguments."""
-  if _config_file(argv) is not None:
+  VALUE or None for a bare flag, negated)): options of a run's own W/config.json to set
+  (`apply_run_overrides`). Where the command has a `--config` flag (`config_flag`; realm-eval)
+  and `argv` names a file, `argv` whole and none: ml_collections parses them. Tokens after
+  `--` are arguments."""
+  if config_flag and _config_file(argv) is not None:
     return argv, []
   rest, found = [], []
   for i, arg in enumerate(argv):
@@ -86,22 +88,25 @@ def split_run_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, str
       rest.append(arg)
       continue
     negated, key, value = match.groups()
-    found.append((arg.partition("=")[0], key, "false" if negated and value is None else value))
+    found.append((arg.partition("=")[0], key, value, bool(negated)))
   return rest, found
 
 
-def apply_run_overrides(config, overrides: list[tuple[str, str, str | None]]):
+def apply_run_overrides(config, overrides: list[tuple[str, str, str | None, bool]]):
   """`config` (a run's W/config.json) with each of `split_run_overrides`' options set, checked
-  against its fields and typed as the field; a bare flag sets a boolean true. Returns it."""
-  for flag, key, value in overrides:
+  against its fields and typed as the field; a bare flag sets a boolean true, `--noconfig.KEY`
+  (no value) false. Returns it."""
+  for flag, key, value, negated in overrides:
     fields = flat_options(config)
     key = current_name(key)
     check_key(key, fields, flag)
-    if value is None:
+    if value is None or negated:
       current = fields[key] if fields[key] is not None else _unset_example(config, key)
-      if not isinstance(current, bool):
-        raise ConfigError("", f"{flag} takes a value: {flag}=VALUE")
-      value = "true"
+      if not isinstance(current, bool) or value is not None:
+        raise ConfigError("", f"{flag}" + (f"={value}: --no takes no value" if negated and
+                                            value is not None else
+                                            f" takes a value: {flag}=VALUE"))
+      value = "false" if negated else "true"
     config.update_from_flattened_dict({key: field_value(config, fields, key, value)})
   return config
 
@@ -205,8 +210,10 @@ def _line_in(error: BaseException, config_file: str | None) -> tuple[str, BaseEx
 
 
 def _config_file(argv: list[str]) -> str | None:
-  """The value of --config in `argv`, or None."""
+  """The value of --config in `argv` (before any `--`), or None."""
   for i, arg in enumerate(argv):
+    if arg == "--":
+      return None
     if arg in ("--config", "-config") and i + 1 < len(argv):
       return argv[i + 1]
     if arg.startswith(("--config=", "-config=")):
@@ -242,6 +249,15 @@ def refuse_arguments(prog: str, argv: list[str]) -> None:
   if argv[1:]:
     print(f"{prog}: error: unexpected argument(s) {argv[1:]} among the flags (a boolean takes "
           "--config.KEY=true|false)", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def refuse_config_file(prog: str, argv: list[str]) -> None:
+  """A command that reads the run's own W/config.json (realm-predict): a `--config` file is
+  one line and exit code 2, saying how its options are set instead."""
+  if _config_file(argv) is not None:
+    print(f"{prog}: error: --config {_config_file(argv)}: {prog} reads the run's own "
+          "W/config.json; set its options with --config.KEY=VALUE", file=sys.stderr)
     raise SystemExit(2)
 
 

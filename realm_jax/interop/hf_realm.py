@@ -177,13 +177,13 @@ def load_block_records(path: str) -> np.ndarray:
       read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                      else np.lib.format.read_array_header_2_0)
       shape, _, dtype = read_header(f)
+      if not dtype.hasobject:
+        f.seek(0)
+        return np.load(f)
     except DataError:
       raise
-    except ValueError as e:   # cut short, or not a .npy file at all
+    except ValueError as e:   # cut short (header or data), or not a .npy file at all
       raise DataError(f"{path}: not a readable .npy file ({e})") from None
-    if not dtype.hasobject:
-      f.seek(0)
-      return np.load(f)
     data = f.read()
 
   try:

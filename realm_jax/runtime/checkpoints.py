@@ -14,7 +14,7 @@ from etils import epath
 from flax import traverse_util
 
 from realm_jax import paths
-from realm_jax.errors import CheckpointError, ConfigError
+from realm_jax.errors import SELF_EXPLAINING, CheckpointError, ConfigError
 from realm_jax.runtime import multihost
 
 ITEMS = ("params", "opt", "data", "retrieval")
@@ -291,7 +291,7 @@ def saved_param_shapes(workdir: str, step: int | None = None
     try:
       tree = manager.item_metadata(step)["params"]
     except Exception as e:   # noqa: BLE001 -- Orbax raises bare Exceptions for a bad file
-      raise _unreadable(manager, workdir, step, e) from None
+      raise _unreadable(manager, workdir, step, e) from e
   finally:
     manager.close()
   tree = getattr(tree, "tree", tree)   # orbax's TreeMetadata wraps the nested dict
@@ -312,17 +312,20 @@ def _step_or_latest(manager, workdir: str, step: int | None) -> int:
   return step
 
 
-def _unreadable(manager, workdir: str, step: int, error: Exception) -> CheckpointError:
+def _unreadable(manager, workdir: str, step: int, error: Exception) -> Exception:
   """The error of a checkpoint that a reader of its params only (realm-eval, realm-predict,
   `init.from_workdir`) cannot read, naming it, why, and the steps there are: none other is
   read in its place (realm-train's resume walks back; an evaluation of another step would
-  not be the one asked for)."""
+  not be the one asked for). `error` itself where it is not the checkpoint's (storage out
+  of reach, memory exhausted, the project's own errors)."""
+  if isinstance(error, (ConnectionError, TimeoutError, MemoryError, *SELF_EXPLAINING)) or \
+      "RESOURCE_EXHAUSTED" in str(error):
+    return error
   why = f"{type(error).__name__}: {_first_line(error, 400)}"
   others = sorted(set(manager.all_steps()) - {step})
   return CheckpointError(f"checkpoint {checkpoint_dir(workdir)}/{step} cannot be restored "
                          f"({why}); restore it from a copy of the run" + (
-                             f", or name another with --step (there are {others})"
-                             if others else ""))
+                             f", or read another of its steps ({others})" if others else ""))
 
 
 def shape_mismatches(saved: dict, ours: dict) -> list[str]:
@@ -358,7 +361,7 @@ def restore_params(workdir: str, abstract_params, step: int | None = None,
         step, args=partial_params_restore(abstract_params) if partial else
         ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
   except Exception as e:   # noqa: BLE001 -- Orbax / TensorStore raise bare Exceptions
-    raise _unreadable(manager, workdir, step, e) from None
+    raise _unreadable(manager, workdir, step, e) from e
   finally:
     manager.close()
   if partial:

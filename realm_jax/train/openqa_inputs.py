@@ -102,23 +102,25 @@ class FrozenIndex:
                index=ExactIndex.from_embeddings(embeddings))
 
   @classmethod
-  def of_step(cls, workdir: str, step: int, fingerprint: str, dim: int) -> FrozenIndex | None:
-    """The newest of `workdir`'s published versions (up to the latest) that its block tower
-    of `step` embedded over these blocks (`fingerprint`, `dim`): `realm-eval --step N` of a
-    pre-training run reads the version its checkpoint N built, though later ones followed.
-    None where there is none (other steps, other blocks, a damaged manifest: the caller embeds
-    the blocks itself)."""
+  def of_step(cls, workdir: str, step: int, fingerprint: str, dim: int,
+              latest_only: bool = False) -> FrozenIndex | None:
+    """The newest of `workdir`'s published versions (up to the latest; the latest alone with
+    `latest_only`) that its block tower of `step` embedded over these blocks (`fingerprint`,
+    `dim`): `realm-eval --step N` of a pre-training run reads the version its checkpoint N
+    built, though later ones followed. None where there is none (other steps, other blocks,
+    a damaged manifest: the caller embeds the blocks itself)."""
     root = published.index_root(workdir)
     latest = published.read_latest(root) if paths.isdir(root) else None
     if latest is None:
       return None
-    for version in sorted({latest, *published.complete_versions(root)}, reverse=True):
+    older = [] if latest_only else published.complete_versions(root)
+    for version in sorted({latest, *(v for v in older if v < latest)}, reverse=True):
       try:
         manifest = published.read_manifest(root, version)
       except published.RejectedVersion:
         continue
-      if version > latest or (manifest["step"], manifest["block_store_fingerprint"],
-                              manifest["dim"]) != (step, fingerprint, dim):
+      if (manifest["step"], manifest["block_store_fingerprint"], manifest["dim"]) != (
+          step, fingerprint, dim):
         continue
       try:
         return cls._read(root, version, fingerprint, dim)

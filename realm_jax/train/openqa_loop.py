@@ -84,7 +84,7 @@ class OpenQATrainer(Run):
     origin = retriever.path if retriever.kind == "workdir" else ""
     init_step, source = init.steps.get("retriever", -1), None
     if origin and init_step >= 0:   # its index, if it embedded these blocks at that step
-      source = FrozenIndex.of_step(origin, init_step, fingerprint, dim)
+      source = FrozenIndex.of_step(origin, init_step, fingerprint, dim, latest_only=True)
       if source is not None:
         logger.info(f"[{task}] frozen index: the block embeddings of {origin}/index "
                     f"v{source.version} (step {init_step})")
