@@ -10,6 +10,7 @@ import pytest
 
 from realm_jax.data import pipeline
 from realm_jax.errors import ConfigError
+from realm_jax.runtime import partitioning
 from realm_jax.train import batches, openqa_inputs
 from tests.helpers import tiny_config
 
@@ -242,3 +243,42 @@ def test_async_versions_first_step_is_decided_once():
   schedule.advance_async(0, 2)
   feed.join(5)
   assert served == [2]
+
+
+def mesh_of(processes: int, shape: tuple[int, int]) -> np.ndarray:
+  """The process of each device of `make_mesh(shape)` over `processes` processes of equal
+  device counts (JAX lists devices in process order)."""
+  devices = shape[0] * shape[1]
+  return np.repeat(np.arange(processes), devices // processes).reshape(shape)
+
+
+@pytest.mark.parametrize("processes, shape, expected", [
+    (1, (2, 4), {0: (0, 1)}),
+    (2, (8, 1), {0: (0, 2), 1: (1, 2)}),          # the model axis within a process: as ever
+    (2, (2, 4), {0: (0, 2), 1: (1, 2)}),
+    (2, (4, 2), {0: (0, 2), 1: (1, 2)}),
+    (2, (1, 8), {0: (0, 1), 1: (0, 1)}),          # the model axis spans both: the same rows
+    (4, (2, 4), {0: (0, 2), 1: (0, 2), 2: (1, 2), 3: (1, 2)}),
+    (4, (4, 2), {p: (p, 4) for p in range(4)}),
+    (8, (4, 2), {p: (p // 2, 4) for p in range(8)}),   # one process per device, model 2
+    (8, (1, 8), {p: (0, 1) for p in range(8)}),
+])
+def test_each_process_loads_the_rows_its_devices_hold(processes, shape, expected):
+  """A process loads the rows of the data shards its devices hold: processes sharing data
+  shards (the model axis spans them) load the same rows, and every device gets the rows a
+  one-process run gives it."""
+  layout = mesh_of(processes, shape)
+  shares = partitioning.data_shares(layout)
+  assert shares == expected
+  batch, data = 16, shape[0]
+  for (i, _), p in np.ndenumerate(layout):
+    share, count = shares[p]
+    loaded = range(share * batch // count, (share + 1) * batch // count)
+    wanted = range(i * batch // data, (i + 1) * batch // data)
+    assert set(wanted) <= set(loaded)
+
+
+def test_data_shards_split_unevenly_among_processes_are_refused():
+  with pytest.raises(ConfigError, match=r"mesh\.shape: \(3, 2\) gives process 1's devices "
+                     r"the data shards \[1, 2\]"):
+    partitioning.data_shares(np.array([[0, 0], [0, 1], [1, 1]]))

@@ -72,17 +72,52 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-  """Per-host rows -> global arrays sharded over `data` (multi-host safe): process p's rows are
-  rows [p * b, (p + 1) * b) of the global batch (the devices of `make_mesh` are in process
-  order), as `pipeline.process_batches` builds them."""
+  """This process's rows -> global arrays sharded over `data` (multi-host safe): the rows of
+  its share of the batch (`data_share`), as `pipeline.process_batches` builds them for it;
+  processes that share data shards (the `model` axis spans them) pass the same rows."""
   sharding = batch_sharding(mesh)
   return {k: jax.make_array_from_process_local_data(sharding, np.ascontiguousarray(v))
           for k, v in local.items()}
 
 
-def process_share(full: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def data_shares(processes: np.ndarray) -> dict[int, tuple[int, int]]:
+  """Which share of every global batch each process loads, from the process of each device
+  of a [data, model] mesh: {process: (share, shares)}, share s of S being the rows
+  [s * B / S, (s + 1) * B / S). A process loads the rows of the data shards its devices hold,
+  so processes whose devices hold the same data shards (the `model` axis spans them) load
+  the same rows. Where the model axis stays within a process and the devices are in process
+  order (`make_mesh`), process p of P loads share p of P.
+
+  Raises ConfigError (mesh.shape) where the processes' data shards do not tile the data axis
+  (a process whose devices hold some of another's data shards and some not)."""
+  processes = np.asarray(processes)
+  if processes.ndim != 2:
+    raise ValueError(f"expected a [data, model] array of process ids, got {processes.shape}")
+  held = {int(p): tuple(int(i) for i in np.flatnonzero((processes == p).any(axis=1)))
+          for p in np.unique(processes)}
+  size = len(next(iter(held.values())))
+  for p, rows in held.items():
+    if len(rows) != size or rows != tuple(range(rows[0], rows[0] + size)) or rows[0] % size:
+      raise ConfigError("mesh.shape", f"{tuple(processes.shape)} gives process {p}'s devices "
+                        f"the data shards {list(rows)}, not an aligned block of {size} that "
+                        "whole processes share: no process could load just the rows its "
+                        "devices hold")
+  return {p: (rows[0] // size, processes.shape[0] // size) for p, rows in held.items()}
+
+
+def mesh_processes(mesh: Mesh) -> np.ndarray:
+  """The process of each device of `mesh`."""
+  return np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+
+
+def data_share(mesh: Mesh) -> tuple[int, int]:
+  """(share, shares): this process's share of every global batch on `mesh` (`data_shares`)."""
+  return data_shares(mesh_processes(mesh))[jax.process_index()]
+
+
+def process_share(full: dict[str, np.ndarray], mesh: Mesh) -> dict[str, np.ndarray]:
   """This process's rows of a batch every process holds whole (the input of `global_batch`)."""
-  count, index = jax.process_count(), jax.process_index()
+  index, count = data_share(mesh)
   if count == 1:
     return full
   return {k: v[len(v) // count * index:len(v) // count * (index + 1)] for k, v in full.items()}

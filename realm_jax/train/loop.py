@@ -41,8 +41,9 @@ class Trainer(Run):
                lock: workdir_lib.JobLock | None = None):
     data = checked_data(config, workdir)
     self.examples = query_examples(config, data)
+    share, shares = partitioning.data_share(partitioning.make_mesh(config.mesh.shape))
     super().__init__(config, workdir, data, batches.QueryBatches(
-        config, data, self.examples, jax.process_index(), jax.process_count()), lock)
+        config, data, self.examples, share, shares), lock)
     realm_eval = steps.make_realm_eval(config, self.model, self.mesh) \
         if config.task == "realm" else None
     self.evaluator = Evaluator(config, self.data, self.mesh, realm_eval)

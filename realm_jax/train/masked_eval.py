@@ -121,7 +121,7 @@ class Evaluator:
     process built the whole batch; each feeds its rows and gets back every row."""
     batch = batches.realm_batch(self.config, self.data, q, cand)
     return partitioning.host_copy(self.realm_eval(
-        params, partitioning.global_batch(partitioning.process_share(batch), self.mesh)))
+        params, partitioning.global_batch(partitioning.process_share(batch, self.mesh), self.mesh)))
 
   def _details(self, q, cand, preds, p_z, ok, rows) -> list[dict]:
     tok, blocks = self.data.tokenizer, self.data.blocks

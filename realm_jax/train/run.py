@@ -110,8 +110,9 @@ class Run:
                inputs, lock: workdir_lib.JobLock | None = None):
     self.config, self.workdir, self.data, self.inputs = config, workdir, data, inputs
     self.mesh = partitioning.make_mesh(config.mesh.shape)
-    validate_against_mesh(config, self.mesh.shape["data"], jax.process_count(),
-                          tuple(d.process_index for d in self.mesh.devices[:, 0]))
+    shares = partitioning.data_shares(partitioning.mesh_processes(self.mesh))
+    validate_against_mesh(config, self.mesh.shape["data"], max(s for _, s in shares.values()),
+                          tuple(shares[d.process_index][0] for d in self.mesh.devices[:, 0]))
     self._check_steps(workdir, config.train.steps)
     resumes = self._check_vocab(workdir, data.tokenizer.vocab_path)
     changed = [(name, was, now) for name, was, now in workdir_lib.recorded_differences(
