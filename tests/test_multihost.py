@@ -418,11 +418,28 @@ def test_topology_from_flags_environment_or_cluster_detection():
      "--num_processes=0 must be >= 1"),
     (dict(mode="on", coordinator_address="h:1", num_processes=2, process_id=0, init_timeout=0),
      "--init_timeout=0 must be a positive"),
+    (dict(mode="on", coordinator_address="localhost:99999", num_processes=2, process_id=0),
+     "--coordinator_address='localhost:99999': port 99999 is out of range"),
+    (dict(mode="auto", num_processes=2, process_id=1),
+     "--num_processes and --process_id need --coordinator_address \\(or "
+     "REALM_COORDINATOR_ADDRESS\\)"),
+    (dict(mode="auto", environ={"REALM_PROCESS_ID": "1"}),
+     "REALM_PROCESS_ID need --coordinator_address"),
+    (dict(mode="auto", environ={"REALM_COORDINATOR_ADDRESS": "h:1"}),
+     "REALM_COORDINATOR_ADDRESS \\(--multihost=auto with a coordinator\\) needs "
+     "--num_processes"),
 ])
 def test_bad_topologies_name_the_flag(kwargs, message):
   kwargs.setdefault("environ", {})
   with pytest.raises(ConfigError, match=message):
     multihost.resolve(detect=lambda: None, **kwargs)
+
+
+def test_unequal_local_device_counts_are_named():
+  multihost.check_device_counts([0, 0, 1, 1])
+  with pytest.raises(ConfigError, match="unequal local device counts \\(process 0: 3, "
+                     "process 1: 5\\)"):
+    multihost.check_device_counts([0] * 3 + [1] * 5)
 
 
 def test_exact_index_scores_do_not_depend_on_the_device_count(monkeypatch):

@@ -97,17 +97,26 @@ def resolve(mode: str = "auto", coordinator_address: str | None = None,
       raise ConfigError("", f"--{key}={seconds} must be a positive number of seconds")
   explicit = given["coordinator_address"] is not None
   if mode == "auto" and not explicit:
+    stray = [source[k] for k in ("num_processes", "process_id") if given[k] is not None]
+    if stray:
+      raise ConfigError("", f"{' and '.join(stray)} need --coordinator_address (or "
+                        f"{ENV['coordinator_address']}): without it they would be ignored")
     cluster = detect()
     if cluster is None:
       return None
     return Topology(None, None, None, int(init_timeout), int(heartbeat_timeout), cluster)
   missing = [f"--{k} (or {ENV[k]})" for k, v in given.items() if v is None]
   if missing:
-    raise ConfigError("", "--multihost=on needs " + ", ".join(missing))
+    needs = "--multihost=on" if mode == "on" else \
+        f"{source['coordinator_address']} (--multihost=auto with a coordinator)"
+    raise ConfigError("", f"{needs} needs " + ", ".join(missing))
   address = str(given["coordinator_address"])
   host, _, port = address.rpartition(":")
   if not host or not port.isdigit():
     raise ConfigError("", f"{source['coordinator_address']}={address!r}: expected host:port")
+  if not 1 <= int(port) <= 65535:
+    raise ConfigError("", f"{source['coordinator_address']}={address!r}: port {int(port)} "
+                      "is out of range (1 to 65535)")
   values = {}
   for key in ("num_processes", "process_id"):
     try:
@@ -174,6 +183,19 @@ def initialize(topology: Topology | None) -> None:
   _initialized = topology
   logger.info(f"[multihost] process {jax.process_index()} of {jax.process_count()}: "
               f"{jax.local_device_count()} local / {jax.device_count()} global devices")
+  check_device_counts([d.process_index for d in jax.devices()])
+
+
+def check_device_counts(device_processes: list[int]) -> None:
+  """Every process of the job has as many devices as the others (`device_processes`: the
+  process of each device of the job); ConfigError naming each process's count otherwise."""
+  counts: dict[int, int] = {}
+  for p in device_processes:
+    counts[p] = counts.get(p, 0) + 1
+  if len(set(counts.values())) > 1:
+    raise ConfigError("", "the processes have unequal local device counts (" + ", ".join(
+        f"process {p}: {n}" for p, n in sorted(counts.items())) + "): every process of a "
+        "job needs the same number of devices")
 
 
 def initialize_from_flags() -> Topology | None:
