@@ -42,8 +42,10 @@ def free_port() -> int:
 
 def launch(flags: list[str], workdir: str, count: int, port: int, devices: int = 4,
            extra: tuple[str, ...] = (),
-           program: tuple[str, ...] = ("-m", "realm_jax.train.main")) -> list[subprocess.Popen]:
-  """`count` realm-train processes of one job, `devices` CPU devices each."""
+           program: tuple[str, ...] = ("-m", "realm_jax.train.main"),
+           per_process: dict[int, tuple[str, ...]] | None = None) -> list[subprocess.Popen]:
+  """`count` realm-train processes of one job, `devices` CPU devices each (process i's flags
+  end with `per_process[i]`: a later flag wins)."""
   # PYTHONPATH: a `program` that is a script puts its own folder first, not the cwd; this
   # checkout's package must still be the one imported (not an installed copy elsewhere)
   env = {**os.environ, "XLA_FLAGS": helpers.xla_flags(devices),
@@ -52,7 +54,8 @@ def launch(flags: list[str], workdir: str, count: int, port: int, devices: int =
   return [subprocess.Popen(
       [sys.executable, "-u", *program, *flags, f"--workdir={workdir}",
        "--multihost=on", f"--coordinator_address=localhost:{port}", f"--num_processes={count}",
-       f"--process_id={i}", "--init_timeout=60", "--heartbeat_timeout=8", *extra],
+       f"--process_id={i}", "--init_timeout=60", "--heartbeat_timeout=8", *extra,
+       *(per_process or {}).get(i, ())],
       cwd=helpers.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i in range(count)]
 
@@ -357,6 +360,45 @@ def test_sigterm_stops_a_two_process_builder_waiting_for_checkpoints(world_dir, 
   for p, out in zip(procs, outputs):
     assert p.returncode == 143 and "[index] SIGTERM: stopped; 1 versions published" in out, \
         out[-3000:]
+
+
+def test_a_workdir_some_process_does_not_share_is_refused(world_dir, tmp_path):
+  """Process 1 given a workdir of its own (as a node-local path would be): both stop at
+  start-up naming it (the same config: the config check passes), instead of hanging at the
+  first save."""
+  config = helpers.tiny_config("ict", data_dir=world_dir)
+  procs = launch(helpers.config_flags(config, "demo_ict"), str(tmp_path / "shared"), 2,
+                 free_port(), per_process={1: (f"--workdir={tmp_path / 'local'}",)})
+  with deadline(procs, 180) as expired:
+    outputs = read_to_end(procs)
+  assert not expired, "\n---\n".join(out[-1500:] for out in outputs)
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 2, out[-3000:]
+    assert "process 1 does not see what process 0 wrote there: the workdir must be shared " \
+        "storage" in out, out[-3000:]
+  assert not os.path.exists(tmp_path / "shared" / "checkpoints")
+
+
+def test_processes_that_disagree_on_the_config_are_named(world_data, monkeypatch):
+  """Each top-level config field (and the block store) where a process differs from process
+  0 is named, before anything is written."""
+  from realm_jax.train import run
+  sent = []
+
+  def exchange(name, value):   # process 1: another train.lr and data.dir
+    sent.append(json.loads(value))
+    theirs = {**sent[0], "config.train": "another", "config.data": "another"}
+    return [value, json.dumps(theirs)]
+  monkeypatch.setattr(run.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost, "every_process", exchange)
+  with pytest.raises(ConfigError, match=r"disagree on config\.data \(process 1 against "
+                     r"process 0\); config\.train \(process 1 against process 0\): every "
+                     "process must run the same command"):
+    run.check_same_run(helpers.tiny_config("ict"), world_data)
+  assert "the block store of data.dir" in sent[0] and "config.model" in sent[0]
+  assert multihost.disagreements([{"a": "1", "b": "2"}, {"a": "1", "b": "2"}]) == {}
+  assert multihost.disagreements([{"a": "1"}, {"a": "2", "b": "3"}, {"a": "1"}]) == \
+      {"a": [1], "b": [1]}
 
 
 def test_a_coordinator_that_never_answers_is_named(world_dir, tmp_path):

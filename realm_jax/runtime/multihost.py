@@ -263,6 +263,40 @@ def first_process_list(values: list[int]) -> list[int]:
   return [int(v) for v in multihost_utils.broadcast_one_to_all(padded)]
 
 
+_exchanges = 0
+
+
+def every_process(name: str, value: str, timeout: float | None = None) -> list[str]:
+  """Every process's `value`, in process order, on every process (each call is a new
+  exchange; every process calls it at the same point), through the coordination service's
+  key-value store: values of any length, even where the processes disagree on them. An error
+  naming `name` after `timeout` seconds (default: the heartbeat timeout)."""
+  import jax
+  if jax.process_count() == 1:
+    return [value]
+  from jax._src import distributed
+  global _exchanges
+  _exchanges += 1
+  me, client = jax.process_index(), distributed.global_state.client
+  key = f"realm-{name}-exchange-{_exchanges}"
+  client.key_value_set(f"{key}/{me}", value)
+  timeout = barrier_timeout() if timeout is None else timeout
+  try:
+    return [value if p == me else client.blocking_key_value_get(f"{key}/{p}", int(timeout * 1000))
+            for p in range(jax.process_count())]
+  except jax.errors.JaxRuntimeError as e:
+    raise RuntimeError(f"process {me} of {jax.process_count()}: not every process sent its "
+                       f"{name!r} within {timeout:g}s: {e}") from e
+
+
+def disagreements(values: list[dict[str, str]]) -> dict[str, list[int]]:
+  """{key: the processes whose value differs from process 0's} for every key on which the
+  processes' `values` (one dict a process, in process order) disagree."""
+  keys = sorted(set().union(*values))
+  found = {k: [p for p, v in enumerate(values) if v.get(k) != values[0].get(k)] for k in keys}
+  return {k: ps for k, ps in found.items() if ps}
+
+
 _shared = 0
 LONG_WAIT_SECONDS = 7 * 24 * 3600.0   # `from_first_process`'s default: as long as process 0
                                       # lives (its death ends the job by heartbeat)

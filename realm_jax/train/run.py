@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import logging
 import os
 import time
+import uuid
 
 import jax
 import ml_collections
@@ -50,6 +53,43 @@ def checked_data(config: ml_collections.ConfigDict, workdir: str) -> PreparedDat
                         f"spans to evaluate in {paths.join(config.data.dir, 'examples')} "
                         f"(there: {', '.join(there) or 'none'})")
   return data
+
+
+def check_same_run(config: ml_collections.ConfigDict, data: PreparedData) -> None:
+  """Every process of a job runs the same config on the same block store: a ConfigError
+  naming each top-level config field (and the store) on which some process differs from
+  process 0, before anything is written (a collective: every process calls it)."""
+  if jax.process_count() == 1:
+    return
+  mine = {f"config.{k}": hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()
+          for k, v in json.loads(config.to_json_best_effort()).items()}
+  mine["the block store of data.dir"] = data.blocks.fingerprint
+  differ = multihost.disagreements(
+      [json.loads(v) for v in multihost.every_process("config", json.dumps(mine))])
+  if differ:
+    raise ConfigError("", "the processes of this job disagree on " + "; ".join(
+        f"{k} (process {', '.join(map(str, ps))} against process 0)" for k, ps in differ.items())
+        + ": every process must run the same command on the same data")
+
+
+WORKDIR_TOKEN = ".job_token"   # process 0's token in W, which every other process reads back
+
+
+def check_shared_workdir(workdir: str) -> None:
+  """Every process sees the token process 0 just wrote into `workdir`: a ConfigError naming
+  it otherwise (a node-local workdir, or another path on some host, would hang the first
+  save). A collective: every process calls it once process 0 created `workdir`."""
+  if jax.process_count() == 1:
+    return
+  path, primary = paths.join(workdir, WORKDIR_TOKEN), jax.process_index() == 0
+  if primary:
+    paths.write_text_atomic(path, uuid.uuid4().hex)
+  token = multihost.every_process("workdir", paths.read_text(path) if primary else "")[0]
+  blind = multihost.processes_where_not(primary or paths.read_text(path) == token)
+  if blind:
+    raise ConfigError("", f"--workdir {workdir}: process {', '.join(map(str, blind))} does not "
+                      "see what process 0 wrote there: the workdir must be shared storage "
+                      "that every process sees at the same path")
 
 
 @dataclasses.dataclass
@@ -113,6 +153,7 @@ class Run:
     shares = partitioning.data_shares(partitioning.mesh_processes(self.mesh))
     validate_against_mesh(config, self.mesh.shape["data"], max(s for _, s in shares.values()),
                           tuple(shares[d.process_index][0] for d in self.mesh.devices[:, 0]))
+    check_same_run(config, data)
     self._check_steps(workdir, config.train.steps)
     resumes = self._check_vocab(workdir, data.tokenizer.vocab_path)
     changed = [(name, was, now) for name, was, now in workdir_lib.recorded_differences(
@@ -129,6 +170,7 @@ class Run:
         resumes and paths.exists(paths.join(workdir, workdir_lib.VOCAB))):
       workdir_lib.record_vocab(workdir, data.tokenizer.vocab_path)
     multihost.barrier("workdir")   # no process goes on before the workdir exists
+    check_shared_workdir(workdir)
     self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
     init_rng, self.step_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     # the state itself comes from `restore_or_init`: restored, or initialised on a fresh start
