@@ -477,6 +477,38 @@ def test_bad_topologies_name_the_flag(kwargs, message):
     multihost.resolve(detect=lambda: None, **kwargs)
 
 
+def test_a_long_wait_runs_in_slices_that_let_a_signal_handler_stop_it(monkeypatch):
+  """A wait for process 0 (its decision, or the end of its I/O) asks the coordination service
+  in slices: a timed-out slice waits again, a SIGTERM handler's exception (raised between two
+  slices) ends it, another error (the job ending) at once."""
+  monkeypatch.setattr(multihost, "WAIT_SLICE_SECONDS", 0.01)
+  timeout = jax.errors.JaxRuntimeError("DEADLINE_EXCEEDED: GetKeyValue() timed out")
+
+  class Client:
+    def __init__(self, answers):
+      self.answers, self.asked = list(answers), []
+
+    def blocking_key_value_get(self, key, ms):
+      self.asked.append(ms)
+      answer = self.answers.pop(0)
+      if answer is timeout:
+        time.sleep(ms / 1000)
+      if isinstance(answer, BaseException):
+        raise answer
+      return answer
+  client = Client([timeout] * 5 + ["7"])
+  assert multihost.sliced_get(client, "k", 3600) == "7"
+  assert client.asked == [10] * 6                        # slices, not one call of an hour
+  stopped = KeyboardInterrupt()   # what a signal handler raises between two slices
+  with pytest.raises(KeyboardInterrupt):
+    multihost.sliced_get(Client([timeout, stopped]), "k", 3600)
+  ended = jax.errors.JaxRuntimeError("UNAVAILABLE: the leader task died")
+  with pytest.raises(jax.errors.JaxRuntimeError, match="UNAVAILABLE"):
+    multihost.sliced_get(Client([ended, "7"]), "k", 3600)
+  with pytest.raises(jax.errors.JaxRuntimeError, match="DEADLINE_EXCEEDED"):
+    multihost.sliced_get(Client([timeout] * 100), "k", 0.03)
+
+
 def test_unequal_local_device_counts_are_named():
   multihost.check_device_counts([0, 0, 1, 1])
   with pytest.raises(ConfigError, match="unequal local device counts \\(process 0: 3, "

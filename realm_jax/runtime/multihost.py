@@ -270,7 +270,8 @@ def every_process(name: str, value: str, timeout: float | None = None) -> list[s
   """Every process's `value`, in process order, on every process (each call is a new
   exchange; every process calls it at the same point), through the coordination service's
   key-value store: values of any length, even where the processes disagree on them. An error
-  naming `name` after `timeout` seconds (default: the heartbeat timeout)."""
+  naming `name` after `timeout` seconds (default: as long as the others live, as
+  `from_first_process`: a process may load its data slower than the others)."""
   import jax
   if jax.process_count() == 1:
     return [value]
@@ -280,9 +281,9 @@ def every_process(name: str, value: str, timeout: float | None = None) -> list[s
   me, client = jax.process_index(), distributed.global_state.client
   key = f"realm-{name}-exchange-{_exchanges}"
   client.key_value_set(f"{key}/{me}", value)
-  timeout = barrier_timeout() if timeout is None else timeout
+  timeout = LONG_WAIT_SECONDS if timeout is None else timeout
   try:
-    return [value if p == me else client.blocking_key_value_get(f"{key}/{p}", int(timeout * 1000))
+    return [value if p == me else sliced_get(client, f"{key}/{p}", timeout)
             for p in range(jax.process_count())]
   except jax.errors.JaxRuntimeError as e:
     raise RuntimeError(f"process {me} of {jax.process_count()}: not every process sent its "
@@ -319,8 +320,38 @@ def from_first_process(name: str, value: int | None,
     client.key_value_set(key, str(int(value)))
     return int(value)
   try:
-    return int(client.blocking_key_value_get(key, int(timeout * 1000)))
+    return int(sliced_get(client, key, timeout))
   except jax.errors.JaxRuntimeError as e:   # the wait's end, or the job's (process 0 gone)
     raise RuntimeError(f"process {jax.process_index()} of {jax.process_count()}: no {name!r} "
                        f"from process 0 (it may have ended; waited at most {timeout:g}s): "
                        f"{e}") from e
+
+
+WAIT_SLICE_SECONDS = 1.0   # a long wait's slices: between two, signal handlers run
+
+
+def sliced_get(client, key: str, timeout: float) -> str:
+  """The coordination service's value of `key`, waited for up to `timeout` seconds in slices
+  of WAIT_SLICE_SECONDS: one blocking call would hold the main thread in C++ for all of it,
+  so a SIGTERM's Python handler (realm-index stops at once) would not run until it ends.
+  JaxRuntimeError after `timeout`, or at once on another error (the job ending)."""
+  import jax
+  deadline = time.time() + timeout
+  while True:
+    left = deadline - time.time()
+    try:
+      return client.blocking_key_value_get(key, max(1, int(min(left, WAIT_SLICE_SECONDS) * 1000)))
+    except jax.errors.JaxRuntimeError as e:
+      if "DEADLINE_EXCEEDED" not in str(e) or left <= WAIT_SLICE_SECONDS:
+        raise
+
+
+def after_first_process(name: str, timeout: float = LONG_WAIT_SECONDS) -> None:
+  """Waits until process 0 gets here (each call is a new one; every process calls it): for
+  what process 0 alone writes before the others read it (the workdir, an index version, a
+  checkpoint moved aside). Not a barrier of the heartbeat timeout: process 0's I/O may take
+  longer (a slow bucket) without anything being wrong, and its death ends the job by
+  heartbeat anyway; the others wait in slices (`sliced_get`), so a SIGTERM still stops them."""
+  import jax
+  if jax.process_count() > 1:
+    from_first_process(f"{name}-done", 1 if jax.process_index() == 0 else None, timeout)

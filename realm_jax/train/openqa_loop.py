@@ -98,7 +98,7 @@ class OpenQATrainer(Run):
       published.publish_arrays(published.index_root(self.workdir), source.embeddings, query,
                                step=source.step, fingerprint=fingerprint,
                                keep=cfg.builder.keep_versions)
-    multihost.barrier("frozen index published")   # every process loads the version just written
+    multihost.after_first_process("frozen index published")   # all load the version written
     return FrozenIndex.load(self.workdir, fingerprint, dim)
 
   # -- the steps ---------------------------------------------------------------------------
@@ -106,7 +106,7 @@ class OpenQATrainer(Run):
     cfg = self.config
     if jax.process_index() == 0:   # checked in __init__ where the run resumes
       workdir_lib.record_questions(self.workdir, *self.questions)
-    multihost.barrier("questions recorded")
+    multihost.after_first_process("questions recorded")
     self.frozen = self.frozen_index(init)
     self.builder = QABatchBuilder(cfg, self.data, self.train_qa, self.frozen)
     self.evaluator = QAEvaluator(cfg, self.data, self.mesh, self.model, self.dev_qa,

@@ -169,7 +169,7 @@ class Run:
     if jax.process_index() == 0 and not (
         resumes and paths.exists(paths.join(workdir, workdir_lib.VOCAB))):
       workdir_lib.record_vocab(workdir, data.tokenizer.vocab_path)
-    multihost.barrier("workdir")   # no process goes on before the workdir exists
+    multihost.after_first_process("workdir")   # no process goes on before the workdir exists
     check_shared_workdir(workdir)
     self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
     init_rng, self.step_rng = jax.random.split(jax.random.PRNGKey(config.seed))
