@@ -117,6 +117,26 @@ def test_question_shares_make_the_single_process_batches():
         np.concatenate([q(step)["rows"] for q in procs]), single(step)["rows"])
 
 
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_process_batch_of_one_is_its_share_of_the_global_batch(world_data, count):
+  """A per-process batch of one (batch size = process count) holds the examples the global
+  batch holds on one process: the stream positions [t * B, (t + 1) * B) in process order."""
+  config = tiny_config("realm", train__batch_size=count)
+  examples = world_data.examples("train")
+  procs = [batches.QueryBatches(config, world_data, examples, p, count) for p in range(count)]
+  for step in (0, 3, len(examples)):   # the last one in the next epoch
+    rows = [int(q(step)["query_row"][0]) for q in procs]
+    assert rows == [procs[0].rows[step * count + p] for p in range(count)]
+  iterator = procs[-1].iterator(prefetch=2)
+  assert [int(next(iterator)["query_row"][0]) for _ in range(2)] == [
+      int(procs[-1](step)["query_row"][0]) for step in range(2)]
+  iterator.close()
+  questions = [openqa_inputs.QuestionBatches(config, 50, p, count) for p in range(count)]
+  single = openqa_inputs.QuestionBatches(tiny_config("realm", train__batch_size=count), 50)
+  np.testing.assert_array_equal(np.concatenate([q(5)["rows"] for q in questions]),
+                                single(5)["rows"])
+
+
 def test_ict_removes_the_sentence_at_the_configured_rate(world_data):
   config = tiny_config("ict")
   examples, blocks = world_data.examples("train"), world_data.blocks

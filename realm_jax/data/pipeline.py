@@ -55,6 +55,10 @@ def process_batches(elements: grain.MapDataset, global_batch: int, process_index
     raise ValueError(f"a global batch of {global_batch} cannot be split over "
                      f"{process_count} processes")
   local = global_batch // process_count
+  if local == 1:
+    # grain's batch(1) of an endless stream counts 2**63 batches (a float ceil), which len()
+    # and so the slice cannot hold; a batch of one is the element made a batch on its own.
+    return elements.map(lambda element: batch_fn([element]))[process_index::process_count]
   return elements.batch(local, batch_fn=batch_fn)[process_index::process_count]
 
 
