@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 CONFIG = "config.json"
 BLOCKS_RECORD = "blocks.json"
 QUESTIONS_RECORD = "questions.json"
+EXAMPLES_RECORD = "examples.json"
 CHECKPOINTS = "checkpoints"
 UNREADABLE_CHECKPOINTS = "unreadable_checkpoints"
 VOCAB = "vocab.txt"
@@ -257,6 +258,30 @@ def check_questions(workdir: str, spec: str, count: int, fingerprint: str) -> No
                       f"fingerprint {str(record.get('fingerprint'))[:12]} != "
                       f"{fingerprint[:12]}): resume on those questions and the same "
                       "qa.heldout_* split, or train in a new workdir")
+
+
+# -- W/examples.json ---------------------------------------------------------------------------
+def record_examples(workdir: str, split: str, count: int, fingerprint: str) -> None:
+  """The examples a pre-training run trains on (`ExampleSet.fingerprint`), written by its
+  first process once its start or resume (`check_examples`) is settled."""
+  paths.write_json(paths.join(workdir, EXAMPLES_RECORD),
+                   {"split": split, "examples": count, "fingerprint": fingerprint})
+
+
+def check_examples(workdir: str, data_dir: str, split: str, count: int,
+                   fingerprint: str) -> None:
+  """Refuses to resume a pre-training run on other examples than its checkpoints trained on
+  (other rows, the same in another order): the input pipeline's saved position indexes into
+  them. A moved data dir with the same examples resumes; W without the record (a run from
+  before it) is not checked. Reads only: every process of a job may call it."""
+  record = paths.read_json(paths.join(workdir, EXAMPLES_RECORD))
+  if record is not None and record.get("fingerprint") != fingerprint:
+    raise ConfigError("data.dir", f"its {count} examples of split {split!r} "
+                      f"({paths.join(data_dir, 'examples', split)}) are not the "
+                      f"{record.get('examples', '?')} that the checkpoints in {workdir} "
+                      f"trained on ({EXAMPLES_RECORD}: fingerprint "
+                      f"{str(record.get('fingerprint'))[:12]} != {fingerprint[:12]}): resume "
+                      "on the data they trained on, or train in a new workdir")
 
 
 # -- W/DONE ------------------------------------------------------------------------------------

@@ -152,6 +152,16 @@ def tb_events(events_file: str) -> list:
   return events
 
 
+def examples_copy(data_dir, out, rows, split: str = "train") -> pathlib.Path:
+  """A copy of prepared `data_dir` at `out` whose `split` holds only its example `rows`, in
+  their order (another set of examples, or the same reordered)."""
+  import numpy as np
+  copy = pathlib.Path(shutil.copytree(data_dir, out))
+  for path in (copy / "examples" / split).glob("*.npy"):
+    np.save(path, np.load(path)[rows])
+  return copy
+
+
 def swapped_vocab_copy(data_dir, out) -> pathlib.Path:
   """A copy of prepared `data_dir` at `out` whose vocab.txt lists as many tokens, its last two
   swapped: the same size, ids that mean other words (what a vocab check must refuse)."""

@@ -412,6 +412,9 @@ def test_no_retrieval_baseline_reads_only_the_null_document(world_dir, world_dat
   ends = queries["query_len"]
   assert (batch["reader_ids"][rows, 0, ends] == world_data.tokenizer.sep_id).all()
   summary = train(config, str(tmp_path / "no_retrieval"))
+  examples = world_data.examples("train")   # what a resume must train on again
+  assert json.load(open(tmp_path / "no_retrieval" / "examples.json")) == {
+      "split": "train", "examples": len(examples), "fingerprint": examples.fingerprint}
   assert summary["eval_retrieval_utility"] == 0.0 and 0 <= summary["eval_span_accuracy"] <= 1
   # One candidate: training logs no retrieval figures (they would be 0 by definition).
   rows = read_jsonl(os.path.join(tmp_path, "no_retrieval", "metrics", "train.jsonl"))
@@ -604,3 +607,33 @@ def test_a_run_resumed_on_data_of_another_vocab_is_refused_before_it_writes(stag
   with pytest.raises(ConfigError, match=r"config\.data\.dir: .*swapped.* or resume .*ict_old "
                      "on the data it trained on"):
     Run._check_vocab(str(old), str(swapped / "vocab.txt"))
+
+
+def test_a_run_resumed_on_other_examples_is_refused_before_it_writes(world_dir, world_data,
+                                                                     tmp_path):
+  """The checkpoints' input-pipeline position indexes into the examples they trained on
+  (W/examples.json): a resume on fewer of them, or the same in another order, is refused
+  naming data.dir before anything is written; the same examples in a moved data dir, and a
+  workdir from before the record, resume."""
+  from realm_jax import workdir as workdir_lib
+  from realm_jax.data.prepared import PreparedData
+  from realm_jax.errors import ConfigError
+  examples = world_data.examples("train")
+  workdir = tmp_path / "work"
+  os.makedirs(workdir / "checkpoints" / "10")   # a run that saved step 10
+  workdir_lib.record_examples(str(workdir), "train", len(examples), examples.fingerprint)
+  n = len(examples)
+  rows = {"fewer": np.arange(200)[::-1], "reordered": np.roll(np.arange(n), 1)}
+  for name, picked in rows.items():
+    data = helpers.examples_copy(world_dir, tmp_path / name, picked)
+    config = tiny_config("realm", "no_retrieval", str(data), train__steps=20)
+    with pytest.raises(ConfigError, match=rf"config\.data\.dir: its {len(picked)} examples of "
+                       rf"split 'train' .*{name}/examples/train\) are not the {n} that the "
+                       r"checkpoints in .* trained on \(examples\.json: fingerprint"):
+      train(config, str(workdir))
+  assert sorted(os.listdir(workdir)) == ["checkpoints", "examples.json"]
+  moved = PreparedData(str(helpers.examples_copy(world_dir, tmp_path / "moved", np.arange(n))))
+  workdir_lib.check_examples(str(workdir), moved.dir, "train", n,
+                             moved.examples("train").fingerprint)
+  os.remove(workdir / "examples.json")
+  workdir_lib.check_examples(str(workdir), world_dir, "train", 200, "another")

@@ -41,6 +41,9 @@ class Trainer(Run):
                lock: workdir_lib.JobLock | None = None):
     data = checked_data(config, workdir)
     self.examples = query_examples(config, data)
+    self.trained_on = (config.data.split, len(self.examples), self.examples.fingerprint)
+    if workdir_lib.holds_checkpoints(workdir):   # before the run writes anything (config.json)
+      workdir_lib.check_examples(workdir, data.dir, *self.trained_on)
     share, shares = partitioning.data_share(partitioning.make_mesh(config.mesh.shape))
     super().__init__(config, workdir, data, batches.QueryBatches(
         config, data, self.examples, share, shares), lock)
@@ -74,6 +77,8 @@ class Trainer(Run):
   # -- the steps ---------------------------------------------------------------------------
   def begin(self, start: int, init) -> None:
     cfg = self.config
+    if jax.process_index() == 0:   # checked in __init__ where the run resumes
+      workdir_lib.record_examples(self.workdir, *self.trained_on)
     n_params = state_lib.count_params(self.state.params)
     logger.info(f"{self.prefix}{n_params / 1e6:.2f}M params, mesh {dict(self.mesh.shape)}, batch "
                 f"{cfg.train.batch_size}, steps {start}->{cfg.train.steps}, "
