@@ -133,7 +133,7 @@ def other_split(workdir: str, config) -> list[str]:
   from realm_jax.config.compatibility import changed_fields, task_fields
   from realm_jax.config.reading import flat_options
   saved = recorded_config(workdir)
-  if saved is None:
+  if saved is None or saved.get("task") != "openqa":   # (a pre-training run's: no questions)
     return []
   current = json.loads(config.to_json_best_effort())
   return [f"{name}: {a!r} (the run) != {b!r} (this config)" for name, a, b in changed_fields(
@@ -275,6 +275,9 @@ def check_examples(workdir: str, data_dir: str, split: str, count: int,
   them. A moved data dir with the same examples resumes; W without the record (a run from
   before it) is not checked. Reads only: every process of a job may call it."""
   record = paths.read_json(paths.join(workdir, EXAMPLES_RECORD))
+  if record is not None and record.get("split", split) != split:
+    raise ConfigError("data.split", f"{split!r} but the checkpoints in {workdir} trained on "
+                      f"split {record['split']!r}: resume on it, or train in a new workdir")
   if record is not None and record.get("fingerprint") != fingerprint:
     raise ConfigError("data.dir", f"its {count} examples of split {split!r} "
                       f"({paths.join(data_dir, 'examples', split)}) are not the "

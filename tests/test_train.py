@@ -614,7 +614,7 @@ def test_a_run_resumed_on_other_examples_is_refused_before_it_writes(world_dir, 
   """The checkpoints' input-pipeline position indexes into the examples they trained on
   (W/examples.json): a resume on fewer of them, or the same in another order, is refused
   naming data.dir before anything is written; the same examples in a moved data dir, and a
-  workdir from before the record, resume."""
+  workdir from before the record, resume. Another seed or data.split is refused too."""
   from realm_jax import workdir as workdir_lib
   from realm_jax.data.prepared import PreparedData
   from realm_jax.errors import ConfigError
@@ -635,5 +635,17 @@ def test_a_run_resumed_on_other_examples_is_refused_before_it_writes(world_dir, 
   moved = PreparedData(str(helpers.examples_copy(world_dir, tmp_path / "moved", np.arange(n))))
   workdir_lib.check_examples(str(workdir), moved.dir, "train", n,
                              moved.examples("train").fingerprint)
+  with pytest.raises(ConfigError, match=r"config\.data\.split: 'other' but the checkpoints "
+                     r"in .* trained on split 'train'"):
+    workdir_lib.check_examples(str(workdir), world_dir, "other", n, examples.fingerprint)
   os.remove(workdir / "examples.json")
   workdir_lib.check_examples(str(workdir), world_dir, "train", 200, "another")
+  # The seed orders the examples and data.split names them: a resume keeps both.
+  config = tiny_config("realm", "no_retrieval", world_dir)
+  workdir_lib.record_config(config, str(workdir))
+  for option, value in (("seed", 1), ("data.split", "other")):
+    other = helpers.apply_overrides(config.copy_and_resolve_references(),
+                                    {option.replace(".", "__"): value})
+    with pytest.raises(ConfigError, match=rf"{option}: .* \(checkpoints\) != {value!r} "
+                       r"\(this run\)"):
+      workdir_lib.record_config(other, str(workdir))

@@ -10,11 +10,14 @@ from realm_jax.config.reading import (flat_options, freezing_options, frozen_pat
 
 # Fields that fix parameter shapes or the meaning of a checkpoint: a workdir whose
 # checkpoints were written under other values cannot be resumed.
+# The seed orders the examples: the checkpoints' input position means a place in its order.
 COMPATIBILITY_FIELDS = ("task", "model", "data.query_len", "data.block_len", "retrieval.k",
-                        "retrieval.candidates", "train.batch_size")
+                        "retrieval.candidates", "train.batch_size", "seed")
 # Fields a task's checkpoints fix besides: an Open-QA run trained on the questions its split
-# leaves for training, so resuming under another split would test on questions it trained on.
-TASK_FIELDS = {"openqa": ("qa.heldout_articles", "qa.heldout_unit")}
+# leaves for training, so resuming under another split would test on questions it trained on;
+# a pre-training run's input position indexes into the examples of its data.split.
+TASK_FIELDS = {"openqa": ("qa.heldout_articles", "qa.heldout_unit"),
+               "ict": ("data.split",), "realm": ("data.split",)}
 # A field -> the field without which it has no effect (compared only where that one is set on
 # either side): the unit of a split that holds out nothing fixes nothing.
 INERT_WITHOUT = {"qa.heldout_unit": "qa.heldout_articles"}

@@ -35,11 +35,13 @@ def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.task = "realm"                 # "ict" (retriever warm start), "realm" (MLM with retrieval)
                                    # or "openqa" (ORQA fine-tuning: query tower + reader)
-  c.seed = 0                       # init, data order and masking all derive from it
+  c.seed = 0                       # init, data order and masking all derive from it (a
+                                   # resume keeps it)
 
   c.data = ml_collections.ConfigDict()
   c.data.dir = ""                  # prepared data dir (vocab.txt, blocks/, examples/)
-  c.data.split = "train"           # example split the queries are drawn from
+  c.data.split = "train"           # example split the queries are drawn from (not
+                                   # eval.split; a resume keeps it)
   c.data.query_len = 96            # wordpieces of `[CLS] x [SEP]` (paper: 96; ICT: 64)
   c.data.block_len = 288           # wordpieces of `[CLS] title [SEP] body [SEP]` (paper: 288)
   c.data.max_masks = 10            # at most this many [MASK]s per query (one salient span)
