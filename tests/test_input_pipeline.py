@@ -177,6 +177,25 @@ def test_bad_batch_sizes_and_missing_state_fail_clearly(world_data):
     pipeline.process_batches(pipeline.example_stream(10, 0), 4, 2, 2, list)
 
 
+def test_fewer_mask_slots_than_the_widest_span_are_refused(world_data):
+  """data.max_masks below the widest salient span would mask such spans in part (their other
+  wordpieces left for the model to copy): refused naming it; at the widest, spans are whole."""
+  from realm_jax.config.validation import validate_against_data
+  examples = world_data.examples("train")
+  widest = examples.widest_span
+  widths = examples.spans[..., 1] - examples.spans[..., 0]
+  assert widest == max(int(widths[r, :examples.num_spans[r]].max()) for r in range(len(examples)))
+  with pytest.raises(ConfigError, match=rf"config\.data\.max_masks: {widest - 1} < {widest}, "
+                     "the wordpieces of the widest salient span in .*: such a span would be "
+                     "masked in part"):
+    validate_against_data(tiny_config("realm", data__max_masks=widest - 1), widest_span=widest)
+  config = tiny_config("realm", data__max_masks=widest)
+  validate_against_data(config, widest_span=widest)
+  batch = batches.QueryBatches(config, world_data, examples)(0)
+  spans = examples.spans[batch["query_row"], batch["span_index"]]
+  np.testing.assert_array_equal(batch["mask_weights"].sum(1), spans[:, 1] - spans[:, 0])
+
+
 def test_errors_while_building_a_batch_reach_the_consumer():
   def build(elements):
     if 30 in elements:

@@ -44,7 +44,8 @@ def base_config() -> ml_collections.ConfigDict:
                                    # eval.split; a resume keeps it)
   c.data.query_len = 96            # wordpieces of `[CLS] x [SEP]` (paper: 96; ICT: 64)
   c.data.block_len = 288           # wordpieces of `[CLS] title [SEP] body [SEP]` (paper: 288)
-  c.data.max_masks = 10            # at most this many [MASK]s per query (one salient span)
+  c.data.max_masks = 10            # at most this many [MASK]s per query (one salient span;
+                                   # >= the widest span of the data, else refused)
   c.data.ict_remove_prob = 0.9     # ICT: the query sentence is cut from its block this often
   c.data.prefetch = 2              # host batches built ahead by grain (threads); 0: on demand
 

@@ -232,9 +232,11 @@ def _validate_ranges(config) -> None:
 def validate_against_data(config, *, num_blocks: int | None = None,
                           store_block_len: int | None = None,
                           max_sentence_len: int | None = None,
-                          vocab_size: int | None = None) -> None:
+                          vocab_size: int | None = None,
+                          widest_span: int | None = None) -> None:
   """The checks that need the prepared data (a `validate`d config against its data dir's
-  block count, block length, longest sentence and vocab); each None is skipped."""
+  block count, block length, longest sentence, vocab and widest salient span of the examples
+  a run masks); each None is skipped."""
   r, d = config.retrieval, config.data
   if num_blocks is not None and config.task == "realm" and r.candidates == "index" \
       and r.k + 1 > num_blocks:
@@ -249,6 +251,10 @@ def validate_against_data(config, *, num_blocks: int | None = None,
   if vocab_size is not None and config.model.vocab_size not in (0, vocab_size):
     raise ConfigError("model.vocab_size", f"{config.model.vocab_size} but {d.dir}/vocab.txt "
                       f"has {vocab_size} entries")
+  if widest_span is not None and d.max_masks < widest_span:
+    raise ConfigError("data.max_masks", f"{d.max_masks} < {widest_span}, the wordpieces of "
+                      f"the widest salient span in {d.dir}/examples: such a span would be "
+                      f"masked in part; give >= {widest_span}")
 
 
 def _validate_retriever_learning(config) -> None:

@@ -122,6 +122,14 @@ class ExampleSet:
       digest.update(np.ascontiguousarray(column).tobytes())
     return digest.hexdigest()[:32]
 
+  @functools.cached_property
+  def widest_span(self) -> int:
+    """Wordpieces of the widest salient span of any example (0 for none): fewer mask slots
+    (`data.max_masks`) would mask it in part."""
+    slots = np.arange(self.spans.shape[1])[None, :] < self.num_spans[:, None]
+    widths = self.spans[..., 1] - self.spans[..., 0]
+    return int(widths[slots].max(initial=0))
+
   @property
   def max_sentence_len(self) -> int:
     return self.tokens.shape[1]

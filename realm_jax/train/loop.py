@@ -134,15 +134,18 @@ class Trainer(Run):
 
 
 def query_examples(config: ml_collections.ConfigDict, data) -> list:
-  """The training queries of `data.split`, with the config checked against the data."""
-  validate_against_data(config, num_blocks=data.blocks.num_blocks,
-                        store_block_len=data.blocks.block_len,
-                        max_sentence_len=data.stats["max_sentence_len"],
-                        vocab_size=data.tokenizer.vocab_size)
+  """The training queries of `data.split`, with the config checked against the data (the
+  widest span masked: of the training split and of `eval.split`, which `checked_data` found)."""
   try:
     examples = data.examples(config.data.split)
   except FileNotFoundError as e:
     raise ConfigError("data.split", str(e)) from None
+  validate_against_data(config, num_blocks=data.blocks.num_blocks,
+                        store_block_len=data.blocks.block_len,
+                        max_sentence_len=data.stats["max_sentence_len"],
+                        vocab_size=data.tokenizer.vocab_size,
+                        widest_span=max(examples.widest_span,
+                                        data.examples(config.eval.split).widest_span))
   if len(examples) < config.train.batch_size:
     raise ConfigError("train.batch_size", f"{config.train.batch_size} > the "
                       f"{len(examples)} examples of split {config.data.split!r}")
