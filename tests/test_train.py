@@ -649,3 +649,14 @@ def test_a_run_resumed_on_other_examples_is_refused_before_it_writes(world_dir, 
     with pytest.raises(ConfigError, match=rf"{option}: .* \(checkpoints\) != {value!r} "
                        r"\(this run\)"):
       workdir_lib.record_config(other, str(workdir))
+
+
+def test_an_empty_eval_split_is_said_to_be_empty(world_dir, tmp_path, caplog):
+  """Data prepared with no eval examples (eval_fraction 0) trains; its evaluations measure
+  nothing, and say it is for that reason (not for a missing reader or ground truth)."""
+  data = helpers.examples_copy(world_dir, tmp_path / "data", np.arange(0), split="eval")
+  config = tiny_config("realm", "no_retrieval", str(data), train__steps=1)
+  with caplog.at_level("INFO"):
+    summary = train(config, str(tmp_path / "w"))
+  assert summary["eval_num_examples"] == 0
+  assert "eval @ 1: nothing to measure (eval.split 'eval' holds no examples)" in caplog.text

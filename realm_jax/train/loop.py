@@ -118,9 +118,11 @@ class Trainer(Run):
     if index is not None:
       metrics["index_step"] = float(index.step)
     writer.write(step, metrics)
+    why = (f"eval.split {self.config.eval.split!r} holds no examples"
+           if not len(self.evaluator.rows) else
+           "no recall ground truth in this data, no reader to score")
     shown = " ".join(f"{k} {v:.3f}" for k, v in metrics.items()
-                     if k not in ("num_examples", "index_step")) \
-        or "nothing to measure (no recall ground truth in this data, no reader to score)"
+                     if k not in ("num_examples", "index_step")) or f"nothing to measure ({why})"
     logger.info(f"{self.prefix}eval @ {step}: {shown} ({time.time() - t0:.1f}s)")
     if self.best is not None:
       self.best.consider(step, metrics, self.state.params, self.prefix)
