@@ -7,8 +7,9 @@ Determinism: the job reads one stream of example rows, shuffled with a seed deri
 whose generator is keyed by the example's position in that stream, and global batch t is stream
 positions [t * B, (t + 1) * B). Process p of P builds only its share of it, positions
 [t * B + p * B / P, t * B + (p + 1) * B / P), which is the part of the global batch its devices
-hold. The global batches are therefore a pure function of the seed, whatever the number of
-processes: a run on 2 hosts sees the batches of a run on one, and a checkpoint resumes on
+hold (batches do not stop at an epoch's end: where B does not divide the example count, the
+batch across it may hold one example twice, from both shuffles). The global batches are
+therefore a pure function of the seed, whatever the number of processes: a run on 2 hosts sees the batches of a run on one, and a checkpoint resumes on
 another process count with the same batches. The iterator state (grain's: the next batch index
 = the next step) is saved with the checkpoint. Index bookkeeping is per example (grain);
 everything that touches tokens is vectorised numpy over a batch. Batches are built ahead in

@@ -44,7 +44,7 @@ class Evaluator:
     if self.examples.target_span is None:
       raise FileNotFoundError(f"split {config.eval.split!r} has no target spans to evaluate")
     n = min(config.eval.num_examples, len(self.examples))
-    self.rows = np.arange(n)
+    self.rows = np.arange(n)   # the first n in file order, every time (not a sample)
     tok = data.tokenizer
     self.queries = batches.masked_queries(self.examples, self.rows,
                                           self.examples.target_span[self.rows], config,
