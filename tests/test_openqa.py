@@ -524,7 +524,8 @@ def test_realm_predict_prints_the_answer_and_its_evidence(openqa_run, world_dir,
   (pod / "config.json").write_text(json.dumps(record))
   with pytest.raises(ConfigError, match="data.dir"):
     predict(str(pod), [question])
-  moved, = predict(str(pod), [question], overrides=[("--config.data.dir", "data.dir", world_dir)])
+  moved, = predict(str(pod), [question],
+                   overrides=[("--config.data.dir", "data.dir", world_dir, False)])
   assert (moved["answer"], moved["evidence"]) == (item["answer"], item["evidence"])
 
 
