@@ -212,12 +212,14 @@ runpy.run_module("realm_jax.train.main", run_name="__main__", alter_sys=True)
 
 
 def test_a_checkpoint_one_process_cannot_read_sends_every_process_to_the_one_before(
-    world_dir, tmp_path):
+    world_dir, tmp_path, monkeypatch):
   """Checkpoints 2 and 4 of a two-process ICT job whose model axis spans both processes (no
   process holds a whole array), resumed in two processes, process 1 unable to read 4. Each
   process reads its own shards, so only 1 fails: all must still resume from the same step
   (2), 4 moved aside once it failed twice, and steps 3 and 4 train again with the first
   job's losses. Each process deciding alone, 0 resumed from 4 and 1 from 2."""
+  # a process that waits for the move aside while process 0 went on fails within 8 + 2 * 5 s
+  monkeypatch.setenv("REALM_JAX_STORAGE_PATIENCE", "5")
   workdir = str(tmp_path / "w")
   options = dict(data_dir=world_dir, train__checkpoint_every=2, mesh__shape=(1, 8))
   outputs = []
@@ -477,36 +479,49 @@ def test_bad_topologies_name_the_flag(kwargs, message):
     multihost.resolve(detect=lambda: None, **kwargs)
 
 
-def test_a_long_wait_runs_in_slices_that_let_a_signal_handler_stop_it(monkeypatch):
-  """A wait for process 0 (its decision, or the end of its I/O) asks the coordination service
-  in slices: a timed-out slice waits again, a SIGTERM handler's exception (raised between two
-  slices) ends it, another error (the job ending) at once."""
+def test_a_long_wait_polls_so_a_signal_handler_can_stop_it(monkeypatch):
+  """A wait for process 0 (its decision, or the end of its I/O) polls the coordination
+  service with asks that return at once (a blocking ask cut into slices would leave it a
+  callback for every slice that timed out), sleeping between two: a missing key asks again,
+  a SIGTERM handler's exception (raised in the sleep) ends it, another error (the job ending)
+  at once, and the timeout is a TimeoutError naming the key."""
   monkeypatch.setattr(multihost, "WAIT_SLICE_SECONDS", 0.01)
-  timeout = jax.errors.JaxRuntimeError("DEADLINE_EXCEEDED: GetKeyValue() timed out")
+  missing = jax.errors.JaxRuntimeError("NOT_FOUND: Config key k not found.")
 
   class Client:
     def __init__(self, answers):
-      self.answers, self.asked = list(answers), []
+      self.answers, self.asked = list(answers), 0
 
-    def blocking_key_value_get(self, key, ms):
-      self.asked.append(ms)
+    def key_value_try_get(self, key):
+      self.asked += 1
       answer = self.answers.pop(0)
-      if answer is timeout:
-        time.sleep(ms / 1000)
       if isinstance(answer, BaseException):
         raise answer
       return answer
-  client = Client([timeout] * 5 + ["7"])
+
+    def blocking_key_value_get(self, key, ms):
+      raise AssertionError("a blocking ask leaves a callback behind when it times out")
+  client = Client([missing] * 5 + ["7"])
+  started = time.time()
   assert multihost.sliced_get(client, "k", 3600) == "7"
-  assert client.asked == [10] * 6                        # slices, not one call of an hour
-  stopped = KeyboardInterrupt()   # what a signal handler raises between two slices
+  assert client.asked == 6 and time.time() - started >= 0.05   # slept between the asks
+  stopped = KeyboardInterrupt()   # what a signal handler raises between two asks
   with pytest.raises(KeyboardInterrupt):
-    multihost.sliced_get(Client([timeout, stopped]), "k", 3600)
+    multihost.sliced_get(Client([missing, stopped]), "k", 3600)
   ended = jax.errors.JaxRuntimeError("UNAVAILABLE: the leader task died")
   with pytest.raises(jax.errors.JaxRuntimeError, match="UNAVAILABLE"):
     multihost.sliced_get(Client([ended, "7"]), "k", 3600)
-  with pytest.raises(jax.errors.JaxRuntimeError, match="DEADLINE_EXCEEDED"):
-    multihost.sliced_get(Client([timeout] * 100), "k", 0.03)
+  with pytest.raises(TimeoutError, match="'k' not set within 0.03s"):
+    multihost.sliced_get(Client([missing] * 100), "k", 0.03)
+
+
+def test_waits_after_process_0_writes_are_bounded_by_the_storage_patience(monkeypatch):
+  """Processes that took different paths (one waits for process 0's move, process 0 sits in
+  a device collective) fail after the heartbeat timeout plus twice the storage patience, not
+  after realm-index's wait of as long as process 0 lives."""
+  monkeypatch.setenv("REALM_JAX_STORAGE_PATIENCE", "30")
+  assert multihost.io_wait_timeout() == multihost.barrier_timeout() + 60
+  assert multihost.io_wait_timeout() < multihost.LONG_WAIT_SECONDS
 
 
 def test_unequal_local_device_counts_are_named():

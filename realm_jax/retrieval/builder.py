@@ -356,7 +356,8 @@ class IndexBuilder:
     process (FAILED: process 0 failed, and so do the others)."""
     if self.primary:
       return multihost.from_first_process("index-build", decide())
-    step = multihost.from_first_process("index-build", None)
+    # as long as process 0 lives: it may wait hours for the trainer's next checkpoint
+    step = multihost.from_first_process("index-build", None, multihost.LONG_WAIT_SECONDS)
     if step == FAILED:
       raise WorkerDied("process 0 of the builder failed or was stopped; its output says why")
     return step

@@ -270,8 +270,8 @@ def every_process(name: str, value: str, timeout: float | None = None) -> list[s
   """Every process's `value`, in process order, on every process (each call is a new
   exchange; every process calls it at the same point), through the coordination service's
   key-value store: values of any length, even where the processes disagree on them. An error
-  naming `name` after `timeout` seconds (default: as long as the others live, as
-  `from_first_process`: a process may load its data slower than the others)."""
+  naming `name` after `timeout` seconds (default: `io_wait_timeout()`, since a process may
+  open its data slower than the others)."""
   import jax
   if jax.process_count() == 1:
     return [value]
@@ -281,11 +281,11 @@ def every_process(name: str, value: str, timeout: float | None = None) -> list[s
   me, client = jax.process_index(), distributed.global_state.client
   key = f"realm-{name}-exchange-{_exchanges}"
   client.key_value_set(f"{key}/{me}", value)
-  timeout = LONG_WAIT_SECONDS if timeout is None else timeout
+  timeout = io_wait_timeout() if timeout is None else timeout
   try:
     return [value if p == me else sliced_get(client, f"{key}/{p}", timeout)
             for p in range(jax.process_count())]
-  except jax.errors.JaxRuntimeError as e:
+  except (jax.errors.JaxRuntimeError, TimeoutError) as e:
     raise RuntimeError(f"process {me} of {jax.process_count()}: not every process sent its "
                        f"{name!r} within {timeout:g}s: {e}") from e
 
@@ -299,16 +299,25 @@ def disagreements(values: list[dict[str, str]]) -> dict[str, list[int]]:
 
 
 _shared = 0
-LONG_WAIT_SECONDS = 7 * 24 * 3600.0   # `from_first_process`'s default: as long as process 0
-                                      # lives (its death ends the job by heartbeat)
+LONG_WAIT_SECONDS = 7 * 24 * 3600.0   # a wait by design as long as process 0 lives (its death
+                                      # ends the job by heartbeat): realm-index's decisions
 
 
-def from_first_process(name: str, value: int | None,
-                       timeout: float = LONG_WAIT_SECONDS) -> int:
+def io_wait_timeout() -> float:
+  """Seconds a process waits for what process 0 alone writes (or for the others to arrive
+  at an exchange): the heartbeat timeout plus twice the storage patience
+  ($REALM_JAX_STORAGE_PATIENCE), so slow storage is waited out, while processes that took
+  different paths (one in a device collective, one waiting here) fail instead of hanging."""
+  from realm_jax import paths
+  return barrier_timeout() + 2 * paths.patience()
+
+
+def from_first_process(name: str, value: int | None, timeout: float | None = None) -> int:
   """Process 0's `value` on every process, the others passing None and waiting for it (each
   call is a new one): a decision that all processes act on, through the coordination
-  service's key-value store, not a device collective, so the others may wait as long as
-  process 0 works alone (publishing an index version, say)."""
+  service's key-value store, not a device collective, so the others may wait while process 0
+  works alone: up to `timeout` seconds (default `io_wait_timeout()`; realm-index waits
+  LONG_WAIT_SECONDS for process 0's next decision)."""
   import jax
   if jax.process_count() == 1:
     return int(value)
@@ -316,42 +325,50 @@ def from_first_process(name: str, value: int | None,
   global _shared
   _shared += 1
   key, client = f"realm-{name}-{_shared}", distributed.global_state.client
+  timeout = io_wait_timeout() if timeout is None else timeout
   if jax.process_index() == 0:
     client.key_value_set(key, str(int(value)))
     return int(value)
   try:
     return int(sliced_get(client, key, timeout))
-  except jax.errors.JaxRuntimeError as e:   # the wait's end, or the job's (process 0 gone)
+  except (jax.errors.JaxRuntimeError, TimeoutError) as e:   # the wait's end, or the job's
     raise RuntimeError(f"process {jax.process_index()} of {jax.process_count()}: no {name!r} "
-                       f"from process 0 (it may have ended; waited at most {timeout:g}s): "
-                       f"{e}") from e
+                       f"from process 0 within {timeout:g}s (it may have ended, or taken "
+                       f"another path): {e}") from e
 
 
-WAIT_SLICE_SECONDS = 1.0   # a long wait's slices: between two, signal handlers run
+WAIT_SLICE_SECONDS = 1.0   # a long wait's polls: between two, signal handlers run
 
 
 def sliced_get(client, key: str, timeout: float) -> str:
-  """The coordination service's value of `key`, waited for up to `timeout` seconds in slices
-  of WAIT_SLICE_SECONDS: one blocking call would hold the main thread in C++ for all of it,
-  so a SIGTERM's Python handler (realm-index stops at once) would not run until it ends.
-  JaxRuntimeError after `timeout`, or at once on another error (the job ending)."""
+  """The coordination service's value of `key`, asked for every WAIT_SLICE_SECONDS until
+  `timeout` seconds have passed. Each ask returns at once (`key_value_try_get`), and the wait
+  between two is a `time.sleep`, so a SIGTERM's Python handler (realm-index stops at once)
+  runs during it; a blocking get would hold the main thread in C++, and one cut into slices
+  leaves the coordination service a callback for every slice that timed out (memory that
+  grows through an hours-long wait). TimeoutError naming `key` after `timeout`;
+  JaxRuntimeError at once on another error than the key's absence (the job ending)."""
   import jax
   deadline = time.time() + timeout
   while True:
-    left = deadline - time.time()
     try:
-      return client.blocking_key_value_get(key, max(1, int(min(left, WAIT_SLICE_SECONDS) * 1000)))
+      return client.key_value_try_get(key)
     except jax.errors.JaxRuntimeError as e:
-      if "DEADLINE_EXCEEDED" not in str(e) or left <= WAIT_SLICE_SECONDS:
+      if "NOT_FOUND" not in str(e):
         raise
+    left = deadline - time.time()
+    if left <= 0:
+      raise TimeoutError(f"{key!r} not set within {timeout:g}s")
+    time.sleep(min(left, WAIT_SLICE_SECONDS))
 
 
-def after_first_process(name: str, timeout: float = LONG_WAIT_SECONDS) -> None:
+def after_first_process(name: str, timeout: float | None = None) -> None:
   """Waits until process 0 gets here (each call is a new one; every process calls it): for
   what process 0 alone writes before the others read it (the workdir, an index version, a
   checkpoint moved aside). Not a barrier of the heartbeat timeout: process 0's I/O may take
-  longer (a slow bucket) without anything being wrong, and its death ends the job by
-  heartbeat anyway; the others wait in slices (`sliced_get`), so a SIGTERM still stops them."""
+  longer (a slow bucket) without anything being wrong, so the wait is `io_wait_timeout()`
+  (or `timeout`), then an error naming `name`; the others poll (`sliced_get`), so a SIGTERM
+  still stops them."""
   import jax
   if jax.process_count() > 1:
     from_first_process(f"{name}-done", 1 if jax.process_index() == 0 else None, timeout)
