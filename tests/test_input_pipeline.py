@@ -95,7 +95,7 @@ def test_process_shares_make_the_single_process_batches(world_data, task, count)
   config = tiny_config(task)
   examples = world_data.examples("train")
   single = batches.QueryBatches(config, world_data, examples)
-  procs = [batches.QueryBatches(config, world_data, examples, p, count) for p in range(count)]
+  procs = [batches.QueryBatches(config, world_data, examples, (p,), count) for p in range(count)]
   iterators = [queries.iterator(prefetch=2) for queries in procs]
   steps = 2 * len(examples) // config.train.batch_size + 1   # across an epoch boundary
   for step in range(steps):
@@ -111,7 +111,7 @@ def test_process_shares_make_the_single_process_batches(world_data, task, count)
 def test_question_shares_make_the_single_process_batches():
   config = tiny_config("realm")
   single = openqa_inputs.QuestionBatches(config, 50)
-  procs = [openqa_inputs.QuestionBatches(config, 50, p, 2) for p in range(2)]
+  procs = [openqa_inputs.QuestionBatches(config, 50, (p,), 2) for p in range(2)]
   for step in (0, 3, 7):
     np.testing.assert_array_equal(
         np.concatenate([q(step)["rows"] for q in procs]), single(step)["rows"])
@@ -123,7 +123,7 @@ def test_a_process_batch_of_one_is_its_share_of_the_global_batch(world_data, cou
   batch holds on one process: the stream positions [t * B, (t + 1) * B) in process order."""
   config = tiny_config("realm", train__batch_size=count)
   examples = world_data.examples("train")
-  procs = [batches.QueryBatches(config, world_data, examples, p, count) for p in range(count)]
+  procs = [batches.QueryBatches(config, world_data, examples, (p,), count) for p in range(count)]
   for step in (0, 3, len(examples)):   # the last one in the next epoch
     rows = [int(q(step)["query_row"][0]) for q in procs]
     assert rows == [procs[0].rows[step * count + p] for p in range(count)]
@@ -131,7 +131,7 @@ def test_a_process_batch_of_one_is_its_share_of_the_global_batch(world_data, cou
   assert [int(next(iterator)["query_row"][0]) for _ in range(2)] == [
       int(procs[-1](step)["query_row"][0]) for step in range(2)]
   iterator.close()
-  questions = [openqa_inputs.QuestionBatches(config, 50, p, count) for p in range(count)]
+  questions = [openqa_inputs.QuestionBatches(config, 50, (p,), count) for p in range(count)]
   single = openqa_inputs.QuestionBatches(tiny_config("realm", train__batch_size=count), 50)
   np.testing.assert_array_equal(np.concatenate([q(5)["rows"] for q in questions]),
                                 single(5)["rows"])
@@ -169,12 +169,14 @@ def test_span_choices_are_redrawn_every_epoch(world_data):
 def test_bad_batch_sizes_and_missing_state_fail_clearly(world_data):
   examples = world_data.examples("train")
   with pytest.raises(ConfigError, match="train.batch_size"):
-    batches.QueryBatches(tiny_config("realm", train__batch_size=18), world_data, examples, 0, 4)
+    batches.QueryBatches(tiny_config("realm", train__batch_size=18), world_data, examples, (0,), 4)
   queries = batches.QueryBatches(tiny_config("realm"), world_data, examples)
   with pytest.raises(ValueError, match="no input-pipeline state"):
     queries.iterator(prefetch=2, saved={"next_step": 4})
-  with pytest.raises(ValueError, match="process_index 2"):
-    pipeline.process_batches(pipeline.example_stream(10, 0), 4, 2, 2, list)
+  with pytest.raises(ValueError, match=r"data shards \[2\]"):
+    pipeline.process_batches(pipeline.example_stream(10, 0), 4, (2,), 2, list)
+  with pytest.raises(ValueError, match=r"data shards \[1, 0\]"):
+    pipeline.process_batches(pipeline.example_stream(10, 0), 4, (1, 0), 2, list)
 
 
 def test_fewer_mask_slots_than_the_widest_span_are_refused(world_data):
@@ -291,33 +293,53 @@ def mesh_of(processes: int, shape: tuple[int, int]) -> np.ndarray:
   return np.repeat(np.arange(processes), devices // processes).reshape(shape)
 
 
+def layout_of(processes: int, shape: tuple[int, int], order: str) -> np.ndarray:
+  """The process of each device of a [data, model] mesh whose devices are listed in process
+  order (`make_mesh`'s default), reversed, round-robin by process, or in pairs round-robin
+  (as `jax_sort_devices_by_process_index=False` or topology-ordered ids may give)."""
+  ordered = mesh_of(processes, shape).reshape(-1)
+  n = len(ordered)
+  return {"ordered": ordered, "reversed": ordered[::-1],
+          "interleaved": np.arange(n) % processes,
+          "pairs": (np.arange(n) // 2) % processes}[order].reshape(shape)
+
+
 @pytest.mark.parametrize("processes, shape, expected", [
-    (1, (2, 4), {0: (0, 1)}),
-    (2, (8, 1), {0: (0, 2), 1: (1, 2)}),          # the model axis within a process: as ever
-    (2, (2, 4), {0: (0, 2), 1: (1, 2)}),
-    (2, (4, 2), {0: (0, 2), 1: (1, 2)}),
-    (2, (1, 8), {0: (0, 1), 1: (0, 1)}),          # the model axis spans both: the same rows
-    (4, (2, 4), {0: (0, 2), 1: (0, 2), 2: (1, 2), 3: (1, 2)}),
-    (4, (4, 2), {p: (p, 4) for p in range(4)}),
-    (8, (4, 2), {p: (p // 2, 4) for p in range(8)}),   # one process per device, model 2
-    (8, (1, 8), {p: (0, 1) for p in range(8)}),
+    (1, (2, 4), {0: ((0, 1), 2)}),
+    (2, (8, 1), {0: ((0, 1, 2, 3), 8), 1: ((4, 5, 6, 7), 8)}),   # the model axis within one
+    (2, (2, 4), {0: ((0,), 2), 1: ((1,), 2)}),
+    (2, (1, 8), {0: ((0,), 1), 1: ((0,), 1)}),   # the model axis spans both: the same rows
+    (4, (2, 4), {0: ((0,), 2), 1: ((0,), 2), 2: ((1,), 2), 3: ((1,), 2)}),
+    (8, (4, 2), {p: ((p // 2,), 4) for p in range(8)}),   # one process per device, model 2
 ])
-def test_each_process_loads_the_rows_its_devices_hold(processes, shape, expected):
-  """A process loads the rows of the data shards its devices hold: processes sharing data
-  shards (the model axis spans them) load the same rows, and every device gets the rows a
-  one-process run gives it."""
-  layout = mesh_of(processes, shape)
+def test_each_process_loads_the_data_shards_its_devices_hold(processes, shape, expected):
+  assert partitioning.data_shares(mesh_of(processes, shape)) == expected
+
+
+@pytest.mark.parametrize("order", ["ordered", "reversed", "interleaved", "pairs"])
+@pytest.mark.parametrize("processes, shape", [
+    (1, (2, 4)), (2, (8, 1)), (2, (2, 4)), (2, (4, 2)), (2, (1, 8)), (4, (2, 4)), (4, (4, 2)),
+    (4, (8, 1)), (8, (4, 2)), (8, (1, 8))])
+def test_every_device_gets_the_rows_a_one_process_run_gives_it(processes, shape, order):
+  """Whatever the order of the devices: a process loads its data shards' rows, and
+  `jax.make_array_from_process_local_data` hands its device of data shard i the i-th block
+  of B / D rows among the shards the process's devices hold, in sorted order: the rows
+  [i * B / D, (i + 1) * B / D) of the global batch, those a one-process run gives it."""
+  layout = layout_of(processes, shape, order)
   shares = partitioning.data_shares(layout)
-  assert shares == expected
-  batch, data = 16, shape[0]
-  for (i, _), p in np.ndenumerate(layout):
-    share, count = shares[p]
-    loaded = range(share * batch // count, (share + 1) * batch // count)
-    wanted = range(i * batch // data, (i + 1) * batch // data)
-    assert set(wanted) <= set(loaded)
+  batch, step, size = 16, 3, 16 // shape[0]
+  stream = grain.MapDataset.range(10 ** 6)
+  for p, (shards, count) in shares.items():
+    loaded = pipeline.process_batches(stream, batch, shards, count, np.asarray)[step]
+    held = sorted({i for (i, _), q in np.ndenumerate(layout) if q == p})   # as JAX maps
+    for (i, _), q in np.ndenumerate(layout):
+      if q == p:
+        k = held.index(i)
+        np.testing.assert_array_equal(loaded[k * size:(k + 1) * size],
+                                      np.arange(size) + step * batch + i * size)
 
 
-def test_data_shards_split_unevenly_among_processes_are_refused():
-  with pytest.raises(ConfigError, match=r"mesh\.shape: \(3, 2\) gives process 1's devices "
-                     r"the data shards \[1, 2\]"):
-    partitioning.data_shares(np.array([[0, 0], [0, 1], [1, 1]]))
+def test_data_shards_split_unevenly_among_processes_load_their_own_rows():
+  """Process 1's devices hold shard 2 and part of shard 1 (process 0 the rest of it)."""
+  assert partitioning.data_shares(np.array([[0, 0], [0, 1], [1, 1]])) == {
+      0: ((0, 1), 3), 1: ((1, 2), 3)}

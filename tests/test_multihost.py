@@ -217,7 +217,9 @@ def test_a_checkpoint_one_process_cannot_read_sends_every_process_to_the_one_bef
   process holds a whole array), resumed in two processes, process 1 unable to read 4. Each
   process reads its own shards, so only 1 fails: all must still resume from the same step
   (2), 4 moved aside once it failed twice, and steps 3 and 4 train again with the first
-  job's losses. Each process deciding alone, 0 resumed from 4 and 1 from 2."""
+  job's losses. Each process deciding alone, 0 resumed from 4 and 1 from 2. The first job
+  trains like one process of 8 devices on the same mesh: both processes load every row
+  (their devices hold the one data shard)."""
   # a process that waits for the move aside while process 0 went on fails within 8 + 2 * 5 s
   monkeypatch.setenv("REALM_JAX_STORAGE_PATIENCE", "5")
   workdir = str(tmp_path / "w")
@@ -229,6 +231,8 @@ def test_a_checkpoint_one_process_cannot_read_sends_every_process_to_the_one_bef
     procs = launch(helpers.config_flags(config, "demo_ict"), workdir, 2, free_port(),
                    program=program)
     with deadline(procs) as expired:
+      if steps == 4:
+        train(config, str(tmp_path / "one"))   # this process: 8 devices
       outputs = read_to_end(procs)
     assert not expired, f"the job did not end within {expired[0]} s:\n" + "\n---\n".join(
         out[-1500:] for out in outputs)
@@ -236,6 +240,7 @@ def test_a_checkpoint_one_process_cannot_read_sends_every_process_to_the_one_bef
       assert p.returncode == 0, f"process {i}:\n{out[-3000:]}"
     if steps == 4:
       before = losses(workdir)
+      np.testing.assert_allclose(before, losses(str(tmp_path / "one")), rtol=LOSS_RTOL, atol=0)
   ckpt = os.path.join(workdir, "checkpoints")
   for i, out in enumerate(outputs):
     why = "read here, failed on process 1" if i == 0 else "OSError: injected"

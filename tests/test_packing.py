@@ -65,9 +65,18 @@ def test_each_process_packs_its_share_as_one_process_packs_its_shards(world_data
   config = ConfigDict({"retrieval": {"packed_query_rows": 24}})
   shares = [{"query_ids": ids[p * 16:(p + 1) * 16]} for p in range(2)]
   for p, share in enumerate(shares):
-    assert batches.pack_queries(config, share, 4, lambda: (ids > 0).sum(1), p, 2)
+    assert batches.pack_queries(config, share, 4, lambda: (ids > 0).sum(1), (2 * p, 2 * p + 1))
   for key in PACKED:
     np.testing.assert_array_equal(np.concatenate([share[key] for share in shares]), one[key])
+  # devices interleaved by process: process 0 holds data shards 0 and 2, process 1 shards 1
+  # and 3; each device's rows are still those one process gives it
+  for p in range(2):
+    share = {"query_ids": np.concatenate([ids[i * 8:(i + 1) * 8] for i in (p, p + 2)])}
+    assert batches.pack_queries(config, share, 4, lambda: (ids > 0).sum(1), (p, p + 2))
+    for key in PACKED:
+      rows = 8 if key == "query_packed_row" else 6   # queries or rows of a data shard
+      np.testing.assert_array_equal(share[key], np.concatenate(
+          [one[key][i * rows:(i + 1) * rows] for i in (p, p + 2)]))
   # process 1's queries (16 wordpieces) cannot share its 4 rows of 24, process 0's (3) can
   ids = np.zeros((16, 24), np.int32)
   ids[:8, :3], ids[8:, :16] = 7, 7
@@ -75,15 +84,16 @@ def test_each_process_packs_its_share_as_one_process_packs_its_shards(world_data
   assert pipeline.pack_queries(ids[:8], 4, shards=2) is not None
   for p in range(2):
     share = {"query_ids": ids[p * 8:(p + 1) * 8]}
-    assert not batches.pack_queries(config, share, 4, lambda: (ids > 0).sum(1), p, 2)
+    assert not batches.pack_queries(config, share, 4, lambda: (ids > 0).sum(1),
+                                    (2 * p, 2 * p + 1))
     assert set(share) == {"query_ids"}
   with pytest.raises(RuntimeError, match="disagree"):
     batches.pack_queries(config, {"query_ids": ids[:8]}, 4, lambda: (ids[::-1] > 0).sum(1),
-                         0, 2)
+                         (0, 1))
   # each process finds the global batch's lengths from the seed and the step alone
   realm = tiny_config("realm")
   examples = world_data.examples("train")
-  halves = [batches.QueryBatches(realm, world_data, examples, p, 2) for p in range(2)]
+  halves = [batches.QueryBatches(realm, world_data, examples, (p,), 2) for p in range(2)]
   for step in (0, 7):
     whole = np.concatenate([(half(step)["query_ids"] > 0).sum(1) for half in halves])
     for half in halves:
@@ -170,8 +180,6 @@ def test_rows_that_do_not_divide_the_data_axis_are_refused_at_start(world_dir, t
   assert e.value.option == "retrieval.packed_query_rows" and "data axis (8)" in str(e.value)
   from realm_jax.config.validation import validate_against_mesh
   config.retrieval.packed_query_rows = 8
-  validate_against_mesh(config, 8, 2, (0,) * 4 + (1,) * 4)   # 2 processes of 4 data devices
-  with pytest.raises(ConfigError, match="among the 3 processes"):
-    validate_against_mesh(config, 8, 3)
-  with pytest.raises(ConfigError, match=r"holds processes \[0, 1, 0, 1"):   # interleaved
-    validate_against_mesh(config, 8, 2, (0, 1) * 4)
+  validate_against_mesh(config, 8)   # however the processes hold the data axis's devices
+  with pytest.raises(ConfigError, match=r"divide by the data axis \(16\)"):
+    validate_against_mesh(config, 16)

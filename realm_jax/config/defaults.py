@@ -156,7 +156,7 @@ def _retrieval(c) -> None:
                                    # into this many rows of query_len wordpieces (several a
                                    # row, each attending to itself, positions restarting), so
                                    # the query tower computes on few [PAD]s; mean pooling;
-                                   # each process packs its share into its R / processes
+                                   # each data shard's queries go to its own R / data-axis
                                    # rows; a batch that does not fit (in any process) goes
                                    # one query a row. 0: one query a row
   c.retrieval.own_block_share = 0.5  # candidates "mixed": the share of training queries that

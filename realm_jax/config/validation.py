@@ -336,25 +336,17 @@ def _validate_packing(config) -> None:
                       f"{config.train.batch_size} queries (train.batch_size) saves nothing")
 
 
-def validate_against_mesh(config, data_axis: int, processes: int,
-                          data_processes: tuple[int, ...] = ()) -> None:
+def validate_against_mesh(config, data_axis: int) -> None:
   """The checks that need the run's mesh: the batch, and packed query rows, split over the
-  `data_axis` devices, each of the `processes` packing its share of both, which needs the
-  data axis's devices in process order (`data_processes`: the process of each)."""
+  `data_axis` devices (each process loads and packs the rows of its devices' data shards)."""
   if config.train.batch_size % data_axis:
     raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
                       f"the data axis ({data_axis})")
   rows = config.retrieval.get("packed_query_rows", 0)
-  if rows and (rows % data_axis or data_axis % processes):
+  if rows and rows % data_axis:
     raise ConfigError("retrieval.packed_query_rows", f"{rows} rows: each data shard packs "
                       f"its queries into its own rows, so they must divide by the data axis "
-                      f"({data_axis}), whose devices must divide among the {processes} "
-                      "processes")
-  if rows and list(data_processes) != sorted(data_processes):
-    raise ConfigError("retrieval.packed_query_rows", "each process packs its share of the "
-                      "batch into its own rows, numbered as if the data axis held the "
-                      "processes in order; this mesh's data axis holds processes "
-                      f"{list(data_processes)}")
+                      f"({data_axis})")
 
 
 def _validate_openqa(config) -> None:

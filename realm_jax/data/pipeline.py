@@ -5,10 +5,12 @@ inputs.
 Determinism: the job reads one stream of example rows, shuffled with a seed derived from
 `seed` and reshuffled every epoch. Per-example random choices come from grain's `random_map`,
 whose generator is keyed by the example's position in that stream, and global batch t is stream
-positions [t * B, (t + 1) * B). Process p of P builds only its share of it, positions
-[t * B + p * B / P, t * B + (p + 1) * B / P), which is the part of the global batch its devices
-hold (batches do not stop at an epoch's end: where B does not divide the example count, the
-batch across it may hold one example twice, from both shuffles). The global batches are
+positions [t * B, (t + 1) * B), data shard i of D its positions [t * B + i * B / D,
+t * B + (i + 1) * B / D). A process builds only the rows of the data shards its devices hold,
+in shard order (process p of P, its devices in process order: positions
+[t * B + p * B / P, t * B + (p + 1) * B / P)) (batches do not stop at an epoch's end: where B
+does not divide the example count, the batch across it may hold one example twice, from both
+shuffles). The global batches are
 therefore a pure function of the seed, whatever the number of processes: a run on 2 hosts sees the batches of a run on one, and a checkpoint resumes on
 another process count with the same batches. The iterator state (grain's: the next batch index
 = the next step) is saved with the checkpoint. Index bookkeeping is per example (grain);
@@ -46,21 +48,26 @@ def example_stream(num_examples: int, seed: int) -> grain.MapDataset:
   return grain.MapDataset.range(num_examples).seed(stream_seed(seed))[0::1].shuffle().repeat()
 
 
-def process_batches(elements: grain.MapDataset, global_batch: int, process_index: int,
-                    process_count: int, batch_fn) -> grain.MapDataset:
-  """This process's share of every global batch of `elements`: batch t holds positions
-  [t * B + p * b, t * B + (p + 1) * b) with b = B / P, made into a batch by `batch_fn`."""
-  if not 0 <= process_index < process_count:
-    raise ValueError(f"process_index {process_index} outside [0, {process_count})")
-  if global_batch % process_count:
-    raise ValueError(f"a global batch of {global_batch} cannot be split over "
-                     f"{process_count} processes")
-  local = global_batch // process_count
-  if local == 1:
-    # grain's batch(1) of an endless stream counts 2**63 batches (a float ceil), which len()
-    # and so the slice cannot hold; a batch of one is the element made a batch on its own.
-    return elements.map(lambda element: batch_fn([element]))[process_index::process_count]
-  return elements.batch(local, batch_fn=batch_fn)[process_index::process_count]
+def process_batches(elements: grain.MapDataset, global_batch: int, shards, count: int,
+                    batch_fn) -> grain.MapDataset:
+  """This process's share of every global batch of `elements`: of its `count` data shards of
+  b = B / `count` positions each, those in `shards` (sorted), one after the other: batch t
+  holds positions t * B + i * b + j for i in `shards`, j < b, made into a batch by `batch_fn`
+  (the rows `jax.make_array_from_process_local_data` hands these shards' devices)."""
+  shards = tuple(int(i) for i in shards)
+  if not shards or list(shards) != sorted(set(shards)) or shards[0] < 0 or shards[-1] >= count:
+    raise ValueError(f"data shards {list(shards)}: expected distinct sorted shards in "
+                     f"[0, {count})")
+  if global_batch % count:
+    raise ValueError(f"a global batch of {global_batch} cannot be split into {count} data "
+                     "shards")
+  size = global_batch // count
+  offsets = [i * size + j for i in shards for j in range(size)]
+  # batch t gathers its positions itself: one `batch` of an endless stream would count its
+  # batches as a float (2**63 for a batch of one, more than len() can hold), and a process's
+  # shards need not be neighbours (devices interleaved by process)
+  steps = grain.MapDataset.range(len(elements) // global_batch)
+  return steps.map(lambda t: batch_fn([elements[t * global_batch + o] for o in offsets]))
 
 
 def prefetched(batches: grain.MapDataset, depth: int) -> grain.DatasetIterator:
@@ -127,8 +134,8 @@ def mask_salient_spans(ids: np.ndarray, spans: np.ndarray, max_masks: int,
 PACKED_QUERIES = ("packed_ids", "packed_positions", "packed_owner", "query_packed_row")
 
 
-def pack_queries(query_ids: np.ndarray, rows: int, shards: int = 1, first_query: int = 0,
-                 first_row: int = 0) -> dict[str, np.ndarray] | None:
+def pack_queries(query_ids: np.ndarray, rows: int, shards: int = 1,
+                 numbered=None) -> dict[str, np.ndarray] | None:
   """The queries [B, L] (each `[CLS] x [SEP]`, padding after it) packed into `rows` rows of L
   wordpieces, so that the query tower computes on few padding wordpieces: first-fit by
   decreasing length within each of `shards` equal slices of the batch and of the rows (a
@@ -136,22 +143,26 @@ def pack_queries(query_ids: np.ndarray, rows: int, shards: int = 1, first_query:
 
   Returns packed_ids [rows, L]; packed_positions [rows, L], each wordpiece's position in its
   own query; packed_owner [rows, L], the query (batch index) a wordpiece belongs to, -1 on
-  padding; query_packed_row [B], the row holding each query. Queries and rows are numbered
-  from `first_query` and `first_row`: a process's share of a global batch numbers its own in
-  the global batch's rows.
+  padding; query_packed_row [B], the row holding each query. Slice s's queries and rows are
+  numbered as those of data shard `numbered[s]` of the global batch (default s: the batch is
+  whole): a process's share of a global batch numbers its own in the global batch's rows.
   """
   b, length = query_ids.shape
   placed = _first_fit((query_ids > 0).sum(1), rows, shards, length)
   if placed is None:
     return None
+  numbered = np.arange(shards) if numbered is None else np.asarray(numbered)
+  per_slice, rows_per_slice = b // shards, rows // shards
+  first_query = (numbered - np.arange(shards)) * per_slice     # each slice's offset
+  first_row = (numbered - np.arange(shards)) * rows_per_slice
   ids = np.zeros((rows, length), np.int32)
   positions = np.zeros((rows, length), np.int32)
   owner = np.full((rows, length), -1, np.int32)
   for q, (row, start, n) in enumerate(placed):
     ids[row, start:start + n] = query_ids[q, :n]
     positions[row, start:start + n] = np.arange(n)
-    owner[row, start:start + n] = first_query + q
-  row_of = (placed[:, 0] + first_row).astype(np.int32)
+    owner[row, start:start + n] = first_query[q // per_slice] + q
+  row_of = (placed[:, 0] + first_row[np.arange(b) // per_slice]).astype(np.int32)
   return dict(zip(PACKED_QUERIES, (ids, positions, owner, row_of)))
 
 

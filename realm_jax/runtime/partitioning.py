@@ -80,29 +80,19 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
           for k, v in local.items()}
 
 
-def data_shares(processes: np.ndarray) -> dict[int, tuple[int, int]]:
-  """Which share of every global batch each process loads, from the process of each device
-  of a [data, model] mesh: {process: (share, shares)}, share s of S being the rows
-  [s * B / S, (s + 1) * B / S). A process loads the rows of the data shards its devices hold,
-  so processes whose devices hold the same data shards (the `model` axis spans them) load
-  the same rows. Where the model axis stays within a process and the devices are in process
-  order (`make_mesh`), process p of P loads share p of P.
-
-  Raises ConfigError (mesh.shape) where the processes' data shards do not tile the data axis
-  (a process whose devices hold some of another's data shards and some not)."""
+def data_shares(processes: np.ndarray) -> dict[int, tuple[tuple[int, ...], int]]:
+  """Which rows of every global batch each process loads, from the process of each device of
+  a [data, model] mesh: {process: (shards, D)}, the sorted data shards its devices hold of the
+  D (the data axis), shard i being the rows [i * B / D, (i + 1) * B / D). A process loads
+  those shards' rows one after the other, the order in which
+  `jax.make_array_from_process_local_data` hands them to its devices, so processes whose
+  devices hold the same data shards (the `model` axis spans them) load the same rows, and
+  devices interleaved by process (process 0 holding shards 0, 1, 4, 5) get their own."""
   processes = np.asarray(processes)
   if processes.ndim != 2:
     raise ValueError(f"expected a [data, model] array of process ids, got {processes.shape}")
-  held = {int(p): tuple(int(i) for i in np.flatnonzero((processes == p).any(axis=1)))
-          for p in np.unique(processes)}
-  size = len(next(iter(held.values())))
-  for p, rows in held.items():
-    if len(rows) != size or rows != tuple(range(rows[0], rows[0] + size)) or rows[0] % size:
-      raise ConfigError("mesh.shape", f"{tuple(processes.shape)} gives process {p}'s devices "
-                        f"the data shards {list(rows)}, not an aligned block of {size} that "
-                        "whole processes share: no process could load just the rows its "
-                        "devices hold")
-  return {p: (rows[0] // size, processes.shape[0] // size) for p, rows in held.items()}
+  return {int(p): (tuple(int(i) for i in np.flatnonzero((processes == p).any(axis=1))),
+                   processes.shape[0]) for p in np.unique(processes)}
 
 
 def mesh_processes(mesh: Mesh) -> np.ndarray:
@@ -110,17 +100,19 @@ def mesh_processes(mesh: Mesh) -> np.ndarray:
   return np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
 
 
-def data_share(mesh: Mesh) -> tuple[int, int]:
-  """(share, shares): this process's share of every global batch on `mesh` (`data_shares`)."""
+def data_share(mesh: Mesh) -> tuple[tuple[int, ...], int]:
+  """(shards, D): this process's data shards of every global batch on `mesh`
+  (`data_shares`)."""
   return data_shares(mesh_processes(mesh))[jax.process_index()]
 
 
 def process_share(full: dict[str, np.ndarray], mesh: Mesh) -> dict[str, np.ndarray]:
   """This process's rows of a batch every process holds whole (the input of `global_batch`)."""
-  index, count = data_share(mesh)
-  if count == 1:
+  shards, count = data_share(mesh)
+  if len(shards) == count:
     return full
-  return {k: v[len(v) // count * index:len(v) // count * (index + 1)] for k, v in full.items()}
+  return {k: np.concatenate([v[len(v) // count * i:len(v) // count * (i + 1)] for i in shards])
+          for k, v in full.items()}
 
 
 def host_array(x) -> np.ndarray:

@@ -20,7 +20,7 @@ class BatchStream:
   what a checkpoint keeps to resume it exactly."""
 
   dataset: grain.MapDataset
-  process_count: int
+  count: int   # the data shards of every global batch (the data axis)
 
   def __call__(self, step: int) -> dict[str, np.ndarray]:
     return self.dataset[step]
@@ -45,15 +45,16 @@ class BatchStream:
     and the primary's copy (the one Orbax writes) resumes each of them, on any process count
     (the global batches do not depend on it).
     """
-    return {"next_step": next_step, "process_count": self.process_count,
-            "iterator": iterator_state}
+    # "process_count": the data shards the batches were split into (nothing reads it back)
+    return {"next_step": next_step, "process_count": self.count, "iterator": iterator_state}
 
 
-def local_batch_size(config, process_count: int) -> int:
-  if config.train.batch_size % process_count:
+def local_batch_size(config, shards=(0,), count: int = 1) -> int:
+  """The rows of this process's batch: those of its data `shards` of the `count`."""
+  if config.train.batch_size % count:
     raise ConfigError("train.batch_size", f"{config.train.batch_size} is not divisible by "
-                      f"the {process_count} processes")
-  return config.train.batch_size // process_count
+                      f"the {count} data shards")
+  return config.train.batch_size // count * len(shards)
 
 
 class QueryBatches(BatchStream):
@@ -64,17 +65,17 @@ class QueryBatches(BatchStream):
   `random_map`, so the global batches depend on the seed and t only.
   """
 
-  def __init__(self, config, data: PreparedData, examples: ExampleSet, process_index: int = 0,
-               process_count: int = 1):
-    self.local_batch = local_batch_size(config, process_count)
+  def __init__(self, config, data: PreparedData, examples: ExampleSet, shards=(0,),
+               count: int = 1):
+    self.local_batch = local_batch_size(config, shards, count)
     self.config, self.data, self.examples = config, data, examples
-    self.process_index, self.process_count = process_index, process_count
+    self.shards, self.count = tuple(shards), count
     tok = data.tokenizer
     self.cls_id, self.sep_id, self.mask_id = tok.cls_id, tok.sep_id, tok.mask_id
     self.rows = pipeline.example_stream(len(examples), config.seed)
     self.dataset = pipeline.process_batches(self.rows.random_map(self._draw),
-                                            config.train.batch_size, process_index,
-                                            process_count, self._assemble)
+                                            config.train.batch_size, self.shards,
+                                            count, self._assemble)
 
   def query_lengths(self, step: int) -> np.ndarray:
     """[B]: the wordpieces of each query (`[CLS] x [SEP]`) of global batch `step`, every
@@ -85,9 +86,11 @@ class QueryBatches(BatchStream):
     return self.examples.lengths[rows] + 2
 
   def pack(self, step: int, batch: dict[str, np.ndarray], shards: int) -> bool:
-    """`pack_queries` for this process's batch of `step` (`shards`: the data axis)."""
-    return pack_queries(self.config, batch, shards, lambda: self.query_lengths(step),
-                        self.process_index, self.process_count)
+    """`pack_queries` for this process's batch of `step` (`shards`: the data axis, a multiple
+    of the data shards the batches were split into)."""
+    per = shards // self.count   # data-axis shards in each of this stream's shards
+    own = tuple(i * per + j for i in self.shards for j in range(per))
+    return pack_queries(self.config, batch, shards, lambda: self.query_lengths(step), own)
 
   def _draw(self, row: int, rng: np.random.Generator) -> tuple[int, int, int]:
     """(row, choice, own): the salient span to mask (REALM), or whether to cut the sentence
@@ -151,32 +154,28 @@ def realm_batch(config, data: PreparedData, queries: dict[str, np.ndarray],
 
 
 def pack_queries(config, batch: dict[str, np.ndarray], shards: int,
-                 global_lengths=None, process_index: int = 0,
-                 process_count: int = 1) -> bool:
-  """With `retrieval.packed_query_rows` R, adds a training `batch`'s queries packed into this
-  process's R / P rows (`pipeline.pack_queries`, each of its data shards' queries in that
-  shard's rows; `shards`: the data axis's devices in all P processes), numbered in the global
-  batch; whether it did (not when off, nor when the queries do not fit: the step then reads
-  them one a row). In a job of several processes every one must take the same step:
-  `global_lengths()` [B], the wordpieces of every query of the global batch
-  (`QueryBatches.query_lengths`, asked only when this process's share fits), says whether all
-  processes' shares fit, and all pack or none."""
+                 global_lengths=None, own=None) -> bool:
+  """With `retrieval.packed_query_rows` R, adds a training `batch`'s queries packed into the
+  R / D rows of each of this process's data shards `own` (default: all `shards` D, the data
+  axis; `pipeline.pack_queries`), numbered in the global batch; whether it did (not when off,
+  nor when the queries do not fit: the step then reads them one a row). In a job of several
+  processes every one must take the same step: `global_lengths()` [B], the wordpieces of
+  every query of the global batch (`QueryBatches.query_lengths`, asked only when this
+  process's shards fit), says whether every shard's queries fit, and all pack or none."""
   rows = config.retrieval.get("packed_query_rows", 0)
   if not rows:
     return False
-  ids = batch["query_ids"]
-  local_rows, local_shards = rows // process_count, shards // process_count
-  packed = pipeline.pack_queries(ids, local_rows, local_shards, process_index * len(ids),
-                                 process_index * local_rows)
+  ids, own = batch["query_ids"], tuple(range(shards)) if own is None else tuple(own)
+  packed = pipeline.pack_queries(ids, rows // shards * len(own), len(own), own)
   if packed is None:
-    return False   # (then no process packs: each checks every share)
-  if process_count > 1:
-    shares = np.asarray(global_lengths()).reshape(process_count, -1)
-    if not np.array_equal(shares[process_index], (ids > 0).sum(1)):
+    return False   # (then no process packs: each checks every shard)
+  if len(own) < shards:
+    lengths = np.asarray(global_lengths()).reshape(shards, -1)
+    if not np.array_equal(lengths[list(own)].reshape(-1), (ids > 0).sum(1)):
       raise RuntimeError("the global batch's query lengths disagree with this process's "
                          "queries: the processes would pack differently")
-    if not all(pipeline.queries_fit(share, local_rows, local_shards, ids.shape[1])
-               for p, share in enumerate(shares) if p != process_index):
+    if not all(pipeline.queries_fit(lengths[i], rows // shards, 1, ids.shape[1])
+               for i in range(shards) if i not in own):
       return False
   batch.update(packed)
   return True

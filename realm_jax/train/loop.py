@@ -44,9 +44,9 @@ class Trainer(Run):
     self.trained_on = (config.data.split, len(self.examples), self.examples.fingerprint)
     if workdir_lib.holds_checkpoints(workdir):   # before the run writes anything (config.json)
       workdir_lib.check_examples(workdir, data.dir, *self.trained_on)
-    share, shares = partitioning.data_share(partitioning.make_mesh(config.mesh.shape))
+    shards, count = partitioning.data_share(partitioning.make_mesh(config.mesh.shape))
     super().__init__(config, workdir, data, batches.QueryBatches(
-        config, data, self.examples, share, shares), lock)
+        config, data, self.examples, shards, count), lock)
     realm_eval = steps.make_realm_eval(config, self.model, self.mesh) \
         if config.task == "realm" else None
     self.evaluator = Evaluator(config, self.data, self.mesh, realm_eval)

@@ -206,13 +206,12 @@ def truncate_pair(n_first: int, n_second: int, budget: int) -> tuple[int, int]:
 class QuestionBatches(batches.BatchStream):
   """This process's batches of training-question rows (shuffled every epoch, checkpointable)."""
 
-  def __init__(self, config, num_questions: int, process_index: int = 0,
-               process_count: int = 1):
-    self.process_count = process_count
-    batches.local_batch_size(config, process_count)   # a clear error if it does not divide
+  def __init__(self, config, num_questions: int, shards=(0,), count: int = 1):
+    self.count = count
+    batches.local_batch_size(config, shards, count)   # a clear error if it does not divide
     self.dataset = pipeline.process_batches(
         pipeline.example_stream(num_questions, config.seed), config.train.batch_size,
-        process_index, process_count, lambda rows: {"rows": np.asarray(rows, np.int64)})
+        shards, count, lambda rows: {"rows": np.asarray(rows, np.int64)})
 
 
 class QABatchBuilder:

@@ -52,9 +52,9 @@ class OpenQATrainer(Run):
     if workdir_lib.holds_checkpoints(workdir):   # before the run writes anything (config.json)
       workdir_lib.check_questions(workdir, *self.questions)
       FrozenIndex.check_blocks(workdir, data.blocks.fingerprint, data.dir)
-    share, shares = partitioning.data_share(partitioning.make_mesh(config.mesh.shape))
+    shards, count = partitioning.data_share(partitioning.make_mesh(config.mesh.shape))
     super().__init__(config, workdir, data, QuestionBatches(
-        config, len(self.train_qa), share, shares), lock)
+        config, len(self.train_qa), shards, count), lock)
     self.frozen: FrozenIndex | None = None   # from `begin`
 
   # -- checkpoints -------------------------------------------------------------------------

@@ -150,9 +150,7 @@ class Run:
                inputs, lock: workdir_lib.JobLock | None = None):
     self.config, self.workdir, self.data, self.inputs = config, workdir, data, inputs
     self.mesh = partitioning.make_mesh(config.mesh.shape)
-    shares = partitioning.data_shares(partitioning.mesh_processes(self.mesh))
-    validate_against_mesh(config, self.mesh.shape["data"], max(s for _, s in shares.values()),
-                          tuple(shares[d.process_index][0] for d in self.mesh.devices[:, 0]))
+    validate_against_mesh(config, self.mesh.shape["data"])
     check_same_run(config, data)
     self._check_steps(workdir, config.train.steps)
     resumes = self._check_vocab(workdir, data.tokenizer.vocab_path)
