@@ -473,7 +473,7 @@ def test_topology_from_flags_environment_or_cluster_detection():
      "--num_processes and --process_id need --coordinator_address \\(or "
      "REALM_COORDINATOR_ADDRESS\\)"),
     (dict(mode="auto", environ={"REALM_PROCESS_ID": "1"}),
-     "REALM_PROCESS_ID need --coordinator_address"),
+     "REALM_PROCESS_ID needs --coordinator_address"),
     (dict(mode="auto", environ={"REALM_COORDINATOR_ADDRESS": "h:1"}),
      "REALM_COORDINATOR_ADDRESS \\(--multihost=auto with a coordinator\\) needs "
      "--num_processes"),

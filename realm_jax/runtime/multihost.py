@@ -99,7 +99,8 @@ def resolve(mode: str = "auto", coordinator_address: str | None = None,
   if mode == "auto" and not explicit:
     stray = [source[k] for k in ("num_processes", "process_id") if given[k] is not None]
     if stray:
-      raise ConfigError("", f"{' and '.join(stray)} need --coordinator_address (or "
+      raise ConfigError("", f"{' and '.join(stray)} need{'s' if len(stray) == 1 else ''} "
+                        f"--coordinator_address (or "
                         f"{ENV['coordinator_address']}): without it they would be ignored")
     cluster = detect()
     if cluster is None:
