@@ -403,6 +403,15 @@ def test_processes_that_disagree_on_the_config_are_named(world_data, monkeypatch
                      "process must run the same command"):
     run.check_same_run(helpers.tiny_config("ict"), world_data)
   assert "the block store of data.dir" in sent[0] and "config.model" in sent[0]
+  # data.dir itself is not compared (a host's own copy, /gcs/B for gs://B): the store is
+  elsewhere = helpers.tiny_config("ict")
+  elsewhere.data.dir = "/another/copy/of/" + os.path.basename(elsewhere.data.dir)
+  sent.clear()
+  monkeypatch.setattr(multihost, "every_process",
+                      lambda name, value: sent.append(json.loads(value)) or [value, value])
+  for config in (helpers.tiny_config("ict"), elsewhere):
+    run.check_same_run(config, world_data)
+  assert sent[0] == sent[1]
   assert multihost.disagreements([{"a": "1", "b": "2"}, {"a": "1", "b": "2"}]) == {}
   assert multihost.disagreements([{"a": "1"}, {"a": "2", "b": "3"}, {"a": "1"}]) == \
       {"a": [1], "b": [1]}

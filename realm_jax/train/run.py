@@ -58,11 +58,15 @@ def checked_data(config: ml_collections.ConfigDict, workdir: str) -> PreparedDat
 def check_same_run(config: ml_collections.ConfigDict, data: PreparedData) -> None:
   """Every process of a job runs the same config on the same block store: a ConfigError
   naming each top-level config field (and the store) on which some process differs from
-  process 0, before anything is written (a collective: every process calls it)."""
+  process 0, before anything is written (a collective: every process calls it). data.dir is
+  left out: the processes may read the data at other paths (a copy on each host, /gcs/B and
+  gs://B), and the block store's fingerprint says whether it is the same data."""
   if jax.process_count() == 1:
     return
+  fields = json.loads(config.to_json_best_effort())
+  fields["data"].pop("dir", None)   # a host's own copy, or /gcs/B for gs://B: the store decides
   mine = {f"config.{k}": hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()
-          for k, v in json.loads(config.to_json_best_effort()).items()}
+          for k, v in fields.items()}
   mine["the block store of data.dir"] = data.blocks.fingerprint
   differ = multihost.disagreements(
       [json.loads(v) for v in multihost.every_process("config", json.dumps(mine))])
