@@ -36,6 +36,7 @@ import os
 import socket
 import sys
 import time
+import uuid
 
 from realm_jax import paths
 from realm_jax.errors import ConfigError, DataError
@@ -52,6 +53,27 @@ VOCAB = "vocab.txt"
 SUMMARY = "summary.json"
 WALL = "wall.json"
 DONE = "DONE"
+JOB_TOKEN = ".job_token-"   # + an id of its own each start: process 0's token, read back by
+                            # every other process at start-up, then removed
+
+
+def write_job_token(workdir: str) -> str:
+  """Process 0's token of this start, written to `W/.job_token-<id>` (W made if need be):
+  its id. A name of its own each start, so that no cache of an earlier start's file (a
+  gcsfuse stat cache, an NFS lookup cache) can answer for it."""
+  token = uuid.uuid4().hex
+  paths.makedirs(workdir)
+  paths.write_text_atomic(paths.join(workdir, JOB_TOKEN + token), token)
+  return token
+
+
+def sees_job_token(workdir: str, token: str) -> bool:
+  """Whether this process reads process 0's token `token` in `workdir`."""
+  return paths.read_text(paths.join(workdir, JOB_TOKEN + token)) == token
+
+
+def remove_job_token(workdir: str, token: str) -> None:
+  paths.remove(paths.join(workdir, JOB_TOKEN + token))
 
 
 # -- the prepared data a run reads -------------------------------------------------------------

@@ -370,10 +370,12 @@ def test_sigterm_stops_a_two_process_builder_waiting_for_checkpoints(world_dir, 
 
 
 def test_a_workdir_some_process_does_not_share_is_refused(world_dir, tmp_path):
-  """Process 1 given a workdir of its own (as a node-local path would be): both stop at
-  start-up naming it (the same config: the config check passes), instead of hanging at the
-  first save."""
+  """Process 1 given a workdir of its own (as a node-local path would be), one that holds an
+  older run's checkpoint: both stop at start-up naming it, before process 1 reads its own
+  workdir (it would refuse train.steps below that checkpoint's step), instead of hanging at
+  the first save; process 0 removes its token."""
   config = helpers.tiny_config("ict", data_dir=world_dir)
+  os.makedirs(tmp_path / "local" / "checkpoints" / "99")
   procs = launch(helpers.config_flags(config, "demo_ict"), str(tmp_path / "shared"), 2,
                  free_port(), per_process={1: (f"--workdir={tmp_path / 'local'}",)})
   with deadline(procs, 180) as expired:
@@ -383,6 +385,7 @@ def test_a_workdir_some_process_does_not_share_is_refused(world_dir, tmp_path):
     assert p.returncode == 2, out[-3000:]
     assert "process 1 does not see what process 0 wrote there: the workdir must be shared " \
         "storage" in out, out[-3000:]
+  assert not [n for n in os.listdir(tmp_path / "shared") if n.startswith(".job_token")]
   assert not os.path.exists(tmp_path / "shared" / "checkpoints")
 
 

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import time
-import uuid
 
 import jax
 import ml_collections
@@ -40,9 +39,10 @@ logger = logging.getLogger(__name__)
 
 def checked_data(config: ml_collections.ConfigDict, workdir: str) -> PreparedData:
   """The run's data dir, opened after the workdir and the options are checked (a bad one is
-  a one-line error before anything is built)."""
+  a one-line error before anything is built; every process sees the workdir)."""
   paths.check(workdir, "--workdir")
   validate(config)
+  check_shared_workdir(workdir)   # before any process reads the workdir
   data = workdir_lib.open_data(config)
   if config.task in ("ict", "realm"):   # evaluated on eval.split (at the end at the latest)
     examples = os.path.join(data.dir, "examples")
@@ -76,20 +76,20 @@ def check_same_run(config: ml_collections.ConfigDict, data: PreparedData) -> Non
         + ": every process must run the same command on the same data")
 
 
-WORKDIR_TOKEN = ".job_token"   # process 0's token in W, which every other process reads back
-
-
 def check_shared_workdir(workdir: str) -> None:
-  """Every process sees the token process 0 just wrote into `workdir`: a ConfigError naming
-  it otherwise (a node-local workdir, or another path on some host, would hang the first
-  save). A collective: every process calls it once process 0 created `workdir`."""
+  """Every process sees the token process 0 writes into `workdir` (making it) at start-up,
+  before any process reads anything there: a ConfigError naming the processes that do not
+  otherwise (a node-local workdir, or another path on some host, would hang the first save,
+  and one holding an older run would raise its own, misleading errors first). Process 0
+  removes the token once all have looked. A collective: every process calls it."""
   if jax.process_count() == 1:
     return
-  path, primary = paths.join(workdir, WORKDIR_TOKEN), jax.process_index() == 0
+  primary = jax.process_index() == 0
+  token = multihost.every_process(
+      "workdir token", workdir_lib.write_job_token(workdir) if primary else "")[0]
+  blind = multihost.processes_where_not(primary or workdir_lib.sees_job_token(workdir, token))
   if primary:
-    paths.write_text_atomic(path, uuid.uuid4().hex)
-  token = multihost.every_process("workdir", paths.read_text(path) if primary else "")[0]
-  blind = multihost.processes_where_not(primary or paths.read_text(path) == token)
+    workdir_lib.remove_job_token(workdir, token)
   if blind:
     raise ConfigError("", f"--workdir {workdir}: process {', '.join(map(str, blind))} does not "
                       "see what process 0 wrote there: the workdir must be shared storage "
@@ -172,7 +172,6 @@ class Run:
         resumes and paths.exists(paths.join(workdir, workdir_lib.VOCAB))):
       workdir_lib.record_vocab(workdir, data.tokenizer.vocab_path)
     multihost.after_first_process("workdir")   # no process goes on before the workdir exists
-    check_shared_workdir(workdir)
     self.model = state_lib.build_model(config, self.data.tokenizer.vocab_size)
     init_rng, self.step_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     # the state itself comes from `restore_or_init`: restored, or initialised on a fresh start
