@@ -112,19 +112,26 @@ def open_data(config):
 
 
 # -- W/config.json -----------------------------------------------------------------------------
+def read_record(workdir: str, name: str, advice: str = "") -> dict | None:
+  """W's JSON record `name` (config.json, examples.json, questions.json), None where W has
+  none; one edited by hand or cut short is a DataError naming it (`advice` added)."""
+  path = paths.join(workdir, name)
+  try:
+    record = paths.read_json(path)
+  except ValueError as e:
+    raise DataError(f"{path}: not the JSON a run writes ({e}); restore it from a copy of "
+                    f"the run{advice}") from None
+  if record is not None and not isinstance(record, dict):
+    raise DataError(f"{path}: not the JSON object a run writes")
+  return record
+
+
 def recorded_config(workdir: str) -> dict | None:
   """`W/config.json` with options renamed since moved to their names (`upgrade_record`);
   None where W has none."""
   from realm_jax.config.option_names import upgrade_record
-  path = paths.join(workdir, CONFIG)
-  try:
-    record = paths.read_json(path)
-  except ValueError as e:   # edited by hand, or cut short
-    raise DataError(f"{path}: not the JSON a run writes ({e}); restore it from a copy of "
-                    "the run (an evaluation may give --config instead)") from None
-  if record is not None and not isinstance(record, dict):
-    raise DataError(f"{path}: not the JSON object a run writes")
-  return None if record is None else upgrade_record(record, f"{path}: ")
+  record = read_record(workdir, CONFIG, " (an evaluation may give --config instead)")
+  return None if record is None else upgrade_record(record, f"{paths.join(workdir, CONFIG)}: ")
 
 
 def record_config(config, workdir: str, primary: bool = True) -> None:
@@ -272,7 +279,7 @@ def check_questions(workdir: str, spec: str, count: int, fingerprint: str) -> No
   trained on (a changed file, questions read another way): the steps' batches index into
   them. A moved file with the same questions resumes; W without the record (a run from
   before it) is not checked. Reads only: every process of a job may call it."""
-  record = paths.read_json(paths.join(workdir, QUESTIONS_RECORD))
+  record = read_record(workdir, QUESTIONS_RECORD)
   if record is not None and record.get("fingerprint") != fingerprint:
     raise ConfigError("qa.train", f"its {count} training questions ({spec!r}) are not the "
                       f"{record.get('questions', '?')} that the checkpoints in {workdir} "
@@ -296,17 +303,19 @@ def check_examples(workdir: str, data_dir: str, split: str, count: int,
   (other rows, the same in another order): the input pipeline's saved position indexes into
   them. A moved data dir with the same examples resumes; W without the record (a run from
   before it) is not checked. Reads only: every process of a job may call it."""
-  record = paths.read_json(paths.join(workdir, EXAMPLES_RECORD))
+  record = read_record(workdir, EXAMPLES_RECORD)
   if record is not None and record.get("split", split) != split:
     raise ConfigError("data.split", f"{split!r} but the checkpoints in {workdir} trained on "
-                      f"split {record['split']!r}: resume on it, or train in a new workdir")
+                      f"split {record['split']!r}: resume with data.split={record['split']!r}, "
+                      "or train in a new workdir (init.from_workdir keeps the params)")
   if record is not None and record.get("fingerprint") != fingerprint:
     raise ConfigError("data.dir", f"its {count} examples of split {split!r} "
                       f"({paths.join(data_dir, 'examples', split)}) are not the "
                       f"{record.get('examples', '?')} that the checkpoints in {workdir} "
-                      f"trained on ({EXAMPLES_RECORD}: fingerprint "
-                      f"{str(record.get('fingerprint'))[:12]} != {fingerprint[:12]}): resume "
-                      "on the data they trained on, or train in a new workdir")
+                      f"trained on (other examples, or the same in another order; "
+                      f"{EXAMPLES_RECORD}: fingerprint {str(record.get('fingerprint'))[:12]} "
+                      f"!= {fingerprint[:12]}): resume on the data they trained on, or train "
+                      "in a new workdir (init.from_workdir keeps the params)")
 
 
 # -- W/DONE ------------------------------------------------------------------------------------

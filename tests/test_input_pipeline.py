@@ -124,13 +124,18 @@ def test_a_process_batch_of_one_is_its_share_of_the_global_batch(world_data, cou
   config = tiny_config("realm", train__batch_size=count)
   examples = world_data.examples("train")
   procs = [batches.QueryBatches(config, world_data, examples, (p,), count) for p in range(count)]
-  for step in (0, 3, len(examples)):   # the last one in the next epoch
+  for step in (0, 3, len(examples)):   # (the last in a later epoch)
     rows = [int(q(step)["query_row"][0]) for q in procs]
     assert rows == [procs[0].rows[step * count + p] for p in range(count)]
   iterator = procs[-1].iterator(prefetch=2)
   assert [int(next(iterator)["query_row"][0]) for _ in range(2)] == [
       int(procs[-1](step)["query_row"][0]) for step in range(2)]
+  saved = procs[-1].state(iterator.get_state(), 2)   # a checkpoint after step 1: resumed
   iterator.close()
+  resumed = procs[-1].iterator(prefetch=2, saved=saved)
+  assert [int(next(resumed)["query_row"][0]) for _ in range(3)] == [
+      int(procs[-1](step)["query_row"][0]) for step in range(2, 5)]
+  resumed.close()
   questions = [openqa_inputs.QuestionBatches(config, 50, (p,), count) for p in range(count)]
   single = openqa_inputs.QuestionBatches(tiny_config("realm", train__batch_size=count), 50)
   np.testing.assert_array_equal(np.concatenate([q(5)["rows"] for q in questions]),
@@ -184,9 +189,13 @@ def test_fewer_mask_slots_than_the_widest_span_are_refused(world_data):
   wordpieces left for the model to copy): refused naming it; at the widest, spans are whole."""
   from realm_jax.config.validation import validate_against_data
   examples = world_data.examples("train")
-  widest = examples.widest_span
+  widest = examples.widest_span()
   widths = examples.spans[..., 1] - examples.spans[..., 0]
   assert widest == max(int(widths[r, :examples.num_spans[r]].max()) for r in range(len(examples)))
+  assert examples.widest_span(chunk=7) == widest   # read in pieces, the same
+  held_out = world_data.examples("eval")   # what an evaluation of its first 20 masks
+  targets = held_out.target_span[:20, 1] - held_out.target_span[:20, 0]
+  assert held_out.widest_span(20, targets=True, chunk=6) == targets.max() > 0
   with pytest.raises(ConfigError, match=rf"config\.data\.max_masks: {widest - 1} < {widest}, "
                      "the wordpieces of the widest salient span in .*: such a span would be "
                      "masked in part"):

@@ -617,7 +617,7 @@ def test_a_run_resumed_on_other_examples_is_refused_before_it_writes(world_dir, 
   workdir from before the record, resume. Another seed or data.split is refused too."""
   from realm_jax import workdir as workdir_lib
   from realm_jax.data.prepared import PreparedData
-  from realm_jax.errors import ConfigError
+  from realm_jax.errors import ConfigError, DataError
   examples = world_data.examples("train")
   workdir = tmp_path / "work"
   os.makedirs(workdir / "checkpoints" / "10")   # a run that saved step 10
@@ -629,7 +629,8 @@ def test_a_run_resumed_on_other_examples_is_refused_before_it_writes(world_dir, 
     config = tiny_config("realm", "no_retrieval", str(data), train__steps=20)
     with pytest.raises(ConfigError, match=rf"config\.data\.dir: its {len(picked)} examples of "
                        rf"split 'train' .*{name}/examples/train\) are not the {n} that the "
-                       r"checkpoints in .* trained on \(examples\.json: fingerprint"):
+                       r"checkpoints in .* trained on \(other examples, or the same in "
+                       r"another order; examples\.json: fingerprint"):
       train(config, str(workdir))
   assert sorted(os.listdir(workdir)) == ["checkpoints", "examples.json"]
   moved = PreparedData(str(helpers.examples_copy(world_dir, tmp_path / "moved", np.arange(n))))
@@ -638,6 +639,10 @@ def test_a_run_resumed_on_other_examples_is_refused_before_it_writes(world_dir, 
   with pytest.raises(ConfigError, match=r"config\.data\.split: 'other' but the checkpoints "
                      r"in .* trained on split 'train'"):
     workdir_lib.check_examples(str(workdir), world_dir, "other", n, examples.fingerprint)
+  record = (workdir / "examples.json").read_text()
+  (workdir / "examples.json").write_text(record[:10])   # cut short: named, no traceback
+  with pytest.raises(DataError, match=r"examples\.json: not the JSON a run writes"):
+    workdir_lib.check_examples(str(workdir), world_dir, "train", n, examples.fingerprint)
   os.remove(workdir / "examples.json")
   workdir_lib.check_examples(str(workdir), world_dir, "train", 200, "another")
   # The seed orders the examples and data.split names them: a resume keeps both.

@@ -154,9 +154,6 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
     raise ConfigError("data.query_len", f"{d.query_len} < 4 wordpieces")
   if not 1 <= d.max_masks <= d.query_len - 2:
     raise ConfigError("data.max_masks", f"must be in [1, query_len - 2], got {d.max_masks}")
-  if config.task in ("ict", "realm") and d.split == config.eval.split:
-    raise ConfigError("eval.split", f"{d.split!r} is data.split too: the run would be "
-                      "evaluated on the queries it trains on; give them different splits")
   _validate_towers(config)
   _validate_execution(config.model)
   for name in ("batch_size", "steps", "log_every", "checkpoint_every", "keep_checkpoints"):

@@ -10,9 +10,9 @@ t * B + (i + 1) * B / D). A process builds only the rows of the data shards its 
 in shard order (process p of P, its devices in process order: positions
 [t * B + p * B / P, t * B + (p + 1) * B / P)) (batches do not stop at an epoch's end: where B
 does not divide the example count, the batch across it may hold one example twice, from both
-shuffles). The global batches are
-therefore a pure function of the seed, whatever the number of processes: a run on 2 hosts sees the batches of a run on one, and a checkpoint resumes on
-another process count with the same batches. The iterator state (grain's: the next batch index
+shuffles). The global batches are therefore a pure function of the seed, whatever the
+number of processes: a run on 2 hosts sees the batches of a run on one, and a checkpoint
+resumes on another process count with the same batches. The iterator state (grain's: the next batch index
 = the next step) is saved with the checkpoint. Index bookkeeping is per example (grain);
 everything that touches tokens is vectorised numpy over a batch. Batches are built ahead in
 grain's prefetch threads.

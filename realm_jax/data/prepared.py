@@ -122,13 +122,22 @@ class ExampleSet:
       digest.update(np.ascontiguousarray(column).tobytes())
     return digest.hexdigest()[:32]
 
-  @functools.cached_property
-  def widest_span(self) -> int:
-    """Wordpieces of the widest salient span of any example (0 for none): fewer mask slots
-    (`data.max_masks`) would mask it in part."""
-    slots = np.arange(self.spans.shape[1])[None, :] < self.num_spans[:, None]
-    widths = self.spans[..., 1] - self.spans[..., 0]
-    return int(widths[slots].max(initial=0))
+  def widest_span(self, rows: int | None = None, targets: bool = False,
+                  chunk: int = 1 << 20) -> int:
+    """Wordpieces of the widest salient span of the first `rows` examples (all: None), of
+    their target spans alone with `targets` (what an evaluation masks), 0 for none: fewer
+    mask slots (`data.max_masks`) would mask it in part. Read `chunk` examples at a time."""
+    rows = len(self) if rows is None else min(rows, len(self))
+    widest = 0
+    for start in range(0, rows, chunk):
+      stop = min(start + chunk, rows)
+      spans, count = self.spans[start:stop], self.num_spans[start:stop]
+      if targets:   # each example's target span (start, end), alone
+        spans, count = self.target_span[start:stop][:, None], np.ones_like(count)
+      slots = np.arange(spans.shape[1])[None, :] < count[:, None]
+      widths = spans[..., 1] - spans[..., 0]
+      widest = max(widest, int(widths[slots].max(initial=0)))
+    return widest
 
   @property
   def max_sentence_len(self) -> int:

@@ -137,7 +137,8 @@ class Trainer(Run):
 
 def query_examples(config: ml_collections.ConfigDict, data) -> list:
   """The training queries of `data.split`, with the config checked against the data (the
-  widest span masked: of the training split and of `eval.split`, which `checked_data` found)."""
+  widest span masked: REALM's training spans, and the target spans of the `eval.num_examples`
+  of `eval.split` (`checked_data` found it) that evaluations mask)."""
   try:
     examples = data.examples(config.data.split)
   except FileNotFoundError as e:
@@ -146,8 +147,10 @@ def query_examples(config: ml_collections.ConfigDict, data) -> list:
                         store_block_len=data.blocks.block_len,
                         max_sentence_len=data.stats["max_sentence_len"],
                         vocab_size=data.tokenizer.vocab_size,
-                        widest_span=max(examples.widest_span,
-                                        data.examples(config.eval.split).widest_span))
+                        widest_span=max(
+                            examples.widest_span() if config.task == "realm" else 0,
+                            data.examples(config.eval.split).widest_span(
+                                config.eval.num_examples, targets=True)))
   if len(examples) < config.train.batch_size:
     raise ConfigError("train.batch_size", f"{config.train.batch_size} > the "
                       f"{len(examples)} examples of split {config.data.split!r}")

@@ -42,6 +42,10 @@ def checked_data(config: ml_collections.ConfigDict, workdir: str) -> PreparedDat
   a one-line error before anything is built; every process sees the workdir)."""
   paths.check(workdir, "--workdir")
   validate(config)
+  if config.task in ("ict", "realm") and config.data.split == config.eval.split:
+    # (a trainer's check: realm-eval of such a run reads no eval.split)
+    raise ConfigError("eval.split", f"{config.eval.split!r} is data.split too: the run would "
+                      "be evaluated on the queries it trains on; give them different splits")
   check_shared_workdir(workdir)   # before any process reads the workdir
   data = workdir_lib.open_data(config)
   if config.task in ("ict", "realm"):   # evaluated on eval.split (at the end at the latest)
