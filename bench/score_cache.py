@@ -119,7 +119,7 @@ def main() -> None:
   model = state_lib.build_model(config, data.tokenizer.vocab_size)
   mesh = partitioning.make_mesh(tuple(config.mesh.shape))
   try:
-    validate_against_mesh(config, mesh.shape["data"], jax.process_count())
+    validate_against_mesh(config, mesh.shape["data"])
   except ConfigError as e:
     raise SystemExit(f"bench: {e}") from None
   state, shardings, _ = state_lib.create_train_state(config, model, mesh,

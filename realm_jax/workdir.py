@@ -68,8 +68,13 @@ def write_job_token(workdir: str) -> str:
 
 
 def sees_job_token(workdir: str, token: str) -> bool:
-  """Whether this process reads process 0's token `token` in `workdir`."""
-  return paths.read_text(paths.join(workdir, JOB_TOKEN + token)) == token
+  """Whether this process reads process 0's token `token` in `workdir` (a read that fails,
+  storage this host cannot reach, is not seeing it: said in the log)."""
+  try:
+    return paths.read_text(paths.join(workdir, JOB_TOKEN + token)) == token
+  except Exception as e:   # noqa: BLE001 -- any failure to read is an answer: not seen
+    logger.warning(f"--workdir {workdir}: process 0's token not read here ({e})")
+    return False
 
 
 def remove_job_token(workdir: str, token: str) -> None:

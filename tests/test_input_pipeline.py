@@ -348,7 +348,15 @@ def test_every_device_gets_the_rows_a_one_process_run_gives_it(processes, shape,
                                       np.arange(size) + step * batch + i * size)
 
 
-def test_data_shards_split_unevenly_among_processes_load_their_own_rows():
-  """Process 1's devices hold shard 2 and part of shard 1 (process 0 the rest of it)."""
-  assert partitioning.data_shares(np.array([[0, 0], [0, 1], [1, 1]])) == {
-      0: ((0, 1), 3), 1: ((1, 2), 3)}
+@pytest.mark.parametrize("layout", [
+    [[0, 0], [0, 1], [1, 1]],           # shard 1 split between processes 0 and 1
+    [[0, 1, 1], [1, 2, 2]],             # 3 processes: {0}, {0, 1}, {1}
+    [[0, 0], [0, 0], [1, 1]],           # two shards against one
+])
+def test_data_shards_that_processes_share_in_part_are_refused(layout):
+  """Layouts JAX cannot assemble from per-process rows (two processes holding overlapping,
+  unequal shard sets, or unequal numbers of them) are a ConfigError naming mesh.shape, at
+  start-up, not an error inside JAX at the first step."""
+  with pytest.raises(ConfigError, match=r"config\.mesh\.shape: .* must hold the same data "
+                     "shards or none in common"):
+    partitioning.data_shares(np.array(layout))

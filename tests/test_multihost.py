@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -212,7 +213,7 @@ runpy.run_module("realm_jax.train.main", run_name="__main__", alter_sys=True)
 
 
 def test_a_checkpoint_one_process_cannot_read_sends_every_process_to_the_one_before(
-    world_dir, tmp_path, monkeypatch):
+    world_dir, tmp_path):
   """Checkpoints 2 and 4 of a two-process ICT job whose model axis spans both processes (no
   process holds a whole array), resumed in two processes, process 1 unable to read 4. Each
   process reads its own shards, so only 1 fails: all must still resume from the same step
@@ -220,8 +221,6 @@ def test_a_checkpoint_one_process_cannot_read_sends_every_process_to_the_one_bef
   job's losses. Each process deciding alone, 0 resumed from 4 and 1 from 2. The first job
   trains like one process of 8 devices on the same mesh: both processes load every row
   (their devices hold the one data shard)."""
-  # a process that waits for the move aside while process 0 went on fails within 8 + 2 * 5 s
-  monkeypatch.setenv("REALM_JAX_STORAGE_PATIENCE", "5")
   workdir = str(tmp_path / "w")
   options = dict(data_dir=world_dir, train__checkpoint_every=2, mesh__shape=(1, 8))
   outputs = []
@@ -534,11 +533,23 @@ def test_a_long_wait_polls_so_a_signal_handler_can_stop_it(monkeypatch):
 
 def test_waits_after_process_0_writes_are_bounded_by_the_storage_patience(monkeypatch):
   """Processes that took different paths (one waits for process 0's move, process 0 sits in
-  a device collective) fail after the heartbeat timeout plus twice the storage patience, not
-  after realm-index's wait of as long as process 0 lives."""
+  a device collective) fail after the heartbeat timeout plus twice the storage patience, or
+  for process 0's bulk writes after at least BULK_IO_SECONDS, not after realm-index's wait of
+  as long as process 0 lives: the timeout each wait gives `sliced_get`, on process 1."""
+  from jax._src import distributed
   monkeypatch.setenv("REALM_JAX_STORAGE_PATIENCE", "30")
-  assert multihost.io_wait_timeout() == multihost.barrier_timeout() + 60
-  assert multihost.io_wait_timeout() < multihost.LONG_WAIT_SECONDS
+  asked = []
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setattr(distributed.global_state, "client",
+                      types.SimpleNamespace(key_value_set=lambda key, value: None))
+  monkeypatch.setattr(multihost, "sliced_get",
+                      lambda client, key, timeout: asked.append(timeout) or "1")
+  multihost.every_process("config", "x")
+  multihost.after_first_process("workdir")
+  multihost.after_first_process("frozen index published", multihost.bulk_io_timeout())
+  io = multihost.barrier_timeout() + 60
+  assert asked == [io, io, multihost.BULK_IO_SECONDS] and io < multihost.BULK_IO_SECONDS
 
 
 def test_unequal_local_device_counts_are_named():

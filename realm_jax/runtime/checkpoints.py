@@ -214,7 +214,8 @@ class Checkpointer:
                               f"from {source} to {target} ({type(e).__name__}: {e}); move or "
                               "delete it, then resume") from e
       log(f"moved the unreadable checkpoint {step} to {target}")
-    multihost.after_first_process(f"checkpoint-{step}-moved-aside")
+    multihost.after_first_process(f"checkpoint-{step}-moved-aside",
+                                  multihost.bulk_io_timeout())
     self.manager.reload()
 
   def saving(self) -> bool:

@@ -313,6 +313,16 @@ def io_wait_timeout() -> float:
   return barrier_timeout() + 2 * paths.patience()
 
 
+BULK_IO_SECONDS = 4 * 3600.0   # the least wait for process 0's bulk writes (`bulk_io_timeout`)
+
+
+def bulk_io_timeout() -> float:
+  """Seconds a process waits for process 0's bulk writes (an index's block embeddings, a
+  checkpoint moved aside in a bucket): a healthy transfer of gigabytes may outlast the
+  storage patience, which bounds silence, not size; at least BULK_IO_SECONDS."""
+  return max(io_wait_timeout(), BULK_IO_SECONDS)
+
+
 def from_first_process(name: str, value: int | None, timeout: float | None = None) -> int:
   """Process 0's `value` on every process, the others passing None and waiting for it (each
   call is a new one): a decision that all processes act on, through the coordination
@@ -350,14 +360,14 @@ def sliced_get(client, key: str, timeout: float) -> str:
   grows through an hours-long wait). TimeoutError naming `key` after `timeout`;
   JaxRuntimeError at once on another error than the key's absence (the job ending)."""
   import jax
-  deadline = time.time() + timeout
+  deadline = time.monotonic() + timeout
   while True:
     try:
       return client.key_value_try_get(key)
     except jax.errors.JaxRuntimeError as e:
-      if "NOT_FOUND" not in str(e):
+      if not str(e).startswith("NOT_FOUND"):   # ("NOT_FOUND: Config key K not found.")
         raise
-    left = deadline - time.time()
+    left = deadline - time.monotonic()
     if left <= 0:
       raise TimeoutError(f"{key!r} not set within {timeout:g}s")
     time.sleep(min(left, WAIT_SLICE_SECONDS))

@@ -91,8 +91,16 @@ def data_shares(processes: np.ndarray) -> dict[int, tuple[tuple[int, ...], int]]
   processes = np.asarray(processes)
   if processes.ndim != 2:
     raise ValueError(f"expected a [data, model] array of process ids, got {processes.shape}")
-  return {int(p): (tuple(int(i) for i in np.flatnonzero((processes == p).any(axis=1))),
-                   processes.shape[0]) for p in np.unique(processes)}
+  shares = {int(p): tuple(int(i) for i in np.flatnonzero((processes == p).any(axis=1)))
+            for p in np.unique(processes)}
+  for p, shards in shares.items():   # what JAX can assemble: equal or disjoint, one size
+    for q, others in shares.items():
+      if len(shards) != len(others) or (shards != others and set(shards) & set(others)):
+        raise ConfigError("mesh.shape", f"{processes.shape}: process {p} holds data shards "
+                          f"{list(shards)} and process {q} {list(others)}; every two processes "
+                          "must hold the same data shards or none in common, as many each "
+                          "(put the `model` axis within a process, or across whole processes)")
+  return {p: (shards, processes.shape[0]) for p, shards in shares.items()}
 
 
 def mesh_processes(mesh: Mesh) -> np.ndarray:

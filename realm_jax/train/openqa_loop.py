@@ -98,7 +98,8 @@ class OpenQATrainer(Run):
       published.publish_arrays(published.index_root(self.workdir), source.embeddings, query,
                                step=source.step, fingerprint=fingerprint,
                                keep=cfg.builder.keep_versions)
-    multihost.after_first_process("frozen index published")   # all load the version written
+    multihost.after_first_process("frozen index published",   # all load the version written
+                                  multihost.bulk_io_timeout())
     return FrozenIndex.load(self.workdir, fingerprint, dim)
 
   # -- the steps ---------------------------------------------------------------------------

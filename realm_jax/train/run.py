@@ -64,7 +64,8 @@ def check_same_run(config: ml_collections.ConfigDict, data: PreparedData) -> Non
   naming each top-level config field (and the store) on which some process differs from
   process 0, before anything is written (a collective: every process calls it). data.dir is
   left out: the processes may read the data at other paths (a copy on each host, /gcs/B and
-  gs://B), and the block store's fingerprint says whether it is the same data."""
+  gs://B); the fingerprints of its block store, vocabulary and examples say whether it is
+  the same data."""
   if jax.process_count() == 1:
     return
   fields = json.loads(config.to_json_best_effort())
@@ -72,6 +73,11 @@ def check_same_run(config: ml_collections.ConfigDict, data: PreparedData) -> Non
   mine = {f"config.{k}": hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()
           for k, v in fields.items()}
   mine["the block store of data.dir"] = data.blocks.fingerprint
+  with open(data.tokenizer.vocab_path, "rb") as f:
+    mine["the vocabulary of data.dir"] = hashlib.sha256(f.read()).hexdigest()
+  if config.task in ("ict", "realm"):   # the examples each process reads its rows from
+    for split in sorted({config.data.split, config.eval.split}):
+      mine[f"the {split!r} examples of data.dir"] = data.examples(split).fingerprint
   differ = multihost.disagreements(
       [json.loads(v) for v in multihost.every_process("config", json.dumps(mine))])
   if differ:
@@ -89,11 +95,13 @@ def check_shared_workdir(workdir: str) -> None:
   if jax.process_count() == 1:
     return
   primary = jax.process_index() == 0
-  token = multihost.every_process(
-      "workdir token", workdir_lib.write_job_token(workdir) if primary else "")[0]
-  blind = multihost.processes_where_not(primary or workdir_lib.sees_job_token(workdir, token))
-  if primary:
-    workdir_lib.remove_job_token(workdir, token)
+  token = workdir_lib.write_job_token(workdir) if primary else ""
+  try:
+    token = multihost.every_process("workdir token", token)[0]
+    blind = multihost.processes_where_not(primary or workdir_lib.sees_job_token(workdir, token))
+  finally:   # removed whatever ended the check (a process that never sent or looked)
+    if primary:
+      workdir_lib.remove_job_token(workdir, token)
   if blind:
     raise ConfigError("", f"--workdir {workdir}: process {', '.join(map(str, blind))} does not "
                       "see what process 0 wrote there: the workdir must be shared storage "
