@@ -258,7 +258,7 @@ def check_mesh(config, slices: dict[str, Slice]) -> None:
     try:
       shape = resolve_mesh_shape(config.mesh.shape, tpu.devices)
       if job == "trainer":
-        validate_against_mesh(config, shape[0], tpu.hosts)
+        validate_against_mesh(config, shape[0])
     except ConfigError as e:
       hint = ("; both jobs get this one shape, and -1 as its data axis takes each slice's "
               "devices") if e.option == "mesh.shape" else ""

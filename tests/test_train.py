@@ -235,7 +235,10 @@ def test_sigterm_saves_exits_and_the_resumed_run_matches_the_uninterrupted_one(
       np.testing.assert_allclose(b[key], a[key], rtol=0, atol=1e-6,
                                  err_msg=f"step {a['step']} {key}")
   # The checkpoints' data items hold the input pipeline's state after the batches consumed.
-  queries = batches.QueryBatches(configs["realm"], world_data, world_data.examples("train"))
+  from realm_jax.runtime import partitioning   # (the run's share: its mesh's data shards)
+  queries = batches.QueryBatches(configs["realm"], world_data, world_data.examples("train"),
+                                 *partitioning.data_share(partitioning.make_mesh(
+                                     configs["realm"].mesh.shape)))
   it = queries.iterator(prefetch=0)
   for step in range(1, REALM_STEPS + 1):
     next(it)
