@@ -78,7 +78,12 @@ def sees_job_token(workdir: str, token: str) -> bool:
 
 
 def remove_job_token(workdir: str, token: str) -> None:
-  paths.remove(paths.join(workdir, JOB_TOKEN + token))
+  """Removes process 0's token; a failure is said, not raised (it would hide what ended the
+  check, and the token only takes a file's room)."""
+  try:
+    paths.remove(paths.join(workdir, JOB_TOKEN + token))
+  except Exception as e:   # noqa: BLE001 -- storage out of reach: the token stays
+    logger.warning(f"--workdir {workdir}: the job token {JOB_TOKEN}{token} not removed ({e})")
 
 
 # -- the prepared data a run reads -------------------------------------------------------------

@@ -394,7 +394,7 @@ def test_processes_that_disagree_on_the_config_are_named(world_data, monkeypatch
   from realm_jax.train import run
   sent = []
 
-  def exchange(name, value):   # process 1: another train.lr and data.dir
+  def exchange(name, value, timeout):   # process 1: another train.lr and data.dir
     sent.append(json.loads(value))
     theirs = {**sent[0], "config.train": "another", "config.data": "another"}
     return [value, json.dumps(theirs)]
@@ -404,19 +404,44 @@ def test_processes_that_disagree_on_the_config_are_named(world_data, monkeypatch
                      r"process 0\); config\.train \(process 1 against process 0\): every "
                      "process must run the same command"):
     run.check_same_run(helpers.tiny_config("ict"), world_data)
-  assert "the block store of data.dir" in sent[0] and "config.model" in sent[0]
+  assert {"the block store of data.dir", "the vocabulary of data.dir", "config.model",
+          "the 'train' examples of data.dir", "the 'eval' examples of data.dir"} <= set(sent[0])
   # data.dir itself is not compared (a host's own copy, /gcs/B for gs://B): the store is
   elsewhere = helpers.tiny_config("ict")
   elsewhere.data.dir = "/another/copy/of/" + os.path.basename(elsewhere.data.dir)
   sent.clear()
   monkeypatch.setattr(multihost, "every_process",
-                      lambda name, value: sent.append(json.loads(value)) or [value, value])
+                      lambda name, value, timeout: sent.append(json.loads(value)) or [value, value])
   for config in (helpers.tiny_config("ict"), elsewhere):
     run.check_same_run(config, world_data)
   assert sent[0] == sent[1]
   assert multihost.disagreements([{"a": "1", "b": "2"}, {"a": "1", "b": "2"}]) == {}
   assert multihost.disagreements([{"a": "1"}, {"a": "2", "b": "3"}, {"a": "1"}]) == \
       {"a": [1], "b": [1]}
+
+
+def test_the_workdir_token_is_removed_however_the_check_ends(tmp_path, monkeypatch):
+  """Process 0's token is gone after a check that failed (a process that never sent), and a
+  read of it that fails on another host is 'not seen', not a traceback."""
+  from realm_jax import paths, workdir as workdir_lib
+  from realm_jax.train import run
+  workdir = str(tmp_path / "w")
+  monkeypatch.setattr(run.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(run.jax, "process_index", lambda: 0)
+
+  def never_sent(name, value):
+    raise RuntimeError("process 0 of 2: not every process sent its 'workdir token'")
+  monkeypatch.setattr(multihost, "every_process", never_sent)
+  with pytest.raises(RuntimeError, match="workdir token"):
+    run.check_shared_workdir(workdir)
+  assert os.listdir(workdir) == []
+  token = workdir_lib.write_job_token(workdir)
+  assert workdir_lib.sees_job_token(workdir, token)
+
+  def unreachable(path):
+    raise OSError("the bucket is out of reach")
+  monkeypatch.setattr(paths, "read_text", unreachable)
+  assert not workdir_lib.sees_job_token(workdir, token)
 
 
 def test_a_coordinator_that_never_answers_is_named(world_dir, tmp_path):

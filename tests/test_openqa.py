@@ -372,6 +372,9 @@ def test_the_index_of_a_step_is_found_among_later_versions(tmp_path):
   assert FrozenIndex.of_step(str(tmp_path), 6, "blocks", 8).version == 3
   assert FrozenIndex.of_step(str(tmp_path), 3, "blocks", 8) is None
   assert FrozenIndex.of_step(str(tmp_path), 4, "other blocks", 8) is None
+  # a fresh Open-QA start reads its source's latest version alone (as it always did)
+  assert FrozenIndex.of_step(str(tmp_path), 4, "blocks", 8, latest_only=True) is None
+  assert FrozenIndex.of_step(str(tmp_path), 6, "blocks", 8, latest_only=True).version == 3
 
 
 def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path, monkeypatch,

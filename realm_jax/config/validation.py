@@ -333,6 +333,14 @@ def _validate_packing(config) -> None:
                       f"{config.train.batch_size} queries (train.batch_size) saves nothing")
 
 
+def validate_training_splits(config) -> None:
+  """A pre-training run's splits (the trainer and its launchers; not realm-eval, which reads
+  no eval.split): it is not evaluated on the queries it trains on."""
+  if config.task in ("ict", "realm") and config.data.split == config.eval.split:
+    raise ConfigError("eval.split", f"{config.eval.split!r} is data.split too: the run would "
+                      "be evaluated on the queries it trains on; give them different splits")
+
+
 def validate_against_mesh(config, data_axis: int) -> None:
   """The checks that need the run's mesh: the batch, and packed query rows, split over the
   `data_axis` devices (each process loads and packs the rows of its devices' data shards)."""

@@ -292,7 +292,7 @@ def saved_param_shapes(workdir: str, step: int | None = None
     try:
       tree = manager.item_metadata(step)["params"]
     except Exception as e:   # noqa: BLE001 -- Orbax raises bare Exceptions for a bad file
-      raise _unreadable(manager, workdir, step, e) from e
+      _raise_unreadable(manager, workdir, step, e)
   finally:
     manager.close()
   tree = getattr(tree, "tree", tree)   # orbax's TreeMetadata wraps the nested dict
@@ -311,6 +311,15 @@ def _step_or_latest(manager, workdir: str, step: int | None) -> int:
     raise FileNotFoundError(f"{workdir}/checkpoints has no step {step} (it has "
                             f"{sorted(manager.all_steps())})")
   return step
+
+
+def _raise_unreadable(manager, workdir: str, step: int, error: Exception):
+  """Raises `_unreadable`'s error: `error` itself as it was (its own cause kept), or the
+  CheckpointError from it."""
+  unreadable = _unreadable(manager, workdir, step, error)
+  if unreadable is error:
+    raise error
+  raise unreadable from error
 
 
 def _unreadable(manager, workdir: str, step: int, error: Exception) -> Exception:
@@ -362,7 +371,7 @@ def restore_params(workdir: str, abstract_params, step: int | None = None,
         step, args=partial_params_restore(abstract_params) if partial else
         ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
   except Exception as e:   # noqa: BLE001 -- Orbax / TensorStore raise bare Exceptions
-    raise _unreadable(manager, workdir, step, e) from e
+    _raise_unreadable(manager, workdir, step, e)
   finally:
     manager.close()
   if partial:

@@ -30,7 +30,8 @@ from realm_jax.train.feed import FeedStopped
 from realm_jax.runtime import initialization, multihost, partitioning, state as state_lib
 from realm_jax.train import steps
 from realm_jax.runtime.checkpoints import Checkpointer
-from realm_jax.config.validation import validate, validate_against_mesh
+from realm_jax.config.validation import (validate, validate_against_mesh,
+                                        validate_training_splits)
 from realm_jax.runtime.metrics import MetricWriter, format_duration, window_scalars
 from realm_jax.runtime.preemption import Preemption
 
@@ -42,10 +43,7 @@ def checked_data(config: ml_collections.ConfigDict, workdir: str) -> PreparedDat
   a one-line error before anything is built; every process sees the workdir)."""
   paths.check(workdir, "--workdir")
   validate(config)
-  if config.task in ("ict", "realm") and config.data.split == config.eval.split:
-    # (a trainer's check: realm-eval of such a run reads no eval.split)
-    raise ConfigError("eval.split", f"{config.eval.split!r} is data.split too: the run would "
-                      "be evaluated on the queries it trains on; give them different splits")
+  validate_training_splits(config)
   check_shared_workdir(workdir)   # before any process reads the workdir
   data = workdir_lib.open_data(config)
   if config.task in ("ict", "realm"):   # evaluated on eval.split (at the end at the latest)
@@ -78,8 +76,8 @@ def check_same_run(config: ml_collections.ConfigDict, data: PreparedData) -> Non
   if config.task in ("ict", "realm"):   # the examples each process reads its rows from
     for split in sorted({config.data.split, config.eval.split}):
       mine[f"the {split!r} examples of data.dir"] = data.examples(split).fingerprint
-  differ = multihost.disagreements(
-      [json.loads(v) for v in multihost.every_process("config", json.dumps(mine))])
+  differ = multihost.disagreements([json.loads(v) for v in multihost.every_process(
+      "config", json.dumps(mine), multihost.bulk_io_timeout())])   # (a bucket's data copied)
   if differ:
     raise ConfigError("", "the processes of this job disagree on " + "; ".join(
         f"{k} (process {', '.join(map(str, ps))} against process 0)" for k, ps in differ.items())
