@@ -290,13 +290,21 @@ def check_questions(workdir: str, spec: str, count: int, fingerprint: str) -> No
   them. A moved file with the same questions resumes; W without the record (a run from
   before it) is not checked. Reads only: every process of a job may call it."""
   record = read_record(workdir, QUESTIONS_RECORD)
-  if record is not None and record.get("fingerprint") != fingerprint:
+  changed = _fingerprint_change(QUESTIONS_RECORD, record, fingerprint)
+  if changed:
     raise ConfigError("qa.train", f"its {count} training questions ({spec!r}) are not the "
                       f"{record.get('questions', '?')} that the checkpoints in {workdir} "
-                      f"trained on ({record.get('qa_train')!r}; {QUESTIONS_RECORD}: "
-                      f"fingerprint {str(record.get('fingerprint'))[:12]} != "
-                      f"{fingerprint[:12]}): resume on those questions and the same "
-                      "qa.heldout_* split, or train in a new workdir")
+                      f"trained on ({record.get('qa_train')!r}; {changed}): resume on those "
+                      "questions and the same qa.heldout_* split, or train in a new workdir")
+
+
+def _fingerprint_change(name: str, record: dict | None, fingerprint: str) -> str | None:
+  """`name: fingerprint OLD != NEW` where W's record `name` (questions.json, examples.json)
+  holds another fingerprint than `fingerprint`, the inputs of this start; None where it
+  holds the same, or W has no record (a run from before it: not checked)."""
+  if record is None or record.get("fingerprint") == fingerprint:
+    return None
+  return f"{name}: fingerprint {str(record.get('fingerprint'))[:12]} != {fingerprint[:12]}"
 
 
 # -- W/examples.json ---------------------------------------------------------------------------
@@ -318,14 +326,14 @@ def check_examples(workdir: str, data_dir: str, split: str, count: int,
     raise ConfigError("data.split", f"{split!r} but the checkpoints in {workdir} trained on "
                       f"split {record['split']!r}: resume with data.split={record['split']!r}, "
                       "or train in a new workdir (init.from_workdir keeps the params)")
-  if record is not None and record.get("fingerprint") != fingerprint:
+  changed = _fingerprint_change(EXAMPLES_RECORD, record, fingerprint)
+  if changed:
     raise ConfigError("data.dir", f"its {count} examples of split {split!r} "
                       f"({paths.join(data_dir, 'examples', split)}) are not the "
                       f"{record.get('examples', '?')} that the checkpoints in {workdir} "
-                      f"trained on (other examples, or the same in another order; "
-                      f"{EXAMPLES_RECORD}: fingerprint {str(record.get('fingerprint'))[:12]} "
-                      f"!= {fingerprint[:12]}): resume on the data they trained on, or train "
-                      "in a new workdir (init.from_workdir keeps the params)")
+                      f"trained on (other examples, or the same in another order; {changed}): "
+                      "resume on the data they trained on, or train in a new workdir "
+                      "(init.from_workdir keeps the params)")
 
 
 # -- W/DONE ------------------------------------------------------------------------------------

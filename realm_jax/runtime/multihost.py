@@ -18,6 +18,7 @@ when the lost one is the coordinator (process 0), with "the leader task was pree
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -190,9 +191,7 @@ def initialize(topology: Topology | None) -> None:
 def check_device_counts(device_processes: list[int]) -> None:
   """Every process of the job has as many devices as the others (`device_processes`: the
   process of each device of the job); ConfigError naming each process's count otherwise."""
-  counts: dict[int, int] = {}
-  for p in device_processes:
-    counts[p] = counts.get(p, 0) + 1
+  counts = collections.Counter(device_processes)
   if len(set(counts.values())) > 1:
     raise ConfigError("", "the processes have unequal local device counts (" + ", ".join(
         f"process {p}: {n}" for p, n in sorted(counts.items())) + "): every process of a "
