@@ -11,6 +11,9 @@ recipe's heaviest CPU step; `demo`: configs/demo_realm.py), a random batch, 2 un
 then `--steps` timed ones. Run it on an idle machine: the wall figures are the point.
 
   python bench/host_malloc.py [--case real|demo] [--batch 8] [--steps 5]
+      [--out runs/bench_host_malloc.jsonl]
+
+With `--out` the figures are appended there as one JSON line (`"bench": "host_malloc"`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from report import host_cpu_text, positive_int   # bench/ is this script's directory: sys.path[0]
+from report import append_jsonl, host_cpu, host_cpu_text, positive_int   # bench/: sys.path[0]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,6 +86,7 @@ def main() -> None:
   parser.add_argument("--batch", type=positive_int, default=8, help="queries per step")
   parser.add_argument("--steps", type=positive_int, default=5,
                       help="timed steps per setting (>= 1)")
+  parser.add_argument("--out", default="", help="append the figures as a JSON line here")
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
@@ -112,6 +116,10 @@ def main() -> None:
   a, b = rows.values()
   print(f"  Makefile / default wall: {b['wall_s'] / a['wall_s']:.3f}; same loss bit for bit: "
         f"{'yes' if a['loss'] == b['loss'] else 'NO'}")
+  append_jsonl(args.out, {"bench": "host_malloc", "case": args.case, "batch": args.batch,
+                          "steps": args.steps, **host_cpu(), "cores": os.cpu_count(),
+                          "settings": settings, "runs": rows, "same_loss": a["loss"] == b["loss"],
+                          "time": time.time()})
 
 
 if __name__ == "__main__":

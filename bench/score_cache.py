@@ -24,6 +24,9 @@ are not padding (the tower computes on every one of them). `--set KEY=VALUE` cha
 `--set model.retriever.num_layers=2`).
 
   python bench/score_cache.py --data runs/real/data [--steps 20] [--set KEY=VALUE ...]
+      [--out runs/bench_score_cache.jsonl]
+
+With `--out` the figures are appended there as one JSON line (`"bench": "score_cache"`).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.validation import validate, validate_against_mesh
 from realm_jax.train.score_cache import ScoreCache, cache_keys
-from report import host_cpu_text, positive_int   # bench/ is this script's directory: sys.path[0]
+from report import append_jsonl, host_cpu, host_cpu_text, positive_int   # bench/: sys.path[0]
 
 
 def host_batches(config, data, n: int, first: int = 0, shards: int = 1):
@@ -106,6 +109,7 @@ def main() -> None:
   parser.add_argument("--data", required=True, help="a prepared data dir (runs/real/data)")
   parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per case (>= 1)")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+  parser.add_argument("--out", default="", help="append the figures as a JSON line here")
   args = parser.parse_args()
   config = with_overrides(repo_config("real_realm", "realm"),
                           {"data.dir": args.data, "retrieval.refresh": "in_process",
@@ -180,6 +184,16 @@ def main() -> None:
         f"; {real:.0%} of the query tower's wordpieces are not padding" +
         (f" (queries packed into {packed_rows} rows in {packed:.0%} of the batches)"
          if packed_rows else ""))
+  append_jsonl(args.out, {
+      "bench": "score_cache", "steps": args.steps, "batch": config.train.batch_size,
+      "candidates_read": int(work[0][1].shape[1]), "set": args.set, **host_cpu(),
+      "cores": os.cpu_count(), "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
+      "ms_per_step": {name: round(s * 1e3, 2) for name, s in figures.items()},
+      "reader_rows_per_step": {name: rows[name] for name in figures if name != "uncached"},
+      "warm_over_uncached": round(figures["uncached"] / figures["warm"], 3),
+      "half_over_uncached": round(figures["uncached"] / figures["half"], 3),
+      "triples_cached": len(cache), "warm_parts_ms": {k: round(v, 2) for k, v in parts.items()},
+      "real_wordpieces": round(real, 4), "time": time.time()})
 
 
 if __name__ == "__main__":
