@@ -273,7 +273,7 @@ def test_async_versions_first_step_is_decided_once():
     def newest(self):
       return self.have[max(self.have)]
 
-    def wait(self, pick, timeout, what):
+    def wait(self, pick, timeout, what, should_stop=None):
       return pick(self.have)
 
     def release(self, **kwargs):
@@ -293,6 +293,55 @@ def test_async_versions_first_step_is_decided_once():
   schedule.advance_async(0, 2)
   feed.join(5)
   assert served == [2]
+
+
+def test_the_first_async_version_is_what_every_host_exchanged(monkeypatch):
+  """The wait for the first version ends in an exchange of what each host found, acted on
+  alike: a host with an older version waits for the newest another has (the version served is
+  that one, on every host); a host that got SIGTERM, or ran out of index_timeout, ends every
+  host's wait (FeedStopped; IndexWaitTimeout with its reason), whatever this one found."""
+  import types
+  from realm_jax.errors import IndexWaitTimeout
+  from realm_jax.runtime import multihost
+  from realm_jax.train.feed import FeedStopped, VersionSchedule
+  version = lambda v: types.SimpleNamespace(version=v, step=10 * v)
+
+  class Subscriber:
+    def __init__(self):
+      self.have = {1: version(1)}
+
+    def wait(self, pick, timeout, what, should_stop=None):   # None: should_stop() said so
+      return pick(self.have)
+  config = types.SimpleNamespace(retrieval=types.SimpleNamespace(refresh="async",
+                                                                 index_timeout=5))
+
+  def host_1_says(*answers):   # process 1's part of each exchange; this host is process 0
+    sent, answers = [], list(answers)
+
+    def every_process(name, value, timeout):
+      sent.append(value)
+      subscriber.have[2] = version(2)   # loaded here in the meantime
+      return [value, answers.pop(0)]
+    monkeypatch.setattr(multihost, "every_process", every_process)
+    return sent
+  subscriber = Subscriber()
+  sent = host_1_says("2", "2")
+  assert VersionSchedule(config, subscriber).start_async(0, 2, lambda: False).version == 2
+  assert sent == ["1", "2"]
+  for says, raised, words in (
+      ("stopped", FeedStopped, "not ready after .*s \\(the first index every process has\\)"),
+      ("timed out: no index after 5s: v1 rejected", IndexWaitTimeout,
+       "^no index after 5s: v1 rejected$")):
+    subscriber = Subscriber()
+    host_1_says(says)
+    with pytest.raises(raised, match=words):
+      VersionSchedule(config, subscriber).start_async(0, 2, lambda: False)
+  subscriber = Subscriber()
+  subscriber.have.clear()
+  sent = host_1_says("1")
+  with pytest.raises(FeedStopped, match="the batch of step 4 was not ready"):
+    VersionSchedule(config, subscriber).start_async(3, 2, lambda: True)   # SIGTERM here
+  assert sent == ["stopped"]
 
 
 def mesh_of(processes: int, shape: tuple[int, int]) -> np.ndarray:

@@ -269,7 +269,7 @@ version = lambda v: types.SimpleNamespace(version=v, step=10 * v)
 class Subscriber:
   have = {1: version(1)}
   def newest(self): return self.have[max(self.have)]
-  def wait(self, pick, timeout, what): return pick(self.have)
+  def wait(self, pick, timeout, what, should_stop=None): return pick(self.have)
   def release(self, **kw): pass
 subscriber = Subscriber()
 config = types.SimpleNamespace(retrieval=types.SimpleNamespace(refresh="async",
@@ -366,6 +366,40 @@ def test_sigterm_stops_a_two_process_builder_waiting_for_checkpoints(world_dir, 
   for p, out in zip(procs, outputs):
     assert p.returncode == 143 and "[index] SIGTERM: stopped; 1 versions published" in out, \
         out[-3000:]
+
+
+def test_sigterm_to_one_trainer_process_waiting_for_the_first_index_stops_every_one(
+    world_dir, tmp_path):
+  """Async REALM, no builder: SIGTERM to process 1 alone (JAX's handler takes it) while both
+  wait for the first published index. Process 0 learns of it through the coordination
+  service, and both stop within seconds with step 0 (the builder's first snapshot) saved,
+  exit 143, instead of waiting out retrieval.index_timeout (exit 1)."""
+  from realm_jax import workdir as workdir_lib
+  config = helpers.tiny_config("realm", data_dir=world_dir, retrieval__refresh="async",
+                               retrieval__backend="exact", retrieval__index_timeout=60.0,
+                               train__preemption_grace_seconds=20.0)
+  workdir = str(tmp_path / "w")
+  procs = launch(helpers.config_flags(config, "demo_realm"), workdir, 2, free_port())
+  with deadline(procs, 180) as expired:
+    for p in procs:
+      seen = []
+      for line in p.stdout:
+        seen.append(line)
+        if "waiting for a published index" in line:
+          break
+      else:
+        pytest.fail("no wait for the first index:\n" + "".join(seen[-40:]))
+    t0 = time.time()
+    procs[1].send_signal(signal.SIGTERM)
+    outputs = read_to_end(procs)
+    seconds = time.time() - t0
+  assert not expired, "\n---\n".join(out[-1500:] for out in outputs)
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 143, out[-3000:]
+    assert "SIGTERM before step 1: the batch of step 1 was not ready after" in out, out[-3000:]
+    assert "preempted after step 0 (checkpoint saved)" in out, out[-3000:]
+  assert seconds < 15 and workdir_lib.latest_checkpoint_step(workdir) == 0
+  print(f"both processes exited 143 {seconds:.1f}s after the SIGTERM")
 
 
 def test_a_workdir_some_process_does_not_share_is_refused(world_dir, tmp_path):

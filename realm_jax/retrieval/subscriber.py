@@ -198,9 +198,10 @@ class IndexSubscriber:
       self._wanted = set(steps) if self._wanted is None else self._wanted | set(steps)
 
   def wait(self, pick: Callable[[dict[int, IndexVersion]], IndexVersion | None], timeout: float,
-           what: str) -> IndexVersion:
-    """Blocks until `pick(loaded versions)` returns one; IndexWaitTimeout after `timeout` s. A
-    wait for the first index says so at once, any wait every WAIT_NOTICE_SECONDS after."""
+           what: str, should_stop: Callable[[], bool] | None = None) -> IndexVersion | None:
+    """Blocks until `pick(loaded versions)` returns one; IndexWaitTimeout after `timeout` s;
+    None once `should_stop()` says so (asked at least every second: a SIGTERM). A wait for
+    the first index says so at once, any wait every WAIT_NOTICE_SECONDS after."""
     start = time.time()
     deadline, notice = start + timeout, start + WAIT_NOTICE_SECONDS
     with self._cond:
@@ -211,7 +212,7 @@ class IndexSubscriber:
         if self._stop.is_set():
           raise RuntimeError("the index subscriber was closed")
         found = pick(self._loaded)
-        if found is not None:
+        if found is not None or (should_stop is not None and should_stop()):
           return found
         now = time.time()
         if now >= deadline:

@@ -358,18 +358,43 @@ def sliced_get(client, key: str, timeout: float) -> str:
   leaves the coordination service a callback for every slice that timed out (memory that
   grows through an hours-long wait). TimeoutError naming `key` after `timeout`;
   JaxRuntimeError at once on another error than the key's absence (the job ending)."""
-  import jax
   deadline = time.monotonic() + timeout
-  while True:
-    try:
-      return client.key_value_try_get(key)
-    except jax.errors.JaxRuntimeError as e:
-      if not str(e).startswith("NOT_FOUND"):   # ("NOT_FOUND: Config key K not found.")
-        raise
+  while (value := try_get(client, key)) is None:
     left = deadline - time.monotonic()
     if left <= 0:
       raise TimeoutError(f"{key!r} not set within {timeout:g}s")
     time.sleep(min(left, WAIT_SLICE_SECONDS))
+  return value
+
+
+def try_get(client, key: str) -> str | None:
+  """The coordination service's value of `key`, None while it is not set (one ask, answered
+  at once); JaxRuntimeError on another error than the key's absence (the job ending)."""
+  import jax
+  try:
+    return client.key_value_try_get(key)
+  except jax.errors.JaxRuntimeError as e:
+    if not str(e).startswith("NOT_FOUND"):   # ("NOT_FOUND: Config key K not found.")
+      raise
+    return None
+
+
+PREEMPTION_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"   # JAX's preemption sync manager (XLA's
+                                                       # tsl/.../preemption_sync_manager.cc)
+
+
+def preemption_noticed() -> bool:
+  """Whether some process of the job got SIGTERM: JAX's preemption sync manager (it owns the
+  signal once `jax.distributed` is initialised) writes its notice into the coordination
+  service, where every process reads it. One ask, answered at once: for a wait that polls
+  (`reached_preemption_sync_point` answers only at step boundaries). The processes may read
+  it at different moments, so those that wait together agree on it (`every_process`) before
+  acting on it. False with one process."""
+  import jax
+  if jax.process_count() == 1:
+    return False
+  from jax._src import distributed
+  return try_get(distributed.global_state.client, PREEMPTION_NOTICE_KEY) is not None
 
 
 def after_first_process(name: str, timeout: float | None = None) -> None:

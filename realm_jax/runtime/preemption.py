@@ -3,7 +3,8 @@
 One process: a SIGTERM handler notes the signal; the loop asks `reached(step)` after every step.
 Several processes: JAX's preemption sync manager (started by `jax.distributed.initialize`, it
 owns SIGTERM there) makes every process answer True at the same step, so all of them save the
-same checkpoint. Either way a watchdog gives the save `grace_seconds` from the moment it is
+same checkpoint. A wait between steps (the first published index) asks `noticed()` as it
+polls, and its processes agree before they stop. Either way a watchdog gives the save `grace_seconds` from the moment it is
 known: if the checkpoint is not finalised by then, the process exits without it (code 75, not
 143: the previous finalised checkpoint stays the latest) rather than be killed mid-write by
 the scheduler.
@@ -84,13 +85,28 @@ class Preemption:
     then yields; with several processes JAX's sync manager owns the signal: False here)."""
     return self.received_at is not None
 
+  def noticed(self) -> bool:
+    """Whether a SIGTERM reached this process or, with several processes, any process of the
+    job (the notice JAX's sync manager writes into the coordination service): for a wait
+    that polls between steps. The processes may notice at different moments: those that
+    wait together agree on it through an exchange before they stop (`stopping`)."""
+    if self.received_at is not None or not self.multihost:
+      return self.received_at is not None
+    from realm_jax.runtime import multihost   # (not at the top: launchers import EXIT_CODE)
+    return multihost.preemption_noticed()
+
+  def stopping(self) -> None:
+    """Every process stops to save (at JAX's sync point, or agreed during a wait): the grace
+    starts now on a process whose signal JAX's handler took (several processes)."""
+    if self.received_at is None:
+      self._start(time.time())
+
   def reached(self, step: int) -> bool:
     """Whether to save and stop after `step` (the same answer on every process)."""
     if self.multihost:
       from jax.experimental import multihost_utils
       if multihost_utils.reached_preemption_sync_point(step):
-        if self.received_at is None:
-          self._start(time.time())
+        self.stopping()
         return True
       return False
     return self.received_at is not None

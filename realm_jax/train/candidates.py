@@ -77,9 +77,11 @@ class NoRetrieval:
 
   # -- the loop ----------------------------------------------------------------------------
   def begin(self, start: int, depth: int, save_start: Callable[[], None],
-            should_stop: Callable[[], bool] | None = None) -> None:
+            should_stop: Callable[[], bool] | None = None,
+            stop_waiting: Callable[[], bool] | None = None) -> None:
     """Before the first step (after restore): `save_start` writes step `start`'s checkpoint;
-    `should_stop` says a SIGTERM came (a rebuild yields to it)."""
+    `should_stop` says a SIGTERM came to this process (a rebuild yields to it),
+    `stop_waiting` to any process (the wait for the first index yields to it, FeedStopped)."""
     self.should_stop = should_stop
     if self.retrieves:
       self._log = MetricWriter(self.workdir, "retrieval", start + 1)
@@ -256,7 +258,8 @@ class PublishedIndex(NoRetrieval):
     return done % self.config.retrieval.refresh_every == 0   # each one a snapshot to index
 
   def begin(self, start: int, depth: int, save_start: Callable[[], None],
-            should_stop: Callable[[], bool] | None = None) -> None:
+            should_stop: Callable[[], bool] | None = None,
+            stop_waiting: Callable[[], bool] | None = None) -> None:
     """Clears a DONE of an earlier run, writes the builder's first snapshot (at step 0),
     and in async mode waits for the first version (the one blocking wait)."""
     super().begin(start, depth, save_start, should_stop)
@@ -265,7 +268,7 @@ class PublishedIndex(NoRetrieval):
     if start == 0:
       save_start()
     if self.config.retrieval.refresh == "async":
-      self.last = self.schedule.start_async(start, depth)
+      self.last = self.schedule.start_async(start, depth, stop_waiting)
 
   def before_step(self, step: int, start: int, depth: int) -> None:
     if self.config.retrieval.refresh == "async":

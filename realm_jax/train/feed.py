@@ -24,10 +24,13 @@ from typing import Callable
 
 import numpy as np
 
-from realm_jax.errors import SELF_EXPLAINING
+from realm_jax.errors import SELF_EXPLAINING, IndexWaitTimeout
 from realm_jax.retrieval.index import IndexVersion
+from realm_jax.runtime import multihost
 
 logger = logging.getLogger(__name__)
+
+_STOPPED, _TIMED_OUT = "stopped", "timed out: "   # a host's outcome of a wait for the first index
 
 
 def deterministic_source_step(step: int, refresh_every: int, swap_lag: int) -> int:
@@ -63,14 +66,27 @@ class VersionSchedule:
       self._horizon = max(self._horizon, horizon)
       self._cond.notify_all()
 
-  def start_async(self, start: int, depth: int) -> IndexVersion:
-    """Waits for the first version every host has, used from `start` (the one blocking wait)."""
+  def start_async(self, start: int, depth: int,
+                  should_stop: Callable[[], bool] | None = None) -> IndexVersion:
+    """Waits for the first version every host has, used from `start` (the one blocking wait).
+    The hosts wait in rounds, each ended by an exchange of what each found, so that all act
+    alike: on the version once all have the same newest one, else on another round for the
+    newest any has; FeedStopped on every host once `should_stop()` held on one (a SIGTERM:
+    the run stops at `start`, saved), IndexWaitTimeout once one ran out of index_timeout."""
     t0 = time.time()
-    loaded = self.subscriber.wait(lambda have: None if not have else have[max(have)],
-                                  self.timeout, "at all")
-    while not self.agree(loaded.version):     # another host has not loaded it yet
-      time.sleep(0.2)
-      loaded = self.subscriber.newest()
+    deadline, least = t0 + self.timeout, 0
+    while True:
+      mine, loaded = self._first_found(least, deadline, should_stop)
+      found = multihost.every_process("first index", mine, max(0.0, deadline - time.time())
+                                      + multihost.io_wait_timeout())
+      if _STOPPED in found:
+        raise FeedStopped(start, time.time() - t0, "the first index every process has")
+      timed_out = [f for f in found if f.startswith(_TIMED_OUT)]
+      if timed_out:
+        raise IndexWaitTimeout(timed_out[0][len(_TIMED_OUT):])
+      if len(set(found)) == 1:
+        break
+      least = max(map(int, found))   # another host has a newer one: every host waits for it
     logger.info(f"[realm] first index v{loaded.version} (step {loaded.step}) after "
                 f"{time.time() - t0:.1f}s")
     # steps up to start + depth - 1 are final: advance_async(start) decides start + depth (on
@@ -78,6 +94,18 @@ class VersionSchedule:
     # version while advance_async gives it the next one)
     self.announce(start, loaded, start + depth - 1)
     return loaded
+
+  def _first_found(self, least: int, deadline: float, should_stop: Callable[[], bool] | None
+                   ) -> tuple[str, IndexVersion | None]:
+    """This host's part of a round of `start_async`: its newest version once that is `least`
+    or newer (the number, and the version), else _STOPPED or _TIMED_OUT and why."""
+    try:
+      loaded = self.subscriber.wait(
+          lambda have: have[max(have)] if have and max(have) >= least else None,
+          self.timeout if least == 0 else deadline - time.time(), "at all", should_stop)
+    except IndexWaitTimeout as e:
+      return _TIMED_OUT + str(e), None
+    return (_STOPPED, None) if loaded is None else (str(loaded.version), loaded)
 
   def advance_async(self, step: int, depth: int) -> None:
     """Before running `step`: adopt the newest loaded version from step + depth on, once
@@ -142,11 +170,12 @@ class VersionSchedule:
 
 class FeedStopped(Exception):
   """`BatchFeed.next` gave up waiting for a batch because `should_stop()` said so (a SIGTERM
-  while the batch waits for its index, say a deterministic version the builder is late with)."""
+  while the batch waits for its index, say a deterministic version the builder is late with),
+  or `VersionSchedule.start_async` its wait for the first index (on every process alike)."""
 
-  def __init__(self, step: int, waited: float):
+  def __init__(self, step: int, waited: float, waiting_for: str = "its index, or its data"):
     super().__init__(f"the batch of step {step + 1} was not ready after {waited:.1f}s "
-                     "(its index, or its data)")
+                     f"({waiting_for})")
     self.step = step
 
 

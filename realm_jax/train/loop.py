@@ -87,7 +87,8 @@ class Trainer(Run):
 
   def open_batches(self, start: int, data_iter, preemption) -> QueryStepBatches:
     """The candidate source begins (a published index: the first snapshot saved, the first
-    version awaited); the score cache starts empty (the reader is frozen: read once)."""
+    version awaited, FeedStopped on a SIGTERM then); the score cache starts empty (the reader
+    is frozen: read once)."""
     depth = max(1, self.config.data.prefetch)
 
     def save_first_snapshot() -> None:
@@ -95,7 +96,8 @@ class Trainer(Run):
       (stopped before its first refresh step's checkpoint)."""
       if 0 not in self.checkpointer.all_steps():
         self.save(0, data_iter.get_state())
-    self.candidates.begin(start, depth, save_first_snapshot, preemption.requested)
+    self.candidates.begin(start, depth, save_first_snapshot, preemption.requested,
+                          preemption.noticed)
     score_cache = ScoreCache(self.config, self.model, self.state.params["reader"],
                              self.inputs.local_batch) \
         if self.config.retrieval.get("score_cache", False) else None

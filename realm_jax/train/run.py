@@ -312,13 +312,15 @@ class Run:
     wall = None
     try:
       try:
-        batches = self.open_batches(start, data_iter, preemption)
-        if cfg.eval.every and start == 0 and self.evaluates_at_start():
-          eval_metrics = self.evaluate(logs["eval"], 0, final=False)[0]
-        preempted, eval_metrics = self._steps(start, batches, logs, preemption, eval_metrics)
+        batches, preempted = self._open_or_stop(start, data_iter, preemption)
+        if preempted is None:
+          if cfg.eval.every and start == 0 and self.evaluates_at_start():
+            eval_metrics = self.evaluate(logs["eval"], 0, final=False)[0]
+          preempted, eval_metrics = self._steps(start, batches, logs, preemption, eval_metrics)
         if preempted is None:
           preemption.steps_done(self.checkpointer.saving)
-        batches.stop(preempted is not None)
+        if batches is not None:
+          batches.stop(preempted is not None)
         if preempted is None and self.evaluates():
           eval_metrics, details = self.evaluate(logs["eval"], cfg.train.steps, final=True)
       finally:
@@ -335,6 +337,15 @@ class Run:
       raise
     finally:
       preemption.release(pass_on=recorded)
+
+  def _open_or_stop(self, start: int, data_iter, preemption: Preemption
+                    ) -> tuple[StepBatches | None, int | None]:
+    """(the step batches, None), or (None, `start`) where a SIGTERM stopped the wait for
+    them (for the first published index: on every process alike)."""
+    try:
+      return self.open_batches(start, data_iter, preemption), None
+    except FeedStopped as e:
+      return None, self._stopped_waiting(start, start, None, preemption, e)
 
   def _finished_before(self) -> dict | None:
     """The summary of this run finished before (its checkpoint of the last step and its
@@ -391,14 +402,7 @@ class Run:
       try:
         fed = batches.next(step)
       except (EmbeddingStopped, FeedStopped) as e:   # SIGTERM while the next batch waited
-        # for an index (rebuilt here, or from the builder): save step `step`
-        what = " during the index rebuild" if isinstance(e, EmbeddingStopped) else ""
-        logger.warning(f"{self.prefix}SIGTERM{what} before step {step + 1}: {e}; saving "
-                       f"step {step}")
-        if step > start and not self.checkpoint_due(step):
-          self.save(step, data_state)
-        preemption.saved(step, self.checkpointer)
-        return step, eval_metrics
+        return self._stopped_waiting(step, start, data_state, preemption, e), eval_metrics
       data_state = fed.data_state
       self.state, metrics = self.train_step(self.state, fed.batch, self.step_rng)
       done = step + 1
@@ -426,6 +430,19 @@ class Run:
         preemption.saved(done, self.checkpointer)
         return done, eval_metrics
     return None, eval_metrics
+
+  def _stopped_waiting(self, step: int, start: int, data_state: dict | None,
+                       preemption: Preemption, e: Exception) -> int:
+    """SIGTERM while the batch of step `step` + 1 waited for its index (rebuilt here, or from
+    the builder; the first one: every process stops alike): step `step` is saved, unless it
+    was (this run's first, a checkpoint step). Returns `step`."""
+    preemption.stopping()
+    what = " during the index rebuild" if isinstance(e, EmbeddingStopped) else ""
+    logger.warning(f"{self.prefix}SIGTERM{what} before step {step + 1}: {e}; saving step {step}")
+    if step > start and not self.checkpoint_due(step):
+      self.save(step, data_state)
+    preemption.saved(step, self.checkpointer)
+    return step
 
   def applied(self, done: int, metrics: dict) -> bool:
     """Whether step `done`'s update was applied (its loss and gradient finite; the step left
