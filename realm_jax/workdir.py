@@ -77,13 +77,19 @@ def sees_job_token(workdir: str, token: str) -> bool:
     return False
 
 
-def remove_job_token(workdir: str, token: str) -> None:
-  """Removes process 0's token; a failure is said, not raised (it would hide what ended the
-  check, and the token only takes a file's room)."""
+def remove_job_token(workdir: str, token: str, made_workdir: bool = False) -> None:
+  """Removes process 0's token, and `workdir` too where the token made it (`made_workdir`)
+  and it is empty now: a job refused after the check leaves no empty W behind (the job's
+  first write makes it again; a bucket has no empty dirs). A failure is said, not raised
+  (it would hide what ended the check, and the token only takes a file's room)."""
   try:
     paths.remove(paths.join(workdir, JOB_TOKEN + token))
   except Exception as e:   # noqa: BLE001 -- storage out of reach: the token stays
     logger.warning(f"--workdir {workdir}: the job token {JOB_TOKEN}{token} not removed ({e})")
+    return
+  if made_workdir and not paths.is_remote(workdir):
+    with contextlib.suppress(OSError):   # not empty: something else writes there, it stays
+      os.rmdir(workdir)
 
 
 # -- the prepared data a run reads -------------------------------------------------------------

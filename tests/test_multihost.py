@@ -406,7 +406,7 @@ def test_a_workdir_some_process_does_not_share_is_refused(world_dir, tmp_path):
   """Process 1 given a workdir of its own (as a node-local path would be), one that holds an
   older run's checkpoint: both stop at start-up naming it, before process 1 reads its own
   workdir (it would refuse train.steps below that checkpoint's step), instead of hanging at
-  the first save; process 0 removes its token."""
+  the first save; process 0 removes its token, and the W it made for it."""
   config = helpers.tiny_config("ict", data_dir=world_dir)
   os.makedirs(tmp_path / "local" / "checkpoints" / "99")
   procs = launch(helpers.config_flags(config, "demo_ict"), str(tmp_path / "shared"), 2,
@@ -418,8 +418,25 @@ def test_a_workdir_some_process_does_not_share_is_refused(world_dir, tmp_path):
     assert p.returncode == 2, out[-3000:]
     assert "process 1 does not see what process 0 wrote there: the workdir must be shared " \
         "storage" in out, out[-3000:]
-  assert not [n for n in os.listdir(tmp_path / "shared") if n.startswith(".job_token")]
-  assert not os.path.exists(tmp_path / "shared" / "checkpoints")
+  assert not os.path.exists(tmp_path / "shared")   # no token, nor the empty W it was made in
+
+
+def test_a_fresh_job_refused_after_the_workdir_check_leaves_no_empty_workdir(
+    world_dir, tmp_path, monkeypatch):
+  """Process 0 of two, refused for an eval.split the data lacks, which is found after the
+  workdir check made W for its token: no empty W is left (a W that was there stays)."""
+  from realm_jax.train import run
+  monkeypatch.setattr(run.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(run.jax, "process_index", lambda: 0)
+  monkeypatch.setattr(multihost, "every_process", lambda name, value: [value, ""])
+  monkeypatch.setattr(multihost, "processes_where_not", lambda flag: [])
+  config = helpers.tiny_config("ict", data_dir=world_dir, eval__split="nosuch")
+  fresh, there = tmp_path / "fresh", tmp_path / "there"
+  os.makedirs(there)
+  for workdir in (fresh, there):
+    with pytest.raises(ConfigError, match="'nosuch': no split of examples"):
+      run.checked_data(config, str(workdir))
+  assert not os.path.exists(fresh) and os.listdir(there) == []
 
 
 def test_processes_that_disagree_on_the_config_are_named(world_data, monkeypatch):
@@ -455,8 +472,9 @@ def test_processes_that_disagree_on_the_config_are_named(world_data, monkeypatch
 
 
 def test_the_workdir_token_is_removed_however_the_check_ends(tmp_path, monkeypatch):
-  """Process 0's token is gone after a check that failed (a process that never sent), and a
-  read of it that fails on another host is 'not seen', not a traceback."""
+  """Process 0's token is gone after a check that failed (a process that never sent) or
+  passed, and so is the W it made (a job refused next leaves no empty W), never a W that was
+  there; a read of the token that fails on another host is 'not seen', not a traceback."""
   from realm_jax import paths, workdir as workdir_lib
   from realm_jax.train import run
   workdir = str(tmp_path / "w")
@@ -468,7 +486,17 @@ def test_the_workdir_token_is_removed_however_the_check_ends(tmp_path, monkeypat
   monkeypatch.setattr(multihost, "every_process", never_sent)
   with pytest.raises(RuntimeError, match="workdir token"):
     run.check_shared_workdir(workdir)
+  assert not os.path.exists(workdir)
+  monkeypatch.setattr(multihost, "every_process", lambda name, value: [value, ""])
+  monkeypatch.setattr(multihost, "processes_where_not", lambda flag: [])
+  run.check_shared_workdir(workdir)
+  assert not os.path.exists(workdir)
+  os.makedirs(workdir)                 # there before: it stays, empty or not
+  run.check_shared_workdir(workdir)
   assert os.listdir(workdir) == []
+  (tmp_path / "w" / "notes.txt").write_text("mine")
+  run.check_shared_workdir(workdir)
+  assert os.listdir(workdir) == ["notes.txt"]
   token = workdir_lib.write_job_token(workdir)
   assert workdir_lib.sees_job_token(workdir, token)
 

@@ -89,17 +89,19 @@ def check_shared_workdir(workdir: str) -> None:
   before any process reads anything there: a ConfigError naming the processes that do not
   otherwise (a node-local workdir, or another path on some host, would hang the first save,
   and one holding an older run would raise its own, misleading errors first). Process 0
-  removes the token once all have looked. A collective: every process calls it."""
+  removes the token once all have looked, and W if the token made it (a job refused before
+  its first write leaves no empty W). A collective: every process calls it."""
   if jax.process_count() == 1:
     return
   primary = jax.process_index() == 0
+  made = primary and not paths.exists(workdir)
   token = workdir_lib.write_job_token(workdir) if primary else ""
   try:
     token = multihost.every_process("workdir token", token)[0]
     blind = multihost.processes_where_not(primary or workdir_lib.sees_job_token(workdir, token))
   finally:   # removed whatever ended the check (a process that never sent or looked)
     if primary:
-      workdir_lib.remove_job_token(workdir, token)
+      workdir_lib.remove_job_token(workdir, token, made)
   if blind:
     raise ConfigError("", f"--workdir {workdir}: process {', '.join(map(str, blind))} does not "
                       "see what process 0 wrote there: the workdir must be shared storage "
