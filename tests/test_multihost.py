@@ -522,6 +522,34 @@ def test_a_coordinator_that_never_answers_is_named(world_dir, tmp_path):
   assert time.time() - t0 < 60
 
 
+def test_a_process_that_never_joins_is_named(world_dir, tmp_path):
+  """Process 0 of 2 alone: before joining it says where, for how long and under which option
+  it waits; when process 1 never connects, one line names it and the option (exit 1) instead
+  of JAX's abort 5 s later (a C++ check failure naming neither, exit 134)."""
+  config = helpers.tiny_config("ict", data_dir=world_dir)
+  port = free_port()
+  env = {**os.environ, "XLA_FLAGS": helpers.xla_flags(4)}
+  proc = subprocess.run(
+      [sys.executable, "-m", "realm_jax.train.main", *helpers.config_flags(config, "demo_ict"),
+       f"--workdir={tmp_path / 'w'}", "--multihost=on", f"--coordinator_address=localhost:{port}",
+       "--num_processes=2", "--process_id=0", "--init_timeout=2"],
+      cwd=helpers.REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert f"process 0 of 2: joining the job at the coordinator localhost:{port} (served by " \
+      "this process), waiting up to 2s (--init_timeout) for every process" in proc.stdout
+  assert f"[multihost] error: process 0 of 2: the job did not form at the coordinator " \
+      f"localhost:{port} within 2s (--init_timeout): process 1 never connected" in proc.stderr
+  assert "Check failure" not in proc.stderr and not os.path.exists(tmp_path / "w")
+  for me, count, missing in ((2, 4, "not every one of processes 1 to 3 other than this one "
+                                    "connected"), (0, 3, "not every one of processes 1 to 2 "
+                                                         "connected"),
+                             (1, 3, "process 2 never connected"),
+                             (1, 2, "it did not admit this process (is process 0 started with "
+                                    "--num_processes=2?)")):
+    assert f"within 60s (--init_timeout): {missing}; " in multihost._not_joined(
+        multihost.Topology("h:1", count, me, 60, 10))
+
+
 def test_process_id_out_of_range_fails_before_any_work(world_dir, tmp_path):
   config = helpers.tiny_config("ict", data_dir=world_dir)
   proc = subprocess.run(

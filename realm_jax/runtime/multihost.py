@@ -10,7 +10,9 @@ before touching a device. One switch, `--multihost`:
         else `off`.
 
 Failures are never swallowed. A coordinator that does not accept connections within
---init_timeout is an error naming its address. Once connected, a process that stops sending
+--init_timeout is an error naming its address; a job that does not form within it (a process
+never connected) is a one-line error naming the processes it lacks, before JAX's abort. Once
+connected, a process that stops sending
 heartbeats for --heartbeat_timeout seconds makes JAX abort every other process with "The
 following tasks are unhealthy (stopped sending heartbeats): N" (N = the lost process id), or,
 when the lost one is the coordinator (process 0), with "the leader task was preempted/died".
@@ -19,10 +21,13 @@ when the lost one is the coordinator (process 0), with "the leader task was pree
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
 import socket
+import sys
+import threading
 import time
 from typing import Callable, Mapping
 
@@ -164,28 +169,72 @@ def initialize(topology: Topology | None) -> None:
     return
   import jax
   jax.config.update("jax_cpu_collectives_implementation", "gloo")   # CPU processes: gloo
+  waits = (f"waiting up to {topology.init_timeout}s (--init_timeout) for every process to "
+           f"connect; heartbeat timeout {topology.heartbeat_timeout}s (--heartbeat_timeout)")
   if topology.coordinator_address is None:
-    logger.info(f"[multihost] joining the {topology.cluster} job (JAX's cluster detection, timeout "
-                f"{topology.init_timeout}s, heartbeat timeout {topology.heartbeat_timeout}s)")
-    jax.distributed.initialize(initialization_timeout=topology.init_timeout,
-                               heartbeat_timeout_seconds=topology.heartbeat_timeout)
+    logger.info(f"[multihost] joining the {topology.cluster} job (JAX's cluster detection): "
+                f"{waits}")
+    with _join_deadline(topology):
+      jax.distributed.initialize(initialization_timeout=topology.init_timeout,
+                                 heartbeat_timeout_seconds=topology.heartbeat_timeout)
   else:
-    logger.info(
-        f"[multihost] process {topology.process_id} of {topology.num_processes}: connecting "
-        f"to the coordinator {topology.coordinator_address} (timeout "
-        f"{topology.init_timeout}s, heartbeat timeout {topology.heartbeat_timeout}s)")
+    served = " (served by this process)" if topology.process_id == 0 else ""
+    logger.info(f"[multihost] process {topology.process_id} of {topology.num_processes}: "
+                f"joining the job at the coordinator {topology.coordinator_address}{served}, "
+                f"{waits}")
     if topology.process_id != 0:
       # JAX aborts the process (no exception, no address) when the coordinator never answers.
       _wait_for_coordinator(topology.coordinator_address, topology.init_timeout)
-    jax.distributed.initialize(topology.coordinator_address, topology.num_processes,
-                               topology.process_id,
-                               initialization_timeout=topology.init_timeout,
-                               heartbeat_timeout_seconds=topology.heartbeat_timeout,
-                               shutdown_timeout_seconds=topology.heartbeat_timeout)
+    with _join_deadline(topology):
+      jax.distributed.initialize(topology.coordinator_address, topology.num_processes,
+                                 topology.process_id,
+                                 initialization_timeout=topology.init_timeout,
+                                 heartbeat_timeout_seconds=topology.heartbeat_timeout,
+                                 shutdown_timeout_seconds=topology.heartbeat_timeout)
   _initialized = topology
   logger.info(f"[multihost] process {jax.process_index()} of {jax.process_count()}: "
               f"{jax.local_device_count()} local / {jax.device_count()} global devices")
   check_device_counts([d.process_index for d in jax.devices()])
+
+
+JOIN_GRACE_SECONDS = 2.0   # past --init_timeout: JAX has given the join up, and aborts 5 s later
+
+
+@contextlib.contextmanager
+def _join_deadline(topology: Topology):
+  """Around `jax.distributed.initialize`: if it has not returned JOIN_GRACE_SECONDS after
+  --init_timeout, a process of the job never connected, and JAX is about to abort this one
+  with a C++ check failure that names neither it nor the option: the process ends first,
+  with one line that does (exit 1)."""
+  joined = threading.Event()
+
+  def expire() -> None:
+    if not joined.wait(topology.init_timeout + JOIN_GRACE_SECONDS):
+      print(f"[multihost] error: {_not_joined(topology)}", file=sys.stderr, flush=True)
+      os._exit(1)
+  threading.Thread(target=expire, name="multihost-join-deadline", daemon=True).start()
+  try:
+    yield
+  finally:
+    joined.set()
+
+
+def _not_joined(topology: Topology) -> str:
+  """What a join that ran out of --init_timeout says: the processes that may be missing."""
+  if topology.coordinator_address is None:
+    return (f"the {topology.cluster} job did not form within {topology.init_timeout}s "
+            "(--init_timeout): not every process of it connected")
+  me, count = topology.process_id, topology.num_processes
+  others = [p for p in range(1, count) if p != me]
+  missing = (f"process {others[0]} never connected" if len(others) == 1 else
+             f"not every one of processes 1 to {count - 1}"
+             f"{' other than this one' if me else ''} connected" if others
+             else f"it did not admit this process (is process 0 started with "
+                  f"--num_processes={count}?)")
+  return (f"process {me} of {count}: the job did not form at the coordinator "
+          f"{topology.coordinator_address} within {topology.init_timeout}s (--init_timeout): "
+          f"{missing}; start every process with --coordinator_address="
+          f"{topology.coordinator_address} --num_processes={count} and its own --process_id")
 
 
 def check_device_counts(device_processes: list[int]) -> None:
