@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -510,5 +511,34 @@ def test_a_trainer_waiting_for_its_first_index_says_so_at_once_and_then_regularl
     assert 3 <= len(lines) <= 4, lines        # at once, at ~0.4 s and ~0.8 s
     assert f"--workdir {tmp_path / 'run'}" in lines[0] and "realm-index" in lines[0]
     assert "built from step 0" in lines[0] and "index_timeout" in lines[0]
+  finally:
+    sub.close()
+
+
+def test_a_trainer_waiting_for_an_index_names_a_builder_that_died(tmp_path, capsys):
+  """W/builder.lock names a realm-index that no longer runs (killed -9 mid-run): the waiting
+  lines and the timeout say so, instead of only asking whether one runs."""
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  gone = subprocess.Popen(["true"])
+  gone.wait()
+  with open(os.path.join(workdir, "builder.lock"), "w") as f:
+    f.write(f"{gone.pid} {socket.gethostname()}\n")
+  said = f"realm-index (pid {gone.pid}, {workdir}/builder.lock) is not running"
+  sub = IndexSubscriber(workdir, loader=None, poll_seconds=3600)
+  try:
+    with pytest.raises(TimeoutError) as e:
+      sub.wait(lambda have: None, 0.5, "built from step 3")
+  finally:
+    sub.close()
+  assert said in str(e.value) and "is realm-index running" not in str(e.value)
+  waiting = [l for l in capsys.readouterr().out.splitlines() if "waiting for" in l]
+  assert waiting and said in waiting[0], waiting
+  with open(os.path.join(workdir, "builder.lock"), "w") as f:   # a builder that runs
+    f.write(f"{os.getpid()} {socket.gethostname()}\n")
+  sub = IndexSubscriber(workdir, loader=None, poll_seconds=3600)
+  try:
+    with pytest.raises(TimeoutError, match="is realm-index running with this workdir"):
+      sub.wait(lambda have: None, 0.2, "built from step 3")
   finally:
     sub.close()

@@ -18,7 +18,7 @@ import time
 from typing import Callable
 
 
-from realm_jax import paths
+from realm_jax import paths, workdir as workdir_lib
 from realm_jax.errors import IndexNeverPublished, IndexWaitTimeout, raise_if_interrupted
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, IndexVersion
@@ -219,18 +219,32 @@ class IndexSubscriber:
           raise IndexWaitTimeout(
               f"no published index {what} under {self.root} after {timeout:g}s "
               f"(config.retrieval.index_timeout); "
-              f"{self._rejections() or 'is realm-index running with this workdir?'}")
+              f"{self._why_unpublished() or 'is realm-index running with this workdir?'}")
         if first or now >= notice:
           self._say_waiting(what, now - start, timeout)
           first, notice = False, now + WAIT_NOTICE_SECONDS
         self._cond.wait(min(deadline - now, notice - now, 1.0))
 
   def _say_waiting(self, what: str, waited: float, timeout: float) -> None:
-    rejected = self._rejections()
+    said = self._why_unpublished()
     logger.info(f"{self.log_prefix}waiting for a published index {what} under {self.root} "
                 f"({waited:.0f}s of {timeout:g}s, config.retrieval.index_timeout): it comes from "
                 f"`realm-index --config <this config> --workdir {self.workdir}` (launch/local.py "
-                f"starts both){'; ' + rejected if rejected else ''}")
+                f"starts both){'; ' + said if said else ''}")
+
+  def _why_unpublished(self) -> str:
+    """What is known of why no version comes ('' if nothing): rejections, a builder gone."""
+    return "; ".join(filter(None, (self._rejections(), self._builder_gone())))
+
+  def _builder_gone(self) -> str:
+    """'' unless W/builder.lock names a realm-index that no longer runs (on this host): a
+    builder that died or was stopped publishes nothing until it is started again, so the wait
+    says so instead of only asking whether one runs."""
+    pid = workdir_lib.job_gone(self.workdir, "builder")
+    if pid is None:
+      return ""
+    return (f"realm-index (pid {pid}, {workdir_lib.JobLock(self.workdir, 'builder').path}) is "
+            "not running: it died or was stopped; start it again with this config and workdir")
 
   def _rejections(self) -> str:
     """The versions rejected so far with their reasons (the newest 3), '' if none: a builder
