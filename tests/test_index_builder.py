@@ -19,7 +19,7 @@ import pytest
 from realm_jax import paths
 from realm_jax.data import pipeline
 from realm_jax.data.prepared import PreparedData
-from realm_jax.errors import ConfigError
+from realm_jax.errors import CheckpointError, ConfigError
 from realm_jax.retrieval import published
 from realm_jax.retrieval.builder import IndexBuilder
 from realm_jax.workdir import BLOCKS_RECORD
@@ -149,6 +149,23 @@ def test_checkpoint_deleted_while_restoring_moves_to_the_newest(world_dir, tmp_p
   manifest = published.read_manifest(published.index_root(workdir), 1)
   assert manifest["step"] == 10
   assert "checkpoint 20 was deleted while being restored" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_does_not_restore_is_named_in_one_error(world_dir, tmp_path):
+  """A finalised checkpoint whose files are truncated: the builder stops with a CheckpointError
+  naming it and why (realm-index: one line, exit 1), publishing nothing."""
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (0, 10))
+  for root, _, files in os.walk(os.path.join(workdir, "checkpoints", "10", "params")):
+    for name in files:
+      if "/d" in root[len(workdir):]:   # the array data files (OCDBT's d/ dirs)
+        os.truncate(os.path.join(root, name), 100)
+  with pytest.raises(CheckpointError, match=f"checkpoint {workdir}/checkpoints/10 cannot be "
+                     r"restored \(ValueError: .*OUT_OF_RANGE"):
+    build_once(config, workdir)
+  assert published.complete_versions(published.index_root(workdir)) == []
 
 
 def test_no_space_for_latest_finishes_the_committed_version(world_dir, tmp_path, capsys,

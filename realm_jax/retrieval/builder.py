@@ -139,15 +139,16 @@ class IndexBuilder:
     """The retriever params of checkpoint `step` straight onto this job's mesh (nothing else
     of the state is read); None if the checkpoint vanished meanwhile (kept-N deletion). With
     several processes such a restore fails the job instead (Orbax's restore ends in a barrier
-    the others would wait in); the builder started again builds the newest."""
+    the others would wait in); the builder started again builds the newest. One that is
+    there and does not restore (a truncated or corrupt file) is a CheckpointError naming it."""
     target = {"retriever": self.abstract_retriever}
     try:
       restored = self._reader().restore(step,
                                         args=self.checkpoints.partial_params_restore(target))
-    except Exception:  # noqa: BLE001  (re-raised below unless the checkpoint is gone)
+    except Exception as e:  # noqa: BLE001  (Orbax raises bare Exceptions for a bad file)
       if not self.multiprocess and step not in self.checkpoint_steps():
         return None
-      raise
+      self.checkpoints.raise_unreadable(self._reader(), self.workdir, step, e)
     return restored.params["retriever"]
 
   def published_steps(self) -> set[int]:

@@ -292,7 +292,7 @@ def saved_param_shapes(workdir: str, step: int | None = None
     try:
       tree = manager.item_metadata(step)["params"]
     except Exception as e:   # noqa: BLE001 -- Orbax raises bare Exceptions for a bad file
-      _raise_unreadable(manager, workdir, step, e)
+      raise_unreadable(manager, workdir, step, e)
   finally:
     manager.close()
   tree = getattr(tree, "tree", tree)   # orbax's TreeMetadata wraps the nested dict
@@ -313,7 +313,7 @@ def _step_or_latest(manager, workdir: str, step: int | None) -> int:
   return step
 
 
-def _raise_unreadable(manager, workdir: str, step: int, error: Exception):
+def raise_unreadable(manager, workdir: str, step: int, error: Exception):
   """Raises `_unreadable`'s error: `error` itself as it was (its own cause kept), or the
   CheckpointError from it."""
   unreadable = _unreadable(manager, workdir, step, error)
@@ -324,10 +324,10 @@ def _raise_unreadable(manager, workdir: str, step: int, error: Exception):
 
 def _unreadable(manager, workdir: str, step: int, error: Exception) -> Exception:
   """The error of a checkpoint that a reader of its params only (realm-eval, realm-predict,
-  `init.from_workdir`) cannot read, naming it, why, and the steps there are: none other is
-  read in its place (realm-train's resume walks back; an evaluation of another step would
-  not be the one asked for). `error` itself where it is not the checkpoint's (storage out
-  of reach, memory exhausted, the project's own errors)."""
+  `init.from_workdir`, realm-index) cannot read, naming it, why, and the steps there are:
+  none other is read in its place (realm-train's resume walks back; an evaluation of another
+  step would not be the one asked for). `error` itself where it is not the checkpoint's
+  (storage out of reach, memory exhausted, the project's own errors)."""
   if isinstance(error, (ConnectionError, TimeoutError, MemoryError, *SELF_EXPLAINING)) or \
       "RESOURCE_EXHAUSTED" in str(error):
     return error
@@ -371,7 +371,7 @@ def restore_params(workdir: str, abstract_params, step: int | None = None,
         step, args=partial_params_restore(abstract_params) if partial else
         ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
   except Exception as e:   # noqa: BLE001 -- Orbax / TensorStore raise bare Exceptions
-    _raise_unreadable(manager, workdir, step, e)
+    raise_unreadable(manager, workdir, step, e)
   finally:
     manager.close()
   if partial:
