@@ -447,6 +447,20 @@ def job_gone(workdir: str, job: str) -> str | None:
   (the job died or was stopped without finishing), else None; None for a bucket, and for a
   job of another host (a shared file system). A look at the file and the pid alone, never at
   the lock: a job starting now is not refused for it."""
+  found = _job_pid(workdir, job)
+  return found[0] if found is not None and not found[1] else None
+
+
+def job_running(workdir: str, job: str) -> str | None:
+  """The pid in W's `job` lock file while a process of that pid runs on this host, else None
+  (as `job_gone`: a look at the file and the pid, never at the lock)."""
+  found = _job_pid(workdir, job)
+  return found[0] if found is not None and found[1] else None
+
+
+def _job_pid(workdir: str, job: str) -> tuple[str, bool] | None:
+  """(the pid in W's `job` lock file, whether it runs on this host); None for a bucket, a job
+  of another host, or no readable lock file."""
   if paths.is_remote(workdir):
     return None
   try:
@@ -456,10 +470,10 @@ def job_gone(workdir: str, job: str) -> str | None:
       return None
     os.kill(int(pid_text), 0)
   except ProcessLookupError:
-    return pid_text
+    return pid_text, False
   except (OSError, ValueError):
     return None
-  return None
+  return pid_text, True
 
 
 def job_holding(workdir: str, job: str) -> str | None:

@@ -238,6 +238,34 @@ def test_builder_without_checkpoints_waits_then_fails_clearly(world_dir, tmp_pat
   assert time.time() - t0 < 120
 
 
+def test_a_builder_waits_past_its_timeout_for_a_trainer_that_runs(world_dir, tmp_path, capsys):
+  """No checkpoint yet, but W/trainer.lock names a live trainer (a slow start): the builder
+  does not give up after builder.wait_timeout; once that trainer is gone, it does."""
+  config = builder_config(world_dir, builder__wait_timeout=0.3, builder__poll_seconds=0.05)
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  lock = os.path.join(workdir, "trainer.lock")
+  with open(lock, "w") as f:
+    f.write(f"{os.getpid()} {socket.gethostname()}\n")
+  builder = IndexBuilder(config, workdir)
+  failed = []
+  thread = threading.Thread(target=lambda: failed.append(pytest.raises(
+      FileNotFoundError, builder.run)), daemon=True)
+  try:
+    thread.start()
+    thread.join(timeout=1.5)
+    assert thread.is_alive() and not failed    # 5x its wait_timeout, still waiting
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    with open(lock, "w") as f:
+      f.write(f"{gone.pid} {socket.gethostname()}\n")
+    thread.join(timeout=30)
+    assert failed and "builder.wait_timeout" in str(failed[0].value)
+  finally:
+    builder.close()
+  assert f"the trainer (pid {os.getpid()}) runs on this workdir" in capsys.readouterr().out
+
+
 def test_a_builder_whose_trainer_died_says_so_and_ends_at_done(world_dir, tmp_path, capsys):
   """Everything built, W/trainer.lock names a pid that no longer runs and W/DONE is absent: the
   builder says the trainer is not running (not a silent wait), and ends when DONE comes."""

@@ -229,6 +229,7 @@ def _jobs(c) -> None:
   c.builder.poll_seconds = 2.0     # builder: seconds between looks for a newer checkpoint;
                                    # trainer: between looks for a newer version
   c.builder.wait_timeout = 600.0   # builder: fail after this long with no checkpoint at all
+                                   # (waited out while W/trainer.lock names a live trainer)
   c.builder.num_leaves = 0         # scann tree leaves; 0: about sqrt(num_blocks)
   c.builder.leaves_to_search = 0   # scann leaves probed per query; 0: max(leaves/20, 16)
   c.builder.training_sample = 0    # scann tree/AH training sample; 0: min(num_blocks, 250,000)

@@ -374,15 +374,17 @@ class IndexBuilder:
         if self._trainer_done():
           logger.info("[index] the trainer is done and left no checkpoint; exiting")
           return FINISHED
-        if waited > cfg.builder.wait_timeout:
+        trainer = workdir_lib.job_running(self.workdir, "trainer")
+        if waited > cfg.builder.wait_timeout and trainer is None:
           raise FileNotFoundError(
               f"no checkpoint under {self.checkpoint_dir} after {waited:.0f}s "
               f"(config.builder.wait_timeout = {cfg.builder.wait_timeout:g}); is the trainer "
               "running with this workdir?")
         if time.time() - last_message >= WAIT_MESSAGE_SECONDS:
-          logger.info(
-              f"[index] waiting for a checkpoint under {self.checkpoint_dir} ({waited:.0f}s "
-              f"of {cfg.builder.wait_timeout:g}s)")
+          logger.info(f"[index] waiting for a checkpoint under {self.checkpoint_dir} "
+                      f"({waited:.0f}s of {cfg.builder.wait_timeout:g}s" + (
+                          f"; the trainer (pid {trainer}) runs on this workdir: waited for "
+                          "while it runs)" if trainer else ")"))
           last_message = time.time()
         time.sleep(cfg.builder.poll_seconds)
         continue
