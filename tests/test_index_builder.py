@@ -302,6 +302,20 @@ def test_a_builder_whose_trainer_died_says_so_and_ends_at_done(world_dir, tmp_pa
   assert workdir_lib.job_gone(workdir, "trainer") is None
 
 
+def test_builder_refuses_a_config_that_takes_no_versions_from_it(world_dir, tmp_path):
+  """A REALM run rebuilding in process, ICT or Open-QA never reads realm-index's versions (and
+  an Open-QA run's W/index is its frozen index, which they would replace and prune): refused
+  naming the option, before anything is written."""
+  workdir = str(tmp_path / "run")
+  for config, option in [(builder_config(world_dir, retrieval__refresh="in_process"),
+                          "retrieval.refresh"),
+                         (helpers.tiny_config("ict", data_dir=world_dir), "task")]:
+    with pytest.raises(ConfigError, match=rf"config\.{option}: this config .* takes no index "
+                       "versions from realm-index"):
+      IndexBuilder(config, workdir)
+  assert not os.path.exists(workdir)
+
+
 def test_builder_refuses_another_block_store(world_dir, tmp_path):
   config = builder_config(world_dir)
   workdir = str(tmp_path / "run")

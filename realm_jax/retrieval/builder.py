@@ -36,8 +36,10 @@ import time
 import numpy as np
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.errors import StorageUnreachable, WorkerDied, raise_if_interrupted, run_cli
+from realm_jax.errors import (ConfigError, StorageUnreachable, WorkerDied,
+                              raise_if_interrupted, run_cli)
 from realm_jax.config.overrides import flags_parser, refuse_arguments
+from realm_jax.config.reading import uses_index_builder
 from realm_jax.runtime import multihost
 from realm_jax.config.option_names import upgrade_flags
 
@@ -60,6 +62,7 @@ class IndexBuilder:
     from realm_jax.runtime import checkpoints
     from realm_jax.config import validation
     validation.validate(config)
+    refuse_without_builder(config)
     self.config, self.workdir = config, workdir
     self.data = workdir_lib.open_data(config)
     self.fingerprint = self.data.blocks.fingerprint
@@ -433,6 +436,22 @@ class IndexBuilder:
       manager.close()
     self.metrics.close()
     self.lock.release()
+
+
+def refuse_without_builder(config) -> None:
+  """A ConfigError naming the option unless `config` takes its index versions from this job
+  (`uses_index_builder`): a trainer of any other config never reads them, and an Open-QA run's
+  W/index holds its frozen index, read through LATEST, which newer versions would displace
+  and prune."""
+  if uses_index_builder(config):
+    return
+  r = config.retrieval
+  option = ("task" if config.task != "realm" else
+            "retrieval.candidates" if r.candidates != "index" else "retrieval.refresh")
+  raise ConfigError(option, f"this config (task {config.task!r}, retrieval.candidates "
+                    f"{r.candidates!r}, retrieval.refresh {r.refresh!r}) takes no index "
+                    "versions from realm-index, which serves REALM with candidates 'index' and "
+                    "refresh 'async' or 'deterministic'; give realm-index the trainer's config")
 
 
 class Stopped(Exception):
