@@ -262,7 +262,8 @@ def test_the_staleness_warning_comes_again_at_each_doubling_and_after_a_catch_up
   import types
   from realm_jax.train.candidates import STALE_REFRESHES, PublishedIndex
   config = helpers.tiny_config("realm", retrieval__refresh="async", retrieval__refresh_every=2)
-  source = types.SimpleNamespace(config=config, workdir="W", staleness=[], _stale_said=0)
+  source = types.SimpleNamespace(config=config, workdir="W", staleness=[], _stale_said=0,
+                                 subscriber=types.SimpleNamespace(builder_gone=lambda: ""))
   loaded = types.SimpleNamespace(version=1, step=0)
   first = STALE_REFRESHES * 2
   series = [first - 1, first, first + 1, 2 * first - 1, 2 * first, 3, first, 4 * first]
@@ -274,3 +275,32 @@ def test_the_staleness_warning_comes_again_at_each_doubling_and_after_a_catch_up
   assert said == [first, 2 * first, first, 4 * first]   # after the catch-up (3): from the start
   assert "but realm-index publishes one every retrieval.refresh_every=2 steps" in \
       caplog.records[0].getMessage()
+
+
+def test_the_staleness_warning_names_a_builder_that_died(tmp_path, caplog):
+  """Async, the builder killed: W/builder.lock names a pid that no longer runs, and the
+  staleness warning says so rather than 'behind or not running'."""
+  import logging
+  import socket
+  import types
+  from realm_jax.retrieval.subscriber import IndexSubscriber
+  from realm_jax.train.candidates import STALE_REFRESHES, PublishedIndex
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  gone = subprocess.Popen(["true"])
+  gone.wait()
+  with open(os.path.join(workdir, "builder.lock"), "w") as f:
+    f.write(f"{gone.pid} {socket.gethostname()}\n")
+  config = helpers.tiny_config("realm", retrieval__refresh="async", retrieval__refresh_every=2)
+  subscriber = IndexSubscriber(workdir, loader=None, poll_seconds=3600)
+  source = types.SimpleNamespace(config=config, workdir=workdir, _stale_said=0,
+                                 staleness=[STALE_REFRESHES * 2], subscriber=subscriber)
+  try:
+    with caplog.at_level(logging.WARNING, logger="realm_jax.train.candidates"):
+      PublishedIndex._say_if_stale(source, STALE_REFRESHES * 2 + 1,
+                                   types.SimpleNamespace(version=1, step=0))
+  finally:
+    subscriber.close()
+  [said] = [r.getMessage() for r in caplog.records]
+  assert f"steps; realm-index (pid {gone.pid}, {workdir}/builder.lock) is not running: it " \
+      "died or was stopped" in said and "behind or not running" not in said, said

@@ -234,9 +234,9 @@ class IndexSubscriber:
 
   def _why_unpublished(self) -> str:
     """What is known of why no version comes ('' if nothing): rejections, a builder gone."""
-    return "; ".join(filter(None, (self._rejections(), self._builder_gone())))
+    return "; ".join(filter(None, (self._rejections(), self.builder_gone())))
 
-  def _builder_gone(self) -> str:
+  def builder_gone(self) -> str:
     """'' unless W/builder.lock names a realm-index that no longer runs (on this host): a
     builder that died or was stopped publishes nothing until it is started again, so the wait
     says so instead of only asking whether one runs."""

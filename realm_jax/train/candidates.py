@@ -294,12 +294,13 @@ class PublishedIndex(NoRetrieval):
       return
     self._stale_said = staleness
     if jax.process_index() == 0:
+      why = self.subscriber.builder_gone() or f"it is behind or not running on {self.workdir}"
       logger.warning(
           f"[{self.config.task}] warning: index staleness {staleness} steps at step {done}: the "
           f"newest version is v{loaded.version} (step {loaded.step}), but realm-index publishes "
-          f"one every retrieval.refresh_every={refresh_every} steps; it is behind or not "
-          f"running on {self.workdir} (without it the final evaluation waits "
-          f"retrieval.index_timeout={self.config.retrieval.index_timeout:g}s, then fails)")
+          f"one every retrieval.refresh_every={refresh_every} steps; {why} (without it the "
+          f"final evaluation waits retrieval.index_timeout="
+          f"{self.config.retrieval.index_timeout:g}s, then fails)")
 
   def eval_index(self, step: int, final: bool) -> IndexVersion | None:
     """The final evaluation retrieves from the index of the final params (as a rebuilt index
