@@ -194,6 +194,31 @@ def test_no_space_for_latest_finishes_the_committed_version(world_dir, tmp_path,
     assert [json.loads(line)["version"] for line in f] == [1]
 
 
+def test_no_space_for_a_new_version_dir_is_waited_out(world_dir, tmp_path, capsys,
+                                                      monkeypatch):
+  """A disk already full when a build starts (its staging dir cannot be made): the builder
+  waits for room as it does for a full disk met while writing, instead of exiting (under
+  launch/local.py its exit stopped the trainer too)."""
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (10,))
+  start, failures = published.start_version, []
+
+  def full_for_new_dirs(root):
+    if len(failures) < 2:
+      failures.append(root)
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{root}/.tmp-00000001-1")
+    return start(root)
+
+  monkeypatch.setattr(published, "start_version", full_for_new_dirs)
+  assert build_once(config, workdir) == 1
+  root = published.index_root(workdir)
+  assert len(failures) == 2
+  assert published.complete_versions(root) == [1] and published.read_latest(root) == 1
+  out = capsys.readouterr().out
+  assert out.count("step 10: no space left creating") == 2, out
+
+
 def test_a_builder_stopped_before_latest_points_it_when_it_starts_again(world_dir, tmp_path,
                                                                        capsys, monkeypatch):
   """SIGTERM (or kill -9) between the rename of v1 and the write of LATEST: v1 is complete and

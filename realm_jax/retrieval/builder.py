@@ -192,7 +192,7 @@ class IndexBuilder:
       embed_blocks(embed_fn, self.data.blocks, self.mesh, cfg.retrieval.embed_batch_size)
       partitioning.host_copy(embedders.query_tower_params(params))
       return {"step": step}
-    version, staging = self.published.start_version(self.root)
+    version, staging = self._start_version(step)
     prefix = f"[index] v{version} (step {step}): "
     embeddings, seconds = embed_blocks(embed_fn, self.data.blocks, self.mesh,
                                        cfg.retrieval.embed_batch_size, prefix)
@@ -218,9 +218,23 @@ class IndexBuilder:
         logger.warning(f"{prefix}{why}: nothing of v{version} is visible; writing it again in "
                        f"{cfg.builder.poll_seconds:g}s")
         time.sleep(cfg.builder.poll_seconds)
-        version, staging = paths.retried("starting an index version", self.root,
-                                         lambda: self.published.start_version(self.root))
+        version, staging = self._start_version(step)
         prefix = f"[index] v{version} (step {step}): "
+
+  def _start_version(self, step: int):
+    """`published.start_version`'s (version, staging dir), tried again every poll while the
+    disk is full (its dir needs room too: a full disk is waited out wherever it is met)."""
+    while True:
+      try:
+        return paths.retried("starting an index version", self.root,
+                             lambda: self.published.start_version(self.root))
+      except OSError as e:
+        if e.errno not in NO_SPACE:
+          raise
+        logger.warning(f"[index] step {step}: no space left creating {e.filename or self.root} "
+                       f"({e.strerror}): nothing is written; trying again in "
+                       f"{self.config.builder.poll_seconds:g}s")
+        time.sleep(self.config.builder.poll_seconds)
 
   def _unpublished(self, error: Exception, staging, version: int, prefix: str,
                    unreachable_since: float | None) -> str:
