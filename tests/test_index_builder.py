@@ -194,6 +194,31 @@ def test_no_space_for_latest_finishes_the_committed_version(world_dir, tmp_path,
     assert [json.loads(line)["version"] for line in f] == [1]
 
 
+def test_no_space_for_the_metrics_line_leaves_the_version_published_once(
+    world_dir, tmp_path, capsys, monkeypatch):
+  """A full disk under W/metrics once the version is out: a warning, not the committed
+  version's publishing done again (which wrote its line once per retry, the file keeping
+  each failed line, and blamed the version's staging dir)."""
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (10,))
+  from realm_jax.runtime.metrics import MetricWriter
+  write, failures = MetricWriter.write, []
+
+  def full_once(self, step, scalars):
+    if self.name == "index" and not failures:
+      failures.append(step)
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))   # a flush names no file
+    return write(self, step, scalars)
+
+  monkeypatch.setattr(MetricWriter, "write", full_once)
+  assert build_once(config, workdir) == 1
+  out = capsys.readouterr().out
+  assert failures == [10] and out.count("): published ") == 1, out
+  assert "v1 (step 10): no space left for its line in W/metrics/index.jsonl" in out
+  assert "committed; finishing it" not in out and ".tmp-" not in out, out
+
+
 def test_no_space_for_a_new_version_dir_is_waited_out(world_dir, tmp_path, capsys,
                                                       monkeypatch):
   """A disk already full when a build starts (its staging dir cannot be made): the builder

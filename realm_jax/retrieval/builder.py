@@ -290,11 +290,23 @@ class IndexBuilder:
     size = sum(f["bytes"] for f in manifest["files"].values())
     logger.info(f"{prefix}published {self.published.version_dir(self.root, version)} "
                 f"({size / 2**20:,.1f} MiB, hashed and committed in {publish_seconds:.1f}s)")
-    self.metrics.write(step, {"version": version, "index_bytes": size,
-                              "publish_seconds": publish_seconds,
-                              **{k: v for k, v in timings.items()},
-                              **{k: v for k, v in extra.items() if isinstance(v, float)}})
+    self._record(step, prefix, {"version": version, "index_bytes": size,
+                                "publish_seconds": publish_seconds,
+                                **{k: v for k, v in timings.items()},
+                                **{k: v for k, v in extra.items() if isinstance(v, float)}})
     return manifest
+
+  def _record(self, step: int, prefix: str, scalars: dict) -> None:
+    """The published version's line in W/metrics/index.jsonl. A full disk there skips it with
+    a warning: the version is out, and finishing its publishing again would only repeat the
+    line (the file keeps what it could not write for its next write)."""
+    try:
+      self.metrics.write(step, scalars)
+    except OSError as e:
+      if e.errno not in NO_SPACE:
+        raise
+      logger.warning(f"{prefix}no space left for its line in W/metrics/index.jsonl "
+                     f"({e.strerror}); the version is published without it")
 
   def _write_index(self, staging, embeddings: np.ndarray, query_params: dict,
                    timings: dict, prefix: str) -> dict:
