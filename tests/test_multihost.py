@@ -550,6 +550,36 @@ def test_a_process_that_never_joins_is_named(world_dir, tmp_path):
         multihost.Topology("h:1", count, me, 60, 10))
 
 
+# A join under JAX's cluster detection that takes `sys.argv[1]` seconds (a stand-in for
+# jax.distributed.initialize: the detection's wait for the coordinator's host, then the join).
+_DETECTED_JOIN = """
+import sys, time
+import jax
+from realm_jax.runtime import multihost
+jax.distributed.initialize = lambda **kwargs: time.sleep(float(sys.argv[1]))
+multihost.initialize(multihost.Topology(None, None, None, int(sys.argv[2]), 10, "GkeTpuCluster"))
+print("joined", flush=True)
+"""
+
+
+def test_a_join_under_cluster_detection_may_take_twice_init_timeout(tmp_path):
+  """JAX's cluster detection may wait up to --init_timeout for the coordinator's host (a pod
+  host that boots late) before the join's own --init_timeout starts: a join that takes longer
+  than --init_timeout in all, but less than twice, is not ended; one that takes longer than
+  that ends with the line naming the option (exit 1)."""
+  script = tmp_path / "join.py"
+  script.write_text(_DETECTED_JOIN)
+  run = lambda seconds, timeout: subprocess.run(
+      [sys.executable, str(script), str(seconds), str(timeout)], cwd=helpers.REPO,
+      capture_output=True, text=True, timeout=120)
+  slow = run(7, 4)   # e.g. 3.5 s for the coordinator's host, then 3.5 s to join
+  assert slow.returncode == 0 and "joined" in slow.stdout, slow.stderr[-2000:]
+  never = run(60, 1)
+  assert never.returncode == 1, never.stderr[-2000:]
+  assert "[multihost] error: the GkeTpuCluster job did not form within 2s (--init_timeout=1 " \
+      "for JAX's cluster detection, then as long for every process to connect)" in never.stderr
+
+
 def test_process_id_out_of_range_fails_before_any_work(world_dir, tmp_path):
   config = helpers.tiny_config("ict", data_dir=world_dir)
   proc = subprocess.run(

@@ -11,7 +11,9 @@ before touching a device. One switch, `--multihost`:
 
 Failures are never swallowed. A coordinator that does not accept connections within
 --init_timeout is an error naming its address; a job that does not form within it (a process
-never connected) is a one-line error naming the processes it lacks, before JAX's abort. Once
+never connected) is a one-line error naming the processes it lacks, before JAX's abort (under
+JAX's cluster detection, which may wait as long again for the coordinator's host first, only
+once twice --init_timeout has passed: `join_seconds`). Once
 connected, a process that stops sending
 heartbeats for --heartbeat_timeout seconds makes JAX abort every other process with "The
 following tasks are unhealthy (stopped sending heartbeats): N" (N = the lost process id), or,
@@ -172,8 +174,9 @@ def initialize(topology: Topology | None) -> None:
   waits = (f"waiting up to {topology.init_timeout}s (--init_timeout) for every process to "
            f"connect; heartbeat timeout {topology.heartbeat_timeout}s (--heartbeat_timeout)")
   if topology.coordinator_address is None:
-    logger.info(f"[multihost] joining the {topology.cluster} job (JAX's cluster detection): "
-                f"{waits}")
+    logger.info(f"[multihost] joining the {topology.cluster} job (JAX's cluster detection, "
+                f"which first waits up to {topology.init_timeout}s for the coordinator's host "
+                f"to be known): {waits}")
     with _join_deadline(topology):
       jax.distributed.initialize(initialization_timeout=topology.init_timeout,
                                  heartbeat_timeout_seconds=topology.heartbeat_timeout)
@@ -197,19 +200,28 @@ def initialize(topology: Topology | None) -> None:
   check_device_counts([d.process_index for d in jax.devices()])
 
 
-JOIN_GRACE_SECONDS = 2.0   # past --init_timeout: JAX has given the join up, and aborts 5 s later
+JOIN_GRACE_SECONDS = 2.0   # past the join's time: JAX has given the join up, and aborts 5 s later
+
+
+def join_seconds(topology: Topology) -> int:
+  """The most `jax.distributed.initialize` takes on a healthy start: --init_timeout for every
+  process to connect, and under JAX's cluster detection as long again before that (a pod host
+  waits up to --init_timeout for the coordinator's host name to resolve: hosts boot at their
+  own pace, and the join's own --init_timeout starts only after)."""
+  detection = topology.init_timeout if topology.coordinator_address is None else 0
+  return detection + topology.init_timeout
 
 
 @contextlib.contextmanager
 def _join_deadline(topology: Topology):
   """Around `jax.distributed.initialize`: if it has not returned JOIN_GRACE_SECONDS after
-  --init_timeout, a process of the job never connected, and JAX is about to abort this one
+  `join_seconds`, a process of the job never connected, and JAX is about to abort this one
   with a C++ check failure that names neither it nor the option: the process ends first,
   with one line that does (exit 1)."""
   joined = threading.Event()
 
   def expire() -> None:
-    if not joined.wait(topology.init_timeout + JOIN_GRACE_SECONDS):
+    if not joined.wait(join_seconds(topology) + JOIN_GRACE_SECONDS):
       print(f"[multihost] error: {_not_joined(topology)}", file=sys.stderr, flush=True)
       os._exit(1)
   threading.Thread(target=expire, name="multihost-join-deadline", daemon=True).start()
@@ -222,8 +234,9 @@ def _join_deadline(topology: Topology):
 def _not_joined(topology: Topology) -> str:
   """What a join that ran out of --init_timeout says: the processes that may be missing."""
   if topology.coordinator_address is None:
-    return (f"the {topology.cluster} job did not form within {topology.init_timeout}s "
-            "(--init_timeout): not every process of it connected")
+    return (f"the {topology.cluster} job did not form within {join_seconds(topology)}s "
+            f"(--init_timeout={topology.init_timeout} for JAX's cluster detection, then as long "
+            "for every process to connect): not every process of it connected")
   me, count = topology.process_id, topology.num_processes
   others = [p for p in range(1, count) if p != me]
   missing = (f"process {others[0]} never connected" if len(others) == 1 else
