@@ -103,6 +103,8 @@ def test_stage_outputs(stages, name, steps, checkpoints, eval_keys, train_keys):
   assert summary["task"] == configs[name].task and summary["steps"] == steps
   assert {f"eval_{k}" for k in eval_keys} <= set(summary), set(summary)
   assert summary["eval_num_examples"] == configs[name].eval.num_examples
+  assert isinstance(evals[0]["num_examples"], int), evals[0]   # a count, as documented
+  assert isinstance(summary["eval_num_examples"], int), summary
   for key in eval_keys:
     value = summary[f"eval_{key}"]
     assert value == evals[0][key]

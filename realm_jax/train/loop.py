@@ -118,7 +118,7 @@ class Trainer(Run):
     metrics, details = self.evaluator.run(self.state.params, index,
                                           self.keep_examples if final else 0)
     if index is not None:
-      metrics["index_step"] = float(index.step)
+      metrics["index_step"] = int(index.step)
     writer.write(step, metrics)
     why = (f"eval.split {self.config.eval.split!r} holds no examples"
            if not len(self.evaluator.rows) else

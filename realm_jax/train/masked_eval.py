@@ -113,7 +113,7 @@ class Evaluator:
       metrics["retrieval_utility"] = float(np.mean(utility))
     if distracted:
       metrics["span_accuracy_distractor"] = float(np.mean(distracted))
-    metrics["num_examples"] = float(n)
+    metrics["num_examples"] = int(n)
     return metrics, details
 
   def _read(self, params, q, cand) -> dict[str, np.ndarray]:
