@@ -308,9 +308,10 @@ def test_the_first_async_version_is_what_every_host_exchanged(monkeypatch):
 
   class Subscriber:
     def __init__(self):
-      self.have = {1: version(1)}
+      self.have, self.waits = {1: version(1)}, []
 
     def wait(self, pick, timeout, what, should_stop=None):   # None: should_stop() said so
+      self.waits.append((round(timeout), what))
       return pick(self.have)
   config = types.SimpleNamespace(retrieval=types.SimpleNamespace(refresh="async",
                                                                  index_timeout=5))
@@ -328,6 +329,9 @@ def test_the_first_async_version_is_what_every_host_exchanged(monkeypatch):
   sent = host_1_says("2", "2")
   assert VersionSchedule(config, subscriber).start_async(0, 2, lambda: False).version == 2
   assert sent == ["1", "2"]
+  # the second round waits for v2 within the rest of index_timeout, and says so
+  assert subscriber.waits == [(5, "at all"), (5, "v2 or newer (another process has it; the "
+                                                 "rest of the first wait's 5s)")]
   for says, raised, words in (
       ("stopped", FeedStopped, "not ready after .*s \\(the first index every process has\\)"),
       ("timed out: no index after 5s: v1 rejected", IndexWaitTimeout,

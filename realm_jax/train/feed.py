@@ -102,7 +102,9 @@ class VersionSchedule:
     try:
       loaded = self.subscriber.wait(
           lambda have: have[max(have)] if have and max(have) >= least else None,
-          self.timeout if least == 0 else deadline - time.time(), "at all", should_stop)
+          self.timeout if least == 0 else max(0.0, deadline - time.time()),
+          "at all" if least == 0 else f"v{least} or newer (another process has it; the rest "
+          f"of the first wait's {self.timeout:g}s)", should_stop)
     except IndexWaitTimeout as e:
       return _TIMED_OUT + str(e), None
     return (_STOPPED, None) if loaded is None else (str(loaded.version), loaded)
