@@ -2,8 +2,10 @@
 #
 #   make install              .venv with the package (editable) and the test extras
 #   make demo [WORKDIR=...] [SEED=...]   the REALM-in-miniature demo, end to end
-#   make demo-squad [SQUAD_WORKDIR=...]   prepare -> ICT -> REALM on SQuADShifts + retrieval recall
-#   make demo-openqa [SQUAD_WORKDIR=...]  then Open-QA fine-tuning from REALM vs ICT: EM, F1, R@k
+#   make demo-squad [SQUAD=PATH] [SQUAD_WORKDIR=...]   prepare -> ICT -> REALM on SQuADShifts
+#                             (or PATH, any SQuAD-format file) + retrieval recall
+#   make demo-openqa [SQUAD=PATH] [SQUAD_WORKDIR=...]  then Open-QA fine-tuning from REALM vs
+#                             ICT: EM, F1, R@k
 #   make demo-real [SQUAD=PATH] [REAL_WORKDIR=...] [SEED=...] [SCALE=gpu]   REALM's recipe on
 #                             real prose: MiniLM reader, ICT retriever, REALM + builder, retrieval
 #                             and Open-QA (SCALE=gpu: the recipe sized for one accelerator, in
@@ -90,10 +92,12 @@ demo: $(VENV)/.installed-core
 	$(VENV_PYTHON) -m realm_jax.demo --workdir $(WORKDIR) --seed $(SEED)
 
 demo-squad: install
-	$(VENV_PYTHON) -m realm_jax.demo_squad --workdir $(SQUAD_WORKDIR) --seed $(SEED)
+	$(VENV_PYTHON) -m realm_jax.demo_squad --workdir $(SQUAD_WORKDIR) --seed $(SEED) \
+	    $(if $(SQUAD),--squad $(SQUAD))
 
 demo-openqa: install
-	$(VENV_PYTHON) -m realm_jax.demo_squad --workdir $(SQUAD_WORKDIR) --seed $(SEED) --openqa
+	$(VENV_PYTHON) -m realm_jax.demo_squad --workdir $(SQUAD_WORKDIR) --seed $(SEED) --openqa \
+	    $(if $(SQUAD),--squad $(SQUAD))
 
 minilm: $(VENV)/.minilm
 

@@ -597,3 +597,15 @@ def test_a_world_smaller_than_a_batch_is_refused_and_leaves_the_workdir_free(tmp
   with pytest.raises(ConfigError, match="--entities 4: the world holds"):   # not: "W holds a
     demo.run_demo(str(workdir), seed=0, entities=4)                        # demo begun with 3"
   assert not (workdir / "wall.json").exists()   # a refused run adds no run
+
+
+@pytest.mark.parametrize("target", ["demo-squad", "demo-openqa", "demo-real"])
+def test_make_hands_squad_to_each_demo_that_reads_a_squad_file(target):
+  """`make demo-squad SQUAD=PATH` (and demo-openqa, demo-real) runs its demo on PATH, as the
+  README says, rather than on the default SQuADShifts file."""
+  result = subprocess.run(["make", "-n", target, "SQUAD=/elsewhere/other.json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+  assert result.returncode == 0, result.stderr
+  commands = result.stdout.replace("\\\n", " ").splitlines()   # (a recipe's continued lines)
+  demo_line = [line for line in commands if "-m realm_jax.demo_" in line]
+  assert demo_line and "--squad /elsewhere/other.json" in demo_line[-1], result.stdout
