@@ -2,6 +2,7 @@
 `python -m realm_jax.train.main`, prints it as one clear line, exit code 2, no traceback."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -408,9 +409,15 @@ def test_options_of_a_runs_own_config_are_set_from_the_command_line(tmp_path):
       ("--noconfig.model.share_towers", "model.share_towers", None, True)])
   assert (config.data.dir, config.qa.reader_beam, config.model.share_towers) == (
       "/moved", 2, False)
-  for negated in ([("--noconfig.data.dir", "data.dir", None, True)],
-                  [("--noconfig.model.share_towers", "model.share_towers", "true", True)]):
-    with pytest.raises(ConfigError):   # --no of a string; --no with a value
+  for negated, message in (   # --no of a string (with a value too); --no with a value
+      ([("--noconfig.data.dir", "data.dir", None, True)],
+       "--noconfig.data.dir: config.data.dir is not a boolean; set it with "
+       "--config.data.dir=VALUE"),
+      ([("--noconfig.data.dir", "data.dir", "/moved", True)],
+       "--noconfig.data.dir: config.data.dir is not a boolean"),
+      ([("--noconfig.model.share_towers", "model.share_towers", "true", True)],
+       "--noconfig.model.share_towers=true: --no takes no value")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
       apply_run_overrides(tiny_config("openqa"), negated)
   workdir_lib.write_config(str(tmp_path / "w"), tiny_config("openqa"))
   cases = [(["--config.qa.tst=x"], "--config.qa.tst: 'qa.tst' is not a field of the config; "

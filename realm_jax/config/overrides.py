@@ -102,9 +102,11 @@ def apply_run_overrides(config, overrides: list[tuple[str, str, str | None, bool
     check_key(key, fields, flag)
     if value is None or negated:
       current = fields[key] if fields[key] is not None else _unset_example(config, key)
+      if negated and not isinstance(current, bool):   # (--noconfig.K=V would fail again)
+        raise ConfigError("", f"{flag}: config.{key} is not a boolean; set it with "
+                          f"--config.{key}=VALUE")
       if not isinstance(current, bool) or value is not None:
-        raise ConfigError("", f"{flag}" + (f"={value}: --no takes no value" if negated and
-                                            value is not None else
+        raise ConfigError("", f"{flag}" + (f"={value}: --no takes no value" if negated else
                                             f" takes a value: {flag}=VALUE"))
       value = "false" if negated else "true"
     config.update_from_flattened_dict({key: field_value(config, fields, key, value)})
