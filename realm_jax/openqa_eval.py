@@ -100,8 +100,8 @@ def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool
   if differs:
     raise ConfigError("model", f"{workdir} was trained under other model options than this "
                       f"config's: {'; '.join(differs)}: its parameters would compute another "
-                      "model; set them as the run had them (its W/config.json), or leave out "
-                      "--config")
+                      "model; give them the run's values (its W/config.json, which realm-eval "
+                      "without --config and realm-predict read)")
   if config.task == "openqa" and not has_reader and not retrieval_only:
     raise ConfigError("task", f"'openqa', but {workdir}/checkpoints/{step} has no span reader "
                       "(reader/qa_outputs): it is a pre-training checkpoint. Fine-tune it with "

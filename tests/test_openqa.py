@@ -432,6 +432,16 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path,
                      r"\(this config\); model\.retriever\.hidden_act: .*model\.retriever\."
                      r"pooling: 'cls' \(the run\) != 'mean'"):
     evaluate_run(other, workdir, split="test", retrieval_only=True)
+  # the same set on the run's own config (realm-eval without --config, realm-predict): the
+  # remedy is the run's values, not leaving out a --config that was never given
+  from realm_jax.runtime.checkpoints import evaluation_config
+  own = evaluation_config(workdir, [
+      ("--config.qa.test", "qa.test", "prepared:eval", False),
+      ("--config.model.hidden_act", "model.hidden_act", other_act, False)])
+  with pytest.raises(ConfigError, match=rf"model\.hidden_act: '{act}' \(the run\) != "
+                     rf"'{other_act}' .*give them the run's values \(its W/config\.json, "
+                     r"which realm-eval without --config and realm-predict read\)$"):
+    evaluate_run(own, workdir, split="test", retrieval_only=True)
   # recorded relative (to where the run ran, unknown here): not read against this cwd's
   relative = json.loads(pretraining.to_json_best_effort())
   relative["data"]["dir"] = "data"
