@@ -219,6 +219,34 @@ def test_no_space_for_the_metrics_line_leaves_the_version_published_once(
   assert "committed; finishing it" not in out and ".tmp-" not in out, out
 
 
+def test_an_unanswered_bucket_for_the_metrics_line_leaves_the_version_published_once(
+    world_dir, tmp_path, capsys, monkeypatch):
+  """The bucket gives up answering (past its patience) on the metrics line once the version
+  is out: a warning, not the committed version finished again (its line repeated; with its
+  manifest out of reach, the step published again under another number)."""
+  from realm_jax.errors import StorageUnreachable
+  from realm_jax.runtime.metrics import MetricWriter
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (10,))
+  write, failures = MetricWriter.write, []
+
+  def unanswered_once(self, step, scalars):
+    if self.name == "index" and not failures:
+      failures.append(step)
+      raise StorageUnreachable("gs://b/run/metrics/index.jsonl: appending to failed, the "
+                               "storage server did not answer") from ConnectionError("reset")
+    return write(self, step, scalars)
+
+  monkeypatch.setattr(MetricWriter, "write", unanswered_once)
+  assert build_once(config, workdir) == 1
+  out = capsys.readouterr().out
+  assert failures == [10] and out.count("): published ") == 1, out
+  assert "v1 (step 10): the bucket did not answer writing its line in W/metrics" in out, out
+  assert "committed; finishing it" not in out and ".tmp-" not in out, out
+  assert published.complete_versions(published.index_root(workdir)) == [1]
+
+
 def test_no_space_for_a_new_version_dir_is_waited_out(world_dir, tmp_path, capsys,
                                                       monkeypatch):
   """A disk already full when a build starts (its staging dir cannot be made): the builder

@@ -297,16 +297,21 @@ class IndexBuilder:
     return manifest
 
   def _record(self, step: int, prefix: str, scalars: dict) -> None:
-    """The published version's line in W/metrics/index.jsonl. A full disk there skips it with
-    a warning: the version is out, and finishing its publishing again would only repeat the
-    line (the file keeps what it could not write for its next write)."""
+    """The published version's line in W/metrics/index.jsonl. A full disk or a bucket that
+    does not answer there skips it with a warning: the version is out, and finishing its
+    publishing again would only repeat the line (the file keeps what it could not write for
+    its next write), or, with its manifest out of reach, publish the step again under
+    another number."""
     try:
       self.metrics.write(step, scalars)
-    except OSError as e:
-      if e.errno not in NO_SPACE:
+    except Exception as e:  # noqa: BLE001  (anything but those two is raised again)
+      if getattr(e, "errno", None) in NO_SPACE:
+        why = f"no space left for its line in W/metrics/index.jsonl ({e.strerror})"
+      elif paths.unreachable(e):
+        why = f"the bucket did not answer writing its line in W/metrics/index.jsonl ({e})"
+      else:
         raise
-      logger.warning(f"{prefix}no space left for its line in W/metrics/index.jsonl "
-                     f"({e.strerror}); the version is published without it")
+      logger.warning(f"{prefix}{why}; the version is published without it")
 
   def _write_index(self, staging, embeddings: np.ndarray, query_params: dict,
                    timings: dict, prefix: str) -> dict:
