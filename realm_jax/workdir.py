@@ -411,8 +411,9 @@ class JobLock:
     except OSError:   # a file system without flock (a FUSE mount may refuse it): as a bucket
       lock.close()
       return
-    lock.truncate(0)
-    lock.write(f"{os.getpid()} {socket.gethostname()}\n")   # (W may be shared by hosts)
+    lock.truncate(0)   # (W may be shared by hosts; the start tells a reused pid apart)
+    start = _start_ticks(os.getpid())
+    lock.write(f"{os.getpid()} {socket.gethostname()}{f' {start}' if start else ''}\n")
     lock.flush()
     self._file = lock
 
@@ -429,10 +430,22 @@ class JobLock:
 
 
 def _pid_and_host(text: str) -> tuple[str, str | None]:
-  """A lock file's `pid host`: the pid as written, and its host where that is not this one
-  (None: this host, or a file from before the host was written)."""
-  pid, _, host = text.strip().partition(" ")
+  """A lock file's `pid host [start]`: the pid as written, and its host where that is not
+  this one (None: this host, or a file from before the host was written)."""
+  pid, host = (text.split() + ["", ""])[:2]
   return pid, (host if host and host != socket.gethostname() else None)
+
+
+def _start_ticks(pid) -> str | None:
+  """When process `pid` started, as Linux's /proc/<pid>/stat gives it (clock ticks since
+  boot, never changed by a clock set later); None where that is not known (no /proc, no
+  such process). A lock file keeps its holder's: a process of the same pid that started at
+  another time is not the holder (the pid reused after the holder ended)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rpartition(")")[2].split()[19]   # field 22; the name may hold spaces
+  except (OSError, IndexError):
+    return None
 
 
 def _holder(text: str) -> str:
@@ -445,8 +458,9 @@ def _holder(text: str) -> str:
 def job_gone(workdir: str, job: str) -> str | None:
   """The pid in W's `job` lock file when no process of that pid runs any more on this host
   (the job died or was stopped without finishing), else None; None for a bucket, and for a
-  job of another host (a shared file system). A look at the file and the pid alone, never at
-  the lock: a job starting now is not refused for it."""
+  job of another host (a shared file system). A look at the file and the pid (with the start
+  the file records: a pid reused by another process is not the job) alone, never at the lock:
+  a job starting now is not refused for it."""
   found = _job_pid(workdir, job)
   return found[0] if found is not None and not found[1] else None
 
@@ -465,7 +479,8 @@ def _job_pid(workdir: str, job: str) -> tuple[str, bool] | None:
     return None
   try:
     with open(JobLock(workdir, job).path) as f:
-      pid_text, host = _pid_and_host(f.read())
+      text = f.read()
+    pid_text, host = _pid_and_host(text)
     if host is not None:
       return None
     os.kill(int(pid_text), 0)
@@ -473,7 +488,8 @@ def _job_pid(workdir: str, job: str) -> tuple[str, bool] | None:
     return pid_text, False
   except (OSError, ValueError):
     return None
-  return pid_text, True
+  written = text.split()[2:3]   # the holder's start (a file of an older version has none)
+  return pid_text, not written or _start_ticks(pid_text) in (None, written[0])
 
 
 def job_holding(workdir: str, job: str) -> str | None:

@@ -380,6 +380,34 @@ def test_a_builder_whose_trainer_died_says_so_and_ends_at_done(world_dir, tmp_pa
   assert workdir_lib.job_gone(workdir, "trainer") is None
 
 
+def test_a_lock_whose_pid_another_process_took_names_a_job_gone(tmp_path):
+  """W/trainer.lock of a trainer that ended, its pid since taken by another process (a pid
+  reused, or a container restarted with the same host name): the job is gone, not running
+  (the builder waited for it for ever, past builder.wait_timeout); the job holding the lock
+  runs, and a file without the start (an older version's) is judged by its pid alone."""
+  from realm_jax import workdir as workdir_lib
+  workdir = str(tmp_path / "run")
+  lock = os.path.join(workdir, "trainer.lock")
+  ended = subprocess.run(
+      [sys.executable, "-c", "import sys; from realm_jax.workdir import JobLock; "
+       "JobLock(sys.argv[1], 'trainer').acquire()", workdir],
+      cwd=helpers.REPO, check=True)
+  assert ended.returncode == 0
+  pid, host, start = open(lock).read().split()   # the trainer's pid, host and start
+  with open(lock, "w") as f:                     # its pid now this (live) process's
+    f.write(f"{os.getpid()} {host} {start}\n")
+  assert workdir_lib.job_running(workdir, "trainer") is None
+  assert workdir_lib.job_gone(workdir, "trainer") == str(os.getpid())
+  with open(lock, "w") as f:
+    f.write(f"{os.getpid()} {host}\n")
+  assert workdir_lib.job_running(workdir, "trainer") == str(os.getpid())
+  with workdir_lib.JobLock(workdir, "trainer") as held:   # the live holder
+    held.acquire()
+    assert len(open(lock).read().split()) == 3
+    assert workdir_lib.job_running(workdir, "trainer") == str(os.getpid())
+    assert workdir_lib.job_gone(workdir, "trainer") is None
+
+
 def test_builder_refuses_a_config_that_takes_no_versions_from_it(world_dir, tmp_path):
   """A REALM run rebuilding in process, ICT or Open-QA never reads realm-index's versions (and
   an Open-QA run's W/index is its frozen index, which they would replace and prune): refused
