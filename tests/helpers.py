@@ -6,6 +6,8 @@ import os
 import pathlib
 import re
 import shutil
+import socket
+import subprocess
 
 from realm_jax.config.reading import flat_options
 
@@ -169,3 +171,13 @@ def swapped_vocab_copy(data_dir, out) -> pathlib.Path:
   tokens = (copy / "vocab.txt").read_text().splitlines()
   (copy / "vocab.txt").write_text("\n".join(tokens[:-2] + tokens[:-3:-1]) + "\n")
   return copy
+
+
+def dead_job_lock(workdir: str, job: str) -> int:
+  """`W/<job>.lock` naming a process of this host that has ended (a job killed -9); its pid."""
+  gone = subprocess.Popen(["true"])
+  gone.wait()
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, f"{job}.lock"), "w") as f:
+    f.write(f"{gone.pid} {socket.gethostname()}\n")
+  return gone.pid

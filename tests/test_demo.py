@@ -131,24 +131,22 @@ def test_a_stage_that_fails_stops_its_round_at_once(monkeypatch, error, sig):
 
 
 def test_stages_that_fail_in_the_same_poll_are_named_together(monkeypatch):
-  calls = _runners(monkeypatch, _Calls(fail={"c", "d"}, error=stages.StageFailed,
-                                       polls={"b": 100}))
+  _runners(monkeypatch, _Calls(fail={"c", "d"}, error=stages.StageFailed, polls={"b": 100}))
   with pytest.raises(stages.StageFailed, match=r"^c failed; d failed$"):
     stages.run_stages(STAGES, "D", "W", 0)
-  calls = _runners(monkeypatch, _Calls(fail={"c", "d"}, error=stages.Preempted,
-                                       polls={"b": 100}))
+  _runners(monkeypatch, _Calls(fail={"c", "d"}, error=stages.Preempted, polls={"b": 100}))
   with pytest.raises(stages.Preempted) as stopped:   # each saved its step: still a preemption
     stages.run_stages(STAGES, "D", "W", 0)
   assert stopped.value.why == "c failed; d failed"
 
 
 def test_a_preemption_names_the_stages_that_did_not_save_their_step(monkeypatch):
-  calls = _runners(monkeypatch, _Calls(fail={"c"}, error=stages.Preempted, polls={"b": 100},
-                                       forced={"b"}))
+  _runners(monkeypatch, _Calls(fail={"c"}, error=stages.Preempted, polls={"b": 100},
+                               forced={"b"}))
   with pytest.raises(stages.Preempted) as stopped:
     stages.run_stages(STAGES, "D", "W", 0)
   assert not stopped.value.saved and "stage b did not end as asked" in stopped.value.why
-  calls = _runners(monkeypatch, _Calls(fail={"c"}, error=stages.Preempted, polls={"b": 100}))
+  _runners(monkeypatch, _Calls(fail={"c"}, error=stages.Preempted, polls={"b": 100}))
   with pytest.raises(stages.Preempted) as stopped:
     stages.run_stages(STAGES, "D", "W", 0)
   assert stopped.value.saved

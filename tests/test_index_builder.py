@@ -333,10 +333,7 @@ def test_a_builder_waits_past_its_timeout_for_a_trainer_that_runs(world_dir, tmp
     thread.start()
     thread.join(timeout=1.5)
     assert thread.is_alive() and not failed    # 5x its wait_timeout, still waiting
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    with open(lock, "w") as f:
-      f.write(f"{gone.pid} {socket.gethostname()}\n")
+    helpers.dead_job_lock(workdir, "trainer")   # that trainer ended
     thread.join(timeout=30)
     assert failed and "builder.wait_timeout" in str(failed[0].value)
   finally:
@@ -684,12 +681,8 @@ def test_a_trainer_waiting_for_an_index_names_a_builder_that_died(tmp_path, caps
   """W/builder.lock names a realm-index that no longer runs (killed -9 mid-run): the waiting
   lines and the timeout say so, instead of only asking whether one runs."""
   workdir = str(tmp_path / "run")
-  os.makedirs(workdir)
-  gone = subprocess.Popen(["true"])
-  gone.wait()
-  with open(os.path.join(workdir, "builder.lock"), "w") as f:
-    f.write(f"{gone.pid} {socket.gethostname()}\n")
-  said = f"realm-index (pid {gone.pid}, {workdir}/builder.lock) is not running"
+  gone = helpers.dead_job_lock(workdir, "builder")
+  said = f"realm-index (pid {gone}, {workdir}/builder.lock) is not running"
   sub = IndexSubscriber(workdir, loader=None, poll_seconds=3600)
   try:
     with pytest.raises(TimeoutError) as e:

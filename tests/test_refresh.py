@@ -281,16 +281,11 @@ def test_the_staleness_warning_names_a_builder_that_died(tmp_path, caplog):
   """Async, the builder killed: W/builder.lock names a pid that no longer runs, and the
   staleness warning says so rather than 'behind or not running'."""
   import logging
-  import socket
   import types
   from realm_jax.retrieval.subscriber import IndexSubscriber
   from realm_jax.train.candidates import STALE_REFRESHES, PublishedIndex
   workdir = str(tmp_path / "run")
-  os.makedirs(workdir)
-  gone = subprocess.Popen(["true"])
-  gone.wait()
-  with open(os.path.join(workdir, "builder.lock"), "w") as f:
-    f.write(f"{gone.pid} {socket.gethostname()}\n")
+  gone = helpers.dead_job_lock(workdir, "builder")
   config = helpers.tiny_config("realm", retrieval__refresh="async", retrieval__refresh_every=2)
   subscriber = IndexSubscriber(workdir, loader=None, poll_seconds=3600)
   source = types.SimpleNamespace(config=config, workdir=workdir, _stale_said=0,
@@ -302,5 +297,5 @@ def test_the_staleness_warning_names_a_builder_that_died(tmp_path, caplog):
   finally:
     subscriber.close()
   [said] = [r.getMessage() for r in caplog.records]
-  assert f"steps; realm-index (pid {gone.pid}, {workdir}/builder.lock) is not running: it " \
+  assert f"steps; realm-index (pid {gone}, {workdir}/builder.lock) is not running: it " \
       "died or was stopped" in said and "behind or not running" not in said, said
