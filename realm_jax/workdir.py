@@ -412,8 +412,7 @@ class JobLock:
       lock.close()
       return
     lock.truncate(0)   # (W may be shared by hosts; the start tells a reused pid apart)
-    start = _start_ticks(os.getpid())
-    lock.write(f"{os.getpid()} {socket.gethostname()}{f' {start}' if start else ''}\n")
+    lock.write(f"{os.getpid()} {socket.gethostname()}{_start_and_namespace()}\n")
     lock.flush()
     self._file = lock
 
@@ -448,6 +447,25 @@ def _start_ticks(pid) -> str | None:
     return None
 
 
+def _pid_namespace() -> str | None:
+  """This process's pid namespace (Linux: `pid:[N]`, as /proc/self/ns/pid names it); None
+  where that is not known. Two processes of one host name (containers sharing the host's name
+  and W) whose namespaces differ do not see each other's pids."""
+  try:
+    return os.readlink("/proc/self/ns/pid")
+  except OSError:
+    return None
+
+
+def _start_and_namespace() -> str:
+  """What a lock file keeps after `pid host`: ` START NAMESPACE`, ` START` or ''."""
+  start = _start_ticks(os.getpid())
+  if start is None:
+    return ""
+  namespace = _pid_namespace()
+  return f" {start}" + (f" {namespace}" if namespace else "")
+
+
 def _holder(text: str) -> str:
   """A lock file's holder as a message names it: the pid, with its host where that is not
   this one."""
@@ -458,7 +476,7 @@ def _holder(text: str) -> str:
 def job_gone(workdir: str, job: str) -> str | None:
   """The pid in W's `job` lock file when no process of that pid runs any more on this host
   (the job died or was stopped without finishing), else None; None for a bucket, and for a
-  job of another host (a shared file system). A look at the file and the pid (with the start
+  job of another host (a shared file system) or of another pid namespace. A look at the file and the pid (with the start
   the file records: a pid reused by another process is not the job) alone, never at the lock:
   a job starting now is not refused for it."""
   found = _job_pid(workdir, job)
@@ -474,15 +492,17 @@ def job_running(workdir: str, job: str) -> str | None:
 
 def _job_pid(workdir: str, job: str) -> tuple[str, bool] | None:
   """(the pid in W's `job` lock file, whether it runs on this host); None for a bucket, a job
-  of another host, or no readable lock file."""
+  of another host or of another pid namespace (a container of the same host name), or no
+  readable lock file."""
   if paths.is_remote(workdir):
     return None
   try:
     with open(JobLock(workdir, job).path) as f:
       text = f.read()
     pid_text, host = _pid_and_host(text)
-    if host is not None:
-      return None
+    namespace = text.split()[3:4]   # the holder's pid namespace (a file without it: as this)
+    if host is not None or (namespace and namespace[0] != _pid_namespace()):
+      return None   # its pid names another host's or another namespace's process
     os.kill(int(pid_text), 0)
   except ProcessLookupError:
     return pid_text, False

@@ -390,7 +390,7 @@ def test_a_lock_whose_pid_another_process_took_names_a_job_gone(tmp_path):
        "JobLock(sys.argv[1], 'trainer').acquire()", workdir],
       cwd=helpers.REPO, check=True)
   assert ended.returncode == 0
-  pid, host, start = open(lock).read().split()   # the trainer's pid, host and start
+  pid, host, start, _ = open(lock).read().split()   # the trainer's pid, host, start, namespace
   with open(lock, "w") as f:                     # its pid now this (live) process's
     f.write(f"{os.getpid()} {host} {start}\n")
   assert workdir_lib.job_running(workdir, "trainer") is None
@@ -400,9 +400,29 @@ def test_a_lock_whose_pid_another_process_took_names_a_job_gone(tmp_path):
   assert workdir_lib.job_running(workdir, "trainer") == str(os.getpid())
   with workdir_lib.JobLock(workdir, "trainer") as held:   # the live holder
     held.acquire()
-    assert len(open(lock).read().split()) == 3
+    assert len(open(lock).read().split()) == 4   # pid, host, start, pid namespace
     assert workdir_lib.job_running(workdir, "trainer") == str(os.getpid())
     assert workdir_lib.job_gone(workdir, "trainer") is None
+
+
+def test_a_lock_of_another_pid_namespace_is_not_judged(tmp_path):
+  """W/trainer.lock written in another pid namespace of the same host name (a container
+  sharing the host's name and W): its pid names some other process here (pid 1 is every
+  namespace's first), so the job is neither running nor gone, as a lock of another host."""
+  from realm_jax import workdir as workdir_lib
+  workdir = str(tmp_path / "run")
+  with workdir_lib.JobLock(workdir, "trainer") as held:
+    held.acquire()
+    pid, host, start, namespace = open(held.path).read().split()
+  assert namespace == os.readlink("/proc/self/ns/pid")
+  for other_start in (start, "1"):   # this process, or one that started at another time
+    with open(held.path, "w") as f:
+      f.write(f"{pid} {host} {other_start} pid:[1]\n")
+    assert workdir_lib.job_running(workdir, "trainer") is None
+    assert workdir_lib.job_gone(workdir, "trainer") is None
+  with open(held.path, "w") as f:
+    f.write(f"{pid} {host} {start} {namespace}\n")
+  assert workdir_lib.job_running(workdir, "trainer") == pid
 
 
 def test_builder_refuses_a_config_that_takes_no_versions_from_it(world_dir, tmp_path):
