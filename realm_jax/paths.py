@@ -348,6 +348,7 @@ class AppendLog:
       if kept != before:
         write_text_atomic(self.path, kept)
       before = kept
+    self._unwritten = False   # a bucket's: the lines of a rewrite that failed are not there
     if self.remote:
       self._lines = before or ""
       self._file = None
@@ -357,14 +358,28 @@ class AppendLog:
   def write(self, line: str) -> None:
     if self.remote:
       self._lines += line
-      retried("appending to", self.path, lambda: epath.Path(self.path).write_text(self._lines))
+      self._unwritten = True
+      self._rewrite()
     else:
       self._file.write(line)
       self._file.flush()
 
+  def _rewrite(self) -> None:
+    retried("appending to", self.path, lambda: epath.Path(self.path).write_text(self._lines))
+    self._unwritten = False
+
   def close(self) -> None:
+    """A bucket's lines that a failed rewrite left out (its next write would have carried
+    them) are written once more: the last ones would be lost for good otherwise; where the
+    bucket still does not answer, a warning says so."""
     if self._file is not None:
       self._file.close()
+    elif self._unwritten:
+      try:
+        self._rewrite()
+      except OSError as e:   # StorageUnreachable among them: the job's work is done
+        logger.warning(f"{self.path}: its last lines are not written ({type(e).__name__}: "
+                       f"{e})")
 
 
 # -- a prepared data dir in a bucket -----------------------------------------------------------

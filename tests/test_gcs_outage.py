@@ -74,3 +74,43 @@ def test_only_a_server_that_did_not_answer_is_worth_retrying():
   with pytest.raises(IndexWaitTimeout):
     paths.retried("waiting", "gs://bucket/run/index", wait)
   assert len(calls) == 1
+
+
+def test_a_line_a_bucket_did_not_take_is_written_when_the_log_closes(monkeypatch, caplog):
+  """An AppendLog in a bucket whose rewrite gave up (the bucket did not answer, as the
+  builder's index.jsonl line after the version is out) keeps the line for its next write: on
+  close it is written then (the last version's line was lost for good); a bucket still down
+  then is a warning, not an error at the job's end."""
+  objects, down = {}, [False]
+
+  class _Object:
+    def __init__(self, path):
+      self.path = str(path)
+
+    def write_text(self, text):
+      if down[0]:
+        raise StorageUnreachable(f"{self.path}: appending to failed, the storage server did "
+                                 "not answer")
+      objects[self.path] = text
+
+  monkeypatch.setattr(paths, "read_text", lambda path: objects.get(str(path)))
+  monkeypatch.setattr(paths.epath, "Path", _Object)
+  path = "gs://bucket/run/metrics/index.jsonl"
+  log = paths.AppendLog(path)
+  log.write("1\n")
+  down[0] = True
+  with pytest.raises(StorageUnreachable):
+    log.write("2\n")
+  assert objects[path] == "1\n"
+  down[0] = False
+  log.close()
+  assert objects[path] == "1\n2\n"
+
+  log = paths.AppendLog(path)
+  down[0] = True
+  with pytest.raises(StorageUnreachable):
+    log.write("3\n")
+  with caplog.at_level(logging.WARNING, logger="realm_jax.paths"):
+    log.close()   # still down: said, not raised
+  assert objects[path] == "1\n2\n"
+  assert f"{path}: its last lines are not written (StorageUnreachable" in caplog.text
