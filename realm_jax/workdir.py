@@ -476,9 +476,9 @@ def _holder(text: str) -> str:
 def job_gone(workdir: str, job: str) -> str | None:
   """The pid in W's `job` lock file when no process of that pid runs any more on this host
   (the job died or was stopped without finishing), else None; None for a bucket, and for a
-  job of another host (a shared file system) or of another pid namespace. A look at the file and the pid (with the start
-  the file records: a pid reused by another process is not the job) alone, never at the lock:
-  a job starting now is not refused for it."""
+  job of another host (a shared file system) or of another pid namespace. A look at the file
+  and the pid (with the start the file records: a pid reused by another process is not the
+  job) alone, never at the lock: a job starting now is not refused for it."""
   found = _job_pid(workdir, job)
   return found[0] if found is not None and not found[1] else None
 
