@@ -189,7 +189,8 @@ def test_no_space_for_latest_finishes_the_committed_version(world_dir, tmp_path,
   assert len(failures) == 2
   assert published.complete_versions(root) == [1] and published.read_latest(root) == 1
   out = capsys.readouterr().out
-  assert out.count("v1 is committed; finishing it") == 2 and "nothing of v" not in out, out
+  # the second try within builder.WAIT_MESSAGE_SECONDS of the first is not said again
+  assert out.count("v1 is committed; finishing it") == 1 and "nothing of v" not in out, out
   with open(os.path.join(workdir, "metrics", "index.jsonl")) as f:
     assert [json.loads(line)["version"] for line in f] == [1]
 
@@ -269,7 +270,44 @@ def test_no_space_for_a_new_version_dir_is_waited_out(world_dir, tmp_path, capsy
   assert len(failures) == 2
   assert published.complete_versions(root) == [1] and published.read_latest(root) == 1
   out = capsys.readouterr().out
-  assert out.count("step 10: no space left creating") == 2, out
+  assert out.count("step 10: no space left creating") == 1, out   # the second: unsaid
+
+
+def test_a_long_full_disk_is_said_once_per_wait_message_seconds(world_dir, tmp_path, capsys,
+                                                                 monkeypatch):
+  """While the disk stays full the builder tries every poll, but says so once per
+  WAIT_MESSAGE_SECONDS (with the tries left unsaid), not every poll: a line every 0.1 s here
+  would fill the log, which may be on that disk; a full disk after a publish is said at once."""
+  from realm_jax.retrieval import builder as builder_lib
+  config = builder_config(world_dir, builder__poll_seconds=0.01)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (10, 20))
+  start, failures, clock = published.start_version, [], [1000.0]
+  import types   # the builder's clock alone: each of its sleeps 4 s, nothing else's
+  monkeypatch.setattr(builder_lib, "time", types.SimpleNamespace(
+      time=lambda: clock[0], sleep=lambda seconds: clock.__setitem__(0, clock[0] + 4)))
+
+  def full_for_30_tries(root):
+    if len(failures) < 30:    # 30 tries, 4 s apart: 120 s of a full disk
+      failures.append(root)
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{root}/.tmp-x")
+    return start(root)
+
+  monkeypatch.setattr(published, "start_version", full_for_30_tries)
+  builder = IndexBuilder(config, workdir)
+  try:
+    assert builder.build(10) is not None
+    lines = [line for line in capsys.readouterr().out.splitlines() if "no space left" in line]
+    assert len(lines) == 4, lines   # at 0, 32, 64 and 96 s of the 120
+    assert lines[0].endswith("trying again in 0.01s")
+    assert [line.rsplit("(", 1)[1] for line in lines[1:]] == [
+        "7 more tries since the last line)"] * 3
+    failures.clear()
+    assert builder.build(20) is not None   # a new full disk after a publish: said at once
+    assert len([line for line in capsys.readouterr().out.splitlines()
+                if "no space left" in line]) == 4
+  finally:
+    builder.close()
 
 
 def test_a_builder_stopped_before_latest_points_it_when_it_starts_again(world_dir, tmp_path,

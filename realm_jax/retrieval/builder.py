@@ -91,6 +91,7 @@ class IndexBuilder:
       self.lock.release()   # close() is never reached on a builder that did not start
       raise
     self.built = 0   # versions published by this run
+    self._retry_said, self._retries_unsaid = 0.0, 0   # `_say_retry`'s: when, how many since
     self._said_done = False
     logger.info(f"[index] {self.data.blocks.num_blocks:,} blocks of {self.data.dir} (fingerprint "
                 f"{self.fingerprint}), backend {config.retrieval.backend}, mode "
@@ -203,20 +204,22 @@ class IndexBuilder:
     unreachable_since, committed = None, False
     while True:   # a full disk or an unreachable bucket: written again, or finished
       try:
-        return self._publish(step, version, staging, embeddings, query_params, timings,
-                             committed)
+        manifest = self._publish(step, version, staging, embeddings, query_params, timings,
+                                 committed)
+        self._retry_said, self._retries_unsaid = 0.0, 0   # the next full disk: said at once
+        return manifest
       except Exception as e:  # noqa: BLE001  (anything but those two is raised again)
         unreachable = paths.unreachable(e)
         unreachable_since = (unreachable_since or time.time()) if unreachable else None
         why = self._unpublished(e, staging, version, prefix, unreachable_since)
         committed = self._committed(version)
         if committed:   # LATEST, the prune or the metrics failed: finish it
-          logger.warning(f"{prefix}{why}: v{version} is committed; finishing it in "
-                         f"{cfg.builder.poll_seconds:g}s")
+          self._say_retry(f"{prefix}{why}: v{version} is committed; finishing it in "
+                          f"{cfg.builder.poll_seconds:g}s")
           time.sleep(cfg.builder.poll_seconds)
           continue
-        logger.warning(f"{prefix}{why}: nothing of v{version} is visible; writing it again in "
-                       f"{cfg.builder.poll_seconds:g}s")
+        self._say_retry(f"{prefix}{why}: nothing of v{version} is visible; writing it again in "
+                        f"{cfg.builder.poll_seconds:g}s")
         time.sleep(cfg.builder.poll_seconds)
         version, staging = self._start_version(step)
         prefix = f"[index] v{version} (step {step}): "
@@ -231,10 +234,22 @@ class IndexBuilder:
       except OSError as e:
         if e.errno not in NO_SPACE:
           raise
-        logger.warning(f"[index] step {step}: no space left creating {e.filename or self.root} "
-                       f"({e.strerror}): nothing is written; trying again in "
-                       f"{self.config.builder.poll_seconds:g}s")
+        self._say_retry(f"[index] step {step}: no space left creating "
+                        f"{e.filename or self.root} ({e.strerror}): nothing is written; trying "
+                        f"again in {self.config.builder.poll_seconds:g}s")
         time.sleep(self.config.builder.poll_seconds)
+
+  def _say_retry(self, line: str) -> None:
+    """A publishing retry's warning (a full disk, a bucket that does not answer): the first,
+    then one per WAIT_MESSAGE_SECONDS while the retries go on, with how many were not said (a
+    line every poll would fill the log, which may be on the full disk)."""
+    now = time.time()
+    if now - self._retry_said < WAIT_MESSAGE_SECONDS:
+      self._retries_unsaid += 1
+      return
+    unsaid = self._retries_unsaid
+    logger.warning(line + (f" ({unsaid} more tries since the last line)" if unsaid else ""))
+    self._retry_said, self._retries_unsaid = now, 0
 
   def _unpublished(self, error: Exception, staging, version: int, prefix: str,
                    unreachable_since: float | None) -> str:
