@@ -500,7 +500,9 @@ def _job_pid(workdir: str, job: str) -> tuple[str, bool] | None:
     with open(JobLock(workdir, job).path) as f:
       text = f.read()
     pid_text, host = _pid_and_host(text)
-    namespace = text.split()[3:4]   # the holder's pid namespace (a file without it: as this)
+    # after `pid host`: the holder's start and pid namespace (a file of an older version: none)
+    fields = text.split()
+    written, namespace = fields[2:3], fields[3:4]
     if host is not None or (namespace and namespace[0] != _pid_namespace()):
       return None   # its pid names another host's or another namespace's process
     os.kill(int(pid_text), 0)
@@ -508,7 +510,6 @@ def _job_pid(workdir: str, job: str) -> tuple[str, bool] | None:
     return pid_text, False
   except (OSError, ValueError):
     return None
-  written = text.split()[2:3]   # the holder's start (a file of an older version has none)
   return pid_text, not written or _start_ticks(pid_text) in (None, written[0])
 
 

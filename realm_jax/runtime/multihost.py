@@ -13,9 +13,8 @@ Failures are never swallowed. A coordinator that does not accept connections wit
 --init_timeout is an error naming its address; a job that does not form within it (a process
 never connected) is a one-line error naming the processes it lacks, before JAX's abort (under
 JAX's cluster detection, which may wait as long again for the coordinator's host first, only
-once twice --init_timeout has passed: `join_seconds`). Once
-connected, a process that stops sending
-heartbeats for --heartbeat_timeout seconds makes JAX abort every other process with "The
+once twice --init_timeout has passed: `join_seconds`). Once connected, a process that stops
+sending heartbeats for --heartbeat_timeout seconds makes JAX abort every other process with "The
 following tasks are unhealthy (stopped sending heartbeats): N" (N = the lost process id), or,
 when the lost one is the coordinator (process 0), with "the leader task was preempted/died".
 """
@@ -239,11 +238,13 @@ def _not_joined(topology: Topology) -> str:
             "for every process to connect): not every process of it connected")
   me, count = topology.process_id, topology.num_processes
   others = [p for p in range(1, count) if p != me]
-  missing = (f"process {others[0]} never connected" if len(others) == 1 else
-             f"not every one of processes 1 to {count - 1}"
-             f"{' other than this one' if me else ''} connected" if others
-             else f"it did not admit this process (is process 0 started with "
-                  f"--num_processes={count}?)")
+  if not others:
+    missing = f"it did not admit this process (is process 0 started with --num_processes={count}?)"
+  elif len(others) == 1:
+    missing = f"process {others[0]} never connected"
+  else:
+    missing = (f"not every one of processes 1 to {count - 1}"
+               f"{' other than this one' if me else ''} connected")
   return (f"process {me} of {count}: the job did not form at the coordinator "
           f"{topology.coordinator_address} within {topology.init_timeout}s (--init_timeout): "
           f"{missing}; start every process with --coordinator_address="

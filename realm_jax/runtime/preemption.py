@@ -90,8 +90,10 @@ class Preemption:
     job (the notice JAX's sync manager writes into the coordination service): for a wait
     that polls between steps. The processes may notice at different moments: those that
     wait together agree on it through an exchange before they stop (`stopping`)."""
-    if self.received_at is not None or not self.multihost:
-      return self.received_at is not None
+    if self.received_at is not None:
+      return True
+    if not self.multihost:
+      return False
     from realm_jax.runtime import multihost   # (not at the top: launchers import EXIT_CODE)
     return multihost.preemption_noticed()
 
