@@ -53,6 +53,13 @@ def make_checkpoints(config, workdir, steps_to_save=CHECKPOINT_STEPS):
   return states, model, mesh, data
 
 
+def checkpoint_again(workdir, state, step: int) -> None:
+  """`state` saved again as checkpoint `step`: a newer checkpoint for the next builder."""
+  ckpt = Checkpointer(workdir, keep=10, async_saves=False)
+  ckpt.save(step, state, {"next_step": step}, {"step": np.int32(-1)})
+  ckpt.close()
+
+
 def build_once(config, workdir) -> int:
   """realm-index --once, in this process; returns the versions published."""
   builder = IndexBuilder(config, workdir)
@@ -149,6 +156,23 @@ def test_checkpoint_deleted_while_restoring_moves_to_the_newest(world_dir, tmp_p
   manifest = published.read_manifest(published.index_root(workdir), 1)
   assert manifest["step"] == 10
   assert "checkpoint 20 was deleted while being restored" in capsys.readouterr().out
+
+
+def test_once_on_a_published_newest_checkpoint_says_so_and_builds_nothing(world_dir, tmp_path,
+                                                                           capsys):
+  """`realm-index --once` run again where its newest checkpoint is published (a rerun of a
+  finished one): it names that version and exits, instead of publishing the same step again
+  under a new number (and pruning an older step's version for it)."""
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (0,))
+  assert build_once(config, workdir) == 1
+  capsys.readouterr()
+  assert build_once(config, workdir) == 0
+  root = published.index_root(workdir)
+  assert published.complete_versions(root) == [1] and published.read_latest(root) == 1
+  assert f"step 0 (the newest checkpoint) is already published as v1 " \
+      f"({published.version_dir(root, 1)}): nothing to build" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -604,13 +628,15 @@ def larger_world(tmp_path_factory):
 
 
 def _kill_builders(flags, workdir: str, slow_disk: str | None, marker: str, max_delay: float,
-                   rng: random.Random, fingerprint: str, kills: int = 5) -> list[str]:
-  """`kills` builders, each killed -9 a random delay after it printed `marker`; after each,
-  every visible version is complete and verifies and LATEST names one of them. Returns where
-  each kill landed: "before" the version's commit or "after" it."""
+                   rng: random.Random, fingerprint: str, state, kills: int = 5) -> list[str]:
+  """`kills` builders, each given a newer checkpoint (`state` saved again: --once builds no
+  published step) and killed -9 a random delay after it printed `marker`; after each, every
+  visible version is complete and verifies and LATEST names one of them. Returns where each
+  kill landed: "before" the version's commit or "after" it."""
   root = published.index_root(workdir)
   landed = []
-  for _ in range(kills):
+  for kill in range(kills):
+    checkpoint_again(workdir, state, kill + 1)
     latest = published.read_latest(root)
     proc = _start_builder(flags, workdir, slow_disk)
     printed = _kill_after_marker(proc, marker, rng.uniform(0, max_delay))
@@ -659,7 +685,7 @@ def test_builder_killed_at_random_points_never_exposes_a_partial_version(
   try:
     slow_disk = str(tmp_path / "slow_disk") if phase == "publishing" else None
     landed = _kill_builders(flags, workdir, slow_disk, marker, max_delay,
-                            random.Random(len(phase)), data.blocks.fingerprint)
+                            random.Random(len(phase)), data.blocks.fingerprint, states[0])
     print(f"{phase}: kills landed {landed} the commit")
     if phase == "embedding":   # most kills inside the embedding (on an idle fast machine one
       assert landed.count("before") >= 3, landed   # may finish within its delay)
@@ -668,7 +694,9 @@ def test_builder_killed_at_random_points_never_exposes_a_partial_version(
     time.sleep(0.2)
     assert sub.rejected == {}, sub.rejected
     before = max(published.complete_versions(root))
-    # The builder restarted (here): the next complete version is taken.
+    # The builder restarted (here) for the trainer's next checkpoint: the next complete
+    # version is taken.
+    checkpoint_again(workdir, states[0], 6)
     capsys.readouterr()
     assert build_once(config, workdir) == 1
     out = capsys.readouterr().out

@@ -9,7 +9,8 @@ It runs beside the trainer on its own devices and shares only the workdir with i
      against exact search on block-derived queries) and publishes it as `W/index/<version>/`
      (`retrieval.published`: manifest last, atomic rename, then `LATEST`), with the query-tower
      params of the same snapshot;
-  4. repeats for newer checkpoints until the trainer writes `W/DONE` (`--once`: one build).
+  4. repeats for newer checkpoints until the trainer writes `W/DONE` (`--once`: one build,
+     none where the newest checkpoint is published already).
 
 With several processes (`--multihost`) process 0 decides each build and the others follow it
 (`multihost.from_first_process`): every process restores and embeds (the mesh spans them all);
@@ -155,11 +156,12 @@ class IndexBuilder:
       self.checkpoints.raise_unreadable(self._reader(), self.workdir, step, e)
     return restored.params["retriever"]
 
-  def published_steps(self) -> set[int]:
-    steps = set()
+  def published_steps(self) -> dict[int, int]:
+    """Checkpoint step -> the newest complete version built from it."""
+    steps = {}
     for version in self.published.complete_versions(self.root):
       try:
-        steps.add(int(self.published.read_manifest(self.root, version)["step"]))
+        steps[int(self.published.read_manifest(self.root, version)["step"])] = version
       except self.published.RejectedVersion:
         pass   # a damaged version is not built; the trainer rejects it too
     return steps
@@ -437,7 +439,7 @@ class IndexBuilder:
           last_message = time.time()
         time.sleep(cfg.builder.poll_seconds)
         continue
-      step = steps[-1] if once else self.next_step(steps)
+      step = self._newest_unpublished(steps[-1]) if once else self.next_step(steps)
       if step is not None:
         return step
       if self._trainer_done():
@@ -445,6 +447,17 @@ class IndexBuilder:
         return FINISHED
       last_message = self._say_if_trainer_gone(steps[-1], last_message)
       time.sleep(cfg.builder.poll_seconds)
+
+  def _newest_unpublished(self, newest: int) -> int:
+    """`--once`'s build: the newest checkpoint, or FINISHED where a version of it is published
+    already (said: building it again would only publish the same step under a new number)."""
+    version = self.published_steps().get(newest)
+    if version is None:
+      return newest
+    logger.info(f"[index] step {newest} (the newest checkpoint) is already published as "
+                f"v{version} ({self.published.version_dir(self.root, version)}): nothing to "
+                "build")
+    return FINISHED
 
   def _say_if_trainer_gone(self, newest: int, last_message: float) -> float:
     """A line (then one per TRAINER_GONE_SECONDS) while nothing is new to build and the
