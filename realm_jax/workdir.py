@@ -19,7 +19,8 @@
                          them all
   W/DONE                 the trainer's last step: tells realm-index to exit
   W/trainer.lock, W/builder.lock   held (flock) by the trainer's and realm-index's first
-                         process while they run on a local W: a second one is refused
+                         process while they run on a local W: a second one is refused; a
+                         job that ended normally leaves how it ended there (`job_ended`)
   W/logs/                launch/local.py: the trainer's and the builder's output
 
 W may be a local dir or a bucket URL (`gs://B/P`): every file goes through realm_jax/paths.py.
@@ -375,6 +376,7 @@ def done_step(workdir: str) -> int | None:
 
 # -- W/trainer.lock, W/builder.lock -------------------------------------------------------------
 JOBS = ("trainer", "builder")   # a workdir's; realm-prepare locks its out_dir as "prepare"
+ENDED = "ended: "   # a lock file's line after the holder's: how the job ended normally
 
 
 class JobLock:
@@ -416,8 +418,15 @@ class JobLock:
     lock.flush()
     self._file = lock
 
-  def release(self) -> None:
+  def release(self, ended: str | None = None) -> None:
+    """Gives up the lock; `ended`: how the job ended normally, kept in the file for
+    `job_ended` (a job that died or was stopped leaves none; the next holder's start clears
+    it). A file that cannot take the line (a full disk) is left without it."""
     if self._file is not None:
+      if ended:
+        with contextlib.suppress(OSError):
+          self._file.write(f"{ENDED}{ended}\n")
+          self._file.flush()
       self._file.close()    # closing gives up the flock
       self._file = None
 
@@ -431,8 +440,13 @@ class JobLock:
 def _pid_and_host(text: str) -> tuple[str, str | None]:
   """A lock file's `pid host [start]`: the pid as written, and its host where that is not
   this one (None: this host, or a file from before the host was written)."""
-  pid, host = (text.split() + ["", ""])[:2]
+  pid, host = (_holder_fields(text) + ["", ""])[:2]
   return pid, (host if host and host != socket.gethostname() else None)
+
+
+def _holder_fields(text: str) -> list[str]:
+  """A lock file's first line, the holder's `pid host [start [namespace]]`, split."""
+  return text.partition("\n")[0].split()
 
 
 def _start_ticks(pid) -> str | None:
@@ -501,7 +515,7 @@ def _job_pid(workdir: str, job: str) -> tuple[str, bool] | None:
       text = f.read()
     pid_text, host = _pid_and_host(text)
     # after `pid host`: the holder's start and pid namespace (a file of an older version: none)
-    fields = text.split()
+    fields = _holder_fields(text)
     written, namespace = fields[2:3], fields[3:4]
     if host is not None or (namespace and namespace[0] != _pid_namespace()):
       return None   # its pid names another host's or another namespace's process
@@ -511,6 +525,19 @@ def _job_pid(workdir: str, job: str) -> tuple[str, bool] | None:
   except (OSError, ValueError):
     return None
   return pid_text, not written or _start_ticks(pid_text) in (None, written[0])
+
+
+def job_ended(workdir: str, job: str) -> str | None:
+  """How the job in W's `job` lock file ended normally (`JobLock.release`'s `ended`), None
+  where it left no such line (it died, was stopped, or still runs), or for a bucket."""
+  if paths.is_remote(workdir):
+    return None
+  try:
+    with open(JobLock(workdir, job).path) as f:
+      lines = f.read().splitlines()[1:]
+  except OSError:
+    return None
+  return next((line[len(ENDED):] for line in lines if line.startswith(ENDED)), None)
 
 
 def job_holding(workdir: str, job: str) -> str | None:

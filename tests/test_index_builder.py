@@ -439,6 +439,40 @@ def test_a_builder_whose_trainer_died_says_so_and_ends_at_done(world_dir, tmp_pa
   assert workdir_lib.job_gone(workdir, "trainer") is None
 
 
+def test_a_trainer_waiting_for_an_index_says_its_builder_finished_with_the_run(world_dir,
+                                                                              tmp_path):
+  """A builder that ended at W/DONE (exit 0), and its run since resumed with more
+  train.steps: a trainer waiting for a version says that builder finished with the run at
+  its step, not that it died or was stopped; the next builder's start clears that."""
+  from realm_jax import workdir as workdir_lib
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  workdir_lib.mark_done(workdir, config.train.steps)
+  builder = IndexBuilder(config, workdir)
+  try:
+    assert builder.run() == 0
+  finally:
+    builder.close()
+  lock = os.path.join(workdir, "builder.lock")
+  ended = open(lock).read().splitlines(True)[1:]
+  helpers.dead_job_lock(workdir, "builder")   # its process has exited since
+  with open(lock, "a") as f:
+    f.writelines(ended)
+  workdir_lib.clear_done(workdir)   # the run resumed
+  sub = IndexSubscriber(workdir, loader=None, poll_seconds=3600)
+  try:
+    said = sub.builder_gone()
+  finally:
+    sub.close()
+  assert said.endswith(f"builder.lock) is not running: it finished with the run at step "
+                       f"{config.train.steps} (W/DONE); start it again with this config and "
+                       "workdir"), said
+  with workdir_lib.JobLock(workdir, "builder") as held:
+    held.acquire()
+    assert workdir_lib.job_ended(workdir, "builder") is None
+
+
 def test_a_lock_whose_pid_another_process_took_names_a_job_gone(tmp_path):
   """W/trainer.lock of a trainer that ended, its pid since taken by another process (a pid
   reused, or a container restarted with the same host name): the job is gone, not running

@@ -94,6 +94,7 @@ class IndexBuilder:
     self.built = 0   # versions published by this run
     self._retry_said, self._retries_unsaid = 0.0, 0   # `_say_retry`'s: when, how many since
     self._said_done = False
+    self.ended = None   # how this run ended normally (`_ended`), for W/builder.lock
     logger.info(f"[index] {self.data.blocks.num_blocks:,} blocks of {self.data.dir} (fingerprint "
                 f"{self.fingerprint}), backend {config.retrieval.backend}, mode "
                 f"{config.retrieval.refresh}, mesh {dict(self.mesh.shape)} on "
@@ -392,16 +393,28 @@ class IndexBuilder:
         raise_if_interrupted()   # a Ctrl-C swallowed in a gc callback (the others told)
         step = self._decided(lambda: self._next_build(once, started))
         if step == FINISHED:
-          return self.built
+          return self._ended(once)
         if self.build(step) is not None:
           self.built += 1
           if once:
-            return self.built
+            return self._ended(once)
         # else: look again at once: a deleted checkpoint means a newer one exists
       except BaseException:   # the others wait for process 0's next decision: its failure
         if self.primary:
           multihost.from_first_process("index-build", FAILED)
         raise
+
+  def _ended(self, once: bool) -> int:
+    """Notes how this run ended, for W/builder.lock (`close`): a trainer that waits for a
+    version later (a run resumed with more train.steps) says this builder ended, not that it
+    died. Returns the versions published."""
+    if once:
+      self.ended = "it ran with --once (one build at most)"
+    else:
+      step = workdir_lib.done_step(self.workdir)
+      at = f" at step {step}" if step not in (None, sys.maxsize) else ""
+      self.ended = f"it finished with the run{at} (W/DONE)"
+    return self.built
 
   def _decided(self, decide) -> int:
     """`decide()` on process 0 (the one listing checkpoints and versions), its answer on every
@@ -494,7 +507,7 @@ class IndexBuilder:
     for manager in {self.lister, self.reader} - {None}:
       manager.close()
     self.metrics.close()
-    self.lock.release()
+    self.lock.release(ended=self.ended)
 
 
 def refuse_without_builder(config) -> None:

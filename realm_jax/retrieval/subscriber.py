@@ -238,13 +238,15 @@ class IndexSubscriber:
 
   def builder_gone(self) -> str:
     """'' unless W/builder.lock names a realm-index that no longer runs (on this host): a
-    builder that died or was stopped publishes nothing until it is started again, so the wait
-    says so instead of only asking whether one runs."""
+    builder that died, was stopped or ended (with the run it served: a run resumed with more
+    train.steps) publishes nothing until it is started again, so the wait says which and so,
+    instead of only asking whether one runs."""
     pid = workdir_lib.job_gone(self.workdir, "builder")
     if pid is None:
       return ""
+    ended = workdir_lib.job_ended(self.workdir, "builder") or "it died or was stopped"
     return (f"realm-index (pid {pid}, {workdir_lib.JobLock(self.workdir, 'builder').path}) is "
-            "not running: it died or was stopped; start it again with this config and workdir")
+            f"not running: {ended}; start it again with this config and workdir")
 
   def _rejections(self) -> str:
     """The versions rejected so far with their reasons (the newest 3), '' if none: a builder
