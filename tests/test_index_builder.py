@@ -134,6 +134,23 @@ def test_deterministic_builder_builds_every_refresh_step_in_order(world_dir, tmp
   assert built == [0, 10, 20, 25]     # 15 is no refresh step; 25 is the final one
 
 
+def test_deterministic_builder_builds_the_trainers_last_step_whatever_its_own_train_steps(
+    world_dir, tmp_path):
+  """The trainer's last step (train.steps in W/config.json), no refresh step: a builder given
+  another train.steps builds it all the same (the trainer's final evaluation waits for it)."""
+  from realm_jax import workdir as workdir_lib
+  workdir = str(tmp_path / "run")
+  mode = dict(retrieval__refresh="deterministic", retrieval__refresh_every=10,
+              retrieval__swap_lag=5)
+  workdir_lib.record_config(builder_config(world_dir, train__steps=25, **mode), workdir)
+  builder = IndexBuilder(builder_config(world_dir, train__steps=40, **mode), workdir)
+  builder.published_steps = lambda: {20: 3}   # steps 0 to 20 built
+  try:
+    assert builder.next_step([0, 10, 20, 25]) == 25
+  finally:
+    builder.close()
+
+
 @pytest.mark.slow
 def test_checkpoint_deleted_while_restoring_moves_to_the_newest(world_dir, tmp_path, capsys):
   config = builder_config(world_dir)

@@ -18,7 +18,8 @@ process 0 alone writes, publishes and points LATEST.
 
 Which checkpoints: `retrieval.refresh = async` builds the newest one whenever it is newer than
 the last published; `deterministic` builds every refresh step (multiples of
-`retrieval.refresh_every`, and the final step) in order, since the trainer will ask for each.
+`retrieval.refresh_every`, and the final step: this config's train.steps and the trainer's, as
+W/config.json records it) in order, since the trainer will ask for each.
 """
 
 from __future__ import annotations
@@ -171,11 +172,19 @@ class IndexBuilder:
     """The checkpoint to build next, or None if there is nothing new."""
     newest_built = max(self.published_steps(), default=-1)   # older ones may be pruned
     if self.config.retrieval.refresh == "deterministic":
-      every, final = self.config.retrieval.refresh_every, self.config.train.steps
-      todo = [s for s in steps if (s % every == 0 or s == final) and s > newest_built]
+      every, final = self.config.retrieval.refresh_every, self.final_steps()
+      todo = [s for s in steps if (s % every == 0 or s in final) and s > newest_built]
       return todo[0] if todo else None
     newest = steps[-1] if steps else None
     return newest if newest is not None and newest > newest_built else None
+
+  def final_steps(self) -> set[int]:
+    """The run's last step, which the trainer checkpoints and waits for a version of whether
+    or not it is a refresh step: this config's train.steps, and the trainer's as W/config.json
+    records it (a builder given another train.steps never built the trainer's, whose final
+    evaluation then waited retrieval.index_timeout and failed)."""
+    trainer = ((workdir_lib.recorded_config(self.workdir) or {}).get("train") or {}).get("steps")
+    return {self.config.train.steps} | ({trainer} if isinstance(trainer, int) else set())
 
   # -- one build ---------------------------------------------------------------------------
   def build(self, step: int) -> dict | None:
