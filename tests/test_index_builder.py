@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -132,6 +133,33 @@ def test_deterministic_builder_builds_every_refresh_step_in_order(world_dir, tmp
     built.append(builder.build(step)["step"])
   builder.close()
   assert built == [0, 10, 20, 25]     # 15 is no refresh step; 25 is the final one
+
+
+def test_the_first_versions_blocks_per_second_leaves_the_compile_out(world_dir, tmp_path,
+                                                                      capsys, monkeypatch):
+  """The block tower's first call compiles it (0.5 s more here): the version's blocks/s, in
+  its line and in its timings, is the embedding's after it, and the compile is said apart."""
+  config = builder_config(world_dir, retrieval__embed_batch_size=64)   # 4 batches
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (0,))
+  block_embedder = embedders.block_embedder
+
+  def compiling_first(*args):
+    embed_fn, calls = block_embedder(*args), []
+
+    def first_call_slow(ids, segments):
+      if not calls:
+        time.sleep(0.5)
+      calls.append(len(ids))
+      return embed_fn(ids, segments)
+    return first_call_slow
+  monkeypatch.setattr(embedders, "block_embedder", compiling_first)
+  assert build_once(config, workdir) == 1
+  timings = published.read_manifest(published.index_root(workdir), 1)["timings"]
+  assert 0.45 <= timings["compile_seconds"] <= timings["embed_seconds"], timings
+  assert timings["blocks_per_second"] > 2 * 240 / timings["embed_seconds"], timings
+  line = [l for l in capsys.readouterr().out.splitlines() if "embedded 240 blocks" in l]
+  assert re.search(r"blocks/s, after \d+\.\ds compiling the block tower\)$", line[0]), line
 
 
 def test_deterministic_builder_builds_the_trainers_last_step_whatever_its_own_train_steps(

@@ -207,10 +207,8 @@ class IndexBuilder:
       return {"step": step}
     version, staging = self._start_version(step)
     prefix = f"[index] v{version} (step {step}): "
-    embeddings, seconds = embed_blocks(embed_fn, self.data.blocks, self.mesh,
-                                       cfg.retrieval.embed_batch_size, prefix)
-    timings["embed_seconds"] = round(seconds, 3)
-    timings["blocks_per_second"] = round(len(embeddings) / max(seconds, 1e-9), 1)
+    embeddings, _ = embed_blocks(embed_fn, self.data.blocks, self.mesh,
+                                 cfg.retrieval.embed_batch_size, prefix, timings=timings)
     # (a collective where the `model` axis spans processes: every process calls it)
     query_params = partitioning.host_copy(embedders.query_tower_params(params))
     unreachable_since, committed = None, False

@@ -29,6 +29,7 @@ from realm_jax.runtime.metrics import format_duration
 logger = logging.getLogger(__name__)
 
 PROGRESS_SECONDS = 10.0   # one progress line per this many seconds of embedding
+COMPILE_FACTOR = 3.0   # a first batch this many times longer than the next ones: a compile
 CHUNK = 256               # rows of the exact index's table scored by one matmul
 
 
@@ -123,14 +124,17 @@ def device_batch(batch_size: int, devices: int) -> int:
 
 
 def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
-                 log_prefix: str = "", should_stop: Callable[[], bool] | None = None
-                 ) -> tuple[np.ndarray, float]:
+                 log_prefix: str = "", should_stop: Callable[[], bool] | None = None,
+                 timings: dict | None = None) -> tuple[np.ndarray, float]:
   """Embeds every block with `embed_fn(ids, segments)` -> ([num_blocks, dim] host, seconds).
 
   Batches are padded to a multiple of the device count so every device embeds an equal share;
   one batch is in flight while the previous one is copied out. With `log_prefix`, prints a
   progress line (blocks/s, ETA) every PROGRESS_SECONDS and a final one. `should_stop` is asked
   after every batch; True raises EmbeddingStopped (a SIGTERM: the trainer saves its step).
+  The first batch is waited for and timed on its own: it compiles the block tower (once per
+  process), which blocks/s leaves out and the final line says apart (`embedding_rate`).
+  `timings` gets `embed_seconds`, `compile_seconds` and `blocks_per_second`.
   """
   t0 = last = time.time()
   batch_size = device_batch(batch_size, mesh.devices.size)
@@ -154,10 +158,14 @@ def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
       out = np.empty((n, emb.shape[1]), np.float32)
     out[start:start + count] = emb
 
+  first = None   # (seconds, rows) of the first batch, the block tower's compile with it
   for start in range(0, n, batch_size):
     rows = np.arange(start, min(start + batch_size, n))
     padded = np.concatenate([rows, np.zeros(batch_size - len(rows), rows.dtype)])
     emb = embed_fn(np.asarray(store.tokens[padded]), store.segments(padded))
+    if first is None:
+      jax.block_until_ready(emb)   # its seconds its own
+      first = (time.time() - t0, len(rows))
     if pending is not None:
       drain(pending)
     pending = (start, len(rows), emb)
@@ -165,13 +173,32 @@ def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
       raise EmbeddingStopped(start, n)
     now = time.time()
     if log_prefix and now - last >= PROGRESS_SECONDS:
-      done, rate = start + len(rows), (start + len(rows)) / (now - t0)
+      done = start + len(rows)
+      rate = embedding_rate(done, now - t0, *first)[0]
       logger.info(f"{log_prefix}embedded {done:,}/{n:,} blocks ({done / n:.0%}) | {rate:,.0f} "
                   f"blocks/s ETA {format_duration((n - done) / rate)}")
       last = now
   drain(pending)
   seconds = time.time() - t0
+  rate, compiled = embedding_rate(n, seconds, *first)
   if log_prefix:
-    logger.info(
-        f"{log_prefix}embedded {n:,} blocks in {seconds:.1f}s ({n / seconds:,.0f} blocks/s)")
+    said = f", after {compiled:.1f}s compiling the block tower" if compiled else ""
+    logger.info(f"{log_prefix}embedded {n:,} blocks in {seconds:.1f}s ({rate:,.0f} blocks/s"
+                f"{said})")
+  if timings is not None:
+    timings.update(embed_seconds=round(seconds, 3), compile_seconds=round(compiled, 3),
+                   blocks_per_second=round(rate, 1))
   return out, seconds
+
+
+def embedding_rate(n: int, seconds: float, first_seconds: float,
+                   first_rows: int) -> tuple[float, float]:
+  """(blocks/s, seconds of compile) of `n` blocks embedded in `seconds`, the first batch of
+  `first_rows` in `first_seconds`: a first batch COMPILE_FACTOR times longer than the next
+  ones' mean compiled the block tower, and blocks/s is the next ones' (its compile: the time
+  over theirs); else, or where it was the only one, all of them (no compile said)."""
+  rest, rest_seconds = n - first_rows, max(seconds - first_seconds, 1e-9)
+  batch_seconds = rest_seconds * first_rows / max(rest, 1)   # one batch's, after the first
+  if rest <= 0 or first_seconds < COMPILE_FACTOR * batch_seconds:
+    return n / max(seconds, 1e-9), 0.0
+  return rest / rest_seconds, first_seconds - batch_seconds
