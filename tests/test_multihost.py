@@ -170,9 +170,10 @@ def test_two_processes_train_like_one(world_dir, world_data, tmp_path):
 def test_a_lost_process_stops_the_others_naming_it(world_dir, tmp_path):
   # The programs of the job above (compiled once, from the cache here). Process 0 cannot
   # finish step 4 without process 1, so killing 1 after its step 3 leaves 0 waiting on it.
+  # A heartbeat timeout of 4 s (the other jobs': 8): the survivor's wait is most of the test.
   config = job_config("realm", world_dir)
   procs = launch(helpers.config_flags(config, "demo_realm"), str(tmp_path / "w"), 2,
-                 free_port())
+                 free_port(), extra=("--heartbeat_timeout=4",))
   survivor, lost = procs
   with deadline(procs):
     # Kill process 1 once it is training.
