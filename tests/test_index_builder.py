@@ -24,6 +24,7 @@ from realm_jax.errors import CheckpointError, ConfigError
 from realm_jax.retrieval import published
 from realm_jax.retrieval.builder import IndexBuilder
 from realm_jax.workdir import BLOCKS_RECORD
+from realm_jax.retrieval import index as index_lib
 from realm_jax.retrieval.index import ExactIndex, embed_blocks
 from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
 from realm_jax.runtime import partitioning, state as state_lib, embedders
@@ -154,12 +155,39 @@ def test_the_first_versions_blocks_per_second_leaves_the_compile_out(world_dir, 
       return embed_fn(ids, segments)
     return first_call_slow
   monkeypatch.setattr(embedders, "block_embedder", compiling_first)
+  monkeypatch.setattr(index_lib, "_EMBEDDED", set())   # this process's first embedding
   assert build_once(config, workdir) == 1
   timings = published.read_manifest(published.index_root(workdir), 1)["timings"]
   assert 0.45 <= timings["compile_seconds"] <= timings["embed_seconds"], timings
   assert timings["blocks_per_second"] > 2 * 240 / timings["embed_seconds"], timings
   line = [l for l in capsys.readouterr().out.splitlines() if "embedded 240 blocks" in l]
   assert re.search(r"blocks/s, after \d+\.\ds compiling the block tower\)$", line[0]), line
+
+
+def test_a_later_embeddings_slow_first_batch_is_not_said_as_a_compile(world_data, capsys,
+                                                                         monkeypatch):
+  """An in-process refresh after the first: its first batch may wait for a train step still
+  running on the devices, but the block tower compiled at the process's first embedding in
+  these shapes: no compile is said, and blocks/s is all of the embedding's."""
+  monkeypatch.setattr(index_lib, "_EMBEDDED", set())
+  mesh = partitioning.make_mesh((-1, 1))
+  calls = []
+
+  def first_call_slow(ids, segments):
+    if not calls:
+      time.sleep(0.3)
+    calls.append(len(ids))
+    return np.ones((len(ids), 4), np.float32)
+  lines = []
+  for _ in range(2):
+    calls.clear()
+    timings = {}
+    embed_blocks(first_call_slow, world_data.blocks, mesh, 64, "[t] ", timings=timings)
+    out = capsys.readouterr().out.splitlines()
+    lines.append([l for l in out if "embedded 240 blocks in" in l][0])
+  assert "compiling the block tower" in lines[0], lines
+  assert "compiling the block tower" not in lines[1], lines
+  assert timings["compile_seconds"] == 0.0, timings
 
 
 def test_deterministic_builder_builds_the_trainers_last_step_whatever_its_own_train_steps(

@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 PROGRESS_SECONDS = 10.0   # one progress line per this many seconds of embedding
 COMPILE_FACTOR = 3.0   # a first batch this many times longer than the next ones: a compile
 CHUNK = 256               # rows of the exact index's table scored by one matmul
+# (batch, block shape, devices) of the embeddings this process ran: their block tower compiled
+_EMBEDDED: set[tuple] = set()
 
 
 class BlockIndex(Protocol):
@@ -132,8 +134,10 @@ def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
   one batch is in flight while the previous one is copied out. With `log_prefix`, prints a
   progress line (blocks/s, ETA) every PROGRESS_SECONDS and a final one. `should_stop` is asked
   after every batch; True raises EmbeddingStopped (a SIGTERM: the trainer saves its step).
-  The first batch is waited for and timed on its own: it compiles the block tower (once per
-  process), which blocks/s leaves out and the final line says apart (`embedding_rate`).
+  The first batch of a process's first embedding in these shapes is waited for and timed on
+  its own: it compiles the block tower, which blocks/s leaves out and the final line says apart
+  (`embedding_rate`). A later call's first batch compiles nothing: one that is slow (a train
+  step still running on the devices) is no compile, and not said as one.
   `timings` gets `embed_seconds`, `compile_seconds` and `blocks_per_second`.
   """
   t0 = last = time.time()
@@ -158,14 +162,17 @@ def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
       out = np.empty((n, emb.shape[1]), np.float32)
     out[start:start + count] = emb
 
-  first = None   # (seconds, rows) of the first batch, the block tower's compile with it
+  shapes = (batch_size, store.tokens.shape[1:], tuple(mesh.device_ids.flat))
+  compiles = shapes not in _EMBEDDED
+  first = None   # (seconds, rows) of the first batch, where it compiles the block tower
   for start in range(0, n, batch_size):
     rows = np.arange(start, min(start + batch_size, n))
     padded = np.concatenate([rows, np.zeros(batch_size - len(rows), rows.dtype)])
     emb = embed_fn(np.asarray(store.tokens[padded]), store.segments(padded))
-    if first is None:
+    if compiles and first is None:
       jax.block_until_ready(emb)   # its seconds its own
       first = (time.time() - t0, len(rows))
+      _EMBEDDED.add(shapes)
     if pending is not None:
       drain(pending)
     pending = (start, len(rows), emb)
@@ -174,13 +181,13 @@ def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
     now = time.time()
     if log_prefix and now - last >= PROGRESS_SECONDS:
       done = start + len(rows)
-      rate = embedding_rate(done, now - t0, *first)[0]
+      rate = embedding_rate(done, now - t0, first)[0]
       logger.info(f"{log_prefix}embedded {done:,}/{n:,} blocks ({done / n:.0%}) | {rate:,.0f} "
                   f"blocks/s ETA {format_duration((n - done) / rate)}")
       last = now
   drain(pending)
   seconds = time.time() - t0
-  rate, compiled = embedding_rate(n, seconds, *first)
+  rate, compiled = embedding_rate(n, seconds, first)
   if log_prefix:
     said = f", after {compiled:.1f}s compiling the block tower" if compiled else ""
     logger.info(f"{log_prefix}embedded {n:,} blocks in {seconds:.1f}s ({rate:,.0f} blocks/s"
@@ -191,12 +198,16 @@ def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
   return out, seconds
 
 
-def embedding_rate(n: int, seconds: float, first_seconds: float,
-                   first_rows: int) -> tuple[float, float]:
-  """(blocks/s, seconds of compile) of `n` blocks embedded in `seconds`, the first batch of
-  `first_rows` in `first_seconds`: a first batch COMPILE_FACTOR times longer than the next
-  ones' mean compiled the block tower, and blocks/s is the next ones' (its compile: the time
-  over theirs); else, or where it was the only one, all of them (no compile said)."""
+def embedding_rate(n: int, seconds: float,
+                   first: tuple[float, int] | None) -> tuple[float, float]:
+  """(blocks/s, seconds of compile) of `n` blocks embedded in `seconds`, `first` the
+  (seconds, rows) of a first batch that may have compiled the block tower (None: it did not):
+  a first batch COMPILE_FACTOR times longer than the next ones' mean compiled it, and blocks/s
+  is the next ones' (its compile: the time over theirs); else, or where it was the only one,
+  all of them (no compile said)."""
+  if first is None:
+    return n / max(seconds, 1e-9), 0.0
+  first_seconds, first_rows = first
   rest, rest_seconds = n - first_rows, max(seconds - first_seconds, 1e-9)
   batch_seconds = rest_seconds * first_rows / max(rest, 1)   # one batch's, after the first
   if rest <= 0 or first_seconds < COMPILE_FACTOR * batch_seconds:
