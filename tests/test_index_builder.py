@@ -190,6 +190,28 @@ def test_a_later_embeddings_slow_first_batch_is_not_said_as_a_compile(world_data
   assert timings["compile_seconds"] == 0.0, timings
 
 
+def test_progress_lines_rate_and_eta_leave_the_compile_out(world_data, capsys, monkeypatch):
+  """A compile longer than a progress interval (1 s here, 0.25 s between lines): no line
+  gives the compile's blocks/s and ETA (it was the first line's, 32 blocks/s, an ETA of hours
+  for a real corpus)."""
+  monkeypatch.setattr(index_lib, "_EMBEDDED", set())
+  monkeypatch.setattr(index_lib, "PROGRESS_SECONDS", 0.25)
+  calls = []
+
+  def compiling_first(ids, segments):
+    time.sleep(1.0 if not calls else 0.1)
+    calls.append(len(ids))
+    return np.ones((len(ids), 4), np.float32)
+  embed_blocks(compiling_first, world_data.blocks, partitioning.make_mesh((-1, 1)), 32, "[t] ")
+  progress = [l for l in capsys.readouterr().out.splitlines() if "ETA" in l]
+  assert progress, progress
+  for line in progress:
+    done, rate = re.search(r"embedded ([\d,]+)/240 blocks \(\d+%\) \| ([\d,]+) blocks/s",
+                           line).groups()
+    assert int(rate.replace(",", "")) >= 100, progress   # 320 after the compile
+    assert int(done) > 32, progress
+
+
 def test_deterministic_builder_builds_the_trainers_last_step_whatever_its_own_train_steps(
     world_dir, tmp_path):
   """The trainer's last step (train.steps in W/config.json), no refresh step: a builder given

@@ -179,8 +179,10 @@ def embed_blocks(embed_fn, store: BlockStore, mesh: Mesh, batch_size: int,
     if should_stop is not None and should_stop():
       raise EmbeddingStopped(start, n)
     now = time.time()
-    if log_prefix and now - last >= PROGRESS_SECONDS:
-      done = start + len(rows)
+    # a rate needs blocks on the host past a first batch that compiles (the one just sent
+    # may still be embedded): before them, its blocks/s and ETA would be the compile's
+    done = start
+    if log_prefix and now - last >= PROGRESS_SECONDS and done > (first or (0, 0))[1]:
       rate = embedding_rate(done, now - t0, first)[0]
       logger.info(f"{log_prefix}embedded {done:,}/{n:,} blocks ({done / n:.0%}) | {rate:,.0f} "
                   f"blocks/s ETA {format_duration((n - done) / rate)}")
