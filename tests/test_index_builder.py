@@ -212,6 +212,28 @@ def test_progress_lines_rate_and_eta_leave_the_compile_out(world_data, capsys, m
     assert int(done) > 32, progress
 
 
+def test_a_compile_is_told_by_the_next_batches_mean_a_short_last_one_included(world_data,
+                                                                                 capsys,
+                                                                                 monkeypatch):
+  """240 blocks in batches of 112 (8 CPU devices; 116 with 4): the last one is padded to a
+  full batch and takes as long. A first batch of 0.45 s, the next ones of 0.1 s: a compile
+  (over 3x their mean), though not over 3x the seconds per row times a batch's rows."""
+  monkeypatch.setattr(index_lib, "_EMBEDDED", set())
+  calls = []
+
+  def compiling_first(ids, segments):
+    time.sleep(0.45 if not calls else 0.1)
+    calls.append(len(ids))
+    return np.ones((len(ids), 4), np.float32)
+  timings = {}
+  embed_blocks(compiling_first, world_data.blocks, partitioning.make_mesh((-1, 1)), 116, "[t] ",
+               timings=timings)
+  assert len(calls) == 3 and calls[0] > 100, calls
+  assert 0.25 <= timings["compile_seconds"] <= 0.4, timings
+  line = [l for l in capsys.readouterr().out.splitlines() if "embedded 240 blocks in" in l]
+  assert "compiling the block tower" in line[0], line
+
+
 def test_deterministic_builder_builds_the_trainers_last_step_whatever_its_own_train_steps(
     world_dir, tmp_path):
   """The trainer's last step (train.steps in W/config.json), no refresh step: a builder given

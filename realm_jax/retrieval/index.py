@@ -211,7 +211,8 @@ def embedding_rate(n: int, seconds: float,
     return n / max(seconds, 1e-9), 0.0
   first_seconds, first_rows = first
   rest, rest_seconds = n - first_rows, max(seconds - first_seconds, 1e-9)
-  batch_seconds = rest_seconds * first_rows / max(rest, 1)   # one batch's, after the first
+  # one batch's, after the first: a short last one is padded to a full batch, and as long
+  batch_seconds = rest_seconds / max(-(-rest // first_rows), 1)
   if rest <= 0 or first_seconds < COMPILE_FACTOR * batch_seconds:
     return n / max(seconds, 1e-9), 0.0
   return rest / rest_seconds, first_seconds - batch_seconds
