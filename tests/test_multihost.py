@@ -650,6 +650,7 @@ def test_a_long_wait_polls_so_a_signal_handler_can_stop_it(monkeypatch):
   a SIGTERM handler's exception (raised in the sleep) ends it, another error (the job ending)
   at once, and the timeout is a TimeoutError naming the key."""
   monkeypatch.setattr(multihost, "WAIT_SLICE_SECONDS", 0.01)
+  monkeypatch.setattr(multihost, "FIRST_SLICE_SECONDS", 0.01)
   missing = jax.errors.JaxRuntimeError("NOT_FOUND: Config key k not found.")
 
   class Client:
@@ -677,6 +678,24 @@ def test_a_long_wait_polls_so_a_signal_handler_can_stop_it(monkeypatch):
     multihost.sliced_get(Client([ended, "7"]), "k", 3600)
   with pytest.raises(TimeoutError, match="'k' not set within 0.03s"):
     multihost.sliced_get(Client([missing] * 100), "k", 0.03)
+
+
+def test_a_short_wait_asks_again_within_milliseconds():
+  """An exchange whose processes are all there (between two steps) costs milliseconds, not
+  a whole poll slice: the asks come after FIRST_SLICE_SECONDS, then twice as long each time
+  up to WAIT_SLICE_SECONDS (a long wait's pace)."""
+  missing = jax.errors.JaxRuntimeError("NOT_FOUND: Config key k not found.")
+  answers = [missing] * 3 + ["7"]
+
+  def key_value_try_get(key):
+    answer = answers.pop(0)
+    if isinstance(answer, BaseException):
+      raise answer
+    return answer
+  started = time.time()
+  assert multihost.sliced_get(types.SimpleNamespace(key_value_try_get=key_value_try_get),
+                              "k", 3600) == "7"
+  assert time.time() - started < 0.5   # 5 + 10 + 20 ms of sleep (before: 3 s)
 
 
 def test_waits_after_process_0_writes_are_bounded_by_the_storage_patience(monkeypatch):

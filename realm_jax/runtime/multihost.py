@@ -411,22 +411,26 @@ def from_first_process(name: str, value: int | None, timeout: float | None = Non
 
 
 WAIT_SLICE_SECONDS = 1.0   # a long wait's polls: between two, signal handlers run
+FIRST_SLICE_SECONDS = 0.005   # a short wait's (an exchange whose processes are all there)
 
 
 def sliced_get(client, key: str, timeout: float) -> str:
-  """The coordination service's value of `key`, asked for every WAIT_SLICE_SECONDS until
-  `timeout` seconds have passed. Each ask returns at once (`key_value_try_get`), and the wait
-  between two is a `time.sleep`, so a SIGTERM's Python handler (realm-index stops at once)
-  runs during it; a blocking get would hold the main thread in C++, and one cut into slices
-  leaves the coordination service a callback for every slice that timed out (memory that
-  grows through an hours-long wait). TimeoutError naming `key` after `timeout`;
-  JaxRuntimeError at once on another error than the key's absence (the job ending)."""
-  deadline = time.monotonic() + timeout
+  """The coordination service's value of `key`, asked for until `timeout` seconds have
+  passed: after FIRST_SLICE_SECONDS, then twice as long each time up to WAIT_SLICE_SECONDS
+  (an exchange between steps costs milliseconds, not half a second). Each ask returns at
+  once (`key_value_try_get`), and the wait between two is a `time.sleep`, so a SIGTERM's
+  Python handler (realm-index stops at once) runs during it; a blocking get would hold the
+  main thread in C++, and one cut into slices leaves the coordination service a callback for
+  every slice that timed out (memory that grows through an hours-long wait). TimeoutError
+  naming `key` after `timeout`; JaxRuntimeError at once on another error than the key's
+  absence (the job ending)."""
+  deadline, pause = time.monotonic() + timeout, FIRST_SLICE_SECONDS
   while (value := try_get(client, key)) is None:
     left = deadline - time.monotonic()
     if left <= 0:
       raise TimeoutError(f"{key!r} not set within {timeout:g}s")
-    time.sleep(min(left, WAIT_SLICE_SECONDS))
+    time.sleep(min(left, pause, WAIT_SLICE_SECONDS))
+    pause *= 2
   return value
 
 
