@@ -348,6 +348,69 @@ def test_the_first_async_version_is_what_every_host_exchanged(monkeypatch):
   assert sent == ["stopped"]
 
 
+def test_a_wait_for_a_deterministic_or_an_evaluated_index_stops_on_every_host_alike(
+    monkeypatch):
+  """Deterministic refresh: the batch of the run's first step and of each swap may wait long
+  for its version on every host, as may an evaluation for its index. Each host waits until
+  it has it or a SIGTERM came to any host of the job, then the hosts exchange whether each
+  stopped: one stop is FeedStopped on every host (one whose batch was ready does not go on
+  to the step's collectives alone), none lets every host go on."""
+  import threading
+  import time
+  import types
+  from realm_jax.runtime import multihost
+  from realm_jax.train.candidates import PublishedIndex
+  from realm_jax.train.feed import BatchFeed, FeedStopped
+  sent = []
+
+  def host_1_says(answer):   # process 1's part of the exchange; this host is process 0
+    def every_process(name, value, timeout):
+      sent.append(value)
+      return [value, answer]
+    monkeypatch.setattr(multihost, "every_process", every_process)
+  config = types.SimpleNamespace(retrieval=types.SimpleNamespace(
+      refresh="deterministic", refresh_every=3, swap_lag=2, index_timeout=5))
+  source = types.SimpleNamespace(config=config)
+  waits = lambda start: [t for t in range(start, 12)
+                         if PublishedIndex.waits_for_index(source, t, start)]
+  assert waits(0) == [0, 5, 8, 11] and waits(6) == [6, 8, 11]
+  index_ready = threading.Event()
+
+  class Queries:
+    def __next__(self):
+      return {}
+
+    def get_state(self):
+      return {}
+
+  def assemble(step, queries):
+    if step == 3:
+      index_ready.wait(60)             # the builder is late with this step's version
+    return {"step": step}, {}
+  feed = BatchFeed(Queries(), assemble, 2, depth=1)
+  host_1_says("on")
+  assert feed.next_together(lambda: False, 5)[0] == {"step": 2} and sent == ["on"]
+  t0 = time.time()
+  with pytest.raises(FeedStopped, match=r"the batch of step 4 was not ready after .*\(its "
+                     r"index, or its data\)$"):
+    feed.next_together(lambda: time.time() - t0 > 0.5, 5)   # SIGTERM (to any host)
+  assert sent[-1] == "stopped"
+  index_ready.set()
+  host_1_says("stopped")               # this host's batch is ready, host 1 got SIGTERM
+  with pytest.raises(FeedStopped, match="step 4 .*, on another process"):
+    feed.next_together(lambda: False, 5)
+  assert sent[-1] == "on"
+  feed.close()
+  version = types.SimpleNamespace(version=4, step=9)
+  source.subscriber = types.SimpleNamespace(wait_for_step=lambda step, timeout, stop: version)
+  source.stop_waiting = lambda: False
+  with pytest.raises(FeedStopped, match="the index of the evaluation at step 9 was not ready "
+                     r"after .*s \(the index built from step 9\)"):
+    PublishedIndex._index_to_evaluate(source, 9, 9)
+  host_1_says("on")
+  assert PublishedIndex._index_to_evaluate(source, 9, 9) is version
+
+
 def mesh_of(processes: int, shape: tuple[int, int]) -> np.ndarray:
   """The process of each device of `make_mesh(shape)` over `processes` processes of equal
   device counts (JAX lists devices in process order)."""

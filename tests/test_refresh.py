@@ -224,6 +224,51 @@ def test_a_sigterm_while_the_first_index_is_awaited_stops_at_once_and_resumes(
       capsys.readouterr().out
 
 
+def test_a_sigterm_while_the_final_evaluation_awaits_its_index_stops_at_once_and_resumes(
+    world_dir, tmp_path, monkeypatch, capsys):
+  """Async refresh, the builder behind at the end: the final evaluation waits for the index
+  of the last step's checkpoint. A SIGTERM then stops the run within a second, that step
+  saved (exit 143), instead of at the end of the preemption grace (the watchdog's exit) or
+  of the index timeout (an error); the rerun resumes from it and evaluates once the builder
+  has published."""
+  import threading
+  import time
+  from realm_jax.runtime import preemption
+  from realm_jax.train.loop import train
+  from tests.test_index_builder import build_once
+  exits = []
+  monkeypatch.setattr(preemption.os, "_exit", exits.append)   # the watchdog's, if it fired
+  config = helpers.tiny_config(
+      "realm", data_dir=world_dir, retrieval__refresh="async", retrieval__index_timeout=30.0,
+      train__steps=2, train__preemption_grace_seconds=10.0, builder__poll_seconds=0.1)
+  workdir = str(tmp_path / "run")
+  signalled = []
+
+  def index_of_step_0_then_sigterm():
+    while not os.path.isdir(os.path.join(workdir, "checkpoints", "0")):
+      time.sleep(0.1)
+    build_once(config, workdir)        # v1, of step 0: the steps' index
+    while not os.path.isdir(os.path.join(workdir, "checkpoints", "2")):
+      time.sleep(0.1)
+    time.sleep(1.5)                    # the final evaluation now waits for step 2's index
+    signalled.append(time.time())
+    os.kill(os.getpid(), signal.SIGTERM)
+  helper = threading.Thread(target=index_of_step_0_then_sigterm, daemon=True)
+  helper.start()
+  summary = train(config, workdir)
+  stopped_after = time.time() - signalled[0]
+  out = capsys.readouterr().out
+  assert summary.get("preempted_at_step") == 2, out[-3000:]
+  assert stopped_after < 5 and exits == [], out[-3000:]
+  assert "SIGTERM after the last step: the index of the evaluation at step 2 was not ready " \
+         "after" in out and "checkpoint 2 finalised" in out, out[-3000:]
+  build_once(config, workdir)          # v2, of step 2
+  summary = train(config, workdir)
+  out = capsys.readouterr().out
+  assert summary["steps"] == 2 and "eval_span_accuracy" in summary, out[-3000:]
+  assert f"resumed from {workdir}/checkpoints/2 " in out
+
+
 def test_an_async_run_whose_builder_is_gone_says_so(world_dir, tmp_path, capsys):
   """Async, one version (of checkpoint 0) and no builder after it: the trainer warns when the
   staleness passes STALE_REFRESHES refreshes, then the final evaluation fails after

@@ -258,8 +258,10 @@ class IndexSubscriber:
     shown = "; ".join(f"v{v}: {reason}" for v, reason in rejected[-3:])
     return f"{len(rejected)} published version(s) rejected ({shown})"
 
-  def wait_for_step(self, step: int, timeout: float) -> IndexVersion:
-    """The newest loaded version built from checkpoint `step` (waits for it)."""
+  def wait_for_step(self, step: int, timeout: float,
+                    should_stop: Callable[[], bool] | None = None) -> IndexVersion | None:
+    """The newest loaded version built from checkpoint `step` (waits for it; None once
+    `should_stop()` says so)."""
     self.want_steps([step])
 
     def pick(loaded):
@@ -268,7 +270,7 @@ class IndexSubscriber:
         return loaded[max(matches)]
       self._never_published(step)
       return None
-    return self.wait(pick, timeout, f"built from step {step}")
+    return self.wait(pick, timeout, f"built from step {step}", should_stop)
 
   def _never_published(self, step: int) -> None:
     """Raises IndexNeverPublished if no usable version of checkpoint `step` is published and one

@@ -3,11 +3,12 @@
 One process: a SIGTERM handler notes the signal; the loop asks `reached(step)` after every step.
 Several processes: JAX's preemption sync manager (started by `jax.distributed.initialize`, it
 owns SIGTERM there) makes every process answer True at the same step, so all of them save the
-same checkpoint. A wait between steps (the first published index) asks `noticed()` as it
-polls, and its processes agree before they stop. Either way a watchdog gives the save
-`grace_seconds` from the moment it is known: if the checkpoint is not finalised by then, the
-process exits without it (code 75, not 143: the previous finalised checkpoint stays the
-latest) rather than be killed mid-write by the scheduler.
+same checkpoint. A wait between steps (for a published index: the first, a late
+`deterministic` version, an evaluation's) asks `noticed()` as it polls, and its processes
+agree before they stop. Either way a watchdog gives the save `grace_seconds` from the moment
+it is known: if the checkpoint is not finalised by then, the process exits without it (code
+75, not 143: the previous finalised checkpoint stays the latest) rather than be killed
+mid-write by the scheduler.
 """
 
 from __future__ import annotations

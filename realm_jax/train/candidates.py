@@ -32,7 +32,8 @@ from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
 from realm_jax.runtime import embedders
 from realm_jax.config.reading import uses_index_builder
 from realm_jax.train import candidate_rows
-from realm_jax.train.feed import VersionSchedule
+from realm_jax.train.feed import (FeedStopped, VersionSchedule, deterministic_source_step,
+                                  stopped_anywhere)
 from realm_jax.runtime.metrics import MetricWriter
 
 _NO_STEP = np.zeros((), np.int32)
@@ -51,7 +52,8 @@ class NoRetrieval:
   def __init__(self, config, workdir: str):
     self.config, self.workdir = config, workdir
     self.last: IndexVersion | None = None   # the index that served the last step (or eval)
-    self.should_stop: Callable[[], bool] | None = None   # from `begin`
+    self.should_stop: Callable[[], bool] | None = None    # from `begin`
+    self.stop_waiting: Callable[[], bool] | None = None   # from `begin`
     self.staleness: list[int] = []
     self.versions_used: set[int] = set()
     self._log: MetricWriter | None = None
@@ -81,13 +83,18 @@ class NoRetrieval:
             stop_waiting: Callable[[], bool] | None = None) -> None:
     """Before the first step (after restore): `save_start` writes step `start`'s checkpoint;
     `should_stop` says a SIGTERM came to this process (a rebuild yields to it),
-    `stop_waiting` to any process (the wait for the first index yields to it, FeedStopped)."""
-    self.should_stop = should_stop
+    `stop_waiting` to any process (a wait for an index yields to it, FeedStopped)."""
+    self.should_stop, self.stop_waiting = should_stop, stop_waiting
     if self.retrieves:
       self._log = MetricWriter(self.workdir, "retrieval", start + 1)
 
   def before_step(self, step: int, start: int, depth: int) -> None:
     """On the main thread, before step `step` runs."""
+
+  def waits_for_index(self, step: int, start: int) -> bool:
+    """Whether the batch of `step` may wait long for its index, on every process alike (the
+    processes then agree on a SIGTERM before the step: `BatchFeed.next_together`)."""
+    return False
 
   def for_step(self, step: int) -> tuple[IndexVersion | None, float]:
     """The feed thread: the index serving `step` (None: nothing retrieved) and the seconds
@@ -262,7 +269,7 @@ class PublishedIndex(NoRetrieval):
             stop_waiting: Callable[[], bool] | None = None) -> None:
     """Clears a DONE of an earlier run, writes the builder's first snapshot (at step 0),
     and in async mode waits for the first version (the one blocking wait)."""
-    super().begin(start, depth, save_start, should_stop)
+    super().begin(start, depth, save_start, should_stop, stop_waiting)
     if jax.process_index() == 0:
       workdir_lib.clear_done(self.workdir)
     if start == 0:
@@ -273,6 +280,14 @@ class PublishedIndex(NoRetrieval):
   def before_step(self, step: int, start: int, depth: int) -> None:
     if self.config.retrieval.refresh == "async":
       self.schedule.advance_async(step, depth)
+
+  def waits_for_index(self, step: int, start: int) -> bool:
+    """Deterministic: the run's first step and each swap to another version."""
+    if self.config.retrieval.refresh != "deterministic":
+      return False
+    r = self.config.retrieval
+    source = lambda t: deterministic_source_step(t, r.refresh_every, r.swap_lag)
+    return step == start or source(step) != source(step - 1)
 
   def for_step(self, step: int) -> tuple[IndexVersion | None, float]:
     return self.schedule.for_step(step)
@@ -305,12 +320,19 @@ class PublishedIndex(NoRetrieval):
   def eval_index(self, step: int, final: bool) -> IndexVersion | None:
     """The final evaluation retrieves from the index of the final params (as a rebuilt index
     does); the first one (deterministic) waits for step 0's."""
-    timeout = self.config.retrieval.index_timeout
-    if final:
-      self.last = self.subscriber.wait_for_step(step, timeout)
-    elif self.last is None:
-      self.last = self.subscriber.wait_for_step(0, timeout)
+    if final or self.last is None:
+      self.last = self._index_to_evaluate(step, step if final else 0)
     return self.last
+
+  def _index_to_evaluate(self, step: int, built_from: int) -> IndexVersion:
+    """The index built from checkpoint `built_from`, waited for on every process;
+    FeedStopped on every process once a SIGTERM came to one (`stopped_anywhere`)."""
+    t0, timeout = time.time(), self.config.retrieval.index_timeout
+    loaded = self.subscriber.wait_for_step(built_from, timeout, self.stop_waiting)
+    if stopped_anywhere(loaded is None, timeout):
+      raise FeedStopped(step, time.time() - t0, f"the index built from step {built_from}",
+                        f"the index of the evaluation at step {step}")
+    return loaded
 
   def stop_feeding(self, preempted: bool) -> None:
     self.schedule.close()

@@ -30,7 +30,7 @@ from realm_jax.runtime import multihost
 
 logger = logging.getLogger(__name__)
 
-_STOPPED, _TIMED_OUT = "stopped", "timed out: "   # a host's outcome of a wait for the first index
+_STOPPED, _TIMED_OUT = "stopped", "timed out: "   # a host's outcome of a wait for an index
 
 
 def deterministic_source_step(step: int, refresh_every: int, swap_lag: int) -> int:
@@ -173,12 +173,25 @@ class VersionSchedule:
 class FeedStopped(Exception):
   """`BatchFeed.next` gave up waiting for a batch because `should_stop()` said so (a SIGTERM
   while the batch waits for its index, say a deterministic version the builder is late with),
-  or `VersionSchedule.start_async` its wait for the first index (on every process alike)."""
+  or a wait that every process ends alike (`stopped_anywhere`): `VersionSchedule.start_async`
+  for the first index, `BatchFeed.next_together` for a deterministic version, an evaluation
+  for its index (`what` then names it)."""
 
-  def __init__(self, step: int, waited: float, waiting_for: str = "its index, or its data"):
-    super().__init__(f"the batch of step {step + 1} was not ready after {waited:.1f}s "
-                     f"({waiting_for})")
+  def __init__(self, step: int, waited: float, waiting_for: str = "its index, or its data",
+               what: str | None = None):
+    super().__init__(f"{what or f'the batch of step {step + 1}'} was not ready after "
+                     f"{waited:.1f}s ({waiting_for})")
     self.step = step
+
+
+def stopped_anywhere(stopped: bool, index_timeout: float) -> bool:
+  """Whether a wait between steps that every process makes (for an index) stopped on a
+  SIGTERM on any process: each says whether its own did, all get the one answer, so that all
+  stop, or all go on (a process that went on alone would wait in the next collective for
+  the others). Every process calls it at the same point; another may still wait for its
+  index up to `index_timeout`, then on storage."""
+  return _STOPPED in multihost.every_process("stopped waiting", _STOPPED if stopped else "on",
+                                             index_timeout + multihost.io_wait_timeout())
 
 
 class BatchFeed:
@@ -241,6 +254,22 @@ class BatchFeed:
     _, batch, used, state = item
     self._next += 1
     return batch, used, state
+
+  def next_together(self, should_stop: Callable[[], bool], index_timeout: float
+                    ) -> tuple[dict[str, np.ndarray], dict, dict]:
+    """`next`, for a batch that may wait long for its index on every process (a deterministic
+    version the builder is late with): each process waits until its batch is ready or
+    `should_stop()` says so (a SIGTERM to any process), then FeedStopped on every process if
+    one stopped (`stopped_anywhere`)."""
+    step, t0 = self._next, time.time()
+    try:
+      fed = self.next(should_stop)
+    except FeedStopped:
+      fed = None
+    if stopped_anywhere(fed is None, index_timeout):
+      raise FeedStopped(step, time.time() - t0, "its index, or its data" +
+                        ("" if fed is None else ", on another process"))
+    return fed
 
   def close(self) -> None:
     self._stop.set()

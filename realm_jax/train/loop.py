@@ -181,7 +181,11 @@ class QueryStepBatches(StepBatches):
       self.feed = BatchFeed(self.data_iter, self._assemble, self.start, self.depth,
                             end=self.config.train.steps)
     t_feed = time.time()
-    host, used, data_state = self.feed.next(self.candidates.should_stop)
+    if self.candidates.waits_for_index(step, self.start):   # on every process alike
+      host, used, data_state = self.feed.next_together(self.candidates.stop_waiting,
+                                                       self.config.retrieval.index_timeout)
+    else:
+      host, used, data_state = self.feed.next(self.candidates.should_stop)
     used["feed_wait"] = time.time() - t_feed
     return StepBatch(partitioning.global_batch(host, self.mesh), data_state, used)
 

@@ -311,20 +311,22 @@ class Run:
     preemption = Preemption(cfg.train.preemption_grace_seconds, self.prefix)
     batches, eval_metrics, details, preempted = None, {}, [], None
     recorded = False   # the run's summary written: a SIGTERM after the last step goes on then
-    wall = None
+    wall, reached = None, start   # the step a wait for an index between steps comes after
     try:
       try:
-        batches, preempted = self._open_or_stop(start, data_iter, preemption)
-        if preempted is None:
-          if cfg.eval.every and start == 0 and self.evaluates_at_start():
-            eval_metrics = self.evaluate(logs["eval"], 0, final=False)[0]
-          preempted, eval_metrics = self._steps(start, batches, logs, preemption, eval_metrics)
+        batches = self.open_batches(start, data_iter, preemption)
+        if cfg.eval.every and start == 0 and self.evaluates_at_start():
+          eval_metrics = self.evaluate(logs["eval"], 0, final=False)[0]
+        preempted, eval_metrics = self._steps(start, batches, logs, preemption, eval_metrics)
         if preempted is None:
           preemption.steps_done(self.checkpointer.saving)
-        if batches is not None:
-          batches.stop(preempted is not None)
+          reached = cfg.train.steps
+        batches.stop(preempted is not None)
         if preempted is None and self.evaluates():
           eval_metrics, details = self.evaluate(logs["eval"], cfg.train.steps, final=True)
+      except FeedStopped as e:   # SIGTERM while the first index, or an evaluation's, was
+        # awaited (on every process alike): a preemption after the step reached
+        preempted = self._stopped_waiting(reached, start, None, preemption, e)
       finally:
         self._close_run(batches, data_iter, logs, preemption)
       wall = self._wall(time.time() - t_start)
@@ -339,15 +341,6 @@ class Run:
       raise
     finally:
       preemption.release(pass_on=recorded)
-
-  def _open_or_stop(self, start: int, data_iter, preemption: Preemption
-                    ) -> tuple[StepBatches | None, int | None]:
-    """(the step batches, None), or (None, `start`) where a SIGTERM stopped the wait for
-    them (for the first published index: on every process alike)."""
-    try:
-      return self.open_batches(start, data_iter, preemption), None
-    except FeedStopped as e:
-      return None, self._stopped_waiting(start, start, None, preemption, e)
 
   def _finished_before(self) -> dict | None:
     """The summary of this run finished before (its checkpoint of the last step and its
@@ -436,11 +429,13 @@ class Run:
   def _stopped_waiting(self, step: int, start: int, data_state: dict | None,
                        preemption: Preemption, e: Exception) -> int:
     """SIGTERM while the batch of step `step` + 1 waited for its index (rebuilt here, or from
-    the builder; the first one: every process stops alike): step `step` is saved, unless it
-    was (this run's first, a checkpoint step). Returns `step`."""
+    the builder: the first one, a late version), or an evaluation at `step` for its index
+    from the builder (every process stops alike): step `step` is saved, unless it was (this
+    run's first, a checkpoint step). Returns `step`."""
     preemption.stopping()
     what = " during the index rebuild" if isinstance(e, EmbeddingStopped) else ""
-    logger.warning(f"{self.prefix}SIGTERM{what} before step {step + 1}: {e}; saving step {step}")
+    when = f"before step {step + 1}" if step < self.config.train.steps else "after the last step"
+    logger.warning(f"{self.prefix}SIGTERM{what} {when}: {e}; saving step {step}")
     if step > start and not self.checkpoint_due(step):
       self.save(step, data_state)
     preemption.saved(step, self.checkpointer)
