@@ -411,6 +411,33 @@ def test_a_wait_for_a_deterministic_or_an_evaluated_index_stops_on_every_host_al
   assert PublishedIndex._index_to_evaluate(source, 9, 9) is version
 
 
+def test_an_in_process_rebuild_stops_at_the_same_batch_on_every_host(monkeypatch):
+  """Processes rebuilding their index in process embed the same batches in step. One process
+  asks after every batch whether a SIGTERM came; several agree after every STOP_CHECK_BLOCKS
+  blocks whether one came to any of them (its notice, seen by each at its own moment), so
+  that all stop at the same batch (their step saved) instead of none until the next step, a
+  whole rebuild later."""
+  import types
+  from realm_jax.runtime import multihost
+  from realm_jax.train import candidates
+  source = types.SimpleNamespace(stop_waiting=lambda: False, config=types.SimpleNamespace(
+      retrieval=types.SimpleNamespace(embed_batch_size=16)))
+  assert candidates.RebuiltIndex._rebuild_stops(source) is source.stop_waiting
+  asked, host_1_stops = [], []
+  monkeypatch.setattr(candidates.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(candidates, "STOP_CHECK_BLOCKS", 3 * 16)   # every 3rd batch
+  monkeypatch.setattr(multihost, "on_every_process",   # process 1's flag: not host_1_stops
+                      lambda flag: asked.append(flag) or (flag and not host_1_stops))
+  stops = candidates.RebuiltIndex._rebuild_stops(source)
+  assert [stops() for _ in range(6)] == [False] * 6 and asked == [True, True]
+  host_1_stops.append(True)            # SIGTERM to process 1, not seen here yet
+  assert [stops() for _ in range(3)] == [False, False, True]
+  source.stop_waiting = lambda: True   # seen here, not yet there
+  host_1_stops.clear()
+  stops = candidates.RebuiltIndex._rebuild_stops(source)
+  assert [stops() for _ in range(3)] == [False, False, True] and asked[-1] is False
+
+
 def mesh_of(processes: int, shape: tuple[int, int]) -> np.ndarray:
   """The process of each device of `make_mesh(shape)` over `processes` processes of equal
   device counts (JAX lists devices in process order)."""

@@ -4,11 +4,11 @@ One process: a SIGTERM handler notes the signal; the loop asks `reached(step)` a
 Several processes: JAX's preemption sync manager (started by `jax.distributed.initialize`, it
 owns SIGTERM there) makes every process answer True at the same step, so all of them save the
 same checkpoint. A wait between steps (for a published index: the first, a late
-`deterministic` version, an evaluation's) asks `noticed()` as it polls, and its processes
-agree before they stop. Either way a watchdog gives the save `grace_seconds` from the moment
-it is known: if the checkpoint is not finalised by then, the process exits without it (code
-75, not 143: the previous finalised checkpoint stays the latest) rather than be killed
-mid-write by the scheduler.
+`deterministic` version, an evaluation's; an in-process rebuild) asks `noticed()` as it
+goes, and its processes agree before they stop. Either way a watchdog gives the save
+`grace_seconds` from the moment it is known: if the checkpoint is not finalised by then, the
+process exits without it (code 75, not 143: the previous finalised checkpoint stays the
+latest) rather than be killed mid-write by the scheduler.
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ class Preemption:
     self._phase = "after"
 
   def requested(self) -> bool:
-    """Whether this process got SIGTERM (asked between steps, e.g. by an index rebuild that
-    then yields; with several processes JAX's sync manager owns the signal: False here)."""
+    """Whether this process got SIGTERM (asked between steps, e.g. by a batch's wait for its
+    data, which then yields; with several processes JAX's sync manager owns the signal:
+    False here)."""
     return self.received_at is not None
 
   def noticed(self) -> bool:
