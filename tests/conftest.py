@@ -95,37 +95,39 @@ def pytest_configure(config):
                           r"ignore:the load_module\(\) method is deprecated:DeprecationWarning")
 
 
-# The test files that take longest (seconds of the whole suite in one worker, AVX-512 Xeon,
-# 2026-11-27), started first. `make test` hands whole files to its workers in the order of the
-# collection (`--dist loadfile --no-loadscope-reorder`); xdist's own order, files with the most
-# tests first, started these last, and one worker ran test_refresh alone for the last 15 s.
-# Longest first, the short files fill in at the end and the workers finish together.
+# The test files that take longest (seconds of test time in the whole suite, 2 workers, 2-core
+# Zen 5 EPYC with AVX-512, 2026-12-07, from pytest's junit times), started first. `make test`
+# hands whole files to its workers in the order of the collection (`--dist loadfile
+# --no-loadscope-reorder`); xdist's own order, files with the most tests first, started these
+# last, and one worker ran test_refresh alone for the last 15 s. Longest first, the short files
+# fill in at the end and the workers finish together.
 LONGEST_FILES_FIRST = (
-    "test_multihost.py",           # 41 s
-    "test_train.py",               # 39 s
-    "test_index_builder.py",       # 39 s
-    "test_retriever_learning.py",  # 31 s
-    "test_refresh.py",             # 31 s
-    "test_model_execution.py",     # 29 s
-    "test_faults.py",              # 25 s
-    "test_gcs.py",                 # 24 s
-    "test_sharding.py",            # 18 s
-    "test_hf_realm.py",            # 17 s
-    "test_openqa.py",              # 14 s
-    "test_cli.py",                 # 14 s
-    "test_hf_bert.py",             # 14 s
-    "test_sweep.py",               # 13 s
+    "test_multihost.py",           # 134 s
+    "test_train.py",               # 74 s
+    "test_refresh.py",             # 65 s
+    "test_cli.py",                 # 59 s
+    "test_index_builder.py",       # 48 s
+    "test_gcs.py",                 # 40 s
+    "test_openqa.py",              # 30 s
+    "test_retriever_learning.py",  # 30 s
+    "test_faults.py",              # 29 s
+    "test_model_execution.py",     # 25 s
+    "test_hf_realm.py",            # 25 s
+    "test_sharding.py",            # 23 s
+    "test_sweep.py",               # 19 s
+    "test_launch_local.py",        # 18 s
+    "test_bench_scripts.py",       # 15 s
+    "test_hf_bert.py",             # 12 s
     "test_processes.py",           # 12 s
     "test_base_configs.py",        # 12 s
-    "test_restore_topology.py",    # 12 s
-    "test_init_parts.py",          # 11 s
+    "test_restore_topology.py",    # 10 s
+    "test_init_parts.py",          # 9 s
     # files without slow tests, timed in `make test-fast` on the AVX2 EPYC (2026-11-27):
     # started early so that none of them is begun when the other worker has run out of files
     # (no gain measurable within that machine's run-to-run spread; kept as the rule above)
     "test_prepare.py",             # 15 s on the EPYC
     "test_losses.py",              # 10 s on the EPYC
     "test_hf_ner.py",              # 9 s on the EPYC
-    "test_launch_local.py",        # 8 s on the EPYC
 )
 
 
