@@ -176,61 +176,14 @@ def test_a_sigterm_while_a_batch_waits_for_its_index_saves_the_last_step(
                 if d.isdigit()) == [0, 3, 5]
 
 
-def test_a_sigterm_while_the_first_index_is_awaited_stops_at_once_and_resumes(
+def test_a_sigterm_while_the_first_index_or_the_final_evaluations_is_awaited_stops_at_once(
     world_dir, tmp_path, monkeypatch, capsys):
-  """Async refresh, no builder yet: a SIGTERM while the trainer waits for the first published
+  """Async refresh. No builder yet: a SIGTERM while the trainer waits for the first published
   index stops it within a second, step 0 saved (the builder's first snapshot), instead of
-  after the preemption grace (exit 75: not known saved) or the index timeout; the rerun
-  resumes from it once the builder has published."""
-  import threading
-  import time
-  from realm_jax.runtime import preemption
-  from realm_jax.train.loop import train
-  from tests.test_index_builder import build_once
-  exits = []
-  monkeypatch.setattr(preemption.os, "_exit", exits.append)   # the watchdog's, if it fired
-  config = helpers.tiny_config(
-      "realm", data_dir=world_dir, retrieval__refresh="async", retrieval__index_timeout=20.0,
-      train__steps=2, train__preemption_grace_seconds=10.0, builder__poll_seconds=0.1)
-  workdir = str(tmp_path / "run")
-  signalled = []
-
-  def sigterm_once_waiting():
-    while not os.path.isdir(os.path.join(workdir, "checkpoints", "0")):
-      time.sleep(0.1)
-    time.sleep(1.0)                    # the trainer now waits for the first index
-    signalled.append(time.time())
-    os.kill(os.getpid(), signal.SIGTERM)
-  helper = threading.Thread(target=sigterm_once_waiting, daemon=True)
-  helper.start()
-  summary = train(config, workdir)
-  stopped_after = time.time() - signalled[0]
-  out = capsys.readouterr().out
-  assert summary.get("preempted_at_step") == 0, out[-3000:]
-  assert stopped_after < 5 and exits == [], out[-3000:]
-  assert "SIGTERM before step 1: the batch of step 1 was not ready after" in out, out[-3000:]
-  assert "checkpoint 0 finalised" in out
-  build_once(config, workdir)          # v1, of step 0: the rerun's first index
-
-  def index_of_the_last_step():        # for the final evaluation
-    while not os.path.isdir(os.path.join(workdir, "checkpoints", "2")):
-      time.sleep(0.1)
-    build_once(config, workdir)
-  helper = threading.Thread(target=index_of_the_last_step, daemon=True)
-  helper.start()
-  summary = train(config, workdir)
-  helper.join(timeout=30)
-  assert summary["steps"] == 2 and f"resumed from {workdir}/checkpoints/0 " in \
-      capsys.readouterr().out
-
-
-def test_a_sigterm_while_the_final_evaluation_awaits_its_index_stops_at_once_and_resumes(
-    world_dir, tmp_path, monkeypatch, capsys):
-  """Async refresh, the builder behind at the end: the final evaluation waits for the index
-  of the last step's checkpoint. A SIGTERM then stops the run within a second, that step
-  saved (exit 143), instead of at the end of the preemption grace (the watchdog's exit) or
-  of the index timeout (an error); the rerun resumes from it and evaluates once the builder
-  has published."""
+  after the preemption grace (exit 75: not known saved) or the index timeout. The rerun
+  resumes from it once the builder has published; then, the builder behind at the end, a
+  SIGTERM while the final evaluation waits for the index of the last step's checkpoint stops
+  it as soon, that step saved; the third run resumes from it and evaluates."""
   import threading
   import time
   from realm_jax.runtime import preemption
@@ -244,24 +197,32 @@ def test_a_sigterm_while_the_final_evaluation_awaits_its_index_stops_at_once_and
   workdir = str(tmp_path / "run")
   signalled = []
 
-  def index_of_step_0_then_sigterm():
-    while not os.path.isdir(os.path.join(workdir, "checkpoints", "0")):
-      time.sleep(0.1)
-    build_once(config, workdir)        # v1, of step 0: the steps' index
-    while not os.path.isdir(os.path.join(workdir, "checkpoints", "2")):
-      time.sleep(0.1)
-    time.sleep(1.5)                    # the final evaluation now waits for step 2's index
-    signalled.append(time.time())
-    os.kill(os.getpid(), signal.SIGTERM)
-  helper = threading.Thread(target=index_of_step_0_then_sigterm, daemon=True)
-  helper.start()
-  summary = train(config, workdir)
-  stopped_after = time.time() - signalled[0]
-  out = capsys.readouterr().out
-  assert summary.get("preempted_at_step") == 2, out[-3000:]
-  assert stopped_after < 5 and exits == [], out[-3000:]
-  assert "SIGTERM after the last step: the index of the evaluation at step 2 was not ready " \
-         "after" in out and "checkpoint 2 finalised" in out, out[-3000:]
+  def sigterm_after(checkpoint: int, build_first: bool):
+    def wait_then_signal():
+      if build_first:                  # v1, of step 0: the steps' index
+        while not os.path.isdir(os.path.join(workdir, "checkpoints", "0")):
+          time.sleep(0.1)
+        build_once(config, workdir)
+      while not os.path.isdir(os.path.join(workdir, "checkpoints", str(checkpoint))):
+        time.sleep(0.1)
+      time.sleep(1.5)                  # the trainer now waits for an index
+      signalled.append(time.time())
+      os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=wait_then_signal, daemon=True).start()
+
+  for checkpoint, build_first, said in (
+      (0, False, "SIGTERM before step 1: the batch of step 1 was not ready after"),
+      (2, True, "SIGTERM after the last step: the index of the evaluation at step 2 was not "
+                "ready after")):
+    sigterm_after(checkpoint, build_first)
+    summary = train(config, workdir)
+    stopped_after = time.time() - signalled[-1]
+    out = capsys.readouterr().out
+    assert summary.get("preempted_at_step") == checkpoint, out[-3000:]
+    assert stopped_after < 5 and exits == [], out[-3000:]
+    assert said in out and f"checkpoint {checkpoint} finalised" in out, out[-3000:]
+    if checkpoint:
+      assert f"resumed from {workdir}/checkpoints/0 " in out, out[-3000:]
   build_once(config, workdir)          # v2, of step 2
   summary = train(config, workdir)
   out = capsys.readouterr().out
