@@ -51,10 +51,13 @@ class Preemption:
     else:
       self._start(time.time())
 
-  def _start(self, now: float) -> None:
+  def _start(self, now: float, stops: bool = False) -> None:
     self.received_at = now
-    doing = "finishing this step, then saving a checkpoint" if self._phase == "steps" else \
-        "after the last step: finishing the run"
+    if self._phase == "steps":
+      doing = "finishing this step, then saving a checkpoint"
+    else:   # `stops`: the processes agreed to stop (a final evaluation's wait for its index)
+      doing = "after the last step: " + ("stopping, its checkpoint kept" if stops else
+                                         "finishing the run")
     logger.warning(f"{self.prefix}SIGTERM: {doing} (grace {self.grace:g}s)")
     threading.Thread(target=self._watchdog, name="preemption-watchdog", daemon=True).start()
 
@@ -103,7 +106,7 @@ class Preemption:
     """Every process stops to save (at JAX's sync point, or agreed during a wait): the grace
     starts now on a process whose signal JAX's handler took (several processes)."""
     if self.received_at is None:
-      self._start(time.time())
+      self._start(time.time(), stops=True)
 
   def reached(self, step: int) -> bool:
     """Whether to save and stop after `step` (the same answer on every process)."""
