@@ -411,6 +411,67 @@ def test_a_wait_for_a_deterministic_or_an_evaluated_index_stops_on_every_host_al
   assert PublishedIndex._index_to_evaluate(source, 9, 9) is version
 
 
+def test_a_wait_for_an_index_that_fails_on_one_host_fails_on_every_host(monkeypatch):
+  """A deterministic batch's or an evaluation's wait for its index that ends in an error on
+  one host (its index timed out there, or will never be published) ends in the exchange too:
+  every host raises it (the same class for an index error), instead of the others waiting in
+  the exchange for a host that left, or going on alone into the step's collectives."""
+  import types
+  from realm_jax.errors import IndexNeverPublished, IndexWaitTimeout
+  from realm_jax.runtime import multihost
+  from realm_jax.train.candidates import PublishedIndex
+  from realm_jax.train.feed import BatchFeed
+  sent = []
+
+  def host_1_says(answer):   # process 1's part of the exchange; this host is process 0
+    def every_process(name, value, timeout):
+      sent.append(value)
+      return [value, answer]
+    monkeypatch.setattr(multihost, "every_process", every_process)
+
+  class Queries:
+    def __next__(self):
+      return {}
+
+    def get_state(self):
+      return {}
+
+  def assemble(step, queries):
+    if step == 3:
+      raise IndexWaitTimeout("no published index built from step 3 after 5s")
+    return {"step": step}, {}
+  feed = BatchFeed(Queries(), assemble, 2, depth=1)
+  host_1_says("failed: IndexWaitTimeout: no published index built from step 0 after 5s")
+  with pytest.raises(IndexWaitTimeout, match="^no published index built from step 0 after"):
+    feed.next_together(lambda: False, 5)   # this host's batch is ready: it does not go on
+  host_1_says("on")
+  with pytest.raises(IndexWaitTimeout, match="built from step 3"):
+    feed.next_together(lambda: False, 5)   # timed out here: the other host hears it
+  assert sent == ["on", "failed: IndexWaitTimeout: no published index built from step 3 "
+                  "after 5s"]
+  feed.close()
+
+  def never(step, timeout, stop):
+    raise IndexNeverPublished(f"the index built from checkpoint step {step} will not be")
+  source = types.SimpleNamespace(
+      config=types.SimpleNamespace(retrieval=types.SimpleNamespace(index_timeout=5)),
+      subscriber=types.SimpleNamespace(wait_for_step=never), stop_waiting=lambda: False)
+  with pytest.raises(IndexNeverPublished, match="step 9 will not be"):
+    PublishedIndex._index_to_evaluate(source, 9, 9)
+  assert sent[-1].startswith("failed: IndexNeverPublished: the index built from checkpoint")
+
+  def gone(name, value, timeout):
+    raise RuntimeError("process 0 of 2: not every process sent its 'stopped waiting'")
+  monkeypatch.setattr(multihost, "every_process", gone)   # the other host's job ended
+  with pytest.raises(IndexNeverPublished, match="step 9 will not be"):
+    PublishedIndex._index_to_evaluate(source, 9, 9)
+  host_1_says("failed: RuntimeError: the index subscriber was closed")
+  source.subscriber.wait_for_step = lambda step, timeout, stop: types.SimpleNamespace(step=9)
+  with pytest.raises(RuntimeError, match="^process 1: RuntimeError: the index subscriber was "
+                     "closed$"):
+    PublishedIndex._index_to_evaluate(source, 9, 9)
+
+
 def test_an_in_process_rebuild_stops_at_the_same_batch_on_every_host(monkeypatch):
   """Processes rebuilding their index in process embed the same batches in step. One process
   asks after every batch whether a SIGTERM came; several agree after every STOP_CHECK_BLOCKS

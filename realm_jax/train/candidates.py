@@ -343,10 +343,15 @@ class PublishedIndex(NoRetrieval):
 
   def _index_to_evaluate(self, step: int, built_from: int) -> IndexVersion:
     """The index built from checkpoint `built_from`, waited for on every process;
-    FeedStopped on every process once a SIGTERM came to one (`stopped_anywhere`)."""
+    FeedStopped on every process once a SIGTERM came to one, an error on every process once
+    the wait of one failed (`stopped_anywhere`)."""
     t0, timeout = time.time(), self.config.retrieval.index_timeout
-    loaded = self.subscriber.wait_for_step(built_from, timeout, self.stop_waiting)
-    if stopped_anywhere(loaded is None, timeout):
+    loaded, error = None, None
+    try:
+      loaded = self.subscriber.wait_for_step(built_from, timeout, self.stop_waiting)
+    except Exception as e:  # noqa: BLE001  (raised after the exchange, on every process)
+      error = e
+    if stopped_anywhere(loaded is None, timeout, error):
       raise FeedStopped(step, time.time() - t0, f"the index built from step {built_from}",
                         f"the index of the evaluation at step {step}")
     return loaded

@@ -24,13 +24,14 @@ from typing import Callable
 
 import numpy as np
 
-from realm_jax.errors import SELF_EXPLAINING, IndexWaitTimeout
+from realm_jax.errors import SELF_EXPLAINING, IndexNeverPublished, IndexWaitTimeout
 from realm_jax.retrieval.index import IndexVersion
 from realm_jax.runtime import multihost
 
 logger = logging.getLogger(__name__)
 
 _STOPPED, _TIMED_OUT = "stopped", "timed out: "   # a host's outcome of a wait for an index
+_FAILED = "failed: "   # ... that raised: "failed: <its class>: <its message>"
 
 
 def deterministic_source_step(step: int, refresh_every: int, swap_lag: int) -> int:
@@ -184,14 +185,38 @@ class FeedStopped(Exception):
     self.step = step
 
 
-def stopped_anywhere(stopped: bool, index_timeout: float) -> bool:
+def stopped_anywhere(stopped: bool, index_timeout: float,
+                     error: Exception | None = None) -> bool:
   """Whether a wait between steps that every process makes (for an index) stopped on a
   SIGTERM on any process: each says whether its own did, all get the one answer, so that all
   stop, or all go on (a process that went on alone would wait in the next collective for
   the others). Every process calls it at the same point; another may still wait for its
-  index up to `index_timeout`, then on storage."""
-  return _STOPPED in multihost.every_process("stopped waiting", _STOPPED if stopped else "on",
-                                             index_timeout + multihost.io_wait_timeout())
+  index up to `index_timeout`, then on storage. A wait that raised `error` (its index timed
+  out, or will never be published, on this process only, maybe) says so too, and every
+  process raises: this one `error`, the others the first failed process's (`_peer_error`)."""
+  mine = (f"{_FAILED}{type(error).__name__}: {error}" if error is not None else
+          _STOPPED if stopped else "on")
+  try:
+    found = multihost.every_process("stopped waiting", mine,
+                                    index_timeout + multihost.io_wait_timeout())
+  except RuntimeError:   # another process gone: this one's error says more than that
+    if error is None:
+      raise
+  if error is not None:
+    raise error
+  failed = [(p, f[len(_FAILED):]) for p, f in enumerate(found) if f.startswith(_FAILED)]
+  if failed:
+    raise _peer_error(*failed[0])
+  return _STOPPED in found
+
+
+def _peer_error(process: int, said: str) -> Exception:
+  """The error of another process's wait for an index (`said`: its class and message): an
+  index error as the same class with the same message (one line at the CLI, as there),
+  another as a RuntimeError naming that process."""
+  name, _, message = said.partition(": ")
+  known = {e.__name__: e for e in (IndexWaitTimeout, IndexNeverPublished)}
+  return known[name](message) if name in known else RuntimeError(f"process {process}: {said}")
 
 
 class BatchFeed:
@@ -260,13 +285,16 @@ class BatchFeed:
     """`next`, for a batch that may wait long for its index on every process (a deterministic
     version the builder is late with): each process waits until its batch is ready or
     `should_stop()` says so (a SIGTERM to any process), then FeedStopped on every process if
-    one stopped (`stopped_anywhere`)."""
+    one stopped, an error on every process if one's batch failed (`stopped_anywhere`)."""
     step, t0 = self._next, time.time()
+    fed, error = None, None
     try:
       fed = self.next(should_stop)
     except FeedStopped:
-      fed = None
-    if stopped_anywhere(fed is None, index_timeout):
+      pass
+    except Exception as e:  # noqa: BLE001  (raised after the exchange, on every process)
+      error = e
+    if stopped_anywhere(fed is None, index_timeout, error):
       raise FeedStopped(step, time.time() - t0, "its index, or its data" +
                         ("" if fed is None else ", on another process"))
     return fed
