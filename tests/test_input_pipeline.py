@@ -405,8 +405,12 @@ def test_a_wait_for_a_deterministic_or_an_evaluated_index_stops_on_every_host_al
   source.subscriber = types.SimpleNamespace(wait_for_step=lambda step, timeout, stop: version)
   source.stop_waiting = lambda: False
   with pytest.raises(FeedStopped, match="the index of the evaluation at step 9 was not ready "
-                     r"after .*s \(the index built from step 9\)"):
+                     r"after .*s \(the index built from step 9, on another process\)$"):
+    PublishedIndex._index_to_evaluate(source, 9, 9)   # ready here, host 1 got SIGTERM
+  source.subscriber.wait_for_step = lambda step, timeout, stop: None   # SIGTERM seen here
+  with pytest.raises(FeedStopped, match=r"\(the index built from step 9\)$"):
     PublishedIndex._index_to_evaluate(source, 9, 9)
+  source.subscriber.wait_for_step = lambda step, timeout, stop: version
   host_1_says("on")
   assert PublishedIndex._index_to_evaluate(source, 9, 9) is version
 

@@ -352,7 +352,8 @@ class PublishedIndex(NoRetrieval):
     except Exception as e:  # noqa: BLE001  (raised after the exchange, on every process)
       error = e
     if stopped_anywhere(loaded is None, timeout, error):
-      raise FeedStopped(step, time.time() - t0, f"the index built from step {built_from}",
+      raise FeedStopped(step, time.time() - t0, f"the index built from step {built_from}" +
+                        ("" if loaded is None else ", on another process"),
                         f"the index of the evaluation at step {step}")
     return loaded
 
