@@ -328,7 +328,8 @@ def test_an_unsaved_sigterm_reaches_the_callers_handler_and_no_watchdog_outlives
 def test_a_stop_agreed_after_the_last_step_says_the_run_stops(monkeypatch, capsys):
   """Several processes (JAX's sync manager took the SIGTERM: none was noted here) that agree
   to stop while the final evaluation waits for its index: the grace starts then, and its
-  line says the run stops at its last step's checkpoint, not that it finishes."""
+  line says the run stops at its last step's checkpoint, not that it finishes; between two
+  steps, that a checkpoint is saved (no step runs to be finished)."""
   exits = []
   monkeypatch.setattr(preemption.os, "_exit", exits.append)
   watcher = preemption.Preemption(grace_seconds=2.0, prefix="[t] ")
@@ -342,6 +343,15 @@ def test_a_stop_agreed_after_the_last_step_says_the_run_stops(monkeypatch, capsy
   out = capsys.readouterr().out
   assert "finishing the run" not in out and exits == [], out
   assert "[t] SIGTERM: after the last step: stopping, its checkpoint kept (grace 2s)" in out
+  watcher = preemption.Preemption(grace_seconds=2.0, prefix="[t] ")
+  try:   # agreed between steps (a rebuild, a wait for an index) or at JAX's sync point
+    watcher.stopping()
+    watcher.saved(3, _Finalised())
+  finally:
+    watcher.close()
+    watcher.release()
+  out = capsys.readouterr().out
+  assert "[t] SIGTERM: saving a checkpoint (grace 2s)" in out and exits == [], out
 
 
 def test_a_save_not_finalised_within_the_grace_exits_75_not_143(monkeypatch, capsys):

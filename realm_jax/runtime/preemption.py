@@ -53,8 +53,8 @@ class Preemption:
 
   def _start(self, now: float, stops: bool = False) -> None:
     self.received_at = now
-    if self._phase == "steps":
-      doing = "finishing this step, then saving a checkpoint"
+    if self._phase == "steps":   # `stops`: every process stops now (`stopping`)
+      doing = "saving a checkpoint" if stops else "finishing this step, then saving a checkpoint"
     else:   # `stops`: the processes agreed to stop (a final evaluation's wait for its index)
       doing = "after the last step: " + ("stopping, its checkpoint kept" if stops else
                                          "finishing the run")
