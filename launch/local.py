@@ -528,12 +528,12 @@ def _launch(args: argparse.Namespace) -> int:
   validate_training_splits(config)
   commands = default_commands(args.config, args.workdir, args.overrides, args.verbosity)
   if uses_index_builder(config):
-    env_for = _device_env(config.builder.devices)
+    env_for, said = _device_env(config.builder.devices)
   else:   # the trainer retrieves without index versions from a builder (or needs none)
     r = config.retrieval
-    print(f"{PROG}: the config does not use the separate index builder (task {config.task!r}, "
-          f"retrieval.candidates {r.candidates!r}, retrieval.refresh {r.refresh!r}): the "
-          "trainer runs alone", flush=True)
+    said = (f"{PROG}: the config does not use the separate index builder (task "
+            f"{config.task!r}, retrieval.candidates {r.candidates!r}, retrieval.refresh "
+            f"{r.refresh!r}): the trainer runs alone")
     commands, env_for = {"trainer": commands["trainer"]}, {}
   workdir_lib.check_data_dir(config)   # else both processes start, then fail on it
   for job in workdir_lib.JOBS:         # W in use: its DONE is not ours to remove
@@ -541,30 +541,30 @@ def _launch(args: argparse.Namespace) -> int:
     if holder is not None:
       raise ConfigError("", f"{args.workdir} is in use: a {job} (pid {holder}) runs on it; "
                         "stop it first, or use another workdir")
+  print(said, flush=True)   # after the refusals: a refused launch says its error alone
   # on SIGTERM the trainer saves within its own grace period: not SIGKILLed before it ends
   save_grace = config.train.preemption_grace_seconds + SAVE_MARGIN
   return supervise(commands, args.workdir, env_for, args.grace, save_grace)
 
 
-def _device_env(builder_ids: str) -> dict[str, dict[str, str]]:
-  """Each process's CUDA_VISIBLE_DEVICES (`assign_devices`; {} on CPU), said in one line."""
+def _device_env(builder_ids: str) -> tuple[dict[str, dict[str, str]], str]:
+  """Each process's CUDA_VISIBLE_DEVICES (`assign_devices`; {} on CPU), and the line that
+  says so (printed once every refusal has had its say)."""
   visible = visible_gpus(dict(os.environ))
   split = assign_devices(visible, builder_ids)
   if split is None:
-    print(f"{PROG}: no GPU visible: both processes run with this environment "
-          f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}, "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})", flush=True)
-    return {}
+    return {}, (f"{PROG}: no GPU visible: both processes run with this environment "
+                f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}, "
+                f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
   env_for = {"trainer": {"CUDA_VISIBLE_DEVICES": split[0]},
              "builder": {"CUDA_VISIBLE_DEVICES": split[1]}}
   # the same GPUs for both (builder.devices=shared): neither may take most of their memory
   memory = shared_memory_env(dict(os.environ)) if split[0] == split[1] else {}
   for env in env_for.values():
     env.update(memory)
-  print(f"{PROG}: GPUs {','.join(visible)}: trainer {split[0]}, builder {split[1]} "
-        "(config.builder.devices)" + "".join(f"; both with {k}={v}" for k, v in memory.items()),
-        flush=True)
-  return env_for
+  return env_for, (f"{PROG}: GPUs {','.join(visible)}: trainer {split[0]}, builder {split[1]} "
+                   "(config.builder.devices)" +
+                   "".join(f"; both with {k}={v}" for k, v in memory.items()))
 
 
 def main(argv: list[str] | None = None) -> int:

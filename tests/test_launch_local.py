@@ -534,14 +534,15 @@ def test_cli_device_errors_name_the_option(tmp_path, cuda_visible, flags, words)
 ])
 def test_a_data_dir_that_cannot_be_read_is_refused_before_either_process_starts(
     tmp_path, flags, message):
-  """Both processes used to start, then each failed on it."""
+  """Both processes used to start, then each failed on it. Nothing is said before the
+  refusal (the launch's "no GPU visible" line came first, on stdout)."""
   result = subprocess.run(
       [sys.executable, LOCAL_PY, "--config", "configs/demo_realm.py:realm",
        "--config.retrieval.refresh=async", "--workdir", str(tmp_path / "run"), *flags],
       cwd=REPO, capture_output=True, text=True, timeout=60)
   assert result.returncode == 2, result.stdout + result.stderr
   assert result.stderr == f"local.py: error: {message}\n"
-  assert "started" not in result.stdout and not (tmp_path / "run").exists()
+  assert result.stdout == "" and not (tmp_path / "run").exists()
 
 
 def test_a_signal_while_the_config_is_read_starts_nothing(tmp_path, capsys):
