@@ -15,11 +15,34 @@ from realm_jax import paths
 logger = logging.getLogger(__name__)
 
 
-def window_scalars(window: list[dict], seconds: float, learning_rate: float) -> dict:
+def window_record(window: list[dict]) -> dict:
+  """The train metrics of the steps since the last log line as a checkpoint keeps them (JSON:
+  each metric's dtype and values, exact), so that a run resumed from that checkpoint logs the
+  means of the same steps as a run that went on (`window_from_record`); {} for none."""
+  if not window:
+    return {}
+  values = {k: [np.asarray(jax.device_get(m[k])) for m in window] for k in window[0]}
+  return {k: {"dtype": v[0].dtype.name, "values": [x.item() for x in v]}
+          for k, v in values.items()}
+
+
+def window_from_record(record: dict | None) -> list[dict]:
+  """The window of `window_record(window)`, its values in their own dtypes (the same means)."""
+  if not record:
+    return []
+  steps = len(next(iter(record.values()))["values"])
+  return [{k: np.asarray(v["values"][i], jax.numpy.dtype(v["dtype"])) for k, v in record.items()}
+          for i in range(steps)]
+
+
+def window_scalars(window: list[dict], seconds: float, learning_rate: float,
+                   carried: int = 0) -> dict:
   """The mean of each train metric over the steps since the last log line, with the step
-  rate and the learning rate."""
+  rate (of the steps run in these `seconds`: all but the `carried` first, the metrics of a
+  run stopped before it logged them) and the learning rate."""
   scalars = {k: float(np.mean([jax.device_get(m[k]) for m in window])) for k in window[0]}
-  scalars.update(steps_per_second=len(window) / seconds, learning_rate=learning_rate)
+  scalars.update(steps_per_second=max(len(window) - carried, 1) / seconds,
+                 learning_rate=learning_rate)
   return scalars
 
 

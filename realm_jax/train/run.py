@@ -32,10 +32,13 @@ from realm_jax.train import steps
 from realm_jax.runtime.checkpoints import Checkpointer
 from realm_jax.config.validation import (validate, validate_against_mesh,
                                         validate_training_splits)
-from realm_jax.runtime.metrics import MetricWriter, format_duration, window_scalars
+from realm_jax.runtime.metrics import (MetricWriter, format_duration, window_from_record,
+                                      window_record, window_scalars)
 from realm_jax.runtime.preemption import Preemption
 
 logger = logging.getLogger(__name__)
+# the key of a checkpoint's data item that holds the train metrics not yet logged
+TRAIN_WINDOW = "train_window"
 
 
 def checked_data(config: ml_collections.ConfigDict, workdir: str) -> PreparedData:
@@ -194,6 +197,8 @@ class Run:
     self.checkpointer = Checkpointer(workdir, config.train.keep_checkpoints,
                                      config.train.async_checkpoints)
     self.saved_data = None
+    # the train metrics of the steps since the last log line (a checkpoint keeps them)
+    self.window: list[dict] = []
     self.skipped_updates = 0   # non-finite steps not applied (train.nonfinite=skip), this run
     self.prefix = f"[{config.task}] "
 
@@ -287,7 +292,12 @@ class Run:
     return 0, start
 
   def save(self, done: int, data_state: dict) -> None:
-    self.checkpointer.save(done, self.state, self.inputs.state(data_state, done), self.item())
+    """Step `done`'s checkpoint; its data item keeps the metrics of the steps not yet logged
+    (a run resumed from it logs their means as one that went on)."""
+    data = self.inputs.state(data_state, done)
+    if self.window:
+      data[TRAIN_WINDOW] = window_record(self.window)
+    self.checkpointer.save(done, self.state, data, self.item())
 
   def run(self) -> dict:
     cfg = self.config
@@ -391,7 +401,9 @@ class Run:
              eval_metrics: dict):
     """Steps `start`..total; returns (the step preempted after or None, latest eval)."""
     cfg, total = self.config, self.config.train.steps
-    window, t_last, data_state = [], time.time(), None
+    self.window = window_from_record((self.saved_data or {}).get(TRAIN_WINDOW)) if start else []
+    window, t_last, data_state = self.window, time.time(), None
+    carried = len(window)   # steps of the run stopped here, run before this one's clock
     for step in range(start, total):
       raise_if_interrupted()   # a Ctrl-C swallowed in a gc callback: the run stops here
       try:
@@ -409,13 +421,14 @@ class Run:
         # the rate step `done`'s update applied: optax reads the schedule at the count of
         # updates before it (0 for the first)
         scalars = window_scalars(window, now - t_last, float(
-            state_lib.learning_rate_schedule(cfg.train)(done - 1)))
+            state_lib.learning_rate_schedule(cfg.train)(done - 1)), carried)
         figures, note = batches.progress(scalars)   # may add figures to the scalars
         logs["train"].write(done, scalars)
         rate = scalars["steps_per_second"]
         logger.info(f"{self.prefix}step {done}/{total} {figures} | {rate:.2f} steps/s ETA "
                     f"{format_duration((total - done) / max(rate, 1e-9))}{note}")
-        window, t_last = [], now
+        window.clear()
+        t_last, carried = now, 0
       if self.evaluates() and cfg.eval.every and done % cfg.eval.every == 0 and done != total:
         eval_metrics = self.evaluate(logs["eval"], done, final=False)[0]
       stop = preemption.reached(done)   # the same answer on every process
