@@ -41,3 +41,20 @@ def test_a_summary_with_a_nan_is_written_as_strict_json(tmp_path):
                    {"eval_loss": float("nan"), "curve": [1.0, float("-inf")], "runs": 1})
   assert strict((tmp_path / "summary.json").read_text()) == {
       "eval_loss": None, "curve": [1.0, None], "runs": 1}
+
+
+def test_a_window_resumed_under_other_metrics_is_kept_and_averaged_per_metric():
+  """A run resumed under another `retrieval.loss` carries steps with `distill_kl` from its
+  checkpoint and steps without it: its first line and its next checkpoint's record average
+  each metric over the steps that have it (before: a KeyError on the first line)."""
+  import numpy as np
+  from realm_jax.runtime.metrics import window_from_record, window_record, window_scalars
+  carried = [{"loss": np.float32(2.0), "distill_kl": np.float32(0.5)}]
+  window = window_from_record(json.loads(json.dumps(window_record(carried))))   # as Orbax
+  window += [{"loss": np.float32(4.0), "index_step": np.int32(3)}]
+  scalars = window_scalars(window, 2.0, 0.1, carried=1)
+  assert scalars == {"loss": 3.0, "distill_kl": 0.5, "index_step": 3.0,
+                     "steps_per_second": 0.5, "learning_rate": 0.1}
+  again = window_from_record(json.loads(json.dumps(window_record(window))))
+  assert [sorted(m) for m in again] == [["distill_kl", "loss"], ["index_step", "loss"]]
+  assert again[1]["index_step"].dtype == np.int32 and again[0]["distill_kl"] == 0.5

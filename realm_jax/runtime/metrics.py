@@ -15,15 +15,24 @@ from realm_jax import paths
 logger = logging.getLogger(__name__)
 
 
+def _window_keys(window: list[dict]) -> list[str]:
+  """The metrics of a window's steps, in the order they first come: a run resumed under
+  another config (`retrieval.loss`, `retrieval.train_null_document`) steps with other metrics
+  than the steps it carried over from the checkpoint."""
+  return list(dict.fromkeys(k for m in window for k in m))
+
+
 def window_record(window: list[dict]) -> dict:
   """The train metrics of the steps since the last log line as a checkpoint keeps them (JSON:
-  each metric's dtype and values, exact), so that a run resumed from that checkpoint logs the
-  means of the same steps as a run that went on (`window_from_record`); {} for none."""
-  if not window:
-    return {}
-  values = {k: [np.asarray(jax.device_get(m[k])) for m in window] for k in window[0]}
-  return {k: {"dtype": v[0].dtype.name, "values": [x.item() for x in v]}
-          for k, v in values.items()}
+  each metric's dtype and values, exact; None for a step without that metric), so that a run
+  resumed from that checkpoint logs the means of the same steps as a run that went on
+  (`window_from_record`); {} for none."""
+  record = {}
+  for k in _window_keys(window):
+    values = [None if k not in m else np.asarray(jax.device_get(m[k])) for m in window]
+    record[k] = {"dtype": next(v for v in values if v is not None).dtype.name,
+                 "values": [None if v is None else v.item() for v in values]}
+  return record
 
 
 def window_from_record(record: dict | None) -> list[dict]:
@@ -31,16 +40,17 @@ def window_from_record(record: dict | None) -> list[dict]:
   if not record:
     return []
   steps = len(next(iter(record.values()))["values"])
-  return [{k: np.asarray(v["values"][i], jax.numpy.dtype(v["dtype"])) for k, v in record.items()}
-          for i in range(steps)]
+  return [{k: np.asarray(v["values"][i], jax.numpy.dtype(v["dtype"])) for k, v in record.items()
+           if v["values"][i] is not None} for i in range(steps)]
 
 
 def window_scalars(window: list[dict], seconds: float, learning_rate: float,
                    carried: int = 0) -> dict:
-  """The mean of each train metric over the steps since the last log line, with the step
-  rate (of the steps run in these `seconds`: all but the `carried` first, the metrics of a
-  run stopped before it logged them) and the learning rate."""
-  scalars = {k: float(np.mean([jax.device_get(m[k]) for m in window])) for k in window[0]}
+  """The mean of each train metric over the steps since the last log line that have it,
+  with the step rate (of the steps run in these `seconds`: all but the `carried` first, the
+  metrics of a run stopped before it logged them) and the learning rate."""
+  scalars = {k: float(np.mean([jax.device_get(m[k]) for m in window if k in m]))
+             for k in _window_keys(window)}
   scalars.update(steps_per_second=max(len(window) - carried, 1) / seconds,
                  learning_rate=learning_rate)
   return scalars
