@@ -348,6 +348,29 @@ def test_the_first_async_version_is_what_every_host_exchanged(monkeypatch):
   assert sent == ["stopped"]
 
 
+class _NoQueries:
+  """A query stream of empty examples (the batches are `assemble`'s)."""
+
+  def __next__(self):
+    return {}
+
+  def get_state(self):
+    return {}
+
+
+def _exchange_with_host_1(monkeypatch, sent: list):
+  """`host_1_says(answer)`: multihost.every_process as between this host (process 0), whose
+  values go to `sent`, and process 1, which answers `answer`."""
+  from realm_jax.runtime import multihost
+
+  def host_1_says(answer):
+    def every_process(name, value, timeout):
+      sent.append(value)
+      return [value, answer]
+    monkeypatch.setattr(multihost, "every_process", every_process)
+  return host_1_says
+
+
 def test_a_wait_for_a_deterministic_or_an_evaluated_index_stops_on_every_host_alike(
     monkeypatch):
   """Deterministic refresh: the batch of the run's first step and of each swap may wait long
@@ -358,16 +381,11 @@ def test_a_wait_for_a_deterministic_or_an_evaluated_index_stops_on_every_host_al
   import threading
   import time
   import types
-  from realm_jax.runtime import multihost
   from realm_jax.train.candidates import PublishedIndex
   from realm_jax.train.feed import BatchFeed, FeedStopped
   sent = []
 
-  def host_1_says(answer):   # process 1's part of the exchange; this host is process 0
-    def every_process(name, value, timeout):
-      sent.append(value)
-      return [value, answer]
-    monkeypatch.setattr(multihost, "every_process", every_process)
+  host_1_says = _exchange_with_host_1(monkeypatch, sent)
   config = types.SimpleNamespace(retrieval=types.SimpleNamespace(
       refresh="deterministic", refresh_every=3, swap_lag=2, index_timeout=5))
   source = types.SimpleNamespace(config=config)
@@ -376,18 +394,12 @@ def test_a_wait_for_a_deterministic_or_an_evaluated_index_stops_on_every_host_al
   assert waits(0) == [0, 5, 8, 11] and waits(6) == [6, 8, 11]
   index_ready = threading.Event()
 
-  class Queries:
-    def __next__(self):
-      return {}
-
-    def get_state(self):
-      return {}
 
   def assemble(step, queries):
     if step == 3:
       index_ready.wait(60)             # the builder is late with this step's version
     return {"step": step}, {}
-  feed = BatchFeed(Queries(), assemble, 2, depth=1)
+  feed = BatchFeed(_NoQueries(), assemble, 2, depth=1)
   host_1_says("on")
   assert feed.next_together(lambda: False, 5)[0] == {"step": 2} and sent == ["on"]
   t0 = time.time()
@@ -427,24 +439,14 @@ def test_a_wait_for_an_index_that_fails_on_one_host_fails_on_every_host(monkeypa
   from realm_jax.train.feed import BatchFeed
   sent = []
 
-  def host_1_says(answer):   # process 1's part of the exchange; this host is process 0
-    def every_process(name, value, timeout):
-      sent.append(value)
-      return [value, answer]
-    monkeypatch.setattr(multihost, "every_process", every_process)
+  host_1_says = _exchange_with_host_1(monkeypatch, sent)
 
-  class Queries:
-    def __next__(self):
-      return {}
-
-    def get_state(self):
-      return {}
 
   def assemble(step, queries):
     if step == 3:
       raise IndexWaitTimeout("no published index built from step 3 after 5s")
     return {"step": step}, {}
-  feed = BatchFeed(Queries(), assemble, 2, depth=1)
+  feed = BatchFeed(_NoQueries(), assemble, 2, depth=1)
   host_1_says("failed: IndexWaitTimeout: no published index built from step 0 after 5s")
   with pytest.raises(IndexWaitTimeout, match="^no published index built from step 0 after"):
     feed.next_together(lambda: False, 5)   # this host's batch is ready: it does not go on

@@ -332,26 +332,22 @@ def test_a_stop_agreed_after_the_last_step_says_the_run_stops(monkeypatch, capsy
   steps, that a checkpoint is saved (no step runs to be finished)."""
   exits = []
   monkeypatch.setattr(preemption.os, "_exit", exits.append)
-  watcher = preemption.Preemption(grace_seconds=2.0, prefix="[t] ")
-  try:
-    watcher.steps_done()
-    watcher.stopping()
-    watcher.saved(3, _Finalised())
-  finally:
-    watcher.close()
-    watcher.release()
-  out = capsys.readouterr().out
-  assert "finishing the run" not in out and exits == [], out
-  assert "[t] SIGTERM: after the last step: stopping, its checkpoint kept (grace 2s)" in out
-  watcher = preemption.Preemption(grace_seconds=2.0, prefix="[t] ")
-  try:   # agreed between steps (a rebuild, a wait for an index) or at JAX's sync point
-    watcher.stopping()
-    watcher.saved(3, _Finalised())
-  finally:
-    watcher.close()
-    watcher.release()
-  out = capsys.readouterr().out
-  assert "[t] SIGTERM: saving a checkpoint (grace 2s)" in out and exits == [], out
+  # after the last step; agreed between steps (a rebuild, a wait for an index) or at JAX's
+  # sync point
+  for after_the_steps, said in (
+      (True, "[t] SIGTERM: after the last step: stopping, its checkpoint kept (grace 2s)"),
+      (False, "[t] SIGTERM: saving a checkpoint (grace 2s)")):
+    watcher = preemption.Preemption(grace_seconds=2.0, prefix="[t] ")
+    try:
+      if after_the_steps:
+        watcher.steps_done()
+      watcher.stopping()
+      watcher.saved(3, _Finalised())
+    finally:
+      watcher.close()
+      watcher.release()
+    out = capsys.readouterr().out
+    assert said in out and "finishing" not in out and exits == [], out
 
 
 def test_a_save_not_finalised_within_the_grace_exits_75_not_143(monkeypatch, capsys):
