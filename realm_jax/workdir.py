@@ -493,32 +493,49 @@ def job_gone(workdir: str, job: str) -> str | None:
   job of another host (a shared file system) or of another pid namespace. A look at the file
   and the pid (with the start the file records: a pid reused by another process is not the
   job) alone, never at the lock: a job starting now is not refused for it."""
-  found = _job_pid(workdir, job)
+  found = _job_pid(_lock_text(workdir, job))
   return found[0] if found is not None and not found[1] else None
+
+
+def job_gone_and_how(workdir: str, job: str) -> tuple[str, str | None] | None:
+  """(`job_gone`'s pid, how that job ended normally or None: `job_ended`), None where
+  `job_gone` says None; from one read of the lock file, so that both are of one holder (a
+  job started between two reads would lend the other's pid its ending, or none)."""
+  text = _lock_text(workdir, job)
+  found = _job_pid(text)
+  return (found[0], _ended(text)) if found is not None and not found[1] else None
 
 
 def job_running(workdir: str, job: str) -> str | None:
   """The pid in W's `job` lock file while a process of that pid runs on this host, else None
   (as `job_gone`: a look at the file and the pid, never at the lock)."""
-  found = _job_pid(workdir, job)
+  found = _job_pid(_lock_text(workdir, job))
   return found[0] if found is not None and found[1] else None
 
 
-def _job_pid(workdir: str, job: str) -> tuple[str, bool] | None:
-  """(the pid in W's `job` lock file, whether it runs on this host); None for a bucket, a job
-  of another host or of another pid namespace (a container of the same host name), or no
-  readable lock file."""
+def _lock_text(workdir: str, job: str) -> str | None:
+  """W's `job` lock file as written; None for a bucket (no lock files) or no readable file."""
   if paths.is_remote(workdir):
     return None
   try:
     with open(JobLock(workdir, job).path) as f:
-      text = f.read()
-    pid_text, host = _pid_and_host(text)
-    # after `pid host`: the holder's start and pid namespace (a file of an older version: none)
-    fields = _holder_fields(text)
-    written, namespace = fields[2:3], fields[3:4]
-    if host is not None or (namespace and namespace[0] != _pid_namespace()):
-      return None   # its pid names another host's or another namespace's process
+      return f.read()
+  except OSError:
+    return None
+
+
+def _job_pid(text: str | None) -> tuple[str, bool] | None:
+  """(the pid in a lock file's `text`, whether it runs on this host); None for no file, a
+  job of another host or of another pid namespace (a container of the same host name)."""
+  if text is None:
+    return None
+  pid_text, host = _pid_and_host(text)
+  # after `pid host`: the holder's start and pid namespace (a file of an older version: none)
+  fields = _holder_fields(text)
+  written, namespace = fields[2:3], fields[3:4]
+  if host is not None or (namespace and namespace[0] != _pid_namespace()):
+    return None   # its pid names another host's or another namespace's process
+  try:
     os.kill(int(pid_text), 0)
   except ProcessLookupError:
     return pid_text, False
@@ -530,13 +547,12 @@ def _job_pid(workdir: str, job: str) -> tuple[str, bool] | None:
 def job_ended(workdir: str, job: str) -> str | None:
   """How the job in W's `job` lock file ended normally (`JobLock.release`'s `ended`), None
   where it left no such line (it died, was stopped, or still runs), or for a bucket."""
-  if paths.is_remote(workdir):
-    return None
-  try:
-    with open(JobLock(workdir, job).path) as f:
-      lines = f.read().splitlines()[1:]
-  except OSError:
-    return None
+  return _ended(_lock_text(workdir, job))
+
+
+def _ended(text: str | None) -> str | None:
+  """A lock file's `ended: ...` line after the holder's, without its prefix; None if none."""
+  lines = (text or "").splitlines()[1:]
   return next((line[len(ENDED):] for line in lines if line.startswith(ENDED)), None)
 
 

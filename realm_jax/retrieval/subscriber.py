@@ -241,10 +241,10 @@ class IndexSubscriber:
     builder that died, was stopped or ended (with the run it served: a run resumed with more
     train.steps) publishes nothing until it is started again, so the wait says which and so,
     instead of only asking whether one runs."""
-    pid = workdir_lib.job_gone(self.workdir, "builder")
-    if pid is None:
+    gone = workdir_lib.job_gone_and_how(self.workdir, "builder")
+    if gone is None:
       return ""
-    ended = workdir_lib.job_ended(self.workdir, "builder") or "it died or was stopped"
+    pid, ended = gone[0], gone[1] or "it died or was stopped"
     return (f"realm-index (pid {pid}, {workdir_lib.JobLock(self.workdir, 'builder').path}) is "
             f"not running: {ended}; start it again with this config and workdir")
 
