@@ -336,55 +336,48 @@ def test_no_space_for_latest_finishes_the_committed_version(world_dir, tmp_path,
     assert [json.loads(line)["version"] for line in f] == [1]
 
 
-def test_no_space_for_the_metrics_line_leaves_the_version_published_once(
-    world_dir, tmp_path, capsys, monkeypatch):
-  """A full disk under W/metrics once the version is out: a warning, not the committed
-  version's publishing done again (which wrote its line once per retry, the file keeping
-  each failed line, and blamed the version's staging dir)."""
-  config = builder_config(world_dir)
-  workdir = str(tmp_path / "run")
-  make_checkpoints(config, workdir, (10,))
-  from realm_jax.runtime.metrics import MetricWriter
-  write, failures = MetricWriter.write, []
-
-  def full_once(self, step, scalars):
-    if self.name == "index" and not failures:
-      failures.append(step)
-      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))   # a flush names no file
-    return write(self, step, scalars)
-
-  monkeypatch.setattr(MetricWriter, "write", full_once)
-  assert build_once(config, workdir) == 1
-  out = capsys.readouterr().out
-  assert failures == [10] and out.count("): published ") == 1, out
-  assert "v1 (step 10): no space left for its line in W/metrics/index.jsonl" in out
-  assert "committed; finishing it" not in out and ".tmp-" not in out, out
+def _full_disk():
+  return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))   # a flush names no file
 
 
-def test_an_unanswered_bucket_for_the_metrics_line_leaves_the_version_published_once(
-    world_dir, tmp_path, capsys, monkeypatch):
-  """The bucket gives up answering (past its patience) on the metrics line once the version
-  is out: a warning, not the committed version finished again (its line repeated; with its
-  manifest out of reach, the step published again under another number)."""
+def _unanswered_bucket():
   from realm_jax.errors import StorageUnreachable
+  try:   # raised from the connection's error, as paths.retried raises it
+    raise StorageUnreachable("gs://b/run/metrics/index.jsonl: appending to failed, the "
+                             "storage server did not answer") from ConnectionError("reset")
+  except StorageUnreachable as e:
+    return e
+
+
+@pytest.mark.parametrize("error, said", [
+    (_full_disk, "v1 (step 10): no space left for its line in W/metrics/index.jsonl"),
+    (_unanswered_bucket, "v1 (step 10): the bucket did not answer writing its line in "
+                         "W/metrics"),
+], ids=["full disk", "unanswered bucket"])
+def test_a_metrics_line_not_written_leaves_the_version_published_once(
+    world_dir, tmp_path, capsys, monkeypatch, error, said):
+  """A full disk under W/metrics, or a bucket that gives up answering there (past its
+  patience), once the version is out: a warning, not the committed version's publishing done
+  again (which wrote its line once per retry, the file keeping each failed line, and blamed
+  the version's staging dir; with the manifest out of reach too, it published the step again
+  under another number)."""
   from realm_jax.runtime.metrics import MetricWriter
   config = builder_config(world_dir)
   workdir = str(tmp_path / "run")
   make_checkpoints(config, workdir, (10,))
   write, failures = MetricWriter.write, []
 
-  def unanswered_once(self, step, scalars):
+  def fails_once(self, step, scalars):
     if self.name == "index" and not failures:
       failures.append(step)
-      raise StorageUnreachable("gs://b/run/metrics/index.jsonl: appending to failed, the "
-                               "storage server did not answer") from ConnectionError("reset")
+      raise error()
     return write(self, step, scalars)
 
-  monkeypatch.setattr(MetricWriter, "write", unanswered_once)
+  monkeypatch.setattr(MetricWriter, "write", fails_once)
   assert build_once(config, workdir) == 1
   out = capsys.readouterr().out
   assert failures == [10] and out.count("): published ") == 1, out
-  assert "v1 (step 10): the bucket did not answer writing its line in W/metrics" in out, out
+  assert said in out, out
   assert "committed; finishing it" not in out and ".tmp-" not in out, out
   assert published.complete_versions(published.index_root(workdir)) == [1]
 
