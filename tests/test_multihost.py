@@ -3,6 +3,7 @@ devices; a lost process stops the others with its id named; bad topologies fail 
 
 import concurrent.futures
 import contextlib
+import glob
 import json
 import os
 import signal
@@ -129,8 +130,10 @@ def test_two_processes_train_like_one(world_dir, world_data, tmp_path):
   fits = [[pipeline.queries_fit(share, 4, 4, config.data.query_len)
            for share in stream.query_lengths(t).reshape(2, -1)] for t in range(5)]
   assert fits == [[True, True], [True, False], [True, False], [True, True], [True, True]]
-  procs = launch(helpers.config_flags(config, "demo_realm"), str(tmp_path / "two"), 2,
-                 free_port())
+  # the job traces its step 4 (each process into a dir of its own: one host name here)
+  procs = launch(helpers.config_flags(config, "demo_realm") + [
+      "--config.train.profile_first_step=4", "--config.train.profile_steps=1"],
+      str(tmp_path / "two"), 2, free_port())
   with deadline(procs) as expired:
     single = train(config, str(tmp_path / "one"))    # this process: 8 devices
     outputs = read_to_end(procs)
@@ -165,6 +168,9 @@ def test_two_processes_train_like_one(world_dir, world_data, tmp_path):
   for key in ("eval_recall_at_1", "eval_recall_at_5"):
     assert summary[key] == single[key]
   assert summary["query_batches_packed"] == single["query_batches_packed"] == 3
+  for i in range(2):
+    assert glob.glob(str(tmp_path / "two" / "tb" / "profile" / f"process_{i}" / "plugins" /
+                         "profile" / "*" / "*.xplane.pb")), f"process {i}: no trace"
 
 
 def test_a_lost_process_stops_the_others_naming_it(world_dir, tmp_path):

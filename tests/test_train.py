@@ -4,7 +4,9 @@ reproduces the uninterrupted one step for step (its checkpoints keep the input p
 state)."""
 
 import glob
+import gzip
 import json
+import logging
 import os
 import shutil
 import signal
@@ -23,6 +25,7 @@ from realm_jax.runtime import preemption, state as state_lib
 from realm_jax.runtime.checkpoints import Checkpointer, restore_run
 from realm_jax.train.loop import train
 from realm_jax.runtime.metrics import read_jsonl
+from realm_jax.runtime.profiling import StepTrace
 from tests import helpers
 from tests.helpers import tiny_config
 
@@ -451,6 +454,42 @@ def test_no_retrieval_baseline_reads_only_the_null_document(world_dir, world_dat
   assert rows and not any(k.startswith(("retrieval_", "null_doc")) for r in rows for k in r)
   # Its only candidate is the null document: the marginal is the null document's prediction.
   assert summary["eval_span_accuracy_null_document"] == summary["eval_span_accuracy"]
+
+
+def test_a_profile_traces_the_steps_asked_for_and_no_other(world_dir, tmp_path, caplog):
+  """train.profile_first_step 2, 5 steps asked of a 3-step run: a jax.profiler trace of
+  steps 2 and 3 (two executions of the step, the first's compile outside it) in W/tb/profile,
+  said where it is."""
+  config = tiny_config("realm", "no_retrieval", world_dir, train__steps=3,
+                       train__profile_first_step=2, train__profile_steps=5)
+  workdir = str(tmp_path / "w")
+  with caplog.at_level(logging.INFO):
+    train(config, workdir)
+  traces = glob.glob(os.path.join(workdir, "tb", "profile", "plugins", "profile", "*",
+                                  "*.trace.json.gz"))
+  assert len(traces) == 1, traces
+  with gzip.open(traces[0]) as f:
+    events = json.load(f)["traceEvents"]
+  # one "Execute (jit_step)" event per call of the step (and one per device, "[i] ...")
+  runs = [e for e in events if e.get("name", "").endswith("Execute (jit_step)")
+          and not e["name"].startswith("[")]
+  assert len(runs) == 2, len(runs)
+  assert f"tracing steps 2-3 into {os.path.join(workdir, 'tb', 'profile')}" in caplog.text
+  assert "trace of steps 2-3" in caplog.text and os.path.dirname(traces[0]) in caplog.text
+
+
+def test_a_resumed_run_traces_what_is_left_of_its_profile_steps(tmp_path, caplog):
+  """The steps traced are those of the window this run runs: a run resumed inside it traces
+  the rest; one resumed after it, none (and says so)."""
+  config = tiny_config("realm", "no_retrieval", "", train__steps=10,
+                       train__profile_first_step=4, train__profile_steps=3)
+  inside = StepTrace(config.train, str(tmp_path), 4, 10)
+  assert inside.wanted and (inside.first, inside.last) == (5, 6)
+  with caplog.at_level(logging.INFO):
+    after = StepTrace(config.train, str(tmp_path), 6, 10)
+  assert not after.wanted and "its steps are not among this run's (7-10); no trace" in caplog.text
+  assert not StepTrace(tiny_config("realm", "no_retrieval", "").train, str(tmp_path), 0,
+                       4).wanted   # profile_first_step 0: none
 
 
 @pytest.mark.slow

@@ -195,6 +195,9 @@ def _train_and_eval(c) -> None:
   c.train.nonfinite = "stop"       # a step whose loss or gradient is not finite is never
                                    # applied; "stop": the run stops naming it, "skip": the
                                    # update is skipped and counted (skipped_updates)
+  c.train.profile_first_step = 0   # 0: none; N: a jax.profiler trace of steps N.. (1-based;
+                                   # step 1 includes the compile) into W/tb/profile
+  c.train.profile_steps = 3        # steps traced from train.profile_first_step on
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 0                 # steps between evaluations on the eval split (0: end only)

@@ -169,6 +169,9 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
   if config.eval.get("export_best", False) and config.task != "realm":
     raise ConfigError("eval.export_best", f"REALM's only (by retrieval utility on the masked "
                       f"sentences); task {config.task!r} would ignore it")
+  if t.get("profile_first_step", 0) > t.steps:
+    raise ConfigError("train.profile_first_step", f"{t.profile_first_step} is after the run's "
+                      f"last step (train.steps {t.steps}): nothing would be traced")
   if t.get("nonfinite", "stop") not in NONFINITE_ACTIONS:
     raise ConfigError("train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE_ACTIONS}")
   _validate_ranges(config)
@@ -190,6 +193,8 @@ _RANGES = {
     "train.b2": (0.0, 1.0, True, False),
     "train.weight_decay": (0.0, float("inf"), True, False),
     "train.clip_norm": (0.0, float("inf"), False, False),
+    "train.profile_first_step": (0, float("inf"), True, False),   # 0: no trace
+    "train.profile_steps": (1, float("inf"), True, False),
     "eval.every": (0, float("inf"), True, False),            # 0: at the end only
     "eval.num_examples": (1, float("inf"), True, False),
     "eval.batch_size": (1, float("inf"), True, False),

@@ -35,6 +35,7 @@ from realm_jax.config.validation import (validate, validate_against_mesh,
 from realm_jax.runtime.metrics import (MetricWriter, format_duration, window_from_record,
                                       window_record, window_scalars)
 from realm_jax.runtime.preemption import Preemption
+from realm_jax.runtime.profiling import StepTrace
 
 logger = logging.getLogger(__name__)
 # the key of a checkpoint's data item that holds the train metrics not yet logged
@@ -319,6 +320,7 @@ class Run:
                                  first_evaluated_step(start, cfg.train.steps))}
     data_iter = self.inputs.iterator(cfg.data.prefetch, self.saved_data)
     preemption = Preemption(cfg.train.preemption_grace_seconds, self.prefix)
+    self.trace = StepTrace(cfg.train, self.workdir, start, cfg.train.steps, self.prefix)
     batches, eval_metrics, details, preempted = None, {}, [], None
     recorded = False   # the run's summary written: a SIGTERM after the last step goes on then
     wall, reached = None, start   # the step a wait for an index between steps comes after
@@ -384,6 +386,7 @@ class Run:
     """Closes the run's parts, the steps' SIGTERM bookkeeping last (a SIGTERM while the
     checkpointer finalises is still the run's)."""
     try:
+      self.trace.stop()   # a run stopped inside the traced steps keeps those it ran
       if batches is not None:
         batches.close()
       self.close()
@@ -406,6 +409,7 @@ class Run:
     carried = len(window)   # steps of the run stopped here, run before this one's clock
     for step in range(start, total):
       raise_if_interrupted()   # a Ctrl-C swallowed in a gc callback: the run stops here
+      self.trace.before(step + 1)
       try:
         fed = batches.next(step)
       except (EmbeddingStopped, FeedStopped) as e:   # SIGTERM while the next batch waited
@@ -415,6 +419,7 @@ class Run:
       done = step + 1
       if self.applied(done, metrics):
         window.append(metrics)
+      self.trace.after(done, metrics)
       batches.served(done, fed, metrics)
       if (done % cfg.train.log_every == 0 or done == total) and window:
         now = time.time()

@@ -1,0 +1,76 @@
+"""A `jax.profiler` trace of a few training steps (`train.profile_first_step`,
+`train.profile_steps`) into `W/tb/profile`: TensorBoard's Profile tab (`tensorboard --logdir
+W/tb`, with the `tensorboard-plugin-profile` / xprof package) or Perfetto (the
+`*.trace.json.gz` beside each `*.xplane.pb`) shows where each step's time went on the device
+and on the host (the feed thread's batches included).
+
+Each process traces itself. With several processes each writes under `process_<i>`: the
+trace's file is named by host name, which processes on one machine share. A bucket workdir's
+trace stays local, as its TensorBoard events do (`paths.local_side`)."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+
+import jax
+
+from realm_jax import paths
+
+logger = logging.getLogger(__name__)
+
+
+def trace_dir(workdir: str) -> str:
+  """Where this process's trace goes: `W/tb/profile[/process_<i>]` (local for a bucket W)."""
+  local = paths.join(paths.local_side(workdir, "tb"), "profile")
+  return local if jax.process_count() == 1 else \
+      paths.join(local, f"process_{jax.process_index()}")
+
+
+class StepTrace:
+  """Traces steps `first`..`first + steps - 1` (1-based, as the progress lines count them) of
+  a run that runs steps `start + 1`..`total`; nothing where `first` is 0 or outside them."""
+
+  def __init__(self, train_config, workdir: str, start: int, total: int, prefix: str = ""):
+    first = int(train_config.get("profile_first_step", 0))
+    self.first = max(first, start + 1)   # a run resumed inside the window traces its rest
+    self.last = min(first + int(train_config.get("profile_steps", 3)) - 1, total)
+    self.wanted = first > 0 and self.first <= self.last
+    self.workdir, self.prefix = workdir, prefix
+    self.directory = trace_dir(workdir)
+    self._began: float | None = None
+    if first > 0 and not self.wanted:
+      logger.info(f"{prefix}train.profile_first_step {first}: its steps are not among this "
+                  f"run's ({start + 1}-{total}); no trace")
+
+  def before(self, done: int) -> None:
+    """Before the batch of step `done` (1-based) is fetched."""
+    if self.wanted and done == self.first and self._began is None:
+      os.makedirs(self.directory, exist_ok=True)
+      self._began = time.time()
+      jax.profiler.start_trace(self.directory)
+      logger.info(f"{self.prefix}tracing steps {self.first}-{self.last} into {self.directory} "
+                  f"(jax.profiler)")
+
+  def after(self, done: int, metrics) -> None:
+    """After step `done` ran (`metrics`: its outputs, waited for before the trace stops)."""
+    if self._began is not None and done >= self.last:
+      jax.block_until_ready(metrics)
+      self.stop(f"steps {self.first}-{done}")
+
+  def stop(self, what: str = "") -> None:
+    """Ends a trace still running (also when the run stops inside the window: its steps so
+    far are kept) and says where it is."""
+    if self._began is None:
+      return
+    jax.profiler.stop_trace()
+    seconds, self._began = time.time() - self._began, None
+    self.wanted = False
+    sessions = sorted(glob.glob(os.path.join(self.directory, "plugins", "profile", "*")),
+                      key=os.path.getmtime)
+    where = sessions[-1] if sessions else self.directory
+    logger.info(f"{self.prefix}trace of {what or 'the steps run'} ({seconds:.1f}s) written to "
+                f"{where} (tensorboard --logdir {paths.local_side(self.workdir, 'tb')}, Profile "
+                f"tab; or its .trace.json.gz in Perfetto)")
