@@ -480,7 +480,8 @@ def test_a_profile_traces_the_steps_asked_for_and_no_other(world_dir, tmp_path, 
 
 def test_a_resumed_run_traces_what_is_left_of_its_profile_steps(tmp_path, caplog):
   """The steps traced are those of the window this run runs: a run resumed inside it traces
-  the rest; one resumed after it, none (and says so)."""
+  the rest; one resumed after it, none (and says so); none where the process is already
+  tracing."""
   config = tiny_config("realm", "no_retrieval", "", train__steps=10,
                        train__profile_first_step=4, train__profile_steps=3)
   inside = StepTrace(config.train, str(tmp_path), 4, 10)
@@ -490,6 +491,14 @@ def test_a_resumed_run_traces_what_is_left_of_its_profile_steps(tmp_path, caplog
   assert not after.wanted and "its steps are not among this run's (7-10); no trace" in caplog.text
   assert not StepTrace(tiny_config("realm", "no_retrieval", "").train, str(tmp_path), 0,
                        4).wanted   # profile_first_step 0: none
+  # a trace of the caller's own running in this process: the run says so and goes on
+  jax.profiler.start_trace(str(tmp_path / "callers"))
+  try:
+    inside.before(5)
+  finally:
+    jax.profiler.stop_trace()
+  assert not inside.wanted and "train.profile_first_step: no trace (Profile has" in caplog.text
+  inside.after(6, {})   # nothing to stop
 
 
 @pytest.mark.slow

@@ -49,8 +49,13 @@ class StepTrace:
     """Before the batch of step `done` (1-based) is fetched."""
     if self.wanted and done == self.first and self._began is None:
       os.makedirs(self.directory, exist_ok=True)
+      try:
+        jax.profiler.start_trace(self.directory)
+      except RuntimeError as e:   # one trace per process: its caller's own, running
+        self.wanted = False
+        logger.warning(f"{self.prefix}train.profile_first_step: no trace ({e})")
+        return
       self._began = time.time()
-      jax.profiler.start_trace(self.directory)
       logger.info(f"{self.prefix}tracing steps {self.first}-{self.last} into {self.directory} "
                   f"(jax.profiler)")
 
