@@ -323,6 +323,27 @@ def test_a_sweep_rooted_in_the_bucket_reads_summaries_and_writes_its_tables_ther
   assert not os.path.exists("gs:")
 
 
+def test_a_trace_of_a_bucket_runs_steps_goes_to_the_bucket_whole(gcs, caplog):
+  """`train.profile_first_step` in a bucket workdir: the trace is written locally, where the
+  TensorBoard events are, and uploaded to W/tb/profile once it is whole."""
+  import jax
+  import jax.numpy as jnp
+  from realm_jax.runtime.profiling import StepTrace
+  workdir = f"{gcs}/traced"
+  config = ml_collections.ConfigDict({"profile_first_step": 1, "profile_steps": 1})
+  trace = StepTrace(config, workdir, 0, 4)
+  with caplog.at_level("INFO"):
+    trace.before(1)
+    trace.after(1, jax.jit(lambda x: x @ x)(jnp.ones((8, 8))))
+  sessions = paths.names(f"{workdir}/tb/profile/plugins/profile")
+  assert len(sessions) == 1
+  uploaded = paths.names(f"{workdir}/tb/profile/plugins/profile/{sessions[0]}")
+  assert any(n.endswith(".xplane.pb") for n in uploaded), uploaded
+  assert f"written to {workdir}/tb/profile/plugins/profile/{sessions[0]} (tensorboard " \
+      f"--logdir {workdir}/tb" in caplog.text
+  assert paths.local_side(workdir, "tb").startswith(os.environ["REALM_JAX_CACHE"])
+
+
 @pytest.mark.parametrize("url, message", [
     ("GS://bucket/run", "a URL's scheme is written in lowercase (gs://...)"),
     ("gs://bucket/run#2", "'#' and '?' cannot be in a bucket path"),     # TensorStore would

@@ -6,7 +6,8 @@ and on the host (the feed thread's batches included).
 
 Each process traces itself. With several processes each writes under `process_<i>`: the
 trace's file is named by host name, which processes on one machine share. A bucket workdir's
-trace stays local, as its TensorBoard events do (`paths.local_side`)."""
+trace is written locally (`paths.local_side`, as its TensorBoard events are), then uploaded
+to `W/tb/profile` whole: unlike the events, it is written once."""
 
 from __future__ import annotations
 
@@ -22,11 +23,10 @@ from realm_jax import paths
 logger = logging.getLogger(__name__)
 
 
-def trace_dir(workdir: str) -> str:
-  """Where this process's trace goes: `W/tb/profile[/process_<i>]` (local for a bucket W)."""
-  local = paths.join(paths.local_side(workdir, "tb"), "profile")
-  return local if jax.process_count() == 1 else \
-      paths.join(local, f"process_{jax.process_index()}")
+def trace_dir(tb_dir: str) -> str:
+  """Where this process's trace goes under a TensorBoard dir: `profile[/process_<i>]`."""
+  return paths.join(tb_dir, "profile") if jax.process_count() == 1 else \
+      paths.join(tb_dir, "profile", f"process_{jax.process_index()}")
 
 
 class StepTrace:
@@ -39,7 +39,7 @@ class StepTrace:
     self.last = min(first + int(train_config.get("profile_steps", 3)) - 1, total)
     self.wanted = first > 0 and self.first <= self.last
     self.workdir, self.prefix = workdir, prefix
-    self.directory = trace_dir(workdir)
+    self.directory = trace_dir(paths.local_side(workdir, "tb"))
     self._began: float | None = None
     if first > 0 and not self.wanted:
       logger.info(f"{prefix}train.profile_first_step {first}: its steps are not among this "
@@ -76,6 +76,17 @@ class StepTrace:
     sessions = sorted(glob.glob(os.path.join(self.directory, "plugins", "profile", "*")),
                       key=os.path.getmtime)
     where = sessions[-1] if sessions else self.directory
+    logdir = paths.local_side(self.workdir, "tb")
+    if paths.is_remote(self.workdir) and sessions:   # written once: the bucket takes it whole
+      logdir = paths.join(self.workdir, "tb")
+      target = paths.join(trace_dir(logdir), os.path.relpath(where, self.directory))
+      try:
+        paths.upload_tree(where, target, log=lambda line: None)
+        where = target
+      except Exception as e:  # noqa: BLE001  (the run goes on: the trace is not its output)
+        logdir = paths.local_side(self.workdir, "tb")
+        logger.warning(f"{self.prefix}the trace could not be uploaded to {target} ({e}); it "
+                       f"stays in {where}")
     logger.info(f"{self.prefix}trace of {what or 'the steps run'} ({seconds:.1f}s) written to "
-                f"{where} (tensorboard --logdir {paths.local_side(self.workdir, 'tb')}, Profile "
-                f"tab; or its .trace.json.gz in Perfetto)")
+                f"{where} (tensorboard --logdir {logdir}, Profile tab; or its .trace.json.gz "
+                f"in Perfetto)")
