@@ -172,6 +172,22 @@ def test_a_span_read_back_from_wordpieces_scores_as_its_answer_and_nothing_else(
     assert not exact_match(wrong, [answer]) and f1_score(wrong, [answer]) == 0.0, answer
 
 
+def test_an_answer_spaced_its_own_way_or_with_what_the_tokenizer_drops_scores_its_span():
+  """A span read back from wordpieces spaces every mark alike, and has lost what the tokenizer
+  drops (a soft hyphen, a zero-width joiner; NQ-open has "Hydro\xadgen"), where no one of the
+  `SPACINGS` gives the answer's own text: each scores EM 1 and F1 1; other words still don't."""
+  for answer, decoded in [("U.S. Navy", "u. s. navy"), ("A.I. Artificial Intelligence",
+                                                        "a. i. artificial intelligence"),
+                          ("modern-day Kozan, Adana", "modern - day kozan, adana"),
+                          ("6,961 m (22,838 ft)", "6, 961 m ( 22, 838 ft )"),
+                          ("Hydro\xadgen", "hydrogen"), ("Jay\u200dZ", "jayz"),
+                          ("\ufeffParis", "paris"), ("ΟΔΟΣ", "οδοσ")]:
+    assert exact_match(decoded, [answer]) and f1_score(decoded, [answer]) == 1.0, answer
+  for answer, wrong in [("U.S. Navy", "u navy"), ("U.S. Navy", "u. s. navy yard"),
+                        ("A.I.", "i")]:
+    assert not exact_match(wrong, [answer]) and f1_score(wrong, [answer]) < 1.0, answer
+
+
 def reference_contains(tok, row, answers) -> bool:
   """The definition, position by position."""
   pieces = tok.tokens(row)

@@ -73,18 +73,30 @@ def _strip_accents(s: str) -> str:
   return "".join(c for c in unicodedata.normalize("NFD", s) if unicodedata.category(c) != "Mn")
 
 
+def _as_read(s: str) -> str:
+  """`s` as the uncased tokenizer reads it, so that an answer compares with a span decoded from
+  its wordpieces: what it drops gone (control and format characters but tab and newlines, so a
+  soft hyphen or a zero-width joiner, private-use ones, U+FFFD), accents stripped, lowercased,
+  a final sigma as the tokenizer's per-character lowercasing leaves it ("ΟΔΟΣ" is "οδοσ")."""
+  s = "".join(c for c in s if c in "\t\n\r"
+              or not (unicodedata.category(c)[0] == "C" or c == "\ufffd"))
+  return _strip_accents(s).lower().replace("\u03c2", "\u03c3")
+
+
 def normalize_answer(s: str) -> str:
   """ORQA's `normalize_answer`: NFD, lowercase, ASCII punctuation and a/an/the dropped,
   whitespace squashed.
 
-  One addition: combining marks (category Mn) are dropped after NFD, so "Pelé" == "Pele".
+  One addition: the text is read as the uncased tokenizer reads it (`_as_read`): combining
+  marks (category Mn) are dropped after NFD, so "Pelé" == "Pele", and so are the characters
+  the tokenizer drops ("Hydro\xadgen", a soft hyphen inside, == "Hydrogen").
   ORQA keeps them (NFD alone only makes composed and decomposed accents agree), which works
   there because its predictions are cut from the original block text; here predictions are
   decoded from uncased wordpieces, whose tokenizer strips accents exactly this way (BERT's
   `_run_strip_accents`), so keeping the marks would fail every accented answer. SQuAD's
   script does no unicode normalisation at all.
   """
-  s = _strip_accents(s).lower()
+  s = _as_read(s)
   s = _ARTICLES.sub(" ", s.translate(_PUNCTUATION))
   return " ".join(s.split())
 
@@ -138,7 +150,22 @@ def exact_match(prediction: str, answers: Sequence[str], is_regex: bool = False)
   if is_regex:
     return any(regex_match(prediction, a) for a in answers)
   golds = [norm for norm in map(normalize_answer, answers) if norm]
-  return any(pred in golds for pred in _normalised(prediction))
+  return (any(pred in golds for pred in _normalised(prediction))
+          or _spelt_as_answer(prediction, answers))
+
+
+def _spelt_as_answer(prediction: str, answers: Sequence[str]) -> bool:
+  """Whether the prediction is an answer (one that does not normalise to "") spelt with other
+  spaces around its `lone` characters: a span read back from wordpieces spaces them alike,
+  which no one of the `SPACINGS` undoes where the answer spaced them differently ("u. s. navy"
+  for "U.S. Navy", "modern - day kozan, adana" for "modern-day Kozan, Adana")."""
+  words = _words(prediction)
+  return any(_words(answer) == words for answer in answers if normalize_answer(answer))
+
+
+def _words(text: str) -> list[str]:
+  """The words and `lone` characters of `text` as the uncased tokenizer reads it."""
+  return respaced(_as_read(text), "split").split()
 
 
 def _normalised(prediction: str) -> list[str]:
@@ -153,6 +180,8 @@ def f1_score(prediction: str, answers: Sequence[str], is_regex: bool = False) ->
   answers F1 is EM as a float (a pattern has no tokens to overlap)."""
   if is_regex:
     return float(exact_match(prediction, answers, is_regex=True))
+  if _spelt_as_answer(prediction, answers):
+    return 1.0
   best, golds = 0.0, [normalize_answer(answer).split() for answer in answers]
   for pred in _normalised(prediction):   # as given and in each spacing (`exact_match`)
     pred = pred.split()
