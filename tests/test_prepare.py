@@ -620,6 +620,18 @@ def test_long_sentences_are_cut_and_long_titles_truncated(tmp_path):
   assert [t for body in bodies[:-1] for t in body] == sentence
 
 
+def test_every_sentence_without_an_example_is_counted(tmp_path):
+  """A sentence of only zero-width or control characters (a trailing left-to-right mark) gives
+  no wordpiece and so no example: it is counted under examples_skipped like the others."""
+  lines = good_lines() + [json.dumps({"title": "Marked", "text": "Alice Borin met Bob Kane in "
+                                      "1990. \u200e"}).encode()]
+  stats = prepare_lib.prepare(config_for(f"jsonl:{write_jsonl(tmp_path / 'd.jsonl', lines)}",
+                                         str(tmp_path / "out")))
+  assert stats["sentences"] == 11 and stats["examples_skipped"]["no wordpiece"] == 1
+  assert stats["sentences"] == sum(stats["examples"].values()) + sum(
+      stats["examples_skipped"].values())
+
+
 def test_held_out_documents_become_the_eval_split(tmp_path):
   path = write_jsonl(tmp_path / "docs.jsonl", good_lines(n_copies=20))
   stats = prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"),

@@ -206,7 +206,8 @@ def _pack_document(blocks: _Blocks, doc_id: int, head: list[int], title_ids: lis
   for sentence in sentences:
     (ids, offsets), char_spans = next(sent_enc)
     stats["sentences"] += 1
-    if not ids:
+    if not ids:                   # only zero-width or control characters: no example either
+      blocks.dropped["no wordpiece"] += sentence.split is not None
       continue
     if len(ids) > budget:         # longer than a block: its pieces fill blocks of their own
       stats["sentences_cut"] += 1
