@@ -480,25 +480,49 @@ def test_a_profile_traces_the_steps_asked_for_and_no_other(world_dir, tmp_path, 
 
 def test_a_resumed_run_traces_what_is_left_of_its_profile_steps(tmp_path, caplog):
   """The steps traced are those of the window this run runs: a run resumed inside it traces
-  the rest; one resumed after it, none (and says so); none where the process is already
-  tracing."""
+  the rest after its first step (which compiles); one resumed after it, none (and says so);
+  none where the process is already tracing."""
   config = tiny_config("realm", "no_retrieval", "", train__steps=10,
                        train__profile_first_step=4, train__profile_steps=3)
   inside = StepTrace(config.train, str(tmp_path), 4, 10)
-  assert inside.wanted and (inside.first, inside.last) == (5, 6)
+  assert inside.wanted and (inside.first, inside.last) == (6, 6)
+  before = StepTrace(config.train, str(tmp_path), 2, 10)   # step 3 compiles: 4 is warm
+  assert before.wanted and (before.first, before.last) == (4, 6)
   with caplog.at_level(logging.INFO):
-    after = StepTrace(config.train, str(tmp_path), 6, 10)
-  assert not after.wanted and "its steps are not among this run's (7-10); no trace" in caplog.text
+    after = StepTrace(config.train, str(tmp_path), 5, 10)
+  assert not after.wanted and "not among this run's after its compile (7-10; 6 compiles); no " \
+      "trace" in caplog.text
   assert not StepTrace(tiny_config("realm", "no_retrieval", "").train, str(tmp_path), 0,
                        4).wanted   # profile_first_step 0: none
   # a trace of the caller's own running in this process: the run says so and goes on
   jax.profiler.start_trace(str(tmp_path / "callers"))
   try:
-    inside.before(5)
+    inside.before(6)
   finally:
     jax.profiler.stop_trace()
   assert not inside.wanted and "train.profile_first_step: no trace (Profile has" in caplog.text
   inside.after(6, {})   # nothing to stop
+
+
+def test_a_run_resumed_inside_the_profile_window_traces_its_warm_steps(world_dir, tmp_path,
+                                                                      caplog):
+  """A run resumed at step 3 inside the window 3-5: its step 4 compiles the step again, so
+  it traces step 5 alone, and the trace holds that step (one holding a compile is full of it:
+  its .trace.json.gz keeps the first million events)."""
+  workdir = str(tmp_path / "w")
+  train(tiny_config("realm", "no_retrieval", world_dir, train__steps=3), workdir)
+  config = tiny_config("realm", "no_retrieval", world_dir, train__steps=6,
+                       train__profile_first_step=3, train__profile_steps=3)
+  with caplog.at_level(logging.INFO):
+    train(config, workdir)
+  traces = glob.glob(os.path.join(workdir, "tb", "profile", "plugins", "profile", "*",
+                                  "*.trace.json.gz"))
+  assert len(traces) == 1, traces
+  with gzip.open(traces[0]) as f:
+    events = json.load(f)["traceEvents"]
+  runs = [e for e in events if e.get("name", "").endswith("Execute (jit_step)")
+          and not e["name"].startswith("[")]
+  assert "trace of steps 5-5" in caplog.text and len(runs) == 1, len(runs)
 
 
 @pytest.mark.slow

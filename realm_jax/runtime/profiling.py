@@ -31,11 +31,15 @@ def trace_dir(tb_dir: str) -> str:
 
 class StepTrace:
   """Traces steps `first`..`first + steps - 1` (1-based, as the progress lines count them) of
-  a run that runs steps `start + 1`..`total`; nothing where `first` is 0 or outside them."""
+  a run that runs steps `start + 1`..`total`; nothing where `first` is 0 or outside them. A
+  resumed run's first step compiles the step again, as step 1 does: it is left out."""
 
   def __init__(self, train_config, workdir: str, start: int, total: int, prefix: str = ""):
     first = int(train_config.get("profile_first_step", 0))
-    self.first = max(first, start + 1)   # a run resumed inside the window traces its rest
+    # a run resumed inside the window traces its rest after its own compile (a trace holding
+    # one holds little else: its .trace.json.gz keeps the first million events, the compile's)
+    warm = start + 2 if start else 1
+    self.first = max(first, warm)
     self.last = min(first + int(train_config.get("profile_steps", 3)) - 1, total)
     self.wanted = first > 0 and self.first <= self.last
     self.workdir, self.prefix = workdir, prefix
@@ -43,7 +47,7 @@ class StepTrace:
     self._began: float | None = None
     if first > 0 and not self.wanted:
       logger.info(f"{prefix}train.profile_first_step {first}: its steps are not among this "
-                  f"run's ({start + 1}-{total}); no trace")
+                  f"run's after its compile ({warm}-{total}; {start + 1} compiles); no trace")
 
   def before(self, done: int) -> None:
     """Before the batch of step `done` (1-based) is fetched."""
