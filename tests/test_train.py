@@ -504,6 +504,27 @@ def test_a_resumed_run_traces_what_is_left_of_its_profile_steps(tmp_path, caplog
   inside.after(6, {})   # nothing to stop
 
 
+def test_a_trace_that_cannot_be_written_leaves_the_run_going(world_dir, tmp_path, caplog,
+                                                             monkeypatch):
+  """The trace's write fails (a full disk): the run says so and finishes, its steps saved;
+  the trace is not its output."""
+  written = jax.profiler.stop_trace
+
+  def full_disk():
+    written()   # the profiler's state ends as after a failed write's retry
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: vm.xplane.pb; No space left on device")
+
+  monkeypatch.setattr(jax.profiler, "stop_trace", full_disk)
+  config = tiny_config("realm", "no_retrieval", world_dir, train__steps=3,
+                       train__profile_first_step=2, train__profile_steps=1)
+  workdir = str(tmp_path / "w")
+  with caplog.at_level(logging.INFO):
+    summary = train(config, workdir)
+  assert summary["steps"] == 3 and os.path.isdir(os.path.join(workdir, "checkpoints", "3"))
+  assert "the trace could not be written to" in caplog.text and "No space left" in caplog.text
+  assert "trace of steps" not in caplog.text
+
+
 def test_a_run_resumed_inside_the_profile_window_traces_its_warm_steps(world_dir, tmp_path,
                                                                       caplog):
   """A run resumed at step 3 inside the window 3-5: its step 4 compiles the step again, so

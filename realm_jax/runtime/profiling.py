@@ -74,9 +74,14 @@ class StepTrace:
     far are kept) and says where it is."""
     if self._began is None:
       return
-    jax.profiler.stop_trace()
     seconds, self._began = time.time() - self._began, None
     self.wanted = False
+    try:
+      jax.profiler.stop_trace()
+    except Exception as e:  # noqa: BLE001  (a full disk: the run goes on, closes its parts)
+      logger.warning(f"{self.prefix}the trace could not be written to {self.directory} ({e}); "
+                     f"the run goes on untraced")
+      return
     sessions = sorted(glob.glob(os.path.join(self.directory, "plugins", "profile", "*")),
                       key=os.path.getmtime)
     where = sessions[-1] if sessions else self.directory
