@@ -458,8 +458,8 @@ def test_no_retrieval_baseline_reads_only_the_null_document(world_dir, world_dat
 
 def test_a_profile_traces_the_steps_asked_for_and_no_other(world_dir, tmp_path, caplog):
   """train.profile_first_step 2, 5 steps asked of a 3-step run: a jax.profiler trace of
-  steps 2 and 3 (two executions of the step, the first's compile outside it) in W/tb/profile,
-  said where it is."""
+  steps 2 and 3 (two executions of the step, each marked as a step, the first's compile
+  outside it) in W/tb/profile, said where it is."""
   config = tiny_config("realm", "no_retrieval", world_dir, train__steps=3,
                        train__profile_first_step=2, train__profile_steps=5)
   workdir = str(tmp_path / "w")
@@ -474,6 +474,8 @@ def test_a_profile_traces_the_steps_asked_for_and_no_other(world_dir, tmp_path, 
   runs = [e for e in events if e.get("name", "").endswith("Execute (jit_step)")
           and not e["name"].startswith("[")]
   assert len(runs) == 2, len(runs)
+  # each step marked as one, numbered as the progress lines number it
+  assert [e["args"]["step_num"] for e in events if e.get("name") == "train"] == ["2", "3"]
   assert f"tracing steps 2-3 into {os.path.join(workdir, 'tb', 'profile')}" in caplog.text
   assert "trace of steps 2-3" in caplog.text and os.path.dirname(traces[0]) in caplog.text
 

@@ -44,38 +44,56 @@ class StepTrace:
     self.wanted = first > 0 and self.first <= self.last
     self.workdir, self.prefix = workdir, prefix
     self.directory = trace_dir(paths.local_side(workdir, "tb"))
-    self._began: float | None = None
+    self._began: float | None = None   # when the trace started (None: not tracing)
+    self._step = None                  # the annotation of the step being traced
+    self._done = 0                     # the last step traced whole
     if first > 0 and not self.wanted:
       logger.info(f"{prefix}train.profile_first_step {first}: its steps are not among this "
                   f"run's after its compile ({warm}-{total}; {start + 1} compiles); no trace")
 
   def before(self, done: int) -> None:
-    """Before the batch of step `done` (1-based) is fetched."""
+    """Before the batch of step `done` (1-based) is fetched: the trace starts at the window's
+    first step, and each step traced is marked as one (TensorBoard's step-time pages)."""
     if self.wanted and done == self.first and self._began is None:
-      os.makedirs(self.directory, exist_ok=True)
       try:
+        os.makedirs(self.directory, exist_ok=True)
         jax.profiler.start_trace(self.directory)
-      except RuntimeError as e:   # one trace per process: its caller's own, running
+      except (OSError, RuntimeError) as e:   # one trace per process: the caller's own, running
         self.wanted = False
         logger.warning(f"{self.prefix}train.profile_first_step: no trace ({e})")
         return
       self._began = time.time()
       logger.info(f"{self.prefix}tracing steps {self.first}-{self.last} into {self.directory} "
                   f"(jax.profiler)")
+    if self._began is not None:
+      self._step = jax.profiler.StepTraceAnnotation("train", step_num=done)
+      self._step.__enter__()
 
   def after(self, done: int, metrics) -> None:
     """After step `done` ran (`metrics`: its outputs, waited for before the trace stops)."""
-    if self._began is not None and done >= self.last:
+    if self._began is None:
+      return
+    self._end_step(done)
+    if done >= self.last:
       jax.block_until_ready(metrics)
-      self.stop(f"steps {self.first}-{done}")
+      self.stop()
 
-  def stop(self, what: str = "") -> None:
+  def _end_step(self, done: int | None = None) -> None:
+    if self._step is not None:
+      self._step.__exit__(None, None, None)
+      self._step = None
+    if done is not None:
+      self._done = done
+
+  def stop(self) -> None:
     """Ends a trace still running (also when the run stops inside the window: its steps so
     far are kept) and says where it is."""
     if self._began is None:
       return
+    self._end_step()
     seconds, self._began = time.time() - self._began, None
     self.wanted = False
+    what = f"steps {self.first}-{self._done}" if self._done else "no whole step"
     try:
       jax.profiler.stop_trace()
     except Exception as e:  # noqa: BLE001  (a full disk: the run goes on, closes its parts)
@@ -84,18 +102,23 @@ class StepTrace:
       return
     sessions = sorted(glob.glob(os.path.join(self.directory, "plugins", "profile", "*")),
                       key=os.path.getmtime)
-    where = sessions[-1] if sessions else self.directory
-    logdir = paths.local_side(self.workdir, "tb")
-    if paths.is_remote(self.workdir) and sessions:   # written once: the bucket takes it whole
-      logdir = paths.join(self.workdir, "tb")
-      target = paths.join(trace_dir(logdir), os.path.relpath(where, self.directory))
-      try:
-        paths.upload_tree(where, target, log=lambda line: None)
-        where = target
-      except Exception as e:  # noqa: BLE001  (the run goes on: the trace is not its output)
-        logdir = paths.local_side(self.workdir, "tb")
-        logger.warning(f"{self.prefix}the trace could not be uploaded to {target} ({e}); it "
-                       f"stays in {where}")
-    logger.info(f"{self.prefix}trace of {what or 'the steps run'} ({seconds:.1f}s) written to "
-                f"{where} (tensorboard --logdir {logdir}, Profile tab; or its .trace.json.gz "
-                f"in Perfetto)")
+    where, logdir = self._uploaded(sessions[-1]) if sessions else (self.directory, "")
+    logger.info(f"{self.prefix}trace of {what} ({seconds:.1f}s) written to {where} (tensorboard "
+                f"--logdir {logdir or paths.local_side(self.workdir, 'tb')}, Profile tab; or "
+                f"its .trace.json.gz in Perfetto)")
+
+  def _uploaded(self, session: str) -> tuple[str, str]:
+    """Where the trace `session` (a local dir) is, and the TensorBoard dir holding it: a bucket
+    workdir's is uploaded to W/tb/profile (written once: the bucket takes it whole)."""
+    local = (session, paths.local_side(self.workdir, "tb"))
+    if not paths.is_remote(self.workdir):
+      return local
+    logdir = paths.join(self.workdir, "tb")
+    target = paths.join(trace_dir(logdir), os.path.relpath(session, self.directory))
+    try:
+      paths.upload_tree(session, target, log=lambda line: None)
+    except Exception as e:  # noqa: BLE001  (the run goes on: the trace is not its output)
+      logger.warning(f"{self.prefix}the trace could not be uploaded to {target} ({e}); it "
+                     f"stays in {session}")
+      return local
+    return target, logdir
