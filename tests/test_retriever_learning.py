@@ -302,6 +302,32 @@ def test_an_export_killed_before_its_record_is_finished_by_the_resumed_run(tmp_p
 
 
 @pytest.mark.slow   # end-to-end runs: the slow tier
+def test_a_fresh_start_does_not_keep_an_earlier_starts_export(world_dir, tmp_path,
+                                                               monkeypatch):
+  """A workdir without checkpoints (a run that died before its first save, or whose
+  checkpoints are gone) starts over, its metrics dropped; W/best of that earlier start goes
+  too: its utility would stand against this run's (nothing of this run exported, the summary
+  naming the other run's step)."""
+  from realm_jax.runtime.checkpoints import restore_run
+  utility = {}   # step -> the utility an evaluation reports there
+  consider = BestExport.consider
+  monkeypatch.setattr(BestExport, "consider", lambda self, step, metrics, *args: consider(
+      self, step, {**metrics, "retrieval_utility": utility[step]}, *args))
+  config = tiny_config("realm", None, world_dir, train__steps=4, eval__every=2,
+                       eval__export_best=True)
+  workdir = str(tmp_path / "run")
+  utility.update({0: -2.0, 2: 0.0, 4: -1.0})
+  assert train(config, workdir)["best_step"] == 2
+  shutil.rmtree(os.path.join(workdir, "checkpoints"))
+  utility.update({0: -3.0, 2: -5.0, 4: -4.0})   # all below the earlier start's best
+  summary = train(config, workdir)
+  assert (summary["best_step"], summary["best_eval_retrieval_utility"]) == (0, -3.0)
+  assert json.load(open(os.path.join(workdir, "best", "best.json"))) == \
+      {"step": 0, "retrieval_utility": -3.0}
+  assert restore_run(os.path.join(workdir, "best")).step == 0
+
+
+@pytest.mark.slow   # end-to-end runs: the slow tier
 def test_a_mixed_warmup_reads_its_own_block_or_a_distractor_as_drawn(world_dir, world_data,
                                                                     tmp_path):
   """`retrieval.candidates` "mixed": a training query reads its own block where its draw says

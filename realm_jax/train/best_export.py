@@ -18,7 +18,10 @@ import math
 import jax
 import orbax.checkpoint as ocp
 
+from etils import epath
+
 from realm_jax import paths, workdir as workdir_lib
+from realm_jax.runtime import multihost
 from realm_jax.runtime.checkpoints import checkpoint_dir
 
 logger = logging.getLogger(__name__)
@@ -66,6 +69,19 @@ class BestExport:
     logger.info(f"{prefix}best {METRIC} so far ({value:.4f} at step {step}): exported to "
                 f"{self.directory}")
     return True
+
+  def start_over(self, prefix: str = "") -> None:
+    """A fresh start (no checkpoint to resume: a run that died before its first save, or
+    whose checkpoints are gone) drops an earlier start's export, as it drops its metrics: its
+    utility would stand against this run's evaluations (a worse run exports nothing and its
+    summary names the other's step, perhaps of another config)."""
+    if jax.process_index() == 0 and paths.exists(self.directory):
+      held = f" (step {self.best['step']})" if self.best is not None else ""
+      epath.Path(self.directory).rmtree()
+      logger.info(f"{prefix}a fresh start: removed {self.directory}{held}, an earlier "
+                  "start's best export")
+    self.best = None
+    multihost.after_first_process("best-export-removed")   # before any process saves there
 
   def summary(self) -> dict:
     return {} if self.best is None else {"best_step": self.best["step"],
