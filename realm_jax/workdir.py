@@ -147,8 +147,17 @@ def recorded_config(workdir: str) -> dict | None:
   """`W/config.json` with options renamed since moved to their names (`upgrade_record`);
   None where W has none."""
   from realm_jax.config.option_names import upgrade_record
-  record = read_record(workdir, CONFIG, " (an evaluation may give --config instead)")
-  return None if record is None else upgrade_record(record, f"{paths.join(workdir, CONFIG)}: ")
+  advice = " (an evaluation may give --config instead)"
+  record = read_record(workdir, CONFIG, advice)
+  if record is None:
+    return None
+  # another program's config.json (a Hugging Face model dir's): named here, not an
+  # AttributeError further on or a missing option blamed on the command line
+  if not isinstance(record.get("task"), str) or not all(
+      isinstance(record.get(section), dict) for section in ("model", "data", "train")):
+    raise DataError(f"{paths.join(workdir, CONFIG)}: not the config a run writes (no task, or "
+                    f"no model, data and train sections: another program's file?){advice}")
+  return upgrade_record(record, f"{paths.join(workdir, CONFIG)}: ")
 
 
 def record_config(config, workdir: str, primary: bool = True) -> None:

@@ -292,12 +292,14 @@ def test_every_cli_names_an_unloadable_config_or_flagfile_in_one_line(prog, tmp_
 @pytest.mark.parametrize("module, prog", [("realm_jax.openqa_eval", "realm-eval"),
                                           ("realm_jax.predict", "realm-predict")])
 def test_a_workdir_that_is_not_a_run_is_named_in_one_line(module, prog, tmp_path):
-  """A W that does not exist, or holds no run (no config.json) or a broken record of one, is
-  named as such, as is a negative --step but -1; a misspelt --split of realm-eval names the
-  splits."""
+  """A W that does not exist, or holds no run (no config.json, or another program's) or a
+  broken record of one, is named as such, as is a negative --step but -1; a misspelt --split
+  of realm-eval names the splits."""
   (tmp_path / "empty").mkdir()
   (tmp_path / "broken").mkdir()
   (tmp_path / "broken" / "config.json").write_text('{"model": {')     # cut short
+  (tmp_path / "foreign").mkdir()   # another program's config.json (a Hugging Face model's)
+  (tmp_path / "foreign" / "config.json").write_text('{"model_type": "bert", "model": "x"}')
   (tmp_path / "file").write_text("")
   cases = [([f"--workdir={tmp_path}/nowhere"], f"{tmp_path}/nowhere: no such run directory"),
            ([f"--workdir={tmp_path}/file"], f"{tmp_path}/file: a file, not a run directory"),
@@ -306,6 +308,8 @@ def test_a_workdir_that_is_not_a_run_is_named_in_one_line(module, prog, tmp_path
             "directory"),
            ([f"--workdir={tmp_path}/broken"],
             f"{tmp_path}/broken/config.json: not the JSON a run writes"),
+           ([f"--workdir={tmp_path}/foreign"],
+            f"{tmp_path}/foreign/config.json: not the config a run writes"),
            ([f"--workdir={tmp_path}/empty", "--step=-3"],
             "--step -3: a checkpoint's step, or -1 for the latest")]
   if prog == "realm-eval":
