@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -26,6 +27,7 @@ from realm_jax.retrieval.builder import IndexBuilder
 from realm_jax.runtime.checkpoints import Checkpointer
 from realm_jax.train.loop import QueryStepBatches, train
 from realm_jax.workdir import UNREADABLE_CHECKPOINTS
+from tests import helpers
 from tests.helpers import tiny_config
 
 # The faults here leave Orbax work behind on purpose, and Python reports each piece when it is
@@ -163,6 +165,53 @@ def test_no_readable_checkpoint_stops_naming_each_instead_of_starting_over(
   # Nothing was trained, moved or overwritten.
   assert not os.path.exists(os.path.join(workdir, UNREADABLE_CHECKPOINTS))
   assert len(loss_records(workdir)[1]) == 1
+
+
+# Run in a process of its own: pytest puts a hook of its own in place for each test.
+WHAT_A_FAILED_RESTORE_LEAVES = """
+import asyncio, sys, types
+import realm_jax.runtime.checkpoints
+
+class Pending:
+  def __await__(self):
+    yield
+
+async def _read_array_index_and_device_put():   # Orbax's read of one array, abandoned
+  try:
+    await Pending()
+  finally:
+    raise Exception("Encountered error while reading array index: (slice(0, 32, 1),)")
+
+read = _read_array_index_and_device_put()
+read.send(None)
+del read                                          # reported as it is collected
+loop = asyncio.new_event_loop()
+loop.close()
+try:                                              # a TensorStore callback into that loop
+  loop.call_soon_threadsafe(print)
+except RuntimeError as e:
+  sys.unraisablehook(types.SimpleNamespace(exc_type=RuntimeError, exc_value=e,
+                                           exc_traceback=e.__traceback__, err_msg=None,
+                                           object=None))
+
+class Other:
+  def __del__(self):
+    raise ValueError("anything else is still reported")
+Other()
+"""
+
+
+def test_the_reads_a_failed_restore_abandons_are_not_reported_one_by_one():
+  """A restore that fails (a truncated or deleted file) is reported once, naming the
+  checkpoint; Orbax's reads of the other arrays, abandoned then, and their callbacks into its
+  closed event loop, printed thousands of tracebacks after it (realm-eval's one line, a
+  resumed trainer's log)."""
+  result = subprocess.run([sys.executable, "-c", WHAT_A_FAILED_RESTORE_LEAVES],
+                          capture_output=True, text=True, timeout=120, cwd=helpers.REPO)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "anything else is still reported" in result.stderr, result.stderr[-3000:]
+  assert "Encountered error" not in result.stderr, result.stderr[-3000:]
+  assert "Event loop is closed" not in result.stderr, result.stderr[-3000:]
 
 
 POISONED_STEP = 3
