@@ -75,14 +75,36 @@ def fine_tuned(workdir: str, step: int) -> bool:
   return paths.isdir(paths.join(checkpoint_dir(workdir), str(step), "retrieval"))
 
 
+# A run still writing W deletes its checkpoints past train.keep_checkpoints, so the latest one
+# may go while it is read: the newest then is read instead, up to this many times in all.
+LATEST_TRIES = 3
+
+
 def load_run(config, workdir: str, step: int | None = None, retrieval_only: bool = False):
   """Params of a checkpoint of `workdir` and the index to retrieve from, for evaluation.
 
   Returns (config as evaluated, data, mesh, model, params, frozen index, reader?, step). The
   reader is used when the checkpoint has the span scorer (Open-QA fine-tuning) unless
   `retrieval_only`; a pre-training checkpoint gives retrieval metrics only, but one given as
-  an Open-QA run (config.task 'openqa') is an error unless `retrieval_only`.
+  an Open-QA run (config.task 'openqa') is an error unless `retrieval_only`. Without `step`,
+  the latest: one deleted while it is read (a run still writing W) passes to the newest.
   """
+  from realm_jax.errors import CheckpointError
+  from realm_jax.runtime.checkpoints import checkpoint_dir, checkpoint_steps
+  for tries_left in reversed(range(LATEST_TRIES)):
+    steps = checkpoint_steps(workdir) if step is None else []
+    read = steps[-1] if steps else step
+    try:
+      return _load_run(config, workdir, read, retrieval_only)
+    except (CheckpointError, FileNotFoundError):
+      if step is not None or read is None or not tries_left or read in checkpoint_steps(workdir):
+        raise
+      logger.info(f"[eval] checkpoint {checkpoint_dir(workdir)}/{read} was deleted while it "
+                  "was read (the run writing it keeps only its newest): reading the newest")
+
+
+def _load_run(config, workdir: str, step: int | None, retrieval_only: bool):
+  """`load_run` of one step (None: the latest)."""
   from realm_jax import workdir as workdir_lib
   from realm_jax.config.compatibility import inference_differences
   from realm_jax.errors import ConfigError

@@ -453,6 +453,43 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path,
       "recall_at_5"] == metrics["recall_at_5"]
 
 
+def test_realm_eval_of_a_run_still_writing_reads_the_newest_when_its_latest_goes(
+    world_dir, world_data, tmp_path, monkeypatch, caplog):
+  """The run writing W deletes its checkpoints past train.keep_checkpoints: the latest one,
+  listed when realm-eval started, is gone by the time it is read. Without --step the newest
+  is read instead, said; a step deleted under its read is named as such, not as a damaged
+  checkpoint to restore from a copy."""
+  from realm_jax.openqa_eval import evaluate_run
+  from realm_jax.runtime import checkpoints
+  workdir = str(tmp_path / "live")
+  _pretraining_checkpoint(world_dir, world_data, workdir)
+  ckpt = pathlib.Path(workdir) / "checkpoints"
+  shutil.copytree(ckpt / "0", ckpt / "1")
+  restore_params = checkpoints.restore_params
+
+  def trainer_moves_on(workdir, abstract, step=None, **kwargs):
+    if step == 1:   # the run saved step 2 and deleted 1 (keep 2) since it was listed
+      shutil.copytree(ckpt / "0", ckpt / "2")
+      shutil.rmtree(ckpt / "1")
+    return restore_params(workdir, abstract, step, **kwargs)
+  monkeypatch.setattr(checkpoints, "restore_params", trainer_moves_on)
+  with caplog.at_level(logging.INFO, logger="realm_jax.openqa_eval"):
+    metrics, _ = evaluate_run(openqa_config(world_dir), workdir, split="test",
+                              retrieval_only=True)
+  assert metrics["step"] == 2, metrics
+  assert f"checkpoint {workdir}/checkpoints/1 was deleted while it was read" in caplog.text
+  # deleted in the middle of the read itself: named as such
+  manager = checkpoints.read_only_manager(workdir)
+  shutil.rmtree(ckpt / "2")
+  try:
+    gone = checkpoints._unreadable(manager, workdir, 2, ValueError("NOT_FOUND: Error reading"))
+  finally:
+    manager.close()
+  assert str(gone) == (f"checkpoint {checkpoints.checkpoint_dir(workdir)}/2 was deleted while "
+                       f"it was read (a run still writing {workdir} keeps only its newest "
+                       "checkpoints); read one it has now ([0])"), str(gone)
+
+
 def _pretraining_checkpoint(world_dir, world_data, workdir):
   """A REALM pre-training run's step-0 checkpoint of drawn parameters: (config, state)."""
   from realm_jax.runtime import partitioning, state as state_lib

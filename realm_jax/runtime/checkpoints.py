@@ -330,6 +330,17 @@ def saved_param_shapes(workdir: str, step: int | None = None
           for path, leaf in leaves}, step
 
 
+def checkpoint_steps(workdir: str) -> list[int]:
+  """The finished steps of `W/checkpoints` now (Orbax's listing), [] without the folder."""
+  if not paths.isdir(checkpoint_dir(workdir)):
+    return []
+  manager = read_only_manager(workdir)
+  try:
+    return sorted(manager.all_steps())
+  finally:
+    manager.close()
+
+
 def _step_or_latest(manager, workdir: str, step: int | None) -> int:
   if step is None:
     step = manager.latest_step()
@@ -360,7 +371,15 @@ def _unreadable(manager, workdir: str, step: int, error: Exception) -> Exception
       "RESOURCE_EXHAUSTED" in str(error):
     return error
   why = f"{type(error).__name__}: {_first_line(error, 400)}"
+  try:
+    manager.reload()   # the listing now, not the one the read started from
+  except Exception:  # noqa: BLE001  (the listing itself may fail on a sick disk)
+    pass
   others = sorted(set(manager.all_steps()) - {step})
+  if step not in manager.all_steps():   # not damaged: the keep-N of a run still writing W
+    return CheckpointError(f"checkpoint {checkpoint_dir(workdir)}/{step} was deleted while it "
+                           f"was read (a run still writing {workdir} keeps only its newest "
+                           f"checkpoints); read one it has now ({others})")
   return CheckpointError(f"checkpoint {checkpoint_dir(workdir)}/{step} cannot be restored "
                          f"({why}); restore it from a copy of the run" + (
                              f", or read another of its steps ({others})" if others else ""))
