@@ -301,6 +301,42 @@ def test_an_export_killed_before_its_record_is_finished_by_the_resumed_run(tmp_p
   assert not resumed.consider(500, {"retrieval_utility": float("nan")}, params(5.0))
 
 
+def test_an_export_to_a_full_disk_stops_the_run_naming_it_and_keeps_the_last_one(
+    tmp_path, monkeypatch):
+  """TensorStore reports a full disk under W/best as a ValueError (RESOURCE_EXHAUSTED ... No
+  space left on device): a CheckpointError names W/best and the step it still holds (the
+  run stops in one line), not a traceback; best.json and the exported params stay as they
+  were, and what the cut-short save left goes when the next export starts."""
+  import orbax.checkpoint as ocp
+  from realm_jax.errors import CheckpointError
+  from realm_jax.runtime.checkpoints import restore_params
+  config = tiny_config("realm")
+  params = lambda value: {"w": np.full((4,), value, np.float32)}
+  BestExport(str(tmp_path), config).consider(300, {"retrieval_utility": 1.0}, params(3.0))
+  save = ocp.CheckpointManager.save
+
+  def full_disk(self, step, *args, **kwargs):
+    os.makedirs(os.path.join(str(self.directory), f"{step}.orbax-checkpoint-tmp"))
+    raise ValueError(f'RESOURCE_EXHAUSTED: Error writing local file "{self.directory}/{step}'
+                     '.orbax-checkpoint-tmp/params/_sharding": No space left on device')
+  monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk)
+  best = BestExport(str(tmp_path), config)
+  with pytest.raises(CheckpointError) as error:
+    best.consider(400, {"retrieval_utility": 2.0}, params(4.0))
+  best_dir = tmp_path / "best"
+  assert str(error.value).startswith(
+      f"exporting step 400's params to {best_dir} failed: RESOURCE_EXHAUSTED: "), error.value
+  assert "No space left on device" in str(error.value)
+  assert f"{best_dir} still holds step 300" in str(error.value), error.value
+  assert json.load(open(best_dir / "best.json")) == {"step": 300, "retrieval_utility": 1.0}
+  saved, step = restore_params(str(best_dir), {"w": jax.ShapeDtypeStruct((4,), np.float32)})
+  assert step == 300
+  np.testing.assert_array_equal(np.asarray(saved["w"]), params(3.0)["w"])
+  monkeypatch.setattr(ocp.CheckpointManager, "save", save)   # space again
+  assert best.consider(500, {"retrieval_utility": 3.0}, params(5.0))
+  assert sorted(os.listdir(best_dir / "checkpoints")) == ["500"]
+
+
 @pytest.mark.slow   # end-to-end runs: the slow tier
 def test_a_fresh_start_does_not_keep_an_earlier_starts_export(world_dir, tmp_path,
                                                                monkeypatch):

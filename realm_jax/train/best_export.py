@@ -22,7 +22,8 @@ from etils import epath
 
 from realm_jax import paths, workdir as workdir_lib
 from realm_jax.runtime import multihost
-from realm_jax.runtime.checkpoints import checkpoint_dir
+from realm_jax.errors import CheckpointError
+from realm_jax.runtime.checkpoints import _first_line, checkpoint_dir
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +53,19 @@ class BestExport:
     manager = ocp.CheckpointManager(
         checkpoint_dir(self.directory),
         options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
-                                             enable_async_checkpointing=False),
+                                             enable_async_checkpointing=False,
+                                             # what a save cut short left goes
+                                             cleanup_tmp_directories=True),
         item_names=("params",))
-    if step not in manager.all_steps():   # else a run killed after saving it, before best.json
-      manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
-                   force=True)
-      manager.wait_until_finished()
-    manager.close()
+    try:
+      if step not in manager.all_steps():   # else a run killed after saving it, before best.json
+        manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
+                     force=True)
+        manager.wait_until_finished()
+    except Exception as e:   # Orbax / TensorStore: ValueError, OSError ... (a full disk)
+      raise self._export_failed(step, e) from e
+    finally:
+      manager.close()
     self.best = {"step": int(step), METRIC: float(value)}
     if jax.process_index() == 0:
       workdir_lib.write_config(self.directory, self.config)
@@ -70,15 +77,26 @@ class BestExport:
                 f"{self.directory}")
     return True
 
+  def _export_failed(self, step: int, error: Exception) -> CheckpointError:
+    """An export that failed (no space left): Orbax writes under a tmp name, so W/best holds
+    what it held; the run stops (its checkpoints are as they were) naming both."""
+    held = (f"{self.directory} still holds step {self.best['step']} (best.json)"
+            if self.best is not None else "nothing is exported yet")
+    return CheckpointError(f"exporting step {step}'s params to {self.directory} failed: "
+                           f"{_first_line(error, 600) or type(error).__name__}; {held}")
+
   def start_over(self, prefix: str = "") -> None:
     """A fresh start (no checkpoint to resume: a run that died before its first save, or
     whose checkpoints are gone) drops an earlier start's export, as it drops its metrics: its
     utility would stand against this run's evaluations (a worse run exports nothing and its
     summary names the other's step, perhaps of another config)."""
-    if jax.process_index() == 0 and paths.exists(self.directory):
+    left = list(epath.Path(self.directory).iterdir()) \
+        if jax.process_index() == 0 and paths.isdir(self.directory) else []
+    if left:
       held = f" (step {self.best['step']})" if self.best is not None else ""
-      epath.Path(self.directory).rmtree()
-      logger.info(f"{prefix}a fresh start: removed {self.directory}{held}, an earlier "
+      for path in left:   # what is in it: W/best itself may be a mount or a link
+        path.rmtree() if path.is_dir() else path.unlink()
+      logger.info(f"{prefix}a fresh start: emptied {self.directory}{held}, an earlier "
                   "start's best export")
     self.best = None
     multihost.after_first_process("best-export-removed")   # before any process saves there
