@@ -504,6 +504,15 @@ def test_a_resumed_run_traces_what_is_left_of_its_profile_steps(tmp_path, caplog
     jax.profiler.stop_trace()
   assert not inside.wanted and "train.profile_first_step: no trace (Profile has" in caplog.text
   inside.after(6, {})   # nothing to stop
+  # a SIGTERM came: the window's last step is saved before the trace is written (its grace)
+  stopped = StepTrace(config.train, str(tmp_path / "stopped"), 0, 10)
+  with caplog.at_level(logging.INFO):
+    for done in range(4, 7):
+      stopped.before(done)
+      stopped.after(done, jax.numpy.ones(2), stopping=done == 6)
+    assert "trace of steps" not in caplog.text
+    stopped.stop()   # the run closing, after its save
+  assert "trace of steps 4-6" in caplog.text
 
 
 def test_a_trace_that_cannot_be_written_leaves_the_run_going(world_dir, tmp_path, caplog,

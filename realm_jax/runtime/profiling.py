@@ -69,12 +69,14 @@ class StepTrace:
       self._step = jax.profiler.StepTraceAnnotation("train", step_num=done)
       self._step.__enter__()
 
-  def after(self, done: int, metrics) -> None:
-    """After step `done` ran (`metrics`: its outputs, waited for before the trace stops)."""
+  def after(self, done: int, metrics, stopping: bool = False) -> None:
+    """After step `done` ran (`metrics`: its outputs, waited for before the trace stops).
+    `stopping`: a SIGTERM came, so step `done` is saved next; the trace is written after that
+    save (`stop`, as the run closes), not out of the grace the save has."""
     if self._began is None:
       return
     self._end_step(done)
-    if done >= self.last:
+    if done >= self.last and not stopping:
       jax.block_until_ready(metrics)
       self.stop()
 

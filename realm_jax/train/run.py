@@ -419,7 +419,7 @@ class Run:
       done = step + 1
       if self.applied(done, metrics):
         window.append(metrics)
-      self.trace.after(done, metrics)
+      self.trace.after(done, metrics, preemption.requested())
       batches.served(done, fed, metrics)
       if (done % cfg.train.log_every == 0 or done == total) and window:
         now = time.time()
