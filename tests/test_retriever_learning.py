@@ -364,6 +364,35 @@ def test_a_fresh_start_does_not_keep_an_earlier_starts_export(world_dir, tmp_pat
 
 
 @pytest.mark.slow   # end-to-end runs: the slow tier
+def test_a_fresh_start_from_its_own_export_keeps_it(world_dir, tmp_path, monkeypatch, caplog):
+  """A workdir whose checkpoints are gone started again from its own export
+  (init.retriever=W/best): the export it read is what this start continues from, not an
+  earlier start's to drop; emptied, that retriever would be lost with nothing in its place."""
+  import logging
+  from realm_jax.runtime.checkpoints import restore_run
+  utility = {}   # step -> the utility an evaluation reports there
+  consider = BestExport.consider
+  monkeypatch.setattr(BestExport, "consider", lambda self, step, metrics, *args: consider(
+      self, step, {**metrics, "retrieval_utility": utility[step]}, *args))
+  config = tiny_config("realm", None, world_dir, train__steps=4, eval__every=2,
+                       eval__export_best=True)
+  workdir = str(tmp_path / "run")
+  utility.update({0: -2.0, 2: 0.0, 4: -1.0})
+  assert train(config, workdir)["best_step"] == 2
+  shutil.rmtree(os.path.join(workdir, "checkpoints"))
+  again = tiny_config("realm", None, world_dir, train__steps=4, eval__every=2,
+                      eval__export_best=True, init__retriever=os.path.join(workdir, "best"))
+  utility.update({0: -3.0, 2: -5.0, 4: -4.0})   # none beats the export it started from
+  with caplog.at_level(logging.INFO, logger="realm_jax.train.best_export"):
+    summary = train(again, workdir)
+  assert (summary["best_step"], summary["best_eval_retrieval_utility"]) == (2, 0.0)
+  assert json.load(open(os.path.join(workdir, "best", "best.json"))) == \
+      {"step": 2, "retrieval_utility": 0.0}
+  assert restore_run(os.path.join(workdir, "best")).step == 2
+  assert "a fresh start from its own export" in caplog.text, caplog.text
+
+
+@pytest.mark.slow   # end-to-end runs: the slow tier
 def test_a_mixed_warmup_reads_its_own_block_or_a_distractor_as_drawn(world_dir, world_data,
                                                                     tmp_path):
   """`retrieval.candidates` "mixed": a training query reads its own block where its draw says

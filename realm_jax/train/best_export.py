@@ -85,11 +85,16 @@ class BestExport:
     return CheckpointError(f"exporting step {step}'s params to {self.directory} failed: "
                            f"{_first_line(error, 600) or type(error).__name__}; {held}")
 
-  def start_over(self, prefix: str = "") -> None:
+  def start_over(self, prefix: str = "", init=None) -> None:
     """A fresh start (no checkpoint to resume: a run that died before its first save, or
     whose checkpoints are gone) drops an earlier start's export, as it drops its metrics: its
     utility would stand against this run's evaluations (a worse run exports nothing and its
-    summary names the other's step, perhaps of another config)."""
+    summary names the other's step, perhaps of another config). One that started from W/best
+    itself (`init`: init.retriever=W/best) continues that export: kept, its record too."""
+    if parts := self._read_by(init):   # the same on every process: all return here
+      logger.info(f"{prefix}a fresh start from its own export ({', '.join(parts)} <- "
+                  f"{self.directory}): kept")
+      return
     left = list(epath.Path(self.directory).iterdir()) \
         if jax.process_index() == 0 and paths.isdir(self.directory) else []
     if left:
@@ -100,6 +105,12 @@ class BestExport:
                   "start's best export")
     self.best = None
     multihost.after_first_process("best-export-removed")   # before any process saves there
+
+  def _read_by(self, init) -> list[str]:
+    """The parts a fresh start's `init` (initialization.Start) read from W/best."""
+    here = paths.absolute(self.directory)
+    return [part for part, src in (init.sources if init is not None else {}).items()
+            if src.kind == "workdir" and paths.same_place(paths.absolute(src.path), here)]
 
   def summary(self) -> dict:
     return {} if self.best is None else {"best_step": self.best["step"],
