@@ -490,6 +490,30 @@ def test_realm_eval_of_a_run_still_writing_reads_the_newest_when_its_latest_goes
                        "checkpoints); read one it has now ([0])"), str(gone)
 
 
+def test_realm_eval_lists_again_a_step_deleted_while_it_is_listed(world_dir, world_data,
+                                                                  tmp_path, monkeypatch):
+  """Orbax reads each step's metadata as it lists W/checkpoints: a step the run still writing
+  W deletes meanwhile fails the listing (FileNotFoundError or NotADirectoryError naming that
+  step's folder), which is listed again, not realm-eval's error."""
+  from realm_jax.openqa_eval import evaluate_run
+  from realm_jax.runtime import checkpoints
+  workdir = str(tmp_path / "live")
+  _pretraining_checkpoint(world_dir, world_data, workdir)
+  manager, calls = checkpoints.read_only_manager, []
+
+  def listed_while_deleting(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 1:
+      raise FileNotFoundError(f"[Errno 2] No such file or directory: '{workdir}/checkpoints/7'")
+    if len(calls) == 2:   # the folder gone between Orbax's listing and its look at it
+      raise NotADirectoryError(f"Path is not a directory: {workdir}/checkpoints/8")
+    return manager(*args, **kwargs)
+  monkeypatch.setattr(checkpoints, "read_only_manager", listed_while_deleting)
+  metrics, _ = evaluate_run(openqa_config(world_dir), workdir, split="test",
+                            retrieval_only=True)
+  assert metrics["step"] == 0 and len(calls) > 3, (metrics, calls)
+
+
 def _pretraining_checkpoint(world_dir, world_data, workdir):
   """A REALM pre-training run's step-0 checkpoint of drawn parameters: (config, state)."""
   from realm_jax.runtime import partitioning, state as state_lib

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -330,15 +331,27 @@ def saved_param_shapes(workdir: str, step: int | None = None
           for path, leaf in leaves}, step
 
 
+# Orbax reads each step's metadata as it lists them: a step a run still writing W deletes
+# (keep-N) meanwhile fails the listing (FileNotFoundError, or NotADirectoryError where the
+# folder went between two of Orbax's looks at it). Listed again, this many times.
+LIST_TRIES = 5
+
+
 def checkpoint_steps(workdir: str) -> list[int]:
   """The finished steps of `W/checkpoints` now (Orbax's listing), [] without the folder."""
-  if not paths.isdir(checkpoint_dir(workdir)):
-    return []
-  manager = read_only_manager(workdir)
-  try:
-    return sorted(manager.all_steps())
-  finally:
-    manager.close()
+  for tries_left in reversed(range(LIST_TRIES)):
+    if not paths.isdir(checkpoint_dir(workdir)):
+      return []
+    try:
+      manager = read_only_manager(workdir)
+      try:
+        return sorted(manager.all_steps())
+      finally:
+        manager.close()
+    except (FileNotFoundError, NotADirectoryError):
+      if not tries_left:
+        raise
+      time.sleep(0.05)
 
 
 def _step_or_latest(manager, workdir: str, step: int | None) -> int:
