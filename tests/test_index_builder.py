@@ -275,6 +275,29 @@ def test_checkpoint_deleted_while_restoring_moves_to_the_newest(world_dir, tmp_p
   assert "checkpoint 20 was deleted while being restored" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_a_step_deleted_while_its_checkpoints_are_listed_is_listed_again(world_dir, tmp_path):
+  """Orbax reads each step's metadata as it lists: a step the trainer deletes (keep-N) in
+  between fails the listing with FileNotFoundError, or NotADirectoryError where the folder
+  went between two of its looks. The builder lists again."""
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir)
+  builder = IndexBuilder(config, workdir)
+  try:
+    steps = builder.checkpoint_steps()
+    real_reload, failures = builder.lister.reload, [FileNotFoundError, NotADirectoryError]
+
+    def reload_while_deleting():
+      if failures:
+        raise failures.pop(0)(f"{workdir}/checkpoints/20")
+      real_reload()
+    builder.lister.reload = reload_while_deleting
+    assert builder.checkpoint_steps() == steps and not failures
+  finally:
+    builder.close()
+
+
 def test_once_on_a_published_newest_checkpoint_says_so_and_builds_nothing(world_dir, tmp_path,
                                                                            capsys):
   """`realm-index --once` run again where its newest checkpoint is published (a rerun of a

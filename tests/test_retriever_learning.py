@@ -308,6 +308,7 @@ def test_an_export_to_a_full_disk_stops_the_run_naming_it_and_keeps_the_last_one
   run stops in one line), not a traceback; best.json and the exported params stay as they
   were, and what the cut-short save left goes when the next export starts."""
   import orbax.checkpoint as ocp
+  from realm_jax import paths
   from realm_jax.errors import CheckpointError
   from realm_jax.runtime.checkpoints import restore_params
   config = tiny_config("realm")
@@ -335,6 +336,17 @@ def test_an_export_to_a_full_disk_stops_the_run_naming_it_and_keeps_the_last_one
   monkeypatch.setattr(ocp.CheckpointManager, "save", save)   # space again
   assert best.consider(500, {"retrieval_utility": 3.0}, params(5.0))
   assert sorted(os.listdir(best_dir / "checkpoints")) == ["500"]
+  # the params fit, the records after them do not: one line too, best.json as it was
+  monkeypatch.setattr(paths, "write_json", lambda path, record: (_ for _ in ()).throw(
+      OSError(28, "No space left on device", path)))
+  with pytest.raises(CheckpointError) as error:
+    best.consider(600, {"retrieval_utility": 4.0}, params(6.0))
+  assert str(error.value).startswith(f"exporting step 600's params to {best_dir}: they are "
+                                     "saved, but writing its records failed: "), error.value
+  assert "No space left on device" in str(error.value) and \
+      str(error.value).endswith("its best.json still names step 500")
+  assert best.best["step"] == 500
+  assert json.load(open(best_dir / "best.json")) == {"step": 500, "retrieval_utility": 3.0}
 
 
 @pytest.mark.slow   # end-to-end runs: the slow tier

@@ -129,7 +129,8 @@ class IndexBuilder:
       try:
         self.lister.reload()
         return sorted(self.lister.all_steps())
-      except FileNotFoundError:   # a step deleted (keep-N) while Orbax listed it: list again
+      except (FileNotFoundError, NotADirectoryError):   # a step deleted (keep-N) while Orbax
+        # listed it (checkpoints.checkpoint_steps): list again
         time.sleep(0.05)
     self.lister.reload()
     return sorted(self.lister.all_steps())

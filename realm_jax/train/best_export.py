@@ -66,16 +66,27 @@ class BestExport:
       raise self._export_failed(step, e) from e
     finally:
       manager.close()
-    self.best = {"step": int(step), METRIC: float(value)}
     if jax.process_index() == 0:
-      workdir_lib.write_config(self.directory, self.config)
-      vocab = paths.read_text(paths.join(self.workdir, workdir_lib.VOCAB))
-      if vocab is not None:   # what a run started from W/best checks its data against
-        paths.write_text_atomic(paths.join(self.directory, workdir_lib.VOCAB), vocab)
-      paths.write_json(self.record, self.best)
+      try:
+        self._write_records({"step": int(step), METRIC: float(value)})
+      except OSError as e:   # a full disk after the params fitted: one line, not a traceback
+        raise CheckpointError(
+            f"exporting step {step}'s params to {self.directory}: they are saved, but writing "
+            f"its records failed: {_first_line(e, 600)}; its best.json still names "
+            + (f"step {self.best['step']}" if self.best is not None else "nothing")) from e
+    self.best = {"step": int(step), METRIC: float(value)}
     logger.info(f"{prefix}best {METRIC} so far ({value:.4f} at step {step}): exported to "
                 f"{self.directory}")
     return True
+
+  def _write_records(self, best: dict) -> None:
+    """W/best's config, vocab and best.json (process 0), best.json last: it says the export
+    is whole."""
+    workdir_lib.write_config(self.directory, self.config)
+    vocab = paths.read_text(paths.join(self.workdir, workdir_lib.VOCAB))
+    if vocab is not None:   # what a run started from W/best checks its data against
+      paths.write_text_atomic(paths.join(self.directory, workdir_lib.VOCAB), vocab)
+    paths.write_json(self.record, best)
 
   def _export_failed(self, step: int, error: Exception) -> CheckpointError:
     """An export that failed (no space left): Orbax writes under a tmp name, so W/best holds
