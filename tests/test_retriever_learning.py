@@ -349,6 +349,22 @@ def test_an_export_to_a_full_disk_stops_the_run_naming_it_and_keeps_the_last_one
   assert json.load(open(best_dir / "best.json")) == {"step": 500, "retrieval_utility": 3.0}
 
 
+def exported_then_checkpoints_gone(world_dir, tmp_path, monkeypatch):
+  """A 4-step REALM run evaluated every 2 steps with `eval.export_best`, the utility of each
+  evaluation set by the test (the returned dict, step -> utility: step 2 the best), W/best
+  holding step 2, then W/checkpoints removed. Returns (utility, config, workdir)."""
+  utility = {0: -2.0, 2: 0.0, 4: -1.0}
+  consider = BestExport.consider
+  monkeypatch.setattr(BestExport, "consider", lambda self, step, metrics, *args: consider(
+      self, step, {**metrics, "retrieval_utility": utility[step]}, *args))
+  config = tiny_config("realm", None, world_dir, train__steps=4, eval__every=2,
+                       eval__export_best=True)
+  workdir = str(tmp_path / "run")
+  assert train(config, workdir)["best_step"] == 2
+  shutil.rmtree(os.path.join(workdir, "checkpoints"))
+  return utility, config, workdir
+
+
 @pytest.mark.slow   # end-to-end runs: the slow tier
 def test_a_fresh_start_does_not_keep_an_earlier_starts_export(world_dir, tmp_path,
                                                                monkeypatch):
@@ -357,16 +373,7 @@ def test_a_fresh_start_does_not_keep_an_earlier_starts_export(world_dir, tmp_pat
   too: its utility would stand against this run's (nothing of this run exported, the summary
   naming the other run's step)."""
   from realm_jax.runtime.checkpoints import restore_run
-  utility = {}   # step -> the utility an evaluation reports there
-  consider = BestExport.consider
-  monkeypatch.setattr(BestExport, "consider", lambda self, step, metrics, *args: consider(
-      self, step, {**metrics, "retrieval_utility": utility[step]}, *args))
-  config = tiny_config("realm", None, world_dir, train__steps=4, eval__every=2,
-                       eval__export_best=True)
-  workdir = str(tmp_path / "run")
-  utility.update({0: -2.0, 2: 0.0, 4: -1.0})
-  assert train(config, workdir)["best_step"] == 2
-  shutil.rmtree(os.path.join(workdir, "checkpoints"))
+  utility, config, workdir = exported_then_checkpoints_gone(world_dir, tmp_path, monkeypatch)
   utility.update({0: -3.0, 2: -5.0, 4: -4.0})   # all below the earlier start's best
   summary = train(config, workdir)
   assert (summary["best_step"], summary["best_eval_retrieval_utility"]) == (0, -3.0)
@@ -382,16 +389,7 @@ def test_a_fresh_start_from_its_own_export_keeps_it(world_dir, tmp_path, monkeyp
   earlier start's to drop; emptied, that retriever would be lost with nothing in its place."""
   import logging
   from realm_jax.runtime.checkpoints import restore_run
-  utility = {}   # step -> the utility an evaluation reports there
-  consider = BestExport.consider
-  monkeypatch.setattr(BestExport, "consider", lambda self, step, metrics, *args: consider(
-      self, step, {**metrics, "retrieval_utility": utility[step]}, *args))
-  config = tiny_config("realm", None, world_dir, train__steps=4, eval__every=2,
-                       eval__export_best=True)
-  workdir = str(tmp_path / "run")
-  utility.update({0: -2.0, 2: 0.0, 4: -1.0})
-  assert train(config, workdir)["best_step"] == 2
-  shutil.rmtree(os.path.join(workdir, "checkpoints"))
+  utility, config, workdir = exported_then_checkpoints_gone(world_dir, tmp_path, monkeypatch)
   again = tiny_config("realm", None, world_dir, train__steps=4, eval__every=2,
                       eval__export_best=True, init__retriever=os.path.join(workdir, "best"))
   utility.update({0: -3.0, 2: -5.0, 4: -4.0})   # none beats the export it started from

@@ -456,6 +456,22 @@ def test_no_retrieval_baseline_reads_only_the_null_document(world_dir, world_dat
   assert summary["eval_span_accuracy_null_document"] == summary["eval_span_accuracy"]
 
 
+def the_trace(workdir):
+  """The one trace of a run's steps in W/tb/profile: its .trace.json.gz and its events."""
+  traces = glob.glob(os.path.join(workdir, "tb", "profile", "plugins", "profile", "*",
+                                  "*.trace.json.gz"))
+  assert len(traces) == 1, traces
+  with gzip.open(traces[0]) as f:
+    return traces[0], json.load(f)["traceEvents"]
+
+
+def step_calls(events) -> int:
+  """Calls of the train step in a trace: one "Execute (jit_step)" event each (and one per
+  device, "[i] ...")."""
+  return sum(1 for e in events if e.get("name", "").endswith("Execute (jit_step)")
+             and not e["name"].startswith("["))
+
+
 def test_a_profile_traces_the_steps_asked_for_and_no_other(world_dir, tmp_path, caplog):
   """train.profile_first_step 2, 5 steps asked of a 3-step run: a jax.profiler trace of
   steps 2 and 3 (two executions of the step, each marked as a step, the first's compile
@@ -465,19 +481,12 @@ def test_a_profile_traces_the_steps_asked_for_and_no_other(world_dir, tmp_path, 
   workdir = str(tmp_path / "w")
   with caplog.at_level(logging.INFO):
     train(config, workdir)
-  traces = glob.glob(os.path.join(workdir, "tb", "profile", "plugins", "profile", "*",
-                                  "*.trace.json.gz"))
-  assert len(traces) == 1, traces
-  with gzip.open(traces[0]) as f:
-    events = json.load(f)["traceEvents"]
-  # one "Execute (jit_step)" event per call of the step (and one per device, "[i] ...")
-  runs = [e for e in events if e.get("name", "").endswith("Execute (jit_step)")
-          and not e["name"].startswith("[")]
-  assert len(runs) == 2, len(runs)
+  trace, events = the_trace(workdir)
+  assert step_calls(events) == 2
   # each step marked as one, numbered as the progress lines number it
   assert [e["args"]["step_num"] for e in events if e.get("name") == "train"] == ["2", "3"]
   assert f"tracing steps 2-3 into {os.path.join(workdir, 'tb', 'profile')}" in caplog.text
-  assert "trace of steps 2-3" in caplog.text and os.path.dirname(traces[0]) in caplog.text
+  assert "trace of steps 2-3" in caplog.text and os.path.dirname(trace) in caplog.text
 
 
 def test_a_resumed_run_traces_what_is_left_of_its_profile_steps(tmp_path, caplog):
@@ -547,14 +556,7 @@ def test_a_run_resumed_inside_the_profile_window_traces_its_warm_steps(world_dir
                        train__profile_first_step=3, train__profile_steps=3)
   with caplog.at_level(logging.INFO):
     train(config, workdir)
-  traces = glob.glob(os.path.join(workdir, "tb", "profile", "plugins", "profile", "*",
-                                  "*.trace.json.gz"))
-  assert len(traces) == 1, traces
-  with gzip.open(traces[0]) as f:
-    events = json.load(f)["traceEvents"]
-  runs = [e for e in events if e.get("name", "").endswith("Execute (jit_step)")
-          and not e["name"].startswith("[")]
-  assert "trace of steps 5-5" in caplog.text and len(runs) == 1, len(runs)
+  assert "trace of steps 5-5" in caplog.text and step_calls(the_trace(workdir)[1]) == 1
 
 
 @pytest.mark.slow
