@@ -86,8 +86,9 @@ def main(argv) -> None:
     print('realm-predict: error: usage: realm-predict --workdir W "question" [...]',
           file=sys.stderr)
     raise SystemExit(2)
-  empty = [i for i, q in enumerate(questions, 1) if not q.strip()]
-  if empty:
+  from realm_jax.data.answers import as_read
+  empty = [i for i, q in enumerate(questions, 1) if not as_read(q).split()]
+  if empty:   # blank, or nothing the tokenizer keeps (zero-width, control characters)
     print(f"realm-predict: error: question {empty[0]} is empty: ask something", file=sys.stderr)
     raise SystemExit(2)
   if _STEP.value < -1:

@@ -449,9 +449,11 @@ def test_options_of_a_runs_own_config_are_set_from_the_command_line(tmp_path):
       assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {expected}"), lines
 
 
-def test_realm_predict_refuses_an_empty_question(tmp_path):
+@pytest.mark.parametrize("empty", ["  ", "\u200b\u200d\u00ad"])   # blank; nothing read
+def test_realm_predict_refuses_an_empty_question(tmp_path, empty):
+  """Before anything is loaded (`--workdir` is not even a run)."""
   result = subprocess.run([sys.executable, "-m", "realm_jax.predict", "--workdir",
-                           str(tmp_path), "who?", "  "], cwd=REPO, capture_output=True,
+                           str(tmp_path), "who?", empty], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
   assert result.returncode == 2, result.stderr[-2000:]
   assert result.stderr.strip() == "realm-predict: error: question 2 is empty: ask something"

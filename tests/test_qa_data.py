@@ -47,6 +47,7 @@ def test_nq_open_counts_bad_lines_and_strict_names_the_line(tmp_path):
            b"",
            b'{"question": "broken", "answer": [',
            b'{"answer": ["x"]}',
+           '{"question": "\u200b\u200d\u00ad", "answer": ["x"]}'.encode(),   # nothing read
            b'{"question": "none", "answer": []}',
            b'{"question": "numbers", "answer": [1977]}',
            b'["not", "an", "object"]',
@@ -57,7 +58,7 @@ def test_nq_open_counts_bad_lines_and_strict_names_the_line(tmp_path):
   assert examples == [
       QAExample("nq.jsonl:1", "who wrote it", ("Bob Scott", "B. Scott"), False),
       QAExample("q7", "when was it", ("1977",), False, "T")]
-  assert skipped == {qa.MALFORMED_JSON: 1, qa.MISSING_QUESTION: 1, qa.NO_ANSWERS: 1,
+  assert skipped == {qa.MALFORMED_JSON: 1, qa.MISSING_QUESTION: 2, qa.NO_ANSWERS: 1,
                      qa.NON_STRING_ANSWERS: 1, qa.NOT_AN_OBJECT: 1, qa.INVALID_UTF8: 1}
   with pytest.raises(DataError, match=f"{path}:3: malformed JSON"):
     read_qa(f"nq_open:{path}", strict=True)
@@ -193,6 +194,8 @@ def test_the_corpus_and_open_qa_read_the_same_squad_questions(tmp_path):
   data["data"][3]["paragraphs"] += [{"context": "Once.", "qas": "none"},   # a paragraph with
       {"context": "Once.", "qas": [{"id": "r0", "question": "q?", "answers": ["x"]}]}]  # no
   # question list is a block, so its repeat is a repeat for both
+  data["data"][3]["paragraphs"][0]["qas"].append(   # nothing the tokenizer reads: no question
+      {"id": "zw", "question": "\u200b\u00ad", "answers": ["y"]})
   text = json.dumps(data)
   files = [write(tmp_path / "squad.json", text),
            write(tmp_path / "bom.json", b"\xef\xbb\xbf" + text.encode()),
@@ -203,7 +206,7 @@ def test_the_corpus_and_open_qa_read_the_same_squad_questions(tmp_path):
                                            "q3-1", "q3-2", "d0"]
     assert examples[0].answers == ("Ans",)
     assert skipped == {qa.UNANSWERABLE: 1, qa.NO_ANSWERS: 1, qa.NON_STRING_ANSWERS: 1,
-                       qa.MISSING_QUESTION: 1, sources.MISSING_TITLE: 3, sources.EMPTY: 1,
+                       qa.MISSING_QUESTION: 2, sources.MISSING_TITLE: 3, sources.EMPTY: 1,
                        sources.DUPLICATE: 2, sources.TOO_LARGE: 1, qa.DUPLICATE_ID: 1,
                        sources.NOT_AN_OBJECT: 1}
     config = prepare_lib.prepare_config()
@@ -215,7 +218,7 @@ def test_the_corpus_and_open_qa_read_the_same_squad_questions(tmp_path):
     assert skips.counts == {sources.MISSING_TITLE: 1, sources.EMPTY: 1, sources.DUPLICATE: 2,
                             sources.TOO_LARGE: 1}
     assert skips.questions == {qa.UNANSWERABLE: 1, qa.NO_ANSWERS: 1, qa.NON_STRING_ANSWERS: 1,
-                               qa.MISSING_QUESTION: 1, qa.DUPLICATE_ID: 1,
+                               qa.MISSING_QUESTION: 2, qa.DUPLICATE_ID: 1,
                                sources.NOT_AN_OBJECT: 1, sources.PARAGRAPH_SKIPPED: 7}
   for body, found in ((json.dumps(messy_squad()["data"]), "found an array"),
                       (json.dumps({"data": None}), "'data' is null"),

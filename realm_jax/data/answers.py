@@ -73,7 +73,7 @@ def _strip_accents(s: str) -> str:
   return "".join(c for c in unicodedata.normalize("NFD", s) if unicodedata.category(c) != "Mn")
 
 
-def _as_read(s: str) -> str:
+def as_read(s: str) -> str:
   """`s` as the uncased tokenizer reads it, so that an answer compares with a span decoded from
   its wordpieces: what it drops gone (control and format characters but tab and newlines, so a
   soft hyphen or a zero-width joiner, private-use ones, U+FFFD), accents stripped, lowercased,
@@ -87,7 +87,7 @@ def normalize_answer(s: str) -> str:
   """ORQA's `normalize_answer`: NFD, lowercase, ASCII punctuation and a/an/the dropped,
   whitespace squashed.
 
-  One addition: the text is read as the uncased tokenizer reads it (`_as_read`): combining
+  One addition: the text is read as the uncased tokenizer reads it (`as_read`): combining
   marks (category Mn) are dropped after NFD, so "Pelé" == "Pele", and so are the characters
   the tokenizer drops ("Hydro\xadgen", a soft hyphen inside, == "Hydrogen").
   ORQA keeps them (NFD alone only makes composed and decomposed accents agree), which works
@@ -96,7 +96,7 @@ def normalize_answer(s: str) -> str:
   `_run_strip_accents`), so keeping the marks would fail every accented answer. SQuAD's
   script does no unicode normalisation at all.
   """
-  s = _as_read(s)
+  s = as_read(s)
   s = _ARTICLES.sub(" ", s.translate(_PUNCTUATION))
   return " ".join(s.split())
 
@@ -165,7 +165,7 @@ def _spelt_as_answer(prediction: str, answers: Sequence[str]) -> bool:
 
 def _words(text: str) -> list[str]:
   """The words and `lone` characters of `text` as the uncased tokenizer reads it."""
-  return respaced(_as_read(text), "split").split()
+  return respaced(as_read(text), "split").split()
 
 
 def _normalised(prediction: str) -> list[str]:

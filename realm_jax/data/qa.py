@@ -22,7 +22,7 @@ import numpy as np
 
 from realm_jax import paths
 from realm_jax.config.defaults import HELDOUT_UNITS
-from realm_jax.data.answers import compile_answer_regex
+from realm_jax.data.answers import as_read, compile_answer_regex
 from realm_jax.data.sources import (DUPLICATE_ID, INVALID_UTF8, MALFORMED_JSON,
                                     MISSING_QUESTION, NO_ANSWERS, NON_STRING_ANSWERS,
                                     NOT_AN_OBJECT, UNANSWERABLE, Deduplicator, Skips,
@@ -80,8 +80,8 @@ class _Collector:
     if not isinstance(obj, dict):
       return self.skips.skip(NOT_AN_OBJECT, where)
     question = obj.get(question_key)
-    if not isinstance(question, str) or not question.strip():
-      return self.skips.skip(MISSING_QUESTION, where)
+    if not isinstance(question, str) or not as_read(question).split():   # (nothing the
+      return self.skips.skip(MISSING_QUESTION, where)   # tokenizer keeps: zero-width, controls)
     answers = obj.get(answers_key)
     answers = [answers] if isinstance(answers, str) else answers
     if answers is not None and (not isinstance(answers, (list, tuple))

@@ -23,6 +23,7 @@ import unicodedata
 from collections import Counter
 from typing import Iterator
 
+from realm_jax.data.answers import as_read
 from realm_jax.data.corpus import SourceDocument, SourceSentence
 from realm_jax.errors import ConfigError, DataError
 
@@ -372,7 +373,7 @@ def squad_questions(paragraph: dict, where: str, skips: Skips, seen_ids: set[str
       skips.skip_question(UNANSWERABLE, at)
     elif (answers := squad_answers(qa)) is None:
       skips.skip_question(NON_STRING_ANSWERS, at)
-    elif not isinstance(qa.get("question"), str) or not qa["question"].strip():
+    elif not isinstance(qa.get("question"), str) or not as_read(qa["question"]).split():
       skips.skip_question(MISSING_QUESTION, at)
     elif not answers:
       skips.skip_question(NO_ANSWERS, at)
