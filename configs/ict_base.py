@@ -11,6 +11,11 @@ what differs is set below.
   realm-train --config configs/ict_base.py --workdir gs://BUCKET/realm/ict \
       --config.data.dir gs://BUCKET/realm/data --config.init.retriever /data/bert-base-uncased
 
+Queries are whole sentences here (ORQA cuts longer ones to 64; this project does not cut a
+query): a data dir prepared with configs/prepare.py's sentences of up to 94 wordpieces is
+refused at start-up (`config.data.query_len: 64 < longest prepared sentence + 2 = 96`). Prepare
+ICT's data with `--config.max_sentence_len=62`, or give `--config.data.query_len=96` (REALM's).
+
 Variants by arg:
   base   (default) the paper's settings
   small  the same data shapes with a 2-layer d=128 model, a small batch and a few steps: a
@@ -43,7 +48,8 @@ def get_config(arg=None):
 
 
 def _small(c):
-  """Shrinks the model, batch and schedule; keeps the data shapes so the same data dir works."""
+  """Shrinks the model, batch and schedule; keeps the data shapes, so the data dir the base
+  variant reads works (see the module docstring for its sentence length)."""
   tiny_model(c)                    # a 2-layer d=128 BERT per tower
   c.init.retriever = ""            # a random start: BERT-base does not fit the tiny towers
   c.train.batch_size = 64          # in-batch negatives per step
