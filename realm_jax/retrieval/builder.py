@@ -51,7 +51,6 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)   # a full disk or quota: retried at the
 
 WAIT_MESSAGE_SECONDS = 30.0      # one "still waiting" line per this many seconds
 TRAINER_GONE_SECONDS = 600.0     # one "the trainer is not running" line per this many seconds
-LIST_ATTEMPTS = 5                # listings of the checkpoints tried while steps vanish under it
 FINISHED, FAILED = -1, -2        # process 0's decisions besides a step to build (`_decided`)
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM   # stopped on SIGTERM (preempted): as the trainer
 
@@ -125,15 +124,11 @@ class IndexBuilder:
       self.lister = self.checkpoints.read_only_manager(
           self.workdir, processes={jax.process_index()} if self.multiprocess else None,
           item_names=self.checkpoints.ITEMS)
-    for _ in range(LIST_ATTEMPTS - 1):
-      try:
-        self.lister.reload()
-        return sorted(self.lister.all_steps())
-      except (FileNotFoundError, NotADirectoryError):   # a step deleted (keep-N) while Orbax
-        # listed it (checkpoints.checkpoint_steps): list again
-        time.sleep(0.05)
-    self.lister.reload()
-    return sorted(self.lister.all_steps())
+
+    def steps() -> list[int]:
+      self.lister.reload()
+      return self.lister.all_steps()
+    return self.checkpoints.listed_again(steps)   # a step the trainer deletes while listed
 
   def _reader(self):
     """The manager every process restores through (made by all of them at their first build;

@@ -337,21 +337,29 @@ def saved_param_shapes(workdir: str, step: int | None = None
 LIST_TRIES = 5
 
 
-def checkpoint_steps(workdir: str) -> list[int]:
-  """The finished steps of `W/checkpoints` now (Orbax's listing), [] without the folder."""
+def listed_again(list_steps) -> list[int]:
+  """`list_steps()` sorted, listed again (LIST_TRIES in all) while a step deleted under it
+  fails Orbax's listing: every reader of a W another job still writes."""
   for tries_left in reversed(range(LIST_TRIES)):
-    if not paths.isdir(checkpoint_dir(workdir)):
-      return []
     try:
-      manager = read_only_manager(workdir)
-      try:
-        return sorted(manager.all_steps())
-      finally:
-        manager.close()
+      return sorted(list_steps())
     except (FileNotFoundError, NotADirectoryError):
       if not tries_left:
         raise
       time.sleep(0.05)
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """The finished steps of `W/checkpoints` now (Orbax's listing), [] without the folder."""
+  def steps() -> list[int]:
+    if not paths.isdir(checkpoint_dir(workdir)):
+      return []
+    manager = read_only_manager(workdir)
+    try:
+      return manager.all_steps()
+    finally:
+      manager.close()
+  return listed_again(steps)
 
 
 def _step_or_latest(manager, workdir: str, step: int | None) -> int:
