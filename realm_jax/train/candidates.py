@@ -34,7 +34,7 @@ from realm_jax.runtime import embedders, multihost
 from realm_jax.config.reading import uses_index_builder
 from realm_jax.train import candidate_rows
 from realm_jax.train.feed import (FeedStopped, VersionSchedule, deterministic_source_step,
-                                  stopped_anywhere)
+                                  waited_together)
 from realm_jax.runtime.metrics import MetricWriter
 
 _NO_STEP = np.zeros((), np.int32)
@@ -346,12 +346,9 @@ class PublishedIndex(NoRetrieval):
     FeedStopped on every process once a SIGTERM came to one, an error on every process once
     the wait of one failed (`stopped_anywhere`)."""
     t0, timeout = time.time(), self.config.retrieval.index_timeout
-    loaded, error = None, None
-    try:
-      loaded = self.subscriber.wait_for_step(built_from, timeout, self.stop_waiting)
-    except Exception as e:  # noqa: BLE001  (raised after the exchange, on every process)
-      error = e
-    if stopped_anywhere(loaded is None, timeout, error):
+    loaded, stopped = waited_together(
+        lambda: self.subscriber.wait_for_step(built_from, timeout, self.stop_waiting), timeout)
+    if stopped:
       raise FeedStopped(step, time.time() - t0, f"the index built from step {built_from}" +
                         ("" if loaded is None else ", on another process"),
                         f"the index of the evaluation at step {step}")

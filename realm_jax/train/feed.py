@@ -210,6 +210,21 @@ def stopped_anywhere(stopped: bool, index_timeout: float,
   return _STOPPED in found
 
 
+def waited_together(wait: Callable[[], object | None], index_timeout: float
+                    ) -> tuple[object | None, bool]:
+  """(`wait()`'s value, None where it stopped, and whether a wait stopped on any process):
+  a wait for an index that every process makes at the same point (`stopped_anywhere`: an
+  error of one, raised on every process)."""
+  value, error = None, None
+  try:
+    value = wait()
+  except FeedStopped:
+    pass
+  except Exception as e:  # noqa: BLE001  (raised after the exchange, on every process)
+    error = e
+  return value, stopped_anywhere(value is None, index_timeout, error)
+
+
 def _peer_error(process: int, said: str) -> Exception:
   """The error of another process's wait for an index (`said`: its class and message): an
   index error as the same class with the same message (one line at the CLI, as there),
@@ -287,14 +302,8 @@ class BatchFeed:
     `should_stop()` says so (a SIGTERM to any process), then FeedStopped on every process if
     one stopped, an error on every process if one's batch failed (`stopped_anywhere`)."""
     step, t0 = self._next, time.time()
-    fed, error = None, None
-    try:
-      fed = self.next(should_stop)
-    except FeedStopped:
-      pass
-    except Exception as e:  # noqa: BLE001  (raised after the exchange, on every process)
-      error = e
-    if stopped_anywhere(fed is None, index_timeout, error):
+    fed, stopped = waited_together(lambda: self.next(should_stop), index_timeout)
+    if stopped:
       raise FeedStopped(step, time.time() - t0, "its index, or its data" +
                         ("" if fed is None else ", on another process"))
     return fed
