@@ -139,15 +139,17 @@ def read_record(workdir: str, name: str, advice: str = "") -> dict | None:
     raise DataError(f"{path}: not the JSON a run writes ({e}); restore it from a copy of "
                     f"the run{advice}") from None
   if record is not None and not isinstance(record, dict):
-    raise DataError(f"{path}: not the JSON object a run writes")
+    raise DataError(f"{path}: not the JSON object a run writes{advice}")
   return record
 
 
-def recorded_config(workdir: str) -> dict | None:
+EVALUATION_ADVICE = " (an evaluation may give --config instead)"
+
+
+def recorded_config(workdir: str, advice: str = EVALUATION_ADVICE) -> dict | None:
   """`W/config.json` with options renamed since moved to their names (`upgrade_record`);
-  None where W has none."""
+  None where W has none. One that is not a run's is a DataError naming it, `advice` added."""
   from realm_jax.config.option_names import upgrade_record
-  advice = " (an evaluation may give --config instead)"
   record = read_record(workdir, CONFIG, advice)
   if record is None:
     return None
@@ -162,7 +164,10 @@ def recorded_config(workdir: str) -> dict | None:
 
 def record_config(config, workdir: str, primary: bool = True) -> None:
   """Refuses a workdir whose checkpoints come from an incompatible config; records ours (the
-  `primary` process of a job writes it; every process checks)."""
+  `primary` process of a job writes it; every process checks). A config.json that is not a
+  run's (a Hugging Face model dir's, or not JSON) is refused, not overwritten."""
+  recorded_config(workdir, " (a run would overwrite it: give --workdir a run's directory or a "
+                           "new one)")
   check_compatible(workdir, config)
   if primary:
     paths.makedirs(workdir)

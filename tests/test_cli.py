@@ -179,6 +179,31 @@ def test_a_workdir_without_a_finished_checkpoint_takes_another_config(tmp_path):
     workdir_lib.record_config(tiny_config("ict", train__batch_size=16), workdir)
 
 
+def test_another_programs_config_json_is_refused_not_overwritten(tmp_path):
+  """A --workdir that holds another program's config.json (a Hugging Face model dir's) or a
+  file that is not JSON: a run there would have overwritten it. Each is named in one line and
+  left as it was, with checkpoints or without."""
+  from realm_jax.errors import DataError
+  foreign = '{"model_type": "bert", "hidden_size": 384}'
+  for name, text, expected in [("hf", foreign, "not the config a run writes"),
+                               ("list", "[1, 2]", "not the JSON object a run writes"),
+                               ("notes", "my notes", "not the JSON a run writes")]:
+    for checkpoint in (False, True):
+      workdir = tmp_path / f"{name}{int(checkpoint)}"
+      workdir.mkdir()
+      (workdir / "config.json").write_text(text)
+      if checkpoint:
+        os.makedirs(workdir / "checkpoints" / "3")
+      with pytest.raises(DataError, match=re.escape(f"{workdir}/config.json: {expected}") +
+                         ".*a run would overwrite it: give --workdir a run's directory"):
+        workdir_lib.record_config(tiny_config("ict"), str(workdir))
+      assert (workdir / "config.json").read_text() == text
+  ours = tmp_path / "ours"     # a run's own config.json: written again, as before
+  workdir_lib.record_config(tiny_config("ict", train__batch_size=16), str(ours))
+  workdir_lib.record_config(tiny_config("ict", train__batch_size=8), str(ours))
+  assert workdir_lib.recorded_config(str(ours))["train"]["batch_size"] == 8
+
+
 def test_a_realm_run_switching_between_in_process_and_builder_refresh_is_refused(tmp_path):
   """In process, the checkpoints keep the snapshot the index was built from; with realm-index,
   not: resumed under the other, every checkpoint would read as unreadable. async and
