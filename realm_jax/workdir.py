@@ -9,7 +9,8 @@
                          check their data's against it
   W/checkpoints/<step>/  Orbax checkpoints (runtime/checkpoints.py)
   W/unreadable_checkpoints/<step>/   a checkpoint that failed to restore on resume, moved
-                         aside (kept for a post-mortem; that step is saved again)
+                         aside (kept for a post-mortem; that step is saved again, and
+                         if it fails again too, moved beside it as <step>.2, .3, ...)
   W/index/<version>/     published index versions (retrieval/published.py)
   W/metrics/<kind>.jsonl, W/tb/<kind>/   metrics (runtime/metrics.py)
   W/summary.json         the run's summary, written when it finishes (absent: not finished; a

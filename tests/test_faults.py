@@ -96,14 +96,18 @@ def test_truncated_latest_checkpoint_is_named_and_the_previous_one_resumes(
   config, workdir = copy_of(finished_ict, tmp_path)
   truncate_arrays(workdir, STEPS)
   before = loss_records(workdir)
+  aside = os.path.join(workdir, UNREADABLE_CHECKPOINTS)
+  os.makedirs(os.path.join(aside, str(STEPS), "earlier"))   # the same step, damaged before
   summary = train(config, workdir)
   out = capsys.readouterr().out
   ckpt = os.path.join(os.path.abspath(workdir), "checkpoints")
   assert f"checkpoint {ckpt}/{STEPS} cannot be restored" in out, out[-3000:]
   assert f"resumed from {ckpt}/2 " in out, out[-3000:]
-  assert f"moved the unreadable checkpoint {STEPS}" in out
-  # The bad one is kept aside for a post-mortem; its step was trained and saved again.
-  assert os.path.isdir(os.path.join(workdir, UNREADABLE_CHECKPOINTS, str(STEPS), "params"))
+  assert f"moved the unreadable checkpoint {STEPS} to {os.path.abspath(aside)}/{STEPS}.2" in out
+  # The bad one is kept aside for a post-mortem, beside the earlier copy of its step; its
+  # step was trained and saved again.
+  assert os.path.isdir(os.path.join(aside, f"{STEPS}.2", "params"))
+  assert os.listdir(os.path.join(aside, str(STEPS))) == ["earlier"]
   assert sorted(int(d) for d in os.listdir(ckpt) if d.isdigit()) == [2, STEPS]
   assert summary["steps"] == STEPS
   # The steps after checkpoint 2 ran again, with the same losses, each logged once (the

@@ -234,11 +234,14 @@ def test_an_unreadable_checkpoint_in_the_bucket_is_moved_aside_and_the_run_resum
   epath.Path(f"{workdir}/checkpoints/6/params").mkdir(parents=True, exist_ok=True)
   (epath.Path(f"{workdir}/checkpoints/6/params") / "cut_off").write_text("x")
   assert workdir_lib.latest_checkpoint_step(workdir) == 4
+  aside = f"{workdir}/{workdir_lib.UNREADABLE_CHECKPOINTS}"
+  (epath.Path(aside) / "4").mkdir(parents=True, exist_ok=True)   # step 4 failed once before
+  (epath.Path(aside) / "4" / "earlier").write_text("x")
   capsys.readouterr()
   assert train(config, workdir)["steps"] == 4
   out = capsys.readouterr().out
   assert "checkpoints/4 cannot be restored" in out and "moved the unreadable checkpoint 4" in out
-  assert fs.exists(f"{workdir}/{workdir_lib.UNREADABLE_CHECKPOINTS}/4/params")
+  assert fs.exists(f"{aside}/4.2/params") and fs.exists(f"{aside}/4/earlier")   # both kept
   assert paths.isdir(f"{workdir}/checkpoints/4")   # trained and saved again
 
 

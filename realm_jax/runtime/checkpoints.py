@@ -173,8 +173,8 @@ class Checkpointer:
     the one before it tried. Once an older one has restored (the storage reads), the walk
     starts again from the newest: a checkpoint that failed once is tried a second time (an
     error that passed, e.g. a bucket's hiccup, must not cost the steps since), and one that
-    fails twice is moved to `W/unreadable_checkpoints/<step>` (so that step can be saved
-    again). The older one is then read twice, one state on the devices at a time. When none
+    fails twice is moved to `W/unreadable_checkpoints/<step>` (`<step>.2` where that step
+    was moved there before; so that step can be saved again). The older one is then read twice, one state on the devices at a time. When none
     restores, CheckpointError names each: never step 0 silently. With several processes,
     every one walks process 0's list of steps and each try counts only where it restored on
     every process (a shard one host cannot read sends all to the one before, together)."""
@@ -231,10 +231,15 @@ class Checkpointer:
     return restored, why
 
   def _move_aside(self, step: int, log) -> None:
-    """`W/checkpoints/<step>` -> `W/unreadable_checkpoints/<step>` (process 0; all wait)."""
+    """`W/checkpoints/<step>` -> `W/unreadable_checkpoints/<step>` (process 0; all wait); where
+    an earlier copy of that step is kept there already, `<step>.2`, `<step>.3`, ...: a step
+    saved again and damaged again keeps both for the post-mortem."""
     from realm_jax.workdir import UNREADABLE_CHECKPOINTS
-    target = epath.Path(self.directory).parent / UNREADABLE_CHECKPOINTS / str(step)
+    aside = epath.Path(self.directory).parent / UNREADABLE_CHECKPOINTS
     if jax.process_index() == 0:
+      target, copy = aside / str(step), 2
+      while paths.exists(str(target)):
+        target, copy = aside / f"{step}.{copy}", copy + 1
       source = epath.Path(self.directory) / str(step)
       try:
         paths.move_tree(str(source), str(target))
