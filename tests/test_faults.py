@@ -120,6 +120,33 @@ def test_truncated_latest_checkpoint_is_named_and_the_previous_one_resumes(
 
 
 @pytest.mark.slow
+def test_a_damaged_data_item_is_an_unreadable_checkpoint_not_a_key_error(finished_ict, tmp_path,
+                                                                         capsys):
+  """The newest checkpoint's data item edited to `{}` (it used to pass the restore and stop the
+  run with a KeyError traceback): named, moved aside, and the run resumes from the one before."""
+  config, workdir = copy_of(finished_ict, tmp_path)
+  with open(os.path.join(workdir, "checkpoints", str(STEPS), "data", "metadata"), "w") as f:
+    f.write("{}")
+  assert train(config, workdir)["steps"] == STEPS
+  out = capsys.readouterr().out
+  ckpt = os.path.join(os.path.abspath(workdir), "checkpoints")
+  assert (f"checkpoint {ckpt}/{STEPS} cannot be restored (ValueError: its data item {{}} is "
+          f"not the one a run writes at step {STEPS}") in out, out[-3000:]
+  assert f"resumed from {ckpt}/2 " in out, out[-3000:]
+  assert os.path.isdir(os.path.join(workdir, UNREADABLE_CHECKPOINTS, str(STEPS), "data"))
+
+
+@pytest.mark.parametrize("item", [
+    [], None, {"next_step": STEPS}, {"iterator": {"next_index": 4}},
+    {"next_step": 3, "iterator": {"next_index": 3}}, {"next_step": STEPS, "iterator": 4}])
+def test_a_data_item_that_a_run_does_not_write_is_refused(item):
+  with pytest.raises(ValueError, match=f"is not the one a run writes at step {STEPS}"):
+    checkpoints.check_data_item(item, STEPS)
+  checkpoints.check_data_item({"next_step": STEPS, "iterator": {"next_index": 4},
+                               "process_count": 1}, STEPS)
+
+
+@pytest.mark.slow
 def test_a_checkpoint_that_fails_once_is_tried_again_before_it_is_moved_aside(
     finished_ict, tmp_path, capsys, monkeypatch):
   """A read error that passes (a bucket's hiccup): once checkpoint 2 has restored, the walk

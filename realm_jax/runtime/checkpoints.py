@@ -4,6 +4,7 @@ retrieval snapshot as separate items; keep-N; params-only restore for the next s
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -151,6 +152,7 @@ class Checkpointer:
                                       "opt_state": abstract_state.opt_state}),
         data=ocp.args.JsonRestore(),
         retrieval=ocp.args.StandardRestore(abstract_retrieval)))
+    check_data_item(restored.data, step)
     state = abstract_state.replace(params=restored.params, step=restored.opt["step"],
                                    opt_state=restored.opt["opt_state"])
     return state, restored.data, restored.retrieval
@@ -376,6 +378,18 @@ def _step_or_latest(manager, workdir: str, step: int | None) -> int:
     raise FileNotFoundError(f"{workdir}/checkpoints has no step {step} (it has "
                             f"{sorted(manager.all_steps())})")
   return step
+
+
+def check_data_item(data, step: int) -> None:
+  """A ValueError where checkpoint `step`'s data item is not the one a run writes there
+  (train/batches.py `BatchStream.state`: `next_step` = the step, the input pipeline's
+  `iterator` state): an edited or damaged `data/metadata` is a checkpoint that cannot be
+  restored (the walk tries the one before it), not a KeyError once the run starts."""
+  if not isinstance(data, dict) or data.get("next_step") != step or \
+      not isinstance(data.get("iterator"), dict):
+    text = json.dumps(data) if isinstance(data, (dict, list)) else repr(data)
+    raise ValueError(f"its data item {text[:200]} is not the one a run writes at step {step} "
+                     f"(next_step {step} and the input pipeline's iterator state)")
 
 
 def raise_unreadable(manager, workdir: str, step: int, error: Exception):
