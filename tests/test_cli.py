@@ -204,6 +204,18 @@ def test_another_programs_config_json_is_refused_not_overwritten(tmp_path):
   assert workdir_lib.recorded_config(str(ours))["train"]["batch_size"] == 8
 
 
+def test_checkpoints_that_are_a_file_are_named_before_the_run_trains(tmp_path):
+  """W/checkpoints as a file: found by the first save, after `checkpoint_every` steps of
+  training, until the checkpointer looked at start; now the CLI's one line comes first."""
+  from realm_jax.errors import path_error
+  from realm_jax.runtime.checkpoints import Checkpointer
+  (tmp_path / "checkpoints").write_text("x")
+  with pytest.raises(FileExistsError) as error:
+    Checkpointer(str(tmp_path), keep=1)
+  assert path_error(error.value) == f"{tmp_path}/checkpoints: exists and is not a directory"
+  assert (tmp_path / "checkpoints").read_text() == "x"
+
+
 def test_a_realm_run_switching_between_in_process_and_builder_refresh_is_refused(tmp_path):
   """In process, the checkpoints keep the snapshot the index was built from; with realm-index,
   not: resumed under the other, every checkpoint would read as unreadable. async and

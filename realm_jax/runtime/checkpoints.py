@@ -4,6 +4,7 @@ retrieval snapshot as separate items; keep-N; params-only restore for the next s
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -98,6 +99,9 @@ class Checkpointer:
   def __init__(self, workdir: str, keep: int, async_saves: bool = True):
     _replica_parallel_writes_across_processes_only()
     self.workdir, self.directory = workdir, checkpoint_dir(workdir)
+    if paths.exists(self.directory) and not paths.isdir(self.directory):
+      # found here, not by the first save after `checkpoint_every` steps of training
+      raise FileExistsError(errno.EEXIST, "exists", self.directory)
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
