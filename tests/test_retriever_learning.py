@@ -22,7 +22,7 @@ from realm_jax.config.validation import validate
 from realm_jax.train.loop import train
 from realm_jax.runtime.metrics import read_jsonl
 from realm_jax.train.best_export import BestExport
-from realm_jax.train.score_cache import ScoreCache, cache_keys, read_chunk
+from realm_jax.train.score_cache import PAIR_BYTES, ScoreCache, cache_keys, read_chunk
 from tests.helpers import drawn_state, tiny_config
 
 
@@ -135,6 +135,32 @@ def test_a_batch_reads_the_chunks_its_misses_fill_and_the_same_scores(world_dir,
                                 read_cold["candidate_log_probs"])
 
 
+def test_a_full_cache_keeps_what_it_holds_and_reads_the_rest_to_the_same_scores(
+    world_dir, world_data, caplog):
+  """`retrieval.score_cache_gb` as small as 10 pairs: the cache keeps the first 10 triples it
+  reads, says once that it is full, and every later batch reads the others again, with the
+  scores of an unbounded cache to the bit."""
+  config, model, _, state, (queries, cands, batch) = cache_start(world_dir, world_data)
+  keys = cache_keys(queries, cands)
+  unbounded = ScoreCache(config, model, state.params["reader"], len(cands))
+  assert unbounded.capacity is None or unbounded.capacity > 10 ** 6   # the default: 4 GB
+  expected = unbounded.fill(dict(batch), keys)[0]["candidate_log_probs"]
+  assert len(unbounded) == cands.size and unbounded.megabytes() > 0
+  config.retrieval.score_cache_gb = 10 * (PAIR_BYTES + 4 * config.data.max_masks) / 1e9
+  bounded = ScoreCache(config, model, state.params["reader"], len(cands))
+  assert bounded.capacity == 10
+  for attempt in range(2):
+    with caplog.at_level("WARNING"):
+      filled, hits, reads, _ = bounded.fill(dict(batch), keys)
+    assert len(bounded) == 10 and bounded.full()
+    assert (hits, reads) == ((0, cands.size) if attempt == 0 else (10, cands.size - 10))
+    np.testing.assert_array_equal(filled["candidate_log_probs"], expected)
+  said = [r.getMessage() for r in caplog.records if "score cache full" in r.getMessage()]
+  assert len(said) == 1 and "retrieval.score_cache_gb" in said[0], said
+  config.retrieval.score_cache_gb = 0.0     # no bound
+  assert ScoreCache(config, model, state.params["reader"], len(cands)).capacity is None
+
+
 @pytest.mark.slow   # end-to-end runs: the slow tier
 def test_a_run_with_the_cache_resumes_exactly_and_reports_its_hits(world_dir, tmp_path,
                                                                    capsys):
@@ -180,6 +206,8 @@ def test_a_run_with_the_cache_resumes_exactly_and_reports_its_hits(world_dir, tm
     (dict(retrieval__retriever_temperature=-1.0), "retrieval.retriever_temperature"),
     (dict(model__retriever__pooling="max"), "model.retriever.pooling"),
     (dict(retrieval__own_block_share=1.5), "retrieval.own_block_share"),
+    (dict(retrieval__score_cache_gb=-1.0), "retrieval.score_cache_gb"),
+    (dict(retrieval__score_cache_gb=float("nan")), "retrieval.score_cache_gb"),
     (dict(retrieval__distill_queries="some"), "retrieval.distill_queries"),
     (dict(retrieval__loss="marginal", retrieval__distill_queries="evidence"),
      "retrieval.distill_queries"),

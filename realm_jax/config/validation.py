@@ -205,6 +205,7 @@ _RANGES = {
     "data.prefetch": (0, float("inf"), True, False),                # 0: on demand
     "retrieval.embed_batch_size": (1, float("inf"), True, False),
     "retrieval.index_timeout": (0.0, float("inf"), False, False),
+    "retrieval.score_cache_gb": (0.0, float("inf"), True, False),   # 0: no bound
     "builder.poll_seconds": (0.0, float("inf"), False, False),
     "builder.wait_timeout": (0.0, float("inf"), False, False),
     **{f"builder.{n}": (0, float("inf"), True, False)   # 0: derived

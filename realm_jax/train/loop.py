@@ -228,7 +228,9 @@ class QueryStepBatches(StepBatches):
       scalars["index_staleness"] = self.candidates.staleness[-1]
     note = self.candidates.progress_note()
     if self.score_cache is not None:
-      note += (f" | score cache {len(self.score_cache):,} pairs, hit rate "
+      note += (f" | score cache {len(self.score_cache):,} pairs "
+               f"({self.score_cache.megabytes():.0f} MB"
+               f"{', full' if self.score_cache.full() else ''}), hit rate "
                f"{self._cache_figures()['score_cache_hit_rate']:.2f}")
     return " ".join(f"{k} {scalars[k]:.4g}" for k in _SHOWN if k in scalars), note
 
@@ -239,7 +241,10 @@ class QueryStepBatches(StepBatches):
             "score_cache_reader_forwards_saved": self.cache_hits,
             "score_cache_reader_forwards": self.cache_reads,
             # what the reader ran on for them: whole chunks (score_cache.read_chunk)
-            "score_cache_reader_rows": self.cache_rows}
+            "score_cache_reader_rows": self.cache_rows,
+            # what it holds at the end (retrieval.score_cache_gb bounds it)
+            "score_cache_pairs": len(self.score_cache),
+            "score_cache_megabytes": round(self.score_cache.megabytes(), 1)}
 
   def stop(self, preempted: bool) -> None:
     # The feed thread is building batches past the last step and may be waiting for an index
@@ -261,7 +266,8 @@ class QueryStepBatches(StepBatches):
           f"[{self.config.task}] score cache: {cache['score_cache_reader_forwards_saved']:,} "
           f"reader forwards saved, {cache['score_cache_reader_forwards']:,} made in "
           f"{cache['score_cache_reader_rows']:,} rows (hit rate "
-          f"{cache['score_cache_hit_rate']:.3f})")
+          f"{cache['score_cache_hit_rate']:.3f}); it holds {cache['score_cache_pairs']:,} "
+          f"pairs in {cache['score_cache_megabytes']:,.1f} MB")
       figures = {**figures, **cache}
     if self.config.retrieval.get("packed_query_rows", 0):
       figures["query_batches_packed"] = self.packed_batches   # the others: one query a row
