@@ -145,6 +145,8 @@ def read_record(workdir: str, name: str, advice: str = "") -> dict | None:
 
 
 EVALUATION_ADVICE = " (an evaluation may give --config instead)"
+# what a training run says of a config.json that is not a run's (it would overwrite it)
+RUN_ADVICE = " (a run would overwrite it: give --workdir a run's directory or a new one)"
 
 
 def recorded_config(workdir: str, advice: str = EVALUATION_ADVICE) -> dict | None:
@@ -167,8 +169,7 @@ def record_config(config, workdir: str, primary: bool = True) -> None:
   """Refuses a workdir whose checkpoints come from an incompatible config; records ours (the
   `primary` process of a job writes it; every process checks). A config.json that is not a
   run's (a Hugging Face model dir's, or not JSON) is refused, not overwritten."""
-  recorded_config(workdir, " (a run would overwrite it: give --workdir a run's directory or a "
-                           "new one)")
+  recorded_config(workdir, RUN_ADVICE)
   check_compatible(workdir, config)
   if primary:
     paths.makedirs(workdir)

@@ -204,6 +204,25 @@ def test_another_programs_config_json_is_refused_not_overwritten(tmp_path):
   assert workdir_lib.recorded_config(str(ours))["train"]["batch_size"] == 8
 
 
+def test_a_run_names_another_programs_config_json_with_its_own_advice(world_dir, tmp_path):
+  """realm-train on such a workdir that holds checkpoints: the vocab check and the recorded
+  differences read config.json before record_config; the line still gives a run's advice
+  (not an evaluation's --config), on every process alike."""
+  from realm_jax.errors import DataError
+  from realm_jax.train.loop import train
+  foreign = '{"model_type": "bert", "hidden_size": 384}'
+  for vocab in (False, True):
+    workdir = tmp_path / f"vocab{int(vocab)}"
+    os.makedirs(workdir / "checkpoints" / "3")
+    (workdir / "config.json").write_text(foreign)
+    if vocab:
+      with open(os.path.join(world_dir, "vocab.txt")) as f:
+        (workdir / "vocab.txt").write_text(f.read())
+    with pytest.raises(DataError, match="a run would overwrite it: give --workdir a run's"):
+      train(tiny_config("ict", data_dir=world_dir, train__steps=4), str(workdir))
+    assert (workdir / "config.json").read_text() == foreign
+
+
 def test_checkpoints_that_are_a_file_are_named_before_the_run_trains(tmp_path):
   """W/checkpoints as a file: found by the first save, after `checkpoint_every` steps of
   training, until the checkpointer looked at start; now the CLI's one line comes first."""
