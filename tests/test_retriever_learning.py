@@ -153,6 +153,7 @@ def test_a_full_cache_keeps_what_it_holds_and_reads_the_rest_to_the_same_scores(
     with caplog.at_level("WARNING"):
       filled, hits, reads, _ = bounded.fill(dict(batch), keys)
     assert len(bounded) == 10 and bounded.full()
+    assert bounded.megabytes() * 1e6 <= 10 * (PAIR_BYTES + 4 * config.data.max_masks)
     assert (hits, reads) == ((0, cands.size) if attempt == 0 else (10, cands.size - 10))
     np.testing.assert_array_equal(filled["candidate_log_probs"], expected)
   said = [r.getMessage() for r in caplog.records if "score cache full" in r.getMessage()]

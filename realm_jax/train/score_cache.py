@@ -75,7 +75,7 @@ class ScoreCache:
   def megabytes(self) -> float:
     """What the triples kept take, by `PAIR_BYTES` and the store's rows."""
     slots = self._store[0].shape[1] if self._store else 0
-    return (len(self._rows) * PAIR_BYTES + len(self._store) * STORE_ROWS * 4 * slots) / 1e6
+    return (len(self._rows) * PAIR_BYTES + sum(map(len, self._store)) * 4 * slots) / 1e6
 
   def full(self) -> bool:
     return self.capacity is not None and len(self._rows) >= self.capacity
@@ -89,8 +89,9 @@ class ScoreCache:
     if key in self._rows or self.full():
       return
     row = len(self._rows)
-    if row // STORE_ROWS == len(self._store):
-      self._store.append(np.empty((STORE_ROWS, len(value)), np.float32))
+    if row // STORE_ROWS == len(self._store):   # the last block no larger than the bound
+      rows = STORE_ROWS if self.capacity is None else min(STORE_ROWS, self.capacity - row)
+      self._store.append(np.empty((rows, len(value)), np.float32))
     self._store[row // STORE_ROWS][row % STORE_ROWS] = value
     self._rows[key] = row
 
