@@ -170,7 +170,7 @@ def _retrieval(c) -> None:
   c.retrieval.score_cache = False  # with the reader frozen (train.reader_lr_scale 0): each
                                    # (query, span, block) pair's reader log-likelihoods are
                                    # computed once and read back on later steps (docs/design.md)
-  c.retrieval.score_cache_gb = 4.0  # the score cache's host memory per process at most (GB;
+  c.retrieval.score_cache_gb = 4.0  # the score cache's host memory per process, about (GB;
                                    # ~170 bytes a pair at 10 mask slots); once full, a pair
                                    # not in it is read each time (the same scores). 0: no bound
   c.retrieval.embed_batch_size = 512     # blocks per batch when (re)building the index

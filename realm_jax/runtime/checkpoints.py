@@ -180,8 +180,8 @@ class Checkpointer:
     starts again from the newest: a checkpoint that failed once is tried a second time (an
     error that passed, e.g. a bucket's hiccup, must not cost the steps since), and one that
     fails twice is moved to `W/unreadable_checkpoints/<step>` (`<step>.2` where that step
-    was moved there before; so that step can be saved again). The older one is then read twice, one state on the devices at a time. When none
-    restores, CheckpointError names each: never step 0 silently. With several processes,
+    was moved there before; so that step can be saved again). The older one is then read
+    twice, one state on the devices at a time. When none restores, CheckpointError names each: never step 0 silently. With several processes,
     every one walks process 0's list of steps and each try counts only where it restored on
     every process (a shard one host cannot read sends all to the one before, together)."""
     try:
