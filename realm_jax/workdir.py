@@ -134,12 +134,15 @@ def read_record(workdir: str, name: str, advice: str = "") -> dict | None:
   """W's JSON record `name` (config.json, examples.json, questions.json), None where W has
   none; one edited by hand or cut short is a DataError naming it (`advice` added)."""
   path = paths.join(workdir, name)
+  text = paths.read_text(path)
+  if text is None:
+    return None
   try:
-    record = paths.read_json(path)
+    record = json.loads(text)
   except ValueError as e:
     raise DataError(f"{path}: not the JSON a run writes ({e}); restore it from a copy of "
                     f"the run{advice}") from None
-  if record is not None and not isinstance(record, dict):
+  if not isinstance(record, dict):   # a list, a number, `null`
     raise DataError(f"{path}: not the JSON object a run writes{advice}")
   return record
 

@@ -187,6 +187,7 @@ def test_another_programs_config_json_is_refused_not_overwritten(tmp_path):
   foreign = '{"model_type": "bert", "hidden_size": 384}'
   for name, text, expected in [("hf", foreign, "not the config a run writes"),
                                ("list", "[1, 2]", "not the JSON object a run writes"),
+                               ("null", "null", "not the JSON object a run writes"),
                                ("notes", "my notes", "not the JSON a run writes")]:
     for checkpoint in (False, True):
       workdir = tmp_path / f"{name}{int(checkpoint)}"
