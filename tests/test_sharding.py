@@ -216,3 +216,31 @@ def test_a_mesh_shape_that_leaves_devices_idle_says_every_device_is_used():
     resolve_mesh_shape((3, 1), 8)
   with pytest.raises(ConfigError, match=r"\(16, 1\) needs 16 devices, but 8 are available"):
     resolve_mesh_shape((16, 1), 8)
+
+
+
+
+def test_the_null_document_embedded_alone_has_finite_gradients_on_a_tensor_parallel_mesh(
+    world_dir, tmp_path):
+  """With retrieval.block_gradients False the step embeds the null document (3 wordpieces)
+  once for the batch. As one row under a data axis > 1 with a model axis > 1, XLA padded it
+  unevenly and its backward pass read the padding: the shared tower's word-embedding row 0
+  got NaN gradients and the run stopped at step 1 (4x2 and 2x4, every run; the null document
+  embedded once at block_len without dropout did the same in some runs). Same losses as on
+  8x1."""
+  import json
+  import os
+  from realm_jax.train.loop import train
+
+  def losses(mesh_shape):
+    workdir = str(tmp_path / "x".join(map(str, mesh_shape)))
+    config = tiny_config("realm", None, world_dir, train__steps=2, model__dropout_rate=0.0,
+                         retrieval__block_gradients=False, mesh__shape=mesh_shape)
+    train(config, workdir)
+    with open(os.path.join(workdir, "metrics", "train.jsonl")) as f:
+      return [json.loads(line)["loss"] for line in f if '"loss"' in line]
+  ref = losses((8, 1))
+  for shape in ((4, 2), (2, 4)):
+    got = losses(shape)
+    assert len(got) == 2 and np.isfinite(got).all(), shape
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5, err_msg=str(shape))

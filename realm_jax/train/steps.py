@@ -87,11 +87,21 @@ def _index_candidates(model: REALM, variables, batch, rngs, deterministic):
   null only fills a slot left by duplicates, whose prior mass `without_untrained_null`
   removes, so its embedding takes no part)."""
   ids, segments = batch["candidate_ids"], batch["candidate_segments"]
-  null = model.apply(variables, ids[:1, 0, :pipeline.NULL_DOCUMENT_LENGTH],
-                     segments[:1, 0, :pipeline.NULL_DOCUMENT_LENGTH], deterministic, rngs=rngs,
-                     method=REALM.embed_blocks)                       # [1, d]
+  rows = _data_shards()
+  null = model.apply(variables, ids[:rows, 0, :pipeline.NULL_DOCUMENT_LENGTH],
+                     segments[:rows, 0, :pipeline.NULL_DOCUMENT_LENGTH], deterministic,
+                     rngs=rngs, method=REALM.embed_blocks)[:1]        # [1, d]
   return jnp.where(null_candidates(ids)[..., None], null[None],
                    batch["candidate_emb"].astype(null.dtype))
+
+
+def _data_shards() -> int:
+  """The data axis of the mesh the step is traced under (1 outside one): the null document is
+  embedded once per data shard, not as a single row, because a batch of 1 split over a data
+  axis > 1 (the towers constrain their activations' batch to it) is padded unevenly, and with
+  a model axis > 1 XLA's partitioned backward pass then reads the padding's undefined values
+  (NaN gradients of the word embeddings' row 0, some runs or every run)."""
+  return dict(jax.sharding.get_abstract_mesh().shape).get("data", 1)
 
 
 def _embed_candidates(model: REALM, variables, batch, rngs, deterministic, null_once: bool):
@@ -104,7 +114,8 @@ def _embed_candidates(model: REALM, variables, batch, rngs, deterministic, null_
   b, k, _ = ids.shape
   if not null_once:
     return embed(ids, segments).reshape(b, k, -1)
-  null = embed(ids[:1, 0], segments[:1, 0])                       # [1, d]
+  rows = _data_shards()
+  null = embed(ids[:rows, 0], segments[:rows, 0])[:1]             # [1, d]
   rest = embed(ids[:, 1:], segments[:, 1:]).reshape(b, k - 1, -1)
   return jnp.concatenate([jnp.broadcast_to(null[None], (b, 1, null.shape[-1])), rest], axis=1)
 
