@@ -214,6 +214,9 @@ def test_a_run_with_the_cache_resumes_exactly_and_reports_its_hits(world_dir, tm
      "retrieval.distill_queries"),
     (dict(retrieval__score_cache=False, retrieval__candidates="own_block",
           retrieval__own_context=True), "retrieval.own_context"),
+    # distill trains the retriever alone: with it frozen nothing learns from the KL
+    (dict(retrieval__score_cache=False, retrieval__loss="distill",
+          train__retriever_lr_scale=0.0), "retrieval.loss"),
 ])
 def test_bad_settings_are_refused_naming_the_option(world_dir, overrides, option):
   config = cache_config(world_dir, **overrides)
@@ -501,3 +504,22 @@ def test_own_context_reads_the_own_block_without_the_query_sentence(world_dir, w
   retrieved = np.concatenate([source[:, None], cands], axis=1)
   evaluated = candidate_rows.of(config).rows(world_data, queries, retrieved)
   assert not (evaluated == source[:, None]).any()
+
+
+@pytest.mark.parametrize("task", ["ict", "openqa"])
+def test_a_retriever_loss_other_than_the_marginal_outside_realm_is_refused(task):
+  """retrieval.loss 'distill' is REALM's: ICT and Open-QA have losses of their own, which
+  ran without a word instead."""
+  config = tiny_config("ict" if task == "ict" else "realm", None, "", retrieval__loss="distill")
+  config.task = task
+  with pytest.raises(ConfigError) as e:
+    validate(config)
+  assert e.value.option == "retrieval.loss", str(e.value)
+
+
+def test_the_score_cache_names_the_attention_dropout_that_keeps_it_off(world_dir):
+  config = cache_config(world_dir, model__attention_dropout_rate=0.1)
+  with pytest.raises(ConfigError) as e:
+    validate(config)
+  assert e.value.option == "retrieval.score_cache"
+  assert "model.attention_dropout_rate 0.1" in str(e.value), str(e.value)

@@ -266,6 +266,15 @@ def _validate_retriever_learning(config) -> None:
   r, t = config.retrieval, config.train
   if r.get("loss", "marginal") not in RETRIEVER_LOSSES:
     raise ConfigError("retrieval.loss", f"{r.loss!r} is not one of {RETRIEVER_LOSSES}")
+  loss = r.get("loss", "marginal")
+  if loss != "marginal" and config.task != "realm":
+    raise ConfigError("retrieval.loss", f"{loss!r} trains REALM's retriever from its reader's "
+                      f"scores: task {config.task!r} has a loss of its own and would ignore it; "
+                      "use 'marginal'")
+  if loss == "distill" and r.candidates == "index" and t.retriever_lr_scale == 0:
+    raise ConfigError("retrieval.loss", "'distill' trains the retriever alone (the reader "
+                      "learns from the marginal either way), which train.retriever_lr_scale 0 "
+                      "freezes: nothing would learn from it; use 'marginal'")
   for name in ("distill_temperature", "retriever_temperature"):
     if not 0 < r.get(name, 1.0) < float("inf"):   # inf: a flat target, NaN at a -inf score
       raise ConfigError(f"retrieval.{name}", f"must be > 0 and finite, got {r[name]}")
@@ -297,10 +306,14 @@ def _validate_retriever_learning(config) -> None:
       raise ConfigError("retrieval.score_cache", f"needs a frozen reader "
                         f"(train.reader_lr_scale 0, got {t.reader_lr_scale}): a trained "
                         "reader's scores change every step")
-    if part_model(config, "reader").dropout_rate > 0 or \
-        config.model.get("attention_dropout_rate", -1.0) > 0:
+    dropping = [f"{option} {rate}" for option, rate in (
+        ("model.dropout_rate", part_model(config, "reader").dropout_rate),
+        ("model.attention_dropout_rate", config.model.get("attention_dropout_rate", -1.0)))
+        if rate > 0]
+    if dropping:
       raise ConfigError("retrieval.score_cache", "needs a reader without dropout "
-                        "(model.dropout_rate 0): each read must give the same scores")
+                        f"(model.dropout_rate 0, model.attention_dropout_rate -1 or 0; got "
+                        f"{', '.join(dropping)}): each read must give the same scores")
   if config.task == "realm":
     _validate_unscored_candidates(config)
 
