@@ -517,6 +517,17 @@ def test_a_retriever_loss_other_than_the_marginal_outside_realm_is_refused(task)
   assert e.value.option == "retrieval.loss", str(e.value)
 
 
+@pytest.mark.parametrize("candidates", ["own_block", "null_only", "mixed"])
+def test_open_qa_refuses_a_pre_training_candidate_source(candidates):
+  """Open-QA reads what its retriever finds (ORQA): a REALM pre-training source, such as the
+  warm-up's own block, ran as 'index' without a word."""
+  config = tiny_config("realm", retrieval__candidates=candidates)
+  config.task = "openqa"
+  with pytest.raises(ConfigError) as e:
+    validate(config)
+  assert e.value.option == "retrieval.candidates", str(e.value)
+
+
 def test_the_score_cache_names_the_attention_dropout_that_keeps_it_off(world_dir):
   config = cache_config(world_dir, model__attention_dropout_rate=0.1)
   with pytest.raises(ConfigError) as e:

@@ -91,6 +91,10 @@ def _validate_retrieval(config) -> None:
   if r.candidates not in CANDIDATE_SOURCES:
     raise ConfigError("retrieval.candidates",
                       f"{r.candidates!r} is not one of {CANDIDATE_SOURCES}")
+  if config.task == "openqa" and r.candidates != "index":
+    raise ConfigError("retrieval.candidates", f"{r.candidates!r} is a REALM pre-training "
+                      "source; Open-QA reads the top retrieval.k blocks its retriever finds "
+                      "(ORQA) and would ignore it: use 'index'")
   if r.backend not in BACKENDS:
     raise ConfigError("retrieval.backend", f"{r.backend!r} is not one of {BACKENDS}")
   if r.refresh not in REFRESH_MODES:
