@@ -97,10 +97,12 @@ def _index_candidates(model: REALM, variables, batch, rngs, deterministic):
 
 def _data_shards() -> int:
   """The data axis of the mesh the step is traced under (1 outside one): the null document is
-  embedded once per data shard, not as a single row, because a batch of 1 split over a data
-  axis > 1 (the towers constrain their activations' batch to it) is padded unevenly, and with
-  a model axis > 1 XLA's partitioned backward pass then reads the padding's undefined values
-  (NaN gradients of the word embeddings' row 0, some runs or every run)."""
+  embedded once per data shard, not as a single row: a batch of 1 over a data axis > 1 (the
+  towers constrain their activations' batch to it) is split unevenly, and with a model axis
+  > 1 too the word embeddings' row 0 got NaN gradients (every run with
+  retrieval.block_gradients False on 4x2 and 2x4, some runs with the null document embedded
+  once on 4x2; tests/test_sharding.py). Seen from outside XLA's partitioner, not traced in
+  it: most likely its backward pass reads the uneven split's padding."""
   return dict(jax.sharding.get_abstract_mesh().shape).get("data", 1)
 
 
