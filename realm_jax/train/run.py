@@ -174,7 +174,8 @@ class Run:
     check_same_run(config, data)
     # another program's config.json is named with a run's advice on every process, before
     # the vocab check and `recorded_differences` (process 0) read it with an evaluation's
-    workdir_lib.recorded_config(workdir, workdir_lib.RUN_ADVICE)
+    if paths.isdir(workdir):   # (a workdir that is a file is named as one further on)
+      workdir_lib.recorded_config(workdir, workdir_lib.RUN_ADVICE)
     self._check_steps(workdir, config.train.steps)
     resumes = self._check_vocab(workdir, data.tokenizer.vocab_path)
     changed = [(name, was, now) for name, was, now in workdir_lib.recorded_differences(
