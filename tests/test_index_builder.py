@@ -668,6 +668,24 @@ def test_builder_refuses_a_config_that_takes_no_versions_from_it(world_dir, tmp_
   assert not os.path.exists(workdir)
 
 
+@pytest.mark.parametrize("overrides,option", [
+    (dict(builder__num_leaves=5_000), "builder.num_leaves"),          # ~240 blocks
+    (dict(builder__leaves_to_search=20), "builder.leaves_to_search"),  # derived: 1 leaf
+    (dict(builder__num_leaves=4, builder__training_sample=10), "builder.training_sample"),
+])
+def test_scann_settings_the_corpus_cannot_take_are_refused_at_start(world_dir, tmp_path,
+                                                                    overrides, option):
+  """They failed the builder at its first build, after restoring and embedding (and the
+  trainer then waited retrieval.index_timeout); the trainer ran until then."""
+  from realm_jax.config.validation import validate_against_data
+  config = builder_config(world_dir, retrieval__backend="scann", **overrides)
+  workdir = str(tmp_path / "run")
+  with pytest.raises(ConfigError, match=option):
+    IndexBuilder(config, workdir)
+  with pytest.raises(ConfigError, match=option):   # the trainer's check against its data
+    validate_against_data(config, num_blocks=PreparedData(world_dir).blocks.num_blocks)
+
+
 def test_builder_refuses_another_block_store(world_dir, tmp_path):
   config = builder_config(world_dir)
   workdir = str(tmp_path / "run")

@@ -162,3 +162,23 @@ def test_explicit_settings_win_and_bad_ones_name_the_option():
       "training_sample"] == 5_000                                # capped at the corpus
   with pytest.raises(ConfigError, match="builder.training_sample"):
     scann_index.scann_settings(50_000, index_config(training_sample=-1))
+
+
+@pytest.mark.parametrize("num_blocks,overrides,option", [
+    (2_500, dict(training_sample=10), "builder.training_sample"),   # ScaNN drew 11 rows
+    (2_500, dict(training_sample=1), "builder.training_sample"),    # not the derived leaves
+    (12, dict(num_leaves=6), "builder.num_leaves"),                 # 12 rows in all
+])
+def test_a_sample_too_small_for_the_hashing_is_refused_not_a_failed_build(num_blocks, overrides,
+                                                                          option):
+  """ScaNN's hashing trains 16 centres per block of dimensions: fewer sampled rows failed its
+  build ("Number of clusters per block (16) is greater than ... training data size") at the
+  builder's first version instead of naming the option."""
+  with pytest.raises(ConfigError, match=option):
+    scann_index.scann_settings(num_blocks, index_config(**overrides))
+  table = np.random.default_rng(0).normal(size=(num_blocks, 8)).astype(np.float32)
+  smallest = dict(overrides, training_sample=min(scann_index.MIN_AH_SAMPLE, num_blocks),
+                  num_leaves=overrides.get("num_leaves", 2))
+  if num_blocks >= scann_index.AH_CENTERS:
+    scann_index.build_searcher(table, scann_index.scann_settings(num_blocks,
+                                                                 index_config(**smallest)))

@@ -38,6 +38,12 @@ TREE_SAMPLE_PER_LEAF = 100
 LEAVES_SEARCHED_FRACTION = 1 / 20
 MIN_LEAVES_SEARCHED = 16
 MIN_REORDER = 100
+# The asymmetric hashing trains 16 centres (4-bit codes) per block of dimensions on a sample
+# ScaNN draws row by row with probability training_sample / num_blocks: below 16 rows drawn
+# its build fails ("Number of clusters per block (16) is greater than ... training data
+# size"). A sample of the whole table is exact; a smaller one must leave a margin for the draw.
+AH_CENTERS = 16
+MIN_AH_SAMPLE = 64
 # Anisotropic quantization weights errors parallel to a block by how much a query's score with
 # it can exceed this threshold; ScaNN's advice is 0.2 for unit-norm rows, so the threshold is
 # kept relative to the table's mean row norm (the towers end in a LayerNorm, not a unit norm).
@@ -61,6 +67,8 @@ def scann_settings(num_blocks: int, index_config) -> dict:
     reorder           max(100, num_blocks // 10,000): exact float32 re-scoring of the best
                       candidates by hash score; cheap next to the hashed scan (4x as many
                       did not change recall@10 on the demo's embeddings).
+  With a tree (num_leaves > 1) the corpus needs >= 16 blocks and the sample >= min(64,
+  num_blocks) rows: the hashing trains 16 centres on the rows ScaNN draws.
   `dims_per_block` is taken as is; `anisotropic_threshold` is ANISOTROPIC_THRESHOLD, relative
   to the mean row norm (`build_searcher` scales it).
 
@@ -84,6 +92,13 @@ def scann_settings(num_blocks: int, index_config) -> dict:
   if not leaves:
     leaves = 1 if num_blocks < BRUTE_FORCE_BELOW else max(
         2, min(round(math.sqrt(num_blocks)), sample // MIN_LEAF_SAMPLE))
+  if leaves > 1 and num_blocks < AH_CENTERS:
+    raise ConfigError("builder.num_leaves", f"{leaves}: a tree over {num_blocks} blocks, fewer "
+                      f"than the {AH_CENTERS} rows its hashing trains on; use 0 (an exact scan)")
+  if leaves > 1 and sample < min(MIN_AH_SAMPLE, num_blocks):
+    raise ConfigError("builder.training_sample", f"{sample} rows cannot train the hashing's "
+                      f"{AH_CENTERS} centres per block of dimensions: give >= "
+                      f"{min(MIN_AH_SAMPLE, num_blocks)}, or 0 (the whole corpus)")
   if not 1 <= leaves <= sample:
     raise ConfigError("builder.num_leaves", f"{leaves} is not in [1, {sample}] (the training "
                       "sample: k-means needs a training row per leaf)")
