@@ -677,13 +677,13 @@ def test_scann_settings_the_corpus_cannot_take_are_refused_at_start(world_dir, t
                                                                     overrides, option):
   """They failed the builder at its first build, after restoring and embedding (and the
   trainer then waited retrieval.index_timeout); the trainer ran until then."""
-  from realm_jax.config.validation import validate_against_data
+  from realm_jax.train.loop import query_examples
   config = builder_config(world_dir, retrieval__backend="scann", **overrides)
   workdir = str(tmp_path / "run")
   with pytest.raises(ConfigError, match=option):
     IndexBuilder(config, workdir)
   with pytest.raises(ConfigError, match=option):   # the trainer's check against its data
-    validate_against_data(config, num_blocks=PreparedData(world_dir).blocks.num_blocks)
+    query_examples(config, PreparedData(world_dir))
 
 
 def test_builder_refuses_another_block_store(world_dir, tmp_path):

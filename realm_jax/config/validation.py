@@ -249,10 +249,6 @@ def validate_against_data(config, *, num_blocks: int | None = None,
       and r.k + 1 > num_blocks:
     raise ConfigError("retrieval.k", f"k={r.k} needs at least k + 1 = {r.k + 1} blocks "
                       f"(retrieve k+1, drop the query's own), the corpus has {num_blocks}")
-  if num_blocks is not None and r.backend == "scann" and uses_index_builder(config):
-    # the builder's settings for this corpus, refused now rather than at its first build
-    from realm_jax.retrieval.scann_index import scann_settings
-    scann_settings(num_blocks, config.builder)
   if store_block_len is not None and store_block_len != d.block_len:
     raise ConfigError("data.block_len", f"{d.block_len} but {d.dir} was prepared with "
                       f"blocks of {store_block_len}")

@@ -66,8 +66,8 @@ class IndexBuilder:
     refuse_without_builder(config)
     self.config, self.workdir = config, workdir
     self.data = workdir_lib.open_data(config)
-    # the corpus-dependent checks (ScaNN's settings for this many blocks), before any build
-    validation.validate_against_data(config, num_blocks=self.data.blocks.num_blocks)
+    from realm_jax.retrieval.scann_index import check_corpus
+    check_corpus(config, self.data.blocks.num_blocks)   # ScaNN's settings, before any build
     self.fingerprint = self.data.blocks.fingerprint
     workdir_lib.check_block_store(workdir, self.fingerprint, self.data.dir)
     workdir_lib.check_compatible(workdir, config)   # the trainer's checkpoints, as it reads them

@@ -21,6 +21,7 @@ import os
 
 import numpy as np
 
+from realm_jax.config.reading import uses_index_builder
 from realm_jax.errors import ConfigError
 
 # Below this many blocks an exhaustive float32 scan costs less than training a tree and is
@@ -48,6 +49,14 @@ MIN_AH_SAMPLE = 64
 # it can exceed this threshold; ScaNN's advice is 0.2 for unit-norm rows, so the threshold is
 # kept relative to the table's mean row norm (the towers end in a LayerNorm, not a unit norm).
 ANISOTROPIC_THRESHOLD = 0.2
+
+
+def check_corpus(config, num_blocks: int) -> None:
+  """The builder's ScaNN settings for a corpus of `num_blocks`, refused (a ConfigError naming
+  the option) when realm-train and realm-index start, not at the first build, after a
+  checkpoint restored and every block embedded."""
+  if config.retrieval.backend == "scann" and uses_index_builder(config):
+    scann_settings(num_blocks, config.builder)
 
 
 def scann_settings(num_blocks: int, index_config) -> dict:

@@ -21,6 +21,7 @@ from realm_jax.train.candidates import candidate_source
 from realm_jax.config.validation import validate_against_data
 from realm_jax.train.feed import BatchFeed
 from realm_jax.runtime.metrics import MetricWriter
+from realm_jax.retrieval.scann_index import check_corpus
 from realm_jax.train.run import Run, StepBatch, StepBatches, checked_data
 from realm_jax.train.score_cache import ScoreCache, cache_keys
 
@@ -155,6 +156,7 @@ def query_examples(config: ml_collections.ConfigDict, data) -> list:
                             examples.widest_span() if config.task == "realm" else 0,
                             data.examples(config.eval.split).widest_span(
                                 config.eval.num_examples, targets=True)))
+  check_corpus(config, data.blocks.num_blocks)   # realm-index's settings, before it builds
   if len(examples) < config.train.batch_size:
     raise ConfigError("train.batch_size", f"{config.train.batch_size} > the "
                       f"{len(examples)} examples of split {config.data.split!r}")
