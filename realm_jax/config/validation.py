@@ -268,9 +268,9 @@ def _validate_retriever_learning(config) -> None:
   """retrieval.loss and its temperatures, the score cache, the mixed candidates' share."""
   from realm_jax.models.losses import RETRIEVER_LOSSES
   r, t = config.retrieval, config.train
-  if r.get("loss", "marginal") not in RETRIEVER_LOSSES:
-    raise ConfigError("retrieval.loss", f"{r.loss!r} is not one of {RETRIEVER_LOSSES}")
   loss = r.get("loss", "marginal")
+  if loss not in RETRIEVER_LOSSES:
+    raise ConfigError("retrieval.loss", f"{loss!r} is not one of {RETRIEVER_LOSSES}")
   if loss != "marginal" and config.task != "realm":
     raise ConfigError("retrieval.loss", f"{loss!r} trains REALM's retriever from its reader's "
                       f"scores: task {config.task!r} has a loss of its own and would ignore it; "

@@ -67,7 +67,7 @@ def _without_abandoned_reads(hook):
 sys.unraisablehook = _without_abandoned_reads(sys.unraisablehook)
 
 
-def _first_line(error: Exception, limit: int) -> str:
+def first_line(error: Exception, limit: int) -> str:
   """The error's first line, at most `limit` characters: a longer one keeps its start and its
   end (TensorStore puts the cause, e.g. "No space left on device", after long paths)."""
   text = str(error).splitlines()[0] if str(error) else ""
@@ -138,7 +138,7 @@ class Checkpointer:
       latest = self.manager.latest_step()
     except Exception:  # noqa: BLE001  (the listing itself may fail on a sick disk)
       latest = None
-    reason = _first_line(error, 600) or type(error).__name__
+    reason = first_line(error, 600) or type(error).__name__
     return CheckpointError(
         f"saving a checkpoint under {self.directory} failed: {reason}. Nothing of it is "
         f"visible; the latest complete checkpoint is "
@@ -181,9 +181,10 @@ class Checkpointer:
     error that passed, e.g. a bucket's hiccup, must not cost the steps since), and one that
     fails twice is moved to `W/unreadable_checkpoints/<step>` (`<step>.2` where that step
     was moved there before; so that step can be saved again). The older one is then read
-    twice, one state on the devices at a time. When none restores, CheckpointError names each: never step 0 silently. With several processes,
-    every one walks process 0's list of steps and each try counts only where it restored on
-    every process (a shard one host cannot read sends all to the one before, together)."""
+    twice, one state on the devices at a time. When none restores, CheckpointError names
+    each: never step 0 silently. With several processes, every one walks process 0's list of
+    steps and each try counts only where it restored on every process (a shard one host
+    cannot read sends all to the one before, together)."""
     try:
       return self._walk(multihost.first_process_list(sorted(self.all_steps(), reverse=True)),
                         abstract_state, abstract_retrieval, log)
@@ -227,7 +228,7 @@ class Checkpointer:
     try:
       restored, why = self.restore(step, abstract_state, abstract_retrieval), None
     except Exception as e:   # Orbax / TensorStore raise bare Exceptions for a bad file
-      restored, why = None, f"{type(e).__name__}: {_first_line(e, 400)}"
+      restored, why = None, f"{type(e).__name__}: {first_line(e, 400)}"
     others = [p for p in multihost.processes_where_not(restored is not None)
               if p != jax.process_index()]
     if others:
@@ -414,13 +415,14 @@ def _unreadable(manager, workdir: str, step: int, error: Exception) -> Exception
   if isinstance(error, (ConnectionError, TimeoutError, MemoryError, *SELF_EXPLAINING)) or \
       "RESOURCE_EXHAUSTED" in str(error):
     return error
-  why = f"{type(error).__name__}: {_first_line(error, 400)}"
+  why = f"{type(error).__name__}: {first_line(error, 400)}"
   try:
     manager.reload()   # the listing now, not the one the read started from
   except Exception:  # noqa: BLE001  (the listing itself may fail on a sick disk)
     pass
-  others = sorted(set(manager.all_steps()) - {step})
-  if step not in manager.all_steps():   # not damaged: the keep-N of a run still writing W
+  listed = set(manager.all_steps())
+  others = sorted(listed - {step})
+  if step not in listed:   # not damaged: the keep-N of a run still writing W
     return CheckpointError(f"checkpoint {checkpoint_dir(workdir)}/{step} was deleted while it "
                            f"was read (a run still writing {workdir} keeps only its newest "
                            f"checkpoints); read one it has now ({others})")

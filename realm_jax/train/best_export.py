@@ -23,7 +23,7 @@ from etils import epath
 from realm_jax import paths, workdir as workdir_lib
 from realm_jax.runtime import multihost
 from realm_jax.errors import CheckpointError
-from realm_jax.runtime.checkpoints import _first_line, checkpoint_dir
+from realm_jax.runtime.checkpoints import checkpoint_dir, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class BestExport:
       except OSError as e:   # a full disk after the params fitted: one line, not a traceback
         raise CheckpointError(
             f"exporting step {step}'s params to {self.directory}: they are saved, but writing "
-            f"its records failed: {_first_line(e, 600)}; its best.json still names "
+            f"its records failed: {first_line(e, 600)}; its best.json still names "
             + (f"step {self.best['step']}" if self.best is not None else "nothing")) from e
     self.best = {"step": int(step), METRIC: float(value)}
     logger.info(f"{prefix}best {METRIC} so far ({value:.4f} at step {step}): exported to "
@@ -94,7 +94,7 @@ class BestExport:
     held = (f"{self.directory} still holds step {self.best['step']} (best.json)"
             if self.best is not None else "nothing is exported yet")
     return CheckpointError(f"exporting step {step}'s params to {self.directory} failed: "
-                           f"{_first_line(error, 600) or type(error).__name__}; {held}")
+                           f"{first_line(error, 600) or type(error).__name__}; {held}")
 
   def start_over(self, prefix: str = "", init=None) -> None:
     """A fresh start (no checkpoint to resume: a run that died before its first save, or
