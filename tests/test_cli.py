@@ -751,3 +751,28 @@ def test_options_a_run_would_ignore_or_turn_to_nan_are_refused(overrides, option
   with pytest.raises(ConfigError) as refused:
     validate(tiny_config("realm", **overrides))
   assert refused.value.option == option, str(refused.value)
+
+
+@pytest.mark.parametrize("task, overrides, option, says", [
+    ("ict", {"train__reader_lr_scale": 1.0}, "train.reader_lr_scale", "weight-decayed"),
+    ("ict", {"train__retriever_lr_scale": 0.0}, "train.retriever_lr_scale", "is 0"),
+    ("realm", {"train__retriever_lr_scale": 0.0, "train__reader_lr_scale": 0.0},
+     "train.reader_lr_scale", "are both 0"),
+    ("warmup", {"train__reader_lr_scale": 0.0}, "train.reader_lr_scale", "are both 0"),
+    ("openqa", {"train__retriever_lr_scale": 0.0, "train__reader_lr_scale": 0.0},
+     "train.reader_lr_scale", "are both 0"),
+])
+def test_a_run_that_would_train_nothing_or_only_decay_is_refused(task, overrides, option,
+                                                                   says):
+  """ICT's reader gets no gradient (a learning rate there only shrank it by weight decay and
+  kept Adam's moments for it); a run with every trained half at scale 0 stepped without
+  changing a parameter. The same runs with one half training pass."""
+  from realm_jax.config.validation import validate
+  config = tiny_config("ict") if task == "ict" else tiny_config(
+      "realm", "warmup" if task == "warmup" else None)
+  if task == "openqa":
+    config.task = "openqa"
+  validate(config)
+  with pytest.raises(ConfigError) as refused:
+    validate(apply_overrides(config, overrides))
+  assert refused.value.option == option and says in str(refused.value), str(refused.value)

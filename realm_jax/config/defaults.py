@@ -184,7 +184,7 @@ def _train_and_eval(c) -> None:
   c.train.lr = 3e-5                # peak learning rate (reader; retriever scaled below)
   c.train.warmup_steps = -1        # -1: BERT's min(10000, max(100, steps / 10))
   c.train.retriever_lr_scale = 1.0  # retriever lr = lr * this; 0 freezes the retriever
-  c.train.reader_lr_scale = 1.0    # reader lr = lr * this; 0 freezes the reader
+  c.train.reader_lr_scale = 1.0    # reader lr = lr * this; 0 freezes the reader (ICT: 0)
   c.train.b1 = 0.9                 # AdamW beta1
   c.train.b2 = 0.999               # AdamW beta2
   c.train.eps = 1e-6               # AdamW epsilon (BERT)

@@ -179,9 +179,27 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
   if t.get("nonfinite", "stop") not in NONFINITE_ACTIONS:
     raise ConfigError("train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE_ACTIONS}")
   _validate_ranges(config)
+  _validate_trained_parts(config)
   _validate_mesh(config)
   validate_against_data(config, num_blocks=num_blocks, store_block_len=store_block_len,
                         max_sentence_len=max_sentence_len, vocab_size=vocab_size)
+
+
+def _validate_trained_parts(config) -> None:
+  """A run trains something: ICT's loss reaches the retriever only, so a reader learning rate
+  there would only weight-decay the reader (and keep optimizer state for it); a run whose
+  every trained half has learning rate scale 0 would step without changing a parameter."""
+  t = config.train
+  if config.task == "ict" and t.reader_lr_scale != 0:
+    raise ConfigError("train.reader_lr_scale", f"ICT trains the retriever only: the reader "
+                      f"gets no gradient and would only be weight-decayed; set it to 0, got "
+                      f"{t.reader_lr_scale}")
+  parts = ("retriever",) if config.task == "ict" else ("retriever", "reader")
+  if all(t[f"{part}_lr_scale"] == 0 for part in parts):
+    names = " and ".join(f"train.{part}_lr_scale" for part in parts)
+    raise ConfigError(f"train.{parts[-1]}_lr_scale", f"{names} "
+                      f"{'is' if len(parts) == 1 else 'are both'} 0: task {config.task!r} "
+                      f"would train nothing")
 
 
 # option -> (lowest, highest, whether each end is allowed), for numbers without a rule of
