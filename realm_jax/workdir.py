@@ -261,15 +261,17 @@ def check_run_dir(workdir: str) -> None:
 
 
 def saved_config(workdir: str):
-  """The run's own resolved config (`W/config.json`) as a ConfigDict; a FileNotFoundError
-  naming a missing W, or a W without one (not a run directory)."""
+  """The run's own resolved config (`W/config.json`) as a ConfigDict, with the options added
+  since it was written (`compatibility.with_added_fields`); a FileNotFoundError naming a
+  missing W, or a W without one (not a run directory)."""
   import ml_collections
+  from realm_jax.config.compatibility import with_added_fields
   check_run_dir(workdir)
   record = recorded_config(workdir)
   if record is None:
     raise FileNotFoundError(f"{paths.join(workdir, CONFIG)}: not found, so {workdir} is not a "
                             f"run directory (a run writes its resolved config there)")
-  return ml_collections.ConfigDict(record)
+  return ml_collections.ConfigDict(with_added_fields(record))
 
 
 # -- W/vocab.txt ------------------------------------------------------------------------------

@@ -603,6 +603,36 @@ def test_realm_predict_prints_the_answer_and_its_evidence(openqa_run, world_dir,
   assert (moved["answer"], moved["evidence"]) == (item["answer"], item["evidence"])
 
 
+@pytest.mark.slow
+def test_a_run_recorded_before_later_options_is_evaluated_as_one_recorded_now(openqa_run,
+                                                                             tmp_path):
+  """W/config.json of a run written before options added since (qa.heldout_unit on
+  2026-12-06, retrieval.score_cache_gb and train.profile_* on 2026-12-07) reads them as its
+  checkpoints were written under (ADDED_FIELDS) or at their defaults: realm-eval without
+  --config and realm-predict answer as for the run recorded now, where they stopped with an
+  AttributeError on qa.heldout_unit."""
+  from realm_jax.openqa_eval import evaluate_run
+  from realm_jax.predict import predict
+  from realm_jax.runtime.checkpoints import evaluation_config
+  workdir, _ = openqa_run
+  new = shutil.copytree(workdir, tmp_path / "new")
+  old = shutil.copytree(workdir, tmp_path / "old")
+  record = json.loads((old / "config.json").read_text())
+  del record["qa"]["heldout_unit"], record["retrieval"]["score_cache_gb"]
+  del record["train"]["profile_first_step"], record["train"]["profile_steps"]
+  (old / "config.json").write_text(json.dumps(record))
+  (item,), (again,) = predict(str(new), ["who founded it"]), predict(str(old), ["who founded it"])
+  assert again == item
+  config = evaluation_config(str(old))
+  assert config.to_dict() == evaluation_config(str(new)).to_dict()
+  assert config.qa.heldout_unit == "article"
+
+  def scores(w):
+    metrics = evaluate_run(evaluation_config(str(w)), str(w), split="test")[0]
+    return {k: v for k, v in metrics.items() if k != "seconds"}
+  assert scores(old) == scores(new)
+
+
 def test_a_block_without_a_span_gives_none(openqa_run, monkeypatch):
   """Blocks whose every span is masked (an empty body): no span and no span score (null),
   and, where no block read has one, no answer; never the [CLS] of a masked span."""

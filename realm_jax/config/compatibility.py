@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from realm_jax.config.defaults import TOWER_FIELDS
 from realm_jax.config.reading import (flat_options, freezing_options, frozen_paths,
-                                      part_model, uses_index_builder)
+                                      option_parent, part_model, uses_index_builder)
 
 # Fields that fix parameter shapes or the meaning of a checkpoint: a workdir whose
 # checkpoints were written under other values cannot be resumed.
@@ -37,6 +37,32 @@ ADDED_FIELDS = {"model.hidden_act": "gelu", "model.attention_dropout_rate": -1.0
                 "model.retriever.pooling": "cls", "qa.heldout_articles": 0.0,
                 "qa.heldout_unit": "article",
                 **{f"model.retriever.{f}": None for f in TOWER_FIELDS}}
+
+
+def with_added_fields(record: dict) -> dict:
+  """A run's saved config `record` (the JSON of W/config.json) with the options added since it
+  was written: an ADDED_FIELDS one at the value its checkpoints were written under, any other
+  at its default. A run's own config read back to run under (realm-eval without --config,
+  realm-predict) then holds every option the code reads."""
+  import copy
+  import json
+  from realm_jax.config.defaults import base_config
+  out = _merged(json.loads(base_config().to_json_best_effort()), copy.deepcopy(record))
+  recorded = flat_options(record)
+  for name, value in ADDED_FIELDS.items():
+    parent, leaf = option_parent(out, name)
+    if name not in recorded and parent is not None:
+      parent[leaf] = value
+  return out
+
+
+def _merged(defaults: dict, record: dict) -> dict:
+  """`record` over `defaults`, group by group."""
+  out = dict(defaults)
+  for key, value in record.items():
+    nested = isinstance(value, dict) and isinstance(defaults.get(key), dict)
+    out[key] = _merged(defaults[key], value) if nested else value
+  return out
 
 
 def incompatible_fields(saved: dict, current: dict) -> list[str]:
