@@ -36,7 +36,7 @@ from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import ConfigError, held_back, run_cli
 from realm_jax.config.overrides import config_from_flags
 from realm_jax.config.reading import uses_index_builder
-from realm_jax.config.validation import validate, validate_training_splits
+from realm_jax.config.validation import validate, validate_training
 from realm_jax.processes import shared_memory_env, start_child
 from realm_jax.runtime import preemption
 from realm_jax.config.option_names import upgrade_flags
@@ -525,7 +525,7 @@ def _start_children(supervisor: _Supervisor, commands: dict[str, list[str]],
 def _launch(args: argparse.Namespace) -> int:
   config = config_from_flags(PROG, args.config, args.overrides)   # as the children will read it
   validate(config)
-  validate_training_splits(config)
+  validate_training(config)
   commands = default_commands(args.config, args.workdir, args.overrides, args.verbosity)
   if uses_index_builder(config):
     env_for, said = _device_env(config.builder.devices)

@@ -166,7 +166,7 @@ def run_config(config, overrides: dict):
 def check_runs(config, runs: list[tuple[str, dict]], fixed: dict) -> None:
   """Before any run starts: every run's config passes the trainer's own checks (`validate`),
   naming the run, and every workdir name fits a directory entry."""
-  from realm_jax.config.validation import validate, validate_training_splits
+  from realm_jax.config.validation import validate, validate_training
   for name, overrides in runs:
     if len(name.encode()) > MAX_NAME_BYTES:
       raise ConfigError("", f"run {name[:60]}...: its workdir name is {len(name.encode())} "
@@ -174,7 +174,7 @@ def check_runs(config, runs: list[tuple[str, dict]], fixed: dict) -> None:
     try:
       run = run_config(config, {**fixed, **overrides})
       validate(run)
-      validate_training_splits(run)
+      validate_training(run)
     except ConfigError as e:
       raise ConfigError(e.option, f"{e.message} (run {name})") from None
 

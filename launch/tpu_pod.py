@@ -49,7 +49,7 @@ from realm_jax import log, paths, processes
 from realm_jax.errors import ConfigError, run_cli
 from realm_jax.config.loading import load_config
 from realm_jax.config.reading import flat_options, uses_index_builder
-from realm_jax.config.validation import validate, validate_against_mesh, validate_training_splits
+from realm_jax.config.validation import validate, validate_against_mesh, validate_training
 from realm_jax.config.option_names import upgrade_flags
 from realm_jax.config.defaults import RANDOM_START
 from realm_jax.config.overrides import apply_assignments, check_known_options, flag_text
@@ -179,7 +179,7 @@ def run_config(config_spec: str, sets: list[str]):
   check_known_options(config, config_spec)
   given = apply_assignments(config, sets, "--set")
   validate(config)
-  validate_training_splits(config)
+  validate_training(config)
   return config, given
 
 

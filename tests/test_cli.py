@@ -753,26 +753,46 @@ def test_options_a_run_would_ignore_or_turn_to_nan_are_refused(overrides, option
   assert refused.value.option == option, str(refused.value)
 
 
-@pytest.mark.parametrize("task, overrides, option, says", [
-    ("ict", {"train__reader_lr_scale": 1.0}, "train.reader_lr_scale", "weight-decayed"),
-    ("ict", {"train__retriever_lr_scale": 0.0}, "train.retriever_lr_scale", "is 0"),
-    ("realm", {"train__retriever_lr_scale": 0.0, "train__reader_lr_scale": 0.0},
-     "train.reader_lr_scale", "are both 0"),
-    ("warmup", {"train__reader_lr_scale": 0.0}, "train.reader_lr_scale", "are both 0"),
-    ("openqa", {"train__retriever_lr_scale": 0.0, "train__reader_lr_scale": 0.0},
-     "train.reader_lr_scale", "are both 0"),
-])
-def test_a_run_that_would_train_nothing_or_only_decay_is_refused(task, overrides, option,
-                                                                   says):
-  """ICT's reader gets no gradient (a learning rate there only shrank it by weight decay and
-  kept Adam's moments for it); a run with every trained half at scale 0 stepped without
-  changing a parameter. The same runs with one half training pass."""
-  from realm_jax.config.validation import validate
+def _task_config(task: str):
+  """The tiny config of `task` ('warmup': REALM's reader warm-up; 'openqa': on REALM's)."""
   config = tiny_config("ict") if task == "ict" else tiny_config(
       "realm", "warmup" if task == "warmup" else None)
   if task == "openqa":
     config.task = "openqa"
+  return config
+
+
+@pytest.mark.parametrize("task, overrides, says", [
+    ("ict", {"train__retriever_lr_scale": 0.0}, "train.retriever_lr_scale is 0"),
+    ("realm", {"train__retriever_lr_scale": 0.0, "train__reader_lr_scale": 0.0},
+     "train.retriever_lr_scale and train.reader_lr_scale are both 0"),
+    ("warmup", {"train__reader_lr_scale": 0.0}, "are both 0"),
+    ("openqa", {"train__retriever_lr_scale": 0.0, "train__reader_lr_scale": 0.0},
+     "are both 0"),
+])
+def test_a_training_run_that_would_train_nothing_is_refused(task, overrides, says):
+  """Every trained half at learning rate scale 0: the run stepped without changing a
+  parameter. Refused for training only: realm-eval still evaluates such a recorded run."""
+  from realm_jax.config.validation import validate, validate_training
+  config = _task_config(task)
+  validate_training(config)
+  config = apply_overrides(config, overrides)
   validate(config)
   with pytest.raises(ConfigError) as refused:
-    validate(apply_overrides(config, overrides))
-  assert refused.value.option == option and says in str(refused.value), str(refused.value)
+    validate_training(config)
+  last_part = "retriever" if task == "ict" else "reader"
+  assert refused.value.option == f"train.{last_part}_lr_scale", str(refused.value)
+  assert says in str(refused.value), str(refused.value)
+
+
+def test_ict_with_a_reader_learning_rate_is_warned_of():
+  """ICT's reader gets no gradient: a learning rate there only weight-decayed it and kept
+  Adam's moments for it. Warned (a run recorded so resumes as it was), once, naming the option;
+  the configs' ICT (reader scale 0) and REALM runs get no warning."""
+  from realm_jax.config.validation import training_warnings, validate_training
+  assert training_warnings(_task_config("ict")) == []
+  assert training_warnings(_task_config("realm")) == []
+  config = apply_overrides(_task_config("ict"), {"train__reader_lr_scale": 1.0})
+  validate_training(config)
+  [line] = training_warnings(config)
+  assert line.startswith("config.train.reader_lr_scale 1.0: ICT gives the reader no gradient")

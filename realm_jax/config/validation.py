@@ -179,27 +179,9 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
   if t.get("nonfinite", "stop") not in NONFINITE_ACTIONS:
     raise ConfigError("train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE_ACTIONS}")
   _validate_ranges(config)
-  _validate_trained_parts(config)
   _validate_mesh(config)
   validate_against_data(config, num_blocks=num_blocks, store_block_len=store_block_len,
                         max_sentence_len=max_sentence_len, vocab_size=vocab_size)
-
-
-def _validate_trained_parts(config) -> None:
-  """A run trains something: ICT's loss reaches the retriever only, so a reader learning rate
-  there would only weight-decay the reader (and keep optimizer state for it); a run whose
-  every trained half has learning rate scale 0 would step without changing a parameter."""
-  t = config.train
-  if config.task == "ict" and t.reader_lr_scale != 0:
-    raise ConfigError("train.reader_lr_scale", f"ICT trains the retriever only: the reader "
-                      f"gets no gradient and would only be weight-decayed; set it to 0, got "
-                      f"{t.reader_lr_scale}")
-  parts = ("retriever",) if config.task == "ict" else ("retriever", "reader")
-  if all(t[f"{part}_lr_scale"] == 0 for part in parts):
-    names = " and ".join(f"train.{part}_lr_scale" for part in parts)
-    raise ConfigError(f"train.{parts[-1]}_lr_scale", f"{names} "
-                      f"{'is' if len(parts) == 1 else 'are both'} 0: task {config.task!r} "
-                      f"would train nothing")
 
 
 # option -> (lowest, highest, whether each end is allowed), for numbers without a rule of
@@ -374,12 +356,32 @@ def _validate_packing(config) -> None:
                       f"{config.train.batch_size} queries (train.batch_size) saves nothing")
 
 
-def validate_training_splits(config) -> None:
-  """A pre-training run's splits (the trainer and its launchers; not realm-eval, which reads
-  no eval.split): it is not evaluated on the queries it trains on."""
+def validate_training(config) -> None:
+  """What only a training run checks (the trainer and its launchers; not realm-eval or
+  realm-predict, which evaluate a run as it was recorded): a pre-training run is not evaluated
+  on the queries it trains on, and a run trains something (a run whose every trained half has
+  learning rate scale 0 would step without changing a parameter)."""
   if config.task in ("ict", "realm") and config.data.split == config.eval.split:
     raise ConfigError("eval.split", f"{config.eval.split!r} is data.split too: the run would "
                       "be evaluated on the queries it trains on; give them different splits")
+  t = config.train
+  parts = ("retriever",) if config.task == "ict" else ("retriever", "reader")
+  if all(t[f"{part}_lr_scale"] == 0 for part in parts):
+    names = " and ".join(f"train.{part}_lr_scale" for part in parts)
+    raise ConfigError(f"train.{parts[-1]}_lr_scale", f"{names} "
+                      f"{'is' if len(parts) == 1 else 'are both'} 0: task {config.task!r} "
+                      f"would train nothing")
+
+
+def training_warnings(config) -> list[str]:
+  """Settings a training run takes but that only cost: ICT's loss reaches the retriever only,
+  so a reader learning rate there weight-decays the reader and keeps Adam's moments for it.
+  (Warned, not refused: a run recorded so resumes as it was.)"""
+  if config.task == "ict" and config.train.reader_lr_scale != 0:
+    return [f"config.train.reader_lr_scale {config.train.reader_lr_scale}: ICT gives the reader "
+            "no gradient, so it is only weight-decayed and its optimizer state kept; a new "
+            "run should set 0 (configs/ict_base.py does)"]
+  return []
 
 
 def validate_against_mesh(config, data_axis: int) -> None:

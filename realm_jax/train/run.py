@@ -30,8 +30,8 @@ from realm_jax.train.feed import FeedStopped
 from realm_jax.runtime import initialization, multihost, partitioning, state as state_lib
 from realm_jax.train import steps
 from realm_jax.runtime.checkpoints import Checkpointer
-from realm_jax.config.validation import (validate, validate_against_mesh,
-                                        validate_training_splits)
+from realm_jax.config.validation import (training_warnings, validate, validate_against_mesh,
+                                        validate_training)
 from realm_jax.runtime.metrics import (MetricWriter, format_duration, window_from_record,
                                       window_record, window_scalars)
 from realm_jax.runtime.preemption import Preemption
@@ -47,7 +47,9 @@ def checked_data(config: ml_collections.ConfigDict, workdir: str) -> PreparedDat
   a one-line error before anything is built; every process sees the workdir)."""
   paths.check(workdir, "--workdir")
   validate(config)
-  validate_training_splits(config)
+  validate_training(config)
+  for line in training_warnings(config):
+    logger.warning(f"[{config.task}] {line}")
   check_shared_workdir(workdir)   # before any process reads the workdir
   data = workdir_lib.open_data(config)
   if config.task in ("ict", "realm"):   # evaluated on eval.split (at the end at the latest)
