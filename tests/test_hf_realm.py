@@ -307,7 +307,9 @@ def test_a_sentence_encoders_mean_pooling_is_imported(tmp_path):
   out = str(tmp_path / "w")
   report = hf_realm.import_checkpoint(hf_dir, out, task="ict")
   with open(os.path.join(out, "config.json")) as f:
-    assert json.load(f)["model"]["retriever"]["pooling"] == "mean"
+    recorded = json.load(f)
+  assert recorded["model"]["retriever"]["pooling"] == "mean"
+  assert recorded["train"]["reader_lr_scale"] == 0.0   # ICT trains the retriever only
   assert any("model.retriever.pooling 'mean'" in note for note in report.notes), report.notes
   assert hf_realm.sentence_pooling(str(tmp_path)) == (None, [])   # a plain BERT dir: [CLS]
 

@@ -97,6 +97,8 @@ def make_config(layout: str, hf: Mapping, *, task: str | None = None, data_dir: 
   from realm_jax.config.validation import validate
   c = base_config()
   c.task = task or DEFAULT_TASK[layout]
+  if c.task == "ict":
+    c.train.reader_lr_scale = 0.0   # ICT trains the retriever only (as configs/ict_base.py)
   m = c.model
   for field, key in hf_bert.SHAPE_FIELDS.items():
     m[field] = int(hf[key])
