@@ -263,19 +263,52 @@ def test_an_async_run_whose_builder_is_gone_says_so(world_dir, tmp_path, capsys)
   assert "retrieval.refresh_every=1 steps; it is behind or not running" in said[0]
 
 
+def test_a_long_run_keeps_no_record_per_step_of_its_index_staleness(tmp_path):
+  """The staleness of every step served counts in the summary's figures, but a long run's
+  steps take no memory once their values were seen: 50,000 steps over a refresh interval of
+  50 hold what 1,000 did, and p50 / p95 / max are those of every step's."""
+  import tracemalloc
+  import types
+  import numpy as np
+  from realm_jax.train.candidates import NoRetrieval, _staleness_summary
+  source = NoRetrieval(helpers.tiny_config("realm"), str(tmp_path))
+  source._log = types.SimpleNamespace(write=lambda step, record: None)
+  rng = np.random.default_rng(0)
+  series = [int(s) for s in rng.integers(0, 50, 51_000)]   # each step's staleness
+  served = lambda done: source.served(done, types.SimpleNamespace(
+      version=1, step=done - 1 - series[done - 1]), 0.0, 0.0, None)
+  tracemalloc.start()
+  try:
+    for done in range(1, 1_001):
+      served(done)
+    held = tracemalloc.get_traced_memory()[0]
+    for done in range(1_001, 51_001):
+      served(done)
+    grown = tracemalloc.get_traced_memory()[0] - held
+  finally:
+    tracemalloc.stop()
+  assert grown < 20_000, f"{grown:,} bytes more after 50,000 more steps"
+  summary = _staleness_summary(source.staleness, {1}, [], 0)
+  assert summary["index_steps_counted"] == 51_000
+  for q in (50, 95):
+    assert summary[f"index_staleness_p{q}"] == pytest.approx(np.percentile(series, q))
+  assert summary["index_staleness_max"] == max(series)
+
+
 def test_the_staleness_warning_comes_again_at_each_doubling_and_after_a_catch_up(caplog):
   import logging
   import types
-  from realm_jax.train.candidates import STALE_REFRESHES, PublishedIndex
+  from realm_jax.train.candidates import STALE_REFRESHES, PublishedIndex, StalenessRecord
   config = helpers.tiny_config("realm", retrieval__refresh="async", retrieval__refresh_every=2)
-  source = types.SimpleNamespace(config=config, workdir="W", staleness=[], _stale_said=0,
+  source = types.SimpleNamespace(config=config, workdir="W", staleness=StalenessRecord(),
+                                 _stale_said=0,
                                  subscriber=types.SimpleNamespace(builder_gone=lambda: ""))
   loaded = types.SimpleNamespace(version=1, step=0)
   first = STALE_REFRESHES * 2
   series = [first - 1, first, first + 1, 2 * first - 1, 2 * first, 3, first, 4 * first]
   with caplog.at_level(logging.WARNING, logger="realm_jax.train.candidates"):
     for staleness in series:
-      source.staleness.append(staleness)
+      source.staleness.add(staleness)
       PublishedIndex._say_if_stale(source, staleness + 1, loaded)
   said = [int(r.getMessage().split("staleness ")[1].split(" ")[0]) for r in caplog.records]
   assert said == [first, 2 * first, first, 4 * first]   # after the catch-up (3): from the start
@@ -289,13 +322,14 @@ def test_the_staleness_warning_names_a_builder_that_died(tmp_path, caplog):
   import logging
   import types
   from realm_jax.retrieval.subscriber import IndexSubscriber
-  from realm_jax.train.candidates import STALE_REFRESHES, PublishedIndex
+  from realm_jax.train.candidates import STALE_REFRESHES, PublishedIndex, StalenessRecord
   workdir = str(tmp_path / "run")
   gone = helpers.dead_job_lock(workdir, "builder")
   config = helpers.tiny_config("realm", retrieval__refresh="async", retrieval__refresh_every=2)
   subscriber = IndexSubscriber(workdir, loader=None, poll_seconds=3600)
   source = types.SimpleNamespace(config=config, workdir=workdir, _stale_said=0,
-                                 staleness=[STALE_REFRESHES * 2], subscriber=subscriber)
+                                 staleness=StalenessRecord(), subscriber=subscriber)
+  source.staleness.add(STALE_REFRESHES * 2)
   try:
     with caplog.at_level(logging.WARNING, logger="realm_jax.train.candidates"):
       PublishedIndex._say_if_stale(source, STALE_REFRESHES * 2 + 1,

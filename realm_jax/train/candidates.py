@@ -18,6 +18,7 @@ shutdown. The main thread calls `begin`, `before_step`, `served`, `eval_index`, 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -47,6 +48,32 @@ STOP_CHECK_BLOCKS = 16_384
 logger = logging.getLogger(__name__)
 
 
+class StalenessRecord:
+  """The index staleness of every step served, as a count of each value and the last step's:
+  a long run's steps add no memory once their values were seen (a list of every step's grew
+  with the run), and the percentiles are those of every step's."""
+
+  def __init__(self):
+    self.counts: collections.Counter[int] = collections.Counter()
+    self.last: int | None = None
+
+  def add(self, staleness: int) -> None:
+    self.counts[staleness] += 1
+    self.last = staleness
+
+  def __len__(self) -> int:
+    return self.counts.total()
+
+  def percentile(self, q: float) -> float:
+    """`np.percentile` of every step's staleness (linear between the ranks around q)."""
+    values = sorted(self.counts)
+    ends = np.cumsum([self.counts[v] for v in values])   # the rank after each value's steps
+    at = lambda rank: values[int(np.searchsorted(ends, rank, side="right"))]
+    rank = (ends[-1] - 1) * q / 100
+    low = int(rank)
+    return at(low) + (rank - low) * (at(min(low + 1, ends[-1] - 1)) - at(low))
+
+
 class NoRetrieval:
   """Nothing retrieved: training reads the own block or the null document, eval no index."""
 
@@ -58,7 +85,7 @@ class NoRetrieval:
     self.last: IndexVersion | None = None   # the index that served the last step (or eval)
     self.should_stop: Callable[[], bool] | None = None    # from `begin`
     self.stop_waiting: Callable[[], bool] | None = None   # from `begin`
-    self.staleness: list[int] = []
+    self.staleness = StalenessRecord()
     self.versions_used: set[int] = set()
     self._log: MetricWriter | None = None
     self._t_step: float | None = None
@@ -110,11 +137,11 @@ class NoRetrieval:
              metrics) -> None:
     """Records that `loaded` served step `done` - 1 (staleness, version, waits, wall time)."""
     self.last = loaded
-    self.staleness.append(done - 1 - loaded.step)
+    self.staleness.add(done - 1 - loaded.step)
     self.versions_used.add(loaded.version)
     now = time.time()
     record = {"index_version": loaded.version, "index_step": loaded.step,
-              "index_staleness": self.staleness[-1], "index_wait_seconds": waited,
+              "index_staleness": self.staleness.last, "index_wait_seconds": waited,
               "batch_wait_seconds": feed_wait}
     if self._t_step is not None:   # the first step of a run has no previous one to time from
       record["step_seconds"] = now - self._t_step
@@ -125,7 +152,7 @@ class NoRetrieval:
     if not self.staleness:
       return ""
     return (f" | index v{self.last.version} (step {self.last.step}, "
-            f"staleness {self.staleness[-1]})")
+            f"staleness {self.staleness.last})")
 
   def eval_index(self, step: int, final: bool) -> IndexVersion | None:
     """The index an evaluation at `step` retrieves from (`final`: the run's last)."""
@@ -319,7 +346,7 @@ class PublishedIndex(NoRetrieval):
     (a deterministic run waits for its versions instead)."""
     if self.config.retrieval.refresh != "async":
       return
-    refresh_every, staleness = self.config.retrieval.refresh_every, self.staleness[-1]
+    refresh_every, staleness = self.config.retrieval.refresh_every, self.staleness.last
     if staleness < STALE_REFRESHES * refresh_every:
       self._stale_said = 0   # caught up: a later lag is said again from the first threshold
     if staleness < max(STALE_REFRESHES * refresh_every, 2 * self._stale_said):
@@ -386,12 +413,12 @@ def candidate_source(config, workdir: str, *, model, mesh, data, abstract_retrie
   return NoRetrieval(config, workdir)   # the own block or the null document alone
 
 
-def _staleness_summary(staleness: list[int], versions_used: set[int],
+def _staleness_summary(staleness: StalenessRecord, versions_used: set[int],
                        waits: list[tuple[int, float]], rejected: int) -> dict:
   return {"index_steps_counted": len(staleness),   # a resumed run: the steps since its start
-          "index_staleness_p50": round(float(np.percentile(staleness, 50)), 2),
-          "index_staleness_p95": round(float(np.percentile(staleness, 95)), 2),
-          "index_staleness_max": int(max(staleness)),
+          "index_staleness_p50": round(float(staleness.percentile(50)), 2),
+          "index_staleness_p95": round(float(staleness.percentile(95)), 2),
+          "index_staleness_max": int(max(staleness.counts)),
           "index_versions_used": len(versions_used),
           "index_blocking_waits": len(waits),
           "index_wait_seconds": round(float(sum(w for _, w in waits)), 2),

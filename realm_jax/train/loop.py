@@ -227,7 +227,7 @@ class QueryStepBatches(StepBatches):
 
   def progress(self, scalars: dict) -> tuple[str, str]:
     if self.candidates.staleness:
-      scalars["index_staleness"] = self.candidates.staleness[-1]
+      scalars["index_staleness"] = self.candidates.staleness.last
     note = self.candidates.progress_note()
     if self.score_cache is not None:
       note += (f" | score cache {len(self.score_cache):,} pairs "
