@@ -8,7 +8,7 @@ alone (a bare `os.path.abspath("gs://B")` is `<cwd>/gs:/B`).
 Object stores have no rename and no append: `write_text_atomic` writes a local file under a
 temp name and renames it, and a bucket object in one request (readers see the old object or
 the new one, never half); `AppendLog` appends to a local file and rewrites the object of a
-remote one.
+remote one (a log written every step at most every `BUCKET_HOLD_SECONDS`).
 
 A storage server that does not answer: gcsfs retries each request itself (6 attempts, 1 to 16 s
 apart, about 30 s), which is said here as `[storage]` lines; an operation that still fails is
@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import time
+import weakref
 from typing import Callable
 
 import fsspec
@@ -330,16 +331,32 @@ def json_ready(value):
   return value
 
 
+# A bucket log written at every step (a trainer's train and retrieval JSONL) is sent at most
+# this often: each send rewrites the object whole, and GCS takes about one write a second to one
+# object. `send_held_lines` sends what waits before each checkpoint.
+BUCKET_HOLD_SECONDS = 10.0
+_HOLDING: weakref.WeakSet = weakref.WeakSet()   # the open bucket logs that hold lines back
+
+
+def send_held_lines() -> None:
+  """Every open bucket `AppendLog`'s held lines, sent now: before a checkpoint, so that the lines
+  of the steps it covers are in the bucket (a run resumed from it writes only later steps')."""
+  for log in list(_HOLDING):
+    log.flush()
+
+
 class AppendLog:
   """Lines appended to a file: a local file in append mode; a bucket object (no append in an
-  object store) rewritten whole after each append, from what it held at open plus the new
-  lines, so a reader always sees complete lines.
+  object store) rewritten whole, from what it held at open plus the new lines, so a reader
+  always sees complete lines. `hold_seconds` > 0: a bucket's lines are sent at most that often
+  (the first after a quiet spell at once), and at `flush`, `send_held_lines` and `close`.
 
   `keep(line)`: which of the lines already there stay (None: all); the file is rewritten
   without the others at open, readers seeing the old or the new text. A last line without
   its newline (a write cut short) never stays: a line appended after it would join it."""
 
-  def __init__(self, path, keep: Callable[[str], bool] | None = None):
+  def __init__(self, path, keep: Callable[[str], bool] | None = None,
+               hold_seconds: float = 0.0):
     self.path, self.remote = str(path), is_remote(path)
     before = read_text(self.path)
     if before is not None:
@@ -348,30 +365,43 @@ class AppendLog:
       if kept != before:
         write_text_atomic(self.path, kept)
       before = kept
-    self._unwritten = False   # a bucket's: the lines of a rewrite that failed are not there
+    # a bucket's: lines not in the object yet (held back, or a rewrite that failed)
+    self._unwritten = False
+    self.hold_seconds, self._sent = hold_seconds, -math.inf
     if self.remote:
-      self._lines = before or ""
+      self._lines = [before or ""]
       self._file = None
+      if hold_seconds > 0:
+        _HOLDING.add(self)
     else:
       self._file = open(self.path, "a")
 
   def write(self, line: str) -> None:
     if self.remote:
-      self._lines += line
+      self._lines.append(line)
       self._unwritten = True
-      self._rewrite()
+      if time.monotonic() - self._sent >= self.hold_seconds:
+        self._rewrite()
     else:
       self._file.write(line)
       self._file.flush()
 
+  def flush(self) -> None:
+    """A bucket's lines not in the object yet, sent now (a local file's are on disk)."""
+    if self._unwritten:
+      self._rewrite()
+
   def _rewrite(self) -> None:
-    retried("appending to", self.path, lambda: epath.Path(self.path).write_text(self._lines))
-    self._unwritten = False
+    text = "".join(self._lines)
+    retried("appending to", self.path, lambda: epath.Path(self.path).write_text(text))
+    self._lines = [text]
+    self._unwritten, self._sent = False, time.monotonic()
 
   def close(self) -> None:
-    """A bucket's lines that a failed rewrite left out (its next write would have carried
-    them) are written once more: the last ones would be lost for good otherwise; where the
-    bucket still does not answer, a warning says so."""
+    """A bucket's lines not in the object yet (held back, or left out by a failed rewrite that
+    the next write would have carried) are written now: the last ones would be lost for good
+    otherwise; where the bucket still does not answer, a warning says so."""
+    _HOLDING.discard(self)
     if self._file is not None:
       self._file.close()
     elif self._unwritten:

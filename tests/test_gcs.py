@@ -111,8 +111,10 @@ def _prepare_in_the_bucket(data: str, capsys) -> dict:
 @pytest.mark.slow
 def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(server, gcs,
                                                                               capsys, tmp_path,
-                                                                              caplog):
+                                                                              caplog,
+                                                                              monkeypatch):
   data, ict_dir, workdir = f"{gcs}/world/data", f"{gcs}/world/ict", f"{gcs}/world/realm"
+  at_saves = _metrics_in_the_bucket_at_each_save(monkeypatch)
   _prepare_in_the_bucket(data, capsys)
 
   # REALM from an ICT run, with realm-index in its own process: the two meet only in the
@@ -168,6 +170,13 @@ def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(se
   logged = [json.loads(line)["step"] for line in
             bucket_text(f"{workdir}/metrics/train.jsonl").splitlines()]
   assert logged == list(range(1, 7))   # appended across the restart, in the bucket
+  # Held back (the per-step logs), the lines of the steps each checkpoint covers were in the
+  # bucket when it was saved: a run killed after it and resumed from it writes later steps'.
+  assert {(w, step) for w, step, _ in at_saves} >= {(ict_dir, 2), (workdir, 4), (workdir, 6)}
+  for run, step, logged in at_saves:
+    assert logged["train"] == list(range(1, step + 1)), (run, step, logged)
+    assert logged["retrieval"] == (list(range(1, step + 1)) if run == workdir else []), \
+        (run, step, logged)
 
   _evaluate_in_the_bucket(resumed, workdir, step=6)
   # A run recorded on a TPU VM through gcsfuse (data.dir /gcs/B/P), read where nothing is
@@ -187,6 +196,27 @@ def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(se
   with pytest.raises(ConfigError, match=rf"config\.init\.from_workdir: the data's .*swapped/vocab"
                      rf"\.txt .* differs from {re.escape(ict_dir)}/vocab\.txt"):
     check_run_vocab(ict_dir, "init.from_workdir", str(swapped))
+
+
+def _metrics_in_the_bucket_at_each_save(monkeypatch) -> list[tuple[str, int, dict]]:
+  """(workdir, step, the steps of its train and retrieval JSONL in the bucket) at each
+  checkpoint save from now on, the per-step logs held back for an hour (sent only before a
+  checkpoint and at their close)."""
+  from realm_jax.runtime import checkpoints
+  monkeypatch.setattr(paths, "BUCKET_HOLD_SECONDS", 3600.0)
+  seen, save = [], checkpoints.Checkpointer.save
+
+  def steps_in(url: str) -> list[int]:
+    text = paths.read_text(url)
+    return [] if text is None else [json.loads(line)["step"] for line in text.splitlines()]
+
+  def recorded_save(self, step, *args):
+    seen.append((self.workdir, step, {name: steps_in(f"{self.workdir}/metrics/{name}.jsonl")
+                                      for name in ("train", "retrieval")}))
+    return save(self, step, *args)
+
+  monkeypatch.setattr(checkpoints.Checkpointer, "save", recorded_save)
+  return seen
 
 
 def _killed_version_unseen(workdir: str, log: str, version: int, step: int,

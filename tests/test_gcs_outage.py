@@ -114,3 +114,44 @@ def test_a_line_a_bucket_did_not_take_is_written_when_the_log_closes(monkeypatch
     log.close()   # still down: said, not raised
   assert objects[path] == "1\n2\n"
   assert f"{path}: its last lines are not written (StorageUnreachable" in caplog.text
+
+
+def test_a_bucket_log_written_every_step_is_sent_at_most_every_hold_seconds(monkeypatch):
+  """A trainer's per-step log in a bucket was rewritten whole at every step: GCS takes about
+  one write a second to an object, and the bytes sent grew with the square of the steps. Held,
+  the first line after a quiet spell goes at once, the rest wait for the hold to pass, for
+  `send_held_lines` (before a checkpoint: its steps' lines are then in the bucket) or for the
+  close; a log without a hold sends every line."""
+  objects, sends, clock = {}, [], [100.0]
+
+  class _Object:
+    def __init__(self, path):
+      self.path = str(path)
+
+    def write_text(self, text):
+      sends.append(self.path)
+      objects[self.path] = text
+
+  monkeypatch.setattr(paths, "read_text", lambda path: objects.get(str(path)))
+  monkeypatch.setattr(paths.epath, "Path", _Object)
+  monkeypatch.setattr(paths.time, "monotonic", lambda: clock[0])
+  held, every = "gs://bucket/run/metrics/train.jsonl", "gs://bucket/run/metrics/index.jsonl"
+  log, other = paths.AppendLog(held, hold_seconds=10.0), paths.AppendLog(every)
+  log.write("1\n")                  # the first: at once
+  for step in range(2, 6):
+    log.write(f"{step}\n")
+    other.write(f"v{step}\n")
+  assert objects[held] == "1\n" and sends.count(held) == 1
+  assert objects[every] == "v2\nv3\nv4\nv5\n" and sends.count(every) == 4
+  paths.send_held_lines()
+  assert objects[held] == "1\n2\n3\n4\n5\n" and sends.count(held) == 2
+  assert sends.count(every) == 4     # nothing held there: nothing sent again
+  clock[0] += 10.0
+  log.write("6\n")                  # the hold has passed: at once
+  log.write("7\n")
+  assert objects[held].endswith("6\n") and sends.count(held) == 3
+  log.close()
+  assert objects[held] == "".join(f"{step}\n" for step in range(1, 8))
+  assert sends.count(held) == 4
+  paths.send_held_lines()            # a closed log is no longer held
+  assert sends.count(held) == 4

@@ -65,16 +65,21 @@ class MetricWriter:
   checkpoint of step s: s + 1). What an earlier run logged from that step on (the steps after
   its last checkpoint, which this run takes again) is dropped from the JSONL and hidden in
   TensorBoard (its purge step), so that each step is there once. None: everything stays.
+
+  `held`: a log written at every step, whose lines a bucket takes at most every
+  `paths.BUCKET_HOLD_SECONDS` (the rest wait for the next send, a checkpoint or the close).
   """
 
-  def __init__(self, workdir: str, name: str, from_step: int | None = None):
+  def __init__(self, workdir: str, name: str, from_step: int | None = None,
+               held: bool = False):
     self.enabled = jax.process_index() == 0
     self.name = name
     if not self.enabled:
       return
     paths.makedirs(paths.join(workdir, "metrics"))
     keep = None if from_step is None else (lambda line: _logged_before(line, from_step))
-    self._jsonl = paths.AppendLog(paths.join(workdir, "metrics", f"{name}.jsonl"), keep)
+    self._jsonl = paths.AppendLog(paths.join(workdir, "metrics", f"{name}.jsonl"), keep,
+                                  paths.BUCKET_HOLD_SECONDS if held else 0.0)
     self._tb = _tensorboard_writer(_tensorboard_dir(workdir, name), from_step)
 
   def write(self, step: int, scalars: dict[str, float]) -> None:

@@ -118,7 +118,7 @@ class NoRetrieval:
     it: FeedStopped, EmbeddingStopped, on every process alike)."""
     self.should_stop, self.stop_waiting = should_stop, stop_waiting
     if self.retrieves:
-      self._log = MetricWriter(self.workdir, "retrieval", start + 1)
+      self._log = MetricWriter(self.workdir, "retrieval", start + 1, held=True)
 
   def before_step(self, step: int, start: int, depth: int) -> None:
     """On the main thread, before step `step` runs."""

@@ -304,6 +304,7 @@ class Run:
     data = self.inputs.state(data_state, done)
     if self.window:
       data[TRAIN_WINDOW] = window_record(self.window)
+    paths.send_held_lines()   # a bucket's metrics of the steps this checkpoint covers
     self.checkpointer.save(done, self.state, data, self.item())
 
   def run(self) -> dict:
@@ -321,7 +322,7 @@ class Run:
         self.checkpointer.close()
       raise
     t_start = time.time()
-    logs = {"train": MetricWriter(self.workdir, "train", start + 1),
+    logs = {"train": MetricWriter(self.workdir, "train", start + 1, held=True),
             "eval": MetricWriter(self.workdir, "eval",
                                  first_evaluated_step(start, cfg.train.steps))}
     data_iter = self.inputs.iterator(cfg.data.prefetch, self.saved_data)
