@@ -7,8 +7,8 @@ alone (a bare `os.path.abspath("gs://B")` is `<cwd>/gs:/B`).
 
 Object stores have no rename and no append: `write_text_atomic` writes a local file under a
 temp name and renames it, and a bucket object in one request (readers see the old object or
-the new one, never half); `AppendLog` appends to a local file and rewrites the object of a
-remote one (a log written every step at most every `BUCKET_HOLD_SECONDS`).
+the new one, never half); `AppendLog` appends to a local file, and to a bucket object by
+composing the new lines onto it (a log written every step at most every `BUCKET_HOLD_SECONDS`).
 
 A storage server that does not answer: gcsfs retries each request itself (6 attempts, 1 to 16 s
 apart, about 30 s), which is said here as `[storage]` lines; an operation that still fails is
@@ -19,6 +19,7 @@ since its first failure, then `StorageUnreachable` names the path. Writes are si
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -332,8 +333,8 @@ def json_ready(value):
 
 
 # A bucket log written at every step (a trainer's train and retrieval JSONL) is sent at most
-# this often: each send rewrites the object whole, and GCS takes about one write a second to one
-# object. `send_held_lines` sends what waits before each checkpoint.
+# this often (GCS takes about one write a second to one object). `send_held_lines` sends what
+# waits before each checkpoint.
 BUCKET_HOLD_SECONDS = 10.0
 _HOLDING: weakref.WeakSet = weakref.WeakSet()   # the open bucket logs that hold lines back
 
@@ -347,9 +348,9 @@ def send_held_lines() -> None:
 
 class AppendLog:
   """Lines appended to a file: a local file in append mode; a bucket object (no append in an
-  object store) rewritten whole, from what it held at open plus the new lines, so a reader
-  always sees complete lines. `hold_seconds` > 0: a bucket's lines are sent at most that often
-  (the first after a quiet spell at once), and at `flush`, `send_held_lines` and `close`.
+  object store) through `append_to_object`, which sends only the new lines, so a reader always
+  sees complete lines. `hold_seconds` > 0: a bucket's lines are sent at most that often (the
+  first after a quiet spell at once), and at `flush`, `send_held_lines` and `close`.
 
   `keep(line)`: which of the lines already there stay (None: all); the file is rewritten
   without the others at open, readers seeing the old or the new text. A last line without
@@ -364,12 +365,11 @@ class AppendLog:
       kept = "".join(line + "\n" for line in complete if keep is None or keep(line))
       if kept != before:
         write_text_atomic(self.path, kept)
-      before = kept
-    # a bucket's: lines not in the object yet (held back, or a rewrite that failed)
-    self._unwritten = False
+    # a bucket's: lines not in the object yet (held back, or a send that failed)
+    self._unwritten: list[str] = []
+    self._generation = None if before is None else ""   # "": there, generation not read yet
     self.hold_seconds, self._sent = hold_seconds, -math.inf
     if self.remote:
-      self._lines = [before or ""]
       self._file = None
       if hold_seconds > 0:
         _HOLDING.add(self)
@@ -378,10 +378,9 @@ class AppendLog:
 
   def write(self, line: str) -> None:
     if self.remote:
-      self._lines.append(line)
-      self._unwritten = True
+      self._unwritten.append(line)
       if time.monotonic() - self._sent >= self.hold_seconds:
-        self._rewrite()
+        self._send()
     else:
       self._file.write(line)
       self._file.flush()
@@ -389,13 +388,15 @@ class AppendLog:
   def flush(self) -> None:
     """A bucket's lines not in the object yet, sent now (a local file's are on disk)."""
     if self._unwritten:
-      self._rewrite()
+      self._send()
 
-  def _rewrite(self) -> None:
-    text = "".join(self._lines)
-    retried("appending to", self.path, lambda: epath.Path(self.path).write_text(text))
-    self._lines = [text]
-    self._unwritten, self._sent = False, time.monotonic()
+  def _send(self) -> None:
+    text = "".join(self._unwritten)
+    if self._generation == "":   # read first: a retry of the append must not read its own
+      self._generation = retried("reading", self.path, lambda: object_generation(self.path))
+    self._generation = retried("appending to", self.path,
+                               lambda: append_to_object(self.path, text, self._generation))
+    self._unwritten, self._sent = [], time.monotonic()
 
   def close(self) -> None:
     """A bucket's lines not in the object yet (held back, or left out by a failed rewrite that
@@ -406,10 +407,58 @@ class AppendLog:
       self._file.close()
     elif self._unwritten:
       try:
-        self._rewrite()
+        self._send()
       except OSError as e:   # StorageUnreachable among them: the job's work is done
         logger.warning(f"{self.path}: its last lines are not written ({type(e).__name__}: "
                        f"{e})")
+
+
+_NOT_COMPOSED: set[str] = set()   # bucket objects whose compose was refused (said once each)
+
+
+def object_generation(url: str) -> str | None:
+  """The bucket object's generation (a number, as text); None where it is not there."""
+  fs, name = fsspec.core.url_to_fs(url)
+  try:
+    return str(fs.info(name)["generation"])
+  except FileNotFoundError:
+    return None
+
+
+def append_to_object(url: str, text: str, generation: str | None) -> str:
+  """Appends `text` to the bucket object `url` of `generation` (None: not there yet) and
+  returns its generation after ("": not known, read it before the next append). Only `text`
+  is sent: as an object of its own (`<url>.append`), composed onto the end of `url` by the
+  server and deleted. The compose names the generation it appends to, so a retry of one that
+  was done but whose answer was lost is refused (412), not done twice. Where the bucket
+  refuses the compose (a zonal bucket has none), the object is rewritten whole."""
+  if generation is None:
+    epath.Path(url).write_text(text)
+    return ""
+  fs, _ = fsspec.core.url_to_fs(url)
+  bucket, key, _ = fs.split_path(url)
+  part = f"{url}.append"
+  epath.Path(part).write_text(text)
+  try:
+    done = fs.call("POST", "b/{}/o/{}/compose", bucket, key, ifGenerationMatch=generation,
+                   json={"kind": "storage#composeRequest",
+                         "sourceObjects": [{"name": key}, {"name": f"{key}.append"}],
+                         "destination": {"name": key, "bucket": bucket}}, json_out=True)
+    generation = str(done["generation"])
+  except FileExistsError:   # 412: `url` is past `generation`, this very compose done before
+    generation = ""
+  except Exception as e:  # noqa: BLE001  (an unreachable server: retried by the caller)
+    if unreachable(e):
+      raise
+    if url not in _NOT_COMPOSED:
+      _NOT_COMPOSED.add(url)
+      logger.warning(f"[storage] {url}: the bucket does not compose objects ({type(e).__name__}:"
+                     f" {e}); each append rewrites it whole")
+    epath.Path(url).write_text((read_text(url) or "") + text)
+    generation = ""
+  with contextlib.suppress(Exception):   # (left behind, the next append writes it over)
+    fs.rm(fsspec.core.url_to_fs(part)[1])
+  return generation
 
 
 # -- a prepared data dir in a bucket -----------------------------------------------------------

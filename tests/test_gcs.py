@@ -275,6 +275,54 @@ def test_an_unreadable_checkpoint_in_the_bucket_is_moved_aside_and_the_run_resum
   assert paths.isdir(f"{workdir}/checkpoints/4")   # trained and saved again
 
 
+def test_a_bucket_log_sends_only_its_new_lines_and_appends_each_once(gcs, monkeypatch,
+                                                                       caplog):
+  """A bucket log's append sends its new lines only (composed onto the object by the server;
+  it was rewritten whole, so a run's bytes sent grew with the square of its steps). A compose
+  done whose answer was lost is refused on its retry (412, the generation it named is gone):
+  the lines are there once. A bucket that refuses compose gets the object rewritten whole."""
+  import fsspec
+  url = f"{gcs}/appends/metrics/train.jsonl"
+  gpath = type(epath.Path(url))
+  sent, write_text = [], gpath.write_text
+  monkeypatch.setattr(gpath, "write_text", lambda self, text, **kw: (
+      sent.append(len(text)), write_text(self, text, **kw))[1])
+  log = paths.AppendLog(url)
+  lines = [json.dumps({"step": step, "loss": 1.0 / step}) + "\n" for step in range(1, 41)]
+  for line in lines:
+    log.write(line)
+  assert bucket_text(url) == "".join(lines)
+  assert sent == [len(line) for line in lines]   # each line once, nothing sent again
+  assert not paths.exists(f"{url}.append")         # the part is deleted after its compose
+
+  fs = type(fsspec.core.url_to_fs(url)[0])
+  call = fs.call
+
+  def answer_lost(self, method, path, *args, **kwargs):   # the compose done, its retry refused
+    answer = call(self, method, path, *args, **kwargs)
+    if path.endswith("/compose"):
+      raise FileExistsError(path)
+    return answer
+
+  monkeypatch.setattr(fs, "call", answer_lost)
+  log.write("lost\n")
+  monkeypatch.setattr(fs, "call", call)
+  log.write("after\n")
+  assert bucket_text(url) == "".join(lines) + "lost\nafter\n"
+
+  def no_compose(self, method, path, *args, **kwargs):
+    if path.endswith("/compose"):
+      raise ValueError("Bad Request: compose is not supported for this bucket (invalid)")
+    return call(self, method, path, *args, **kwargs)
+
+  monkeypatch.setattr(fs, "call", no_compose)
+  with caplog.at_level("WARNING", logger="realm_jax.paths"):
+    log.write("whole\n")
+    log.close()
+  assert bucket_text(url) == "".join(lines) + "lost\nafter\nwhole\n"
+  assert "the bucket does not compose objects (ValueError" in caplog.text
+
+
 def test_the_slow_link_holds_only_uploads_of_the_named_objects(server):
   """The fault layer of the test above: through the relay, an upload naming a held object
   takes the hold; another passes at once; both land in the server."""
