@@ -413,7 +413,7 @@ class AppendLog:
                        f"{e})")
 
 
-_NOT_COMPOSED: set[str] = set()   # bucket objects whose compose was refused (said once each)
+_NOT_COMPOSED: set[str] = set()   # bucket objects whose compose was refused: rewritten whole
 
 
 def object_generation(url: str) -> str | None:
@@ -435,6 +435,9 @@ def append_to_object(url: str, text: str, generation: str | None) -> str:
   if generation is None:
     epath.Path(url).write_text(text)
     return ""
+  if url in _NOT_COMPOSED:
+    epath.Path(url).write_text((read_text(url) or "") + text)
+    return ""
   fs, _ = fsspec.core.url_to_fs(url)
   bucket, key, _ = fs.split_path(url)
   part = f"{url}.append"
@@ -450,10 +453,9 @@ def append_to_object(url: str, text: str, generation: str | None) -> str:
   except Exception as e:  # noqa: BLE001  (an unreachable server: retried by the caller)
     if unreachable(e):
       raise
-    if url not in _NOT_COMPOSED:
-      _NOT_COMPOSED.add(url)
-      logger.warning(f"[storage] {url}: the bucket does not compose objects ({type(e).__name__}:"
-                     f" {e}); each append rewrites it whole")
+    _NOT_COMPOSED.add(url)
+    logger.warning(f"[storage] {url}: the bucket does not compose objects ({type(e).__name__}: "
+                   f"{e}); each append rewrites it whole from now on")
     epath.Path(url).write_text((read_text(url) or "") + text)
     generation = ""
   with contextlib.suppress(Exception):   # (left behind, the next append writes it over)

@@ -283,6 +283,7 @@ def test_a_bucket_log_sends_only_its_new_lines_and_appends_each_once(gcs, monkey
   the lines are there once. A bucket that refuses compose gets the object rewritten whole."""
   import fsspec
   url = f"{gcs}/appends/metrics/train.jsonl"
+  monkeypatch.setattr(paths, "_NOT_COMPOSED", set())
   gpath = type(epath.Path(url))
   sent, write_text = [], gpath.write_text
   monkeypatch.setattr(gpath, "write_text", lambda self, text, **kw: (
@@ -316,11 +317,14 @@ def test_a_bucket_log_sends_only_its_new_lines_and_appends_each_once(gcs, monkey
     return call(self, method, path, *args, **kwargs)
 
   monkeypatch.setattr(fs, "call", no_compose)
+  sent.clear()
   with caplog.at_level("WARNING", logger="realm_jax.paths"):
     log.write("whole\n")
+    log.write("again\n")
     log.close()
-  assert bucket_text(url) == "".join(lines) + "lost\nafter\nwhole\n"
-  assert "the bucket does not compose objects (ValueError" in caplog.text
+  assert bucket_text(url) == "".join(lines) + "lost\nafter\nwhole\nagain\n"
+  assert caplog.text.count("the bucket does not compose objects (ValueError") == 1
+  assert sent[2:] == [len(bucket_text(url))]   # (part, whole), then whole: no compose tried
 
 
 def test_the_slow_link_holds_only_uploads_of_the_named_objects(server):
