@@ -399,7 +399,7 @@ class AppendLog:
     self._unwritten, self._sent = [], time.monotonic()
 
   def close(self) -> None:
-    """A bucket's lines not in the object yet (held back, or left out by a failed rewrite that
+    """A bucket's lines not in the object yet (held back, or left out by a failed send that
     the next write would have carried) are written now: the last ones would be lost for good
     otherwise; where the bucket still does not answer, a warning says so."""
     _HOLDING.discard(self)
