@@ -33,7 +33,7 @@ import threading
 import time
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.errors import ConfigError, held_back, run_cli
+from realm_jax.errors import CommandParser, ConfigError, held_back, run_cli
 from realm_jax.config.overrides import config_from_flags
 from realm_jax.config.reading import uses_index_builder
 from realm_jax.config.validation import validate, validate_training
@@ -95,7 +95,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
   """The launcher's flags (config, workdir, grace) plus `overrides`, the `--config.*` tokens."""
   own, overrides = split_overrides(argv)
-  parser = argparse.ArgumentParser(
+  parser = CommandParser(
       prog=PROG, allow_abbrev=False,
       description="Runs the trainer and the index builder as two processes on this machine; "
                   "every --config.a.b=v override is passed to both.")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import errno
 import os
 import signal
@@ -49,6 +51,23 @@ class IndexWaitTimeout(TimeoutError):
 class StorageUnreachable(ConnectionError):
   """The storage server (a gs:// bucket) did not answer for longer than the patience
   ($REALM_JAX_STORAGE_PATIENCE); the message names the path and the operation. Exit code 1."""
+
+
+class CommandParser(argparse.ArgumentParser):
+  """argparse for the project's own commands: a bad flag is the one line `PROG: error: ...`
+  (exit code 2, no usage block above it, as the absl commands print theirs), and a misspelt
+  `--flag` is named with the closest flag the command has."""
+
+  def error(self, message: str):
+    unknown = message.removeprefix("unrecognized arguments: ")
+    if unknown != message:
+      flags = [s for action in self._actions for s in action.option_strings if s[:2] == "--"]
+      for arg in unknown.split():
+        close = difflib.get_close_matches(arg.split("=")[0], flags, n=1, cutoff=0.6)
+        if arg[:2] == "--" and close:
+          message += f"; did you mean {close[0]}?"
+          break
+    self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 # The project's own errors, whose message says what went wrong and what to do: `run_cli`

@@ -346,6 +346,29 @@ def test_every_cli_names_an_unloadable_config_or_flagfile_in_one_line(prog, tmp_
   assert not os.path.exists(tmp_path / "w")
 
 
+@pytest.mark.parametrize("command, prog, args, expected", [
+    (["-m", "realm_jax.interop.hf_realm", "--hf-dir", "D", "--out", "W"], "realm-import-hf",
+     ["--taks", "openqa"], "unrecognized arguments: --taks openqa; did you mean --task?"),
+    (["-m", "realm_jax.interop.hf_realm", "--hf-dir", "D", "--out", "W"], "realm-import-hf",
+     ["--vocabb=v"], "unrecognized arguments: --vocabb=v; did you mean --vocab?"),
+    (["-m", "realm_jax.interop.hf_realm", "--out", "W"], "realm-import-hf", [],
+     "the following arguments are required: --hf-dir"),
+    (["launch/local.py", "--config", "configs/demo_realm.py:realm", "--workdir", "W"],
+     "local.py", ["--grcae", "3"], "unrecognized arguments: --grcae 3; did you mean --grace?"),
+    (["launch/local.py", "--config", "configs/demo_realm.py:realm", "--workdir", "W"],
+     "local.py", ["--grace", "-5"], "--grace: must be >= 0 seconds, got -5")])
+def test_the_argparse_commands_name_a_bad_flag_in_one_line(command, prog, args, expected,
+                                                            tmp_path):
+  """realm-import-hf and local.py's own flags, as the absl commands do theirs: one line (no
+  usage block), exit code 2, a misspelt flag named with the closest one; nothing written."""
+  command = [str(tmp_path / "w") if a == "W" else a for a in command]
+  result = subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+  lines = [line for line in result.stderr.splitlines() if "Warning" not in line and line]
+  assert result.returncode == 2 and lines == [f"{prog}: error: {expected}"], result.stderr
+  assert not os.path.exists(tmp_path / "w")
+
+
 @pytest.mark.parametrize("module, prog", [("realm_jax.openqa_eval", "realm-eval"),
                                           ("realm_jax.predict", "realm-predict")])
 def test_a_workdir_that_is_not_a_run_is_named_in_one_line(module, prog, tmp_path):

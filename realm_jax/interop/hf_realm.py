@@ -36,7 +36,6 @@ RealmForOpenQA: interop/hf_realm_openqa.py. This module is the import job and it
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -49,7 +48,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from realm_jax import log, paths
-from realm_jax.errors import ConfigError, DataError, run_cli
+from realm_jax.errors import CommandParser, ConfigError, DataError, run_cli
 from realm_jax.interop import hf_bert, torch_pickle
 from realm_jax.interop.hf_realm_weights import (ImportReport, bert_report, convert,
                                                 read_hf_config, unsupported)
@@ -453,7 +452,7 @@ def _import_into_bucket(hf_dir: str, url: str, vocab: str | None, task: str | No
 
 # -- the command --------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> ImportReport:
-  parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+  parser = CommandParser(prog=PROG, description=__doc__.split("\n")[0])
   parser.add_argument("--hf-dir", required=True, help="HF checkpoint dir (config.json + "
                       "model.safetensors or pytorch_model.bin)")
   parser.add_argument("--out", required=True, help="workdir to write (config.json, "
