@@ -52,7 +52,7 @@ import sys
 import time
 
 from realm_jax import log, paths, processes, workdir as workdir_lib
-from realm_jax.errors import ConfigError, raise_if_interrupted, run_cli
+from realm_jax.errors import CommandParser, ConfigError, raise_if_interrupted, run_cli
 from realm_jax.config.loading import config_module
 from realm_jax.config.option_names import upgrade_config, upgrade_flags
 from realm_jax.config.reading import flat_options, uses_index_builder
@@ -273,8 +273,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   """The sweep's flags, plus `tpu_pod_args`: the tokens after `--` (for tpu_pod.py)."""
   cut = argv.index("--") if "--" in argv else len(argv)
   argv, tpu_pod_args = argv[:cut], argv[cut + 1:]
-  parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
-                                   allow_abbrev=False)
+  parser = CommandParser(prog=PROG, description=__doc__.splitlines()[0],
+                          allow_abbrev=False)
   parser.add_argument("--config", required=True, help="configs/X.py[:arg]")
   parser.add_argument("--root", default="runs/sweep", help="one workdir per run under here")
   parser.add_argument("--grid", action="append", default=[], help="KEY=V1,V2,... (repeat)")

@@ -46,7 +46,7 @@ import subprocess
 import sys
 
 from realm_jax import log, paths, processes
-from realm_jax.errors import ConfigError, run_cli
+from realm_jax.errors import CommandParser, ConfigError, run_cli
 from realm_jax.config.loading import load_config
 from realm_jax.config.reading import flat_options, uses_index_builder
 from realm_jax.config.validation import validate, validate_against_mesh, validate_training
@@ -542,10 +542,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def make_parser() -> argparse.ArgumentParser:
   """The flags of every action (sweep.py checks each run's call with it before any starts)."""
-  parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   epilog="\n".join(__doc__.splitlines()[1:]),
-                                   allow_abbrev=False)
+  parser = CommandParser(prog=PROG, description=__doc__.splitlines()[0],
+                          formatter_class=argparse.RawDescriptionHelpFormatter,
+                          epilog="\n".join(__doc__.splitlines()[1:]),
+                          allow_abbrev=False)
   parser.add_argument("action", choices=ACTIONS)
   parser.add_argument("--name", required=True, help="slices NAME-trainer and NAME-builder")
   parser.add_argument("--zone", required=True, help="e.g. us-central2-b (v4)")

@@ -356,11 +356,18 @@ def test_every_cli_names_an_unloadable_config_or_flagfile_in_one_line(prog, tmp_
     (["launch/local.py", "--config", "configs/demo_realm.py:realm", "--workdir", "W"],
      "local.py", ["--grcae", "3"], "unrecognized arguments: --grcae 3; did you mean --grace?"),
     (["launch/local.py", "--config", "configs/demo_realm.py:realm", "--workdir", "W"],
-     "local.py", ["--grace", "-5"], "--grace: must be >= 0 seconds, got -5")])
+     "local.py", ["--grace", "-5"], "--grace: must be >= 0 seconds, got -5"),
+    (["launch/tpu_pod.py", "up", "--name", "realm", "--zone", "z", "--project", "p", "--config",
+      "configs/realm_base.py", "--workdir", "gs://b/w"], "tpu_pod.py", ["--dry-rnu"],
+     "unrecognized arguments: --dry-rnu; did you mean --dry-run?"),
+    (["launch/sweep.py", "--config", "configs/demo_ict.py", "--root", "W"], "sweep.py",
+     ["--rid", "train.lr=1"], "unrecognized arguments: --rid train.lr=1; did you mean --grid?"),
+    (["launch/gke/render.py", "--config", "configs/realm_base.py", "--workdir", "gs://b/w"],
+     "render.py", ["--imgae", "x"], "unrecognized arguments: --imgae x; did you mean --image?")])
 def test_the_argparse_commands_name_a_bad_flag_in_one_line(command, prog, args, expected,
                                                             tmp_path):
-  """realm-import-hf and local.py's own flags, as the absl commands do theirs: one line (no
-  usage block), exit code 2, a misspelt flag named with the closest one; nothing written."""
+  """realm-import-hf's flags and the launchers' own, as the absl commands do theirs: one line
+  (no usage block), exit code 2, a misspelt flag named with the closest one; nothing written."""
   command = [str(tmp_path / "w") if a == "W" else a for a in command]
   result = subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120)

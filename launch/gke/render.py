@@ -34,7 +34,7 @@ import yaml
 
 from realm_jax import log
 from realm_jax.config.option_names import upgrade_flags
-from realm_jax.errors import ConfigError, run_cli
+from realm_jax.errors import CommandParser, ConfigError, run_cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))   # launch/ holds scripts: import tpu_pod by name
@@ -138,8 +138,8 @@ def render(args: argparse.Namespace) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
-                                   allow_abbrev=False)
+  parser = CommandParser(prog=PROG, description=__doc__.splitlines()[0],
+                          allow_abbrev=False)
   parser.add_argument("--config", required=True, help="configs/X.py[:arg]")
   parser.add_argument("--workdir", required=True, help="gs://BUCKET/PATH shared by both jobs")
   parser.add_argument("--set", action="append", default=[], help="KEY=VALUE config override "
