@@ -54,7 +54,7 @@ def check_demo_flags(parser, args) -> None:
     parser.error(f"--entities must be >= 1, got {args.entities}")
   devices = getattr(args, "host_devices", 0)
   try:
-    batch = repo_config("demo_realm", "realm").train.batch_size if devices > 0 else 0
+    batch = repo_config("demo_realm", "realm").train.batch_size if devices else 0
   except FileNotFoundError as e:   # no configs/ beside the package
     parser.error(str(e))
   if devices < 0 or (devices and batch % devices):

@@ -568,6 +568,8 @@ def test_a_resumed_demo_real_does_not_evaluate_again_what_it_evaluated(monkeypat
                                          "got -1"),
     ("realm_jax.demo", ["--host_devices", "3"], "--host_devices must be 0 (JAX's default) or "
                                                 "divide the REALM stage's batch (32), got 3"),
+    ("realm_jax.demo", ["--host_devices", "-1"], "--host_devices must be 0 (JAX's default) or "
+                                                 "divide the REALM stage's batch (32), got -1"),
     ("realm_jax.demo", ["--entities", "0"], "--entities must be >= 1, got 0"),
     ("realm_jax.demo_real", ["--seed", str(2**32)], "--seed must be in [0, 2**32)"),
     ("realm_jax.demo_squad", ["--seed", "-2"], "--seed must be in [0, 2**32)"),
