@@ -368,6 +368,7 @@ class AppendLog:
     # a bucket's: lines not in the object yet (held back, or a send that failed)
     self._unwritten: list[str] = []
     self._generation = None if before is None else ""   # "": there, generation not read yet
+    self._doubt: tuple[str, int] | None = None   # a failed send's (generation, lines): done?
     self.hold_seconds, self._sent = hold_seconds, -math.inf
     if self.remote:
       self._file = None
@@ -391,12 +392,34 @@ class AppendLog:
       self._send()
 
   def _send(self) -> None:
+    if self._doubt is not None:
+      self._settle()
+      if not self._unwritten:   # the failed send's lines were all there is, and are there
+        return
     text = "".join(self._unwritten)
     if self._generation == "":   # read first: a retry of the append must not read its own
       self._generation = retried("reading", self.path, lambda: object_generation(self.path))
-    self._generation = retried("appending to", self.path,
-                               lambda: append_to_object(self.path, text, self._generation))
+    try:
+      self._generation = retried("appending to", self.path,
+                                 lambda: append_to_object(self.path, text, self._generation))
+    except BaseException:
+      if self._generation:   # appended to an object that was there: done, its answer lost?
+        self._doubt = (self._generation, len(self._unwritten))
+      raise
     self._unwritten, self._sent = [], time.monotonic()
+
+  def _settle(self) -> None:
+    """After a send that gave up, which may have been done all the same (its answer lost):
+    where the object is past the generation that send appended to, its lines are there and
+    are dropped here (sent again, they would be refused with the next lines as a retry of a
+    done compose, or doubled where a compose is not refused); where the object is still at
+    it, they go with the next lines."""
+    generation, lines = self._doubt
+    now = retried("reading", self.path, lambda: object_generation(self.path))
+    if now != generation:
+      del self._unwritten[:lines]
+      self._generation = now
+    self._doubt = None
 
   def close(self) -> None:
     """A bucket's lines not in the object yet (held back, or left out by a failed send that

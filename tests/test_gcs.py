@@ -24,7 +24,7 @@ from etils import epath
 
 from realm_jax import paths, workdir as workdir_lib
 from realm_jax.data.prepare import prepare
-from realm_jax.errors import ConfigError
+from realm_jax.errors import ConfigError, StorageUnreachable
 from realm_jax.openqa_eval import evaluate_run
 from realm_jax.retrieval import published
 from realm_jax.train.loop import train
@@ -325,6 +325,49 @@ def test_a_bucket_log_sends_only_its_new_lines_and_appends_each_once(gcs, monkey
   assert bucket_text(url) == "".join(lines) + "lost\nafter\nwhole\nagain\n"
   assert caplog.text.count("the bucket does not compose objects (ValueError") == 1
   assert sent[2:] == [len(bucket_text(url))]   # (part, whole), then whole: no compose tried
+
+
+
+@pytest.mark.parametrize("done", [True, False], ids=["compose-done", "compose-not-done"])
+def test_a_send_that_failed_after_the_bucket_took_it_is_not_lost_or_doubled(gcs, monkeypatch,
+                                                                              done):
+  """A send that gave up (the server stopped answering past the patience) may have been done
+  all the same, its answer lost. The builder goes on after such a failure, its line kept for
+  the next write: that send names the generation the failed one appended to, which GCS
+  refuses (412) where the failed compose was done. The lines of the failed send are then
+  there once, and the next line too; where it was not done, both are sent. (The server
+  ignores ifGenerationMatch on compose: the wrapper refuses a stale one, as GCS does.)"""
+  import fsspec
+  url = f"{gcs}/appends/{'done' if done else 'not-done'}/index.jsonl"
+  monkeypatch.setenv(paths.PATIENCE_ENV, "0")   # a server that does not answer: given up at once
+  fs = type(fsspec.core.url_to_fs(url)[0])
+  call, down = fs.call, [False]
+
+  def like_gcs(self, method, path, *args, **kwargs):
+    if path.endswith("/compose"):
+      named = kwargs.get("ifGenerationMatch")
+      if named is not None and paths.object_generation(url) != str(named):
+        raise FileExistsError(path)
+      if down[0] and not done:
+        raise ConnectionError("the compose's request was cut")
+    answer = call(self, method, path, *args, **kwargs)
+    if path.endswith("/compose") and down[0]:
+      raise ConnectionError("the compose's answer was cut")
+    return answer
+
+  monkeypatch.setattr(fs, "call", like_gcs)
+  log = paths.AppendLog(url)
+  log.write("1\n")
+  log.write("2\n")
+  down[0] = True
+  with pytest.raises(StorageUnreachable):
+    log.write("3\n")
+  assert bucket_text(url) == ("1\n2\n3\n" if done else "1\n2\n")
+  down[0] = False
+  log.write("4\n")
+  log.close()
+  assert bucket_text(url) == "1\n2\n3\n4\n"
+
 
 
 def test_the_slow_link_holds_only_uploads_of_the_named_objects(server):
