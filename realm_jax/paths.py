@@ -454,13 +454,13 @@ def append_to_object(url: str, text: str, generation: str | None) -> str:
   is sent: as an object of its own (`<url>.append`), composed onto the end of `url` by the
   server and deleted. The compose names the generation it appends to, so a retry of one that
   was done but whose answer was lost is refused (412), not done twice. Where the bucket
-  refuses the compose (a zonal bucket has none), the object is rewritten whole."""
+  refuses the compose (a zonal bucket has none), the object is rewritten whole, and not again
+  by a retry of a rewrite done whose answer was lost (the object is past `generation`)."""
   if generation is None:
     epath.Path(url).write_text(text)
     return ""
   if url in _NOT_COMPOSED:
-    epath.Path(url).write_text((read_text(url) or "") + text)
-    return ""
+    return _rewrite_whole(url, text, generation)
   fs, _ = fsspec.core.url_to_fs(url)
   bucket, key, _ = fs.split_path(url)
   part = f"{url}.append"
@@ -479,11 +479,19 @@ def append_to_object(url: str, text: str, generation: str | None) -> str:
     _NOT_COMPOSED.add(url)
     logger.warning(f"[storage] {url}: the bucket does not compose objects ({type(e).__name__}: "
                    f"{e}); each append rewrites it whole from now on")
-    epath.Path(url).write_text((read_text(url) or "") + text)
-    generation = ""
+    generation = _rewrite_whole(url, text, generation)
   with contextlib.suppress(Exception):   # (left behind, the next append writes it over)
     fs.rm(fsspec.core.url_to_fs(part)[1])
   return generation
+
+
+def _rewrite_whole(url: str, text: str, generation: str) -> str:
+  """The object `url` rewritten with `text` added, unless it is past `generation` (the
+  generation read before this append): then this very rewrite was done before, its answer
+  lost, and the object holds `text`. Returns "" (read the generation before the next)."""
+  if object_generation(url) == generation:
+    epath.Path(url).write_text((read_text(url) or "") + text)
+  return ""
 
 
 # -- a prepared data dir in a bucket -----------------------------------------------------------

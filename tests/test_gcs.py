@@ -370,6 +370,38 @@ def test_a_send_that_failed_after_the_bucket_took_it_is_not_lost_or_doubled(gcs,
 
 
 
+def test_a_log_rewritten_whole_is_not_doubled_by_a_retry_whose_answer_was_lost(gcs,
+                                                                               monkeypatch):
+  """In a bucket that refuses compose a log's append rewrites it whole: the object read, the
+  lines added. A rewrite done whose answer was lost is tried again: it read the object with
+  the lines in it and added them again. The object past the generation the append read
+  before is the rewrite done."""
+  import fsspec
+  url = f"{gcs}/appends/whole/retrieval.jsonl"
+  fs = type(fsspec.core.url_to_fs(url)[0])
+  call = fs.call
+  monkeypatch.setattr(fs, "call", lambda self, method, path, *args, **kwargs: (
+      (_ for _ in ()).throw(ValueError("Bad Request: compose (invalid)"))
+      if path.endswith("/compose") else call(self, method, path, *args, **kwargs)))
+  gpath = type(epath.Path(url))
+  write_text, lost = gpath.write_text, ["2\n"]
+
+  def answer_lost(self, text, **kwargs):
+    write_text(self, text, **kwargs)
+    if str(self) == url and lost and text.endswith(lost[0]):
+      lost.clear()
+      raise ConnectionError("the rewrite's answer was cut")
+
+  monkeypatch.setattr(gpath, "write_text", answer_lost)
+  log = paths.AppendLog(url)
+  log.write("1\n")
+  log.write("2\n")   # refused compose: rewritten whole; its answer lost, tried again
+  log.write("3\n")
+  log.close()
+  assert not lost
+  assert bucket_text(url) == "1\n2\n3\n"
+
+
 def test_the_slow_link_holds_only_uploads_of_the_named_objects(server):
   """The fault layer of the test above: through the relay, an upload naming a held object
   takes the hold; another passes at once; both land in the server."""
