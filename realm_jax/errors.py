@@ -53,21 +53,48 @@ class StorageUnreachable(ConnectionError):
   ($REALM_JAX_STORAGE_PATIENCE); the message names the path and the operation. Exit code 1."""
 
 
+REQUIRED = "the following arguments are required"   # argparse's message of missing flags
+
+
 class CommandParser(argparse.ArgumentParser):
   """argparse for the project's own commands: a bad flag is the one line `PROG: error: ...`
   (exit code 2, no usage block above it, as the absl commands print theirs), and a misspelt
-  `--flag` is named with the closest flag the command has."""
+  `--flag` is named with the closest flag the command has, also where it misspells a required
+  flag (argparse would say only that the required one is missing)."""
+
+  def parse_known_args(self, args=None, namespace=None):
+    self._given = list(sys.argv[1:] if args is None else args)
+    return super().parse_known_args(args, namespace)
 
   def error(self, message: str):
+    strays = self._unknown_flags() if message.startswith(REQUIRED) else []
+    if strays:
+      message = f"unrecognized arguments: {' '.join(strays)}"
+    self.exit(2, f"{self.prog}: error: {message}{self._suggestion(message)}\n")
+
+  def _flags(self) -> list[str]:
+    return [s for action in self._actions for s in action.option_strings if s[:2] == "--"]
+
+  def _unknown_flags(self) -> list[str]:
+    """The `--flags` given (before a `--`) that name none of the command's."""
+    flags, unknown = self._flags(), []
+    for arg in getattr(self, "_given", []):
+      if arg == "--":
+        break
+      name = arg.split("=")[0]
+      if name[:2] == "--" and name not in flags and not (
+          self.allow_abbrev and any(f.startswith(name) for f in flags)):
+        unknown.append(name)
+    return unknown
+
+  def _suggestion(self, message: str) -> str:
+    """'; did you mean --FLAG?' for the first unrecognized `--flag` close to one."""
     unknown = message.removeprefix("unrecognized arguments: ")
-    if unknown != message:
-      flags = [s for action in self._actions for s in action.option_strings if s[:2] == "--"]
-      for arg in unknown.split():
-        close = difflib.get_close_matches(arg.split("=")[0], flags, n=1, cutoff=0.6)
-        if arg[:2] == "--" and close:
-          message += f"; did you mean {close[0]}?"
-          break
-    self.exit(2, f"{self.prog}: error: {message}\n")
+    for arg in (unknown.split() if unknown != message else []):
+      close = difflib.get_close_matches(arg.split("=")[0], self._flags(), n=1, cutoff=0.6)
+      if arg[:2] == "--" and close:
+        return f"; did you mean {close[0]}?"
+    return ""
 
 
 # The project's own errors, whose message says what went wrong and what to do: `run_cli`

@@ -353,6 +353,10 @@ def test_every_cli_names_an_unloadable_config_or_flagfile_in_one_line(prog, tmp_
      ["--vocabb=v"], "unrecognized arguments: --vocabb=v; did you mean --vocab?"),
     (["-m", "realm_jax.interop.hf_realm", "--out", "W"], "realm-import-hf", [],
      "the following arguments are required: --hf-dir"),
+    (["-m", "realm_jax.interop.hf_realm", "--out", "W"], "realm-import-hf", ["--hf-dri", "D"],
+     "unrecognized arguments: --hf-dri; did you mean --hf-dir?"),
+    (["launch/local.py", "--config", "configs/demo_realm.py:realm"], "local.py",
+     ["--workdri", "W"], "unrecognized arguments: --workdri; did you mean --workdir?"),
     (["launch/local.py", "--config", "configs/demo_realm.py:realm", "--workdir", "W"],
      "local.py", ["--grcae", "3"], "unrecognized arguments: --grcae 3; did you mean --grace?"),
     (["launch/local.py", "--config", "configs/demo_realm.py:realm", "--workdir", "W"],
@@ -367,7 +371,9 @@ def test_every_cli_names_an_unloadable_config_or_flagfile_in_one_line(prog, tmp_
 def test_the_argparse_commands_name_a_bad_flag_in_one_line(command, prog, args, expected,
                                                             tmp_path):
   """realm-import-hf's flags and the launchers' own, as the absl commands do theirs: one line
-  (no usage block), exit code 2, a misspelt flag named with the closest one; nothing written."""
+  (no usage block), exit code 2, a misspelt flag named with the closest one, also where it is
+  a required flag's misspelling (argparse says only that the flag is missing); nothing
+  written."""
   command = [str(tmp_path / "w") if a == "W" else a for a in command]
   result = subprocess.run([sys.executable, *command, *args], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
