@@ -695,6 +695,7 @@ def test_a_tpu_sweep_refuses_before_any_run_what_tpu_pod_would_refuse(change, me
   monkeypatch.setattr(sweep, "subprocess", type("Recorder", (), {"run": staticmethod(
       lambda cmd, check: called.append(cmd) or subprocess.CompletedProcess(cmd, 0))}))
   monkeypatch.setattr(sweep, "check_started_runs", lambda *a: None)   # no bucket here
+  monkeypatch.setattr(sweep, "_summary", lambda workdir: None)        # nor its summaries
   argv = ["--config", REALM_BASE, "--root", change.get("--root", "gs://my-bucket/sweep"),
           "--grid", change.get("grid", "train.lr=1e-5,3e-5"),
           "--set", change.get("set", "data.dir=gs://my-bucket/realm/data"),
