@@ -323,7 +323,7 @@ def check_tpu_pod_call(cmd: list[str], name: str) -> None:
   parser = tpu_pod.make_parser()
 
   def error(message: str):
-    raise ConfigError("", f"after --: {message} (tpu_pod.py, run {name})")
+    raise ConfigError("", f"after --: {parser.one_line(message)} (tpu_pod.py, run {name})")
   parser.error = error
   pod_args = parser.parse_args(cmd[2:])
   try:

@@ -67,10 +67,15 @@ class CommandParser(argparse.ArgumentParser):
     return super().parse_known_args(args, namespace)
 
   def error(self, message: str):
+    self.exit(2, f"{self.prog}: error: {self.one_line(message)}\n")
+
+  def one_line(self, message: str) -> str:
+    """argparse's error `message` as the command says it (a caller that reports the error
+    its own way, as sweep.py does tpu_pod.py's, says the same)."""
     strays = self._unknown_flags() if message.startswith(REQUIRED) else []
     if strays:
       message = f"unrecognized arguments: {' '.join(strays)}"
-    self.exit(2, f"{self.prog}: error: {message}{self._suggestion(message)}\n")
+    return message + self._suggestion(message)
 
   def _flags(self) -> list[str]:
     return [s for action in self._actions for s in action.option_strings if s[:2] == "--"]

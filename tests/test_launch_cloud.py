@@ -683,6 +683,8 @@ def test_sweep_tpu_pod_launcher_prints_one_tpu_pod_command_per_run(capsys):
     ({"after": ["--zone", "us-central2-b"]}, "after --: the following arguments are required: "
                                             "--project (tpu_pod.py, run train.lr-1e-05)"),
     ({"after": [*WHERE, "--bogus"]}, "after --: unrecognized arguments: --bogus"),
+    ({"after": [*WHERE, "--trainer_typ", "v4-8"]}, "after --: unrecognized arguments: "
+     "--trainer_typ v4-8; did you mean --trainer_type? (tpu_pod.py, run train.lr-1e-05)"),
     ({"after": [*WHERE, "--dry-run"]}, "after --: '--dry-run' is the sweep's own flag"),
     ({"set": "data.dir=/local/data"}, "config.data.dir: '/local/data' is not in a bucket"),
     # the second run's mesh does not fit the trainer's slice: refused before the first starts
