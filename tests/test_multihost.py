@@ -446,6 +446,28 @@ def test_a_fresh_job_refused_after_the_workdir_check_leaves_no_empty_workdir(
   assert not os.path.exists(fresh) and os.listdir(there) == []
 
 
+def test_a_training_warning_is_said_by_the_first_process_alone(world_dir, tmp_path,
+                                                              monkeypatch, caplog):
+  """ICT with a reader learning rate is a warning of the run's config: process 0 says it, as
+  it says the run's other start-up warnings (resumed under other values), not every process
+  of the job once each."""
+  import logging
+  from realm_jax.train import run
+  monkeypatch.setattr(run.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost, "every_process", lambda name, value: [value, ""])
+  monkeypatch.setattr(multihost, "processes_where_not", lambda flag: [])
+  config = helpers.tiny_config("ict", data_dir=world_dir, train__reader_lr_scale=1.0)
+  said = {}
+  for process in (0, 1):
+    monkeypatch.setattr(run.jax, "process_index", lambda: process)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="realm_jax.train.run"):
+      run.checked_data(config, str(tmp_path / "w"))
+    said[process] = [r.getMessage() for r in caplog.records]
+  assert len(said[0]) == 1 and "config.train.reader_lr_scale 1.0" in said[0][0], said
+  assert said[1] == []
+
+
 def test_processes_that_disagree_on_the_config_are_named(world_data, monkeypatch):
   """Each top-level config field (and the block store) where a process differs from process
   0 is named, before anything is written."""
