@@ -463,12 +463,12 @@ def append_to_object(url: str, text: str, generation: str | None) -> str:
     return _rewrite_whole(url, text, generation)
   fs, _ = fsspec.core.url_to_fs(url)
   bucket, key, _ = fs.split_path(url)
-  part = f"{url}.append"
-  epath.Path(part).write_text(text)
+  part = f"{key}.append"
+  epath.Path(f"{url}.append").write_text(text)
   try:
     done = fs.call("POST", "b/{}/o/{}/compose", bucket, key, ifGenerationMatch=generation,
                    json={"kind": "storage#composeRequest",
-                         "sourceObjects": [{"name": key}, {"name": f"{key}.append"}],
+                         "sourceObjects": [{"name": key}, {"name": part}],
                          "destination": {"name": key, "bucket": bucket}}, json_out=True)
     generation = str(done["generation"])
   except FileExistsError:   # 412: `url` is past `generation`, this very compose done before
@@ -481,7 +481,7 @@ def append_to_object(url: str, text: str, generation: str | None) -> str:
                    f"{e}); each append rewrites it whole from now on")
     generation = _rewrite_whole(url, text, generation)
   with contextlib.suppress(Exception):   # (left behind, the next append writes it over)
-    fs.rm(fsspec.core.url_to_fs(part)[1])
+    fs.rm(f"{bucket}/{part}")
   return generation
 
 

@@ -48,8 +48,9 @@ def checked_data(config: ml_collections.ConfigDict, workdir: str) -> PreparedDat
   paths.check(workdir, "--workdir")
   validate(config)
   validate_training(config)
-  for line in training_warnings(config) if jax.process_index() == 0 else []:
-    logger.warning(f"[{config.task}] {line}")   # the run's, said once (by the first process)
+  if jax.process_index() == 0:   # the run's warnings, said once (by the first process)
+    for line in training_warnings(config):
+      logger.warning(f"[{config.task}] {line}")
   check_shared_workdir(workdir)   # before any process reads the workdir
   data = workdir_lib.open_data(config)
   if config.task in ("ict", "realm"):   # evaluated on eval.split (at the end at the latest)
