@@ -773,20 +773,47 @@ def test_a_ctrl_c_inside_a_jobs_import_is_not_lost(tmp_path, times, polls, print
 
 
 @pytest.mark.parametrize("overrides, option", [
-    ({"retrieval__candidates": "own_block", "train__retriever_lr_scale": 0.15},
-     "train.retriever_lr_scale"),   # only weight decay moved it
     ({"retrieval__candidates": "mixed", "train__retriever_lr_scale": 0.0,
       "retrieval__loss": "distill"}, "retrieval.loss"),   # a KL of 0
     ({"retrieval__candidates": "null_only", "train__retriever_lr_scale": 0.0,
       "eval__export_best": True}, "eval.export_best"),    # utility 0: W/best never moves
-    ({"retrieval__loss": "distill", "retrieval__distill_temperature": float("inf")},
-     "retrieval.distill_temperature"),                   # a flat target; NaN at -inf
 ])
-def test_options_a_run_would_ignore_or_turn_to_nan_are_refused(overrides, option):
-  from realm_jax.config.validation import validate
+def test_what_a_retriever_that_scores_nothing_would_ignore_is_refused_for_training(
+    overrides, option):
+  """Candidates the retriever does not score: a retriever loss or a best export would act on
+  nothing. Refused for training only: realm-eval and realm-predict still read such a record."""
+  from realm_jax.config.validation import validate, validate_training
+  config = tiny_config("realm", **overrides)
+  validate(config)
   with pytest.raises(ConfigError) as refused:
-    validate(tiny_config("realm", **overrides))
+    validate_training(config)
   assert refused.value.option == option, str(refused.value)
+
+
+def test_a_distillation_temperature_of_infinity_is_refused():
+  from realm_jax.config.validation import validate
+  with pytest.raises(ConfigError) as refused:   # a flat target; NaN at -inf
+    validate(tiny_config("realm", retrieval__loss="distill",
+                         retrieval__distill_temperature=float("inf")))
+  assert refused.value.option == "retrieval.distill_temperature", str(refused.value)
+
+
+@pytest.mark.parametrize("candidates", ["own_block", "mixed", "null_only"])
+def test_a_retriever_learning_rate_with_candidates_it_does_not_score_is_warned_of(candidates):
+  """p(z|x) is fixed: a retriever scale other than 0 only weight-decays the retriever and
+  keeps Adam's moments for it. Warned at training, not refused (the scale decides which
+  parameters a run's checkpoints hold optimizer state for: a run recorded so resumes and is
+  evaluated as it was)."""
+  from realm_jax.config.validation import training_warnings, validate, validate_training
+  config = tiny_config("realm", retrieval__candidates=candidates,
+                       train__retriever_lr_scale=0.15)
+  validate(config)
+  validate_training(config)
+  [line] = training_warnings(config)
+  assert line.startswith(f"config.train.retriever_lr_scale 0.15: retrieval.candidates "
+                         f"{candidates!r} gives the retriever no gradient"), line
+  config.train.retriever_lr_scale = 0.0
+  assert training_warnings(config) == []
 
 
 def _task_config(task: str):

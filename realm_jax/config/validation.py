@@ -318,20 +318,15 @@ def _validate_retriever_learning(config) -> None:
       raise ConfigError("retrieval.score_cache", "needs a reader without dropout "
                         f"(model.dropout_rate 0, model.attention_dropout_rate -1 or 0; got "
                         f"{', '.join(dropping)}): each read must give the same scores")
-  if config.task == "realm":
-    _validate_unscored_candidates(config)
 
 
-def _validate_unscored_candidates(config) -> None:
+def _refuse_unscored_candidates(config) -> None:
   """REALM with candidates the retriever does not score (own_block, mixed, null_only: p(z|x)
-  is fixed): what would only touch a retriever that cannot learn is refused."""
+  is fixed): a retriever loss or a best export that could only act on a retriever that cannot
+  learn is refused for training (realm-eval and realm-predict still read such a record)."""
   r, mode = config.retrieval, config.retrieval.candidates
-  if retriever_scores_candidates(config):
+  if config.task != "realm" or retriever_scores_candidates(config):
     return
-  if config.train.retriever_lr_scale != 0:
-    raise ConfigError("train.retriever_lr_scale", f"retrieval.candidates {mode!r} gives the "
-                      "retriever no gradient (p(z|x) is fixed): it would only be weight-"
-                      f"decayed; set it to 0, got {config.train.retriever_lr_scale}")
   if r.get("loss", "marginal") != "marginal":
     raise ConfigError("retrieval.loss", f"{r.loss!r} trains the retriever, which "
                       f"retrieval.candidates {mode!r} does not score: use 'marginal'")
@@ -359,11 +354,13 @@ def _validate_packing(config) -> None:
 def validate_training(config) -> None:
   """What only a training run checks (the trainer and its launchers; not realm-eval or
   realm-predict, which evaluate a run as it was recorded): a pre-training run is not evaluated
-  on the queries it trains on, and a run trains something (a run whose every trained half has
-  learning rate scale 0 would step without changing a parameter)."""
+  on the queries it trains on, a retriever loss or best export has a retriever that scores its
+  candidates, and a run trains something (a run whose every trained half has learning rate
+  scale 0 would step without changing a parameter)."""
   if config.task in ("ict", "realm") and config.data.split == config.eval.split:
     raise ConfigError("eval.split", f"{config.eval.split!r} is data.split too: the run would "
                       "be evaluated on the queries it trains on; give them different splits")
+  _refuse_unscored_candidates(config)
   t = config.train
   parts = ("retriever",) if config.task == "ict" else ("retriever", "reader")
   if all(t[f"{part}_lr_scale"] == 0 for part in parts):
@@ -374,13 +371,22 @@ def validate_training(config) -> None:
 
 
 def training_warnings(config) -> list[str]:
-  """Settings a training run takes but that only cost: ICT's loss reaches the retriever only,
-  so a reader learning rate there weight-decays the reader and keeps Adam's moments for it.
-  (Warned, not refused: a run recorded so resumes as it was.)"""
-  if config.task == "ict" and config.train.reader_lr_scale != 0:
-    return [f"config.train.reader_lr_scale {config.train.reader_lr_scale}: ICT gives the reader "
+  """Settings a training run takes but that only cost: a half that gets no gradient (ICT's
+  reader; REALM's retriever with candidates it does not score) is, at a learning rate scale
+  other than 0, only weight-decayed, and Adam's moments are kept for it. (Warned, not refused:
+  the scale decides which parameters the checkpoints hold optimizer state for, so a run
+  recorded so resumes as it was.)"""
+  t = config.train
+  if config.task == "ict" and t.reader_lr_scale != 0:
+    return [f"config.train.reader_lr_scale {t.reader_lr_scale}: ICT gives the reader "
             "no gradient, so it is only weight-decayed and its optimizer state kept; a new "
             "run should set 0 (configs/ict_base.py does)"]
+  if config.task == "realm" and not retriever_scores_candidates(config) \
+      and t.retriever_lr_scale != 0:
+    return [f"config.train.retriever_lr_scale {t.retriever_lr_scale}: retrieval.candidates "
+            f"{config.retrieval.candidates!r} gives the retriever no gradient (p(z|x) is "
+            "fixed), so it is only weight-decayed and its optimizer state kept; a new run "
+            "should set 0 (the configs' warm-ups do)"]
   return []
 
 
