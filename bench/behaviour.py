@@ -26,7 +26,6 @@ WORK/prepare.log); a run that fails ends the bench with one line naming it and i
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -37,6 +36,7 @@ import tempfile
 import numpy as np
 
 from realm_jax import paths
+from realm_jax.errors import CommandParser
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("realm", "ict", "mixed", "distill")
@@ -219,7 +219,7 @@ def open_work(work: str, base_rev: str, entities: int) -> str:
 
 
 def main() -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = CommandParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--base", required=True, help="the commit to compare against")
   parser.add_argument("--work", default=os.path.join(REPO, "runs", "behaviour"))
   parser.add_argument("--steps", type=int, default=150, help="steps of each stage (REALM: 3 "

@@ -15,13 +15,14 @@ medians.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
 import time
 
 from report import append_jsonl, host_cpu, host_cpu_text, print_rows   # bench/: sys.path[0]
+
+from realm_jax.errors import CommandParser
 
 PROG = "bench/checkpoint.py"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +31,7 @@ VOCAB_SIZE = 1024   # the demo world's vocab is ~900 entries; the size barely ma
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = CommandParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--devices", type=int, default=8, help="host CPU devices (XLA_FLAGS)")
   parser.add_argument("--saves", type=int, default=6, help="saves per mode (>= 2)")
   parser.add_argument("--config", default=DEFAULT_CONFIG, help="config file[:arg]")

@@ -30,6 +30,8 @@ import time
 
 from report import append_jsonl, host_cpu, host_cpu_text, positive_int   # bench/: sys.path[0]
 
+from realm_jax.errors import CommandParser
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -81,7 +83,7 @@ def child(case: str, batch: int, steps: int) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = CommandParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--case", choices=("real", "demo"), default="real")
   parser.add_argument("--batch", type=positive_int, default=8, help="queries per step")
   parser.add_argument("--steps", type=positive_int, default=5,

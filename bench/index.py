@@ -43,7 +43,7 @@ import numpy as np
 from realm_jax.data.prepare import prepare_config, prepare
 from realm_jax.data.prepared import PreparedData
 from realm_jax.stages import repo_config
-from realm_jax.errors import run_cli
+from realm_jax.errors import CommandParser, run_cli
 from realm_jax.retrieval import scann_index
 from realm_jax.retrieval.index import device_batch, embed_blocks
 from realm_jax.runtime import partitioning, state as state_lib, embedders
@@ -274,7 +274,7 @@ def print_table(r: dict) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = CommandParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--model_workdir", default=str(REPO / "runs/demo/realm"),
                       help="trained demo REALM workdir ('' for a random retriever)")
   parser.add_argument("--vocab", default=str(REPO / "runs/demo/data/vocab.txt"),

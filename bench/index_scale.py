@@ -50,6 +50,7 @@ import numpy as np
 
 from realm_jax.stages import repo_config
 from realm_jax.retrieval import index as index_lib, scann_index
+from realm_jax.errors import CommandParser
 from index import load, serialize        # bench/ is this script's directory: sys.path[0]
 from report import append_jsonl, host_cpu, host_cpu_text, positive_int, print_rows, verdict
 from train_step import analytic_flops, host_available_gb
@@ -304,7 +305,7 @@ def scann_rows(r: dict) -> list[tuple[str, str]]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = CommandParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--blocks", type=positive_int, default=13_350_000, help="rows of the table")
   parser.add_argument("--dim", type=positive_int, default=128, help="embedding size (REALM: 128)")
   parser.add_argument("--clusters", type=positive_int, default=16_384, help="mixture components")

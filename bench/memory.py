@@ -30,7 +30,6 @@ softmax over the global batch adds an all-gather of 4,096 x 128 embeddings, not 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -42,6 +41,7 @@ from realm_jax.stages import repo_config
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.train import steps
 from realm_jax.config.validation import validate
+from realm_jax.errors import CommandParser
 from report import append_jsonl   # bench/ is this script's directory: sys.path[0]
 
 PAPER_DEVICES = 64          # REALM and ORQA trained on 64 TPUs
@@ -139,7 +139,7 @@ def print_table(records: list[dict]) -> None:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = CommandParser(description=__doc__.split("\n")[0])
   parser.add_argument("--only", choices=("realm_base", "ict_base"), default=None)
   parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
                       choices=("float32", "bfloat16"))

@@ -34,7 +34,6 @@ vocab 30522; B 2, k 8, L 128, M 10; 10,000 blocks, top 5, reader length 320.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -44,7 +43,7 @@ import time
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = CommandParser(description=__doc__.split("\n")[0])
   p.add_argument("--threads", type=int, default=2, help="threads of both frameworks")
   p.add_argument("--hidden", type=int, default=256)
   p.add_argument("--layers", type=int, default=4)
@@ -87,6 +86,7 @@ from train_step import encoder_flops  # noqa: E402
 from realm_jax.runtime import state as state_lib  # noqa: E402
 from realm_jax.config.defaults import base_config  # noqa: E402
 from realm_jax.config.reading import frozen_paths  # noqa: E402
+from realm_jax.errors import CommandParser  # noqa: E402
 
 
 def log(msg: str) -> None:

@@ -24,7 +24,6 @@ Exits with a clear message when the data file is absent.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import re
@@ -35,7 +34,7 @@ import time
 
 from realm_jax.data.sentences import split_sentences
 from realm_jax.data.taggers import make_tagger
-from realm_jax.errors import run_cli
+from realm_jax.errors import CommandParser, run_cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_SQUAD = REPO.parent / "shared" / "data" / "squadshifts_new_wiki_v1.0.json"
@@ -297,7 +296,7 @@ def print_agreement(result: dict) -> None:
 
 def main(argv=None) -> list[dict]:
   """Runs each section, prints its table and a JSON line; returns the JSON records."""
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = CommandParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--squad", default=str(DEFAULT_SQUAD),
                       help="SQuAD v1.1-format JSON (default: %(default)s)")
   parser.add_argument("--tagger", default="regex", help="regex or hf_ner:PATH")

@@ -23,7 +23,6 @@ counted in "loss, optimizer, glue" with the loss and what joins the parts.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import gzip
@@ -42,6 +41,7 @@ import numpy as np
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.train import steps
 from realm_jax.runtime.metrics import read_jsonl
+from realm_jax.errors import CommandParser
 from report import append_jsonl, host_cpu, host_cpu_text, positive_int   # bench/: sys.path[0]
 from train_step import case_config, random_batch
 
@@ -177,7 +177,7 @@ def print_report(record: dict) -> None:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = CommandParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--demo", default=str(REPO / "runs/demo"),
                       help="a finished `make demo` workdir ('' to skip the run part)")
   parser.add_argument("--steps", type=positive_int, default=10, help="profiled steps (>= 1)")

@@ -38,7 +38,6 @@ GPUs: `--config.builder.devices=N`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -52,7 +51,7 @@ import time
 import numpy as np
 
 from realm_jax import workdir as workdir_lib
-from realm_jax.errors import run_cli
+from realm_jax.errors import CommandParser, run_cli
 from report import append_jsonl, host_cpu, host_cpu_text, print_rows   # bench/: sys.path[0]
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -251,7 +250,7 @@ def print_table(r: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
   """Launches the run, measures it, prints the table and appends the JSON line."""
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = CommandParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--mode", choices=MODES, default="async", help="retrieval.refresh")
   parser.add_argument("--steps", type=int, default=300, help="train steps")
   parser.add_argument("--refresh_every", type=int, default=50,

@@ -31,7 +31,6 @@ With `--out` the figures are appended there as one JSON line (`"bench": "score_c
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -47,7 +46,7 @@ from realm_jax.stages import repo_config
 from realm_jax.config.overrides import apply_assignments, with_overrides
 from realm_jax.train import batches, candidate_rows, steps
 from realm_jax.runtime import partitioning, state as state_lib
-from realm_jax.errors import ConfigError, run_cli
+from realm_jax.errors import CommandParser, ConfigError, run_cli
 from realm_jax.config.validation import validate, validate_against_mesh
 from realm_jax.train.score_cache import ScoreCache, cache_keys
 from report import append_jsonl, host_cpu, host_cpu_text, positive_int   # bench/: sys.path[0]
@@ -105,7 +104,7 @@ def warm_parts(config, model, params, found: list[dict], rng) -> dict[str, float
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = CommandParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--data", required=True, help="a prepared data dir (runs/real/data)")
   parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per case (>= 1)")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

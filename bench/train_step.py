@@ -37,7 +37,6 @@ dropout on the attention weights they are materialised) or `--set model.remat=fu
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -52,7 +51,7 @@ import numpy as np
 from realm_jax.stages import repo_config
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.train import steps
-from realm_jax.errors import ConfigError
+from realm_jax.errors import CommandParser, ConfigError
 from realm_jax.config.reading import part_model
 from realm_jax.config.overrides import apply_assignments
 from realm_jax.config.validation import validate
@@ -407,7 +406,7 @@ def print_table(records: list[dict], matmul: dict[str, float]) -> None:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = CommandParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=positive_int, default=None,
                       help="timed steps per case, >= 1 (default: demo 10, real 5, base 3)")
   parser.add_argument("--only", choices=("demo", "real", "base"), default=None,

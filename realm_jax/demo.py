@@ -12,12 +12,11 @@ a pair run at once, each in a process of its own (the second's output in
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.errors import ConfigError
+from realm_jax.errors import CommandParser, ConfigError
 from realm_jax.stages import (HOST_DEVICES, check_arguments, check_demo_flags, devices,
                               repo_config, run_demo_cli, run_stages, split_host, stage_seconds,
                               trained_nothing)
@@ -153,7 +152,7 @@ def _run_demo(workdir: str, seed: int, entities: int, host_devices: int,
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description="REALM demo on the generated knowledge world")
+  parser = CommandParser(description="REALM demo on the generated knowledge world")
   parser.add_argument("--workdir", default="runs/demo", help="where everything is written")
   parser.add_argument("--seed", type=int, default=0, help="world and initialisation seed")
   parser.add_argument("--entities", type=int, default=2000, help="entities in the world "

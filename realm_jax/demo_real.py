@@ -19,7 +19,6 @@ default in runs/real_gpu (runs/real at the CPU scale: the two do not resume each
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import functools
 import glob
@@ -30,7 +29,7 @@ import os
 import platform
 
 from realm_jax import log, paths, workdir as workdir_lib
-from realm_jax.errors import ConfigError
+from realm_jax.errors import CommandParser, ConfigError
 from realm_jax.stages import (DEMO_ARGUMENTS, check_arguments, check_demo_flags, devices,
                               repo_config, run_demo_cli, run_stage, stage_seconds,
                               trained_nothing)
@@ -366,7 +365,7 @@ def _run_demo_real(workdir: str, squad: str, seed: int, scale: str, max_paragrap
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = CommandParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--workdir", default="", help="where everything is written (default: "
                       f"{WORKDIRS['cpu']}, or {WORKDIRS['gpu']} with --scale gpu)")
   parser.add_argument("--squad", default="", help="SQuAD v1.1-format JSON file (default: the "

@@ -13,10 +13,10 @@ the test articles (EM, F1, recall@k).
 
 from __future__ import annotations
 
-import argparse
 import os
 
 from realm_jax import log, paths, workdir as workdir_lib
+from realm_jax.errors import CommandParser
 from realm_jax.stages import (check_arguments, check_demo_flags, repo_config, run_demo_cli,
                               run_stage, run_stages, stage_seconds)
 
@@ -142,7 +142,7 @@ def _run_demo_openqa(workdir: str, squad: str, seed: int, wall: workdir_lib.RunW
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = CommandParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--workdir", default="runs/squad", help="where everything is written")
   parser.add_argument("--squad", default="", help="SQuAD v1.1-format JSON file (default: the "
                       "SQuADShifts file of ../shared/data)")

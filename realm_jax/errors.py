@@ -96,10 +96,17 @@ class CommandParser(argparse.ArgumentParser):
     """'; did you mean --FLAG?' for the first unrecognized `--flag` close to one."""
     unknown = message.removeprefix("unrecognized arguments: ")
     for arg in (unknown.split() if unknown != message else []):
-      close = difflib.get_close_matches(arg.split("=")[0], self._flags(), n=1, cutoff=0.6)
+      close = closest(arg.split("=")[0], self._flags(), cutoff=0.6)
       if arg[:2] == "--" and close:
-        return f"; did you mean {close[0]}?"
+        return f"; did you mean {close}?"
     return ""
+
+
+def closest(name: str, known, cutoff: float) -> str | None:
+  """The one of `known` closest to a misspelt `name` (difflib's ratio >= `cutoff`), or None:
+  what every "did you mean" of the project names (a flag, a config option, a field)."""
+  close = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)
+  return close[0] if close else None
 
 
 # The project's own errors, whose message says what went wrong and what to do: `run_cli`

@@ -367,10 +367,20 @@ def test_every_cli_names_an_unloadable_config_or_flagfile_in_one_line(prog, tmp_
     (["launch/sweep.py", "--config", "configs/demo_ict.py", "--root", "W"], "sweep.py",
      ["--rid", "train.lr=1"], "unrecognized arguments: --rid train.lr=1; did you mean --grid?"),
     (["launch/gke/render.py", "--config", "configs/realm_base.py", "--workdir", "gs://b/w"],
-     "render.py", ["--imgae", "x"], "unrecognized arguments: --imgae x; did you mean --image?")])
+     "render.py", ["--imgae", "x"], "unrecognized arguments: --imgae x; did you mean --image?"),
+    # the demos (make demo / demo-real pass their flags on), the HF parity check, a bench
+    (["-m", "realm_jax.demo", "--workdir", "W"], "demo.py", ["--sede", "1"],
+     "unrecognized arguments: --sede 1; did you mean --seed?"),
+    (["-m", "realm_jax.demo_real", "--workdir", "W"], "demo_real.py", ["--scael", "gpu"],
+     "unrecognized arguments: --scael gpu; did you mean --scale?"),
+    (["-m", "realm_jax.interop.hf_parity", "--out", "W"], "hf_parity", ["--hf-dri", "D"],
+     "unrecognized arguments: --hf-dri D; did you mean --hf-dir?"),
+    (["bench/score_cache.py", "--out", "W"], "score_cache.py", ["--dta", "D"],
+     "unrecognized arguments: --dta; did you mean --data?")])
 def test_the_argparse_commands_name_a_bad_flag_in_one_line(command, prog, args, expected,
                                                             tmp_path):
-  """realm-import-hf's flags and the launchers' own, as the absl commands do theirs: one line
+  """realm-import-hf's flags, the launchers', the demos' and the benches' own, as the absl
+  commands do theirs: one line
   (no usage block), exit code 2, a misspelt flag named with the closest one, also where it is
   a required flag's misspelling (argparse says only that the flag is missing); nothing
   written."""

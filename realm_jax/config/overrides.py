@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import ast
-import difflib
 import math
 import os
 import re
@@ -24,7 +23,7 @@ from typing import Callable
 
 from realm_jax.config.option_names import current_name, flags_win
 from realm_jax.config.reading import flat_options, option_parent
-from realm_jax.errors import ConfigError
+from realm_jax.errors import ConfigError, closest
 
 
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
@@ -124,9 +123,9 @@ def check_known_options(config, config_file: str | None) -> None:
   known = flat_options(base_config())
   for key in flat_options(config):
     if key not in known and new_name(key) not in known:
-      close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.5)
+      close = closest(key, known, cutoff=0.5)
       raise ConfigError(key, f"set by {config_file}, but not an option" +
-                        (f"; did you mean {close[0]!r}?" if close else ""))
+                        (f"; did you mean {close!r}?" if close else ""))
 
 
 def _raised_by_config_dict(error: BaseException) -> bool:
@@ -310,8 +309,8 @@ def flag_text(value) -> str:
 
 def check_key(key: str, fields: dict, where: str) -> None:
   if key not in fields:
-    close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
-    hint = f"; the closest is {close[0]!r}" if close else ""
+    close = closest(key, fields, cutoff=0.5)
+    hint = f"; the closest is {close!r}" if close else ""
     raise ConfigError("", f"{where}: {key!r} is not a field of the config{hint}")
 
 

@@ -26,13 +26,14 @@ in both formats and bert (safetensors), what the tests use.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import sys
 import tempfile
 
 import numpy as np
+
+from realm_jax.errors import CommandParser
 
 TOLERANCE = 1e-4
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -400,7 +401,7 @@ def make_random_checkpoint(out_dir: str, architecture: str, safe_serialization: 
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="hf_parity", description=__doc__.split("\n\n")[0])
+  parser = CommandParser(prog="hf_parity", description=__doc__.split("\n\n")[0])
   parser.add_argument("--hf-dir", action="append", default=[], help="checkpoint dir (repeat)")
   parser.add_argument("--tol", type=float, default=TOLERANCE, help="max abs difference allowed")
   parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
