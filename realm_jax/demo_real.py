@@ -34,6 +34,7 @@ from realm_jax.stages import (DEMO_ARGUMENTS, check_arguments, check_demo_flags,
                               repo_config, run_demo_cli, run_stage, stage_seconds,
                               trained_nothing)
 from realm_jax.config.overrides import with_overrides
+from realm_jax.config.reading import config_record
 from realm_jax.packages import MINILM
 
 CONFIG = "real_realm"
@@ -224,7 +225,7 @@ def evaluated(workdir: str, name: str, stages: tuple[str, ...], configs: dict, e
   code (`code_digest`): a resumed recipe does not evaluate again."""
   path = os.path.join(workdir, EVALUATIONS)
   key = hashlib.sha256(json.dumps(
-      {"configs": {n: json.loads(c.to_json_best_effort()) for n, c in configs.items()},
+      {"configs": {n: config_record(c) for n, c in configs.items()},
        "summaries": {stage: workdir_lib.read_summary(os.path.join(workdir, stage))
                      for stage in stages},
        "code": code_digest()}, sort_keys=True).encode()).hexdigest()

@@ -107,6 +107,7 @@ def _load_run(config, workdir: str, step: int | None, retrieval_only: bool):
   """`load_run` of one step (None: the latest)."""
   from realm_jax import workdir as workdir_lib
   from realm_jax.config.compatibility import inference_differences
+  from realm_jax.config.reading import config_record
   from realm_jax.errors import ConfigError
   from realm_jax.retrieval import published
   from realm_jax.runtime.checkpoints import restore_run, saved_param_shapes
@@ -118,7 +119,7 @@ def _load_run(config, workdir: str, step: int | None, retrieval_only: bool):
   has_reader = any(p[:2] == ("reader", "qa_outputs") for p in saved)
   record = workdir_lib.recorded_config(workdir)
   differs = [] if record is None else inference_differences(
-      record, json.loads(config.to_json_best_effort()), has_reader and not retrieval_only)
+      record, config_record(config), has_reader and not retrieval_only)
   if differs:
     raise ConfigError("model", f"{workdir} was trained under other model options than this "
                       f"config's: {'; '.join(differs)}: its parameters would compute another "

@@ -175,17 +175,17 @@ def record_config(config, workdir: str, primary: bool = True) -> None:
   recorded_config(workdir, RUN_ADVICE)
   check_compatible(workdir, config)
   if primary:
-    paths.makedirs(workdir)
-    paths.write_json(paths.join(workdir, CONFIG), json.loads(config.to_json_best_effort()))
+    write_config(workdir, config)
 
 
 def check_compatible(workdir: str, config) -> None:
   """ConfigError naming the fields that differ where W's checkpoints come from a config
   incompatible with `config` (config/compatibility.py); reads only."""
   from realm_jax.config.compatibility import incompatible_fields
+  from realm_jax.config.reading import config_record
   saved = recorded_config(workdir) if holds_checkpoints(workdir) else None
   if saved is not None:
-    diffs = incompatible_fields(saved, json.loads(config.to_json_best_effort()))
+    diffs = incompatible_fields(saved, config_record(config))
     if diffs:
       raise ConfigError("", f"workdir {workdir} holds checkpoints of an incompatible config; "
                         "fields that differ: " + "; ".join(diffs))
@@ -196,11 +196,11 @@ def other_split(workdir: str, config) -> list[str]:
   `config` differs from the one the run in `workdir` trained under, as `field: run != config`
   lines; [] where W has no record or the same split."""
   from realm_jax.config.compatibility import changed_fields, task_fields
-  from realm_jax.config.reading import flat_options
+  from realm_jax.config.reading import config_record, flat_options
   saved = recorded_config(workdir)
   if saved is None or saved.get("task") != "openqa":   # (a pre-training run's: no questions)
     return []
-  current = json.loads(config.to_json_best_effort())
+  current = config_record(config)
   return [f"{name}: {a!r} (the run) != {b!r} (this config)" for name, a, b in changed_fields(
       flat_options(saved), flat_options(current), task_fields(saved, current))]
 
@@ -209,14 +209,14 @@ def recorded_differences(workdir: str, config) -> list[tuple[str, object, object
   """(option, value in W/config.json, value in `config`) for every option whose values differ,
   where W holds a run's work (a checkpoint or a summary): [] for a fresh W or the same values.
   Options that only one side has (added or removed since) are not compared."""
-  from realm_jax.config.reading import flat_options
+  from realm_jax.config.reading import config_record, flat_options
   if not (holds_checkpoints(workdir) or read_summary(workdir) is not None):
     return []
   record = recorded_config(workdir)
   if record is None:
     return []
   saved = flat_options(record)
-  current = flat_options(json.loads(config.to_json_best_effort()))
+  current = flat_options(config_record(config))
   same = lambda a, b: json.dumps(a) == json.dumps(b)   # a tuple is its record's list
   return [(name, saved[name], current[name]) for name in sorted(saved.keys() & current.keys())
           if not same(saved[name], current[name])]
@@ -249,8 +249,9 @@ def latest_checkpoint_step(workdir: str) -> int | None:
 
 def write_config(workdir: str, config) -> None:
   """`W/config.json` (also for a workdir written by a converter: `realm-import-hf`)."""
+  from realm_jax.config.reading import config_record
   paths.makedirs(workdir)
-  paths.write_json(paths.join(workdir, CONFIG), json.loads(config.to_json_best_effort()))
+  paths.write_json(paths.join(workdir, CONFIG), config_record(config))
 
 
 def check_run_dir(workdir: str) -> None:

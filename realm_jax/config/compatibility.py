@@ -5,8 +5,9 @@ checkpoints were written under)."""
 from __future__ import annotations
 
 from realm_jax.config.defaults import TOWER_FIELDS
-from realm_jax.config.reading import (flat_options, freezing_options, frozen_paths,
-                                      option_parent, part_model, uses_index_builder)
+from realm_jax.config.reading import (config_record, flat_options, freezing_options,
+                                      frozen_paths, option_parent, part_model,
+                                      uses_index_builder)
 
 # Fields that fix parameter shapes or the meaning of a checkpoint: a workdir whose
 # checkpoints were written under other values cannot be resumed.
@@ -45,9 +46,8 @@ def with_added_fields(record: dict) -> dict:
   at its default. A run's own config read back to run under (realm-eval without --config,
   realm-predict) then holds every option the code reads."""
   import copy
-  import json
   from realm_jax.config.defaults import base_config
-  out = _merged(json.loads(base_config().to_json_best_effort()), copy.deepcopy(record))
+  out = _merged(config_record(base_config()), copy.deepcopy(record))
   recorded = flat_options(record)
   for name, value in ADDED_FIELDS.items():
     parent, leaf = option_parent(out, name)

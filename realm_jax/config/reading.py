@@ -8,6 +8,13 @@ import ml_collections
 
 from realm_jax.config.defaults import PARTS, TOWER_FIELDS
 
+def config_record(config) -> dict:
+  """`config` as the plain JSON record a workdir keeps (W/config.json) and compares against:
+  ml_collections' best-effort JSON, read back into dicts and lists."""
+  import json
+  return json.loads(config.to_json_best_effort())
+
+
 def retriever_own_fields(config) -> dict:
   """The `model.retriever.*` fields set apart from `model.*`: those not None (configs saved
   before the per-tower shapes have none)."""

@@ -30,6 +30,7 @@ from realm_jax.train.feed import FeedStopped
 from realm_jax.runtime import initialization, multihost, partitioning, state as state_lib
 from realm_jax.train import steps
 from realm_jax.runtime.checkpoints import Checkpointer
+from realm_jax.config.reading import config_record
 from realm_jax.config.validation import (training_warnings, validate, validate_against_mesh,
                                         validate_training)
 from realm_jax.runtime.metrics import (MetricWriter, format_duration, window_from_record,
@@ -73,7 +74,7 @@ def check_same_run(config: ml_collections.ConfigDict, data: PreparedData) -> Non
   the same data."""
   if jax.process_count() == 1:
     return
-  fields = json.loads(config.to_json_best_effort())
+  fields = config_record(config)
   fields["data"].pop("dir", None)   # a host's own copy, or /gcs/B for gs://B: the store decides
   mine = {f"config.{k}": hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()
           for k, v in fields.items()}
