@@ -112,10 +112,12 @@ def _retrieval(c) -> None:
                                    # "null_only": the null document alone (the no-retrieval
                                    # baseline). Was retrieval.mode.
   c.retrieval.k = 8                # candidates per query, the null document included
+                                   # (candidates "index"; own_block and mixed read their own)
   c.retrieval.train_null_document = True  # False: a training step reads the k - 1 retrieved
                                    # blocks only, so the retriever cannot move its mass to "no
                                    # evidence" while the reader is weak; evaluation still reads
-                                   # the null document alone (outside the marginal)
+                                   # the null document alone (outside the marginal);
+                                   # candidates "index" only
   c.retrieval.refresh_every = 500  # steps between rebuilds of the block-embedding index
   c.retrieval.refresh = "in_process"  # "in_process": the trainer re-embeds the blocks itself
                                    # every refresh_every steps (small corpora, tests);
@@ -151,7 +153,9 @@ def _retrieval(c) -> None:
                                    # query-side training; the step then costs the query
                                    # tower; a block tower of its own, model.share_towers
                                    # False, is frozen: no update, no weight decay, and the
-                                   # null document's embedding stays as it started)
+                                   # null document's embedding stays as it started). REALM
+                                   # pre-training only: Open-QA always scores with the index's
+                                   # embeddings (ORQA's frozen block tower)
   c.retrieval.packed_query_rows = 0  # > 0: REALM's training step reads its queries packed
                                    # into this many rows of query_len wordpieces (several a
                                    # row, each attending to itself, positions restarting), so
