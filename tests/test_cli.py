@@ -179,6 +179,23 @@ def test_a_workdir_without_a_finished_checkpoint_takes_another_config(tmp_path):
     workdir_lib.record_config(tiny_config("ict", train__batch_size=16), workdir)
 
 
+def test_a_run_resumes_under_either_long_query_rule_and_old_records_read_refuse(tmp_path):
+  """data.long_queries is no compatibility field: under 'refuse' no query was cut, so 'cut'
+  sees the same queries, and a run that cut is refused at start-up under 'refuse' by the data
+  check. A record written before the option existed reads as 'refuse', what it ran under."""
+  import json
+  from realm_jax import workdir as workdir_lib
+  from realm_jax.config.compatibility import with_added_fields
+  workdir = str(tmp_path / "w")
+  workdir_lib.record_config(tiny_config("ict"), workdir)
+  os.makedirs(os.path.join(workdir, "checkpoints", "3"))
+  workdir_lib.record_config(tiny_config("ict", data__long_queries="cut"), workdir)
+  workdir_lib.record_config(tiny_config("ict"), workdir)
+  old = json.loads(tiny_config("ict").to_json_best_effort())
+  del old["data"]["long_queries"]
+  assert with_added_fields(old)["data"]["long_queries"] == "refuse"
+
+
 def test_another_programs_config_json_is_refused_not_overwritten(tmp_path):
   """A --workdir that holds another program's config.json (a Hugging Face model dir's) or a
   file that is not JSON: a run there would have overwritten it. Each is named in one line and

@@ -207,6 +207,30 @@ def test_fewer_mask_slots_than_the_widest_span_are_refused(world_data):
   np.testing.assert_array_equal(batch["mask_weights"].sum(1), spans[:, 1] - spans[:, 0])
 
 
+def test_sentences_longer_than_the_queries_are_refused_unless_ict_cuts_them():
+  """Data whose sentences exceed data.query_len - 2 is refused at start-up naming
+  data.long_queries, which ICT alone may set to 'cut' (REALM masks a span inside the query;
+  Open-QA cuts its questions always); a value of neither kind is named."""
+  from realm_jax.config.validation import validate, validate_against_data
+  with pytest.raises(ConfigError, match=r"config\.data\.query_len: 10 < longest prepared sentence "
+                     r"\+ 2 = 16; or data\.long_queries 'cut' cuts each query to its first "
+                     "query_len - 2 wordpieces, as ORQA does"):
+    validate_against_data(tiny_config("ict", data__query_len=10), max_sentence_len=14)
+  cut = tiny_config("ict", data__query_len=10, data__long_queries="cut")
+  validate(cut)
+  validate_against_data(cut, max_sentence_len=14)
+  with pytest.raises(ConfigError, match=r"config\.data\.query_len: 10 < longest prepared sentence "
+                     r"\+ 2 = 16 \(data\.long_queries 'cut' is ICT's alone: REALM masks a "
+                     "salient span inside the query"):
+    validate_against_data(tiny_config("realm", data__query_len=10), max_sentence_len=14)
+  with pytest.raises(ConfigError, match=r"config\.data\.long_queries: 'cut' cuts ICT's query "
+                     r"sentences \(ORQA's\), not task 'realm''s: REALM masks a salient span"):
+    validate(tiny_config("realm", data__long_queries="cut"))
+  with pytest.raises(ConfigError, match=r"config\.data\.long_queries: 'trim' is not one of "
+                     r"\('refuse', 'cut'\)"):
+    validate(tiny_config("ict", data__long_queries="trim"))
+
+
 def test_errors_while_building_a_batch_reach_the_consumer():
   def build(elements):
     if 30 in elements:

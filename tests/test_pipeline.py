@@ -2,6 +2,8 @@
 data against Python references and on the prepared tiny world (the grain pipeline that feeds
 them: tests/test_input_pipeline.py)."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -136,6 +138,77 @@ def test_world_spans_fit_max_masks_and_mask_their_wordpieces(world_data):
     assert (q["query_ids"][i] == tok.mask_id).sum() == w
     assert q["query_ids"][i, 0] == tok.cls_id
     assert q["query_ids"][i, q["query_len"][i] - 1] == tok.sep_id
+
+
+# -- queries longer than data.query_len -------------------------------------------------------
+
+def long_sentences(n: int = 60, width: int = 20, seed: int = 5) -> SimpleNamespace:
+  """Example rows (tokens 0-padded to `width`, lengths, source blocks) of random sentences of
+  1-`width` wordpieces, ids 10-99 (none a [CLS], [SEP] or [MASK])."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, width + 1, n)
+  lengths[:4] = (width, 8, 9, 1)   # the longest, one that just fits 8, one just past, one
+  tokens = np.where(np.arange(width) < lengths[:, None], rng.integers(10, 100, (n, width)), 0)
+  return SimpleNamespace(tokens=tokens.astype(np.int32), lengths=lengths.astype(np.int32),
+                         block=np.arange(n, dtype=np.int32))
+
+
+def test_query_ids_cut_a_long_sentence_to_its_first_wordpieces_with_sep_last():
+  """ORQA's ICT query `[CLS] first query_len - 2 wordpieces [SEP]`: ids, lengths and the
+  reader's segments against a direct construction; a sentence that fits is whole."""
+  ex, query_len = long_sentences(), 10
+  rows = np.arange(len(ex.lengths))[::-1]
+  ids, lengths = pipeline.query_ids(ex, rows, query_len, CLS_ID, SEP_ID)
+  assert ids.shape == (len(rows), query_len) and ids.dtype == np.int32
+  for i, r in enumerate(rows):
+    ref = [CLS_ID] + list(ex.tokens[r, :min(ex.lengths[r], query_len - 2)]) + [SEP_ID]
+    np.testing.assert_array_equal(ids[i], ref + [0] * (query_len - len(ref)))
+    assert lengths[i] == len(ref) == (ids[i] > 0).sum()
+  assert (ex.lengths > query_len - 2).sum() > 1   # cut, and the one of 8 whole
+  # [CLS] x [SEP] then a block's body [SEP]: segment 0 ends with the cut query's [SEP]
+  block = np.array([CLS_ID, 50, SEP_ID, 60, 61, SEP_ID, 0, 0], np.int32)
+  cands = {"candidate_ids": np.broadcast_to(block, (len(rows), 1, 8)),
+           "body_start": np.full((len(rows), 1), 3), "lengths": np.full((len(rows), 1), 6)}
+  reader_len = pipeline.reader_length(query_len, 8)
+  reader_ids, segments = pipeline.reader_inputs(ids, lengths, cands, reader_len)
+  for i in range(len(rows)):
+    ref = list(ids[i, :lengths[i]]) + [60, 61, SEP_ID]
+    np.testing.assert_array_equal(reader_ids[i, 0], ref + [0] * (reader_len - len(ref)))
+    np.testing.assert_array_equal(segments[i, 0], [0] * lengths[i] + [1] * 3 +
+                                  [0] * (reader_len - len(ref)))
+
+
+def test_a_masked_query_past_the_cut_is_the_window_that_holds_its_span():
+  """An evaluation query whose target span ends past the first query_len - 2 wordpieces is the
+  query_len - 2 that end with the span, the span masked in it; any other is cut (or whole)
+  from the sentence's start."""
+  ex, query_len = long_sentences(), 10
+  room, n = query_len - 2, len(ex.lengths)
+  config = tiny_config("ict", data__query_len=query_len, data__max_masks=4,
+                       data__long_queries="cut")
+  rng = np.random.default_rng(6)
+  widths = np.minimum(rng.integers(1, 5, n), ex.lengths)
+  starts = rng.integers(0, ex.lengths - widths + 1)
+  starts[0] = ex.lengths[0] - widths[0]   # the longest sentence's span at its very end
+  spans = np.stack([starts, starts + widths], 1)
+  rows = np.arange(n)
+  q = batches.masked_queries(ex, rows, spans, config, CLS_ID, SEP_ID, MASK_ID)
+  windowed = 0
+  for i in rows:
+    (s, e), length = spans[i], ex.lengths[i]
+    first = max(0, e - room)
+    windowed += first > 0
+    x = list(ex.tokens[i, first:min(length, first + room)])
+    x[s - first:e - first] = [MASK_ID] * (e - s)
+    ref = [CLS_ID] + x + [SEP_ID]
+    np.testing.assert_array_equal(q["query_ids"][i], ref + [0] * (query_len - len(ref)))
+    assert q["query_len"][i] == len(ref)
+    w = e - s
+    np.testing.assert_array_equal(q["mask_labels"][i, :w], ex.tokens[i, s:e])
+    np.testing.assert_array_equal(q["mask_positions"][i, :w], 1 + s - first + np.arange(w))
+    assert q["mask_weights"][i].sum() == w
+  assert windowed == (pipeline.span_windows(spans, query_len) > 0).sum() > 0
+  assert ((ex.lengths > room) & (spans[:, 1] <= room)).any()   # cut from the start
 
 
 # -- splice and reader inputs -----------------------------------------------------------------

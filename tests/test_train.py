@@ -130,6 +130,34 @@ def test_stage_outputs(stages, name, steps, checkpoints, eval_keys, train_keys):
 
 
 @pytest.mark.slow
+def test_an_ict_run_cuts_queries_longer_than_query_len(world_dir, world_data, tmp_path, caplog):
+  """ORQA's ICT query is its sentence's first query_len - 2 wordpieces. Queries of 10 (8 of a
+  sentence) on the world's sentences of up to 13 are refused at start-up; with
+  data.long_queries 'cut' the run trains and evaluates, and says what it cut: the training
+  queries, the eval queries, and those of them cut to the window holding their target span."""
+  from realm_jax.errors import ConfigError
+  shapes = dict(data__query_len=10, data__max_masks=8, train__steps=2, train__checkpoint_every=2)
+  with pytest.raises(ConfigError, match=r"data\.query_len: 10 < longest prepared sentence \+ 2 "
+                     "= 16; or data.long_queries 'cut'"):
+    train(tiny_config("ict", None, world_dir, **shapes), str(tmp_path / "refused"))
+  config = tiny_config("ict", None, world_dir, data__long_queries="cut", **shapes)
+  with caplog.at_level(logging.INFO):
+    summary = train(config, str(tmp_path / "ict"))
+  n, room = config.eval.num_examples, 8
+  held_out = world_data.examples("eval")
+  cut = int((world_data.examples("train").lengths > room).sum())
+  assert summary["queries_cut"] == cut > 0
+  assert summary["eval_queries_cut"] == (held_out.lengths[:n] > room).sum()
+  assert summary["eval_queries_windowed"] == (held_out.target_span[:n, 1] > room).sum() > 0
+  assert summary["steps"] == 2 and 0 <= summary["eval_recall_at_5"] <= 1
+  rows = read_jsonl(os.path.join(str(tmp_path / "ict"), "metrics", "train.jsonl"))
+  assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
+  assert (f"{cut:,} cut to 8 wordpieces, data.long_queries 'cut'; of the {n} eval queries "
+          f"{summary['eval_queries_cut']} cut, {summary['eval_queries_windowed']} of them to "
+          "the window holding their target span") in caplog.text
+
+
+@pytest.mark.slow
 def test_index_refreshes_every_refresh_every_steps(stages):
   dirs, _, _ = stages
   rows = read_jsonl(os.path.join(dirs["realm"], "metrics", "train.jsonl"))

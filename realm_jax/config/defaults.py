@@ -15,6 +15,7 @@ BACKENDS = ("exact", "scann")
 NONFINITE_ACTIONS = ("stop", "skip")   # train.nonfinite
 DISTILL_QUERIES = ("all", "evidence")   # retrieval.distill_queries
 HELDOUT_UNITS = ("article", "paragraph")   # qa.heldout_unit
+LONG_QUERIES = ("refuse", "cut")   # data.long_queries
 # The shape fields the retriever towers may set apart from the reader's (`model.retriever.*`;
 # unset, None, the default: the same as the reader's `model.*`).
 TOWER_FIELDS = ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position",
@@ -43,6 +44,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.split = "train"           # example split the queries are drawn from (not
                                    # eval.split; a resume keeps it)
   c.data.query_len = 96            # wordpieces of `[CLS] x [SEP]` (paper: 96; ICT: 64)
+  c.data.long_queries = "refuse"   # prepared sentences longer than query_len - 2: "refuse"
+                                   # the data at start-up; "cut" (task ict) each query to
+                                   # `[CLS]` its first query_len - 2 wordpieces `[SEP]`, as
+                                   # ORQA does (an eval query whose target span lies past
+                                   # them: the query_len - 2 that end with the span)
   c.data.block_len = 288           # wordpieces of `[CLS] title [SEP] body [SEP]` (paper: 288)
   c.data.max_masks = 10            # at most this many [MASK]s per query (one salient span;
                                    # >= the widest span of the data, else refused)

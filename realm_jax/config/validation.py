@@ -4,8 +4,8 @@ found before any JAX work."""
 from __future__ import annotations
 
 from realm_jax.config.defaults import (BACKENDS, CANDIDATE_SOURCES, COMPUTE_DTYPES, MESH_AXES,
-                                      DISTILL_QUERIES, HELDOUT_UNITS, NONFINITE_ACTIONS, PARTS,
-                                      REFRESH_MODES, TASKS)
+                                      DISTILL_QUERIES, HELDOUT_UNITS, LONG_QUERIES,
+                                      NONFINITE_ACTIONS, PARTS, REFRESH_MODES, TASKS)
 from realm_jax.config.option_names import upgrade_config
 from realm_jax.config.reading import (null_in_training, part_model, part_options,
                                       retriever_scores_candidates, uses_index_builder)
@@ -158,6 +158,7 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
     raise ConfigError("data.query_len", f"{d.query_len} < 4 wordpieces")
   if not 1 <= d.max_masks <= d.query_len - 2:
     raise ConfigError("data.max_masks", f"must be in [1, query_len - 2], got {d.max_masks}")
+  _validate_long_queries(config)
   _validate_towers(config)
   _validate_execution(config.model)
   for name in ("batch_size", "steps", "log_every", "checkpoint_every", "keep_checkpoints"):
@@ -236,6 +237,30 @@ def _validate_ranges(config) -> None:
       raise ConfigError(option, f"must be {bounds}, got {value}")
 
 
+# Why a task other than ICT keeps its queries whole (data.long_queries "cut" is refused there).
+_WHOLE_QUERIES = {
+    "realm": "REALM masks a salient span inside the query, which a cut could leave out",
+    "openqa": "Open-QA's questions are cut to data.query_len always (the count is logged)"}
+
+
+def _validate_long_queries(config) -> None:
+  long_queries = config.data.get("long_queries", "refuse")
+  if long_queries not in LONG_QUERIES:
+    raise ConfigError("data.long_queries", f"{long_queries!r} is not one of {LONG_QUERIES}")
+  if long_queries == "cut" and config.task != "ict":
+    raise ConfigError("data.long_queries", f"'cut' cuts ICT's query sentences (ORQA's), not "
+                      f"task {config.task!r}'s: {_WHOLE_QUERIES[config.task]}; use 'refuse'")
+
+
+def _long_query_hint(config) -> str:
+  """What the refusal of data whose sentences exceed data.query_len - 2 adds."""
+  if config.task == "ict":
+    return ("; or data.long_queries 'cut' cuts each query to its first query_len - 2 "
+            "wordpieces, as ORQA does")
+  return (f" (data.long_queries 'cut' is ICT's alone: "
+          f"{_WHOLE_QUERIES.get(config.task, 'the queries are kept whole')})")
+
+
 def validate_against_data(config, *, num_blocks: int | None = None,
                           store_block_len: int | None = None,
                           max_sentence_len: int | None = None,
@@ -252,9 +277,10 @@ def validate_against_data(config, *, num_blocks: int | None = None,
   if store_block_len is not None and store_block_len != d.block_len:
     raise ConfigError("data.block_len", f"{d.block_len} but {d.dir} was prepared with "
                       f"blocks of {store_block_len}")
-  if max_sentence_len is not None and max_sentence_len + 2 > d.query_len:
+  if max_sentence_len is not None and max_sentence_len + 2 > d.query_len and \
+      d.get("long_queries", "refuse") != "cut":
     raise ConfigError("data.query_len", f"{d.query_len} < longest prepared sentence + 2 = "
-                      f"{max_sentence_len + 2}")
+                      f"{max_sentence_len + 2}{_long_query_hint(config)}")
   if vocab_size is not None and config.model.vocab_size not in (0, vocab_size):
     raise ConfigError("model.vocab_size", f"{config.model.vocab_size} but {d.dir}/vocab.txt "
                       f"has {vocab_size} entries")

@@ -98,16 +98,32 @@ def splice(a: np.ndarray, a_len: np.ndarray, b: np.ndarray, b_start: np.ndarray,
 
 
 def query_ids(examples: ExampleSet, rows: np.ndarray, query_len: int, cls_id: int,
-              sep_id: int) -> tuple[np.ndarray, np.ndarray]:
-  """`[CLS] sentence [SEP]` for example rows -> (ids [n, query_len], lengths [n])."""
-  lengths = examples.lengths[rows]
+              sep_id: int, start: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """`[CLS] sentence [SEP]` for example rows -> (ids [n, query_len], lengths [n]). A sentence
+  longer than query_len - 2 wordpieces is cut to its first query_len - 2 (ORQA's ICT query),
+  or, given `start` [n], to the query_len - 2 from its wordpiece start[i] on (a window:
+  `span_windows`)."""
+  n, room = len(rows), query_len - 2
   tokens = np.asarray(examples.tokens[rows])
-  ids = np.zeros((len(rows), query_len), np.int32)
+  start = np.zeros(n, np.int64) if start is None else np.asarray(start, np.int64)
+  whole = examples.lengths[rows]
+  lengths = np.minimum(whole - start, room).astype(whole.dtype)
+  width = min(tokens.shape[1], room)
+  columns = np.minimum(start[:, None] + np.arange(width), tokens.shape[1] - 1)
+  taken = np.take_along_axis(tokens, columns, axis=1)
+  ids = np.zeros((n, query_len), np.int32)
   ids[:, 0] = cls_id
-  width = min(tokens.shape[1], query_len - 2)
-  ids[:, 1:1 + width] = tokens[:, :width]
-  ids[np.arange(len(rows)), lengths + 1] = sep_id
+  ids[:, 1:1 + width] = np.where(np.arange(width) < lengths[:, None], taken, 0)
+  ids[np.arange(n), lengths + 1] = sep_id
   return ids, lengths + 2
+
+
+def span_windows(spans: np.ndarray, query_len: int) -> np.ndarray:
+  """[n]: the first wordpiece of the window of query_len - 2 that `query_ids` takes of each
+  sentence so that its span [s, e) of `spans` [n, 2] is in the query: 0 (the sentence's start,
+  ORQA's cut) unless the span ends past it, else the least shift that holds it (e - (query_len
+  - 2): the span ends the query)."""
+  return np.maximum(np.asarray(spans)[:, 1] - (query_len - 2), 0).astype(np.int64)
 
 
 def mask_salient_spans(ids: np.ndarray, spans: np.ndarray, max_masks: int,

@@ -78,12 +78,13 @@ class QueryBatches(BatchStream):
                                             count, self._assemble)
 
   def query_lengths(self, step: int) -> np.ndarray:
-    """[B]: the wordpieces of each query (`[CLS] x [SEP]`) of global batch `step`, every
-    process's share: like the batch, a function of the seed and the step alone (B lookups in
-    the shuffled stream: ~17 ms for B = 512 on a 2-core EPYC)."""
+    """[B]: the wordpieces of each query (`[CLS] x [SEP]`, x cut as `pipeline.query_ids` cuts
+    it) of global batch `step`, every process's share: like the batch, a function of the seed
+    and the step alone (B lookups in the shuffled stream: ~17 ms for B = 512 on a 2-core
+    EPYC)."""
     size = self.config.train.batch_size
     rows = np.fromiter((self.rows[step * size + j] for j in range(size)), np.int64, size)
-    return self.examples.lengths[rows] + 2
+    return np.minimum(self.examples.lengths[rows], self.config.data.query_len - 2) + 2
 
   def pack(self, step: int, batch: dict[str, np.ndarray], shards: int) -> bool:
     """`pack_queries` for this process's batch of `step` (`shards`: the data axis, a multiple
@@ -121,9 +122,13 @@ class QueryBatches(BatchStream):
 
 def masked_queries(examples: ExampleSet, rows: np.ndarray, spans: np.ndarray, config, cls_id,
                    sep_id, mask_id) -> dict[str, np.ndarray]:
-  """`[CLS] x [SEP]` with one salient span masked, plus the source block of each query."""
-  ids, lengths = pipeline.query_ids(examples, rows, config.data.query_len, cls_id, sep_id)
-  batch = pipeline.mask_salient_spans(ids, spans, config.data.max_masks, mask_id)
+  """`[CLS] x [SEP]` with one salient span masked, plus the source block of each query. A
+  sentence longer than data.query_len - 2 (data.long_queries "cut") is cut to the window that
+  holds its span (`pipeline.span_windows`: its first wordpieces where the span lies in them)."""
+  start = pipeline.span_windows(spans, config.data.query_len)
+  ids, lengths = pipeline.query_ids(examples, rows, config.data.query_len, cls_id, sep_id, start)
+  batch = pipeline.mask_salient_spans(ids, spans - start[:, None], config.data.max_masks,
+                                      mask_id)
   batch["query_len"] = lengths.astype(np.int32)
   batch["source_block"] = examples.block[rows].astype(np.int32)
   return batch

@@ -86,7 +86,27 @@ class Trainer(Run):
     logger.info(f"{self.prefix}{n_params / 1e6:.2f}M params, mesh {dict(self.mesh.shape)}, batch "
                 f"{cfg.train.batch_size}, steps {start}->{cfg.train.steps}, "
                 f"{self.data.blocks.num_blocks:,} blocks, {len(self.examples):,} queries"
-                f"{self.candidates.describe()}")
+                f"{self._cut_note()}{self.candidates.describe()}")
+
+  def long_query_figures(self) -> dict:
+    """data.long_queries "cut": the training queries cut to query_len - 2 wordpieces; the
+    eval queries cut, and of them those cut to the window holding their target span (it lies
+    past the first query_len - 2). Nothing under "refuse" (no query is cut)."""
+    if self.config.data.get("long_queries", "refuse") != "cut":
+      return {}
+    room = self.config.data.query_len - 2
+    return {"queries_cut": int((self.examples.lengths > room).sum()),
+            "eval_queries_cut": self.evaluator.cut,
+            "eval_queries_windowed": self.evaluator.windowed}
+
+  def _cut_note(self) -> str:
+    figures = self.long_query_figures()
+    if not figures:
+      return ""
+    return (f" ({figures['queries_cut']:,} cut to {self.config.data.query_len - 2} wordpieces, "
+            f"data.long_queries 'cut'; of the {len(self.evaluator.rows):,} eval queries "
+            f"{figures['eval_queries_cut']:,} cut, {figures['eval_queries_windowed']:,} of "
+            "them to the window holding their target span)")
 
   def open_batches(self, start: int, data_iter, preemption) -> QueryStepBatches:
     """The candidate source begins (a published index: the first snapshot saved, the first
@@ -134,7 +154,8 @@ class Trainer(Run):
     return metrics, details
 
   def summary_fields(self) -> dict:
-    return self.best.summary() if self.best is not None else {}
+    return {**(self.best.summary() if self.best is not None else {}),
+            **self.long_query_figures()}
 
   def finished(self, summary: dict) -> None:
     self.candidates.finished(summary["steps"])

@@ -49,6 +49,11 @@ class Evaluator:
     self.queries = batches.masked_queries(self.examples, self.rows,
                                           self.examples.target_span[self.rows], config,
                                           tok.cls_id, tok.sep_id, tok.mask_id)
+    # data.long_queries "cut": the eval queries cut to query_len - 2 wordpieces, and of them
+    # those whose target span lies past the first query_len - 2 (cut to the window holding it)
+    self.cut = int((self.examples.lengths[self.rows] > config.data.query_len - 2).sum())
+    self.windowed = int((pipeline.span_windows(self.examples.target_span[self.rows],
+                                               config.data.query_len) > 0).sum())
     self.realm_eval = realm_eval
     # Real text has no fact ground truth: no other block is known to state the masked span.
     answers = self.examples.answer_blocks
