@@ -11,10 +11,10 @@ what differs is set below.
   realm-train --config configs/ict_base.py --workdir gs://BUCKET/realm/ict \
       --config.data.dir gs://BUCKET/realm/data --config.init.retriever /data/bert-base-uncased
 
-Queries are whole sentences here (ORQA cuts longer ones to 64; this project does not cut a
-query): a data dir prepared with configs/prepare.py's sentences of up to 94 wordpieces is
-refused at start-up (`config.data.query_len: 64 < longest prepared sentence + 2 = 96`). Prepare
-ICT's data with `--config.max_sentence_len=62`, or give `--config.data.query_len=96` (REALM's).
+A query is `[CLS]` the sentence's first 62 wordpieces `[SEP]`, as ORQA cuts it
+(`data.long_queries` "cut"), so the data dir configs/prepare.py writes for REALM (sentences of
+up to 94 wordpieces) serves ICT as it is; the run says how many queries were cut. A held-out
+query whose target span lies past the first 62 is cut to the 62 that end with the span.
 
 Variants by arg:
   base   (default) the paper's settings
@@ -37,6 +37,7 @@ def get_config(arg=None):
   c.task = "ict"                   # Inverse Cloze Task: trains the retriever's two towers
   c.model.vocab_size = 30522       # BERT-base uncased wordpieces (imported BERT fits as is)
   c.data.query_len = 64            # ICT queries are single sentences (ORQA: 64)
+  c.data.long_queries = "cut"      # a longer sentence is cut to its first 62, as ORQA's are
   c.train.batch_size = 4096        # in-batch negatives: a large batch is the point
   c.train.lr = 1e-4                # ORQA's ICT learning rate
   c.train.steps = 100_000          # ORQA's ICT schedule
@@ -49,7 +50,7 @@ def get_config(arg=None):
 
 def _small(c):
   """Shrinks the model, batch and schedule; keeps the data shapes, so the data dir the base
-  variant reads works (see the module docstring for its sentence length)."""
+  variant reads works."""
   tiny_model(c)                    # a 2-layer d=128 BERT per tower
   c.init.retriever = ""            # a random start: BERT-base does not fit the tiny towers
   c.train.batch_size = 64          # in-batch negatives per step

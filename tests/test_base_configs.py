@@ -46,6 +46,8 @@ def test_base_config_train_step_lowers(name, task):
   assert (config.model.hidden_size, config.model.num_layers) == (768, 12)
   assert config.data.block_len == 288 and config.retrieval.k == 8
   assert config.data.query_len == (96 if task == "realm" else 64)
+  # ORQA cuts an ICT query to its length; REALM masks a span inside its query: kept whole
+  assert config.data.long_queries == ("refuse" if task == "realm" else "cut")
 
   mesh = partitioning.make_mesh(config.mesh.shape)
   assert QUERIES % mesh.shape["data"] == 0
