@@ -107,6 +107,8 @@ def test_a_mesh_axis_that_does_not_divide_a_parameter_names_it(world_dir, tmp_pa
 def test_the_cli_prints_a_bad_option_in_one_line(realm_flags, tmp_path):
   result = run_cli(realm_flags + ["--config.retrieval.k=1"], str(tmp_path / "w"))
   assert_clear_error(result, "retrieval.k")
+  result = run_cli(realm_flags + ["--config.qa.reader_len=320"], str(tmp_path / "w"))
+  assert_clear_error(result, "qa.reader_len")
   assert not os.path.exists(tmp_path / "w" / "checkpoints")
   # absl gives a boolean flag no word: the usage text and "unexpected arguments" before
   result = run_cli(realm_flags + ["--config.train.async_checkpoints", "false"],
@@ -841,6 +843,27 @@ def test_a_retriever_learning_rate_with_candidates_it_does_not_score_is_warned_o
                          f"{candidates!r} gives the retriever no gradient"), line
   config.train.retriever_lr_scale = 0.0
   assert training_warnings(config) == []
+
+
+@pytest.mark.parametrize("task, reader_len, says", [
+    ("openqa", -1, "-1 cannot hold [CLS] question [SEP] (data.query_len 16), a body "
+     "wordpiece and [SEP]: give >= 18, or 0 for query_len + block_len - 2"),
+    ("openqa", 17, "17 cannot hold"),                  # query_len 16 + 2 at least
+    ("openqa", 129, "129 > model.max_position 128, the reader's position embeddings"),
+    ("realm", 320, "sets the Open-QA reader's length: task 'realm' would ignore it"),
+])
+def test_a_reader_length_it_cannot_read_is_refused(task, reader_len, says):
+  """qa.reader_len: 0 (the whole pair) or from the question's row plus a body wordpiece and
+  [SEP] up to the reader's positions (128 in the tiny model), on Open-QA only."""
+  from realm_jax.config.validation import validate
+  for good in (0, 18, 128):
+    validate(apply_overrides(_task_config("openqa"), {"qa__reader_len": good}))
+  config = _task_config(task)
+  config.qa.reader_len = reader_len
+  with pytest.raises(ConfigError) as refused:
+    validate(config)
+  assert refused.value.option == "qa.reader_len", str(refused.value)
+  assert says in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
 
 
 def _task_config(task: str):

@@ -140,6 +140,169 @@ def test_reader_inputs_cut_an_overlong_pair_as_hf_does(world_data):
   assert (whole["body_position"] == 14).all()
 
 
+def _longest_first(n_first: int, n_second: int, budget: int) -> tuple[int, int]:
+  """HF's `longest_first` cut, step by step: the last wordpiece of the longer goes until the
+  pair fits; a tie drops from the one that was shorter at the start (the first if equal)."""
+  tie_first = n_first <= n_second
+  while n_first + n_second > budget:
+    if n_first > n_second or (n_first == n_second and tie_first):
+      n_first -= 1
+    else:
+      n_second -= 1
+  return n_first, n_second
+
+
+def _hf_longest_first(n_first: int, n_second: int, budget: int) -> tuple[int, int]:
+  """The `tokenizers` library's own cut of a pair to `budget` + its 3 special tokens."""
+  from tokenizers import Tokenizer, models, pre_tokenizers, processors
+  tok = Tokenizer(models.WordLevel({"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "a": 3, "b": 4},
+                                   unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.post_processor = processors.TemplateProcessing(
+      single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+      special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+  tok.enable_truncation(max_length=budget + 3, strategy="longest_first")
+  ids = tok.encode(" ".join("a" * n_first), " ".join("b" * n_second)).ids
+  return ids.count(3), ids.count(4)
+
+
+@pytest.mark.parametrize("budget", [17, 18, 317])
+def test_the_pair_cut_is_hfs_longest_first(budget):
+  """`truncate_pair` against HF's `tokenizers` and a step-by-step reference: both short (no
+  cut), the question long, the body long, both long (odd and even budgets, ties either way)."""
+  from realm_jax.train.openqa_inputs import truncate_pair
+  half = budget // 2
+  pairs = [(3, 5), (0, budget), (budget, 0), (half, budget - half),       # both short
+           (budget + 20, 4), (budget * 2, half), (budget, 1),            # question long
+           (4, budget + 20), (half, budget * 2), (1, budget + 1),        # body long
+           (budget, budget), (budget + 7, budget + 3), (budget + 3, budget + 7),  # both long
+           (half + 1, half + 1), (half + 1, half + 2), (half + 2, half + 1), (94, 286)]
+  for n_first, n_second in pairs:
+    expected = _longest_first(n_first, n_second, budget)
+    assert _hf_longest_first(n_first, n_second, budget) == expected, (n_first, n_second)
+    assert truncate_pair(n_first, n_second, budget) == expected, (n_first, n_second)
+    assert sum(expected) == min(n_first + n_second, budget)
+
+
+def _short_builder(world_dir, world_data, reader_len):
+  from realm_jax.data.qa import qa_split
+  from realm_jax.retrieval.index import ExactIndex
+  from realm_jax.train.openqa_inputs import FrozenIndex, QABatchBuilder
+  config = openqa_config(world_dir, qa__reader_len=reader_len)
+  examples, _ = qa_split(config.qa, "train", world_dir)
+  emb = np.zeros((world_data.blocks.num_blocks, 4), np.float32)
+  frozen = FrozenIndex(version=0, step=0, embeddings=emb, index=ExactIndex.from_embeddings(emb))
+  return QABatchBuilder(config, world_data, examples, frozen)
+
+
+def _answer_blocks(builder, rows):
+  """[len(rows), K] block rows: each question's answer-bearing blocks first."""
+  every = np.arange(builder.data.blocks.num_blocks)
+  has = builder.has_answer(rows, np.broadcast_to(every, (len(rows), len(every))))
+  return np.stack([np.concatenate([every[h], every[~h]])[:builder.k] for h in has])
+
+
+def test_the_default_reader_length_cuts_nothing(builder, world_data):
+  """qa.reader_len 0 is the trainer's length before it, query_len + block_len - 2: every pair
+  whole, as the REALM reader's splice builds it, spans anywhere on the body's word bounds."""
+  from realm_jax.data import pipeline
+  assert builder.config.qa.reader_len == 0
+  assert builder.reader_len == builder.config.data.query_len + world_data.blocks.block_len - 2
+  rows = np.arange(40)
+  top = _answer_blocks(builder, rows)
+  batch = builder.reader_batch(rows, top)
+  tok = world_data.tokenizer
+  cands = pipeline.candidate_inputs(world_data.blocks, top, tok.cls_id, tok.sep_id)
+  ids, segments = pipeline.reader_inputs(builder.question_ids[rows], builder.question_len[rows],
+                                         cands, builder.reader_len)
+  np.testing.assert_array_equal(batch["reader_ids"], ids)
+  np.testing.assert_array_equal(batch["reader_segments"], segments)
+  pieces = np.asarray([t.startswith("##") for t in tok.tokens(range(tok.vocab_size))])
+  body = (segments > 0) & (ids != tok.sep_id)
+  following = np.concatenate([ids[..., 1:], np.zeros_like(ids[..., :1])], -1)
+  np.testing.assert_array_equal(batch["span_start_mask"], body & ~pieces[ids])
+  np.testing.assert_array_equal(batch["span_end_mask"], body & ~pieces[following])
+
+
+def test_a_short_reader_cuts_longest_first_and_labels_only_the_kept_body(builder, world_dir,
+                                                                         world_data):
+  """qa.reader_len 24 (the world's pairs are up to 16 + 37): each row is `[CLS] question
+  [SEP] body [SEP]` cut longest first; spans start and end only in the kept body, on the full
+  body's word bounds (a word cut in two ends no span); an answer is labelled at every
+  occurrence wholly kept and nowhere else, so a question whose answer was cut off in every
+  block it reads has no label, and adds nothing to the reader's loss."""
+  from realm_jax.models.realm import span_candidates
+  short = _short_builder(world_dir, world_data, 24)
+  assert short.reader_len == 24
+  tok, blocks = world_data.tokenizer, world_data.blocks
+  pieces = np.asarray([t.startswith("##") for t in tok.tokens(range(tok.vocab_size))])
+  rows = np.arange(40)
+  top = _answer_blocks(short, rows)
+  batch, whole = short.reader_batch(rows, top), builder.reader_batch(rows, top)
+  starts, ends = span_candidates(24, short.max_width)
+  column = {(int(a), int(b)): c for c, (a, b) in enumerate(zip(starts, ends))}
+  cut = lost = 0
+  for i, row in enumerate(rows):
+    question = short.question_ids[row, 1:short.question_len[row] - 1]
+    for j, block in enumerate(top[i]):
+      begin, end = int(blocks.body_start[block]), int(blocks.lengths[block]) - 1
+      body = np.asarray(blocks.tokens[block])[begin:end]
+      nq, nb = _longest_first(len(question), len(body), 24 - 3)
+      cut += nb < len(body)
+      expected = [tok.cls_id, *question[:nq], tok.sep_id, *body[:nb], tok.sep_id]
+      assert list(batch["reader_ids"][i, j]) == expected + [0] * (24 - len(expected))
+      kept = np.zeros(24, bool)
+      kept[nq + 2:nq + 2 + nb] = True
+      after = np.append(body, 0)[1:nb + 1]       # the piece after each kept one, cut or not
+      np.testing.assert_array_equal(batch["span_start_mask"][i, j][kept], ~pieces[body[:nb]])
+      np.testing.assert_array_equal(batch["span_end_mask"][i, j][kept], ~pieces[after])
+      assert not (batch["span_start_mask"][i, j][~kept].any() or
+                  batch["span_end_mask"][i, j][~kept].any())
+      labels = {column[(nq + 2 + a, nq + 2 + b)] for a, b in short.matcher(int(row)).spans(body)
+                if b < nb and b - a < short.max_width}
+      assert set(np.flatnonzero(batch["span_correct"][i, j])) == labels
+      for c in labels:
+        assert batch["span_start_mask"][i, j, starts[c]] and batch["span_end_mask"][i, j, ends[c]]
+    lost += whole["span_correct"][i].any() and not batch["span_correct"][i].any()
+  assert cut > 20 and lost > 0, (cut, lost)
+  # the loss of a question with no label left: the retriever's term alone
+  b, k, s = batch["span_correct"].shape
+  none = ~batch["span_correct"].reshape(b, -1).any(-1)
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(b, 8)).astype(np.float32)
+  has = np.zeros((b, 8), bool)
+  spans = rng.normal(size=(b, k, s)).astype(np.float32)
+  per_question = [float(losses.openqa_loss(logits[i:i + 1], has[i:i + 1], spans[i:i + 1],
+                                           batch["span_correct"][i:i + 1])[0]) for i in range(b)]
+  assert all(per_question[i] == 0 for i in np.flatnonzero(none))
+  assert all(per_question[i] > 0 for i in np.flatnonzero(~none))
+
+
+def test_a_body_cut_inside_a_word_ends_no_span_there(world_data):
+  """A body cut before a `##` piece: its last kept piece is half a word, where no span may
+  end (it may where the cut falls between words)."""
+  from realm_jax.data.answers import vocab_pieces
+  from realm_jax.train.openqa_inputs import reader_inputs
+  tok, blocks = world_data.tokenizer, world_data.blocks
+  continuation = vocab_pieces(tok).continuation
+  block, p = next((r, p) for r in range(blocks.num_blocks)
+                  for p, t in enumerate(np.asarray(blocks.tokens[r])[
+                      blocks.body_start[r]:blocks.lengths[r] - 1]) if p >= 4 and continuation[t])
+  q_ids = np.zeros((1, 8), np.int32)
+  q_ids[0, :6] = [tok.cls_id, 10, 11, 12, 13, tok.sep_id]
+  for kept, word_end in ((p, False), (p + 1, None)):   # cut before the `##` piece, after it
+    reader_len = 4 + kept + 3                          # the 4 question pieces, `kept` body
+    _, out = reader_inputs(blocks, np.asarray([[block]]), q_ids, np.asarray([6], np.int32),
+                           reader_len, tok.cls_id, tok.sep_id, continuation)
+    assert out["body_kept"][0, 0] == kept and out["body_position"][0, 0] == 6
+    last = 6 + kept - 1
+    if word_end is None:     # the next piece decides
+      nxt = np.asarray(blocks.tokens[block])[blocks.body_start[block] + kept]
+      word_end = not continuation[nxt]
+    assert out["span_end_mask"][0, 0, last] == word_end
+    assert out["span_end_mask"][0, 0, last + 1:].sum() == 0
+
+
 @pytest.fixture(scope="module")
 def openqa_run(world_dir, tmp_path_factory):
   from realm_jax.train.loop import train
@@ -620,17 +783,47 @@ def test_a_run_recorded_before_later_options_is_evaluated_as_one_recorded_now(op
   record = json.loads((old / "config.json").read_text())
   del record["qa"]["heldout_unit"], record["retrieval"]["score_cache_gb"]
   del record["train"]["profile_first_step"], record["train"]["profile_steps"]
+  del record["qa"]["reader_len"]            # (2026-12-07) the reader's length as then
   (old / "config.json").write_text(json.dumps(record))
   (item,), (again,) = predict(str(new), ["who founded it"]), predict(str(old), ["who founded it"])
   assert again == item
   config = evaluation_config(str(old))
   assert config.to_dict() == evaluation_config(str(new)).to_dict()
   assert config.qa.heldout_unit == "article"
+  from realm_jax.train.openqa_inputs import reader_length
+  assert config.qa.reader_len == 0 and reader_length(config, 40) == 16 + 40 - 2
 
   def scores(w):
     metrics = evaluate_run(evaluation_config(str(w)), str(w), split="test")[0]
     return {k: v for k, v in metrics.items() if k != "seconds"}
   assert scores(old) == scores(new)
+
+
+@pytest.mark.slow
+def test_a_short_reader_trains_and_evaluates(world_dir, tmp_path, monkeypatch):
+  """An Open-QA run with qa.reader_len 24 (pairs of up to 53 cut longest first) trains and
+  evaluates on reader inputs of 24, and realm-eval of it reads them at the run's length."""
+  from realm_jax.openqa_eval import evaluate_run
+  from realm_jax.runtime.checkpoints import evaluation_config
+  from realm_jax.train import openqa_inputs
+  from realm_jax.train.loop import train
+  real, lengths = openqa_inputs.reader_inputs, []
+
+  def recorded(*args, **kwargs):
+    cands, out = real(*args, **kwargs)
+    lengths.append(out["reader_ids"].shape[-1])
+    return cands, out
+  monkeypatch.setattr(openqa_inputs, "reader_inputs", recorded)
+  workdir = str(tmp_path / "short")
+  summary = train(openqa_config(world_dir, qa__reader_len=24, qa__dev="prepared:eval",
+                                train__steps=2, train__checkpoint_every=2), workdir)
+  assert summary["steps"] == 2 and 0 <= summary["eval_exact_match"] <= 1
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics", "train.jsonl"))]
+  assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in rows)
+  assert len(lengths) > 2 and set(lengths) == {24}
+  lengths.clear()
+  metrics, _ = evaluate_run(evaluation_config(workdir), workdir, split="test")
+  assert metrics["step"] == 2 and set(lengths) == {24}
 
 
 def test_a_block_without_a_span_gives_none(openqa_run, monkeypatch):

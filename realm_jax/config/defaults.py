@@ -238,6 +238,10 @@ def _jobs(c) -> None:
   c.qa.searcher_beam = 5000        # N: top blocks the retriever loss marginalises over
                                    # (capped at the corpus size)
   c.qa.reader_beam = 5             # top blocks the reader reads and answers from
+  c.qa.reader_len = 0              # wordpieces of the reader's `[CLS] question [SEP] body
+                                   # [SEP]`; a pair longer is cut longest first (HF's
+                                   # tokenizer's rule; ORQA / HF RealmReader: 320). 0:
+                                   # query_len + block_len - 2, where nothing is cut
 
   c.builder = ml_collections.ConfigDict()   # the separate index-builder job (`realm-index`;
                                    # was config.index)

@@ -171,6 +171,9 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
       raise ConfigError(f"init.{part}_step", "must be a checkpoint step or -1 (the latest)")
   if config.task == "openqa":
     _validate_openqa(config)
+  elif config.qa.get("reader_len", 0):
+    raise ConfigError("qa.reader_len", f"sets the Open-QA reader's length: task "
+                      f"{config.task!r} would ignore it (0 there)")
   if config.eval.get("export_best", False) and config.task != "realm":
     raise ConfigError("eval.export_best", f"REALM's only (by retrieval utility on the masked "
                       f"sentences); task {config.task!r} would ignore it")
@@ -442,3 +445,21 @@ def _validate_openqa(config) -> None:
     raise ConfigError("qa.heldout_articles", f"must be in [0, 1), got {q.heldout_articles}")
   if q.heldout_unit not in HELDOUT_UNITS:
     raise ConfigError("qa.heldout_unit", f"{q.heldout_unit!r} is not one of {HELDOUT_UNITS}")
+  _validate_reader_len(config)
+
+
+def _validate_reader_len(config) -> None:
+  """qa.reader_len: 0 (the whole pair), or a length that holds the question's row
+  (`[CLS] question [SEP]`, data.query_len), a body wordpiece and the final [SEP], within the
+  reader's position embeddings."""
+  n, d = config.qa.get("reader_len", 0), config.data
+  if n == 0:
+    return
+  least, most = d.query_len + 2, part_model(config, "reader").max_position
+  if n < 0 or n < least:
+    raise ConfigError("qa.reader_len", f"{n} cannot hold [CLS] question [SEP] "
+                      f"(data.query_len {d.query_len}), a body wordpiece and [SEP]: give "
+                      f">= {least}, or 0 for query_len + block_len - 2")
+  if n > most:
+    raise ConfigError("qa.reader_len", f"{n} > model.max_position {most}, the reader's "
+                      "position embeddings")

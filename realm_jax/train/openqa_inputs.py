@@ -144,6 +144,15 @@ class FrozenIndex:
     return len(self.embeddings)
 
 
+def reader_length(config, block_len: int) -> int:
+  """The Open-QA reader's input length (training, `realm-eval`, `realm-predict`):
+  `qa.reader_len`, or where it is 0 (and in configs recorded before it) the whole pair's,
+  query_len + block_len - 2 (`pipeline.reader_length`), at which no pair is cut. `block_len`:
+  the block store's."""
+  return config.qa.get("reader_len", 0) or pipeline.reader_length(config.data.query_len,
+                                                                   block_len)
+
+
 def reader_inputs(blocks, top: np.ndarray, question_ids: np.ndarray, question_len: np.ndarray,
                   reader_len: int, cls_id: int, sep_id: int,
                   continuation: np.ndarray | None = None) -> tuple[dict, dict]:
@@ -153,10 +162,11 @@ def reader_inputs(blocks, top: np.ndarray, question_ids: np.ndarray, question_le
     blocks: the BlockStore; top: [b, K] block rows each question reads.
     question_ids, question_len: [b, query_len] `[CLS] question [SEP]` rows and their lengths.
     reader_len: the reader's input length. A pair longer than that is cut as HF's tokenizer
-      cuts it (`longest_first`), keeping the final [SEP]; with the trainer's reader length
-      (query_len + block_len - 2) no pair is.
+      cuts it (`longest_first`, `truncate_pair`), keeping the final [SEP]; with the trainer's
+      default length (query_len + block_len - 2) no pair is.
     continuation: [vocab] bool, which wordpieces continue a word: spans then lie on word
-      boundaries; None: a span may start and end anywhere in the body (as HF's reader).
+      boundaries (a body cut inside a word ends none at its last kept piece); None: a span
+      may start and end anywhere in the body (as HF's reader).
   Returns:
     (the candidates' block inputs, {"reader_ids", "reader_segments": [b, K, L]
     `[CLS] question [SEP] body [SEP]` and its segments, "span_start_mask", "span_end_mask":
@@ -169,6 +179,7 @@ def reader_inputs(blocks, top: np.ndarray, question_ids: np.ndarray, question_le
   body_len = cands["lengths"] - cands["body_start"] - 1
   body_position = np.broadcast_to(question_len[:, None], top.shape).copy()
   body_kept = body_len.copy()
+  dropped = np.zeros(top.shape, np.int64)   # a cut body's first dropped wordpiece (0: none)
   for i, j in zip(*np.nonzero(question_len[:, None] + body_len + 1 > reader_len)):
     nq, nb = truncate_pair(int(question_len[i]) - 2, int(body_len[i, j]), reader_len - 3)
     start = int(cands["body_start"][i, j])
@@ -179,11 +190,15 @@ def reader_inputs(blocks, top: np.ndarray, question_ids: np.ndarray, question_le
     reader_segments[i, j] = 0
     reader_segments[i, j, nq + 2:len(row)] = 1
     body_position[i, j], body_kept[i, j] = nq + 2, nb
+    if 0 < nb < body_len[i, j]:
+      dropped[i, j] = cands["candidate_ids"][i, j, start + nb]
   body = (reader_segments > 0) & (reader_ids != sep_id)
   starts = ends = body
   if continuation is not None:
     continues = continuation[reader_ids]
     next_continues = np.concatenate([continues[..., 1:], np.zeros_like(continues[..., :1])], -1)
+    i, j = np.nonzero(dropped)   # the piece after a cut body's last one is the dropped one
+    next_continues[i, j, body_position[i, j] + body_kept[i, j] - 1] = continuation[dropped[i, j]]
     starts, ends = body & ~continues, body & ~next_continues
   return cands, {"reader_ids": reader_ids, "reader_segments": reader_segments,
                  "span_start_mask": starts, "span_end_mask": ends,
@@ -192,7 +207,10 @@ def reader_inputs(blocks, top: np.ndarray, question_ids: np.ndarray, question_le
 
 def truncate_pair(n_first: int, n_second: int, budget: int) -> tuple[int, int]:
   """Lengths a pair keeps under HF tokenizers' `longest_first` truncation to `budget`
-  wordpieces (specials excluded): the shorter keeps up to half, the longer the rest."""
+  wordpieces (specials excluded; `tokenizers`' `truncate_encodings`, which HF's
+  RealmRetriever's fast tokenizer runs): the shorter keeps up to half, the longer the rest.
+  Step by step, the last wordpiece of the longer is dropped until the pair fits, a tie
+  dropping from the one that was shorter at the start (the first where they were equal)."""
   if n_first + n_second <= budget:
     return n_first, n_second
   swap = n_first > n_second
@@ -226,7 +244,7 @@ class QABatchBuilder:
     self.question_len = (self.question_ids > 0).sum(axis=1).astype(np.int32)
     self.n = min(config.qa.searcher_beam, frozen.num_blocks)
     self.k = min(config.qa.reader_beam, self.n)
-    self.reader_len = config.data.query_len + data.blocks.block_len - 2
+    self.reader_len = reader_length(config, data.blocks.block_len)
     self.max_width = config.model.max_span_width
     starts, _ = span_candidates(self.reader_len, self.max_width)
     self.num_spans = len(starts)
