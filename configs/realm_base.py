@@ -25,13 +25,24 @@ Variants by arg:
   base   (default) the paper's settings
   small  the same data shapes (query 96, block 288, k 8) with a 2-layer d=128 model, a small
          batch and a few steps: a smoke test of a launch on the real prepared data
+  openqa Open-QA fine-tuning of the `base` run at the paper's settings (ORQA's code and
+         defaults, which REALM's release fine-tunes with): the reader reads `[CLS] question
+         [SEP] body [SEP]` of 320 wordpieces (cut longest first), span scorer of width 256
+         over spans of at most 10 wordpieces, the top 5 blocks read, the retriever's loss
+         over the top 5,000, the block tower and the index frozen, lr 1e-5, one question a
+         step (`_openqa` says which settings are ORQA's code and which could not be
+         confirmed). Give it the questions
+         (--config.qa.train, --config.qa.test: docs/openqa.md), the REALM run's data dir
+         and workdir (--config.data.dir, --config.init.from_workdir) as for `base`
 """
 
 from realm_jax.config.defaults import base_config
 from realm_jax.config.presets import tiny_model
 
-VARIANTS = ("base", "small")
+VARIANTS = ("base", "small", "openqa")
 ICT_RUN = "runs/ict_base"          # the workdir of the configs/ict_base.py run
+REALM_RUN = "runs/realm_base"      # the workdir of this config's `base` run
+NQ_OPEN_TRAIN = 79_168             # NQ-open's training questions (ORQA's resplit)
 BERT_BASE = "bert-base-uncased"    # a local Hugging Face BERT-base dir (never downloaded)
 
 
@@ -46,6 +57,8 @@ def get_config(arg=None):
   c.retrieval.refresh = "async"    # the separate realm-index job re-embeds the corpus
   if variant == "small":
     _small(c)
+  if variant == "openqa":
+    _openqa(c)
   return c
 
 
@@ -61,3 +74,35 @@ def _small(c):
   c.retrieval.refresh_every = 20   # one index rebuild mid-run
   c.retrieval.refresh = "in_process"   # by the trainer itself: one command
   c.eval.num_examples = 64         # a quick final evaluation
+
+
+def _openqa(c):
+  """ORQA's fine-tuning (google-research/language, orqa/experiments/orqa_experiment.py and
+  orqa_model.py) from the REALM run: REALM's release fine-tunes with that very code, its
+  flags' defaults, only the modules REALM's (realm/README.md). Model, data shapes and
+  optimiser otherwise the base's."""
+  c.task = "openqa"
+  c.init.from_workdir = REALM_RUN  # query tower, block tower and reader from the REALM run
+  c.init.retriever = ""            # (from_workdir starts every part)
+  c.init.reader = ""
+  c.retrieval.refresh = "in_process"   # the index is embedded once and frozen: no builder
+  c.qa.reader_len = 320            # ORQA's reader_seq_len 288 + 32 (HF RealmConfig's too)
+  c.qa.reader_beam = 5             # ORQA's reader_beam_size: the top 5 blocks are read
+  c.qa.searcher_beam = 5000        # ORQA's retriever_beam_size: the retriever's loss is over
+                                   # the top 5,000
+  c.model.span_hidden_size = 256   # ORQA's span_hidden_size
+  c.model.max_span_width = 10      # ORQA's max_span_width
+  c.train.lr = 1e-5                # ORQA's learning_rate (REALM's pre-training: 3e-5)
+  # (the warm-up stays BERT's min(10000, max(100, steps / 10)), as ORQA's; and so do AdamW's
+  # weight decay 0.01 and checkpoints every 1,000 steps, ORQA's save_checkpoints_steps)
+  # One question a step: ORQA's model_fn reads one question (its input_fn does not batch),
+  # as a PyTorch port of its fine-tuning on HF's REALM classes does (batch_size=1). Neither
+  # the REALM nor the ORQA paper's text gave a batch size that could be confirmed here. On
+  # several devices the batch must divide the data axis: give --config.mesh.shape or
+  # --config.train.batch_size.
+  c.train.batch_size = 1
+  # ORQA's released command trains 20 epochs of the training questions at one a step
+  # (`--num_train_steps=$(( 3417 * 20 ))` for WebQuestions); here NQ-open's. REALM's release
+  # gives no step count of its own, nor could the papers' text confirm one: set 20 x your
+  # training questions.
+  c.train.steps = 20 * NQ_OPEN_TRAIN

@@ -12,7 +12,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from realm_jax.runtime import partitioning, state as state_lib
 from realm_jax.train import steps
-from realm_jax.config.reading import null_in_training
+from realm_jax.config.reading import frozen_paths, null_in_training
+from realm_jax.models.realm import span_candidates
+from realm_jax.train.openqa_inputs import reader_length
 from realm_jax.config.validation import validate
 from tests.helpers import CONFIGS, REPO, load_config_module
 
@@ -28,6 +30,16 @@ def abstract_batch(config, mesh, k=None):
                                                               sharding=sharding)
   if config.task == "ict":
     return {"query_ids": spec(q), "block_ids": spec(lb), "block_segments": spec(lb)}
+  if config.task == "openqa":   # the top-N blocks' frozen embeddings, the top K read
+    n, k = config.qa.searcher_beam, config.qa.reader_beam
+    length = reader_length(config, lb)
+    spans = len(span_candidates(length, config.model.max_span_width)[0])
+    return {"question_ids": spec(q),
+            "candidate_emb": spec(n, config.model.retrieval_dim, dtype=jnp.float32),
+            "has_answer": spec(n, dtype=jnp.bool_), "reader_ids": spec(k, length),
+            "reader_segments": spec(k, length), "span_start_mask": spec(k, length, dtype=bool),
+            "span_end_mask": spec(k, length, dtype=bool),
+            "span_correct": spec(k, spans, dtype=bool)}
   return {"query_ids": spec(q), "mask_positions": spec(m), "mask_labels": spec(m),
           "mask_weights": spec(m, dtype=jnp.float32), "candidate_ids": spec(k, lb),
           "candidate_segments": spec(k, lb), "reader_ids": spec(k, q + lb - 2),
@@ -69,6 +81,26 @@ def test_base_config_train_step_lowers(name, task):
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   # BERT-base widths at 2 layers a tower: 2.3e12 (REALM), 1.5e11 (ICT); 2.1e13 at 12 layers
   assert cost["flops"] > (1e12 if task == "realm" else 1e11)
+
+
+@pytest.mark.slow
+def test_the_paper_openqa_config_fine_tunes_as_orqa():
+  """configs/realm_base.py:openqa: ORQA's fine-tuning of the base run (reader of 320, span
+  scorer 256 over spans of up to 10, top 5 read, loss over the top 5,000, lr 1e-5, one
+  question a step, the block tower frozen) validates, and its step lowers on batches of
+  those shapes over the 8 test devices."""
+  base, config = (load_config_module("realm_base").get_config(v) for v in ("base", "openqa"))
+  validate(config)
+  assert config.task == "openqa" and config.init.from_workdir
+  assert (config.qa.reader_len, config.qa.reader_beam, config.qa.searcher_beam) == (320, 5, 5000)
+  assert (config.model.span_hidden_size, config.model.max_span_width) == (256, 10)
+  assert (config.train.lr, config.train.batch_size, base.train.lr) == (1e-5, 1, 3e-5)
+  assert config.model == base.model and config.data == base.data
+  assert frozen_paths(config) == (("retriever", "block_tower"),)
+  mesh = partitioning.make_mesh(config.mesh.shape)
+  cost = lower_step(config, mesh).cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  assert cost["flops"] > 1e11
 
 
 def abstract_state(config, mesh):
