@@ -240,7 +240,7 @@ def run() -> None:
   flags.DEFINE_integer("step", -1, "Checkpoint step (default: the latest).")
   flags.DEFINE_enum("split", "test", list(SPLITS), "QA split: config.qa.<split>.")
   flags.DEFINE_bool("retrieval_only", False, "Retrieval recall only (no reader).")
-  app.run(main, flags_parser=flags_parser("realm-eval"))
+  app.run(main, flags_parser=flags_parser("realm-eval", __name__))
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ def run() -> None:
   sys.argv, _RUN_OVERRIDES[:] = split_run_overrides(upgrade_flags(sys.argv, "realm-predict"),
                                                     config_flag=False)
   refuse_config_file("realm-predict", sys.argv)
-  app.run(main, flags_parser=flags_parser("realm-predict"))
+  app.run(main, flags_parser=flags_parser("realm-predict", __name__))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A bad option is refused by name before anything is written (in process), and the CLI,
 `python -m realm_jax.train.main`, prints it as one clear line, exit code 2, no traceback."""
 
+import importlib
 import os
 import re
 import subprocess
@@ -594,6 +595,34 @@ def test_help_succeeds_and_a_get_config_without_a_configdict_is_one_line(tmp_pat
     assert_clear_error(result, f"--config {path}: get_config() returned "
                        f"{'dict' if returned != 'None' else 'NoneType'}, not an "
                        "ml_collections.ConfigDict")
+
+
+def console_scripts() -> dict[str, str]:
+  """setup.py's console scripts: {command: "module:function"}."""
+  with open(os.path.join(REPO, "setup.py")) as f:
+    return dict(re.findall(r'"(realm-[\w-]+)=([\w.]+:\w+)"', f.read()))
+
+
+def test_every_installed_commands_help_shows_its_docstring_and_flags(tmp_path):
+  """An installed command runs pip's wrapper script as __main__, from anywhere: its --help
+  shows the command's own docstring and flags (absl's showed the wrapper's: none of either)."""
+  commands = console_scripts()
+  assert len(commands) == 6, commands
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+  for command, target in commands.items():
+    module, _, function = target.partition(":")
+    script = tmp_path / command   # what pip writes into the environment's bin/
+    script.write_text(f"import re\nimport sys\nfrom {module} import {function}\n"
+                      "if __name__ == '__main__':\n"
+                      "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+                      f"    sys.exit({function}())\n")
+    result = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    first = " ".join(importlib.import_module(module).__doc__.splitlines()[0].split())
+    assert result.returncode == 0, (command, result.stderr[-2000:])
+    assert first in " ".join(result.stdout.split()), (command, first, result.stdout[-2000:])
+    assert re.search(r"^ +--\w", result.stdout, re.M), (command, result.stdout[-2000:])
 
 
 def test_path_errors_name_both_paths_and_a_full_disk_is_one_line(tmp_path):

@@ -29,14 +29,28 @@ from realm_jax.errors import ConfigError, closest
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
 
 
-def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
-  """absl `app.run(main, flags_parser=flags_parser(prog))`: the command line parsed, and the
-  config file of a `--config` flag loaded; a misspelt option, a bad value, a config file that
-  is missing or whose get_config fails -> one line naming it on stderr and exit code 2."""
+def flags_parser(prog: str, module: str) -> Callable[[list[str]], list[str]]:
+  """absl `app.run(main, flags_parser=flags_parser(prog, __name__))`: the command line parsed,
+  and the config file of a `--config` flag loaded; a misspelt option, a bad value, a config
+  file that is missing or whose get_config fails -> one line naming it on stderr and exit
+  code 2. `module`, the command's own (`__name__`), is what its --help describes."""
   def parse(argv: list[str]) -> list[str]:
     from absl import flags
+    _help_of(flags.FLAGS, module)
     return _parse_or_exit(prog, flags.FLAGS, argv)
   return parse
+
+
+def _help_of(flag_values, module: str) -> None:
+  """absl's --help shows the docstring and flags of `__main__`: under an installed command
+  (`realm-train`) that is pip's wrapper script, with neither; they are taken from `module`,
+  the one that defines the command (under `python -m` it is `__main__` already)."""
+  if module == "__main__":
+    return
+  main = sys.modules["__main__"]
+  for flag in flag_values.get_flags_for_module(module):
+    flag_values.register_key_flag_for_module(sys.argv[0], flag)
+  main.__doc__ = main.__doc__ or sys.modules[module].__doc__
 
 
 def _parse_or_exit(prog: str, flag_values, argv: list[str]) -> list[str]:

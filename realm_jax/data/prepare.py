@@ -603,7 +603,7 @@ def main() -> None:
       raise SystemExit(2)
     run_cli("realm-prepare", lambda: prepare(config.value))
   del flags
-  app.run(_main, flags_parser=flags_parser("realm-prepare"))
+  app.run(_main, flags_parser=flags_parser("realm-prepare", __name__))
 
 
 if __name__ == "__main__":

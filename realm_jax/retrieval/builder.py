@@ -583,7 +583,7 @@ def run() -> None:
                                   "as the trainer's.", lock_config=True)
   flags.DEFINE_string("workdir", None, "The trainer's run directory.")
   flags.DEFINE_bool("once", False, "Build for the newest checkpoint, publish, and exit.")
-  app.run(main, flags_parser=flags_parser("realm-index"))
+  app.run(main, flags_parser=flags_parser("realm-index", __name__))
 
 
 if __name__ == "__main__":

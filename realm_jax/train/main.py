@@ -52,7 +52,7 @@ def run() -> None:
   config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).",
                                   lock_config=True)
   flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, summary).")
-  app.run(main, flags_parser=flags_parser("realm-train"))
+  app.run(main, flags_parser=flags_parser("realm-train", __name__))
 
 
 if __name__ == "__main__":
