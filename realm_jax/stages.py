@@ -45,7 +45,8 @@ def check_demo_flags(parser, args) -> None:
   """The demo flags every stage would refuse, refused before anything is written (they used
   to fail each stage after the data was made, and bind the workdir to the bad value):
   `--seed` outside [0, 2**32), and, where the demo has them, `--host_devices` below 0 or not
-  dividing the REALM stage's batch, `--entities` below 1; an empty `--workdir`."""
+  dividing the REALM stage's batch, `--entities` below 1; an empty `--workdir`; a package with
+  no configs/ beside it (installed, not a checkout: the demos wrote their workdir first)."""
   if not getattr(args, "workdir", "W").strip():
     parser.error("--workdir must name a directory, got an empty string")
   if not 0 <= args.seed < 2**32:
@@ -54,7 +55,7 @@ def check_demo_flags(parser, args) -> None:
     parser.error(f"--entities must be >= 1, got {args.entities}")
   devices = getattr(args, "host_devices", 0)
   try:
-    batch = repo_config("demo_realm", "realm").train.batch_size if devices else 0
+    batch = repo_config("demo_realm", "realm").train.batch_size
   except FileNotFoundError as e:   # no configs/ beside the package
     parser.error(str(e))
   if devices < 0 or (devices and batch % devices):

@@ -481,12 +481,28 @@ def test_stages_sharing_a_device_allocate_as_needed_unless_the_environment_says_
     signal.signal(signal.SIGTERM, previous)      # run_demo_cli installs the demo's handler
 
 
-def test_the_demos_outside_a_checkout_say_so(monkeypatch, tmp_path):
+def test_the_demos_outside_a_checkout_say_so(monkeypatch, tmp_path, capsys):
   """realm_jax/stages.py reads configs/ beside the package: an installed package without it
-  is told to run from a checkout, in one line (the demos are `make` targets, not commands)."""
+  is told to run from a checkout, in one line (the demos are `make` targets, not commands),
+  before any demo writes its workdir (they wrote demo_arguments.json, and the demo began the
+  world, first)."""
+  from realm_jax import demo_real, demo_squad
   monkeypatch.setattr(stages, "CONFIG_DIR", str(tmp_path / "configs"))
   with pytest.raises(FileNotFoundError, match="run from a checkout of the repository"):
     stages.repo_config("demo_realm")
+  previous = signal.getsignal(signal.SIGTERM)
+  try:
+    for module, extra in ((demo, ["--host_devices", "0", "--entities", "1"]),
+                          (demo_squad, []), (demo_real, [])):
+      workdir = tmp_path / module.__name__
+      monkeypatch.setattr(sys, "argv", [module.__name__, "--workdir", str(workdir), *extra])
+      with pytest.raises(SystemExit) as exit_:
+        module.main()
+      assert exit_.value.code == 2, module.__name__
+      assert "run from a checkout of the repository" in capsys.readouterr().err
+      assert not workdir.exists(), (module.__name__, os.listdir(workdir))
+  finally:
+    signal.signal(signal.SIGTERM, previous)      # run_demo_cli installs the demo's handler
 
 
 def test_demo_real_keeps_its_heldout_unit_and_refuses_another(tmp_path):
