@@ -1,9 +1,25 @@
 """realm_jax: REALM (Retrieval-Augmented Language Model Pre-Training) in JAX/Flax."""
 
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 JAX = ">=0.4.35,<0.12"     # the one pin of jax: the core install and the accelerator extras
                            # (the tests pass under 0.10.2 and, on Python 3.12, 0.11.2)
+
+
+class BuildPy(build_py):
+  """The package's build copy (build/lib/realm_jax) made afresh: setuptools copies the sources
+  over what an earlier build of this checkout left there, so a module since removed or renamed
+  went into the wheel (the one launch/tpu_pod.py copies to the workers, or an image's)."""
+
+  def run(self):
+    if not self.editable_mode:
+      shutil.rmtree(os.path.join(self.build_lib, "realm_jax"), ignore_errors=True)
+    super().run()
+
 
 setup(
     name="realm_jax",
@@ -11,6 +27,7 @@ setup(
     description="REALM retrieval-augmented pre-training in JAX/Flax: sharded trainer, "
                 "Orbax checkpoints, dense retrieval with an index refresh.",
     packages=find_packages(include=["realm_jax", "realm_jax.*"]),
+    cmdclass={"build_py": BuildPy},
     python_requires=">=3.11",
     install_requires=[
         "jax" + JAX,

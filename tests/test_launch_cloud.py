@@ -122,6 +122,19 @@ def test_the_wheel_command_builds_the_wheel_install_copies(tmp_path):
     assert "realm_jax/__init__.py" in wheel.namelist()
 
 
+def test_the_build_copy_of_the_package_holds_only_its_sources(tmp_path):
+  """setup.py's build_py (which `pip wheel` of this checkout runs into build/lib): a module an
+  earlier build left there, since removed from the sources, is not copied into the wheel."""
+  stale = tmp_path / "realm_jax" / "removed_module.py"
+  stale.parent.mkdir()
+  stale.write_text("X = 1\n")
+  built = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib",
+                          str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=REPO)
+  assert built.returncode == 0, built.stderr
+  assert (tmp_path / "realm_jax" / "train" / "main.py").is_file()
+  assert not stale.exists()
+
+
 def test_with_native_gcs_the_jobs_get_the_urls_and_nothing_is_mounted(capsys, tmp_path):
   lines = _dry_run(capsys, "up", *SLICES, *RUN)
   assert len(lines) == 13
