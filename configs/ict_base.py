@@ -2,7 +2,8 @@
 initialises its retriever (Guu et al., 2020).
 
 Inverse Cloze Task with in-batch negatives: queries of 64 wordpieces, batch 4096, lr 1e-4,
-100k steps, the reader not trained. Both retriever towers start from pre-trained BERT-base
+100k steps with BERT's optimizer and schedule (`train.optimizer`, as ORQA's code trained), the
+reader not trained. Both retriever towers start from pre-trained BERT-base
 (`init.retriever`: a local Hugging Face BERT-base dir; the data's vocab is checked against it;
 the projection to 128 starts at random). Separate BERT-base towers, blocks of 288 wordpieces and
 the query sentence cut from its block 90% of the time are `base_config()` defaults, so only
@@ -42,6 +43,7 @@ def get_config(arg=None):
   c.train.lr = 1e-4                # ORQA's ICT learning rate
   c.train.steps = 100_000          # ORQA's ICT schedule
   c.train.reader_lr_scale = 0.0    # the reader is not part of ICT (frozen, no optimizer state)
+  c.train.optimizer = "bert"       # BERT's AdamW and schedule, as the paper trained with
   c.init.retriever = BERT_BASE     # both retriever towers from pre-trained BERT-base
   if variant == "small":
     _small(c)

@@ -3,8 +3,10 @@
 Task "realm" with a BERT-base reader and two separate BERT-base retriever towers (128-d
 embeddings), k = 8 candidates with the null document, queries of 96 and blocks of 288
 wordpieces, batch 512, lr 3e-5, 200k steps, the block index rebuilt every 500 steps, dropout
-0.1: all of these are `base_config()` defaults, so only what differs is set below. The paper
-trained on 64 TPUs (16 more embedded the corpus); use `--config.model.dtype=bfloat16` there.
+0.1: all of these are `base_config()` defaults, so only what differs is set below, as BERT's
+optimizer and schedule are (`train.optimizer`, which REALM's code trained with; docs/design.md).
+The paper trained on 64 TPUs (16 more embedded the corpus); use
+`--config.model.dtype=bfloat16` there.
 
 The paper starts the retriever from ICT and the knowledge-augmented encoder (the reader) from
 pre-trained BERT-base with its MLM head; so do the defaults below: `init.retriever` is the
@@ -55,6 +57,7 @@ def get_config(arg=None):
   c.init.retriever = ICT_RUN       # the retriever from the ICT warm start
   c.init.reader = BERT_BASE        # the reader (BERT + MLM head) from pre-trained BERT-base
   c.retrieval.refresh = "async"    # the separate realm-index job re-embeds the corpus
+  c.train.optimizer = "bert"       # BERT's AdamW and schedule, as the paper trained with
   if variant == "small":
     _small(c)
   if variant == "openqa":

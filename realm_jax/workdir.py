@@ -208,14 +208,17 @@ def other_split(workdir: str, config) -> list[str]:
 def recorded_differences(workdir: str, config) -> list[tuple[str, object, object]]:
   """(option, value in W/config.json, value in `config`) for every option whose values differ,
   where W holds a run's work (a checkpoint or a summary): [] for a fresh W or the same values.
-  Options that only one side has (added or removed since) are not compared."""
+  An option added since that W's record lacks reads as the value it ran under where
+  `compatibility.ADDED_FIELDS` names one (an old run resumed under train.optimizer "bert" is
+  said to change it); other options that only one side has are not compared."""
+  from realm_jax.config.compatibility import ADDED_FIELDS
   from realm_jax.config.reading import config_record, flat_options
   if not (holds_checkpoints(workdir) or read_summary(workdir) is not None):
     return []
   record = recorded_config(workdir)
   if record is None:
     return []
-  saved = flat_options(record)
+  saved = {**ADDED_FIELDS, **flat_options(record)}
   current = flat_options(config_record(config))
   same = lambda a, b: json.dumps(a) == json.dumps(b)   # a tuple is its record's list
   return [(name, saved[name], current[name]) for name in sorted(saved.keys() & current.keys())

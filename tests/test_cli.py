@@ -78,13 +78,14 @@ def realm_flags(world_dir):
     ({"train__profile_first_step": -1}, "train.profile_first_step"),
     ({"train__profile_first_step": 5}, "train.profile_first_step"),   # after step 4: no trace
     ({"train__profile_first_step": 1, "train__profile_steps": 0}, "train.profile_steps"),
+    ({"train__optimizer": "adam"}, "train.optimizer"),
 ], ids=["k=1", "k>blocks", "block_len=4", "block_len!=data", "mesh=3x1", "task", "candidates",
         "batch>examples", "keep=0", "checkpoint_every=0", "log_every=0", "refresh_every=0",
         "keep<swap_lag", "eval_every=-1", "retrieval_dim=0", "lr=nan", "b2=1.5",
         "ict_remove_prob=2", "warmup=-5", "reader_lr_scale=nan", "grace=inf",
         "embed_batch=-1", "seed=-1", "rules_axis", "model_axis!|mlp", "eval_split",
         "eval_split_unscored", "train_on_eval", "max_masks<span", "profile_first=-1",
-        "profile_after_last", "profile_steps=0"])
+        "profile_after_last", "profile_steps=0", "optimizer"])
 def test_bad_option_is_named(world_dir, tmp_path, overrides, option):
   """In process: the trainer refuses the option by name before it writes anything."""
   from realm_jax.train.loop import train

@@ -33,18 +33,21 @@ INFERENCE_FIELDS = ("model.hidden_act", "model.num_heads", "model.num_layers",
                     "model.retriever.hidden_act", "model.retriever.num_heads",
                     "model.retriever.num_layers", "model.retriever.pooling")
 READER_INFERENCE_FIELDS = ("model.span_layer_norm_eps",)
-# Compatibility fields added later -> the value checkpoints saved without them were written under.
+# Fields added later -> the value a run saved without them ran under, whatever the default
+# becomes: compatibility fields at the value its checkpoints were written under, and
+# train.optimizer at the form it trained with (not a compatibility field: both forms keep the
+# same state, and a resume under the other is said as other learning-rate values are).
 ADDED_FIELDS = {"model.hidden_act": "gelu", "model.attention_dropout_rate": -1.0,
                 "model.retriever.pooling": "cls", "qa.heldout_articles": 0.0,
-                "qa.heldout_unit": "article",
+                "qa.heldout_unit": "article", "train.optimizer": "optax_adamw",
                 **{f"model.retriever.{f}": None for f in TOWER_FIELDS}}
 
 
 def with_added_fields(record: dict) -> dict:
   """A run's saved config `record` (the JSON of W/config.json) with the options added since it
-  was written: an ADDED_FIELDS one at the value its checkpoints were written under, any other
-  at its default. A run's own config read back to run under (realm-eval without --config,
-  realm-predict) then holds every option the code reads."""
+  was written: an ADDED_FIELDS one at the value it ran under, any other at its default. A
+  run's own config read back to run under (realm-eval without --config, realm-predict) then
+  holds every option the code reads."""
   import copy
   from realm_jax.config.defaults import base_config
   out = _merged(config_record(base_config()), copy.deepcopy(record))

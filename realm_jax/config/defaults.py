@@ -13,6 +13,7 @@ CANDIDATE_SOURCES = ("index", "own_block", "mixed", "null_only")
 REFRESH_MODES = ("in_process", "async", "deterministic")
 BACKENDS = ("exact", "scann")
 NONFINITE_ACTIONS = ("stop", "skip")   # train.nonfinite
+OPTIMIZERS = ("optax_adamw", "bert")   # train.optimizer (runtime/state.py)
 DISTILL_QUERIES = ("all", "evidence")   # retrieval.distill_queries
 HELDOUT_UNITS = ("article", "paragraph")   # qa.heldout_unit
 LONG_QUERIES = ("refuse", "cut")   # data.long_queries
@@ -195,6 +196,13 @@ def _train_and_eval(c) -> None:
   c.train.warmup_steps = -1        # -1: BERT's min(10000, max(100, steps / 10))
   c.train.retriever_lr_scale = 1.0  # retriever lr = lr * this; 0 freezes the retriever
   c.train.reader_lr_scale = 1.0    # reader lr = lr * this; 0 freezes the reader (ICT: 0)
+  c.train.optimizer = "optax_adamw"  # "optax_adamw": optax.adamw (bias-corrected Adam), lr
+                                   # warmed up to train.lr, then decayed linearly from there
+                                   # to 0 at train.steps; "bert": BERT's optimizer as REALM and
+                                   # ORQA trained with it (AdamWeightDecayOptimizer: no bias
+                                   # correction; lr * (1 - step / train.steps) from step 0,
+                                   # lr * step / warm-up steps during the warm-up). The same
+                                   # state: a run may resume under the other (docs/design.md)
   c.train.b1 = 0.9                 # AdamW beta1
   c.train.b2 = 0.999               # AdamW beta2
   c.train.eps = 1e-6               # AdamW epsilon (BERT)

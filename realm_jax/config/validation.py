@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from realm_jax.config.defaults import (BACKENDS, CANDIDATE_SOURCES, COMPUTE_DTYPES, MESH_AXES,
                                       DISTILL_QUERIES, HELDOUT_UNITS, LONG_QUERIES,
-                                      NONFINITE_ACTIONS, PARTS, REFRESH_MODES, TASKS)
+                                      NONFINITE_ACTIONS, OPTIMIZERS, PARTS, REFRESH_MODES,
+                                      TASKS)
 from realm_jax.config.option_names import upgrade_config
 from realm_jax.config.reading import (null_in_training, part_model, part_options,
                                       retriever_scores_candidates, uses_index_builder)
@@ -182,6 +183,8 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
                       f"last step (train.steps {t.steps}): nothing would be traced")
   if t.get("nonfinite", "stop") not in NONFINITE_ACTIONS:
     raise ConfigError("train.nonfinite", f"{t.nonfinite!r} is not one of {NONFINITE_ACTIONS}")
+  if t.get("optimizer", "optax_adamw") not in OPTIMIZERS:
+    raise ConfigError("train.optimizer", f"{t.optimizer!r} is not one of {OPTIMIZERS}")
   _validate_ranges(config)
   _validate_mesh(config)
   validate_against_data(config, num_blocks=num_blocks, store_block_len=store_block_len,

@@ -1,4 +1,5 @@
-"""Model construction, BERT's optimizer, and the train state created directly in its shardings."""
+"""Model construction, the optimizer (optax's AdamW or BERT's), and the train state created
+directly in its shardings."""
 
 from __future__ import annotations
 
@@ -76,13 +77,32 @@ def warmup_steps(train_config) -> int:
   return int(min(10000, max(100, train_config.steps // 10)))
 
 
+def optimizer_form(train_config) -> str:
+  """`train.optimizer`: "optax_adamw" (a config from before the option) or "bert"."""
+  return train_config.get("optimizer", "optax_adamw")
+
+
 def learning_rate_schedule(train_config) -> optax.Schedule:
-  """Linear warm-up to `lr`, then linear decay to 0 at `steps`."""
+  """The learning rate of the update after `count` updates. "optax_adamw": linear warm-up
+  to `lr`, then linear decay from `lr` to 0 at `steps`; "bert": `bert_schedule`."""
   warm = warmup_steps(train_config)
+  if optimizer_form(train_config) == "bert":
+    return bert_schedule(train_config.lr, warm, train_config.steps)
   return optax.join_schedules([
       optax.linear_schedule(0.0, train_config.lr, max(warm, 1)),
       optax.linear_schedule(train_config.lr, 0.0, max(train_config.steps - warm, 1)),
   ], [warm])
+
+
+def bert_schedule(lr: float, warm: int, steps: int) -> optax.Schedule:
+  """BERT's `create_optimizer`: lr * (1 - step / steps) (a polynomial decay of power 1 to 0,
+  from step 0 on), and while step < warm the warm-up's lr * step / warm instead; so the
+  rate at the end of the warm-up is lr * (1 - warm / steps), not lr."""
+  def schedule(count):
+    step = jnp.asarray(count, jnp.float32)
+    decayed = lr * (1.0 - jnp.minimum(step, steps) / steps)
+    return jnp.where(step < warm, lr * (step / max(warm, 1)), decayed)
+  return schedule
 
 
 def _path_names(path) -> list[str]:
@@ -101,20 +121,44 @@ def decays(path) -> bool:
               or any(n in ("bias", "scale") for n in names))
 
 
+def scale_by_uncorrected_adam(b1: float, b2: float, eps: float
+                              ) -> optax.GradientTransformation:
+  """BERT's AdamWeightDecayOptimizer before its weight decay and rate: m / (sqrt(v) + eps),
+  m and v Adam's exponential averages as they are, not corrected for their zero start (the
+  first updates are up to ~3x optax's at b2 0.999). Its state is optax.scale_by_adam's."""
+  def init(params):
+    return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32),
+                                  mu=optax.tree.zeros_like(params),
+                                  nu=optax.tree.zeros_like(params))
+
+  def update(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, b1, 1)
+    nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
+    out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+    return out, optax.ScaleByAdamState(count=optax.safe_increment(state.count), mu=mu, nu=nu)
+  return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(train_config, frozen: tuple[tuple[str, ...], ...]
                    ) -> optax.GradientTransformation:
-  """BERT's AdamW (wd 0.01 not on LayerNorm/bias, eps 1e-6), global-norm clipping, and a
-  learning-rate scale per half of the model; the `frozen` sub-trees (`frozen_paths`: a half
-  whose scale is 0 among them) get no update, no decay and no state."""
-  schedule = learning_rate_schedule(train_config)
-  scales = {"retriever": train_config.retriever_lr_scale,
-            "reader": train_config.reader_lr_scale}
+  """AdamW (wd 0.01 not on LayerNorm/bias, eps 1e-6) in the `train.optimizer` form
+  (optax's bias-corrected one, or BERT's own), global-norm clipping, and a learning-rate
+  scale per half of the model; the `frozen` sub-trees (`frozen_paths`: a half whose scale is
+  0 among them) get no update, no decay and no state. Both forms keep the same state."""
+  t = train_config
+  schedule = learning_rate_schedule(t)
+  scales = {"retriever": t.retriever_lr_scale, "reader": t.reader_lr_scale}
+  decayed = lambda p: jax.tree_util.tree_map_with_path(lambda q, _: decays(q), p)
 
   def adamw(scale):
-    return optax.adamw(lambda step: schedule(step) * scale, b1=train_config.b1,
-                       b2=train_config.b2, eps=train_config.eps,
-                       weight_decay=train_config.weight_decay,
-                       mask=lambda p: jax.tree_util.tree_map_with_path(lambda q, _: decays(q), p))
+    rate = lambda step: schedule(step) * scale
+    if optimizer_form(t) == "bert":   # (update + wd * param) * rate, as optax.adamw chains it
+      return optax.chain(scale_by_uncorrected_adam(t.b1, t.b2, t.eps),
+                         optax.add_decayed_weights(t.weight_decay, decayed),
+                         optax.scale_by_learning_rate(rate))
+    return optax.adamw(rate, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
+                       mask=decayed)
 
   def label(path):
     return "frozen" if _is_frozen(tuple(_path_names(path)), frozen) else param_group(path)
