@@ -193,7 +193,7 @@ def _train_and_eval(c) -> None:
   c.train.batch_size = 512         # global batch (queries)
   c.train.steps = 200_000          # total optimizer steps
   c.train.lr = 3e-5                # peak learning rate (reader; retriever scaled below)
-  c.train.warmup_steps = -1        # -1: BERT's min(10000, max(100, steps / 10))
+  c.train.warmup_steps = -1        # -1: REALM's and ORQA's min(10000, max(100, steps / 10))
   c.train.retriever_lr_scale = 1.0  # retriever lr = lr * this; 0 freezes the retriever
   c.train.reader_lr_scale = 1.0    # reader lr = lr * this; 0 freezes the reader (ICT: 0)
   c.train.optimizer = "optax_adamw"  # "optax_adamw": optax.adamw (bias-corrected Adam), lr

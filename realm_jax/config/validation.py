@@ -199,7 +199,7 @@ _RANGES = {
     "train.reader_lr_scale": (0.0, float("inf"), True, False),      # 0 freezes the reader
     "train.eps": (0.0, float("inf"), False, False),
     "train.preemption_grace_seconds": (0.0, float("inf"), False, False),
-    "train.warmup_steps": (-1, float("inf"), True, False),   # -1: BERT's rule
+    "train.warmup_steps": (-1, float("inf"), True, False),   # -1: REALM's and ORQA's rule
     "train.b1": (0.0, 1.0, True, False),
     "train.b2": (0.0, 1.0, True, False),
     "train.weight_decay": (0.0, float("inf"), True, False),

@@ -71,7 +71,8 @@ def stop_frozen_gradients(params, frozen: tuple[tuple[str, ...], ...]):
 
 
 def warmup_steps(train_config) -> int:
-  """BERT's rule: min(10000, max(100, steps / 10)) unless set explicitly."""
+  """REALM's and ORQA's rule (their code's num_warmup_steps): min(10000, max(100, steps / 10))
+  unless set explicitly."""
   if train_config.warmup_steps >= 0:
     return int(train_config.warmup_steps)
   return int(min(10000, max(100, train_config.steps // 10)))
