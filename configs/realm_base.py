@@ -96,7 +96,7 @@ def _openqa(c):
   c.model.span_hidden_size = 256   # ORQA's span_hidden_size
   c.model.max_span_width = 10      # ORQA's max_span_width
   c.train.lr = 1e-5                # ORQA's learning_rate (REALM's pre-training: 3e-5)
-  # (the warm-up stays BERT's min(10000, max(100, steps / 10)), as ORQA's; and so do AdamW's
+  # (the warm-up stays min(10000, max(100, steps / 10)), ORQA's as REALM's; and so do AdamW's
   # weight decay 0.01 and checkpoints every 1,000 steps, ORQA's save_checkpoints_steps)
   # One question a step: ORQA's model_fn reads one question (its input_fn does not batch),
   # as a PyTorch port of its fine-tuning on HF's REALM classes does (batch_size=1). Neither
