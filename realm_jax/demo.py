@@ -152,7 +152,7 @@ def _run_demo(workdir: str, seed: int, entities: int, host_devices: int,
 
 
 def main() -> None:
-  parser = CommandParser(description="REALM demo on the generated knowledge world")
+  parser = CommandParser(prog="demo", description="REALM demo on the generated knowledge world")
   parser.add_argument("--workdir", default="runs/demo", help="where everything is written")
   parser.add_argument("--seed", type=int, default=0, help="world and initialisation seed")
   parser.add_argument("--entities", type=int, default=2000, help="entities in the world "

@@ -366,7 +366,7 @@ def _run_demo_real(workdir: str, squad: str, seed: int, scale: str, max_paragrap
 
 
 def main() -> None:
-  parser = CommandParser(description=__doc__.split("\n\n")[0])
+  parser = CommandParser(prog="realm-demo-real", description=__doc__.split("\n\n")[0])
   parser.add_argument("--workdir", default="", help="where everything is written (default: "
                       f"{WORKDIRS['cpu']}, or {WORKDIRS['gpu']} with --scale gpu)")
   parser.add_argument("--squad", default="", help="SQuAD v1.1-format JSON file (default: the "

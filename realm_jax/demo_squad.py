@@ -142,7 +142,7 @@ def _run_demo_openqa(workdir: str, squad: str, seed: int, wall: workdir_lib.RunW
 
 
 def main() -> None:
-  parser = CommandParser(description=__doc__.split("\n\n")[0])
+  parser = CommandParser(prog="realm-demo-squad", description=__doc__.split("\n\n")[0])
   parser.add_argument("--workdir", default="runs/squad", help="where everything is written")
   parser.add_argument("--squad", default="", help="SQuAD v1.1-format JSON file (default: the "
                       "SQuADShifts file of ../shared/data)")

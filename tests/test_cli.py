@@ -390,9 +390,9 @@ def test_every_cli_names_an_unloadable_config_or_flagfile_in_one_line(prog, tmp_
     (["launch/gke/render.py", "--config", "configs/realm_base.py", "--workdir", "gs://b/w"],
      "render.py", ["--imgae", "x"], "unrecognized arguments: --imgae x; did you mean --image?"),
     # the demos (make demo / demo-real pass their flags on), the HF parity check, a bench
-    (["-m", "realm_jax.demo", "--workdir", "W"], "demo.py", ["--sede", "1"],
+    (["-m", "realm_jax.demo", "--workdir", "W"], "demo", ["--sede", "1"],
      "unrecognized arguments: --sede 1; did you mean --seed?"),
-    (["-m", "realm_jax.demo_real", "--workdir", "W"], "demo_real.py", ["--scael", "gpu"],
+    (["-m", "realm_jax.demo_real", "--workdir", "W"], "realm-demo-real", ["--scael", "gpu"],
      "unrecognized arguments: --scael gpu; did you mean --scale?"),
     (["-m", "realm_jax.interop.hf_parity", "--out", "W"], "hf_parity", ["--hf-dri", "D"],
      "unrecognized arguments: --hf-dri D; did you mean --hf-dir?"),
