@@ -367,7 +367,7 @@ def _run_demo_real(workdir: str, squad: str, seed: int, scale: str, max_paragrap
 
 def main() -> None:
   parser = CommandParser(prog="realm-demo-real", description=__doc__.split("\n\n")[0])
-  parser.add_argument("--workdir", default="", help="where everything is written (default: "
+  parser.add_argument("--workdir", default=None, help="where everything is written (default: "
                       f"{WORKDIRS['cpu']}, or {WORKDIRS['gpu']} with --scale gpu)")
   parser.add_argument("--squad", default="", help="SQuAD v1.1-format JSON file (default: the "
                       "SQuADShifts file of ../shared/data)")
@@ -382,12 +382,13 @@ def main() -> None:
   args = parser.parse_args()
   log.set_verbosity(args.verbosity)
   squad = os.path.abspath(args.squad) if args.squad else ""
-  workdir = args.workdir or WORKDIRS[args.scale]
+  if args.workdir is None:   # the scale's (an empty --workdir given is refused below)
+    args.workdir = WORKDIRS[args.scale]
   if args.max_paragraphs < 0:
     parser.error(f"--max-paragraphs must be >= 0, got {args.max_paragraphs}")
   check_demo_flags(parser, args)
-  run_demo_cli("realm-demo-real", lambda: run_demo_real(workdir, squad, args.seed, args.scale,
-                                                        args.max_paragraphs))
+  run_demo_cli("realm-demo-real", lambda: run_demo_real(args.workdir, squad, args.seed,
+                                                        args.scale, args.max_paragraphs))
 
 
 if __name__ == "__main__":

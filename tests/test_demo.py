@@ -601,6 +601,25 @@ def test_demo_flags_every_stage_would_refuse_are_refused_first(tmp_path, module,
   assert not (tmp_path / "W").exists()
 
 
+def test_demo_real_without_workdir_runs_in_its_scales_and_an_empty_one_is_refused(
+    monkeypatch, capsys):
+  """--workdir left out is the scale's default (runs/real, runs/real_gpu), not the empty
+  --workdir the flag check refuses (realm-demo-real without --workdir was refused)."""
+  from realm_jax import demo_real
+  ran = []
+  monkeypatch.setattr(demo_real, "run_demo_cli", lambda name, fn: fn())
+  monkeypatch.setattr(demo_real, "run_demo_real", lambda workdir, *a: ran.append(workdir))
+  for flags, workdir in (([], "runs/real"), (["--scale", "gpu"], "runs/real_gpu")):
+    monkeypatch.setattr(sys, "argv", ["realm-demo-real", *flags])
+    demo_real.main()
+    assert ran[-1] == workdir
+  monkeypatch.setattr(sys, "argv", ["realm-demo-real", "--workdir", " "])
+  with pytest.raises(SystemExit) as exit_:
+    demo_real.main()
+  assert exit_.value.code == 2
+  assert "--workdir must name a directory" in capsys.readouterr().err
+
+
 def test_a_world_smaller_than_a_batch_is_refused_and_leaves_the_workdir_free(tmp_path,
                                                                            monkeypatch):
   from realm_jax.errors import ConfigError
