@@ -200,6 +200,26 @@ def test_a_run_resumes_under_either_long_query_rule_and_old_records_read_refuse(
   assert with_added_fields(old)["data"]["long_queries"] == "refuse"
 
 
+def test_a_run_recorded_before_the_query_and_reader_lengths_resumed_under_others_is_told(
+    tmp_path):
+  """A record from before data.long_queries and qa.reader_len ran under 'refuse' and the
+  whole pair (0): a resume under 'cut' or a reader of 320 changes them, and start-up says so
+  (`recorded_differences`), as it does for a record that holds them."""
+  import json
+  from realm_jax import workdir as workdir_lib
+  for group, option, was, now in (("data", "long_queries", "refuse", "cut"),
+                                  ("qa", "reader_len", 0, 320)):
+    workdir = tmp_path / option
+    (workdir / "checkpoints" / "3").mkdir(parents=True)
+    old = json.loads(tiny_config("ict").to_json_best_effort())
+    del old[group][option]
+    (workdir / "config.json").write_text(json.dumps(old))
+    config = tiny_config("ict", **{f"{group}__{option}": now})
+    assert workdir_lib.recorded_differences(str(workdir), config) == [
+        (f"{group}.{option}", was, now)]
+    assert workdir_lib.recorded_differences(str(workdir), tiny_config("ict")) == []
+
+
 def test_another_programs_config_json_is_refused_not_overwritten(tmp_path):
   """A --workdir that holds another program's config.json (a Hugging Face model dir's) or a
   file that is not JSON: a run there would have overwritten it. Each is named in one line and

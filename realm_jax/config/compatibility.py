@@ -34,12 +34,14 @@ INFERENCE_FIELDS = ("model.hidden_act", "model.num_heads", "model.num_layers",
                     "model.retriever.num_layers", "model.retriever.pooling")
 READER_INFERENCE_FIELDS = ("model.span_layer_norm_eps",)
 # Fields added later -> the value a run saved without them ran under, whatever the default
-# becomes: compatibility fields at the value its checkpoints were written under, and
-# train.optimizer at the form it trained with (not a compatibility field: both forms keep the
-# same state, and a resume under the other is said as other learning-rate values are).
+# becomes: compatibility fields at the value its checkpoints were written under, and options
+# a run may resume under other values of (train.optimizer: both forms keep the same state;
+# data.long_queries; qa.reader_len: no parameter depends on it) at what it ran with, so that
+# such a resume is said as other learning-rate values are (`workdir.recorded_differences`).
 ADDED_FIELDS = {"model.hidden_act": "gelu", "model.attention_dropout_rate": -1.0,
                 "model.retriever.pooling": "cls", "qa.heldout_articles": 0.0,
                 "qa.heldout_unit": "article", "train.optimizer": "optax_adamw",
+                "data.long_queries": "refuse", "qa.reader_len": 0,
                 **{f"model.retriever.{f}": None for f in TOWER_FIELDS}}
 
 
