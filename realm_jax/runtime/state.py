@@ -125,8 +125,10 @@ def decays(path) -> bool:
 def scale_by_uncorrected_adam(b1: float, b2: float, eps: float
                               ) -> optax.GradientTransformation:
   """BERT's AdamWeightDecayOptimizer before its weight decay and rate: m / (sqrt(v) + eps),
-  m and v Adam's exponential averages as they are, not corrected for their zero start (the
-  first updates are up to ~3x optax's at b2 0.999). Its state is optax.scale_by_adam's."""
+  m and v Adam's exponential averages as they are, not corrected for their zero start (at b1
+  0.9, b2 0.999 and a steady gradient, (1 - b1^t) / sqrt(1 - b2^t) times optax's: 3.2x at the
+  first update, 6.6x at the 12th, 1.26x at the 1,000th, 1.00x by the 10,000th). Its state is
+  optax.scale_by_adam's."""
   def init(params):
     return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32),
                                   mu=optax.tree.zeros_like(params),
