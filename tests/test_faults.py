@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 
 from realm_jax.errors import CheckpointError, NonFiniteError
-from realm_jax.runtime import checkpoints, embedders
+from realm_jax.runtime import checkpoints, embedders, state as state_lib
 from realm_jax.train import steps
 from realm_jax.retrieval import published
 from realm_jax.retrieval.builder import IndexBuilder
 from realm_jax.runtime.checkpoints import Checkpointer
+from realm_jax.runtime.metrics import read_jsonl
 from realm_jax.train.loop import QueryStepBatches, train
 from realm_jax.workdir import UNREADABLE_CHECKPOINTS
 from tests import helpers
@@ -318,6 +319,16 @@ def test_a_nan_loss_with_nonfinite_skip_is_skipped_and_counted(
   # The logged means leave the skipped step out: every logged loss is finite.
   assert all(np.isfinite(losses).all() for losses in loss_records(workdir).values())
   assert POISONED_STEP not in loss_records(workdir)
+  # The schedule follows the updates applied (the optimizer's count stays at the skipped step),
+  # and the logged rate is the one the step's update used: step 4's is that of the 3rd update.
+  schedule = state_lib.learning_rate_schedule(config.train)
+  rates = {r["step"]: r["learning_rate"] for r in read_jsonl(
+      os.path.join(workdir, "metrics", "train.jsonl"))}
+  assert rates == {1: pytest.approx(float(schedule(0))), 2: pytest.approx(float(schedule(1))),
+                   POISONED_STEP + 1: pytest.approx(float(schedule(2)))}, rates
+  counts = {int(np.asarray(leaf)) for path, leaf in jax.tree_util.tree_leaves_with_path(
+      saved_state(workdir, POISONED_STEP + 1)["opt"]) if str(path[-1]).strip("[]'.") == "count"}
+  assert counts == {POISONED_STEP}, counts   # 3 updates applied by step 4
 
 
 @pytest.mark.slow

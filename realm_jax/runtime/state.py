@@ -95,6 +95,17 @@ def learning_rate_schedule(train_config) -> optax.Schedule:
   ], [warm])
 
 
+def updates_applied(opt_state) -> int | None:
+  """The optimizer's count of updates applied (Adam's `count`, the same in every trained
+  half), None without a trained half: behind the trainer's step by the non-finite steps it
+  skipped (train.nonfinite=skip), and what the schedule read for the last update (at count - 1).
+  Read from this process's copy (the state is replicated)."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(opt_state):
+    if getattr(path[-1], "name", None) == "count":
+      return int(np.asarray(leaf.addressable_data(0)))
+  return None
+
+
 def bert_schedule(lr: float, warm: int, steps: int) -> optax.Schedule:
   """BERT's `create_optimizer`: lr * (1 - step / steps) (a polynomial decay of power 1 to 0,
   from step 0 on), and while step < warm the warm-up's lr * step / warm instead; so the

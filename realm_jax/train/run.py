@@ -432,10 +432,12 @@ class Run:
       batches.served(done, fed, metrics)
       if (done % cfg.train.log_every == 0 or done == total) and window:
         now = time.time()
-        # the rate step `done`'s update applied: optax reads the schedule at the count of
-        # updates before it (0 for the first)
+        # the rate of the last update applied: optax reads the schedule at the count of updates
+        # before it (0 for the first); a skipped step (train.nonfinite=skip) moves no count
+        applied = state_lib.updates_applied(self.state.opt_state)
         scalars = window_scalars(window, now - t_last, float(
-            state_lib.learning_rate_schedule(cfg.train)(done - 1)), carried)
+            state_lib.learning_rate_schedule(cfg.train)((done if applied is None else applied)
+                                                         - 1)), carried)
         figures, note = batches.progress(scalars)   # may add figures to the scalars
         logs["train"].write(done, scalars)
         rate = scalars["steps_per_second"]
