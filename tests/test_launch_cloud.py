@@ -135,6 +135,17 @@ def test_the_build_copy_of_the_package_holds_only_its_sources(tmp_path):
   assert not stale.exists()
 
 
+def test_an_image_of_the_checkout_leaves_out_what_git_leaves_out():
+  """.dockerignore (the build context of docs/launch.md's image, `COPY . /src`) holds every
+  line of .gitignore (.venv, runs/, build/ ...) and git's own folder."""
+  def patterns(name):
+    with open(os.path.join(REPO, name)) as f:
+      return {line.strip() for line in f if line.strip() and not line.startswith("#")}
+  assert patterns(".gitignore") <= patterns(".dockerignore"), (
+      patterns(".gitignore") - patterns(".dockerignore"))
+  assert ".git" in patterns(".dockerignore")
+
+
 def test_with_native_gcs_the_jobs_get_the_urls_and_nothing_is_mounted(capsys, tmp_path):
   lines = _dry_run(capsys, "up", *SLICES, *RUN)
   assert len(lines) == 13
