@@ -598,14 +598,21 @@ def test_a_join_under_cluster_detection_may_take_twice_init_timeout(tmp_path):
   that ends with the line naming the option (exit 1)."""
   script = tmp_path / "join.py"
   script.write_text(_DETECTED_JOIN)
-  run = lambda seconds, timeout: subprocess.run(
+  start = lambda seconds, timeout: subprocess.Popen(
       [sys.executable, str(script), str(seconds), str(timeout)], cwd=helpers.REPO,
-      capture_output=True, text=True, timeout=120)
-  # e.g. 2.5 s for the coordinator's host, then 2.5 s to join: over --init_timeout and the
-  # watchdog's grace (2 s), under twice --init_timeout and the grace
-  slow = run(5, 2)
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  # Both at once: each waits (sleeps) for most of its time. The first, e.g. 2.5 s for the
+  # coordinator's host, then 2.5 s to join: over --init_timeout and the watchdog's grace
+  # (2 s), under twice --init_timeout and the grace.
+  procs = start(5, 2), start(60, 1)
+  try:
+    slow, never = (subprocess.CompletedProcess(p.args, None, *p.communicate(timeout=120))
+                   for p in procs)
+    slow.returncode, never.returncode = (p.returncode for p in procs)
+  finally:
+    for p in procs:
+      p.kill()
   assert slow.returncode == 0 and "joined" in slow.stdout, slow.stderr[-2000:]
-  never = run(60, 1)
   assert never.returncode == 1, never.stderr[-2000:]
   assert "[multihost] error: the GkeTpuCluster job did not form within 2s (--init_timeout=1 " \
       "for JAX's cluster detection, then as long for every process to connect)" in never.stderr
