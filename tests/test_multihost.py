@@ -543,10 +543,10 @@ def test_a_coordinator_that_never_answers_is_named(world_dir, tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "realm_jax.train.main", *helpers.config_flags(config, "demo_ict"),
        f"--workdir={tmp_path}", "--multihost=on", f"--coordinator_address=localhost:{port}",
-       "--num_processes=2", "--process_id=1", "--init_timeout=3"],
+       "--num_processes=2", "--process_id=1", "--init_timeout=1"],
       cwd=helpers.REPO, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 1, proc.stderr[-2000:]
-  assert f"the coordinator localhost:{port} did not answer within 3s" in proc.stderr
+  assert f"the coordinator localhost:{port} did not answer within 1s" in proc.stderr
   assert "Traceback" not in proc.stderr
   assert time.time() - t0 < 60
 
@@ -561,13 +561,13 @@ def test_a_process_that_never_joins_is_named(world_dir, tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "realm_jax.train.main", *helpers.config_flags(config, "demo_ict"),
        f"--workdir={tmp_path / 'w'}", "--multihost=on", f"--coordinator_address=localhost:{port}",
-       "--num_processes=2", "--process_id=0", "--init_timeout=2"],
+       "--num_processes=2", "--process_id=0", "--init_timeout=1"],
       cwd=helpers.REPO, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert f"process 0 of 2: joining the job at the coordinator localhost:{port} (served by " \
-      "this process), waiting up to 2s (--init_timeout) for every process" in proc.stdout
+      "this process), waiting up to 1s (--init_timeout) for every process" in proc.stdout
   assert f"[multihost] error: process 0 of 2: the job did not form at the coordinator " \
-      f"localhost:{port} within 2s (--init_timeout): process 1 never connected" in proc.stderr
+      f"localhost:{port} within 1s (--init_timeout): process 1 never connected" in proc.stderr
   assert "Check failure" not in proc.stderr and not os.path.exists(tmp_path / "w")
   for me, count, missing in ((2, 4, "not every one of processes 1 to 3 other than this one "
                                     "connected"), (0, 3, "not every one of processes 1 to 2 "
