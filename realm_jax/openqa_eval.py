@@ -208,11 +208,23 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
 _RUN_OVERRIDES: list = []   # --config.KEY=VALUE without --config (`run`)
 
 
+def evaluation_config(workdir: str, overrides=()):
+  """What realm-eval without `--config` and realm-predict evaluate under: the run's own
+  W/config.json with the command line's `--config.KEY=VALUE` options set (`overrides`, from
+  `overrides.split_run_overrides`: a question set, a data dir that moved), its mesh fitted to
+  this machine (`checkpoints.fitted_mesh`). A W that holds no run and a bad option are named
+  before JAX is imported (~0.6 s of each such command's start)."""
+  from realm_jax import workdir as workdir_lib
+  from realm_jax.config.overrides import apply_run_overrides
+  config = apply_run_overrides(workdir_lib.saved_config(workdir), overrides)
+  from realm_jax.runtime.checkpoints import fitted_mesh
+  return fitted_mesh(config)
+
+
 def main(argv) -> None:
   from absl import flags
   from realm_jax.errors import run_cli
   from realm_jax.config.overrides import refuse_arguments
-  from realm_jax.runtime.checkpoints import evaluation_config
   flags_ = flags.FLAGS
   refuse_arguments("realm-eval", argv)   # exit 2, as other bad usage
   log.use_absl_verbosity()   # -v N; Orbax's and TFDS's INFO lines off the console

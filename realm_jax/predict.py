@@ -29,13 +29,12 @@ _RUN_OVERRIDES: list = []   # --config.KEY=VALUE: options of W/config.json to se
 def predict(workdir: str, questions: list[str], step: int | None = None,
             overrides=()) -> list[dict]:
   """One record per question (`overrides`: `overrides.split_run_overrides`' options)."""
+  from realm_jax.openqa_eval import evaluation_config, load_run
+  config = evaluation_config(workdir, overrides)   # a W without a run: named before JAX loads
   from realm_jax.data.qa import QAExample
   from realm_jax.errors import ConfigError
-  from realm_jax.openqa_eval import load_run
   from realm_jax.train.qa_eval import QAEvaluator
-  from realm_jax.runtime.checkpoints import evaluation_config
-  config, data, mesh, model, params, frozen, reader, step = load_run(
-      evaluation_config(workdir, overrides), workdir, step)
+  config, data, mesh, model, params, frozen, reader, step = load_run(config, workdir, step)
   pieces = data.tokenizer.encode_batch(questions)
   empty = [i for i, (wp, _) in enumerate(pieces, 1) if not wp]
   if empty:   # (blank text is refused before anything is loaded)

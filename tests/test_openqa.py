@@ -597,7 +597,7 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path,
     evaluate_run(other, workdir, split="test", retrieval_only=True)
   # the same set on the run's own config (realm-eval without --config, realm-predict): the
   # remedy is the run's values, not leaving out a --config that was never given
-  from realm_jax.runtime.checkpoints import evaluation_config
+  from realm_jax.openqa_eval import evaluation_config
   own = evaluation_config(workdir, [
       ("--config.qa.test", "qa.test", "prepared:eval", False),
       ("--config.model.hidden_act", "model.hidden_act", other_act, False)])
@@ -776,7 +776,7 @@ def test_a_run_recorded_before_later_options_is_evaluated_as_one_recorded_now(op
   AttributeError on qa.heldout_unit."""
   from realm_jax.openqa_eval import evaluate_run
   from realm_jax.predict import predict
-  from realm_jax.runtime.checkpoints import evaluation_config
+  from realm_jax.openqa_eval import evaluation_config
   workdir, _ = openqa_run
   new = shutil.copytree(workdir, tmp_path / "new")
   old = shutil.copytree(workdir, tmp_path / "old")
@@ -804,7 +804,7 @@ def test_a_short_reader_trains_and_evaluates(world_dir, tmp_path, monkeypatch):
   """An Open-QA run with qa.reader_len 24 (pairs of up to 53 cut longest first) trains and
   evaluates on reader inputs of 24, and realm-eval of it reads them at the run's length."""
   from realm_jax.openqa_eval import evaluate_run
-  from realm_jax.runtime.checkpoints import evaluation_config
+  from realm_jax.openqa_eval import evaluation_config
   from realm_jax.train import openqa_inputs
   from realm_jax.train.loop import train
   real, lengths = openqa_inputs.reader_inputs, []

@@ -478,15 +478,6 @@ def run_config(workdir: str, config=None):
   return config if config is not None else workdir_lib.saved_config(workdir)
 
 
-def evaluation_config(workdir: str, overrides=()):
-  """What realm-eval without `--config` and realm-predict evaluate under: the run's own
-  W/config.json with the command line's `--config.KEY=VALUE` options set (`overrides`, from
-  `overrides.split_run_overrides`: a question set, a data dir that moved), its mesh fitted to
-  this machine (`fitted_mesh`)."""
-  from realm_jax.config.overrides import apply_run_overrides
-  return fitted_mesh(apply_run_overrides(run_config(workdir), overrides))
-
-
 def fitted_mesh(config):
   """`config`, with `mesh.shape` (-1, 1) where its own does not fit this machine's devices (a
   run trained on a pod, evaluated on one host): a checkpoint restores onto any mesh, and
