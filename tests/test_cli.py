@@ -142,7 +142,7 @@ def test_a_realm_run_whose_index_never_comes_ends_in_one_line(realm_flags, tmp_p
   `retrieval.index_timeout` and the CLI says so in one line, naming the option and what to
   start (exit code 1), where it printed the timeout inside a traceback."""
   result = run_cli(realm_flags + ["--config.retrieval.refresh=async",
-                                  "--config.retrieval.index_timeout=2"], str(tmp_path / "w"))
+                                  "--config.retrieval.index_timeout=1"], str(tmp_path / "w"))
   assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
   assert "Traceback" not in result.stderr, result.stderr[-3000:]
   errors = [line for line in result.stderr.splitlines() if line.startswith("realm-train: error:")]
