@@ -459,7 +459,7 @@ def _validate_reader_len(config) -> None:
   if n == 0:
     return
   least, most = d.query_len + 2, part_model(config, "reader").max_position
-  if n < 0 or n < least:
+  if n < least:   # (a negative length among them: least is query_len + 2 >= 6)
     raise ConfigError("qa.reader_len", f"{n} cannot hold [CLS] question [SEP] "
                       f"(data.query_len {d.query_len}), a body wordpiece and [SEP]: give "
                       f">= {least}, or 0 for query_len + block_len - 2")
