@@ -28,6 +28,7 @@ from realm_jax.interop import hf_bert, hf_realm, hf_realm_weights, torch_pickle
 from realm_jax.retrieval import published, subscriber
 from realm_jax.runtime import state as state_lib, embedders
 from realm_jax.runtime.checkpoints import restore_run
+from realm_jax.train.openqa_inputs import reader_length
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "city", "north", "born", "king", "year",
@@ -231,6 +232,10 @@ def test_open_qa_evidence_becomes_a_block_store_and_a_published_index(imported):
   tokenizer = load_tokenizer(os.path.join(hf_dir, "vocab.txt"))
   assert blocks.num_blocks == NUM_RECORDS and blocks.block_len == SIZES["reader_seq_len"]
   assert report.block_store["records_cut"] == 1        # the 60-word record
+  # realm-eval and realm-predict read HF's reader_seq_len wordpieces, as HF's RealmForOpenQA
+  # and the parity check's forward do (the longest record fills the block: query_len 16 after
+  # it would read 54)
+  assert reader_length(config, blocks.block_len) == SIZES["reader_seq_len"]
   for row, record in enumerate(records):
     body = tokenizer.encode_batch([record.decode()])[0][0][:blocks.block_len - 3]
     assert blocks.tokens[row][:blocks.lengths[row]].tolist() == [

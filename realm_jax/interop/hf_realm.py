@@ -90,7 +90,8 @@ def make_config(layout: str, hf: Mapping, *, task: str | None = None, data_dir: 
 
   Data lengths keep their defaults unless the checkpoint's positions are fewer (then they are
   scaled down to fit) or the layout fixes them (Open-QA: the block store's block_len, the rest
-  of HF's reader_seq_len for the question).
+  of HF's reader_seq_len for the question, and the reader's input cut to reader_seq_len as
+  HF's RealmForOpenQA cuts it, so realm-eval and realm-predict read what HF reads).
   """
   from realm_jax.config.defaults import base_config
   from realm_jax.config.validation import validate
@@ -119,13 +120,17 @@ def make_config(layout: str, hf: Mapping, *, task: str | None = None, data_dir: 
   c.data.dir = data_dir
   d, max_position = c.data, m.max_position
   if block_len is not None:
+    reader_len = min(int(hf.get("reader_seq_len", 320)), max_position)
     d.block_len = block_len
-    d.query_len = max(16, min(int(hf.get("reader_seq_len", 320)), max_position) - block_len)
+    d.query_len = max(16, reader_len - block_len)
+    if c.task == "openqa" and reader_len >= d.query_len + 2:
+      c.qa.reader_len = reader_len   # HF's reader input: the pair cut longest first to it
   elif d.query_len + d.block_len > max_position:
     d.query_len = max(16, max_position // 4)
     d.block_len = max_position - d.query_len
   shapes = c.copy_and_resolve_references()
   shapes.task = "realm"     # the checks of every stage; the task's data (questions) come later
+  shapes.qa.reader_len = 0
   validate(shapes)
   return c
 
