@@ -110,7 +110,8 @@ def check_data_dir(config) -> str:
   if paths.is_remote(data_dir) or os.path.exists(data_dir):
     return data_dir
   if paths.bucket_url(data_dir) == data_dir:
-    raise ConfigError("data.dir", f"data dir {data_dir!r} does not exist")
+    where = "" if os.path.isabs(data_dir) else f" (relative to {os.getcwd()})"
+    raise ConfigError("data.dir", f"data dir {data_dir!r} does not exist{where}")
   return paths.bucket_url(data_dir)
 
 

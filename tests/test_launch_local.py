@@ -530,7 +530,9 @@ def test_cli_device_errors_name_the_option(tmp_path, cuda_visible, flags, words)
 
 @pytest.mark.parametrize("flags, message", [
     ([], "config.data.dir: is empty: point it at a prepared data dir"),
-    (["--config.data.dir=nowhere"], "config.data.dir: data dir 'nowhere' does not exist"),
+    (["--config.data.dir=nowhere"],      # a relative dir is named with where it was looked for
+     f"config.data.dir: data dir 'nowhere' does not exist (relative to {REPO})"),
+    (["--config.data.dir=/nowhere"], "config.data.dir: data dir '/nowhere' does not exist"),
 ])
 def test_a_data_dir_that_cannot_be_read_is_refused_before_either_process_starts(
     tmp_path, flags, message):
