@@ -176,6 +176,53 @@ def test_a_sigterm_while_a_batch_waits_for_its_index_saves_the_last_step(
                 if d.isdigit()) == [0, 3, 5]
 
 
+def test_a_refresh_steps_checkpoint_outlives_the_saves_before_its_index_is_needed(
+    world_dir, tmp_path, monkeypatch, capsys):
+  """Deterministic refresh every 3 steps, swap lag 2, a checkpoint every step, the builder
+  behind: the batch of step 6 needs the index of checkpoint 3, and steps 4 and 5 are saved
+  before it waits. With the fewest train.keep_checkpoints that validation takes, checkpoint 3
+  is still there for the builder then (deleted, its index would never come)."""
+  import threading
+  import time
+  from realm_jax.config.validation import validate
+  from realm_jax.errors import ConfigError
+  from realm_jax.runtime import preemption
+  from realm_jax.train.loop import train
+  from tests.test_index_builder import build_once
+  monkeypatch.setattr(preemption.os, "_exit", lambda code: None)   # the watchdog's
+  config = helpers.tiny_config(
+      "realm", data_dir=world_dir, retrieval__refresh="deterministic",
+      retrieval__refresh_every=3, retrieval__swap_lag=2, retrieval__index_timeout=30.0,
+      train__steps=9, train__checkpoint_every=1, train__log_every=1, data__prefetch=1,
+      train__preemption_grace_seconds=20.0)
+  for keep in range(1, 10):   # the fewest validation takes
+    config.train.keep_checkpoints = keep
+    try:
+      validate(config)
+      break
+    except ConfigError as e:
+      assert e.option == "train.keep_checkpoints", e
+  workdir = str(tmp_path / "run")
+  log = os.path.join(workdir, "metrics", "train.jsonl")
+
+  def index_of_step_0_then_sigterm():
+    while not os.path.isdir(os.path.join(workdir, "checkpoints", "0")):
+      time.sleep(0.1)
+    build_once(config, workdir)
+    while not (os.path.exists(log) and [r["step"] for r in read_jsonl(log)][-1:] == [5]):
+      time.sleep(0.1)
+    time.sleep(1.0)                    # the batch of step 6 now waits for the index of 3
+    os.kill(os.getpid(), signal.SIGTERM)
+  helper = threading.Thread(target=index_of_step_0_then_sigterm, daemon=True)
+  helper.start()
+  summary = train(config, workdir)
+  helper.join(timeout=10)
+  out = capsys.readouterr().out
+  assert summary.get("preempted_at_step") == 5, out[-3000:]
+  saved = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+  assert 3 in saved, (keep, saved)
+
+
 def test_a_sigterm_while_the_first_index_or_the_final_evaluations_is_awaited_stops_at_once(
     world_dir, tmp_path, monkeypatch, capsys):
   """Async refresh. No builder yet: a SIGTERM while the trainer waits for the first published

@@ -3,6 +3,8 @@ found before any JAX work."""
 
 from __future__ import annotations
 
+import math
+
 from realm_jax.config.defaults import (BACKENDS, CANDIDATE_SOURCES, COMPUTE_DTYPES, MESH_AXES,
                                       DISTILL_QUERIES, HELDOUT_UNITS, LONG_QUERIES,
                                       NONFINITE_ACTIONS, OPTIMIZERS, PARTS, REFRESH_MODES,
@@ -113,11 +115,15 @@ def _validate_retrieval(config) -> None:
   # deterministic: the version a step needs is up to swap_lag / refresh_every + 1 versions
   # older than the newest (and the trainer may still be loading the previous one)
   needed = 2 + (-(-r.swap_lag // r.refresh_every) if r.refresh == "deterministic" else 0)
-  if r.refresh == "deterministic" and r.swap_lag > 1:
+  if r.refresh == "deterministic" and r.swap_lag > 0:
     # the trainer saves at every refresh step and every checkpoint_every; the checkpoint of
-    # refresh step S must outlive the saves before step S + swap_lag, which needs its index
+    # refresh step S must outlive the saves of steps S + 1 .. S + swap_lag, all made before
+    # the batch of the step after them (the first to read S's index) waits for it. Of
+    # checkpoint_every's there are at most (swap_lag + gap) // checkpoint_every: S lies a
+    # multiple of gcd(checkpoint_every, refresh_every) past one of them
     t = config.train
-    newer = -(-(r.swap_lag - 1) // t.checkpoint_every) + (r.swap_lag - 1) // r.refresh_every
+    gap = t.checkpoint_every - math.gcd(t.checkpoint_every, r.refresh_every)
+    newer = (r.swap_lag + gap) // t.checkpoint_every + r.swap_lag // r.refresh_every
     if t.keep_checkpoints <= newer:
       raise ConfigError("train.keep_checkpoints", f"must be > {newer} with deterministic "
                         f"refresh, swap_lag {r.swap_lag} and checkpoint_every "
