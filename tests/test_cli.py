@@ -50,6 +50,8 @@ def realm_flags(world_dir):
     ({"train__batch_size": 100000}, "train.batch_size"),
     ({"train__keep_checkpoints": 0}, "train.keep_checkpoints"),   # Orbax would delete each
     ({"train__checkpoint_every": 0}, "train.checkpoint_every"),
+    ({"retrieval__refresh": "deterministic", "retrieval__swap_lag": 2,
+      "train__checkpoint_every": 0}, "train.checkpoint_every"),   # was a ZeroDivisionError
     ({"train__log_every": 0}, "train.log_every"),
     ({"retrieval__refresh": "deterministic", "retrieval__refresh_every": 0},
      "retrieval.refresh_every"),
@@ -80,7 +82,8 @@ def realm_flags(world_dir):
     ({"train__profile_first_step": 1, "train__profile_steps": 0}, "train.profile_steps"),
     ({"train__optimizer": "adam"}, "train.optimizer"),
 ], ids=["k=1", "k>blocks", "block_len=4", "block_len!=data", "mesh=3x1", "task", "candidates",
-        "batch>examples", "keep=0", "checkpoint_every=0", "log_every=0", "refresh_every=0",
+        "batch>examples", "keep=0", "checkpoint_every=0", "checkpoint_every=0_deterministic",
+        "log_every=0", "refresh_every=0",
         "keep<swap_lag", "eval_every=-1", "retrieval_dim=0", "lr=nan", "b2=1.5",
         "ict_remove_prob=2", "warmup=-5", "reader_lr_scale=nan", "grace=inf",
         "embed_batch=-1", "seed=-1", "rules_axis", "model_axis!|mlp", "eval_split",

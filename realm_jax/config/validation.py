@@ -115,7 +115,8 @@ def _validate_retrieval(config) -> None:
   # deterministic: the version a step needs is up to swap_lag / refresh_every + 1 versions
   # older than the newest (and the trainer may still be loading the previous one)
   needed = 2 + (-(-r.swap_lag // r.refresh_every) if r.refresh == "deterministic" else 0)
-  if r.refresh == "deterministic" and r.swap_lag > 0:
+  if r.refresh == "deterministic" and r.swap_lag > 0 and config.train.checkpoint_every >= 1:
+    # (checkpoint_every < 1 is named further on, with the other counts of train)
     # the trainer saves at every refresh step and every checkpoint_every; the checkpoint of
     # refresh step S must outlive the saves of steps S + 1 .. S + swap_lag, all made before
     # the batch of the step after them (the first to read S's index) waits for it. Of
