@@ -151,3 +151,40 @@ def test_a_bucket_log_written_every_step_is_sent_at_most_every_hold_seconds(monk
   assert sends.count(held) == 4
   paths.send_held_lines()            # a closed log is no longer held
   assert sends.count(held) == 4
+
+
+@pytest.mark.slow
+def test_the_trainers_poll_of_the_index_waits_out_an_outage_then_names_the_index_dir(
+    server, gcs, monkeypatch):
+  """The trainer's index subscriber on a bucket workdir: an outage longer than gcsfs's own
+  retries is waited out as every other read is (the version published after it is loaded),
+  and one past $REALM_JAX_STORAGE_PATIENCE ends the trainer's wait in StorageUnreachable
+  naming W/index (one line at the CLI), not in a traceback of the subscriber's thread."""
+  import gcsfs.retry
+  import numpy as np
+  from realm_jax.retrieval import published
+  from realm_jax.retrieval.index import IndexVersion
+  from realm_jax.retrieval.subscriber import IndexSubscriber
+  monkeypatch.setattr(gcsfs.retry, "asyncio", _TenthOfTheBackoff())
+  monkeypatch.setenv(paths.PATIENCE_ENV, "60")
+  workdir = f"{gcs}/subscribed"
+  root = published.index_root(workdir)
+  loader = lambda v: IndexVersion(version=v, step=0, index=None, encode_queries=None)
+  subscriber = IndexSubscriber(workdir, loader, poll_seconds=0.1)
+  try:
+    comes_back = server.down_for(6.0)   # gcsfs gives up after ~3 s (a tenth of its backoff)
+    comes_back.join(timeout=60)
+    published.publish_arrays(root, np.zeros((4, 2), np.float32), {}, step=0,
+                             fingerprint="blocks", keep=2)
+    assert subscriber.wait(lambda have: have.get(1), 60.0, "v1").version == 1
+
+    monkeypatch.setenv(paths.PATIENCE_ENV, "1")
+    server.go_down()
+    try:
+      with pytest.raises(StorageUnreachable, match=r"subscribed/index: .*failed, the storage "
+                         r"server did not answer .*REALM_JAX_STORAGE_PATIENCE=1s"):
+        subscriber.wait(lambda have: have.get(2), 60.0, "v2")
+    finally:
+      server.come_back()
+  finally:
+    subscriber.close()

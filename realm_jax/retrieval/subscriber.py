@@ -19,7 +19,8 @@ from typing import Callable
 
 
 from realm_jax import paths, workdir as workdir_lib
-from realm_jax.errors import IndexNeverPublished, IndexWaitTimeout, raise_if_interrupted
+from realm_jax.errors import (SELF_EXPLAINING, IndexNeverPublished, IndexWaitTimeout,
+                              StorageUnreachable, raise_if_interrupted)
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, IndexVersion
 
@@ -156,14 +157,20 @@ class IndexSubscriber:
     return found
 
   def poll(self) -> None:
-    """One look at `W/index`; loads whatever is new and wanted (called by the thread)."""
-    for version in self._candidates():
+    """One look at `W/index`; loads whatever is new and wanted (called by the thread). A
+    bucket that does not answer is waited out as by every read of the path layer, then
+    StorageUnreachable names W/index or the version (raised by the trainer's waits)."""
+    for version in paths.retried("listing the index versions", self.root, self._candidates):
       try:
         t0 = time.time()
-        loaded = self.loader(version)
+        loaded = paths.retried(f"loading index v{version}",
+                               published.version_dir(self.root, version),
+                               lambda: self.loader(version))
       except published.RejectedVersion as e:
         self._reject(version, e.reason)
         continue
+      except StorageUnreachable:   # (an OSError) not the version's fault: the job stops
+        raise
       except (OSError, ValueError) as e:   # e.g. pruned while we read it: try again later
         tries = self._failures[version] = self._failures.get(version, 0) + 1
         logger.warning(f"{self.log_prefix}index v{version}: could not load ({e}); "
@@ -299,6 +306,8 @@ class IndexSubscriber:
         self._wanted = {s for s in self._wanted if s >= before_step}
 
   def _raise(self) -> None:
+    if isinstance(self._error, SELF_EXPLAINING):   # its message says it all: one line at the CLI
+      raise self._error
     if self._error is not None:
       raise RuntimeError(f"the index subscriber failed: {self._error!r}") from self._error
 
