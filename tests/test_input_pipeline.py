@@ -372,6 +372,43 @@ def test_the_first_async_version_is_what_every_host_exchanged(monkeypatch):
   assert sent == ["stopped"]
 
 
+def test_a_first_async_wait_that_fails_on_one_host_fails_on_every_host(monkeypatch):
+  """The wait for the first async version that ends in an error on one host (its subscriber
+  failed: a version whose load ran out of device memory, say) ends in the exchange too, as a
+  deterministic batch's wait does: that host tells the others, then raises its error, and they
+  raise it too, instead of waiting in the exchange for a host that left."""
+  import types
+  from realm_jax.runtime import multihost
+  from realm_jax.train.feed import VersionSchedule
+  config = types.SimpleNamespace(retrieval=types.SimpleNamespace(refresh="async",
+                                                                 index_timeout=5))
+  failure = "the index subscriber failed: XlaRuntimeError('RESOURCE_EXHAUSTED')"
+
+  class Subscriber:
+    def __init__(self, error=None):
+      self.error = error
+
+    def wait(self, pick, timeout, what, should_stop=None):
+      if self.error is not None:
+        raise self.error
+      return pick({1: types.SimpleNamespace(version=1, step=0)})
+  sent = []
+
+  def host_1_says(answer):
+    def every_process(name, value, timeout):
+      sent.append(value)
+      return [value, answer]
+    monkeypatch.setattr(multihost, "every_process", every_process)
+  host_1_says("1")
+  with pytest.raises(RuntimeError, match=r"^the index subscriber failed: XlaRuntime"):
+    VersionSchedule(config, Subscriber(RuntimeError(failure))).start_async(0, 2, lambda: False)
+  assert sent == [f"failed: RuntimeError: {failure}"]
+  host_1_says(f"failed: RuntimeError: {failure}")
+  with pytest.raises(RuntimeError, match=r"^process 1: RuntimeError: the index subscriber"):
+    VersionSchedule(config, Subscriber()).start_async(0, 2, lambda: False)
+  assert sent[-1] == "1"
+
+
 class _NoQueries:
   """A query stream of empty examples (the batches are `assemble`'s)."""
 

@@ -73,13 +73,14 @@ class VersionSchedule:
     The hosts wait in rounds, each ended by an exchange of what each found, so that all act
     alike: on the version once all have the same newest one, else on another round for the
     newest any has; FeedStopped on every host once `should_stop()` held on one (a SIGTERM:
-    the run stops at `start`, saved), IndexWaitTimeout once one ran out of index_timeout."""
+    the run stops at `start`, saved), IndexWaitTimeout once one ran out of index_timeout, the
+    error of a host whose wait failed otherwise (`_exchanged`)."""
     t0 = time.time()
     deadline, least = t0 + self.timeout, 0
     while True:
-      mine, loaded = self._first_found(least, deadline, should_stop)
-      found = multihost.every_process("first index", mine, max(0.0, deadline - time.time())
-                                      + multihost.io_wait_timeout())
+      mine, loaded, error = self._first_found(least, deadline, should_stop)
+      found = _exchanged("first index", mine, max(0.0, deadline - time.time())
+                         + multihost.io_wait_timeout(), error)
       if _STOPPED in found:
         raise FeedStopped(start, time.time() - t0, "the first index every process has")
       timed_out = [f for f in found if f.startswith(_TIMED_OUT)]
@@ -97,9 +98,10 @@ class VersionSchedule:
     return loaded
 
   def _first_found(self, least: int, deadline: float, should_stop: Callable[[], bool] | None
-                   ) -> tuple[str, IndexVersion | None]:
+                   ) -> tuple[str, IndexVersion | None, Exception | None]:
     """This host's part of a round of `start_async`: its newest version once that is `least`
-    or newer (the number, and the version), else _STOPPED or _TIMED_OUT and why."""
+    or newer (the number, and the version), else _STOPPED, _TIMED_OUT or _FAILED and why
+    (and the error it raised)."""
     try:
       loaded = self.subscriber.wait(
           lambda have: have[max(have)] if have and max(have) >= least else None,
@@ -107,8 +109,10 @@ class VersionSchedule:
           "at all" if least == 0 else f"v{least} or newer (another process has it; the rest "
           f"of the first wait's {self.timeout:g}s)", should_stop)
     except IndexWaitTimeout as e:
-      return _TIMED_OUT + str(e), None
-    return (_STOPPED, None) if loaded is None else (str(loaded.version), loaded)
+      return _TIMED_OUT + str(e), None, None
+    except Exception as e:  # noqa: BLE001  (raised after the exchange, on every process)
+      return f"{_FAILED}{type(e).__name__}: {e}", None, e
+    return (_STOPPED, None, None) if loaded is None else (str(loaded.version), loaded, None)
 
   def advance_async(self, step: int, depth: int) -> None:
     """Before running `step`: adopt the newest loaded version from step + depth on, once
@@ -196,9 +200,17 @@ def stopped_anywhere(stopped: bool, index_timeout: float,
   process raises: this one `error`, the others the first failed process's (`_peer_error`)."""
   mine = (f"{_FAILED}{type(error).__name__}: {error}" if error is not None else
           _STOPPED if stopped else "on")
+  return _STOPPED in _exchanged("stopped waiting", mine,
+                                index_timeout + multihost.io_wait_timeout(), error)
+
+
+def _exchanged(name: str, mine: str, timeout: float, error: Exception | None) -> list[str]:
+  """Every process's `mine` (`multihost.every_process`, `name`), which says how its wait for
+  an index ended: where one's wait raised (`error` on this one, then `mine` says _FAILED and
+  why), every process raises: this one `error`, the others the first failed process's
+  (`_peer_error`)."""
   try:
-    found = multihost.every_process("stopped waiting", mine,
-                                    index_timeout + multihost.io_wait_timeout())
+    found = multihost.every_process(name, mine, timeout)
   except RuntimeError:   # another process gone: this one's error says more than that
     if error is None:
       raise
@@ -207,7 +219,7 @@ def stopped_anywhere(stopped: bool, index_timeout: float,
   failed = [(p, f[len(_FAILED):]) for p, f in enumerate(found) if f.startswith(_FAILED)]
   if failed:
     raise _peer_error(*failed[0])
-  return _STOPPED in found
+  return found
 
 
 def waited_together(wait: Callable[[], object | None], index_timeout: float
