@@ -407,6 +407,12 @@ def test_a_first_async_wait_that_fails_on_one_host_fails_on_every_host(monkeypat
   with pytest.raises(RuntimeError, match=r"^process 1: RuntimeError: the index subscriber"):
     VersionSchedule(config, Subscriber()).start_async(0, 2, lambda: False)
   assert sent[-1] == "1"
+  # a bucket that stopped answering: StorageUnreachable on every host (one line at the CLI)
+  from realm_jax.errors import StorageUnreachable
+  host_1_says("failed: StorageUnreachable: gs://b/w/index: listing the index versions failed")
+  with pytest.raises(StorageUnreachable, match=r"^gs://b/w/index: listing the index versions "
+                     r"failed$"):
+    VersionSchedule(config, Subscriber()).start_async(0, 2, lambda: False)
 
 
 class _NoQueries:

@@ -24,7 +24,8 @@ from typing import Callable
 
 import numpy as np
 
-from realm_jax.errors import SELF_EXPLAINING, IndexNeverPublished, IndexWaitTimeout
+from realm_jax.errors import (SELF_EXPLAINING, IndexNeverPublished, IndexWaitTimeout,
+                              StorageUnreachable)
 from realm_jax.retrieval.index import IndexVersion
 from realm_jax.runtime import multihost
 
@@ -239,10 +240,10 @@ def waited_together(wait: Callable[[], object | None], index_timeout: float
 
 def _peer_error(process: int, said: str) -> Exception:
   """The error of another process's wait for an index (`said`: its class and message): an
-  index error as the same class with the same message (one line at the CLI, as there),
-  another as a RuntimeError naming that process."""
+  index or storage error as the same class with the same message (one line at the CLI, as
+  there), another as a RuntimeError naming that process."""
   name, _, message = said.partition(": ")
-  known = {e.__name__: e for e in (IndexWaitTimeout, IndexNeverPublished)}
+  known = {e.__name__: e for e in (IndexWaitTimeout, IndexNeverPublished, StorageUnreachable)}
   return known[name](message) if name in known else RuntimeError(f"process {process}: {said}")
 
 
