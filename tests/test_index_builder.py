@@ -251,6 +251,24 @@ def test_deterministic_builder_builds_the_trainers_last_step_whatever_its_own_tr
     builder.close()
 
 
+def test_deterministic_builder_builds_the_trainers_refresh_steps_whatever_its_own_period(
+    world_dir, tmp_path):
+  """The trainer checkpoints and waits for the multiples of its retrieval.refresh_every (in
+  W/config.json): a builder given another period builds them all the same, instead of none
+  (the trainer, waiting for step 5's version, would never save step 10's checkpoint)."""
+  from realm_jax import workdir as workdir_lib
+  workdir = str(tmp_path / "run")
+  mode = dict(retrieval__refresh="deterministic", retrieval__swap_lag=5, train__steps=40)
+  workdir_lib.record_config(builder_config(world_dir, retrieval__refresh_every=5, **mode),
+                            workdir)
+  builder = IndexBuilder(builder_config(world_dir, retrieval__refresh_every=10, **mode), workdir)
+  builder.published_steps = lambda: {0: 1}   # step 0 built
+  try:
+    assert builder.next_step([0, 5]) == 5
+  finally:
+    builder.close()
+
+
 @pytest.mark.slow
 def test_checkpoint_deleted_while_restoring_moves_to_the_newest(world_dir, tmp_path, capsys):
   config = builder_config(world_dir)

@@ -18,8 +18,8 @@ process 0 alone writes, publishes and points LATEST.
 
 Which checkpoints: `retrieval.refresh = async` builds the newest one whenever it is newer than
 the last published; `deterministic` builds every refresh step (multiples of
-`retrieval.refresh_every`, and the final step: this config's train.steps and the trainer's, as
-W/config.json records it) in order, since the trainer will ask for each.
+`retrieval.refresh_every`, and the final step: this config's and the trainer's, as
+W/config.json records them) in order, since the trainer will ask for each.
 """
 
 from __future__ import annotations
@@ -170,11 +170,22 @@ class IndexBuilder:
     """The checkpoint to build next, or None if there is nothing new."""
     newest_built = max(self.published_steps(), default=-1)   # older ones may be pruned
     if self.config.retrieval.refresh == "deterministic":
-      every, final = self.config.retrieval.refresh_every, self.final_steps()
-      todo = [s for s in steps if (s % every == 0 or s in final) and s > newest_built]
+      periods, final = self.refresh_periods(), self.final_steps()
+      todo = [s for s in steps if (any(s % every == 0 for every in periods) or s in final)
+              and s > newest_built]
       return todo[0] if todo else None
     newest = steps[-1] if steps else None
     return newest if newest is not None and newest > newest_built else None
+
+  def refresh_periods(self) -> set[int]:
+    """The periods of the refresh steps, which the trainer checkpoints and waits for a version
+    of: this config's retrieval.refresh_every, and the trainer's as W/config.json records it
+    (a builder given another built none of the steps the trainer waited for, and it waited
+    out retrieval.index_timeout)."""
+    trainer = ((workdir_lib.recorded_config(self.workdir) or {}).get("retrieval") or {}).get(
+        "refresh_every")
+    own = {self.config.retrieval.refresh_every}
+    return own | ({trainer} if type(trainer) is int and trainer >= 1 else set())
 
   def final_steps(self) -> set[int]:
     """The run's last step, which the trainer checkpoints and waits for a version of whether
