@@ -255,16 +255,19 @@ def test_deterministic_builder_builds_the_trainers_refresh_steps_whatever_its_ow
     world_dir, tmp_path):
   """The trainer checkpoints and waits for the multiples of its retrieval.refresh_every (in
   W/config.json): a builder given another period builds them all the same, instead of none
-  (the trainer, waiting for step 5's version, would never save step 10's checkpoint)."""
+  (the trainer, waiting for step 5's version, would never save step 10's checkpoint), and not
+  its own period's (a version of step 3 beside them would prune the trainer's sooner)."""
   from realm_jax import workdir as workdir_lib
   workdir = str(tmp_path / "run")
-  mode = dict(retrieval__refresh="deterministic", retrieval__swap_lag=5, train__steps=40)
+  mode = dict(retrieval__refresh="deterministic", retrieval__swap_lag=5, train__steps=40,
+              train__keep_checkpoints=10, builder__keep_versions=6)
   workdir_lib.record_config(builder_config(world_dir, retrieval__refresh_every=5, **mode),
                             workdir)
-  builder = IndexBuilder(builder_config(world_dir, retrieval__refresh_every=10, **mode), workdir)
+  builder = IndexBuilder(builder_config(world_dir, retrieval__refresh_every=3, **mode), workdir)
   builder.published_steps = lambda: {0: 1}   # step 0 built
   try:
-    assert builder.next_step([0, 5]) == 5
+    assert builder.next_step([0, 3, 5]) == 5
+    assert builder.next_step([0, 3, 6]) is None
   finally:
     builder.close()
 

@@ -17,9 +17,9 @@ With several processes (`--multihost`) process 0 decides each build and the othe
 process 0 alone writes, publishes and points LATEST.
 
 Which checkpoints: `retrieval.refresh = async` builds the newest one whenever it is newer than
-the last published; `deterministic` builds every refresh step (multiples of
-`retrieval.refresh_every`, and the final step: this config's and the trainer's, as
-W/config.json records them) in order, since the trainer will ask for each.
+the last published; `deterministic` builds every refresh step (multiples of the
+trainer's `retrieval.refresh_every` as W/config.json records it, and the final step: this
+config's train.steps and the trainer's) in order, since the trainer will ask for each.
 """
 
 from __future__ import annotations
@@ -178,14 +178,15 @@ class IndexBuilder:
     return newest if newest is not None and newest > newest_built else None
 
   def refresh_periods(self) -> set[int]:
-    """The periods of the refresh steps, which the trainer checkpoints and waits for a version
-    of: this config's retrieval.refresh_every, and the trainer's as W/config.json records it
-    (a builder given another built none of the steps the trainer waited for, and it waited
-    out retrieval.index_timeout)."""
+    """The period of the refresh steps, which the trainer checkpoints and waits for a version
+    of: the trainer's retrieval.refresh_every as W/config.json records it, this config's until
+    the trainer has recorded one (a builder given another period built none of the steps the
+    trainer waited for, and it waited out retrieval.index_timeout; versions of its own period
+    beside the trainer's would prune the trainer's sooner)."""
     trainer = ((workdir_lib.recorded_config(self.workdir) or {}).get("retrieval") or {}).get(
         "refresh_every")
-    own = {self.config.retrieval.refresh_every}
-    return own | ({trainer} if type(trainer) is int and trainer >= 1 else set())
+    return {trainer} if type(trainer) is int and trainer >= 1 else {
+        self.config.retrieval.refresh_every}
 
   def final_steps(self) -> set[int]:
     """The run's last step, which the trainer checkpoints and waits for a version of whether
