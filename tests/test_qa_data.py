@@ -67,6 +67,35 @@ def test_nq_open_counts_bad_lines_and_strict_names_the_line(tmp_path):
   assert [ex.qid for ex in both] == ["more.jsonl:1", "nq.jsonl:1", "q7"]
 
 
+def test_a_question_or_answer_that_is_no_utf8_text_is_skipped(tmp_path):
+  """A JSON-escaped lone surrogate ("\\ud800") decodes to a str no tokenizer takes: the
+  question is skipped as invalid UTF-8 (a corpus document is), by Open-QA and realm-prepare
+  alike, not a TypeError from the tokenizer once the run has read every question."""
+  from realm_jax.data import prepare as prepare_lib, sources
+  lines = [b'{"question": "who is \\ud800 it", "answer": ["Bob"]}',
+           b'{"question": "who wrote it", "answer": ["Bob \\udc00"]}',
+           b'{"question": "who else", "answer": ["Ann"]}']
+  path = write(tmp_path / "nq.jsonl", b"\n".join(lines) + b"\n")
+  examples, skipped = read_qa(f"nq_open:{path}")
+  assert [ex.question for ex in examples] == ["who else"]
+  assert skipped == {qa.INVALID_UTF8: 2}
+  with pytest.raises(DataError, match=f"{path}:1: invalid UTF-8"):
+    read_qa(f"nq_open:{path}", strict=True)
+  data = squad_json(1)
+  first = data["data"][0]["paragraphs"][0]["qas"]
+  first[0]["question"] = "who is \ud800 it"
+  first[1]["answers"] = [{"text": "Ans \udc00", "answer_start": 0}]
+  squad = write(tmp_path / "squad.json", json.dumps(data))
+  examples, skipped = read_qa(f"squad:{squad}")
+  assert [ex.qid for ex in examples] == ["q0-2"] and skipped == {qa.INVALID_UTF8: 2}
+  config = prepare_lib.prepare_config()
+  config.source = f"squad:{squad}"
+  skips = sources.Skips(strict=False)
+  docs = list(sources.read_documents(config, skips))
+  assert [q["id"] for q in docs[0].qas] == ["q0-2"]
+  assert skips.questions == {qa.INVALID_UTF8: 2}
+
+
 def test_a_bom_alone_on_the_first_line_is_a_blank_line(tmp_path):
   """A BOM'd file whose first line is blank: no malformed record, also with strict (the
   corpus's JSONL reader and the question reader alike)."""

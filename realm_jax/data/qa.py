@@ -26,7 +26,7 @@ from realm_jax.data.answers import as_read, compile_answer_regex
 from realm_jax.data.sources import (DUPLICATE_ID, INVALID_UTF8, MALFORMED_JSON,
                                     MISSING_QUESTION, NO_ANSWERS, NON_STRING_ANSWERS,
                                     NOT_AN_OBJECT, UNANSWERABLE, Deduplicator, Skips,
-                                    matching_files, open_tfds, paragraph_key, question_id,
+                                    is_utf8, matching_files, open_tfds, paragraph_key, question_id,
                                     read_squad_articles, squad_answers,
                                     squad_paragraph_skipped)
 from realm_jax.errors import ConfigError, DataError
@@ -90,6 +90,8 @@ class _Collector:
     answers = tuple(dict.fromkeys(a.strip() for a in answers or () if a.strip()))
     if not answers:
       return self.skips.skip(NO_ANSWERS, where)
+    if not is_utf8(question, *answers):         # a JSON-escaped lone surrogate
+      return self.skips.skip(INVALID_UTF8, where)
     if self.is_regex and not all(compile_answer_regex(a) for a in answers):
       return self.skips.skip(BAD_REGEX, where)
     qid = question_id(obj.get(id_key), default_id)

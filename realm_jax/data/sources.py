@@ -187,6 +187,17 @@ def utf8_size(title: str, text: str) -> int | None:
     return None
 
 
+def is_utf8(*texts: str) -> bool:
+  """Whether every one of `texts` is UTF-8 text (no lone surrogate, which JSON can escape:
+  a question or answer holding one would stop the tokenizer, `utf8_size`)."""
+  try:
+    for text in texts:
+      text.encode("utf-8")
+  except UnicodeEncodeError:
+    return False
+  return True
+
+
 def matching_files(pattern: str) -> list[str]:
   """The files a pattern names, a file or a glob (its directories left out): a `jsonl:` or
   `squad:` source's, and a question set's (`realm_jax.data.qa`)."""
@@ -377,6 +388,8 @@ def squad_questions(paragraph: dict, where: str, skips: Skips, seen_ids: set[str
       skips.skip_question(MISSING_QUESTION, at)
     elif not answers:
       skips.skip_question(NO_ANSWERS, at)
+    elif not is_utf8(qa["question"], *(text for text, _ in answers)):
+      skips.skip_question(INVALID_UTF8, at)
     elif (qid := question_id(qa.get("id"), f"{default_id}.{q}")) in seen_ids:
       skips.skip_question(DUPLICATE_ID, at)
     else:
