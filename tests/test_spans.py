@@ -56,6 +56,8 @@ def test_tagged_spans(text, expected):
     ("The population was 2.5 million in 2010.", ["2.5 million", "2010"]),
     ("It was 4 hours long and 3 km away.", ["3"]),
     ("It cost US$360,700 in total.", ["360,700"]),
+    # a degree's letter is its unit, not a name (BERT reads "°c" and "30°s" as one word)
+    ("It reaches 35 °C in July, 95°F, and lies at 30°S 70°W.", ["35", "95", "30", "70"]),
     # Names: any alphabet, after "the", hyphens, possessives, initials, abbreviations.
     ("He fought in the Battle of Hastings and the First World War.",
      ["Battle of Hastings", "First World War"]),

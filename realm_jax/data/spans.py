@@ -12,7 +12,7 @@ offline stand-in needs no model:
 * Numbers: thousands separators ("3,400"), decimals ("4.5"), numbers of at least two
   digits, "2.5 million", and single digits before a recognised unit ("5%", "3 km"). A unit
   after a number is left out of the span ("3,400 inhabitants" tags "3,400"), so masking it
-  hides the quantity, not the unit.
+  hides the quantity, not the unit; the letter of a degree ("35 °C", "30°S") is no name.
 * Named entities: maximal runs of capitalised words (any alphabet: "Topkapı", "İpekçi"),
   joined across inner connectors such as "of", "von" or "&" ("University of Kelmar",
   "Pratt & Whitney"). Words may be hyphenated ("Saint-Malo", "Löwenheim–Skolem"; but
@@ -86,10 +86,11 @@ _LETTER = r"[^\W\d_]"
 # dotted abbreviations ("U.S.", "B.A.M.S"), short forms ("St.", "Dr."), initials ("J."),
 # and words with inner apostrophes ("O'Neill") and hyphen/dash parts ("Saint-Malo",
 # "French-speaking", cut in code). Never a word that starts inside another ("O'Neill" has
-# no word "Neill"); a word after an opening quote ("'Der Saadet'") is fine.
+# no word "Neill"), nor after a degree sign (the unit of "35 °C", "30°S"); a word after an
+# opening quote ("'Der Saadet'") is fine.
 _WORD = re.compile(
     r"(?=[^\W\d_a-z])"  # a fast way past lowercase words
-    rf"(?<!\w['’])(?<![\w.–-])(?:{_LETTER}(?:\.{_LETTER})+\.?"
+    rf"(?<!\w['’])(?<![\w.°–-])(?:{_LETTER}(?:\.{_LETTER})+\.?"
     r"|(?:St|Dr|Mr|Mrs|Ms|Mt|Ft|Jr|Sr|Prof|Rev|Gen|Col|Capt|Lt|Gov|Sen|Rep|Hon)\."
     rf"|[A-Z]\.(?=\s+{_LETTER})"
     r"|\w+(?:&\w+|['’][A-Z]\w*)*(?:[–-]\w+(?:['’][A-Z]\w*)*)*)(?![\w$])")
