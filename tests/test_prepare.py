@@ -145,6 +145,7 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
     (b'{"title": "Lone", "text": "A surrogate \\ud800 in Paris in 1900."}',
      sources.INVALID_UTF8),                     # valid JSON, no UTF-8 text
     (good_lines()[1], sources.DUPLICATE),
+    (b"[" * 100_000, sources.MALFORMED_JSON),   # deeper than json.loads recurses
 ])
 def test_strict_mode_fails_naming_file_and_line(tmp_path, line, reason):
   path = write_jsonl(tmp_path / "docs.jsonl", good_lines() + [line])

@@ -127,6 +127,21 @@ def test_a_glob_over_files_of_one_name_keeps_every_question(tmp_path, kind):
   assert [e.qid for e in examples] == ["test.jsonl:1"]
 
 
+def test_records_nested_too_deep_for_the_parser_are_malformed(tmp_path):
+  """JSON nested deeper than Python's parser recurses is a malformed record (or file), and a
+  TSV list literal Python cannot build (a list inside a set) one regex: neither a traceback."""
+  deep = b"[" * 100_000 + b"]" * 100_000
+  path = write(tmp_path / "nq.jsonl", deep + b'\n{"question": "q", "answer": ["a"]}\n')
+  examples, skipped = read_qa(f"nq_open:{path}")
+  assert [ex.qid for ex in examples] == ["nq.jsonl:2"] and skipped == {qa.MALFORMED_JSON: 1}
+  trec = write(tmp_path / "trec.txt", b'{"question": ' + deep + b'}\nwhich set\t[{[1]}]\n')
+  examples, skipped = read_qa(f"curated_trec:{trec}")
+  assert [ex.answers for ex in examples] == [("[{[1]}]",)] and skipped == {qa.MALFORMED_JSON: 1}
+  for spec in ("webq", "squad"):
+    with pytest.raises(DataError, match="RecursionError"):
+      read_qa(f"{spec}:{write(tmp_path / 'deep.json', deep)}")
+
+
 def test_a_file_at_the_filesystem_root_is_named_by_its_name(monkeypatch):
   monkeypatch.setattr(qa, "matching_files", lambda pattern: ["/test.jsonl"])
   assert qa._files("/test.jsonl") == {"/test.jsonl": "test.jsonl"}

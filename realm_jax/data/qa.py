@@ -23,10 +23,10 @@ import numpy as np
 from realm_jax import paths
 from realm_jax.config.defaults import HELDOUT_UNITS
 from realm_jax.data.answers import as_read, compile_answer_regex
-from realm_jax.data.sources import (DUPLICATE_ID, INVALID_UTF8, MALFORMED_JSON,
+from realm_jax.data.sources import (DUPLICATE_ID, INVALID_UTF8, MALFORMED, MALFORMED_JSON,
                                     MISSING_QUESTION, NO_ANSWERS, NON_STRING_ANSWERS,
-                                    NOT_AN_OBJECT, UNANSWERABLE, Deduplicator, Skips,
-                                    is_utf8, matching_files, open_tfds, paragraph_key, question_id,
+                                    NOT_AN_OBJECT, UNANSWERABLE, Deduplicator, Skips, is_utf8,
+                                    matching_files, open_tfds, paragraph_key, question_id,
                                     read_squad_articles, squad_answers,
                                     squad_paragraph_skipped)
 from realm_jax.errors import ConfigError, DataError
@@ -287,7 +287,7 @@ def _read_jsonl(path: str, collect: _Collector, name: str | None = None) -> None
   for where, line in _lines(path, collect.skips):
     try:
       obj = json.loads(line)
-    except json.JSONDecodeError:
+    except MALFORMED:
       collect.skips.skip(MALFORMED_JSON, where)
       continue
     collect.add(obj, where, default_id=f"{name}:{where.rsplit(':', 1)[1]}")
@@ -300,7 +300,7 @@ def _read_curated_trec(path: str, collect: _Collector, name: str | None = None) 
     if line.lstrip().startswith("{"):
       try:
         obj = json.loads(line)
-      except json.JSONDecodeError:
+      except MALFORMED:
         collect.skips.skip(MALFORMED_JSON, where)
         continue
     else:
@@ -322,7 +322,7 @@ def _tsv_answers(column: str) -> list:
     for parse in (json.loads, ast.literal_eval):
       try:
         value = parse(text)
-      except (ValueError, SyntaxError, json.JSONDecodeError):
+      except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
         continue
       if isinstance(value, list):
         return value
@@ -333,7 +333,7 @@ def _read_json(path: str):
   try:
     with open(path, "rb") as f:
       return json.loads(f.read().decode("utf-8-sig"))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+  except (UnicodeDecodeError, *MALFORMED) as e:
     raise DataError(f"{path}: not a JSON file ({type(e).__name__}: {e})") from None
 
 

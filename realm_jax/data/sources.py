@@ -30,6 +30,9 @@ from realm_jax.errors import ConfigError, DataError
 KINDS = ("jsonl", "squad", "tfds", "world")
 # Skip reasons, as they appear in stats.json.
 MALFORMED_JSON = "malformed JSON"
+# What `json.loads` raises on text that is no JSON it can read (nested deeper than Python's
+# recursion limit: RecursionError)
+MALFORMED = (json.JSONDecodeError, RecursionError)
 NOT_AN_OBJECT = "not a JSON object"
 MISSING_TITLE = "missing title field"
 MISSING_TEXT = "missing text field"
@@ -295,7 +298,7 @@ def _jsonl(pattern: str, config, skips: Skips) -> Iterator[SourceDocument]:
           continue
         try:
           obj = json.loads(decoded)
-        except json.JSONDecodeError:
+        except MALFORMED:
           skips.skip(MALFORMED_JSON, where)
           continue
         doc = _document(obj, config.title_field, config.text_field, config, where, skips)
@@ -316,7 +319,7 @@ def read_squad_articles(path: str) -> list:
       raise DataError(f"{path}: a corrupt or truncated gzip file ({e})") from None
   try:
     data = json.loads(raw.decode("utf-8-sig"))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+  except (UnicodeDecodeError, *MALFORMED) as e:
     raise DataError(f"{path}: not a SQuAD-format JSON file ({type(e).__name__}: {e})") from None
   articles = data.get("data") if isinstance(data, dict) else None
   if not isinstance(articles, list):
