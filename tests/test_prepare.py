@@ -345,6 +345,15 @@ def test_a_source_dir_is_named_as_one_and_a_second_run_on_a_dir_is_refused(tmp_p
   with pytest.raises(ConfigError, match=rf"'{tmp_path}' is a directory; give a file or a glob "
                      rf"\(jsonl:{tmp_path}/\*\.jsonl\)"):   # was "no such file"
     prepare_lib.prepare(config_for(f"jsonl:{tmp_path}", str(tmp_path / "out")))
+  # squad: reads one file, as Open-QA's squad: does: a glob was let through, then opened as a
+  # file name (FileNotFoundError), and a directory's message offered one
+  with open(tmp_path / "a.json", "w") as f:
+    json.dump({"data": []}, f)
+  with pytest.raises(ConfigError, match=rf"'{tmp_path}' is a directory; give a file "
+                     rf"\(squad:{tmp_path}/FILE\.json\)"):
+    prepare_lib.prepare(config_for(f"squad:{tmp_path}", str(tmp_path / "out")))
+  with pytest.raises(ConfigError, match=r"config\.source.*squad: reads one file, not a glob"):
+    prepare_lib.prepare(config_for(f"squad:{tmp_path}/*.json", str(tmp_path / "out")))
   from realm_jax.workdir import JobLock
   path = write_jsonl(tmp_path / "docs.jsonl", good_lines())
   config = config_for(f"jsonl:{path}", str(tmp_path / "out2"))

@@ -150,10 +150,13 @@ def parse_source(spec: str) -> tuple[str, str]:
     raise ConfigError("source", f"{spec!r}: world:ENTITIES takes a positive entity count")
   if kind in ("jsonl", "squad") and not matching_files(arg):
     if os.path.isdir(arg):
-      files = os.path.join(arg, "*.jsonl" if kind == "jsonl" else "*.json")
-      raise ConfigError("source", f"{spec!r}: {arg!r} is a directory; give a file or a glob "
-                        f"({kind}:{files})")
+      raise ConfigError("source", f"{spec!r}: {arg!r} is a directory; " + (
+          f"give a file or a glob (jsonl:{os.path.join(arg, '*.jsonl')})" if kind == "jsonl"
+          else f"give a file (squad:{os.path.join(arg, 'FILE.json')})"))
     raise ConfigError("source", f"{spec!r}: no such file {arg!r}")
+  if kind == "squad" and not os.path.isfile(arg):
+    raise ConfigError("source", f"{spec!r}: squad: reads one file, not a glob (as the Open-QA "
+                      "reader's squad: does); prepare each file on its own")
   return kind, arg
 
 
