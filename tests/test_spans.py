@@ -83,6 +83,10 @@ def test_tagged_spans(text, expected):
     ("Subsequently the Bible was translated into Armenian.", ["Bible", "Armenian"]),
     ("[citation needed] On 26 October 1943, it was organised.", ["26 October 1943"]),
     ("Historically, Kelmar was poor.", ["Kelmar"]),
+    # A line break ends a name, as it starts a sentence (a heading, a list item, a paragraph).
+    ("He lived in Paris\nThe city is big.", ["Paris"]),
+    ("Workshop Participation\nIn 1900 it met at Port Selva\r\nKelmar Institute hired him.",
+     ["Workshop Participation", "1900", "Port Selva", "Kelmar Institute"]),
 ])
 def test_tagged_spans_on_real_prose(text, expected):
   assert tagged(text) == expected

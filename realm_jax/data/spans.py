@@ -13,8 +13,8 @@ offline stand-in needs no model:
   digits, "2.5 million", and single digits before a recognised unit ("5%", "3 km"). A unit
   after a number is left out of the span ("3,400 inhabitants" tags "3,400"), so masking it
   hides the quantity, not the unit; the letter of a degree ("35 °C", "30°S") is no name.
-* Named entities: maximal runs of capitalised words (any alphabet: "Topkapı", "İpekçi"),
-  joined across inner connectors such as "of", "von" or "&" ("University of Kelmar",
+* Named entities: maximal runs of capitalised words (any alphabet: "Topkapı", "İpekçi") on
+  one line, joined across inner connectors such as "of", "von" or "&" ("University of Kelmar",
   "Pratt & Whitney"). Words may be hyphenated ("Saint-Malo", "Löwenheim–Skolem"; but
   "French-speaking" gives "French"), hold an inner apostrophe ("O'Neill"), digits ("M3",
   "O-1") or be initials and abbreviations ("J. R. R. Tolkien", "U.S. Congress",
@@ -218,12 +218,15 @@ def _joins(text: str, run: list[tuple[int, int]], word: tuple[int, int]) -> bool
   """Whether ``word`` continues the entity whose words so far are ``run``.
 
   Words join across spaces and connectors ("University of Kelmar"), but not into a new
-  sentence ("... D.C. The"), and "of" after a name of two or more words that does not end
+  sentence ("... D.C. The") nor across a line break (which starts one: a heading, a list
+  item), and "of" after a name of two or more words that does not end
   in an institution word ("Chris Christie of New Jersey", unlike "Royal Bank of
   Scotland") starts a new entity. A possessive joins only after a plural ("Women's Hockey
   League", "Seven Years' War") or in a saint's name ("St. Paul's Cathedral").
   """
   end = run[-1][1]
+  if "\n" in text[end:word[0]]:
+    return False
   if _ENTITY_GAP.fullmatch(text, end, word[0]) is None:
     return (_POSSESSIVE_GAP.fullmatch(text, end, word[0]) is not None
             and (text[run[-1][0]:end] in _PLURAL_POSSESSORS
