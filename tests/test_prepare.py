@@ -146,6 +146,7 @@ def test_bad_records_are_skipped_and_counted(tmp_path):
      sources.INVALID_UTF8),                     # valid JSON, no UTF-8 text
     (good_lines()[1], sources.DUPLICATE),
     (b"[" * 100_000, sources.MALFORMED_JSON),   # deeper than json.loads recurses
+    (b'{"title": "x", "text": "y", "n": ' + b"1" * 5000 + b"}", sources.MALFORMED_JSON),
 ])
 def test_strict_mode_fails_naming_file_and_line(tmp_path, line, reason):
   path = write_jsonl(tmp_path / "docs.jsonl", good_lines() + [line])

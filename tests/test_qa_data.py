@@ -128,12 +128,15 @@ def test_a_glob_over_files_of_one_name_keeps_every_question(tmp_path, kind):
 
 
 def test_records_nested_too_deep_for_the_parser_are_malformed(tmp_path):
-  """JSON nested deeper than Python's parser recurses is a malformed record (or file), and a
-  TSV list literal Python cannot build (a list inside a set) one regex: neither a traceback."""
+  """JSON nested deeper than Python's parser recurses, or with a number longer than Python
+  converts, is a malformed record (or file), and a TSV list literal Python cannot build (a
+  list inside a set) one regex: neither a traceback."""
   deep = b"[" * 100_000 + b"]" * 100_000
-  path = write(tmp_path / "nq.jsonl", deep + b'\n{"question": "q", "answer": ["a"]}\n')
+  long_id = b'{"question": "q", "answer": ["a"], "id": ' + b"1" * 5000 + b"}"   # past int()'s
+  path = write(tmp_path / "nq.jsonl",                                        # 4,300 digits
+               deep + b"\n" + long_id + b'\n{"question": "q", "answer": ["a"]}\n')
   examples, skipped = read_qa(f"nq_open:{path}")
-  assert [ex.qid for ex in examples] == ["nq.jsonl:2"] and skipped == {qa.MALFORMED_JSON: 1}
+  assert [ex.qid for ex in examples] == ["nq.jsonl:3"] and skipped == {qa.MALFORMED_JSON: 2}
   trec = write(tmp_path / "trec.txt", b'{"question": ' + deep + b'}\nwhich set\t[{[1]}]\n')
   examples, skipped = read_qa(f"curated_trec:{trec}")
   assert [ex.answers for ex in examples] == [("[{[1]}]",)] and skipped == {qa.MALFORMED_JSON: 1}

@@ -30,9 +30,10 @@ from realm_jax.errors import ConfigError, DataError
 KINDS = ("jsonl", "squad", "tfds", "world")
 # Skip reasons, as they appear in stats.json.
 MALFORMED_JSON = "malformed JSON"
-# What `json.loads` raises on text that is no JSON it can read (nested deeper than Python's
-# recursion limit: RecursionError)
-MALFORMED = (json.JSONDecodeError, RecursionError)
+# What `json.loads` raises on text that is no JSON it can read: JSONDecodeError, a ValueError
+# (as is a number of more digits than `int` converts), and RecursionError (nested deeper than
+# Python recurses)
+MALFORMED = (ValueError, RecursionError)
 NOT_AN_OBJECT = "not a JSON object"
 MISSING_TITLE = "missing title field"
 MISSING_TEXT = "missing text field"
