@@ -1,6 +1,7 @@
 """The trainer with the separate index builder (`launch/local.py`): deterministic runs repeat bit
 for bit, also across a kill -9 of the trainer; async runs never wait after the first index."""
 
+import itertools
 import json
 import os
 import signal
@@ -221,6 +222,19 @@ def test_a_refresh_steps_checkpoint_outlives_the_saves_before_its_index_is_neede
   assert summary.get("preempted_at_step") == 5, out[-3000:]
   saved = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
   assert 3 in saved, (keep, saved)
+
+
+def test_the_saves_a_refresh_steps_checkpoint_must_outlive_are_counted_exactly():
+  """validation's bound on train.keep_checkpoints against the saves counted step by step: at
+  steps S + 1 .. S + swap_lag, multiples of checkpoint_every or of refresh_every (one save
+  where they coincide: counted twice, checkpoint every 2, refresh every 5, lag 5 asked for 5
+  kept where 4 do), the most over every refresh step S."""
+  from realm_jax.config.validation import saves_before_needed
+  for every, refresh_every, lag in itertools.product(range(1, 8), range(1, 8), range(0, 12)):
+    counted = max(sum(1 for s in range(start + 1, start + lag + 1)
+                      if s % every == 0 or s % refresh_every == 0)
+                  for start in range(0, 8 * every * refresh_every, refresh_every))
+    assert saves_before_needed(every, refresh_every, lag) == counted, (every, refresh_every, lag)
 
 
 def test_a_sigterm_while_the_first_index_or_the_final_evaluations_is_awaited_stops_at_once(

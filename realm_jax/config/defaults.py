@@ -210,7 +210,9 @@ def _train_and_eval(c) -> None:
   c.train.clip_norm = 1.0          # global gradient-norm clip
   c.train.log_every = 50           # steps between progress lines / train metrics
   c.train.checkpoint_every = 1000  # steps between checkpoints (and one at the end)
-  c.train.keep_checkpoints = 3     # checkpoints kept on disk
+  c.train.keep_checkpoints = 3     # checkpoints kept on disk (deterministic refresh: more
+                                   # than the saves between a refresh step and the step that
+                                   # first reads its index; a config with fewer is refused)
   c.train.async_checkpoints = True  # save in the background while training goes on
   c.train.preemption_grace_seconds = 30.0  # on SIGTERM: save the step within this, then exit
   c.train.nonfinite = "stop"       # a step whose loss or gradient is not finite is never

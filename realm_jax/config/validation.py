@@ -117,14 +117,8 @@ def _validate_retrieval(config) -> None:
   needed = 2 + (-(-r.swap_lag // r.refresh_every) if r.refresh == "deterministic" else 0)
   if r.refresh == "deterministic" and r.swap_lag > 0 and config.train.checkpoint_every >= 1:
     # (checkpoint_every < 1 is named further on, with the other counts of train)
-    # the trainer saves at every refresh step and every checkpoint_every; the checkpoint of
-    # refresh step S must outlive the saves of steps S + 1 .. S + swap_lag, all made before
-    # the batch of the step after them (the first to read S's index) waits for it. Of
-    # checkpoint_every's there are at most (swap_lag + gap) // checkpoint_every: S lies a
-    # multiple of gcd(checkpoint_every, refresh_every) past one of them
     t = config.train
-    gap = t.checkpoint_every - math.gcd(t.checkpoint_every, r.refresh_every)
-    newer = (r.swap_lag + gap) // t.checkpoint_every + r.swap_lag // r.refresh_every
+    newer = saves_before_needed(t.checkpoint_every, r.refresh_every, r.swap_lag)
     if t.keep_checkpoints <= newer:
       raise ConfigError("train.keep_checkpoints", f"must be > {newer} with deterministic "
                         f"refresh, swap_lag {r.swap_lag} and checkpoint_every "
@@ -301,6 +295,21 @@ def validate_against_data(config, *, num_blocks: int | None = None,
     raise ConfigError("data.max_masks", f"{d.max_masks} < {widest_span}, the wordpieces of "
                       f"the widest salient span in {d.dir}/examples: such a span would be "
                       f"masked in part; give >= {widest_span}")
+
+
+def saves_before_needed(checkpoint_every: int, refresh_every: int, swap_lag: int) -> int:
+  """Deterministic refresh: the most checkpoints the trainer saves after that of a refresh
+  step S before the batch that first reads S's index waits for it, i.e. at steps S + 1 ..
+  S + swap_lag that are a multiple of checkpoint_every or of refresh_every (one save where
+  they coincide). S's checkpoint must outlive them (train.keep_checkpoints > this), else the
+  builder may find it deleted. S runs over the multiples of refresh_every in one period of
+  the two (their lcm)."""
+  c, r, lag = checkpoint_every, refresh_every, swap_lag
+  both = math.lcm(c, r)
+
+  def multiples(every: int, start: int) -> int:   # of `every` in (start, start + lag]
+    return (start + lag) // every - start // every
+  return max(multiples(c, s) + multiples(r, s) - multiples(both, s) for s in range(0, both, r))
 
 
 def _validate_retriever_learning(config) -> None:
