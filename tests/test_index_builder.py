@@ -272,6 +272,30 @@ def test_deterministic_builder_builds_the_trainers_refresh_steps_whatever_its_ow
     builder.close()
 
 
+@pytest.mark.parametrize("trainer_mode, builder_mode, expected", [
+    ("deterministic", "async", 5), ("async", "deterministic", 7), (None, "deterministic", 5)])
+def test_the_builder_takes_versions_as_the_trainer_reads_them(world_dir, tmp_path, trainer_mode,
+                                                              builder_mode, expected):
+  """The trainer's retrieval.refresh (in W/config.json) decides what the builder builds, its
+  own config's only until the trainer has recorded one: an 'async' builder beside a
+  deterministic trainer built the newest checkpoint only, and the trainer, waiting for a
+  refresh step passed over, stopped as though the run had changed refresh mode."""
+  from realm_jax import workdir as workdir_lib
+  workdir = str(tmp_path / "run")
+  periods = dict(retrieval__refresh_every=5, retrieval__swap_lag=5, train__steps=40,
+                 train__keep_checkpoints=10, builder__keep_versions=6)
+  if trainer_mode:
+    workdir_lib.record_config(builder_config(world_dir, retrieval__refresh=trainer_mode,
+                                             **periods), workdir)
+  builder = IndexBuilder(builder_config(world_dir, retrieval__refresh=builder_mode, **periods),
+                         workdir)
+  builder.published_steps = lambda: {0: 1}   # step 0 built
+  try:
+    assert builder.next_step([0, 5, 6, 7]) == expected
+  finally:
+    builder.close()
+
+
 @pytest.mark.slow
 def test_checkpoint_deleted_while_restoring_moves_to_the_newest(world_dir, tmp_path, capsys):
   config = builder_config(world_dir)

@@ -16,10 +16,11 @@ With several processes (`--multihost`) process 0 decides each build and the othe
 (`multihost.from_first_process`): every process restores and embeds (the mesh spans them all);
 process 0 alone writes, publishes and points LATEST.
 
-Which checkpoints: `retrieval.refresh = async` builds the newest one whenever it is newer than
-the last published; `deterministic` builds every refresh step (multiples of the
-trainer's `retrieval.refresh_every` as W/config.json records it, and the final step: this
-config's train.steps and the trainer's) in order, since the trainer will ask for each.
+Which checkpoints (the trainer's `retrieval.refresh` and `refresh_every` as W/config.json
+records them, this config's until then): `async` builds the newest one whenever it is newer
+than the last published; `deterministic` builds every refresh step (multiples of
+`refresh_every`, and the final step: this config's train.steps and the trainer's) in order,
+since the trainer will ask for each.
 """
 
 from __future__ import annotations
@@ -169,32 +170,40 @@ class IndexBuilder:
   def next_step(self, steps: list[int]) -> int | None:
     """The checkpoint to build next, or None if there is nothing new."""
     newest_built = max(self.published_steps(), default=-1)   # older ones may be pruned
-    if self.config.retrieval.refresh == "deterministic":
-      periods, final = self.refresh_periods(), self.final_steps()
+    trainer = workdir_lib.recorded_config(self.workdir) or {}
+    if self.refresh_mode(trainer) == "deterministic":
+      periods, final = self.refresh_periods(trainer), self.final_steps(trainer)
       todo = [s for s in steps if (any(s % every == 0 for every in periods) or s in final)
               and s > newest_built]
       return todo[0] if todo else None
     newest = steps[-1] if steps else None
     return newest if newest is not None and newest > newest_built else None
 
-  def refresh_periods(self) -> set[int]:
+  def refresh_mode(self, trainer: dict) -> str:
+    """How the trainer takes its versions: its retrieval.refresh as W/config.json (`trainer`)
+    records it, this config's until the trainer has recorded one (a builder given 'async'
+    beside a deterministic trainer built only the newest checkpoints, and the trainer, waiting
+    for a refresh step passed over, stopped as though the run had changed refresh mode)."""
+    mode = (trainer.get("retrieval") or {}).get("refresh")
+    return mode if mode in ("async", "deterministic") else self.config.retrieval.refresh
+
+  def refresh_periods(self, trainer: dict) -> set[int]:
     """The period of the refresh steps, which the trainer checkpoints and waits for a version
-    of: the trainer's retrieval.refresh_every as W/config.json records it, this config's until
-    the trainer has recorded one (a builder given another period built none of the steps the
-    trainer waited for, and it waited out retrieval.index_timeout; versions of its own period
-    beside the trainer's would prune the trainer's sooner)."""
-    trainer = ((workdir_lib.recorded_config(self.workdir) or {}).get("retrieval") or {}).get(
-        "refresh_every")
-    return {trainer} if type(trainer) is int and trainer >= 1 else {
+    of: the trainer's retrieval.refresh_every as W/config.json (`trainer`) records it, this
+    config's until the trainer has recorded one (a builder given another period built none of
+    the steps the trainer waited for, and it waited out retrieval.index_timeout; versions of
+    its own period beside the trainer's would prune the trainer's sooner)."""
+    every = (trainer.get("retrieval") or {}).get("refresh_every")
+    return {every} if type(every) is int and every >= 1 else {
         self.config.retrieval.refresh_every}
 
-  def final_steps(self) -> set[int]:
+  def final_steps(self, trainer: dict) -> set[int]:
     """The run's last step, which the trainer checkpoints and waits for a version of whether
     or not it is a refresh step: this config's train.steps, and the trainer's as W/config.json
-    records it (a builder given another train.steps never built the trainer's, whose final
-    evaluation then waited retrieval.index_timeout and failed)."""
-    trainer = ((workdir_lib.recorded_config(self.workdir) or {}).get("train") or {}).get("steps")
-    return {self.config.train.steps} | ({trainer} if isinstance(trainer, int) else set())
+    (`trainer`) records it (a builder given another train.steps never built the trainer's,
+    whose final evaluation then waited retrieval.index_timeout and failed)."""
+    steps = (trainer.get("train") or {}).get("steps")
+    return {self.config.train.steps} | ({steps} if isinstance(steps, int) else set())
 
   # -- one build ---------------------------------------------------------------------------
   def build(self, step: int) -> dict | None:
