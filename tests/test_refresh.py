@@ -224,6 +224,30 @@ def test_a_refresh_steps_checkpoint_outlives_the_saves_before_its_index_is_neede
   assert 3 in saved, (keep, saved)
 
 
+@pytest.mark.parametrize("mode", ["async", "deterministic"])
+def test_a_fresh_start_beside_an_earlier_starts_index_versions_is_refused(world_dir, tmp_path,
+                                                                         mode):
+  """W/checkpoints gone (removed, or moved aside as unreadable), W/index left: the versions
+  are an earlier start's. They served an async run's first steps (its newest), and realm-index,
+  which builds only steps above the newest it published, built none of this run's; a
+  deterministic run stopped on IndexNeverPublished. Now one line naming W/index, before the
+  run saves anything."""
+  import numpy as np
+  from realm_jax.errors import ConfigError
+  from realm_jax.retrieval import published
+  from realm_jax.train.loop import train
+  workdir = str(tmp_path / "run")
+  root = published.index_root(workdir)
+  published.publish_arrays(root, np.zeros((4, 2), np.float32), {}, step=7,
+                           fingerprint="blocks", keep=2)
+  with pytest.raises(ConfigError, match=rf"^{root} holds 1 index version\(s\) of an earlier "
+                     rf"start \(the newest v1, built from its step 7\) and {workdir} has no "
+                     rf"checkpoint to resume from: .*; remove {root} \(or give another "):
+    train(refresh_config(world_dir, mode), workdir)
+  saved = os.path.join(workdir, "checkpoints")
+  assert not os.path.isdir(saved) or not [d for d in os.listdir(saved) if d.isdigit()]
+
+
 def test_the_saves_a_refresh_steps_checkpoint_must_outlive_are_counted_exactly():
   """validation's bound on train.keep_checkpoints against the saves counted step by step: at
   steps S + 1 .. S + swap_lag, multiples of checkpoint_every or of refresh_every (one save

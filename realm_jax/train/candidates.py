@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from realm_jax import workdir as workdir_lib
+from realm_jax.errors import ConfigError
 from realm_jax.retrieval import published
 from realm_jax.retrieval.index import ExactIndex, IndexVersion, embed_blocks
 from realm_jax.retrieval.subscriber import IndexSubscriber, load_version
@@ -92,6 +93,10 @@ class NoRetrieval:
 
   def describe(self) -> str:
     return ""
+
+  def start_over(self) -> None:
+    """A fresh start (no checkpoint to resume): checks what an earlier start left for this
+    source (nothing here)."""
 
   # -- checkpoints -------------------------------------------------------------------------
   def abstract_item(self) -> dict:
@@ -298,6 +303,25 @@ class PublishedIndex(NoRetrieval):
   def describe(self) -> str:
     r = self.config.retrieval
     return f", index from realm-index ({r.refresh}, {r.backend})"
+
+  def start_over(self) -> None:
+    """A fresh start has saved no checkpoint for realm-index to build from, so a version under
+    W/index is an earlier start's, whose checkpoints are gone (removed, or moved aside as
+    unreadable). Refused, on every process alike: `async` would serve it to this run, and
+    realm-index builds only steps above the newest it published, so none of this run's first
+    refresh steps would be built."""
+    root = published.index_root(self.workdir)
+    versions = published.complete_versions(root)
+    if not versions:
+      return
+    try:
+      step = f", built from its step {published.read_manifest(root, versions[-1])['step']}"
+    except (published.RejectedVersion, OSError, KeyError):
+      step = ""
+    raise ConfigError("", f"{root} holds {len(versions)} index version(s) of an earlier start "
+                      f"(the newest v{versions[-1]}{step}) and {self.workdir} has no checkpoint "
+                      "to resume from: they would serve this run's first steps, and realm-index "
+                      f"would not build them; remove {root} (or give another --workdir)")
 
   def _load_version(self, version: int) -> IndexVersion:
     return load_version(published.index_root(self.workdir), version, config=self.config,

@@ -80,8 +80,10 @@ class Trainer(Run):
     cfg = self.config
     if jax.process_index() == 0:   # checked in __init__ where the run resumes
       workdir_lib.record_examples(self.workdir, *self.trained_on)
-    if init is not None and self.best is not None:   # a fresh start: its own export only
-      self.best.start_over(self.prefix, init)
+    if init is not None:   # a fresh start: no earlier start's index versions; its own export
+      self.candidates.start_over()
+      if self.best is not None:
+        self.best.start_over(self.prefix, init)
     n_params = state_lib.count_params(self.state.params)
     logger.info(f"{self.prefix}{n_params / 1e6:.2f}M params, mesh {dict(self.mesh.shape)}, batch "
                 f"{cfg.train.batch_size}, steps {start}->{cfg.train.steps}, "
