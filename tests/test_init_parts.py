@@ -262,3 +262,32 @@ def test_a_start_restored_whole_runs_no_random_init(world_dir, world_data, tmp_p
   assert [x.sharding for x in jax.tree.leaves(state)] == jax.tree.leaves(trainer.shardings)
   _, _, made = started(init__from_workdir=run, init__reader="random")
   assert made == [0]       # the random init, once, for the reader
+
+
+def test_a_workdir_part_that_computes_otherwise_is_refused(world_dir, world_data, fresh,
+                                                           tmp_path):
+  """A run's part whose shapes fit but that computes under other heads, another GELU or
+  another pooling would start as another function: refused naming the option, as an HF dir
+  of other heads is; an equivalent spelling of the GELU starts."""
+  vocab_size = world_data.tokenizer.vocab_size
+  heads = str(tmp_path / "heads")
+  source_run(towers_config(world_dir, model__retriever__num_heads=4), heads, vocab_size)
+  with pytest.raises(ConfigError, match=r"(?s)^config\.init\.retriever: .*heads step 0: its "
+                     r"retriever parameters compute otherwise under this run's config:\n  "
+                     r"model\.retriever\.num_heads: 2 \(this run\) != 4 \(.*config\.json\)$"):
+    start(towers_config(world_dir, init__retriever=heads), fresh, world_data)
+  erf = str(tmp_path / "erf")   # (the tiny configs compute the tanh GELU)
+  source_run(towers_config(world_dir, model__hidden_act="gelu"), erf, vocab_size)
+  with pytest.raises(ConfigError, match=r"^config\.init\.reader: .*erf step 0: its reader "
+                     r"parameters compute otherwise .*\n  model\.hidden_act: 'gelu_new' \(this "
+                     r"run\) != 'gelu'"):
+    start(towers_config(world_dir, init__reader=erf), fresh, world_data)
+  cls = str(tmp_path / "cls")   # (its poolers left out by a mean-pooling run)
+  source_run(towers_config(world_dir), cls, vocab_size)
+  with pytest.raises(ConfigError, match=r"model\.retriever\.pooling: 'mean' \(this run\) != "
+                     r"'cls'"):
+    start(towers_config(world_dir, init__retriever=cls, model__retriever__pooling="mean"),
+          fresh, world_data)
+  got = start(towers_config(world_dir, init__reader=erf, model__hidden_act="gelu_python"),
+              fresh, world_data)
+  assert got.steps == {"reader": 0}

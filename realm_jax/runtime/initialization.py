@@ -7,7 +7,8 @@
   init.from_workdir / init.hf_bert   the older whole-tree options (both parts), else random.
 
 A workdir part restores only that part's parameters, straight into their shardings, once its
-shapes are checked against this run's (a mismatch names the config fields that differ). An HF
+shapes are checked against this run's (a mismatch names the config fields that differ), and the
+fields that change what they compute (heads, GELU, the retriever's pooling) too. An HF
 part is checked field by field against that part's shape (`reading.part_model`), and the
 data's vocab against the checkpoint's. `start_params` prints where every part came from and
 what stayed at its initial values. Resuming a run's own checkpoint is not this module's job
@@ -41,6 +42,11 @@ SHAPE_FIELDS = {
                   "max_position", "retrieval_dim", "share_towers"),
     "reader": ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                "max_position", "span_hidden_size", "max_span_width")}
+# The config.model fields that change what each part's parameters compute, not their shapes:
+# a workdir part trained under other values would start as another function (an HF dir is
+# checked alike, `hf_bert.bert_config_mismatches`).
+COMPUTE_FIELDS = {"retriever": ("num_heads", "hidden_act", "pooling"),
+                  "reader": ("num_heads", "hidden_act")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +204,10 @@ def _from_workdir(config, src: Source, initial: Callable[[], Any], abstract, dat
     raise ConfigError(option, f"{src.path} step {step}: its {part} parameters do not fit "
                       f"this run's config:\n  " + "\n  ".join(lines) +
                       (f"\n  ... and {more} more" if more > 0 else ""))
+  otherwise = _computes_otherwise(config, src.path, part)
+  if otherwise:
+    raise ConfigError(option, f"{src.path} step {step}: its {part} parameters compute "
+                      f"otherwise under this run's config:\n  " + "\n  ".join(otherwise))
   check_run_vocab(src.path, src.option, data_vocab)
   restored, step, _ = restore_params(src.path, {part: abstract}, step, partial=True,
                                      saved=saved)
@@ -229,6 +239,33 @@ def _field_differences(config, workdir: str, part: str) -> list[str]:
       lines.append(f"{options.get(field, 'model.' + field)}: {a!r} (this run) != {b!r} "
                    f"({workdir}/config.json)")
   return lines
+
+
+def _computes_otherwise(config, workdir: str, part: str) -> list[str]:
+  """`option: ours (this run) != theirs (W/config.json)` for each COMPUTE_FIELDS field of
+  `part` whose value differs (two spellings of one GELU are the same); [] where the run
+  recorded no config, or none readable (as `check_run_vocab`)."""
+  from realm_jax.models.bert import HIDDEN_ACTS
+  from realm_jax.runtime.checkpoints import run_config
+  try:
+    theirs_config = run_config(workdir)
+  except (FileNotFoundError, ValueError):   # none, or not a run's JSON
+    return []
+  options = {**part_options(config, part), "pooling": "model.retriever.pooling"}
+  lines = []
+  for field in COMPUTE_FIELDS[part]:
+    a, b = (_computed(c, part, field) for c in (config, theirs_config))
+    same = HIDDEN_ACTS.get(a, a) == HIDDEN_ACTS.get(b, b) if field == "hidden_act" else a == b
+    if not same:
+      lines.append(f"{options[field]}: {a!r} (this run) != {b!r} ({workdir}/config.json)")
+  return lines
+
+
+def _computed(config, part: str, field: str):
+  """`field` of `part` as its tower is built from `config` (`state.build_model`)."""
+  if field == "pooling":
+    return config.model.retriever.get("pooling", "cls")
+  return part_model(config, part).get(field, "gelu" if field == "hidden_act" else None)
 
 
 def check_run_vocab(workdir: str, option: str, data_vocab: str) -> None:
