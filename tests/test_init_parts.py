@@ -291,3 +291,27 @@ def test_a_workdir_part_that_computes_otherwise_is_refused(world_dir, world_data
   got = start(towers_config(world_dir, init__reader=erf, model__hidden_act="gelu_python"),
               fresh, world_data)
   assert got.steps == {"reader": 0}
+
+
+def test_a_retriever_field_set_to_the_readers_value_resumes():
+  """`model.retriever.<field>` set to the reader's own value builds the model it builds unset
+  (`state.build_model`: one tower config): a resume across the two spellings is no conflict;
+  a retriever of its own shape changed, or the reader's changed under an unset one, is."""
+  from realm_jax.config.compatibility import incompatible_fields
+  config = tiny_config("realm", None, "/data", model__share_towers=False)
+  saved = json.loads(config.to_json_best_effort())
+  spelt = tiny_config("realm", None, "/data", model__share_towers=False,
+                      model__retriever__num_layers=config.model.num_layers,
+                      model__retriever__hidden_act=config.model.hidden_act)
+  assert incompatible_fields(saved, json.loads(spelt.to_json_best_effort())) == []
+  assert incompatible_fields(json.loads(spelt.to_json_best_effort()), saved) == []
+  other = tiny_config("realm", None, "/data", model__share_towers=False,
+                      model__retriever__num_layers=config.model.num_layers + 1)
+  assert incompatible_fields(saved, json.loads(other.to_json_best_effort())) == [
+      f"model.retriever.num_layers: None (checkpoints) != {config.model.num_layers + 1} "
+      "(this run)"]
+  deeper = tiny_config("realm", None, "/data", model__share_towers=False,
+                       model__num_layers=config.model.num_layers + 1)
+  assert incompatible_fields(saved, json.loads(deeper.to_json_best_effort())) == [
+      f"model.num_layers: {config.model.num_layers} (checkpoints) != "
+      f"{config.model.num_layers + 1} (this run)"]

@@ -73,8 +73,10 @@ def _merged(defaults: dict, record: dict) -> dict:
 def incompatible_fields(saved: dict, current: dict) -> list[str]:
   """`field: saved -> current` for every compatibility field whose value changed."""
   saved_flat, current_flat = flat_options(saved), flat_options(current)
+  built = [_tower_resolved(c) for c in (saved, current)]
   diffs = [f"{name}: {a!r} (checkpoints) != {b!r} (this run)" for name, a, b in changed_fields(
-      saved_flat, current_flat, COMPATIBILITY_FIELDS + task_fields(saved, current))]
+      saved_flat, current_flat, COMPATIBILITY_FIELDS + task_fields(saved, current))
+      if not _same_tower(name, *built)]
   return diffs + _index_source_differs(saved, current, saved_flat, current_flat) + \
       _frozen_differs(saved, current, current_flat)
 
@@ -87,6 +89,14 @@ def inference_differences(saved: dict, current: dict, reader: bool) -> list[str]
   effective = [_tower_resolved(c) for c in (saved, current)]
   return [f"{name}: {a!r} (the run) != {b!r} (this config)"
           for name, a, b in changed_fields(*effective, fields)]
+
+
+def _same_tower(name: str, saved_built: dict, current_built: dict) -> bool:
+  """Whether `name` is a `model.retriever.<field>` that builds the same retriever on both
+  sides (set to the reader's value on one, unset on the other: one model, `state.build_model`);
+  its reader's `model.<field>`, where that changed, is named on its own."""
+  return name.startswith("model.retriever.") and name.split(".")[-1] in TOWER_FIELDS and \
+      _norm(saved_built.get(name)) == _norm(current_built.get(name))
 
 
 def _tower_resolved(config: dict) -> dict:
