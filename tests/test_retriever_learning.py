@@ -305,6 +305,33 @@ def test_a_resumed_run_keeps_the_export_of_a_step_it_evaluates_again(tmp_path):
   np.testing.assert_array_equal(np.asarray(saved["w"]), params(4.0)["w"])
 
 
+def test_a_fresh_start_from_its_own_export_replaces_it_with_a_better_step_of_that_number(
+    tmp_path):
+  """W/best holds step 300 of an earlier start, which a fresh start continues from
+  (init.retriever=W/best: kept). This start's own step 300 is other params: evaluated better,
+  it is exported in place of the earlier start's (not taken for a resumed run's second look at
+  the step it exported), and a later step must beat it."""
+  from realm_jax.runtime.checkpoints import restore_params
+  from realm_jax.runtime.initialization import Source, Start
+  config = tiny_config("realm")
+  params = lambda value: {"w": np.full((4,), value, np.float32)}
+  abstract = {"w": jax.ShapeDtypeStruct((4,), np.float32)}
+  BestExport(str(tmp_path), config).consider(300, {"retrieval_utility": 3.0}, params(1.0))
+  fresh = BestExport(str(tmp_path), config)
+  init = Start({}, [], {"retriever": Source("retriever", "init.retriever", "workdir",
+                                            str(tmp_path / "best"))}, {"retriever": 300})
+  fresh.start_over(init=init)
+  assert fresh.best == {"step": 300, "retrieval_utility": 3.0}   # kept
+  assert not fresh.consider(300, {"retrieval_utility": 2.0}, params(2.0))
+  assert fresh.consider(300, {"retrieval_utility": 3.5}, params(3.0))
+  saved, step = restore_params(str(tmp_path / "best"), abstract)
+  assert step == 300 and json.load(open(tmp_path / "best" / "best.json")) == \
+      {"step": 300, "retrieval_utility": 3.5}
+  np.testing.assert_array_equal(np.asarray(saved["w"]), params(3.0)["w"])
+  assert not fresh.consider(400, {"retrieval_utility": 3.4}, params(4.0))
+  assert fresh.summary() == {"best_step": 300, "best_eval_retrieval_utility": 3.5}
+
+
 def test_an_export_killed_before_its_record_is_finished_by_the_resumed_run(tmp_path,
                                                                            monkeypatch):
   """Killed after saving step 400 in W/best and before best.json: best.json still names 300.

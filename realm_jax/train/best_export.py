@@ -38,6 +38,9 @@ class BestExport:
     self.config, self.workdir, self.directory = config, workdir, paths.join(workdir, BEST)
     self.record = paths.join(self.directory, "best.json")
     self.best: dict | None = paths.read_json(self.record)   # None: nothing exported yet
+    # the step of an earlier start's export that this fresh start continues from (kept by
+    # `start_over`): this start's own step of that number is other params
+    self.earlier: int | None = None
 
   def consider(self, step: int, metrics: dict, params, prefix: str = "") -> bool:
     """Exports `params` if `metrics[METRIC]` is the best yet; returns whether it did."""
@@ -45,7 +48,7 @@ class BestExport:
     if value is None or not math.isfinite(value) or \
         (self.best is not None and value <= self.best[METRIC]):
       return False
-    if self.best is not None and step == self.best["step"]:
+    if self.best is not None and step == self.best["step"] and step != self.earlier:
       # a resumed run evaluating the exported step again, better this time (an async index
       # is not bitwise repeatable): the export of that step stands (replacing it in place
       # would leave no export for a moment, and a kill then none at all)
@@ -58,6 +61,8 @@ class BestExport:
                                              cleanup_tmp_directories=True),
         item_names=("params",))
     try:
+      if step == self.earlier and step in manager.all_steps():
+        manager.delete(step)   # an earlier start's params under this step's number
       if step not in manager.all_steps():   # else a run killed after saving it, before best.json
         manager.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
                      force=True)
@@ -74,7 +79,7 @@ class BestExport:
             f"exporting step {step}'s params to {self.directory}: they are saved, but writing "
             f"its records failed: {first_line(e, 600)}; its best.json still names "
             + (f"step {self.best['step']}" if self.best is not None else "nothing")) from e
-    self.best = {"step": int(step), METRIC: float(value)}
+    self.best, self.earlier = {"step": int(step), METRIC: float(value)}, None
     logger.info(f"{prefix}best {METRIC} so far ({value:.4f} at step {step}): exported to "
                 f"{self.directory}")
     return True
@@ -103,6 +108,7 @@ class BestExport:
     summary names the other's step, perhaps of another config). One that started from W/best
     itself (`init`: init.retriever=W/best) continues that export: kept, its record too."""
     if parts := self._read_by(init):   # the same on every process: all return here
+      self.earlier = None if self.best is None else self.best["step"]
       logger.info(f"{prefix}a fresh start from its own export ({', '.join(parts)} <- "
                   f"{self.directory}): kept")
       return
