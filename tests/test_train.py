@@ -829,3 +829,20 @@ def test_an_empty_eval_split_is_said_to_be_empty(world_dir, tmp_path, caplog):
     summary = train(config, str(tmp_path / "w"))
   assert summary["eval_num_examples"] == 0
   assert "eval @ 1: nothing to measure (eval.split 'eval' holds no examples)" in caplog.text
+
+
+def test_a_finished_run_run_again_under_other_values_keeps_its_record(world_dir, tmp_path,
+                                                                       caplog):
+  """A finished run run again trains nothing: W/config.json keeps the values its checkpoints
+  were trained under (not the rerun's other learning rate, which no step used), and nothing
+  is said to resume."""
+  workdir = str(tmp_path / "run")
+  config = tiny_config("ict", None, world_dir, train__steps=2, train__checkpoint_every=2)
+  summary = train(config, workdir)
+  recorded = open(os.path.join(workdir, "config.json")).read()
+  other = tiny_config("ict", None, world_dir, train__steps=2, train__checkpoint_every=2,
+                      train__lr=config.train.lr * 2)
+  with caplog.at_level(logging.INFO):
+    assert train(other, workdir) == summary
+  assert open(os.path.join(workdir, "config.json")).read() == recorded
+  assert "under other values" not in caplog.text, caplog.text

@@ -182,12 +182,17 @@ class Run:
       workdir_lib.recorded_config(workdir, workdir_lib.RUN_ADVICE)
     self._check_steps(workdir, config.train.steps)
     resumes = self._check_vocab(workdir, data.tokenizer.vocab_path)
+    # a finished run run again trains nothing (`_finished_before`): W keeps the record of
+    # the values its checkpoints were trained under
+    finished = multihost.on_every_process(self._finished_summary(
+        workdir, config.train.steps, workdir_lib.latest_checkpoint_step(workdir)) is not None)
     changed = [(name, was, now) for name, was, now in workdir_lib.recorded_differences(
-        workdir, config) if not paths.same_place(was, now)] if resumes and \
+        workdir, config) if not paths.same_place(was, now)] if resumes and not finished and \
         jax.process_index() == 0 else []
     if lock is not None and jax.process_index() == 0:
       lock.acquire()   # the one trainer of W, from its first write on (train() gives it up)
-    workdir_lib.record_config(config, workdir, primary=jax.process_index() == 0)
+    workdir_lib.record_config(config, workdir,
+                              primary=jax.process_index() == 0 and not finished)
     if changed:   # allowed (not compatibility fields), and said (by the first process)
       logger.warning(f"[{config.task}] resuming {workdir} under other values than it recorded "
                      "(config.json now holds these): " + "; ".join(
@@ -369,9 +374,8 @@ class Run:
     job restores, trains and evaluates nothing again (realm-eval evaluates a checkpoint) and
     leaves its metrics and wall time as they are."""
     total = self.config.train.steps
-    previous = (workdir_lib.read_summary(self.workdir)
-                if self.checkpointer.latest_step() == total else None)
-    if not multihost.on_every_process(previous is not None and previous.get("steps") == total):
+    previous = self._finished_summary(self.workdir, total, self.checkpointer.latest_step())
+    if not multihost.on_every_process(previous is not None):
       return None
     logger.info(f"{self.prefix}finished before at step {total}: its summary is "
                 f"{paths.join(self.workdir, workdir_lib.SUMMARY)}, nothing is run again (a "
@@ -382,6 +386,13 @@ class Run:
     finally:
       self.finished(previous)
     return previous
+
+  @staticmethod
+  def _finished_summary(workdir: str, total: int, latest: int | None) -> dict | None:
+    """W's summary where it is that of a run finished at `total` steps, `latest` (W's latest
+    checkpoint step) being `total` too; else None."""
+    previous = workdir_lib.read_summary(workdir) if latest == total else None
+    return previous if previous is not None and previous.get("steps") == total else None
 
   def _wall(self, seconds: float) -> dict:
     """This run's wall time and, from the first process (W/wall.json's one writer), that of
