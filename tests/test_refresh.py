@@ -136,25 +136,15 @@ def test_index_of_another_dim_is_refused_by_the_trainer(world_dir, tmp_path, bad
   trainer.candidates.close()
 
 
-def test_a_sigterm_while_a_batch_waits_for_its_index_saves_the_last_step(
-    world_dir, tmp_path, monkeypatch, capsys):
-  """Deterministic refresh with the builder behind: step 6 needs the index of checkpoint 3
-  (refresh every 3, swap lag 2), which no builder makes. A SIGTERM while its batch waits
-  saves step 5 at once, instead of losing the steps since checkpoint 3 when the grace period
-  runs out (or the index timeout)."""
+def trained_until_sigterm_at_step_6(config, workdir: str, capsys) -> str:
+  """Trains `config` (deterministic, refresh every 3, swap lag 2) in this process beside a
+  thread that builds the index of checkpoint 0 once it is saved (no builder follows) and,
+  once step 5 is logged and the batch of step 6 waits for the index of checkpoint 3, sends
+  this process SIGTERM; the run stops preempted at step 5. Returns what it printed."""
   import threading
   import time
-  from realm_jax.runtime import preemption
   from realm_jax.train.loop import train
   from tests.test_index_builder import build_once
-  exits = []
-  monkeypatch.setattr(preemption.os, "_exit", exits.append)   # the watchdog's, if it fired
-  config = helpers.tiny_config(
-      "realm", data_dir=world_dir, retrieval__refresh="deterministic",
-      retrieval__refresh_every=3, retrieval__swap_lag=2, retrieval__index_timeout=30.0,
-      train__steps=9, train__checkpoint_every=100, train__log_every=1, data__prefetch=1,
-      train__preemption_grace_seconds=20.0)
-  workdir = str(tmp_path / "run")
   log = os.path.join(workdir, "metrics", "train.jsonl")
 
   def index_of_step_0_then_sigterm():
@@ -163,14 +153,33 @@ def test_a_sigterm_while_a_batch_waits_for_its_index_saves_the_last_step(
     build_once(config, workdir)
     while not (os.path.exists(log) and [r["step"] for r in read_jsonl(log)][-1:] == [5]):
       time.sleep(0.1)
-    time.sleep(1.0)                    # the batch of step 6 now waits for its index
+    time.sleep(1.0)                    # the batch of step 6 now waits for the index of 3
     os.kill(os.getpid(), signal.SIGTERM)
-  helper = threading.Thread(target=index_of_step_0_then_sigterm, daemon=True)
-  helper.start()
+  thread = threading.Thread(target=index_of_step_0_then_sigterm, daemon=True)
+  thread.start()
   summary = train(config, workdir)
-  helper.join(timeout=10)
+  thread.join(timeout=10)
   out = capsys.readouterr().out
   assert summary.get("preempted_at_step") == 5, out[-3000:]
+  return out
+
+
+def test_a_sigterm_while_a_batch_waits_for_its_index_saves_the_last_step(
+    world_dir, tmp_path, monkeypatch, capsys):
+  """Deterministic refresh with the builder behind: step 6 needs the index of checkpoint 3
+  (refresh every 3, swap lag 2), which no builder makes. A SIGTERM while its batch waits
+  saves step 5 at once, instead of losing the steps since checkpoint 3 when the grace period
+  runs out (or the index timeout)."""
+  from realm_jax.runtime import preemption
+  exits = []
+  monkeypatch.setattr(preemption.os, "_exit", exits.append)   # the watchdog's, if it fired
+  config = helpers.tiny_config(
+      "realm", data_dir=world_dir, retrieval__refresh="deterministic",
+      retrieval__refresh_every=3, retrieval__swap_lag=2, retrieval__index_timeout=30.0,
+      train__steps=9, train__checkpoint_every=100, train__log_every=1, data__prefetch=1,
+      train__preemption_grace_seconds=20.0)
+  workdir = str(tmp_path / "run")
+  out = trained_until_sigterm_at_step_6(config, workdir, capsys)
   assert "SIGTERM before step 6: the batch of step 6 was not ready after" in out, out[-3000:]
   assert "checkpoint 5 finalised" in out and exits == []
   assert sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints"))
@@ -183,13 +192,9 @@ def test_a_refresh_steps_checkpoint_outlives_the_saves_before_its_index_is_neede
   behind: the batch of step 6 needs the index of checkpoint 3, and steps 4 and 5 are saved
   before it waits. With the fewest train.keep_checkpoints that validation takes, checkpoint 3
   is still there for the builder then (deleted, its index would never come)."""
-  import threading
-  import time
   from realm_jax.config.validation import validate
   from realm_jax.errors import ConfigError
   from realm_jax.runtime import preemption
-  from realm_jax.train.loop import train
-  from tests.test_index_builder import build_once
   monkeypatch.setattr(preemption.os, "_exit", lambda code: None)   # the watchdog's
   config = helpers.tiny_config(
       "realm", data_dir=world_dir, retrieval__refresh="deterministic",
@@ -204,22 +209,7 @@ def test_a_refresh_steps_checkpoint_outlives_the_saves_before_its_index_is_neede
     except ConfigError as e:
       assert e.option == "train.keep_checkpoints", e
   workdir = str(tmp_path / "run")
-  log = os.path.join(workdir, "metrics", "train.jsonl")
-
-  def index_of_step_0_then_sigterm():
-    while not os.path.isdir(os.path.join(workdir, "checkpoints", "0")):
-      time.sleep(0.1)
-    build_once(config, workdir)
-    while not (os.path.exists(log) and [r["step"] for r in read_jsonl(log)][-1:] == [5]):
-      time.sleep(0.1)
-    time.sleep(1.0)                    # the batch of step 6 now waits for the index of 3
-    os.kill(os.getpid(), signal.SIGTERM)
-  helper = threading.Thread(target=index_of_step_0_then_sigterm, daemon=True)
-  helper.start()
-  summary = train(config, workdir)
-  helper.join(timeout=10)
-  out = capsys.readouterr().out
-  assert summary.get("preempted_at_step") == 5, out[-3000:]
+  trained_until_sigterm_at_step_6(config, workdir, capsys)
   saved = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
   assert 3 in saved, (keep, saved)
 
