@@ -37,7 +37,7 @@ from realm_jax.errors import CommandParser, ConfigError, held_back, run_cli
 from realm_jax.config.overrides import config_from_flags
 from realm_jax.config.reading import uses_index_builder
 from realm_jax.config.validation import validate, validate_training
-from realm_jax.processes import shared_memory_env, start_child
+from realm_jax.processes import Preempted, shared_memory_env, start_child
 from realm_jax.runtime import preemption
 from realm_jax.config.option_names import upgrade_flags
 
@@ -61,9 +61,12 @@ def _record_early_signal(signum, frame) -> None:
   """Kept for `supervise` (an interrupt raised inside an import's callback can be swallowed),
   and raised, so that a launcher stuck before it (a hung mount) still stops; inside an import,
   where it would break it with a traceback, only a second one is raised, and never inside a
-  gc callback, where it would be lost (`supervise` starts nothing after the first)."""
+  gc callback, where it would be lost (`supervise` starts nothing after the first). SIGTERM is
+  raised as `Preempted` (exit 143, as after the children started), Ctrl-C as itself."""
   _EARLY_SIGNALS.append(signal.Signals(signum).name)
   if not held_back(frame, len(_EARLY_SIGNALS)):
+    if signum == signal.SIGTERM:
+      raise Preempted("SIGTERM", saved=None)
     raise KeyboardInterrupt
 
 
@@ -577,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(upgrade_flags(sys.argv[1:] if argv is None else argv, PROG))
     log.set_verbosity(args.verbosity)
     return run_cli(PROG, lambda: _launch(args))
+  except Preempted:   # SIGTERM while the config was read and checked (`_record_early_signal`)
+    print(f"{PROG}: got SIGTERM before starting anything; nothing started", flush=True)
+    return preemption.EXIT_CODE
   finally:   # an in-process caller (a test) gets its own handlers back
     for sig, handler in previous.items():
       signal.signal(sig, handler)

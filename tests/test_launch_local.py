@@ -618,3 +618,29 @@ def test_the_launchers_children_stop_when_it_is_sigkilled(tmp_path):
       launcher.kill()
   for name in ("trainer", "builder"):
     assert gone(read_pid(tmp_path, name)), name
+
+
+def test_a_sigterm_while_the_config_is_checked_exits_143_and_starts_nothing(tmp_path):
+  """A SIGTERM (preemption; a sweep stopping its run) that came while the launcher checked the
+  config, outside an import, was raised as a Ctrl-C: the launcher said "interrupted" and died
+  by SIGINT, so a sweep took its run for one that did not end as asked. It is a preemption
+  before anything started: exit 143, saying so."""
+  script = textwrap.dedent(f"""\
+      import os, signal, sys, time
+      sys.path.insert(0, {os.path.dirname(LOCAL_PY)!r})
+      import local
+      def checked(config):   # the launcher's own checks, with a SIGTERM landing in them
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+      local.validate = checked
+      sys.exit(local.main(["--config", "configs/demo_realm.py:realm",
+                           "--config.retrieval.refresh=async",
+                           "--config.data.dir={tmp_path}", "--workdir", {str(tmp_path / "run")!r}]))
+      """)
+  result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 143, (result.returncode, result.stdout + result.stderr)
+  assert "Traceback" not in result.stderr, result.stderr
+  assert "local.py: got SIGTERM before starting anything; nothing started" in \
+      result.stdout + result.stderr
+  assert not (tmp_path / "run").exists()
