@@ -241,9 +241,11 @@ def collect(root: str, runs: list[tuple[str, dict]], metric: str, descending: bo
   return have + rest
 
 
-def write_tables(root: str, rows: list[dict], metric: str) -> tuple[str, str]:
-  """ROOT/results.csv (every column) and ROOT/results.md (the grid, status, metrics); ROOT may
-  be a bucket URL."""
+def write_tables(root: str, rows: list[dict], metric: str,
+                 grid: tuple[str, ...] = ()) -> tuple[str, str]:
+  """ROOT/results.csv (every column) and ROOT/results.md (the grid: the keys `grid` names and
+  any dotted one, a top-level field such as `seed` too; status, metrics); ROOT may be a
+  bucket URL."""
   columns = list(dict.fromkeys(c for r in rows for c in r))
   csv_path, md_path = paths.join(root, "results.csv"), paths.join(root, "results.md")
   table = io.StringIO(newline="")
@@ -254,7 +256,7 @@ def write_tables(root: str, rows: list[dict], metric: str) -> tuple[str, str]:
   # A resumed run's wall is all its runs' (a summary from before the record, or whose record
   # could not be kept: its own, `workdir.wall_all_runs`).
   wall = "wall_seconds_all_runs" if "wall_seconds_all_runs" in columns else "wall_seconds"
-  shown = [c for c in columns if c in ("run", "status") or c == metric or "." in c
+  shown = [c for c in columns if c in ("run", "status", *grid) or c == metric or "." in c
            or c.startswith("eval_") or c == wall]
   lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
   for r in rows:
@@ -506,7 +508,8 @@ def results(args: argparse.Namespace, runs: list[tuple[str, dict]], status: dict
   rows = collect(args.root, runs, metric, not args.ascending, status)
   for row in rows:
     row.update((extra or {}).get(row["run"], {}))
-  csv_path, md_path = write_tables(args.root, rows, metric)
+  grid = tuple(dict.fromkeys(key for _, overrides in runs for key in overrides))
+  csv_path, md_path = write_tables(args.root, rows, metric, grid)
   print(paths.read_text(md_path))
   print(f"[sweep] wrote {csv_path} and {md_path}", flush=True)
   return rows

@@ -84,3 +84,25 @@ def test_sweep_and_render_read_a_flagfile(tmp_path, capsys):
           "--out", str(tmp_path / "jobset.yaml")]
   assert render.main(argv) == 0
   assert "realm-jax:latest" in (tmp_path / "jobset.yaml").read_text()
+
+
+def test_the_table_shows_a_swept_top_level_field(tmp_path, capsys, monkeypatch):
+  """results.md holds the grid's columns: one for `seed`, a field at the config's top level,
+  was left out (only dotted keys were taken for grid columns), so the table of a sweep over
+  seeds did not say which seed each figure came from but in the run's name."""
+  (tmp_path / "data").mkdir()
+  root = tmp_path / "s"
+
+  def finished_run(name, cmd, out, grace):
+    workdir = next(a.split("=", 1)[1] for a in cmd if a.startswith("--workdir="))
+    seed = int(next(a.split("=", 1)[1] for a in cmd if a.startswith("--config.seed=")))
+    workdir_lib.write_summary(workdir, {"steps": 7, "eval_recall_at_5": 0.5 + seed / 10})
+    return 0
+  monkeypatch.setattr(processes, "run_to_end", finished_run)
+  assert sweep.main(["--config", ICT, "--root", str(root), "--grid", "seed=0,1",
+                     "--grid", "train.lr=1e-3", "--set", f"data.dir={tmp_path / 'data'}",
+                     "--set", "train.steps=7"]) == 0
+  lines = (root / "results.md").read_text().splitlines()
+  assert lines[2] == "| run | seed | train.lr | status | eval_recall_at_5 |", lines
+  assert lines[4] == "| seed-1_train.lr-0.001 | 1 | 0.001 | done | 0.6 |", lines
+
