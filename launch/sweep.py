@@ -57,7 +57,7 @@ from realm_jax.config.loading import config_module
 from realm_jax.config.option_names import upgrade_config, upgrade_flags
 from realm_jax.config.reading import flat_options, uses_index_builder
 from realm_jax.config.overrides import (check_key, check_known_options, field_value,
-                                        parse_assignment)
+                                        flag_text, parse_assignment)
 
 PROG = "sweep.py"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -88,8 +88,9 @@ def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list
     for run in runs:
       for key, value in run.items():
         check_key(key, fields, "get_hyper()")
-        if isinstance(value, str):   # "1e-3" for a float: typed as a --grid value would be
-          run[key] = field_value(config, fields, key, value)
+        if value is not None:   # "1e-3" or 32.5 for an int, [8, 1] for a tuple: typed and
+          run[key] = field_value(config, fields, key,   # refused as a --grid value would be
+                                 value if isinstance(value, str) else flag_text(value))
   else:
     raise ConfigError("", "no grid: give --grid KEY=V1,V2 flags or define get_hyper(arg) in "
                       "the config module")

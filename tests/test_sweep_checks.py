@@ -106,3 +106,41 @@ def test_the_table_shows_a_swept_top_level_field(tmp_path, capsys, monkeypatch):
   assert lines[2] == "| run | seed | train.lr | status | eval_recall_at_5 |", lines
   assert lines[4] == "| seed-1_train.lr-0.001 | 1 | 0.001 | done | 0.6 |", lines
 
+
+@pytest.mark.parametrize("value, message", [
+    ("32.5", "'32.5' is not an integer"), ("True", "'true' is not a number")])
+def test_a_get_hyper_value_of_another_type_is_one_line_naming_its_field(
+    tmp_path, capsys, value, message):
+  """A get_hyper() value given as a number or a bool of the wrong type (32.5 for a batch size)
+  escaped as ml_collections' TypeError, a traceback; it is refused as a --grid value is."""
+  config = tmp_path / "hyper.py"
+  config.write_text(
+      "import importlib.util\n"
+      f"spec = importlib.util.spec_from_file_location('ict', {ICT!r})\n"
+      "ict = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(ict)\n"
+      "get_config = ict.get_config\n\n"
+      f"def get_hyper(arg=None):\n  return [{{'train.batch_size': {value}}}]\n")
+  with pytest.raises(SystemExit) as exit_:
+    sweep.main(["--config", str(config), "--root", str(tmp_path / "s"), "--launcher", "print"])
+  err = capsys.readouterr().err
+  assert exit_.value.code == 2 and "Traceback" not in err, err
+  assert err == f"sweep.py: error: config.train.batch_size: {message}\n", err
+
+
+def test_get_hyper_values_of_the_fields_type_are_taken_as_given(tmp_path, capsys):
+  config = tmp_path / "hyper.py"
+  config.write_text(
+      "import importlib.util\n"
+      f"spec = importlib.util.spec_from_file_location('ict', {ICT!r})\n"
+      "ict = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(ict)\n"
+      "get_config = ict.get_config\n\n"
+      "def get_hyper(arg=None):\n"
+      "  return [{'train.lr': 1e-3, 'train.batch_size': 16, 'mesh.shape': (-1, 1)},\n"
+      "          {'train.lr': 2, 'train.batch_size': 32, 'mesh.shape': [-1, 1]}]\n")
+  assert sweep.main(["--config", str(config), "--root", str(tmp_path / "s"),
+                     "--launcher", "print"]) == 0
+  lines = [l for l in capsys.readouterr().out.splitlines() if "--workdir=" in l]
+  assert lines[0].endswith("--config.train.lr=0.001 --config.train.batch_size=16 "
+                           "--config.mesh.shape=-1,1"), lines
+  assert lines[1].endswith("--config.train.lr=2.0 --config.train.batch_size=32 "
+                           "--config.mesh.shape=-1,1"), lines
