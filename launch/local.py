@@ -336,11 +336,11 @@ class _Supervisor:
     if signals_seen is None:
       signals_seen = len(self.signals)
     while any(c.running for c in running) and time.monotonic() < deadline \
-        and len(self.signals) == signals_seen:
+        and not self.pressed(sig, signals_seen):
       time.sleep(POLL_SECONDS)
     late = [c for c in running if c.running]
     if late:
-      when = ("on a second signal" if len(self.signals) > signals_seen
+      when = ("on a second signal" if self.pressed(sig, signals_seen)
               else f"after {grace:g} s")
       self.say(f"{' and '.join(c.name for c in late)} still running {when}; sending SIGKILL")
     for c in late:
@@ -348,6 +348,15 @@ class _Supervisor:
       c.signal_group(signal.SIGKILL)
     while any(c.running for c in late):
       time.sleep(POLL_SECONDS / 10)
+
+  def pressed(self, sig: int, signals_seen: int) -> bool:
+    """Whether a signal to us after the first `signals_seen` calls for SIGKILL now: any, but
+    a first SIGTERM while children stopped by SIGTERM save their step (what it asks of them)
+    where none came before."""
+    new = self.signals[signals_seen:]
+    if sig == signal.SIGTERM and "SIGTERM" not in self.signals[:signals_seen]:
+      new = new[1:] if new[:1] == ["SIGTERM"] else new
+    return bool(new)
 
   def stop_other(self, other: _Child, why: str) -> None:
     """Stops the child that outlived the other: the trainer by SIGTERM, its preemption path,

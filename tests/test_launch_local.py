@@ -644,3 +644,49 @@ def test_a_sigterm_while_the_config_is_checked_exits_143_and_starts_nothing(tmp_
   assert "local.py: got SIGTERM before starting anything; nothing started" in \
       result.stdout + result.stderr
   assert not (tmp_path / "run").exists()
+
+
+class _Failed(_Stubborn):
+  """A child that has already exited with `code`."""
+
+  def __init__(self, name, code):
+    super().__init__(name)
+    self.code = code
+
+  @property
+  def running(self):
+    return False
+
+  @property
+  def returncode(self):
+    return self.code
+
+  def poll(self):
+    return self.code
+
+
+class _PolledSaving(_Saving):
+  def poll(self):
+    return self.returncode
+
+
+def test_a_sigterm_while_the_trainer_saves_after_the_builder_failed_does_not_kill_it(
+    tmp_path):
+  """The builder failed and the trainer, sent SIGTERM, saves its step: a SIGTERM to the
+  launcher then (a preemption, or a demo or sweep stopping its run) asks for nothing more than
+  what the trainer is doing, yet it was taken for a second signal and SIGKILLed the trainer
+  mid-save. A second signal still ends it at once."""
+  import threading
+  for signals, killed in ((["SIGTERM"], False), (["SIGTERM", "SIGTERM"], True),
+                          (["SIGINT"], True)):
+    said = []
+    supervisor = local._Supervisor(str(tmp_path), grace=0.2, say=said.append, save_grace=5.0)
+    supervisor.children = {"trainer": _PolledSaving("trainer", 1.0, 143),
+                           "builder": _Failed("builder", 3)}
+    timer = threading.Timer(0.3, lambda: supervisor.signals.extend(signals))
+    timer.start()
+    try:
+      assert supervisor.watch() == 3, said
+    finally:
+      timer.cancel()
+    assert (signal.SIGKILL in supervisor.children["trainer"].got) == killed, (signals, said)
