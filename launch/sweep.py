@@ -99,12 +99,13 @@ def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list
 
 def grid_values(text: str) -> list[str]:
   """`V1,V2,...` split on the commas outside brackets and quotes: `(8,1),(4,2)` is two
-  tuples, `'6,7',8` two strings."""
+  tuples, `'6,7',8` two strings. A quote opens at a value's start or inside brackets: an
+  apostrophe in a word (`runs/bob's`) is part of it."""
   values, depth, quote, start = [], 0, "", 0
   for i, c in enumerate(text):
     if quote:
       quote = "" if c == quote else quote
-    elif c in "'\"":
+    elif c in "'\"" and (depth or not text[start:i].strip()):
       quote = c
     elif c in "([":
       depth += 1

@@ -88,6 +88,11 @@ def test_print_launcher_expands_the_grid_with_typed_values(capsys, tmp_path):
       {"mesh.shape": (8, 1)}, {"mesh.shape": (4, 2)}]
   assert sweep.expand_grid(config, ["init.from_workdir='runs/a,b',runs/c"], None) == [
       {"init.from_workdir": "runs/a,b"}, {"init.from_workdir": "runs/c"}]
+  # A quote opens at a value's start (or inside a literal) only: an apostrophe in a word is
+  # part of it, and used to take the commas after it into one value with the next.
+  assert sweep.expand_grid(config, ["init.from_workdir=runs/bob's,runs/c"], None) == [
+      {"init.from_workdir": "runs/bob's"}, {"init.from_workdir": "runs/c"}]
+  assert sweep.grid_values("('a)b', 'c'),(1,2)") == ["('a)b', 'c')", "(1,2)"]
 
 
 def test_a_metric_no_run_has_or_nan_leaves_the_table_unsorted_and_says_so(tmp_path, capsys):
