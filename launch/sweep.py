@@ -220,12 +220,22 @@ def _summary(workdir: str) -> dict | None:
   return workdir_lib.read_summary(workdir)
 
 
+def _result(root: str, name: str, steps: dict[str, int] | None) -> dict | None:
+  """Run `name`'s summary, unless `steps` gives its train.steps and the summary is of fewer
+  (an earlier, shorter run's: the run given more steps failed, or still trains)."""
+  summary = _summary(paths.join(root, name))
+  if summary is not None and steps is not None and summary.get("steps") != steps[name]:
+    return None
+  return summary
+
+
 def collect(root: str, runs: list[tuple[str, dict]], metric: str, descending: bool,
-            status: dict[str, str]) -> list[dict]:
-  """One row per run: its overrides, status, and the scalar fields of its summary.json."""
+            status: dict[str, str], steps: dict[str, int] | None = None) -> list[dict]:
+  """One row per run: its overrides, status, and the scalar fields of its summary.json (where
+  `steps` gives the run's train.steps, of a summary that covers them: `_result`)."""
   rows = []
   for name, overrides in runs:
-    summary = _summary(paths.join(root, name)) or {}
+    summary = _result(root, name, steps) or {}
     row = {"run": name, **{k: v for k, v in overrides.items()},
            "status": status.get(name, "done" if summary else "missing")}
     row.update({k: v for k, v in summary.items()
@@ -485,7 +495,8 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     # the tables of what the bucket holds now: the runs just started have no summary yet
     # the csv names each run's slices: which to stop, tail or delete
     return results(args, runs, {r["run"]: r["status"] for r in launched},
-                   {r["run"]: {"slices": r["slices"]} for r in launched})
+                   {r["run"]: {"slices": r["slices"]} for r in launched},
+                   run_steps(runs, fields, fixed))
   paths.check(args.root, "--root")
   if args.launcher == "print" or args.dry_run:
     for name, overrides in runs:
@@ -493,21 +504,30 @@ def sweep(args: argparse.Namespace) -> list[dict]:
       print(shlex.join(command(args.config, paths.join(args.root, name), run,
                                needs_builder(config, run))))
     return []
-  return results(args, runs, run_locally(args, runs, config, fields, fixed))
+  return results(args, runs, run_locally(args, runs, config, fields, fixed), None,
+                 run_steps(runs, fields, fixed))
+
+
+def run_steps(runs: list[tuple[str, dict]], fields: dict, fixed: dict) -> dict[str, int]:
+  """Each run's train.steps (what its summary covers once it finished: `finished`)."""
+  return {name: int({**fixed, **overrides}.get("train.steps", fields["train.steps"]))
+          for name, overrides in runs}
 
 
 def results(args: argparse.Namespace, runs: list[tuple[str, dict]], status: dict[str, str],
-            extra: dict[str, dict] | None = None) -> list[dict]:
+            extra: dict[str, dict] | None = None,
+            steps: dict[str, int] | None = None) -> list[dict]:
   """Every run's summary.json under --root (a local dir or a bucket) as ROOT/results.csv and
-  ROOT/results.md, with its `status` and `extra` columns; prints the table. The rows."""
+  ROOT/results.md, with its `status` and `extra` columns; prints the table. The rows. `steps`:
+  each run's train.steps, whose summary alone is its result (`_result`)."""
   metric = args.metric
   for name, _ in runs if not metric else ():
-    found = [k for k, v in (_summary(paths.join(args.root, name)) or {}).items()
+    found = [k for k, v in (_result(args.root, name, steps) or {}).items()
              if k.startswith("eval_") and isinstance(v, (int, float))]
     if found:
       metric = found[0]
       break
-  rows = collect(args.root, runs, metric, not args.ascending, status)
+  rows = collect(args.root, runs, metric, not args.ascending, status, steps)
   for row in rows:
     row.update((extra or {}).get(row["run"], {}))
   grid = tuple(dict.fromkeys(key for _, overrides in runs for key in overrides))

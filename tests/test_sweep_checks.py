@@ -144,3 +144,28 @@ def test_get_hyper_values_of_the_fields_type_are_taken_as_given(tmp_path, capsys
                            "--config.mesh.shape=-1,1"), lines
   assert lines[1].endswith("--config.train.lr=2.0 --config.train.batch_size=32 "
                            "--config.mesh.shape=-1,1"), lines
+
+
+def test_a_failed_runs_earlier_summary_is_not_tabled_as_its_figures(tmp_path, capsys,
+                                                                    monkeypatch):
+  """A run given more train.steps that then fails keeps the summary of its shorter run: its
+  figures were tabled (and sorted first) as the failed run's. A summary that does not cover
+  the run's steps is not this sweep's result."""
+  (tmp_path / "data").mkdir()
+  root = tmp_path / "s"
+  workdir_lib.write_summary(str(root / "seed-0"), {"steps": 5, "eval_recall_at_5": 0.9})
+
+  def run(name, cmd, out, grace):
+    workdir = next(a.split("=", 1)[1] for a in cmd if a.startswith("--workdir="))
+    if workdir.endswith("seed-0"):
+      return 1                                         # fails before its summary
+    workdir_lib.write_summary(workdir, {"steps": 7, "eval_recall_at_5": 0.5})
+    return 0
+  monkeypatch.setattr(processes, "run_to_end", run)
+  assert sweep.main(["--config", ICT, "--root", str(root), "--grid", "seed=0,1",
+                     "--set", f"data.dir={tmp_path / 'data'}", "--set", "train.steps=7"]) == 1
+  rows = {line.split(" | ")[0].strip("| "): line
+          for line in (root / "results.md").read_text().splitlines()[4:]}
+  lines = (root / "results.md").read_text().splitlines()
+  assert lines[4].startswith("| seed-1 |"), lines        # the finished run first
+  assert "0.9" not in rows["seed-0"] and "failed (1)" in rows["seed-0"], rows
