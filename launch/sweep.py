@@ -88,9 +88,12 @@ def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list
     for run in runs:
       for key, value in run.items():
         check_key(key, fields, "get_hyper()")
-        if value is not None:   # "1e-3" or 32.5 for an int, [8, 1] for a tuple: typed and
-          run[key] = field_value(config, fields, key,   # refused as a --grid value would be
-                                 value if isinstance(value, str) else flag_text(value))
+        if value is None:   # a run's --config.KEY=None reads the text 'None', or is refused
+          raise ConfigError(key, "get_hyper() gives None, which no --config flag hands a run; "
+                            "give a value ('' for a path left unset)")
+        # "1e-3" or 32.5 for an int, [8, 1] for a tuple: typed and refused as a --grid value
+        run[key] = field_value(config, fields, key,
+                               value if isinstance(value, str) else flag_text(value))
   else:
     raise ConfigError("", "no grid: give --grid KEY=V1,V2 flags or define get_hyper(arg) in "
                       "the config module")

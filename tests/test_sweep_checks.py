@@ -169,3 +169,22 @@ def test_a_failed_runs_earlier_summary_is_not_tabled_as_its_figures(tmp_path, ca
   lines = (root / "results.md").read_text().splitlines()
   assert lines[4].startswith("| seed-1 |"), lines        # the finished run first
   assert "0.9" not in rows["seed-0"] and "failed (1)" in rows["seed-0"], rows
+
+
+def test_a_get_hyper_none_is_refused_naming_its_field(tmp_path, capsys):
+  """A get_hyper() value None was checked as the field unset, then handed to the run as
+  `--config.KEY=None`: the text 'None' for a path (a run started from a workdir named None),
+  refused by the run for a number. It is refused before any run starts."""
+  config = tmp_path / "hyper.py"
+  config.write_text(
+      "import importlib.util\n"
+      f"spec = importlib.util.spec_from_file_location('ict', {ICT!r})\n"
+      "ict = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(ict)\n"
+      "get_config = ict.get_config\n\n"
+      "def get_hyper(arg=None):\n  return [{'init.from_workdir': None}, {'seed': 1}]\n")
+  with pytest.raises(SystemExit) as exit_:
+    sweep.main(["--config", str(config), "--root", str(tmp_path / "s"), "--launcher", "print"])
+  captured = capsys.readouterr()
+  assert exit_.value.code == 2 and "--config.init.from_workdir=None" not in captured.out
+  assert captured.err.startswith("sweep.py: error: config.init.from_workdir: get_hyper() "
+                                 "gives None"), captured.err
