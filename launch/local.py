@@ -222,18 +222,19 @@ class _Child:
     self._say = say
     self.start = time.monotonic()
     self.end: float | None = None
-    # the log first: a log that cannot be opened starts nothing (the process was left untracked)
+    # the log first: a log that cannot be opened or written (a full disk) starts nothing (the
+    # process was left untracked)
     self._log = open(log_path, "a", encoding="utf-8")
-    # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it (and can
-    # then SIGKILL everything the job started, grandchildren included).
     try:
+      self._log.write(f"# {PROG} {time.strftime('%Y-%m-%d %H:%M:%S')}: {command_line(argv)}\n")
+      self._log.flush()
+      # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it (and can
+      # then SIGKILL everything the job started, grandchildren included).
       self.proc = start_child(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT)
     except BaseException:
       self._log.close()
       raise
-    self._log.write(f"# {PROG} {time.strftime('%Y-%m-%d %H:%M:%S')}: {command_line(argv)}\n")
-    self._log.flush()
     self._reader = threading.Thread(target=self._copy_output, name=f"{name}-output", daemon=True)
     self._reader.start()
 

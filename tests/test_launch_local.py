@@ -690,3 +690,23 @@ def test_a_sigterm_while_the_trainer_saves_after_the_builder_failed_does_not_kil
     finally:
       timer.cancel()
     assert (signal.SIGKILL in supervisor.children["trainer"].got) == killed, (signals, said)
+
+
+def test_a_log_that_cannot_be_written_starts_nothing(tmp_path, capsys, monkeypatch):
+  """The log's first line was written after the process started: a full disk (the write
+  failing) said "cannot start the trainer" while the trainer ran on, untracked, never
+  stopped by the launcher."""
+  import errno
+  import io
+
+  class Full(io.StringIO):
+    def flush(self):
+      raise OSError(errno.ENOSPC, "No space left on device")
+  monkeypatch.setattr(local, "open", lambda *a, **k: Full(), raising=False)
+  trainer = child(tmp_path, "trainer", "time.sleep(60)\n")
+  code, out, _ = run_supervise(capsys, {"trainer": trainer}, tmp_path)
+  assert code == 2, out
+  assert "local.py: error: cannot start the trainer: [Errno 28] No space left on device" in \
+      out.splitlines(), out
+  time.sleep(1.0)                                   # a started trainer has written its pid
+  assert not (tmp_path / "trainer.pid").exists() or gone(read_pid(tmp_path, "trainer"), 0.5)
