@@ -206,9 +206,13 @@ def command_line(argv: list[str]) -> str:
 
 
 def describe(returncode: int) -> str:
-  """`exit code N`, or `killed by SIGX` for a process a signal ended."""
+  """`exit code N`, or `killed by SIGX` for a process a signal ended (`signal N` for one
+  Python has no name for: a real-time signal)."""
   if returncode < 0:
-    return f"killed by {signal.Signals(-returncode).name}"
+    try:
+      return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+      return f"killed by signal {-returncode}"
   return f"exit code {returncode}"
 
 

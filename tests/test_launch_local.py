@@ -152,6 +152,19 @@ def test_failure_stops_the_other_and_returns_its_code(tmp_path, capsys):
       "failed" in out.splitlines()[-1], out
 
 
+def test_a_child_ended_by_a_signal_without_a_name_is_said_by_its_number(tmp_path, capsys):
+  """A real-time signal has no name in Python (`signal.Signals` refuses it): the launcher's
+  line about the child that it ended was a ValueError traceback."""
+  number = signal.SIGRTMIN + 1
+  trainer = child(tmp_path, "trainer", "time.sleep(60)\n")
+  builder = child(tmp_path, "builder", f"os.kill(os.getpid(), {int(number)})\n")
+  code, out, _ = run_supervise(capsys, {"trainer": trainer, "builder": builder}, tmp_path,
+                               grace=1.0)
+  assert f"builder killed by signal {int(number)}" in out, out
+  assert "Traceback" not in out and code != 0, out
+  assert gone(read_pid(tmp_path, "trainer"))
+
+
 def test_child_ignoring_sigint_is_killed_after_grace(tmp_path, capsys):
   trainer = child(tmp_path, "trainer", """\
       signal.signal(signal.SIGINT, signal.SIG_IGN)
