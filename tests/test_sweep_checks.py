@@ -24,15 +24,21 @@ def _load(name: str, path: str):
 sweep = _load("_test_sweep_checks", os.path.join(helpers.REPO, "launch", "sweep.py"))
 
 
-def test_get_hyper_values_given_as_text_take_the_fields_type(tmp_path, capsys):
+def hyper_config(tmp_path, text: str) -> str:
+  """A config file: ICT's get_config, and `text` (a get_hyper) after it."""
   config = tmp_path / "hyper.py"
   config.write_text(
       "import importlib.util\n"
       f"spec = importlib.util.spec_from_file_location('ict', {ICT!r})\n"
       "ict = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(ict)\n"
-      "get_config = ict.get_config\n\n"
+      "get_config = ict.get_config\n\n" + text)
+  return str(config)
+
+
+def test_get_hyper_values_given_as_text_take_the_fields_type(tmp_path, capsys):
+  config = hyper_config(tmp_path,
       "def get_hyper(arg=None):\n  return [{'train.lr': '1e-3'}, {'train.lr': '3e-3'}]\n")
-  assert sweep.main(["--config", str(config), "--root", str(tmp_path / "s"),
+  assert sweep.main(["--config", config, "--root", str(tmp_path / "s"),
                      "--launcher", "print"]) == 0
   out = capsys.readouterr().out
   assert "--config.train.lr=0.001" in out and "--config.train.lr=0.003" in out
@@ -113,31 +119,21 @@ def test_a_get_hyper_value_of_another_type_is_one_line_naming_its_field(
     tmp_path, capsys, value, message):
   """A get_hyper() value given as a number or a bool of the wrong type (32.5 for a batch size)
   escaped as ml_collections' TypeError, a traceback; it is refused as a --grid value is."""
-  config = tmp_path / "hyper.py"
-  config.write_text(
-      "import importlib.util\n"
-      f"spec = importlib.util.spec_from_file_location('ict', {ICT!r})\n"
-      "ict = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(ict)\n"
-      "get_config = ict.get_config\n\n"
+  config = hyper_config(tmp_path,
       f"def get_hyper(arg=None):\n  return [{{'train.batch_size': {value}}}]\n")
   with pytest.raises(SystemExit) as exit_:
-    sweep.main(["--config", str(config), "--root", str(tmp_path / "s"), "--launcher", "print"])
+    sweep.main(["--config", config, "--root", str(tmp_path / "s"), "--launcher", "print"])
   err = capsys.readouterr().err
   assert exit_.value.code == 2 and "Traceback" not in err, err
   assert err == f"sweep.py: error: config.train.batch_size: {message}\n", err
 
 
 def test_get_hyper_values_of_the_fields_type_are_taken_as_given(tmp_path, capsys):
-  config = tmp_path / "hyper.py"
-  config.write_text(
-      "import importlib.util\n"
-      f"spec = importlib.util.spec_from_file_location('ict', {ICT!r})\n"
-      "ict = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(ict)\n"
-      "get_config = ict.get_config\n\n"
+  config = hyper_config(tmp_path,
       "def get_hyper(arg=None):\n"
       "  return [{'train.lr': 1e-3, 'train.batch_size': 16, 'mesh.shape': (-1, 1)},\n"
       "          {'train.lr': 2, 'train.batch_size': 32, 'mesh.shape': [-1, 1]}]\n")
-  assert sweep.main(["--config", str(config), "--root", str(tmp_path / "s"),
+  assert sweep.main(["--config", config, "--root", str(tmp_path / "s"),
                      "--launcher", "print"]) == 0
   lines = [l for l in capsys.readouterr().out.splitlines() if "--workdir=" in l]
   assert lines[0].endswith("--config.train.lr=0.001 --config.train.batch_size=16 "
@@ -175,15 +171,10 @@ def test_a_get_hyper_none_is_refused_naming_its_field(tmp_path, capsys):
   """A get_hyper() value None was checked as the field unset, then handed to the run as
   `--config.KEY=None`: the text 'None' for a path (a run started from a workdir named None),
   refused by the run for a number. It is refused before any run starts."""
-  config = tmp_path / "hyper.py"
-  config.write_text(
-      "import importlib.util\n"
-      f"spec = importlib.util.spec_from_file_location('ict', {ICT!r})\n"
-      "ict = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(ict)\n"
-      "get_config = ict.get_config\n\n"
+  config = hyper_config(tmp_path,
       "def get_hyper(arg=None):\n  return [{'init.from_workdir': None}, {'seed': 1}]\n")
   with pytest.raises(SystemExit) as exit_:
-    sweep.main(["--config", str(config), "--root", str(tmp_path / "s"), "--launcher", "print"])
+    sweep.main(["--config", config, "--root", str(tmp_path / "s"), "--launcher", "print"])
   captured = capsys.readouterr()
   assert exit_.value.code == 2 and "--config.init.from_workdir=None" not in captured.out
   assert captured.err.startswith("sweep.py: error: config.init.from_workdir: get_hyper() "
