@@ -228,36 +228,36 @@ def _field_differences(config, workdir: str, part: str) -> list[str]:
     theirs_config = run_config(workdir)
   except FileNotFoundError:
     return []
-  ours, theirs = part_model(config, part), part_model(theirs_config, part)
-  options = part_options(config, part)
-  lines = []
-  for field in SHAPE_FIELDS[part]:
-    a, b = ours.get(field), theirs.get(field)
-    if field == "vocab_size" and not (a and b):
-      continue
-    if a != b:
-      lines.append(f"{options.get(field, 'model.' + field)}: {a!r} (this run) != {b!r} "
-                   f"({workdir}/config.json)")
-  return lines
+  return _differences(config, theirs_config, workdir, part, SHAPE_FIELDS[part])
 
 
 def _computes_otherwise(config, workdir: str, part: str) -> list[str]:
   """`option: ours (this run) != theirs (W/config.json)` for each COMPUTE_FIELDS field of
   `part` whose value differs (two spellings of one GELU are the same); [] where the run
   recorded no config, or none readable (as `check_run_vocab`)."""
-  from realm_jax.models.bert import HIDDEN_ACTS
   from realm_jax.runtime.checkpoints import run_config
   try:
     theirs_config = run_config(workdir)
   except (FileNotFoundError, ValueError):   # none, or not a run's JSON
     return []
+  return _differences(config, theirs_config, workdir, part, COMPUTE_FIELDS[part])
+
+
+def _differences(config, theirs_config, workdir: str, part: str, fields) -> list[str]:
+  """`option: ours (this run) != theirs (W/config.json)` for each of `fields` of `part`, as
+  its tower is built (`_computed`) from `config` and from `theirs_config`, W's: a vocab size
+  unset on either side is not compared, two spellings of one GELU are the same."""
+  from realm_jax.models.bert import HIDDEN_ACTS
   options = {**part_options(config, part), "pooling": "model.retriever.pooling"}
   lines = []
-  for field in COMPUTE_FIELDS[part]:
+  for field in fields:
     a, b = (_computed(c, part, field) for c in (config, theirs_config))
+    if field == "vocab_size" and not (a and b):
+      continue
     same = HIDDEN_ACTS.get(a, a) == HIDDEN_ACTS.get(b, b) if field == "hidden_act" else a == b
     if not same:
-      lines.append(f"{options[field]}: {a!r} (this run) != {b!r} ({workdir}/config.json)")
+      lines.append(f"{options.get(field, 'model.' + field)}: {a!r} (this run) != {b!r} "
+                   f"({workdir}/config.json)")
   return lines
 
 
