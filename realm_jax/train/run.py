@@ -184,8 +184,9 @@ class Run:
     resumes = self._check_vocab(workdir, data.tokenizer.vocab_path)
     # a finished run run again trains nothing (`_finished_before`): W keeps the record of
     # the values its checkpoints were trained under
-    finished = multihost.on_every_process(self._finished_summary(
-        workdir, config.train.steps, workdir_lib.latest_checkpoint_step(workdir)) is not None)
+    previous = self._finished_summary(workdir, config.train.steps)
+    finished = multihost.on_every_process(previous is not None)
+    self.previous = previous if finished else None   # `_finished_before`'s
     changed = [(name, was, now) for name, was, now in workdir_lib.recorded_differences(
         workdir, config) if not paths.same_place(was, now)] if resumes and not finished and \
         jax.process_index() == 0 else []
@@ -373,9 +374,8 @@ class Run:
     summary for this train.steps in the workdir, seen by every process): a run of a finished
     job restores, trains and evaluates nothing again (realm-eval evaluates a checkpoint) and
     leaves its metrics and wall time as they are."""
-    total = self.config.train.steps
-    previous = self._finished_summary(self.workdir, total, self.checkpointer.latest_step())
-    if not multihost.on_every_process(previous is not None):
+    total, previous = self.config.train.steps, self.previous   # seen in __init__
+    if previous is None:
       return None
     logger.info(f"{self.prefix}finished before at step {total}: its summary is "
                 f"{paths.join(self.workdir, workdir_lib.SUMMARY)}, nothing is run again (a "
@@ -388,9 +388,10 @@ class Run:
     return previous
 
   @staticmethod
-  def _finished_summary(workdir: str, total: int, latest: int | None) -> dict | None:
-    """W's summary where it is that of a run finished at `total` steps, `latest` (W's latest
-    checkpoint step) being `total` too; else None."""
+  def _finished_summary(workdir: str, total: int) -> dict | None:
+    """W's summary where it is that of a run finished at `total` steps, W's latest checkpoint
+    being of step `total` too; else None."""
+    latest = workdir_lib.latest_checkpoint_step(workdir)
     previous = workdir_lib.read_summary(workdir) if latest == total else None
     return previous if previous is not None and previous.get("steps") == total else None
 
