@@ -16,6 +16,7 @@ import pytest
 
 from realm_jax.data import corpus, prepare as prepare_lib, sources
 from realm_jax.data.prepared import PreparedData
+from realm_jax.data.sentences import split_sentences
 from realm_jax.data.tokenizer import load_tokenizer
 from realm_jax.errors import ConfigError, DataError
 from tests.helpers import REPO
@@ -641,6 +642,19 @@ def test_every_sentence_without_an_example_is_counted(tmp_path):
   assert stats["sentences"] == 11 and stats["examples_skipped"]["no wordpiece"] == 1
   assert stats["sentences"] == sum(stats["examples"].values()) + sum(
       stats["examples_skipped"].values())
+
+
+def test_a_capital_a_non_ascii_space_and_a_period_are_split_as_with_a_space(tmp_path):
+  """sentencex panics on a capital letter, a space other than ASCII's and a period ("plan
+  A\u00a0."): such a text is split as with a plain space, and the job goes on (it stopped with
+  the panic's traceback, or an unpicklable error from a worker)."""
+  text = "Alice Borin chose plan A\u00a0. It worked in 1990."
+  assert split_sentences(text) == [(0, 26), (27, 45)]
+  assert split_sentences(text) == split_sentences(text.replace("\u00a0", " "))
+  lines = good_lines() + [json.dumps({"title": "Plans", "text": text}).encode()]
+  stats = prepare_lib.prepare(config_for(f"jsonl:{write_jsonl(tmp_path / 'd.jsonl', lines)}",
+                                         str(tmp_path / "out")))
+  assert stats["documents"] == 4 and stats["sentences"] == 11
 
 
 def test_held_out_documents_become_the_eval_split(tmp_path):
