@@ -323,6 +323,25 @@ def test_a_cased_checkpoints_vocab_is_refused(tmp_path):
   assert stats["documents"] == len(PROSE)
 
 
+@pytest.mark.parametrize("vocab, why", [
+    (b"[PAD]\n[UNK]\n[CLS]\n[SEP]\na\n", r"lacks special tokens \['\[MASK\]'\]"),
+    (b"a\n[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n", r"\[PAD\] must have id 0"),
+    (b"[PAD]\n[UNK]\n[MASK]\na\n", "sep_token not found"),
+    (b"\xff\xfe\x00binary", "valid UTF-8")], ids=["no [MASK]", "[PAD] not 0", "no [SEP]",
+                                                    "binary"])
+def test_a_vocab_without_berts_special_tokens_is_refused_naming_the_option(tmp_path, vocab,
+                                                                            why):
+  """A vocab.txt that is not BERT's (a special token missing, [PAD] not id 0, not text) is
+  refused naming the option, in one line, before it is copied (a traceback from the
+  tokenizer, after the copy, before)."""
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines())
+  (tmp_path / "vocab.txt").write_bytes(vocab)
+  config = config_for(f"jsonl:{path}", str(tmp_path / "out"), vocab=str(tmp_path / "vocab.txt"))
+  with pytest.raises(ConfigError, match=r"^config\.vocab: .*vocab\.txt: .*" + why):
+    prepare_lib.prepare(config)
+  assert not os.path.exists(tmp_path / "out" / "vocab.txt")
+
+
 def test_cli_reports_a_bad_record_in_one_line(tmp_path):
   path = write_jsonl(tmp_path / "docs.jsonl", good_lines() + [b"{oops"])
   result = subprocess.run(

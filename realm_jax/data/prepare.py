@@ -185,6 +185,10 @@ def _vocab(config):
     src = os.path.join(src, "vocab.txt") if os.path.isdir(src) else src
     if not os.path.exists(src):
       raise ConfigError("vocab", f"no vocab.txt in {config.vocab}")
+    try:   # REALM's special tokens, [PAD] at id 0: refused before the copy
+      load_tokenizer(src)
+    except Exception as e:  # noqa: BLE001  (the tokenizers library's own: not UTF-8, no [SEP])
+      raise ConfigError("vocab", str(e) if str(e).startswith(src) else f"{src}: {e}") from None
     made_from = {"copied": paths.sha256_file(src)}
     if not _reusable_vocab(config.out_dir, made_from):
       shutil.copyfile(src, path + ".tmp")
