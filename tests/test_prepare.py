@@ -327,12 +327,14 @@ def test_a_cased_checkpoints_vocab_is_refused(tmp_path):
     (b"[PAD]\n[UNK]\n[CLS]\n[SEP]\na\n", r"lacks special tokens \['\[MASK\]'\]"),
     (b"a\n[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n", r"\[PAD\] must have id 0"),
     (b"[PAD]\n[UNK]\n[MASK]\na\n", "sep_token not found"),
-    (b"\xff\xfe\x00binary", "valid UTF-8")], ids=["no [MASK]", "[PAD] not 0", "no [SEP]",
-                                                    "binary"])
+    (b"\xff\xfe\x00binary", "valid UTF-8"),
+    # ids up to 7 in 7 entries: the model's table would have no row for the last
+    (b"[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\na\nb\na\n", "line 6's token is repeated")],
+    ids=["no [MASK]", "[PAD] not 0", "no [SEP]", "binary", "a token twice"])
 def test_a_vocab_without_berts_special_tokens_is_refused_naming_the_option(tmp_path, vocab,
                                                                             why):
-  """A vocab.txt that is not BERT's (a special token missing, [PAD] not id 0, not text) is
-  refused naming the option, in one line, before it is copied (a traceback from the
+  """A vocab.txt that is not BERT's (a special token missing, [PAD] not id 0, not text, a
+  token twice) is refused naming the option, in one line, before it is copied (a traceback from the
   tokenizer, after the copy, before)."""
   path = write_jsonl(tmp_path / "docs.jsonl", good_lines())
   (tmp_path / "vocab.txt").write_bytes(vocab)

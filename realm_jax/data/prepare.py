@@ -186,9 +186,12 @@ def _vocab(config):
     if not os.path.exists(src):
       raise ConfigError("vocab", f"no vocab.txt in {config.vocab}")
     try:   # REALM's special tokens, [PAD] at id 0: refused before the copy
-      load_tokenizer(src)
+      repeated = load_tokenizer(src).repeated_line()
     except Exception as e:  # noqa: BLE001  (the tokenizers library's own: not UTF-8, no [SEP])
       raise ConfigError("vocab", str(e) if str(e).startswith(src) else f"{src}: {e}") from None
+    if repeated is not None:
+      raise ConfigError("vocab", f"{src}: line {repeated}'s token is repeated further on: the "
+                        "ids would run past the vocab size (the model's embedding rows)")
     made_from = {"copied": paths.sha256_file(src)}
     if not _reusable_vocab(config.out_dir, made_from):
       shutil.copyfile(src, path + ".tmp")

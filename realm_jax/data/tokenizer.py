@@ -55,6 +55,14 @@ class Tokenizer:
   def tokens(self, ids: Iterable[int]) -> list[str]:
     return [self.wordpiece.id_to_token(int(i)) for i in ids]
 
+  def repeated_line(self) -> int | None:
+    """The first line of vocab.txt whose token a later line repeats, None if none does: a
+    token's id is its last line's, and the vocab size counts distinct tokens, so ids would
+    then run past the size (a model sized by it embeds its last id as NaN)."""
+    taken = set(self.wordpiece.get_vocab().values())
+    gaps = set(range(max(taken) + 1)) - taken
+    return min(gaps) + 1 if gaps else None
+
 
 def word_starts(tokens: Sequence[str]) -> list[bool]:
   """Whether each wordpiece begins a word (continuations carry the `##` prefix)."""
