@@ -535,6 +535,17 @@ def test_versions_kept_are_a_builders_concern():
     assert refused.value.option == "builder.keep_versions"
 
 
+@pytest.mark.parametrize("rules", [(4, 2), (("batch", "data"), None)])
+def test_mesh_rules_that_are_not_pairs_are_named(rules):
+  """A rule that is not a sequence (mesh.shape's sizes given to mesh.rules) was a TypeError
+  traceback from validate."""
+  from realm_jax.config.validation import validate
+  with pytest.raises(ConfigError) as refused:
+    validate(apply_overrides(tiny_config("realm"), {"mesh__rules": rules}))
+  assert refused.value.option == "mesh.rules", str(refused.value)
+  assert "each rule is (logical axis, mesh axis)" in str(refused.value)
+
+
 def test_integers_are_read_exactly_at_any_size():
   from realm_jax.config.overrides import typed_value
   assert typed_value("1732790000123456789", 0, "seed") == 1732790000123456789

@@ -68,10 +68,12 @@ def _validate_mesh(config) -> None:
     raise ConfigError("mesh.shape", f"must be {len(MESH_AXES)} integers {MESH_AXES} (-1: "
                       f"the remaining devices), e.g. (-1, 1); got {shape!r}")
   for rule in config.mesh.rules:
-    axes = rule[1:] if len(rule) != 2 or not isinstance(rule[1], (tuple, list)) else rule[1]
-    if len(rule) != 2 or not isinstance(rule[0], str) or \
+    pair = isinstance(rule, (tuple, list)) and len(rule) == 2   # (not a size of mesh.shape)
+    axes = rule[1] if pair and isinstance(rule[1], (tuple, list)) else rule[1:] if pair else ()
+    if not pair or not isinstance(rule[0], str) or \
         any(a is not None and a not in MESH_AXES for a in axes):
-      raise ConfigError("mesh.rules", f"{tuple(rule)!r}: each rule is (logical axis, mesh axis) "
+      shown = tuple(rule) if isinstance(rule, (tuple, list)) else rule
+      raise ConfigError("mesh.rules", f"{shown!r}: each rule is (logical axis, mesh axis) "
                         f"with the mesh axis one of {MESH_AXES} or None")
 
 
