@@ -523,6 +523,22 @@ def test_a_config_file_is_read_for_what_it_says(tmp_path):
   assert not os.path.exists(tmp_path / "w")
 
 
+def test_a_misspelt_field_of_a_prepare_config_file_is_named(tmp_path):
+  """realm-prepare, as realm-train: a field its config file adds (`c.block_lenn = 40`) is one
+  line naming it; it prepared the data with the default block_len, saying nothing."""
+  path = tmp_path / "prep.py"
+  path.write_text("from realm_jax.data.prepare import prepare_config\n\n"
+                  "def get_config(arg=None):\n  c = prepare_config()\n  c.block_lenn = 40\n"
+                  "  return c\n")
+  result = run_entry("realm-prepare", ["--config", str(path), "--config.source=world:30",
+                                       f"--config.out_dir={tmp_path}/data"], tmp_path)
+  lines = [line for line in result.stderr.splitlines() if "Warning" not in line and line]
+  assert result.returncode == 2 and lines == [
+      f"realm-prepare: error: config.block_lenn: set by {path}, but not an option; did you "
+      "mean 'block_len'?"], result.stderr[-2000:]
+  assert not os.path.exists(tmp_path / "data")
+
+
 def test_versions_kept_are_a_builders_concern():
   """builder.keep_versions bounds what the separate builder keeps: 1 is refused with one
   (the trainer may still read the version before the newest), taken without."""

@@ -29,15 +29,17 @@ from realm_jax.errors import ConfigError, closest
 HELP_FLAGS = ("--help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
 
 
-def flags_parser(prog: str, module: str) -> Callable[[list[str]], list[str]]:
+def flags_parser(prog: str, module: str, defaults: Callable | None = None
+                 ) -> Callable[[list[str]], list[str]]:
   """absl `app.run(main, flags_parser=flags_parser(prog, __name__))`: the command line parsed,
   and the config file of a `--config` flag loaded; a misspelt option, a bad value, a config
   file that is missing or whose get_config fails -> one line naming it on stderr and exit
-  code 2. `module`, the command's own (`__name__`), is what its --help describes."""
+  code 2. `module`, the command's own (`__name__`), is what its --help describes; `defaults`,
+  the options of a config without a task (realm-prepare's `prepare_config`)."""
   def parse(argv: list[str]) -> list[str]:
     from absl import flags
     _help_of(flags.FLAGS, module)
-    return _parse_or_exit(prog, flags.FLAGS, argv)
+    return _parse_or_exit(prog, flags.FLAGS, argv, defaults)
   return parse
 
 
@@ -53,7 +55,8 @@ def _help_of(flag_values, module: str) -> None:
   main.__doc__ = main.__doc__ or sys.modules[module].__doc__
 
 
-def _parse_or_exit(prog: str, flag_values, argv: list[str]) -> list[str]:
+def _parse_or_exit(prog: str, flag_values, argv: list[str],
+                   defaults: Callable | None = None) -> list[str]:
   """`flag_values(argv)` with its `--config` file loaded (a file that failed to load raises
   only when the config is read); whatever that raises -> one line and exit code 2."""
   try:
@@ -67,7 +70,7 @@ def _parse_or_exit(prog: str, flag_values, argv: list[str]) -> list[str]:
       from ml_collections import config_flags
       flags_win(flag_values["config"].value,   # (a file that failed to load raises here)
                 config_flags.get_override_values(flag_values["config"]))
-      check_known_options(flag_values["config"].value, _config_file(argv))
+      check_known_options(flag_values["config"].value, _config_file(argv), defaults)
     if "config" in flag_values and _config_file(argv) is not None:
       import ml_collections
       value = flag_values["config"].value
@@ -126,15 +129,17 @@ def apply_run_overrides(config, overrides: list[tuple[str, str, str | None, bool
   return config
 
 
-def check_known_options(config, config_file: str | None) -> None:
+def check_known_options(config, config_file: str | None,
+                        defaults: Callable | None = None) -> None:
   """A training config (one with a `task`) holds the defaults' options (config/defaults.py)
-  and no other: a field its file added, a misspelt assignment (`c.train.stesp = 4`, which
-  ConfigDict takes as a new field and training ignores), is a ConfigError naming it."""
-  if "task" not in config:   # a realm-prepare config: options of its own
-    return
+  and no other, one without a task those of `defaults()` if given (realm-prepare's): a field
+  its file added, a misspelt assignment (`c.train.stesp = 4`, which ConfigDict takes as a new
+  field and training ignores), is a ConfigError naming it."""
   from realm_jax.config.defaults import base_config
   from realm_jax.config.option_names import new_name
-  known = flat_options(base_config())
+  if "task" not in config and defaults is None:   # options of another command's own
+    return
+  known = flat_options(base_config() if "task" in config else defaults())
   for key in flat_options(config):
     if key not in known and new_name(key) not in known:
       close = closest(key, known, cutoff=0.5)

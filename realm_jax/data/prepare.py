@@ -610,7 +610,7 @@ def main() -> None:
       raise SystemExit(2)
     run_cli("realm-prepare", lambda: prepare(config.value))
   del flags
-  app.run(_main, flags_parser=flags_parser("realm-prepare", __name__))
+  app.run(_main, flags_parser=flags_parser("realm-prepare", __name__, prepare_config))
 
 
 if __name__ == "__main__":
