@@ -523,6 +523,22 @@ def test_a_config_file_is_read_for_what_it_says(tmp_path):
   assert not os.path.exists(tmp_path / "w")
 
 
+def test_of_two_config_flags_the_error_names_the_one_read(tmp_path):
+  """absl reads the last `--config` (a flagfile's, then the command line's): an error of its
+  file names that file, and the line, not the first one given."""
+  (tmp_path / "typo.py").write_text("from realm_jax.config.defaults import base_config\n\n"
+                                    "def get_config(arg=None):\n  c = base_config()\n"
+                                    "  c.train.stesp = 3\n  return c\n")
+  cases = [(tmp_path / "typo.py", f"config.train.stesp: set by {tmp_path}/typo.py, but not "
+            "an option"), (_broken_config(tmp_path), f"--config {tmp_path}/broken.py, line 5: "
+                           "the config has no field 'stepz'")]
+  for path, expected in cases:
+    result = run_cli(["--config", "configs/demo_ict.py", "--config", str(path)],
+                     str(tmp_path / "w"))
+    assert_clear_error(result, expected)
+  assert not os.path.exists(tmp_path / "w")
+
+
 def test_a_misspelt_field_of_a_prepare_config_file_is_named(tmp_path):
   """realm-prepare, as realm-train: a field its config file adds (`c.block_lenn = 40`) is one
   line naming it; it prepared the data with the default block_len, saying nothing."""

@@ -230,15 +230,17 @@ def _line_in(error: BaseException, config_file: str | None) -> tuple[str, BaseEx
 
 
 def _config_file(argv: list[str]) -> str | None:
-  """The value of --config in `argv` (before any `--`), or None."""
+  """The value of --config in `argv` (before any `--`; the last one, which absl reads), or
+  None."""
+  found = None
   for i, arg in enumerate(argv):
     if arg == "--":
-      return None
+      break
     if arg in ("--config", "-config") and i + 1 < len(argv):
-      return argv[i + 1]
-    if arg.startswith(("--config=", "-config=")):
-      return arg.partition("=")[2]
-  return None
+      found = argv[i + 1]
+    elif arg.startswith(("--config=", "-config=")):
+      found = arg.partition("=")[2]
+  return found
 
 
 def _first_line(error: BaseException) -> str:
