@@ -373,6 +373,43 @@ def test_sigterm_during_an_in_process_rebuild_saves_the_step_and_resumes_exactly
   assert got == want
 
 
+def test_sigterm_before_a_slow_evaluation_saves_the_step_first(world_dir, tmp_path, monkeypatch,
+                                                                capsys):
+  """ICT evaluating every 2 steps; SIGTERM arrives during step 2, whose evaluation outlasts the
+  grace period: step 2 is saved at once and its evaluation left out, as a SIGTERM between
+  steps is answered (the evaluation ran first, and the watchdog ended the run in it with
+  code 75, losing the steps since the last checkpoint)."""
+  from realm_jax.runtime import preemption
+  from realm_jax.train import loop, run as run_lib
+  exits, evaluated = [], []
+  monkeypatch.setattr(preemption.os, "_exit", exits.append)   # the watchdog's, if it fired
+  applied, evaluate = run_lib.Run.applied, loop.Trainer.evaluate
+
+  def applied_then_signal(self, done, metrics):
+    if done == 2:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return applied(self, done, metrics)
+
+  def slow_evaluate(self, writer, step, final):
+    evaluated.append(step)
+    if step == 2:
+      time.sleep(2.5)
+    return evaluate(self, writer, step, final)
+
+  monkeypatch.setattr(run_lib.Run, "applied", applied_then_signal)
+  monkeypatch.setattr(loop.Trainer, "evaluate", slow_evaluate)
+  config = tiny_config("ict", None, world_dir, train__steps=4, train__checkpoint_every=100,
+                       eval__every=2, train__preemption_grace_seconds=1.5)
+  workdir = str(tmp_path / "w")
+  stopped = train(config, workdir)
+  out = capsys.readouterr().out
+  assert stopped.get("preempted_at_step") == 2, out[-3000:]
+  assert exits == [], out[-3000:]
+  assert evaluated == [0], out[-3000:]
+  assert "SIGTERM: checkpoint 2 finalised" in out, out[-3000:]
+  assert "the evaluation at step 2 is left out" in out, out[-3000:]
+
+
 @pytest.fixture
 def small_disk(tmp_path):
   """mount(size) -> a directory on a tmpfs of `size` bytes, remount(size) to resize it;

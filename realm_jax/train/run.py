@@ -457,9 +457,15 @@ class Run:
                     f"{format_duration((total - done) / max(rate, 1e-9))}{note}")
         window.clear()
         t_last, carried = now, 0
-      if self.evaluates() and cfg.eval.every and done % cfg.eval.every == 0 and done != total:
-        eval_metrics = self.evaluate(logs["eval"], done, final=False)[0]
       stop = preemption.reached(done)   # the same answer on every process
+      if self.evaluates() and cfg.eval.every and done % cfg.eval.every == 0 and done != total:
+        if stop:   # the step is saved first: its evaluation could outlast the grace period
+          logger.warning(f"{self.prefix}SIGTERM: the evaluation at step {done} is left out "
+                         "(a resumed run does not take it)")
+        else:
+          eval_metrics = self.evaluate(logs["eval"], done, final=False)[0]
+          stop = preemption.requested()   # a SIGTERM during it (several processes: their
+          # sync point at the next step)
       if self.checkpoint_due(done) or stop:
         self.save(done, data_state)
       if stop:
