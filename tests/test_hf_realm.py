@@ -8,6 +8,7 @@ import collections
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 import types
@@ -559,6 +560,28 @@ def test_a_realm_checkpoint_larger_than_the_model_gives_its_first_layers_and_pos
   assert "layers of realm.encoder: the first 2 of the checkpoint's 3" in report.notes
   assert any("first 64 of the checkpoint's 128 rows" in note for note in report.notes)
   assert report.unused and all(".layer.2." in name for name in report.unused)
+
+
+def test_a_weight_gone_from_a_realm_layer_is_an_incomplete_file(tmp_path):
+  """As for a plain BERT: one tensor gone from a layer the checkpoint has (realm.*,
+  reader.realm.* names) is called an incomplete file, not a checkpoint that is no BERT; a
+  model deeper than the checkpoint is told to lower model.num_layers."""
+  from realm_jax.errors import ConfigError
+  for layout, gone in (("RealmReader", "realm.encoder.layer.1.attention.self.key.bias"),
+                       ("RealmForOpenQA", "reader.realm.encoder.layer.0.output.dense.bias")):
+    params = random_params(layout, seed=1)
+    tensors = to_hf(params, layout)
+    del tensors[gone]
+    with pytest.raises(ConfigError, match=r"1 weights our BERT needs are not in ckpt "
+                       r"\(it has BERT layers but not these: an incomplete or damaged file\?\): "
+                       + re.escape(gone)):
+      hf_realm_weights.convert(params, tensors, layout, "ckpt", "dir")
+  layout = "RealmKnowledgeAugEncoder"
+  tensors = to_hf(random_params(layout, seed=1), layout)
+  with pytest.raises(ConfigError, match=r"not in ckpt \(our model has more layers than the "
+                     r"checkpoint: lower model\.num_layers\): realm\.encoder\.layer\.2\."):
+    hf_realm_weights.convert(random_params(layout, seed=1, num_layers=3), tensors, layout,
+                             "ckpt", "dir")
 
 
 def test_an_imported_workdir_keeps_the_vocab_a_run_started_from_it_is_checked_against(

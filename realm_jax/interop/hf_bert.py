@@ -41,6 +41,8 @@ SHAPE_FIELDS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
                 "max_position": "max_position_embeddings", "vocab_size": "vocab_size"}
 OUR_TYPE_VOCAB, OUR_LAYER_NORM_EPS = 2, 1e-12   # fixed in models/bert.py's BertConfig
 _LEAF_NAMES = {"kernel": "weight", "embedding": "weight", "scale": "weight", "bias": "bias"}
+# An encoder layer's tensor, under any prefix (`bert.`, `realm.`, `reader.realm.`).
+_LAYER = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")
 
 
 # -- reading a checkpoint ------------------------------------------------------------------
@@ -296,15 +298,15 @@ class Conversion:
     return np.asarray(value, dtype=ours.dtype)
 
   def layers(self) -> set[int]:
-    """The encoder layers the checkpoint has a tensor of."""
-    return {int(m.group(1)) for n in self.tensors
-            if (m := re.match(r"(?:bert\.)?encoder\.layer\.(\d+)\.", n))}
+    """The encoder layers the checkpoint has a tensor of (a REALM's `realm.encoder...`,
+    `reader.realm.encoder...` included)."""
+    return {int(m.group(1)) for n in self.tensors if (m := _LAYER.search(n))}
 
   def missing_whole_layers(self, missing: list[str]) -> bool:
     """Whether every missing weight is of a layer at or above the checkpoint's layer count
     (our model is deeper), not a tensor absent from a layer the checkpoint has."""
     count = max(self.layers(), default=-1) + 1
-    found = [re.match(r"encoder\.layer\.(\d+)\.", n) for n in missing]
+    found = [_LAYER.search(n) for n in missing]
     return all(m is not None and int(m.group(1)) >= count for m in found)
 
   def advice(self, hf_name: str, theirs: tuple, ours: tuple) -> str:
