@@ -675,6 +675,14 @@ def test_a_reader_checkpoints_span_settings_must_be_the_configs(tmp_path):
   assert "model.max_span_width: 4 (config) != max_span_width 6" in str(refused.value)
   assert "model.span_layer_norm_eps: 0.002 (config) != reader_layer_norm_eps 0.005" in \
       str(refused.value)
+  # The span scorer's width is a shape: named as the option, where the load would say
+  # "change model.hidden_size" of each qa_outputs tensor (hidden_size fits)
+  with open(os.path.join(hf_dir, "config.json"), "w") as f:
+    json.dump(written, f)
+  config.model.span_hidden_size = 32
+  with pytest.raises(ConfigError, match=r"model\.span_hidden_size: 32 \(config\) != "
+                     r"span_hidden_size 20 \("):
+    initialization.check_hf_source(config, src, vocab, SIZES["vocab_size"])
 
 
 def test_an_imported_open_qa_checkpoint_answers_with_evidence(imported):

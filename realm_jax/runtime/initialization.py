@@ -309,8 +309,10 @@ def check_hf_source(config, src: Source, data_vocab: str, vocab_size: int) -> st
     lines.append(f"model.retrieval_dim: {config.model.retrieval_dim} (config) != "
                  f"{hf['retriever_proj_size']} ({path}/config.json)")
   if layout in ("RealmReader", "RealmForOpenQA") and part == "reader" and \
-      config.task == "openqa":   # the span scorer's settings (not shapes: no load would fail)
-    for ours, theirs, kind in (("max_span_width", "max_span_width", int),
+      config.task == "openqa":   # the span scorer's settings (its width a shape too: the
+    # load would advise model.hidden_size for each qa_outputs tensor)
+    for ours, theirs, kind in (("span_hidden_size", "span_hidden_size", int),
+                               ("max_span_width", "max_span_width", int),
                                ("span_layer_norm_eps", "reader_layer_norm_eps", float)):
       if kind(hf[theirs]) != kind(config.model[ours]):
         lines.append(f"model.{ours}: {config.model[ours]} (config) != {theirs} {hf[theirs]} "
