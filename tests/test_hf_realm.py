@@ -642,6 +642,23 @@ def test_an_import_whose_vocab_or_config_cannot_be_trusted_is_refused(tmp_path):
       DataError, r"badtype/config\.json: hidden_size is '32', not an int")
 
 
+def test_an_open_qa_import_refused_for_its_weights_leaves_no_workdir_behind(tmp_path):
+  """RealmForOpenQA's block store is written before its weights are read: an import refused
+  for a quantised tensor left W2/data, and the retry was refused as `not empty`."""
+  from realm_jax.errors import ConfigError
+  layout = "RealmForOpenQA"
+  tensors = to_hf(random_params(layout, seed=1), layout)
+  records, tensors["block_emb"] = records_and_emb(np.random.default_rng(2))
+  name = "reader.qa_outputs.dense_output.weight"
+  tensors[name] = tensors[name].astype(np.int8)
+  hf_dir = write_realm_checkpoint(tmp_path / "hf", layout, tensors, records)
+  for out in (tmp_path / "new", tmp_path / "empty"):
+    os.makedirs(tmp_path / "empty", exist_ok=True)
+    with pytest.raises(ConfigError, match=f"{name}: int8 in the checkpoint"):
+      hf_realm.import_checkpoint(hf_dir, str(out))
+    assert os.listdir(out) == [] if out.name == "empty" else not out.exists()
+
+
 def test_a_damaged_safetensors_file_is_one_error_naming_it(tmp_path):
   """An interrupted download, or an error page saved under the name: a DataError naming the
   file (the CLIs print it in one line), not the library's own exception."""

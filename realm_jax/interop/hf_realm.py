@@ -370,8 +370,6 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
   Returns:
     The report (also written to out/import_report.json).
   """
-  from realm_jax import workdir as workdir_lib
-  from realm_jax.runtime import checkpoints
   if paths.is_remote(hf_dir):   # read from a local copy
     hf_dir = paths.local_mirror(hf_dir, log=lambda line: logger.info(f"[import] {line}"))
   if paths.is_remote(out):
@@ -379,8 +377,35 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
   t0 = time.time()
   layout, hf = _checked_source(hf_dir, out, task)
   vocab = _checked_vocab(hf_dir, hf, vocab)
+  created = not os.path.isdir(out)
   os.makedirs(out, exist_ok=True)
   out = os.path.abspath(out)
+  try:
+    return _write_import(hf_dir, out, layout, hf, vocab, task, t0)
+  except BaseException:   # refused weights (after RealmForOpenQA's block store), a full disk,
+    _remove_import(out, created)   # Ctrl-C: no partial workdir, which a retry would refuse
+    raise
+
+
+def _remove_import(out: str, created: bool) -> None:
+  """What a failed import wrote into `out` (new, or empty before it: all in it is the
+  import's), and `out` itself if the import created it."""
+  if created:
+    shutil.rmtree(out, ignore_errors=True)
+    return
+  for name in os.listdir(out):
+    path = os.path.join(out, name)
+    if os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      os.remove(path)
+
+
+def _write_import(hf_dir: str, out: str, layout: str, hf: dict, vocab: str, task: str | None,
+                  t0: float) -> ImportReport:
+  """`import_checkpoint`'s work after its checks, into the new or empty dir `out`."""
+  from realm_jax import workdir as workdir_lib
+  from realm_jax.runtime import checkpoints
   tensors, source = hf_bert.read_weights(hf_dir)
 
   data_dir, block_len, block_stats = "", None, None
