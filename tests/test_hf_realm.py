@@ -259,6 +259,24 @@ def test_open_qa_evidence_becomes_a_block_store_and_a_published_index(imported):
       restored["retriever"]["query_tower"]["projection"]["kernel"])
 
 
+def test_an_open_qa_checkpoint_reading_all_its_positions_imports(tmp_path):
+  """reader_seq_len = max_position_embeddings (allowed: `unsupported` refuses only a longer
+  one): the longest record filled a block of 63 and the question's 16 after it overran the 64
+  positions, refused as `config.model.max_position: 64 < query_len + block_len = 79`. Blocks
+  now leave the question its 16 (the record cut, and counted, as a longer one is)."""
+  layout = "RealmForOpenQA"
+  tensors = to_hf(random_params(layout, seed=1), layout)
+  records, tensors["block_emb"] = records_and_emb(np.random.default_rng(2))
+  hf_dir = write_realm_checkpoint(tmp_path / "hf", layout, tensors, records)
+  written = json.loads((tmp_path / "hf" / "config.json").read_text())
+  (tmp_path / "hf" / "config.json").write_text(json.dumps({**written, "reader_seq_len": 64}))
+  report = hf_realm.import_checkpoint(hf_dir, str(tmp_path / "w2"))
+  config = restore(str(tmp_path / "w2"))[0]
+  assert (config.data.query_len, config.data.block_len, config.qa.reader_len) == (16, 48, 64)
+  assert report.block_store["records_cut"] == 1       # the 60-word record
+  assert PreparedData(config.data.dir).blocks.block_len == 48
+
+
 def test_an_embedder_starts_both_towers_of_a_retriever_with_two(tmp_path):
   """REALM's embedder is one BERT for queries and blocks (HF's RealmScorer embeds both with
   it): given to a retriever with a tower of each (`model.share_towers` False, as

@@ -60,6 +60,7 @@ BLOCK_RECORDS = "block_records.npy"
 # The stage each layout's checkpoint starts by default (`--task` overrides).
 DEFAULT_TASK = {"bert": "realm", "RealmEmbedder": "realm", "RealmKnowledgeAugEncoder": "realm",
                 "RealmReader": "openqa", "RealmForOpenQA": "openqa"}
+MIN_QUERY_LEN = 16   # the question's wordpieces an import's data.query_len leaves at least
 
 
 POOLING_RECORD = os.path.join("1_Pooling", "config.json")   # a sentence-transformers dir's
@@ -122,11 +123,11 @@ def make_config(layout: str, hf: Mapping, *, task: str | None = None, data_dir: 
   if block_len is not None:
     reader_len = min(int(hf.get("reader_seq_len", 320)), max_position)
     d.block_len = block_len
-    d.query_len = max(16, reader_len - block_len)
+    d.query_len = max(MIN_QUERY_LEN, reader_len - block_len)
     if c.task == "openqa" and reader_len >= d.query_len + 2:
       c.qa.reader_len = reader_len   # HF's reader input: the pair cut longest first to it
   elif d.query_len + d.block_len > max_position:
-    d.query_len = max(16, max_position // 4)
+    d.query_len = max(MIN_QUERY_LEN, max_position // 4)
     d.block_len = max_position - d.query_len
   shapes = c.copy_and_resolve_references()
   shapes.task = "realm"     # the checks of every stage; the task's data (questions) come later
@@ -315,8 +316,11 @@ def _import_block_records(hf_dir: str, hf: dict, tensors: dict, source: str, voc
   if len(records) != tensors["block_emb"].shape[0]:
     raise ConfigError("", f"{records_file} has {len(records)} records but block_emb has "
                       f"{tensors['block_emb'].shape[0]} rows")
-  reader_len = min(int(hf["reader_seq_len"]), int(hf["max_position_embeddings"]))
-  return write_block_store(records, tokenizer, data_dir, reader_len, f"hf:{records_file}")
+  max_position = int(hf["max_position_embeddings"])
+  # A block of HF's reader_seq_len, less the question's MIN_QUERY_LEN where that would overrun
+  # the positions (reader_seq_len = max_position_embeddings): data.query_len follows it
+  max_block_len = min(int(hf["reader_seq_len"]), max_position - MIN_QUERY_LEN)
+  return write_block_store(records, tokenizer, data_dir, max_block_len, f"hf:{records_file}")
 
 
 def _checked_source(hf_dir: str, out: str, task: str | None) -> tuple[str, dict]:
