@@ -344,6 +344,8 @@ def test_a_sentence_encoders_mean_pooling_is_imported(tmp_path):
      ("mean", ["max_tokens"])),
     ({"pooling_mode_cls_token": True, "pooling_mode_mean_sqrt_len_tokens": False},
      ("cls", [])),
+    ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True},   # [cls; mean]
+     ("mean", ["cls_token"])),
 ])
 def test_a_sentence_encoders_other_pooling_modes_are_named(tmp_path, modes, expected):
   """Pooling modes the retriever does not have (max, ...) are returned to be named in the

@@ -68,8 +68,9 @@ POOLING_RECORD = os.path.join("1_Pooling", "config.json")   # a sentence-transfo
 
 def sentence_pooling(hf_dir: str) -> tuple[str | None, list[str]]:
   """The pooling of a sentence-transformers model in `hf_dir`: ("mean" or "cls" where its
-  pooling record names one of those, else None), and the modes it names that the retriever
-  does not have (max, weighted mean, ...). (None, []) without a record: a plain BERT, whose
+  pooling record names one of those, mean first, else None), and the other modes it names,
+  which the retriever does not have (max, weighted mean, ...; [CLS] beside mean: the model
+  embeds each mode's vector concatenated). (None, []) without a record: a plain BERT, whose
   retriever keeps the default, [CLS]."""
   path = os.path.join(hf_dir, POOLING_RECORD)
   if not os.path.exists(path):
@@ -78,10 +79,9 @@ def sentence_pooling(hf_dir: str) -> tuple[str | None, list[str]]:
     record = json.load(f)
   named = [key[len("pooling_mode_"):] for key, on in record.items()
            if key.startswith("pooling_mode_") and on is True]
-  other = [mode for mode in named if mode not in ("mean_tokens", "cls_token")]
-  if "mean_tokens" in named:
-    return "mean", other
-  return ("cls" if "cls_token" in named else None), other
+  pooling = "mean" if "mean_tokens" in named else "cls" if "cls_token" in named else None
+  used = {"mean": "mean_tokens", "cls": "cls_token"}.get(pooling)
+  return pooling, [mode for mode in named if mode != used]
 
 
 def make_config(layout: str, hf: Mapping, *, task: str | None = None, data_dir: str = "",
@@ -434,8 +434,8 @@ def _write_import(hf_dir: str, out: str, layout: str, hf: dict, vocab: str, task
     if other_pooling:
       report.notes.append(
           f"the checkpoint's {POOLING_RECORD} also pools by {', '.join(other_pooling)}, which "
-          f"the retriever does not have (model.retriever.pooling: cls | mean): its embeddings "
-          f"are model.retriever.pooling {config.model.retriever.pooling!r} alone")
+          f"the retriever cannot reproduce (model.retriever.pooling: one of cls | mean): its "
+          f"embeddings are model.retriever.pooling {config.model.retriever.pooling!r} alone")
   else:
     params, report = convert(params, tensors, layout, source, hf_dir)
   params = initialise_rest(config, model, params)
