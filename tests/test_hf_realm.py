@@ -357,6 +357,16 @@ def test_a_sentence_encoders_other_pooling_modes_are_named(tmp_path, modes, expe
   assert hf_realm.sentence_pooling(str(tmp_path)) == expected
 
 
+def test_a_damaged_pooling_record_is_one_error_naming_it(tmp_path):
+  """realm-import-hf printed a JSONDecodeError's traceback (an AttributeError's for a list)."""
+  os.makedirs(tmp_path / "1_Pooling")
+  for text, reason in (('{"pooling_mode_mean_tokens": tru', "not valid JSON"),
+                       ("[]", "not a JSON object")):
+    (tmp_path / "1_Pooling" / "config.json").write_text(text)
+    with pytest.raises(DataError, match=f"{tmp_path}/1_Pooling/config.json: {reason}"):
+      hf_realm.sentence_pooling(str(tmp_path))
+
+
 def _embedder_checkpoint(path, **config_changes):
   """A RealmEmbedder checkpoint whose config.json has `config_changes` (None: key removed)."""
   source = random_params("RealmEmbedder", seed=5)

@@ -75,8 +75,7 @@ def sentence_pooling(hf_dir: str) -> tuple[str | None, list[str]]:
   path = os.path.join(hf_dir, POOLING_RECORD)
   if not os.path.exists(path):
     return None, []
-  with open(path) as f:
-    record = json.load(f)
+  record = hf_bert.read_config_json(path)   # damaged: a DataError naming it
   named = [key[len("pooling_mode_"):] for key, on in record.items()
            if key.startswith("pooling_mode_") and on is True]
   pooling = "mean" if "mean_tokens" in named else "cls" if "cls_token" in named else None
