@@ -168,3 +168,13 @@ def test_bad_checkpoints_are_named(tmp_path):
   os.remove(os.path.join(path, "model.safetensors"))
   with pytest.raises(FileNotFoundError, match="model.safetensors or pytorch_model.bin"):
     NerTagger(path)
+
+
+def test_a_damaged_tokenizer_config_is_one_error_naming_it(tmp_path):
+  """realm-prepare with hf_ner:PATH printed a JSONDecodeError's traceback."""
+  from realm_jax.errors import DataError
+  path, _, _ = ner_checkpoint(tmp_path / "ner", tokenizer_config={})
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    f.write('{"do_lower_case": fals')
+  with pytest.raises(DataError, match=f"{path}/tokenizer_config.json: not valid JSON"):
+    NerTagger(path, batch_size=8)

@@ -9,7 +9,6 @@ and IOB1 labels (and BIOES / BILOU ends) decode to character spans. Texts longer
 
 from __future__ import annotations
 
-import json
 import os
 from typing import NamedTuple, Sequence
 
@@ -94,10 +93,8 @@ class TokenClassifier(nn.Module):
 
 
 def _read_json(file: str) -> dict:
-  if not os.path.isfile(file):
-    return {}
-  with open(file) as f:
-    return json.load(f)
+  """`file`'s JSON object, {} without the file (damaged: a DataError naming it)."""
+  return hf_bert.read_config_json(file) if os.path.isfile(file) else {}
 
 
 class NerTagger:
