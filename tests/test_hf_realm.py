@@ -524,6 +524,20 @@ def test_torch_zip_refuses_legacy_files_and_foreign_globals(tmp_path, monkeypatc
     hf_bert.read_weights(str(tmp_path / "hf"))
 
 
+def test_a_damaged_bin_read_by_torch_is_one_error_naming_it(tmp_path, monkeypatch):
+  """Where torch is installed (the interop env) it reads the .bin: its own error for a cut
+  download was a traceback, where the torch-free reader names the file in one line."""
+  def load(file, **kwargs):
+    raise RuntimeError("PytorchStreamReader failed reading zip archive: failed finding "
+                       "central directory")
+  monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(load=load))
+  (tmp_path / "pytorch_model.bin").write_bytes(b"PK\x03\x04 cut short")
+  with pytest.raises(DataError, match=f"{tmp_path}/pytorch_model.bin: not a readable torch "
+                     r"checkpoint \(PytorchStreamReader failed .*\); a damaged or partial "
+                     "download"):
+    hf_bert.read_weights(str(tmp_path))
+
+
 def _zip_with_pickle(path, data_pkl: bytes, storages=()):
   with zipfile.ZipFile(path, "w") as z:
     z.writestr("archive/data.pkl", data_pkl)

@@ -144,7 +144,11 @@ def _load_torch(file: str) -> dict[str, np.ndarray]:
       return torch_pickle.load_state_dict(file, floats_as=np.float32)
     except (ValueError, pickle.UnpicklingError) as e:   # each names the file
       raise DataError(str(e)) from None
-  state = torch.load(file, map_location="cpu", weights_only=True)
+  try:
+    state = torch.load(file, map_location="cpu", weights_only=True)
+  except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:   # as above
+    raise DataError(f"{file}: not a readable torch checkpoint ({e}); a damaged or partial "
+                    "download?") from None
   return {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in state.items()}
 
 
