@@ -383,6 +383,19 @@ def _embedder_checkpoint(path, **config_changes):
   return hf_dir
 
 
+def test_reader_seq_len_is_checked_where_a_layout_reads_it(tmp_path):
+  """RealmForOpenQA's reader reads reader_seq_len wordpieces: longer than the positions, it
+  is refused. The other layouts never read it: an embedder of 64 positions whose config.json
+  leaves it at RealmConfig's 320 was refused for it."""
+  hf_dir = _embedder_checkpoint(tmp_path / "hf", reader_seq_len=None)
+  hf_realm.import_checkpoint(hf_dir, str(tmp_path / "w2"))
+  assert restore(str(tmp_path / "w2"))[0].model.max_position == 64
+  hf = {**hf_realm_weights.REALM_DEFAULTS, **SIZES, "reader_seq_len": 80}
+  assert hf_realm_weights.unsupported(hf, "C", "RealmForOpenQA") == [
+      "reader_seq_len: 80 > max_position_embeddings 64 (C)"]
+  assert hf_realm_weights.unsupported(hf, "C", "RealmReader") == []
+
+
 @pytest.mark.slow
 def test_realm_default_activation_is_imported_as_the_config_value(tmp_path):
   hf_dir = _embedder_checkpoint(tmp_path / "hf", hidden_act=None)   # RealmConfig's: gelu_new

@@ -329,7 +329,7 @@ def _checked_source(hf_dir: str, out: str, task: str | None) -> tuple[str, dict]
   layout, hf = read_hf_config(hf_dir)
   if task is not None and task not in TASKS:
     raise ConfigError("", f"--task {task!r} is not one of {TASKS}")
-  lines = unsupported(hf, os.path.join(hf_dir, "config.json"))
+  lines = unsupported(hf, os.path.join(hf_dir, "config.json"), layout)
   if lines:
     raise ConfigError("", f"{hf_dir} cannot be expressed by our model:\n  " + "\n  ".join(lines))
   if os.path.isdir(out) and os.listdir(out):
