@@ -164,6 +164,15 @@ def test_the_parity_check_without_transformers_says_how_to_get_it(tmp_path, caps
   assert "error: needs " in err and "transformers (not installed here): `make interop-env`" in err
 
 
+def test_make_random_without_out_names_the_flag(capsys):
+  """`--make-random ARCH` needs `--out DIR` (a TypeError from os.path before)."""
+  from realm_jax.interop import hf_parity
+  with pytest.raises(SystemExit) as stopped:
+    hf_parity.main(["--make-random", "bert"])
+  err = capsys.readouterr().err
+  assert stopped.value.code == 2 and "--make-random needs --out DIR" in err, err
+
+
 def test_unknown_model_type_is_one_clear_line(tmp_path, capsys):
   hf_dir = _write_config(tmp_path / "gpt", {"model_type": "gpt2",
                                             "architectures": ["GPT2LMHeadModel"]})

@@ -413,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--bin", action="store_true", help="with --make-random: save "
                       "pytorch_model.bin instead of model.safetensors")
   args = parser.parse_args(argv)
+  if args.make_random and not args.out:
+    parser.error("--make-random needs --out DIR: the dir to write the checkpoint to")
   missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
   if missing:   # checked before the import runs, not after it
     parser.exit(2, f"{parser.prog}: error: needs {' and '.join(missing)} (not installed here): "
