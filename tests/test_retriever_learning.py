@@ -332,6 +332,36 @@ def test_a_fresh_start_from_its_own_export_replaces_it_with_a_better_step_of_tha
   assert fresh.summary() == {"best_step": 300, "best_eval_retrieval_utility": 3.5}
 
 
+def test_a_fresh_start_from_its_own_export_resumed_still_replaces_the_earlier_step(tmp_path):
+  """The fresh start from its own export (step 300 of an earlier start) is preempted before it
+  exported anything, and resumed: its own step 300, evaluated better, is still other params
+  than the export's and replaces it, as it would have before the resume (the resumed run
+  used to take the export for its own, kept the earlier start's params and dropped the
+  better evaluation)."""
+  from realm_jax.runtime.checkpoints import restore_params
+  from realm_jax.runtime.initialization import Source, Start
+  config = tiny_config("realm")
+  params = lambda value: {"w": np.full((4,), value, np.float32)}
+  abstract = {"w": jax.ShapeDtypeStruct((4,), np.float32)}
+  BestExport(str(tmp_path), config).consider(300, {"retrieval_utility": 3.0}, params(1.0))
+  init = Start({}, [], {"retriever": Source("retriever", "init.retriever", "workdir",
+                                            str(tmp_path / "best"))}, {"retriever": 300})
+  BestExport(str(tmp_path), config).start_over(init=init)
+  resumed = BestExport(str(tmp_path), config)   # no start_over: a resumed run
+  assert resumed.best == {"step": 300, "retrieval_utility": 3.0}
+  assert not resumed.consider(300, {"retrieval_utility": 2.0}, params(2.0))
+  assert resumed.consider(300, {"retrieval_utility": 3.5}, params(3.0))
+  saved, step = restore_params(str(tmp_path / "best"), abstract)
+  assert step == 300 and json.load(open(tmp_path / "best" / "best.json")) == \
+      {"step": 300, "retrieval_utility": 3.5}
+  np.testing.assert_array_equal(np.asarray(saved["w"]), params(3.0)["w"])
+  # resumed again after its own export of step 300: that one is this start's and stands
+  again = BestExport(str(tmp_path), config)
+  assert not again.consider(300, {"retrieval_utility": 3.8}, params(5.0))
+  np.testing.assert_array_equal(np.asarray(restore_params(str(tmp_path / "best"),
+                                                          abstract)[0]["w"]), params(3.0)["w"])
+
+
 def test_an_export_killed_before_its_record_is_finished_by_the_resumed_run(tmp_path,
                                                                            monkeypatch):
   """Killed after saving step 400 in W/best and before best.json: best.json still names 300.
@@ -455,8 +485,9 @@ def test_a_fresh_start_from_its_own_export_keeps_it(world_dir, tmp_path, monkeyp
   with caplog.at_level(logging.INFO, logger="realm_jax.train.best_export"):
     summary = train(again, workdir)
   assert (summary["best_step"], summary["best_eval_retrieval_utility"]) == (2, 0.0)
+  # still the earlier start's step 2, and said so (a resume of this start reads it)
   assert json.load(open(os.path.join(workdir, "best", "best.json"))) == \
-      {"step": 2, "retrieval_utility": 0.0}
+      {"step": 2, "retrieval_utility": 0.0, "earlier_start": True}
   assert restore_run(os.path.join(workdir, "best")).step == 2
   assert "a fresh start from its own export" in caplog.text, caplog.text
 

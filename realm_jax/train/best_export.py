@@ -6,8 +6,8 @@ chooses it. A REALM run with `eval.export_best` does the same: after each evalua
 `retrieval_utility` beats every earlier one, the params are written to `W/best`, laid out as
 a run's workdir (`config.json`, `checkpoints/<step>/params`) so that everything that reads a
 run reads it too: `init.retriever=W/best`, `realm-eval --workdir W/best`, zero-shot recall.
-`W/best/best.json` says which step and utility it holds; a resumed run reads it back, so the
-export survives preemption.
+`W/best/best.json` says which step and utility it holds (and, kept by a fresh start from it,
+that it is an earlier start's); a resumed run reads it back, so the export survives preemption.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 BEST = "best"
 METRIC = "retrieval_utility"
+EARLIER = "earlier_start"   # best.json: of an earlier start that this one continues from
 
 
 class BestExport:
@@ -37,10 +38,13 @@ class BestExport:
   def __init__(self, workdir: str, config):
     self.config, self.workdir, self.directory = config, workdir, paths.join(workdir, BEST)
     self.record = paths.join(self.directory, "best.json")
-    self.best: dict | None = paths.read_json(self.record)   # None: nothing exported yet
-    # the step of an earlier start's export that this fresh start continues from (kept by
-    # `start_over`): this start's own step of that number is other params
-    self.earlier: int | None = None
+    record = paths.read_json(self.record)
+    self.best: dict | None = None if record is None else {   # None: nothing exported yet
+        "step": record["step"], METRIC: record[METRIC]}
+    # the step of an earlier start's export that this start continues from (kept by
+    # `start_over`, which says so in best.json for a resume of this start): this start's own
+    # step of that number is other params
+    self.earlier: int | None = self.best["step"] if record and record.get(EARLIER) else None
 
   def consider(self, step: int, metrics: dict, params, prefix: str = "") -> bool:
     """Exports `params` if `metrics[METRIC]` is the best yet; returns whether it did."""
@@ -109,6 +113,8 @@ class BestExport:
     itself (`init`: init.retriever=W/best) continues that export: kept, its record too."""
     if parts := self._read_by(init):   # the same on every process: all return here
       self.earlier = None if self.best is None else self.best["step"]
+      if self.earlier is not None and jax.process_index() == 0:
+        self._mark_earlier()
       logger.info(f"{prefix}a fresh start from its own export ({', '.join(parts)} <- "
                   f"{self.directory}): kept")
       return
@@ -120,8 +126,16 @@ class BestExport:
         path.rmtree() if path.is_dir() else path.unlink()
       logger.info(f"{prefix}a fresh start: emptied {self.directory}{held}, an earlier "
                   "start's best export")
-    self.best = None
+    self.best, self.earlier = None, None
     multihost.after_first_process("best-export-removed")   # before any process saves there
+
+  def _mark_earlier(self) -> None:
+    """best.json says the export is an earlier start's, until this start exports its own."""
+    try:
+      paths.write_json(self.record, {**self.best, EARLIER: True})
+    except OSError as e:   # a full disk: one line, not a traceback
+      raise CheckpointError(f"marking {self.record} as an earlier start's export: "
+                            f"{first_line(e, 600)}") from e
 
   def _read_by(self, init) -> list[str]:
     """The parts a fresh start's `init` (initialization.Start) read from W/best."""
