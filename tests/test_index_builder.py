@@ -973,6 +973,19 @@ def test_scann_backend_is_published_with_its_recall_and_served(larger_world, tmp
   assert np.mean([len(set(a) & set(b)) / 5 for a, b in zip(got, want)]) >= 0.9
 
 
+def test_the_logged_recall_names_the_queries_it_was_measured_on(world_dir, tmp_path, capsys):
+  """A corpus of fewer blocks than builder.recall_queries is measured on one query per block:
+  the line names that many, not the option's value."""
+  config = builder_config(world_dir, retrieval__backend="scann")
+  workdir = str(tmp_path / "run")
+  _, _, _, data = make_checkpoints(config, workdir, (0,))
+  build_once(config, workdir)
+  num_blocks = data.blocks.num_blocks
+  assert num_blocks < config.builder.recall_queries
+  assert f"recall@10 vs exact 1.000 on {num_blocks} block-derived queries" in \
+      capsys.readouterr().out
+
+
 def test_a_trainer_waiting_for_its_first_index_says_so_at_once_and_then_regularly(
     tmp_path, capsys, monkeypatch):
   """No builder running: the wait names where it looks and what to start, at once and every

@@ -376,17 +376,18 @@ class IndexBuilder:
     os.makedirs(local_dir, exist_ok=True)
     scann_index.save_searcher(searcher, local_dir)
     timings["serialize_seconds"] = round(time.time() - t0, 3)
-    recall = self._scann_recall(searcher, embeddings, settings, query_params)
+    recall, queries = self._scann_recall(searcher, embeddings, settings, query_params)
     logger.info(f"{prefix}scann index: {len(embeddings):,} x {embeddings.shape[1]}, {settings}, "
                 f"built in {timings['build_seconds']:.1f}s, serialized in "
                 f"{timings['serialize_seconds']:.1f}s, recall@10 vs exact {recall:.3f} on "
-                f"{cfg.builder.recall_queries} block-derived queries")
+                f"{queries} block-derived queries")
     return {"scann": settings, "recall_at_10": recall}
 
   def _scann_recall(self, searcher, embeddings: np.ndarray, settings: dict,
-                    query_params: dict) -> float:
-    """recall@10 of ScaNN against exact search, for the query tower applied to the opening
-    wordpieces of the body of sampled blocks (queries that resemble the trainer's)."""
+                    query_params: dict) -> tuple[float, int]:
+    """(recall@10 of ScaNN against exact search, queries): the query tower applied to the
+    opening wordpieces of the body of sampled blocks (queries that resemble the trainer's),
+    builder.recall_queries of them, or one per block of a smaller corpus."""
     from realm_jax.retrieval import scann_index
     blocks = self.data.blocks
     rng = np.random.default_rng(0)
@@ -397,7 +398,7 @@ class IndexBuilder:
     approx = scann_index.ScannIndex(searcher, version=-1, step=-1,
                                     num_blocks=len(embeddings), settings=settings)
     return scann_index.recall_at(approx.search(queries, n),
-                                 scann_index.exact_top_n(queries, embeddings, n))
+                                 scann_index.exact_top_n(queries, embeddings, n)), len(rows)
 
   def _block_queries(self, rows: np.ndarray, query_params: dict) -> np.ndarray:
     from realm_jax.runtime import embedders
