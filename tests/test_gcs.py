@@ -421,6 +421,22 @@ def test_the_slow_link_holds_only_uploads_of_the_named_objects(server):
   assert bucket_text(f"gs://{gcs_server.BUCKET}/link/held/a") == "link/held/a"
 
 
+def test_a_bucket_data_dir_prepared_with_other_settings_is_refused(gcs, capsys):
+  """A data dir in a bucket is refused to a preparation with other settings, as a local one
+  is (before: "is already prepared and uploaded", and the other settings' data returned)."""
+  config = helpers.load_config_module("prepare").get_config("world")
+  config.source, config.out_dir = "world:40", f"{gcs}/data-settings"
+  config.vocab_size, config.num_workers = helpers.VOCAB_SIZE, 0
+  stats = prepare(config)
+  assert prepare(config) == stats   # the same settings: the finished one, as it is
+  config.source = "world:80"
+  with pytest.raises(ConfigError, match=re.escape(
+      f"out_dir: {gcs}/data-settings holds a preparation with other settings (source: "
+      "'world:40' (in ")):
+    prepare(config)
+  assert capsys.readouterr().out.count("is already prepared and uploaded") == 1
+
+
 def test_a_hugging_face_dir_in_the_bucket_starts_the_towers(gcs, world_dir, tmp_path, capsys):
   from realm_jax.train.loop import Trainer
   from tests.test_hf_bert import world_checkpoint

@@ -139,18 +139,13 @@ def _check_out_dir(config) -> dict | None:
   current = _fingerprint(config)
   if os.path.exists(path):
     with open(path) as f:
-      saved = json.load(f)
-    defaults = prepare_config()
-    saved = {k: saved.get(k, defaults[k]) for k in FINGERPRINT_FIELDS}
-    diffs = [f"{k}: {saved[k]!r} (in {out}) != {current[k]!r} (this run)"
-             for k in FINGERPRINT_FIELDS if saved[k] != current[k]]
+      diffs = _other_settings(json.load(f), config, out)
     if diffs and set(os.listdir(out)) <= UNPACKED:   # stopped before packing any shard
       logger.info(f"[prepare] {out} holds no packed document yet: preparing it with this "
                   "run's settings (a vocab there is reused only if made from the same file or "
                   "documents)")
     elif diffs:
-      raise ConfigError("out_dir", f"{out} holds a preparation with other settings ("
-                        + "; ".join(diffs) + "); use another out_dir or delete this one")
+      _refuse_other_settings(out, diffs)
     if os.path.exists(os.path.join(out, "stats.json")):
       with open(os.path.join(out, "stats.json")) as f:
         return json.load(f)
@@ -162,6 +157,20 @@ def _check_out_dir(config) -> dict | None:
     json.dump(current, f, indent=2)
   os.replace(path + ".tmp", path)
   return None
+
+
+def _other_settings(saved: dict, config, out: str) -> list[str]:
+  """`option: saved (in out) != this run's` for each fingerprint option of a preparation's
+  record (`prepare.json`) that differs from `config`'s."""
+  current, defaults = _fingerprint(config), prepare_config()
+  saved = {k: saved.get(k, defaults[k]) for k in FINGERPRINT_FIELDS}
+  return [f"{k}: {saved[k]!r} (in {out}) != {current[k]!r} (this run)"
+          for k in FINGERPRINT_FIELDS if saved[k] != current[k]]
+
+
+def _refuse_other_settings(out: str, diffs: list[str]) -> None:
+  raise ConfigError("out_dir", f"{out} holds a preparation with other settings ("
+                    + "; ".join(diffs) + "); use another out_dir or delete this one")
 
 
 LOCK = "prepare.lock"   # held (flock) by the run preparing the dir (workdir.JobLock)
@@ -312,12 +321,17 @@ class _Progress:
 def prepare(config) -> dict:
   """Runs the whole preparation (or returns the stats of a finished one). A bucket `out_dir`
   (gs://B/D) is prepared in a local dir (`paths.cache_dir`; a rerun resumes there) and then
-  uploaded, its `files.json` (size and sha256 of every file) last."""
+  uploaded, its `files.json` (size and sha256 of every file) last; an uploaded one prepared
+  with other settings is refused, as a local one is."""
   validate_prepare(config)
   if not paths.is_remote(config.out_dir):
     return _prepare_local(config)
   url = config.out_dir
   if paths.exists(paths.join(url, paths.FILES_MANIFEST)):
+    saved = paths.read_json(paths.join(url, "prepare.json"))   # uploaded with the rest
+    diffs = [] if saved is None else _other_settings(saved, config, url)
+    if diffs:
+      _refuse_other_settings(url, diffs)
     stats = paths.read_json(paths.join(url, "stats.json"))
     logger.info(f"[prepare] {url} is already prepared and uploaded ({stats['blocks']:,} blocks)")
     return stats
