@@ -326,6 +326,12 @@ def test_a_nan_loss_with_nonfinite_skip_is_skipped_and_counted(
       os.path.join(workdir, "metrics", "train.jsonl"))}
   assert rates == {1: pytest.approx(float(schedule(0))), 2: pytest.approx(float(schedule(1))),
                    POISONED_STEP + 1: pytest.approx(float(schedule(2)))}, rates
+  # The step rate counts every step run, the skipped one too: the line of step 4 covers steps
+  # 3 and 4, run since the line of step 2 (each line's time is within a millisecond of the
+  # clock its rate was measured on; before, the rate counted step 4 alone).
+  lines = {r["step"]: r for r in read_jsonl(os.path.join(workdir, "metrics", "train.jsonl"))}
+  ran = lines[4]["steps_per_second"] * (lines[4]["time"] - lines[2]["time"])
+  assert 1.5 < ran < 2.5, ran
   counts = {int(np.asarray(leaf)) for path, leaf in jax.tree_util.tree_leaves_with_path(
       saved_state(workdir, POISONED_STEP + 1)["opt"]) if str(path[-1]).strip("[]'.") == "count"}
   assert counts == {POISONED_STEP}, counts   # 3 updates applied by step 4

@@ -52,7 +52,7 @@ def test_a_window_resumed_under_other_metrics_is_kept_and_averaged_per_metric():
   carried = [{"loss": np.float32(2.0), "distill_kl": np.float32(0.5)}]
   window = window_from_record(json.loads(json.dumps(window_record(carried))))   # as Orbax
   window += [{"loss": np.float32(4.0), "index_step": np.int32(3)}]
-  scalars = window_scalars(window, 2.0, 0.1, carried=1)
+  scalars = window_scalars(window, 2.0, 0.1, steps=1)
   assert scalars == {"loss": 3.0, "distill_kl": 0.5, "index_step": 3.0,
                      "steps_per_second": 0.5, "learning_rate": 0.1}
   again = window_from_record(json.loads(json.dumps(window_record(window))))

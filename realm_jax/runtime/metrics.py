@@ -45,14 +45,14 @@ def window_from_record(record: dict | None) -> list[dict]:
 
 
 def window_scalars(window: list[dict], seconds: float, learning_rate: float,
-                   carried: int = 0) -> dict:
+                   steps: int) -> dict:
   """The mean of each train metric over the steps since the last log line that have it,
-  with the step rate (of the steps run in these `seconds`: all but the `carried` first, the
-  metrics of a run stopped before it logged them) and the learning rate."""
+  with the step rate (of the `steps` run in these `seconds`: a skipped update's step too
+  (`train.nonfinite=skip`), which the window leaves out, and not the steps of a run stopped
+  before it logged them, which a resumed window carries) and the learning rate."""
   scalars = {k: float(np.mean([jax.device_get(m[k]) for m in window if k in m]))
              for k in _window_keys(window)}
-  scalars.update(steps_per_second=max(len(window) - carried, 1) / seconds,
-                 learning_rate=learning_rate)
+  scalars.update(steps_per_second=max(steps, 1) / seconds, learning_rate=learning_rate)
   return scalars
 
 

@@ -427,7 +427,8 @@ class Run:
     cfg, total = self.config, self.config.train.steps
     self.window = window_from_record((self.saved_data or {}).get(TRAIN_WINDOW)) if start else []
     window, t_last, data_state = self.window, time.time(), None
-    carried = len(window)   # steps of the run stopped here, run before this one's clock
+    ran = 0   # steps this run ran since the last line: the rate's (the window leaves out a
+              # skipped update's, and carries those of the run stopped here, run before)
     for step in range(start, total):
       raise_if_interrupted()   # a Ctrl-C swallowed in a gc callback: the run stops here
       self.trace.before(step + 1)
@@ -437,7 +438,7 @@ class Run:
         return self._stopped_waiting(step, start, data_state, preemption, e), eval_metrics
       data_state = fed.data_state
       self.state, metrics = self.train_step(self.state, fed.batch, self.step_rng)
-      done = step + 1
+      done, ran = step + 1, ran + 1
       if self.applied(done, metrics):
         window.append(metrics)
       self.trace.after(done, metrics, preemption.requested())
@@ -449,14 +450,14 @@ class Run:
         applied = state_lib.updates_applied(self.state.opt_state)
         scalars = window_scalars(window, now - t_last, float(
             state_lib.learning_rate_schedule(cfg.train)((done if applied is None else applied)
-                                                         - 1)), carried)
+                                                         - 1)), ran)
         figures, note = batches.progress(scalars)   # may add figures to the scalars
         logs["train"].write(done, scalars)
         rate = scalars["steps_per_second"]
         logger.info(f"{self.prefix}step {done}/{total} {figures} | {rate:.2f} steps/s ETA "
                     f"{format_duration((total - done) / max(rate, 1e-9))}{note}")
         window.clear()
-        t_last, carried = now, 0
+        t_last, ran = now, 0
       stop = preemption.reached(done)   # the same answer on every process
       if self.evaluates() and cfg.eval.every and done % cfg.eval.every == 0 and done != total:
         if stop:   # the step is saved first: its evaluation could outlast the grace period
