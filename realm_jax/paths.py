@@ -544,11 +544,13 @@ def upload_tree(local_dir: str, url: str, log=print, exclude: str = "") -> dict:
 
 
 def cache_dir(url: str) -> str:
-  """The local copy of `url`: $REALM_JAX_CACHE (default ~/.cache/realm_jax)/<url hash>."""
+  """The local copy of `url`: $REALM_JAX_CACHE (default ~/.cache/realm_jax)/<url hash>, the
+  hash of the URL as its objects are named (`gs://B/P/` and `gs://B//P` are `gs://B/P`)."""
   import hashlib
   root = os.environ.get("REALM_JAX_CACHE") or os.path.join(
       os.path.expanduser("~"), ".cache", "realm_jax")
-  return os.path.join(root, "data", hashlib.sha256(url.encode()).hexdigest()[:16])
+  name = str(epath.Path(url))
+  return os.path.join(root, "data", hashlib.sha256(name.encode()).hexdigest()[:16])
 
 
 def local_side(workdir: str, name: str) -> str:

@@ -421,6 +421,20 @@ def test_the_slow_link_holds_only_uploads_of_the_named_objects(server):
   assert bucket_text(f"gs://{gcs_server.BUCKET}/link/held/a") == "link/held/a"
 
 
+def test_one_bucket_path_however_spelt_has_one_local_side(monkeypatch, tmp_path):
+  """`gs://B/run/` names the objects `gs://B/run` does (as do `gs://B//run`, `gs://B/./run`):
+  so does its local side (before: a resume spelt with a trailing slash wrote its TensorBoard
+  events and logs to another local dir, and a data dir was copied, or a rerun of
+  realm-prepare prepared it, again from nothing)."""
+  monkeypatch.setenv("REALM_JAX_CACHE", str(tmp_path))
+  for spelt in ("gs://bucket/run/", "gs://bucket//run", "gs://bucket/./run//"):
+    assert paths.join(spelt, "tb") == "gs://bucket/run/tb"
+    assert paths.local_side(spelt, "tb") == paths.local_side("gs://bucket/run", "tb")
+    assert paths.cache_dir(spelt) == paths.cache_dir("gs://bucket/run")
+  assert paths.cache_dir("gs://bucket/run") != paths.cache_dir("gs://bucket/run2")
+  assert paths.local_side(str(tmp_path / "w") + "/", "tb") == str(tmp_path / "w" / "tb")
+
+
 def test_a_bucket_data_dir_prepared_with_other_settings_is_refused(gcs, capsys):
   """A data dir in a bucket is refused to a preparation with other settings, as a local one
   is (before: "is already prepared and uploaded", and the other settings' data returned)."""
