@@ -584,16 +584,20 @@ def _ended(text: str | None) -> str | None:
 
 def job_holding(workdir: str, job: str) -> str | None:
   """The pid (as written) of the live `job` holding W's lock, None when none does (a
-  launcher's check before it starts anything)."""
-  lock = JobLock(workdir, job)
-  if paths.is_remote(workdir) or not os.path.exists(lock.path):
+  launcher's check before it starts anything: the lock is tried, not taken, so the file
+  keeps the job that ended and how, for `job_gone_and_how`)."""
+  import fcntl
+  path = JobLock(workdir, job).path
+  if paths.is_remote(workdir) or not os.path.exists(path):
     return None
-  try:
-    lock.acquire()
-  except ConfigError:
-    with open(lock.path) as f:
+  with open(path, "a+") as f:   # (NFS locks only a file open for writing; closing gives up
+    try:                         # a flock this got)
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      f.seek(0)
       return _holder(f.read())
-  lock.release()
+    except OSError:   # a file system without flock: as a bucket (`JobLock.acquire`)
+      pass
   return None
 
 

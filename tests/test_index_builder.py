@@ -1029,3 +1029,23 @@ def test_a_trainer_waiting_for_an_index_names_a_builder_that_died(tmp_path, caps
       sub.wait(lambda have: None, 0.2, "built from step 3")
   finally:
     sub.close()
+
+
+def test_a_launchers_check_of_a_lock_leaves_the_file_as_the_job_left_it(tmp_path):
+  """launch/local.py asks whether a trainer or a builder holds W's lock before it starts
+  anything (`job_holding`): the check took the lock, which wrote this process's pid into the
+  file over the ended job's pid and its `ended:` line (a trainer waiting for a version later
+  named the launcher as a builder that "died or was stopped")."""
+  from realm_jax import workdir as workdir_lib
+  workdir = str(tmp_path / "run")
+  pid = helpers.dead_job_lock(workdir, "builder")
+  with open(os.path.join(workdir, "builder.lock"), "a") as f:
+    f.write(f"{workdir_lib.ENDED}it finished with the run at step 8 (W/DONE)\n")
+  before = open(os.path.join(workdir, "builder.lock")).read()
+  assert workdir_lib.job_holding(workdir, "builder") is None
+  assert open(os.path.join(workdir, "builder.lock")).read() == before
+  assert workdir_lib.job_gone_and_how(workdir, "builder") == (
+      str(pid), "it finished with the run at step 8 (W/DONE)")
+  with workdir_lib.JobLock(workdir, "builder") as held:   # a live one is still named
+    held.acquire()
+    assert workdir_lib.job_holding(workdir, "builder") == str(os.getpid())
