@@ -299,7 +299,7 @@ def record_block_store(workdir: str, data) -> None:
 
 def check_block_store(workdir: str, fingerprint: str, data_dir: str) -> None:
   """Refuses to serve a trainer whose block store differs from ours (both fingerprints shown)."""
-  trainer = paths.read_json(paths.join(workdir, BLOCKS_RECORD))
+  trainer = read_record(workdir, BLOCKS_RECORD)
   if trainer is None:
     return
   if trainer.get("block_store_fingerprint") != fingerprint:
@@ -607,10 +607,16 @@ def write_summary(workdir: str, summary: dict) -> None:
   paths.write_json(paths.join(workdir, SUMMARY), summary)
 
 
+# what a summary.json that is not a run's says: without it, a run is not finished
+SUMMARY_ADVICE = (" (or remove it: realm-train with the run's train.steps evaluates its last "
+                  "checkpoint again and writes it)")
+
+
 def read_summary(workdir: str) -> dict | None:
   """The summary of the last run of W that finished (its `steps`: a run resumed with a larger
-  train.steps has not finished until it holds that), None while none has."""
-  return paths.read_json(paths.join(workdir, SUMMARY))
+  train.steps has not finished until it holds that), None while none has; one cut short or
+  edited by hand is a DataError naming it."""
+  return read_record(workdir, SUMMARY, SUMMARY_ADVICE)
 
 
 # -- W/wall.json -------------------------------------------------------------------------------

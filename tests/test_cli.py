@@ -249,6 +249,25 @@ def test_another_programs_config_json_is_refused_not_overwritten(tmp_path):
   assert workdir_lib.recorded_config(str(ours))["train"]["batch_size"] == 8
 
 
+def test_a_summary_or_block_record_that_is_not_json_is_named_in_one_line(tmp_path):
+  """W/summary.json (read by a trainer resumed at its last step, a demo, a sweep) and
+  W/blocks.json (read by realm-index) cut short, or written over by hand, are named as the
+  other records are (before: a JSONDecodeError traceback naming no file)."""
+  from realm_jax.errors import DataError
+  for text, expected in (("", "not the JSON a run writes"),
+                         ('{"task": "realm", "eval_', "not the JSON a run writes"),
+                         ("[1]", "not the JSON object a run writes")):
+    (tmp_path / "summary.json").write_text(text)
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path}/summary.json: {expected}") +
+                       r".*\(or remove it: realm-train with the run's train.steps evaluates"):
+      workdir_lib.read_summary(str(tmp_path))
+    (tmp_path / "blocks.json").write_text(text)
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path}/blocks.json: {expected}")):
+      workdir_lib.check_block_store(str(tmp_path), "f" * 64, "data")
+  (tmp_path / "summary.json").write_text('{"steps": 4}')
+  assert workdir_lib.read_summary(str(tmp_path)) == {"steps": 4}
+
+
 def test_a_run_names_another_programs_config_json_with_its_own_advice(world_dir, tmp_path):
   """realm-train on such a workdir that holds checkpoints: the vocab check and the recorded
   differences read config.json before record_config; the line still gives a run's advice
