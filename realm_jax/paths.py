@@ -594,16 +594,20 @@ def local_mirror(url: str, log=print) -> str:
 
 
 def _fetch_all(url: str, files: dict, stamp_text: str, log) -> str:
-  """Copies each of `files` ({name: {"bytes", ["sha256"]}}) from `url` into `cache_dir(url)`
-  unless a checked copy is there; `stamp_text` marks the finished copy. The local dir."""
+  """Copies each of `files` ({name: {"bytes", ["sha256" | "generation"]}}) from `url` into
+  `cache_dir(url)` unless a checked copy is there (one checked by its size alone is not, where
+  the finished copy before named it with another generation: an object written again with
+  the same size); `stamp_text` marks the finished copy. The local dir."""
   local = cache_dir(url)
   stamp = os.path.join(local, ".copied.json")
-  if read_text(stamp) == stamp_text:
+  before = read_text(stamp)
+  if before == stamp_text:
     return local
+  copied = _stamped(before)
   names = sorted(files)
   for i, name in enumerate(names):
     want, target = files[name], os.path.join(local, name)
-    if _matches(target, want):
+    if _matches(target, want) and ("sha256" in want or copied.get(name, want) == want):
       continue
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = f"{target}.tmp-{os.getpid()}"
@@ -620,6 +624,16 @@ def _fetch_all(url: str, files: dict, stamp_text: str, log) -> str:
         "verified)")
   write_text_atomic(stamp, stamp_text)
   return local
+
+
+def _stamped(text: str | None) -> dict:
+  """The files of a finished copy's stamp ({name: {"bytes", "generation"}} of `local_mirror`);
+  {} for none, or another's."""
+  try:
+    record = json.loads(text) if text else {}
+  except ValueError:
+    return {}
+  return record if isinstance(record, dict) else {}
 
 
 def _matches(path: str, want: dict) -> bool:

@@ -451,6 +451,24 @@ def test_a_bucket_data_dir_prepared_with_other_settings_is_refused(gcs, capsys):
   assert capsys.readouterr().out.count("is already prepared and uploaded") == 1
 
 
+def test_a_mirrored_dir_whose_object_is_replaced_by_one_of_its_size_is_copied_again(gcs):
+  """A Hugging Face dir in the bucket is copied once and reused while its listing is the
+  same; an object written again (weights fine-tuned since: the same shapes, the same bytes)
+  has a new generation, and its new content is copied (before: the old copy was kept, its
+  size being the one listed, and the stamp said the new listing)."""
+  url = f"{gcs}/mirrored/bert"
+  epath.Path(f"{url}/model.safetensors").write_text("weights-1")
+  epath.Path(f"{url}/config.json").write_text("{}")
+  lines = []
+  local = paths.local_mirror(url, log=lines.append)
+  assert open(os.path.join(local, "model.safetensors")).read() == "weights-1" and len(lines) == 2
+  assert paths.local_mirror(url, log=lines.append) == local and len(lines) == 2   # reused
+  epath.Path(f"{url}/model.safetensors").write_text("weights-2")
+  assert paths.local_mirror(url, log=lines.append) == local
+  assert open(os.path.join(local, "model.safetensors")).read() == "weights-2"
+  assert len(lines) == 3 and "model.safetensors" in lines[-1]   # config.json kept
+
+
 def test_a_hugging_face_dir_in_the_bucket_starts_the_towers(gcs, world_dir, tmp_path, capsys):
   from realm_jax.train.loop import Trainer
   from tests.test_hf_bert import world_checkpoint
