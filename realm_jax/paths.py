@@ -597,7 +597,8 @@ def _fetch_all(url: str, files: dict, stamp_text: str, log) -> str:
   """Copies each of `files` ({name: {"bytes", ["sha256" | "generation"]}}) from `url` into
   `cache_dir(url)` unless a checked copy is there (one checked by its size alone is not, where
   the finished copy before named it with another generation: an object written again with
-  the same size); `stamp_text` marks the finished copy. The local dir."""
+  the same size), and removes those the finished copy before named that `files` does not
+  (gone from `url` since); `stamp_text` marks the finished copy. The local dir."""
   local = cache_dir(url)
   stamp = os.path.join(local, ".copied.json")
   before = read_text(stamp)
@@ -622,17 +623,21 @@ def _fetch_all(url: str, files: dict, stamp_text: str, log) -> str:
     os.replace(tmp, target)
     log(f"copied {i + 1}/{len(names)}: {url}/{name} -> {target} ({want['bytes']:,} bytes, "
         "verified)")
+  for name in set(copied) - set(files):   # gone from `url`: a reader must not find it
+    with contextlib.suppress(FileNotFoundError):   # (another process of the job removed it)
+      os.remove(os.path.join(local, name))
   write_text_atomic(stamp, stamp_text)
   return local
 
 
 def _stamped(text: str | None) -> dict:
-  """The files of a finished copy's stamp ({name: {"bytes", "generation"}} of `local_mirror`);
-  {} for none, or another's."""
+  """The files a finished copy's stamp names ({name: {"bytes", "sha256" | "generation"}}:
+  `local_copy`'s, a files.json, holds them under "files"); {} for none."""
   try:
     record = json.loads(text) if text else {}
   except ValueError:
     return {}
+  record = record.get("files", record) if isinstance(record, dict) else {}
   return record if isinstance(record, dict) else {}
 
 

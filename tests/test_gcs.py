@@ -469,6 +469,37 @@ def test_a_mirrored_dir_whose_object_is_replaced_by_one_of_its_size_is_copied_ag
   assert len(lines) == 3 and "model.safetensors" in lines[-1]   # config.json kept
 
 
+def test_a_file_gone_from_a_bucket_dir_is_gone_from_its_local_copy(gcs, tmp_path):
+  """A bucket dir written again without a file the copy has (a Hugging Face dir whose
+  model.safetensors was replaced by a pytorch_model.bin; a data dir prepared again without
+  target spans): the copy loses it too (before: the readers, which look for such files,
+  took the old one, as model.safetensors is read before pytorch_model.bin)."""
+  url = f"{gcs}/mirrored/replaced"
+  epath.Path(f"{url}/model.safetensors").write_text("old weights")
+  local = paths.local_mirror(url, log=lambda line: None)
+  with open(os.path.join(local, "not-copied"), "w") as f:   # no copy's: left alone
+    f.write("")
+  epath.Path(f"{url}/model.safetensors").unlink()
+  epath.Path(f"{url}/pytorch_model.bin").write_text("new weights")
+  assert paths.local_mirror(url, log=lambda line: None) == local
+  assert sorted(os.listdir(local)) == [".copied.json", "not-copied", "pytorch_model.bin"]
+  data = tmp_path / "data"
+  (data / "examples" / "eval").mkdir(parents=True)
+  for name in ("vocab.txt", "examples/eval/tokens.npy", "examples/eval/target_span.npy"):
+    (data / name).write_text(name)
+  url = f"{gcs}/prepared-again"
+  paths.upload_tree(str(data), url, log=lambda line: None)
+  local = paths.local_copy(url, log=lambda line: None)
+  assert os.path.exists(os.path.join(local, "examples", "eval", "target_span.npy"))
+  epath.Path(url).rmtree()
+  (data / "examples" / "eval" / "target_span.npy").unlink()
+  paths.upload_tree(str(data), url, log=lambda line: None)
+  assert paths.local_copy(url, log=lambda line: None) == local
+  assert not os.path.exists(os.path.join(local, "examples", "eval", "target_span.npy"))
+  assert open(os.path.join(local, "examples", "eval", "tokens.npy")).read() == \
+      "examples/eval/tokens.npy"
+
+
 def test_a_hugging_face_dir_in_the_bucket_starts_the_towers(gcs, world_dir, tmp_path, capsys):
   from realm_jax.train.loop import Trainer
   from tests.test_hf_bert import world_checkpoint
