@@ -41,6 +41,8 @@ import sys
 import tempfile
 import time
 
+from realm_jax.errors import CommandParser   # (no jax: XLA_FLAGS is set below, before it)
+
 
 def parse_args(argv):
   p = CommandParser(description=__doc__.split("\n")[0])
@@ -86,7 +88,6 @@ from train_step import encoder_flops  # noqa: E402
 from realm_jax.runtime import state as state_lib  # noqa: E402
 from realm_jax.config.defaults import base_config  # noqa: E402
 from realm_jax.config.reading import frozen_paths  # noqa: E402
-from realm_jax.errors import CommandParser  # noqa: E402
 
 
 def log(msg: str) -> None:

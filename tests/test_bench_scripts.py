@@ -54,6 +54,8 @@ def error_lines(result) -> list[str]:
     ("behaviour.py", ["--base", "no-such-commit", "--stages", "realm,bogus"],
      "--stages: unknown 'bogus'; one or more of realm, ict, mixed, distill"),
     ("behaviour.py", ["--base", "no-such-commit", "--steps", "2"], "--steps 2 must be >= 3"),
+    # (read before jax and torch are imported: no interop env needed to be refused)
+    ("peer_hf.py", ["--only", "bogus"], "argument --only: invalid choice: 'bogus'"),
 ])
 def test_a_bench_refuses_what_it_cannot_measure_in_one_line(tmp_path, script, args, expected):
   """Before the compile: a count below 1 (a median of no steps), queries fewer than a batch (no
