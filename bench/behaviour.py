@@ -41,7 +41,9 @@ from realm_jax.errors import CommandParser
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("realm", "ict", "mixed", "distill")
 MIN_STEPS = 3   # a checkpoint (and an index version) every steps // 3 steps: at least one
-FIGURES = ("loss", "grad_norm", "retrieval_utility", "null_doc_prob", "index_staleness")
+# What a train log line holds that is not a figure of the run: its step and the wall clock
+# (every other key is compared: the losses, the learning rate, staleness, entropy, ...)
+NOT_FIGURES = ("step", "time", "steps_per_second")
 # One stage of the demo, run by the code on PYTHONPATH: argv = config, variant, workdir, data,
 # then key=value overrides.
 STAGE = """
@@ -158,7 +160,8 @@ def compare(base: str, head: str) -> bool:
   a, b = trace(base), trace(head)
   print(f"steps logged: base {len(a)}, this tree {len(b)}; same steps: {sorted(a) == sorted(b)}")
   figures_same = True
-  for key in FIGURES:
+  keys = dict.fromkeys(k for rows in (a, b) for r in rows.values() for k in r)
+  for key in (k for k in keys if k not in NOT_FIGURES):
     pairs = [(a[s].get(key), b[s].get(key)) for s in a if s in b]
     pairs = [(x, y) for x, y in pairs if x is not None or y is not None]
     if not pairs:

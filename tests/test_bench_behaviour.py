@@ -41,3 +41,18 @@ def test_the_verdict_holds_the_logged_figures_as_well_as_the_parameters(tmp_path
   assert not behaviour.compare(base, run_dir(tmp_path, "extra", one_side, params))
   moved = {"w": params["w"] + np.float32(1e-7)}
   assert not behaviour.compare(base, run_dir(tmp_path, "params", rows, moved))
+
+
+def test_every_logged_figure_is_held_but_the_clock(tmp_path):
+  """Not only a fixed list: REALM's retrieval entropy, the distillation's KL and the learning
+  rate are in the verdict too; the wall clock (time, steps/s) is not."""
+  params = {"w": np.ones(3, np.float32)}
+  rows = [{"step": s, "time": 100.0 + s, "loss": 1.0, "retrieval_entropy": 1.25,
+           "distill_kl": 0.5, "learning_rate": 1e-3, "steps_per_second": 7.0}
+          for s in (1, 2, 3)]
+  base = run_dir(tmp_path, "base", rows, params)
+  clock = [{**r, "time": r["time"] + 60.0, "steps_per_second": 3.5} for r in rows]
+  assert behaviour.compare(base, run_dir(tmp_path, "clock", clock, params))
+  for key in ("retrieval_entropy", "distill_kl", "learning_rate"):
+    moved = [{**r, key: r[key] * 2} if r["step"] == 2 else r for r in rows]
+    assert not behaviour.compare(base, run_dir(tmp_path, key, moved, params)), key
