@@ -176,8 +176,11 @@ def compare(base: str, head: str) -> bool:
           + ("" if same else "  DIFFERS"))
   last = max(a)
   pa, pb = final_params(base, last), final_params(head, last)
-  equal = pa.keys() == pb.keys() and all(np.array_equal(pa[k], pb[k]) for k in pa)
-  worst = max(float(np.max(np.abs(pa[k] - pb[k]))) for k in pa) if pa.keys() == pb.keys() \
+  # (the same arrays of the same shapes to subtract; bitwise equal also in their dtypes)
+  comparable = pa.keys() == pb.keys() and all(pa[k].shape == pb[k].shape for k in pa)
+  equal = comparable and all(pa[k].dtype == pb[k].dtype and np.array_equal(pa[k], pb[k])
+                             for k in pa)
+  worst = max(float(np.max(np.abs(pa[k] - pb[k]))) for k in pa) if comparable \
       else float("nan")
   print(f"final parameters (step {last}): {len(pa)} arrays, "
         f"{sum(v.size for v in pa.values()):,} values; bitwise equal: {equal}; "

@@ -56,3 +56,16 @@ def test_every_logged_figure_is_held_but_the_clock(tmp_path):
   for key in ("retrieval_entropy", "distill_kl", "learning_rate"):
     moved = [{**r, key: r[key] * 2} if r["step"] == 2 else r for r in rows]
     assert not behaviour.compare(base, run_dir(tmp_path, key, moved, params)), key
+
+
+def test_parameters_of_another_shape_or_dtype_are_a_difference_not_a_crash(tmp_path):
+  """Bitwise equal means the same shape, dtype and bits: a kernel stored transposed is
+  named a difference (it raised a broadcasting error), float64 copies of the same values
+  are not equal (np.array_equal said they were)."""
+  rows = [{"step": s, "loss": 1.0} for s in (1, 2, 3)]
+  params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+  base = run_dir(tmp_path, "base", rows, params)
+  assert not behaviour.compare(base, run_dir(tmp_path, "transposed", rows,
+                                             {"w": params["w"].T.copy()}))
+  assert not behaviour.compare(base, run_dir(tmp_path, "float64", rows,
+                                             {"w": params["w"].astype(np.float64)}))
