@@ -48,7 +48,7 @@ from realm_jax.retrieval import scann_index
 from realm_jax.retrieval.index import device_batch, embed_blocks
 from realm_jax.runtime import partitioning, state as state_lib, embedders
 from realm_jax.runtime.checkpoints import restore_run
-from report import append_jsonl, print_rows, verdict   # bench/: this script's sys.path[0]
+from report import append_jsonl, positive_int, print_rows, verdict   # bench/: sys.path[0]
 from train_step import matmul_flops_per_s
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -279,18 +279,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="trained demo REALM workdir ('' for a random retriever)")
   parser.add_argument("--vocab", default=str(REPO / "runs/demo/data/vocab.txt"),
                       help="the model's vocab.txt (a prepared data dir's)")
-  parser.add_argument("--entities", type=int, default=242_000,
+  parser.add_argument("--entities", type=positive_int, default=242_000,
                       help="world entities (~4.1 blocks each; 242,000: ~1.0M blocks)")
   parser.add_argument("--world_seed", type=int, default=0, help="seed of the generated world")
   parser.add_argument("--seed", type=int, default=0,
                       help="seed of the query rows (and of a random retriever)")
-  parser.add_argument("--queries", type=int, default=1000, help="block-derived queries")
-  parser.add_argument("--batch", type=int, default=32, help="search batch besides 1")
+  parser.add_argument("--queries", type=positive_int, default=1000,
+                      help="block-derived queries (>= --batch)")
+  parser.add_argument("--batch", type=positive_int, default=32, help="search batch besides 1")
   parser.add_argument("--qps_seconds", type=float, default=10.0,
                       help="time budget per QPS measurement")
   parser.add_argument("--skip_exact_qps", action="store_true",
                       help="do not time exact brute-force search")
-  parser.add_argument("--embed_batch", type=int, default=None,
+  parser.add_argument("--embed_batch", type=positive_int, default=None,
                       help="blocks per embedding batch (default: the config's)")
   parser.add_argument("--reembed", action="store_true", help="ignore cached embeddings")
   parser.add_argument("--workers", type=int, default=2, help="processes preparing the world")
@@ -298,7 +299,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="where the world, embeddings and the index under test live")
   parser.add_argument("--out", default=str(REPO / "runs/bench_index.jsonl"),
                       help="append the JSON record here ('' to skip)")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.queries < args.batch:   # before the world is made and embedded: no batch to time
+    parser.error(f"--queries {args.queries} must be >= --batch ({args.batch}): the queries/s "
+                 "figures search them in batches of 1 and --batch")
+  return args
 
 
 def main(argv=None) -> dict:

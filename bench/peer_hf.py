@@ -42,11 +42,12 @@ import tempfile
 import time
 
 from realm_jax.errors import CommandParser   # (no jax: XLA_FLAGS is set below, before it)
+from report import positive_int   # bench/ is this script's directory: sys.path[0]
 
 
 def parse_args(argv):
   p = CommandParser(description=__doc__.split("\n")[0])
-  p.add_argument("--threads", type=int, default=2, help="threads of both frameworks")
+  p.add_argument("--threads", type=positive_int, default=2, help="threads of both frameworks")
   p.add_argument("--hidden", type=int, default=256)
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--heads", type=int, default=4)
@@ -58,9 +59,10 @@ def parse_args(argv):
   p.add_argument("--masks", type=int, default=10, help="masks per query")
   p.add_argument("--dropout", type=float, default=0.1)
   p.add_argument("--warmup", type=int, default=2, help="untimed steps (ours: + compile)")
-  p.add_argument("--steps", type=int, default=8, help="timed steps")
+  p.add_argument("--steps", type=positive_int, default=8, help="timed steps (>= 1)")
   p.add_argument("--blocks", type=int, default=10_000, help="Open-QA: blocks in block_emb")
-  p.add_argument("--questions", type=int, default=10, help="Open-QA: timed questions")
+  p.add_argument("--questions", type=positive_int, default=10,
+                 help="Open-QA: timed questions (>= 1)")
   p.add_argument("--only", choices=("step", "openqa"), default=None)
   p.add_argument("--out", default=None, help="append the JSON record here")
   return p.parse_args(argv)

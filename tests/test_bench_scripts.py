@@ -45,6 +45,9 @@ def error_lines(result) -> list[str]:
      "argument --embed_batches: 0 is not >= 1"),
     ("index_scale.py", ["--blocks", "1000", "--queries", "10", "--batch", "32"],
      "--queries 10 must be >= --batch (32) and >= 32"),
+    ("index.py", ["--batch", "0"], "argument --batch: 0 is not >= 1"),
+    ("index.py", ["--queries", "0"], "argument --queries: 0 is not >= 1"),
+    ("index.py", ["--queries", "10"], "--queries 10 must be >= --batch (32)"),
     ("checkpoint.py", ["--config", "configs/nowhere.py"],
      "--config configs/nowhere.py: no such file"),
     ("checkpoint.py", ["--config", "configs/demo_realm.py:bogus"],
@@ -56,12 +59,14 @@ def error_lines(result) -> list[str]:
     ("behaviour.py", ["--base", "no-such-commit", "--steps", "2"], "--steps 2 must be >= 3"),
     # (read before jax and torch are imported: no interop env needed to be refused)
     ("peer_hf.py", ["--only", "bogus"], "argument --only: invalid choice: 'bogus'"),
+    ("peer_hf.py", ["--steps", "0"], "argument --steps: 0 is not >= 1"),
 ])
 def test_a_bench_refuses_what_it_cannot_measure_in_one_line(tmp_path, script, args, expected):
   """Before the compile: a count below 1 (a median of no steps), queries fewer than a batch (no
   batch would be timed), a missing config, variant or data dir, an unknown stage."""
   where = {"behaviour.py": ["--work", str(tmp_path / "work")],   # nothing made in the repo
            "index_scale.py": ["--cache", str(tmp_path / "cache"), "--out", ""],
+           "index.py": ["--cache", str(tmp_path / "cache"), "--out", "", "--model_workdir", ""],
            "train_step.py": ["--out", ""]}.get(script, [])
   result = subprocess.run([sys.executable, os.path.join(BENCH, script), *args, *where],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
