@@ -1,0 +1,45 @@
+"""The Makefile's install recipes, run by make on a copy of it with stand-ins for Python and
+its venv (nothing is installed): a venv an interrupted `python -m venv` left without pip is
+made again, a whole one is kept."""
+
+import os
+import shutil
+import subprocess
+
+from tests.helpers import REPO
+
+WHOLE = """#!/bin/sh
+echo "$*" >> "$(dirname "$0")/../calls"
+"""
+HALF = """#!/bin/sh
+case "$*" in "-m pip"*) echo "$0: No module named pip" >&2; exit 1;; esac
+"""
+
+
+def make(cwd, *args: str) -> subprocess.CompletedProcess:
+  return subprocess.run(["make", "--no-print-directory", *args], cwd=cwd, capture_output=True,
+                        text=True, timeout=60)
+
+
+def test_install_makes_a_venv_without_pip_again_and_keeps_a_whole_one(tmp_path):
+  shutil.copy(os.path.join(REPO, "Makefile"), tmp_path)
+  (tmp_path / "setup.py").write_text("")
+  python = tmp_path / "bin" / "python3"   # `python3 -m venv DIR`: a whole venv, said in made
+  python.parent.mkdir()
+  python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/made"\n'
+                    'mkdir -p "$3/bin" && cp "$(dirname "$0")/whole" "$3/bin/python"\n')
+  (tmp_path / "bin" / "whole").write_text(WHOLE)
+  half = tmp_path / ".venv" / "bin" / "python"   # python -m venv stopped during ensurepip
+  half.parent.mkdir(parents=True)
+  half.write_text(HALF)
+  for tool in (python, tmp_path / "bin" / "whole", half):
+    tool.chmod(0o755)
+  result = make(tmp_path, "install", f"PYTHON={python}")
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert (tmp_path / "bin" / "made").read_text() == "-m venv .venv\n"
+  assert "-m pip install --quiet --no-compile -e .[test]" in (tmp_path / ".venv" /
+                                                               "calls").read_text()
+  os.utime(tmp_path / "setup.py", (1e10, 1e10))   # setup.py edited: the recipe runs again
+  result = make(tmp_path, "install", f"PYTHON={python}")
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert (tmp_path / "bin" / "made").read_text() == "-m venv .venv\n"   # not made again
