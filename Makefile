@@ -139,7 +139,7 @@ bench-peer: interop-env
 	$(INTEROP_PYTHON) bench/peer_hf.py $(BENCH_ARGS)
 
 lint:
-	$(PYTHON) -m compileall -q realm_jax configs bench tests
+	$(PYTHON) -m compileall -q realm_jax configs bench tests launch setup.py
 
 clean:
 	rm -rf runs build .pytest_cache *.egg-info

@@ -43,3 +43,27 @@ def test_install_makes_a_venv_without_pip_again_and_keeps_a_whole_one(tmp_path):
   result = make(tmp_path, "install", f"PYTHON={python}")
   assert result.returncode == 0, result.stdout + result.stderr
   assert (tmp_path / "bin" / "made").read_text() == "-m venv .venv\n"   # not made again
+
+
+def test_lint_byte_compiles_every_folder_of_python_sources(tmp_path):
+  """`make lint` (byte-compile everything) fails on a syntax error in any folder of the
+  repository's Python sources: each folder of them in a copy, the error in one at a time."""
+  shutil.copy(os.path.join(REPO, "Makefile"), tmp_path)
+  sources = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+  folders = sorted({path.split(os.sep)[0] for path in sources if os.sep in path})
+  top = [path for path in sources if os.sep not in path]   # setup.py
+  assert {"realm_jax", "launch", "bench"} <= set(folders) and "setup.py" in top, sources
+  for folder in folders:
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / "fine.py").write_text("x = 1\n")
+  for path in top:
+    (tmp_path / path).write_text("x = 1\n")
+  for i, broken in enumerate([os.path.join(folder, "broken.py") for folder in folders] + top):
+    (tmp_path / broken).write_text("def (:\n")
+    # (compileall skips a file whose .pyc has its mtime, in whole seconds)
+    os.utime(tmp_path / broken, (1e9 + i, 1e9 + i))
+    assert make(tmp_path, "lint", "PYTHON=python3").returncode != 0, broken
+    (tmp_path / broken).write_text("x = 1\n")
+  assert make(tmp_path, "lint", "PYTHON=python3").returncode == 0
+
