@@ -30,8 +30,9 @@
 # 1, naming them, when a part did not exit 0 (a time limit included; background parts too) or
 # was skipped for the deadline, else 0 (trace_summary, which reads train_step_cudnn's trace, is
 # skipped without a failure of its own when that part failed). It exits 2 at once, before any
-# part, on an unknown PARTS word or where `nvidia-smi -L` finds no GPU (PYTHON and DEADLINE
-# are read from the environment; a fake nvidia-smi first on PATH lets it run for a test).
+# part, on an unknown PARTS word, where `nvidia-smi -L` finds no GPU or where $PYTHON's JAX
+# has no GPU backend (PYTHON and DEADLINE are read from the environment; a fake nvidia-smi
+# first on PATH lets it run for a test).
 # Processes allocate device memory as they need it (XLA_PYTHON_CLIENT_PREALLOCATE=false), so
 # that they can share the device.
 set -u
@@ -48,10 +49,17 @@ if ! nvidia-smi -L > /dev/null 2>&1; then   # else it would compile realm_base o
   echo "bench/gpu.sh: no NVIDIA GPU here (\`nvidia-smi -L\` failed): run it on a CUDA machine" >&2
   exit 2
 fi
-mkdir -p "$out"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python=${PYTHON:-python3}
+# nor where JAX has no CUDA backend (a plain `pip install jax`, as `make install` makes)
+backend=$($python -c "import jax; print(jax.default_backend())" 2>/dev/null | tail -1)
+if [ "$backend" != gpu ]; then
+  echo "bench/gpu.sh: JAX finds no GPU here (its backend: ${backend:-none, jax did not import}):" \
+    "install jaxlib's CUDA plugin (pip install -e '.[cuda]')" >&2
+  exit 2
+fi
+mkdir -p "$out"
 deadline=${DEADLINE:-560}
 cache=runs/bench_index_scale
 want() { [[ "$parts" == *" $1 "* ]]; }

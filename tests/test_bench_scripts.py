@@ -76,14 +76,16 @@ def test_a_bench_refuses_what_it_cannot_measure_in_one_line(tmp_path, script, ar
   assert not os.path.exists(tmp_path / "work") and not os.path.exists(tmp_path / "cache")
 
 
-def fake_tools(tmp_path, gpu: bool = True) -> dict:
+def fake_tools(tmp_path, gpu: bool = True, jax_backend: str = "gpu") -> dict:
   """The environment of a bench/gpu.sh run on no GPU: an nvidia-smi that lists one (or fails)
-  and a PYTHON that prints its arguments, failing bench/train_step.py."""
+  and a PYTHON whose JAX says `jax_backend` and that prints its arguments, failing
+  bench/train_step.py."""
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir(parents=True)
   (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + ("echo 'GPU 0: fake'\n" if gpu
                                                        else "exit 9\n"))
-  (bin_dir / "python").write_text('#!/bin/sh\necho "python $*"\n'
+  (bin_dir / "python").write_text(f'#!/bin/sh\ncase "$*" in *default_backend*) echo '
+                                  f'{jax_backend}; exit 0;; esac\necho "python $*"\n'
                                   'case "$*" in *train_step.py*) exit 1;; esac\n')
   for tool in bin_dir.iterdir():
     tool.chmod(0o755)
@@ -105,6 +107,15 @@ def test_gpu_sh_refuses_an_unknown_part_and_a_machine_without_a_gpu(tmp_path):
   assert result.returncode == 2 and result.stderr.strip().startswith(
       "bench/gpu.sh: no NVIDIA GPU here"), result.stderr
   assert not os.path.exists(tmp_path / "out")
+
+
+def test_gpu_sh_refuses_a_jax_without_its_gpu_backend(tmp_path):
+  """nvidia-smi lists a GPU, but JAX has only its CPU backend (jax without the CUDA plugin):
+  refused before any part, as no GPU is (the parts would compile realm_base on the CPU)."""
+  result = gpu_sh(fake_tools(tmp_path, jax_backend="cpu"), str(tmp_path / "out"), "step")
+  assert result.returncode == 2 and result.stderr.strip().startswith(
+      "bench/gpu.sh: JAX finds no GPU here (its backend: cpu)"), result.stderr
+  assert not os.path.exists(tmp_path / "out") and "== " not in result.stdout
 
 
 def test_gpu_sh_keeps_its_background_parts_inside_the_deadline(tmp_path):
