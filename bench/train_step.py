@@ -139,23 +139,31 @@ def encoder_flops(d: int, ff: int, num_layers: int, sequences: int, length: int,
   return sequences * ((num_layers - 1) * (layer(length) + kv) + layer(outputs) + kv)
 
 
+def tower_flops(config, length: int) -> float:
+  """Forward matmul FLOPs of a retriever tower (`realm.Embedder`, at the retriever's own shape)
+  on one sequence of `length`: the encoder, whose last layer computes [CLS] alone where the
+  tower reads it through BERT's pooler (`model.retriever.pooling` cls) and every position
+  where it mean-pools them (no pooler then), and the projection to retrieval_dim."""
+  mc = part_model(config, "retriever")
+  mean = config.model.retriever.get("pooling", "cls") == "mean"
+  r = mc.hidden_size
+  encoder = encoder_flops(r, mc.intermediate_size, mc.num_layers, 1, length,
+                          length if mean else 1)
+  return encoder + 2 * (0 if mean else r * r) + 2 * r * config.model.retrieval_dim
+
+
 def analytic_flops(config) -> float:
   """The forward matmul FLOPs of the three encoders and heads, x 3 where they are trained
   (backward = 2 x forward; a frozen part, `train.*_lr_scale` 0, runs forward only),
   each tower at its own shape (`reading.part_model`: the retriever may differ)."""
-  reader, retriever = part_model(config, "reader"), part_model(config, "retriever")
+  reader = part_model(config, "reader")
   v = config.model.vocab_size
   b, k, m = config.train.batch_size, candidates_read(config), config.data.max_masks
   q, lb = config.data.query_len, config.data.block_len
-
-  def encoder(mc, sequences, length, outputs):
-    return encoder_flops(mc.hidden_size, mc.intermediate_size, mc.num_layers, sequences,
-                         length, outputs)
-
-  r, d = retriever.hidden_size, reader.hidden_size
-  retrieval = encoder(retriever, b, q, 1) + encoder(retriever, b * k, lb, 1)   # [CLS]
-  retrieval += (b + b * k) * 2 * (r * r + r * config.model.retrieval_dim)  # pooler + projection
-  reading = encoder(reader, b * k, q + lb - 2, m)                            # the masks
+  d = reader.hidden_size
+  retrieval = b * tower_flops(config, q) + b * k * tower_flops(config, lb)
+  reading = encoder_flops(d, reader.intermediate_size, reader.num_layers, b * k, q + lb - 2,
+                          m)                                                 # the masks
   reading += b * k * m * 2 * (d * d + d * v)                    # MLM head at the masks
   # a frozen part has no backward: the retriever's gradient needs p(y|z,x), not its gradient
   reader_backward = 2.0 if config.train.reader_lr_scale else 0.0
