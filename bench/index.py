@@ -49,7 +49,7 @@ from realm_jax.retrieval.index import device_batch, embed_blocks
 from realm_jax.runtime import partitioning, state as state_lib, embedders
 from realm_jax.runtime.checkpoints import restore_run
 from report import append_jsonl, positive_int, print_rows, verdict   # bench/: sys.path[0]
-from train_step import matmul_flops_per_s
+from train_step import matmul_flops_per_s, tower_flops
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TOP_N = 10
@@ -92,13 +92,9 @@ def retriever_params(config, model, mesh, data, workdir: str, seed: int) -> tupl
 
 
 def block_flops(config) -> float:
-  """Forward FLOPs of the block tower on one block: encoder matmuls, pooler, projection (at
-  the retriever's own shape)."""
-  from realm_jax.config.reading import part_model
-  mc = part_model(config, "retriever")
-  d, ff, length = mc.hidden_size, mc.intermediate_size, config.data.block_len
-  encoder = mc.num_layers * (2 * length * (4 * d * d + 2 * d * ff) + 4 * length**2 * d)
-  return float(encoder + 2 * d * d + 2 * d * mc.retrieval_dim)
+  """Forward FLOPs of the block tower on one block: encoder matmuls (the last layer at the
+  positions the tower reads), pooler, projection (at the retriever's own shape)."""
+  return float(tower_flops(config, config.data.block_len))
 
 
 def block_embeddings(cache: pathlib.Path, world: pathlib.Path, data: PreparedData, config,

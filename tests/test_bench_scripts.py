@@ -219,3 +219,14 @@ def test_the_analytic_step_count_follows_the_retriever_pooling():
   expected = 3 * (b * extra["queries"] + b * k * extra["blocks"])
   analytic = train_step.analytic_flops(mean) - train_step.analytic_flops(cls)
   assert abs(analytic - expected) < 0.05 * expected, (analytic, expected)
+
+
+def test_the_index_bench_counts_the_block_tower_it_runs():
+  """bench/index.py's FLOPs per block (its embedding FLOP/s and their ratio to the matmul) are
+  the tower's as XLA counts them: its last layer computes [CLS] alone (it counted every
+  position of every layer: 1.7x the demo tower's work)."""
+  index = bench_module("index")
+  train_step = bench_module("train_step")
+  config = train_step.case_config("demo", False, None)
+  xla = tower_xla_flops(config, "blocks", 8)
+  assert abs(index.block_flops(config) - xla) < 0.05 * xla, (index.block_flops(config), xla)
