@@ -73,12 +73,13 @@ install: $(VENV)/.installed
 # test extras (tensorflow-datasets and its pyarrow, pytest, the GCS server) on top.
 # --no-compile: pip would byte-compile every installed module (23 of the 54 s the core install
 # took on the slower 2-core CPU); Python compiles the few it imports on first use instead.
-# A venv is made where there is none, or where its python has no pip: `python -m venv` stopped
-# during its ensurepip (Ctrl-C in the first seconds of `make demo`) leaves bin/python without
-# it, and `venv` over the same directory completes it.
+# A venv is made afresh (--clear) where there is none or where its python does not run pip:
+# `python -m venv` stopped during its ensurepip (Ctrl-C in the first seconds of `make demo`)
+# leaves bin/python without it, and a system python since removed leaves bin/python a broken
+# link (which venv over the same directory keeps, but for --clear).
 VENV_MADE = test -x $(VENV_PYTHON) && $(VENV_PYTHON) -m pip --version >/dev/null 2>&1
 $(VENV)/.installed-core: setup.py
-	$(VENV_LOCK) sh -c '$(VENV_MADE) || $(PYTHON) -m venv $(VENV)'
+	$(VENV_LOCK) sh -c '$(VENV_MADE) || $(PYTHON) -m venv --clear $(VENV)'
 	$(VENV_LOCK) $(VENV_PYTHON) -m pip install --quiet --no-compile --upgrade pip
 	$(VENV_LOCK) $(VENV_PYTHON) -m pip install --quiet --no-compile -e .
 	touch $@
@@ -86,7 +87,7 @@ $(VENV)/.installed-core: setup.py
 # One pip run for the package and the test extras where neither is there yet (a fresh clone's
 # `make test`): pip resolves and builds once (37 s against 53 s in two runs on the slower CPU).
 $(VENV)/.installed: setup.py
-	$(VENV_LOCK) sh -c '$(VENV_MADE) || $(PYTHON) -m venv $(VENV)'
+	$(VENV_LOCK) sh -c '$(VENV_MADE) || $(PYTHON) -m venv --clear $(VENV)'
 	test -f $(VENV)/.installed-core || \
 	    $(VENV_LOCK) $(VENV_PYTHON) -m pip install --quiet --no-compile --upgrade pip
 	$(VENV_LOCK) $(VENV_PYTHON) -m pip install --quiet --no-compile -e '.[test]'
@@ -126,7 +127,7 @@ interop-env: $(INTEROP_VENV)/.installed
 
 $(INTEROP_VENV)/.installed: setup.py
 	test -x $(INTEROP_PYTHON) && $(INTEROP_PYTHON) -m pip --version >/dev/null 2>&1 || \
-	    $(PYTHON) -m venv $(INTEROP_VENV)
+	    $(PYTHON) -m venv --clear $(INTEROP_VENV)
 	$(INTEROP_PYTHON) -m pip install --quiet --upgrade pip
 	$(INTEROP_PYTHON) -m pip install --quiet -e '.[interop]'
 	touch $@

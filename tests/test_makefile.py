@@ -1,10 +1,12 @@
-"""The Makefile's install recipes, run by make on a copy of it with stand-ins for Python and
-its venv (nothing is installed): a venv an interrupted `python -m venv` left without pip is
-made again, a whole one is kept."""
+"""The Makefile's targets run by make on a copy of it, with stand-ins for Python and its venv
+(nothing is installed): a venv an interrupted `python -m venv` left without pip, or whose
+python is gone, is made again and a whole one kept; `make lint` reads every source folder."""
 
 import os
 import shutil
 import subprocess
+
+import pytest
 
 from tests.helpers import REPO
 
@@ -14,6 +16,16 @@ echo "$*" >> "$(dirname "$0")/../calls"
 HALF = """#!/bin/sh
 case "$*" in "-m pip"*) echo "$0: No module named pip" >&2; exit 1;; esac
 """
+# `python3 -m venv [--clear] DIR` as venv does it: over a DIR whose bin/python is a link (to a
+# python since removed) it fails unless cleared
+VENV = """#!/bin/sh
+echo "$*" >> "$(dirname "$0")/made"
+for dir; do :; done
+if [ "$3" != --clear ] && [ -L "$dir/bin/python" ]; then
+  echo "Error: [Errno 2] No such file or directory: '$dir/bin/python'" >&2; exit 1
+fi
+rm -rf "$dir" && mkdir -p "$dir/bin" && cp "$(dirname "$0")/whole" "$dir/bin/python"
+"""
 
 
 def make(cwd, *args: str) -> subprocess.CompletedProcess:
@@ -21,28 +33,37 @@ def make(cwd, *args: str) -> subprocess.CompletedProcess:
                         text=True, timeout=60)
 
 
-def test_install_makes_a_venv_without_pip_again_and_keeps_a_whole_one(tmp_path):
+@pytest.mark.parametrize("venv", ["without pip", "its python gone"])
+def test_install_makes_a_broken_venv_again_and_keeps_a_whole_one(tmp_path, venv):
+  """`without pip`: python -m venv stopped during its ensurepip (a Ctrl-C early in a fresh
+  clone's make demo); `its python gone`: bin/python links to a python since removed (the
+  system's upgraded). Either stopped every later install (No module named pip / No such
+  file) until the venv was removed by hand."""
   shutil.copy(os.path.join(REPO, "Makefile"), tmp_path)
   (tmp_path / "setup.py").write_text("")
-  python = tmp_path / "bin" / "python3"   # `python3 -m venv DIR`: a whole venv, said in made
+  python = tmp_path / "bin" / "python3"
   python.parent.mkdir()
-  python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/made"\n'
-                    'mkdir -p "$3/bin" && cp "$(dirname "$0")/whole" "$3/bin/python"\n')
+  python.write_text(VENV)
   (tmp_path / "bin" / "whole").write_text(WHOLE)
-  half = tmp_path / ".venv" / "bin" / "python"   # python -m venv stopped during ensurepip
-  half.parent.mkdir(parents=True)
-  half.write_text(HALF)
-  for tool in (python, tmp_path / "bin" / "whole", half):
+  broken = tmp_path / ".venv" / "bin" / "python"
+  broken.parent.mkdir(parents=True)
+  if venv == "without pip":
+    broken.write_text(HALF)
+    broken.chmod(0o755)
+  else:
+    broken.symlink_to(tmp_path / "no-such-python")
+  for tool in (python, tmp_path / "bin" / "whole"):
     tool.chmod(0o755)
   result = make(tmp_path, "install", f"PYTHON={python}")
   assert result.returncode == 0, result.stdout + result.stderr
-  assert (tmp_path / "bin" / "made").read_text() == "-m venv .venv\n"
+  made = (tmp_path / "bin" / "made").read_text()
+  assert len(made.splitlines()) == 1, made
   assert "-m pip install --quiet --no-compile -e .[test]" in (tmp_path / ".venv" /
                                                                "calls").read_text()
   os.utime(tmp_path / "setup.py", (1e10, 1e10))   # setup.py edited: the recipe runs again
   result = make(tmp_path, "install", f"PYTHON={python}")
   assert result.returncode == 0, result.stdout + result.stderr
-  assert (tmp_path / "bin" / "made").read_text() == "-m venv .venv\n"   # not made again
+  assert (tmp_path / "bin" / "made").read_text() == made   # the whole venv is not made again
 
 
 def test_lint_byte_compiles_every_folder_of_python_sources(tmp_path):
