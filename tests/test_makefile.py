@@ -3,6 +3,7 @@
 python is gone, is made again and a whole one kept; `make lint` reads every source folder."""
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -88,3 +89,13 @@ def test_lint_byte_compiles_every_folder_of_python_sources(tmp_path):
     (tmp_path / broken).write_text("x = 1\n")
   assert make(tmp_path, "lint", "PYTHON=python3").returncode == 0
 
+
+def test_the_test_extra_has_the_xdist_that_make_test_runs():
+  """make test passes --no-loadscope-reorder, which pytest-xdist has since 3.8.0: the test
+  extra may not allow an older one (it allowed 3.5, whose pytest stops at the unknown flag;
+  pip keeps an installed one that meets the floor)."""
+  with open(os.path.join(REPO, "Makefile")) as f:
+    assert "--no-loadscope-reorder" in f.read()
+  with open(os.path.join(REPO, "setup.py")) as f:
+    floor = re.search(r'"pytest-xdist>=([\d.]+)', f.read()).group(1)
+  assert tuple(int(p) for p in floor.split(".")) >= (3, 8), floor
