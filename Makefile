@@ -64,7 +64,7 @@ INTEROP_VENV ?= .venv-interop
 INTEROP_PYTHON := $(INTEROP_VENV)/bin/python
 
 .PHONY: install demo demo-squad demo-openqa demo-real minilm test test-fast bench lint clean distclean
-.PHONY: interop-env interop-check bench-peer
+.PHONY: interop-env interop-check interop-usage bench-peer
 
 install: $(VENV)/.installed
 
@@ -132,9 +132,12 @@ $(INTEROP_VENV)/.installed: setup.py
 	$(INTEROP_PYTHON) -m pip install --quiet -e '.[interop]'
 	touch $@
 
-interop-check: interop-env
-	@test -n "$(HF_DIR)" || { echo "usage: make interop-check HF_DIR=<HF checkpoint dir>"; exit 2; }
+# without HF_DIR: the usage line before the interop env (PyTorch, transformers) is installed
+interop-check: $(if $(HF_DIR),interop-env,interop-usage)
 	$(INTEROP_PYTHON) -m realm_jax.interop.hf_parity --hf-dir $(HF_DIR)
+
+interop-usage:
+	@echo "usage: make interop-check HF_DIR=<HF checkpoint dir>"; exit 2
 
 bench-peer: interop-env
 	$(INTEROP_PYTHON) bench/peer_hf.py $(BENCH_ARGS)

@@ -1,6 +1,8 @@
 """The Makefile's targets run by make on a copy of it, with stand-ins for Python and its venv
 (nothing is installed): a venv an interrupted `python -m venv` left without pip, or whose
-python is gone, is made again and a whole one kept; `make lint` reads every source folder."""
+python is gone, is made again and a whole one kept; `make lint` reads every source folder;
+`make interop-check` without HF_DIR says so before it installs; and the test extra allows
+only the pytest-xdist that has the flags `make test` passes."""
 
 import os
 import re
@@ -99,3 +101,20 @@ def test_the_test_extra_has_the_xdist_that_make_test_runs():
   with open(os.path.join(REPO, "setup.py")) as f:
     floor = re.search(r'"pytest-xdist>=([\d.]+)', f.read()).group(1)
   assert tuple(int(p) for p in floor.split(".")) >= (3, 8), floor
+
+
+def test_interop_check_without_hf_dir_says_its_usage_before_installing(tmp_path):
+  """`make interop-check` without HF_DIR: the usage line and exit code 2 before the interop
+  env (PyTorch and transformers, GBs) is made, not after."""
+  shutil.copy(os.path.join(REPO, "Makefile"), tmp_path)
+  (tmp_path / "setup.py").write_text("")
+  python = tmp_path / "bin" / "python3"
+  python.parent.mkdir()
+  python.write_text(VENV)
+  (tmp_path / "bin" / "whole").write_text(WHOLE)
+  for tool in (python, tmp_path / "bin" / "whole"):
+    tool.chmod(0o755)
+  result = make(tmp_path, "interop-check", f"PYTHON={python}")
+  assert result.returncode == 2, result.stdout + result.stderr
+  assert "usage: make interop-check HF_DIR=<HF checkpoint dir>" in result.stdout
+  assert not (tmp_path / "bin" / "made").exists() and not (tmp_path / ".venv-interop").exists()
