@@ -146,6 +146,39 @@ def test_the_config_reference_covers_every_option_and_is_current():
         "docs/config_reference.md")
 
 
+def test_the_docs_list_every_value_of_an_option_they_enumerate():
+  """A hand-written page that lists an option's values (`retrieval.refresh` (`in_process` |
+  `async` | `deterministic`)) lists the values validation accepts, no more and no fewer."""
+  import glob
+  import re
+  from realm_jax.config import defaults as d
+  from realm_jax.models import bert, losses
+  values = {"task": d.TASKS, "retrieval.candidates": d.CANDIDATE_SOURCES,
+            "retrieval.refresh": d.REFRESH_MODES, "retrieval.backend": d.BACKENDS,
+            "retrieval.marginalization": losses.MARGINALIZATIONS,
+            "retrieval.loss": losses.RETRIEVER_LOSSES, "train.optimizer": d.OPTIMIZERS,
+            "train.nonfinite": d.NONFINITE_ACTIONS, "model.dtype": d.COMPUTE_DTYPES,
+            "model.remat": tuple(bert.REMAT_POLICIES),
+            "model.attention": bert.ATTENTION_IMPLEMENTATIONS,
+            "retrieval.distill_queries": d.DISTILL_QUERIES,
+            "qa.heldout_unit": d.HELDOUT_UNITS, "data.long_queries": d.LONG_QUERIES}
+  listed = re.compile(r"`([a-z_.]+)` \(((?:`[a-z_0-9]+` \| )+`[a-z_0-9]+`)[):]")
+  dated = ("results.md", "test_times.md", "testing.md", "config_reference.md")
+  pages = [os.path.join(REPO, "README.md")] + [
+      p for p in sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+      if os.path.basename(p) not in dated]
+  found, wrong = 0, []
+  for page in pages:
+    with open(page) as f:
+      text = " ".join(f.read().split())
+    for option, names in listed.findall(text):
+      assert option in values, f"{page}: {option}'s values are not known to this test"
+      found += 1
+      if sorted(re.findall(r"`([a-z_0-9]+)`", names)) != sorted(values[option]):
+        wrong.append(f"{os.path.basename(page)}: {option} ({names}), not {values[option]}")
+  assert found and not wrong, wrong
+
+
 def test_the_real_text_recipe_scales():
   """configs/real_realm.py's `VARIANT,SCALE`: cpu is the variant alone; gpu validates and is
   larger where it says; a bad scale names itself."""
