@@ -213,3 +213,39 @@ def test_a_flag_giving_the_default_still_wins_over_the_old_leaf_of_a_config_file
   with pytest.warns(RenamedOptionWarning, match="first_index_timeout is now"):
     validate(plain)
   assert plain.retrieval.index_timeout == 600.0       # no flag for it: the file's
+
+
+FILE_SUFFIXES = ("py", "json", "jsonl", "md", "txt", "npy", "npz", "safetensors", "bin", "log")
+QUOTED_ERRORS = ("no such option", "not a field", "not an option")   # misspelt on purpose
+
+
+def test_every_option_the_docs_name_exists():
+  """Every option a hand-written page names (`group.option` in backticks, `--config.X` flags
+  of the training and `realm-prepare` configs) is one, or a renamed one's old name; a file
+  name (`train.jsonl`), a glob (`qa.heldout_*`), the syntax's `a.b` and a misspelling in a
+  quoted error are not options."""
+  import glob
+  import re
+  from realm_jax.config.reading import flat_options
+  from realm_jax.data.prepare import prepare_config
+  known = set(flat_options(base_config())) | set(flat_options(prepare_config())) | {"a.b"}
+  known |= {".".join(n.split(".")[:i]) for n in set(known) for i in range(1, n.count(".") + 1)}
+  groups = "|".join(sorted({n.split(".")[0] for n in flat_options(base_config()) if "." in n}))
+  named = re.compile(rf"`(?:--config\.|config\.)?((?:{groups})\.[a-z_.]*[a-z_])(?:=[^`]*)?`")
+  flagged = re.compile(r"--(?:no)?config\.([a-z_][a-z_0-9.]*[a-z_0-9])")
+  dated = ("results.md", "test_times.md", "testing.md", "config_reference.md")
+  pages = [os.path.join(REPO, "README.md")] + [
+      p for p in sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+      if os.path.basename(p) not in dated]
+  unknown = []
+  for page in pages:
+    with open(page) as f:
+      lines = f.read().splitlines()
+    misspelt = {name for line in lines if any(error in line for error in QUOTED_ERRORS)
+                for name in flagged.findall(line)}   # the command and its error both name it
+    for number, line in enumerate(lines, 1):
+      names = [n for n in named.findall(line) if n.rpartition(".")[2] not in FILE_SUFFIXES]
+      names += [n for n in flagged.findall(line) if n not in misspelt]
+      unknown += [f"{os.path.basename(page)}:{number}: {name}" for name in names
+                  if name not in known and new_name(name) is None]
+  assert not unknown, unknown
