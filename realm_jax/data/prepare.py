@@ -6,8 +6,10 @@ source -> (validated, de-duplicated documents) -> vocab (copied or trained) -> s
 `realm_jax.data.corpus`) -> QA sets -> `DIR/stats.json`, written last.
 
 Restartable: `DIR/prepare.json` records the settings; a re-run with the same settings reuses
-the vocab and every finished shard (a shard is finished once its `done.json` exists), and a
-finished preparation (stats.json present) is returned as is.
+the vocab where it was made from the same file or the same first documents (`DIR/vocab.json`),
+and every finished shard (its `done.json` exists) that holds the same documents encoded with
+the same vocab (a source edited since is packed again where it changed); a finished
+preparation (stats.json present) is returned as is.
 """
 
 from __future__ import annotations
