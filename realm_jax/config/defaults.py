@@ -260,8 +260,10 @@ def _jobs(c) -> None:
                                    # trainer: between looks for a newer version
   c.builder.wait_timeout = 600.0   # builder: fail after this long with no checkpoint at all
                                    # (waited out while W/trainer.lock names a live trainer)
-  c.builder.num_leaves = 0         # scann tree leaves; 0: about sqrt(num_blocks)
-  c.builder.leaves_to_search = 0   # scann leaves probed per query; 0: max(leaves/20, 16)
+  c.builder.num_leaves = 0         # scann tree leaves; 0: about sqrt(num_blocks) (1, no
+                                   # tree, below 2,000 blocks)
+  c.builder.leaves_to_search = 0   # scann leaves probed per query; 0: max(leaves/20,
+                                   # min(leaves, 16))
   c.builder.training_sample = 0    # scann sample (a tree: >= 64); 0: min(num_blocks, 250,000)
   c.builder.dims_per_block = 2     # scann asymmetric hashing: dimensions per 4-bit code
   c.builder.reorder = 0            # scann exact re-scoring of this many; 0: derived (>= 100)
