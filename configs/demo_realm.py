@@ -30,7 +30,8 @@ def get_config(arg=None):
   c.retrieval.refresh_every = 100
   c.retrieval.refresh = "deterministic"   # the separate realm-index job (launch/local.py);
                                    # deterministic: the demo's numbers repeat run to run
-  c.retrieval.swap_lag = 25        # the index of checkpoint S serves steps S+25 .. S+124
+  c.retrieval.swap_lag = 25        # the index of checkpoint S serves steps S+26 .. S+125
+                                   # (as the progress lines count them, from 1)
   c.retrieval.train_null_document = False  # training reads the blocks only: with the null
                                    # document in the marginal, recall@1 at step 600 was
                                    # 0.29 instead of 0.60 (seed 0, docs/performance.md)

@@ -114,7 +114,8 @@ def _recipe(variant):
                                    # one a row was padding; 96% of batches fit): with the
                                    # reader's scores cached, the step is the query tower
   c.retrieval.refresh_every = 40
-  c.retrieval.refresh = "deterministic"  # the version of step S serves steps S + swap_lag on:
+  c.retrieval.refresh = "deterministic"  # the version of step S serves steps S + swap_lag + 1
+                                   # on (as the logs count them):
                                    # the same seed, machine and code repeat the REALM stage
                                    # (async: which version a step read followed the speed)
   c.retrieval.swap_lag = 20        # half a refresh: the builder beside the trainer published

@@ -131,8 +131,9 @@ def _retrieval(c) -> None:
                                    # "async": a separate `realm-index` job publishes versions
                                    # under W/index, swapped in as they arrive (waits only for
                                    # the first); "deterministic": the version built from the
-                                   # checkpoint of step S is used from step S + swap_lag
-                                   # exactly (waits if late): reproducible and resumable
+                                   # checkpoint of step S is used from step S + swap_lag + 1
+                                   # (as the logs count steps) exactly (waits if late):
+                                   # reproducible and resumable
   c.retrieval.swap_lag = 50        # deterministic: steps from a checkpoint to its index's use
   c.retrieval.index_timeout = 1800.0  # seconds the trainer waits for a published version
                                    # before failing (the first one, or a late deterministic
