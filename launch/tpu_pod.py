@@ -15,7 +15,8 @@ default v4-8; `none` for a config without the separate index builder). Actions:
            names at /gcs/BUCKET)
            (first, refused on a slice whose job is running: nothing is replaced under it)
   start    `realm-train ... --multihost=auto` on every trainer worker and `realm-index ...` on
-           every builder worker, nohup'd, output to ~/realm_logs/{trainer,builder}.log
+           every builder worker, nohup'd, output to ~/realm_logs/{trainer,builder}.log (a job
+           still running is refused on its slice; the other job is started all the same)
   tail     follow worker 0's log of --job (trainer or builder)
   stop     SIGTERM both jobs on every worker (the trainer saves a checkpoint), wait --grace s
            (with the run's --config [--set ...]: at least its train.preemption_grace_seconds +
@@ -486,8 +487,17 @@ class Pod:
       self._call(self.ssh(job, install_script(self.plan)))
 
   def start(self) -> None:
+    """Each job that is not running is started; one that is refuses on its slice (JobRunning,
+    raised once the other slice has had its start: a builder that ended beside a live trainer
+    is started again)."""
+    refused = None
     for job in self.slices:
-      self._refusable(self.ssh(job, start_script(self.plan, job)))
+      try:
+        self._refusable(self.ssh(job, start_script(self.plan, job)))
+      except JobRunning as e:
+        refused = refused or e
+    if refused is not None:
+      raise refused
 
   def tail(self) -> None:
     if self.args.job not in self.slices:

@@ -443,6 +443,8 @@ def _fake_gcloud(tmp_path, monkeypatch, mode: str):
         sys.exit(3)
       if verb == "ssh" and mode == "READY running":   # a job of the run is alive there
         sys.exit("trainer is already running (pid 42): nothing is copied or installed under it")
+      if verb == "ssh" and mode == "trainer running" and "trainer" in sys.argv[5]:
+        sys.exit("trainer is already running (pid 42)")   # its builder is not
       """))
   fake.chmod(0o755)
   log = tmp_path / f"gcloud_{mode}.jsonl"
@@ -493,6 +495,18 @@ def test_a_slice_whose_job_runs_exits_with_its_own_code(tmp_path, monkeypatch, c
   assert [c[3] for c in calls()] == ["describe", "describe", "ssh"]   # nothing copied
   err = capsys.readouterr().err
   assert "trainer is already running (pid 42)" in err and "tpu_pod.py: error: exit code 1" in err
+
+
+def test_start_starts_the_job_that_is_not_running_beside_one_that_is(tmp_path, monkeypatch,
+                                                                    capsys):
+  """A builder that ended while its trainer trains is started again by `start`: the live
+  trainer is refused on its slice (exit code 3), the builder's slice still gets its start."""
+  calls = _fake_gcloud(tmp_path, monkeypatch, "trainer running")
+  assert tpu_pod.main(["start", *SLICES, *RUN]) == tpu_pod.RUNNING_EXIT
+  starts = [c for c in calls() if c[3] == "ssh"]
+  assert [c[4] for c in starts] == ["realm-trainer", "realm-builder"]
+  assert "nohup $HOME/realm_env/bin/realm-index " in starts[1][-1]
+  assert "trainer is already running (pid 42)" in capsys.readouterr().err
 
 
 def test_a_sweep_shows_a_run_still_training_as_running_not_failed(gcs, monkeypatch, capsys):
