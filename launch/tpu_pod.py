@@ -21,7 +21,7 @@ default v4-8; `none` for a config without the separate index builder). Actions:
   stop     SIGTERM both jobs on every worker (the trainer saves a checkpoint), wait --grace s
            (with the run's --config [--set ...]: at least its train.preemption_grace_seconds +
            30, the save's own grace)
-  delete   delete both slices
+  delete   delete both slices (no job is stopped first: run stop before it)
   up       create, install, start
 Both jobs get the same config, `--set KEY=VALUE` overrides (as `--config.KEY=VALUE`) and workdir;
 its `mesh.shape` must fit each slice's devices (-1 for the data axis takes them all).
