@@ -835,3 +835,24 @@ def test_a_config_file_with_a_field_of_its_own_is_refused_before_any_machine(tmp
   with pytest.raises(ConfigError) as refused:
     sweep.sweep(args)
   assert str(refused.value) == expected.format(configs / "typo.py")
+
+
+@pytest.mark.parametrize("returned", ["{'task': 'realm'}", "None"])
+def test_a_config_file_that_returns_no_config_dict_is_one_line(returned, tmp_path, monkeypatch,
+                                                              capsys):
+  """get_config() returning a dict (or nothing) is refused as realm-train refuses it: one line
+  naming the file, exit code 2, not a traceback from the checks that read it."""
+  configs = tmp_path / "configs"
+  configs.mkdir()
+  path = configs / "plain.py"
+  path.write_text(f"def get_config(arg=None):\n  return {returned}\n")
+  monkeypatch.setattr(tpu_pod, "REPO", str(tmp_path))
+  kind = type(eval(returned)).__name__
+  for argv in (["start", *SLICES, "--config", str(path), "--workdir", "gs://my-bucket/run"],
+               ["stop", *SLICES, "--config", str(path)]):
+    with pytest.raises(SystemExit) as exit_:
+      tpu_pod.main([*argv, "--dry-run"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err == (
+        f"tpu_pod.py: error: --config '{path}': TypeError: get_config() returned {kind}, not "
+        "an ml_collections.ConfigDict\n"), err

@@ -21,9 +21,13 @@ def config_module(path: str):
 
 
 def load_config(spec: str) -> ml_collections.ConfigDict:
-  """`path/to/config.py[:arg]` -> its get_config(arg)."""
+  """`path/to/config.py[:arg]` -> its get_config(arg) (a TypeError where that is no
+  ConfigDict, as the CLIs' `--config` refuses it)."""
   path, _, arg = spec.partition(":")
   module = config_module(path)
   config = module.get_config(arg) if arg else module.get_config()
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise TypeError(f"get_config() returned {type(config).__name__}, not an "
+                    "ml_collections.ConfigDict")
   upgrade_config(config)
   return config
