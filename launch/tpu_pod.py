@@ -471,9 +471,13 @@ class Pod:
       start = shlex.join(self.gcloud("start", [name]))
       raise CommandFailed(f"{name} is {state}: start it ({start}) or delete it ({delete}), "
                           "then run this again")
+    describe = shlex.join(self.gcloud("describe", [name]))
+    if state == "DELETING":   # never READY again: created anew once it is gone
+      raise CommandFailed(f"{name} is {state}: wait until it is gone ({describe} says "
+                          "NOT_FOUND), then run this again")
     if state != "READY":   # CREATING, STARTING, REPAIRING, ...: no ssh reaches it yet
-      raise CommandFailed(f"{name} is {state}, not READY: wait until it is READY (gcloud "
-                          f"compute tpus tpu-vm describe {name}), then run this again")
+      raise CommandFailed(f"{name} is {state}, not READY: wait until it is READY ({describe}), "
+                          "then run this again")
 
   def install(self) -> None:
     for job in self.slices:   # no slice is touched while a job of the run still runs there

@@ -466,6 +466,9 @@ def test_real_runs_call_gcloud_as_the_dry_run_prints(tmp_path, monkeypatch, caps
   for state, message in (
       ("PREEMPTED", "realm-trainer is PREEMPTED: run `tpu_pod.py delete`"),
       ("CREATING", "realm-trainer is CREATING, not READY: wait until it is READY"),
+      # never READY again: it is created anew once it is gone
+      ("DELETING", f"realm-trainer is DELETING: wait until it is gone ({G} describe "
+                   f"realm-trainer {Z} says NOT_FOUND), then run this again"),
       ("STOPPED", f"realm-trainer is STOPPED: start it ({G} start realm-trainer {Z}) or delete "
                   f"it ({G} delete realm-trainer {Z} --quiet)")):
     calls = _fake_gcloud(tmp_path, monkeypatch, state)
