@@ -275,8 +275,8 @@ def _jobs(c) -> None:
 
   c.init = ml_collections.ConfigDict()   # where each part's params start (resume aside)
   c.init.from_workdir = ""         # every part from this run's latest checkpoint
-  c.init.hf_bert = ""              # HF BERT dir (config.json + model.safetensors): every BERT
-                                   # tower starts from it
+  c.init.hf_bert = ""              # HF BERT dir (config.json + model.safetensors or
+                                   # pytorch_model.bin): every BERT tower starts from it
   c.init.retriever = ""            # the retriever alone (query + block towers): "" (as above),
                                    # "random", a run's workdir, an HF BERT / REALM dir, or
                                    # pkg:MODULE[/SUBDIR] (an HF dir inside an installed package)
