@@ -31,8 +31,8 @@ import platform
 from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import CommandParser, ConfigError
 from realm_jax.stages import (DEMO_ARGUMENTS, check_arguments, check_demo_flags, devices,
-                              repo_config, run_demo_cli, run_stage, stage_seconds,
-                              trained_nothing)
+                              prepare_demo_data, repo_config, run_demo_cli, run_stage,
+                              stage_seconds, trained_nothing)
 from realm_jax.config.overrides import with_overrides
 from realm_jax.config.reading import config_record
 from realm_jax.packages import MINILM
@@ -74,7 +74,6 @@ def prepare_data(workdir: str, squad: str,
                  max_paragraphs: int = MAX_PARAGRAPHS) -> tuple[str, str, dict]:
   """The SQuAD file (or its first `max_paragraphs`, `fit_to_the_hour`) -> W/data with MiniLM's
   vocab. Returns (data dir, source, stats); every stage reads the questions of that source."""
-  from realm_jax.data.prepare import prepare
   config = repo_config(CONFIG, "prepare")
   path = squad_file(squad)
   if not os.path.exists(path):
@@ -83,7 +82,7 @@ def prepare_data(workdir: str, squad: str,
   config.out_dir = os.path.join(workdir, "data")
   print(f"[demo-real] preparing {config.source.partition(':')[2]} -> {config.out_dir}",
         flush=True)
-  return config.out_dir, config.source, prepare(config)
+  return config.out_dir, config.source, prepare_demo_data(config, workdir, "REAL_WORKDIR")
 
 
 def fit_to_the_hour(path: str, workdir: str, max_paragraphs: int) -> str:

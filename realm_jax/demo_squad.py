@@ -17,8 +17,8 @@ import os
 
 from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import CommandParser
-from realm_jax.stages import (check_arguments, check_demo_flags, repo_config, run_demo_cli,
-                              run_stage, run_stages, stage_seconds)
+from realm_jax.stages import (check_arguments, check_demo_flags, prepare_demo_data,
+                              repo_config, run_demo_cli, run_stage, run_stages, stage_seconds)
 
 STAGES = (("ict", ""), ("warmup", "ict"), ("realm", "warmup"))
 OPENQA_STAGES = (("openqa_realm", "realm"), ("openqa_ict", "ict"))   # (stage, starts from)
@@ -30,7 +30,6 @@ def pretrain(workdir: str, squad: str, seed: int, wall: workdir_lib.RunWall,
   """prepare -> ICT -> warm-up -> REALM (for Open-QA, once its questions are checked; a run
   refused there adds no run to `wall`). Returns (data dir, source, prepare stats, stage
   summaries)."""
-  from realm_jax.data.prepare import prepare
   data_dir = os.path.join(workdir, "data")
   prep = repo_config("squad_realm", "prepare")
   if squad:
@@ -41,7 +40,7 @@ def pretrain(workdir: str, squad: str, seed: int, wall: workdir_lib.RunWall,
     if not os.path.exists(path):
       raise FileNotFoundError(f"{path}: no such file (pass --squad PATH)")
     print(f"[demo-squad] preparing {path} -> {data_dir}", flush=True)
-    stats = prepare(prep)
+    stats = prepare_demo_data(prep, workdir, "SQUAD_WORKDIR")
     if openqa:
       check_openqa_questions(prep.source)
   results = run_stages([(name, "squad_realm", name, init_from) for name, init_from in STAGES],

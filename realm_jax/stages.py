@@ -322,6 +322,23 @@ def check_arguments(workdir: str, arguments: dict, make_variable: str) -> None:
                         f"{workdir}")
 
 
+def prepare_demo_data(config, workdir: str, make_variable: str) -> dict:
+  """`realm-prepare` of a demo's W/data (`config.out_dir`); returns its stats. W/data prepared
+  from another file or settings is refused as `realm-prepare` refuses it, naming the way on
+  for the demo: another workdir or W removed whole (W's stages were trained on those data:
+  with W/data alone removed, the demo would reuse them on the new data)."""
+  from realm_jax.data.prepare import prepare
+  try:
+    return prepare(config)
+  except ConfigError as e:
+    if e.option != "out_dir" or not os.path.isdir(config.out_dir):   # (not W/data refused)
+      raise
+    raise ConfigError(e.option, f"{e.message}; for this demo, give it another workdir "
+                      f"(--workdir, or make {make_variable}=...) or remove {workdir} whole: with "
+                      f"{config.out_dir} alone removed, any stage of {workdir} trained on it "
+                      "would be reused on the new data") from None
+
+
 def trained_nothing(previous: dict | None, results: dict[str, dict]) -> bool:
   """Whether this run of a demo reused every stage of the summary `previous` wrote (None: no
   summary yet): a finished demo run again, which adds no run to its wall record."""

@@ -644,3 +644,31 @@ def test_make_hands_squad_to_each_demo_that_reads_a_squad_file(target):
   commands = result.stdout.replace("\\\n", " ").splitlines()   # (a recipe's continued lines)
   demo_line = [line for line in commands if "-m realm_jax.demo_" in line]
   assert demo_line and "--squad /elsewhere/other.json" in demo_line[-1], result.stdout
+
+
+def test_a_demo_refused_for_another_squad_file_names_its_workdir_not_its_data(monkeypatch,
+                                                                               tmp_path):
+  """W/data prepared from another file is refused; its message told to delete W/data, after
+  which the demo reused W's stages, trained on the other file's data, on the new one (the
+  zero-shot table of demo-real computed with them, its Open-QA stages started from them)."""
+  import json
+  from realm_jax import demo_real, demo_squad, workdir as workdir_lib
+  from realm_jax.errors import ConfigError
+  files = []
+  for name in ("a", "b"):
+    files.append(str(tmp_path / f"{name}.json"))
+    paragraph = {"context": f"Town {name} was founded in 1901 by Ada Lind.", "qas": [
+        {"id": name, "question": f"When was town {name} founded?",
+         "answers": [{"text": "1901", "answer_start": 26}]}]}
+    (tmp_path / f"{name}.json").write_text(json.dumps(
+        {"data": [{"title": f"T {name}", "paragraphs": [paragraph]}]}))
+  monkeypatch.setattr(demo_squad, "run_stages", lambda *args: {})
+  for name, run, variable in (
+      ("R", lambda w, f: demo_real.prepare_data(w, f), "REAL_WORKDIR"),
+      ("S", lambda w, f: demo_squad.pretrain(w, f, 0, workdir_lib.RunWall(w)), "SQUAD_WORKDIR")):
+    workdir = str(tmp_path / name)
+    run(workdir, files[0])
+    with pytest.raises(ConfigError, match=rf"another workdir \(--workdir, or make {variable}="
+                       rf"\.\.\.\) or remove .*/{name} whole: with .*/{name}/data alone "
+                       "removed, any stage of"):
+      run(workdir, files[1])
