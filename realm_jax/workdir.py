@@ -649,6 +649,10 @@ def wall_all_runs(fields: dict) -> float | None:
 WALL_FIELDS = ("wall_seconds", "wall_seconds_all_runs", "runs")   # `add_wall`'s
 
 
+# A path given as input that cannot be read: missing, a directory, or not this user's to read
+INPUT_PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+
 class RunWall:
   """Times one run of a job in `workdir`, from its creation: `record()` adds its seconds to
   W/wall.json and returns `add_wall`'s fields (after `keep`, a summary's own, adding nothing);
@@ -667,10 +671,10 @@ class RunWall:
   def input_checks(self):
     """A block of checks of the run's input before any stage runs: a run it refuses (a
     missing or bad file, a split that holds out nothing: ConfigError, DataError,
-    FileNotFoundError) adds no run to W/wall.json."""
+    `INPUT_PATH_ERRORS`) adds no run to W/wall.json."""
     try:
       yield
-    except (ConfigError, DataError, FileNotFoundError):
+    except (ConfigError, DataError, *INPUT_PATH_ERRORS):
       self.fields = {}
       raise
 

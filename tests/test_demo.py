@@ -672,3 +672,15 @@ def test_a_demo_refused_for_another_squad_file_names_its_workdir_not_its_data(mo
                        rf"\.\.\.\) or remove .*/{name} whole: with .*/{name}/data alone "
                        "removed, any stage of"):
       run(workdir, files[1])
+
+
+def test_a_squad_path_that_is_no_readable_file_adds_no_run(tmp_path):
+  """demo-real given a directory (or a file it may not read) as its SQuAD file stops at once,
+  in one line, as for a missing file; that refused run was added to W/wall.json, so the
+  recipe's summary counted one run more than it ran (`runs`, `wall_seconds_all_runs`)."""
+  from realm_jax import demo_real
+  (tmp_path / "squad").mkdir()
+  workdir = tmp_path / "W"
+  with pytest.raises(IsADirectoryError):
+    demo_real.run_demo_real(str(workdir), str(tmp_path / "squad"))
+  assert not (workdir / "wall.json").exists()
