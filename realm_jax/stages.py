@@ -237,8 +237,9 @@ def finish_stage(name: str, process: subprocess.Popen | None, workdir: str,
   log, where = _stage_log(workdir), ""
   if beside:                     # its output is in its log
     what, see, where = "its process", log, f" ({log})"
-  elif LAUNCHER in process.args:
-    what, see = "launch/local.py", f"{workdir}/logs/trainer.log and builder.log"
+  elif LAUNCHER in process.args:   # (a refusal of its own, before it starts them: no logs)
+    what, see = "launch/local.py", (f"its output above (and {workdir}/logs/trainer.log and "
+                                    "builder.log, where it started them)")
   else:
     what, see = "its process", "its output above"
   summary = _wait_stage(name, process, workdir, what, see)

@@ -221,8 +221,9 @@ def test_a_stage_beside_another_that_fails_names_its_log_and_one_stopped_exits(t
   with pytest.raises(RuntimeError, match=r"exited with code 3; see its output above"):
     stages.finish_stage("warmup", first, workdir)   # the first stage of its round
   launcher = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)", stages.LAUNCHER])
-  with pytest.raises(RuntimeError, match=r"launch/local.py exited with code 3; see "
-                     r".*stage/logs/trainer\.log and builder\.log"):
+  with pytest.raises(RuntimeError, match=r"launch/local.py exited with code 3; see its output "
+                     r"above \(and .*stage/logs/trainer\.log and builder\.log, where it "
+                     r"started them\)"):   # (a refusal of its own starts neither: no logs)
     stages.finish_stage("realm", launcher, workdir)   # a builder stage, the first of its round
   failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
   with pytest.raises(RuntimeError, match=r"exited with code 3; see .*stage/logs/stage\.log"):
