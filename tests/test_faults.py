@@ -338,6 +338,28 @@ def test_a_nan_loss_with_nonfinite_skip_is_skipped_and_counted(
 
 
 @pytest.mark.slow
+def test_a_resumed_run_counts_the_updates_skipped_before_its_checkpoint(
+    world_dir, tmp_path, nan_at_step_3, capsys):
+  """The run skipped step 3's update, then stopped after its checkpoint (the copy of
+  checkpoint 3 alone, what a run killed after it leaves): the resumed run's summary counts
+  that skip as the uninterrupted run's does (before, 0: only the resumed run's own)."""
+  config = tiny_config("ict", None, world_dir, train__steps=4, train__checkpoint_every=1,
+                       train__nonfinite="skip")
+  whole = train(config, str(tmp_path / "whole"))
+  assert whole["skipped_updates"] == 1
+  os.makedirs(tmp_path / "resumed" / "checkpoints")
+  shutil.copytree(tmp_path / "whole" / "checkpoints" / str(POISONED_STEP),
+                  tmp_path / "resumed" / "checkpoints" / str(POISONED_STEP))
+  capsys.readouterr()
+  resumed = train(config, str(tmp_path / "resumed"))
+  assert f"resumed from {tmp_path / 'resumed' / 'checkpoints'}/{POISONED_STEP}" in \
+      capsys.readouterr().out
+  assert resumed["skipped_updates"] == 1
+  with open(tmp_path / "resumed" / "summary.json") as f:
+    assert json.load(f)["skipped_updates"] == 1
+
+
+@pytest.mark.slow
 def test_sigterm_during_an_in_process_rebuild_saves_the_step_and_resumes_exactly(
     world_dir, tmp_path, monkeypatch, capsys):
   """REALM rebuilding its index in process every 3 steps; SIGTERM arrives while the rebuild

@@ -41,6 +41,8 @@ from realm_jax.runtime.profiling import StepTrace
 logger = logging.getLogger(__name__)
 # the key of a checkpoint's data item that holds the train metrics not yet logged
 TRAIN_WINDOW = "train_window"
+# the key of a checkpoint's data item that holds the updates skipped up to its step (none: 0)
+SKIPPED_UPDATES = "skipped_updates"
 
 
 def checked_data(config: ml_collections.ConfigDict, workdir: str) -> PreparedData:
@@ -214,7 +216,9 @@ class Run:
     self.saved_data = None
     # the train metrics of the steps since the last log line (a checkpoint keeps them)
     self.window: list[dict] = []
-    self.skipped_updates = 0   # non-finite steps not applied (train.nonfinite=skip), this run
+    # non-finite steps not applied (train.nonfinite=skip) since the run's start: a resumed
+    # run counts on from its checkpoint's
+    self.skipped_updates = 0
     self.prefix = f"[{config.task}] "
 
   @staticmethod
@@ -290,6 +294,7 @@ class Run:
     restored = self.checkpointer.restore_latest(self.abstract, self.abstract_item(), log)
     if restored is not None:
       latest, self.state, self.saved_data, item = restored
+      self.skipped_updates = int(self.saved_data.get(SKIPPED_UPDATES, 0))
       self.resumed(item)
       logger.info(f"{self.prefix}resumed from {self.checkpointer.directory}/{latest} "
                   f"(data at step {self.saved_data['next_step']})")
@@ -308,10 +313,13 @@ class Run:
 
   def save(self, done: int, data_state: dict) -> None:
     """Step `done`'s checkpoint; its data item keeps the metrics of the steps not yet logged
-    (a run resumed from it logs their means as one that went on)."""
+    (a run resumed from it logs their means as one that went on) and the count of updates
+    skipped so far (its summary counts them as one that went on)."""
     data = self.inputs.state(data_state, done)
     if self.window:
       data[TRAIN_WINDOW] = window_record(self.window)
+    if self.skipped_updates:
+      data[SKIPPED_UPDATES] = self.skipped_updates
     paths.send_held_lines()   # a bucket's metrics of the steps this checkpoint covers
     self.checkpointer.save(done, self.state, data, self.item())
 
