@@ -8,6 +8,7 @@ import gzip
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -550,6 +551,27 @@ def test_a_resumed_run_traces_what_is_left_of_its_profile_steps(tmp_path, caplog
     assert "trace of steps" not in caplog.text
     stopped.stop()   # the run closing, after its save
   assert "trace of steps 4-6" in caplog.text
+
+
+def test_the_trace_line_times_the_window_with_its_write(tmp_path, caplog, monkeypatch):
+  """The seconds of the line that says where the trace is run to its written end, as
+  docs/performance.md has them: a write of 1.5 s (the steps traced take milliseconds) is in
+  them (before, the line stopped its clock before the write)."""
+  written = jax.profiler.stop_trace
+
+  def slow_write():
+    time.sleep(1.5)
+    written()
+
+  monkeypatch.setattr(jax.profiler, "stop_trace", slow_write)
+  config = tiny_config("realm", "no_retrieval", "", train__steps=4,
+                       train__profile_first_step=2, train__profile_steps=1)
+  trace = StepTrace(config.train, str(tmp_path), 0, 4)
+  with caplog.at_level(logging.INFO):
+    trace.before(2)
+    trace.after(2, jax.numpy.ones(2))
+  seconds = re.search(r"trace of steps 2-2 \(([\d.]+)s\) written to", caplog.text)
+  assert seconds and float(seconds.group(1)) >= 1.5, caplog.text
 
 
 def test_a_trace_that_cannot_be_written_leaves_the_run_going(world_dir, tmp_path, caplog,

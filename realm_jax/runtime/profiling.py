@@ -93,7 +93,7 @@ class StepTrace:
     if self._began is None:
       return
     self._end_step()
-    seconds, self._began = time.time() - self._began, None
+    began, self._began = self._began, None
     self.wanted = False
     what = f"steps {self.first}-{self._done}" if self._done else "no whole step"
     try:
@@ -102,6 +102,7 @@ class StepTrace:
       logger.warning(f"{self.prefix}the trace could not be written to {self.directory} ({e}); "
                      f"the run goes on untraced")
       return
+    seconds = time.time() - began   # from the trace's start to its written end
     sessions = sorted(glob.glob(os.path.join(self.directory, "plugins", "profile", "*")),
                       key=os.path.getmtime)
     where, logdir = self._uploaded(sessions[-1]) if sessions else (self.directory, "")
