@@ -500,6 +500,32 @@ def test_processes_that_disagree_on_the_config_are_named(world_data, monkeypatch
       {"a": [1], "b": [1]}
 
 
+@pytest.mark.parametrize("split", ["train", "dev"])
+def test_open_qa_processes_that_read_other_questions_are_named(world_dir, tmp_path,
+                                                               monkeypatch, split):
+  """Open-QA's examples are its questions: a process whose copy of qa.train (the rows its
+  batches index into) or qa.dev (the evaluation's batches, a collective) differs from process
+  0's is named before anything is written (before, only the pre-training examples were
+  compared, and such a job trained on other questions on each host, silently)."""
+  from realm_jax.train import run
+  from realm_jax.train.openqa_loop import OpenQATrainer
+  from tests.test_openqa import openqa_config
+
+  def exchange(name, value, timeout):   # process 1: another copy of that split's questions
+    theirs = {k: "another" if k == f"the questions of qa.{split}" else v
+              for k, v in json.loads(value).items()}
+    return [value, json.dumps(theirs)]
+  monkeypatch.setattr(run.jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost, "every_process", lambda name, value, *timeout: (
+      exchange(name, value, timeout) if name == "config" else [value, ""]))
+  monkeypatch.setattr(multihost, "processes_where_not", lambda flag: [])
+  workdir = tmp_path / "w"
+  with pytest.raises(ConfigError, match=rf"disagree on the questions of qa\.{split} \(process "
+                     r"1 against process 0\)"):
+    OpenQATrainer(openqa_config(world_dir, qa__dev="prepared:eval"), str(workdir))
+  assert not workdir.exists() or os.listdir(workdir) == []
+
+
 def test_the_workdir_token_is_removed_however_the_check_ends(tmp_path, monkeypatch):
   """Process 0's token is gone after a check that failed (a process that never sent) or
   passed, and so is the W it made (a job refused next leaves no empty W), never a W that was

@@ -57,6 +57,12 @@ class OpenQATrainer(Run):
         config, len(self.train_qa), shards, count), lock)
     self.frozen: FrozenIndex | None = None   # from `begin`
 
+  def data_records(self) -> dict[str, str]:
+    """The questions: the training batches index into qa.train's, the evaluation's batches
+    (collectives) go over qa.dev's."""
+    return {"the questions of qa.train": self.questions[2],
+            "the questions of qa.dev": qa_lib.questions_fingerprint(self.dev_qa)}
+
   # -- checkpoints -------------------------------------------------------------------------
   def abstract_item(self) -> dict:
     return {"step": np.zeros((), np.int32)}

@@ -67,13 +67,14 @@ def checked_data(config: ml_collections.ConfigDict, workdir: str) -> PreparedDat
   return data
 
 
-def check_same_run(config: ml_collections.ConfigDict, data: PreparedData) -> None:
+def check_same_run(config: ml_collections.ConfigDict, data: PreparedData,
+                   records: dict[str, str] | None = None) -> None:
   """Every process of a job runs the same config on the same block store: a ConfigError
   naming each top-level config field (and the store) on which some process differs from
   process 0, before anything is written (a collective: every process calls it). data.dir is
   left out: the processes may read the data at other paths (a copy on each host, /gcs/B and
   gs://B); the fingerprints of its block store, vocabulary and examples say whether it is
-  the same data."""
+  the same data, and `records` (what -> fingerprint) those of what else the task reads."""
   if jax.process_count() == 1:
     return
   fields = config_record(config)
@@ -86,6 +87,7 @@ def check_same_run(config: ml_collections.ConfigDict, data: PreparedData) -> Non
   if config.task in ("ict", "realm"):   # the examples each process reads its rows from
     for split in sorted({config.data.split, config.eval.split}):
       mine[f"the {split!r} examples of data.dir"] = data.examples(split).fingerprint
+  mine.update(records or {})
   differ = multihost.disagreements([json.loads(v) for v in multihost.every_process(
       "config", json.dumps(mine), multihost.bulk_io_timeout())])   # (a bucket's data copied)
   if differ:
@@ -177,7 +179,7 @@ class Run:
     self.config, self.workdir, self.data, self.inputs = config, workdir, data, inputs
     self.mesh = partitioning.make_mesh(config.mesh.shape)
     validate_against_mesh(config, self.mesh.shape["data"])
-    check_same_run(config, data)
+    check_same_run(config, data, self.data_records())
     # another program's config.json is named with a run's advice on every process, before
     # the vocab check and `recorded_differences` (process 0) read it with an evaluation's
     if paths.isdir(workdir):   # (a workdir that is a file is named as one further on)
@@ -247,6 +249,11 @@ class Run:
     return True
 
   # -- what a task fills in ----------------------------------------------------------------
+  def data_records(self) -> dict[str, str]:
+    """What the task reads beyond the data dir's store, vocabulary and examples, each as
+    what -> fingerprint (set before `Run.__init__`): the processes of a job must agree."""
+    return {}
+
   def abstract_item(self) -> dict:
     """The shape of the checkpoint's `retrieval` item."""
     raise NotImplementedError
