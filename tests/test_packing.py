@@ -5,6 +5,9 @@ puts each query whole into its own data shard's rows; the settings it cannot ser
 naming the option. A run whose batches are packed where they fit (both shapes of the step)
 resumes exactly: tests/test_retriever_learning.py (the score cache's resume)."""
 
+import os
+import shutil
+
 import jax
 import numpy as np
 import pytest
@@ -187,3 +190,20 @@ def test_rows_that_do_not_divide_the_data_axis_are_refused_at_start(world_dir, t
   validate_against_mesh(config, 8)   # however the processes hold the data axis's devices
   with pytest.raises(ConfigError, match=r"divide by the data axis \(16\)"):
     validate_against_mesh(config, 16)
+
+
+@pytest.mark.slow   # end-to-end runs: the slow tier
+def test_a_resumed_run_counts_the_batches_packed_before_its_checkpoint(world_dir, tmp_path):
+  """The summary's `query_batches_packed` of a run resumed from step 2's checkpoint (copied
+  alone: what a run killed after it leaves) counts steps 1 and 2's packed batches too, as
+  the uninterrupted run's does (before, only the resumed run's own)."""
+  config = tiny_config("realm", None, world_dir, model__retriever__pooling="mean",
+                       retrieval__packed_query_rows=8, data__query_len=WIDE,
+                       train__steps=4, train__checkpoint_every=2)
+  whole = train(config, str(tmp_path / "whole"))
+  assert whole["query_batches_packed"] == 4   # every pair of queries fits a row of WIDE
+  os.makedirs(tmp_path / "resumed" / "checkpoints")
+  shutil.copytree(tmp_path / "whole" / "checkpoints" / "2",
+                  tmp_path / "resumed" / "checkpoints" / "2")
+  resumed = train(config, str(tmp_path / "resumed"))
+  assert resumed["query_batches_packed"] == 4

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 # The figures of a progress line: REALM trained without the null document has no utility to
 # show, but the entropy of p(z|x) shows the retriever committing to blocks.
 _SHOWN = ("loss", "distill_kl", "retrieval_utility", "retrieval_entropy", "ict_accuracy")
+# the key of a checkpoint's data item that holds the batches packed up to its step (none: 0)
+PACKED_BATCHES = "query_batches_packed"
 
 
 class Trainer(Run):
@@ -57,6 +59,7 @@ class Trainer(Run):
         has_answers=self.evaluator.has_answers)
     self.best = BestExport(workdir, config) \
         if config.task == "realm" and config.eval.get("export_best", False) else None
+    self.step_batches: QueryStepBatches | None = None   # from `open_batches`
 
   def _snapshot(self):
     """A copy of the current retriever params (the state's buffers are donated every step)."""
@@ -74,6 +77,10 @@ class Trainer(Run):
 
   def checkpoint_due(self, done: int) -> bool:
     return super().checkpoint_due(done) or self.candidates.checkpoint_due(done)
+
+  def carried(self) -> dict:
+    packed = self.step_batches.packed_batches if self.step_batches is not None else 0
+    return {PACKED_BATCHES: packed} if packed else {}
 
   # -- the steps ---------------------------------------------------------------------------
   def begin(self, start: int, init) -> None:
@@ -126,8 +133,10 @@ class Trainer(Run):
     score_cache = ScoreCache(self.config, self.model, self.state.params["reader"],
                              self.inputs.local_batch) \
         if self.config.retrieval.get("score_cache", False) else None
-    return QueryStepBatches(self.config, self.data, self.mesh, self.candidates, score_cache,
-                            data_iter, start, depth, self.inputs.pack)
+    self.step_batches = QueryStepBatches(
+        self.config, self.data, self.mesh, self.candidates, score_cache, data_iter, start, depth,
+        self.inputs.pack, packed=int((self.saved_data or {}).get(PACKED_BATCHES, 0)))
+    return self.step_batches
 
   def evaluates_at_start(self) -> bool:
     return self.candidates.measures   # the starting point of the curves
@@ -193,14 +202,15 @@ class QueryStepBatches(StepBatches):
   batch feed's thread."""
 
   def __init__(self, config, data, mesh, candidates, score_cache: ScoreCache | None,
-               data_iter, start: int, depth: int, pack):
+               data_iter, start: int, depth: int, pack, packed: int = 0):
     self.config, self.data, self.mesh, self.pack = config, data, mesh, pack
     self.candidates, self.score_cache = candidates, score_cache
     self.rows = candidate_rows.of(config)
     self.data_iter, self.start, self.depth = data_iter, start, depth
     self.feed: BatchFeed | None = None   # started by the first `next` (after the first eval)
     self.cache_hits = self.cache_reads = self.cache_rows = 0
-    self.packed_batches = 0   # retrieval.packed_query_rows: batches whose queries were packed
+    # retrieval.packed_query_rows: batches whose queries were packed (`packed` before `start`)
+    self.packed_batches = packed
 
   def next(self, step: int) -> StepBatch:
     self.candidates.before_step(step, self.start, self.depth)

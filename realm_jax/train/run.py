@@ -273,6 +273,11 @@ class Run:
     """The batches of steps `start`.. drawn from `data_iter` (before the first evaluation)."""
     raise NotImplementedError
 
+  def carried(self) -> dict:
+    """The task's counts of the steps so far that a run resumed from the checkpoint saved now
+    goes on from (its data item keeps them: `saved_data` after a restore)."""
+    return {}
+
   def evaluates(self) -> bool:
     return True
 
@@ -327,6 +332,7 @@ class Run:
       data[TRAIN_WINDOW] = window_record(self.window)
     if self.skipped_updates:
       data[SKIPPED_UPDATES] = self.skipped_updates
+    data.update(self.carried())
     paths.send_held_lines()   # a bucket's metrics of the steps this checkpoint covers
     self.checkpointer.save(done, self.state, data, self.item())
 
