@@ -619,6 +619,15 @@ def read_summary(workdir: str) -> dict | None:
   return read_record(workdir, SUMMARY, SUMMARY_ADVICE)
 
 
+def clear_earlier_start(workdir: str) -> None:
+  """A run started from scratch (no checkpoint to resume): the summary and the wall record of
+  an earlier start, whose checkpoints are gone, go (the metrics logs drop its lines alike).
+  Kept, its summary was taken for this run's once this run's last checkpoint was saved (a
+  rerun of a run stopped before its own summary trained and evaluated nothing)."""
+  for name in (SUMMARY, WALL):
+    paths.remove(paths.join(workdir, name))
+
+
 # -- W/wall.json -------------------------------------------------------------------------------
 def add_wall(workdir: str, seconds: float, fresh: bool = False, record: str = WALL) -> dict:
   """Adds one run's `seconds` to W/wall.json (one writer: the job's first process; `fresh`: a

@@ -553,6 +553,40 @@ def test_a_resumed_run_traces_what_is_left_of_its_profile_steps(tmp_path, caplog
   assert "trace of steps 4-6" in caplog.text
 
 
+@pytest.mark.slow   # end-to-end runs: the slow tier
+def test_a_fresh_start_clears_the_records_of_the_start_before_it(world_dir, tmp_path,
+                                                                 monkeypatch, caplog):
+  """W holds a finished run's summary and wall record but not its checkpoints (removed to
+  train again). A fresh start there that stops after its last step's checkpoint, before its
+  summary (killed in its final evaluation), is resumed to evaluate that step: not taken for
+  the earlier start finished (before, the rerun said 'finished before' and returned the
+  earlier start's summary, of other params, as its own); its wall record holds its own runs
+  alone (before, the earlier start's too)."""
+  from realm_jax.train.loop import Trainer
+  workdir = str(tmp_path / "w")
+  train(tiny_config("ict", None, world_dir, train__steps=3), workdir)
+  shutil.rmtree(os.path.join(workdir, "checkpoints"))
+  config = tiny_config("ict", None, world_dir, train__steps=3, seed=1)
+  evaluate = Trainer.evaluate
+
+  def killed(self, writer, step, final):
+    if final:
+      raise RuntimeError("killed in the final evaluation")
+    return evaluate(self, writer, step, final)
+  monkeypatch.setattr(Trainer, "evaluate", killed)
+  with pytest.raises(RuntimeError, match="killed in the final evaluation"):
+    train(config, workdir)
+  assert not os.path.exists(os.path.join(workdir, "summary.json"))
+  monkeypatch.undo()
+  with caplog.at_level(logging.INFO):
+    summary = train(config, workdir)
+  assert "finished before" not in caplog.text
+  assert f"resumed from {os.path.join(workdir, 'checkpoints', '3')}" in caplog.text
+  assert summary["runs"] == 1 and summary["wall_seconds_all_runs"] == summary["wall_seconds"]
+  with open(os.path.join(workdir, "summary.json")) as f:
+    assert json.load(f)["eval_recall_at_5"] == summary["eval_recall_at_5"]
+
+
 def test_the_trace_line_times_the_window_with_its_write(tmp_path, caplog, monkeypatch):
   """The seconds of the line that says where the trace is run to its written end, as
   docs/performance.md has them: a write of 1.5 s (the steps traced take milliseconds) is in

@@ -344,6 +344,8 @@ class Run:
       start, init = self.restore_or_init()
       self.fresh = init is not None   # started from scratch: W/wall.json starts again
       self.begin(start, init)
+      if self.fresh and jax.process_index() == 0:   # (a start `begin` refused keeps them)
+        workdir_lib.clear_earlier_start(self.workdir)
     except BaseException:   # a bad init source, an index that never comes: Orbax's threads
       try:                  # stop before the process ends (they printed a traceback then)
         self.close()
