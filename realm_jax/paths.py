@@ -74,6 +74,8 @@ def check(path: str, what: str = "path") -> str:
     raise ConfigError("", f"{what} {text!r}: not a bucket name after {scheme} (3-222 lowercase "
                       "letters, digits, '-', '_' and '.', starting and ending with a letter or "
                       "digit): gs://BUCKET/PATH")
+  if scheme:
+    patience()   # a bad $REALM_JAX_STORAGE_PATIENCE: refused now, not at the first failure
   if is_remote(text) and ("#" in text or "?" in text):   # TensorStore: a fragment or query
     raise ConfigError("", f"{what} {text!r}: '#' and '?' cannot be in a bucket path (the "
                       "checkpoint arrays would go to the path before them)")
@@ -122,11 +124,18 @@ MAX_BACKOFF = 60.0
 
 
 def patience() -> float:
+  """$REALM_JAX_STORAGE_PATIENCE's seconds (DEFAULT_PATIENCE unset); a ConfigError naming it
+  where it is no number of seconds >= 0 (`check` asks as a job is given a bucket path, not
+  at its first storage failure, maybe hours in)."""
   text = os.environ.get(PATIENCE_ENV, "")
   try:
-    return float(text) if text else DEFAULT_PATIENCE
+    seconds = float(text) if text else DEFAULT_PATIENCE
   except ValueError:
-    raise ValueError(f"${PATIENCE_ENV}={text!r}: not a number of seconds") from None
+    seconds = math.nan
+  if not seconds >= 0:   # (NaN too: it would never retry)
+    raise ConfigError("", f"${PATIENCE_ENV}={text!r}: not a number of seconds >= 0 (unset: "
+                      f"{DEFAULT_PATIENCE:g})")
+  return seconds
 
 
 def unreachable(error: BaseException) -> bool:

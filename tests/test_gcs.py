@@ -604,6 +604,23 @@ def test_urls_that_would_go_elsewhere_are_refused_naming_the_flag(world_dir, tmp
   assert paths.check("gs://bucket/a b%20c", "x") == "gs://bucket/a b%20c"   # these are fine
 
 
+@pytest.mark.parametrize("value", ["ten minutes", "nan", "-5"])
+def test_a_bad_storage_patience_is_refused_with_the_bucket_path(world_dir, tmp_path, value,
+                                                                monkeypatch):
+  """$REALM_JAX_STORAGE_PATIENCE is read at the first storage failure, maybe hours in (a
+  ValueError traceback there, or a patience of NaN that never retries): a job given a bucket
+  path refuses it at start, in one line naming the variable; a local job does not read it."""
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setenv(paths.PATIENCE_ENV, value)
+  refused = re.escape(f"${paths.PATIENCE_ENV}={value!r}: not a number of seconds >= 0")
+  with pytest.raises(ConfigError, match=refused):
+    paths.check("gs://bucket/run", "--workdir")
+  with pytest.raises(ConfigError, match=refused):   # before anything is read or written
+    train(tiny_config("ict", None, world_dir), "gs://bucket/run")
+  assert os.listdir(tmp_path) == []
+  assert paths.check(str(tmp_path / "w")) == str(tmp_path / "w")
+
+
 @pytest.mark.parametrize("field", ["workdir", "data.dir", "out_dir"])
 def test_a_malformed_url_is_refused_not_made_a_local_dir(world_dir, tmp_path, field,
                                                          monkeypatch):
