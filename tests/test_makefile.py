@@ -36,18 +36,27 @@ def make(cwd, *args: str) -> subprocess.CompletedProcess:
                         text=True, timeout=60)
 
 
-@pytest.mark.parametrize("venv", ["without pip", "its python gone"])
-def test_install_makes_a_broken_venv_again_and_keeps_a_whole_one(tmp_path, venv):
-  """`without pip`: python -m venv stopped during its ensurepip (a Ctrl-C early in a fresh
-  clone's make demo); `its python gone`: bin/python links to a python since removed (the
-  system's upgraded). Either stopped every later install (No module named pip / No such
-  file) until the venv was removed by hand."""
+def _checkout_with_stand_ins(tmp_path) -> str:
+  """The Makefile in `tmp_path` beside an empty setup.py, with stand-ins bin/python3 (makes a
+  venv) and bin/whole (a venv's python that runs pip); returns the stand-in python."""
   shutil.copy(os.path.join(REPO, "Makefile"), tmp_path)
   (tmp_path / "setup.py").write_text("")
   python = tmp_path / "bin" / "python3"
   python.parent.mkdir()
   python.write_text(VENV)
   (tmp_path / "bin" / "whole").write_text(WHOLE)
+  for tool in (python, tmp_path / "bin" / "whole"):
+    tool.chmod(0o755)
+  return python
+
+
+@pytest.mark.parametrize("venv", ["without pip", "its python gone"])
+def test_install_makes_a_broken_venv_again_and_keeps_a_whole_one(tmp_path, venv):
+  """`without pip`: python -m venv stopped during its ensurepip (a Ctrl-C early in a fresh
+  clone's make demo); `its python gone`: bin/python links to a python since removed (the
+  system's upgraded). Either stopped every later install (No module named pip / No such
+  file) until the venv was removed by hand."""
+  python = _checkout_with_stand_ins(tmp_path)
   broken = tmp_path / ".venv" / "bin" / "python"
   broken.parent.mkdir(parents=True)
   if venv == "without pip":
@@ -55,8 +64,6 @@ def test_install_makes_a_broken_venv_again_and_keeps_a_whole_one(tmp_path, venv)
     broken.chmod(0o755)
   else:
     broken.symlink_to(tmp_path / "no-such-python")
-  for tool in (python, tmp_path / "bin" / "whole"):
-    tool.chmod(0o755)
   result = make(tmp_path, "install", f"PYTHON={python}")
   assert result.returncode == 0, result.stdout + result.stderr
   made = (tmp_path / "bin" / "made").read_text()
@@ -106,14 +113,7 @@ def test_the_test_extra_has_the_xdist_that_make_test_runs():
 def test_interop_check_without_hf_dir_says_its_usage_before_installing(tmp_path):
   """`make interop-check` without HF_DIR: the usage line and exit code 2 before the interop
   env (PyTorch and transformers, GBs) is made, not after."""
-  shutil.copy(os.path.join(REPO, "Makefile"), tmp_path)
-  (tmp_path / "setup.py").write_text("")
-  python = tmp_path / "bin" / "python3"
-  python.parent.mkdir()
-  python.write_text(VENV)
-  (tmp_path / "bin" / "whole").write_text(WHOLE)
-  for tool in (python, tmp_path / "bin" / "whole"):
-    tool.chmod(0o755)
+  python = _checkout_with_stand_ins(tmp_path)
   result = make(tmp_path, "interop-check", f"PYTHON={python}")
   assert result.returncode == 2, result.stdout + result.stderr
   assert "usage: make interop-check HF_DIR=<HF checkpoint dir>" in result.stdout

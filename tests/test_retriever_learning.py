@@ -305,30 +305,47 @@ def test_a_resumed_run_keeps_the_export_of_a_step_it_evaluates_again(tmp_path):
   np.testing.assert_array_equal(np.asarray(saved["w"]), params(4.0)["w"])
 
 
+def _params_of(value: float) -> dict:
+  return {"w": np.full((4,), value, np.float32)}
+
+
+_ABSTRACT_PARAMS = {"w": jax.ShapeDtypeStruct((4,), np.float32)}
+
+
+def _export_of_an_earlier_start(tmp_path, config):
+  """W/best (in `tmp_path`) holding an earlier start's step 300 at utility 3.0 (params 1.0);
+  returns the initialization.Start of a fresh start from it (init.retriever=W/best)."""
+  from realm_jax.runtime.initialization import Source, Start
+  BestExport(str(tmp_path), config).consider(300, {"retrieval_utility": 3.0}, _params_of(1.0))
+  return Start({}, [], {"retriever": Source("retriever", "init.retriever", "workdir",
+                                            str(tmp_path / "best"))}, {"retriever": 300})
+
+
+def _a_better_step_300_replaces_the_earlier_one(export: BestExport, tmp_path) -> None:
+  """`export`, W/best holding the earlier start's step 300 (utility 3.0, params 1.0), exports
+  this start's own step 300 where it evaluates better (3.5, not 2.0), in place of the other."""
+  from realm_jax.runtime.checkpoints import restore_params
+  assert export.best == {"step": 300, "retrieval_utility": 3.0}   # kept
+  assert not export.consider(300, {"retrieval_utility": 2.0}, _params_of(2.0))
+  assert export.consider(300, {"retrieval_utility": 3.5}, _params_of(3.0))
+  saved, step = restore_params(str(tmp_path / "best"), _ABSTRACT_PARAMS)
+  assert step == 300 and json.load(open(tmp_path / "best" / "best.json")) == \
+      {"step": 300, "retrieval_utility": 3.5}
+  np.testing.assert_array_equal(np.asarray(saved["w"]), _params_of(3.0)["w"])
+
+
 def test_a_fresh_start_from_its_own_export_replaces_it_with_a_better_step_of_that_number(
     tmp_path):
   """W/best holds step 300 of an earlier start, which a fresh start continues from
   (init.retriever=W/best: kept). This start's own step 300 is other params: evaluated better,
   it is exported in place of the earlier start's (not taken for a resumed run's second look at
   the step it exported), and a later step must beat it."""
-  from realm_jax.runtime.checkpoints import restore_params
-  from realm_jax.runtime.initialization import Source, Start
   config = tiny_config("realm")
-  params = lambda value: {"w": np.full((4,), value, np.float32)}
-  abstract = {"w": jax.ShapeDtypeStruct((4,), np.float32)}
-  BestExport(str(tmp_path), config).consider(300, {"retrieval_utility": 3.0}, params(1.0))
+  init = _export_of_an_earlier_start(tmp_path, config)
   fresh = BestExport(str(tmp_path), config)
-  init = Start({}, [], {"retriever": Source("retriever", "init.retriever", "workdir",
-                                            str(tmp_path / "best"))}, {"retriever": 300})
   fresh.start_over(init=init)
-  assert fresh.best == {"step": 300, "retrieval_utility": 3.0}   # kept
-  assert not fresh.consider(300, {"retrieval_utility": 2.0}, params(2.0))
-  assert fresh.consider(300, {"retrieval_utility": 3.5}, params(3.0))
-  saved, step = restore_params(str(tmp_path / "best"), abstract)
-  assert step == 300 and json.load(open(tmp_path / "best" / "best.json")) == \
-      {"step": 300, "retrieval_utility": 3.5}
-  np.testing.assert_array_equal(np.asarray(saved["w"]), params(3.0)["w"])
-  assert not fresh.consider(400, {"retrieval_utility": 3.4}, params(4.0))
+  _a_better_step_300_replaces_the_earlier_one(fresh, tmp_path)
+  assert not fresh.consider(400, {"retrieval_utility": 3.4}, _params_of(4.0))
   assert fresh.summary() == {"best_step": 300, "best_eval_retrieval_utility": 3.5}
 
 
@@ -339,22 +356,11 @@ def test_a_fresh_start_from_its_own_export_resumed_still_replaces_the_earlier_st
   used to take the export for its own, kept the earlier start's params and dropped the
   better evaluation)."""
   from realm_jax.runtime.checkpoints import restore_params
-  from realm_jax.runtime.initialization import Source, Start
-  config = tiny_config("realm")
-  params = lambda value: {"w": np.full((4,), value, np.float32)}
-  abstract = {"w": jax.ShapeDtypeStruct((4,), np.float32)}
-  BestExport(str(tmp_path), config).consider(300, {"retrieval_utility": 3.0}, params(1.0))
-  init = Start({}, [], {"retriever": Source("retriever", "init.retriever", "workdir",
-                                            str(tmp_path / "best"))}, {"retriever": 300})
+  config, params, abstract = tiny_config("realm"), _params_of, _ABSTRACT_PARAMS
+  init = _export_of_an_earlier_start(tmp_path, config)
   BestExport(str(tmp_path), config).start_over(init=init)
   resumed = BestExport(str(tmp_path), config)   # no start_over: a resumed run
-  assert resumed.best == {"step": 300, "retrieval_utility": 3.0}
-  assert not resumed.consider(300, {"retrieval_utility": 2.0}, params(2.0))
-  assert resumed.consider(300, {"retrieval_utility": 3.5}, params(3.0))
-  saved, step = restore_params(str(tmp_path / "best"), abstract)
-  assert step == 300 and json.load(open(tmp_path / "best" / "best.json")) == \
-      {"step": 300, "retrieval_utility": 3.5}
-  np.testing.assert_array_equal(np.asarray(saved["w"]), params(3.0)["w"])
+  _a_better_step_300_replaces_the_earlier_one(resumed, tmp_path)
   # resumed again after its own export of step 300: that one is this start's and stands
   again = BestExport(str(tmp_path), config)
   assert not again.consider(300, {"retrieval_utility": 3.8}, params(5.0))
