@@ -58,3 +58,10 @@ def test_a_window_resumed_under_other_metrics_is_kept_and_averaged_per_metric():
   again = window_from_record(json.loads(json.dumps(window_record(window))))
   assert [sorted(m) for m in again] == [["distill_kl", "loss"], ["index_step", "loss"]]
   assert again[1]["index_step"].dtype == np.int32 and again[0]["distill_kl"] == 0.5
+
+
+def test_durations_of_an_hour_or_more_are_read_in_hours():
+  """An ETA of a long run read "3333m20s"; from an hour on it is hours and minutes."""
+  from realm_jax.runtime.metrics import format_duration
+  assert [format_duration(s) for s in (-3, 0, 59.9, 60, 3599, 3600, 7500, 200_000)] == \
+      ["0s", "0s", "59s", "1m00s", "59m59s", "1h00m", "2h05m", "55h33m"]

@@ -174,5 +174,8 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def format_duration(seconds: float) -> str:
+  """`seconds` as 42s, 12m05s or, from an hour on, 3h07m (an ETA, a stage's time)."""
   seconds = int(max(seconds, 0))
+  if seconds >= 3600:
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
   return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
