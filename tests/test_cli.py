@@ -528,7 +528,9 @@ def test_a_config_file_is_read_for_what_it_says(tmp_path):
   cases = {"typo": ("c.train.stesp = 100", "config.train.stesp: set by {}, but not an option; "
                     "did you mean 'train.steps'?"),
            "env": ('c.data.dir = os.environ["REALM_JAX_TEST_UNSET"]',
-                   "--config {}, line 6: KeyError: 'REALM_JAX_TEST_UNSET'")}
+                   "--config {}, line 6: KeyError: 'REALM_JAX_TEST_UNSET'"),
+           # (it named the file's base name and line, not the --config given, in Python's words)
+           "syntax": ("c.train.steps = (4", "--config {}, line 6: SyntaxError: ")}
   for name, (line, expected) in cases.items():
     (tmp_path / f"{name}.py").write_text(make.format(line))
     result = run_cli(["--config", str(tmp_path / f"{name}.py")], str(tmp_path / "w"))

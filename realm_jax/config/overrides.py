@@ -174,8 +174,9 @@ def flag_error(error: Exception, argv: list[str]) -> str:
       what = f"the config has no field {str(root.args[0])!r}"
       suggestion = re.search(r'Did you mean "([^"]+)"', repr(raised.args))
       what += f"; did you mean {suggestion.group(1)!r}?" if suggestion else ""
-    else:
-      what = f"{type(raised).__name__}: {_first_line(raised)}"
+    else:   # (a SyntaxError's own text repeats the file and line)
+      text = raised.msg if isinstance(raised, SyntaxError) else _first_line(raised)
+      what = f"{type(raised).__name__}: {text}"
     return f"--config {config_file}, line {inside}: {what}"
   if isinstance(root, (KeyError, AttributeError)):   # a misspelt --config.* key
     wrong = str(root.args[0]).strip("'") if root.args else ""
@@ -214,12 +215,16 @@ def _unloadable_config_file(config_file: str | None, root: BaseException) -> str
 
 def _line_in(error: BaseException, config_file: str | None) -> tuple[str, BaseException]:
   """(the line of the config file's last frame, the exception that passed through it) in the
-  chain of `error` (the innermost such exception); ("", error) if the file raised none."""
+  chain of `error` (the innermost such exception; a SyntaxError in the file: its line);
+  ("", error) if the file raised none."""
   found = ("", error)
   if config_file is None:
     return found
   path = os.path.abspath(config_file.partition(":")[0])
   while error is not None:
+    if isinstance(error, SyntaxError) and error.filename and error.lineno and \
+        os.path.abspath(error.filename) == path:   # (compiled: no frame of the file's own)
+      return str(error.lineno), error
     frame = error.__traceback__
     while frame is not None:
       if os.path.abspath(frame.tb_frame.f_code.co_filename) == path:
