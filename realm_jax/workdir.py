@@ -424,21 +424,16 @@ class JobLock:
     """Takes the lock (a ConfigError naming the holder when another process has it)."""
     if paths.is_remote(self.workdir) or self._file is not None:
       return
-    import fcntl
     paths.makedirs(self.workdir)
     lock = open(self.path, "a+")
-    try:
-      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      lock.seek(0)
-      holder = _holder(lock.read())
+    taken, holder = _tried(lock)
+    if not taken:
       lock.close()
+      if holder is None:   # a file system without flock: as a bucket
+        return
       who = "realm-prepare" if self.job == "prepare" else self.job
       raise ConfigError("", f"{self.workdir} is in use: a {who} (pid {holder}) runs on it "
-                        f"and holds {self.path}; stop it first, or use another dir") from None
-    except OSError:   # a file system without flock (a FUSE mount may refuse it): as a bucket
-      lock.close()
-      return
+                        f"and holds {self.path}; stop it first, or use another dir")
     lock.truncate(0)   # (W may be shared by hosts; the start tells a reused pid apart)
     lock.write(f"{os.getpid()} {socket.gethostname()}{_start_and_namespace()}\n")
     lock.flush()
@@ -461,6 +456,21 @@ class JobLock:
 
   def __exit__(self, *exc) -> None:
     self.release()
+
+
+def _tried(lock) -> tuple[bool, str | None]:
+  """W's lock tried on the open lock file `lock` (opened "a+": NFS locks only a file open for
+  writing): (taken by this process, None), or (False, the pid as written of the process
+  holding it), or (False, None) on a file system without flock (a FUSE mount may refuse it)."""
+  import fcntl
+  try:
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    lock.seek(0)
+    return False, _holder(lock.read())
+  except OSError:
+    return False, None
+  return True, None
 
 
 def _pid_and_host(text: str) -> tuple[str, str | None]:
@@ -586,19 +596,11 @@ def job_holding(workdir: str, job: str) -> str | None:
   """The pid (as written) of the live `job` holding W's lock, None when none does (a
   launcher's check before it starts anything: the lock is tried, not taken, so the file
   keeps the job that ended and how, for `job_gone_and_how`)."""
-  import fcntl
   path = JobLock(workdir, job).path
   if paths.is_remote(workdir) or not os.path.exists(path):
     return None
-  with open(path, "a+") as f:   # (NFS locks only a file open for writing; closing gives up
-    try:                         # a flock this got)
-      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      f.seek(0)
-      return _holder(f.read())
-    except OSError:   # a file system without flock: as a bucket (`JobLock.acquire`)
-      pass
-  return None
+  with open(path, "a+") as f:   # (closing gives up a flock this took)
+    return _tried(f)[1]
 
 
 # -- W/summary.json ----------------------------------------------------------------------------
