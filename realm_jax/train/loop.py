@@ -80,7 +80,7 @@ class Trainer(Run):
 
   def carried(self) -> dict:
     packed = self.step_batches.packed_batches if self.step_batches is not None else 0
-    return {PACKED_BATCHES: packed} if packed else {}
+    return {**super().carried(), **({PACKED_BATCHES: packed} if packed else {})}
 
   # -- the steps ---------------------------------------------------------------------------
   def begin(self, start: int, init) -> None:

@@ -274,9 +274,10 @@ class Run:
     raise NotImplementedError
 
   def carried(self) -> dict:
-    """The task's counts of the steps so far that a run resumed from the checkpoint saved now
-    goes on from (its data item keeps them: `saved_data` after a restore)."""
-    return {}
+    """The counts of the steps so far that a run resumed from the checkpoint saved now goes on
+    from, each where it is not 0 (its data item keeps them: `saved_data` after a restore): the
+    updates skipped, and a task's own."""
+    return {SKIPPED_UPDATES: self.skipped_updates} if self.skipped_updates else {}
 
   def evaluates(self) -> bool:
     return True
@@ -325,13 +326,11 @@ class Run:
 
   def save(self, done: int, data_state: dict) -> None:
     """Step `done`'s checkpoint; its data item keeps the metrics of the steps not yet logged
-    (a run resumed from it logs their means as one that went on) and the count of updates
-    skipped so far (its summary counts them as one that went on)."""
+    (a run resumed from it logs their means as one that went on) and the counts it goes on
+    from (`carried`: its summary counts them as one that went on)."""
     data = self.inputs.state(data_state, done)
     if self.window:
       data[TRAIN_WINDOW] = window_record(self.window)
-    if self.skipped_updates:
-      data[SKIPPED_UPDATES] = self.skipped_updates
     data.update(self.carried())
     paths.send_held_lines()   # a bucket's metrics of the steps this checkpoint covers
     self.checkpointer.save(done, self.state, data, self.item())
