@@ -77,9 +77,10 @@ install: $(VENV)/.installed
 # `python -m venv` stopped during its ensurepip (Ctrl-C in the first seconds of `make demo`)
 # leaves bin/python without it, and a system python since removed leaves bin/python a broken
 # link (which venv over the same directory keeps, but for --clear).
-VENV_MADE = test -x $(VENV_PYTHON) && $(VENV_PYTHON) -m pip --version >/dev/null 2>&1
+make_venv = test -x $(1)/bin/python && $(1)/bin/python -m pip --version >/dev/null 2>&1 || \
+    $(PYTHON) -m venv --clear $(1)
 $(VENV)/.installed-core: setup.py
-	$(VENV_LOCK) sh -c '$(VENV_MADE) || $(PYTHON) -m venv --clear $(VENV)'
+	$(VENV_LOCK) sh -c '$(call make_venv,$(VENV))'
 	$(VENV_LOCK) $(VENV_PYTHON) -m pip install --quiet --no-compile --upgrade pip
 	$(VENV_LOCK) $(VENV_PYTHON) -m pip install --quiet --no-compile -e .
 	touch $@
@@ -87,7 +88,7 @@ $(VENV)/.installed-core: setup.py
 # One pip run for the package and the test extras where neither is there yet (a fresh clone's
 # `make test`): pip resolves and builds once (37 s against 53 s in two runs on the slower CPU).
 $(VENV)/.installed: setup.py
-	$(VENV_LOCK) sh -c '$(VENV_MADE) || $(PYTHON) -m venv --clear $(VENV)'
+	$(VENV_LOCK) sh -c '$(call make_venv,$(VENV))'
 	test -f $(VENV)/.installed-core || \
 	    $(VENV_LOCK) $(VENV_PYTHON) -m pip install --quiet --no-compile --upgrade pip
 	$(VENV_LOCK) $(VENV_PYTHON) -m pip install --quiet --no-compile -e '.[test]'
@@ -126,8 +127,7 @@ bench: install
 interop-env: $(INTEROP_VENV)/.installed
 
 $(INTEROP_VENV)/.installed: setup.py
-	test -x $(INTEROP_PYTHON) && $(INTEROP_PYTHON) -m pip --version >/dev/null 2>&1 || \
-	    $(PYTHON) -m venv --clear $(INTEROP_VENV)
+	$(call make_venv,$(INTEROP_VENV))
 	$(INTEROP_PYTHON) -m pip install --quiet --upgrade pip
 	$(INTEROP_PYTHON) -m pip install --quiet -e '.[interop]'
 	touch $@
