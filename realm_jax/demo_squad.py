@@ -153,7 +153,10 @@ def main() -> None:
   check_demo_flags(parser, args)
   log.set_verbosity(args.verbosity)
   demo = run_demo_openqa if args.openqa else run_demo_squad
-  run_demo_cli("realm-demo-squad", lambda: demo(args.workdir, args.squad, args.seed))
+  # W/data's source is the file's absolute path (as typed, the same file named from elsewhere
+  # would be another source)
+  squad = os.path.abspath(args.squad) if args.squad else ""
+  run_demo_cli("realm-demo-squad", lambda: demo(args.workdir, squad, args.seed))
 
 
 if __name__ == "__main__":

@@ -675,6 +675,22 @@ def test_a_demo_refused_for_another_squad_file_names_its_workdir_not_its_data(mo
       run(workdir, files[1])
 
 
+@pytest.mark.parametrize("flags", [[], ["--openqa"]])
+def test_demo_squad_reads_its_squad_file_by_its_absolute_path(monkeypatch, tmp_path, flags):
+  """--squad given relative is recorded absolute (W/data's source, as demo-real's): recorded as
+  typed, the same file named from elsewhere (make's absolute SQUAD=, another directory) was
+  "prepared from another source" and refused, and from another directory not found."""
+  from realm_jax import demo_squad
+  ran = []
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(demo_squad, "run_demo_cli", lambda name, fn: fn())
+  for name in ("run_demo_squad", "run_demo_openqa"):
+    monkeypatch.setattr(demo_squad, name, lambda workdir, squad, seed: ran.append(squad))
+  monkeypatch.setattr(sys, "argv", ["realm-demo-squad", "--squad", "files/a.json", *flags])
+  demo_squad.main()
+  assert ran == [str(tmp_path / "files" / "a.json")]
+
+
 def test_a_squad_path_that_is_no_readable_file_adds_no_run(tmp_path):
   """demo-real given a directory (or a file it may not read) as its SQuAD file stops at once,
   in one line, as for a missing file; that refused run was added to W/wall.json, so the
