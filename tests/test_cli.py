@@ -374,7 +374,7 @@ def test_every_cli_names_a_misspelt_option_and_a_missing_config_file_in_one_line
   config = "configs/prepare.py" if prog == "realm-prepare" else "configs/demo_realm.py"
   leaf = "out_dir" if prog == "realm-prepare" else "train.steps"
   cases = [(["--config", config, f"--config.{leaf}z=1"],
-            f"--config.{leaf}z: no such option; did you mean '{leaf.split('.')[-1]}'?"),
+            f"--config.{leaf}z: no such option; did you mean --config.{leaf}?"),
            (["--config", "configs/nowhere.py"], "--config configs/nowhere.py: no such file"),
            ([f"--config={config}:bogus"], "unknown variant 'bogus'"),
            (["--config", str(_broken_config(tmp_path))],   # its own error: file and line
@@ -517,6 +517,34 @@ def test_every_scripts_help_shows_its_first_sentence_whole():
   assert "realm_jax/demo_real.py" in found and len(found) >= 10, sorted(found)
   cut = {rel: text for rel, text in found.items() if not text.rstrip(")").endswith(".")}
   assert not cut, cut
+
+
+@pytest.mark.parametrize("flag, meant", [
+    ("--config.steps=3", "; did you mean --config.train.steps?"),   # the group left out
+    ("--config.lr=1", "; did you mean --config.train.lr?"),
+    ("--config.model.pooling=mean", "; did you mean --config.model.retriever.pooling?"),
+    ("--config.batch_size=4", "; did you mean --config.eval.batch_size or "
+     "--config.train.batch_size?"),
+    ("--config.train.stpes=3", "; did you mean --config.train.steps?"),   # misspelt
+    ("--config.trian.steps=3", "; did you mean --config.train.steps?"),
+    ("--noconfig.train.shufle", ""),   # nothing close in its group
+    ("--config.zzz=1", "")])
+def test_a_misplaced_option_is_named_by_the_whole_name_it_meant(monkeypatch, capsys, flag,
+                                                               meant):
+  """`--config.steps` got "no such option" and nothing more, though train.steps is one;
+  `--config.train.stpes` got "did you mean 'steps'?", a name that is no flag."""
+  from absl import flags
+  from ml_collections import config_flags as ml_config_flags
+  from realm_jax.config.overrides import _parse_or_exit
+  argv = ["realm-train", "--config", os.path.join(REPO, "configs/demo_realm.py"), flag]
+  monkeypatch.setattr(sys, "argv", argv)   # (the config flag takes its overrides from it)
+  values = flags.FlagValues()
+  ml_config_flags.DEFINE_config_file("config", None, "", flag_values=values, lock_config=True)
+  with pytest.raises(SystemExit) as exit_:
+    _parse_or_exit("realm-train", values, argv)
+  assert exit_.value.code == 2
+  option = flag.split("=")[0]
+  assert capsys.readouterr().err == f"realm-train: error: {option}: no such option{meant}\n"
 
 
 def test_a_config_file_is_read_for_what_it_says(tmp_path):
@@ -741,7 +769,8 @@ def test_an_old_option_name_is_one_warning_line(tmp_path):
   assert result.stderr.splitlines() == [
       "warning: --config.retrieval.mode is now config.retrieval.candidates; read as "
       "config.retrieval.candidates",
-      "realm-train: error: --config.train.stepz: no such option; did you mean 'steps'?"]
+      "realm-train: error: --config.train.stepz: no such option; did you mean "
+      "--config.train.steps?"]
 
 
 def test_a_second_trainer_or_builder_on_a_workdir_is_refused_naming_the_first(world_dir,

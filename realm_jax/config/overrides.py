@@ -79,7 +79,7 @@ def _parse_or_exit(prog: str, flag_values, argv: list[str],
                           f"{type(value).__name__}, not an ml_collections.ConfigDict")
     return rest
   except Exception as e:   # noqa: BLE001 -- whatever parsing raises is a usage error
-    print(f"{prog}: error: {flag_error(e, argv)}", file=sys.stderr)
+    print(f"{prog}: error: {flag_error(e, argv, defaults)}", file=sys.stderr)
     raise SystemExit(2) from None
 
 
@@ -156,8 +156,36 @@ def _raised_by_config_dict(error: BaseException) -> bool:
   return frame is not None and "ml_collections" in frame.tb_frame.f_code.co_filename
 
 
-def flag_error(error: Exception, argv: list[str]) -> str:
-  """One line for what parsing `argv` raised: the option or file it names, and the cause."""
+def _options_meant(option: str, defaults: Callable | None) -> list[str]:
+  """The options a misspelt or misplaced `--config.KEY` most likely meant, by their whole
+  names: those whose last part is KEY's (`--config.steps` -> train.steps; `batch_size` -> both
+  train's and eval's); else, in KEY's group where it has one, the closest last part
+  (`--config.train.stpes`); else the closest name (`--config.trian.steps`) or last part
+  (`--config.temperature`); [] where nothing is close. The options are the training defaults'
+  (config/defaults.py), or those of `defaults()` (realm-prepare's)."""
+  from realm_jax.config.defaults import base_config
+  key = re.sub(r"^--?(no)?config\.", "", option)
+  group, _, leaf = key.rpartition(".")
+  known = list(flat_options(defaults() if defaults is not None else base_config()))
+  leaves = {}
+  for name in known:
+    leaves.setdefault(name.rpartition(".")[2], []).append(name)
+  if leaf in leaves:
+    return leaves[leaf]
+  in_group = [name for name in known if name.rpartition(".")[0] == group]
+  if group and in_group:
+    close = closest(leaf, [name.rpartition(".")[2] for name in in_group], cutoff=0.6)
+    return [f"{group}.{close}"] if close else []
+  close = closest(key, known, cutoff=0.6)
+  if close:
+    return [close]
+  close = closest(leaf, leaves, cutoff=0.6)
+  return leaves[close] if close else []
+
+
+def flag_error(error: Exception, argv: list[str], defaults: Callable | None = None) -> str:
+  """One line for what parsing `argv` raised: the option or file it names, and the cause
+  (`defaults`: as `flags_parser`'s, for the option a misspelt one meant)."""
   root = error
   while (root.__cause__ or root.__context__) is not None:
     root = root.__cause__ or root.__context__
@@ -190,9 +218,13 @@ def flag_error(error: Exception, argv: list[str]) -> str:
       return f"--config.{key}: no such option (config.{leaf} is {article} {kind}, not a group)"
     option = next((a.split("=")[0] for a in argv[1:] if re.match(
         r"^--?(no)?config\.(.*\.)?" + re.escape(wrong) + r"(\.|=|$)", a)), f"config.*.{wrong}")
+    prefix = re.match(r"^--?(no)?config\.", option)
+    meant = " or ".join(f"{prefix.group(0) if prefix else '--config.'}{name}"
+                        for name in _options_meant(option, defaults))
     suggestion = re.search(r'Did you mean "([^"]+)"', str(error))
-    return f"{option}: no such option" + (f"; did you mean {suggestion.group(1)!r}?"
-                                          if suggestion else "")
+    return f"{option}: no such option" + (
+        f"; did you mean {meant}?" if meant else
+        f"; did you mean {suggestion.group(1)!r}?" if suggestion else "")
   if config_file is not None and "config file" in str(error):
     path = config_file.partition(":")[0]
     if not os.path.exists(path):
