@@ -65,3 +65,14 @@ def test_durations_of_an_hour_or_more_are_read_in_hours():
   from realm_jax.runtime.metrics import format_duration
   assert [format_duration(s) for s in (-3, 0, 59.9, 60, 3599, 3600, 7500, 200_000)] == \
       ["0s", "0s", "59s", "1m00s", "59m59s", "1h00m", "2h05m", "55h33m"]
+
+
+def test_a_rate_too_slow_for_its_decimals_reads_as_seconds_each():
+  """A step of four minutes read "0.00 steps/s" on the progress line (an Open-QA evaluation's
+  slow question "0.0 q/s"); now the seconds each takes."""
+  from realm_jax.runtime.metrics import format_rate
+  assert [format_rate(r) for r in (12.345, 0.47, 0.005, 0.004, 1 / 250, 0.0)] == [
+      "12.35 steps/s", "0.47 steps/s", "0.01 steps/s", "250 s/step", "250 s/step",
+      "0.00 steps/s"]
+  assert format_rate(0.04, "q/s", "s/q", 1) == "25 s/q"
+  assert format_rate(0.06, "q/s", "s/q", 1) == "0.1 q/s"

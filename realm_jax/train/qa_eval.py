@@ -18,7 +18,7 @@ from realm_jax.data.answers import exact_match, f1_score
 from realm_jax.data.qa import QAExample
 from realm_jax.data.prepared import PreparedData
 from realm_jax.runtime import embedders, partitioning
-from realm_jax.runtime.metrics import format_duration
+from realm_jax.runtime.metrics import format_duration, format_rate
 from realm_jax.train import steps
 from realm_jax.train.openqa_inputs import FrozenIndex, QABatchBuilder
 
@@ -83,7 +83,8 @@ class QAEvaluator:
       if now - last >= PROGRESS_SECONDS:
         done = start + real
         rate = done / (now - t0)
-        logger.info(f"{self.prefix}{done:,}/{n:,} questions | {rate:,.1f} q/s ETA "
+        logger.info(f"{self.prefix}{done:,}/{n:,} questions | "
+                    f"{format_rate(rate, 'q/s', 's/q', 1)} ETA "
                     f"{format_duration((n - done) / rate)}")
         last = now
     metrics = {f"recall_at_{k}": float(h.mean()) for k, h in hits.items()}

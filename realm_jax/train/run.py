@@ -33,8 +33,8 @@ from realm_jax.runtime.checkpoints import Checkpointer
 from realm_jax.config.reading import config_record
 from realm_jax.config.validation import (training_warnings, validate, validate_against_mesh,
                                         validate_training)
-from realm_jax.runtime.metrics import (MetricWriter, format_duration, window_from_record,
-                                      window_record, window_scalars)
+from realm_jax.runtime.metrics import (MetricWriter, format_duration, format_rate,
+                                       window_from_record, window_record, window_scalars)
 from realm_jax.runtime.preemption import Preemption
 from realm_jax.runtime.profiling import StepTrace
 
@@ -476,7 +476,7 @@ class Run:
         figures, note = batches.progress(scalars)   # may add figures to the scalars
         logs["train"].write(done, scalars)
         rate = scalars["steps_per_second"]
-        logger.info(f"{self.prefix}step {done}/{total} {figures} | {rate:.2f} steps/s ETA "
+        logger.info(f"{self.prefix}step {done}/{total} {figures} | {format_rate(rate)} ETA "
                     f"{format_duration((total - done) / max(rate, 1e-9))}{note}")
         window.clear()
         t_last, ran = now, 0
