@@ -108,8 +108,13 @@ def bucket_url(path) -> str:
 
 def same_place(a, b) -> bool:
   """Whether two option values name one bucket path (`bucket_url` of both; `/gcs/B/P` and
-  `gs://B/P/` alike); False for values that are not both strings."""
-  return isinstance(a, str) and isinstance(b, str) and bucket_url(a) == bucket_url(b)
+  `gs://B/P/` alike) or one local path however spelt (`D/`, `./D`); False for values that are
+  not both strings."""
+  if not (isinstance(a, str) and isinstance(b, str)):
+    return False
+  a, b = bucket_url(a), bucket_url(b)
+  return a == b or (bool(a) and bool(b) and not is_remote(a) and not is_remote(b)
+                    and os.path.normpath(a) == os.path.normpath(b))
 
 
 def join(base, *parts) -> str:

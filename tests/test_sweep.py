@@ -133,6 +133,27 @@ def test_a_run_given_the_readers_retriever_field_is_compared_as_the_trainer_reco
                              {**fixed, "model.retriever.num_layers": 1})
 
 
+def test_a_path_spelt_otherwise_is_the_same_path_to_a_sweep_run_again(tmp_path):
+  """A sweep run again with `--set data.dir=D` where its runs recorded `D/` (or `./D`,
+  `D//x`) refused every run as started under other values; another directory still differs."""
+  from realm_jax import workdir as workdir_lib
+  from realm_jax.config.validation import validate
+  from realm_jax.errors import ConfigError
+  sweep = sweep_module()
+  config = helpers.load_config_module("demo_ict").get_config()
+  recorded = config.copy_and_resolve_references()
+  recorded.data.dir = "runs/small/data/"
+  validate(recorded)
+  workdir_lib.write_config(str(tmp_path / "a"), recorded)
+  (tmp_path / "a" / "checkpoints" / "2").mkdir(parents=True)
+  for spelt in ("runs/small/data", "./runs/small/data", "runs//small/data/"):
+    sweep.check_started_runs(str(tmp_path), [("a", {})], config, {"data.dir": spelt})
+  with pytest.raises(ConfigError, match="data.dir: 'runs/small/data/' .recorded. != "
+                     "'runs/small/other'"):
+    sweep.check_started_runs(str(tmp_path), [("a", {})], config,
+                             {"data.dir": "runs/small/other"})
+
+
 def test_the_table_shows_a_resumed_runs_wall_over_all_its_runs(tmp_path):
   rows = [{"run": "a", "status": "done", "wall_seconds": 4.0, "wall_seconds_all_runs": 10.0,
            "runs": 2, "eval_recall_at_5": 0.5}]
