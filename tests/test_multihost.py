@@ -644,6 +644,23 @@ def test_a_join_under_cluster_detection_may_take_twice_init_timeout(tmp_path):
       "for JAX's cluster detection, then as long for every process to connect)" in never.stderr
 
 
+def test_a_join_under_cluster_detection_bounds_the_shutdown_as_an_explicit_one(tmp_path):
+  """The explicit join bounds JAX's shutdown barrier by --heartbeat_timeout; the join under
+  cluster detection (every TPU pod) passed nothing, so a process whose peers had stopped
+  waited JAX's 300 s there before its exit."""
+  script = tmp_path / "join.py"
+  script.write_text("\n".join([
+      "import jax", "from realm_jax.runtime import multihost",
+      "jax.distributed.initialize = lambda **kwargs: print(sorted(kwargs.items()))",
+      "multihost.initialize(multihost.Topology(None, None, None, 30, 17, 'GkeTpuCluster'))"]))
+  result = subprocess.run([sys.executable, str(script)], cwd=helpers.REPO, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert [line for line in result.stdout.splitlines() if line.startswith("[(")] == [str(sorted({
+      "initialization_timeout": 30, "heartbeat_timeout_seconds": 17,
+      "shutdown_timeout_seconds": 17}.items()))]
+
+
 def test_process_id_out_of_range_fails_before_any_work(world_dir, tmp_path):
   config = helpers.tiny_config("ict", data_dir=world_dir)
   proc = subprocess.run(

@@ -178,7 +178,8 @@ def initialize(topology: Topology | None) -> None:
                 f"to be known): {waits}")
     with _join_deadline(topology):
       jax.distributed.initialize(initialization_timeout=topology.init_timeout,
-                                 heartbeat_timeout_seconds=topology.heartbeat_timeout)
+                                 heartbeat_timeout_seconds=topology.heartbeat_timeout,
+                                 shutdown_timeout_seconds=topology.heartbeat_timeout)
   else:
     served = " (served by this process)" if topology.process_id == 0 else ""
     logger.info(f"[multihost] process {topology.process_id} of {topology.num_processes}: "
