@@ -509,8 +509,19 @@ class Pod:
     self._call(self.ssh(self.args.job, f"tail -n 100 -F {LOGS}/{self.args.job}.log", "0"))
 
   def stop(self) -> None:
+    """Each slice's job is sent its stop, whichever failed before it (a builder left running
+    beside a trainer that could not be reached keeps its slice busy): each failure is one line,
+    the last one raised once every slice has been tried."""
+    failures = []
     for job in self.slices:
-      self._call(self.ssh(job, stop_script(job, self.stop_wait)))
+      try:
+        self._call(self.ssh(job, stop_script(job, self.stop_wait)))
+      except CommandFailed as e:
+        failures.append(e)
+    for failure in failures[:-1]:
+      print(f"{PROG}: error: {failure}", file=sys.stderr, flush=True)
+    if failures:
+      raise failures[-1]
 
   def delete(self) -> None:
     for job in self.slices:

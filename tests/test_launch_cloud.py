@@ -485,9 +485,12 @@ def test_real_runs_call_gcloud_as_the_dry_run_prints(tmp_path, monkeypatch, caps
   monkeypatch.delenv("GCLOUD_TYPE")
   calls = _fake_gcloud(tmp_path, monkeypatch, "ssh_fails")
   assert tpu_pod.main(["stop", *SLICES]) == 1
-  assert len(calls()) == 1                                   # stops at the first failure
-  assert capsys.readouterr().err.startswith(
-      f"tpu_pod.py: error: exit code 3: {G} ssh realm-trainer {Z} --worker=all --command ")
+  # stop tries every slice (it stopped at the first failure: the builder ran on), one line each
+  assert [c[4] for c in calls()] == ["realm-trainer", "realm-builder"]
+  err = capsys.readouterr().err.splitlines()
+  assert len(err) == 2 and all(line.startswith(
+      f"tpu_pod.py: error: exit code 3: {G} ssh realm-{job} {Z} --worker=all --command ")
+      for line, job in zip(err, ("trainer", "builder"))), err
 
 
 def test_a_slice_whose_job_runs_exits_with_its_own_code(tmp_path, monkeypatch, capsys):
