@@ -467,11 +467,12 @@ class Pod:
     if state in ("PREEMPTED", "TERMINATED"):
       raise CommandFailed(f"{name} is {state}: run `{PROG} delete` and create it again (a "
                           "spot or preempted TPU cannot be restarted)")
-    if state in ("STOPPED", "STOPPING"):
-      start = shlex.join(self.gcloud("start", [name]))
-      raise CommandFailed(f"{name} is {state}: start it ({start}) or delete it ({delete}), "
-                          "then run this again")
     describe = shlex.join(self.gcloud("describe", [name]))
+    if state in ("STOPPED", "STOPPING"):   # (a STOPPING one cannot be started yet)
+      start = shlex.join(self.gcloud("start", [name]))
+      wait = f"wait until it is STOPPED ({describe}), then " if state == "STOPPING" else ""
+      raise CommandFailed(f"{name} is {state}: {wait}start it ({start}) or delete it "
+                          f"({delete}), then run this again")
     if state == "DELETING":   # never READY again: created anew once it is gone
       raise CommandFailed(f"{name} is {state}: wait until it is gone ({describe} says "
                           "NOT_FOUND), then run this again")

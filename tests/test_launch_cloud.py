@@ -470,7 +470,10 @@ def test_real_runs_call_gcloud_as_the_dry_run_prints(tmp_path, monkeypatch, caps
       ("DELETING", f"realm-trainer is DELETING: wait until it is gone ({G} describe "
                    f"realm-trainer {Z} says NOT_FOUND), then run this again"),
       ("STOPPED", f"realm-trainer is STOPPED: start it ({G} start realm-trainer {Z}) or delete "
-                  f"it ({G} delete realm-trainer {Z} --quiet)")):
+                  f"it ({G} delete realm-trainer {Z} --quiet)"),
+      # it cannot be started while it stops (it was told "start it")
+      ("STOPPING", f"realm-trainer is STOPPING: wait until it is STOPPED ({G} describe "
+                   f"realm-trainer {Z}), then start it ({G} start realm-trainer {Z}) or")):
     calls = _fake_gcloud(tmp_path, monkeypatch, state)
     assert tpu_pod.main(["create", *SLICES, *RUN]) == 1
     assert message in capsys.readouterr().err
