@@ -416,6 +416,7 @@ class Pod:
         raise ConfigError("", f"{args.action}: --config and --workdir are required")
       self.plan = plan_run(args.config, args.workdir, args.set, args.storage, self.slices)
       check_builder(self.plan, args.builder_type)
+    self.wheel_dir = None   # the wheel of this checkout, once built
     self.stop_wait = args.grace
     if args.action == "stop" and (args.config or args.set):
       if not args.config:
@@ -480,11 +481,19 @@ class Pod:
       raise CommandFailed(f"{name} is {state}, not READY: wait until it is READY ({describe}), "
                           "then run this again")
 
+  def build_wheel(self) -> str:
+    """The wheel of this checkout in build/tpu_pod, built once (`up` builds it before any slice
+    is created: a checkout that does not build costs no slice); its directory."""
+    if self.wheel_dir is None:
+      wheel_dir = local_path(os.path.join(REPO, "build", "tpu_pod"))
+      self._call(wheel_command(wheel_dir))
+      self.wheel_dir = wheel_dir
+    return self.wheel_dir
+
   def install(self) -> None:
     for job in self.slices:   # no slice is touched while a job of the run still runs there
       self._refusable(self.ssh(job, idle_script()))
-    wheel_dir = local_path(os.path.join(REPO, "build", "tpu_pod"))
-    self._call(wheel_command(wheel_dir))
+    wheel_dir = self.build_wheel()
     for job in self.slices:
       files = [os.path.join(wheel_dir, wheel_name()), local_path(os.path.join(REPO, "configs"))]
       self._call(self.gcloud("scp", [*files, f"{self.names[job]}:~/"], "--worker=all",
@@ -529,6 +538,7 @@ class Pod:
       self._call(self.gcloud("delete", [self.names[job]], "--quiet"))
 
   def up(self) -> None:
+    self.build_wheel()
     self.create()
     self.install()
     self.start()

@@ -78,16 +78,18 @@ def test_up_dry_run_prints_create_install_and_start_for_both_slices(capsys):
   lines = _dry_run(capsys, "up", *SLICES, *RUN, *FUSE)
   create = ("--version=tpu-ubuntu2204-base --scopes=https://www.googleapis.com/auth/cloud-platform"
             "  # only if the describe finds no such TPU")
-  assert lines[:4] == [
+  here = tpu_pod.local_path
+  # the wheel first: a checkout that does not build costs no slice (it was built after both
+  # slices were created)
+  assert lines[0] == shlex.join([here(sys.executable), "-m", "pip", "wheel", "--no-deps", "-q",
+                                 "-w", here(os.path.dirname(WHEEL)), here(REPO)])
+  assert lines[1:5] == [
       f"{G} describe realm-trainer {Z} --format 'value(state,acceleratorType)'",
       f"{G} create realm-trainer {Z} --accelerator-type=v4-32 {create}",
       f"{G} describe realm-builder {Z} --format 'value(state,acceleratorType)'",
       f"{G} create realm-builder {Z} --accelerator-type=v4-8 {create}"]
-  for i, name in ((4, "realm-trainer"), (5, "realm-builder")):   # before anything is copied
+  for i, name in ((5, "realm-trainer"), (6, "realm-builder")):   # before anything is copied
     assert _remote_script(lines[i], name) == tpu_pod.idle_script()
-  here = tpu_pod.local_path
-  assert lines[6] == shlex.join([here(sys.executable), "-m", "pip", "wheel", "--no-deps", "-q",
-                                 "-w", here(os.path.dirname(WHEEL)), here(REPO)])
   for i, name in ((7, "realm-trainer"), (9, "realm-builder")):
     assert lines[i] == (f"{G} scp {here(WHEEL)} {here(CONFIGS)} '{name}:~/' {Z} --worker=all "
                         "--recurse")
@@ -425,7 +427,9 @@ def test_slice_shapes():
 
 
 def _fake_gcloud(tmp_path, monkeypatch, mode: str):
-  """`gcloud` on PATH: records its argv; describe says `mode` (or NOT_FOUND); ssh may fail."""
+  """`gcloud` on PATH: records its argv; describe says `mode` (or NOT_FOUND); ssh may fail.
+  The wheel's build is a command that does nothing."""
+  monkeypatch.setattr(tpu_pod, "wheel_command", lambda wheel_dir: [sys.executable, "-c", ""])
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir(exist_ok=True)
   fake = bin_dir / "gcloud"
