@@ -605,6 +605,22 @@ def test_gzipped_jsonl_is_read_and_a_truncated_one_is_named(tmp_path):
     prepare_lib.prepare(config_for(f"jsonl:{tmp_path}/cut.jsonl.gz", str(tmp_path / "o2")))
 
 
+def test_a_gzip_file_with_corrupt_data_is_named(tmp_path):
+  """A gzip file whose compressed data is damaged (not cut short): zlib's own error, which is
+  no OSError, stopped the job with a traceback; a JSONL and a SQuAD file alike now stop it
+  with one line naming the file."""
+  import gzip
+  squad = json.dumps({"data": [{"title": t, "paragraphs": [{"context": x, "qas": []}]}
+                               for t, x in PROSE * 40]}).encode()
+  for name, content, kind in (("d.jsonl.gz", b"\n".join(good_lines(n_copies=40)), "jsonl"),
+                              ("s.json.gz", squad, "squad")):
+    damaged = bytearray(gzip.compress(content, mtime=0))
+    damaged[200:260] = bytes(b ^ 0x55 for b in damaged[200:260])
+    (tmp_path / name).write_bytes(damaged)
+    with pytest.raises(DataError, match=rf"{re.escape(name)}: a corrupt or truncated gzip"):
+      prepare_lib.prepare(config_for(f"{kind}:{tmp_path / name}", str(tmp_path / kind)))
+
+
 def test_jsonl_files_as_they_come(tmp_path):
   """A byte-order mark, a glob that also matches a folder, a text measured as text (not as its
   escaped JSON), and a line far over the limit read past without holding it."""

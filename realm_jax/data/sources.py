@@ -20,6 +20,7 @@ import json
 import os
 import tempfile
 import unicodedata
+import zlib
 from collections import Counter
 from typing import Iterator
 
@@ -41,6 +42,9 @@ INVALID_UTF8 = "invalid UTF-8"
 EMPTY = "empty or whitespace-only document"
 TOO_LARGE = "document over max_doc_bytes"
 DUPLICATE = "duplicate document"
+# What reading a gzip file that is cut short or damaged raises (zlib's error for damaged
+# compressed data is no OSError)
+GZIP_ERRORS = (OSError, EOFError, zlib.error)
 MAX_DOC_BYTES = 10 * 2**20   # prepare's default `max_doc_bytes`, and the Open-QA reader's
 # Skip reasons of a SQuAD file's questions (here and in `realm_jax.data.qa`).
 MISSING_QUESTION = "missing question"
@@ -231,7 +235,7 @@ class _GzipNamed(gzip.GzipFile):
   def readline(self, size=-1):
     try:
       return super().readline(size)
-    except (OSError, EOFError) as e:
+    except GZIP_ERRORS as e:
       raise DataError(f"{self.path}: a corrupt or truncated gzip file ({e})") from None
 
 
@@ -319,7 +323,7 @@ def read_squad_articles(path: str) -> list:
   if raw[:2] == b"\x1f\x8b":
     try:
       raw = gzip.decompress(raw)
-    except (OSError, EOFError) as e:
+    except GZIP_ERRORS as e:
       raise DataError(f"{path}: a corrupt or truncated gzip file ({e})") from None
   try:
     data = json.loads(raw.decode("utf-8-sig"))
