@@ -391,6 +391,23 @@ def test_a_source_dir_is_named_as_one_and_a_second_run_on_a_dir_is_refused(tmp_p
   assert prepare_lib.prepare(config)["documents"] == len(PROSE)
 
 
+def test_a_file_whose_name_holds_glob_characters_is_read(tmp_path):
+  """A file named as given is read though its name holds "[" (`squad[v2].json`): it was read
+  as a glob that matched nothing, and refused as "no such file" (Open-QA's squad: read it)."""
+  from realm_jax.data import qa
+  squad = tmp_path / "squad[v2].json"
+  squad.write_text(json.dumps({"data": [{"title": t, "paragraphs": [{"context": x, "qas": [
+      {"id": t, "question": "What?", "answers": [{"text": t, "answer_start": 0}]}]}]}
+      for t, x in PROSE]}))
+  jsonl = write_jsonl(tmp_path / "part[1].jsonl", good_lines())
+  assert qa.read_qa(f"squad:{squad}")[0]
+  for source in (f"squad:{squad}", f"jsonl:{jsonl}"):
+    stats = prepare_lib.prepare(config_for(source, str(tmp_path / source[:5])))
+    assert stats["documents"] == len(PROSE)
+  assert stats["questions"] == 0 and json.load(open(tmp_path / "squad" / "stats.json"))[
+      "questions"] == len(PROSE)
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("tagger", "bogus", "config.tagger: unknown tagger 'bogus'"),   # was: after WordPiece
     ("max_doc_bytes", 0, "config.max_doc_bytes: must be >= 1"),      # skipped every document

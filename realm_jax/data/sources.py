@@ -211,8 +211,9 @@ def is_utf8(*texts: str) -> bool:
 
 def matching_files(pattern: str) -> list[str]:
   """The files a pattern names, a file or a glob (its directories left out): a `jsonl:` or
-  `squad:` source's, and a question set's (`realm_jax.data.qa`)."""
-  if any(c in pattern for c in "*?["):
+  `squad:` source's, and a question set's (`realm_jax.data.qa`). A file named as given is
+  that file, though its name holds a glob's characters (`squad[v2].json`)."""
+  if any(c in pattern for c in "*?[") and not os.path.isfile(pattern):
     return sorted(p for p in glob.glob(pattern) if os.path.isfile(p))
   return [pattern] if os.path.isfile(pattern) else []
 
