@@ -412,6 +412,8 @@ def test_a_file_whose_name_holds_glob_characters_is_read(tmp_path):
     ("tagger", "bogus", "config.tagger: unknown tagger 'bogus'"),   # was: after WordPiece
     ("max_doc_bytes", 0, "config.max_doc_bytes: must be >= 1"),      # skipped every document
     ("progress_every", -1.0, "config.progress_every: must be > 0"),
+    # trained the vocab on the first document, not on none
+    ("vocab_documents", 0, "config.vocab_documents: must be >= 1 (the documents the vocab"),
     # options the world never reads (it holds out no documents; it has no fields)
     ("eval_fraction", 0.2, "config.eval_fraction: 0.2 is not read by a world: source (only by "
                            "jsonl:, squad:, tfds:)"),

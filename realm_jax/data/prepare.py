@@ -112,6 +112,9 @@ def validate_prepare(config) -> None:
     raise ConfigError("vocab", f"{config.vocab!r} does not exist")
   if not config.vocab and config.vocab_size < 10:
     raise ConfigError("vocab_size", f"{config.vocab_size} is too small")
+  if not config.vocab and config.vocab_documents < 1:
+    raise ConfigError("vocab_documents", f"must be >= 1 (the documents the vocab is trained "
+                      f"on), got {config.vocab_documents}")
 
 
 # Options that only some sources read (source kind -> reads it)
