@@ -785,15 +785,18 @@ def test_tfds_source_reads_a_mocked_dataset_and_explains_unprepared_ones(tmp_pat
   assert not os.listdir(temp)
 
 
-def test_hf_ner_tagger_runs_inside_prepare(tmp_path, capsys):
+@pytest.mark.parametrize("space", ["", " "])
+def test_hf_ner_tagger_runs_inside_prepare(tmp_path, capsys, space):
+  """(The tagger with a space before it, which the tagger check takes, was run in every
+  worker process: a model loaded per worker.)"""
   from tests.test_hf_ner import ner_checkpoint
   # A model that never finds an entity: the salient spans are the date regex's alone.
   ner_dir, _, _ = ner_checkpoint(tmp_path / "ner", forced="O")
   path = write_jsonl(tmp_path / "docs.jsonl", good_lines())
   stats = prepare_lib.prepare(config_for(f"jsonl:{path}", str(tmp_path / "out"),
-                                         tagger=f"hf_ner:{ner_dir}", num_workers=2))
+                                         tagger=f"{space}hf_ner:{ner_dir}", num_workers=2))
   assert "packed in this process" in capsys.readouterr().out
-  assert stats["tagger"] == f"hf_ner:{ner_dir}" and stats["examples"]["train"] > 0
+  assert stats["tagger"] == f"{space}hf_ner:{ner_dir}" and stats["examples"]["train"] > 0
   data = PreparedData(str(tmp_path / "out"))
   ex, tok = data.examples("train"), data.tokenizer
   masked = {tok.decode(ex.tokens[i, s:e]) for i in range(len(ex))

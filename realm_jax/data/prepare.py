@@ -437,7 +437,7 @@ def _prepare_locked(config) -> dict:
   t0 = time.time()
   tokenizer = _vocab(config)
   settings = corpus.PackSettings(config.block_len, config.max_sentence_len, config.max_masks)
-  in_process = config.num_workers == 0 or config.tagger.startswith("hf_ner:")
+  in_process = config.num_workers == 0 or config.tagger.strip().startswith("hf_ner:")
   if in_process and config.num_workers > 0:
     logger.info("[prepare] hf_ner runs its model on this process's devices: shards are packed "
                 "in this process")
