@@ -33,6 +33,7 @@ import tempfile
 import time
 
 from realm_jax.data.sentences import split_sentences
+from realm_jax.data.sources import read_squad_articles
 from realm_jax.data.taggers import make_tagger
 from realm_jax.errors import CommandParser, run_cli
 
@@ -124,9 +125,9 @@ def _sentence_of(sentences: list[tuple[int, int]], start: int, end: int) -> int 
 
 
 def load_paragraphs(squad_path) -> list[tuple[str, list[tuple[int, int]]]]:
-  """``(context, sorted distinct answer char spans)`` of each paragraph of a SQuAD file."""
-  with open(squad_path, encoding="utf-8") as f:
-    data = json.load(f)["data"]
+  """``(context, sorted distinct answer char spans)`` of each paragraph of a SQuAD file (read
+  as realm-prepare reads it: a byte-order mark, gzip)."""
+  data = read_squad_articles(str(squad_path))
   paragraphs = []
   for article in data:
     for paragraph in article["paragraphs"]:

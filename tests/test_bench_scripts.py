@@ -230,3 +230,18 @@ def test_the_index_bench_counts_the_block_tower_it_runs():
   config = train_step.case_config("demo", False, None)
   xla = tower_xla_flops(config, "blocks", 8)
   assert abs(index.block_flops(config) - xla) < 0.05 * xla, (index.block_flops(config), xla)
+
+
+def test_the_prepare_bench_reads_a_squad_file_as_realm_prepare_does(tmp_path):
+  """bench/prepare.py's paragraphs of a SQuAD file with a byte-order mark, or gzip'd, which
+  realm-prepare reads: a JSONDecodeError or UnicodeDecodeError before."""
+  import gzip
+  import json
+  paragraph = {"context": "Town A was founded in 1901.", "qas": [
+      {"id": "q", "question": "When?", "answers": [{"text": "1901", "answer_start": 22}]}]}
+  text = json.dumps({"data": [{"title": "T", "paragraphs": [paragraph]}]})
+  (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + text.encode())
+  (tmp_path / "squad.json.gz").write_bytes(gzip.compress(text.encode()))
+  load = bench_module("prepare").load_paragraphs
+  for name in ("bom.json", "squad.json.gz"):
+    assert load(tmp_path / name) == [("Town A was founded in 1901.", [(22, 26)])]
