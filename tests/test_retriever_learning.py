@@ -534,6 +534,34 @@ def test_a_mixed_warmup_reads_its_own_block_or_a_distractor_as_drawn(world_dir, 
   assert e.value.option == "retrieval.refresh"
 
 
+def test_a_mixed_warmup_retrieves_no_more_blocks_than_the_corpus_holds(world_dir, world_data):
+  """"mixed" reads one block a query whatever `retrieval.k` (which its config need not fit to
+  the corpus, as "index" must): a k past the corpus's blocks asked the index for k + 1 of
+  them, and the batch of step 1 failed (ValueError: asked for 241 blocks from an index of
+  240)."""
+  from realm_jax.retrieval.index import ExactIndex, IndexVersion
+  from realm_jax.train.loop import QueryStepBatches
+  num_blocks = world_data.blocks.num_blocks
+  config = tiny_config("realm", "warmup", world_dir, retrieval__candidates="mixed",
+                       retrieval__k=num_blocks)
+  validate(config, num_blocks=num_blocks)
+  rng = np.random.default_rng(0)
+  index = IndexVersion(version=0, step=0, index=ExactIndex.from_embeddings(
+      rng.normal(size=(num_blocks, 8)).astype(np.float32)),
+      encode_queries=lambda ids: rng.normal(size=(len(ids), 8)).astype(np.float32))
+
+  class Source:   # the index of every step
+    def for_step(self, step):
+      return index, 0.0
+  queries = batches.QueryBatches(config, world_data, world_data.examples("train"))(0)
+  step_batches = QueryStepBatches(config, world_data, partitioning.make_mesh((-1, 1)),
+                                  Source(), None, None, 0, 1,
+                                  pack=lambda step, batch, shards: False)
+  batch, used = step_batches._assemble(0, queries)
+  assert used["index"] is index
+  assert batch["candidate_ids"].shape[:2] == (len(queries["query_ids"]), 1)
+
+
 @pytest.mark.parametrize("null_document", [True, False])
 def test_own_context_reads_the_own_block_without_the_query_sentence(world_dir, world_data,
                                                                    null_document):

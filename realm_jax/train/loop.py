@@ -233,8 +233,9 @@ class QueryStepBatches(StepBatches):
       return queries, {}
     loaded, waited = self.candidates.for_step(step)
     retrieved, used = None, {}
-    if loaded is not None:
-      retrieved = loaded.retrieve(queries["query_ids"], cfg.retrieval.k + 1)
+    if loaded is not None:   # ("mixed" reads one block whatever k: at most the corpus)
+      retrieved = loaded.retrieve(queries["query_ids"],
+                                  min(cfg.retrieval.k + 1, self.data.blocks.num_blocks))
       used = {"index": loaded, "wait_seconds": waited}
     cand = self.rows.rows(self.data, queries, retrieved, training=True)
     batch = batches.realm_batch(cfg, self.data, queries, cand)
