@@ -360,6 +360,34 @@ def test_once_on_a_published_newest_checkpoint_says_so_and_builds_nothing(world_
       f"({published.version_dir(root, 1)}): nothing to build" in capsys.readouterr().out
 
 
+
+def test_once_beside_a_deterministic_trainer_builds_the_refresh_step_it_reads(world_dir,
+                                                                              tmp_path, capsys):
+  """`realm-index --once` on a deterministic run builds what the looping builder would: the
+  next refresh step, not the newest checkpoint (step 15, a checkpoint_every one no step
+  reads). A version of 15 would also have stopped every build of step 10, realm-index building
+  only above the newest it published, and the trainer waiting for 10 failed naming
+  keep_versions. With no refresh step left to build it says so and builds nothing."""
+  from realm_jax import workdir as workdir_lib
+  from realm_jax.retrieval.builder import FINISHED
+  workdir = str(tmp_path / "run")
+  mode = dict(retrieval__refresh="deterministic", retrieval__refresh_every=10,
+              retrieval__swap_lag=5, train__steps=40, train__checkpoint_every=5,
+              train__keep_checkpoints=10)
+  workdir_lib.record_config(builder_config(world_dir, **mode), workdir)
+  builder = IndexBuilder(builder_config(world_dir, **mode), workdir)
+  builder.checkpoint_steps = lambda: [0, 5, 10, 15]
+  try:
+    builder.published_steps = lambda: {0: 1}   # step 0 built
+    assert builder._next_build(True, time.time()) == 10
+    capsys.readouterr()
+    builder.published_steps = lambda: {0: 1, 10: 2}
+    assert builder._next_build(True, time.time()) == FINISHED
+    assert "no checkpoint above step 10 (the newest published) is a refresh step" in \
+        capsys.readouterr().out
+  finally:
+    builder.close()
+
 @pytest.mark.slow
 def test_a_checkpoint_that_does_not_restore_is_named_in_one_error(world_dir, tmp_path):
   """A finalised checkpoint whose files are truncated: the builder stops with a CheckpointError

@@ -10,7 +10,8 @@ It runs beside the trainer on its own devices and shares only the workdir with i
      (`retrieval.published`: manifest last, atomic rename, then `LATEST`), with the query-tower
      params of the same snapshot;
   4. repeats for newer checkpoints until the trainer writes `W/DONE` (`--once`: one build,
-     none where the newest checkpoint is published already).
+     none where the newest checkpoint is published already; beside a deterministic trainer
+     the next refresh step's, as the loop would build it, none where none is left).
 
 With several processes (`--multihost`) process 0 decides each build and the others follow it
 (`multihost.from_first_process`): every process restores and embeds (the mesh spans them all);
@@ -479,7 +480,7 @@ class IndexBuilder:
           last_message = time.time()
         time.sleep(cfg.builder.poll_seconds)
         continue
-      step = self._newest_unpublished(steps[-1]) if once else self.next_step(steps)
+      step = self._once_build(steps) if once else self.next_step(steps)
       if step is not None:
         return step
       if self._trainer_done():
@@ -487,6 +488,21 @@ class IndexBuilder:
         return FINISHED
       last_message = self._say_if_trainer_gone(steps[-1], last_message)
       time.sleep(cfg.builder.poll_seconds)
+
+  def _once_build(self, steps: list[int]) -> int:
+    """`--once`'s build. Beside a deterministic trainer the step `next_step` gives (the next
+    refresh step: a version of another step no trainer step reads, and it would stop every
+    build of the refresh steps below it), or FINISHED where none is left (said); else
+    `_newest_unpublished`."""
+    if self.refresh_mode(workdir_lib.recorded_config(self.workdir) or {}) != "deterministic":
+      return self._newest_unpublished(steps[-1])
+    step = self.next_step(steps)
+    if step is not None:
+      return step
+    logger.info(f"[index] no checkpoint above step {max(self.published_steps(), default=-1)} "
+                f"(the newest published) is a refresh step the trainer reads (retrieval.refresh "
+                f"'deterministic'; the newest checkpoint is step {steps[-1]}): nothing to build")
+    return FINISHED
 
   def _newest_unpublished(self, newest: int) -> int:
     """`--once`'s build: the newest checkpoint, or FINISHED where a version of it is published
@@ -604,7 +620,8 @@ def run() -> None:
   config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)); the same "
                                   "as the trainer's.", lock_config=True)
   flags.DEFINE_string("workdir", None, "The trainer's run directory.")
-  flags.DEFINE_bool("once", False, "Build for the newest checkpoint, publish, and exit.")
+  flags.DEFINE_bool("once", False, "Build for the newest checkpoint (deterministic refresh: "
+                    "the next refresh step), publish, and exit.")
   app.run(main, flags_parser=flags_parser("realm-index", __name__))
 
 
