@@ -72,6 +72,22 @@ def test_save_and_load_give_the_same_rows(clustered, index, tmp_path):
                                 num_blocks=10, settings=index.settings)
 
 
+def test_a_searcher_whose_file_is_cut_short_is_a_load_error_the_trainer_retries(
+    index, tmp_path):
+  """ScaNN's own error for a searcher file cut short or gone (a version pruned while the
+  trainer loads it) is a RuntimeError, which the trainer's index subscriber does not take as
+  a failed load (retried, then the version rejected): its thread died and the run failed.
+  It is a ValueError naming the directory now."""
+  directory = tmp_path / "published"
+  directory.mkdir()
+  scann_index.save_searcher(index.searcher, str(directory))
+  biggest = max(directory.iterdir(), key=lambda p: p.stat().st_size)
+  biggest.write_bytes(biggest.read_bytes()[:16])
+  with pytest.raises(ValueError, match=f"ScaNN could not load the searcher in {directory}: "):
+    scann_index.ScannIndex.load(str(directory), version=3, step=700, num_blocks=NUM_BLOCKS,
+                                settings=index.settings)
+
+
 def test_two_builds_of_the_same_table_are_identical(clustered, index):
   blocks, queries = clustered
   again = scann_index.ScannIndex(scann_index.build_searcher(blocks, index.settings), version=3,

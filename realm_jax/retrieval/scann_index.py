@@ -201,7 +201,10 @@ class ScannIndex:
     """
     if not os.path.isdir(directory):
       raise FileNotFoundError(f"no ScaNN searcher at {directory}")
-    searcher = _scann().load_searcher(directory)
+    try:
+      searcher = _scann().load_searcher(directory)
+    except RuntimeError as e:   # ScaNN's own, for a file cut short or gone (pruned mid-load)
+      raise ValueError(f"ScaNN could not load the searcher in {directory}: {e}") from None
     if searcher.size() != num_blocks:
       raise ValueError(f"the searcher in {directory} holds {searcher.size()} blocks, "
                        f"expected {num_blocks}")
