@@ -216,8 +216,9 @@ class IndexBuilder:
     t0 = time.time()
     params = self.restore_retriever(step)
     if params is None:
-      logger.warning(f"[index] checkpoint {step} was deleted while being restored; moving to the "
-                     "newest")
+      logger.warning(f"[index] checkpoint {step} was deleted while being restored; looking "
+                     "again for the one to build (async: the newest; deterministic: the next "
+                     "refresh step)")
       return None
     timings["restore_seconds"] = round(time.time() - t0, 3)
     embed_fn = embedders.block_embedder(self.model, self.mesh, cfg, params)
