@@ -46,9 +46,11 @@ def check_writable(out: str) -> str:
 
 def write_results(out: str, metrics: dict, predictions: list[dict]) -> str:
   """out/{predictions.jsonl, metrics.json}, each seen whole or not at all (a local file is
-  written then renamed, a bucket object written in one request); metrics last, so that the
-  predictions beside a metrics.json are its own. An earlier evaluation there of other
-  questions, data or settings (`EVALUATED_BY`) is replaced with a warning naming them."""
+  written then renamed, a bucket object written in one request); an earlier evaluation's
+  metrics.json goes first and this one's comes last, so that the predictions beside a
+  metrics.json are its own (a run killed between the two leaves none). An earlier evaluation
+  there of other questions, data or settings (`EVALUATED_BY`) is replaced with a warning
+  naming them."""
   paths.makedirs(out)
   try:
     before = paths.read_json(paths.join(out, "metrics.json")) or {}
@@ -59,6 +61,7 @@ def write_results(out: str, metrics: dict, predictions: list[dict]) -> str:
   if changed:
     logger.warning(f"[eval] {out} held an evaluation of another kind ({'; '.join(changed)}): "
                    "replaced")
+  paths.remove(paths.join(out, "metrics.json"))
   paths.write_text_atomic(paths.join(out, "predictions.jsonl"),
                           "".join(json.dumps(p) + "\n" for p in predictions))
   paths.write_json(paths.join(out, "metrics.json"), metrics)

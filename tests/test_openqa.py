@@ -521,6 +521,30 @@ def test_realm_eval_checks_where_it_writes_before_it_evaluates(world_dir, tmp_pa
   assert refused.value.filename == str(tmp_path / "eval")
 
 
+def test_an_evaluation_killed_between_its_two_files_leaves_no_mixed_pair(tmp_path,
+                                                                         monkeypatch):
+  """Another evaluation of a step and split replaces the folder's files, predictions first;
+  one killed before its metrics.json leaves no metrics.json of the evaluation before beside
+  its own predictions (a reader took the pair as one evaluation's)."""
+  from realm_jax import paths
+  from realm_jax.openqa_eval import write_results
+  out = str(tmp_path / "eval" / "6" / "test")
+  write_results(out, {"source": "prepared:eval", "exact_match": 0.5}, [{"q": "old"}])
+  write_json = paths.write_json
+
+  def killed(*args, **kwargs):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(paths, "write_json", killed)
+  with pytest.raises(KeyboardInterrupt):
+    write_results(out, {"source": "nq_open:other", "exact_match": 0.1}, [{"q": "new"}])
+  monkeypatch.setattr(paths, "write_json", write_json)
+  assert [json.loads(line) for line in open(os.path.join(out, "predictions.jsonl"))] == \
+      [{"q": "new"}]
+  assert not os.path.exists(os.path.join(out, "metrics.json"))   # not finished: no metrics
+  write_results(out, {"source": "nq_open:other", "exact_match": 0.1}, [{"q": "new"}])
+  assert json.load(open(os.path.join(out, "metrics.json")))["exact_match"] == 0.1
+
+
 def test_the_index_of_a_step_is_found_among_later_versions(tmp_path):
   """realm-eval / realm-predict --step N of a pre-training run: the version its checkpoint N
   embedded, though later versions followed; none for a step that embedded none."""
