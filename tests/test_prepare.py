@@ -610,6 +610,27 @@ def test_a_source_with_no_usable_document_leaves_nothing_that_binds_the_rerun(tm
   assert prepare_lib.prepare(squad)["documents"] == len(PROSE)
 
 
+def test_a_run_killed_while_writing_its_settings_or_vocab_binds_no_rerun(tmp_path):
+  """What a run killed (-9) in the middle of writing prepare.json, the copied vocab or the
+  vocab's record leaves is a temp file beside them: the same command run again prepares the
+  dir (it used to be refused as a dir realm-prepare never wrote), and before any shard is
+  packed a rerun under other settings takes it, as it takes one that wrote them whole."""
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines())
+  config = config_for(f"jsonl:{path}", str(tmp_path / "out"))
+  os.makedirs(config.out_dir)
+  for name in (prepare_lib.LOCK, "prepare.json.tmp"):   # killed in its first write
+    open(os.path.join(config.out_dir, name), "w").close()
+  assert prepare_lib.prepare(config)["documents"] == len(PROSE)
+  vocab = os.path.join(config.out_dir, "vocab.txt")
+  other = config_for(f"jsonl:{path}", str(tmp_path / "other"), vocab=vocab)
+  os.makedirs(other.out_dir)
+  with open(os.path.join(other.out_dir, "prepare.json"), "w") as f:
+    json.dump({**prepare_lib._fingerprint(other), "block_len": 64}, f)
+  for name in (prepare_lib.LOCK, "vocab.txt.tmp", f"{prepare_lib.VOCAB_RECORD}.tmp-12345"):
+    open(os.path.join(other.out_dir, name), "w").close()   # killed while copying, recording
+  assert prepare_lib.prepare(other)["documents"] == len(PROSE)
+
+
 def test_gzipped_jsonl_is_read_and_a_truncated_one_is_named(tmp_path):
   import gzip
   (tmp_path / "dump").mkdir()

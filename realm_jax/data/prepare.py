@@ -145,7 +145,7 @@ def _check_out_dir(config) -> dict | None:
   if os.path.exists(path):
     with open(path) as f:
       diffs = _other_settings(json.load(f), config, out)
-    if diffs and set(os.listdir(out)) <= UNPACKED:   # stopped before packing any shard
+    if diffs and _written(out) <= UNPACKED:   # stopped before packing any shard
       logger.info(f"[prepare] {out} holds no packed document yet: preparing it with this "
                   "run's settings (a vocab there is reused only if made from the same file or "
                   "documents)")
@@ -154,7 +154,7 @@ def _check_out_dir(config) -> dict | None:
     if os.path.exists(os.path.join(out, "stats.json")):
       with open(os.path.join(out, "stats.json")) as f:
         return json.load(f)
-  elif os.path.isdir(out) and set(os.listdir(out)) - {LOCK}:
+  elif os.path.isdir(out) and _written(out) - {LOCK}:
     raise ConfigError("out_dir", f"{out} exists, is not empty and was not written by "
                       "realm-prepare (no prepare.json); use another out_dir")
   os.makedirs(out, exist_ok=True)
@@ -185,6 +185,14 @@ VOCAB_RECORD = "vocab.json"
 # A dir holding no more than these packed nothing yet: it takes other settings (a run that
 # stopped on a bad or empty source, whose vocab checks itself against its record)
 UNPACKED = {"prepare.json", LOCK, "vocab.txt", VOCAB_RECORD, "vocab.tmp"}
+# What a run killed while it wrote prepare.json, copied the vocab or recorded it leaves (the
+# temp names of `_check_out_dir`, `_vocab`, `paths.write_text_atomic`): no part of a dir
+KILLED_WRITES = ("prepare.json.tmp", "vocab.txt.tmp", f"{VOCAB_RECORD}.tmp-")
+
+
+def _written(out: str) -> set[str]:
+  """The names in `out`, but the temp files of writes cut short (KILLED_WRITES)."""
+  return {name for name in os.listdir(out) if not name.startswith(KILLED_WRITES)}
 
 
 def _vocab(config):
