@@ -187,11 +187,18 @@ def test_a_run_with_the_cache_resumes_exactly_and_reports_its_hits(world_dir, tm
   assert " | score cache " in capsys.readouterr().out
   # The whole run's step-15 checkpoint (what a run stopped there leaves: its lr schedule does
   # not depend on train.steps, warm-up 10) resumed by a new run: a fresh cache, every triple
-  # read again.
+  # read again. Its figures are the whole run's: the checkpoint keeps the counts of the steps
+  # before it (they counted the steps after the resume alone, half the reads).
   os.makedirs(tmp_path / "resumed" / "checkpoints")
   shutil.copytree(tmp_path / "whole" / "checkpoints" / "15",
                   tmp_path / "resumed" / "checkpoints" / "15")
-  train(run(30), str(tmp_path / "resumed"))
+  resumed = train(run(30), str(tmp_path / "resumed"))
+  assert resumed["score_cache_reader_forwards_saved"] + resumed["score_cache_reader_forwards"] \
+      == 30 * 16 * read_per_query
+  assert resumed["score_cache_reader_forwards"] >= whole["score_cache_reader_forwards"]
+  assert resumed["score_cache_hit_rate"] == round(
+      resumed["score_cache_reader_forwards_saved"] / (30 * 16 * read_per_query), 4)
+  assert resumed["query_batches_packed"] == whole["query_batches_packed"]
   losses = [[r["loss"] for r in read_jsonl(os.path.join(tmp_path, name, "metrics",
                                                         "train.jsonl"))]
             for name in ("whole", "resumed")]

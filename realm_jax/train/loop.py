@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 _SHOWN = ("loss", "distill_kl", "retrieval_utility", "retrieval_entropy", "ict_accuracy")
 # the key of a checkpoint's data item that holds the batches packed up to its step (none: 0)
 PACKED_BATCHES = "query_batches_packed"
+# the keys of a checkpoint's data item that hold the score cache's counts up to its step (none:
+# 0): the reader forwards it saved, those it made, the rows the reader ran on for them
+CACHE_COUNTS = ("score_cache_reader_forwards_saved", "score_cache_reader_forwards",
+                "score_cache_reader_rows")
 
 
 class Trainer(Run):
@@ -79,8 +83,8 @@ class Trainer(Run):
     return super().checkpoint_due(done) or self.candidates.checkpoint_due(done)
 
   def carried(self) -> dict:
-    packed = self.step_batches.packed_batches if self.step_batches is not None else 0
-    return {**super().carried(), **({PACKED_BATCHES: packed} if packed else {})}
+    return {**super().carried(),
+            **(self.step_batches.carried() if self.step_batches is not None else {})}
 
   # -- the steps ---------------------------------------------------------------------------
   def begin(self, start: int, init) -> None:
@@ -135,7 +139,7 @@ class Trainer(Run):
         if self.config.retrieval.get("score_cache", False) else None
     self.step_batches = QueryStepBatches(
         self.config, self.data, self.mesh, self.candidates, score_cache, data_iter, start, depth,
-        self.inputs.pack, packed=int((self.saved_data or {}).get(PACKED_BATCHES, 0)))
+        self.inputs.pack, carried=self.saved_data)
     return self.step_batches
 
   def evaluates_at_start(self) -> bool:
@@ -202,15 +206,25 @@ class QueryStepBatches(StepBatches):
   batch feed's thread."""
 
   def __init__(self, config, data, mesh, candidates, score_cache: ScoreCache | None,
-               data_iter, start: int, depth: int, pack, packed: int = 0):
+               data_iter, start: int, depth: int, pack, carried: dict | None = None):
     self.config, self.data, self.mesh, self.pack = config, data, mesh, pack
     self.candidates, self.score_cache = candidates, score_cache
     self.rows = candidate_rows.of(config)
     self.data_iter, self.start, self.depth = data_iter, start, depth
     self.feed: BatchFeed | None = None   # started by the first `next` (after the first eval)
-    self.cache_hits = self.cache_reads = self.cache_rows = 0
-    # retrieval.packed_query_rows: batches whose queries were packed (`packed` before `start`)
-    self.packed_batches = packed
+    # the counts of the steps so far, from those before `start` on (`carried`: the data item
+    # of the checkpoint resumed from): the score cache's, and the batches whose queries were
+    # packed (retrieval.packed_query_rows)
+    carried = carried or {}
+    self.cache_hits, self.cache_reads, self.cache_rows = (int(carried.get(k, 0))
+                                                          for k in CACHE_COUNTS)
+    self.packed_batches = int(carried.get(PACKED_BATCHES, 0))
+
+  def carried(self) -> dict:
+    """The counts a checkpoint saved now keeps for a resumed run, each where it is not 0."""
+    counts = {PACKED_BATCHES: self.packed_batches, **dict(zip(
+        CACHE_COUNTS, (self.cache_hits, self.cache_reads, self.cache_rows)))}
+    return {k: v for k, v in counts.items() if v}
 
   def next(self, step: int) -> StepBatch:
     self.candidates.before_step(step, self.start, self.depth)
@@ -271,7 +285,9 @@ class QueryStepBatches(StepBatches):
     return " ".join(f"{k} {scalars[k]:.4g}" for k in _SHOWN if k in scalars), note
 
   def _cache_figures(self) -> dict:
-    """The score cache's figures over the steps this process ran (since a resume)."""
+    """The score cache's figures: this process's look-ups over the run's steps (a resumed run:
+    with those before its checkpoint, which keeps the first process's, the one that writes
+    the summary), and what the cache holds now."""
     looked_up = max(self.cache_hits + self.cache_reads, 1)
     return {"score_cache_hit_rate": round(self.cache_hits / looked_up, 4),
             "score_cache_reader_forwards_saved": self.cache_hits,
