@@ -629,6 +629,8 @@ def test_a_run_killed_while_writing_its_settings_or_vocab_binds_no_rerun(tmp_pat
   for name in (prepare_lib.LOCK, "vocab.txt.tmp", f"{prepare_lib.VOCAB_RECORD}.tmp-12345"):
     open(os.path.join(other.out_dir, name), "w").close()   # killed while copying, recording
   assert prepare_lib.prepare(other)["documents"] == len(PROSE)
+  for out in (config.out_dir, other.out_dir):   # gone (a bucket's data was uploaded with them)
+    assert not [n for n in os.listdir(out) if ".tmp" in n], os.listdir(out)
 
 
 def test_gzipped_jsonl_is_read_and_a_truncated_one_is_named(tmp_path):

@@ -142,10 +142,11 @@ def _check_out_dir(config) -> dict | None:
   out = config.out_dir
   path = os.path.join(out, "prepare.json")
   current = _fingerprint(config)
+  written = _written(out) if os.path.isdir(out) else set()
   if os.path.exists(path):
     with open(path) as f:
       diffs = _other_settings(json.load(f), config, out)
-    if diffs and _written(out) <= UNPACKED:   # stopped before packing any shard
+    if diffs and written <= UNPACKED:   # stopped before packing any shard
       logger.info(f"[prepare] {out} holds no packed document yet: preparing it with this "
                   "run's settings (a vocab there is reused only if made from the same file or "
                   "documents)")
@@ -154,7 +155,7 @@ def _check_out_dir(config) -> dict | None:
     if os.path.exists(os.path.join(out, "stats.json")):
       with open(os.path.join(out, "stats.json")) as f:
         return json.load(f)
-  elif os.path.isdir(out) and _written(out) - {LOCK}:
+  elif written - {LOCK}:
     raise ConfigError("out_dir", f"{out} exists, is not empty and was not written by "
                       "realm-prepare (no prepare.json); use another out_dir")
   os.makedirs(out, exist_ok=True)
@@ -191,8 +192,14 @@ KILLED_WRITES = ("prepare.json.tmp", "vocab.txt.tmp", f"{VOCAB_RECORD}.tmp-")
 
 
 def _written(out: str) -> set[str]:
-  """The names in `out`, but the temp files of writes cut short (KILLED_WRITES)."""
-  return {name for name in os.listdir(out) if not name.startswith(KILLED_WRITES)}
+  """The names in `out`, the temp files of writes cut short (KILLED_WRITES) removed first (the
+  run that calls this holds the dir's lock: no other run writes them now; left, they were
+  uploaded with a bucket's data)."""
+  names = set(os.listdir(out))
+  for name in names:
+    if name.startswith(KILLED_WRITES):
+      os.remove(os.path.join(out, name))
+  return {name for name in names if not name.startswith(KILLED_WRITES)}
 
 
 def _vocab(config):
