@@ -53,7 +53,7 @@ import time
 
 from realm_jax import log, paths, processes, workdir as workdir_lib
 from realm_jax.errors import CommandParser, ConfigError, raise_if_interrupted, run_cli
-from realm_jax.config.loading import config_module
+from realm_jax.config.loading import config_module, module_config
 from realm_jax.config.option_names import upgrade_config, upgrade_flags
 from realm_jax.config.reading import flat_options, uses_index_builder
 from realm_jax.config.overrides import (check_key, check_known_options, field_value,
@@ -462,7 +462,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
   path, _, arg = args.config.partition(":")
   try:
     module = config_module(path)
-    config = module.get_config(arg) if arg else module.get_config()
+    config = module_config(module, arg)
     hyper = module.get_hyper(arg or None) if hasattr(module, "get_hyper") else None
   except Exception as e:     # the config module's own error, named with the flag that chose it
     raise ConfigError("", f"--config {args.config!r}: {type(e).__name__}: {e}") from None

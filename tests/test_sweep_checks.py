@@ -179,3 +179,19 @@ def test_a_get_hyper_none_is_refused_naming_its_field(tmp_path, capsys):
   assert exit_.value.code == 2 and "--config.init.from_workdir=None" not in captured.out
   assert captured.err.startswith("sweep.py: error: config.init.from_workdir: get_hyper() "
                                  "gives None"), captured.err
+
+
+@pytest.mark.parametrize("grid", ["a=1,2", "train.lr=1e-3,3e-3"])
+def test_a_get_config_without_a_configdict_is_one_line(tmp_path, capsys, grid):
+  """A config file whose get_config() returns a dict, which realm-train and tpu_pod.py refuse
+  in one line: the sweep ended in an AttributeError's traceback where the grid named its keys,
+  and refused a field of the defaults as "not a field of the config"."""
+  config = tmp_path / "plain.py"
+  config.write_text("def get_config():\n  return {'a': 1}\n")
+  with pytest.raises(SystemExit) as exit_:
+    sweep.main(["--config", str(config), "--root", str(tmp_path / "s"), "--grid", grid,
+                "--launcher", "print"])
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err == (f"sweep.py: error: --config '{config}': TypeError: "
+                                     "get_config() returned dict, not an "
+                                     "ml_collections.ConfigDict\n")

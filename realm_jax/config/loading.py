@@ -20,14 +20,20 @@ def config_module(path: str):
   return module
 
 
-def load_config(spec: str) -> ml_collections.ConfigDict:
-  """`path/to/config.py[:arg]` -> its get_config(arg) (a TypeError where that is no
-  ConfigDict, as the CLIs' `--config` refuses it)."""
-  path, _, arg = spec.partition(":")
-  module = config_module(path)
+def module_config(module, arg: str = "") -> ml_collections.ConfigDict:
+  """A config module's get_config(arg) (get_config() without `arg`), or a TypeError where
+  that is no ConfigDict, as the CLIs' `--config` refuses it."""
   config = module.get_config(arg) if arg else module.get_config()
   if not isinstance(config, ml_collections.ConfigDict):
     raise TypeError(f"get_config() returned {type(config).__name__}, not an "
                     "ml_collections.ConfigDict")
+  return config
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+  """`path/to/config.py[:arg]` -> its get_config(arg) (`module_config`), old option names
+  read as the new."""
+  path, _, arg = spec.partition(":")
+  config = module_config(config_module(path), arg)
   upgrade_config(config)
   return config
