@@ -187,7 +187,10 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
     raise ConfigError(f"qa.{split}", f"is empty: name the questions to evaluate {workdir} on "
                       f"with --config.qa.{split}=SPEC (nq_open:PATH, webq:PATH, "
                       "curated_trec:PATH, squad:PATH, tfds:NAME[:SPLIT], prepared:SPLIT)")
-  examples, counts = qa_split(config.qa, split, config.data.dir)   # bad specs fail first
+  # `prepared:` questions where the blocks are read (`open_data`: a relative dir named with
+  # the directory it was looked for from, a gcsfuse path not mounted here as its bucket's)
+  data_dir = workdir_lib.check_data_dir(config)
+  examples, counts = qa_split(config.qa, split, data_dir)   # bad specs fail first
   check_writable(paths.join(workdir, "eval"))   # before anything is computed
   config, data, mesh, model, params, frozen, reader, step = load_run(
       config, workdir, step, retrieval_only)

@@ -185,6 +185,10 @@ def test_prepare_ict_realm_with_the_builder_resume_and_eval_all_in_the_bucket(se
   assert workdir_lib.open_data(mounted).blocks.fingerprint == \
       workdir_lib.open_data(resumed).blocks.fingerprint
   assert f"{mounted.data.dir} is not mounted here: reading {data}" in caplog.text
+  # realm-eval of the run as recorded there: its `prepared:` questions come from the bucket too
+  recorded = resumed.copy_and_resolve_references()
+  recorded.data.dir = mounted.data.dir
+  _evaluate_in_the_bucket(recorded, workdir, step=6)
   # The run keeps its vocab in the bucket, and readers of the run check against it there.
   vocab = bucket_text(f"{data}/vocab.txt")
   assert bucket_text(f"{ict_dir}/vocab.txt") == vocab
