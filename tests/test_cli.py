@@ -713,6 +713,15 @@ def test_help_succeeds_and_a_get_config_without_a_configdict_is_one_line(tmp_pat
                        "ml_collections.ConfigDict")
 
 
+@pytest.mark.parametrize("module", ["realm_jax.train.main", "realm_jax.predict"])
+def test_dash_h_is_help_as_in_every_other_command(module):
+  """`-h` shows the help and exits 0, as it does in the argparse commands (local.py, sweep.py,
+  realm-import-hf, the demos); absl has no `-h` and refused it as an unknown flag (exit 2)."""
+  helped = subprocess.run([sys.executable, "-m", module, "-h"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+  assert helped.returncode == 0 and "--workdir" in helped.stdout, helped.stderr[-2000:]
+
+
 def console_scripts() -> dict[str, str]:
   """setup.py's console scripts: {command: "module:function"}."""
   with open(os.path.join(REPO, "setup.py")) as f:

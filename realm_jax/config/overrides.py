@@ -39,8 +39,15 @@ def flags_parser(prog: str, module: str, defaults: Callable | None = None
   def parse(argv: list[str]) -> list[str]:
     from absl import flags
     _help_of(flags.FLAGS, module)
-    return _parse_or_exit(prog, flags.FLAGS, argv, defaults)
+    return _parse_or_exit(prog, flags.FLAGS, _short_help(argv), defaults)
   return parse
+
+
+def _short_help(argv: list[str]) -> list[str]:
+  """`argv` with `-h` (before any `--`) as `--help`: absl has no `-h` and refuses it as an
+  unknown flag, where the argparse commands (launchers, demos, realm-import-hf) show help."""
+  cut = argv.index("--") if "--" in argv else len(argv)
+  return [a if a != "-h" or not 0 < i < cut else "--help" for i, a in enumerate(argv)]
 
 
 def _help_of(flag_values, module: str) -> None:
