@@ -174,11 +174,13 @@ def evaluate_run(config, workdir: str, step: int | None = None, split: str = "te
   """realm-eval: metrics + predictions of one checkpoint on one QA split, written under
   `results_dir`. Returns (metrics, that directory)."""
   from realm_jax import workdir as workdir_lib
+  from realm_jax.config.validation import validate
   from realm_jax.data.qa import qa_split
   from realm_jax.errors import ConfigError, raise_if_interrupted
   from realm_jax.train.qa_eval import QAEvaluator, format_metrics
   raise_if_interrupted()   # a Ctrl-C recorded in those imports
   workdir_lib.check_run_dir(workdir)   # (with --config, W/config.json was not read)
+  validate(config)   # a --config without a task (realm-prepare's) is named, before its fields
   if differs := workdir_lib.other_split(workdir, config):   # evaluating elsewhere is allowed
     logger.warning(f"[eval] {workdir} was fine-tuned under another held-out split: "
                    f"{'; '.join(differs)}: some of its {split} questions may be ones it "

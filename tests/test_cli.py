@@ -460,7 +460,7 @@ def test_the_argparse_commands_name_a_bad_flag_in_one_line(command, prog, args, 
 def test_a_workdir_that_is_not_a_run_is_named_in_one_line(module, prog, tmp_path):
   """A W that does not exist, or holds no run (no config.json, or another program's) or a
   broken record of one, is named as such, as is a negative --step but -1; a misspelt --split
-  of realm-eval names the splits."""
+  of realm-eval names the splits, and a --config without a task (realm-prepare's) the task."""
   (tmp_path / "empty").mkdir()
   (tmp_path / "broken").mkdir()
   (tmp_path / "broken" / "config.json").write_text('{"model": {')     # cut short
@@ -483,6 +483,8 @@ def test_a_workdir_that_is_not_a_run_is_named_in_one_line(module, prog, tmp_path
                   "flag --split=tset: value should be one of <train|dev|test>"))
     cases.append(([f"--workdir={tmp_path}/nowhere", "--config=configs/squad_openqa.py"],
                   f"{tmp_path}/nowhere: no such run directory"))
+    cases.append(([f"--workdir={tmp_path}/empty", "--config=configs/prepare.py"],
+                  "config.task: missing: not a training config"))   # was an AttributeError
   for args, expected in cases:
     result = subprocess.run([sys.executable, "-m", module, *args,
                              *(["who?"] if prog == "realm-predict" else [])],
