@@ -219,12 +219,15 @@ _RUN_OVERRIDES: list = []   # --config.KEY=VALUE without --config (`run`)
 def evaluation_config(workdir: str, overrides=()):
   """What realm-eval without `--config` and realm-predict evaluate under: the run's own
   W/config.json with the command line's `--config.KEY=VALUE` options set (`overrides`, from
-  `overrides.split_run_overrides`: a question set, a data dir that moved), its mesh fitted to
-  this machine (`checkpoints.fitted_mesh`). A W that holds no run and a bad option are named
-  before JAX is imported (~0.6 s of each such command's start)."""
+  `overrides.split_run_overrides`: a question set, a data dir that moved), its recorded mesh
+  fitted to this machine (`checkpoints.fitted_mesh`) unless they set `mesh.shape`. A W that
+  holds no run and a bad option are named before JAX is imported (~0.6 s of each such
+  command's start)."""
   from realm_jax import workdir as workdir_lib
   from realm_jax.config.overrides import apply_run_overrides
   config = apply_run_overrides(workdir_lib.saved_config(workdir), overrides)
+  if any(key == "mesh.shape" for _, key, _, _ in overrides):
+    return config   # the command line's own mesh, as given (one that does not fit is refused)
   from realm_jax.runtime.checkpoints import fitted_mesh
   return fitted_mesh(config)
 

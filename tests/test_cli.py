@@ -690,6 +690,17 @@ def test_options_of_a_runs_own_config_are_set_from_the_command_line(tmp_path):
       assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {expected}"), lines
 
 
+def test_a_mesh_given_on_the_command_line_is_not_replaced_by_a_fitted_one(tmp_path):
+  """realm-eval / realm-predict fit the run's own recorded mesh to this machine's 8 devices;
+  a `--config.mesh.shape` given on the command line is the user's, kept as given (one that does
+  not fit is refused when the mesh is made), not silently replaced by (-1, 1)."""
+  from realm_jax.openqa_eval import evaluation_config
+  workdir_lib.write_config(str(tmp_path / "w"), tiny_config("openqa", mesh__shape=(16, 1)))
+  assert tuple(evaluation_config(str(tmp_path / "w")).mesh.shape) == (-1, 1)
+  given = [("--config.mesh.shape", "mesh.shape", "(3,1)", False)]
+  assert tuple(evaluation_config(str(tmp_path / "w"), given).mesh.shape) == (3, 1)
+
+
 @pytest.mark.parametrize("empty", ["  ", "\u200b\u200d\u00ad"])   # blank; nothing read
 def test_realm_predict_refuses_an_empty_question(tmp_path, empty):
   """Before anything is loaded (`--workdir` is not even a run)."""
