@@ -168,7 +168,7 @@ def test_make_random_without_out_names_the_flag(capsys):
   """`--make-random ARCH` needs `--out DIR` (a TypeError from os.path before)."""
   from realm_jax.interop import hf_parity
   with pytest.raises(SystemExit) as stopped:
-    hf_parity.main(["--make-random", "bert"])
+    hf_parity.main(["-v", "1", "--make-random", "bert"])   # (-v: as every command takes it)
   err = capsys.readouterr().err
   assert stopped.value.code == 2 and "--make-random needs --out DIR" in err, err
 

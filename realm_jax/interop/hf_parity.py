@@ -33,6 +33,7 @@ import tempfile
 
 import numpy as np
 
+from realm_jax import log
 from realm_jax.errors import CommandParser
 
 TOLERANCE = 1e-4
@@ -412,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--out", default=None, help="with --make-random: the dir to write")
   parser.add_argument("--bin", action="store_true", help="with --make-random: save "
                       "pytorch_model.bin instead of model.safetensors")
+  log.add_verbosity_argument(parser)
   args = parser.parse_args(argv)
+  log.set_verbosity(args.verbosity)
   if args.make_random and not args.out:
     parser.error("--make-random needs --out DIR: the dir to write the checkpoint to")
   missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
