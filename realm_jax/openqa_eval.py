@@ -131,8 +131,9 @@ def _load_run(config, workdir: str, step: int | None, retrieval_only: bool):
   if config.task == "openqa" and not has_reader and not retrieval_only:
     raise ConfigError("task", f"'openqa', but {workdir}/checkpoints/{step} has no span reader "
                       "(reader/qa_outputs): it is a pre-training checkpoint. Fine-tune it with "
-                      "task=openqa first, or pass --retrieval_only for the zero-shot retrieval "
-                      "evaluation")
+                      "task=openqa first, or evaluate its zero-shot retrieval (realm-eval "
+                      "--retrieval_only; realm-predict without task=openqa shows the blocks it "
+                      "retrieves)")
   reader = has_reader and not retrieval_only
   config = config.copy_and_resolve_references()
   with config.unlocked():

@@ -572,8 +572,16 @@ def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path,
   workdir = str(tmp_path / "pretrained")
   pretraining, state = _pretraining_checkpoint(world_dir, world_data, workdir)
   config = openqa_config(world_dir)
-  with pytest.raises(ConfigError, match="no span reader .*retrieval_only"):
+  with pytest.raises(ConfigError, match="no span reader .*realm-eval --retrieval_only"):
     evaluate_run(config, workdir, split="test")
+  # realm-predict told as an Open-QA run: the flag it was advised is realm-eval's alone
+  from realm_jax import workdir as workdir_lib
+  from realm_jax.config.overrides import split_run_overrides
+  from realm_jax.predict import predict
+  workdir_lib.write_config(workdir, pretraining)
+  with pytest.raises(ConfigError, match="realm-predict without task=openqa shows the blocks"):
+    predict(workdir, ["who?"], overrides=split_run_overrides(
+        ["p", "--config.task=openqa", f"--config.data.dir={world_dir}"], False)[1])
   assert not pretraining.qa.test     # its own config names no questions: say how to
   with pytest.raises(ConfigError, match=r"config\.qa\.test: is empty: .* with "
                      r"--config\.qa\.test=SPEC"):
