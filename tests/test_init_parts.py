@@ -315,3 +315,50 @@ def test_a_retriever_field_set_to_the_readers_value_resumes():
   assert incompatible_fields(saved, json.loads(deeper.to_json_best_effort())) == [
       f"model.num_layers: {config.model.num_layers} (checkpoints) != "
       f"{config.model.num_layers + 1} (this run)"]
+
+
+def test_an_hf_retriever_trained_under_another_pooling_is_refused(world_dir, world_data,
+                                                                   tmp_path):
+  """An HF dir that records how it embeds (a sentence-transformers dir's 1_Pooling/config.json;
+  REALM's embedder reads [CLS] through its pooler) given to a retriever of the other pooling
+  would start as another function (MiniLM through its untrained pooler: recall@5 0.010):
+  refused naming model.retriever.pooling, as a workdir of the other pooling is. A plain BERT
+  records none: either pooling starts from it."""
+  vocab, vocab_size = world_data.tokenizer.vocab_path, world_data.tokenizer.vocab_size
+  bert_dir, _ = world_checkpoint(world_dir, tmp_path / "bert")
+  sentence_dir, _ = world_checkpoint(world_dir, tmp_path / "sentence")
+  os.makedirs(os.path.join(sentence_dir, "1_Pooling"))
+  with open(os.path.join(sentence_dir, "1_Pooling", "config.json"), "w") as f:
+    json.dump({"pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True}, f)
+
+  def check(path, **overrides):
+    config = tiny_config("realm", None, world_dir, init__retriever=path, **overrides)
+    src = initialization.sources(config)["retriever"]
+    return initialization.check_hf_source(config, src, vocab, vocab_size)
+  with pytest.raises(ConfigError, match=r"^config\.init\.retriever: .* does not fit the "
+                     r"retriever's config:\n  model\.retriever\.pooling: 'cls' \(config\) != "
+                     r"'mean' \(.*sentence/1_Pooling/config\.json\)$"):
+    check(sentence_dir)
+  assert check(sentence_dir, model__retriever__pooling="mean") == "bert"
+  for pooling in ("cls", "mean"):
+    assert check(bert_dir, model__retriever__pooling=pooling) == "bert"
+  # the reader has no pooling: a sentence encoder starts it whatever the retriever's
+  config = tiny_config("realm", None, world_dir, init__reader=sentence_dir)
+  assert initialization.check_hf_source(
+      config, initialization.sources(config)["reader"], vocab, vocab_size) == "bert"
+  embedder = tmp_path / "embedder"
+  embedder.mkdir()
+  config = tiny_config("realm", None, world_dir)
+  hf = {"model_type": "realm", "architectures": ["RealmEmbedder"],
+        "retriever_proj_size": config.model.retrieval_dim, "hidden_act": "gelu_new",
+        "vocab_size": vocab_size, "hidden_size": config.model.hidden_size,
+        "num_hidden_layers": config.model.num_layers,
+        "num_attention_heads": config.model.num_heads,
+        "intermediate_size": config.model.intermediate_size, "max_position_embeddings": 512}
+  (embedder / "config.json").write_text(json.dumps(hf))
+  src = initialization.Source("retriever", "init.retriever", "hf", str(embedder))
+  config = tiny_config("realm", None, world_dir, model__retriever__pooling="mean")
+  with pytest.raises(ConfigError, match=r"^config\.init\.retriever: .*\n  "
+                     r"model\.retriever\.pooling: 'mean' \(config\) != 'cls' \(.*embedder/"
+                     r"config\.json: RealmEmbedder\)$"):
+    initialization.check_hf_source(config, src, vocab, vocab_size)

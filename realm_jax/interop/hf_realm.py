@@ -50,8 +50,9 @@ import numpy as np
 from realm_jax import log, paths
 from realm_jax.errors import CommandParser, ConfigError, DataError, run_cli
 from realm_jax.interop import hf_bert, torch_pickle
-from realm_jax.interop.hf_realm_weights import (ImportReport, bert_report, convert,
-                                                read_hf_config, unsupported)
+from realm_jax.interop.hf_realm_weights import (POOLING_RECORD, ImportReport, bert_report,
+                                                convert, read_hf_config, sentence_pooling,
+                                                unsupported)
 
 logger = logging.getLogger("realm_jax.interop.hf_realm")   # (__name__ is __main__ under python -m)
 
@@ -61,26 +62,6 @@ BLOCK_RECORDS = "block_records.npy"
 DEFAULT_TASK = {"bert": "realm", "RealmEmbedder": "realm", "RealmKnowledgeAugEncoder": "realm",
                 "RealmReader": "openqa", "RealmForOpenQA": "openqa"}
 MIN_QUERY_LEN = 16   # the question's wordpieces an import's data.query_len leaves at least
-
-
-POOLING_RECORD = os.path.join("1_Pooling", "config.json")   # a sentence-transformers dir's
-
-
-def sentence_pooling(hf_dir: str) -> tuple[str | None, list[str]]:
-  """The pooling of a sentence-transformers model in `hf_dir`: ("mean" or "cls" where its
-  pooling record names one of those, mean first, else None), and the other modes it names,
-  which the retriever does not have (max, weighted mean, ...; [CLS] beside mean: the model
-  embeds each mode's vector concatenated). (None, []) without a record: a plain BERT, whose
-  retriever keeps the default, [CLS]."""
-  path = os.path.join(hf_dir, POOLING_RECORD)
-  if not os.path.exists(path):
-    return None, []
-  record = hf_bert.read_config_json(path)   # damaged: a DataError naming it
-  named = [key[len("pooling_mode_"):] for key, on in record.items()
-           if key.startswith("pooling_mode_") and on is True]
-  pooling = "mean" if "mean_tokens" in named else "cls" if "cls_token" in named else None
-  used = {"mean": "mean_tokens", "cls": "cls_token"}.get(pooling)
-  return pooling, [mode for mode in named if mode != used]
 
 
 def make_config(layout: str, hf: Mapping, *, task: str | None = None, data_dir: str = "",

@@ -73,6 +73,40 @@ def unsupported(hf: Mapping, source: str, layout: str) -> list[str]:
   return lines
 
 
+POOLING_RECORD = os.path.join("1_Pooling", "config.json")   # a sentence-transformers dir's
+# The REALM layouts whose retriever weights embed [CLS] through the pooler (HF's RealmEmbedder).
+CLS_EMBEDDERS = ("RealmEmbedder", "RealmForOpenQA")
+
+
+def sentence_pooling(hf_dir: str) -> tuple[str | None, list[str]]:
+  """The pooling of a sentence-transformers model in `hf_dir`: ("mean" or "cls" where its
+  pooling record names one of those, mean first, else None), and the other modes it names,
+  which the retriever does not have (max, weighted mean, ...; [CLS] beside mean: the model
+  embeds each mode's vector concatenated). (None, []) without a record: a plain BERT, whose
+  retriever keeps the default, [CLS]."""
+  path = os.path.join(hf_dir, POOLING_RECORD)
+  if not os.path.exists(path):
+    return None, []
+  record = hf_bert.read_config_json(path)   # damaged: a DataError naming it
+  named = [key[len("pooling_mode_"):] for key, on in record.items()
+           if key.startswith("pooling_mode_") and on is True]
+  pooling = "mean" if "mean_tokens" in named else "cls" if "cls_token" in named else None
+  used = {"mean": "mean_tokens", "cls": "cls_token"}.get(pooling)
+  return pooling, [mode for mode in named if mode != used]
+
+
+def trained_pooling(hf_dir: str, layout: str) -> tuple[str | None, str]:
+  """(the pooling the checkpoint's retriever weights were trained under, where that is said):
+  a sentence-transformers record's, [CLS] for REALM's embedder; (None, "") where nothing says
+  (a plain BERT: either pooling may start from it)."""
+  if layout in CLS_EMBEDDERS:
+    return "cls", f"{os.path.join(hf_dir, 'config.json')}: {layout}"
+  if layout == "bert":
+    pooling, _ = sentence_pooling(hf_dir)
+    return pooling, os.path.join(hf_dir, POOLING_RECORD) if pooling else ""
+  return None, ""
+
+
 # -- our names <-> HF keys ----------------------------------------------------------------
 def _flat(tree: Mapping, prefix: str = "") -> dict:
   out = {}

@@ -9,9 +9,10 @@
 A workdir part restores only that part's parameters, straight into their shardings, once its
 shapes are checked against this run's (a mismatch names the config fields that differ), and the
 fields that change what they compute (heads, GELU, the retriever's pooling) too. An HF
-part is checked field by field against that part's shape (`reading.part_model`), and the
-data's vocab against the checkpoint's. `start_params` prints where every part came from and
-what stayed at its initial values. Resuming a run's own checkpoint is not this module's job
+part is checked field by field against that part's shape (`reading.part_model`) and GELU, a
+retriever against the pooling the checkpoint records (`hf_realm_weights.trained_pooling`),
+and the data's vocab against the checkpoint's. `start_params` prints where every part came
+from and what stayed at its initial values. Resuming a run's own checkpoint is not this module's job
 (the trainers resume first and only start from here when there is nothing to resume).
 """
 
@@ -44,7 +45,7 @@ SHAPE_FIELDS = {
                "max_position", "span_hidden_size", "max_span_width")}
 # The config.model fields that change what each part's parameters compute, not their shapes:
 # a workdir part trained under other values would start as another function (an HF dir is
-# checked alike, `hf_bert.bert_config_mismatches`).
+# checked alike, `hf_bert.bert_config_mismatches` and `check_hf_source`).
 COMPUTE_FIELDS = {"retriever": ("num_heads", "hidden_act", "pooling"),
                   "reader": ("num_heads", "hidden_act")}
 
@@ -308,6 +309,11 @@ def check_hf_source(config, src: Source, data_vocab: str, vocab_size: int) -> st
       int(hf["retriever_proj_size"]) != config.model.retrieval_dim:
     lines.append(f"model.retrieval_dim: {config.model.retrieval_dim} (config) != "
                  f"{hf['retriever_proj_size']} ({path}/config.json)")
+  if part == "retriever":   # under the other pooling it would embed as another model
+    (trained, where), ours = (hf_realm_weights.trained_pooling(path, layout),
+                              _computed(config, part, "pooling"))
+    if trained and trained != ours:
+      lines.append(f"model.retriever.pooling: {ours!r} (config) != {trained!r} ({where})")
   if layout in ("RealmReader", "RealmForOpenQA") and part == "reader" and \
       config.task == "openqa":   # the span scorer's settings (its width a shape too: the
     # load would advise model.hidden_size for each qa_outputs tensor)
