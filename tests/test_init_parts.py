@@ -362,3 +362,23 @@ def test_an_hf_retriever_trained_under_another_pooling_is_refused(world_dir, wor
                      r"model\.retriever\.pooling: 'mean' \(config\) != 'cls' \(.*embedder/"
                      r"config\.json: RealmEmbedder\)$"):
     initialization.check_hf_source(config, src, vocab, vocab_size)
+
+
+def test_a_workdir_part_of_more_layers_says_which_it_reads(world_dir, world_data, fresh,
+                                                           tmp_path):
+  """A run's retriever of 2 layers given to a retriever of 1 starts from its first layer, as an
+  HF dir does, and says so as an HF dir does (it said only how many arrays it read)."""
+  vocab_size = world_data.tokenizer.vocab_size
+  deep = str(tmp_path / "deep")
+  saved = source_run(towers_config(world_dir, model__retriever__num_layers=2), deep, vocab_size)
+  got = start(towers_config(world_dir, init__retriever=deep), fresh, world_data)
+  assert got.lines[1:3] == [
+      "  layers of retriever/block_tower/bert: the first 1 of the checkpoint's 2",
+      "  layers of retriever/query_tower/bert: the first 1 of the checkpoint's 2"]
+  theirs, ours = flat(saved[0]["retriever"]), flat(got.params["retriever"])
+  for key, value in ours.items():
+    np.testing.assert_array_equal(value, theirs[key], err_msg=key)
+  alike = str(tmp_path / "alike")
+  source_run(towers_config(world_dir), alike, vocab_size)
+  same = start(towers_config(world_dir, init__retriever=alike), fresh, world_data)
+  assert not any("layers" in line for line in same.lines), same.lines

@@ -219,7 +219,24 @@ def _from_workdir(config, src: Source, initial: Callable[[], Any], abstract, dat
     value = traverse_util.unflatten_dict(flat)
   fresh = sorted({"/".join(p[:2]) for p in missing})
   line = f"{part} <- {src.option}={src.path} step {step} ({len(ours) - len(missing)} arrays)"
-  return value, [line] + [f"  left at init: {f} (not in that checkpoint)" for f in fresh], step
+  return value, ([line] + [f"  {note}" for note in _layers_left(saved, ours)]
+                 + [f"  left at init: {f} (not in that checkpoint)" for f in fresh]), step
+
+
+def _layers_left(saved, ours) -> list[str]:
+  """A note per tower whose checkpoint has more encoder layers than this run's: its first ones
+  are read (as from an HF dir), the others left out."""
+  def layers(paths) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for p in paths:
+      if "encoder" in p[:-2]:
+        at = p.index("encoder")
+        out.setdefault("/".join(p[:at]), set()).add(p[at + 1])
+    return out
+  theirs, mine = layers(saved), layers(ours)
+  return [f"layers of {tower}: the first {len(mine[tower])} of the checkpoint's {len(found)}"
+          for tower, found in sorted(theirs.items())
+          if tower in mine and len(found) > len(mine[tower])]
 
 
 def _field_differences(config, workdir: str, part: str) -> list[str]:
