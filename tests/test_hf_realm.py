@@ -835,3 +835,28 @@ def test_the_import_report_names_whole_dotted_keys():
   assert report.lines()[1:] == ["  reader/encoder: 2 params <- *",
                                 "  reader/head: 2 params <- cls.predictions.*",
                                 "  reader/pool: 1 params <- pooler.dense.weight"]
+
+
+def test_an_open_qa_checkpoint_given_to_init_retriever_says_its_index_is_not_read(tmp_path):
+  """init.retriever given an HF RealmForOpenQA dir reads its query tower alone: block_emb, the
+  blocks' embeddings, is read by realm-import-hf only (a published index). The start said
+  nothing of it (block_emb counted as used), and an Open-QA run then froze the index of its
+  block tower, left at init."""
+  from realm_jax.runtime import initialization
+  layout = "RealmForOpenQA"
+  source = random_params(layout, seed=1)
+  tensors = to_hf(source, layout)
+  tensors["block_emb"] = records_and_emb(np.random.default_rng(2))[1]
+  hf_dir = write_realm_checkpoint(tmp_path / "hf", layout, tensors)
+  config = hf_realm.make_config(layout, {**hf_realm_weights.REALM_DEFAULTS, **SIZES},
+                                block_len=40)
+  src = initialization.Source("retriever", "init.retriever", "hf", hf_dir)
+  params = random_params(layout, seed=4)
+  new, lines = initialization._from_hf(config, src, params, os.path.join(hf_dir, "vocab.txt"),
+                                       SIZES["vocab_size"])
+  np.testing.assert_array_equal(new["query_tower"]["projection"]["kernel"],
+                                source["retriever"]["query_tower"]["projection"]["kernel"])
+  assert f"  note: block_emb (the blocks' embeddings) is not read by init.retriever: " \
+         f"realm-import-hf --hf-dir {hf_dir} --out W2 publishes it as W2's index, and an " \
+         "Open-QA run started from init.retriever=W2 retrieves from it" in lines, lines
+  assert any(line.startswith("  not used: ") and "block_emb" in line for line in lines), lines

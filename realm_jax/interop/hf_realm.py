@@ -426,6 +426,7 @@ def _write_import(hf_dir: str, out: str, layout: str, hf: dict, vocab: str, task
     report.index = publish_index(out, tensors["block_emb"],
                                  query_tower_params(params["retriever"]),
                                  BlockStore(data_dir).fingerprint, hf_dir)
+    report.unused.remove("block_emb")   # no parameter: the published index
     if "block_tower" in params["retriever"]:
       report.notes.append("retriever/block_tower is not in a RealmForOpenQA checkpoint: its "
                           "block embeddings are block_emb, published as the index")

@@ -255,8 +255,6 @@ def convert(params: Mapping, tensors: dict[str, np.ndarray], layout: str, source
     _check_tied_decoder(conv, prefix, prefix.replace("cls.predictions.",
                                                      "realm.embeddings.word_embeddings.weight"))
   conv.raise_errors(option, hf_dir)
-  if "block_emb" in tensors:
-    conv.used.add("block_emb")
   out = hf_bert._replaced(params, new)
   initialised = sorted(p for p in flat if p not in from_hf
                        and (not only or p.startswith(only + "/")))

@@ -367,6 +367,11 @@ def _from_hf(config, src: Source, params, data_vocab: str, vocab_size: int):
                                          option=option)
   if not report.from_hf:
     raise ConfigError(option, f"{path} is a {layout}, which holds no {part} parameters")
+  if part == "retriever" and "block_emb" in tensors:   # RealmForOpenQA's: no parameter
+    report.notes.append(f"block_emb (the blocks' embeddings) is not read by {option}: "
+                        f"realm-import-hf --hf-dir {src.shown} --out W2 publishes it as W2's "
+                        "index, and an Open-QA run started from init.retriever=W2 retrieves "
+                        "from it")
   left = sorted({"/".join(p.split("/")[:3]) for p in report.initialised})
   unused = [f"  not used: {len(report.unused)} arrays of the checkpoint ("
             f"{', '.join(report.unused[:4])}{', ...' if len(report.unused) > 4 else ''})"] \
