@@ -860,3 +860,23 @@ def test_an_open_qa_checkpoint_given_to_init_retriever_says_its_index_is_not_rea
          f"realm-import-hf --hf-dir {hf_dir} --out W2 publishes it as W2's index, and an " \
          "Open-QA run started from init.retriever=W2 retrieves from it" in lines, lines
   assert any(line.startswith("  not used: ") and "block_emb" in line for line in lines), lines
+
+
+def test_a_vocab_given_beside_the_checkpoints_own_must_list_its_tokens(tmp_path):
+  """--vocab is for a dir without vocab.txt. Beside the checkpoint's own, another vocab of the
+  same size (realm-prepare trains 30,522 entries by default, bert-base's count) was taken: the
+  block records tokenised with it and kept as W2/vocab.txt, so that runs on data of that vocab
+  passed the check, every id meaning another word to the embeddings."""
+  from realm_jax.errors import ConfigError
+  hf_dir = _embedder_checkpoint(tmp_path / "hf")
+  hf = hf_realm.read_hf_config(hf_dir)[1]
+  other = tmp_path / "data_vocab.txt"
+  other.write_text("\n".join(VOCAB[:5] + [VOCAB[6], VOCAB[5]] + VOCAB[7:]) + "\n")
+  with pytest.raises(ConfigError, match=rf"^--vocab {other} lists other tokens than the "
+                     rf"checkpoint's {hf_dir}/vocab\.txt \(first at line 6: 'beta' vs "
+                     r"'alpha'\): .*leave --vocab out"):
+    hf_realm.import_checkpoint(hf_dir, str(tmp_path / "w2"), vocab=str(other))
+  assert not os.path.exists(tmp_path / "w2")
+  same = tmp_path / "copy.txt"
+  shutil.copyfile(os.path.join(hf_dir, "vocab.txt"), same)
+  assert hf_realm._checked_vocab(hf_dir, hf, str(same)) == str(same)

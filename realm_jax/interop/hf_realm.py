@@ -322,7 +322,8 @@ def _checked_source(hf_dir: str, out: str, task: str | None) -> tuple[str, dict]
 def _checked_vocab(hf_dir: str, hf: dict, vocab: str | None) -> str:
   """The checkpoint's vocab.txt (`vocab`, default HF_DIR/vocab.txt), after refusing one that
   is missing (a run's data could never be checked against the workdir), lists another number
-  of tokens than config.json's vocab_size, or is cased (`tokenizer.check_uncased`)."""
+  of tokens than config.json's vocab_size, is cased (`tokenizer.check_uncased`), or, given
+  beside HF_DIR/vocab.txt, lists other tokens than it."""
   from realm_jax.data.tokenizer import check_uncased, load_tokenizer
   given = vocab is not None
   vocab = vocab or os.path.join(hf_dir, "vocab.txt")
@@ -338,6 +339,15 @@ def _checked_vocab(hf_dir: str, hf: dict, vocab: str | None) -> str:
   if size != int(hf["vocab_size"]):
     raise ConfigError("", f"{vocab} has {size} tokens but {hf_dir}/config.json says vocab_size "
                       f"{hf['vocab_size']}: pass the checkpoint's vocab")
+  own = os.path.join(hf_dir, "vocab.txt")
+  if given and os.path.isfile(own):   # the ids of its embeddings: no other vocab's
+    ours, theirs = hf_bert._vocab_tokens(vocab), hf_bert._vocab_tokens(own)
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if first is not None:
+      raise ConfigError("", f"--vocab {vocab} lists other tokens than the checkpoint's {own} "
+                        f"(first at line {first + 1}: {ours[first]!r} vs {theirs[first]!r}): "
+                        "the block records' ids would mean other words to its embeddings; "
+                        "leave --vocab out (it gives the vocab of a dir without vocab.txt)")
   return vocab
 
 
@@ -349,7 +359,8 @@ def import_checkpoint(hf_dir: str, out: str, vocab: str | None = None,
     hf_dir: a dir with config.json and model.safetensors or pytorch_model.bin (and, for
       RealmForOpenQA, block_records.npy and vocab.txt).
     out: the workdir to write: a new or empty dir.
-    vocab: the vocab.txt block records are tokenised with (default: hf_dir/vocab.txt).
+    vocab: the checkpoint's vocab.txt where hf_dir has none (default: hf_dir/vocab.txt);
+      block records are tokenised with it.
     task: the stage the checkpoint starts (ict | realm | openqa); default by layout.
   Returns:
     The report (also written to out/import_report.json).
@@ -472,8 +483,8 @@ def main(argv: list[str] | None = None) -> ImportReport:
                       "model.safetensors or pytorch_model.bin)")
   parser.add_argument("--out", required=True, help="workdir to write (config.json, "
                       "checkpoints/0, and for RealmForOpenQA data/ and index/)")
-  parser.add_argument("--vocab", default=None, help="vocab.txt for the block records "
-                      "(default: HF_DIR/vocab.txt)")
+  parser.add_argument("--vocab", default=None, help="the checkpoint's vocab.txt, where "
+                      "HF_DIR has none (default: HF_DIR/vocab.txt)")
   parser.add_argument("--task", default=None, help="stage the checkpoint starts: ict | realm | "
                       "openqa (default: realm, or openqa for RealmReader / RealmForOpenQA)")
   log.add_verbosity_argument(parser)
