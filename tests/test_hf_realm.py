@@ -880,3 +880,21 @@ def test_a_vocab_given_beside_the_checkpoints_own_must_list_its_tokens(tmp_path)
   same = tmp_path / "copy.txt"
   shutil.copyfile(os.path.join(hf_dir, "vocab.txt"), same)
   assert hf_realm._checked_vocab(hf_dir, hf, str(same)) == str(same)
+
+
+@pytest.mark.parametrize("key, value, kind", [("retriever_proj_size", None, "an int"),
+                                              ("reader_seq_len", "320", "an int"),
+                                              ("reader_layer_norm_eps", "1e-3", "a float"),
+                                              ("hidden_dropout_prob", None, "a float")])
+def test_a_realm_setting_of_another_type_is_one_error_naming_it(tmp_path, key, value, kind):
+  """As BERT's sizes are: a REALM setting the import and init.* read as a number (null, a
+  string) was a TypeError traceback (int(None), "320" > 64) or, for a string of digits, read."""
+  hf_dir = _embedder_checkpoint(tmp_path / "hf")
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    config = json.load(f)
+  with open(os.path.join(hf_dir, "config.json"), "w") as f:
+    json.dump({**config, key: value}, f)
+  with pytest.raises(DataError, match=rf"^{hf_dir}/config\.json: {key} is {value!r}, not "
+                     rf"{kind}$"):
+    hf_realm.import_checkpoint(hf_dir, str(tmp_path / "w2"))
+  assert not os.path.exists(tmp_path / "w2")

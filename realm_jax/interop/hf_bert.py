@@ -71,13 +71,15 @@ def read_config_json(file: str) -> dict:
 _TYPED_KEYS = {**{key: int for key in ("vocab_size", "hidden_size", "num_hidden_layers",
                                        "num_attention_heads", "intermediate_size",
                                        "max_position_embeddings", "type_vocab_size")},
-               "layer_norm_eps": float, "hidden_act": str, "position_embedding_type": str}
+               **{key: float for key in ("layer_norm_eps", "hidden_dropout_prob",
+                                         "attention_probs_dropout_prob", "initializer_range")},
+               "hidden_act": str, "position_embedding_type": str}
 
 
-def checked_config(hf: dict, file: str) -> dict:
-  """`hf` if every _TYPED_KEYS value has its type (an int counts as a float), else a DataError
+def checked_config(hf: dict, file: str, typed: Mapping[str, type] = _TYPED_KEYS) -> dict:
+  """`hf` if every `typed` value has its type (an int counts as a float), else a DataError
   naming the key and the file."""
-  for key, kind in _TYPED_KEYS.items():
+  for key, kind in typed.items():
     value = hf.get(key)
     fits = isinstance(value, (int, float) if kind is float else kind) and \
         not isinstance(value, bool)

@@ -25,6 +25,12 @@ REALM_DEFAULTS = {**hf_bert.HF_DEFAULTS, "hidden_act": "gelu_new", "retriever_pr
                   "num_block_records": 13353718, "searcher_beam_size": 5000,
                   "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
                   "initializer_range": 0.02}
+# RealmConfig keys read as numbers, beside BERT's (hf_bert._TYPED_KEYS), and their types.
+_TYPED_KEYS = {**hf_bert._TYPED_KEYS,
+               **{key: int for key in ("retriever_proj_size", "num_candidates",
+                                       "span_hidden_size", "max_span_width", "reader_beam_size",
+                                       "reader_seq_len", "searcher_beam_size")},
+               "reader_layer_norm_eps": float}
 _LEAF = {"kernel": "weight", "embedding": "weight", "scale": "weight", "bias": "bias"}
 
 
@@ -53,7 +59,7 @@ def read_hf_config(hf_dir: str) -> tuple[str, dict]:
                       f"{'none' if not found else 'more than one'} of "
                       f"{', '.join(REALM_ARCHITECTURES)}; cannot tell which REALM model "
                       "the weights are")
-  return found[0], hf_bert.checked_config({**REALM_DEFAULTS, **raw}, file)
+  return found[0], hf_bert.checked_config({**REALM_DEFAULTS, **raw}, file, _TYPED_KEYS)
 
 
 def unsupported(hf: Mapping, source: str, layout: str) -> list[str]:
