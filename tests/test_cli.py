@@ -629,6 +629,18 @@ def test_mesh_rules_that_are_not_pairs_are_named(rules):
   assert "each rule is (logical axis, mesh axis)" in str(refused.value)
 
 
+@pytest.mark.parametrize("shape", [(8,), (-1, 1, 1), (), (0, 8), (-1, -1), (-2, 4)])
+def test_a_mesh_shape_of_no_mesh_is_named_by_validate(shape):
+  """A mesh.shape without one size per mesh axis, or with a size 0, passed `validate` (whose
+  refusal says "2 integers") and was named only where the mesh was made, after the data was
+  opened, and never by the launchers, which validate what they start (a sweep's grid)."""
+  from realm_jax.config.validation import validate
+  with pytest.raises(ConfigError) as refused:
+    validate(apply_overrides(tiny_config("realm"), {"mesh__shape": shape}))
+  assert refused.value.option == "mesh.shape", str(refused.value)
+  validate(apply_overrides(tiny_config("realm"), {"mesh__shape": [2, -1]}))   # a JSON record's
+
+
 def test_integers_are_read_exactly_at_any_size():
   from realm_jax.config.overrides import typed_value
   assert typed_value("1732790000123456789", 0, "seed") == 1732790000123456789

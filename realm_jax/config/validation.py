@@ -57,8 +57,8 @@ def check_cudnn_dtype(m) -> None:
 
 
 def _validate_mesh(config) -> None:
-  """seed a non-negative integer (it seeds the data order too); mesh.shape integers;
-  mesh.rules pairs of a logical axis and a mesh axis (or None)."""
+  """seed a non-negative integer (it seeds the data order too); mesh.shape a size per mesh
+  axis; mesh.rules pairs of a logical axis and a mesh axis (or None)."""
   if isinstance(config.seed, bool) or not isinstance(config.seed, int) or \
       not 0 <= config.seed < 2**32:
     raise ConfigError("seed", f"must be an integer in [0, 2**32), got {config.seed!r}")
@@ -67,6 +67,11 @@ def _validate_mesh(config) -> None:
       isinstance(s, int) and not isinstance(s, bool) for s in shape):
     raise ConfigError("mesh.shape", f"must be {len(MESH_AXES)} integers {MESH_AXES} (-1: "
                       f"the remaining devices), e.g. (-1, 1); got {shape!r}")
+  if len(shape) != len(MESH_AXES) or list(shape).count(-1) > 1 or \
+      any(s == 0 or s < -1 for s in shape):   # (the device count is checked with the mesh)
+    raise ConfigError("mesh.shape", f"must be {len(MESH_AXES)} sizes {MESH_AXES}, each "
+                      f"positive or one -1 (the remaining devices), e.g. (-1, 1); got "
+                      f"{tuple(shape)!r}")
   for rule in config.mesh.rules:
     pair = isinstance(rule, (tuple, list)) and len(rule) == 2   # (not a size of mesh.shape)
     axes = rule[1] if pair and isinstance(rule[1], (tuple, list)) else rule[1:] if pair else ()
