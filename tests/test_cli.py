@@ -1046,6 +1046,21 @@ def test_a_reader_length_it_cannot_read_is_refused(task, reader_len, says):
   assert says in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
 
 
+@pytest.mark.parametrize("task", ["ict", "realm", "openqa"])
+@pytest.mark.parametrize("beams, option", [
+    ({"qa__reader_beam": 0}, "qa.reader_beam"), ({"qa__reader_beam": -1}, "qa.reader_beam"),
+    ({"qa__searcher_beam": 4}, "qa.searcher_beam")])   # < reader_beam 5
+def test_beams_realm_eval_cannot_read_are_refused_for_every_task(task, beams, option):
+  """realm-eval reads qa.reader_beam and qa.searcher_beam for a pre-training run too (its
+  retrieval-only evaluation: answer_in_top_k, the blocks each prediction lists); they were
+  checked for task openqa alone, so a reader_beam of 0 reported every question's answer
+  missing from the top 0, and one of -1 read every block retrieved but the last."""
+  from realm_jax.config.validation import validate
+  with pytest.raises(ConfigError) as refused:
+    validate(apply_overrides(_task_config(task), beams))
+  assert refused.value.option == option, str(refused.value)
+
+
 def _task_config(task: str):
   """The tiny config of `task` ('warmup': REALM's reader warm-up; 'openqa': on REALM's)."""
   config = tiny_config("ict") if task == "ict" else tiny_config(
