@@ -178,6 +178,18 @@ def test_bad_init_sources_name_the_option(world_dir, world_data, fresh, tmp_path
     start(config, fresh, world_data)
 
 
+def test_a_step_given_for_a_random_start_is_refused():
+  """init.<part>_step names a checkpoint of the part's workdir: given with init.<part> 'random'
+  it was ignored (the part started at random), where with an empty init.<part> or an HF dir
+  it is refused."""
+  config = tiny_config("realm", init__retriever="random", init__retriever_step=3)
+  with pytest.raises(ConfigError, match=r"^config\.init\.retriever_step: 3, but init\."
+                     r"retriever='random' starts at random"):
+    initialization.sources(config)
+  config.init.retriever_step = -1
+  assert initialization.sources(config)["retriever"].kind == "random"
+
+
 def test_legacy_options_still_start_both_parts(world_dir, world_data, fresh, tmp_path):
   vocab_size = world_data.tokenizer.vocab_size
   run = str(tmp_path / "run")

@@ -91,6 +91,9 @@ class Start:
 def resolve(spec: str, option: str, part: str, step: int = -1) -> Source:
   """One init option's value -> its Source; ConfigError if it is none of the accepted forms."""
   if spec in ("", RANDOM_START):
+    if step >= 0:
+      raise ConfigError(f"init.{part}_step", f"{step}, but {option}={spec!r} starts at random "
+                        "(no checkpoint steps): leave it at -1")
     return Source(part, option, "random")
   path, url = packages.resolve(spec, option), ""
   from realm_jax.interop.hf_bert import WEIGHT_FILES, sharded
