@@ -1093,6 +1093,28 @@ def test_a_training_run_that_would_train_nothing_is_refused(task, overrides, say
   assert says in str(refused.value), str(refused.value)
 
 
+def test_an_ict_batch_of_one_query_is_refused_for_training():
+  """ICT's softmax is over the batch's blocks (each query's negatives are the others'): a
+  train.batch_size of 1 (a single device divides it) gave loss 0 and a zero gradient at every
+  step, a run that trained nothing but reported ict_accuracy 1. REALM reads its candidates
+  from the index and trains on one query a batch."""
+  import jax
+  import numpy as np
+  from realm_jax.config.validation import validate, validate_training
+  from realm_jax.models.losses import ict_loss
+  query, block = np.ones((1, 4), np.float32), np.full((1, 4), 0.5, np.float32)
+  loss, grads = jax.value_and_grad(lambda q, b: ict_loss(q, b)[0], (0, 1))(query, block)
+  assert float(loss) == 0 and not any(np.asarray(g).any() for g in grads)
+  config = apply_overrides(_task_config("ict"), {"train__batch_size": 1})
+  validate(config)   # (realm-eval still reads such a recorded run)
+  with pytest.raises(ConfigError) as refused:
+    validate_training(config)
+  assert refused.value.option == "train.batch_size", str(refused.value)
+  for task in ("ict", "realm"):
+    validate_training(apply_overrides(_task_config(task), {"train__batch_size": 2}))
+  validate_training(apply_overrides(_task_config("realm"), {"train__batch_size": 1}))
+
+
 def test_ict_with_a_reader_learning_rate_is_warned_of():
   """ICT's reader gets no gradient: a learning rate there only weight-decayed it and kept
   Adam's moments for it. Warned (a run recorded so resumes as it was), once, naming the option;
