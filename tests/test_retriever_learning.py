@@ -232,6 +232,21 @@ def test_bad_settings_are_refused_naming_the_option(world_dir, overrides, option
   assert e.value.option == option, str(e.value)
 
 
+def test_own_context_with_one_retrieved_candidate_is_refused_for_training(world_dir):
+  """With the null document and k=2, the own block (retrieval.own_context) takes the one
+  retrieved block's place: every training step read no retrieved block, the index built and
+  refreshed for nothing. Refused for training (realm-eval still reads a run recorded so)."""
+  from realm_jax.config.validation import validate_training
+  config = cache_config(world_dir, retrieval__score_cache=False, retrieval__own_context=True,
+                        retrieval__k=2, retrieval__train_null_document=True)
+  validate(config)
+  with pytest.raises(ConfigError) as e:
+    validate_training(config)
+  assert e.value.option == "retrieval.k", str(e.value)
+  config.retrieval.k = 3
+  validate_training(config)
+
+
 @pytest.mark.slow   # two REALM loss-and-gradient compiles on 8 devices, and an index
 def test_without_block_gradients_the_index_embeddings_score_and_only_queries_learn(
     world_dir, world_data):

@@ -414,13 +414,19 @@ def _validate_packing(config) -> None:
 def validate_training(config) -> None:
   """What only a training run checks (the trainer and its launchers; not realm-eval or
   realm-predict, which evaluate a run as it was recorded): a pre-training run is not evaluated
-  on the queries it trains on, ICT's batch holds negatives, a retriever loss or best export
-  has a retriever that scores its candidates, and a run trains something (a run whose every
-  trained half has learning rate scale 0 would step without changing a parameter)."""
+  on the queries it trains on, ICT's batch holds negatives, a REALM step reads a retrieved
+  block, a retriever loss or best export has a retriever that scores its candidates, and a run
+  trains something (a run whose every trained half has learning rate scale 0 would step
+  without changing a parameter)."""
   if config.task in ("ict", "realm") and config.data.split == config.eval.split:
     raise ConfigError("eval.split", f"{config.eval.split!r} is data.split too: the run would "
                       "be evaluated on the queries it trains on; give them different splits")
   _refuse_unscored_candidates(config)
+  r = config.retrieval
+  if config.task == "realm" and r.get("own_context", False) and r.k < 3:
+    raise ConfigError("retrieval.k", f"k={r.k} with retrieval.own_context: the own block takes "
+                      "the one retrieved block's place, so a training step would read no "
+                      "retrieved block (k >= 3)")
   t = config.train
   if config.task == "ict" and t.batch_size < 2:
     raise ConfigError("train.batch_size", f"{t.batch_size}: ICT's softmax is over the batch's "
