@@ -1115,6 +1115,23 @@ def test_an_ict_batch_of_one_query_is_refused_for_training():
   validate_training(apply_overrides(_task_config("realm"), {"train__batch_size": 1}))
 
 
+def test_ict_without_block_gradients_is_refused_for_training():
+  """retrieval.block_gradients False freezes REALM's block tower (its candidates scored with
+  the index's embeddings); ICT embeds its in-batch blocks in the step and trains both towers
+  whatever it says: the option was ignored without a word. realm-eval still reads a run
+  recorded so; REALM's warm-ups freeze the tower with it."""
+  from realm_jax.config.reading import frozen_paths
+  from realm_jax.config.validation import validate, validate_training
+  config = apply_overrides(_task_config("ict"), {"retrieval__block_gradients": False})
+  assert frozen_paths(config) == (("reader",),)   # (the block tower trains)
+  validate(config)
+  with pytest.raises(ConfigError) as refused:
+    validate_training(config)
+  assert refused.value.option == "retrieval.block_gradients", str(refused.value)
+  for task in ("realm", "warmup", "openqa"):
+    validate_training(apply_overrides(_task_config(task), {"retrieval__block_gradients": False}))
+
+
 def test_ict_with_a_reader_learning_rate_is_warned_of():
   """ICT's reader gets no gradient: a learning rate there only weight-decayed it and kept
   Adam's moments for it. Warned (a run recorded so resumes as it was), once, naming the option;

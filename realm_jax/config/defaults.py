@@ -163,7 +163,8 @@ def _retrieval(c) -> None:
                                    # False, is frozen: no update, no weight decay, and the
                                    # null document's embedding stays as it started). REALM
                                    # pre-training only: Open-QA always scores with the index's
-                                   # embeddings (ORQA's frozen block tower)
+                                   # embeddings (ORQA's frozen block tower); ICT, whose step
+                                   # embeds its in-batch blocks, refuses False
   c.retrieval.packed_query_rows = 0  # > 0: REALM's training step reads its queries packed
                                    # into this many rows of query_len wordpieces (several a
                                    # row, each attending to itself, positions restarting), so

@@ -414,10 +414,10 @@ def _validate_packing(config) -> None:
 def validate_training(config) -> None:
   """What only a training run checks (the trainer and its launchers; not realm-eval or
   realm-predict, which evaluate a run as it was recorded): a pre-training run is not evaluated
-  on the queries it trains on, ICT's batch holds negatives, a REALM step reads a retrieved
-  block, a retriever loss or best export has a retriever that scores its candidates, and a run
-  trains something (a run whose every trained half has learning rate scale 0 would step
-  without changing a parameter)."""
+  on the queries it trains on, ICT's batch holds negatives and its block tower trains, a
+  REALM step reads a retrieved block, a retriever loss or best export has a retriever that
+  scores its candidates, and a run trains something (a run whose every trained half has
+  learning rate scale 0 would step without changing a parameter)."""
   if config.task in ("ict", "realm") and config.data.split == config.eval.split:
     raise ConfigError("eval.split", f"{config.eval.split!r} is data.split too: the run would "
                       "be evaluated on the queries it trains on; give them different splits")
@@ -427,17 +427,27 @@ def validate_training(config) -> None:
     raise ConfigError("retrieval.k", f"k={r.k} with retrieval.own_context: the own block takes "
                       "the one retrieved block's place, so a training step would read no "
                       "retrieved block (k >= 3)")
+  if config.task == "ict":
+    _refuse_untrained_ict(config)
   t = config.train
-  if config.task == "ict" and t.batch_size < 2:
-    raise ConfigError("train.batch_size", f"{t.batch_size}: ICT's softmax is over the batch's "
-                      "blocks (each query's negatives are the other queries'): one query has "
-                      "loss 0 and no gradient; give >= 2")
   parts = ("retriever",) if config.task == "ict" else ("retriever", "reader")
   if all(t[f"{part}_lr_scale"] == 0 for part in parts):
     names = " and ".join(f"train.{part}_lr_scale" for part in parts)
     raise ConfigError(f"train.{parts[-1]}_lr_scale", f"{names} "
                       f"{'is' if len(parts) == 1 else 'are both'} 0: task {config.task!r} "
                       f"would train nothing")
+
+
+def _refuse_untrained_ict(config) -> None:
+  """ICT's softmax is over the batch's blocks, embedded by the step (both towers train)."""
+  if not config.retrieval.get("block_gradients", True):
+    raise ConfigError("retrieval.block_gradients", "False scores REALM's candidates with the "
+                      "index's block embeddings; ICT embeds its in-batch blocks in the step and "
+                      "trains both towers, so task 'ict' would ignore it: use True")
+  if config.train.batch_size < 2:
+    raise ConfigError("train.batch_size", f"{config.train.batch_size}: ICT's softmax is over "
+                      "the batch's blocks (each query's negatives are the other queries'): one "
+                      "query has loss 0 and no gradient; give >= 2")
 
 
 def training_warnings(config) -> list[str]:
