@@ -1025,6 +1025,20 @@ def test_a_retriever_learning_rate_with_candidates_it_does_not_score_is_warned_o
   assert training_warnings(config) == []
 
 
+@pytest.mark.parametrize("candidates", ["own_block", "null_only"])
+def test_ict_training_refuses_the_candidates_of_realms_warm_ups(candidates):
+  """ICT's candidates are its batch's own blocks: retrieval.candidates 'own_block' or
+  'null_only' (a config of REALM's warm-up run as task ict) was ignored without a word, where
+  'mixed' was refused. Refused for training (realm-eval still reads a run recorded so)."""
+  from realm_jax.config.validation import validate, validate_training
+  config = apply_overrides(_task_config("ict"), {"retrieval__candidates": candidates})
+  validate(config)
+  with pytest.raises(ConfigError) as refused:
+    validate_training(config)
+  assert refused.value.option == "retrieval.candidates", str(refused.value)
+  assert "task 'ict' would ignore it" in str(refused.value), str(refused.value)
+
+
 @pytest.mark.parametrize("task, reader_len, says", [
     ("openqa", -1, "-1 cannot hold [CLS] question [SEP] (data.query_len 16), a body "
      "wordpiece and [SEP]: give >= 18, or 0 for query_len + block_len - 2"),

@@ -440,6 +440,10 @@ def validate_training(config) -> None:
 
 def _refuse_untrained_ict(config) -> None:
   """ICT's softmax is over the batch's blocks, embedded by the step (both towers train)."""
+  if config.retrieval.candidates != "index":   # (ICT's candidates: its batch's own blocks)
+    raise ConfigError("retrieval.candidates", f"{config.retrieval.candidates!r} is a REALM "
+                      "pre-training source (task 'realm'): task 'ict' would ignore it; use "
+                      "'index'")
   if not config.retrieval.get("block_gradients", True):
     raise ConfigError("retrieval.block_gradients", "False scores REALM's candidates with the "
                       "index's block embeddings; ICT embeds its in-batch blocks in the step and "
