@@ -225,10 +225,12 @@ def _train_and_eval(c) -> None:
   c.train.profile_steps = 3        # steps traced from train.profile_first_step on
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every = 0                 # steps between evaluations on the eval split (0: end only)
-  c.eval.split = "eval"            # held-out split (masked fact about held-out entities)
-  c.eval.num_examples = 1000       # eval examples used: the split's first rows in file order,
-                                   # not a sample (<= split size)
+  c.eval.every = 0                 # steps between evaluations on the eval split (Open-QA:
+                                   # on every question of qa.dev) (0: end only)
+  c.eval.split = "eval"            # held-out split (masked fact about held-out entities;
+                                   # ICT / REALM: Open-QA evaluates on qa.dev)
+  c.eval.num_examples = 1000       # ICT / REALM: eval examples used: the split's first rows in
+                                   # file order, not a sample (<= split size)
   c.eval.batch_size = 64           # eval batch
   c.eval.export_best = False       # REALM: after each evaluation with the best retrieval
                                    # utility so far, the params go to W/best (a workdir's
