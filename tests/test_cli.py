@@ -629,6 +629,17 @@ def test_mesh_rules_that_are_not_pairs_are_named(rules):
   assert "each rule is (logical axis, mesh axis)" in str(refused.value)
 
 
+def test_a_mesh_rule_for_no_logical_axis_of_the_models_is_named():
+  """A misspelt logical axis (("emebd", "data") for FSDP over embed) was taken, and every
+  array it meant stayed replicated without a word; each rule now names one of the models'."""
+  from realm_jax.config.validation import validate
+  rules = (("emebd", "data"), *tiny_config("realm").mesh.rules)
+  with pytest.raises(ConfigError, match=r"\('emebd', 'data'\): 'emebd' is no logical axis of "
+                     r"the models \(batch, length, .*\); did you mean 'embed'\?"):
+    validate(apply_overrides(tiny_config("realm"), {"mesh__rules": rules}))
+  validate(apply_overrides(tiny_config("realm"), {"mesh__rules": (("embed", "data"),)}))
+
+
 @pytest.mark.parametrize("shape", [(8,), (-1, 1, 1), (), (0, 8), (-1, -1), (-2, 4)])
 def test_a_mesh_shape_of_no_mesh_is_named_by_validate(shape):
   """A mesh.shape without one size per mesh axis, or with a size 0, passed `validate` (whose

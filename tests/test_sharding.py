@@ -206,6 +206,24 @@ def test_default_rules_shard_parameters_over_model(realm_results, world_data):
                                                   config.model.hidden_size)
 
 
+@pytest.mark.parametrize("task", ["realm", "openqa"])
+def test_the_logical_axes_validate_knows_are_the_models_and_the_default_rules(
+    world_dir, world_data, task):
+  """mesh.rules are checked against LOGICAL_AXES: every name the models' parameters carry is
+  one, and the default rules map each of them."""
+  import flax.linen as nn
+  from jax.sharding import PartitionSpec as P
+  from realm_jax.config.defaults import LOGICAL_AXES, base_config
+  config = tiny_config(task, data_dir=world_dir)
+  model = state_lib.build_model(config, world_data.tokenizer.vocab_size)
+  inputs = state_lib.dummy_inputs(config, world_data.blocks.block_len)
+  boxed = jax.eval_shape(lambda r: model.init(r, **inputs)["params"], jax.random.PRNGKey(0))
+  named = {name for spec_ in jax.tree_util.tree_leaves(
+      nn.get_partition_spec(boxed), is_leaf=lambda x: isinstance(x, P)) for name in spec_}
+  assert named and named - {None} <= set(LOGICAL_AXES), named
+  assert {axis for axis, _ in base_config().mesh.rules} == set(LOGICAL_AXES)
+
+
 def test_a_mesh_shape_that_leaves_devices_idle_says_every_device_is_used():
   """(3, 1) on 8 devices: not "needs 3 devices" (it has them) but that all 8 must be used."""
   from realm_jax.errors import ConfigError

@@ -8,6 +8,10 @@ from ml_collections import config_dict
 
 TASKS = ("ict", "realm", "openqa")
 MESH_AXES = ("data", "model")     # mesh.shape's axes, in order (runtime/partitioning.py)
+# The logical axes the models name (parameters, and activations' batch and length), which
+# mesh.rules map to MESH_AXES (runtime/partitioning.py)
+LOGICAL_AXES = ("batch", "length", "embed", "vocab", "heads", "mlp", "hidden", "retrieval",
+                "position", "segment")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 CANDIDATE_SOURCES = ("index", "own_block", "mixed", "null_only")
 REFRESH_MODES = ("in_process", "async", "deterministic")

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import math
 
-from realm_jax.config.defaults import (BACKENDS, CANDIDATE_SOURCES, COMPUTE_DTYPES, MESH_AXES,
-                                      DISTILL_QUERIES, HELDOUT_UNITS, LONG_QUERIES,
-                                      NONFINITE_ACTIONS, OPTIMIZERS, PARTS, REFRESH_MODES,
-                                      TASKS)
+from realm_jax.config.defaults import (BACKENDS, CANDIDATE_SOURCES, COMPUTE_DTYPES,
+                                      DISTILL_QUERIES, HELDOUT_UNITS, LOGICAL_AXES,
+                                      LONG_QUERIES, MESH_AXES, NONFINITE_ACTIONS, OPTIMIZERS,
+                                      PARTS, REFRESH_MODES, TASKS)
 from realm_jax.config.option_names import upgrade_config
 from realm_jax.config.reading import (null_in_training, part_model, part_options,
                                       retriever_scores_candidates, uses_index_builder)
-from realm_jax.errors import ConfigError
+from realm_jax.errors import ConfigError, closest
 
 def _validate_towers(config) -> None:
   d = config.data
@@ -80,6 +80,11 @@ def _validate_mesh(config) -> None:
       shown = tuple(rule) if isinstance(rule, (tuple, list)) else rule
       raise ConfigError("mesh.rules", f"{shown!r}: each rule is (logical axis, mesh axis) "
                         f"with the mesh axis one of {MESH_AXES} or None")
+    if rule[0] not in LOGICAL_AXES:   # (a misspelt one left its arrays replicated, unsaid)
+      close = closest(rule[0], LOGICAL_AXES, cutoff=0.6)
+      raise ConfigError("mesh.rules", f"{tuple(rule)!r}: {rule[0]!r} is no logical axis of "
+                        f"the models ({', '.join(LOGICAL_AXES)})" +
+                        (f"; did you mean {close!r}?" if close else ""))
 
 
 def _validate_execution(m) -> None:
