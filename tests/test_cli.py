@@ -1074,12 +1074,15 @@ def test_a_reader_length_it_cannot_read_is_refused(task, reader_len, says):
 @pytest.mark.parametrize("task", ["ict", "realm", "openqa"])
 @pytest.mark.parametrize("beams, option", [
     ({"qa__reader_beam": 0}, "qa.reader_beam"), ({"qa__reader_beam": -1}, "qa.reader_beam"),
-    ({"qa__searcher_beam": 4}, "qa.searcher_beam")])   # < reader_beam 5
+    ({"qa__searcher_beam": 4}, "qa.searcher_beam"),   # < reader_beam 5
+    ({"model__max_span_width": 0}, "model.max_span_width"),
+    ({"model__span_hidden_size": 0}, "model.span_hidden_size")])
 def test_beams_realm_eval_cannot_read_are_refused_for_every_task(task, beams, option):
   """realm-eval reads qa.reader_beam and qa.searcher_beam for a pre-training run too (its
   retrieval-only evaluation: answer_in_top_k, the blocks each prediction lists); they were
   checked for task openqa alone, so a reader_beam of 0 reported every question's answer
-  missing from the top 0, and one of -1 read every block retrieved but the last."""
+  missing from the top 0, and one of -1 read every block retrieved but the last. The span
+  sizes alike (a max_span_width of 0: a ValueError traceback from its span candidates)."""
   from realm_jax.config.validation import validate
   with pytest.raises(ConfigError) as refused:
     validate(apply_overrides(_task_config(task), beams))

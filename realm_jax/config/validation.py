@@ -183,11 +183,14 @@ def validate(config, *, num_blocks: int | None = None, store_block_len: int | No
   for part in PARTS:
     if config.init.get(f"{part}_step", -1) < -1:
       raise ConfigError(f"init.{part}_step", "must be a checkpoint step or -1 (the latest)")
-  q = config.qa   # the beams: realm-eval reads them for a run of any task
+  q = config.qa   # the beams and spans: realm-eval reads them for a run of any task
   if q.reader_beam < 1 or q.searcher_beam < q.reader_beam:
     raise ConfigError("qa.searcher_beam" if q.reader_beam >= 1 else "qa.reader_beam",
                       f"need 1 <= reader_beam <= searcher_beam, got {q.reader_beam} and "
                       f"{q.searcher_beam}")
+  if config.model.span_hidden_size < 1 or config.model.max_span_width < 1:
+    raise ConfigError("model.span_hidden_size" if config.model.span_hidden_size < 1
+                      else "model.max_span_width", "must be >= 1")
   if config.task == "openqa":
     _validate_openqa(config)
   elif config.qa.get("reader_len", 0):
@@ -494,9 +497,6 @@ def validate_against_mesh(config, data_axis: int) -> None:
 
 def _validate_openqa(config) -> None:
   q = config.qa    # the question sets themselves are checked where they are read (qa_split)
-  if config.model.span_hidden_size < 1 or config.model.max_span_width < 1:
-    raise ConfigError("model.span_hidden_size" if config.model.span_hidden_size < 1
-                      else "model.max_span_width", "must be >= 1 for task 'openqa'")
   if not 0 <= q.heldout_articles < 1:
     raise ConfigError("qa.heldout_articles", f"must be in [0, 1), got {q.heldout_articles}")
   if q.heldout_unit not in HELDOUT_UNITS:
