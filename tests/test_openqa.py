@@ -895,3 +895,16 @@ def test_realm_predict_writes_its_results_alone_to_stdout(openqa_run, tmp_path):
   closed = subprocess.run(["bash", "-c", " ".join(f"'{a}'" for a in command) + " | true"],
                           cwd=helpers.REPO, capture_output=True, text=True, timeout=300)
   assert "Traceback" not in closed.stderr and "BrokenPipe" not in closed.stderr, closed.stderr
+
+
+def test_the_trainer_reads_prepared_questions_where_it_reads_the_blocks(world_dir, tmp_path,
+                                                                        monkeypatch):
+  """A data.dir read from elsewhere than as given (a gcsfuse path not mounted here: its
+  bucket's, `workdir.check_data_dir`) gave the trainer its blocks from there but its
+  `prepared:` questions from the path as given: 'no such file .../qa/train.jsonl'."""
+  from realm_jax import workdir as workdir_lib
+  from realm_jax.train.openqa_loop import OpenQATrainer
+  config = openqa_config(world_dir, data__dir=str(tmp_path / "mounted"))
+  monkeypatch.setattr(workdir_lib, "check_data_dir", lambda config: world_dir)
+  trainer = OpenQATrainer(config, str(tmp_path / "run"))
+  assert trainer.train_qa and trainer.data.dir == world_dir

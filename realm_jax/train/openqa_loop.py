@@ -41,11 +41,14 @@ class OpenQATrainer(Run):
     validate_against_data(config, num_blocks=data.blocks.num_blocks,
                           store_block_len=data.blocks.block_len,
                           vocab_size=data.tokenizer.vocab_size)
-    self.train_qa, self.train_counts = qa_lib.qa_split(config.qa, "train", config.data.dir)
+    # `prepared:` questions where the blocks are read (`open_data`: a gcsfuse path not mounted
+    # here as its bucket's)
+    data_dir = workdir_lib.check_data_dir(config)
+    self.train_qa, self.train_counts = qa_lib.qa_split(config.qa, "train", data_dir)
     if len(self.train_qa) < config.train.batch_size:
       raise ConfigError("train.batch_size", f"{config.train.batch_size} > the "
                         f"{len(self.train_qa)} training questions of {config.qa.train!r}")
-    self.dev_qa, self.dev_counts = (qa_lib.qa_split(config.qa, "dev", config.data.dir)
+    self.dev_qa, self.dev_counts = (qa_lib.qa_split(config.qa, "dev", data_dir)
                                     if config.qa.dev else ([], {}))
     self.questions = (config.qa.train, len(self.train_qa),
                       qa_lib.questions_fingerprint(self.train_qa))
