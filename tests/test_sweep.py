@@ -33,11 +33,15 @@ ICT = os.path.join(helpers.CONFIGS, "demo_ict.py")
 SMALL = ["--set", "model.num_layers=1"]   # the demo's towers, one layer deep: a faster compile
 
 
-def test_a_key_not_in_the_config_names_the_closest(capsys):
+@pytest.mark.parametrize("key, closest", [
+    ("train.lrr", "'train.lr'"),
+    ("lr", "'train.lr'"),   # the group left out: no suggestion before
+    ("batch_size", "'eval.batch_size' or 'train.batch_size'")])   # (before: eval's alone)
+def test_a_key_not_in_the_config_names_the_closest(capsys, key, closest):
   with pytest.raises(SystemExit) as exit_:
-    sweep_module().main(["--config", ICT, "--grid", "train.lrr=1e-3,3e-3", "--launcher", "print"])
+    sweep_module().main(["--config", ICT, "--grid", f"{key}=1e-3,3e-3", "--launcher", "print"])
   assert exit_.value.code == 2
-  assert "'train.lrr' is not a field of the config; the closest is 'train.lr'" in \
+  assert f"{key!r} is not a field of the config; the closest is {closest}\n" in \
       capsys.readouterr().err
 
 

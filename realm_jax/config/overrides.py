@@ -149,9 +149,9 @@ def check_known_options(config, config_file: str | None,
   known = flat_options(base_config() if "task" in config else defaults())
   for key in flat_options(config):
     if key not in known and new_name(key) not in known:
-      close = closest(key, known, cutoff=0.5)
+      meant = " or ".join(repr(name) for name in options_meant(key, known))
       raise ConfigError(key, f"set by {config_file}, but not an option" +
-                        (f"; did you mean {close!r}?" if close else ""))
+                        (f"; did you mean {meant}?" if meant else ""))
 
 
 def _raised_by_config_dict(error: BaseException) -> bool:
@@ -163,17 +163,14 @@ def _raised_by_config_dict(error: BaseException) -> bool:
   return frame is not None and "ml_collections" in frame.tb_frame.f_code.co_filename
 
 
-def _options_meant(option: str, defaults: Callable | None) -> list[str]:
-  """The options a misspelt or misplaced `--config.KEY` most likely meant, by their whole
-  names: those whose last part is KEY's (`--config.steps` -> train.steps; `batch_size` -> both
+def options_meant(key: str, known) -> list[str]:
+  """The options of `known` (whole names: `train.steps`) a misspelt or misplaced KEY most
+  likely meant: those whose last part is KEY's (`steps` -> train.steps; `batch_size` -> both
   train's and eval's); else, in KEY's group where it has one, the closest last part
-  (`--config.train.stpes`); else the closest name (`--config.trian.steps`) or last part
-  (`--config.temperature`); [] where nothing is close. The options are the training defaults'
-  (config/defaults.py), or those of `defaults()` (realm-prepare's)."""
-  from realm_jax.config.defaults import base_config
-  key = re.sub(r"^--?(no)?config\.", "", option)
+  (`train.stpes`); else the closest name (`trian.steps`) or last part (`temperature`); []
+  where nothing is close. Every "did you mean" of a config option names these."""
   group, _, leaf = key.rpartition(".")
-  known = list(flat_options(defaults() if defaults is not None else base_config()))
+  known = list(known)
   leaves = {}
   for name in known:
     leaves.setdefault(name.rpartition(".")[2], []).append(name)
@@ -188,6 +185,14 @@ def _options_meant(option: str, defaults: Callable | None) -> list[str]:
     return [close]
   close = closest(leaf, leaves, cutoff=0.6)
   return leaves[close] if close else []
+
+
+def _options_meant(option: str, defaults: Callable | None) -> list[str]:
+  """`options_meant` of a `--config.KEY` flag among the training defaults' options
+  (config/defaults.py), or those of `defaults()` (realm-prepare's)."""
+  from realm_jax.config.defaults import base_config
+  key = re.sub(r"^--?(no)?config\.", "", option)
+  return options_meant(key, flat_options(defaults() if defaults is not None else base_config()))
 
 
 def flag_error(error: Exception, argv: list[str], defaults: Callable | None = None) -> str:
@@ -374,8 +379,8 @@ def flag_text(value) -> str:
 
 def check_key(key: str, fields: dict, where: str) -> None:
   if key not in fields:
-    close = closest(key, fields, cutoff=0.5)
-    hint = f"; the closest is {close!r}" if close else ""
+    meant = " or ".join(repr(name) for name in options_meant(key, fields))
+    hint = f"; the closest is {meant}" if meant else ""
     raise ConfigError("", f"{where}: {key!r} is not a field of the config{hint}")
 
 
