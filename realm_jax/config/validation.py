@@ -62,16 +62,7 @@ def _validate_mesh(config) -> None:
   if isinstance(config.seed, bool) or not isinstance(config.seed, int) or \
       not 0 <= config.seed < 2**32:
     raise ConfigError("seed", f"must be an integer in [0, 2**32), got {config.seed!r}")
-  shape = config.mesh.shape
-  if not isinstance(shape, (tuple, list)) or not all(
-      isinstance(s, int) and not isinstance(s, bool) for s in shape):
-    raise ConfigError("mesh.shape", f"must be {len(MESH_AXES)} integers {MESH_AXES} (-1: "
-                      f"the remaining devices), e.g. (-1, 1); got {shape!r}")
-  if len(shape) != len(MESH_AXES) or list(shape).count(-1) > 1 or \
-      any(s == 0 or s < -1 for s in shape):   # (the device count is checked with the mesh)
-    raise ConfigError("mesh.shape", f"must be {len(MESH_AXES)} sizes {MESH_AXES}, each "
-                      f"positive or one -1 (the remaining devices), e.g. (-1, 1); got "
-                      f"{tuple(shape)!r}")
+  check_mesh_shape(config.mesh.shape)
   for rule in config.mesh.rules:
     pair = isinstance(rule, (tuple, list)) and len(rule) == 2   # (not a size of mesh.shape)
     axes = rule[1] if pair and isinstance(rule[1], (tuple, list)) else rule[1:] if pair else ()
@@ -85,6 +76,20 @@ def _validate_mesh(config) -> None:
       raise ConfigError("mesh.rules", f"{tuple(rule)!r}: {rule[0]!r} is no logical axis of "
                         f"the models ({', '.join(LOGICAL_AXES)})" +
                         (f"; did you mean {close!r}?" if close else ""))
+
+
+def check_mesh_shape(shape) -> None:
+  """`mesh.shape` a size per mesh axis, each positive or one -1 (the remaining devices): the
+  config's check, and the mesh's before it counts the devices (`partitioning`)."""
+  if not isinstance(shape, (tuple, list)) or not all(
+      isinstance(s, int) and not isinstance(s, bool) for s in shape):
+    raise ConfigError("mesh.shape", f"must be {len(MESH_AXES)} integers {MESH_AXES} (-1: "
+                      f"the remaining devices), e.g. (-1, 1); got {shape!r}")
+  if len(shape) != len(MESH_AXES) or list(shape).count(-1) > 1 or \
+      any(s == 0 or s < -1 for s in shape):
+    raise ConfigError("mesh.shape", f"must be {len(MESH_AXES)} sizes {MESH_AXES}, each "
+                      f"positive or one -1 (the remaining devices), e.g. (-1, 1); got "
+                      f"{tuple(shape)!r}")
 
 
 def _validate_execution(m) -> None:

@@ -18,16 +18,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from realm_jax.config.defaults import MESH_AXES
+from realm_jax.config.validation import check_mesh_shape
 from realm_jax.errors import ConfigError
 
 
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
   """Fills one -1 with the rest of the devices; checks the product equals the device count."""
   shape = tuple(int(s) for s in shape)
-  if len(shape) != len(MESH_AXES):
-    raise ConfigError("mesh.shape", f"needs {len(MESH_AXES)} sizes {MESH_AXES}, got {shape}")
-  if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
-    raise ConfigError("mesh.shape", f"sizes must be positive with at most one -1, got {shape}")
+  check_mesh_shape(shape)
   known = int(np.prod([s for s in shape if s != -1]))
   if -1 in shape:
     if num_devices % known:
