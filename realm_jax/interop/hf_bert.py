@@ -244,16 +244,25 @@ def check_vocab(data_vocab: str, path: str, option: str = OPTION) -> None:
   if not paths.exists(theirs_file):
     raise ConfigError(option, f"{path} has no vocab.txt, so the data's token ids cannot be "
                       "checked against the checkpoint's embeddings")
-  ours, theirs = _vocab_tokens(data_vocab), _vocab_tokens(theirs_file)
-  if ours == theirs:
+  differ = vocab_difference(data_vocab, theirs_file)
+  if differ is None:
     return
+  raise ConfigError(option, f"the data's {data_vocab} ({len(_vocab_tokens(data_vocab))} tokens) "
+                    f"differs from {theirs_file} ({len(_vocab_tokens(theirs_file))} tokens; "
+                    f"first at {differ}): prepare the data with that vocab: realm-prepare "
+                    f"--config.vocab={path}")
+
+
+def vocab_difference(ours_file: str, theirs_file: str) -> str | None:
+  """Where two vocab.txt files first list other tokens (`line N: 'a' vs 'b'`, or `one is a
+  prefix of the other`); None where they list the same."""
+  ours, theirs = _vocab_tokens(ours_file), _vocab_tokens(theirs_file)
+  if ours == theirs:
+    return None
   first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
                min(len(ours), len(theirs)))
-  differ = (f"line {first + 1}: {ours[first]!r} vs {theirs[first]!r}"
-            if first < min(len(ours), len(theirs)) else "one is a prefix of the other")
-  raise ConfigError(option, f"the data's {data_vocab} ({len(ours)} tokens) differs from "
-                    f"{theirs_file} ({len(theirs)} tokens; first at {differ}): prepare the data "
-                    f"with that vocab: realm-prepare --config.vocab={path}")
+  return (f"line {first + 1}: {ours[first]!r} vs {theirs[first]!r}"
+          if first < min(len(ours), len(theirs)) else "one is a prefix of the other")
 
 
 def _vocab_tokens(file: str) -> list[str]:

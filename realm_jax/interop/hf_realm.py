@@ -341,13 +341,12 @@ def _checked_vocab(hf_dir: str, hf: dict, vocab: str | None) -> str:
                       f"{hf['vocab_size']}: pass the checkpoint's vocab")
   own = os.path.join(hf_dir, "vocab.txt")
   if given and os.path.isfile(own):   # the ids of its embeddings: no other vocab's
-    ours, theirs = hf_bert._vocab_tokens(vocab), hf_bert._vocab_tokens(own)
-    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    if first is not None:
+    differ = hf_bert.vocab_difference(vocab, own)
+    if differ is not None:
       raise ConfigError("", f"--vocab {vocab} lists other tokens than the checkpoint's {own} "
-                        f"(first at line {first + 1}: {ours[first]!r} vs {theirs[first]!r}): "
-                        "the block records' ids would mean other words to its embeddings; "
-                        "leave --vocab out (it gives the vocab of a dir without vocab.txt)")
+                        f"(first at {differ}): the block records' ids would mean other words "
+                        "to its embeddings; leave --vocab out (it gives the vocab of a dir "
+                        "without vocab.txt)")
   return vocab
 
 
