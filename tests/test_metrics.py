@@ -76,3 +76,4 @@ def test_a_rate_too_slow_for_its_decimals_reads_as_seconds_each():
       "0.00 steps/s"]
   assert format_rate(0.04, "q/s", "s/q", 1) == "25 s/q"
   assert format_rate(0.06, "q/s", "s/q", 1) == "0.1 q/s"
+  assert format_rate(1234.56, "q/s", "s/q", 1) == "1,234.6 q/s"   # (as the q/s line had it)

@@ -142,7 +142,7 @@ def _check_out_dir(config) -> dict | None:
   out = config.out_dir
   path = os.path.join(out, "prepare.json")
   current = _fingerprint(config)
-  written = _written(out) if os.path.isdir(out) else set()
+  written = _names_left_whole(out) if os.path.isdir(out) else set()
   if os.path.exists(path):
     with open(path) as f:
       diffs = _other_settings(json.load(f), config, out)
@@ -191,7 +191,7 @@ UNPACKED = {"prepare.json", LOCK, "vocab.txt", VOCAB_RECORD, "vocab.tmp"}
 KILLED_WRITES = ("prepare.json.tmp", "vocab.txt.tmp", f"{VOCAB_RECORD}.tmp-")
 
 
-def _written(out: str) -> set[str]:
+def _names_left_whole(out: str) -> set[str]:
   """The names in `out`, the temp files of writes cut short (KILLED_WRITES) removed first (the
   run that calls this holds the dir's lock: no other run writes them now; left, they were
   uploaded with a bucket's data)."""

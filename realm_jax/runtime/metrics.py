@@ -187,4 +187,4 @@ def format_rate(per_second: float, unit: str = "steps/s", per_one: str = "s/step
   minutes) as the seconds each takes: `250 s/step`."""
   if 0 < per_second < 0.5 * 10 ** -digits:
     return f"{1 / per_second:,.0f} {per_one}"
-  return f"{per_second:.{digits}f} {unit}"
+  return f"{per_second:,.{digits}f} {unit}"
