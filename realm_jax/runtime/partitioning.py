@@ -1,7 +1,8 @@
 """Mesh, logical-axis rules and global arrays.
 
 Parameters carry logical names (vocab, embed, heads, mlp, hidden, retrieval, position,
-segment); activations use (batch, length, embed). `config.mesh.rules` maps them to the mesh
+segment); activations use (batch, length, embed): config/defaults.py's LOGICAL_AXES, which
+`validate` checks each rule against. `config.mesh.rules` maps them to the mesh
 axes `data` and `model`; the default rules shard the batch over `data` and vocab / heads / mlp
 over `model` (tensor parallel) and replicate the rest. No default rule shards parameters over
 `data` (FSDP); a rule such as ("embed", "data") would.
