@@ -223,8 +223,7 @@ def prepare_throughput(squad_path, copies: int, workers: int) -> dict:
 
   The vocab is trained first, outside the timed run (it is a one-off per corpus)."""
   from realm_jax.data.prepare import prepare, prepare_config
-  with open(squad_path, encoding="utf-8") as f:
-    articles = json.load(f)["data"]
+  articles = read_squad_articles(str(squad_path))   # as realm-prepare reads it
   tmp = pathlib.Path(tempfile.mkdtemp(prefix="realm_prepare_bench_"))
   try:
     corpus = tmp / "docs.jsonl"

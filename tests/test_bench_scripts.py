@@ -245,3 +245,17 @@ def test_the_prepare_bench_reads_a_squad_file_as_realm_prepare_does(tmp_path):
   load = bench_module("prepare").load_paragraphs
   for name in ("bom.json", "squad.json.gz"):
     assert load(tmp_path / name) == [("Town A was founded in 1901.", [(22, 26)])]
+
+
+def test_the_prepare_bench_times_realm_prepare_on_a_gzipped_squad_file(tmp_path):
+  """bench/prepare.py's throughput section writes the paragraphs of the SQuAD file it was
+  given, gzip'd or with a byte-order mark, as its agreement section reads them (it opened the
+  file as plain JSON: a UnicodeDecodeError after the agreement table was printed)."""
+  import gzip
+  import json
+  paragraph = {"context": "Town A was founded in 1901. Its mayor is Kelmar Borin.", "qas": [
+      {"id": "q", "question": "When?", "answers": [{"text": "1901", "answer_start": 22}]}]}
+  text = json.dumps({"data": [{"title": "T", "paragraphs": [paragraph]}]})
+  (tmp_path / "squad.json.gz").write_bytes(gzip.compress(b"\xef\xbb\xbf" + text.encode()))
+  result = bench_module("prepare").prepare_throughput(tmp_path / "squad.json.gz", 2, 0)
+  assert result["documents"] == 2 and result["blocks"] >= 2, result
