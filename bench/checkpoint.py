@@ -96,7 +96,8 @@ def main(argv=None) -> int:
                                                 f"{dict(mesh.shape)}"),
           ("state", f"{len(jax.tree.leaves(state))} arrays, {megabytes:.1f} MiB"),
           ("host CPU", host_cpu_text())]
-  record = {"config": args.config, "devices": args.devices, "state_mib": round(megabytes, 2),
+  record = {"bench": "checkpoint", "config": args.config, "devices": args.devices,
+            "saves": args.saves, "state_mib": round(megabytes, 2),
             **host_cpu(), "time": time.time()}
   for mode, replica_parallel in (("replica-parallel", True), ("whole arrays", False)):
     with tempfile.TemporaryDirectory() as workdir:

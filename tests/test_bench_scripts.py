@@ -259,3 +259,18 @@ def test_the_prepare_bench_times_realm_prepare_on_a_gzipped_squad_file(tmp_path)
   (tmp_path / "squad.json.gz").write_bytes(gzip.compress(b"\xef\xbb\xbf" + text.encode()))
   result = bench_module("prepare").prepare_throughput(tmp_path / "squad.json.gz", 2, 0)
   assert result["documents"] == 2 and result["blocks"] >= 2, result
+
+
+def test_the_checkpoint_bench_record_names_its_bench_and_saves(tmp_path):
+  """bench/checkpoint.py's JSON line says what it is and over how many saves its medians are
+  taken, as its table does and as every other bench's line does (it had neither: a line
+  appended to a shared file could not be told from another bench's, nor its medians read)."""
+  import json
+  out = tmp_path / "bench.jsonl"
+  result = subprocess.run([sys.executable, os.path.join(BENCH, "checkpoint.py"), "--devices",
+                           "1", "--saves", "3", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "(median of 2)" in result.stdout
+  record = json.loads(out.read_text())
+  assert (record["bench"], record["saves"], record["devices"]) == ("checkpoint", 3, 1), record
