@@ -167,11 +167,12 @@ def compare(base: str, head: str) -> bool:
     if not pairs:
       continue
     one_side = sum((x is None) != (y is None) for x, y in pairs)
-    diffs = [abs(x - y) for x, y in pairs
+    diffs = [0.0 if x == y else abs(x - y) for x, y in pairs   # (inf == inf: inf - inf is NaN)
              if x is not None and y is not None and not (x != x and y != y)]   # NaN == NaN
     same = not one_side and all(d == 0 for d in diffs)
     figures_same &= same
-    print(f"  {key:<18} max |difference| over {len(diffs)} steps: {max(diffs, default=0):.3g}"
+    worst = float("nan") if any(d != d for d in diffs) else max(diffs, default=0)
+    print(f"  {key:<18} max |difference| over {len(diffs)} steps: {worst:.3g}"
           + (f"; logged on one side only at {one_side} steps" if one_side else "")
           + ("" if same else "  DIFFERS"))
   last = max(a)

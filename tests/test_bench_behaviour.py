@@ -69,3 +69,19 @@ def test_parameters_of_another_shape_or_dtype_are_a_difference_not_a_crash(tmp_p
                                              {"w": params["w"].T.copy()}))
   assert not behaviour.compare(base, run_dir(tmp_path, "float64", rows,
                                              {"w": params["w"].astype(np.float64)}))
+
+
+def test_infinite_figures_compare_as_values_and_a_nan_difference_is_shown(tmp_path, capsys):
+  """A figure that is inf on both sides at a step is the same (inf - inf is NaN: it was
+  called a change); one that is NaN on one side only differs, and its largest difference
+  reads nan, not the finite steps' 0 (max() kept the 0 before a NaN)."""
+  params = {"w": np.ones(3, np.float32)}
+  rows = [{"step": s, "loss": 1.0, "grad_norm": float("inf") if s == 3 else 2.0}
+          for s in (1, 2, 3)]
+  base = run_dir(tmp_path, "base", rows, params)
+  assert behaviour.compare(base, run_dir(tmp_path, "same", rows, params))
+  capsys.readouterr()
+  diverged = [{**r, "loss": float("nan")} if r["step"] == 3 else r for r in rows]
+  assert not behaviour.compare(base, run_dir(tmp_path, "nan", diverged, params))
+  line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("loss"))
+  assert "over 3 steps: nan" in line and "DIFFERS" in line, line
