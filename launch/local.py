@@ -228,6 +228,7 @@ class _Child:
     self.end: float | None = None
     # the log first: a log that cannot be opened or written (a full disk) starts nothing (the
     # process was left untracked)
+    self.log_path, self._log_failed = log_path, False
     self._log = open(log_path, "a", encoding="utf-8")
     try:
       self._log.write(f"# {PROG} {time.strftime('%Y-%m-%d %H:%M:%S')}: {command_line(argv)}\n")
@@ -282,9 +283,21 @@ class _Child:
     for raw in lines:
       if raw:                       # blank lines (and \r\r of progress bars) carry nothing
         line = raw.decode("utf-8", errors="replace")
-        self._log.write(line + "\n")
-        self._log.flush()
+        self._write_log(line)
         self._say(line, prefix)
+
+  def _write_log(self, line: str) -> None:
+    """Appends `line` to the log; a write that fails (a full disk) is said once and the log
+    left: the output is still read (else the process blocks on a full pipe) and shown."""
+    if self._log_failed:
+      return
+    try:
+      self._log.write(line + "\n")
+      self._log.flush()
+    except OSError as e:
+      self._log_failed = True
+      self._say(f"error: cannot write {self.log_path} ({e}); the {self.name}'s output goes "
+                "on here only", f"{PROG}: ")
 
   def close(self) -> None:
     """Waits for the output copier (the group is dead, so the pipe ends) and closes the log."""

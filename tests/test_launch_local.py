@@ -723,3 +723,30 @@ def test_a_log_that_cannot_be_written_starts_nothing(tmp_path, capsys, monkeypat
       out.splitlines(), out
   time.sleep(1.0)                                   # a started trainer has written its pid
   assert not (tmp_path / "trainer.pid").exists() or gone(read_pid(tmp_path, "trainer"), 0.5)
+
+
+def test_a_log_that_fails_mid_run_does_not_stall_the_child(tmp_path, capsys, monkeypatch):
+  """A log write failing after the start (the disk filled) ended the output copier with a
+  traceback: the pipe was no longer read, so the child blocked on its next 64 KiB of output
+  and the run hung, its output no longer shown."""
+  import errno
+  import io
+
+  class FillsUp(io.StringIO):
+    flushes = 0
+
+    def flush(self):
+      FillsUp.flushes += 1
+      if FillsUp.flushes > 1:   # the header went through
+        raise OSError(errno.ENOSPC, "No space left on device")
+  monkeypatch.setattr(local, "open", lambda *a, **k: FillsUp(), raising=False)
+  trainer = child(tmp_path, "trainer", """\
+      signal.alarm(5)           # blocked on a pipe nobody reads: SIGALRM, exit 142
+      for i in range(2000):
+        print(f'step {i} ' + 'x' * 200)
+      """)
+  code, out, _ = run_supervise(capsys, {"trainer": trainer}, tmp_path)
+  lines = out.splitlines()
+  assert code == 0, out[-2000:]
+  assert "[trainer] step 1999 " + "x" * 200 in lines, out[-2000:]
+  assert sum("No space left on device" in line for line in lines) == 1, out[-2000:]
