@@ -494,7 +494,7 @@ def supervise(commands: dict[str, list[str]], workdir: str,
       if closed:
         return
       try:
-        out.write(prefix + message + "\n")
+        _write_shown(out, prefix + message + "\n")
         out.flush()
       except (OSError, ValueError):   # our reader is gone (`| head`): the logs have it all
         closed.append(True)
@@ -530,6 +530,17 @@ def supervise(commands: dict[str, list[str]], workdir: str,
       signal.signal(sig, handler)
     if started:
       say(f"exit {code}: " + "; ".join(c.summary() for c in started))
+
+
+def _write_shown(out, text: str) -> None:
+  """`text` to `out`, a character its encoding lacks (a non-UTF-8 locale; U+FFFD for a
+  child's byte that is not UTF-8) as the encoding's replacement, not a UnicodeEncodeError
+  (which `say` would take for a reader gone)."""
+  try:
+    out.write(text)
+  except UnicodeEncodeError:
+    encoding = getattr(out, "encoding", None) or "ascii"
+    out.write(text.encode(encoding, "replace").decode(encoding))
 
 
 def _start_children(supervisor: _Supervisor, commands: dict[str, list[str]],

@@ -750,3 +750,22 @@ def test_a_log_that_fails_mid_run_does_not_stall_the_child(tmp_path, capsys, mon
   assert code == 0, out[-2000:]
   assert "[trainer] step 1999 " + "x" * 200 in lines, out[-2000:]
   assert sum("No space left on device" in line for line in lines) == 1, out[-2000:]
+
+
+def test_a_character_our_stdout_cannot_encode_does_not_silence_the_run(tmp_path, capsys,
+                                                                        monkeypatch):
+  """Under a non-UTF-8 locale (latin-1), a child's byte that is not UTF-8 (its own locale's
+  'é') decodes to U+FFFD, which our stdout cannot encode: the UnicodeEncodeError was taken
+  for a closed stdout and every later line of both processes and of the launcher vanished."""
+  import io
+  out = io.TextIOWrapper(io.BytesIO(), encoding="latin-1", write_through=True)
+  monkeypatch.setattr(sys, "stdout", out)
+  trainer = child(tmp_path, "trainer", """\
+      sys.stdout.buffer.write(b'caf\\xe9 \\xc3\\xa9t\\xc3\\xa9\\n')
+      print('step 2', flush=True)
+      """)
+  assert local.supervise({"trainer": trainer}, str(tmp_path), grace=5.0) == 0
+  lines = out.buffer.getvalue().decode("latin-1").splitlines()
+  assert "[trainer] caf? été" in lines, lines
+  assert "[trainer] step 2" in lines, lines
+  assert lines[-1].startswith("local.py: exit 0: "), lines
