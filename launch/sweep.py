@@ -85,7 +85,11 @@ def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list
     runs = [dict(combo) for combo in itertools.product(*axes)]
   elif hyper:
     runs = [dict(run) for run in hyper]
-    for run in runs:
+    for i, run in enumerate(runs, 1):
+      if not run:   # its name would be '': its workdir --root itself, the tables in it
+        raise ConfigError("", f"get_hyper() run {i} gives no field: its workdir would be "
+                          "--root itself; give a field its value (the default's for a "
+                          "baseline, e.g. {'seed': 0})")
       for key, value in run.items():
         check_key(key, fields, "get_hyper()")
         if value is None:   # a run's --config.KEY=None reads the text 'None', or is refused

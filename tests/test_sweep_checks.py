@@ -195,3 +195,17 @@ def test_a_get_config_without_a_configdict_is_one_line(tmp_path, capsys, grid):
   assert capsys.readouterr().err == (f"sweep.py: error: --config '{config}': TypeError: "
                                      "get_config() returned dict, not an "
                                      "ml_collections.ConfigDict\n")
+
+
+def test_a_get_hyper_run_without_overrides_is_refused(tmp_path, capsys):
+  """A get_hyper() run `{}` (the config as it is, say as a baseline) was named '' and given
+  --root itself as its workdir: its checkpoints and summary beside every other run's
+  directory, its config.json read as the root's, the tables written into it."""
+  config = hyper_config(tmp_path,
+      "def get_hyper(arg=None):\n  return [{}, {'train.lr': 3e-3}]\n")
+  with pytest.raises(SystemExit) as exit_:
+    sweep.main(["--config", config, "--root", str(tmp_path / "s"), "--launcher", "print"])
+  captured = capsys.readouterr()
+  assert exit_.value.code == 2 and "--workdir=" not in captured.out
+  assert captured.err.startswith("sweep.py: error: get_hyper() run 1 gives no field"), \
+      captured.err
