@@ -84,6 +84,12 @@ def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list
                    for v in grid_values(values)])
     runs = [dict(combo) for combo in itertools.product(*axes)]
   elif hyper:
+    hyper = hyper if isinstance(hyper, (dict, str)) or not hasattr(hyper, "__iter__") \
+        else list(hyper)   # a generator's runs too
+    if not isinstance(hyper, list) or not all(hasattr(run, "keys") for run in hyper):
+      shown = repr(hyper) if len(repr(hyper)) <= 80 else repr(hyper)[:77] + "..."
+      raise ConfigError("", f"get_hyper() returned {shown}: not a list of override dicts, "
+                        "one a run ([{'train.lr': 1e-3}, {'train.lr': 3e-3}])")
     runs = [dict(run) for run in hyper]
     for i, run in enumerate(runs, 1):
       if not run:   # its name would be '': its workdir --root itself, the tables in it

@@ -209,3 +209,25 @@ def test_a_get_hyper_run_without_overrides_is_refused(tmp_path, capsys):
   assert exit_.value.code == 2 and "--workdir=" not in captured.out
   assert captured.err.startswith("sweep.py: error: get_hyper() run 1 gives no field"), \
       captured.err
+
+
+@pytest.mark.parametrize("hyper", ["{'train.lr': [1e-3, 3e-3]}", "['train.lr=1e-3']"])
+def test_a_get_hyper_not_a_list_of_dicts_is_one_line(tmp_path, capsys, hyper):
+  """get_hyper() returning a dict of value lists (the --grid form) or a list of texts ended
+  in a ValueError's traceback from dict()."""
+  config = hyper_config(tmp_path, f"def get_hyper(arg=None):\n  return {hyper}\n")
+  with pytest.raises(SystemExit) as exit_:
+    sweep.main(["--config", config, "--root", str(tmp_path / "s"), "--launcher", "print"])
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"sweep.py: error: get_hyper() returned {eval(hyper)!r}: not a list "
+                        "of override dicts") and len(err.splitlines()) == 1, err
+
+
+def test_get_hyper_may_yield_its_runs(tmp_path, capsys):
+  config = hyper_config(tmp_path, "def get_hyper(arg=None):\n"
+                        "  for lr in ('1e-3', '3e-3'):\n    yield {'train.lr': lr}\n")
+  assert sweep.main(["--config", config, "--root", str(tmp_path / "s"),
+                     "--launcher", "print"]) == 0
+  out = capsys.readouterr().out
+  assert "--config.train.lr=0.001" in out and "--config.train.lr=0.003" in out
