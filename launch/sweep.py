@@ -97,6 +97,9 @@ def expand_grid(config, grid_flags: list[str], hyper: list[dict] | None) -> list
                           "--root itself; give a field its value (the default's for a "
                           "baseline, e.g. {'seed': 0})")
       for key, value in run.items():
+        if not isinstance(key, str):
+          raise ConfigError("", f"get_hyper() run {i}: its key {key!r} is not a field's "
+                            "dotted name ('train.lr')")
         check_key(key, fields, "get_hyper()")
         if value is None:   # a run's --config.KEY=None reads the text 'None', or is refused
           raise ConfigError(key, "get_hyper() gives None, which no --config flag hands a run; "

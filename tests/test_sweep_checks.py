@@ -231,3 +231,13 @@ def test_get_hyper_may_yield_its_runs(tmp_path, capsys):
                      "--launcher", "print"]) == 0
   out = capsys.readouterr().out
   assert "--config.train.lr=0.001" in out and "--config.train.lr=0.003" in out
+
+
+def test_a_get_hyper_key_not_a_text_is_one_line(tmp_path, capsys):
+  """A key that is not a text (a number) ended in an AttributeError's traceback."""
+  config = hyper_config(tmp_path, "def get_hyper(arg=None):\n  return [{'seed': 1}, {2: 3}]\n")
+  with pytest.raises(SystemExit) as exit_:
+    sweep.main(["--config", config, "--root", str(tmp_path / "s"), "--launcher", "print"])
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err == ("sweep.py: error: get_hyper() run 2: its key 2 is not a "
+                                     "field's dotted name ('train.lr')\n")
