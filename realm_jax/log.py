@@ -51,17 +51,20 @@ def to_stderr() -> None:
 
 def set_verbosity(verbosity: int) -> None:
   """1 debug, 0 info, -1 warnings, -2 errors (clamped); the libraries' own absl logging
-  (Orbax, TFDS) shows warnings only, and its INFO lines too at 1."""
+  (Orbax, TFDS) shows warnings only, its INFO lines too at 1, its errors alone at -2."""
   from absl import logging as absl_logging
   install().setLevel(LEVELS[max(-2, min(1, int(verbosity)))])
-  absl_logging.set_verbosity(absl_logging.INFO if verbosity >= 1 else absl_logging.WARNING)
+  absl_logging.set_verbosity(absl_logging.INFO if verbosity >= 1 else absl_logging.ERROR
+                             if verbosity <= -2 else absl_logging.WARNING)
 
 
 def follow_verbosity(library: str) -> None:
   """A library's own Python logger shows what this project's verbosity does for libraries:
-  warnings, and its debug and INFO lines too at 1 (for a library that sets its logger to DEBUG
-  when imported, as bm25s does: call this after the import)."""
-  logging.getLogger(library).setLevel(logging.DEBUG if verbosity() >= 1 else logging.WARNING)
+  warnings, its debug and INFO lines too at 1, its errors alone at -2 (for a library that
+  sets its logger to DEBUG when imported, as bm25s does: call this after the import)."""
+  level = verbosity()
+  logging.getLogger(library).setLevel(logging.DEBUG if level >= 1 else logging.ERROR
+                                      if level <= -2 else logging.WARNING)
 
 
 def verbosity() -> int:

@@ -59,3 +59,19 @@ def test_a_demo_hands_its_verbosity_to_the_stages_it_starts():
                                               else absl_logging.WARNING)
   finally:
     log.set_verbosity(0)
+
+
+def test_errors_only_hides_the_libraries_warnings_too():
+  """-2 is errors only: the libraries' own warnings (Orbax's through absl, a Python library's
+  logger) are hidden there as the project's are (before: they still showed at -2)."""
+  from absl import logging as absl_logging
+  try:
+    for verbosity, absl_level, library_level in (
+        (0, absl_logging.WARNING, logging.WARNING), (-1, absl_logging.WARNING, logging.WARNING),
+        (-2, absl_logging.ERROR, logging.ERROR), (-7, absl_logging.ERROR, logging.ERROR)):
+      log.set_verbosity(verbosity)
+      log.follow_verbosity("some_library")
+      assert absl_logging.get_verbosity() == absl_level, verbosity
+      assert logging.getLogger("some_library").level == library_level, verbosity
+  finally:
+    log.set_verbosity(0)
