@@ -35,6 +35,16 @@ def hyper_config(tmp_path, text: str) -> str:
   return str(config)
 
 
+def refused_hyper(tmp_path, capsys, hyper: str):
+  """The sweep of ICT's config with a get_hyper() that returns `hyper` (its Python text),
+  refused: exit code 2; what it printed (stdout, stderr)."""
+  config = hyper_config(tmp_path, f"def get_hyper(arg=None):\n  return {hyper}\n")
+  with pytest.raises(SystemExit) as exit_:
+    sweep.main(["--config", config, "--root", str(tmp_path / "s"), "--launcher", "print"])
+  assert exit_.value.code == 2
+  return capsys.readouterr()
+
+
 def test_get_hyper_values_given_as_text_take_the_fields_type(tmp_path, capsys):
   config = hyper_config(tmp_path,
       "def get_hyper(arg=None):\n  return [{'train.lr': '1e-3'}, {'train.lr': '3e-3'}]\n")
@@ -171,12 +181,8 @@ def test_a_get_hyper_none_is_refused_naming_its_field(tmp_path, capsys):
   """A get_hyper() value None was checked as the field unset, then handed to the run as
   `--config.KEY=None`: the text 'None' for a path (a run started from a workdir named None),
   refused by the run for a number. It is refused before any run starts."""
-  config = hyper_config(tmp_path,
-      "def get_hyper(arg=None):\n  return [{'init.from_workdir': None}, {'seed': 1}]\n")
-  with pytest.raises(SystemExit) as exit_:
-    sweep.main(["--config", config, "--root", str(tmp_path / "s"), "--launcher", "print"])
-  captured = capsys.readouterr()
-  assert exit_.value.code == 2 and "--config.init.from_workdir=None" not in captured.out
+  captured = refused_hyper(tmp_path, capsys, "[{'init.from_workdir': None}, {'seed': 1}]")
+  assert "--config.init.from_workdir=None" not in captured.out
   assert captured.err.startswith("sweep.py: error: config.init.from_workdir: get_hyper() "
                                  "gives None"), captured.err
 
@@ -201,12 +207,8 @@ def test_a_get_hyper_run_without_overrides_is_refused(tmp_path, capsys):
   """A get_hyper() run `{}` (the config as it is, say as a baseline) was named '' and given
   --root itself as its workdir: its checkpoints and summary beside every other run's
   directory, its config.json read as the root's, the tables written into it."""
-  config = hyper_config(tmp_path,
-      "def get_hyper(arg=None):\n  return [{}, {'train.lr': 3e-3}]\n")
-  with pytest.raises(SystemExit) as exit_:
-    sweep.main(["--config", config, "--root", str(tmp_path / "s"), "--launcher", "print"])
-  captured = capsys.readouterr()
-  assert exit_.value.code == 2 and "--workdir=" not in captured.out
+  captured = refused_hyper(tmp_path, capsys, "[{}, {'train.lr': 3e-3}]")
+  assert "--workdir=" not in captured.out
   assert captured.err.startswith("sweep.py: error: get_hyper() run 1 gives no field"), \
       captured.err
 
@@ -215,11 +217,7 @@ def test_a_get_hyper_run_without_overrides_is_refused(tmp_path, capsys):
 def test_a_get_hyper_not_a_list_of_dicts_is_one_line(tmp_path, capsys, hyper):
   """get_hyper() returning a dict of value lists (the --grid form) or a list of texts ended
   in a ValueError's traceback from dict()."""
-  config = hyper_config(tmp_path, f"def get_hyper(arg=None):\n  return {hyper}\n")
-  with pytest.raises(SystemExit) as exit_:
-    sweep.main(["--config", config, "--root", str(tmp_path / "s"), "--launcher", "print"])
-  assert exit_.value.code == 2
-  err = capsys.readouterr().err
+  err = refused_hyper(tmp_path, capsys, hyper).err
   assert err.startswith(f"sweep.py: error: get_hyper() returned {eval(hyper)!r}: not a list "
                         "of override dicts") and len(err.splitlines()) == 1, err
 
@@ -235,9 +233,5 @@ def test_get_hyper_may_yield_its_runs(tmp_path, capsys):
 
 def test_a_get_hyper_key_not_a_text_is_one_line(tmp_path, capsys):
   """A key that is not a text (a number) ended in an AttributeError's traceback."""
-  config = hyper_config(tmp_path, "def get_hyper(arg=None):\n  return [{'seed': 1}, {2: 3}]\n")
-  with pytest.raises(SystemExit) as exit_:
-    sweep.main(["--config", config, "--root", str(tmp_path / "s"), "--launcher", "print"])
-  assert exit_.value.code == 2
-  assert capsys.readouterr().err == ("sweep.py: error: get_hyper() run 2: its key 2 is not a "
+  assert refused_hyper(tmp_path, capsys, "[{'seed': 1}, {2: 3}]").err == ("sweep.py: error: get_hyper() run 2: its key 2 is not a "
                                      "field's dotted name ('train.lr')\n")
