@@ -567,6 +567,31 @@ def test_a_builder_stopped_before_latest_points_it_when_it_starts_again(world_di
       "(was None)" in capsys.readouterr().out
 
 
+def test_index_metrics_of_an_earlier_start_go_and_a_builder_going_on_keeps_its_own(
+    world_dir, tmp_path):
+  """W/metrics/index.jsonl holds each step once: a fresh start (its W/index removed, as the
+  trainer asks; its checkpoints gone) drops the earlier start's lines as the trainer's logs do
+  (they stayed: step 10 of the earlier start, then step 0 of this one); a builder started again
+  beside its own versions keeps their lines."""
+  config = builder_config(world_dir)
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (10,))
+  assert build_once(config, workdir) == 1
+
+  def logged_steps():
+    with open(os.path.join(workdir, "metrics", "index.jsonl")) as f:
+      return [json.loads(line)["step"] for line in f]
+  assert logged_steps() == [10]
+  shutil.rmtree(published.index_root(workdir))
+  shutil.rmtree(os.path.join(workdir, "checkpoints"))
+  states, *_ = make_checkpoints(config, workdir, (0,))
+  assert build_once(config, workdir) == 1
+  assert logged_steps() == [0]
+  checkpoint_again(workdir, states[0], 20)
+  assert build_once(config, workdir) == 1
+  assert logged_steps() == [0, 20]
+
+
 def test_builder_without_checkpoints_waits_then_fails_clearly(world_dir, tmp_path):
   config = builder_config(world_dir, builder__wait_timeout=0.5, builder__poll_seconds=0.1)
   workdir = str(tmp_path / "run")

@@ -91,7 +91,7 @@ class IndexBuilder:
       if self.primary and paths.isdir(self.root):
         self._recover(config.builder.keep_versions)
       from realm_jax.runtime.metrics import MetricWriter
-      self.metrics = MetricWriter(workdir, "index")
+      self.metrics = MetricWriter(workdir, "index", self._metrics_from())
     except BaseException:
       self.lock.release()   # close() is never reached on a builder that did not start
       raise
@@ -116,6 +116,22 @@ class IndexBuilder:
       self.published.point_latest(self.root, versions[-1], keep)
       logger.info(f"[index] LATEST now names v{versions[-1]}: a builder was stopped after "
                   f"publishing it and before LATEST (was {latest})")
+
+  def _metrics_from(self) -> int | None:
+    """The first step W/metrics/index.jsonl may already hold a line of, past the newest
+    published version's (a builder going on keeps its lines); 0 where W/index holds no
+    version: a fresh start's (the trainer refuses one beside an earlier start's versions), whose
+    earlier start's lines go as the trainer's logs drop theirs, else each step could be there
+    twice. None (every line stays) where the newest manifest cannot be read."""
+    if not self.primary:
+      return None
+    versions = self.published.complete_versions(self.root) if paths.isdir(self.root) else []
+    if not versions:
+      return 0
+    try:
+      return int(self.published.read_manifest(self.root, versions[-1])["step"]) + 1
+    except (self.published.RejectedVersion, OSError, KeyError, TypeError, ValueError):
+      return None
 
   # -- checkpoints -------------------------------------------------------------------------
   def checkpoint_steps(self) -> list[int]:
