@@ -36,10 +36,17 @@ def results_dir(workdir: str, step: int, split: str, reader: bool) -> str:
 
 
 def check_writable(out: str) -> str:
-  """`out`, made, or a PermissionError naming it where this process cannot write there
-  (run_cli: one line): checked before the evaluation, not after it. Returns `out`."""
-  paths.makedirs(out)
-  if not paths.is_remote(out) and not os.access(out, os.W_OK):
+  """An OSError naming `out` where this process could not write there (run_cli: one line):
+  checked before the evaluation, not after it; nothing is made (an evaluation refused
+  later, a workdir without checkpoints, leaves no empty dir). Returns `out`."""
+  if paths.is_remote(out):
+    return out
+  there = out
+  while not os.path.exists(there) and os.path.dirname(there) not in ("", there):
+    there = os.path.dirname(there)   # the nearest existing dir makes the ones missing
+  if os.path.exists(there) and not os.path.isdir(there):
+    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), there)
+  if not os.access(there or ".", os.W_OK):
     raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), out)
   return out
 

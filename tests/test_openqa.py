@@ -513,12 +513,21 @@ def test_realm_eval_scores_and_explains_every_question(openqa_run, world_dir, tm
 def test_realm_eval_checks_where_it_writes_before_it_evaluates(world_dir, tmp_path,
                                                                 monkeypatch):
   """W/eval unusable (a file there): one OSError naming it before any checkpoint is read."""
+  from unittest import mock
   import realm_jax.openqa_eval as openqa_eval
+  from realm_jax.errors import CheckpointError
   (tmp_path / "eval").write_text("")
   monkeypatch.setattr(openqa_eval, "load_run", lambda *a: pytest.fail("evaluated first"))
   with pytest.raises(OSError) as refused:
     openqa_eval.evaluate_run(openqa_config(world_dir), str(tmp_path), split="test")
   assert refused.value.filename == str(tmp_path / "eval")
+  # a writable W: the check makes nothing, so a W that then turns out to hold no checkpoint
+  # is left as it was (it was left with an empty W/eval)
+  (tmp_path / "eval").unlink()
+  monkeypatch.setattr(openqa_eval, "load_run", mock.Mock(side_effect=CheckpointError("none")))
+  with pytest.raises(CheckpointError):
+    openqa_eval.evaluate_run(openqa_config(world_dir), str(tmp_path), split="test")
+  assert not (tmp_path / "eval").exists()
 
 
 def test_an_evaluation_killed_between_its_two_files_leaves_no_mixed_pair(tmp_path,
