@@ -61,6 +61,8 @@ TEST_WORKERS ?= 2
 TEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile \
                    --no-loadscope-reorder)
 INTEROP_VENV ?= .venv-interop
+# a make variable's value as one shell word: a path with spaces (or quotes) stays one argument
+shell_word = '$(subst ','\'',$(1))'
 INTEROP_PYTHON := $(INTEROP_VENV)/bin/python
 
 .PHONY: install demo demo-squad demo-openqa demo-real minilm test test-fast bench lint clean distclean
@@ -95,15 +97,15 @@ $(VENV)/.installed: setup.py
 	touch $(VENV)/.installed-core $@
 
 demo: $(VENV)/.installed-core
-	$(VENV_PYTHON) -m realm_jax.demo --workdir $(WORKDIR) --seed $(SEED)
+	$(VENV_PYTHON) -m realm_jax.demo --workdir $(call shell_word,$(WORKDIR)) --seed $(SEED)
 
 demo-squad: install
-	$(VENV_PYTHON) -m realm_jax.demo_squad --workdir $(SQUAD_WORKDIR) --seed $(SEED) \
-	    $(if $(SQUAD),--squad $(SQUAD))
+	$(VENV_PYTHON) -m realm_jax.demo_squad --workdir $(call shell_word,$(SQUAD_WORKDIR)) \
+	    --seed $(SEED) $(if $(SQUAD),--squad $(call shell_word,$(SQUAD)))
 
 demo-openqa: install
-	$(VENV_PYTHON) -m realm_jax.demo_squad --workdir $(SQUAD_WORKDIR) --seed $(SEED) --openqa \
-	    $(if $(SQUAD),--squad $(SQUAD))
+	$(VENV_PYTHON) -m realm_jax.demo_squad --workdir $(call shell_word,$(SQUAD_WORKDIR)) \
+	    --seed $(SEED) --openqa $(if $(SQUAD),--squad $(call shell_word,$(SQUAD)))
 
 minilm: $(VENV)/.minilm
 
@@ -112,8 +114,8 @@ $(VENV)/.minilm: $(VENV)/.installed
 	touch $@
 
 demo-real: install minilm
-	$(VENV_PYTHON) -m realm_jax.demo_real --workdir $(REAL_WORKDIR) --seed $(SEED) \
-	    --scale $(SCALE) $(if $(SQUAD),--squad $(SQUAD))
+	$(VENV_PYTHON) -m realm_jax.demo_real --workdir $(call shell_word,$(REAL_WORKDIR)) \
+	    --seed $(SEED) --scale $(SCALE) $(if $(SQUAD),--squad $(call shell_word,$(SQUAD)))
 
 test: install minilm
 	$(VENV_PYTHON) -m pytest -q $(TEST_PARALLEL) --durations=15 tests
@@ -134,7 +136,7 @@ $(INTEROP_VENV)/.installed: setup.py
 
 # without HF_DIR: the usage line before the interop env (PyTorch, transformers) is installed
 interop-check: $(if $(HF_DIR),interop-env,interop-usage)
-	$(INTEROP_PYTHON) -m realm_jax.interop.hf_parity --hf-dir $(HF_DIR)
+	$(INTEROP_PYTHON) -m realm_jax.interop.hf_parity --hf-dir $(call shell_word,$(HF_DIR))
 
 interop-usage:
 	@echo "usage: make interop-check HF_DIR=<HF checkpoint dir>"; exit 2

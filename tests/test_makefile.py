@@ -4,6 +4,7 @@ python is gone, is made again and a whole one kept; `make lint` reads every sour
 `make interop-check` without HF_DIR says so before it installs; and the test extra allows
 only the pytest-xdist that has the flags `make test` passes."""
 
+import json
 import os
 import re
 import shutil
@@ -28,6 +29,14 @@ if [ "$3" != --clear ] && [ -L "$dir/bin/python" ]; then
   echo "Error: [Errno 2] No such file or directory: '$dir/bin/python'" >&2; exit 1
 fi
 rm -rf "$dir" && mkdir -p "$dir/bin" && cp "$(dirname "$0")/whole" "$dir/bin/python"
+"""
+
+
+# a venv's python that records its arguments, one call a JSON line
+ARGV = """#!/usr/bin/env python3
+import json, os, sys
+with open(os.path.join(os.path.dirname(sys.argv[0]), "..", "argv"), "a") as f:
+  f.write(json.dumps(sys.argv[1:]) + "\\n")
 """
 
 
@@ -74,6 +83,24 @@ def test_install_makes_a_broken_venv_again_and_keeps_a_whole_one(tmp_path, venv)
   result = make(tmp_path, "install", f"PYTHON={python}")
   assert result.returncode == 0, result.stdout + result.stderr
   assert (tmp_path / "bin" / "made").read_text() == made   # the whole venv is not made again
+
+
+@pytest.mark.parametrize("target, workdir", [("demo", "WORKDIR"), ("demo-squad", "SQUAD_WORKDIR"),
+                                              ("demo-openqa", "SQUAD_WORKDIR"),
+                                              ("demo-real", "REAL_WORKDIR")])
+def test_the_demos_take_a_path_with_spaces_or_quotes_as_one_argument(tmp_path, target, workdir):
+  """`make demo-squad SQUAD="my data/dev set.json"`: each path one argument of the demo (the
+  recipes split it at its spaces: the demo was refused `data/dev`, an unknown argument)."""
+  python = _checkout_with_stand_ins(tmp_path)
+  assert make(tmp_path, "install", f"PYTHON={python}").returncode == 0
+  (tmp_path / ".venv" / "bin" / "python").write_text(ARGV)
+  run_dir, squad = "runs/the demo's run", "my data/dev set.json"
+  result = make(tmp_path, target, f"PYTHON={python}", f"{workdir}={run_dir}", f"SQUAD={squad}")
+  assert result.returncode == 0, result.stdout + result.stderr
+  argv = json.loads((tmp_path / ".venv" / "argv").read_text().splitlines()[-1])
+  assert argv[argv.index("--workdir") + 1] == run_dir, argv
+  if target != "demo":   # (the generated world's demo reads no SQuAD file)
+    assert argv[argv.index("--squad") + 1] == squad, argv
 
 
 def test_lint_byte_compiles_every_folder_of_python_sources(tmp_path):
