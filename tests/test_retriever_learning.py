@@ -648,3 +648,42 @@ def test_the_score_cache_names_the_attention_dropout_that_keeps_it_off(world_dir
     validate(config)
   assert e.value.option == "retrieval.score_cache"
   assert "model.attention_dropout_rate 0.1" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("marginalization", ["joint", "per_mask"])
+def test_the_evaluations_retrieval_utility_is_weighed_as_the_steps(world_dir, world_data,
+                                                                    marginalization):
+  """The held-out retrieval utility (what `eval.export_best` chooses by) is the mean the
+  training step's `retrieval_utility` takes over the same queries (`losses.realm_loss`): over
+  the queries ("joint"), over every real mask ("per_mask"), whatever eval.batch_size cuts."""
+  from realm_jax.models import losses
+  from realm_jax.train.masked_eval import Evaluator
+  config = tiny_config("realm", "warmup", world_dir, eval__num_examples=37, eval__batch_size=8,
+                       retrieval__marginalization=marginalization)
+  rng = np.random.default_rng(0)
+  mask_lp = -rng.random((37, 2, config.data.max_masks)) * 5   # [query, (null, own), mask]
+
+  row_of = {}   # query ids -> eval query
+
+  def realm_eval(params, batch):   # the reader's figures of each eval query
+    rows = np.asarray([row_of[ids.tobytes()] for ids in np.asarray(batch["query_ids"])])
+    weights = np.asarray(batch["mask_weights"])
+    logits = np.full((len(rows), 2), -1e9, np.float32)
+    logits[:, -1] = 0.0
+    utility = (losses.realm_log_likelihood(logits, mask_lp[rows], weights, marginalization)
+               - losses.null_log_likelihood(mask_lp[rows], weights, marginalization))
+    labels = np.asarray(batch["mask_labels"])
+    return {"predictions": labels, "null_predictions": labels, "p_z": np.exp(logits),
+            "retrieval_utility": np.asarray(utility)}
+
+  evaluator = Evaluator(config, world_data, partitioning.make_mesh((-1, 1)), realm_eval)
+  row_of.update((ids.tobytes(), i) for i, ids in enumerate(evaluator.queries["query_ids"]))
+  assert len(row_of) == 37
+  weights = evaluator.queries["mask_weights"]
+  assert len(set(weights.sum(-1).tolist())) > 1   # spans of several widths
+  logits = np.full((37, 2), -1e9, np.float32)
+  logits[:, -1] = 0.0
+  _, expected = losses.realm_loss(logits, mask_lp, weights, marginalization)
+  metrics, _ = evaluator.run(None, None)
+  assert metrics["retrieval_utility"] == pytest.approx(float(expected["retrieval_utility"]),
+                                                       rel=1e-5)

@@ -78,6 +78,7 @@ class Evaluator:
     n = len(self.rows)
     hits = {at: [] for at in self.recall_at}
     correct, null_correct, utility, details, distracted = [], [], [], [], []
+    masks = []   # each query's real masks: "per_mask" weighs its utility by them
     # Examples to show in detail, spread over the set (neighbours are about one entity).
     show = set(np.linspace(0, n - 1, keep_examples).astype(int).tolist()) \
         if keep_examples else set()
@@ -104,6 +105,7 @@ class Evaluator:
       correct.extend(ok[:real])
       null_correct.extend(_every_mask_right(out["null_predictions"], q)[:real])
       utility.extend(out["retrieval_utility"][:real])
+      masks.extend(q["mask_weights"][:real].sum(-1))
       if self.candidates.name == "mixed":   # the same reader given a distractor
         other = self.candidates.rows(self.data, q, retrieved, distractor=True)
         distracted.extend(_every_mask_right(self._read(params, q, other)["predictions"],
@@ -115,11 +117,19 @@ class Evaluator:
     if correct:
       metrics["span_accuracy"] = float(np.mean(correct))
       metrics["span_accuracy_null_document"] = float(np.mean(null_correct))
-      metrics["retrieval_utility"] = float(np.mean(utility))
+      metrics["retrieval_utility"] = self._mean_utility(utility, masks)
     if distracted:
       metrics["span_accuracy_distractor"] = float(np.mean(distracted))
     metrics["num_examples"] = int(n)
     return metrics, details
+
+  def _mean_utility(self, utility: list, masks: list) -> float:
+    """The queries' retrieval utility as the training step means it (`losses.realm_loss`):
+    over the queries ("joint"), over every real mask ("per_mask", each query's utility the
+    mean of its masks')."""
+    if self.config.retrieval.marginalization == "per_mask" and sum(masks) > 0:
+      return float(np.average(utility, weights=masks))
+    return float(np.mean(utility))
 
   def _read(self, params, q, cand) -> dict[str, np.ndarray]:
     """The REALM eval fn's outputs for queries `q` over candidates `cand`, every row. Every
