@@ -116,7 +116,8 @@ def check_data_dir(config) -> str:
 
 
 def open_data(config):
-  """Opens `config.data.dir` (a PreparedData), a missing or partial dir as a ConfigError."""
+  """Opens `config.data.dir` (a PreparedData), a missing or partial dir, or one without a
+  block, as a ConfigError."""
   from realm_jax.data.prepared import PreparedData
   data_dir = check_data_dir(config)
   if data_dir != config.data.dir:
@@ -124,10 +125,15 @@ def open_data(config):
                 "bucket path it mounts")
   try:
     # Memory-mapped arrays: a data dir in a bucket is read from a verified local copy.
-    return PreparedData(paths.local_dir(
+    data = PreparedData(paths.local_dir(
         data_dir, log=lambda line: logger.info(f"[data] {line}")))
   except FileNotFoundError as e:
     raise ConfigError("data.dir", str(e)) from None
+  if not data.blocks.num_blocks:   # (its documents gave no wordpiece: nothing to retrieve)
+    raise ConfigError("data.dir", f"{config.data.dir} holds no block: none of its documents "
+                      "gave a wordpiece (its stats.json: documents_without_blocks); prepare "
+                      "it from other text")
+  return data
 
 
 # -- W/config.json -----------------------------------------------------------------------------

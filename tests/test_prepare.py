@@ -723,6 +723,25 @@ def test_every_sentence_without_an_example_is_counted(tmp_path):
       stats["examples_skipped"].values())
 
 
+def test_a_data_dir_without_a_block_is_refused_naming_data_dir(tmp_path):
+  """Documents of only zero-width characters give no block (documents_without_blocks): a job
+  opening such a dir is refused naming data.dir, not left to fail later (Open-QA's frozen
+  index embedding 0 blocks raised a TypeError after the models were built)."""
+  from realm_jax import workdir as workdir_lib
+  from tests.helpers import tiny_config
+  good = config_for(f"jsonl:{write_jsonl(tmp_path / 'g.jsonl', good_lines())}",
+                    str(tmp_path / "good"))
+  prepare_lib.prepare(good)
+  lines = [json.dumps({"title": "\u200b", "text": "\u200b\u200c"}).encode()]
+  stats = prepare_lib.prepare(config_for(f"jsonl:{write_jsonl(tmp_path / 'd.jsonl', lines)}",
+                                         str(tmp_path / "out"),
+                                         vocab=os.path.join(good.out_dir, "vocab.txt")))
+  assert (stats["blocks"], stats["documents_without_blocks"]) == (0, 1)
+  with pytest.raises(ConfigError, match=r"^config\.data\.dir: .*out holds no block"):
+    workdir_lib.open_data(tiny_config("ict", data_dir=str(tmp_path / "out")))
+  assert workdir_lib.open_data(tiny_config("ict", data_dir=good.out_dir)).blocks.num_blocks
+
+
 def test_a_capital_a_non_ascii_space_and_a_period_are_split_as_with_a_space(tmp_path):
   """sentencex panics on a capital letter, a space other than ASCII's and a period ("plan
   A\u00a0."): such a text is split as with a plain space, and the job goes on (it stopped with
