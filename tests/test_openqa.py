@@ -66,6 +66,35 @@ def test_openqa_loss_matches_a_numpy_reference():
   assert all(np.isfinite(np.asarray(g)).all() for g in grads)
 
 
+def test_a_retriever_over_one_block_is_refused_for_training_unless_it_is_frozen():
+  """Over one block (qa.searcher_beam 1, or a corpus of one) p(z|x) = 1: the retriever's loss
+  is 0 and the reader's marginal cancels the block's logit, so the query tower gets no
+  gradient and was only weight-decayed, unsaid (as ICT's batch of one, REALM's k of one
+  block). Refused for training naming the option, unless train.retriever_lr_scale is 0 (the
+  reader fine-tuned alone); realm-eval still reads such a config."""
+  from realm_jax.config.validation import validate, validate_against_data, validate_training
+  rng = np.random.default_rng(0)
+  spans = rng.normal(size=(2, 1, 5)).astype(np.float32)
+  grad = jax.grad(lambda l: losses.openqa_loss(l, np.ones((2, 1), bool), spans,
+                                               spans > 0)[0])(np.ones((2, 1), np.float32))
+  np.testing.assert_allclose(grad, 0.0, atol=1e-6)   # (rounding): all a retriever gets there
+  config = openqa_config("", qa__searcher_beam=1, qa__reader_beam=1)
+  validate(config)
+  with pytest.raises(ConfigError) as refused:
+    validate_training(config)
+  assert refused.value.option == "qa.searcher_beam", str(refused.value)
+  config = openqa_config("")
+  validate_training(config)
+  validate_against_data(config, num_blocks=2)
+  with pytest.raises(ConfigError) as refused:
+    validate_against_data(config, num_blocks=1)
+  assert refused.value.option == "data.dir", str(refused.value)
+  config.train.retriever_lr_scale = 0.0   # the reader alone: top-1 reading is its choice
+  validate_against_data(config, num_blocks=1)
+  validate_training(openqa_config("", qa__searcher_beam=1, qa__reader_beam=1,
+                                  train__retriever_lr_scale=0.0))
+
+
 def test_span_candidates_are_width_major_like_hf():
   starts, ends = span_candidates(5, 3)
   assert list(zip(starts, ends))[:7] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (0, 1), (1, 2)]

@@ -306,6 +306,9 @@ def validate_against_data(config, *, num_blocks: int | None = None,
       and r.k + 1 > num_blocks:
     raise ConfigError("retrieval.k", f"k={r.k} needs at least k + 1 = {r.k + 1} blocks "
                       f"(retrieve k+1, drop the query's own), the corpus has {num_blocks}")
+  if num_blocks is not None and config.task == "openqa" and num_blocks < 2:
+    _refuse_one_block_retriever(config, "data.dir", f"{d.dir} holds {num_blocks} block "
+                                "(qa.searcher_beam is capped at the corpus)")
   if store_block_len is not None and store_block_len != d.block_len:
     raise ConfigError("data.block_len", f"{d.block_len} but {d.dir} was prepared with "
                       f"blocks of {store_block_len}")
@@ -442,6 +445,8 @@ def validate_training(config) -> None:
                       "retrieved block (k >= 3)")
   if config.task == "ict":
     _refuse_untrained_ict(config)
+  if config.task == "openqa" and config.qa.searcher_beam < 2:
+    _refuse_one_block_retriever(config, "qa.searcher_beam", f"{config.qa.searcher_beam}")
   t = config.train
   parts = ("retriever",) if config.task == "ict" else ("retriever", "reader")
   if all(t[f"{part}_lr_scale"] == 0 for part in parts):
@@ -465,6 +470,18 @@ def _refuse_untrained_ict(config) -> None:
     raise ConfigError("train.batch_size", f"{config.train.batch_size}: ICT's softmax is over "
                       "the batch's blocks (each query's negatives are the other queries'): one "
                       "query has loss 0 and no gradient; give >= 2")
+
+
+def _refuse_one_block_retriever(config, option: str, what: str) -> None:
+  """Open-QA's retriever over one block (`what`, named by `option`): p(z|x) = 1, its loss 0 and
+  the reader's marginal cancels the block's logit, so the query tower gets no gradient (the
+  reader alone may be fine-tuned so, with train.retriever_lr_scale 0)."""
+  if config.train.retriever_lr_scale == 0:
+    return
+  raise ConfigError(option, f"{what}: the retriever's loss is over the top qa.searcher_beam "
+                    "blocks, and over one block p(z|x) = 1: its loss is 0 and the retriever "
+                    "gets no gradient; give >= 2 blocks, or train.retriever_lr_scale 0 to "
+                    "fine-tune the reader alone")
 
 
 def training_warnings(config) -> list[str]:
