@@ -349,3 +349,14 @@ def test_bm25_ranks_no_block_for_a_question_with_no_term_in_the_corpus(squad_dat
   recall = zero_shot.paragraph_recall(rows, np.asarray(data.blocks.doc_ids),
                                       np.array([0, 1]), ks=(1, 3))
   assert recall == {"recall_at_1": 0.5, "recall_at_3": 0.5}
+
+
+def test_bm25_reads_a_question_as_it_reads_the_blocks(squad_data):
+  """The blocks' text is the tokenizer's (lower-cased, accents stripped); the questions were
+  read raw, so an accented name matched no block: "Kelmár?" ranked nothing, where "Kelmar?"
+  ranks its paragraph first."""
+  data = PreparedData(squad_data)
+  questions = [{"question": name, "doc_id": 0} for name in ("Kelmár?", "Kelmar?", "KELMAR?")]
+  rows = zero_shot.bm25_ranking(data, questions, n=3)
+  assert rows[0].tolist() == rows[1].tolist() == rows[2].tolist(), rows
+  assert np.asarray(data.blocks.doc_ids)[rows[0, 0]] == 0

@@ -84,7 +84,8 @@ def bm25_ranking(data: PreparedData, questions: list[dict],
                  n: int = CANDIDATE_BLOCKS) -> np.ndarray:
   """Top-n block rows per question by BM25 over each block's title + body text; -1 past a
   question's last block with a positive score (a question with no term in the corpus ranks
-  nothing, not blocks 0..n-1)."""
+  nothing, not blocks 0..n-1). The questions are read as the blocks are, through the
+  wordpiece tokenizer and back (lower-cased, accents stripped): "Kelmár" finds "Kelmar"."""
   import bm25s
   log.follow_verbosity("bm25s")   # it sets its logger to DEBUG when imported
   blocks, tok = data.blocks, data.tokenizer
@@ -93,7 +94,8 @@ def bm25_ranking(data: PreparedData, questions: list[dict],
   retriever = bm25s.BM25()
   retriever.index(bm25s.tokenize(texts, stopwords="en", show_progress=False),
                   show_progress=False)
-  query_tokens = bm25s.tokenize([q["question"] for q in questions], stopwords="en",
+  encoded = tok.encode_batch([q["question"] for q in questions])
+  query_tokens = bm25s.tokenize([tok.decode(ids) for ids, _ in encoded], stopwords="en",
                                 show_progress=False)
   rows, scores = retriever.retrieve(query_tokens, k=min(n, blocks.num_blocks),
                                    show_progress=False)
