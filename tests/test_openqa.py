@@ -602,6 +602,41 @@ def test_the_index_of_a_step_is_found_among_later_versions(tmp_path):
   assert FrozenIndex.of_step(str(tmp_path), 6, "blocks", 8, latest_only=True).version == 3
 
 
+def test_the_index_of_a_step_pruned_while_it_is_read_is_none(tmp_path, monkeypatch, caplog):
+  """realm-eval of a pre-training run still training: the builder prunes the version of the
+  evaluated step (manifest first, then its files) after its manifest was read and verified:
+  none (the caller embeds the blocks itself, said), not a FileNotFoundError of its arrays."""
+  from realm_jax.retrieval import published
+  from realm_jax.train.openqa_inputs import FrozenIndex
+  root = published.index_root(str(tmp_path))
+  for step in (2, 4):
+    published.publish_arrays(root, np.full((5, 8), step, np.float32), {}, step=step,
+                             fingerprint="blocks", keep=3)
+  verify = published.verify
+
+  def verified_then_pruned(root, version, **kwargs):   # the builder's prune, at that moment
+    manifest = verify(root, version, **kwargs)
+    published._prune(root, keep=1)
+    return manifest
+  monkeypatch.setattr(published, "verify", verified_then_pruned)
+  with caplog.at_level(logging.WARNING):
+    assert FrozenIndex.of_step(str(tmp_path), 2, "blocks", 8) is None
+  assert "00000001 not used" in caplog.text and "pruned" in caplog.text
+  # pruned between the listing and the read of its manifest: none either
+  monkeypatch.setattr(published, "verify", verify)
+  published.publish_arrays(root, np.full((5, 8), 6, np.float32), {}, step=6,
+                           fingerprint="blocks", keep=3)
+  manifest = published.version_dir(root, 2) / published.MANIFEST
+  read_text = type(manifest).read_text
+
+  def pruned_first(self, *args, **kwargs):
+    if self == manifest:
+      published._prune(root, keep=1)
+    return read_text(self, *args, **kwargs)
+  monkeypatch.setattr(type(manifest), "read_text", pruned_first)
+  assert FrozenIndex.of_step(str(tmp_path), 4, "blocks", 8) is None
+
+
 def test_realm_eval_on_a_pretraining_checkpoint(world_dir, world_data, tmp_path, monkeypatch,
                                                 caplog):
   """Open-QA eval of a checkpoint without the span reader: a clear error; --retrieval_only:

@@ -117,7 +117,7 @@ class FrozenIndex:
     for version in sorted({latest, *(v for v in older if v < latest)}, reverse=True):
       try:
         manifest = published.read_manifest(root, version)
-      except published.RejectedVersion:
+      except (published.RejectedVersion, FileNotFoundError):   # (pruned since it was listed)
         continue
       if (manifest["step"], manifest["block_store_fingerprint"], manifest["dim"]) != (
           step, fingerprint, dim):
@@ -126,6 +126,11 @@ class FrozenIndex:
         return cls._read(root, version, fingerprint, dim)
       except published.RejectedVersion as e:     # damaged arrays: the caller embeds the blocks
         logger.warning(f"{published.version_dir(root, version)} not used: {e}")
+        return None
+      except (FileNotFoundError, NotADirectoryError) as e:   # pruned under the read (a
+        # builder still publishing): the caller embeds the blocks
+        logger.warning(f"{published.version_dir(root, version)} not used: pruned while it "
+                       f"was read ({e})")
         return None
     return None
 
