@@ -577,15 +577,19 @@ def _launch(args: argparse.Namespace) -> int:
             f"{r.refresh!r}): the trainer runs alone")
     commands, env_for = {"trainer": commands["trainer"]}, {}
   workdir_lib.check_data_dir(config)   # else both processes start, then fail on it
-  for job in workdir_lib.JOBS:         # W in use: its DONE is not ours to remove
-    holder = workdir_lib.job_holding(args.workdir, job)
-    if holder is not None:
-      raise ConfigError("", f"{args.workdir} is in use: a {job} (pid {holder}) runs on it; "
-                        "stop it first, or use another workdir")
-  print(said, flush=True)   # after the refusals: a refused launch says its error alone
-  # on SIGTERM the trainer saves within its own grace period: not SIGKILLed before it ends
-  save_grace = config.train.preemption_grace_seconds + SAVE_MARGIN
-  return supervise(commands, args.workdir, env_for, args.grace, save_grace)
+  # held until the children end: their own locks are taken only once they have started
+  # (seconds later), and a second launcher meanwhile would find neither held
+  with workdir_lib.JobLock(args.workdir, "launcher") as lock:
+    lock.acquire()
+    for job in workdir_lib.JOBS:         # W in use: its DONE is not ours to remove
+      holder = workdir_lib.job_holding(args.workdir, job)
+      if holder is not None:
+        raise ConfigError("", f"{args.workdir} is in use: a {job} (pid {holder}) runs on it; "
+                          "stop it first, or use another workdir")
+    print(said, flush=True)   # after the refusals: a refused launch says its error alone
+    # on SIGTERM the trainer saves within its own grace period: not SIGKILLed before it ends
+    save_grace = config.train.preemption_grace_seconds + SAVE_MARGIN
+    return supervise(commands, args.workdir, env_for, args.grace, save_grace)
 
 
 def _device_env(builder_ids: str) -> tuple[dict[str, dict[str, str]], str]:

@@ -22,6 +22,8 @@
   W/trainer.lock, W/builder.lock   held (flock) by the trainer's and realm-index's first
                          process while they run on a local W: a second one is refused; a
                          job that ended normally leaves how it ended there (`job_ended`)
+  W/launcher.lock        held by launch/local.py from its check of the two locks above until
+                         its trainer and builder ended: a second launcher is refused
   W/logs/                launch/local.py: the trainer's and the builder's output
 
 W may be a local dir or a bucket URL (`gs://B/P`): every file goes through realm_jax/paths.py.
@@ -408,6 +410,9 @@ def done_step(workdir: str) -> int | None:
 
 # -- W/trainer.lock, W/builder.lock -------------------------------------------------------------
 JOBS = ("trainer", "builder")   # a workdir's; realm-prepare locks its out_dir as "prepare"
+# what a refusal names the holder of a lock of another kind: realm-prepare's of its out_dir,
+# launch/local.py's of the workdir whose trainer and builder it starts
+HOLDERS = {"prepare": "realm-prepare", "launcher": "launch/local.py"}
 ENDED = "ended: "   # a lock file's line after the holder's: how the job ended normally
 
 
@@ -437,7 +442,7 @@ class JobLock:
       lock.close()
       if holder is None:   # a file system without flock: as a bucket
         return
-      who = "realm-prepare" if self.job == "prepare" else self.job
+      who = HOLDERS.get(self.job, self.job)
       raise ConfigError("", f"{self.workdir} is in use: a {who} (pid {holder}) runs on it "
                         f"and holds {self.path}; stop it first, or use another dir")
     lock.truncate(0)   # (W may be shared by hosts; the start tells a reused pid apart)

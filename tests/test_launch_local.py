@@ -609,6 +609,39 @@ def test_a_workdir_in_use_is_refused_before_anything_starts(tmp_path):
     assert "started" not in result.stdout and (workdir / "DONE").exists()
 
 
+def test_a_second_launcher_is_refused_while_the_first_ones_children_start(tmp_path, capsys,
+                                                                          monkeypatch):
+  """The trainer and the builder take their locks only once started (seconds: JAX, the data);
+  a second launcher on W meanwhile found no lock held and started a second trainer and
+  builder beside the first's (their output in the same W/logs, and where the locks fell one
+  to each launcher, both runs stopped). The first launcher holds W/launcher.lock: refused."""
+  import threading
+  body = ("if os.path.exists(path('first')):\n  touch('second.started')\n  sys.exit(0)\n"
+          "touch('first')\nwait_for('go')\n")
+  monkeypatch.setattr(local, "default_commands",
+                      lambda *args: {"trainer": child(tmp_path, "trainer", body)})
+  argv = ["--config", os.path.join(REPO, "configs", "demo_ict.py"), "--workdir", str(tmp_path),
+          f"--config.data.dir={tmp_path}", "--grace", "1"]
+  first = []
+  thread = threading.Thread(target=lambda: first.append(local.main(argv)), daemon=True)
+  thread.start()
+  try:
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "first").exists():   # the first one's trainer is starting
+      assert time.monotonic() < deadline and thread.is_alive()
+      time.sleep(0.02)
+    with pytest.raises(SystemExit) as exit_:
+      local.main(argv)
+  finally:
+    (tmp_path / "go").touch()
+    thread.join(timeout=30)
+  assert exit_.value.code == 2 and first == [0]
+  assert (f"local.py: error: {tmp_path} is in use: a launch/local.py (pid {os.getpid()}) runs "
+          f"on it and holds {tmp_path}/launcher.lock; stop it first, or use another dir"
+          in capsys.readouterr().err.splitlines())
+  assert not (tmp_path / "second.started").exists()
+
+
 def test_the_launchers_children_stop_when_it_is_sigkilled(tmp_path):
   """A launcher killed outright cannot pass a signal on: the kernel sends its children SIGTERM
   (a trainer saves its step on it) and none is left running."""
