@@ -394,3 +394,33 @@ def test_a_workdir_part_of_more_layers_says_which_it_reads(world_dir, world_data
   source_run(towers_config(world_dir), alike, vocab_size)
   same = start(towers_config(world_dir, init__retriever=alike), fresh, world_data)
   assert not any("layers" in line for line in same.lines), same.lines
+
+
+def test_a_step_pruned_while_a_reader_lists_the_checkpoints_is_listed_again(tmp_path,
+                                                                              monkeypatch):
+  """Orbax reads each step's metadata as it lists W/checkpoints: an older step that the run
+  still writing W deletes (keep-N) in between failed realm-eval, realm-predict and
+  init.from_workdir with the FileNotFoundError of that step, one they did not ask for. Listed
+  again, they read the latest."""
+  import shutil
+  from orbax.checkpoint._src.path import step as step_lib
+  params = {"a": np.arange(3, dtype=np.float32)}
+  name_format = type(step_lib.standard_name_format())
+  find_all = name_format.find_all
+  for i, read in enumerate((lambda: checkpoints.saved_param_shapes(workdir),
+                            lambda: checkpoints.restore_params(workdir, params))):
+    workdir = str(tmp_path / f"live{i}")
+    for step in (1, 2, 3):
+      checkpoints.write_params(workdir, {"a": params["a"] + step}, step)
+    pruned = []
+
+    def listed_then_pruned(self, base):   # the trainer's keep-N, between the listing and reads
+      found = list(find_all(self, base))
+      if not pruned:
+        pruned.append(shutil.rmtree(os.path.join(workdir, "checkpoints", "1")))
+      return iter(found)
+    monkeypatch.setattr(name_format, "find_all", listed_then_pruned)
+    got = read()
+    monkeypatch.undo()
+    assert pruned and got[1] == 3, got
+  np.testing.assert_array_equal(got[0]["a"], params["a"] + 3)

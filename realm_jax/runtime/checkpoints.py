@@ -298,9 +298,11 @@ def read_only_manager(workdir: str, processes: set[int] | None = None,
   multiprocessing = ocp.options.MultiprocessingOptions() if processes is None else \
       ocp.options.MultiprocessingOptions(primary_host=min(processes),
                                          active_processes=set(processes))
-  return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-      read_only=True, create=False, save_interval_steps=0,
-      multiprocessing_options=multiprocessing), **kwargs)
+  # (made again while a step deleted under it fails the listing it starts with)
+  return again_while_deleted(lambda: ocp.CheckpointManager(
+      directory, options=ocp.CheckpointManagerOptions(
+          read_only=True, create=False, save_interval_steps=0,
+          multiprocessing_options=multiprocessing), **kwargs))
 
 
 def partial_params_restore(abstract_params) -> ocp.args.Composite:
@@ -352,9 +354,15 @@ LIST_TRIES = 5
 def listed_again(list_steps) -> list[int]:
   """`list_steps()` sorted, listed again (LIST_TRIES in all) while a step deleted under it
   fails Orbax's listing: every reader of a W another job still writes."""
+  return again_while_deleted(lambda: sorted(list_steps()))
+
+
+def again_while_deleted(fn):
+  """`fn()`, a listing of W/checkpoints (or what starts with one: a manager made), tried again
+  (LIST_TRIES in all) while a step deleted under it fails it."""
   for tries_left in reversed(range(LIST_TRIES)):
     try:
-      return sorted(list_steps())
+      return fn()
     except (FileNotFoundError, NotADirectoryError):
       if not tries_left:
         raise
