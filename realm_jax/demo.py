@@ -17,9 +17,9 @@ import shutil
 
 from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import CommandParser, ConfigError
-from realm_jax.stages import (HOST_DEVICES, check_arguments, check_demo_flags, devices,
-                              repo_config, run_demo_cli, run_stages, split_host, stage_seconds,
-                              trained_nothing)
+from realm_jax.stages import (HOST_DEVICES, check_arguments, check_demo_flags, demo_lock,
+                              devices, repo_config, run_demo_cli, run_stages, split_host,
+                              stage_seconds, trained_nothing)
 
 
 def demo_stages() -> list:
@@ -104,11 +104,12 @@ def print_report(summary: dict, examples: list[dict]) -> None:
 def run_demo(workdir: str, seed: int, entities: int, host_devices: int = HOST_DEVICES) -> dict:
   """The whole demo; returns the summary written to `workdir/summary.json`."""
   # the device count the REALM stage sees too ($XLA_FLAGS' wins): the summary's `devices`
-  check_arguments(workdir, {"seed": seed, "entities": entities,
-                            "host_devices": split_host(dict(os.environ), host_devices)[1]},
-                  "WORKDIR")
-  with workdir_lib.RunWall(workdir) as wall:   # a resumed demo adds its earlier runs
-    return _run_demo(workdir, seed, entities, host_devices, wall)
+  with demo_lock(workdir):
+    check_arguments(workdir, {"seed": seed, "entities": entities,
+                              "host_devices": split_host(dict(os.environ), host_devices)[1]},
+                    "WORKDIR")
+    with workdir_lib.RunWall(workdir) as wall:   # a resumed demo adds its earlier runs
+      return _run_demo(workdir, seed, entities, host_devices, wall)
 
 
 def _run_demo(workdir: str, seed: int, entities: int, host_devices: int,

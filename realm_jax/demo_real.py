@@ -30,8 +30,8 @@ import platform
 
 from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import CommandParser, ConfigError
-from realm_jax.stages import (DEMO_ARGUMENTS, check_arguments, check_demo_flags, devices,
-                              prepare_demo_data, repo_config, run_demo_cli, run_stage,
+from realm_jax.stages import (DEMO_ARGUMENTS, check_arguments, check_demo_flags, demo_lock,
+                              devices, prepare_demo_data, repo_config, run_demo_cli, run_stage,
                               stage_seconds, trained_nothing)
 from realm_jax.config.overrides import with_overrides
 from realm_jax.config.reading import config_record
@@ -309,9 +309,10 @@ def print_report(summary: dict) -> None:
 def run_demo_real(workdir: str, squad: str = "", seed: int = 0, scale: str = "cpu",
                   max_paragraphs: int = MAX_PARAGRAPHS) -> dict:
   # (another file or --max-paragraphs: W/data's own check refuses it, `fit_to_the_hour`)
-  check_arguments(workdir, {"seed": seed, "scale": scale}, "REAL_WORKDIR")
-  with workdir_lib.RunWall(workdir) as wall:   # a resumed recipe adds its earlier runs
-    return _run_demo_real(workdir, squad, seed, scale, max_paragraphs, wall)
+  with demo_lock(workdir):
+    check_arguments(workdir, {"seed": seed, "scale": scale}, "REAL_WORKDIR")
+    with workdir_lib.RunWall(workdir) as wall:   # a resumed recipe adds its earlier runs
+      return _run_demo_real(workdir, squad, seed, scale, max_paragraphs, wall)
 
 
 def _run_demo_real(workdir: str, squad: str, seed: int, scale: str, max_paragraphs: int,

@@ -17,7 +17,7 @@ import os
 
 from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import CommandParser
-from realm_jax.stages import (check_arguments, check_demo_flags, prepare_demo_data,
+from realm_jax.stages import (check_arguments, check_demo_flags, demo_lock, prepare_demo_data,
                               repo_config, run_demo_cli, run_stage, run_stages, stage_seconds)
 
 STAGES = (("ict", ""), ("warmup", "ict"), ("realm", "warmup"))
@@ -61,9 +61,10 @@ def check_openqa_questions(source: str) -> None:
 
 
 def run_demo_squad(workdir: str, squad: str = "", seed: int = 0) -> dict:
-  check_arguments(workdir, {"seed": seed}, "SQUAD_WORKDIR")   # the file: prepare's own check
-  with workdir_lib.RunWall(workdir) as wall:   # a resumed demo adds its earlier runs
-    return _run_demo_squad(workdir, squad, seed, wall)
+  with demo_lock(workdir):
+    check_arguments(workdir, {"seed": seed}, "SQUAD_WORKDIR")   # the file: prepare's own check
+    with workdir_lib.RunWall(workdir) as wall:   # a resumed demo adds its earlier runs
+      return _run_demo_squad(workdir, squad, seed, wall)
 
 
 def _run_demo_squad(workdir: str, squad: str, seed: int, wall: workdir_lib.RunWall) -> dict:
@@ -90,9 +91,10 @@ def _run_demo_squad(workdir: str, squad: str, seed: int, wall: workdir_lib.RunWa
 
 
 def run_demo_openqa(workdir: str, squad: str = "", seed: int = 0) -> dict:
-  check_arguments(workdir, {"seed": seed}, "SQUAD_WORKDIR")
-  with workdir_lib.RunWall(workdir, OPENQA_WALL) as wall:   # its own record: the workdir is
-    return _run_demo_openqa(workdir, squad, seed, wall)     # demo-squad's too
+  with demo_lock(workdir):
+    check_arguments(workdir, {"seed": seed}, "SQUAD_WORKDIR")
+    with workdir_lib.RunWall(workdir, OPENQA_WALL) as wall:   # its own record: the workdir
+      return _run_demo_openqa(workdir, squad, seed, wall)     # is demo-squad's too
 
 
 def _run_demo_openqa(workdir: str, squad: str, seed: int, wall: workdir_lib.RunWall) -> dict:

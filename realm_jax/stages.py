@@ -8,6 +8,7 @@ not. Stages run in rounds (two side by side); a failure, SIGTERM or Ctrl-C stops
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -295,6 +296,17 @@ def stage_seconds(results: dict[str, dict]) -> dict[str, float]:
   """Each stage's wall seconds over all its runs (a stage resumed after a stop counts the
   runs before it: W/wall.json, realm_jax/workdir.py)."""
   return {name: workdir_lib.wall_all_runs(summary) for name, summary in results.items()}
+
+
+@contextlib.contextmanager
+def demo_lock(workdir: str):
+  """The one demo of `workdir`: W/demo.lock (`workdir.JobLock`) held from before a demo's
+  first write to its end. A second demo there is refused at once naming the first one's pid
+  (its stages would be refused by the first one's, but only after it had added its run to
+  W/wall.json, which the first one's summary reports)."""
+  with workdir_lib.JobLock(workdir, "demo") as lock:
+    lock.acquire()
+    yield
 
 
 def check_arguments(workdir: str, arguments: dict, make_variable: str) -> None:

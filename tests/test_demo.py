@@ -1,5 +1,6 @@
 """The demo driver's own logic (the demo itself runs in `make demo`)."""
 
+import json
 import os
 import shlex
 import signal
@@ -704,3 +705,30 @@ def test_a_squad_path_that_is_no_readable_file_adds_no_run(tmp_path):
   with pytest.raises(IsADirectoryError):
     demo_real.run_demo_real(str(workdir), str(tmp_path / "squad"))
   assert not (workdir / "wall.json").exists()
+
+
+def test_a_second_demo_in_a_workdir_is_refused_and_leaves_the_first_ones_records(tmp_path,
+                                                                                 monkeypatch):
+  """Two `make demo` into one WORKDIR: the second one's stages were refused by the first one's
+  locks, but the second ran on to that failure and added its run to W/wall.json, so the
+  first one's summary counted two runs and their seconds. The first demo holds W/demo.lock:
+  the second is refused before it writes anything, naming it."""
+  from realm_jax import workdir as workdir_lib
+  from realm_jax.errors import ConfigError
+  workdir = tmp_path / "demo"
+  (workdir / "data").mkdir(parents=True)
+  (workdir / "data" / "stats.json").write_text('{"examples": {"train": 100000}}')
+  arguments = {"seed": 0, "entities": 2000,
+               "host_devices": stages.split_host(dict(os.environ), stages.HOST_DEVICES)[1]}
+  (workdir / stages.DEMO_ARGUMENTS).write_text(json.dumps(arguments))
+
+  def stage_refused(*args, **kwargs):   # a stage the first demo's trainer holds
+    raise stages.StageFailed("stage warmup failed (exit 2): W/warmup is in use")
+  monkeypatch.setattr(demo, "run_stages", stage_refused)
+  with workdir_lib.JobLock(str(workdir), "demo") as first:
+    first.acquire()
+    with pytest.raises(ConfigError, match=rf"^{workdir} is in use: a demo \(pid {os.getpid()}\)"
+                       rf" runs on it and holds {workdir}/demo.lock; stop it first"):
+      demo.run_demo(str(workdir), 0, 2000)
+  assert not (workdir / workdir_lib.WALL).exists()
+  assert json.loads((workdir / stages.DEMO_ARGUMENTS).read_text()) == arguments
