@@ -446,6 +446,9 @@ def test_a_bucket_data_dir_prepared_with_other_settings_is_refused(gcs, capsys):
   config.source, config.out_dir = "world:40", f"{gcs}/data-settings"
   config.vocab_size, config.num_workers = helpers.VOCAB_SIZE, 0
   stats = prepare(config)
+  manifest = json.loads(bucket_text(f"{config.out_dir}/{paths.FILES_MANIFEST}"))
+  assert "stats.json" in manifest["files"]
+  assert "prepare.lock" not in manifest["files"]   # the local copy's lock, this host's alone
   assert prepare(config) == stats   # the same settings: the finished one, as it is
   config.source = "world:80"
   with pytest.raises(ConfigError, match=re.escape(

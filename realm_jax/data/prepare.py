@@ -362,7 +362,8 @@ def prepare(config) -> dict:
     stats = _prepare_local(config)
   finally:
     config.out_dir = url
-  paths.upload_tree(local, url, log=lambda line: logger.info(f"[prepare] {line}"))
+  paths.upload_tree(local, url, log=lambda line: logger.info(f"[prepare] {line}"),
+                    exclude=LOCK)   # (this host's lock of its local copy)
   logger.info(f"[prepare] uploaded to {url} ({paths.FILES_MANIFEST} written last)")
   return stats
 
