@@ -551,6 +551,32 @@ def test_an_open_qa_checkpoint_imported_into_the_bucket_is_a_workdir_there(gcs, 
     hf_realm.import_checkpoint(hf_dir, url)
 
 
+def test_a_scann_version_built_in_the_bucket_holds_its_searcher_and_is_served(
+    gcs, world_dir, tmp_path, monkeypatch):
+  """`retrieval.backend=scann` in a bucket workdir: the searcher ScaNN serializes (local files
+  only) is uploaded into the version's scann/ (before: it went to a local dir `gs:` under the
+  working directory, the version's manifest named no scann/ file, and the trainer's load of
+  it failed on the missing folder)."""
+  from tests.test_index_builder import builder_config, build_once, loader_for, \
+      make_checkpoints
+  monkeypatch.chdir(tmp_path)
+  config = builder_config(world_dir, retrieval__backend="scann")
+  workdir = f"{gcs}/scann"
+  _, model, _, data = make_checkpoints(config, workdir, (0,))
+  assert build_once(config, workdir) == 1
+  assert os.listdir(tmp_path) == []
+  manifest = published.verify(published.index_root(workdir), 1,
+                              fingerprint=data.blocks.fingerprint,
+                              dim=config.model.retrieval_dim)
+  assert any(name.startswith("scann/") for name in manifest["files"]), manifest["files"]
+  loaded = loader_for(config, workdir, model, data)(1)
+  embeddings = np.asarray(loaded.embeddings)
+  scores = embeddings[:4] @ embeddings.T   # the best block's score: exact (brute force here)
+  best = loaded.index.search(embeddings[:4], 3)[:, 0]
+  np.testing.assert_allclose(scores[np.arange(4), best], scores.max(axis=1), rtol=1e-5)
+  assert type(loaded.index).__name__ == "ScannIndex"
+
+
 def test_a_sweep_rooted_in_the_bucket_reads_summaries_and_writes_its_tables_there(gcs):
   import importlib.util
   spec = importlib.util.spec_from_file_location(

@@ -33,11 +33,14 @@ if __name__ == "__main__":   # python -m (launch/local.py's children): a Ctrl-C 
 import errno
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 
 import numpy as np
+from etils import epath
 
 from realm_jax import log, paths, workdir as workdir_lib
 from realm_jax.errors import (ConfigError, StorageUnreachable, WorkerDied,
@@ -55,6 +58,24 @@ WAIT_MESSAGE_SECONDS = 30.0      # one "still waiting" line per this many second
 TRAINER_GONE_SECONDS = 600.0     # one "the trainer is not running" line per this many seconds
 FINISHED, FAILED = -1, -2        # process 0's decisions besides a step to build (`_decided`)
 STOPPED_EXIT_CODE = 128 + signal.SIGTERM   # stopped on SIGTERM (preempted): as the trainer
+
+
+def _save_searcher(searcher, directory) -> None:
+  """ScaNN's files into `directory` (a version's `scann/`); in a bucket through a local temp
+  dir, its files then uploaded (ScaNN writes local files only: the path of a bucket dir would
+  be a local dir `gs:` under the working directory, and the version would lack them)."""
+  from realm_jax.retrieval import scann_index
+  if not paths.is_remote(directory):
+    os.makedirs(str(directory), exist_ok=True)
+    scann_index.save_searcher(searcher, str(directory))
+    return
+  scratch = tempfile.mkdtemp(prefix="realm_scann_")
+  try:
+    scann_index.save_searcher(searcher, scratch)
+    for name in sorted(os.listdir(scratch)):   # (flat, as the trainer's copy reads it)
+      epath.Path(os.path.join(scratch, name)).copy(epath.Path(directory) / name)
+  finally:
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 class IndexBuilder:
@@ -390,9 +411,7 @@ class IndexBuilder:
     searcher = scann_index.build_searcher(embeddings, settings)
     timings["build_seconds"] = round(time.time() - t0, 3)
     t0 = time.time()
-    local_dir = str(staging / "scann")
-    os.makedirs(local_dir, exist_ok=True)
-    scann_index.save_searcher(searcher, local_dir)
+    _save_searcher(searcher, staging / "scann")
     timings["serialize_seconds"] = round(time.time() - t0, 3)
     recall, queries = self._scann_recall(searcher, embeddings, settings, query_params)
     logger.info(f"{prefix}scann index: {len(embeddings):,} x {embeddings.shape[1]}, {settings}, "
