@@ -79,6 +79,10 @@ def check(path: str, what: str = "path") -> str:
   if is_remote(text) and ("#" in text or "?" in text):   # TensorStore: a fragment or query
     raise ConfigError("", f"{what} {text!r}: '#' and '?' cannot be in a bucket path (the "
                       "checkpoint arrays would go to the path before them)")
+  if is_remote(text) and ("*" in text or "[" in text):   # gcsfs: a glob pattern
+    raise ConfigError("", f"{what} {text!r}: '*' and '[' cannot be in a bucket path (gcsfs "
+                      "reads them as a pattern: removing an old index version or checkpoint "
+                      "there would delete the objects of other paths that match it)")
   return text
 
 

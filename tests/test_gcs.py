@@ -637,6 +637,29 @@ def test_urls_that_would_go_elsewhere_are_refused_naming_the_flag(world_dir, tmp
   assert paths.check("gs://bucket/a b%20c", "x") == "gs://bucket/a b%20c"   # these are fine
 
 
+@pytest.mark.parametrize("name", ["run[1]", "lr-*"])
+def test_a_bucket_path_that_gcsfs_reads_as_a_pattern_is_refused(gcs, world_dir, tmp_path, name,
+                                                                monkeypatch):
+  """gcsfs reads '*' and '[' in a path as a glob: a removal or move there (the builder's prune
+  of old index versions, an unreadable checkpoint moved aside, Orbax's deletion of old
+  checkpoints) takes whatever objects match (before: pruning gs://B/run[1]/index/00000001
+  deleted gs://B/run1/index/00000001, another run's version, and left its own). A workdir,
+  data dir or out_dir of such a name is refused naming the option, before anything is
+  written."""
+  monkeypatch.chdir(tmp_path)
+  base = f"{gcs}/patterns-{len(name)}"
+  other = f"{base}/{name.replace('[', '').replace(']', '').replace('*', 'x')}"
+  workdir_lib.mark_done(other, 4)   # a run the pattern would match
+  with pytest.raises(ConfigError, match=re.escape(
+      f"--workdir '{base}/{name}': '*' and '[' cannot be in a bucket path")):
+    train(tiny_config("ict", None, world_dir), f"{base}/{name}")
+  with pytest.raises(ConfigError, match=re.escape("config.data.dir: data.dir")):
+    train(tiny_config("ict", None, f"{base}/{name}"), str(tmp_path / "w"))
+  assert workdir_lib.done_step(other) == 4
+  assert paths.names(base) == [other.rsplit("/", 1)[1]]
+  assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("value", ["ten minutes", "nan", "-5"])
 def test_a_bad_storage_patience_is_refused_with_the_bucket_path(world_dir, tmp_path, value,
                                                                 monkeypatch):
