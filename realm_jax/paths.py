@@ -514,6 +514,7 @@ def _rewrite_whole(url: str, text: str, generation: str) -> str:
 
 # -- a prepared data dir in a bucket -----------------------------------------------------------
 FILES_MANIFEST = "files.json"   # every file of an uploaded dir: size and sha256 (written last)
+COPIED = ".copied.json"   # a local copy's: the files.json (or listing) of its finished copy
 _CHUNK = 8 << 20
 
 
@@ -546,7 +547,7 @@ def upload_tree(local_dir: str, url: str, log=print, exclude: str = "") -> dict:
   sha256 of each: the commit marker a reader checks). Returns that manifest."""
   files = {}
   names = [n for n in _local_files(local_dir)
-           if n != FILES_MANIFEST and not (exclude and n.startswith(exclude))]
+           if n not in (FILES_MANIFEST, COPIED) and not (exclude and n.startswith(exclude))]
   names.sort(key=lambda n: (os.path.basename(n) in COMMIT_FILES,
                             -n.count("/") if os.path.basename(n) in COMMIT_FILES else 0, n))
   for i, name in enumerate(names):
@@ -557,8 +558,20 @@ def upload_tree(local_dir: str, url: str, log=print, exclude: str = "") -> dict:
     files[name] = {"bytes": os.path.getsize(source), "sha256": sha256_file(source)}
     log(f"uploaded {i + 1}/{len(names)}: {target} ({files[name]['bytes']:,} bytes)")
   manifest = {"files": files}
-  write_text_atomic(join(url, FILES_MANIFEST), json.dumps(manifest, indent=1, sort_keys=True))
+  write_text_atomic(join(url, FILES_MANIFEST), manifest_text(manifest))
   return manifest
+
+
+def manifest_text(manifest: dict) -> str:
+  """A files.json's text, as `upload_tree` writes it."""
+  return json.dumps(manifest, indent=1, sort_keys=True)
+
+
+def mark_copied(local: str, manifest: dict) -> None:
+  """`local` (`cache_dir(url)`, where realm-prepare prepared what it uploaded to `url` with
+  `manifest`) marked as the finished copy of `url`: `local_copy` reuses it as it is, and
+  removes its files that a later upload to `url` (from another host) does not name."""
+  write_text_atomic(os.path.join(local, COPIED), manifest_text(manifest))
 
 
 def cache_dir(url: str) -> str:
@@ -618,7 +631,7 @@ def _fetch_all(url: str, files: dict, stamp_text: str, log) -> str:
   the same size), and removes those the finished copy before named that `files` does not
   (gone from `url` since); `stamp_text` marks the finished copy. The local dir."""
   local = cache_dir(url)
-  stamp = os.path.join(local, ".copied.json")
+  stamp = os.path.join(local, COPIED)
   before = read_text(stamp)
   if before == stamp_text:
     return local

@@ -458,6 +458,31 @@ def test_a_bucket_data_dir_prepared_with_other_settings_is_refused(gcs, capsys):
   assert capsys.readouterr().out.count("is already prepared and uploaded") == 1
 
 
+def test_a_data_dir_prepared_here_then_elsewhere_without_a_file_loses_it_here(gcs, tmp_path):
+  """realm-prepare --out gs://B/D prepares in the local dir its copy is read from on this
+  host. Prepared again elsewhere into gs://B/D without a file this one has (a corpus without
+  questions: no qa/eval.jsonl), the copy here loses it, as a copied one does (before: the
+  preparation's own dir named no finished copy, so nothing went, and `prepared:eval` read
+  the questions of the earlier data silently)."""
+  from realm_jax.data.qa import read_qa
+  config = helpers.load_config_module("prepare").get_config("world")
+  config.source, config.out_dir = "world:40", f"{gcs}/prepared-here"
+  config.vocab_size, config.num_workers = helpers.VOCAB_SIZE, 0
+  prepare(config)
+  assert os.path.exists(os.path.join(paths.cache_dir(config.out_dir), "qa", "eval.jsonl"))
+  epath.Path(config.out_dir).rmtree()   # another host's preparation: no questions
+  elsewhere = tmp_path / "elsewhere"
+  (elsewhere / "blocks").mkdir(parents=True)
+  for name in ("vocab.txt", "stats.json", "blocks/tokens.npy"):
+    (elsewhere / name).write_text(name)
+  paths.upload_tree(str(elsewhere), config.out_dir, log=lambda line: None)
+  local = paths.local_copy(config.out_dir, log=lambda line: None)
+  assert not os.path.exists(os.path.join(local, "qa", "eval.jsonl"))
+  assert open(os.path.join(local, "stats.json")).read() == "stats.json"
+  with pytest.raises(ConfigError, match="no such file"):
+    read_qa("prepared:eval", data_dir=config.out_dir)
+
+
 def test_a_mirrored_dir_whose_object_is_replaced_by_one_of_its_size_is_copied_again(gcs):
   """A Hugging Face dir in the bucket is copied once and reused while its listing is the
   same; an object written again (weights fine-tuned since: the same shapes, the same bytes)

@@ -362,8 +362,9 @@ def prepare(config) -> dict:
     stats = _prepare_local(config)
   finally:
     config.out_dir = url
-  paths.upload_tree(local, url, log=lambda line: logger.info(f"[prepare] {line}"),
-                    exclude=LOCK)   # (this host's lock of its local copy)
+  manifest = paths.upload_tree(local, url, log=lambda line: logger.info(f"[prepare] {line}"),
+                               exclude=LOCK)   # (this host's lock of its local copy)
+  paths.mark_copied(local, manifest)   # this host's copy of the data dir: files.json's files
   logger.info(f"[prepare] uploaded to {url} ({paths.FILES_MANIFEST} written last)")
   return stats
 
