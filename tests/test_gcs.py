@@ -458,6 +458,24 @@ def test_a_bucket_data_dir_prepared_with_other_settings_is_refused(gcs, capsys):
   assert capsys.readouterr().out.count("is already prepared and uploaded") == 1
 
 
+def test_a_bucket_data_dir_removed_is_prepared_again_with_other_settings(gcs, capsys):
+  """The local dir a bucket out_dir is prepared in (its copy on this host) keeps the finished
+  preparation after the data dir is removed from the bucket; a preparation of other settings
+  into the now empty gs://B/D is no preparation of other settings (before: refused as one,
+  naming the cache dir as `out_dir`)."""
+  config = helpers.load_config_module("prepare").get_config("world")
+  config.source, config.out_dir = "world:40", f"{gcs}/prepared-again-other"
+  config.vocab_size, config.num_workers = helpers.VOCAB_SIZE, 0
+  assert prepare(config)["documents"] == 160
+  epath.Path(config.out_dir).rmtree()
+  config.source = "world:50"
+  assert prepare(config)["documents"] == 200
+  assert json.loads(bucket_text(f"{config.out_dir}/stats.json"))["documents"] == 200
+  local = workdir_lib.open_data(ml_collections.ConfigDict({"data": {"dir": config.out_dir}}))
+  assert local.stats["documents"] == 200
+  assert "no longer in the bucket: prepared again" in capsys.readouterr().out
+
+
 def test_a_data_dir_prepared_here_then_elsewhere_without_a_file_loses_it_here(gcs, tmp_path):
   """realm-prepare --out gs://B/D prepares in the local dir its copy is read from on this
   host. Prepared again elsewhere into gs://B/D without a file this one has (a corpus without

@@ -356,6 +356,7 @@ def prepare(config) -> dict:
     logger.info(f"[prepare] {url} is already prepared and uploaded ({stats['blocks']:,} blocks)")
     return stats
   local = paths.cache_dir(url)
+  _drop_removed_copy(config, local)
   logger.info(f"[prepare] {url}: preparing in {local}, then uploading")
   config.out_dir = local
   try:
@@ -367,6 +368,20 @@ def prepare(config) -> dict:
   paths.mark_copied(local, manifest)   # this host's copy of the data dir: files.json's files
   logger.info(f"[prepare] uploaded to {url} ({paths.FILES_MANIFEST} written last)")
   return stats
+
+
+def _drop_removed_copy(config, local: str) -> None:
+  """`local`, the dir a bucket out_dir is prepared in and read from on this host, holding a
+  finished preparation of other settings while the bucket holds none (no files.json: the
+  data dir was removed from it): that copy of data no longer there is removed, so that this
+  run prepares its own (an unfinished one of other settings is refused, as in a local dir)."""
+  saved = paths.read_json(os.path.join(local, "prepare.json"))
+  if saved is None or not os.path.exists(os.path.join(local, "stats.json")) or \
+      not _other_settings(saved, config, local):
+    return
+  logger.info(f"[prepare] {config.out_dir}: {local} holds the data prepared there before with "
+              "other settings, no longer in the bucket: prepared again")
+  shutil.rmtree(local)
 
 
 class _ShardPacker:
