@@ -458,6 +458,35 @@ def test_a_bucket_data_dir_prepared_with_other_settings_is_refused(gcs, capsys):
   assert capsys.readouterr().out.count("is already prepared and uploaded") == 1
 
 
+def test_a_vocab_in_the_bucket_is_copied_by_realm_prepare(gcs, world_dir, tmp_path):
+  """`realm-prepare --config.vocab=gs://B/W`, the command a run's vocab check advises for a
+  bucket run (`hf_bert.check_vocab`), and a checkpoint dir in a bucket (as launch.md's
+  init.reader=gs://B/bert-base-uncased) copy its vocab.txt, and refuse a cased one (before:
+  "config.vocab: 'gs://B/W' does not exist")."""
+  from realm_jax.interop import hf_bert
+  vocab = open(os.path.join(world_dir, "vocab.txt")).read()
+  run = f"{gcs}/vocab-run"
+  paths.write_text_atomic(f"{run}/vocab.txt", vocab)
+  swapped = helpers.swapped_vocab_copy(world_dir, tmp_path / "swapped")
+  with pytest.raises(ConfigError, match=re.escape(f"realm-prepare --config.vocab={run}")):
+    hf_bert.check_vocab(str(swapped / "vocab.txt"), run)
+  config = helpers.load_config_module("prepare").get_config("world")
+  config.source, config.num_workers = "world:20", 0
+  for given in (run, f"{run}/vocab.txt"):
+    config.vocab, config.out_dir = given, str(tmp_path / given.rsplit("/", 1)[1])
+    prepare(config)
+    assert open(os.path.join(config.out_dir, "vocab.txt")).read() == vocab
+  cased = f"{gcs}/vocab-cased"
+  paths.write_text_atomic(f"{cased}/vocab.txt", vocab)
+  paths.write_text_atomic(f"{cased}/tokenizer_config.json", '{"do_lower_case": false}')
+  config.vocab, config.out_dir = cased, str(tmp_path / "cased")
+  with pytest.raises(ConfigError, match="is a cased checkpoint"):
+    prepare(config)
+  config.vocab = f"{gcs}/vocab-none"
+  with pytest.raises(ConfigError, match="config.vocab: 'gs://.*/vocab-none' does not exist"):
+    prepare(config)
+
+
 def test_a_bucket_data_dir_removed_is_prepared_again_with_other_settings(gcs, capsys):
   """The local dir a bucket out_dir is prepared in (its copy on this host) keeps the finished
   preparation after the data dir is removed from the bucket; a preparation of other settings

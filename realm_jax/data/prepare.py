@@ -23,12 +23,14 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter, deque
 
 import ml_collections
 import numpy as np
+from etils import epath
 
 from realm_jax import packages, paths
 from realm_jax.data import corpus, sources
@@ -60,8 +62,9 @@ def prepare_config() -> ml_collections.ConfigDict:
   c.text_field = "text"            # JSONL / TFDS field holding a document's text
   c.tfds_data_dir = ""             # TFDS data dir ("": TFDS's default, ~/tensorflow_datasets)
   c.world_seed = 0                 # world:ENTITIES: seed of the generated world
-  c.vocab = ""                     # vocab.txt or HF BERT dir to copy (pkg:MODULE/SUBDIR: one
-                                   # inside an installed package); "": train WordPiece
+  c.vocab = ""                     # vocab.txt or HF BERT dir to copy, here or in a bucket
+                                   # (pkg:MODULE/SUBDIR: one inside an installed package); "":
+                                   # train WordPiece
   c.vocab_size = 30522             # WordPiece entries when training the vocab
   c.vocab_documents = 100_000      # the first this many documents train the vocab
   c.block_len = 288                # wordpieces per block: [CLS] title [SEP] body [SEP]
@@ -108,13 +111,23 @@ def validate_prepare(config) -> None:
     raise ConfigError("progress_every", f"must be > 0 seconds, got {config.progress_every}")
   from realm_jax.data.taggers import check_tagger
   check_tagger(config.tagger)    # an unknown one failed after the WordPiece training
-  if config.vocab and not os.path.exists(packages.resolve(config.vocab, "vocab")):
+  if config.vocab and not _vocab_exists(packages.resolve(config.vocab, "vocab")):
     raise ConfigError("vocab", f"{config.vocab!r} does not exist")
   if not config.vocab and config.vocab_size < 10:
     raise ConfigError("vocab_size", f"{config.vocab_size} is too small")
   if not config.vocab and config.vocab_documents < 1:
     raise ConfigError("vocab_documents", f"must be >= 1 (the documents the vocab is trained "
                       f"on), got {config.vocab_documents}")
+
+
+def _vocab_exists(vocab: str) -> bool:
+  """Whether the `vocab` option's file or dir is there (on this machine, or in a bucket)."""
+  if not paths.is_remote(vocab):
+    return os.path.exists(vocab)
+  try:
+    return paths.exists(paths.check(vocab, "vocab"))
+  except ValueError as e:   # a malformed or unsupported URL
+    raise ConfigError("vocab", str(e)) from None
 
 
 # Options that only some sources read (source kind -> reads it)
@@ -210,22 +223,10 @@ def _vocab(config):
   path = os.path.join(config.out_dir, "vocab.txt")
   if config.vocab:
     src = packages.resolve(config.vocab, "vocab")
-    check_uncased(src, "vocab", config.vocab)
-    src = os.path.join(src, "vocab.txt") if os.path.isdir(src) else src
-    if not os.path.exists(src):
-      raise ConfigError("vocab", f"no vocab.txt in {config.vocab}")
-    try:   # REALM's special tokens, [PAD] at id 0: refused before the copy
-      repeated = load_tokenizer(src).repeated_line()
-    except Exception as e:  # noqa: BLE001  (the tokenizers library's own: not UTF-8, no [SEP])
-      raise ConfigError("vocab", str(e) if str(e).startswith(src) else f"{src}: {e}") from None
-    if repeated is not None:
-      raise ConfigError("vocab", f"{src}: line {repeated}'s token is repeated further on: the "
-                        "ids would run past the vocab size (the model's embedding rows)")
-    made_from = {"copied": paths.sha256_file(src)}
-    if not _reusable_vocab(config.out_dir, made_from):
-      shutil.copyfile(src, path + ".tmp")
-      _keep_vocab(config.out_dir, path + ".tmp", made_from)
-    return load_tokenizer(path)
+    if not paths.is_remote(src):
+      return _copied_vocab(config, src, path)
+    with tempfile.TemporaryDirectory(prefix="realm_vocab_") as scratch:   # read here
+      return _copied_vocab(config, _fetched_vocab(src, scratch), path)
   t0 = time.time()
   titles, texts, made_from = _vocab_documents(config)
   if _reusable_vocab(config.out_dir, made_from):
@@ -241,6 +242,42 @@ def _vocab(config):
   logger.info(f"[prepare] trained a {tokenizer.vocab_size:,}-entry WordPiece vocab on "
               f"{len(titles):,} documents ({time.time() - t0:.1f}s)")
   return load_tokenizer(path)
+
+
+def _copied_vocab(config, src: str, path: str):
+  """`_vocab` of a `config.vocab` (a vocab.txt or a checkpoint dir holding one) at the local
+  path `src`: checked, then copied to `path` unless the copy there was made from it."""
+  check_uncased(src, "vocab", config.vocab)
+  src = os.path.join(src, "vocab.txt") if os.path.isdir(src) else src
+  if not os.path.exists(src):
+    raise ConfigError("vocab", f"no vocab.txt in {config.vocab}")
+  try:   # REALM's special tokens, [PAD] at id 0: refused before the copy
+    repeated = load_tokenizer(src).repeated_line()
+  except Exception as e:  # noqa: BLE001  (the tokenizers library's own: not UTF-8, no [SEP])
+    raise ConfigError("vocab", str(e) if str(e).startswith(src) else f"{src}: {e}") from None
+  if repeated is not None:
+    raise ConfigError("vocab", f"{src}: line {repeated}'s token is repeated further on: the "
+                      "ids would run past the vocab size (the model's embedding rows)")
+  made_from = {"copied": paths.sha256_file(src)}
+  if not _reusable_vocab(config.out_dir, made_from):
+    shutil.copyfile(src, path + ".tmp")
+    _keep_vocab(config.out_dir, path + ".tmp", made_from)
+  return load_tokenizer(path)
+
+
+def _fetched_vocab(url: str, scratch: str) -> str:
+  """A bucket `vocab` (a vocab.txt, or a checkpoint dir holding one) read into the local dir
+  `scratch`: its vocab.txt and the tokenizer_config.json beside it (`check_uncased`); returns
+  `scratch`, without vocab.txt where `url` holds none."""
+  vocab = paths.join(url, "vocab.txt") if paths.isdir(url) else url
+  beside = vocab.rsplit("/", 1)[0]
+  for source, name in ((vocab, "vocab.txt"), (paths.join(beside, "tokenizer_config.json"),
+                                              "tokenizer_config.json")):
+    if paths.exists(source):
+      data = paths.retried("reading", source, epath.Path(source).read_bytes)
+      with open(os.path.join(scratch, name), "wb") as f:
+        f.write(data)
+  return scratch
 
 
 def _vocab_documents(config) -> tuple[list[str], list[str], dict]:
