@@ -649,6 +649,33 @@ def test_a_scann_version_built_in_the_bucket_holds_its_searcher_and_is_served(
   assert type(loaded.index).__name__ == "ScannIndex"
 
 
+def test_both_parts_of_one_bucket_workdir_however_spelt_start_from_one_step(gcs, world_dir,
+                                                                             monkeypatch):
+  """init.retriever and init.reader naming one bucket workdir, spelt gs://B/W and gs://B//W
+  (or /gcs/B/W, its gcsfuse path): its "latest" is read once, so a source run that saves a
+  new step between the two reads gives both parts the same step (before: two sources, the
+  reader at the newer step)."""
+  from realm_jax.runtime import initialization
+  run = f"{gcs}/one-source/ict"
+  paths.write_text_atomic(f"{run}/checkpoints/0/{workdir_lib.FINISHED_IN_A_BUCKET}", "")
+  latest = iter([0, 5])   # the source saves step 5 after the first part's read
+
+  def from_workdir(config, src, initial, abstract, data_vocab):
+    step = next(latest) if src.step < 0 else src.step
+    return src.path, [f"{src.part} <- {src.path} step {step}"], step
+  monkeypatch.setattr(initialization, "_from_workdir", from_workdir)
+  for other in (f"gs://{gcs_server.BUCKET}//one-source/ict/",
+                f"{paths.MOUNT_ROOT}/{gcs_server.BUCKET}/one-source/ict"):
+    latest = iter([0, 5])
+    config = tiny_config("realm", None, world_dir, init__retriever=run, init__reader=other)
+    if other.startswith(paths.MOUNT_ROOT):   # (not mounted here: read as gs://B/W)
+      monkeypatch.setattr(initialization, "resolve", lambda spec, option, part, step=-1: (
+          initialization.Source(part, option, "workdir", spec, step)))
+    started = initialization.start_params(config, None, dict.fromkeys(("retriever", "reader")),
+                                          {}, "", 0)
+    assert started.steps == {"retriever": 0, "reader": 0}, (other, started.lines)
+
+
 def test_a_sweep_rooted_in_the_bucket_reads_summaries_and_writes_its_tables_there(gcs):
   import importlib.util
   spec = importlib.util.spec_from_file_location(

@@ -164,7 +164,8 @@ def start_params(config, initial: Callable[[], dict], abstract_params, shardings
       lines.append(f"{part} <- random init (seed {config.seed})")
       continue
     if src.kind == "workdir":
-      where = paths.absolute(src.path).rstrip("/")   # one workdir, however spelt
+      # one workdir, however spelt (gs://B//W/ and /gcs/B/W: gs://B/W)
+      where = paths.bucket_url(paths.absolute(src.path)).rstrip("/")
       pinned = src if src.step >= 0 else dataclasses.replace(src, step=latest.get(where, -1))
       out[part], line, steps[part] = _from_workdir(config, pinned, lambda: initial()[part],
                                                    abstract_params[part], data_vocab)
