@@ -73,7 +73,9 @@ def _save_searcher(searcher, directory) -> None:
   try:
     scann_index.save_searcher(searcher, scratch)
     for name in sorted(os.listdir(scratch)):   # (flat, as the trainer's copy reads it)
-      epath.Path(os.path.join(scratch, name)).copy(epath.Path(directory) / name)
+      target = epath.Path(directory) / name
+      paths.retried("uploading", target, lambda: epath.Path(os.path.join(scratch, name)).copy(
+          target, overwrite=True))
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
 
