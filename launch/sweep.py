@@ -149,11 +149,13 @@ def value_text(value) -> str:
 
 
 def command(config_spec: str, workdir: str, overrides: dict, builder: bool) -> list[str]:
-  """The command line of one run."""
+  """The command line of one run, with the sweep's `-v`, where one was given (local.py hands
+  it to both of its processes)."""
   entry = [os.path.join(HERE, "local.py")] if builder else ["-m", "realm_jax.train.main"]
   flags = [f"--config.{k}={value_text(v)}" for k, v in overrides.items()]
+  verbosity = log.verbosity()
   return [sys.executable, "-u", *entry, f"--config={config_spec}", f"--workdir={workdir}",
-          *flags]
+          *flags, *([f"--verbosity={verbosity}"] if verbosity else [])]
 
 
 def tpu_pod_command(config_spec: str, workdir: str, overrides: dict, builder: bool, name: str,

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from realm_jax import log
 from realm_jax.runtime import preemption
 from tests import helpers
 
@@ -97,6 +98,27 @@ def test_print_launcher_expands_the_grid_with_typed_values(capsys, tmp_path):
   assert sweep.expand_grid(config, ["init.from_workdir=runs/bob's,runs/c"], None) == [
       {"init.from_workdir": "runs/bob's"}, {"init.from_workdir": "runs/c"}]
   assert sweep.grid_values("('a)b', 'c'),(1,2)") == ["('a)b', 'c')", "(1,2)"]
+
+
+def test_the_sweeps_verbosity_is_handed_to_its_runs(capsys, tmp_path):
+  """`-v N` reaches every run, as local.py and the demos hand theirs on (before, a run's
+  `sweep.log` showed no debug lines under `-v 1`, and all its progress under `-v -1`); without
+  it the commands are as they were."""
+  sweep = sweep_module()
+  realm = os.path.join(helpers.CONFIGS, "demo_realm.py") + ":realm"   # through local.py
+  try:
+    for config, verbosity in ((ICT, "1"), (ICT, "-1"), (realm, "1"), (ICT, None)):
+      capsys.readouterr()
+      sweep.main(["--config", config, "--root", str(tmp_path), "--launcher", "print",
+                  "--grid", "train.lr=1e-3,3e-3", "--set", f"data.dir={tmp_path}",
+                  *(["-v", verbosity] if verbosity else [])])
+      lines = [l for l in capsys.readouterr().out.splitlines() if "--workdir=" in l]
+      assert len(lines) == 2, lines
+      for line in lines:
+        given = [a for a in line.split() if a.startswith("--verbosity")]
+        assert given == ([f"--verbosity={verbosity}"] if verbosity else []), line
+  finally:
+    log.set_verbosity(0)
 
 
 def test_a_metric_no_run_has_or_nan_leaves_the_table_unsorted_and_says_so(tmp_path, capsys):
