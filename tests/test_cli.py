@@ -223,6 +223,33 @@ def test_a_run_recorded_before_the_query_and_reader_lengths_resumed_under_others
     assert workdir_lib.recorded_differences(str(workdir), tiny_config("ict")) == []
 
 
+def test_a_run_recorded_before_the_retriever_learning_options_resumed_under_others_is_told(
+    tmp_path):
+  """The retriever-learning options came after the first runs (2026-11-24 to 11-27), which
+  trained as their defaults do (the marginal loss, the block tower's gradient, the null
+  document read, no packing, cache or own context): a resume or a sweep under other values
+  is not what such a run trained under, and start-up says so (`recorded_differences`; a
+  sweep refuses the run) as it does for a record that holds them."""
+  import json
+  from realm_jax import workdir as workdir_lib
+  for option, was, now in (
+      ("loss", "marginal", "distill"), ("distill_queries", "all", "evidence"),
+      ("distill_temperature", 1.0, 2.0), ("retriever_temperature", 1.0, 2.0),
+      ("block_gradients", True, False), ("train_null_document", True, False),
+      ("packed_query_rows", 0, 2), ("own_context", False, True),
+      ("own_block_share", 0.5, 0.25), ("score_cache", False, True)):
+    workdir = tmp_path / option
+    (workdir / "checkpoints" / "3").mkdir(parents=True)
+    same = tiny_config("realm", **{f"retrieval__{option}": was})
+    old = json.loads(same.to_json_best_effort())
+    del old["retrieval"][option]                 # a run from before the option
+    (workdir / "config.json").write_text(json.dumps(old))
+    config = tiny_config("realm", **{f"retrieval__{option}": now})
+    assert workdir_lib.recorded_differences(str(workdir), config) == [
+        (f"retrieval.{option}", was, now)]
+    assert workdir_lib.recorded_differences(str(workdir), same) == []
+
+
 def test_another_programs_config_json_is_refused_not_overwritten(tmp_path):
   """A --workdir that holds another program's config.json (a Hugging Face model dir's) or a
   file that is not JSON: a run there would have overwritten it. Each is named in one line and

@@ -36,12 +36,19 @@ READER_INFERENCE_FIELDS = ("model.span_layer_norm_eps",)
 # Fields added later -> the value a run saved without them ran under, whatever the default
 # becomes: compatibility fields at the value its checkpoints were written under, and options
 # a run may resume under other values of (train.optimizer: both forms keep the same state;
-# data.long_queries; qa.reader_len: no parameter depends on it) at what it ran with, so that
+# data.long_queries; qa.reader_len: no parameter depends on it; the retriever-learning
+# options, which runs before them trained as their defaults do) at what it ran with, so that
 # such a resume is said as other learning-rate values are (`workdir.recorded_differences`).
+# (Not those that change no figure of a run: retrieval.score_cache_gb, train.profile_*.)
 ADDED_FIELDS = {"model.hidden_act": "gelu", "model.attention_dropout_rate": -1.0,
                 "model.retriever.pooling": "cls", "qa.heldout_articles": 0.0,
                 "qa.heldout_unit": "article", "train.optimizer": "optax_adamw",
                 "data.long_queries": "refuse", "qa.reader_len": 0,
+                "retrieval.train_null_document": True, "retrieval.loss": "marginal",
+                "retrieval.distill_temperature": 1.0, "retrieval.retriever_temperature": 1.0,
+                "retrieval.distill_queries": "all", "retrieval.block_gradients": True,
+                "retrieval.packed_query_rows": 0, "retrieval.own_block_share": 0.5,
+                "retrieval.own_context": False, "retrieval.score_cache": False,
                 **{f"model.retriever.{f}": None for f in TOWER_FIELDS}}
 
 
