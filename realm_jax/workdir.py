@@ -651,7 +651,8 @@ def add_wall(workdir: str, seconds: float, fresh: bool = False, record: str = WA
   path = paths.join(workdir, record)
   this = {"wall_seconds": round(seconds, 1)}
   try:
-    before = (None if fresh else paths.read_json(path)) or {"seconds": 0.0, "runs": 0}
+    before = {"seconds": 0.0, "runs": 0} if fresh else (
+        paths.read_json(path) or _before_the_record(workdir, record))
     after = {"seconds": round(float(before["seconds"]) + seconds, 1),
              "runs": int(before["runs"]) + 1}
     paths.makedirs(workdir)
@@ -660,6 +661,19 @@ def add_wall(workdir: str, seconds: float, fresh: bool = False, record: str = WA
     logger.warning(f"{path}: the runs' wall time is not recorded ({type(e).__name__}: {e})")
     return this
   return {**this, "wall_seconds_all_runs": after["seconds"], "runs": after["runs"]}
+
+
+def _before_the_record(workdir: str, record: str) -> dict:
+  """W/wall.json's start where W has none: the runs its summary counts (a run finished before
+  the record was kept, 2026-11-27, has its seconds there alone), else none."""
+  try:
+    summary = paths.read_json(paths.join(workdir, SUMMARY)) if record == WALL else None
+  except ValueError:   # (named where the summary is read)
+    summary = None
+  seconds = wall_all_runs(summary) if isinstance(summary, dict) else None
+  if not isinstance(seconds, (int, float)):
+    return {"seconds": 0.0, "runs": 0}
+  return {"seconds": float(seconds), "runs": int(summary.get("runs", 1))}
 
 
 def wall_all_runs(fields: dict) -> float | None:

@@ -427,6 +427,22 @@ def test_the_wall_record_starts_again_from_scratch_and_never_fails_a_run(tmp_pat
           if "wall seconds" in line] == ["3.000"]
 
 
+def test_a_run_from_before_the_wall_record_resumed_counts_its_summarys_seconds(tmp_path):
+  """A run that finished before W/wall.json was kept (2026-11-27) left its seconds in its
+  summary alone: resumed to more steps, its summary counts them and that run, not this run's
+  seconds as all of them (the sweep's table shows wall_seconds_all_runs)."""
+  import json
+  from realm_jax import workdir as workdir_lib
+  (tmp_path / "summary.json").write_text(json.dumps({"steps": 4, "wall_seconds": 16.3}))
+  assert workdir_lib.add_wall(str(tmp_path), 2.0) == {
+      "wall_seconds": 2.0, "wall_seconds_all_runs": 18.3, "runs": 2}
+  assert workdir_lib.add_wall(str(tmp_path), 1.0)["runs"] == 3     # the record from here on
+  fresh = tmp_path / "fresh"
+  fresh.mkdir()
+  (fresh / "summary.json").write_text(json.dumps({"steps": 4, "wall_seconds": 16.3}))
+  assert workdir_lib.add_wall(str(fresh), 2.0, fresh=True)["runs"] == 1   # a start over
+
+
 def test_demo_real_runs_every_stage_at_the_scale_asked(monkeypatch, tmp_path, capsys):
   """`--scale gpu` reaches every stage's config arg (VARIANT,gpu) and the summary; the data
   are prepared once whatever the scale. Stages and evaluations are stand-ins here."""
