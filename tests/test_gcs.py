@@ -505,6 +505,33 @@ def test_a_bucket_data_dir_removed_is_prepared_again_with_other_settings(gcs, ca
   assert "no longer in the bucket: prepared again" in capsys.readouterr().out
 
 
+def test_a_bucket_preparation_whose_upload_did_not_finish_is_kept_from_other_settings(
+    gcs, monkeypatch):
+  """A preparation whose upload was cut short (or still runs) left no files.json in the bucket
+  either, but its local dir is the only copy of it: a preparation of other settings into
+  gs://B/D is refused, as before, not let remove it (it was removed, and hours of preparing
+  with it, or the upload under way failed on its files gone)."""
+  config = helpers.load_config_module("prepare").get_config("world")
+  config.source, config.out_dir = "world:40", f"{gcs}/upload-cut-short"
+  config.vocab_size, config.num_workers = helpers.VOCAB_SIZE, 0
+
+  def cut_short(*args, **kwargs):
+    raise OSError("the connection went")
+  with monkeypatch.context() as m:
+    m.setattr(paths, "upload_tree", cut_short)
+    with pytest.raises(OSError, match="the connection went"):
+      prepare(config)
+  local = paths.cache_dir(config.out_dir)
+  config.source = "world:50"
+  with pytest.raises(ConfigError, match=r"holds a preparation with other settings \(source: "
+                     r"'world:40'"):
+    prepare(config)
+  assert json.loads(open(os.path.join(local, "stats.json")).read())["documents"] == 160
+  config.source = "world:40"   # the same settings: the finished preparation, uploaded
+  assert prepare(config)["documents"] == 160
+  assert json.loads(bucket_text(f"{config.out_dir}/stats.json"))["documents"] == 160
+
+
 def test_a_data_dir_prepared_here_then_elsewhere_without_a_file_loses_it_here(gcs, tmp_path):
   """realm-prepare --out gs://B/D prepares in the local dir its copy is read from on this
   host. Prepared again elsewhere into gs://B/D without a file this one has (a corpus without

@@ -409,11 +409,14 @@ def prepare(config) -> dict:
 
 def _drop_removed_copy(config, local: str) -> None:
   """`local`, the dir a bucket out_dir is prepared in and read from on this host, holding a
-  finished preparation of other settings while the bucket holds none (no files.json: the
-  data dir was removed from it): that copy of data no longer there is removed, so that this
-  run prepares its own (an unfinished one of other settings is refused, as in a local dir)."""
+  finished copy (its stamp, `paths.mark_copied`) of a preparation of other settings while the
+  bucket holds none (no files.json: the data dir was removed from it): that copy of data no
+  longer there is removed, so that this run prepares its own. A preparation never uploaded
+  whole (no stamp: its upload cut short, or under way) is this host's only copy: refused, as
+  an unfinished one of other settings is, as in a local dir."""
   saved = paths.read_json(os.path.join(local, "prepare.json"))
   if saved is None or not os.path.exists(os.path.join(local, "stats.json")) or \
+      not os.path.exists(os.path.join(local, paths.COPIED)) or \
       not _other_settings(saved, config, local):
     return
   logger.info(f"[prepare] {config.out_dir}: {local} holds the data prepared there before with "
