@@ -485,6 +485,13 @@ def test_a_vocab_in_the_bucket_is_copied_by_realm_prepare(gcs, world_dir, tmp_pa
   config.vocab = f"{gcs}/vocab-none"
   with pytest.raises(ConfigError, match="config.vocab: 'gs://.*/vocab-none' does not exist"):
     prepare(config)
+  # a vocab refused is named by its file in the bucket, not by the temp copy read here
+  repeated = f"{gcs}/vocab-repeated"
+  paths.write_text_atomic(f"{repeated}/vocab.txt", vocab + "the\n")
+  config.vocab, config.out_dir = repeated, str(tmp_path / "repeated")
+  with pytest.raises(ConfigError, match=re.escape(
+      f"config.vocab: {repeated}/vocab.txt: line ")):
+    prepare(config)
 
 
 def test_a_bucket_data_dir_removed_is_prepared_again_with_other_settings(gcs, capsys):

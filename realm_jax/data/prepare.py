@@ -226,7 +226,7 @@ def _vocab(config):
     if not paths.is_remote(src):
       return _copied_vocab(config, src, path)
     with tempfile.TemporaryDirectory(prefix="realm_vocab_") as scratch:   # read here
-      return _copied_vocab(config, _fetched_vocab(src, scratch), path)
+      return _copied_vocab(config, scratch, path, named=_fetched_vocab(src, scratch))
   t0 = time.time()
   titles, texts, made_from = _vocab_documents(config)
   if _reusable_vocab(config.out_dir, made_from):
@@ -244,19 +244,23 @@ def _vocab(config):
   return load_tokenizer(path)
 
 
-def _copied_vocab(config, src: str, path: str):
+def _copied_vocab(config, src: str, path: str, named: str = ""):
   """`_vocab` of a `config.vocab` (a vocab.txt or a checkpoint dir holding one) at the local
-  path `src`: checked, then copied to `path` unless the copy there was made from it."""
+  path `src`: checked, then copied to `path` unless the copy there was made from it. `named`:
+  the vocab.txt a refusal names, where `src` is a local copy of it (one in a bucket)."""
   check_uncased(src, "vocab", config.vocab)
   src = os.path.join(src, "vocab.txt") if os.path.isdir(src) else src
   if not os.path.exists(src):
     raise ConfigError("vocab", f"no vocab.txt in {config.vocab}")
+  named = named or src
   try:   # REALM's special tokens, [PAD] at id 0: refused before the copy
     repeated = load_tokenizer(src).repeated_line()
   except Exception as e:  # noqa: BLE001  (the tokenizers library's own: not UTF-8, no [SEP])
-    raise ConfigError("vocab", str(e) if str(e).startswith(src) else f"{src}: {e}") from None
+    text = str(e)
+    raise ConfigError("vocab", named + text[len(src):] if text.startswith(src) else
+                      f"{named}: {text}") from None
   if repeated is not None:
-    raise ConfigError("vocab", f"{src}: line {repeated}'s token is repeated further on: the "
+    raise ConfigError("vocab", f"{named}: line {repeated}'s token is repeated further on: the "
                       "ids would run past the vocab size (the model's embedding rows)")
   made_from = {"copied": paths.sha256_file(src)}
   if not _reusable_vocab(config.out_dir, made_from):
@@ -267,8 +271,8 @@ def _copied_vocab(config, src: str, path: str):
 
 def _fetched_vocab(url: str, scratch: str) -> str:
   """A bucket `vocab` (a vocab.txt, or a checkpoint dir holding one) read into the local dir
-  `scratch`: its vocab.txt and the tokenizer_config.json beside it (`check_uncased`); returns
-  `scratch`, without vocab.txt where `url` holds none."""
+  `scratch`: its vocab.txt and the tokenizer_config.json beside it (`check_uncased`), where
+  there; returns the URL of that vocab.txt (what a refusal of it names)."""
   vocab = paths.join(url, "vocab.txt") if paths.isdir(url) else url
   beside = vocab.rsplit("/", 1)[0]
   for source, name in ((vocab, "vocab.txt"), (paths.join(beside, "tokenizer_config.json"),
@@ -277,7 +281,7 @@ def _fetched_vocab(url: str, scratch: str) -> str:
       data = paths.retried("reading", source, epath.Path(source).read_bytes)
       with open(os.path.join(scratch, name), "wb") as f:
         f.write(data)
-  return scratch
+  return vocab
 
 
 def _vocab_documents(config) -> tuple[list[str], list[str], dict]:
