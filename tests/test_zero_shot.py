@@ -360,3 +360,24 @@ def test_bm25_reads_a_question_as_it_reads_the_blocks(squad_data):
   rows = zero_shot.bm25_ranking(data, questions, n=3)
   assert rows[0].tolist() == rows[1].tolist() == rows[2].tolist(), rows
   assert np.asarray(data.blocks.doc_ids)[rows[0, 0]] == 0
+
+
+def test_bm25_reads_no_term_of_a_questions_unknown_wordpiece(squad_data):
+  """A question's character the vocab lacks is [UNK], which the tokenizer writes back as
+  "[UNK]", the word "unk" to BM25: the question matched every block holding an [UNK] on it
+  alone (a question of such characters, "日本?", ranked those blocks). It is no term."""
+  import types
+  data = PreparedData(squad_data)
+  tok = data.tokenizer
+  ids = tok.encode_batch(["Kelmar", "the river"])
+  rows = [[tok.cls_id, *ids[0][0], tok.unk_id, tok.sep_id], [tok.cls_id, *ids[1][0], tok.sep_id]]
+  width = max(map(len, rows))
+  blocks = types.SimpleNamespace(
+      tokens=np.array([r + [tok.pad_id] * (width - len(r)) for r in rows]),
+      lengths=np.array(list(map(len, rows))), num_blocks=2)
+  unknown = "\u65e5\u672c?"
+  assert tok.encode_batch([unknown])[0][0][0] == tok.unk_id
+  ranked = zero_shot.bm25_ranking(types.SimpleNamespace(blocks=blocks, tokenizer=tok),
+                                  [{"question": unknown}, {"question": f"Kelmar {unknown}"}],
+                                  n=2)
+  assert ranked[0].tolist() == [-1, -1] and ranked[1].tolist() == [0, -1], ranked

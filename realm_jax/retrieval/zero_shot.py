@@ -85,7 +85,8 @@ def bm25_ranking(data: PreparedData, questions: list[dict],
   """Top-n block rows per question by BM25 over each block's title + body text; -1 past a
   question's last block with a positive score (a question with no term in the corpus ranks
   nothing, not blocks 0..n-1). The questions are read as the blocks are, through the
-  wordpiece tokenizer and back (lower-cased, accents stripped): "Kelmár" finds "Kelmar"."""
+  wordpiece tokenizer and back (lower-cased, accents stripped): "Kelmár" finds "Kelmar"; a
+  character the vocab lacks is no term of it."""
   import bm25s
   log.follow_verbosity("bm25s")   # it sets its logger to DEBUG when imported
   blocks, tok = data.blocks, data.tokenizer
@@ -95,8 +96,9 @@ def bm25_ranking(data: PreparedData, questions: list[dict],
   retriever.index(bm25s.tokenize(texts, stopwords="en", show_progress=False),
                   show_progress=False)
   encoded = tok.encode_batch([q["question"] for q in questions])
-  query_tokens = bm25s.tokenize([tok.decode(ids) for ids, _ in encoded], stopwords="en",
-                                show_progress=False)
+  # (an [UNK] is no term: written back, "[UNK]" would match every block holding one)
+  query_tokens = bm25s.tokenize([tok.decode([i for i in ids if i != tok.unk_id])
+                                 for ids, _ in encoded], stopwords="en", show_progress=False)
   rows, scores = retriever.retrieve(query_tokens, k=min(n, blocks.num_blocks),
                                    show_progress=False)
   return np.where(np.asarray(scores) > 0, np.asarray(rows), -1)
