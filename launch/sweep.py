@@ -153,9 +153,8 @@ def command(config_spec: str, workdir: str, overrides: dict, builder: bool) -> l
   it to both of its processes)."""
   entry = [os.path.join(HERE, "local.py")] if builder else ["-m", "realm_jax.train.main"]
   flags = [f"--config.{k}={value_text(v)}" for k, v in overrides.items()]
-  verbosity = log.verbosity()
   return [sys.executable, "-u", *entry, f"--config={config_spec}", f"--workdir={workdir}",
-          *flags, *([f"--verbosity={verbosity}"] if verbosity else [])]
+          *flags, *log.handed_on()]
 
 
 def tpu_pod_command(config_spec: str, workdir: str, overrides: dict, builder: bool, name: str,
@@ -183,14 +182,19 @@ def run_config(config, overrides: dict):
   return run
 
 
-def check_runs(config, runs: list[tuple[str, dict]], fixed: dict) -> None:
+def check_runs(config, runs: list[tuple[str, dict]], fixed: dict, root: str) -> None:
   """Before any run starts: every run's config passes the trainer's own checks (`validate`),
-  naming the run, and every workdir name fits a directory entry."""
+  naming the run, and every workdir name fits a directory entry (and, under a bucket root,
+  holds no character a bucket path cannot: `paths.check`)."""
   from realm_jax.config.validation import validate, validate_training
   for name, overrides in runs:
     if len(name.encode()) > MAX_NAME_BYTES:
       raise ConfigError("", f"run {name[:60]}...: its workdir name is {len(name.encode())} "
                         f"bytes, over {MAX_NAME_BYTES}: sweep fewer keys, or shorter values")
+    try:
+      paths.check(paths.join(root, name), "workdir")
+    except ConfigError as e:
+      raise ConfigError("", f"{e.message} (run {name}: a value it sweeps)") from None
     try:
       run = run_config(config, {**fixed, **overrides})
       validate(run)
@@ -503,7 +507,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
              "that differ in more than '/' or spaces")
       raise ConfigError("", f"two runs would share the workdir {name!r}: {why}")
     named[name] = overrides
-  check_runs(config, runs, fixed)
+  check_runs(config, runs, fixed, args.root)
   print(f"[sweep] {len(runs)} runs of {args.config} under {args.root} ({args.launcher})",
         flush=True)
   if args.launcher == "tpu_pod":

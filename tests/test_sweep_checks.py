@@ -235,3 +235,17 @@ def test_a_get_hyper_key_not_a_text_is_one_line(tmp_path, capsys):
   """A key that is not a text (a number) ended in an AttributeError's traceback."""
   assert refused_hyper(tmp_path, capsys, "[{'seed': 1}, {2: 3}]").err == ("sweep.py: error: get_hyper() run 2: its key 2 is not a "
                                      "field's dotted name ('train.lr')\n")
+
+
+def test_a_run_name_a_bucket_path_cannot_hold_is_refused_before_any_run(tmp_path, capsys):
+  """A swept text with '*' under a gs:// root names a workdir gcsfs reads as a pattern: every
+  run is refused before one starts, naming the run (each was refused only as it started,
+  after the runs before it had trained; the print launcher printed its commands)."""
+  with pytest.raises(SystemExit) as exit_:
+    sweep.main(["--config", ICT, "--root", "gs://a-bucket/s", "--launcher", "print",
+                "--grid", "qa.train=squad:/x/a*.json,squad:/x/b.json"])
+  assert exit_.value.code == 2
+  out, err = capsys.readouterr()
+  assert "--workdir" not in out, out
+  assert "'*' and '[' cannot be in a bucket path" in err and \
+      "(run qa.train-squad:_x_a*.json: a value it sweeps)" in err, err
