@@ -73,6 +73,13 @@ def verbosity() -> int:
   return next((v for v, at in LEVELS.items() if at == level), 0)
 
 
+def handed_on() -> list[str]:
+  """The flag that hands the verbosity now set to a process a driver starts (a demo's stage,
+  a sweep's run; local.py hands it to both of its processes): none at the default."""
+  level = verbosity()
+  return [f"--verbosity={level}"] if level else []
+
+
 def use_absl_verbosity() -> int:
   """An absl CLI (realm-train, realm-index, ...): the verbosity of its `-v/--verbosity` (0 when
   not given), set; returns it."""

@@ -171,10 +171,9 @@ def stage_command(spec: tuple[str, str | None], overrides: dict, workdir: str,
   config_arg = os.path.join(CONFIG_DIR, f"{spec[0]}.py") + (f":{spec[1]}" if spec[1] else "")
   program = [LAUNCHER] \
       if config.retrieval.refresh != "in_process" else ["-m", "realm_jax.train.main"]
-  verbosity = log.verbosity()   # the driver's -v, handed on (local.py hands it to both)
   return [sys.executable, "-u", *program, f"--config={config_arg}", f"--workdir={workdir}",
           *(f"--config.{key}={value}" for key, value in overrides.items()),
-          *([f"--verbosity={verbosity}"] if verbosity else [])]
+          *log.handed_on()]   # the driver's -v
 
 
 def finished(config, workdir: str) -> dict | None:
