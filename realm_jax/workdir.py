@@ -417,10 +417,11 @@ ENDED = "ended: "   # a lock file's line after the holder's: how the job ended n
 
 
 class JobLock:
-  """The one trainer, or the one `realm-index`, of a local workdir: an exclusive flock on
-  `W/<job>.lock` (holding the pid), taken by `acquire()` just before the job first writes to
-  W and given up by `release()` or when the process ends, however it ends (no stale lock
-  after a crash). A second job of the kind is refused naming the holder's pid: it would
+  """The one trainer, or the one `realm-index`, of a local workdir (and the one
+  realm-prepare of an out dir, launch/local.py or demo of a workdir: `HOLDERS`): an exclusive
+  flock on `W/<job>.lock` (holding the pid), taken by `acquire()` just before the job first
+  writes to W and given up by `release()` or when the process ends, however it ends (no stale
+  lock after a crash). A second job of the kind is refused naming the holder's pid: it would
   delete the first one's checkpoint or index version in the making. A bucket has no locks:
   there the launchers keep one job of each kind (tpu_pod.py refuses a live one)."""
 
