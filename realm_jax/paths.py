@@ -657,8 +657,31 @@ def _fetch_all(url: str, files: dict, stamp_text: str, log) -> str:
   for name in set(copied) - set(files):   # gone from `url`: a reader must not find it
     with contextlib.suppress(FileNotFoundError):   # (another process of the job removed it)
       os.remove(os.path.join(local, name))
+  _remove_killed_copies(local)
   write_text_atomic(stamp, stamp_text)
   return local
+
+
+def _remove_killed_copies(local: str) -> None:
+  """Removes the `<name>.tmp-<pid>` files under `local` whose process is gone: a copy killed
+  while a file came left up to that file's size, which no later copy (another pid) reuses.
+  A live process's (another process of the job copying on this host) is left to it."""
+  for root, _, names in os.walk(local):
+    for name in names:
+      pid = name.rpartition(".tmp-")[2]
+      if ".tmp-" in name and pid.isdigit() and not _process_alive(int(pid)):
+        with contextlib.suppress(FileNotFoundError):
+          os.remove(os.path.join(root, name))
+
+
+def _process_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except OSError:   # another user's: alive
+    return True
+  return True
 
 
 def _stamped(text: str | None) -> dict:

@@ -825,3 +825,24 @@ def test_a_malformed_url_is_refused_not_made_a_local_dir(world_dir, tmp_path, fi
     else:
       train(tiny_config("ict", None, world_dir), bad)
   assert os.listdir(tmp_path) == [] or "gs:" not in os.listdir(tmp_path)
+
+
+def test_a_copy_killed_midway_leaves_no_partial_file_in_the_cache(gcs, tmp_path):
+  """A copy of a bucket data dir killed while a file came (its `<name>.tmp-<pid>`, up to the
+  file's size) is removed by the next copy; a copy of a live process is left to it (before:
+  each kill left its partial file in the cache for good)."""
+  data = tmp_path / "data"
+  data.mkdir()
+  (data / "tokens.npy").write_text("tokens")
+  url = f"{gcs}/killed-copy"
+  paths.upload_tree(str(data), url, log=lambda line: None)
+  local = paths.cache_dir(url)
+  os.makedirs(local)
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True).stdout.strip()
+  for pid in (dead, os.getppid()):   # (the parent: another live process of this host)
+    with open(os.path.join(local, f"tokens.npy.tmp-{pid}"), "w") as f:
+      f.write("tok")
+  assert paths.local_copy(url, log=lambda line: None) == local
+  assert sorted(os.listdir(local)) == [".copied.json", "tokens.npy",
+                                       f"tokens.npy.tmp-{os.getppid()}"]
