@@ -474,6 +474,34 @@ def _crash_at_shard(monkeypatch, n: int):
   return build
 
 
+def test_a_reruns_progress_blocks_per_second_leaves_the_reused_shards_out(tmp_path,
+                                                                         monkeypatch, capsys):
+  """A rerun reusing 5 finished shards and packing 1 (0.5 s): its progress lines' blocks/s is
+  that shard's blocks over the time (before: every block, the reused ones read in no time,
+  as if packed at 6x the rate)."""
+  path = write_jsonl(tmp_path / "docs.jsonl", good_lines(n_copies=2))   # 6 documents
+  config = config_for(f"jsonl:{path}", str(tmp_path / "out"), shard_documents=1)
+  build = _crash_at_shard(monkeypatch, 6)
+  with pytest.raises(RuntimeError, match="worker died"):
+    prepare_lib.prepare(config)
+  packed = []
+
+  def slow(docs, *args, **kwargs):
+    time.sleep(0.5)
+    result = build(docs, *args, **kwargs)
+    packed.append(result["blocks"])
+    return result
+  monkeypatch.setattr(corpus, "build_shard", slow)
+  capsys.readouterr()
+  config.progress_every = 1e-6
+  stats = prepare_lib.prepare(config)
+  assert stats["shards_reused"] == 5 and len(packed) == 1, (stats, packed)
+  lines = [l for l in capsys.readouterr().out.splitlines() if "docs read" in l]
+  rates = [float(re.search(r"\(([\d,.]+) blocks/s\)", l).group(1).replace(",", ""))
+           for l in lines]
+  assert rates and max(rates) <= packed[0] / 0.5, (lines, packed)
+
+
 def test_rerun_skips_finished_shards_and_gives_the_same_output(tmp_path, monkeypatch):
   path = write_jsonl(tmp_path / "docs.jsonl", good_lines(n_copies=5))   # 15 documents
   clean = config_for(f"jsonl:{path}", str(tmp_path / "clean"), shard_documents=4)

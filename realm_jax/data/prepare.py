@@ -363,20 +363,23 @@ def _run_shard(args) -> tuple[int, dict]:
 
 
 class _Progress:
-  """One line every `every` seconds: documents read, shards, blocks, rates."""
+  """One line every `every` seconds: documents read, shards, blocks, rates (blocks/s of the
+  blocks packed by this run: a rerun's reused shards took no packing)."""
 
   def __init__(self, every: float):
     self.every, self.t0, self.last = every, time.time(), time.time()
 
-  def maybe(self, docs: int, shards_done: int, shards: int, blocks: int, force=False):
+  def maybe(self, docs: int, shards_done: int, shards: int, blocks: int, reused: int = 0,
+            force=False):
     now = time.time()
     if not force and now - self.last < self.every:
       return
     self.last = now
     dt = max(now - self.t0, 1e-9)
+    said = f", {reused:,} of them reused" if reused else ""
     logger.info(f"[prepare] {docs:,} docs read ({docs / dt:,.0f} docs/s) | shards {shards_done}/"
-                f"{shards} done | {blocks:,} blocks ({blocks / dt:,.0f} blocks/s) | "
-                f"{dt:,.0f}s")
+                f"{shards} done | {blocks:,} blocks{said} ({(blocks - reused) / dt:,.0f} "
+                f"blocks/s) | {dt:,.0f}s")
 
 
 def prepare(config) -> dict:
@@ -444,7 +447,7 @@ class _ShardPacker:
     self.shard_dirs: list[str] = []
     self.results: dict = {}
     self.pending: deque = deque()   # (shard index, future), in order
-    self.reused = self.blocks_done = 0
+    self.reused = self.blocks_done = self.blocks_reused = 0
 
   def collect(self) -> None:
     """Takes in the shards finished so far, in order (without waiting)."""
@@ -475,6 +478,7 @@ class _ShardPacker:
     done, digest = corpus.shard_done(shard_dir), corpus.shard_input(docs, self.vocab_sha256)
     if done is not None and done.get("input") == digest:   # the same documents
       self.reused += 1
+      self.blocks_reused += done["blocks"]
       self._done(index, done)
       return
     job = (index, docs, self.settings, shard_dir, self.tools, digest)
@@ -525,7 +529,7 @@ def _prepare_locked(config) -> dict:
 
   def show(force: bool = False) -> None:
     progress.maybe(len(titles), len(packer.results), len(packer.shard_dirs),
-                   packer.blocks_done, force=force)
+                   packer.blocks_done, packer.blocks_reused, force=force)
   try:
     shard: list = []
     for doc in sources.read_documents(config, skips):
