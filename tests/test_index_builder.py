@@ -1039,6 +1039,27 @@ def test_the_logged_recall_names_the_queries_it_was_measured_on(world_dir, tmp_p
       capsys.readouterr().out
 
 
+def test_a_scann_build_says_what_it_does_before_it_starts(world_dir, tmp_path, capsys,
+                                                          monkeypatch):
+  """Between the embedding's last line and the built index's line are the ScaNN build, its
+  serialization and the recall's exact search (~7 min at 13.35M blocks): the build is said
+  as it starts, with its size and settings (before: nothing for those minutes)."""
+  from realm_jax.retrieval import scann_index
+  config = builder_config(world_dir, retrieval__backend="scann")
+  workdir = str(tmp_path / "run")
+  make_checkpoints(config, workdir, (0,))
+  build, said = scann_index.build_searcher, []
+
+  def build_searcher(embeddings, settings):
+    said.append(capsys.readouterr().out.splitlines()[-1])
+    return build(embeddings, settings)
+  monkeypatch.setattr(scann_index, "build_searcher", build_searcher)
+  capsys.readouterr()
+  build_once(config, workdir)
+  assert re.search(r"v1 \(step 0\): building a scann index of [\d,]+ x 32 \(.*num_leaves",
+                   said[0]), said
+
+
 def test_a_trainer_waiting_for_its_first_index_says_so_at_once_and_then_regularly(
     tmp_path, capsys, monkeypatch):
   """No builder running: the wait names where it looks and what to start, at once and every
