@@ -222,6 +222,28 @@ def test_every_tensor_lands_in_its_place(imported, architecture):
   assert ("qa_outputs" in restored["reader"]) == (config.task == "openqa")
 
 
+def test_block_records_are_tokenised_with_progress_lines_and_the_same_rows(tmp_path, capsys,
+                                                                            monkeypatch):
+  """RealmForOpenQA's 13.35M block records take minutes to tokenise: the import says so as it
+  starts and then every PROGRESS_SECONDS with records/s and an ETA (before: one call, nothing
+  said until the import's report), in chunks that give the rows one call gives."""
+  records = records_and_emb(np.random.default_rng(2))[0]
+  write_vocab(str(tmp_path))
+  tokenizer = load_tokenizer(str(tmp_path / "vocab.txt"))
+  hf_realm.write_block_store(records, tokenizer, str(tmp_path / "whole"), 32, "hf:test")
+  monkeypatch.setattr(hf_realm, "TOKENISE_CHUNK", 5)
+  monkeypatch.setattr(hf_realm, "PROGRESS_SECONDS", 0.0)
+  capsys.readouterr()
+  hf_realm.write_block_store(records, tokenizer, str(tmp_path / "chunks"), 32, "hf:test")
+  lines = [l for l in capsys.readouterr().out.splitlines() if "block records" in l]
+  assert "tokenising 12 block records of hf:test" in lines[0], lines
+  assert [re.search(r"tokenised (\d+)/12 block records \| [\d,.]+ records/s ETA \d+s", l)
+          .group(1) for l in lines[1:]] == ["5", "10"], lines
+  for name in ("tokens", "lengths", "uids"):
+    whole, chunks = (np.load(tmp_path / d / "blocks" / f"{name}.npy") for d in ("whole", "chunks"))
+    np.testing.assert_array_equal(whole, chunks)
+
+
 def test_open_qa_evidence_becomes_a_block_store_and_a_published_index(imported):
   run = imported("RealmForOpenQA")
   records, tensors, hf_dir, out, report = (run.records, run.tensors, run.hf_dir, run.out,
