@@ -70,5 +70,18 @@ def test_wordpiece_training_says_how_it_goes():
   quiet = wordpiece_vocab(["the cat sat on the mat"] * 3, 40)
   loud = wordpiece_vocab(["the cat sat on the mat"] * 3, 40, said.append, 0.0)
   assert loud == quiet                                  # the same vocab, only said
-  assert said[0].startswith("5 distinct words counted") and said[0].endswith("; merging")
-  assert any(" of 40 entries (" in line for line in said[1:]), said
+  counted = [i for i, line in enumerate(said) if "distinct words counted" in line]
+  assert said[counted[0]].startswith("5 distinct words counted"), said
+  assert said[counted[0]].endswith("; merging"), said
+  assert any(" of 40 entries (" in line for line in said[counted[0] + 1:]), said
+
+
+def test_counting_the_words_says_how_it_goes():
+  """The words of 100,000 documents take minutes to count before any merge: the count is
+  said every `every` seconds too (before: the first line came after it), with its total."""
+  said = []
+  texts = ["the cat sat on the mat", "a dog", "the end"]
+  assert wordpiece_vocab(texts, 40, said.append, 0.0) == wordpiece_vocab(texts, 40)
+  counting = [line for line in said if "texts' words counted" in line]
+  assert [line.split(" of ")[0] for line in counting] == ["1", "2"], said
+  assert counting[0].startswith("1 of 3 texts' words counted ("), said

@@ -7,7 +7,7 @@ import dataclasses
 import heapq
 import os
 import time
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, Sized
 
 from tokenizers import BertWordPieceTokenizer, normalizers, pre_tokenizers
 
@@ -113,13 +113,20 @@ def train_tokenizer(texts: Iterable[str], out_dir: str, vocab_size: int,
   return load_tokenizer(path)
 
 
-def word_counts(texts: Iterable[str]) -> collections.Counter:
-  """Words of `texts` as BERT uncased splits them (normalised, split on spaces and punctuation)."""
+def word_counts(texts: Iterable[str], progress=None, every: float = 10.0
+                ) -> collections.Counter:
+  """Words of `texts` as BERT uncased splits them (normalised, split on spaces and punctuation).
+  `progress(line)`, if given, hears the texts counted every `every` seconds (but the last)."""
   normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
                                           strip_accents=True, lowercase=True)
   splitter = pre_tokenizers.BertPreTokenizer()
   counts = collections.Counter()
-  for text in texts:
+  total = f" of {len(texts):,}" if isinstance(texts, Sized) else ""
+  t0 = last = time.time()
+  for i, text in enumerate(texts):
+    if progress is not None and i and time.time() - last >= every:
+      last = time.time()
+      progress(f"{i:,}{total} texts' words counted ({last - t0:.0f}s)")
     counts.update(w for w, _ in splitter.pre_tokenize_str(normalizer.normalize_str(text)))
   return counts
 
@@ -133,7 +140,7 @@ def wordpiece_vocab(texts: Iterable[str], vocab_size: int, progress=None,
   whole alphabet are always there, so a `vocab_size` below their count is exceeded.
   `progress(line)`: the word count, then the entries made every `every` seconds."""
   t0 = last = time.time()
-  counts = word_counts(texts)
+  counts = word_counts(texts, progress, every)
   if progress is not None:
     progress(f"{len(counts):,} distinct words counted ({time.time() - t0:.1f}s); merging")
   ordered = sorted(counts)
