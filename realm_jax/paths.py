@@ -544,19 +544,25 @@ COMMIT_FILES = ("manifest.json", "commit_success.txt", "LATEST", "config.json")
 def upload_tree(local_dir: str, url: str, log=print, exclude: str = "") -> dict:
   """Copies `local_dir` (but names starting with `exclude`) to `url` file by file, a dir's
   commit files (COMMIT_FILES) after its other files, then writes `url/files.json` (size and
-  sha256 of each: the commit marker a reader checks). Returns that manifest."""
+  sha256 of each: the commit marker a reader checks). Returns that manifest. `log` hears
+  the files' count and bytes first, then each file with the MB/s so far and an ETA."""
   files = {}
   names = [n for n in _local_files(local_dir)
            if n not in (FILES_MANIFEST, COPIED) and not (exclude and n.startswith(exclude))]
   names.sort(key=lambda n: (os.path.basename(n) in COMMIT_FILES,
                             -n.count("/") if os.path.basename(n) in COMMIT_FILES else 0, n))
+  total = sum(os.path.getsize(os.path.join(local_dir, n)) for n in names)
+  log(f"uploading {len(names)} files ({total:,} bytes) to {url}")
+  t0, sent = time.time(), 0
   for i, name in enumerate(names):
     source = os.path.join(local_dir, name)
     target = epath.Path(url) / name
     makedirs(target.parent)
     retried("uploading", target, lambda: epath.Path(source).copy(target, overwrite=True))
     files[name] = {"bytes": os.path.getsize(source), "sha256": sha256_file(source)}
-    log(f"uploaded {i + 1}/{len(names)}: {target} ({files[name]['bytes']:,} bytes)")
+    sent += files[name]["bytes"]
+    log(f"uploaded {i + 1}/{len(names)}: {target} ({files[name]['bytes']:,} bytes)"
+        + _transfer_rate(sent, total, t0))
   manifest = {"files": files}
   write_text_atomic(join(url, FILES_MANIFEST), manifest_text(manifest))
   return manifest
@@ -637,9 +643,15 @@ def _fetch_all(url: str, files: dict, stamp_text: str, log) -> str:
     return local
   copied = _stamped(before)
   names = sorted(files)
+  todo = {name for name in names if not (_matches(os.path.join(local, name), files[name]) and (
+      "sha256" in files[name] or copied.get(name, files[name]) == files[name]))}
+  total = sum(files[name]["bytes"] for name in todo)
+  if todo:
+    log(f"copying {len(todo)} of {len(names)} files ({total:,} bytes) of {url} into {local}")
+  t0, came = time.time(), 0
   for i, name in enumerate(names):
     want, target = files[name], os.path.join(local, name)
-    if _matches(target, want) and ("sha256" in want or copied.get(name, want) == want):
+    if name not in todo:
       continue
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = f"{target}.tmp-{os.getpid()}"
@@ -652,14 +664,22 @@ def _fetch_all(url: str, files: dict, stamp_text: str, log) -> str:
                     f"expected {want['bytes']:,} bytes" +
                     (f", {want['sha256'][:12]}..." if "sha256" in want else ""))
     os.replace(tmp, target)
+    came += want["bytes"]
     log(f"copied {i + 1}/{len(names)}: {url}/{name} -> {target} ({want['bytes']:,} bytes, "
-        "verified)")
+        "verified)" + _transfer_rate(came, total, t0))
   for name in set(copied) - set(files):   # gone from `url`: a reader must not find it
     with contextlib.suppress(FileNotFoundError):   # (another process of the job removed it)
       os.remove(os.path.join(local, name))
   _remove_killed_copies(local)
   write_text_atomic(stamp, stamp_text)
   return local
+
+
+def _transfer_rate(done: int, total: int, t0: float) -> str:
+  """` | <MB/s> MB/s ETA <time>` of a transfer of `total` bytes started at `t0`, `done` moved."""
+  from realm_jax.runtime.metrics import format_duration
+  rate = done / max(time.time() - t0, 1e-9)
+  return f" | {rate / 1e6:,.1f} MB/s ETA {format_duration((total - done) / max(rate, 1e-9))}"
 
 
 def _remove_killed_copies(local: str) -> None:

@@ -574,12 +574,13 @@ def test_a_mirrored_dir_whose_object_is_replaced_by_one_of_its_size_is_copied_ag
   epath.Path(f"{url}/config.json").write_text("{}")
   lines = []
   local = paths.local_mirror(url, log=lines.append)
-  assert open(os.path.join(local, "model.safetensors")).read() == "weights-1" and len(lines) == 2
-  assert paths.local_mirror(url, log=lines.append) == local and len(lines) == 2   # reused
+  assert open(os.path.join(local, "model.safetensors")).read() == "weights-1" and len(lines) == 3
+  assert paths.local_mirror(url, log=lines.append) == local and len(lines) == 3   # reused
   epath.Path(f"{url}/model.safetensors").write_text("weights-2")
   assert paths.local_mirror(url, log=lines.append) == local
   assert open(os.path.join(local, "model.safetensors")).read() == "weights-2"
-  assert len(lines) == 3 and "model.safetensors" in lines[-1]   # config.json kept
+  assert len(lines) == 5 and "model.safetensors" in lines[-1]   # config.json kept
+  assert lines[-2].startswith("copying 1 of 2 files (9 bytes)"), lines
 
 
 def test_a_file_gone_from_a_bucket_dir_is_gone_from_its_local_copy(gcs, tmp_path):
@@ -846,3 +847,22 @@ def test_a_copy_killed_midway_leaves_no_partial_file_in_the_cache(gcs, tmp_path)
   assert paths.local_copy(url, log=lambda line: None) == local
   assert sorted(os.listdir(local)) == [".copied.json", "tokens.npy",
                                        f"tokens.npy.tmp-{os.getppid()}"]
+
+
+def test_an_upload_and_a_copy_say_their_size_first_and_their_rate_and_eta(gcs, tmp_path):
+  """A data dir's tokens.npy is 15 GB at REALM's size: an upload or a copy says what it moves
+  before its first file (before: the first line came after that file), then after each file
+  the MB/s so far and an ETA by the bytes left."""
+  data = tmp_path / "data"
+  data.mkdir()
+  (data / "a.npy").write_bytes(b"x" * 3000)
+  (data / "b.npy").write_bytes(b"y" * 1000)
+  url, said = f"{gcs}/said-transfer", []
+  paths.upload_tree(str(data), url, log=said.append)
+  assert said[0] == f"uploading 2 files (4,000 bytes) to {url}", said
+  assert re.search(r"^uploaded 1/2: .*a\.npy \(3,000 bytes\) \| [\d,.]+ MB/s ETA \d+s$",
+                   said[1]), said
+  said.clear()
+  local = paths.local_copy(url, log=said.append)
+  assert said[0] == f"copying 2 of 2 files (4,000 bytes) of {url} into {local}", said
+  assert re.search(r"^copied 2/2: .*b\.npy .*verified\) \| [\d,.]+ MB/s ETA 0s$", said[2]), said
