@@ -677,7 +677,7 @@ def _fetch_all(url: str, files: dict, stamp_text: str, log) -> str:
 
 def _transfer_rate(done: int, total: int, t0: float) -> str:
   """` | <MB/s> MB/s ETA <time>` of a transfer of `total` bytes started at `t0`, `done` moved."""
-  from realm_jax.runtime.metrics import format_duration
+  from realm_jax.log import format_duration
   rate = done / max(time.time() - t0, 1e-9)
   return f" | {rate / 1e6:,.1f} MB/s ETA {format_duration((total - done) / max(rate, 1e-9))}"
 

@@ -62,7 +62,7 @@ def test_a_window_resumed_under_other_metrics_is_kept_and_averaged_per_metric():
 
 def test_durations_of_an_hour_or_more_are_read_in_hours():
   """An ETA of a long run read "3333m20s"; from an hour on it is hours and minutes."""
-  from realm_jax.runtime.metrics import format_duration
+  from realm_jax.log import format_duration
   assert [format_duration(s) for s in (-3, 0, 59.9, 60, 3599, 3600, 7500, 200_000)] == \
       ["0s", "0s", "59s", "1m00s", "59m59s", "1h00m", "2h05m", "55h33m"]
 
@@ -70,7 +70,7 @@ def test_durations_of_an_hour_or_more_are_read_in_hours():
 def test_a_rate_too_slow_for_its_decimals_reads_as_seconds_each():
   """A step of four minutes read "0.00 steps/s" on the progress line (an Open-QA evaluation's
   slow question "0.0 q/s"); now the seconds each takes."""
-  from realm_jax.runtime.metrics import format_rate
+  from realm_jax.log import format_rate
   assert [format_rate(r) for r in (12.345, 0.47, 0.005, 0.004, 1 / 250, 0.0)] == [
       "12.35 steps/s", "0.47 steps/s", "0.01 steps/s", "250 s/step", "250 s/step",
       "0.00 steps/s"]

@@ -270,7 +270,7 @@ def write_block_store(records: np.ndarray, tokenizer, out_dir: str, max_block_le
 def _tokenised(texts: list[str], tokenizer, source: str) -> list[list[int]]:
   """The wordpiece ids of each of `texts`, said as it starts and then every PROGRESS_SECONDS
   (records/s, ETA): RealmForOpenQA's 13.35M records take minutes."""
-  from realm_jax.runtime.metrics import format_duration
+  from realm_jax.log import format_duration
   logger.info(f"[import] tokenising {len(texts):,} block records of {source}")
   bodies, t0 = [], time.time()
   last = t0

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from realm_jax.data.prepared import BlockStore
 from realm_jax.errors import NonFiniteError
 from realm_jax.runtime import partitioning
-from realm_jax.runtime.metrics import format_duration
+from realm_jax.log import format_duration
 
 logger = logging.getLogger(__name__)
 

@@ -173,18 +173,3 @@ def read_jsonl(path: str) -> list[dict]:
                                   if line.strip()]
 
 
-def format_duration(seconds: float) -> str:
-  """`seconds` as 42s, 12m05s or, from an hour on, 3h07m (an ETA, a stage's time)."""
-  seconds = int(max(seconds, 0))
-  if seconds >= 3600:
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-  return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
-def format_rate(per_second: float, unit: str = "steps/s", per_one: str = "s/step",
-                digits: int = 2) -> str:
-  """`per_second` as `0.47 steps/s` (`digits` decimals); one that would read 0 there (a step of
-  minutes) as the seconds each takes: `250 s/step`."""
-  if 0 < per_second < 0.5 * 10 ** -digits:
-    return f"{1 / per_second:,.0f} {per_one}"
-  return f"{per_second:,.{digits}f} {unit}"

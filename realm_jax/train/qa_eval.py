@@ -18,7 +18,7 @@ from realm_jax.data.answers import exact_match, f1_score
 from realm_jax.data.qa import QAExample
 from realm_jax.data.prepared import PreparedData
 from realm_jax.runtime import embedders, partitioning
-from realm_jax.runtime.metrics import format_duration, format_rate
+from realm_jax.log import format_duration, format_rate
 from realm_jax.train import steps
 from realm_jax.train.openqa_inputs import FrozenIndex, QABatchBuilder
 

@@ -33,8 +33,9 @@ from realm_jax.runtime.checkpoints import Checkpointer
 from realm_jax.config.reading import config_record
 from realm_jax.config.validation import (training_warnings, validate, validate_against_mesh,
                                         validate_training)
-from realm_jax.runtime.metrics import (MetricWriter, format_duration, format_rate,
-                                       window_from_record, window_record, window_scalars)
+from realm_jax.log import format_duration, format_rate
+from realm_jax.runtime.metrics import (MetricWriter, window_from_record, window_record,
+                                       window_scalars)
 from realm_jax.runtime.preemption import Preemption
 from realm_jax.runtime.profiling import StepTrace
 
