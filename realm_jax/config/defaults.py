@@ -190,7 +190,9 @@ def _retrieval(c) -> None:
   c.retrieval.score_cache_gb = 4.0  # the score cache's host memory per process, about (GB;
                                    # ~170 bytes a pair at 10 mask slots); once full, a pair
                                    # not in it is read each time (the same scores). 0: no bound
-  c.retrieval.embed_batch_size = 512     # blocks per batch when (re)building the index
+  c.retrieval.embed_batch_size = 512     # blocks per batch when (re)building the index (at
+                                   # another count a device XLA may round the embeddings
+                                   # otherwise, in their last bits: docs/configs.md)
 
 
 def _train_and_eval(c) -> None:
@@ -235,7 +237,8 @@ def _train_and_eval(c) -> None:
                                    # ICT / REALM: Open-QA evaluates on qa.dev)
   c.eval.num_examples = 1000       # ICT / REALM: eval examples used: the split's first rows in
                                    # file order, not a sample (<= split size)
-  c.eval.batch_size = 64           # eval batch
+  c.eval.batch_size = 64           # eval batch (at another count a device XLA may round the
+                                   # figures otherwise, in their last bits: docs/configs.md)
   c.eval.export_best = False       # REALM: after each evaluation with the best retrieval
                                    # utility so far, the params go to W/best (a workdir's
                                    # layout: init.retriever=W/best starts from it), as the
