@@ -191,6 +191,28 @@ def test_curated_trec_tsv_and_jsonl_answers_are_regexes(tmp_path):
   assert skipped == {qa.NON_STRING_ANSWERS: 1}
 
 
+@pytest.mark.parametrize("kind, name, text", [
+    ("nq_open", "nq.jsonl", '{"question": "who?", "answer": ["Ada"]}\n'
+                            '{"question": "when?", "answer": ["1843"]}\n'),
+    ("webq", "wq.json", json.dumps([{"qId": "wq1", "qText": "where?", "answers": ["Carrow"]}])),
+    ("curated_trec", "trec.tsv", "who was it\tAda|Brisk\n")])
+def test_a_gzipd_question_file_reads_as_the_plain_one(tmp_path, kind, name, text):
+  """A question file gzip'd (as corpora and SQuAD files may be, read by their magic bytes):
+  the same questions as the plain file (it was one line "gives no questions", its bytes
+  counted as invalid UTF-8 or malformed JSON); one cut short is a DataError naming it."""
+  import gzip
+  plain = write(tmp_path / name, text)
+  packed = tmp_path / f"{name}.gz"
+  packed.write_bytes(gzip.compress(text.encode()))
+  assert read_qa(f"{kind}:{packed}")[0] and \
+      [(e.question, e.answers) for e in read_qa(f"{kind}:{packed}")[0]] == \
+      [(e.question, e.answers) for e in read_qa(f"{kind}:{plain}")[0]]
+  cut = tmp_path / f"cut-{name}.gz"
+  cut.write_bytes(packed.read_bytes()[:-12])
+  with pytest.raises(DataError, match=f"{cut}: a corrupt or truncated gzip file"):
+    read_qa(f"{kind}:{cut}")
+
+
 def test_squad_questions_keep_titles_and_skip_unanswerable(tmp_path):
   data = squad_json(2)
   data["data"][0]["paragraphs"][0]["qas"][1]["is_impossible"] = True

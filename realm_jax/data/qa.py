@@ -26,8 +26,8 @@ from realm_jax.data.answers import as_read, compile_answer_regex
 from realm_jax.data.sources import (DUPLICATE_ID, INVALID_UTF8, MALFORMED, MALFORMED_JSON,
                                     MISSING_QUESTION, NO_ANSWERS, NON_STRING_ANSWERS,
                                     NOT_AN_OBJECT, UNANSWERABLE, Deduplicator, Skips, is_utf8,
-                                    matching_files, open_tfds, paragraph_key, question_id,
-                                    read_squad_articles, squad_answers,
+                                    matching_files, open_maybe_gzip, open_tfds, paragraph_key,
+                                    question_id, read_squad_articles, squad_answers,
                                     squad_paragraph_skipped)
 from realm_jax.errors import ConfigError, DataError
 
@@ -269,8 +269,9 @@ def _files(pattern: str) -> dict[str, str]:
 
 
 def _lines(path: str, skips: QASkips) -> Iterator[tuple[str, str]]:
-  """(where, text) of each non-blank line that is valid UTF-8."""
-  with open(path, "rb") as f:
+  """(where, text) of each non-blank line that is valid UTF-8 (of a gzip'd file too, as a
+  corpus's or a SQuAD file's)."""
+  with open_maybe_gzip(path) as f:
     for lineno, raw in enumerate(f, 1):
       raw = raw.removeprefix(b"\xef\xbb\xbf")   # a BOM'd file
       if not raw.strip():
@@ -331,7 +332,7 @@ def _tsv_answers(column: str) -> list:
 
 def _read_json(path: str):
   try:
-    with open(path, "rb") as f:
+    with open_maybe_gzip(path) as f:
       return json.loads(f.read().decode("utf-8-sig"))
   except (UnicodeDecodeError, *MALFORMED) as e:
     raise DataError(f"{path}: not a JSON file ({type(e).__name__}: {e})") from None

@@ -218,7 +218,7 @@ def matching_files(pattern: str) -> list[str]:
   return [pattern] if os.path.isfile(pattern) else []
 
 
-def _open_maybe_gzip(path: str):
+def open_maybe_gzip(path: str):
   """`path` opened for reading bytes, decompressed when it is gzip'd (by its magic bytes, as
   a SQuAD file is read); a truncated one fails naming the file when its end is reached."""
   with open(path, "rb") as f:
@@ -236,6 +236,12 @@ class _GzipNamed(gzip.GzipFile):
   def readline(self, size=-1):
     try:
       return super().readline(size)
+    except GZIP_ERRORS as e:
+      raise DataError(f"{self.path}: a corrupt or truncated gzip file ({e})") from None
+
+  def read(self, size=-1):
+    try:
+      return super().read(size)
     except GZIP_ERRORS as e:
       raise DataError(f"{self.path}: a corrupt or truncated gzip file ({e})") from None
 
@@ -290,7 +296,7 @@ def _jsonl(pattern: str, config, skips: Skips) -> Iterator[SourceDocument]:
   # a record's line: its text JSON-escaped (up to 6 bytes a character, "\\u0001") and fields
   limit = 6 * config.max_doc_bytes + (1 << 16)
   for path in matching_files(pattern):
-    with _open_maybe_gzip(path) as f:
+    with open_maybe_gzip(path) as f:
       for lineno, line in _lines(f, limit):
         where = f"{path}:{lineno}"
         if line is None:
