@@ -556,9 +556,7 @@ def upload_tree(local_dir: str, url: str, log=print, exclude: str = "") -> dict:
   t0, sent = time.time(), 0
   for i, name in enumerate(names):
     source = os.path.join(local_dir, name)
-    target = epath.Path(url) / name
-    makedirs(target.parent)
-    retried("uploading", target, lambda: epath.Path(source).copy(target, overwrite=True))
+    target = upload_file(source, epath.Path(url) / name)
     files[name] = {"bytes": os.path.getsize(source), "sha256": sha256_file(source)}
     sent += files[name]["bytes"]
     log(f"uploaded {i + 1}/{len(names)}: {target} ({files[name]['bytes']:,} bytes)"
@@ -566,6 +564,15 @@ def upload_tree(local_dir: str, url: str, log=print, exclude: str = "") -> dict:
   manifest = {"files": files}
   write_text_atomic(join(url, FILES_MANIFEST), manifest_text(manifest))
   return manifest
+
+
+def upload_file(source: str, target) -> epath.Path:
+  """The local file `source` copied to `target` (a bucket path; its dir made), retried while
+  the bucket does not answer, up to the storage patience. Returns `target`."""
+  target = epath.Path(target)
+  makedirs(target.parent)
+  retried("uploading", target, lambda: epath.Path(source).copy(target, overwrite=True))
+  return target
 
 
 def manifest_text(manifest: dict) -> str:

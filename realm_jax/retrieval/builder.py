@@ -73,9 +73,7 @@ def _save_searcher(searcher, directory) -> None:
   try:
     scann_index.save_searcher(searcher, scratch)
     for name in sorted(os.listdir(scratch)):   # (flat, as the trainer's copy reads it)
-      target = epath.Path(directory) / name
-      paths.retried("uploading", target, lambda: epath.Path(os.path.join(scratch, name)).copy(
-          target, overwrite=True))
+      paths.upload_file(os.path.join(scratch, name), epath.Path(directory) / name)
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
 
